@@ -1,0 +1,46 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install the project once; a second run reuses it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# CPU set-ups pin torch: an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR := runs/demo
+
+.PHONY: setup demo test test-all lint clean gpu-check
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,s3,plot]"
+	touch $(STAMP)
+
+# The main job: 4 data-parallel ranks on an embedded local Ray, one rank killed at step 25,
+# recovery from the last committed checkpoint, then the summary. Starts fresh every time.
+demo: setup
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/undying run examples/demo.yaml \
+		--set checkpoint.url=file://$(CURDIR)/$(DEMO_DIR)/ckpt \
+		--report $(DEMO_DIR)/report.json --timeline $(DEMO_DIR)/timeline.png
+
+# The whole default suite (unit, dist, ray). Heavy tests: `make test-all`.
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+test-all: setup
+	$(PY) -m pytest -m ""
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# For a machine with an NVIDIA GPU: NCCL, bf16, real step times and MFU.
+gpu-check: setup
+	$(PY) bench/gpu_check.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,75 @@
+"""A rank's checkpoint writer: stage to host memory, write in the background, report a receipt.
+
+Protocol (one instance per rank, driven by the rank's training thread only):
+  1. `save(step, tensors, extra)` at a checkpoint step. The training loop is blocked only
+     while the owned tensors are copied to host memory (the "staging"); the shard is then
+     written by a background thread (or inline when `async_save` is False).
+  2. When the shard is durable, `on_receipt(receipt, extra)` is called (from the writer
+     thread) so the rank can hand the receipt to the controller, which commits.
+  3. `flush()` before the rank leaves, so a final save is never lost.
+
+At most one snapshot is staged per rank (design.md invariant 6): a save requested while
+the previous one is still being written waits for it; the wait is part of the blocking
+time and is counted in `waited`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ckpt.manifest import ShardReceipt
+from ckpt.shards import write_shard
+from ckpt.storage import Storage
+
+
+class ShardWriter:
+    def __init__(
+        self, storage: Storage, rank: int,
+        on_receipt: Callable[[ShardReceipt, dict], None],
+        on_error: Callable[[int, BaseException], None],
+        async_save: bool = True,
+    ):
+        self.storage = storage
+        self.rank = rank
+        self.on_receipt = on_receipt
+        self.on_error = on_error
+        self.async_save = async_save
+        self.waited = 0
+        self._thread: threading.Thread | None = None
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], extra: dict) -> float:
+        """Stage `tensors` and start writing; return the seconds the caller was blocked."""
+        started = time.perf_counter()
+        if self._thread is not None and self._thread.is_alive():
+            self.waited += 1
+            self._thread.join()
+        staged = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        blocking_s = time.perf_counter() - started
+        if not self.async_save:
+            self._write(step, staged, extra, blocking_s, started)
+            return time.perf_counter() - started
+        self._thread = threading.Thread(
+            target=self._write, args=(step, staged, extra, blocking_s, started),
+            name=f"ckpt-writer-r{self.rank}", daemon=True,
+        )
+        self._thread.start()
+        return blocking_s
+
+    def _write(self, step: int, staged: dict, extra: dict, blocking_s: float, started: float) -> None:
+        try:
+            receipt = write_shard(self.storage, step, self.rank, staged, blocking_s)
+        except BaseException as err:  # reported, never raised into a dead thread
+            self.on_error(step, err)
+            return
+        if not self.async_save:
+            receipt.blocking_s = time.perf_counter() - started
+        self.on_receipt(receipt, extra)
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,147 @@
+"""The goodput ledger: every second of a job's wall time, booked into exactly one bucket.
+
+Buckets are `productive` (training whose effect survives in the final model) and the badput
+causes of Google's ml-goodput-measurement taxonomy (design.md section 4), so users can compare
+numbers across tools: https://github.com/AI-Hypercomputer/ml-goodput-measurement
+
+Protocol. The controller (single-threaded) is the only caller; the ledger takes no locks and
+must not be read from other threads (metrics get a snapshot through `JobMetrics.on_goodput`).
+
+1. `GoodputLedger(clock, carried)` opens the first interval in `startup`: the time between
+   creating the ledger and the controller's first `enter` is start-up.
+2. `enter(bucket)` on every state change closes the open interval into the current bucket and
+   opens a new one, so time is booked as it passes and no second is booked twice.
+3. `move(seconds, src, dst)` re-attributes time already booked when its cause is learned after
+   the fact: a checkpoint's blocking time (productive -> checkpoint_save) once the shard
+   receipts arrive, and the steps rolled back by a recovery (productive -> lost_work).
+4. `to_dict()` is saved with each checkpoint; `GoodputLedger(carried=saved)` resumes the totals
+   after a controller restart. The gap between that save and the restart is not known to any
+   process, so it is in no bucket and not in wall either.
+5. `stop()` closes the last interval when the job ends, so a report built later sees the
+   same totals.
+
+Invariant (tested with a fake clock): `sum(totals().values()) == wall()` after any sequence of
+`enter` and `move`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+PRODUCTIVE = "productive"
+BADPUT_CAUSES = (
+    "startup",
+    "checkpoint_save",
+    "checkpoint_restore",
+    "detection",
+    "reformation",
+    "lost_work",
+    "waiting_for_resources",
+    "other",
+)
+BUCKETS = (PRODUCTIVE, *BADPUT_CAUSES)
+
+
+def _check_bucket(bucket: str) -> None:
+    if bucket not in BUCKETS:
+        raise ValueError(f"unknown goodput bucket {bucket!r}; expected one of {', '.join(BUCKETS)}")
+
+
+def _validated_carry(carried: Mapping[str, float] | None) -> dict[str, float]:
+    booked = dict.fromkeys(BUCKETS, 0.0)
+    for bucket, seconds in (carried or {}).items():
+        _check_bucket(bucket)
+        if not seconds >= 0.0:  # also rejects NaN, which would poison every later total
+            raise ValueError(f"carried goodput bucket {bucket!r} has {seconds!r} seconds; need >= 0")
+        booked[bucket] = float(seconds)
+    return booked
+
+
+class GoodputLedger:
+    """Splits a job's wall time into `productive` and the `BADPUT_CAUSES` (see module doc)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        carried: Mapping[str, float] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._booked = _validated_carry(carried)
+        # Wall time is kept apart from the buckets (carried wall + clock elapsed) so the
+        # sum-equals-wall invariant is a real check of the booking, not a tautology.
+        self._carried_wall = sum(self._booked.values())
+        self._started_at = clock()
+        self._current: str | None = "startup"
+        self._opened_at = self._started_at
+        self._stopped_at: float | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The bucket the open interval is being booked to; None once stopped."""
+        return self._current
+
+    def enter(self, bucket: str) -> None:
+        """Close the open interval into the current bucket and start booking to `bucket`."""
+        _check_bucket(bucket)
+        if self._current is None:
+            raise RuntimeError("goodput ledger is stopped; a finished job books no more time")
+        self._close_open_interval()
+        self._current = bucket
+
+    def move(self, seconds: float, src: str, dst: str) -> float:
+        """Re-attribute up to `seconds` from `src` to `dst`; returns the seconds moved.
+
+        Clamped to what `src` holds (open interval included), because a late-learned cost can
+        exceed what was booked (e.g. a blocking save that overlapped a state change) and no
+        bucket may go negative.
+        """
+        _check_bucket(src)
+        _check_bucket(dst)
+        if not seconds >= 0.0:
+            raise ValueError(f"cannot move {seconds!r} seconds; need >= 0")
+        if self._current is not None:
+            self._close_open_interval()
+        amount = min(float(seconds), self._booked[src])
+        self._booked[src] -= amount
+        self._booked[dst] += amount
+        return amount
+
+    def stop(self) -> None:
+        """Close the last interval and freeze wall time (the controller calls it at job end)."""
+        if self._current is None:
+            return
+        self._close_open_interval()
+        self._stopped_at = self._opened_at
+        self._current = None
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per bucket, carried seconds and the open interval included."""
+        totals = dict(self._booked)
+        if self._current is not None:
+            totals[self._current] += self._clock() - self._opened_at
+        return totals
+
+    def badput(self) -> dict[str, float]:
+        """Seconds per badput cause (every bucket but `productive`)."""
+        totals = self.totals()
+        return {cause: totals[cause] for cause in BADPUT_CAUSES}
+
+    def wall(self) -> float:
+        """Job wall seconds: carried wall plus time since this ledger was created."""
+        end = self._stopped_at if self._stopped_at is not None else self._clock()
+        return self._carried_wall + (end - self._started_at)
+
+    def goodput(self) -> float:
+        """productive / wall, or 0.0 before any time has passed."""
+        wall = self.wall()
+        return self.totals()[PRODUCTIVE] / wall if wall > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        """The totals as `{bucket: seconds}`, JSON-ready; pass back as `carried=` to resume."""
+        return self.totals()
+
+    def _close_open_interval(self) -> None:
+        now = self._clock()
+        self._booked[self._current] += now - self._opened_at
+        self._opened_at = now

@@ -1,0 +1,274 @@
+"""Prometheus metrics of one job, exported by the controller.
+
+Protocol. The controller creates one `JobMetrics` per job, calls `serve(host, port)` once,
+feeds it with the `on_*` methods from its single thread as events happen, and calls `close()`
+at the end. Scrapes arrive on the exporter's own threads; prometheus-client's metric objects
+are thread-safe, and the goodput totals are a snapshot taken under a lock in `on_goodput`, so
+a scrape never reads the (single-threaded) ledger itself.
+
+Every series carries a `job` label, so several jobs can share one Prometheus and dashboards
+(deploy/) can select a job.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE, GoodputLedger
+
+# Upper bounds in seconds. Training steps range from milliseconds (tiny CPU tests) to minutes.
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Checkpoint saves, detection and recovery range from tens of milliseconds to tens of minutes.
+EVENT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# A rank whose step compute time exceeds this multiple of the median rank is flagged a straggler.
+STRAGGLER_FACTOR = 1.5
+PARALLEL_DIMS = ("dp", "tp", "pp")
+
+
+def stragglers(compute_s: Mapping[int, float], factor: float = STRAGGLER_FACTOR) -> set[int]:
+    """Ranks whose compute time exceeds `factor` x the median over all ranks.
+
+    The median, not the mean, is the reference so one very slow rank cannot hide itself by
+    pulling the reference up.
+    """
+    if not compute_s:
+        return set()
+    median = statistics.median(compute_s.values())
+    return {rank for rank, seconds in compute_s.items() if seconds > factor * median}
+
+
+class _GoodputCollector:
+    """Exposes the ledger totals published by `on_goodput` as `undying_*_seconds_total`.
+
+    These are gauges, not counters, although their names end in `_total` as the seconds they
+    count are cumulative: the ledger's `move` can shrink `productive` (rolled-back steps become
+    `lost_work`), and Prometheus reads any decrease of a counter as a process restart, which
+    would turn `rate()` into a spike. prometheus-client forces the `_total` suffix onto counters
+    only, so a custom collector yielding `GaugeMetricFamily` named `..._total` keeps both the
+    name and the honest type.
+    """
+
+    def __init__(self, job: str) -> None:
+        self._job = job
+        self._lock = threading.Lock()
+        self._totals = {bucket: 0.0 for bucket in (PRODUCTIVE, *BADPUT_CAUSES)}
+
+    def publish(self, totals: Mapping[str, float]) -> None:
+        with self._lock:
+            self._totals = dict(totals)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            totals = dict(self._totals)
+        badput = GaugeMetricFamily(
+            "undying_badput_seconds_total",
+            "Wall seconds booked to each badput cause (ml-goodput-measurement taxonomy).",
+            labels=["cause", "job"],
+        )
+        for cause in BADPUT_CAUSES:
+            badput.add_metric([cause, self._job], totals.get(cause, 0.0))
+        productive = GaugeMetricFamily(
+            "undying_productive_seconds_total",
+            "Wall seconds of training whose effect survives in the final model.",
+            labels=["job"],
+        )
+        productive.add_metric([self._job], totals.get(PRODUCTIVE, 0.0))
+        yield badput
+        yield productive
+
+
+class JobMetrics:
+    """All Prometheus series of one job (see module doc for the calling protocol).
+
+    `registry=None` gives the job a private `CollectorRegistry` rather than prometheus-client's
+    global one, so two jobs (or two tests) in one process never collide on metric names.
+    """
+
+    def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
+        self.job = job
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._compute_s: dict[int, float] = {}
+        self._states: set[str] = set()
+        self._define_training()
+        self._define_checkpoint()
+        self._define_resilience()
+        self._goodput = _GoodputCollector(job)
+        self.registry.register(self._goodput)
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, ["job", *labels], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["job"], buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        # prometheus-client appends `_total` to counter names when exposing them.
+        return Counter(name, doc, ["job", *labels], registry=self.registry)
+
+    def _define_training(self) -> None:
+        self.step = self._gauge("undying_step", "Last completed global optimizer step.")
+        self.step_seconds = self._histogram(
+            "undying_step_seconds", "Wall seconds per global step.", STEP_BUCKETS
+        )
+        self.tokens_per_second = self._gauge("undying_tokens_per_second", "Global training throughput.")
+        self.mfu_ratio = self._gauge("undying_mfu_ratio", "Model FLOPs utilisation (0..1).")
+        self.loss = self._gauge("undying_loss", "Token-weighted global training loss of the last step.")
+        self.grad_norm = self._gauge("undying_grad_norm", "Global gradient norm of the last step.")
+        self.loss_scale = self._gauge("undying_loss_scale", "Dynamic loss scale (mixed precision).")
+        self.goodput_ratio = self._gauge("undying_goodput_ratio", "Productive seconds / wall seconds.")
+        self.rank_compute = self._gauge(
+            "undying_rank_step_compute_seconds", "Compute seconds of the last step, per rank.", "rank"
+        )
+        self.straggler = self._gauge(
+            "undying_straggler", f"1 when a rank computes > {STRAGGLER_FACTOR}x the median.", "rank"
+        )
+
+    def _define_checkpoint(self) -> None:
+        self.ckpt_blocking = self._histogram(
+            "undying_checkpoint_blocking_seconds", "Seconds training was stopped per save.", EVENT_BUCKETS
+        )
+        self.ckpt_total = self._histogram(
+            "undying_checkpoint_total_seconds", "Seconds from save request to commit.", EVENT_BUCKETS
+        )
+        self.ckpt_bytes = self._gauge("undying_checkpoint_bytes", "Bytes of the last committed checkpoint.")
+        self.ckpt_step = self._gauge(
+            "undying_checkpoint_last_committed_step", "Step of the last committed checkpoint."
+        )
+        self.ckpt_interval = self._gauge(
+            "undying_checkpoint_interval_seconds", "Checkpoint interval chosen by the policy."
+        )
+        self.ckpt_skipped = self._counter(
+            "undying_checkpoint_skipped", "Saves skipped because one was still in flight."
+        )
+
+    def _define_resilience(self) -> None:
+        self.failures = self._counter("undying_failures", "Failures seen, by kind.", "kind")
+        self.detection = self._histogram(
+            "undying_detection_seconds", "Seconds from a failure to its detection.", EVENT_BUCKETS
+        )
+        self.recovery = self._histogram(
+            "undying_recovery_seconds", "Seconds from detection to training again.", EVENT_BUCKETS
+        )
+        self.generation = self._gauge("undying_generation", "Membership generation.")
+        self.world_size = self._gauge("undying_world_size", "Ranks in the current generation.")
+        self.parallel_degree = self._gauge("undying_parallel_degree", "Parallel degree per dim.", "dim")
+        self.controller_state = self._gauge(
+            "undying_controller_state", "1 for the controller's current state, 0 for others.", "state"
+        )
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP exporter on `host:port` (0 picks a free port); returns the real port."""
+        if self._server is not None:
+            raise RuntimeError(f"metrics of job {self.job!r} are already served on port {self.port}")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return self.port
+
+    @property
+    def port(self) -> int | None:
+        """The port being served, or None when not serving."""
+        return None if self._server is None else self._server.server_port
+
+    def close(self) -> None:
+        """Stop the exporter and release its port; safe to call when not serving."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+        self._server, self._thread = None, None
+
+    def on_step(
+        self,
+        step: int,
+        step_s: float,
+        tokens: int,
+        loss: float,
+        grad_norm: float | None,
+        mfu: float | None = None,
+        loss_scale: float | None = None,
+    ) -> None:
+        """A global step finished: `tokens` is the global tokens of that step, `step_s` its wall time.
+
+        Optional values left as None (not measured by this engine) keep their last exported value.
+        """
+        job = self.job
+        self.step.labels(job).set(step)
+        self.step_seconds.labels(job).observe(step_s)
+        if step_s > 0:
+            self.tokens_per_second.labels(job).set(tokens / step_s)
+        self.loss.labels(job).set(loss)
+        if grad_norm is not None:
+            self.grad_norm.labels(job).set(grad_norm)
+        if mfu is not None:
+            self.mfu_ratio.labels(job).set(mfu)
+        if loss_scale is not None:
+            self.loss_scale.labels(job).set(loss_scale)
+
+    def on_checkpoint(
+        self, step: int, nbytes: int, blocking_s: float, total_s: float, interval_s: float | None
+    ) -> None:
+        """A checkpoint was committed (its manifest is durable).
+
+        `interval_s` is the interval the checkpoint policy now targets; None when the policy
+        saves on a step count rather than a time interval.
+        """
+        job = self.job
+        self.ckpt_step.labels(job).set(step)
+        self.ckpt_bytes.labels(job).set(nbytes)
+        self.ckpt_blocking.labels(job).observe(blocking_s)
+        self.ckpt_total.labels(job).observe(total_s)
+        if interval_s is not None:
+            self.ckpt_interval.labels(job).set(interval_s)
+
+    def on_checkpoint_skipped(self) -> None:
+        """A save was requested while one was in flight and skipped (design.md invariant 6)."""
+        self.ckpt_skipped.labels(self.job).inc()
+
+    def on_failure(self, kind: str) -> None:
+        """A failure of `kind` (e.g. "actor_died", "hang", "nan") was detected."""
+        self.failures.labels(self.job, kind).inc()
+
+    def on_recovery(self, detection_s: float, recovery_s: float) -> None:
+        """Training resumed after a failure detected `detection_s` after it happened."""
+        self.detection.labels(self.job).observe(detection_s)
+        self.recovery.labels(self.job).observe(recovery_s)
+
+    def on_layout(self, generation: int, world_size: int, dp: int, tp: int, pp: int) -> None:
+        """A generation formed with this layout; per-rank series of the old one are dropped."""
+        job = self.job
+        self.generation.labels(job).set(generation)
+        self.world_size.labels(job).set(world_size)
+        for dim, degree in zip(PARALLEL_DIMS, (dp, tp, pp), strict=True):
+            self.parallel_degree.labels(job, dim).set(degree)
+        # Ranks beyond a shrunk world would otherwise keep exporting their last value forever.
+        self._compute_s.clear()
+        self.rank_compute.clear()
+        self.straggler.clear()
+
+    def on_state(self, state_name: str) -> None:
+        """The controller entered `state_name`: it reads 1, every state seen before reads 0."""
+        self._states.add(state_name)
+        for state in self._states:
+            self.controller_state.labels(self.job, state).set(1 if state == state_name else 0)
+
+    def on_goodput(self, ledger: GoodputLedger) -> None:
+        """Publish a snapshot of the ledger (the controller calls it, e.g. once per heartbeat)."""
+        totals = ledger.totals()
+        wall = sum(totals.values())
+        self._goodput.publish(totals)
+        self.goodput_ratio.labels(self.job).set(totals[PRODUCTIVE] / wall if wall > 0 else 0.0)
+
+    def on_rank_compute(self, rank: int, seconds: float) -> None:
+        """A rank reported its step compute time; straggler flags are recomputed for all ranks."""
+        self._compute_s[rank] = seconds
+        self.rank_compute.labels(self.job, str(rank)).set(seconds)
+        slow = stragglers(self._compute_s)
+        for known in self._compute_s:
+            self.straggler.labels(self.job, str(known)).set(1 if known in slow else 0)

@@ -1,0 +1,108 @@
+"""The run timeline PNG: loss over steps, the job's events over time, and where the time went.
+
+Protocol. Called once per run, after the `RunReport` is built (`undying run` at the end of a
+job, `undying chaos` per experiment); it only reads the report. matplotlib is an optional
+dependency (`undying[plot]`), imported inside `plot_timeline` so the core never needs it.
+The figure is drawn on an Agg canvas directly, without pyplot, so no global backend or
+figure registry is touched and it is safe beside other users of matplotlib in the process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from monitor.goodput import BUCKETS, PRODUCTIVE
+from monitor.report import RunReport
+
+# One fixed colour per bucket so every report reads the same way; productive is the only green.
+BUCKET_COLORS = {
+    "productive": "#2ca02c",
+    "startup": "#7f7f7f",
+    "checkpoint_save": "#1f77b4",
+    "checkpoint_restore": "#17becf",
+    "detection": "#d62728",
+    "reformation": "#ff7f0e",
+    "lost_work": "#9467bd",
+    "waiting_for_resources": "#bcbd22",
+    "other": "#8c564b",
+}
+_FAILURE_COLOR = "#d62728"
+_CHECKPOINT_COLOR = "#1f77b4"
+
+
+def plot_timeline(report: RunReport, path: str | os.PathLike) -> None:
+    """Write the timeline of `report` as a PNG to a local `path` (parent directory created)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, events_ax, goodput_ax = fig.subplots(3, 1, height_ratios=[3, 2, 1])
+    fig.suptitle(f"{report.job}: {report.status}, goodput {100 * report.goodput.ratio:.1f}%")
+    _plot_loss(loss_ax, report)
+    _plot_events(events_ax, report)
+    _plot_goodput(goodput_ax, report)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, format="png", dpi=100)
+
+
+def _plot_loss(ax, report: RunReport) -> None:
+    """Loss over steps; committed checkpoints and failures (where their step is known) marked."""
+    ax.set_title("loss")
+    ax.set_xlabel("step")
+    if report.losses:
+        ax.plot([p.step for p in report.losses], [p.loss for p in report.losses], color="black", lw=1)
+    for i, ckpt in enumerate(report.checkpoints):
+        ax.axvline(ckpt.step, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None)
+    failed_steps = [f.step for f in report.failures if f.step is not None]
+    for i, step in enumerate(failed_steps):
+        ax.axvline(step, color=_FAILURE_COLOR, lw=1.5, label="failure" if i == 0 else None)
+    if report.checkpoints or failed_steps:
+        ax.legend(loc="upper right")
+
+
+def _plot_events(ax, report: RunReport) -> None:
+    """World size over job time, with failures, their recovery spans and checkpoint commits."""
+    ax.set_title("events")
+    ax.set_xlabel("job seconds")
+    ax.set_ylabel("world size")
+    wall = report.goodput.wall_s
+    if report.world_history:
+        times = [w.started_at for w in report.world_history] + [wall]
+        sizes = [w.world_size for w in report.world_history]
+        ax.step(times, [*sizes, sizes[-1]], where="post", color="black", lw=1)
+        ax.set_ylim(0, 1.2 * max(sizes))  # headroom so the line at the top stays visible
+    for i, failure in enumerate(report.failures):
+        ax.axvline(failure.time, color=_FAILURE_COLOR, lw=1.5, label="failure" if i == 0 else None)
+        if failure.recovered_after_s is not None:
+            end = failure.time + failure.recovered_after_s
+            ax.axvspan(
+                failure.time, end, color=_FAILURE_COLOR, alpha=0.15, label="recovery" if i == 0 else None
+            )
+    for i, ckpt in enumerate(report.checkpoints):
+        ax.axvline(
+            ckpt.committed_at, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None
+        )
+    ax.set_xlim(0, max(wall, 1e-9))
+    if report.failures or report.checkpoints:
+        ax.legend(loc="lower right")
+
+
+def _plot_goodput(ax, report: RunReport) -> None:
+    """One horizontal bar of wall time, stacked by bucket (productive first)."""
+    ax.set_title("where the time went")
+    ax.set_xlabel("job seconds")
+    seconds = {PRODUCTIVE: report.goodput.productive_s, **report.goodput.badput_s}
+    left = 0.0
+    for bucket in BUCKETS:
+        value = seconds.get(bucket, 0.0)
+        if value <= 0:
+            continue
+        ax.barh(0, value, left=left, color=BUCKET_COLORS[bucket], label=f"{bucket} {value:.1f}s")
+        left += value
+    ax.set_yticks([])
+    ax.set_xlim(0, max(report.goodput.wall_s, 1e-9))
+    if left > 0:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=5, fontsize="small", frameon=False)

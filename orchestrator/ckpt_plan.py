@@ -1,0 +1,54 @@
+"""Which completed steps a rank checkpoints at: a plan shared by the controller through the store.
+
+The controller publishes `{"version", "every", "anchor"}` under the generation's `plan` key;
+ranks poll it at the heartbeat rate. A save happens after completed step `s` when
+`s > anchor` and `(s - anchor) % every == 0`, and always at the final step.
+
+Ranks may pick up a new plan at slightly different steps. That is safe by construction:
+the controller commits a checkpoint only when every rank's receipt for that step is in,
+so a step that only some ranks saved is never committed; its shards are garbage. The
+controller sets `anchor` ahead of the fastest rank so this is rare.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    every: int
+    anchor: int = 0
+    version: int = 0
+    final_step: int | None = None
+
+    def should_save(self, completed: int) -> bool:
+        if self.final_step is not None and completed == self.final_step:
+            return True
+        return completed > self.anchor and (completed - self.anchor) % self.every == 0
+
+    def to_json(self) -> dict:
+        return {"every": self.every, "anchor": self.anchor, "version": self.version, "final_step": self.final_step}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CheckpointPlan:
+        return cls(**data)
+
+
+def young_interval_s(save_cost_s: float, mtbf_s: float) -> float:
+    """Young's optimal checkpoint interval tau* = sqrt(2 C M) (design.md section 1)."""
+    return math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s)
+
+
+def daly_interval_s(save_cost_s: float, mtbf_s: float, restart_s: float) -> float:
+    """The more exact form tau = C + sqrt(2 (M + R) C + C^2), with restart cost R."""
+    c = max(save_cost_s, 0.0)
+    return c + math.sqrt(2.0 * (mtbf_s + restart_s) * c + c * c)
+
+
+def steps_for_interval(interval_s: float, step_s: float, lo: int = 1, hi: int = 1_000_000) -> int:
+    """Whole steps closest to an interval in seconds, at least `lo`."""
+    if step_s <= 0:
+        return lo
+    return max(lo, min(hi, round(interval_s / step_s)))

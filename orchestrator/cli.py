@@ -1,0 +1,74 @@
+"""`undying`: the command line. `undying run JOB.yaml` is also the entry point for `ray job submit`.
+
+    undying run JOB.yaml [--set key.path=value ...] [--report PATH] [--timeline PNG] [--address ADDR]
+    undying validate JOB.yaml [--set ...]
+
+Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
+spec or the cluster cannot run the job as written (nothing was started). User mistakes
+print one line per problem, naming the field and the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from orchestrator.spec import JobSpec, Problem, SpecError, load_spec
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="undying", description="Fault-tolerant training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run (or resume) a training job")
+    validate = sub.add_parser("validate", help="check a job spec without starting anything")
+    for p in (run, validate):
+        p.add_argument("spec", help="job spec YAML")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a spec field, e.g. --set parallel.dp=4 (repeatable)")
+    run.add_argument("--report", help="write the JSON run report to this path")
+    run.add_argument("--timeline", help="write a PNG timeline (needs matplotlib)")
+    run.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def _print_problems(problems: list[Problem]) -> None:
+    print(f"undying: the job cannot run as written ({len(problems)} problem(s)):", file=sys.stderr)
+    for problem in problems:
+        print(f"  - {problem}", file=sys.stderr)
+
+
+def _load(args) -> JobSpec:
+    from chaos.config import support_problems
+    from orchestrator.storage_check import require_storage
+
+    spec = load_spec(args.spec, args.overrides)
+    problems = [Problem(field, message) for field, message in support_problems(spec.chaos)]
+    if problems:
+        raise SpecError(problems)
+    require_storage(spec)
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = _load(args)
+    except SpecError as err:
+        _print_problems(err.problems)
+        return EXIT_USAGE
+    if args.command == "validate":
+        print(f"{args.spec}: valid ({spec.world_size} ranks, {spec.train.steps} steps)")
+        return EXIT_OK
+    from orchestrator.job import run_job
+
+    return run_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Abort a rank's process group so that every peer blocked in a collective is released at once.
+
+Why this exists: when a rank dies, only its ring neighbours see a socket error. The other
+survivors stay blocked in their collective until the process-group timeout (minutes) unless
+the sockets of the ranks that did notice are closed. Measured on torch 2.13 with gloo,
+4 ranks, one SIGKILLed: `destroy_process_group()`, dropping every reference to the group
+and `_abort_process_group()` all leave gloo's pair sockets open while the process lives,
+so a non-neighbour waited 8 s (until the others exited). Shutting the pair sockets down
+(`shutdown(SHUT_RDWR)` on the connected ones; never the listener, which gloo treats as
+fatal) makes every survivor's collective fail within ~5 ms, and the same processes then
+form a new group under a new store prefix in ~6 ms. On NCCL the communicator abort does
+the equivalent.
+
+Protocol (rank side, in `RankActor`):
+  1. `with CommSockets.capture() as sockets: dist.init_process_group(...)` records the
+     socket descriptors the group opened.
+  2. `sockets.abort()` from the training thread after a collective error, or from the
+     abort-watcher thread when the controller sets the abort key. Idempotent; thread-safe
+     (shutdown on a socket is safe while another thread is blocked on it).
+  3. `destroy_process_group()` afterwards, as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+    return fds
+
+
+class CommSockets:
+    def __init__(self) -> None:
+        self.fds: set[int] = set()
+        self._aborted = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    @contextlib.contextmanager
+    def capture(cls):
+        sockets = cls()
+        before = _socket_fds()
+        yield sockets
+        sockets.fds = _socket_fds() - before
+
+    def abort(self) -> int:
+        """Shut down the group's connected sockets (gloo) or abort the communicator (nccl).
+
+        Returns the number of sockets shut down."""
+        with self._lock:
+            if self._aborted:
+                return 0
+            self._aborted = True
+        _abort_nccl()
+        closed = 0
+        for fd in self.fds:
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue  # already closed by the group itself
+            with contextlib.suppress(OSError):
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    closed += 1
+            sock.close()
+        return closed
+
+
+def _abort_nccl() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        with contextlib.suppress(Exception):
+            abort()

@@ -1,0 +1,265 @@
+"""The controller: an explicit state machine that places, forms, restores, runs and recovers ranks.
+
+    PLACING -> RENDEZVOUS -> RESTORING -> RUNNING -> SUCCEEDED
+                   ^                         |
+                   +------- RECOVERING <-----+ (rank died, aborted, hung)   -> FAILED
+
+Each state is one method that does its work and returns the next state; `_go` logs the
+transition as one sentence with its numbers, books wall time to the goodput bucket of the
+new state and exports the state as a metric. Policies (failure, scaling, checkpoint
+interval) are injected and only return decisions; this class is the only one that acts.
+The worker group is injected too, so unit tests drive transitions with a fake group.
+
+Single-threaded: everything, including event handling and commits, runs on the thread that
+calls `run()`. Checkpoints are saved by the ranks while RUNNING (the rank loop decides the
+step from the published plan) and committed here as receipts arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from ckpt.reader import CorruptCheckpoint
+from monitor.goodput import GoodputLedger
+from orchestrator.commits import Committer
+from orchestrator.job_record import JobRecord
+from orchestrator.policies import CheckpointIntervalPolicy, FailurePolicy, ScalingPolicy
+from orchestrator.recovery import RecoveryMixin
+from orchestrator.rendezvous import PLAN, RendezvousServer
+from orchestrator.spec import spec_hash
+from orchestrator.worker_group import PlacementError
+
+log = logging.getLogger(__name__)
+
+
+class State(str, Enum):
+    PLACING = "PLACING"
+    RENDEZVOUS = "RENDEZVOUS"
+    RESTORING = "RESTORING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+TERMINAL = (State.SUCCEEDED, State.FAILED)
+
+
+@dataclass
+class Failure:
+    kind: str
+    rank: int | None
+    detected_at: float  # time.time() when the controller noticed
+    message: str
+    fault_time: float | None = None  # time.time() an injected fault fired, when known
+
+
+class Controller(RecoveryMixin):
+    def __init__(self, spec, workers, rendezvous: RendezvousServer, catalog, metrics, *,
+                 printer=print, poll_s: float = 0.02, release_timeout_s: float = 5.0,
+                 hang_min_s: float = 10.0, hang_factor: float = 5.0, join_timeout_s: float = 60.0):
+        self.spec = spec
+        self.workers = workers
+        self.rendezvous = rendezvous
+        self.catalog = catalog
+        self.metrics = metrics
+        self.printer = printer
+        self.poll_s = poll_s
+        self.release_timeout_s = release_timeout_s
+        self.hang_min_s = hang_min_s
+        self.hang_factor = hang_factor
+        self.join_timeout_s = join_timeout_s
+        self.ledger = GoodputLedger()
+        self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer)
+        self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep)
+        self.failure_policy = FailurePolicy(spec.elastic.max_restarts)
+        self.scaling_policy = ScalingPolicy(spec.elastic.min_dp)
+        self.interval_policy = CheckpointIntervalPolicy(
+            spec.checkpoint.every_steps, spec.checkpoint.interval, spec.checkpoint.mtbf_s)
+        self.state = State.PLACING
+        self.gen = -1
+        self.dp = spec.parallel.dp
+        self.restarts = 0
+        self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)]
+        self.fired: dict[int, dict] = {}
+        self.bad_steps: set[int] = set()
+        self.restored_step: int | None = None
+        self.failure: Failure | None = None
+        self.open_failure = None
+        self.plan_version = 0
+        self.gen_started_at = time.time()
+        self.error: str | None = None
+        self._resumed_ledger = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.spec.parallel.tp * self.spec.parallel.pp
+
+    def layout(self) -> dict:
+        p = self.spec.parallel
+        return {"dp": self.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.world_size}
+
+    # ---- the machine -------------------------------------------------------------------------
+
+    def run(self):
+        handlers = {
+            State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
+            State.RESTORING: self._restoring, State.RUNNING: self._running,
+            State.RECOVERING: self._recovering,
+        }
+        self._go(State.PLACING, f"placing {self.world_size} ranks ({self.layout_text()})")
+        while self.state not in TERMINAL:
+            try:
+                handlers[self.state]()
+            except PlacementError as err:
+                self._fail(str(err))
+            except Exception as err:  # a bug or an unexpected platform error: fail loudly, keep checkpoints
+                log.exception("controller error in %s", self.state.value)
+                self._fail(f"{type(err).__name__} in {self.state.value}: {err}")
+        self.ledger.stop()
+        self.metrics.on_goodput(self.ledger)
+        final = self.committer.latest if self.committer.latest is not None else 0
+        status = "succeeded" if self.state == State.SUCCEEDED else "failed"
+        return self.record.report(status, final, self.error)
+
+    def step_once(self) -> State:
+        """Run the current state's handler once (for tests that drive one transition at a time)."""
+        handlers = {State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
+                    State.RESTORING: self._restoring, State.RUNNING: self._running,
+                    State.RECOVERING: self._recovering}
+        handlers[self.state]()
+        return self.state
+
+    def layout_text(self) -> str:
+        p = self.spec.parallel
+        return f"dp={self.dp} tp={p.tp} pp={p.pp}"
+
+    def _bucket_for(self, state: State) -> str | None:
+        recovering = self.restarts > 0
+        return {
+            State.PLACING: "reformation" if recovering else "startup",
+            State.RENDEZVOUS: "reformation" if recovering else "startup",
+            State.RESTORING: "checkpoint_restore",
+            State.RUNNING: "productive",
+            State.RECOVERING: "reformation",
+        }.get(state)
+
+    def _go(self, state: State, sentence: str) -> None:
+        previous = self.state
+        self.state = state
+        bucket = self._bucket_for(state)
+        if bucket is not None:
+            self.ledger.enter(bucket)
+        self.metrics.on_state(state.value)
+        arrow = f"{previous.value} -> {state.value}" if previous != state else state.value
+        self.printer(f"[{self.record.job_seconds():7.2f}s] {arrow}: {sentence}")
+
+    def _fail(self, error: str) -> None:
+        self.error = error
+        self._go(State.FAILED, error)
+
+    # ---- states --------------------------------------------------------------------------------
+
+    def _placing(self) -> None:
+        started = time.perf_counter()
+        self.workers.place(self.world_size)
+        self.workers.ensure_actors(list(range(self.world_size)))
+        self.workers.ping_all(timeout_s=self.join_timeout_s)
+        self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s")
+
+    def _rendezvous(self) -> None:
+        started = time.perf_counter()
+        self.gen += 1
+        self.store = self.rendezvous.generation(self.gen)
+        try:
+            self.workers.join_all(self.gen, self.rendezvous.host, self.rendezvous.port, self.join_timeout_s)
+        except Exception as err:
+            self._start_recovery(Failure("rendezvous", None, time.time(), f"{type(err).__name__}: {err}"))
+            return
+        self.record.on_layout(self.gen, self.world_size, self.dp, self.spec.parallel.tp, self.spec.parallel.pp)
+        self._go(State.RESTORING, f"generation {self.gen}: process group of {self.world_size} formed "
+                                  f"in {time.perf_counter() - started:.2f} s")
+
+    def _restoring(self) -> None:
+        started = time.perf_counter()
+        candidates = [s for s in self.catalog.committed_steps() if s not in self.bad_steps]
+        step = candidates[-1] if candidates else None
+        if step is not None:
+            self._resume_ledger(step)
+        else:  # nothing to restore: building the engine is start-up (or re-formation) work
+            self.ledger.enter("reformation" if self.restarts else "startup")
+        try:
+            self.workers.restore_all(step, timeout_s=self.join_timeout_s + 120)
+        except CorruptCheckpoint as err:
+            self.bad_steps.add(step)
+            log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, err)
+            self.printer(f"checkpoint step {step} is corrupt ({err}); falling back to the previous committed one")
+            self.metrics.on_failure("corrupt_checkpoint")
+            return
+        except Exception as err:
+            self._start_recovery(Failure("restore", None, time.time(), f"{type(err).__name__}: {err}"))
+            return
+        self.restored_step = step
+        self.committer.reset(step)
+        self._publish_plan(anchor=step or 0)
+        what = f"restored step {step}" if step is not None else "fresh start (no committed checkpoint)"
+        if step is not None and step >= self.spec.train.steps:
+            self._go(State.SUCCEEDED, f"{what}: the job had already finished")
+            return
+        self.gen_started_at = time.time()
+        self._go(State.RUNNING, f"{what} in {time.perf_counter() - started:.2f} s")
+
+    def _resume_ledger(self, step: int) -> None:
+        """On the first restore of this invocation, carry the goodput ledger saved with the checkpoint."""
+        if self._resumed_ledger:
+            return
+        self._resumed_ledger = True
+        saved = self.catalog.read_manifest(step).state.get("goodput")
+        if not saved:
+            return
+        now = self.ledger.totals()
+        self.ledger = GoodputLedger(carried={k: saved.get(k, 0.0) + now.get(k, 0.0) for k in now})
+        self.ledger.enter("checkpoint_restore")
+        self.record.ledger = self.ledger
+
+    def _publish_plan(self, anchor: int) -> None:
+        every = self.interval_policy.every(self.committer.save_costs,
+                                           [r.step_s for r in self.record.steps.values()])
+        self.plan_version += 1
+        self.plan_every = every
+        self.store.set_json(PLAN, {"every": every, "anchor": anchor, "version": self.plan_version,
+                                   "final_step": self.spec.train.steps})
+
+    def _running(self) -> None:
+        if self.open_failure is not None:
+            self.record.on_recovered(self.open_failure, self.failure.detected_at)
+            self.open_failure = None
+        self.workers.start_training(self.spec.train.steps, self._armed_faults())
+        finished: set[int] = set()
+        while True:
+            outcomes = self.workers.wait_any(self.poll_s)
+            self._drain_events()
+            trouble = [o for o in outcomes if o.status != "done"]
+            finished |= {o.rank for o in outcomes if o.status == "done"}
+            if trouble:
+                self._start_recovery(self._failure_from(trouble))
+                return
+            if len(finished) == self.world_size:
+                self._finish()
+                return
+            hung = self._hang_check()
+            if hung is not None:
+                self._start_recovery(hung)
+                return
+
+    def _finish(self) -> None:
+        self._drain_events()
+        if self.committer.latest != self.spec.train.steps:
+            self._fail(f"all ranks finished but the final checkpoint (step {self.spec.train.steps}) "
+                       f"was not committed; latest committed is {self.committer.latest}")
+            return
+        self._go(State.SUCCEEDED, f"{self.spec.train.steps} steps done, final checkpoint committed, "
+                                  f"goodput {self.ledger.goodput():.1%}")

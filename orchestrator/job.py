@@ -1,0 +1,82 @@
+"""Wire one job together in the driver process: Ray, store, metrics, workers, controller.
+
+Called by the CLI after the spec is validated. Order matters: the cluster capacity check
+runs before any actor exists (so an impossible request exits 2, naming the field), the
+store and the metrics endpoint exist before the first rank, and everything is torn down
+by PID/handle in `finally`, whatever happened.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ckpt.catalog import Catalog
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator import ray_cluster
+from orchestrator.controller import Controller
+from orchestrator.rendezvous import RendezvousServer
+from orchestrator.spec import JobSpec, Problem
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def capacity_problems(spec: JobSpec, cluster: dict[str, float]) -> list[Problem]:
+    """Resources the cluster can never provide for `spec`'s ranks (pure; unit-tested)."""
+    res, world = spec.resources, spec.world_size
+    wanted = {"CPU": ("resources.cpus_per_rank", res.cpus_per_rank),
+              "GPU": ("resources.gpus_per_rank", res.gpus_per_rank)}
+    wanted.update({key: (f"resources.custom.{key}", amount) for key, amount in res.custom.items()})
+    problems = []
+    for key, (field, per_rank) in wanted.items():
+        need, have = per_rank * world, cluster.get(key, 0.0)
+        if per_rank > 0 and have < need:
+            problems.append(Problem(
+                field, f"{world} ranks (dp*tp*pp) x {per_rank:g} {key} = {need:g} {key}, but the cluster has "
+                       f"{have:g}; lower {field.split('.')[-1]} or parallel degrees, or add nodes"))
+    return problems
+
+
+def run_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
+    import ray
+
+    world = spec.world_size
+    conn = ray_cluster.connect(address, world * spec.resources.cpus_per_rank, world * spec.resources.gpus_per_rank)
+    metrics = JobMetrics(spec.name)
+    workers = None
+    try:
+        problems = capacity_problems(spec, ray.cluster_resources())
+        if problems:
+            from orchestrator.cli import _print_problems
+
+            _print_problems(problems)
+            return EXIT_USAGE
+        port = metrics.serve(spec.monitor.host, spec.monitor.port)
+        print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
+              f"checkpoints in {spec.checkpoint_root}", flush=True)
+        from orchestrator.worker_group import RayWorkerGroup
+
+        workers = RayWorkerGroup(spec, env_vars=conn.env_vars)
+        rendezvous = RendezvousServer(conn.rendezvous_host)
+        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+        controller = Controller(spec, workers, rendezvous, catalog, metrics,
+                                printer=lambda line: print(line, flush=True))
+        report = controller.run()
+        print(report.summary_table(), flush=True)
+        if report_path:
+            report.to_json(report_path)
+            print(f"report written to {report_path}")
+        if timeline_path:
+            from monitor.timeline import plot_timeline
+
+            plot_timeline(report, timeline_path)
+            print(f"timeline written to {timeline_path}")
+        if report.status != "succeeded":
+            print(f"undying: job failed: {report.error}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
+    finally:
+        if workers is not None:
+            workers.shutdown()
+        metrics.close()
+        conn.close()

@@ -1,0 +1,127 @@
+"""One training rank as a Ray actor: joins a generation, restores, trains autonomously.
+
+Protocol (the controller calls, in this order, once per generation):
+  1. `join(gen, rank, world_size, store_host, store_port)`: connect to the controller's
+     store, form the process group (gloo on CPU, nccl on GPU) under the generation's prefix.
+  2. `restore(step)`: build the engine for the layout and load committed checkpoint `step`
+     (None = fresh start).
+  3. `train(until_step, faults)`: run steps with no per-step round trip to the controller.
+     Step records (rank 0), heartbeats and shard receipts go through the store. Returns
+     `{"status": "done" | "aborted", ...}`; any error in a collective makes the rank tear
+     down its process group at once, which cascades the error to peers blocked elsewhere
+     in the ring, so nobody sits in a collective until its timeout.
+  4. `leave()`: drop the process group; the process (and its imported torch) stays warm
+     for the next generation, which is what makes re-forming take milliseconds.
+
+The actor runs with several concurrency slots so `ping` answers while `train` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from datetime import timedelta
+
+import ray
+
+from orchestrator.comm_abort import CommSockets
+from orchestrator.rendezvous import GenerationStore, connect
+
+
+class RankActor:
+    def __init__(self, spec_json: str):
+        import torch
+
+        from orchestrator.spec import JobSpec
+
+        torch.set_num_threads(1)  # many ranks share few cores in CPU set-ups
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.store: GenerationStore | None = None
+        self.watch_store: GenerationStore | None = None
+        self.engine = None
+        self.writer = None
+        self.gen = -1
+        self.rank = -1
+        self.world_size = 0
+        self.sockets: CommSockets | None = None
+        self._abort = threading.Event()  # the controller asked this generation to stop
+        self._training_over = threading.Event()  # stops the abort watcher
+
+    def ping(self) -> dict:
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "gen": self.gen}
+
+    def join(self, gen: int, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> float:
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        self.leave()
+        self.gen, self.rank, self.world_size = gen, rank, world_size
+        self._abort.clear()
+        self.store = connect(host, port, gen, timeout_s=timeout_s)
+        # The watcher gets its own connection: a TCPStore client is not safe to share between
+        # threads (interleaved requests on one socket can deadlock the training thread).
+        self.watch_store = connect(host, port, gen, timeout_s=timeout_s)
+        backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
+        with CommSockets.capture() as self.sockets:
+            dist.init_process_group(
+                backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        return time.perf_counter() - started
+
+    def restore(self, step: int | None) -> dict:
+        from orchestrator.rank_state import build_engine, load_engine_state
+
+        started = time.perf_counter()
+        self.engine = build_engine(self.spec, self.rank, self.world_size)
+        if step is not None:
+            load_engine_state(self.spec, self.engine, step)
+        return {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
+
+    def train(self, until_step: int, faults: list[dict]) -> dict:
+        from orchestrator.rank_loop import RankLoop
+
+        loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort)
+        self._training_over.clear()
+        watcher = threading.Thread(target=self._watch_abort, daemon=True, name="abort-watcher")
+        watcher.start()
+        try:
+            return loop.run(until_step, faults)
+        except BaseException as err:  # a collective error or an injected exception
+            # Release the peers first (they may be blocked in a collective with us), then clean up.
+            self.sockets.abort()
+            self._teardown()
+            return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
+                    "error": f"{type(err).__name__}: {str(err)[:300]}"}
+        finally:
+            self._training_over.set()
+
+    def _watch_abort(self) -> None:
+        """Watcher thread: on the controller's abort key, break our own blocked collective."""
+        while not self._training_over.wait(0.05):
+            try:
+                requested = self.watch_store.abort_requested()
+            except Exception:
+                return  # the controller is gone; the collective timeout remains the last resort
+            if requested:
+                self._abort.set()
+                self.sockets.abort()
+                return
+
+    def leave(self) -> None:
+        self._teardown()
+        self.engine = None
+
+    def _teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self.sockets is not None:
+            self.sockets.abort()  # closes what destroy_process_group leaves open (see comm_abort)
+            self.sockets = None
+        if dist.is_initialized():
+            # A broken group may fail to tear down cleanly; it is unusable either way.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+

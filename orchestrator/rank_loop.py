@@ -1,0 +1,86 @@
+"""A rank's autonomous training loop: steps, reports, checkpoint saves.
+
+Runs inside `RankActor.train` on the actor's training thread. Per step it talks to nobody
+but its process group; to the controller it sends, through the store:
+  * rank 0 only: one `step` event per step with the global (already all-reduced) loss,
+    so the controller's per-step traffic does not grow with the number of ranks;
+  * every rank: a heartbeat key, at most every `monitor.heartbeat_s`, when it also picks
+    up a new checkpoint plan;
+  * every rank: a `receipt` event when its shard of a checkpoint is durable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from chaos.injector import FaultInjector
+from ckpt.storage import Storage
+from ckpt.writer import ShardWriter
+from orchestrator.ckpt_plan import CheckpointPlan
+from orchestrator.rank_state import tensors_to_save
+from orchestrator.rendezvous import PLAN, GenerationStore, heartbeat_key
+
+
+def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> CheckpointPlan:
+    data = store.get_json(PLAN)
+    if data is None or data.get("version", -1) <= current.version:
+        return current
+    return CheckpointPlan.from_json(data)
+
+
+def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: float) -> None:
+    store.set_json(heartbeat_key(rank), {"step": step, "time": time.time(), "compute_s": compute_s})
+
+
+class RankLoop:
+    def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
+                 abort: threading.Event):
+        self.spec = spec
+        self.engine = engine
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.abort = abort
+
+    def _on_receipt(self, receipt, extra: dict) -> None:
+        self.store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+
+    def _on_save_error(self, step: int, err: BaseException) -> None:
+        self.store.push_event({"type": "save_error", "rank": self.rank, "step": step,
+                               "error": f"{type(err).__name__}: {err}"})
+
+    def _step_event(self, result) -> dict:
+        return {"type": "step", "step": result.step, "loss": result.loss, "tokens": result.tokens,
+                "grad_norm": result.grad_norm, "lr": result.lr, "step_s": result.step_s,
+                "compute_s": result.compute_s, "time": time.time()}
+
+    def run(self, until_step: int, faults: list[dict]) -> dict:
+        plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
+        self.engine.fault_hook = FaultInjector.hook_for(faults, self.rank, self.store.push_event)
+        storage = Storage(self.spec.checkpoint_root, self.spec.checkpoint.storage_options)
+        writer = ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
+                             async_save=self.spec.checkpoint.async_)
+        heartbeat_s = self.spec.monitor.heartbeat_s
+        last_beat = 0.0
+        try:
+            while self.engine.next_step < until_step:
+                if self.abort.is_set():
+                    return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
+                            "error": "abort requested by the controller"}
+                result = self.engine.train_step()
+                if self.rank == 0:
+                    self.store.push_event(self._step_event(result))
+                now = time.monotonic()
+                if now - last_beat >= heartbeat_s:
+                    write_heartbeat(self.store, self.rank, result.step, result.compute_s)
+                    plan = plan_from_store(self.store, plan)
+                    last_beat = now
+                completed = self.engine.next_step
+                if plan.should_save(completed):
+                    extra = {"engine": self.engine.state_meta()} if self.rank == 0 else {}
+                    writer.save(completed, tensors_to_save(self.engine, self.rank, self.world_size), extra)
+        finally:
+            writer.flush()  # a save started before an error still lands; it commits only if complete
+        return {"status": "done", "rank": self.rank, "step": self.engine.next_step,
+                "ckpt_waits": writer.waited}

@@ -1,0 +1,400 @@
+"""The job spec: one typed, validated description of a training job, loaded from YAML.
+
+Protocol: the driver (the `undying` CLI, on the machine the user runs it from) calls
+`load_spec(path, overrides)` once, then `orchestrator.storage_check.require_storage(spec)`,
+before any rank starts; every later component receives the `JobSpec` object and trusts it.
+Any user mistake surfaces as one `SpecError` that lists every problem found, each naming
+the dotted field (`parallel.tp`, `chaos.faults[0].rank`) and saying how to fix it.
+
+Sections are checked on their own by their models (trainer/, ckpt/, chaos/, monitor/);
+checks that need two sections (heads % tp, batch divisibility, ...) run here, all of them,
+so a user fixes a spec in one round rather than one error at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import hashlib
+import json
+import re
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Annotated, Any, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from chaos.config import ChaosConfig
+from ckpt.config import CheckpointConfig
+from monitor.config import MonitorConfig
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One user mistake: `field` is a dotted path into the spec (or the file or `--set`
+    the mistake is in); `message` says what is wrong and how to fix it, on one line."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class SpecError(Exception):
+    """The job spec cannot run as written. `problems` lists every mistake found;
+    `str()` gives one line per problem."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class _Strict(BaseModel):
+    # Unknown keys are user mistakes (a typo silently ignored is a wasted GPU-day).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ElasticConfig(_Strict):
+    """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
+
+    min_dp: int = Field(1, ge=1)
+    spares: int = Field(0, ge=0)
+    max_restarts: int = Field(10, ge=0)
+
+
+class ResourcesConfig(_Strict):
+    """What one rank asks Ray for; `num_ranks`, when given, must equal dp * tp * pp."""
+
+    cpus_per_rank: float = Field(1.0, gt=0.0)
+    gpus_per_rank: float = Field(0.0, ge=0.0)
+    num_ranks: int | None = Field(None, gt=0)
+    custom: dict[str, Annotated[float, Field(ge=0.0)]] = Field(
+        default_factory=dict, description="extra Ray resources per rank, e.g. {accelerator_type:H100: 1}"
+    )
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class JobSpec(_Strict):
+    """A whole job. Cross-section checks run when it is built, so a JobSpec is always valid."""
+
+    name: str
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        # The name becomes a directory under checkpoint.url, so it must be one safe path
+        # component: no separators, no spaces, and not "." or "..".
+        if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a safe directory name; use letters, digits, '.', '_' "
+                             "and '-' only, e.g. 'llama-1b.run3'")
+        return name
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> JobSpec:
+        problems = cross_section_problems(self) + engine_support_problems(self)
+        if problems:
+            # Raised as a ValidationError so that pydantic reports every problem at its own
+            # field, the same way as the per-section errors.
+            raise ValidationError.from_exception_data("JobSpec", [_line_error(p) for p in problems])
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def checkpoint_root(self) -> str:
+        """Where this job's checkpoints live: `<checkpoint.url>/<name>`."""
+        return self.checkpoint.join(self.name)
+
+
+def _line_error(problem: Problem) -> InitErrorDetails:
+    loc = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]\.?", problem.field) if p)
+    # The message goes in the context, not the template, so braces in it are not formatted.
+    error = PydanticCustomError("spec", "{message}", {"message": problem.message})
+    return InitErrorDetails(type=error, loc=loc, input=None)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def cross_section_problems(spec: Any) -> list[Problem]:
+    """Every layout and consistency problem that needs more than one section.
+
+    `spec` is a JobSpec, or a view of one whose invalid sections are None (see
+    `validate_spec`); a check that needs a missing section is skipped, so layout problems
+    are reported in the same round as typos elsewhere in the spec."""
+    model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
+    out = _layout_problems(model, train, par, spec.resources)
+    if model and data and model.position == "learned" and data.seq_len > model.max_seq_len:
+        out.append(Problem("data.seq_len", f"{data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}"
+                           " (learned positions cannot extrapolate); lower data.seq_len or raise "
+                           "model.max_seq_len"))
+    if model and data and data.source == "text" and model.vocab_size < 256:
+        out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
+                           "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
+    if par and spec.elastic and spec.elastic.min_dp > par.dp:
+        out.append(Problem("elastic.min_dp", f"{spec.elastic.min_dp} exceeds parallel.dp = {par.dp}; "
+                           f"set it to at most {par.dp}"))
+    for i, fault in enumerate(spec.chaos.faults if spec.chaos else ()):
+        if par and fault.rank is not None and fault.rank >= par.world_size:
+            out.append(Problem(f"chaos.faults[{i}].rank", f"{fault.rank} is not a rank of this job (dp * tp"
+                               f" * pp = {par.world_size} ranks); use a rank in 0..{par.world_size - 1}"))
+        if train and fault.at_step is not None and fault.at_step >= train.steps:
+            out.append(Problem(f"chaos.faults[{i}].at_step", f"{fault.at_step} is not before train.steps "
+                               f"= {train.steps}, so it never fires; use a step in 0..{train.steps - 1}"))
+    return out
+
+
+def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[Problem]:
+    out: list[Problem] = []
+    if model and par and model.n_heads % par.tp:
+        out.append(Problem("parallel.tp", f"model.n_heads = {model.n_heads} is not divisible by tp = "
+                           f"{par.tp}; use a tp that divides it: {_divisors(model.n_heads)}"))
+    if model and par and model.n_layers % par.pp:
+        out.append(Problem("parallel.pp", f"model.n_layers = {model.n_layers} is not divisible by pp = "
+                           f"{par.pp}; use a pp that divides it: {_divisors(model.n_layers)}"))
+    per_step = par.dp * train.micro_batch if train and par else 1
+    if train and train.global_batch % per_step:
+        nearest = -(-train.global_batch // per_step) * per_step
+        out.append(Problem("train.global_batch", f"{train.global_batch} is not divisible by parallel.dp * "
+                           f"train.micro_batch = {per_step}; use a multiple of {per_step} such as {nearest}"))
+    if par and resources and resources.num_ranks not in (None, par.world_size):
+        out.append(Problem("resources.num_ranks", f"{resources.num_ranks} does not match parallel.dp * "
+                           f"tp * pp = {par.world_size}; set it to {par.world_size} or leave it out"))
+    return out
+
+
+def engine_support_problems(spec: Any) -> list[Problem]:
+    """What this release's engine cannot run yet: data parallel only, in fp32 or bf16.
+    The layout checks above already cover tp/pp/zero, so lifting a limit means deleting
+    its lines here and nothing else. `spec` may be a partial view, as above."""
+    par, out = spec.parallel, []
+    limit = "this release's engine supports data parallel only"
+    if par and par.tp > 1:
+        out.append(Problem("parallel.tp", f"tensor parallelism (tp = {par.tp}): {limit}; set tp: 1"))
+    if par and par.pp > 1:
+        out.append(Problem("parallel.pp", f"pipeline parallelism (pp = {par.pp}): {limit}; set pp: 1"))
+    if par and par.zero > 0:
+        out.append(Problem("parallel.zero", f"ZeRO stage {par.zero}: {limit} without sharding; set zero: 0"))
+    if spec.train and spec.train.precision == "fp16":
+        out.append(Problem("train.precision", "fp16 (loss scaling) is not supported by this release's "
+                           "engine; use bf16 or fp32"))
+    return out
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "spec"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation such as `X`, `X | None` or `list[X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def _section(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The model that validates the mapping at `loc` (list indices are transparent)."""
+    model: type[BaseModel] | None = JobSpec
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        info = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        model = _model_in(info.annotation) if info else None
+    return model
+
+
+def _unknown_key(loc: Sequence[str | int]) -> str:
+    key, section = loc[-1], _section(loc[:-1])
+    if section is None:
+        return f"unknown key {key!r}; remove it"
+    allowed = _keys(section)
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    kind, loc, msg = error["type"], error["loc"], error["msg"]
+    if kind == "extra_forbidden":
+        return _unknown_key(loc)
+    if kind == "missing":
+        where = _dotted(loc[:-1]) if len(loc) > 1 else "the top level"
+        return f"required key {loc[-1]!r} is missing; add it under {where}"
+    if kind in ("spec", "value_error"):  # our own messages, already saying what to do
+        return msg.removeprefix("Value error, ")
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        if error["input"] is None:
+            return "is empty; give the section's keys, or remove it to take the defaults"
+        return f"expected a mapping of keys (a YAML section), got {_show(error['input'])}"
+    return f"{msg.replace('Input should be', 'should be')}; got {_show(error['input'])}"
+
+
+def problems_from_validation_error(error: ValidationError) -> list[Problem]:
+    """Translate a ValidationError raised while building a JobSpec into Problems."""
+    return [Problem(_dotted(e["loc"]), " ".join(_describe(e).split())) for e in error.errors()]
+
+
+def _valid_sections(data: Mapping[str, Any]) -> SimpleNamespace:
+    """Each section of `data` that passes its own checks; None for the others."""
+    view: dict[str, Any] = {}
+    for key, info in JobSpec.model_fields.items():
+        model, view[key] = _model_in(info.annotation), None
+        if model is None or (key not in data and info.is_required()):
+            continue
+        with contextlib.suppress(ValidationError):  # already reported by the whole-spec validation
+            value = data[key] if key in data else info.get_default(call_default_factory=True)
+            view[key] = model.model_validate(value)
+    return SimpleNamespace(**view)
+
+
+def validate_spec(data: Mapping[str, Any]) -> JobSpec:
+    """Build a JobSpec from plain data (parsed YAML); raise SpecError listing every problem.
+
+    When some sections are invalid, pydantic never reaches the cross-section checks, so
+    they are run again on the sections that are valid: one round reports everything."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as error:
+        problems = problems_from_validation_error(error)
+    if isinstance(data, Mapping):
+        view = _valid_sections(data)
+        more = cross_section_problems(view) + engine_support_problems(view)
+        problems += [p for p in more if p not in problems]
+    raise SpecError(problems)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        keys = [self.construct_object(key_node, deep=deep) for key_node, _ in node.value]
+        for i, key in enumerate(keys):
+            if isinstance(key, Hashable) and key in keys[:i]:  # unhashable: the base class reports it
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", node.value[i][0].start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_reason(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return at + " ".join(str(getattr(error, "problem", None) or error).split())
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
+    except (OSError, UnicodeDecodeError) as error:
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror
+        raise SpecError([Problem(path, f"cannot be read ({reason}); give the path of a UTF-8 YAML job "
+                                 "spec")]) from None
+    except yaml.YAMLError as error:
+        raise SpecError([Problem(path, f"{_yaml_reason(error)}; fix the YAML syntax")]) from None
+    if not isinstance(data, dict):
+        got = "empty" if data is None else f"a {type(data).__name__}"
+        raise SpecError([Problem(path, f"the top level is {got}, not a mapping; a job spec maps keys "
+                                 f"{', '.join(_keys(JobSpec))} to their sections")])
+    return data
+
+
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\.(\w+))*")
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not _OVERRIDE_KEY.fullmatch(key):
+        raise SpecError([Problem("--set", f"{text!r} is not key.path=value; write e.g. --set parallel.dp=4")])
+    if not raw.strip():
+        raise SpecError([Problem(key, f"--set {text!r} has no value; write {key}=null to clear it")])
+    try:
+        return key.split("."), yaml.load(raw, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as error:
+        raise SpecError([Problem(key, f"--set {text!r}: the value is not valid YAML ({_yaml_reason(error)}); "
+                                 "quote it, e.g. --set 'name=\"a: b\"'")]) from None
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node: Any = data
+    for depth, part in enumerate(path):
+        last, here = depth == len(path) - 1, ".".join(path[: depth + 1])
+        if isinstance(node, list):
+            if not (part.isdigit() and int(part) < len(node)):
+                raise ValueError(f"{'.'.join(path[:depth])} is a list of {len(node)}; "
+                                 f"{part!r} is not an index in it")
+            index: Any = int(part)
+        elif isinstance(node, dict):
+            index = part
+            if not last and node.get(part) is None:
+                node[part] = {}  # a section missing from the YAML, or written as an empty key
+        else:
+            raise ValueError(f"{'.'.join(path[:depth])} is {_show(node)}, not a section; "
+                             f"cannot set {here} inside it")
+        if last:
+            node[index] = value
+        else:
+            node = node[index]
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `data` with each `key.path=value` override applied in order. Values are
+    parsed as YAML (`4` is an int, `[]` a list, `s3://b/p` a string); list items are
+    addressed by index (`chaos.faults.0.rank=2`). Raises SpecError naming every bad one."""
+    result, problems = copy.deepcopy(dict(data)), []
+    for text in overrides:
+        try:
+            path, value = _parse_override(text)
+            _set_path(result, path, value)
+        except SpecError as error:
+            problems += error.problems
+        except ValueError as error:
+            problems.append(Problem(text.partition("=")[0].strip(), f"--set {text!r}: {error}"))
+    if problems:
+        raise SpecError(problems)
+    return result
+
+
+def load_spec(path: str, overrides: Sequence[str] = ()) -> JobSpec:
+    """Read the YAML job spec at `path`, apply `--set` overrides, validate; raise SpecError."""
+    return validate_spec(apply_overrides(_read_yaml(path), overrides))
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """Stable sha256 (hex) of the spec's canonical JSON: sorted keys, no whitespace, YAML
+    key spellings. Equal specs hash equally across processes and Python versions."""
+    canonical = json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()

@@ -1,0 +1,73 @@
+"""Run a function on N local processes joined in a gloo process group, and collect the results.
+
+    results = run_ranks(fn, world_size=4, args=(...,))
+
+`fn(rank, world_size, *args)` runs in a fresh spawned process with one intra-op thread (so
+eight ranks fit on two cores) after `init_process_group("gloo")` on 127.0.0.1 and a free
+port; its return value is pickled back through a file. `fn` must be importable (defined at
+module level). A failing rank fails the call with its traceback; a hang fails it at the
+timeout, after the ranks are killed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 60.0) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    init_gloo(rank, world_size, port)
+    try:
+        result = fn(rank, world_size, *args)
+        # Free engines (DDP sits in reference cycles) while their process group is alive, and
+        # let every rank finish its last collective before rank 0 closes the store.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as handle:
+        pickle.dump(result, handle)
+
+
+def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list:
+    """[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)], each in its own process."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as handle:
+                results.append(pickle.load(handle))
+        return results

@@ -1,0 +1,86 @@
+"""A real local Ray cluster for the `ray` tests: started here, on free ports, in its own temp
+dir, and stopped by the PID (process group) of the `ray start --block` process we launched.
+Never `ray stop`: that would hit every Ray process on the machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_cluster(address: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    probe = [str(VENV_BIN / "python"), "-c",
+             f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
+             "assert ray.cluster_resources().get('CPU', 0) > 0"]
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}")
+        if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"local Ray cluster at {address} did not come up in {timeout_s:.0f} s")
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of the session `ray start` led (Ray workers make their own
+    process groups but stay in the session), found by PID through /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) == sid:
+                os.kill(int(entry), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Address of a local Ray head with 8 logical CPUs (ranks share the machine's cores)."""
+    # A private test cluster on this machine: no token to distribute to the CLI under test.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    port = _free_port()
+    log = open(os.path.join(temp_dir, "ray-start.log"), "wb")  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
+         "--num-gpus=0", f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
+         f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
+         f"--object-manager-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = None
+    try:
+        node_ip = subprocess.run(
+            [str(VENV_BIN / "python"), "-c", "import ray._private.services as s; print(s.get_node_ip_address())"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        address = f"{node_ip}:{port}"
+        _wait_for_cluster(address, proc)
+        yield address
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _kill_session(proc.pid)
+        log.close()

@@ -1,0 +1,183 @@
+"""The engine in one process (world_size=1): stepping, token weighting, state, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.engine import FAULT_POINTS, Engine
+from trainer.loss import IGNORE_INDEX
+from trainer.model import build_model
+from trainer.optim import lr_at
+
+MODEL = ModelConfig(preset="tiny")
+DATA = DataConfig(seq_len=32)
+
+
+def make_engine(model=MODEL, data=DATA, parallel=None, fault_hook=None, **train) -> Engine:
+    train_cfg = TrainConfig(**{"steps": 20, "global_batch": 8, "micro_batch": 2, "lr": 1e-3, **train})
+    return Engine(model, data, train_cfg, parallel or ParallelConfig(), rank=0, world_size=1,
+                  fault_hook=fault_hook)
+
+
+def test_loss_falls_on_synthetic_data():
+    engine = make_engine(steps=40, lr=3e-3, warmup_steps=5, global_batch=16, micro_batch=16)
+    losses = [engine.train_step().loss for _ in range(40)]
+    assert losses[0] == pytest.approx(5.55, abs=0.1)  # ln(256): the initial model is uniform
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+
+
+def test_step_result_describes_the_global_batch():
+    engine = make_engine(warmup_steps=4)
+    result = engine.train_step()
+    samples = [engine.data.sample(0, i) for i in range(8)]
+    assert result.step == 0 and engine.next_step == 1
+    assert result.tokens == sum(len(s) - 1 for s in samples)
+    assert result.lr == lr_at(0, engine.train_config)
+    assert result.grad_norm > 0
+    assert 0 < result.compute_s <= result.step_s
+    assert engine.train_step().step == 1
+
+
+def test_accumulated_gradient_is_the_gradient_of_the_token_mean():
+    """Microbatches of different lengths: the gradient must weight every token equally."""
+    grads = {}
+
+    def capture(point, step):
+        if point == "after_backward":
+            grads.update({n: p.grad.clone() for n, p in engine.model.named_parameters()})
+
+    engine = make_engine(micro_batch=1, grad_clip=None)
+    engine.fault_hook = capture
+    engine.train_step()
+
+    model = build_model(MODEL, seed=0)
+    batch = engine.data.microbatches(0, 8, 8, 0, 1)[0]
+    logits = model(batch.input_ids)
+    F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("micro_batch", [1, 4])
+def test_microbatch_size_does_not_change_the_step(micro_batch):
+    whole, split = make_engine(micro_batch=8), make_engine(micro_batch=micro_batch)
+    for _ in range(3):
+        assert split.train_step().loss == pytest.approx(whole.train_step().loss, abs=1e-6)
+    whole_state, split_state = whole.state_tensors(), split.state_tensors()
+    for name, value in whole_state.items():
+        torch.testing.assert_close(split_state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def run_and_snapshot(engine: Engine, steps: int, snapshot_at: int):
+    losses, snapshot = [], None
+    for _ in range(steps):
+        if engine.next_step == snapshot_at:
+            snapshot = engine.state_tensors(), engine.state_meta()
+        losses.append(engine.train_step().loss)
+    return losses, snapshot
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(precision="bf16"), dict(optimizer="sgd", weight_decay=0.0), dict(warmup_steps=3)],
+    ids=["fp32", "bf16", "sgd", "warmup"],
+)
+@pytest.mark.parametrize("snapshot_at", [0, 3])
+def test_resume_is_bit_exact(options, snapshot_at):
+    model = ModelConfig(preset="tiny", dropout=0.1)
+    straight = make_engine(model=model, **options)
+    losses, (tensors, meta) = run_and_snapshot(straight, 6, snapshot_at)
+    resumed = make_engine(model=model, **options)
+    resumed.load_state(tensors, meta)
+    assert resumed.next_step == snapshot_at
+    assert [resumed.train_step().loss for _ in range(6 - snapshot_at)] == losses[snapshot_at:]
+    final, again = straight.state_tensors(), resumed.state_tensors()
+    assert final.keys() == again.keys()
+    for name, value in final.items():
+        assert torch.equal(again[name], value), name
+
+
+def test_state_tensors_names_and_copies():
+    engine = make_engine()
+    assert all(name.startswith("model/") for name in engine.state_tensors())
+    engine.train_step()
+    state = engine.state_tensors()
+    params = [name for name, _ in engine.model.named_parameters()]
+    assert set(state) == {f"model/{n}" for n in params} | {
+        f"optim/{n}/{field}" for n in params for field in ("exp_avg", "exp_avg_sq", "step")
+    }
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in state.values())
+    state["model/norm.weight"].fill_(7.0)  # a snapshot, not a view of the live weights
+    assert not torch.equal(engine.model.norm.weight.detach(), state["model/norm.weight"])
+    meta = engine.state_meta()
+    assert meta["next_step"] == 1 and meta["data_seed"] == DATA.seed
+    assert meta["layout"]["dp"] == 1
+
+
+def test_sgd_state_holds_momentum():
+    engine = make_engine(optimizer="sgd")
+    engine.train_step()
+    assert "optim/tok_emb.weight/momentum_buffer" in engine.state_tensors()
+
+
+def test_load_state_rejects_a_checkpoint_that_does_not_fit():
+    engine = make_engine()
+    engine.train_step()
+    tensors, meta = engine.state_tensors(), engine.state_meta()
+    fresh = make_engine()
+    with pytest.raises(ValueError, match="data_seed=0 but this run has 1"):
+        make_engine(data=DataConfig(seq_len=32, seed=1)).load_state(tensors, meta)
+    with pytest.raises(ValueError, match="missing \\['model/norm.weight'\\]"):
+        fresh.load_state({k: v for k, v in tensors.items() if k != "model/norm.weight"}, meta)
+    with pytest.raises(ValueError, match="unexpected \\['model/extra'\\]"):
+        fresh.load_state({**tensors, "model/extra": torch.zeros(1)}, meta)
+    with pytest.raises(ValueError, match="has shape \\(3,\\)"):
+        fresh.load_state({**tensors, "model/norm.weight": torch.zeros(3)}, meta)
+    with pytest.raises(ValueError, match="covers 1 of"):
+        fresh.load_state({k: v for k, v in tensors.items()
+                          if k.startswith("model/") or k.startswith("optim/norm.weight/")}, meta)
+
+
+def test_fault_hook_points_in_order():
+    calls = []
+    engine = make_engine(fault_hook=lambda point, step: calls.append((point, step)))
+    engine.train_step()
+    engine.train_step()
+    assert calls == [(point, step) for step in (0, 1) for point in FAULT_POINTS]
+    engine.fault_hook = None  # the rank loop re-arms or disarms the hook between steps
+    engine.train_step()
+    assert len(calls) == 2 * len(FAULT_POINTS)
+
+
+def test_a_raising_fault_hook_stops_the_step_before_the_update():
+    engine = make_engine()
+    before = engine.state_tensors()
+
+    def explode(point, step):
+        if point == "after_backward":
+            raise RuntimeError("injected")
+
+    engine.fault_hook = explode
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.train_step()
+    assert engine.next_step == 0
+    assert all(torch.equal(before[k], v) for k, v in engine.state_tensors().items())
+
+
+def test_configuration_errors_name_the_field():
+    with pytest.raises(NotImplementedError, match="train.precision='fp16'"):
+        make_engine(precision="fp16")
+    with pytest.raises(NotImplementedError, match="parallel.tp=2"):
+        make_engine(parallel=ParallelConfig(tp=2))
+    with pytest.raises(NotImplementedError, match="parallel.zero=1"):
+        make_engine(parallel=ParallelConfig(zero=1))
+    with pytest.raises(ValueError, match="world_size=1 but parallel.dp=2"):
+        make_engine(parallel=ParallelConfig(dp=2))
+    with pytest.raises(ValueError, match="train.global_batch=8 is not divisible"):
+        make_engine(micro_batch=3)
+    with pytest.raises(ValueError, match="data.seq_len=300 exceeds model.max_seq_len=256"):
+        make_engine(data=DataConfig(seq_len=300))
+    cfgs = MODEL, DATA, TrainConfig(steps=1, global_batch=8), ParallelConfig(dp=2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Engine(*cfgs, rank=0, world_size=2)

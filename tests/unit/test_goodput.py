@@ -1,0 +1,168 @@
+"""GoodputLedger: exact bookkeeping of wall time under a fake clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from monitor.goodput import BADPUT_CAUSES, BUCKETS, PRODUCTIVE, GoodputLedger
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_buckets_are_productive_plus_the_taxonomy():
+    assert (PRODUCTIVE, *BADPUT_CAUSES) == BUCKETS
+    assert BADPUT_CAUSES == (
+        "startup",
+        "checkpoint_save",
+        "checkpoint_restore",
+        "detection",
+        "reformation",
+        "lost_work",
+        "waiting_for_resources",
+        "other",
+    )
+
+
+def test_time_is_booked_to_the_bucket_that_was_open():
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    clock.advance(3)  # before the first enter: start-up
+    ledger.enter("productive")
+    clock.advance(10)
+    ledger.enter("detection")
+    clock.advance(2)  # still open: totals() must include it
+    totals = ledger.totals()
+    assert totals["startup"] == 3
+    assert totals["productive"] == 10
+    assert totals["detection"] == 2
+    assert ledger.current == "detection"
+    assert ledger.wall() == 15
+    assert ledger.badput()["detection"] == 2 and PRODUCTIVE not in ledger.badput()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_buckets_sum_to_wall_exactly_under_any_sequence(seed):
+    rng = random.Random(seed)
+    clock = FakeClock()
+    # Quarter-second ticks are exact in binary floating point, so equality is exact, not approximate.
+    carried = {bucket: rng.randint(0, 40) / 4 for bucket in BUCKETS}
+    ledger = GoodputLedger(clock=clock, carried=carried)
+    elapsed = 0.0
+    for _ in range(200):
+        tick = rng.randint(0, 40) / 4
+        clock.advance(tick)
+        elapsed += tick
+        if rng.random() < 0.6:
+            ledger.enter(rng.choice(BUCKETS))
+        else:
+            ledger.move(rng.randint(0, 80) / 4, rng.choice(BUCKETS), rng.choice(BUCKETS))
+        totals = ledger.totals()
+        assert sum(totals.values()) == ledger.wall() == sum(carried.values()) + elapsed
+        assert all(seconds >= 0 for seconds in totals.values())
+
+
+def test_move_reattributes_and_clamps_to_what_src_holds():
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.enter("productive")
+    clock.advance(5)
+    ledger.enter("other")
+    assert ledger.move(2, "productive", "checkpoint_save") == 2
+    assert ledger.move(10, "productive", "lost_work") == 3  # only 3 s left in productive
+    assert ledger.move(1, "productive", "lost_work") == 0
+    totals = ledger.totals()
+    assert totals["productive"] == 0
+    assert totals["checkpoint_save"] == 2
+    assert totals["lost_work"] == 3
+    assert ledger.wall() == 5
+
+
+def test_move_counts_the_open_interval_of_src():
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.enter("productive")
+    clock.advance(4)  # productive is still open
+    assert ledger.move(3, "productive", "checkpoint_save") == 3
+    clock.advance(1)
+    assert ledger.totals()["productive"] == 2
+    assert ledger.current == "productive"
+
+
+def test_invalid_arguments_are_refused_with_the_bucket_list():
+    ledger = GoodputLedger(clock=FakeClock())
+    with pytest.raises(ValueError, match="waiting_for_resources"):
+        ledger.enter("idle")
+    with pytest.raises(ValueError, match="unknown goodput bucket"):
+        ledger.move(1, "productive", "idle")
+    with pytest.raises(ValueError, match=">= 0"):
+        ledger.move(-1, "productive", "other")
+    with pytest.raises(ValueError, match="unknown goodput bucket"):
+        GoodputLedger(clock=FakeClock(), carried={"idle": 1.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        GoodputLedger(clock=FakeClock(), carried={"other": float("nan")})
+
+
+def test_carried_totals_add_to_every_bucket_and_to_wall():
+    clock = FakeClock()
+    first = GoodputLedger(clock=clock)
+    first.enter("productive")
+    clock.advance(30)
+    first.move(6, "productive", "checkpoint_save")
+    saved = first.to_dict()
+    assert set(saved) == set(BUCKETS)
+
+    # A new controller process after a crash: a different clock origin, the saved totals carried.
+    resumed_clock = FakeClock(now=5.0)
+    resumed = GoodputLedger(clock=resumed_clock, carried=saved)
+    assert resumed.totals() == saved
+    assert resumed.wall() == 30
+    resumed_clock.advance(4)  # start-up of the new controller
+    resumed.enter("checkpoint_restore")
+    resumed_clock.advance(2)
+    resumed.enter("productive")
+    resumed_clock.advance(10)
+    totals = resumed.totals()
+    assert totals["startup"] == 4
+    assert totals["checkpoint_restore"] == 2
+    assert totals["productive"] == 24 + 10
+    assert totals["checkpoint_save"] == 6
+    assert resumed.wall() == 46 == sum(totals.values())
+
+
+def test_goodput_ratio():
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    assert ledger.goodput() == 0.0  # no time has passed: no division by zero
+    clock.advance(1)
+    ledger.enter("productive")
+    clock.advance(3)
+    assert ledger.goodput() == 0.75
+    ledger.move(1, "productive", "lost_work")
+    assert ledger.goodput() == 0.5
+
+
+def test_stop_freezes_wall_and_totals():
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.enter("productive")
+    clock.advance(8)
+    ledger.stop()
+    clock.advance(100)
+    assert ledger.current is None
+    assert ledger.wall() == 8 == ledger.totals()["productive"]
+    ledger.stop()  # idempotent: the controller may stop on both SUCCEEDED and shutdown
+    assert ledger.move(2, "productive", "lost_work") == 2  # late-learned costs still move
+    assert ledger.wall() == 8 == sum(ledger.totals().values())
+    with pytest.raises(RuntimeError, match="stopped"):
+        ledger.enter("productive")

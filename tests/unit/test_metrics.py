@@ -1,0 +1,203 @@
+"""JobMetrics: a real exporter on loopback, scraped over HTTP as Prometheus would."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from monitor.goodput import BADPUT_CAUSES, GoodputLedger
+from monitor.metrics import JobMetrics, stragglers
+
+HOST = "127.0.0.1"
+JOB = "demo"
+# No proxy, whatever the environment says: the tests speak to loopback only.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+GAUGES = [
+    "undying_step",
+    "undying_tokens_per_second",
+    "undying_mfu_ratio",
+    "undying_loss",
+    "undying_grad_norm",
+    "undying_loss_scale",
+    "undying_goodput_ratio",
+    "undying_checkpoint_bytes",
+    "undying_checkpoint_last_committed_step",
+    "undying_checkpoint_interval_seconds",
+    "undying_generation",
+    "undying_world_size",
+]
+HISTOGRAMS = [
+    "undying_step_seconds",
+    "undying_checkpoint_blocking_seconds",
+    "undying_checkpoint_total_seconds",
+    "undying_detection_seconds",
+    "undying_recovery_seconds",
+]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def metrics():
+    m = JobMetrics(JOB)
+    yield m
+    m.close()
+
+
+def scrape(port: int) -> str:
+    with _OPENER.open(f"http://{HOST}:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of an exposition text."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text)[(name, frozenset({"job": JOB, **labels}.items()))]
+
+
+def feed(metrics: JobMetrics) -> GoodputLedger:
+    """One of each controller event, with known numbers."""
+    metrics.on_step(25, step_s=0.5, tokens=4096, loss=4.25, grad_norm=1.5, mfu=0.4, loss_scale=1024.0)
+    metrics.on_checkpoint(20, nbytes=1_000_000, blocking_s=0.2, total_s=1.5, interval_s=30.0)
+    metrics.on_checkpoint_skipped()
+    metrics.on_failure("actor_died")
+    metrics.on_failure("actor_died")
+    metrics.on_failure("hang")
+    metrics.on_recovery(detection_s=0.1, recovery_s=12.0)
+    metrics.on_layout(generation=2, world_size=8, dp=2, tp=2, pp=2)
+    metrics.on_state("RUNNING")
+    for rank, seconds in enumerate([1.0, 1.0, 1.1, 3.0]):
+        metrics.on_rank_compute(rank, seconds)
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    clock.now = 2.0
+    ledger.enter("productive")
+    clock.now = 10.0
+    ledger.move(1.0, "productive", "checkpoint_save")
+    metrics.on_goodput(ledger)
+    return ledger
+
+
+def test_every_name_and_label_is_exposed_with_its_value(metrics):
+    port = metrics.serve(HOST, 0)
+    assert port > 0 and metrics.port == port
+    feed(metrics)
+    text = scrape(port)
+    for name in GAUGES:
+        assert (name, frozenset({("job", JOB)})) in samples(text), name
+    for name in HISTOGRAMS:
+        assert value(text, f"{name}_count") == 1, name
+    assert value(text, "undying_step") == 25
+    assert value(text, "undying_tokens_per_second") == 8192
+    assert value(text, "undying_loss") == 4.25
+    assert value(text, "undying_loss_scale") == 1024
+    assert value(text, "undying_checkpoint_last_committed_step") == 20
+    assert value(text, "undying_checkpoint_skipped_total") == 1
+    assert value(text, "undying_failures_total", kind="actor_died") == 2
+    assert value(text, "undying_failures_total", kind="hang") == 1
+    assert value(text, "undying_recovery_seconds_sum") == 12.0
+    assert [value(text, "undying_parallel_degree", dim=d) for d in ("dp", "tp", "pp")] == [2, 2, 2]
+    assert value(text, "undying_controller_state", state="RUNNING") == 1
+    assert value(text, "undying_rank_step_compute_seconds", rank="3") == 3.0
+    assert [value(text, "undying_straggler", rank=str(r)) for r in range(4)] == [0, 0, 0, 1]
+
+
+def test_goodput_totals_are_exposed_per_cause(metrics):
+    port = metrics.serve(HOST, 0)
+    feed(metrics)
+    text = scrape(port)
+    assert f'undying_badput_seconds_total{{cause="startup",job="{JOB}"}} 2.0' in text
+    for cause in BADPUT_CAUSES:
+        assert (("undying_badput_seconds_total", frozenset({"job": JOB, "cause": cause}.items()))) in samples(
+            text
+        )
+    assert value(text, "undying_badput_seconds_total", cause="checkpoint_save") == 1.0
+    assert value(text, "undying_productive_seconds_total") == 7.0
+    assert value(text, "undying_goodput_ratio") == 0.7
+
+
+def test_values_update_between_scrapes(metrics):
+    port = metrics.serve(HOST, 0)
+    ledger = feed(metrics)
+    metrics.on_step(26, step_s=0.25, tokens=4096, loss=4.0, grad_norm=None)
+    metrics.on_checkpoint(30, nbytes=2_000_000, blocking_s=0.3, total_s=1.0, interval_s=None)
+    metrics.on_state("RECOVERING")
+    metrics.on_layout(generation=3, world_size=2, dp=2, tp=1, pp=1)
+    metrics.on_rank_compute(0, 0.5)
+    ledger.move(7.0, "productive", "lost_work")  # a rollback shrinks productive: a gauge may do that
+    metrics.on_goodput(ledger)
+    text = scrape(port)
+    assert value(text, "undying_step") == 26
+    assert value(text, "undying_tokens_per_second") == 16384
+    # Not reported this time: the last value is kept.
+    assert value(text, "undying_mfu_ratio") == 0.4
+    assert value(text, "undying_grad_norm") == 1.5
+    assert value(text, "undying_checkpoint_interval_seconds") == 30.0
+    assert value(text, "undying_checkpoint_last_committed_step") == 30
+    assert value(text, "undying_checkpoint_blocking_seconds_count") == 2
+    assert value(text, "undying_step_seconds_count") == 2
+    assert value(text, "undying_controller_state", state="RUNNING") == 0
+    assert value(text, "undying_controller_state", state="RECOVERING") == 1
+    assert value(text, "undying_generation") == 3
+    assert value(text, "undying_parallel_degree", dim="tp") == 1
+    # Ranks of the old, larger world are gone rather than frozen at their last value.
+    assert ("undying_rank_step_compute_seconds", frozenset({"job": JOB, "rank": "3"}.items())) not in samples(
+        text
+    )
+    assert value(text, "undying_rank_step_compute_seconds", rank="0") == 0.5
+    assert value(text, "undying_productive_seconds_total") == 0.0
+    assert value(text, "undying_badput_seconds_total", cause="lost_work") == 7.0
+
+
+def test_close_frees_the_port(metrics):
+    port = metrics.serve(HOST, 0)
+    scrape(port)
+    metrics.close()
+    assert metrics.port is None
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, port))
+    assert metrics.serve(HOST, port) == port  # the same job can serve again on the freed port
+    assert "undying_step" in scrape(port)
+
+
+def test_serving_twice_is_refused(metrics):
+    port = metrics.serve(HOST, 0)
+    with pytest.raises(RuntimeError, match=str(port)):
+        metrics.serve(HOST, 0)
+
+
+def test_two_jobs_in_one_process_do_not_collide():
+    first, second = JobMetrics("a"), JobMetrics("b")
+    first.on_failure("hang")
+    assert first.registry is not second.registry
+    assert second.registry.get_sample_value("undying_failures_total", {"job": "b", "kind": "hang"}) is None
+    assert first.registry.get_sample_value("undying_failures_total", {"job": "a", "kind": "hang"}) == 1
+
+
+def test_stragglers_use_the_median():
+    assert stragglers({}) == set()
+    assert stragglers({0: 5.0}) == set()
+    assert stragglers({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.6}) == {3}
+    assert stragglers({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.4}) == set()
+    assert stragglers({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.4}, factor=1.2) == {3}

@@ -1,0 +1,396 @@
+"""The job spec: loading, overrides, validation messages, hashing, and the storage probe."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import yaml
+from fsspec.implementations.memory import MemoryFileSystem
+from pydantic import ValidationError
+
+from chaos.config import FaultSpec
+from ckpt.config import CheckpointConfig
+from orchestrator.spec import (
+    JobSpec,
+    Problem,
+    SpecError,
+    apply_overrides,
+    engine_support_problems,
+    load_spec,
+    spec_hash,
+    validate_spec,
+)
+from orchestrator.storage_check import check_storage, require_storage
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+
+# The job spec as the README shows it; it must load exactly as written.
+TINY_YAML = """\
+name: tiny
+model: {preset: tiny}
+data: {source: synthetic, seq_len: 64, seed: 0}
+train: {steps: 60, global_batch: 16, micro_batch: 2, lr: 3.0e-4, optimizer: adamw, precision: fp32, seed: 0}
+parallel: {dp: 2, tp: 1, pp: 1, zero: 0, schedule: 1f1b}
+checkpoint: {url: "file:///tmp/undying/ckpt", interval: young, every_steps: null, keep: 3, async: true}
+elastic: {min_dp: 1, spares: 0, max_restarts: 10}
+resources: {cpus_per_rank: 1, gpus_per_rank: 0}
+monitor: {port: 0}
+chaos: {faults: [{kind: kill_rank, rank: 1, at_step: 25}]}
+"""
+
+
+@pytest.fixture
+def tiny_data() -> dict:
+    return yaml.safe_load(TINY_YAML)
+
+
+def problems_of(data: dict, overrides: list[str] = ()) -> list[Problem]:
+    with pytest.raises(SpecError) as caught:
+        validate_spec(apply_overrides(data, overrides))
+    return caught.value.problems
+
+
+def fields_of(data: dict, overrides: list[str] = ()) -> list[str]:
+    return [p.field for p in problems_of(data, overrides)]
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
+def test_readme_spec_loads_exactly_as_written(tmp_path):
+    spec = load_spec(write(tmp_path, TINY_YAML))
+    model = spec.model
+    assert (spec.name, model.n_layers, model.n_heads, model.d_model) == ("tiny", 4, 4, 64)
+    assert (spec.parallel.dp, spec.world_size, spec.train.lr) == (2, 2, 3.0e-4)
+    assert spec.checkpoint.interval == "young" and spec.checkpoint.every_steps is None
+    assert spec.checkpoint.async_ is True and spec.checkpoint.keep == 3
+    assert spec.chaos.faults == [FaultSpec(kind="kill_rank", rank=1, at_step=25)]
+    assert spec.checkpoint_root == "file:///tmp/undying/ckpt/tiny"
+    assert load_spec(str(EXAMPLES / "tiny.yaml")) == spec
+    changed = load_spec(str(EXAMPLES / "tiny.yaml"), ["parallel.dp=4", "chaos.faults=[]"])
+    assert (changed.parallel.dp, changed.chaos.faults) == (4, [])
+
+
+def test_demo_example_is_four_ranks_with_one_kill():
+    spec = load_spec(str(EXAMPLES / "demo.yaml"))
+    train, ckpt = spec.train, spec.checkpoint
+    assert (spec.parallel.world_size, train.steps, train.global_batch, train.micro_batch) == (4, 60, 16, 2)
+    assert (ckpt.url, ckpt.every_steps, ckpt.keep) == ("file:///tmp/undying/ckpt", 10, 3)
+    assert spec.chaos.faults == [FaultSpec(kind="kill_rank", rank=1, at_step=25)]
+
+
+def test_bad_example_reports_every_mistake_at_once():
+    with pytest.raises(SpecError) as caught:
+        load_spec(str(EXAMPLES / "bad.yaml"))
+    fields = {p.field for p in caught.value.problems}
+    assert {"name", "checkpoint.asynch", "parallel.tp", "train.global_batch", "resources.num_ranks",
+            "chaos.faults[0].rank", "chaos.faults[0].at_step"} <= fields
+    assert str(caught.value).splitlines() == [str(p) for p in caught.value.problems]
+
+
+def test_unknown_top_level_key_lists_allowed_keys(tiny_data):
+    [problem] = problems_of({**tiny_data, "foo": 1})
+    assert problem.field == "foo"
+    assert problem.message.startswith("unknown key 'foo'; allowed keys: name, model, data, train")
+
+
+def test_unknown_nested_key_suggests_the_close_one(tiny_data):
+    tiny_data["checkpoint"]["asynch"] = True
+    [problem] = problems_of(tiny_data)
+    assert problem.field == "checkpoint.asynch"
+    assert "did you mean 'async'?" in problem.message and "keep, async, mtbf_s" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fragment"),
+    [
+        (["parallel.tp=3"], "parallel.tp", "model.n_heads = 4 is not divisible by tp = 3; use a tp that "
+                                           "divides it: 1, 2, 4"),
+        (["parallel.pp=3"], "parallel.pp", "model.n_layers = 4 is not divisible by pp = 3"),
+        (["resources.num_ranks=3"], "resources.num_ranks", "3 does not match parallel.dp * tp * pp = 2"),
+        (["model.position=learned", "data.seq_len=512"], "data.seq_len", "exceeds model.max_seq_len = 256"),
+        (["data={source: text, path: a.txt}", "model.vocab_size=128"], "model.vocab_size", "at least 256"),
+        (["elastic.min_dp=3"], "elastic.min_dp", "3 exceeds parallel.dp = 2"),
+        (["chaos.faults.0.rank=2"], "chaos.faults[0].rank", "use a rank in 0..1"),
+        (["chaos.faults.0.at_step=60"], "chaos.faults[0].at_step", "use a step in 0..59"),
+    ],
+)
+def test_cross_section_check(tiny_data, overrides, field, fragment):
+    problems = [p for p in problems_of(tiny_data, overrides) if p.field == field]
+    assert any(fragment in p.message for p in problems), problems
+
+
+def test_global_batch_message_says_the_fix(tiny_data):
+    [problem] = problems_of(tiny_data, ["parallel.dp=2", "train.global_batch=15"])
+    assert str(problem) == ("train.global_batch: 15 is not divisible by parallel.dp * train.micro_batch = 4; "
+                            "use a multiple of 4 such as 16")
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"), ("parallel.zero=1", "parallel.zero"),
+     ("train.precision=fp16", "train.precision")],
+)
+def test_engine_limits_are_reported_on_their_field(tiny_data, override, field):
+    # tp=2 and pp=2 divide the tiny model's 4 heads and 4 layers: only the engine limit remains.
+    [problem] = problems_of(tiny_data, [override])
+    assert problem.field == field and "this release" in problem.message
+    assert engine_support_problems(validate_spec(tiny_data)) == []
+
+
+def test_section_and_cross_section_problems_come_together(tiny_data):
+    fields = fields_of(tiny_data, ["train.stpes=3", "parallel.tp=3", "name=my job", "elastic.min_dp=5"])
+    assert fields.count("parallel.tp") == 2  # not divisible, and not supported by this release
+    assert {"train.stpes", "name", "elastic.min_dp"} <= set(fields)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fragment"),
+    [
+        (["train.steps=sixty"], "train.steps", "valid integer"),
+        (["train.lr=-1"], "train.lr", "greater than 0"),
+        (["data.source=txt"], "data.source", "'synthetic' or 'text'; got 'txt'"),
+        (["model=5"], "model", "expected a mapping"),
+        (["chaos=null"], "chaos", "is empty"),
+        (["resources.cpus_per_rank=0"], "resources.cpus_per_rank", "greater than 0"),
+        (["resources.gpus_per_rank=-1"], "resources.gpus_per_rank", "greater than or equal to 0"),
+        (["resources.custom={accel: -1}"], "resources.custom.accel", "greater than or equal to 0"),
+        (["monitor.port=70000"], "monitor.port", "less than or equal to 65535"),
+        (["checkpoint.keep=0"], "checkpoint.keep", "greater than or equal to 1"),
+        (["checkpoint.interval=often"], "checkpoint.interval", "expected 'young' or a number of seconds"),
+        (["checkpoint.interval=0"], "checkpoint.interval", "positive number of seconds"),
+        (["model={n_layers: 2}"], "model", "give a preset"),
+    ],
+)
+def test_type_and_range_errors_name_the_field(tiny_data, overrides, field, fragment):
+    [problem] = problems_of(tiny_data, overrides)
+    assert problem.field == field and fragment in problem.message, problem
+
+
+def test_missing_required_sections():
+    problems = problems_of({"name": "x"})
+    assert [p.field for p in problems] == ["model", "train", "checkpoint"]
+    assert problems[0].message == "required key 'model' is missing; add it under the top level"
+
+
+@pytest.mark.parametrize("name", ["my job", "..", ".", "a/b", ""])
+def test_name_must_be_a_safe_path_component(tiny_data, name):
+    assert fields_of({**tiny_data, "name": name}) == ["name"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "field", "fragment"),
+    [
+        ({"kind": "kill_rank", "rank": 0}, "chaos.faults[0]", "give a trigger"),
+        ({"kind": "kill_rank", "rank": 0, "at_step": 1, "at_seconds": 2.0}, "chaos.faults[0]",
+         "at most one of at_step, at_seconds"),
+        ({"kind": "kill_rank", "at_step": 1}, "chaos.faults[0].rank", "add rank"),
+        ({"kind": "kill_controller", "rank": 0, "at_step": 1}, "chaos.faults[0].rank", "remove rank"),
+        ({"kind": "slow_rank", "rank": 0, "at_step": 1}, "chaos.faults[0]", "needs factor"),
+        ({"kind": "kill_node", "at_seconds": 5}, "chaos.faults[0]", "needs node"),
+        ({"kind": "storage_latency", "at_point": "ckpt.commit"}, "chaos.faults[0]", "needs delay_s"),
+        ({"kind": "explode", "at_step": 1}, "chaos.faults[0].kind", "'kill_rank'"),
+    ],
+)
+def test_fault_checks(tiny_data, fault, field, fragment):
+    tiny_data["chaos"] = {"faults": [fault]}
+    [problem] = problems_of(tiny_data)
+    assert problem.field == field and fragment in problem.message, problem
+
+
+def test_faults_that_need_no_rank():
+    for fault in [dict(kind="kill_controller", at_seconds=10.0), dict(kind="kill_node", node="n2", at_step=3),
+                  dict(kind="torn_write", at_point="ckpt.after_shards", repeat=True)]:
+        assert FaultSpec.model_validate(fault).rank is None
+
+
+def test_job_spec_built_in_python_is_checked_too(tiny_data):
+    tiny_data["parallel"]["tp"] = 3
+    with pytest.raises(ValidationError) as caught:
+        JobSpec.model_validate(tiny_data)
+    assert {e["loc"] for e in caught.value.errors()} == {("parallel", "tp")}
+
+
+def test_checkpoint_url_normalisation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert CheckpointConfig(url="ckpt/").url == f"file://{tmp_path}/ckpt"
+    assert CheckpointConfig(url="/data/ckpt").url == "file:///data/ckpt"
+    assert CheckpointConfig(url="s3://bucket/prefix/").url == "s3://bucket/prefix"
+    assert CheckpointConfig(url="file:///").join("job") == "file:///job"
+    with pytest.raises(ValidationError):
+        CheckpointConfig(url="  ")
+
+
+def test_checkpoint_async_alias_and_options():
+    by_alias = CheckpointConfig.model_validate({"url": "s3://b/p", "async": False, "interval": 600,
+                                                "storage_options": {"endpoint_url": "http://minio:9000"}})
+    assert by_alias == CheckpointConfig(url="s3://b/p", async_=False, interval=600.0,
+                                        storage_options={"endpoint_url": "http://minio:9000"})
+    assert by_alias.model_dump(by_alias=True)["async"] is False
+    assert CheckpointConfig(url="/x", every_steps=10).mtbf_s == 3600.0
+
+
+def test_presets_and_explicit_dimensions(tiny_data):
+    small = validate_spec(apply_overrides(tiny_data, ["model={preset: small, d_ff: 1024}"])).model
+    assert (small.n_layers, small.n_heads, small.d_model, small.d_ff) == (12, 12, 768, 1024)
+    explicit = validate_spec(apply_overrides(
+        tiny_data, ["model={vocab_size: 512, n_layers: 2, n_heads: 2, d_model: 32}"])).model
+    assert (explicit.preset, explicit.n_layers, explicit.d_ff, explicit.head_dim) == (None, 2, 128, 16)
+
+
+def test_override_values_are_parsed_as_yaml(tiny_data):
+    spec = validate_spec(apply_overrides(tiny_data, [
+        "parallel.dp=4", "checkpoint.url=s3://b/p", "chaos.faults=[]", "train.lr=1e-3",
+        "checkpoint.every_steps=5", "elastic.spares=1", "resources={cpus_per_rank: 0.5, gpus_per_rank: 0.25}",
+    ]))
+    assert (spec.resources.cpus_per_rank, spec.resources.gpus_per_rank) == (0.5, 0.25)
+    assert (spec.parallel.dp, spec.checkpoint.url, spec.chaos.faults) == (4, "s3://b/p", [])
+    assert (spec.train.lr, spec.checkpoint.every_steps, spec.elastic.spares) == (1e-3, 5, 1)
+    assert spec.checkpoint_root == "s3://b/p/tiny"
+
+
+def test_override_creates_missing_sections_and_leaves_input_alone(tiny_data):
+    del tiny_data["elastic"]
+    data = apply_overrides(tiny_data, ["elastic.min_dp=2", "chaos.faults.0.rank=0"])
+    assert data["elastic"] == {"min_dp": 2} and data["chaos"]["faults"][0]["rank"] == 0
+    assert "elastic" not in tiny_data and tiny_data["chaos"]["faults"][0]["rank"] == 1
+
+
+def test_malformed_overrides_name_themselves(tiny_data):
+    bad = ["parallel.dp", "parallel.dp=[", "parallel.dp=", "chaos.faults.3.rank=1", "model.preset.x=1", "=3"]
+    with pytest.raises(SpecError) as caught:
+        apply_overrides(tiny_data, bad)
+    problems = caught.value.problems
+    assert all(repr(text) in p.message for text, p in zip(bad, problems, strict=True)), problems
+    assert [p.field for p in problems] == ["--set", "parallel.dp", "parallel.dp", "chaos.faults.3.rank",
+                                           "model.preset.x", "--set"]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("name: tiny\nmodel: {preset: tiny\n", "line 3, column 1"),
+        ("- name: tiny\n", "the top level is a list, not a mapping"),
+        ("", "the top level is empty"),
+        ("name: a\nname: b\n", "key 'name' is given twice"),
+    ],
+)
+def test_unreadable_files(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    [problem] = caught.value.problems
+    assert problem.field == path and fragment in problem.message, problem
+
+
+@pytest.mark.parametrize(("name", "fragment"), [("nope.yaml", "No such file"), ("", "Is a directory")])
+def test_missing_file_and_directory(tmp_path, name, fragment):
+    with pytest.raises(SpecError, match=f"^{re.escape(str(tmp_path / name))}: .*{fragment}"):
+        load_spec(str(tmp_path / name))
+
+
+def test_spec_hash_is_stable(tmp_path, tiny_data):
+    spec = load_spec(str(EXAMPLES / "tiny.yaml"))
+    digest = spec_hash(spec)
+    assert len(digest) == 64 and digest == spec_hash(load_spec(write(tmp_path, TINY_YAML)))
+    # Block style with keys in another order is the same spec.
+    reordered = yaml.safe_dump(dict(reversed(list(tiny_data.items()))), default_flow_style=False)
+    assert spec_hash(load_spec(write(tmp_path, reordered, "block.yaml"))) == digest
+    # Its canonical JSON is itself a valid spec with the same hash.
+    assert spec_hash(validate_spec(spec.model_dump(mode="json", by_alias=True))) == digest
+    assert spec_hash(validate_spec(apply_overrides(tiny_data, ["train.seed=1"]))) != digest
+    # User-given mappings hash by content, not by the order their keys were written in.
+    one, two = (validate_spec(apply_overrides(tiny_data, [f"checkpoint.storage_options={o}"]))
+                for o in ("{a: 1, b: 2}", "{b: 2, a: 1}"))
+    assert spec_hash(one) == spec_hash(two)
+    # ... and does not depend on the process (string hashing is randomised per process).
+    code = f"from orchestrator.spec import *; print(spec_hash(load_spec({str(EXAMPLES / 'tiny.yaml')!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONHASHSEED": "7"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == digest
+
+
+def test_writable_local_directory_is_created_and_left_clean(tmp_path):
+    target = tmp_path / "a" / "b"
+    assert check_storage(str(target), {}) == []
+    assert target.is_dir() and list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("make_url", "fragment"),
+    [
+        (lambda tmp: "nosuchproto://x", "unknown or unavailable protocol"),
+        (lambda tmp: f"file://{tmp}/afile/sub", "not a directory"),
+        (lambda tmp: f"file://{tmp}/afile", "not a directory"),
+        # sysfs refuses new directories even to root, so this is read-only for any user.
+        (lambda tmp: "file:///sys/undying-probe", "writable location"),
+    ],
+)
+def test_unusable_locations_are_reported(tmp_path, make_url, fragment):
+    (tmp_path / "afile").write_text("x")
+    [problem] = check_storage(make_url(tmp_path), {})
+    assert problem.field == "checkpoint.url" and fragment in problem.message, problem
+
+
+def test_unreachable_s3_endpoint_fails_in_seconds():
+    from s3fs import S3FileSystem
+
+    with socket.socket() as sock:  # a port nobody listens on once this socket is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cached = dict(S3FileSystem._cache)
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"}
+    started = time.monotonic()
+    [problem] = check_storage("s3://bucket/prefix", options)
+    assert time.monotonic() - started < 10
+    assert problem.field == "checkpoint.url" and "endpoint" in problem.message
+    assert dict(S3FileSystem._cache) == cached  # the probe's instance was not cached
+    assert options == {"endpoint_url": options["endpoint_url"], "key": "k", "secret": "s"}
+
+
+class _StuckFileSystem(MemoryFileSystem):
+    protocol, store, pseudo_dirs = "undying-stuck", {}, [""]  # its own store, not memory://'s
+
+    def pipe_file(self, path, value, **kwargs):
+        time.sleep(10)  # like an endpoint that accepts the connection and then goes quiet
+
+
+class _NoDeleteFileSystem(MemoryFileSystem):
+    protocol, store, pseudo_dirs = "undying-nodelete", {}, [""]
+
+    def rm_file(self, path):
+        raise PermissionError(path)
+
+
+def test_probe_gives_up_at_its_deadline():
+    fsspec.register_implementation(_StuckFileSystem.protocol, _StuckFileSystem, clobber=True)
+    started = time.monotonic()
+    [problem] = check_storage("undying-stuck://b/p", {}, timeout_s=0.5)
+    assert time.monotonic() - started < 5 and "did not answer within 0.5 s" in problem.message
+
+
+def test_storage_that_cannot_delete_is_reported():
+    fsspec.register_implementation(_NoDeleteFileSystem.protocol, _NoDeleteFileSystem, clobber=True)
+    [problem] = check_storage("undying-nodelete://b/p", {})
+    assert problem.field == "checkpoint.url" and "checkpoint.keep" in problem.message
+
+
+def test_require_storage_raises_spec_error(tmp_path, tiny_data):
+    (tmp_path / "afile").write_text("x")
+    ok = validate_spec(apply_overrides(tiny_data, [f"checkpoint.url={tmp_path}/ckpt"]))
+    require_storage(ok)
+    bad = validate_spec(apply_overrides(tiny_data, [f"checkpoint.url={tmp_path}/afile"]))
+    with pytest.raises(SpecError) as caught:
+        require_storage(bad)
+    assert [p.field for p in caught.value.problems] == ["checkpoint.url"]

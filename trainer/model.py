@@ -1,0 +1,223 @@
+"""A GPT-style decoder-only transformer, meant to be read top to bottom.
+
+    token ids -> token embedding (+ learned positions) -> dropout
+              -> n_layers x Block -> final norm -> LM head -> logits
+    Block:       x = x + attention(norm(x))
+                 x = x + mlp(norm(x))                    (pre-norm, as GPT-2 and Llama)
+
+Positions are rotary (RoPE, applied to queries and keys inside attention) or a learned
+table added to the embeddings. The LM head reuses the token embedding when embeddings are
+tied. No linear layer or norm has a bias.
+
+Parameter names are part of the checkpoint format (`Engine.state_tensors` stores them as
+"model/<name>"), so they must not change:
+
+    tok_emb.weight                  pos_emb.weight (learned positions only)
+    blocks.<i>.attn_norm.weight     blocks.<i>.attn.{q,k,v,o}_proj.weight
+    blocks.<i>.mlp_norm.weight      blocks.<i>.mlp.{gate,up,down}_proj.weight (gate: swiglu only)
+    norm.weight                     lm_head.weight (untied embeddings only)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+from trainer.seeding import generator
+
+ROPE_THETA = 10000.0
+INIT_STD = 0.02
+
+
+def rope_tables(head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each (max_seq_len, head_dim), in fp32.
+
+    Channel pair (j, j + head_dim/2) of position t is rotated by t * theta^(-2j/head_dim)
+    (the "rotate half" layout of GPT-NeoX and Llama; RoFormer, arXiv:2104.09864).
+    """
+    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, head_dim) by the tables' first T rows."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # The head count comes from the projection's width, not the config, so that a
+        # tensor-parallel rank holding a slice of the heads runs this code unchanged.
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_dropout(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    """gelu: down(gelu(up(x))).  swiglu: down(silu(gate(x)) * up(x)) (Shazeer, arXiv:2002.05202)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            hidden = F.gelu(self.up_proj(x))
+        return self.dropout(self.down_proj(hidden))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab_size). Build it with `build_model`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.position == "rope" and cfg.head_dim % 2:
+            raise ValueError(
+                f"RoPE needs an even head dimension, got d_model/n_heads = {cfg.head_dim}: "
+                "change n_heads or use model.position='learned'"
+            )
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.position == "rope":
+            # Derived from the config, so not part of the state dict (persistent=False).
+            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        x = self.tok_emb(input_ids)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(seq, device=input_ids.device))
+        else:
+            rope = (self.rope_cos[:seq], self.rope_sin[:seq])
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x, rope)
+        x = self.norm(x)
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation, each parameter drawn from its own generator seeded by (seed, name).
+
+        Weights ~ N(0, 0.02); the projections that write into the residual stream (o_proj,
+        down_proj) get 0.02/sqrt(2 * n_layers) so the residual variance does not grow with
+        depth (GPT-2, Radford et al. 2019, section 2.3). Norm weights start at 1. Seeding per
+        name makes a parameter's initial value independent of which other parameters exist,
+        so a pipeline stage holding layers 4..7 initialises them exactly as the full model does.
+        """
+        residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+            values = torch.randn(param.shape, generator=generator(seed, "init", name)) * std
+            param.copy_(values)
+        if self.pos_emb is None:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> GPT:
+    """The model for `cfg`, initialised deterministically from `seed`, on `device`.
+
+    Built on the meta device first so that no memory is spent on a throw-away default
+    initialisation and the global RNG is never touched.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of distinct parameters of `build_model(cfg)`, from the config alone."""
+    d, vocab = cfg.d_model, cfg.vocab_size
+    mlp_matrices = 3 if cfg.activation == "swiglu" else 2
+    per_block = 4 * d * d + mlp_matrices * d * cfg.d_ff + 2 * d
+    total = vocab * d + cfg.n_layers * per_block + d
+    if cfg.position == "learned":
+        total += cfg.max_seq_len * d
+    if not cfg.tie_embeddings:
+        total += vocab * d
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
+
+    6 * N + 12 * n_layers * d_model * seq_len (PaLM, Chowdhery et al. 2022, appendix B):
+    N counts the weights that multiply activations (every projection and the LM head, not
+    the embedding lookups or norms), 2 FLOPs per weight forward and 4 backward. The second
+    term is QK^T and attention-times-V, counted without the causal halving as in PaLM, so
+    MFU figures compare with the published ones.
+    """
+    d = cfg.d_model
+    mlp_matrices = 3 if cfg.activation == "swiglu" else 2
+    matmul_params = cfg.n_layers * (4 * d * d + mlp_matrices * d * cfg.d_ff) + cfg.vocab_size * d
+    return 6 * matmul_params + 12 * cfg.n_layers * d * seq_len
