@@ -141,13 +141,16 @@ class Engine:
                 f"group's rank {dist.get_rank()}/{dist.get_world_size()}"
             )
         # find_unused_parameters=True fixes the gradient bucket layout for the engine's life.
-        # By default DDP reduces everything in one bucket in step 0, then rebuilds its buckets
-        # in the order gradients became ready. A ring all-reduce with more than two ranks sums
-        # an element in an order that depends on its offset in the bucket, so a fresh DDP built
-        # after a restore (one bucket again) rounds differently from the run it resumes, and
-        # bit-exact resume breaks with 4 ranks (measured; 2 ranks are immune, a + b == b + a).
-        # Without the rebuild every engine, fresh or not, uses the same layout at every step.
-        # The price is one autograd-graph traversal per step, small next to the backward.
+        # By default DDP reduces everything in one bucket in its first iteration, then rebuilds
+        # its buckets in the order gradients became ready. A ring all-reduce over more than two
+        # ranks sums an element in an order that depends on its offset in the bucket, so a fresh
+        # DDP built after a restore (one bucket again) rounds differently from the run it
+        # resumes. Measured with torch 2.13, gloo, 4 ranks, tiny model: 3 resumed steps left
+        # 93 of 136 state tensors different from the uninterrupted run; with the flag, none.
+        # (2 ranks are immune: a + b == b + a.) With find_unused_parameters DDP never rebuilds,
+        # so every engine, fresh or not, reduces with the same layout at every step. The price
+        # is one autograd-graph traversal per step, small next to the backward, and a warning
+        # DDP logs once per process that no unused parameters were found: expected here.
         # forward_sync_buffers=False: the only buffers (RoPE tables) are constants.
         ddp = DistributedDataParallel(
             self.model,

@@ -1,0 +1,186 @@
+"""The controller state machine, driven one transition at a time with a fake worker group.
+
+The fake stands in for Ray actors: it "trains" by pushing the events real ranks push (step
+records from rank 0, shard receipts from every rank) into the real rendezvous store, and can
+make a rank die at a chosen step. Storage and the store are real (local dir, TCPStore).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.shards import write_shard
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator.controller import Controller, State
+from orchestrator.ckpt_plan import CheckpointPlan
+from orchestrator.rendezvous import PLAN, RendezvousServer
+from orchestrator.spec import validate_spec
+from orchestrator.worker_group import PlacementError, RankOutcome
+
+
+class FakeWorkerGroup:
+    def __init__(self, rendezvous: RendezvousServer, storage: Storage, die_at: dict | None = None,
+                 place_error: str | None = None):
+        self.rendezvous = rendezvous
+        self.storage = storage
+        self.die_at = dict(die_at or {})  # step -> rank that dies there (once)
+        self.place_error = place_error
+        self.actors: dict[int, str] = {}
+        self.created: list[int] = []
+        self.gen = -1
+        self.next_step = 0
+        self.cascade = False
+        self._running: set[int] = set()
+        self.until = 0
+
+    def place(self, world_size):
+        if self.place_error:
+            raise PlacementError(self.place_error)
+
+    def ensure_actors(self, ranks):
+        for r in ranks:
+            self.actors[r] = f"actor-{r}"
+            self.created.append(r)
+
+    def ping_all(self, timeout_s):
+        return [{} for _ in self.actors]
+
+    def join_all(self, gen, host, port, timeout_s):
+        self.gen = gen
+        return [0.0] * len(self.actors)
+
+    def restore_all(self, step, timeout_s):
+        self.next_step = step or 0
+        return [{"next_step": self.next_step}] * len(self.actors)
+
+    def start_training(self, until_step, faults):
+        self.until = until_step
+        self._running = set(self.actors)
+
+    def _train(self):
+        store = self.rendezvous.generation(self.gen)
+        plan = CheckpointPlan.from_json(store.get_json(PLAN))
+        world = len(self.actors)
+        while self.next_step < self.until:
+            step = self.next_step
+            if step in self.die_at:
+                dead = self.die_at.pop(step)
+                self.actors.pop(dead)
+                self._running.discard(dead)
+                self.cascade = True
+                return [RankOutcome(dead, "died", {"error": "actor died"})]
+            store.push_event({"type": "step", "step": step, "loss": 10.0 / (step + 1), "tokens": 100,
+                              "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.01, "compute_s": 0.01, "time": 0.0})
+            self.next_step += 1
+            if plan.should_save(self.next_step):
+                for rank in range(world):
+                    t = {f"w{rank}": torch.full((2,), float(self.next_step))}
+                    receipt = write_shard(self.storage, self.next_step, rank, t, blocking_s=0.001)
+                    extra = {"engine": {"next_step": self.next_step}} if rank == 0 else {}
+                    store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+        done = [RankOutcome(r, "done", {}) for r in sorted(self._running)]
+        self._running.clear()
+        return done
+
+    def wait_any(self, timeout_s):
+        if self.cascade:  # survivors of a death leave their collective with an error
+            self.cascade = False
+            out = [RankOutcome(r, "aborted", {"error": "collective error"}) for r in sorted(self._running)]
+            self._running.clear()
+            return out
+        return self._train() if self._running else []
+
+    def running(self):
+        return sorted(self._running)
+
+    def kill(self, rank):
+        self.actors.pop(rank, None)
+
+    def leave_all(self, ranks, timeout_s):
+        return []
+
+    def shutdown(self):
+        self.actors.clear()
+
+
+def _spec(tmp_path, **over):
+    data = {
+        "name": "unit", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+        "train": {"steps": 30, "global_batch": 4, "micro_batch": 1},
+        "parallel": {"dp": 2}, "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2},
+        "elastic": {"max_restarts": 1},
+    }
+    data.update(over)
+    return validate_spec(data)
+
+
+@pytest.fixture
+def rendezvous():
+    return RendezvousServer("127.0.0.1")
+
+
+def _controller(spec, workers, rendezvous, lines):
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    return Controller(spec, workers, rendezvous, catalog, JobMetrics(spec.name), printer=lines.append,
+                      poll_s=0.001, release_timeout_s=0.5)
+
+
+def test_one_transition_at_a_time_to_success(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    assert ctl.state == State.PLACING
+    assert ctl.step_once() == State.RENDEZVOUS and sorted(workers.actors) == [0, 1]
+    assert ctl.step_once() == State.RESTORING and ctl.gen == 0
+    assert ctl.step_once() == State.RUNNING and ctl.restored_step is None
+    assert ctl.step_once() == State.SUCCEEDED
+    assert ctl.committer.latest == 30
+    assert ctl.catalog.committed_steps() == [20, 30]  # keep=2
+    assert any("RUNNING -> SUCCEEDED" in line for line in lines)
+
+
+def test_dead_rank_is_replaced_and_job_resumes_from_last_commit(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={25: 1})
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded" and report.final_step == 30
+    assert workers.created == [0, 1, 1]  # only the dead rank got a new actor
+    [failure] = report.failures
+    assert failure.kind == "rank_died" and failure.rank == 1 and failure.recovered_after_s is not None
+    assert [w.generation for w in report.world_history] == [0, 1]
+    assert any("restored step 20" in line for line in lines)
+    assert [p.step for p in report.losses] == list(range(30))
+    totals = report.goodput
+    assert abs(totals.productive_s + sum(totals.badput_s.values()) - totals.wall_s) < 1e-9
+
+
+def test_restart_budget_exhausted_fails_with_checkpoints_intact(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={12: 0, 25: 1})
+    report = _controller(spec, workers, rendezvous, []).run()
+    assert report.status == "failed" and "max_restarts=1" in report.error
+    assert report.final_step == 20
+    assert Catalog(Storage(spec.checkpoint_root)).committed_steps() == [10, 20]
+
+
+def test_placement_error_fails_fast(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), place_error="cluster has 1 CPU")
+    ctl = _controller(spec, workers, rendezvous, [])
+    report = ctl.run()
+    assert ctl.state == State.FAILED and report.status == "failed" and "1 CPU" in report.error
+
+
+def test_finished_job_is_not_run_again(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, []).run()
+    lines: list[str] = []
+    workers = FakeWorkerGroup(RendezvousServer("127.0.0.1"), Storage(spec.checkpoint_root))
+    report = _controller(spec, workers, workers.rendezvous, lines).run()
+    assert report.status == "succeeded" and report.final_step == 30 and report.losses == []
+    assert any("already finished" in line for line in lines)
