@@ -14,8 +14,8 @@ from ckpt.catalog import Catalog
 from ckpt.shards import write_shard
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
-from orchestrator.controller import Controller, State
 from orchestrator.ckpt_plan import CheckpointPlan
+from orchestrator.controller import Controller, State
 from orchestrator.rendezvous import PLAN, RendezvousServer
 from orchestrator.spec import validate_spec
 from orchestrator.worker_group import PlacementError, RankOutcome
