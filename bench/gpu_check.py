@@ -1,0 +1,134 @@
+"""The prepared GPU check: NCCL collectives, bf16 training steps, step time and MFU.
+
+Run on a machine with an NVIDIA GPU (`make gpu-check`, or `python bench/gpu_check.py`).
+It prints one table and writes `$OUT/gpu_check.json` (or `runs/gpu_check.json`):
+
+  * matmul peak: measured bf16 TFLOP/s of a large GEMM, beside the table value for the
+    device (H100/H200/A100), so MFU is reported against both;
+  * NCCL: a single-process NCCL group (world 1) all-reduce, all-gather and reduce-scatter
+    round trip, which proves the NCCL path (init, abort-free teardown) works on this image;
+  * training: the engine's GPT (`small` preset unless --preset) for --steps bf16 steps on one
+    GPU, with step time, tokens/s and MFU = achieved model FLOP/s / peak.
+
+On a machine without CUDA it says so and exits 3, so it cannot be mistaken for a pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Dense bf16 peak (no sparsity), TFLOP/s, by device-name fragment.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def table_peak(name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def measured_matmul_tflops(torch, n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def nccl_roundtrip(torch) -> dict:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    x = torch.ones(1 << 20, device="cuda")
+    started = time.perf_counter()
+    dist.all_reduce(x)
+    out = [torch.empty_like(x)]
+    dist.all_gather(out, x)
+    rs = torch.empty_like(x)
+    dist.reduce_scatter(rs, [x])
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    ok = bool(torch.equal(rs, x))
+    dist.destroy_process_group()
+    return {"ok": ok, "seconds": elapsed}
+
+
+def train_steps(torch, preset: str, steps: int, seq_len: int, micro_batch: int) -> dict:
+    from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+    from trainer.engine import Engine
+    from trainer.model import flops_per_token
+
+    model = ModelConfig(preset=preset)
+    data = DataConfig(seq_len=seq_len, min_len_fraction=1.0)
+    train = TrainConfig(steps=steps, global_batch=micro_batch, micro_batch=micro_batch, precision="bf16",
+                        deterministic=False)
+    engine = Engine(model, data, train, ParallelConfig(), rank=0, world_size=1, device="cuda")
+    times, tokens = [], 0
+    for i in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = engine.train_step()
+        torch.cuda.synchronize()
+        if i >= 2:  # warm-up steps excluded
+            times.append(time.perf_counter() - started)
+            tokens += result.tokens
+    step_s = sum(times) / len(times)
+    tok_s = tokens / sum(times)
+    return {"preset": preset, "step_s": step_s, "tokens_per_s": tok_s,
+            "model_tflops": tok_s * flops_per_token(model, seq_len) / 1e12, "loss": result.loss}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing was checked", file=sys.stderr)
+        return 3
+    name = torch.cuda.get_device_name(0)
+    result = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    result["matmul_tflops"] = measured_matmul_tflops(torch)
+    result["table_peak_tflops"] = table_peak(name)
+    result["nccl_roundtrip"] = nccl_roundtrip(torch)
+    result["train"] = train_steps(torch, args.preset, args.steps, args.seq_len, args.micro_batch)
+    model_tflops = result["train"]["model_tflops"]
+    result["mfu_vs_measured"] = model_tflops / result["matmul_tflops"]
+    if result["table_peak_tflops"]:
+        result["mfu_vs_table"] = model_tflops / result["table_peak_tflops"]
+    out_dir = Path(os.environ.get("OUT") or ROOT / "runs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    rows = [("device", name), ("torch / cuda / nccl", f"{torch.__version__} / {torch.version.cuda} / {result['nccl']}"),
+            ("bf16 matmul", f"{result['matmul_tflops']:.0f} TFLOP/s (table {result['table_peak_tflops']})"),
+            ("nccl round trip", f"{'ok' if result['nccl_roundtrip']['ok'] else 'WRONG'} "
+                                f"{result['nccl_roundtrip']['seconds'] * 1e3:.1f} ms"),
+            (f"{args.preset} bf16 step", f"{result['train']['step_s'] * 1e3:.1f} ms, "
+                                          f"{result['train']['tokens_per_s'] / 1e3:.1f}k tok/s"),
+            ("MFU", f"{result['mfu_vs_measured']:.1%} of measured, "
+                    f"{result.get('mfu_vs_table', float('nan')):.1%} of table peak")]
+    for key, value in rows:
+        print(f"{key:22s} {value}")
+    return 0 if result["nccl_roundtrip"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
