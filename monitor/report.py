@@ -54,6 +54,8 @@ class FailureRecord(BaseModel):
     rank: int | None = None  # None when no single rank is to blame (e.g. a storage error)
     detected_after_s: float | None = None  # failure -> detection, when the failure time is known
     recovered_after_s: float | None = None  # detection -> training again; None if never recovered
+    # failure (the fault itself when known, else its detection) -> first step completed afterwards
+    first_step_after_s: float | None = None
     message: str = ""
     # Last global step the controller had seen, so the failure can be marked on the loss curve.
     step: int | None = None

@@ -49,6 +49,7 @@ class JobRecord:
         self.world: list[WorldRecord] = []
         self._last_progress = 0.0
         self.last_step_time = time.time()
+        self._awaiting_first_step: tuple[FailureRecord, float] | None = None
 
     def job_seconds(self, at: float | None = None) -> float:
         return (at if at is not None else time.time()) - self.started
@@ -57,6 +58,10 @@ class JobRecord:
         rec = StepRecord(event["step"], event["loss"], event["tokens"], event["step_s"], event["time"])
         self.steps[rec.step] = rec
         self.last_step_time = time.time()
+        if self._awaiting_first_step is not None:
+            failure, since = self._awaiting_first_step
+            failure.first_step_after_s = rec.time - since
+            self._awaiting_first_step = None
         self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.get("grad_norm"))
         self.metrics.on_rank_compute(0, event.get("compute_s", rec.step_s))
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
@@ -92,6 +97,7 @@ class JobRecord:
         )
         self.failures.append(record)
         self.metrics.on_failure(kind)
+        self._awaiting_first_step = (record, fault_time if fault_time is not None else detected_at)
         return record
 
     def on_recovered(self, record: FailureRecord, detected_at: float) -> None:
