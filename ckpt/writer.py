@@ -32,12 +32,14 @@ class ShardWriter:
         on_receipt: Callable[[ShardReceipt, dict], None],
         on_error: Callable[[int, BaseException], None],
         async_save: bool = True,
+        fault_hook: Callable[[str, int], None] | None = None,
     ):
         self.storage = storage
         self.rank = rank
         self.on_receipt = on_receipt
         self.on_error = on_error
         self.async_save = async_save
+        self.fault_hook = fault_hook  # chaos points "during_stage" and "during_shard_write"
         self.waited = 0
         self._thread: threading.Thread | None = None
 
@@ -48,6 +50,8 @@ class ShardWriter:
             self.waited += 1
             self._thread.join()
         staged = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        if self.fault_hook is not None:
+            self.fault_hook("during_stage", step)
         blocking_s = time.perf_counter() - started
         if not self.async_save:
             self._write(step, staged, extra, blocking_s, started)
@@ -61,6 +65,8 @@ class ShardWriter:
 
     def _write(self, step: int, staged: dict, extra: dict, blocking_s: float, started: float) -> None:
         try:
+            if self.fault_hook is not None:
+                self.fault_hook("during_shard_write", step)
             receipt = write_shard(self.storage, step, self.rank, staged, blocking_s)
         except BaseException as err:  # reported, never raised into a dead thread
             self.on_error(step, err)

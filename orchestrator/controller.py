@@ -1,8 +1,9 @@
-"""The controller: an explicit state machine that places, forms, restores, runs and recovers ranks.
+r"""The controller: an explicit state machine that places, forms, restores, runs and recovers ranks.
 
-    PLACING -> RENDEZVOUS -> RESTORING -> RUNNING -> SUCCEEDED
-                   ^                         |
-                   +------- RECOVERING <-----+ (rank died, aborted, hung)   -> FAILED
+    PLACING -> RENDEZVOUS -> RESTORING -> RUNNING <-> CHECKPOINTING
+                   ^                         |   \-> SUCCEEDED
+                   +------- RECOVERING <-----+ (rank died, aborted, hung; or growing back)
+                                |-> FAILED (budget spent, crash loop, cannot shrink further)
 
 Each state is one method that does its work and returns the next state; `_go` logs the
 transition as one sentence with its numbers, books wall time to the goodput bucket of the
@@ -40,6 +41,7 @@ class State(str, Enum):
     RENDEZVOUS = "RENDEZVOUS"
     RESTORING = "RESTORING"
     RUNNING = "RUNNING"
+    CHECKPOINTING = "CHECKPOINTING"
     RECOVERING = "RECOVERING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -55,6 +57,7 @@ class Failure:
     detected_at: float  # time.time() when the controller noticed
     message: str
     fault_time: float | None = None  # time.time() an injected fault fired, when known
+    step: int | None = None  # the step being computed when it failed
 
 
 class Controller(RecoveryMixin):
@@ -75,8 +78,9 @@ class Controller(RecoveryMixin):
         self.ledger = GoodputLedger()
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer)
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep)
-        self.failure_policy = FailurePolicy(spec.elastic.max_restarts)
-        self.scaling_policy = ScalingPolicy(spec.elastic.min_dp)
+        self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
+        self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
+                                            spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
         self.interval_policy = CheckpointIntervalPolicy(
             spec.checkpoint.every_steps, spec.checkpoint.interval, spec.checkpoint.mtbf_s)
         self.state = State.PLACING
@@ -88,6 +92,12 @@ class Controller(RecoveryMixin):
         self.bad_steps: set[int] = set()
         self.restored_step: int | None = None
         self.failure: Failure | None = None
+        self.failure_history: list = []
+        self.outcome_errors: dict[int, str] = {}
+        self.dead_in_release: list[int] = []
+        self.stuck_in_release: list[int] = []
+        self.just_committed: int | None = None
+        self._saving_step = -1
         self.open_failure = None
         self.plan_version = 0
         self.gen_started_at = time.time()
@@ -105,15 +115,10 @@ class Controller(RecoveryMixin):
     # ---- the machine -------------------------------------------------------------------------
 
     def run(self):
-        handlers = {
-            State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
-            State.RESTORING: self._restoring, State.RUNNING: self._running,
-            State.RECOVERING: self._recovering,
-        }
         self._go(State.PLACING, f"placing {self.world_size} ranks ({self.layout_text()})")
         while self.state not in TERMINAL:
             try:
-                handlers[self.state]()
+                self.step_once()
             except PlacementError as err:
                 self._fail(str(err))
             except Exception as err:  # a bug or an unexpected platform error: fail loudly, keep checkpoints
@@ -126,7 +131,9 @@ class Controller(RecoveryMixin):
         return self.record.report(status, final, self.error)
 
     def step_once(self) -> State:
-        """Run the current state's handler once (for tests that drive one transition at a time)."""
+        """Run the current state's handler once (tests drive one transition at a time with it).
+
+        CHECKPOINTING has no handler of its own: it is entered and left inside RUNNING's loop."""
         handlers = {State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
                     State.RESTORING: self._restoring, State.RUNNING: self._running,
                     State.RECOVERING: self._recovering}
@@ -144,6 +151,7 @@ class Controller(RecoveryMixin):
             State.RENDEZVOUS: "reformation" if recovering else "startup",
             State.RESTORING: "checkpoint_restore",
             State.RUNNING: "productive",
+            State.CHECKPOINTING: "productive",  # saves run beside training; their blocking part is moved later
             State.RECOVERING: "reformation",
         }.get(state)
 
@@ -165,10 +173,14 @@ class Controller(RecoveryMixin):
 
     def _placing(self) -> None:
         started = time.perf_counter()
-        self.workers.place(self.world_size)
+        spares = self.spec.elastic.spares
+        self.workers.place(self.world_size, spares)
         self.workers.ensure_actors(list(range(self.world_size)))
+        if spares:
+            self.workers.start_spares()
         self.workers.ping_all(timeout_s=self.join_timeout_s)
-        self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s")
+        self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s"
+                                   + (f" ({spares} warm spare(s) starting)" if spares else ""))
 
     def _rendezvous(self) -> None:
         started = time.perf_counter()
@@ -177,6 +189,7 @@ class Controller(RecoveryMixin):
         try:
             self.workers.join_all(self.gen, self.rendezvous.host, self.rendezvous.port, self.join_timeout_s)
         except Exception as err:
+            self.outcome_errors = {}
             self._start_recovery(Failure("rendezvous", None, time.time(), f"{type(err).__name__}: {err}"))
             return
         self.record.on_layout(self.gen, self.world_size, self.dp, self.spec.parallel.tp, self.spec.parallel.pp)
@@ -192,7 +205,7 @@ class Controller(RecoveryMixin):
         else:  # nothing to restore: building the engine is start-up (or re-formation) work
             self.ledger.enter("reformation" if self.restarts else "startup")
         try:
-            self.workers.restore_all(step, timeout_s=self.join_timeout_s + 120)
+            self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120)
         except CorruptCheckpoint as err:
             self.bad_steps.add(step)
             log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, err)
@@ -200,6 +213,7 @@ class Controller(RecoveryMixin):
             self.metrics.on_failure("corrupt_checkpoint")
             return
         except Exception as err:
+            self.outcome_errors = {}
             self._start_recovery(Failure("restore", None, time.time(), f"{type(err).__name__}: {err}"))
             return
         self.restored_step = step
@@ -242,6 +256,7 @@ class Controller(RecoveryMixin):
         while True:
             outcomes = self.workers.wait_any(self.poll_s)
             self._drain_events()
+            self._track_checkpointing()
             trouble = [o for o in outcomes if o.status != "done"]
             finished |= {o.rank for o in outcomes if o.status == "done"}
             if trouble:
@@ -250,10 +265,27 @@ class Controller(RecoveryMixin):
             if len(finished) == self.world_size:
                 self._finish()
                 return
+            if self.just_committed is not None and self._maybe_grow():
+                return
+            self.just_committed = None
             hung = self._hang_check()
             if hung is not None:
                 self._start_recovery(hung)
                 return
+
+    def _track_checkpointing(self) -> None:
+        """RUNNING <-> CHECKPOINTING: a save is in flight from its first receipt to its commit."""
+        if self.state == State.RUNNING and self.committer.pending:
+            self._saving_step = step = min(self.committer.pending)
+            self._go(State.CHECKPOINTING, f"step {step}: shards arriving "
+                                          f"({len(self.committer.pending[step].receipts)}/{self.world_size})")
+        elif self.state == State.CHECKPOINTING and not self.committer.pending:
+            last = self.record.checkpoints[-1] if self.record.checkpoints else None
+            if last is not None and last.step >= self._saving_step:
+                self._go(State.RUNNING, f"step {last.step} committed: {last.bytes / 1e6:.2f} MB, blocking "
+                                        f"{last.blocking_s * 1e3:.0f} ms, total {last.total_s * 1e3:.0f} ms")
+            else:
+                self._go(State.RUNNING, f"save of step {self._saving_step} dropped (incomplete)")
 
     def _finish(self) -> None:
         self._drain_events()

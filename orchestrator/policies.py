@@ -18,34 +18,67 @@ class FailureDecision:
     reason: str
 
 
+@dataclass(frozen=True)
+class FailureSummary:
+    """What the failure policy needs to know of one failure."""
+
+    kind: str
+    rank: int | None
+    step: int | None  # the step the job was computing when it failed
+    error: str  # normalised exception text (see orchestrator.errors.normalise)
+
+
 class FailurePolicy:
-    """Restart after a failure until `max_restarts` is spent, then fail the job."""
+    """Restart after a failure until `max_restarts` is spent, then fail the job.
 
-    def __init__(self, max_restarts: int):
+    A crash loop, the same error on the same rank at the same step `crash_loop_limit` times
+    in a row, fails the job at once: restarting deterministic training on the same data
+    would only fail again, and the user needs the step, rank and exception, not a spent budget.
+    """
+
+    def __init__(self, max_restarts: int, crash_loop_limit: int = 3):
         self.max_restarts = max_restarts
+        self.crash_loop_limit = crash_loop_limit
 
-    def decide(self, restarts_so_far: int, failure_kind: str) -> FailureDecision:
+    def decide(self, history: list[FailureSummary]) -> FailureDecision:
+        restarts_so_far = len(history) - 1
+        last = history[-1]
+        same = 0
+        for failure in reversed(history):
+            if (failure.rank, failure.step, failure.error) != (last.rank, last.step, last.error):
+                break
+            same += 1
+        if last.step is not None and same >= self.crash_loop_limit:
+            return FailureDecision("fail", f"crash loop: rank {last.rank} failed at step {last.step} "
+                                           f"{same} times in a row with {last.error}")
         if restarts_so_far >= self.max_restarts:
             return FailureDecision("fail", f"{restarts_so_far} restarts used, elastic.max_restarts={self.max_restarts}")
         return FailureDecision("restart", f"restart {restarts_so_far + 1} of {self.max_restarts}")
 
 
-@dataclass(frozen=True)
-class ScalingDecision:
-    dp: int
-    replace: list[int]  # ranks whose actors must be recreated
-    reason: str
-
-
 class ScalingPolicy:
-    """Replace dead ranks in place (same layout). Shrinking and growing come with elasticity."""
+    """Which data-parallel degree to run with when ranks are lost or come back.
 
-    def __init__(self, min_dp: int):
+    Tensor and pipeline degrees are fixed by the model; only dp changes. A degree is valid
+    when it is at least `min_dp` and divides the global batch into whole microbatches
+    (`global_batch % (dp * micro_batch) == 0`): the global batch stays constant and gradient
+    accumulation absorbs the difference, so the loss trajectory does not depend on failures.
+    """
+
+    def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1):
+        self.target_dp = target_dp
         self.min_dp = min_dp
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.model_parallel = model_parallel  # tp * pp ranks per data-parallel replica
 
-    def decide(self, dp: int, dead_ranks: list[int]) -> ScalingDecision:
-        return ScalingDecision(dp=dp, replace=sorted(dead_ranks),
-                               reason=f"replacing rank(s) {sorted(dead_ranks)}, dp stays {dp}")
+    def valid(self, dp: int) -> bool:
+        return dp >= self.min_dp and self.global_batch % (dp * self.micro_batch) == 0
+
+    def best_dp(self, ranks_available: int) -> int | None:
+        """The largest valid dp that `ranks_available` ranks can hold, capped at the target."""
+        top = min(self.target_dp, ranks_available // self.model_parallel)
+        return next((dp for dp in range(top, 0, -1) if self.valid(dp)), None)
 
 
 class CheckpointIntervalPolicy:

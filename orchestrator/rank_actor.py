@@ -52,6 +52,13 @@ class RankActor:
     def ping(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "gen": self.gen}
 
+    def warm_up(self) -> dict:
+        """A spare's first call: import the engine so that taking over a rank costs milliseconds."""
+        import trainer.engine  # noqa: F401  (the import is the work)
+        import trainer.model  # noqa: F401
+
+        return self.ping()
+
     def join(self, gen: int, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> float:
         import torch.distributed as dist
 
@@ -71,11 +78,12 @@ class RankActor:
             )
         return time.perf_counter() - started
 
-    def restore(self, step: int | None) -> dict:
+    def restore(self, step: int | None, dp: int) -> dict:
+        """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`."""
         from orchestrator.rank_state import build_engine, load_engine_state
 
         started = time.perf_counter()
-        self.engine = build_engine(self.spec, self.rank, self.world_size)
+        self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
         if step is not None:
             load_engine_state(self.spec, self.engine, step)
         return {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}

@@ -57,10 +57,11 @@ class RankLoop:
 
     def run(self, until_step: int, faults: list[dict]) -> dict:
         plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
-        self.engine.fault_hook = FaultInjector.hook_for(faults, self.rank, self.store.push_event)
+        hook = FaultInjector.hook_for(faults, self.rank, self.store.push_event)
+        self.engine.fault_hook = hook
         storage = Storage(self.spec.checkpoint_root, self.spec.checkpoint.storage_options)
         writer = ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
-                             async_save=self.spec.checkpoint.async_)
+                             async_save=self.spec.checkpoint.async_, fault_hook=hook)
         heartbeat_s = self.spec.monitor.heartbeat_s
         last_beat = 0.0
         try:

@@ -16,12 +16,14 @@ def catalog_for(spec) -> Catalog:
     return Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
 
 
-def build_engine(spec, rank: int, world_size: int, fault_hook=None):
+def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
+    """The engine for this generation's layout: the spec's, with the current (elastic) dp."""
     from trainer.engine import Engine
 
     device = "cuda" if spec.resources.gpus_per_rank > 0 else "cpu"
+    parallel = spec.parallel.model_copy(update={"dp": dp})
     return Engine(
-        spec.model, spec.data, spec.train, spec.parallel,
+        spec.model, spec.data, spec.train, parallel,
         rank=rank, world_size=world_size, device=device, fault_hook=fault_hook,
     )
 

@@ -3,19 +3,25 @@
 Recovery, in order (design.md section 2):
   1. Detection: a rank's pending `train` call raised (dead actor) or returned "aborted"
      (its collective failed), or the progress watchdog fired (no step for k x median).
-  2. Release: the abort key is set in the generation's store; survivors leave their
-     collectives (their own teardown cascades through the ring); any rank not out within
-     `release_timeout_s` is killed, so nobody waits for a collective timeout.
+  2. Release: the abort key is set in the generation's store; every live rank's watcher
+     breaks its own collectives (orchestrator.comm_abort), so survivors are out within
+     milliseconds; a rank not out within `release_timeout_s` (a hung process) is killed.
   3. Accounting: time from the fault to its detection is `detection`; compute of steps
      after the restore point is `lost_work` (it will be redone).
-  4. Decision: the failure policy says restart or fail; the scaling policy says which
-     ranks to replace. Survivors keep their processes (torch stays imported); only dead
-     ranks get new actors. Then a new generation forms (RENDEZVOUS).
+  4. Decision: the failure policy says restart or fail (budget, crash loop).
+  5. Membership: lost ranks are taken over by warm spares, else by new actors that must
+     start within `elastic.replace_timeout_s`, else data parallelism shrinks to the largest
+     valid degree. Survivors keep their processes. Then a new generation forms.
+Growing back is the same path without a failure: at a checkpoint commit, when warm spares
+could raise dp towards its target, the generation is stopped and re-formed larger.
 """
 
 from __future__ import annotations
 
 import time
+
+from orchestrator.errors import collapse, normalise
+from orchestrator.policies import FailureSummary
 
 
 class RecoveryMixin:
@@ -50,21 +56,27 @@ class RecoveryMixin:
         interval = self.interval_policy.interval_s(commit.blocking_s)
         self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
                                   commit.total_s, interval)
+        self.just_committed = commit.step
 
-    def _failure_from(self, outcomes) -> object:
+    def _failure_from(self, outcomes):
         """The failure behind the first bad outcomes. An injected fault that fired is the cause
         even when a peer's collective error is reported first; otherwise a dead rank is."""
         from orchestrator.controller import Failure
 
         died = [o for o in outcomes if o.status == "died"]
         culprit = died[0] if died else outcomes[0]
+        self.outcome_errors = {o.rank: o.info.get("error", o.status) for o in outcomes}
         fault = next((e for e in self.fired.values() if not e.get("handled")), None)
         if fault:
             fault["handled"] = True
             return Failure(fault["kind"], fault["rank"], time.time(), culprit.info.get("error", ""),
-                           fault_time=fault["time"])
+                           fault_time=fault["time"], step=fault["step"])
         kind = "rank_died" if died else "rank_error"
-        return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""))
+        return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""),
+                       step=culprit.info.get("step", self._current_step()))
+
+    def _current_step(self) -> int | None:
+        return max(self.record.steps) + 1 if self.record.steps else None
 
     def _hang_check(self):
         from orchestrator.controller import Failure
@@ -74,7 +86,9 @@ class RecoveryMixin:
         since = max(self.record.last_step_time, self.gen_started_at)
         if time.time() - since < limit:
             return None
-        return Failure("hang", None, time.time(), f"no step for {time.time() - since:.1f} s (limit {limit:.1f} s)")
+        self.outcome_errors = {}
+        return Failure("hang", None, time.time(), f"no step for {time.time() - since:.1f} s (limit {limit:.1f} s)",
+                       step=self._current_step())
 
     def _start_recovery(self, failure) -> None:
         from orchestrator.controller import State
@@ -82,72 +96,143 @@ class RecoveryMixin:
         self.failure = failure
         self.open_failure = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
                                                    failure.fault_time, failure.message)
-        self._book_failure_time(failure)
+        if failure.fault_time is not None:
+            self.ledger.move(max(0.0, failure.detected_at - failure.fault_time), "productive", "detection")
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"
         after = self.open_failure.detected_after_s
         self._go(State.RECOVERING, f"generation {self.gen}: {failure.kind} on {who}"
                                    + (f", detected after {after * 1000:.0f} ms" if after is not None else "")
-                                   + f" ({failure.message[:160]})")
-
-    def _book_failure_time(self, failure) -> None:
-        """Move the failure's cost out of `productive`: detection gap, then the rolled-back steps."""
-        if failure.fault_time is not None:
-            self.ledger.move(max(0.0, failure.detected_at - failure.fault_time), "productive", "detection")
+                                   + f" ({normalise(failure.message)})")
 
     def _release(self) -> list[int]:
         """Get every rank out of the old generation; returns the ranks that need a new actor."""
         self.store.request_abort()
         started = time.monotonic()
-        dead: list[int] = []
-        out: dict[int, str] = {}
+        dead = [r for r, e in self.outcome_errors.items() if r not in self.workers.actors]
+        out_after: dict[int, float] = {}
         while self.workers.running() and time.monotonic() - started < self.release_timeout_s:
             for o in self.workers.wait_any(self.poll_s):
+                out_after[o.rank] = time.monotonic() - started
+                self.outcome_errors.setdefault(o.rank, o.info.get("error", o.status))
                 if o.status == "died":
                     dead.append(o.rank)
-                out[o.rank] = f"{(time.monotonic() - started) * 1000:.0f} ms"
-        stuck = self.workers.running()
-        if self.failure.kind == "hang":  # nobody can tell which rank hung: start every rank afresh
-            stuck = sorted(set(self.workers.actors) - set(dead))
+        stuck = self.workers.running()  # hung (e.g. SIGSTOPped): not out of a broken collective
         for rank in stuck:
             self.workers.kill(rank)
-        self.dead_in_release = sorted(dead)
-        dead = sorted(set(dead) | set(stuck) | {r for r in range(self.world_size) if r not in self.workers.actors})
-        survivors = [r for r in range(self.world_size) if r not in dead]
+        survivors = [r for r in range(self.world_size) if r in self.workers.actors]
         silent = self.workers.leave_all(survivors, timeout_s=self.release_timeout_s)
         for rank in silent:
             self.workers.kill(rank)
-        self.printer(f"[{self.record.job_seconds():7.2f}s] release: "
-                     + (", ".join(f"rank {r} out after {t}" for r, t in sorted(out.items())) or "no rank returned")
-                     + (f"; killed {sorted(set(stuck) | set(silent))} (not out within "
-                        f"{self.release_timeout_s:.0f} s)" if stuck or silent else ""))
-        return sorted(set(dead) | set(silent))
+        self.dead_in_release = sorted(set(dead))
+        self.stuck_in_release = sorted(set(stuck) | set(silent))
+        slowest = max(out_after.values(), default=0.0)
+        self.printer(f"[{self.record.job_seconds():7.2f}s] release: {len(out_after)} rank(s) out within "
+                     f"{slowest * 1000:.0f} ms" + (f"; killed {self.stuck_in_release} (not out within "
+                                                   f"{self.release_timeout_s:.0f} s)" if self.stuck_in_release else "")
+                     + (f"; errors {collapse(self.outcome_errors)}" if self.outcome_errors else ""))
+        return [r for r in range(self.world_size) if r not in self.workers.actors]
+
+    def _attribute_failure(self) -> None:
+        """Name the real culprit once every rank's outcome is known."""
+        culprit = None
+        if self.failure.kind == "rank_error" and self.dead_in_release:
+            culprit, kind = self.dead_in_release[0], "rank_died"
+        elif self.failure.kind == "hang" and self.stuck_in_release:
+            culprit, kind = self.stuck_in_release[0], "hang"
+        if culprit is not None:
+            self.failure.kind, self.failure.rank = kind, culprit
+            self.open_failure.kind, self.open_failure.rank = kind, culprit
+        error = self.outcome_errors.get(self.failure.rank, self.failure.message)
+        self.failure_history.append(FailureSummary(self.failure.kind, self.failure.rank, self.failure.step,
+                                                   normalise(error)))
 
     def _recovering(self) -> None:
         from orchestrator.controller import State
 
         started = time.perf_counter()
         self._drain_events()  # late receipts may still complete a checkpoint
-        replace = self._release()
+        lost_ranks = self._release()
         self._drain_events()
-        if self.failure.kind == "rank_error" and self.dead_in_release:
-            # A neighbour's collective error arrived before Ray reported the death that caused it.
-            self.failure.kind, self.failure.rank = "rank_died", self.dead_in_release[0]
-            self.open_failure.kind, self.open_failure.rank = "rank_died", self.dead_in_release[0]
+        self._attribute_failure()
         restore_point = self.committer.latest or 0
         lost = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at)
         self.ledger.move(lost, "productive", "lost_work")
-        decision = self.failure_policy.decide(self.restarts, self.failure.kind)
+        decision = self.failure_policy.decide(self.failure_history)
         if decision.action == "fail":
             self.error = f"{self.failure.kind} on rank {self.failure.rank}: {decision.reason}"
             self._go(State.FAILED, self.error)
             return
-        scaling = self.scaling_policy.decide(self.dp, replace)
         self.restarts += 1
-        self.workers.ensure_actors(scaling.replace)
-        self.workers.ping_all(timeout_s=self.join_timeout_s)
+        membership = self._replace(lost_ranks)
+        if membership is None:
+            return
         cause = f"{self.failure.kind} on rank {self.failure.rank}" if self.failure.rank is not None \
             else self.failure.kind
-        self._go(State.RENDEZVOUS, f"generation {self.gen} -> {self.gen + 1}: {cause}; {scaling.reason}; "
+        self._go(State.RENDEZVOUS, f"generation {self.gen} -> {self.gen + 1}: {cause}; {membership}; "
                                    f"{lost:.2f} s of work after step {restore_point} to redo; "
                                    f"{decision.reason}; released in {time.perf_counter() - started:.2f} s")
 
+    def _replace(self, lost_ranks: list[int]) -> str | None:
+        """Fill the lost ranks (spares, then new actors) or shrink dp; None when the job failed."""
+        from orchestrator.controller import State
+
+        if not lost_ranks:
+            return f"no rank lost, dp stays {self.dp}"
+        cold = self.workers.promote_spares(lost_ranks)
+        words = [f"rank(s) {sorted(set(lost_ranks) - set(cold))} taken over by warm spares"] if len(cold) < len(
+            lost_ranks) else []
+        late = self.workers.replace_cold(cold, self.spec.elastic.replace_timeout_s) if cold else []
+        if cold and len(late) < len(cold):
+            words.append(f"rank(s) {sorted(set(cold) - set(late))} replaced by new actors")
+        if late:
+            alive = sorted(self.workers.actors)
+            new_dp = self.scaling_policy.best_dp(len(alive))
+            if new_dp is None:
+                self.error = (f"{len(alive)} rank(s) left and no replacement within "
+                              f"{self.spec.elastic.replace_timeout_s:.0f} s; cannot shrink below "
+                              f"elastic.min_dp={self.spec.elastic.min_dp}")
+                self._go(State.FAILED, self.error)
+                return None
+            words.append(f"no replacement for rank(s) {late} within {self.spec.elastic.replace_timeout_s:.0f} s, "
+                         f"shrinking dp {self.dp} -> {new_dp} (grad accumulation absorbs it)")
+            self.workers.renumber(alive[:new_dp])
+            self.dp = new_dp
+        if self.spec.elastic.spares or self.dp < self.spec.parallel.dp:
+            self.workers.start_spares()
+        return "; ".join(words) or f"dp stays {self.dp}"
+
+    def _maybe_grow(self) -> bool:
+        """At a checkpoint commit: re-form larger when warm spares allow; True when started."""
+        from orchestrator.controller import State
+
+        if self.dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
+            return False
+        ready = len(self.workers.ready_spares())
+        new_dp = self.scaling_policy.best_dp(self.world_size + ready)
+        if new_dp is None or new_dp <= self.dp:
+            return False
+        step = self.just_committed
+        self.outcome_errors = {}
+        self.failure = None
+        self.store.request_abort()
+        for o in self._wait_out():
+            self.outcome_errors[o.rank] = o.info.get("error", o.status)
+        survivors = [r for r in range(self.world_size) if r in self.workers.actors]
+        self.workers.leave_all(survivors, timeout_s=self.release_timeout_s)
+        lost = self.record.rolled_back_seconds(step, since=self.gen_started_at)
+        self.ledger.move(lost, "productive", "lost_work")
+        old = self.dp
+        self.workers.grow(new_dp)
+        self.dp = new_dp
+        self._go(State.RENDEZVOUS, f"generation {self.gen} -> {self.gen + 1}: growing dp {old} -> {new_dp} at "
+                                   f"checkpoint step {step} ({ready} warm spare(s) ready)")
+        return True
+
+    def _wait_out(self) -> list:
+        deadline = time.monotonic() + self.release_timeout_s
+        outcomes = []
+        while self.workers.running() and time.monotonic() < deadline:
+            outcomes += self.workers.wait_any(self.poll_s)
+        for rank in self.workers.running():
+            self.workers.kill(rank)
+        return outcomes

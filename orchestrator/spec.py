@@ -66,6 +66,12 @@ class ElasticConfig(_Strict):
     min_dp: int = Field(1, ge=1)
     spares: int = Field(0, ge=0)
     max_restarts: int = Field(10, ge=0)
+    # How long a lost rank's replacement may take to start before dp shrinks instead.
+    replace_timeout_s: float = Field(60.0, ge=0.0)
+    # Grow back to parallel.dp at a checkpoint boundary once replacements have started.
+    grow: bool = True
+    # The same error at the same step on the same rank this many times in a row stops the job.
+    crash_loop_limit: int = Field(3, ge=2)
 
 
 class ResourcesConfig(_Strict):

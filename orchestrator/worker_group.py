@@ -33,14 +33,25 @@ class RankOutcome:
 
 
 class RayWorkerGroup:
+    """Rank actors and warm spares, each pinned to one bundle of the job's placement group.
+
+    `actors[rank]` is the actor that plays `rank` in the current generation; `bundle_of[rank]`
+    its bundle. Spares are actors that have started (torch imported) but hold no rank; a
+    failed rank is replaced by a spare in milliseconds instead of a cold actor in seconds.
+    """
+
     def __init__(self, spec, env_vars: dict[str, str] | None = None, placement_timeout_s: float = 60.0):
         self.spec = spec
         self.spec_json = spec.model_dump_json(by_alias=True)
         self.env_vars = env_vars or {}
         self.placement_timeout_s = placement_timeout_s
         self.pg = None
+        self.n_bundles = 0
         self.actors: dict[int, ray.actor.ActorHandle] = {}
+        self.bundle_of: dict[int, int] = {}
+        self.spares: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}  # bundle -> (actor, ping)
         self._train_refs: dict[ray.ObjectRef, int] = {}
+        self._remote = ray.remote(RankActor)
 
     def _bundle(self) -> dict[str, float]:
         res = self.spec.resources
@@ -49,35 +60,110 @@ class RayWorkerGroup:
             bundle["GPU"] = res.gpus_per_rank
         return bundle
 
-    def place(self, world_size: int) -> None:
-        bundle = self._bundle()
+    def place(self, world_size: int, spares: int = 0) -> None:
+        bundle, n = self._bundle(), world_size + spares
         total = ray.cluster_resources()
         for key, amount in bundle.items():
-            need = amount * world_size
-            if total.get(key, 0) < need:
+            if total.get(key, 0) < amount * n:
                 raise PlacementError(
-                    f"the cluster has {total.get(key, 0):g} {key} but {world_size} ranks x {amount:g} = "
-                    f"{need:g} are needed; lower resources.{_field(key)} or add nodes"
+                    f"the cluster has {total.get(key, 0):g} {key} but {world_size} ranks + {spares} spares x "
+                    f"{amount:g} = {amount * n:g} are needed; lower resources.{_field(key)}, elastic.spares, "
+                    "or the parallel degrees, or add nodes"
                 )
         # PACK keeps ranks together (tensor-parallel groups must share a node); Ray spreads
         # what does not fit.
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        self.n_bundles = n
         ready, _ = ray.wait([self.pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
-            raise PlacementError(
-                f"{world_size} bundles of {bundle} could not be placed within {self.placement_timeout_s:.0f} s"
-            )
+            raise PlacementError(f"{n} bundles of {bundle} could not be placed within {self.placement_timeout_s:.0f} s")
+        self.bundle_of = {rank: rank for rank in range(world_size)}
+
+    def _new_actor(self, bundle: int):
+        res = self.spec.resources
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+        return self._remote.options(
+            num_cpus=res.cpus_per_rank, num_gpus=res.gpus_per_rank, resources=res.custom or None,
+            max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
+            runtime_env={"env_vars": self.env_vars} if self.env_vars else None,
+        ).remote(self.spec_json)
 
     def ensure_actors(self, ranks: list[int]) -> None:
+        """Create cold actors for `ranks` in their own bundles (no waiting)."""
         for rank in ranks:
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
-            res = self.spec.resources
-            self.actors[rank] = ray.remote(RankActor).options(
-                num_cpus=res.cpus_per_rank, num_gpus=res.gpus_per_rank, resources=res.custom or None,
-                max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
-                runtime_env={"env_vars": self.env_vars} if self.env_vars else None,
-                name=None,
-            ).remote(self.spec_json)
+            self.actors[rank] = self._new_actor(self.bundle_of[rank])
+
+    def free_bundles(self) -> list[int]:
+        used = set(self.bundle_of.values()) | set(self.spares)
+        return [b for b in range(self.n_bundles) if b not in used]
+
+    def start_spares(self) -> int:
+        """Start a spare in every free bundle (no waiting); returns how many were started."""
+        free = self.free_bundles()
+        for bundle in free:
+            actor = self._new_actor(bundle)
+            self.spares[bundle] = (actor, actor.warm_up.remote())
+        return len(free)
+
+    def ready_spares(self) -> list[int]:
+        """Bundles whose spare has started and warmed up (non-blocking)."""
+        ready = []
+        for bundle, (_, ping) in list(self.spares.items()):
+            done, _ = ray.wait([ping], timeout=0)
+            if not done:
+                continue
+            try:
+                ray.get(ping)
+                ready.append(bundle)
+            except RayActorError:
+                del self.spares[bundle]  # died while idle; its bundle is free again
+        return ready
+
+    def promote_spares(self, ranks: list[int]) -> list[int]:
+        """Give ready spares to `ranks`; returns the ranks no spare was ready for."""
+        ready = self.ready_spares()
+        left = []
+        for rank in ranks:
+            if not ready:
+                left.append(rank)
+                continue
+            bundle = ready.pop(0)
+            actor, _ = self.spares.pop(bundle)
+            self.actors[rank], self.bundle_of[rank] = actor, bundle
+        return left
+
+    def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
+        """New actors for `ranks`, each in a free bundle; returns ranks not up within `timeout_s`."""
+        free = self.free_bundles()
+        for rank in ranks:
+            if rank not in self.bundle_of or self.bundle_of[rank] not in free:
+                self.bundle_of[rank] = free.pop(0) if free else self.bundle_of.get(rank, rank)
+            self.actors[rank] = self._new_actor(self.bundle_of[rank])
+        pings = {self.actors[r].ping.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        up = {pings[ref] for ref in ready}
+        late = [r for r in ranks if r not in up]
+        for rank in late:
+            # Keep the pending actor as a spare-to-be: when resources return it starts, and
+            # the controller can grow back at a checkpoint boundary.
+            actor = self.actors.pop(rank)
+            self.spares[self.bundle_of.pop(rank)] = (actor, actor.warm_up.remote())
+        return late
+
+    def renumber(self, keep: list[int]) -> None:
+        """Shrink: old rank keep[i] becomes rank i; any other live rank becomes a spare."""
+        actors, bundles = {}, {}
+        for new, old in enumerate(keep):
+            actors[new], bundles[new] = self.actors[old], self.bundle_of[old]
+        for old in set(self.actors) - set(keep):
+            self.spares[self.bundle_of[old]] = (self.actors[old], self.actors[old].warm_up.remote())
+        self.actors, self.bundle_of = actors, bundles
+
+    def grow(self, world_size: int) -> list[int]:
+        """Promote ready spares to ranks len(actors)..world_size-1; returns the new ranks."""
+        new = list(range(len(self.actors), world_size))
+        missing = self.promote_spares(new)
+        return [r for r in new if r not in missing]
 
     def _call_all(self, method: str, args_of, timeout_s: float) -> list:
         refs = [getattr(self.actors[r], method).remote(*args_of(r)) for r in sorted(self.actors)]
@@ -90,8 +176,8 @@ class RayWorkerGroup:
         world = len(self.actors)
         return self._call_all("join", lambda r: (gen, r, world, host, port, timeout_s), timeout_s + 30)
 
-    def restore_all(self, step: int | None, timeout_s: float) -> list[dict]:
-        return self._call_all("restore", lambda r: (step,), timeout_s)
+    def restore_all(self, step: int | None, dp: int, timeout_s: float) -> list[dict]:
+        return self._call_all("restore", lambda r: (step, dp), timeout_s)
 
     def start_training(self, until_step: int, faults: list[dict]) -> None:
         self._train_refs = {self.actors[r].train.remote(until_step, faults): r for r in sorted(self.actors)}
@@ -137,6 +223,9 @@ class RayWorkerGroup:
     def shutdown(self) -> None:
         for rank in list(self.actors):
             self.kill(rank)
+        for actor, _ in self.spares.values():
+            ray.kill(actor, no_restart=True)
+        self.spares.clear()
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

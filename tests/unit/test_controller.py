@@ -23,27 +23,63 @@ from orchestrator.worker_group import PlacementError, RankOutcome
 
 class FakeWorkerGroup:
     def __init__(self, rendezvous: RendezvousServer, storage: Storage, die_at: dict | None = None,
-                 place_error: str | None = None):
+                 place_error: str | None = None, cold_start_works: bool = True):
         self.rendezvous = rendezvous
         self.storage = storage
-        self.die_at = dict(die_at or {})  # step -> rank that dies there (once)
+        self.die_at = dict(die_at or {})  # step -> rank that dies there (every time it is reached)
         self.place_error = place_error
+        self.cold_start_works = cold_start_works
         self.actors: dict[int, str] = {}
         self.created: list[int] = []
+        self.spares: list[str] = []
+        self.dp_history: list[int] = []
         self.gen = -1
         self.next_step = 0
         self.cascade = False
+        self.repeat = False
         self._running: set[int] = set()
         self.until = 0
 
-    def place(self, world_size):
+    def place(self, world_size, spares=0):
         if self.place_error:
             raise PlacementError(self.place_error)
+        self.n_spares = spares
 
     def ensure_actors(self, ranks):
         for r in ranks:
             self.actors[r] = f"actor-{r}"
             self.created.append(r)
+
+    def start_spares(self):
+        self.spares.append("spare")  # resources came back: a replacement is warming up
+        return 1
+
+    def ready_spares(self):
+        return list(range(len(self.spares)))
+
+    def promote_spares(self, ranks):
+        left = []
+        for r in ranks:
+            if self.spares and self.n_spares:
+                self.actors[r] = self.spares.pop()
+            else:
+                left.append(r)
+        return left
+
+    def replace_cold(self, ranks, timeout_s):
+        if not self.cold_start_works:
+            return list(ranks)
+        self.ensure_actors(ranks)
+        return []
+
+    def renumber(self, keep):
+        self.actors = {i: self.actors[old] for i, old in enumerate(keep)}
+
+    def grow(self, world_size):
+        new = list(range(len(self.actors), world_size))
+        for r in new:
+            self.actors[r] = self.spares.pop()
+        return new
 
     def ping_all(self, timeout_s):
         return [{} for _ in self.actors]
@@ -52,13 +88,16 @@ class FakeWorkerGroup:
         self.gen = gen
         return [0.0] * len(self.actors)
 
-    def restore_all(self, step, timeout_s):
+    def restore_all(self, step, dp, timeout_s):
+        self.dp_history.append(dp)
         self.next_step = step or 0
+        self.gen_store = self.rendezvous.generation(self.gen)
         return [{"next_step": self.next_step}] * len(self.actors)
 
     def start_training(self, until_step, faults):
         self.until = until_step
         self._running = set(self.actors)
+        self.cascade = False
 
     def _train(self):
         store = self.rendezvous.generation(self.gen)
@@ -66,8 +105,8 @@ class FakeWorkerGroup:
         world = len(self.actors)
         while self.next_step < self.until:
             step = self.next_step
-            if step in self.die_at:
-                dead = self.die_at.pop(step)
+            if step in self.die_at and self.die_at[step] in self.actors:
+                dead = self.die_at[step] if self.repeat else self.die_at.pop(step)
                 self.actors.pop(dead)
                 self._running.discard(dead)
                 self.cascade = True
@@ -81,11 +120,17 @@ class FakeWorkerGroup:
                     receipt = write_shard(self.storage, self.next_step, rank, t, blocking_s=0.001)
                     extra = {"engine": {"next_step": self.next_step}} if rank == 0 else {}
                     store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+                if self.next_step < self.until:
+                    return []  # the controller sees each checkpoint before training goes on
         done = [RankOutcome(r, "done", {}) for r in sorted(self._running)]
         self._running.clear()
         return done
 
     def wait_any(self, timeout_s):
+        if self._running and self.gen_store.abort_requested():  # growing back: everyone stops
+            out = [RankOutcome(r, "aborted", {"error": "abort requested"}) for r in sorted(self._running)]
+            self._running.clear()
+            return out
         if self.cascade:  # survivors of a death leave their collective with an error
             self.cascade = False
             out = [RankOutcome(r, "aborted", {"error": "collective error"}) for r in sorted(self._running)]
@@ -184,3 +229,36 @@ def test_finished_job_is_not_run_again(tmp_path, rendezvous):
     report = _controller(spec, workers, workers.rendezvous, lines).run()
     assert report.status == "succeeded" and report.final_step == 30 and report.losses == []
     assert any("already finished" in line for line in lines)
+
+
+def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1}, cold_start_works=False)
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded" and report.final_step == 30
+    assert workers.dp_history == [2, 1, 2]  # shrink at the failure, grow at the next commit
+    assert [(w.generation, w.dp) for w in report.world_history] == [(0, 2), (1, 1), (2, 2)]
+    assert any("shrinking dp 2 -> 1" in line for line in lines)
+    assert any("growing dp 1 -> 2 at checkpoint step 20" in line for line in lines)
+    assert len(report.failures) == 1  # growing is not a failure
+
+
+def test_warm_spare_takes_over(tmp_path, rendezvous):
+    spec = _spec(tmp_path, elastic={"spares": 1, "max_restarts": 2})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={12: 0})
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded"
+    assert workers.created == [0, 1]  # no cold actor: the spare took rank 0
+    assert any("taken over by warm spares" in line for line in lines)
+
+
+def test_crash_loop_stops_with_step_rank_and_error(tmp_path, rendezvous):
+    spec = _spec(tmp_path, elastic={"max_restarts": 10})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={25: 1})
+    workers.repeat = True
+    report = _controller(spec, workers, rendezvous, []).run()
+    assert report.status == "failed"
+    assert "crash loop: rank 1 failed at step 25 3 times" in report.error and "actor died" in report.error
+    assert len(report.failures) == 3

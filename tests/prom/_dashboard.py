@@ -1,0 +1,67 @@
+"""Reading the Grafana dashboard in deploy/grafana: its panels, its PromQL, its variables.
+
+Shared by the structural checks (test_deploy.py) and the checks against a live Prometheus
+(test_prometheus.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from monitor.metrics import JobMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy/grafana/undying.json"
+METRIC_NAME = re.compile(r"\bundying_[a-z0-9_]+\b")
+# Grafana's own variables and what the tests put in their place (a 1 s scrape interval).
+BUILTINS = {"__rate_interval": "30s", "__interval": "5s", "__range": "1h", "__range_s": "3600",
+            "__interval_ms": "5000"}
+_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
+
+
+def load() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(dashboard: dict) -> Iterator[dict]:
+    """Every panel, including those nested in collapsed rows."""
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def expressions(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel target and every Prometheus annotation query."""
+    found = [(f"panel {p['id']} {p['title']!r} target {t['refId']}", t["expr"])
+             for p in panels(dashboard) for t in p.get("targets", [])]
+    found += [(f"annotation {a['name']!r}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
+    return found
+
+
+def variables(dashboard: dict, job: str) -> dict[str, str]:
+    """Values for every variable: `job` as given, interval variables at their current value."""
+    values = dict(BUILTINS, job=job)
+    for var in dashboard["templating"]["list"]:
+        if var["type"] in ("interval", "constant", "custom"):
+            values[var["name"]] = var["current"]["value"]
+    return values
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """`expr` with `$name`, `${name}` and `[[name]]` replaced; KeyError names an undefined one."""
+    return _VARIABLE.sub(lambda m: values[next(g for g in m.groups() if g)], expr)
+
+
+def exported_names() -> set[str]:
+    """Every series name monitor/metrics.py exposes (counters as `_total`, histograms' three series)."""
+    names = set()
+    for family in JobMetrics("names").registry.collect():
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        elif family.type == "histogram":
+            names |= {f"{family.name}{suffix}" for suffix in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(family.name)
+    return names

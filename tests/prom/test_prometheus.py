@@ -1,0 +1,168 @@
+"""A real job scraped by a real Prometheus: every metric of issue 6 reaches Prometheus, and every
+PromQL query of the Grafana dashboard returns data through Prometheus's HTTP API.
+
+One job (4 ranks on an embedded local Ray, rank 1 killed at step 30 so failure and recovery
+series exist, a checkpoint every 2 s) runs for the whole module; the checks run while it is
+still training, since the controller stops serving metrics when the job ends."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.prom._dashboard import ROOT, expressions, load, substitute, variables
+from tests.prom.conftest import free_port
+
+pytestmark = [pytest.mark.prom, pytest.mark.timeout(600)]
+
+JOB = "promtest"
+SEL = f'{{job="{JOB}"}}'
+UNDYING = os.path.join(os.path.dirname(sys.executable), "undying")
+# Issue 6, item 1, as series names in Prometheus (a histogram is its `_bucket`, `_sum`, `_count`).
+HISTOGRAMS = ("undying_step_seconds", "undying_checkpoint_blocking_seconds", "undying_checkpoint_total_seconds",
+              "undying_detection_seconds", "undying_recovery_seconds")
+ISSUE_SERIES = (
+    "undying_step", "undying_tokens_per_second", "undying_mfu_ratio", "undying_loss", "undying_grad_norm",
+    "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_checkpoint_bytes",
+    "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
+    "undying_checkpoint_skipped_total", "undying_failures_total", "undying_generation", "undying_world_size",
+    "undying_parallel_degree", "undying_pipeline_bubble_ratio", "undying_memory_bytes",
+    "undying_rank_step_compute_seconds", "undying_straggler",
+    *(f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
+)
+BADPUT_CAUSES = {"startup", "checkpoint_save", "checkpoint_restore", "detection", "reformation", "lost_work",
+                 "waiting_for_resources", "other"}
+# Scrapes (1 s apart) of the running job, and of it after its recovery, before the checks.
+MIN_SCRAPES, MIN_SCRAPES_AFTER_RECOVERY = 40, 15
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL what is left of the session the job led (its embedded Ray), found by PID through /proc."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+
+
+def _start_job(tmp, port: int) -> subprocess.Popen:
+    sets = [f"name={JOB}", f"monitor.port={port}", "train.steps=5000", f"checkpoint.url=file://{tmp}/ckpt",
+            "checkpoint.every_steps=null", "checkpoint.interval=2",
+            "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 30}]"]
+    cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml")]
+    for item in sets:
+        cmd += ["--set", item]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # embedded local Ray
+    with (tmp / "job.log").open("wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+
+
+def _stop_job(proc: subprocess.Popen) -> None:
+    """SIGINT first so the job shuts its Ray down itself; then whatever is left, by session."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_session(proc.pid)
+    proc.wait(timeout=30)
+
+
+def _scrapes(prom, series: str) -> float:
+    return prom.value(f"count_over_time({series}{SEL}[10m])") or 0.0
+
+
+def _wait_for_history(prom, proc, log, timeout_s: float = 420.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (exit {proc.returncode}) before Prometheus had enough of it:\n"
+                        f"{log.read_text()[-4000:]}")
+        if (_scrapes(prom, "undying_step") >= MIN_SCRAPES
+                and _scrapes(prom, "undying_recovery_seconds_count") >= MIN_SCRAPES_AFTER_RECOVERY):
+            return
+        time.sleep(2.0)
+    pytest.fail(f"no recovered, scraped job after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def scraped(start_prometheus, tmp_path_factory):
+    """(prometheus, job process) with the job still running and scraped for a while."""
+    tmp = tmp_path_factory.mktemp("job")
+    port = free_port()
+    prom = start_prometheus([f"127.0.0.1:{port}"])
+    proc = _start_job(tmp, port)
+    try:
+        started = time.monotonic()
+        _wait_for_history(prom, proc, tmp / "job.log")
+        print(f"job scraped with a recovery after {time.monotonic() - started:.0f} s")
+        yield prom, proc
+        assert proc.poll() is None, "the job ended during the checks: raise train.steps"
+    finally:
+        _stop_job(proc)
+
+
+def _finite(result: list[dict]) -> bool:
+    return any(not math.isnan(float(series["value"][1])) for series in result)
+
+
+def test_every_metric_of_the_issue_is_scraped(scraped):
+    prom, _ = scraped
+    present = {s["metric"]["__name__"] for s in prom.query(f'count({{__name__=~"undying_.*", job="{JOB}"}}) '
+                                                            "by (__name__)")}
+    missing = [name for name in ISSUE_SERIES if name not in present]
+    assert not missing, f"not exported by the running job: {missing}"
+
+
+def test_labelled_metrics_have_every_label_value(scraped):
+    prom, _ = scraped
+    labels = {metric: {s["metric"][label] for s in prom.query(f"{metric}{SEL}")}
+              for metric, label in (("undying_badput_seconds_total", "cause"), ("undying_parallel_degree", "dim"))}
+    assert labels == {"undying_badput_seconds_total": BADPUT_CAUSES, "undying_parallel_degree": {"dp", "tp", "pp"}}
+    ledgers = {(s["metric"]["ledger"], s["metric"]["kind"]) for s in prom.query(f"undying_memory_bytes{SEL}")}
+    assert ledgers == {(ledger, kind) for ledger in ("state", "activation", "collective", "transient")
+                       for kind in ("predicted", "measured")}
+
+
+def test_values_describe_the_job(scraped):
+    prom, _ = scraped
+    assert prom.value(f"undying_world_size{SEL}") == 4
+    assert prom.value(f'undying_parallel_degree{{job="{JOB}", dim="dp"}}') == 4
+    assert prom.value(f"undying_generation{SEL}") >= 1
+    assert prom.value(f'undying_failures_total{{job="{JOB}", kind="kill_rank"}}') >= 1
+    assert prom.value(f"sum(undying_controller_state{SEL})") == 1, "exactly one state is current"
+    assert prom.value(f'undying_controller_state{{job="{JOB}", state="RECOVERING"}}') == 0
+    assert prom.value(f"undying_checkpoint_last_committed_step{SEL}") > 0
+    assert 0 < prom.value(f"undying_goodput_ratio{SEL}") < 1
+    assert prom.value(f'up{{job="undying"}}') == 1
+
+
+def test_the_dashboards_job_variable_lists_the_job(scraped):
+    prom, _ = scraped
+    # label_values(undying_step, job): needs honor_labels, else the label is `exported_job`.
+    assert JOB in prom.label_values("job", "undying_step")
+
+
+def test_every_dashboard_query_returns_data(scraped):
+    prom, _ = scraped
+    dash = load()
+    values = variables(dash, JOB)
+    problems = []
+    for where, expr in expressions(dash):
+        query = substitute(expr, values)
+        result = prom.query(query)
+        if not result:
+            problems.append(f"empty     {where}: {query}")
+        elif not _finite(result):
+            problems.append(f"only NaN  {where}: {query}")
+    assert not problems, f"{len(problems)} dashboard queries show nothing:\n" + "\n".join(problems)

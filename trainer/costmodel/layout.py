@@ -1,0 +1,158 @@
+"""What the cost model is asked about: a workload (what is trained) and a layout (how it is cut).
+
+The planner evaluates layouts the job spec would refuse today (tp > 1, pp > 1, zero > 0 are
+not yet run by the engine), so a `Layout` is built from plain numbers, never by validating a
+new JobSpec. `Workload.from_spec` / `Layout.from_spec` read any object with the spec's
+`model`, `data`, `train` (and `parallel`) sections: a JobSpec or a view of one.
+
+Rank mapping (issue 3, item 1): TP varies fastest, then PP, then DP, so
+
+    rank = (dp_index * pp + pp_index) * tp + tp_index
+
+A TP group is `tp` consecutive ranks (inside one node whenever tp <= GPUs per node), a PP
+group strides by `tp`, a DP group by `tp * pp`. `time.py` picks each group's link from this.
+
+Parameters per rank, for pipeline stage s of p (the layers split evenly, `n_layers / p` each):
+  * every block: its projections split over tp (Megatron column/row parallel), its two norm
+    gains replicated on every tp rank;
+  * stage 0: the token embedding, vocab-parallel (split over tp), and learned positions
+    (replicated);
+  * stage p-1: the final norm and the LM head (split over tp). With tied embeddings and
+    p > 1 the last stage keeps its own copy of the embedding matrix for the head, whose
+    gradient is all-reduced with stage 0's (Megatron-LM's treatment of shared embeddings).
+With tp = pp = 1 this is exactly `trainer.model.count_params`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainer.config import ModelConfig
+
+Recompute = Literal["none", "selective", "block"]
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "block")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The training job the layout must run: model shape, tokens per step, numerics."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    precision: str = "fp32"  # "fp32", "bf16" or "fp16"
+    optimizer: str = "adamw"  # "adamw" or "sgd"
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> Workload:
+        return cls(model=spec.model, seq_len=spec.data.seq_len, global_batch=spec.train.global_batch,
+                   precision=spec.train.precision, optimizer=spec.train.optimizer)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a workload: degrees, ZeRO stage, microbatch, schedule, recomputation.
+
+    `virtual_stages` is the number of model chunks per pipeline rank (interleaved 1F1B, and
+    the V-shaped zero-bubble schedule, which always uses 2). `sequence_parallel` shards the
+    norm inputs over tp (Korthikanti et al. 2022, arXiv:2205.05198); it is on whenever tp > 1
+    unless turned off here.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = True
+    ddp_bucket_mb: float = 25.0
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> Layout:
+        par = spec.parallel
+        return cls(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero, micro_batch=spec.train.micro_batch,
+                   schedule=par.schedule, virtual_stages=default_virtual_stages(par.schedule),
+                   ddp_bucket_mb=par.ddp_bucket_mb)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def microbatches(self, global_batch: int) -> int:
+        """Microbatches each pipeline (each dp replica) runs per optimizer step."""
+        return max(1, global_batch // (self.dp * self.micro_batch))
+
+    def label(self) -> str:
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro_batch}"
+                + ("" if self.recompute == "none" else f" rc:{self.recompute}"))
+
+    def to_json(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero,
+                "micro_batch": self.micro_batch, "schedule": self.schedule,
+                "virtual_stages": self.virtual_stages, "recompute": self.recompute,
+                "sequence_parallel": self.sequence_parallel and self.tp > 1}
+
+
+def default_virtual_stages(schedule: str) -> int:
+    # Interleaved 1F1B is run with two chunks per rank by default (the smallest v that
+    # halves the bubble); ZBV and DualPipeV are V-shaped, exactly two chunks per rank.
+    return 2 if schedule in ("interleaved", "zero-bubble") else 1
+
+
+def rank_of(layout: Layout, dp_index: int, pp_index: int, tp_index: int) -> int:
+    """Global rank of a mesh coordinate: TP fastest, then PP, then DP (module docstring)."""
+    return (dp_index * layout.pp + pp_index) * layout.tp + tp_index
+
+
+def group_stride(layout: Layout, dim: str) -> int:
+    """Distance in ranks between neighbours of a `dim` ("tp", "pp", "dp") group."""
+    return {"tp": 1, "pp": layout.tp, "dp": layout.tp * layout.pp}[dim]
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of pipeline stage `stage` holds, split by role."""
+
+    stage: int
+    layers: int
+    block_params: int  # projections and norm gains of this rank's blocks
+    matmul_params: int  # weights that multiply activations (FLOPs): projections and the LM head
+    other_params: int  # embeddings, final norm, LM head
+
+    @property
+    def total(self) -> int:
+        return self.block_params + self.other_params
+
+
+def stage_params(model: ModelConfig, layout: Layout, stage: int) -> StageParams:
+    """Parameters held by one tp rank of pipeline stage `stage` (see the module docstring)."""
+    d, tp, p = model.d_model, layout.tp, layout.pp
+    layers = model.n_layers // p
+    mlp_matrices = 3 if model.activation == "swiglu" else 2
+    block_matmul = _ceil_div(4 * d * d + mlp_matrices * d * model.d_ff, tp)
+    block = layers * (block_matmul + 2 * d)
+    vocab_shard = _ceil_div(model.vocab_size, tp) * d
+    first, last = stage == 0, stage == p - 1
+    other = 0
+    if first:
+        other += vocab_shard + (model.max_seq_len * d if model.position == "learned" else 0)
+    if last:
+        other += d
+        if not model.tie_embeddings or not first:
+            other += vocab_shard
+    head = vocab_shard if last else 0
+    return StageParams(stage=stage, layers=layers, block_params=block,
+                       matmul_params=layers * block_matmul + head, other_params=other)

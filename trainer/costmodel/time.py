@@ -1,0 +1,196 @@
+"""Step time from first principles (design.md section 1):
+
+    T_step >= max(F/F_peak, Q_hbm/B_hbm, Q_net/B_net) + T_bubble + T_unhidden_io
+
+F is the FLOPs of the slowest pipeline stage's rank (`trainer.model.flops_per_token`'s
+count, split by stage and tp, plus recomputation), Q_hbm its memory traffic, Q_net its
+data-parallel traffic. Data-parallel collectives overlap with compute (DDP buckets during
+backward, FSDP prefetch), so they sit inside the max. Tensor-parallel all-reduces and
+pipeline sends are on the critical path (each layer waits for its input), so they add:
+that term (`exposed_comm_s`) makes the bound tighter without making it false. The bubble
+is the pipeline's idle fraction applied to the busy time of a microbatch.
+
+Collective costs (ring algorithms, alpha = one step's latency, B = one direction's bandwidth):
+    all-reduce                       2(D-1) alpha + 2(D-1)/D * S/B
+    all-gather, reduce-scatter       (D-1) alpha + (D-1)/D * S/B
+    point-to-point                   alpha + S/B
+Links follow the rank mapping (layout.py): a group whose ranks span more than one node
+uses the inter-node link, else NVLink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.costmodel.hardware import Hardware
+from trainer.costmodel.layout import Layout, StageParams, Workload, group_stride, stage_params
+from trainer.costmodel.memory import LOW_PRECISION_BYTES, Ledgers, layer_activation_bytes, ledgers
+from trainer.model import flops_per_token
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a synchronous pipeline step with p stages and m microbatches.
+
+    GPipe and 1F1B: (p-1)/(m+p-1) (Huang et al. 2019). Interleaved with v chunks per rank:
+    the p-1 idle slots shrink to (p-1)/v (Narayanan et al. 2021, sec 2.2). Zero-bubble: the
+    ZB-H1 schedule's bound, a third of 1F1B's idle time when forward, input-gradient and
+    weight-gradient passes take equal time (Qi et al. 2024, arXiv:2401.10241, sec 3); ZB-V can
+    do better, which this bound does not assume. PipeDream (asynchronous) never flushes: 0.
+    """
+    if p <= 1 or schedule == "pipedream":
+        return 0.0
+    idle = float(p - 1)
+    if schedule == "interleaved":
+        idle /= v
+    elif schedule == "zero-bubble":
+        idle /= 3
+    return idle / (m + idle)
+
+
+def ring_allreduce_seconds(nbytes: float, d: int, alpha: float, bandwidth: float) -> float:
+    """2(D-1) alpha + 2(D-1)/D * S/B; each rank sends and receives 2(D-1)/D * S bytes."""
+    if d <= 1:
+        return 0.0
+    return 2 * (d - 1) * alpha + 2 * (d - 1) / d * nbytes / bandwidth
+
+
+def ring_allgather_seconds(nbytes: float, d: int, alpha: float, bandwidth: float) -> float:
+    """(D-1) alpha + (D-1)/D * S/B, S the gathered (or the reduced, unscattered) size; also
+    reduce-scatter. An all-reduce is one of each."""
+    if d <= 1:
+        return 0.0
+    return (d - 1) * alpha + (d - 1) / d * nbytes / bandwidth
+
+
+def group_link(hw: Hardware, layout: Layout, dim: str) -> tuple[float, float]:
+    """(alpha, bandwidth) of the `dim` group's ring: inter-node once the group spans nodes."""
+    degree = getattr(layout, dim)
+    span = group_stride(layout, dim) * degree
+    if span > hw.devices_per_node:
+        return hw.inter_alpha, hw.inter_bandwidth
+    return hw.intra_alpha, hw.intra_bandwidth
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step of one layout. Seconds; `mfu` in [0, 1] (model FLOPs, without recomputation)."""
+
+    step_s: float
+    compute_s: float
+    hbm_s: float
+    comm_s: float  # all network time of the rank: overlapped data-parallel plus exposed
+    exposed_comm_s: float  # the part on the critical path (tensor-parallel, pipeline sends)
+    bubble_s: float
+    io_s: float
+    mfu: float
+    tokens_per_s: float
+    memory: Ledgers
+
+    def to_json(self) -> dict:
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "hbm_s": self.hbm_s,
+                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "bubble_s": self.bubble_s,
+                "io_s": self.io_s, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
+                "memory": self.memory.to_json()}
+
+
+def rank_flops_per_token(work: Workload, layout: Layout, params: StageParams) -> float:
+    """Training FLOPs per token of one tp rank of a stage: 6 per matmul weight, 12 L h s for
+    attention (PaLM's count, as `flops_per_token`), plus recomputation: `selective` re-runs
+    the attention core forward (4 L h s), `block` the whole forward (2 N_blocks + 4 L h s)."""
+    h, s, t = work.model.d_model, work.seq_len, layout.tp
+    attention_fwd = 4 * params.layers * h * s / t
+    flops = 6 * params.matmul_params + 3 * attention_fwd
+    if layout.recompute == "selective":
+        flops += attention_fwd
+    elif layout.recompute == "block":
+        block_matmul = params.block_params - 2 * h * params.layers  # all but the norm gains
+        flops += 2 * block_matmul + attention_fwd
+    return flops
+
+
+def _dp_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParams, m: int) -> float:
+    """Data-parallel traffic per step: ZeRO 0 all-reduces fp32 gradients once; ZeRO 1 adds the
+    all-gather of updated weights; ZeRO 2 all-gathers weights and reduce-scatters gradients
+    per microbatch; ZeRO 3 all-gathers twice (forward, backward) per microbatch."""
+    alpha, bw = group_link(hw, layout, "dp")
+    d = layout.dp
+    grads = 4 * params.total
+    if layout.zero == 0:
+        return ring_allreduce_seconds(grads, d, alpha, bw)
+    if layout.zero == 1:
+        return ring_allreduce_seconds(grads, d, alpha, bw) + ring_allgather_seconds(4 * params.total, d, alpha, bw)
+    # FSDP2 gathers weights and reduce-scatters gradients in the compute dtype
+    low = LOW_PRECISION_BYTES[work.precision] * params.total
+    gathers = 1 if layout.zero == 2 else 2
+    per_micro = (gathers + 1) * ring_allgather_seconds(low, d, alpha, bw)
+    return m * per_micro
+
+
+def _exposed_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParams, m: int) -> float:
+    """Tensor-parallel all-reduces (2 per layer forward, 2 backward, 2 more when the block is
+    recomputed; one each for the vocab-parallel embedding and head) and pipeline sends."""
+    tokens, e = layout.micro_batch * work.seq_len, LOW_PRECISION_BYTES[work.precision]
+    activation = tokens * work.model.d_model * e
+    out = 0.0
+    if layout.tp > 1:
+        per_layer = 6 if layout.recompute == "block" else 4
+        count = params.layers * per_layer + (params.stage == 0) + (params.stage == layout.pp - 1)
+        out += m * count * ring_allreduce_seconds(activation, layout.tp, *group_link(hw, layout, "tp"))
+    if layout.pp > 1:
+        alpha, bw = group_link(hw, layout, "pp")
+        t_sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+        out += m * layout.virtual_stages * 2 * (alpha + activation / t_sp / bw)
+    return out
+
+
+def _hbm_bytes(work: Workload, layout: Layout, params: StageParams, m: int) -> float:
+    """Lower bound of memory traffic per step: weights read three times per microbatch
+    (forward, input gradient, weight gradient), saved activations written and read once,
+    fp32 gradients accumulated, and the optimizer reading W, G, O and writing W, O."""
+    e = LOW_PRECISION_BYTES[work.precision]
+    tokens = layout.micro_batch * work.seq_len
+    saved = params.layers * layer_activation_bytes(work, layout, tokens, layout.recompute)
+    per_micro = 3 * e * params.matmul_params + 2 * saved + 2 * 4 * params.total
+    optim_bytes = 8 if work.optimizer == "adamw" else 4
+    opt_params = params.total / layout.dp if layout.zero >= 1 else params.total
+    return m * per_micro + opt_params * (2 * 4 + 4 + 2 * optim_bytes)
+
+
+def predict(work: Workload, layout: Layout, hw: Hardware, io_s: float = 0.0) -> Prediction:
+    """Predicted step of `layout` on `hw` (see the module docstring); the slowest stage sets it."""
+    m = layout.microbatches(work.global_batch)
+    tokens_per_rank = layout.micro_batch * work.seq_len * m
+    peak = hw.peak(work.precision)
+    worst = None
+    for stage in range(layout.pp):
+        params = stage_params(work.model, layout, stage)
+        compute = tokens_per_rank * rank_flops_per_token(work, layout, params) / peak
+        hbm = _hbm_bytes(work, layout, params, m) / hw.hbm_bandwidth
+        dp = _dp_seconds(work, layout, hw, params, m)
+        exposed = _exposed_seconds(work, layout, hw, params, m)
+        busy = max(compute, hbm, dp) + exposed
+        if worst is None or busy > worst[0]:
+            worst = (busy, compute, hbm, dp, exposed)
+    busy, compute, hbm, dp, exposed = worst
+    f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual_stages)
+    bubble = (compute + exposed) * f / (1 - f)
+    step = busy + bubble + io_s
+    model_flops = flops_per_token(work.model, work.seq_len) * work.tokens_per_step
+    return Prediction(step_s=step, compute_s=compute, hbm_s=hbm, comm_s=dp + exposed, exposed_comm_s=exposed,
+                      bubble_s=bubble, io_s=io_s, mfu=model_flops / (step * layout.world * peak),
+                      tokens_per_s=work.tokens_per_step / step, memory=ledgers(work, layout, hw.kind))
+
+
+def predict_step(spec_like: Any, hardware: Hardware, n_gpus: int, layout: Layout | None = None,
+                 io_s: float = 0.0) -> Prediction:
+    """Predict a spec's step on `n_gpus` devices of `hardware`.
+
+    `spec_like` is a JobSpec or any object with its `model`, `data`, `train` sections (and
+    `parallel` when `layout` is not given). `io_s` is the unhidden I/O per step (checkpoint
+    saves, input stalls) that the caller measured or budgets.
+    """
+    layout = layout or Layout.from_spec(spec_like)
+    if layout.world != n_gpus:
+        raise ValueError(f"layout {layout.label()} uses {layout.world} devices, not n_gpus={n_gpus}")
+    return predict(Workload.from_spec(spec_like), layout, hardware, io_s)
