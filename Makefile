@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR := runs/demo
 
-.PHONY: setup demo test test-all lint clean gpu-check
+.PHONY: setup servers demo test test-all lint clean gpu-check
 
 setup: $(STAMP)
 
@@ -27,8 +27,12 @@ demo: setup
 		--set checkpoint.url=file://$(CURDIR)/$(DEMO_DIR)/ckpt \
 		--report $(DEMO_DIR)/report.json --timeline $(DEMO_DIR)/timeline.png
 
-# The whole default suite (unit, dist, ray). Heavy tests: `make test-all`.
-test: setup
+# Real servers the tests talk to (Prometheus, from Debian's packages); skipped when installed.
+servers:
+	sh scripts/install-servers.sh
+
+# The whole default suite (unit, dist, ray, prom). Heavy tests: `make test-all`.
+test: setup servers
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 

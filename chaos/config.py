@@ -106,6 +106,11 @@ class ChaosConfig(_Strict):
 # What the rank-side injector of this release can fire; the others are accepted by the
 # spec's grammar but refused before any rank starts, so nobody believes a fault ran.
 INJECTABLE_KINDS: frozenset[str] = frozenset({"kill_rank", "hang_rank", "slow_rank", "raise"})
+# Named fault points: the engine's, per training step, and the checkpoint writer's, per save
+# (where at_step names the checkpoint's step).
+FAULT_POINTS: tuple[str, ...] = (
+    "before_step", "after_forward", "after_backward", "after_optimizer_step", "during_stage", "during_shard_write",
+)
 
 
 def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
@@ -115,6 +120,9 @@ def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
         if fault.kind not in INJECTABLE_KINDS:
             out.append((f"chaos.faults[{i}].kind", f"{fault.kind} cannot be injected by this release; "
                         f"use one of {', '.join(sorted(INJECTABLE_KINDS))}"))
+        elif fault.at_point is not None and fault.at_point not in FAULT_POINTS:
+            out.append((f"chaos.faults[{i}].at_point", f"unknown fault point {fault.at_point!r}; use one of "
+                        f"{', '.join(FAULT_POINTS)}"))
         elif fault.at_seconds is not None:
             out.append((f"chaos.faults[{i}].at_seconds", "time-triggered faults are not supported by this "
                         "release; use at_step"))

@@ -202,7 +202,8 @@ class Controller(RecoveryMixin):
         step = candidates[-1] if candidates else None
         if step is not None:
             self._resume_ledger(step)
-        else:  # nothing to restore: building the engine is start-up (or re-formation) work
+        else:
+            self._resumed_ledger = True  # nothing to restore: building the engine is start-up (or re-formation) work
             self.ledger.enter("reformation" if self.restarts else "startup")
         try:
             self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120)
@@ -227,7 +228,10 @@ class Controller(RecoveryMixin):
         self._go(State.RUNNING, f"{what} in {time.perf_counter() - started:.2f} s")
 
     def _resume_ledger(self, step: int) -> None:
-        """On the first restore of this invocation, carry the goodput ledger saved with the checkpoint."""
+        """On the first restore of this invocation, carry the goodput ledger saved with the checkpoint.
+
+        Only the first: later restores load checkpoints this invocation wrote itself, whose
+        ledger is already in ours."""
         if self._resumed_ledger:
             return
         self._resumed_ledger = True

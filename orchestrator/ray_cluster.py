@@ -31,7 +31,8 @@ def connect(address: str | None, cpus_needed: float, gpus_needed: float) -> RayC
         ray.init(address=address, log_to_driver=True, logging_level="WARNING")
         return RayConnection(False, ray.util.get_node_ip_address(), {})
     cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))
-    ray.init(num_cpus=cpus, num_gpus=None if gpus_needed else 0, include_dashboard=False,
+    # address="local": never join a cluster some `ray start` left recorded in /tmp/ray.
+    ray.init(address="local", num_cpus=cpus, num_gpus=None if gpus_needed else 0, include_dashboard=False,
              log_to_driver=True, logging_level="WARNING")
     # One machine: keep rank-to-rank and rank-to-controller traffic on loopback.
     return RayConnection(True, "127.0.0.1", {"GLOO_SOCKET_IFNAME": "lo"})

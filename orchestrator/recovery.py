@@ -66,14 +66,20 @@ class RecoveryMixin:
         died = [o for o in outcomes if o.status == "died"]
         culprit = died[0] if died else outcomes[0]
         self.outcome_errors = {o.rank: o.info.get("error", o.status) for o in outcomes}
-        fault = next((e for e in self.fired.values() if not e.get("handled")), None)
+        fault = self._take_fired_fault()
         if fault:
-            fault["handled"] = True
             return Failure(fault["kind"], fault["rank"], time.time(), culprit.info.get("error", ""),
                            fault_time=fault["time"], step=fault["step"])
         kind = "rank_died" if died else "rank_error"
         return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""),
                        step=culprit.info.get("step", self._current_step()))
+
+    def _take_fired_fault(self) -> dict | None:
+        """The injected fault that fired and has not been blamed for a failure yet."""
+        fault = next((e for e in self.fired.values() if not e.get("handled")), None)
+        if fault is not None:
+            fault["handled"] = True
+        return fault
 
     def _current_step(self) -> int | None:
         return max(self.record.steps) + 1 if self.record.steps else None
@@ -87,8 +93,12 @@ class RecoveryMixin:
         if time.time() - since < limit:
             return None
         self.outcome_errors = {}
-        return Failure("hang", None, time.time(), f"no step for {time.time() - since:.1f} s (limit {limit:.1f} s)",
-                       step=self._current_step())
+        message = f"no step for {time.time() - since:.1f} s (limit {limit:.1f} s)"
+        fault = self._take_fired_fault()
+        if fault:
+            return Failure(fault["kind"], fault["rank"], time.time(), message, fault_time=fault["time"],
+                           step=fault["step"])
+        return Failure("hang", None, time.time(), message, step=self._current_step())
 
     def _start_recovery(self, failure) -> None:
         from orchestrator.controller import State

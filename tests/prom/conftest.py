@@ -18,7 +18,7 @@ import pytest
 PROMETHEUS = Path("/usr/bin/prometheus")
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -90,7 +90,7 @@ def start_prometheus(tmp_path_factory) -> Iterator[Callable[..., Prometheus]]:
     def start(targets: list[str], scrape_interval: str = "1s") -> Prometheus:
         tmp = tmp_path_factory.mktemp("prometheus")
         (tmp / "prometheus.yml").write_text(_config(targets, scrape_interval))
-        url = f"http://127.0.0.1:{free_port()}"
+        url = f"http://127.0.0.1:{_free_port()}"
         log = tmp / "prometheus.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(

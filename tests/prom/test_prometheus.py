@@ -7,9 +7,11 @@ still training, since the controller stops serving metrics when the job ends."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,6 @@ import time
 import pytest
 
 from tests.prom._dashboard import ROOT, expressions, load, substitute, variables
-from tests.prom.conftest import free_port
 
 pytestmark = [pytest.mark.prom, pytest.mark.timeout(600)]
 
@@ -40,6 +41,12 @@ BADPUT_CAUSES = {"startup", "checkpoint_save", "checkpoint_restore", "detection"
                  "waiting_for_resources", "other"}
 # Scrapes (1 s apart) of the running job, and of it after its recovery, before the checks.
 MIN_SCRAPES, MIN_SCRAPES_AFTER_RECOVERY = 40, 15
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _kill_session(sid: int) -> None:
@@ -70,10 +77,8 @@ def _stop_job(proc: subprocess.Popen) -> None:
     """SIGINT first so the job shuts its Ray down itself; then whatever is left, by session."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGINT)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
     _kill_session(proc.pid)
     proc.wait(timeout=30)
 
@@ -99,7 +104,7 @@ def _wait_for_history(prom, proc, log, timeout_s: float = 420.0) -> None:
 def scraped(start_prometheus, tmp_path_factory):
     """(prometheus, job process) with the job still running and scraped for a while."""
     tmp = tmp_path_factory.mktemp("job")
-    port = free_port()
+    port = _free_port()
     prom = start_prometheus([f"127.0.0.1:{port}"])
     proc = _start_job(tmp, port)
     try:
@@ -144,7 +149,7 @@ def test_values_describe_the_job(scraped):
     assert prom.value(f'undying_controller_state{{job="{JOB}", state="RECOVERING"}}') == 0
     assert prom.value(f"undying_checkpoint_last_committed_step{SEL}") > 0
     assert 0 < prom.value(f"undying_goodput_ratio{SEL}") < 1
-    assert prom.value(f'up{{job="undying"}}') == 1
+    assert prom.value('up{job="undying"}') == 1
 
 
 def test_the_dashboards_job_variable_lists_the_job(scraped):

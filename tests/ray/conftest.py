@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray.jobs import run_job
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -84,3 +86,14 @@ def ray_cluster():
         finally:
             _kill_session(proc.pid)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, tmp_path_factory):
+    """The failure-free run (as its JSON report) that every faulty run must reproduce."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("reference")
+    proc, report = run_job(ray_cluster, tmp, "ref", ["chaos.faults=[]"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(report.read_text())

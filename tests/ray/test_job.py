@@ -7,40 +7,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.ray.jobs import BASE, ROOT, UNDYING
+from tests.ray.jobs import run_job as _run
+
 pytestmark = pytest.mark.ray
-
-ROOT = Path(__file__).resolve().parents[2]
-UNDYING = str(Path(sys.executable).parent / "undying")
-
-BASE = [
-    "train.steps=40", "checkpoint.every_steps=10", "checkpoint.keep=2", "parallel.dp=4",
-    "train.global_batch=16", "train.micro_batch=2",
-]
-
-
-def _run(ray_cluster: str, tmp: Path, name: str, extra: list[str], timeout: float = 240):
-    report = tmp / f"{name}.json"
-    sets = [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", *extra]
-    cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(report), "--address", ray_cluster]
-    for item in sets:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return proc, report
-
-
-@pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory):
-    """The failure-free run every faulty run must reproduce."""
-    tmp = tmp_path_factory.mktemp("reference")
-    proc, report = _run(ray_cluster, tmp, "ref", ["chaos.faults=[]"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(report.read_text())
 
 
 def test_failure_free_run_reports_everything(reference):

@@ -55,6 +55,14 @@ class Hardware:
     intra_alpha: float  # latency of one ring step inside a node
     inter_alpha: float  # latency of one ring step across nodes
     devices_per_node: int
+    threads: int = 0  # CPU only: torch threads of the measurement (0 for GPUs)
+
+    def host_share(self, ranks: int) -> float:
+        """Fraction of a measured CPU row's rates one of `ranks` ranks on the host gets: they
+        share its cores, each running at most `threads` threads. 1 for GPUs (one rank each)."""
+        if self.kind != "cpu":
+            return 1.0
+        return min(1.0, self.devices_per_node / (ranks * self.threads))
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -67,7 +75,7 @@ class Hardware:
                 "hbm_bytes": self.hbm_bytes, "hbm_bandwidth": self.hbm_bandwidth,
                 "intra_bandwidth": self.intra_bandwidth, "inter_bandwidth": self.inter_bandwidth,
                 "intra_alpha": self.intra_alpha, "inter_alpha": self.inter_alpha,
-                "devices_per_node": self.devices_per_node}
+                "devices_per_node": self.devices_per_node, "threads": self.threads}
 
 
 def _gpu(name: str, tensor: float, fp32: float, hbm_gib: int, hbm_bw: float, nvlink: float,
@@ -149,12 +157,18 @@ def measure_loopback_link(size_bytes: int = 32 << 20, pings: int = 200) -> tuple
     try:
         for s in (sender, receiver):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        chunk = bytes(1 << 20)
-        thread = threading.Thread(target=lambda: [sender.sendall(chunk) for _ in range(size_bytes >> 20)])
+        chunks = size_bytes >> 20
+
+        def send() -> None:
+            chunk = bytes(1 << 20)
+            for _ in range(chunks):
+                sender.sendall(chunk)
+
+        thread = threading.Thread(target=send, daemon=True)
         buffer, received = bytearray(1 << 20), 0
         started = time.perf_counter()
         thread.start()
-        while received < (size_bytes >> 20) << 20:
+        while received < chunks << 20:
             received += receiver.recv_into(buffer)
         bandwidth = received / (time.perf_counter() - started)
         thread.join()
@@ -181,4 +195,4 @@ def cpu_hardware(precisions: tuple[str, ...] = ("fp32",), seconds: float = 0.5) 
     return Hardware(name=f"CPU ({torch.get_num_threads()} threads, measured)", kind="cpu", peak_flops=peaks,
                     hbm_bytes=ram, hbm_bandwidth=measure_cpu_memory_bandwidth(), intra_bandwidth=link,
                     inter_bandwidth=link, intra_alpha=alpha, inter_alpha=alpha,
-                    devices_per_node=os.cpu_count() or 1)
+                    devices_per_node=os.cpu_count() or 1, threads=torch.get_num_threads())

@@ -18,7 +18,9 @@ O = 8 for AdamW (exp_avg, exp_avg_sq) or 4 for SGD (momentum), and fp32 AdamW on
 
 Activation: bytes one layer saves for backward per token (count of the tensors autograd keeps
 in trainer.model's Block, in the manner of Korthikanti et al. 2022, arXiv:2205.05198, sec 4),
-times layers, times the microbatches in flight on the stage. See `layer_activation_bytes`.
+times layers, times the microbatches in flight on the stage, plus the LM head's logits on the
+last stage. See `layer_activation_bytes`; for an unsharded model on CPU the count is exact
+(tests/unit/test_costmodel.py compares it with the tensors autograd saves).
 
 Collective: DDP's gradient buckets (a flat copy of every gradient: the engine leaves
 `gradient_as_bucket_view` off), the unsharded copies FSDP all-gathers (ZeRO-3: the layer in
@@ -41,7 +43,10 @@ from trainer.costmodel.layout import Layout, StageParams, Workload, stage_params
 
 RESIDUAL_BYTES = 4  # the residual stream is fp32: fp32 embeddings plus autocast outputs upcast
 LOW_PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FRAGMENTATION = 0.10  # of churning memory; the caching allocator's slack is typically 5-15 %
+# An allowance, not a measurement: reserved-but-unallocated blocks of the caching allocator,
+# as a fraction of the memory that is allocated and freed every step. To be calibrated
+# against max_memory_reserved on a GPU (issue 3's acceptance compares within 15 %).
+FRAGMENTATION = 0.10
 GEMM_WORKSPACE_BYTES = 32 << 20  # cuBLAS with CUBLAS_WORKSPACE_CONFIG=:4096:8 (engine, deterministic)
 CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context and kernels, outside the caching allocator
 NCCL_COMMUNICATOR_BYTES = 256 << 20  # NCCL channel buffers per communicator (estimate)
@@ -114,58 +119,78 @@ def in_flight_microbatches(schedule: str, p: int, m: int, stage: int, v: int = 1
     return float(min(m, p - stage))
 
 
-def layer_activation_bytes(work: Workload, layout: Layout, tokens: int, recompute: str) -> int:
+def _norm_bytes_per_token(work: Workload, device_kind: str) -> float:
+    """What one norm saves per token: its fp32 input and statistics (LayerNorm mean and rstd,
+    RMSNorm rstd). CUDA runs RMSNorm as one fused kernel; the CPU runs torch's composite,
+    which also saves the normalized input for the gain's gradient."""
+    h, rms = work.model.d_model, work.model.norm == "rmsnorm"
+    extra = RESIDUAL_BYTES * h if rms and device_kind == "cpu" else 0
+    return RESIDUAL_BYTES * h + extra + 4 * (1 if rms else 2)
+
+
+def layer_activation_bytes(work: Workload, layout: Layout, tokens: int, recompute: str,
+                           device_kind: str = "gpu") -> int:
     """Bytes one transformer block saves for backward for `tokens` tokens on one tp rank.
 
-    Per token, with h = d_model, f = d_ff, e the compute element size, r = 4 (fp32
-    residual), t = tp, t_sp = t with sequence parallel (else 1):
-      none       2r*h/t_sp     the two norm inputs (sequence-sharded under SP)
-                 + e*2h        the inputs of the QKV and MLP-in projections; DTensor saves the
-                               all-gathered tensor (Megatron re-gathers in backward instead)
-                 + e*5h/t      q and k after RoPE, v, attention output, o_proj input
+    Per token, with h = d_model, f = d_ff, e the compute element size, t = tp, t_sp = t
+    under sequence parallelism (else 1), n the norm's bytes (`_norm_bytes_per_token`):
+      none       2n/t_sp       the two norms (inputs sequence-sharded under SP)
+                 + e*c*h       the inputs of the projections that read a norm's output. DTensor
+                               saves the all-gathered tensor (Megatron re-gathers in backward
+                               instead). c = 2 in fp32 (shared by q, k, v and by the MLP's first
+                               projections); under autocast each projection casts its own
+                               copy: c = 3 + 2 (swiglu) or 3 + 1 (gelu)
+                 + e*4h/t      q and k after RoPE, v, attention output (o_proj's input is a
+                               view of it)
                  + e*k*f/t     MLP intermediates: swiglu gate, silu(gate), up, product (k=4);
                                gelu up, gelu(up) (k=2)
                  + 4*heads/t   the attention's log-sum-exp (flash / memory-efficient SDPA)
-      selective  2r*h/t_sp + e*(3h + j*f)/t: keep the matmul outputs (q, k, v; the MLP's
-                 j = 2 or 1 first projections), recompute the attention core and the pointwise ops
-      block      r*h/t_sp: the block input only; the block is re-run in backward
-    plus 1-byte dropout masks on the two residual branches when dropout > 0.
+      selective  2n/t_sp + e*(3h + j*f)/t: keep the matmul outputs (q, k, v; the MLP's j = 2
+                 or 1 first projections), recompute the attention core and the pointwise ops
+      block      4h/t_sp: the block's fp32 input only; the block is re-run in backward
+    plus 1-byte dropout masks on the two residual branches when dropout > 0. Measured
+    against autograd's saved tensors in tests/unit/test_costmodel.py.
     """
     m, h, f = work.model, work.model.d_model, work.model.d_ff
     t = layout.tp
     t_sp = t if layout.sequence_parallel and t > 1 else 1
-    e, r = LOW_PRECISION_BYTES[work.precision], RESIDUAL_BYTES
+    e = LOW_PRECISION_BYTES[work.precision]
     swiglu = m.activation == "swiglu"
+    norms = 2 * _norm_bytes_per_token(work, device_kind) / t_sp
     masks = 2 * h / t_sp if m.dropout > 0 else 0
     if recompute == "block":
-        per_token = r * h / t_sp
+        per_token = RESIDUAL_BYTES * h / t_sp
     elif recompute == "selective":
-        per_token = 2 * r * h / t_sp + e * (3 * h + (2 if swiglu else 1) * f) / t + masks
+        per_token = norms + e * (3 * h + (2 if swiglu else 1) * f) / t + masks
     elif recompute == "none":
-        per_token = (2 * r * h / t_sp + e * 2 * h + e * (5 * h + (4 if swiglu else 2) * f) / t
+        copies = 2 if work.precision == "fp32" else 3 + (2 if swiglu else 1)
+        per_token = (norms + e * copies * h + e * (4 * h + (4 if swiglu else 2) * f) / t
                      + 4 * m.n_heads / t + masks)
     else:
         raise ValueError(f"recompute {recompute!r} is not one of none, selective, block")
     return round(tokens * per_token)
 
 
-def _head_activation_bytes(work: Workload, layout: Layout, tokens: int) -> int:
-    """The last stage's extra: final-norm input and output, logits, their fp32 upcast (bf16
-    only), log-softmax output, and the logits' gradient when backward starts. Vocab-parallel
-    (loss_parallel) splits the vocabulary over tp."""
+def _head_activation_bytes(work: Workload, layout: Layout, tokens: int, device_kind: str) -> int:
+    """The last stage's extra per token: the final norm, the LM head's input, the logits (kept
+    alive by the caller), the fp32 log-softmax output, the int64 targets, and the logits'
+    fp32 gradient when backward starts (the fp32 upcast of bf16 logits is freed after the
+    forward: log-softmax saves its output, not its input). Vocab-parallel (loss_parallel)
+    splits the vocabulary over tp."""
     h, e = work.model.d_model, LOW_PRECISION_BYTES[work.precision]
     vocab = -(-work.model.vocab_size // layout.tp)
-    upcast = 4 if e != 4 else 0
-    return tokens * ((RESIDUAL_BYTES + e) * h + vocab * (e + upcast + 4 + 4))
+    per_token = _norm_bytes_per_token(work, device_kind) + e * h + vocab * (e + 4 + 4) + 8
+    return round(tokens * per_token)
 
 
-def m_activation(work: Workload, layout: Layout, params: StageParams) -> int:
+def m_activation(work: Workload, layout: Layout, params: StageParams, device_kind: str = "gpu") -> int:
     tokens = layout.micro_batch * work.seq_len
     m = layout.microbatches(work.global_batch)
     held = in_flight_microbatches(layout.schedule, layout.pp, m, params.stage, layout.virtual_stages)
-    per_microbatch = params.layers * layer_activation_bytes(work, layout, tokens, layout.recompute)
+    per_layer = layer_activation_bytes(work, layout, tokens, layout.recompute, device_kind)
+    per_microbatch = params.layers * per_layer
     if params.stage == layout.pp - 1:
-        per_microbatch += _head_activation_bytes(work, layout, tokens)
+        per_microbatch += _head_activation_bytes(work, layout, tokens, device_kind)
     if work.precision != "fp32" and layout.zero < 2:
         # autocast's low-precision weight copies are saved for backward with each microbatch
         # (FSDP2, ZeRO 2 and 3, gathers low-precision weights instead: M_collective)
@@ -173,7 +198,7 @@ def m_activation(work: Workload, layout: Layout, params: StageParams) -> int:
     total = held * per_microbatch
     if layout.recompute != "none":
         # the layer being recomputed holds its full activations during its backward
-        total += layer_activation_bytes(work, layout, tokens, "none")
+        total += layer_activation_bytes(work, layout, tokens, "none", device_kind)
     return round(total)
 
 
@@ -220,7 +245,7 @@ def m_transient(work: Workload, layout: Layout, params: StageParams, activation:
 def stage_ledgers(work: Workload, layout: Layout, stage: int, device_kind: str = "gpu") -> Ledgers:
     params = stage_params(work.model, layout, stage)
     state = m_state(work, layout, params)
-    activation = m_activation(work, layout, params)
+    activation = m_activation(work, layout, params, device_kind)
     collective = m_collective(work, layout, params)
     transient = m_transient(work, layout, params, activation, collective, device_kind)
     return Ledgers(state, activation, collective, transient, stage)

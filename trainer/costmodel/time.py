@@ -144,13 +144,13 @@ def _exposed_seconds(work: Workload, layout: Layout, hw: Hardware, params: Stage
     return out
 
 
-def _hbm_bytes(work: Workload, layout: Layout, params: StageParams, m: int) -> float:
+def _hbm_bytes(work: Workload, layout: Layout, params: StageParams, m: int, device_kind: str) -> float:
     """Lower bound of memory traffic per step: weights read three times per microbatch
     (forward, input gradient, weight gradient), saved activations written and read once,
     fp32 gradients accumulated, and the optimizer reading W, G, O and writing W, O."""
     e = LOW_PRECISION_BYTES[work.precision]
     tokens = layout.micro_batch * work.seq_len
-    saved = params.layers * layer_activation_bytes(work, layout, tokens, layout.recompute)
+    saved = params.layers * layer_activation_bytes(work, layout, tokens, layout.recompute, device_kind)
     per_micro = 3 * e * params.matmul_params + 2 * saved + 2 * 4 * params.total
     optim_bytes = 8 if work.optimizer == "adamw" else 4
     opt_params = params.total / layout.dp if layout.zero >= 1 else params.total
@@ -161,12 +161,14 @@ def predict(work: Workload, layout: Layout, hw: Hardware, io_s: float = 0.0) -> 
     """Predicted step of `layout` on `hw` (see the module docstring); the slowest stage sets it."""
     m = layout.microbatches(work.global_batch)
     tokens_per_rank = layout.micro_batch * work.seq_len * m
-    peak = hw.peak(work.precision)
+    # ranks of a CPU job share the host's cores (and memory bandwidth); a GPU is one rank's own
+    share = hw.host_share(layout.world)
+    peak, hbm_bandwidth = hw.peak(work.precision) * share, hw.hbm_bandwidth * share
     worst = None
     for stage in range(layout.pp):
         params = stage_params(work.model, layout, stage)
         compute = tokens_per_rank * rank_flops_per_token(work, layout, params) / peak
-        hbm = _hbm_bytes(work, layout, params, m) / hw.hbm_bandwidth
+        hbm = _hbm_bytes(work, layout, params, m, hw.kind) / hbm_bandwidth
         dp = _dp_seconds(work, layout, hw, params, m)
         exposed = _exposed_seconds(work, layout, hw, params, m)
         busy = max(compute, hbm, dp) + exposed

@@ -1,0 +1,240 @@
+"""Recovery speed of undying vs Ray Train vs torchrun: the same job, the same kill, one run, one table.
+
+    .venv/bin/pip install -e '.[bench]'      # Ray Train's extras (pandas, pyarrow, ...)
+    .venv/bin/python bench/recovery.py [--repeats N] [--set KEY=VALUE ...] [--undying-set KEY=VALUE ...]
+
+The job is `examples/demo.yaml` (tiny GPT, 4 data-parallel ranks, DDP over gloo on CPU, a
+checkpoint every 10 steps, 60 steps) and its chaos fault: rank 1 SIGKILLs itself after the
+backward of step 25. Each system runs it with the same engine (trainer.engine.Engine) and
+the same kill:
+  undying    `undying run examples/demo.yaml --report ...` (it injects the fault itself);
+  Ray Train  TorchTrainer + FailureConfig, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.5, checkpoints
+             through ray.train.report; the worker kills itself on the first attempt only;
+  torchrun   --max-restarts 3, c10d rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+             torch.save checkpoints; rank 1 kills itself on the first attempt only.
+undying and Ray Train share one private local Ray head started here (so neither pays for
+starting Ray); a failure-free torchrun run gives the reference final loss.
+
+For every run it measures, from timestamps the processes write themselves: detection
+(kill -> the system's first reaction), kill-to-first-step (kill -> first step completed
+after the restart), steps redone, total wall time, and whether the final loss equals the
+failure-free one. It prints a table (median [min-max] over --repeats) with ratios against
+undying, writes runs/bench/recovery.json and rewrites its own section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from _recovery_ray import ROOT, start_head  # noqa: E402
+from _recovery_systems import run_raytrain, run_torchrun, run_undying  # noqa: E402
+
+SYSTEMS = ("undying", "Ray Train", "torchrun")
+TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # issue 5: kill-to-first-step at least this many x faster
+SECTION = "## Recovery: undying vs Ray Train vs torchrun"
+
+
+def job_from_spec(spec_path: str, overrides: list[str]) -> dict:
+    """What every system needs to know about the job, taken from undying's own spec."""
+    from orchestrator.spec import load_spec
+
+    spec = load_spec(spec_path, overrides)
+    kills = [f for f in spec.chaos.faults if f.kind == "kill_rank" and f.at_step is not None]
+    if len(spec.chaos.faults) != 1 or not kills:
+        raise SystemExit(f"{spec_path}: needs exactly one chaos fault, a kill_rank with at_step")
+    if spec.checkpoint.every_steps is None:
+        raise SystemExit(f"{spec_path}: needs checkpoint.every_steps (a fixed interval) to compare systems")
+    return {"spec": str(Path(spec_path).resolve()), "overrides": overrides, "world_size": spec.world_size,
+            "kill_rank": kills[0].rank, "kill_step": kills[0].at_step, "every": spec.checkpoint.every_steps,
+            "steps": spec.train.steps, "name": spec.name}
+
+
+def machine() -> str:
+    import ray
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal")), 0)
+    return (f"{os.cpu_count()} cores ({cpu}), {mem_kb / 2**20:.0f} GiB RAM, no GPU; "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, ray {ray.__version__}")
+
+
+def summarise(runs: list[dict], reference_loss: float | None) -> dict:
+    """Median and range of each number over the repeats of one system."""
+    def stats(values):
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    keys = ("detection_s", "kill_to_first_step_s", "steps_redone", "wall_s")
+    out = {key: stats([r[key] for r in runs]) for key in keys}
+    out["phases"] = {name: statistics.median(r["phases"][name] for r in runs) for name in runs[0]["phases"]}
+    losses = [r["final_loss"] for r in runs]
+    out["final_losses"] = losses
+    out["loss_matches_reference"] = None if reference_loss is None else all(x == reference_loss for x in losses)
+    return out
+
+
+def _cell(s: dict, unit: str = "s", digits: int = 2) -> str:
+    fmt = f"{{:.{digits}f}}"
+    text = fmt.format(s["median"]) + (f" {unit}" if unit else "")
+    return text if s["min"] == s["max"] else f"{text} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+
+
+def tables(summary: dict, reference_loss: float | None) -> str:
+    """The result table, the ratio lines against undying, and the phase split (markdown)."""
+    base = summary["undying"]["kill_to_first_step_s"]["median"] if "undying" in summary else None
+    rows = ["| system | detection | kill-to-first-step | vs undying | steps redone | total wall | final loss |",
+            "|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        ratio = f"{s['kill_to_first_step_s']['median'] / base:.1f}x" if base else "-"
+        match = {None: "not checked", True: "= failure-free", False: "DIFFERS"}[s["loss_matches_reference"]]
+        rows.append(f"| {name} | {_cell(s['detection_s'], digits=3)} | {_cell(s['kill_to_first_step_s'])} | {ratio} "
+                    f"| {_cell(s['steps_redone'], '', 0)} | {_cell(s['wall_s'], digits=1)} "
+                    f"| {s['final_losses'][0]:.6f} {match} |")
+    lines = rows + [""]
+    for name, target in TARGETS.items():
+        if base and name in summary:
+            ratio = summary[name]["kill_to_first_step_s"]["median"] / base
+            verdict = "met" if ratio >= target else "NOT met"
+            lines.append(f"- {name} / undying kill-to-first-step = {ratio:.1f}x (target {target:.0f}x: {verdict})")
+    if reference_loss is not None:
+        lines.append(f"- failure-free reference final loss (torchrun, no kill): {reference_loss:.6f}")
+    names = list(next(iter(summary.values()))["phases"])
+    lines += ["", "Where kill-to-first-step goes (medians, seconds):", "",
+              "| system | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | " + " | ".join(f"{s['phases'][p]:.2f}" for p in names) + " |")
+    return "\n".join(lines)
+
+
+def docs_section(result: dict) -> str:
+    runs = result["runs"].get("undying", [])
+    story = "\n".join(runs[len(runs) // 2]["transitions"]) if runs else ""
+    return f"""{SECTION}
+
+Measured by `bench/recovery.py` on {result['date']}. Command:
+
+```bash
+{result['command']}
+```
+
+Machine: {result['machine']}.
+
+Job: `{Path(result['job']['spec']).relative_to(ROOT)}` ({result['job']['world_size']} data-parallel ranks, tiny GPT,
+DDP over gloo on CPU, checkpoint every {result['job']['every']} steps, {result['job']['steps']} steps); rank
+{result['job']['kill_rank']} is SIGKILLed after the backward of step {result['job']['kill_step']}. All three systems
+train with `trainer.engine.Engine`; undying and Ray Train run on the same local Ray head. Medians over
+{result['repeats']} run(s) per system, [min-max] when they differ.
+
+{result['table']}
+
+How each number is taken (every timestamp is `time.time()` on this machine, written by the processes):
+- kill: the killed rank's own timestamp just before it sends itself SIGKILL.
+- detection: undying, the controller noticing (its report's `detected_after_s`); Ray Train, the
+  controller's `[FailurePolicy] RETRY` log line (health check every 0.5 s); torchrun, the agent's first
+  reaction in its log (SIGTERM to the survivors, or "will restart worker group"; it polls every 0.1 s).
+- re-form: detection -> the restarted training function is running in a formed process group
+  (undying: RENDEZVOUS -> RESTORING). restore: -> engine built and checkpoint loaded (undying:
+  RESTORING -> RUNNING). first step: -> rank 0 completes the first step after the restart.
+- steps redone: steps completed before the kill minus the step the restart resumed from.
+- total wall: launch to exit of the system's command (Ray's start is not included for undying and Ray Train).
+
+undying's own account of the median run (controller job seconds):
+
+```
+{story}
+```
+"""
+
+
+def write_docs(path: Path, section: str) -> None:
+    """Replace only this benchmark's section (up to the next `## ` heading); others' sections stay."""
+    header = "# Benchmarks\n\nMeasured figures; each section says how to reproduce it.\n"
+    text = path.read_text() if path.exists() else header
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        rest = text[end + 1:] if end >= 0 else ""
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs per system (median and range reported)")
+    parser.add_argument("--spec", default="examples/demo.yaml", help="undying job spec; its chaos kill is the kill")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="spec override for every system, e.g. --set train.steps=40")
+    parser.add_argument("--undying-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="spec override for undying only, e.g. --undying-set elastic.spares=1")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--out", default="runs/bench/recovery.json")
+    parser.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the failure-free run (loss not checked)")
+    args = parser.parse_args(argv)
+    os.chdir(ROOT)
+    command = shlex.join([".venv/bin/python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])])
+    job = job_from_spec(args.spec, args.overrides)
+    work = ROOT / "runs" / "bench" / "recovery-work"
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"$ {command}\nwork directories and logs in {work}", flush=True)
+
+    reference = None
+    if not args.no_reference:
+        reference = run_torchrun(job, work / "reference", kill=False)
+        print(f"reference (torchrun, no kill): final loss {reference['final_loss']:.6f}, "
+              f"wall {reference['wall_s']:.1f} s", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in args.systems}
+    head = start_head(num_cpus=max(8, job["world_size"])) if {"undying", "Ray Train"} & set(args.systems) else None
+    try:
+        for i in range(args.repeats):  # interleaved, so drift on the machine hits every system alike
+            for name in args.systems:
+                folder = work / f"{name.replace(' ', '').lower()}-{i}"
+                if name == "undying":
+                    record = run_undying(job, folder, head, args.undying_set)
+                elif name == "Ray Train":
+                    record = run_raytrain(job, folder, head)
+                else:
+                    record = run_torchrun(job, folder)
+                runs[name].append(record)
+                print(f"[{i + 1}/{args.repeats}] {name}: detection {record['detection_s']:.3f} s, kill-to-first-step "
+                      f"{record['kill_to_first_step_s']:.2f} s, {record['steps_redone']} steps redone, "
+                      f"wall {record['wall_s']:.1f} s, final loss {record['final_loss']:.6f}", flush=True)
+    finally:
+        if head is not None:
+            head.stop()
+
+    ref_loss = reference["final_loss"] if reference else None
+    summary = {name: summarise(records, ref_loss) for name, records in runs.items()}
+    table = tables(summary, ref_loss)
+    result = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "job": job,
+              "repeats": args.repeats, "reference": reference, "summary": summary, "runs": runs, "table": table}
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print("\n" + table + f"\n\nresults: {out}\nreproduce: {command}")
+    if args.docs:
+        write_docs(ROOT / args.docs, docs_section(result))
+        print(f"section {SECTION[3:]!r} written to {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The cost model against design.md's formulas (as oracles) and against what torch really holds.
+
+Oracles are written out here independently of trainer/costmodel: the ZeRO state formulas,
+the GPipe bubble, the ring all-reduce. Measured checks build the real model or Engine on
+CPU and count bytes: the state ledger against the engine's tensors and gradients, the
+activation ledger against the tensors autograd saves for backward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from orchestrator.plan_cmd import plan_main
+from orchestrator.spec import load_spec
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.costmodel import (
+    Layout,
+    Workload,
+    bubble_fraction,
+    hardware,
+    ledgers,
+    measure_cpu_matmul_flops,
+    plan,
+    predict,
+    predict_step,
+    predicted_bubble_ratio,
+    predicted_ledgers,
+    ring_allreduce_seconds,
+    stage_params,
+)
+from trainer.costmodel.memory import layer_activation_bytes, m_activation
+from trainer.costmodel.planner import capacity_bytes
+from trainer.costmodel.time import group_link, rank_flops_per_token
+from trainer.engine import Engine
+from trainer.loss import token_loss_sum
+from trainer.model import build_model, count_params, flops_per_token
+
+TINY, SMALL, EIGHT_B = ModelConfig(preset="tiny"), ModelConfig(preset="small"), ModelConfig(preset="8b")
+H100, H200 = hardware("h100"), hardware("h200")
+
+
+def job(model=TINY, seq_len=64, global_batch=16, micro_batch=2, precision="fp32", parallel=None, gpus=0.0):
+    """A spec-like view: the sections the cost model reads, without JobSpec's engine limits."""
+    return SimpleNamespace(
+        model=model, data=DataConfig(seq_len=seq_len),
+        train=TrainConfig(steps=10, global_batch=global_batch, micro_batch=micro_batch, precision=precision),
+        parallel=parallel or ParallelConfig(), resources=SimpleNamespace(gpus_per_rank=gpus))
+
+
+# --- design.md formulas as oracles -------------------------------------------------------
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_state_ledger_is_the_zero_formula(zero, dp):
+    n = count_params(SMALL)
+    w, g, o = 4 * n, 4 * n, 8 * n  # fp32 weights, fp32 gradients, AdamW moments
+    oracle = {0: w + g + o, 1: w + g + o / dp, 2: w + (g + o) / dp, 3: (w + g + o) / dp}[zero]
+    state = ledgers(Workload(SMALL, 1024, 64), Layout(dp=dp, zero=zero)).state
+    assert state == pytest.approx(oracle, rel=1e-12)
+
+
+def test_small_fp32_adamw_state_is_16_bytes_per_parameter():
+    assert count_params(SMALL) == pytest.approx(124e6, rel=0.03)  # GPT-2 small
+    assert ledgers(Workload(SMALL, 1024, 8), Layout()).state == 16 * count_params(SMALL)
+    sgd = Workload(SMALL, 1024, 8, optimizer="sgd")
+    assert ledgers(sgd, Layout()).state == 12 * count_params(SMALL)  # momentum only
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v", "expected"), [
+    ("gpipe", 4, 8, 1, 3 / 11),
+    ("1f1b", 4, 8, 1, 3 / 11),
+    ("1f1b", 2, 1, 1, 1 / 2),
+    ("gpipe", 1, 8, 1, 0.0),
+    ("interleaved", 4, 8, 2, 1.5 / 9.5),
+    ("interleaved", 4, 8, 1, 3 / 11),
+    ("zero-bubble", 4, 8, 2, 1 / 9),
+    ("pipedream", 4, 8, 1, 0.0),
+])
+def test_bubble_fraction(schedule, p, m, v, expected):
+    assert bubble_fraction(schedule, p, m, v) == pytest.approx(expected)
+
+
+def test_ring_allreduce_formula():
+    alpha, bw, size = 5e-6, 100e9, 2e9
+    for d in (2, 3, 8):
+        assert ring_allreduce_seconds(size, d, alpha, bw) == pytest.approx(
+            2 * (d - 1) * alpha + 2 * (d - 1) / d * size / bw)
+    assert ring_allreduce_seconds(size, 1, alpha, bw) == 0.0
+
+
+def test_links_follow_the_rank_mapping():
+    # 16 H100s, 8 per node: a TP group of 8 fits a node; DP then strides across nodes
+    layout = Layout(dp=2, tp=8)
+    assert group_link(H100, layout, "tp") == (H100.intra_alpha, H100.intra_bandwidth)
+    assert group_link(H100, layout, "dp") == (H100.inter_alpha, H100.inter_bandwidth)
+    assert group_link(H100, Layout(dp=4, tp=2), "dp")[1] == H100.intra_bandwidth
+    assert group_link(H100, Layout(dp=2, tp=2, pp=4), "pp")[1] == H100.intra_bandwidth
+    assert group_link(H100, Layout(dp=1, tp=4, pp=4), "pp")[1] == H100.inter_bandwidth
+
+
+# --- shapes and monotonicity ---------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [TINY, SMALL, EIGHT_B, ModelConfig(preset="tiny", position="learned")])
+def test_stage_parameters_add_up_to_the_model(model):
+    assert stage_params(model, Layout(), 0).total == count_params(model)
+    tp, d, half = 2, model.d_model, model.n_layers // 2
+    # norm gains and learned positions are replicated on every tp rank; the rest is split
+    replicated = [2 * d * half + (model.max_seq_len * d if model.position == "learned" else 0), 2 * d * half + d]
+    tied_copy = model.vocab_size * d if model.tie_embeddings else 0  # the last stage's head
+    split = Layout(tp=tp, pp=2)
+    total = sum((stage_params(model, split, s).total - replicated[s]) * tp + replicated[s] for s in range(2))
+    assert total == count_params(model) + tied_copy
+
+
+def test_stage_flops_add_up_to_flops_per_token():
+    for model, tp, pp in ((SMALL, 2, 2), (EIGHT_B, 8, 1), (EIGHT_B, 2, 4), (TINY, 1, 1)):
+        work, layout = Workload(model, 512, 8), Layout(tp=tp, pp=pp)
+        total = sum(rank_flops_per_token(work, layout, stage_params(model, layout, s)) * tp for s in range(pp))
+        assert total == pytest.approx(flops_per_token(model, 512), rel=1e-12)
+
+
+def test_more_tensor_parallelism_holds_less_state_per_rank():
+    work = Workload(EIGHT_B, 2048, 64)
+    states = [ledgers(work, Layout(tp=tp)).state for tp in (1, 2, 4, 8)]
+    assert states == sorted(states, reverse=True) and states[-1] < states[0] / 6
+
+
+def test_recomputation_and_sequence_parallel_hold_fewer_activations():
+    work = Workload(EIGHT_B, 4096, 64, precision="bf16")
+    acts = [ledgers(work, Layout(micro_batch=1, recompute=r)).activation for r in ("none", "selective", "block")]
+    assert acts[0] > acts[1] > acts[2]
+    with_sp = ledgers(work, Layout(tp=4, micro_batch=1)).activation
+    without_sp = ledgers(work, Layout(tp=4, micro_batch=1, sequence_parallel=False)).activation
+    assert with_sp < without_sp < acts[0]
+
+
+def test_gpipe_holds_every_microbatch_1f1b_at_most_p():
+    work = Workload(SMALL, 1024, 32)  # 32 microbatches of 1
+    for schedule, held in (("gpipe", 32), ("1f1b", 4)):
+        layout = Layout(pp=4, micro_batch=1, schedule=schedule)
+        first = stage_params(SMALL, layout, 0)  # 3 of the 12 layers, no LM head
+        per_layer = layer_activation_bytes(work, layout, 1024, "none")
+        assert m_activation(work, layout, first) == held * 3 * per_layer
+
+
+# --- measured on CPU -------------------------------------------------------------------------
+
+def test_state_ledger_matches_a_real_engine():
+    train = TrainConfig(steps=5, global_batch=4, micro_batch=2)
+    engine = Engine(TINY, DataConfig(seq_len=32), train, ParallelConfig(), rank=0, world_size=1)
+    engine.train_step()  # the optimizer's moments exist from the first step on
+    batch = engine.data.microbatches(1, 4, 2, 0, 1)[0]
+    loss, _ = token_loss_sum(engine.model(batch.input_ids), batch.labels)
+    loss.backward()
+    held = sum(t.nbytes for t in engine.state_tensors().values())
+    held += sum(p.grad.nbytes for p in engine.model.parameters())
+    predicted = predicted_ledgers(job(global_batch=4, micro_batch=2, seq_len=32))["state"]
+    assert predicted == pytest.approx(held, rel=0.01)
+
+
+def _saved_for_backward(model_cfg: ModelConfig, precision: str, batch: int, seq: int) -> int:
+    """Bytes of the distinct tensors autograd saves in one forward + loss, parameters excluded."""
+    model = build_model(model_cfg, seed=0)
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in owned:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, seq))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast:
+            logits = model(ids)
+        token_loss_sum(logits, ids)
+    saved.setdefault(logits.untyped_storage().data_ptr(), logits.untyped_storage().nbytes())  # the caller's
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(("activation", "norm"), [("gelu", "layernorm"), ("swiglu", "rmsnorm")])
+def test_activation_ledger_matches_the_tensors_autograd_saves(precision, activation, norm):
+    model_cfg = ModelConfig(preset="tiny", activation=activation, norm=norm)
+    batch, seq = 2, 64
+    measured = _saved_for_backward(model_cfg, precision, batch, seq)
+    work, layout = Workload(model_cfg, seq, batch, precision), Layout(micro_batch=batch)
+    predicted = m_activation(work, layout, stage_params(model_cfg, layout, 0), "cpu")
+    logits_grad = 4 * batch * seq * model_cfg.vocab_size  # made at backward's start, not saved
+    assert predicted - logits_grad == pytest.approx(measured, rel=0.001)
+
+
+def test_cpu_matmul_peak_is_measured():
+    flops = measure_cpu_matmul_flops(seconds=0.05, n=256)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    started = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    naive = 5 * 2 * 256**3 / (time.perf_counter() - started)
+    assert naive / 3 < flops < 1e14  # the best batch is at least as fast as a plain timing, roughly
+
+
+# --- prediction and planner ------------------------------------------------------------------
+
+def test_prediction_is_a_consistent_bound():
+    spec = job(model=EIGHT_B, seq_len=2048, global_batch=64, micro_batch=1, precision="bf16",
+               parallel=ParallelConfig(dp=2, tp=4, pp=1))
+    pred = predict_step(spec, H200, 8)
+    assert pred.step_s >= max(pred.compute_s, pred.hbm_s) + pred.exposed_comm_s
+    tokens = 64 * 2048
+    assert pred.tokens_per_s == pytest.approx(tokens / pred.step_s)
+    assert pred.mfu == pytest.approx(flops_per_token(EIGHT_B, 2048) * tokens / (pred.step_s * 8 * 989.5e12))
+    assert 0 < pred.mfu <= 1
+    with pytest.raises(ValueError, match="n_gpus=4"):
+        predict_step(spec, H200, 4)
+
+
+def test_pipeline_bubble_enters_the_step():
+    work = Workload(SMALL, 1024, 8)
+    gpipe = predict(work, Layout(pp=4, micro_batch=1, schedule="gpipe"), H100)
+    f = bubble_fraction("gpipe", 4, 8)
+    assert gpipe.bubble_s == pytest.approx((gpipe.compute_s + gpipe.exposed_comm_s) * f / (1 - f))
+
+
+def test_planner_rejects_with_the_right_reasons():
+    result = plan(job(model=TINY, global_batch=12, micro_batch=1), H100, 8)
+    keys = {key for key, _ in result.rejected_groups()}
+    assert "tp=3: 4 heads not divisible by 3" in keys
+    assert "pp=3: 4 layers not divisible by 3" in keys
+    assert "tp*pp=16 exceeds 8 devices" in keys
+    assert "dp=8: global_batch 12 not divisible by 8" in keys
+    assert "zero>0 with dp=1: nothing to shard (same as zero=0)" in keys
+    assert result.valid, "tiny fits on 8 H100s in several layouts"
+    for cand in result.valid:
+        assert cand.layout.world == 8 and TINY.n_heads % cand.layout.tp == 0
+        assert 12 % (cand.layout.dp * cand.layout.micro_batch) == 0
+    steps = [c.prediction.step_s for c in result.valid]
+    assert steps == sorted(steps)
+
+
+def test_8b_on_8_h200_ranks_a_fitting_layout_first_and_rejects_plain_ddp_for_memory():
+    spec = load_spec("examples/demo.yaml", ["model.preset=8b"])
+    result = plan(spec, H200, 8)
+    best = result.valid[0]
+    assert best.prediction.memory.total <= capacity_bytes(H200, best.layout)
+    ddp = [r for r in result.rejected if (r.layout.dp, r.layout.tp, r.layout.pp, r.layout.zero) == (8, 1, 1, 0)]
+    assert ddp and all("out of memory" in r.key and r.memory.total > capacity_bytes(H200, r.layout) for r in ddp)
+    assert "state 131.7" in ddp[0].reason  # 8.84B parameters x 16 bytes, in GiB
+    assert not [c for c in result.valid if (c.layout.dp, c.layout.tp, c.layout.zero) == (8, 1, 0)]
+    assert any((c.layout.dp, c.layout.zero) == (8, 3) for c in result.valid)  # sharding makes dp=8 fit
+
+
+def test_oom_layouts_fall_back_to_recomputation_first():
+    # 8b at 8k tokens on 8 H100s: without recomputation some layouts do not fit, with it they do
+    spec = job(model=EIGHT_B, seq_len=8192, global_batch=8, micro_batch=1, precision="bf16")
+    result = plan(spec, H100, 8)
+    assert {c.layout.recompute for c in result.valid} - {"none"}
+    for cand in result.valid:
+        if cand.layout.recompute != "none":
+            lighter = "none" if cand.layout.recompute == "selective" else "selective"
+            assert ledgers(Workload.from_spec(spec), replace(cand.layout, recompute=lighter)).total > \
+                capacity_bytes(H100, cand.layout)
+
+
+def test_predicted_metrics_for_a_spec():
+    spec = load_spec("examples/demo.yaml")
+    mem = predicted_ledgers(spec)
+    assert set(mem) == {"state", "activation", "collective", "transient"}
+    assert mem["state"] == 16 * count_params(spec.model)
+    assert mem["collective"] == 4 * count_params(spec.model)  # DDP's bucket copy of the gradients
+    assert predicted_bubble_ratio(spec) == 0.0
+    piped = job(global_batch=8, micro_batch=1, parallel=ParallelConfig(pp=4, schedule="gpipe"))
+    assert predicted_bubble_ratio(piped) == pytest.approx(3 / 11)
+
+
+def test_plan_command_prints_a_table_and_json(capsys):
+    spec = load_spec("examples/demo.yaml")
+    assert plan_main(spec, 8, "h100", as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "tp=3: 4 heads not divisible by 3" in out and "tokens/s" in out
+    assert plan_main(spec, 8, "h100", as_json=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["valid"][0]["prediction"]["step_s"] <= data["valid"][-1]["prediction"]["step_s"]
+    assert sum(group["count"] for group in data["rejected"]) + len(data["valid"]) > 100
+    assert plan_main(spec, 0, "h100", as_json=False) == 2
+    assert plan_main(spec, 8, "tpu", as_json=False) == 2
+    assert not math.isnan(data["valid"][0]["prediction"]["mfu"])
