@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import sys
 import time
@@ -41,7 +40,10 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from _recovery_ray import ROOT, start_head  # noqa: E402
 from _recovery_systems import run_raytrain, run_torchrun, run_undying  # noqa: E402
 
-SYSTEMS = ("undying", "Ray Train", "torchrun")
+# --systems key -> (table name, extra undying overrides). The issue's targets are for undying
+# with a warm spare (or a shrink); the plain run replaces the dead rank with a new actor.
+SYSTEMS = {"undying": ("undying", []), "undying-spare": ("undying (warm spare)", ["elastic.spares=1"]),
+           "raytrain": ("Ray Train", None), "torchrun": ("torchrun", None)}
 TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # issue 5: kill-to-first-step at least this many x faster
 SECTION = "## Recovery: undying vs Ray Train vs torchrun"
 
@@ -95,22 +97,23 @@ def _cell(s: dict, unit: str = "s", digits: int = 2) -> str:
 
 
 def tables(summary: dict, reference_loss: float | None) -> str:
-    """The result table, the ratio lines against undying, and the phase split (markdown)."""
-    base = summary["undying"]["kill_to_first_step_s"]["median"] if "undying" in summary else None
-    rows = ["| system | detection | kill-to-first-step | vs undying | steps redone | total wall | final loss |",
-            "|---|---|---|---|---|---|---|"]
+    """The result table with ratios against each undying variant, the target lines and the phase split."""
+    anchors = [name for name in summary if name.startswith("undying")]
+    rows = ["| system | detection | kill-to-first-step | " + "".join(f"/ {a} | " for a in anchors)
+            + "steps redone | total wall | final loss |", "|---" * (6 + len(anchors)) + "|"]
     for name, s in summary.items():
-        ratio = f"{s['kill_to_first_step_s']['median'] / base:.1f}x" if base else "-"
+        ratios = "".join(f"{_ratio(s, summary[a]):.1f}x | " for a in anchors)
         match = {None: "not checked", True: "= failure-free", False: "DIFFERS"}[s["loss_matches_reference"]]
-        rows.append(f"| {name} | {_cell(s['detection_s'], digits=3)} | {_cell(s['kill_to_first_step_s'])} | {ratio} "
-                    f"| {_cell(s['steps_redone'], '', 0)} | {_cell(s['wall_s'], digits=1)} "
+        rows.append(f"| {name} | {_cell(s['detection_s'], digits=3)} | {_cell(s['kill_to_first_step_s'])} | {ratios}"
+                    f"{_cell(s['steps_redone'], '', 0)} | {_cell(s['wall_s'], digits=1)} "
                     f"| {s['final_losses'][0]:.6f} {match} |")
     lines = rows + [""]
     for name, target in TARGETS.items():
-        if base and name in summary:
-            ratio = summary[name]["kill_to_first_step_s"]["median"] / base
-            verdict = "met" if ratio >= target else "NOT met"
-            lines.append(f"- {name} / undying kill-to-first-step = {ratio:.1f}x (target {target:.0f}x: {verdict})")
+        for anchor in anchors:
+            if name in summary:
+                ratio = _ratio(summary[name], summary[anchor])
+                verdict = "met" if ratio >= target else "NOT met"
+                lines.append(f"- {name} / {anchor} kill-to-first-step = {ratio:.1f}x (target {target:.0f}x: {verdict})")
     if reference_loss is not None:
         lines.append(f"- failure-free reference final loss (torchrun, no kill): {reference_loss:.6f}")
     names = list(next(iter(summary.values()))["phases"])
@@ -121,9 +124,19 @@ def tables(summary: dict, reference_loss: float | None) -> str:
     return "\n".join(lines)
 
 
+def _ratio(s: dict, anchor: dict) -> float:
+    return s["kill_to_first_step_s"]["median"] / anchor["kill_to_first_step_s"]["median"]
+
+
 def docs_section(result: dict) -> str:
-    runs = result["runs"].get("undying", [])
-    story = "\n".join(runs[len(runs) // 2]["transitions"]) if runs else ""
+    job = result["job"]
+    stories = []
+    for name, runs in result["runs"].items():
+        if name.startswith("undying") and runs:
+            median_run = sorted(runs, key=lambda r: r["kill_to_first_step_s"])[len(runs) // 2]
+            stories.append(f"{name}, its own account of the median run (controller job seconds):\n\n```\n"
+                           + "\n".join(median_run["transitions"]) + "\n```\n")
+    loads = [r["load_1min"] for runs in result["runs"].values() for r in runs]
     return f"""{SECTION}
 
 Measured by `bench/recovery.py` on {result['date']}. Command:
@@ -132,13 +145,13 @@ Measured by `bench/recovery.py` on {result['date']}. Command:
 {result['command']}
 ```
 
-Machine: {result['machine']}.
+Machine: {result['machine']}. The machine was shared while it ran (1-minute load average
+{min(loads):.1f} to {max(loads):.1f} at the start of the runs, on {os.cpu_count()} cores).
 
-Job: `{Path(result['job']['spec']).relative_to(ROOT)}` ({result['job']['world_size']} data-parallel ranks, tiny GPT,
-DDP over gloo on CPU, checkpoint every {result['job']['every']} steps, {result['job']['steps']} steps); rank
-{result['job']['kill_rank']} is SIGKILLed after the backward of step {result['job']['kill_step']}. All three systems
-train with `trainer.engine.Engine`; undying and Ray Train run on the same local Ray head. Medians over
-{result['repeats']} run(s) per system, [min-max] when they differ.
+Job: `{Path(job['spec']).relative_to(ROOT)}` ({job['world_size']} data-parallel ranks, tiny GPT, DDP over gloo on
+CPU, checkpoint every {job['every']} steps, {job['steps']} steps); rank {job['kill_rank']} is SIGKILLed after the
+backward of step {job['kill_step']}. Every system trains with `trainer.engine.Engine`; undying and Ray Train
+run on the same local Ray head. Medians over {result['repeats']} run(s) per system, [min-max] when they differ.
 
 {result['table']}
 
@@ -153,12 +166,9 @@ How each number is taken (every timestamp is `time.time()` on this machine, writ
 - steps redone: steps completed before the kill minus the step the restart resumed from.
 - total wall: launch to exit of the system's command (Ray's start is not included for undying and Ray Train).
 
-undying's own account of the median run (controller job seconds):
+""" + "\n".join(stories)
 
-```
-{story}
-```
-"""
+
 
 
 def write_docs(path: Path, section: str) -> None:
@@ -183,17 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="spec override for every system, e.g. --set train.steps=40")
     parser.add_argument("--undying-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="spec override for undying only, e.g. --undying-set elastic.spares=1")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+                        help="spec override for the undying runs only, e.g. --undying-set elastic.min_dp=2")
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
+                        help="which to run (default: all, in this order)")
     parser.add_argument("--out", default="runs/bench/recovery.json")
+    parser.add_argument("--work", default="runs/bench/recovery-work", help="each invocation logs to a new folder here")
     parser.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
     parser.add_argument("--no-reference", action="store_true", help="skip the failure-free run (loss not checked)")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     command = shlex.join([".venv/bin/python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])])
     job = job_from_spec(args.spec, args.overrides)
-    work = ROOT / "runs" / "bench" / "recovery-work"
-    shutil.rmtree(work, ignore_errors=True)
+    work = ROOT / args.work / time.strftime("%Y%m%d-%H%M%S")
     print(f"$ {command}\nwork directories and logs in {work}", flush=True)
 
     reference = None
@@ -201,18 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         reference = run_torchrun(job, work / "reference", kill=False)
         print(f"reference (torchrun, no kill): final loss {reference['final_loss']:.6f}, "
               f"wall {reference['wall_s']:.1f} s", flush=True)
-    runs: dict[str, list[dict]] = {name: [] for name in args.systems}
-    head = start_head(num_cpus=max(8, job["world_size"])) if {"undying", "Ray Train"} & set(args.systems) else None
+    runs: dict[str, list[dict]] = {SYSTEMS[key][0]: [] for key in args.systems}
+    needs_ray = {"undying", "undying-spare", "raytrain"} & set(args.systems)
+    head = start_head(num_cpus=max(8, job["world_size"] + 1)) if needs_ray else None
     try:
         for i in range(args.repeats):  # interleaved, so drift on the machine hits every system alike
-            for name in args.systems:
-                folder = work / f"{name.replace(' ', '').lower()}-{i}"
-                if name == "undying":
-                    record = run_undying(job, folder, head, args.undying_set)
-                elif name == "Ray Train":
+            for key in args.systems:
+                name, undying_sets = SYSTEMS[key]
+                folder = work / f"{key}-{i}"
+                load = os.getloadavg()[0]
+                if undying_sets is not None:
+                    record = run_undying(job, folder, head, undying_sets + args.undying_set)
+                elif key == "raytrain":
                     record = run_raytrain(job, folder, head)
                 else:
                     record = run_torchrun(job, folder)
+                record.update(system=name, load_1min=load)
                 runs[name].append(record)
                 print(f"[{i + 1}/{args.repeats}] {name}: detection {record['detection_s']:.3f} s, kill-to-first-step "
                       f"{record['kill_to_first_step_s']:.2f} s, {record['steps_redone']} steps redone, "

@@ -29,6 +29,7 @@ class FaultInjector:
         self.notify = notify
         self.faults = [f for f in faults if f.get("rank") == rank and f["kind"] in RANK_FAULTS]
         self._step_started = time.perf_counter()
+        self._last_compute = 0.0  # forward+backward seconds of the previous step
 
     @classmethod
     def hook_for(cls, faults: list[dict], rank: int, notify: Callable[[dict], None]):
@@ -38,19 +39,17 @@ class FaultInjector:
     def hook(self, point: str, step: int) -> None:
         if point == "before_step":
             self._step_started = time.perf_counter()
+        elif point == "after_backward":
+            self._last_compute = time.perf_counter() - self._step_started
         for fault in self.faults:
-            if (fault.get("at_point") or DEFAULT_POINT) != point:
-                continue
             at_step = fault.get("at_step")
             if fault["kind"] == "slow_rank":
-                if at_step is None or step >= at_step:  # a straggler stays slow from then on
-                    self._slow_down(float(fault["factor"]))
-            elif at_step is None or at_step == step:
+                # A straggler stays slow from then on. It sleeps before the backward, inside the
+                # compute the engine measures, as slower hardware would.
+                if point == (fault.get("at_point") or "after_forward") and (at_step is None or step >= at_step):
+                    time.sleep((float(fault["factor"]) - 1.0) * self._last_compute)
+            elif (fault.get("at_point") or DEFAULT_POINT) == point and at_step in (None, step):
                 self._fire(fault, point, step)
-
-    def _slow_down(self, factor: float) -> None:
-        # Stretch this step's work so far by `factor`: the rank computes as if on slower hardware.
-        time.sleep((factor - 1.0) * (time.perf_counter() - self._step_started))
 
     def _fire(self, fault: dict, point: str, step: int) -> None:
         kind = fault["kind"]

@@ -12,7 +12,6 @@ Every series carries a `job` label, so several jobs can share one Prometheus and
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections.abc import Iterator, Mapping
 
@@ -25,21 +24,7 @@ from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE, GoodputLedger
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Checkpoint saves, detection and recovery range from tens of milliseconds to tens of minutes.
 EVENT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-# A rank whose step compute time exceeds this multiple of the median rank is flagged a straggler.
-STRAGGLER_FACTOR = 1.5
 PARALLEL_DIMS = ("dp", "tp", "pp")
-
-
-def stragglers(compute_s: Mapping[int, float], factor: float = STRAGGLER_FACTOR) -> set[int]:
-    """Ranks whose compute time exceeds `factor` x the median over all ranks.
-
-    The median, not the mean, is the reference so one very slow rank cannot hide itself by
-    pulling the reference up.
-    """
-    if not compute_s:
-        return set()
-    median = statistics.median(compute_s.values())
-    return {rank for rank, seconds in compute_s.items() if seconds > factor * median}
 
 
 class _GoodputCollector:
@@ -99,6 +84,13 @@ class JobMetrics:
         self._define_training()
         self._define_checkpoint()
         self._define_resilience()
+        self._define_layout_model()
+        # Export every job-level series from the first scrape: a histogram that appears with
+        # its first observation has no zero to rate() against, and a counter that is never
+        # incremented would not exist at all.
+        for metric in (self.step_seconds, self.ckpt_blocking, self.ckpt_total, self.ckpt_skipped,
+                       self.detection, self.recovery):
+            metric.labels(job)
         self._goodput = _GoodputCollector(job)
         self.registry.register(self._goodput)
 
@@ -127,7 +119,7 @@ class JobMetrics:
             "undying_rank_step_compute_seconds", "Compute seconds of the last step, per rank.", "rank"
         )
         self.straggler = self._gauge(
-            "undying_straggler", f"1 when a rank computes > {STRAGGLER_FACTOR}x the median.", "rank"
+            "undying_straggler", "1 while a rank is flagged as a straggler (monitor.straggler).", "rank"
         )
 
     def _define_checkpoint(self) -> None:
@@ -162,6 +154,21 @@ class JobMetrics:
         self.controller_state = self._gauge(
             "undying_controller_state", "1 for the controller's current state, 0 for others.", "state"
         )
+
+    def _define_layout_model(self) -> None:
+        self.bubble_ratio = self._gauge(
+            "undying_pipeline_bubble_ratio", "Idle fraction of a pipeline step (cost model: (p-1)/(m+p-1)).")
+        self.memory_bytes = self._gauge(
+            "undying_memory_bytes", "Per-rank memory by ledger, predicted by the cost model or measured.",
+            "ledger", "kind")
+
+    def on_bubble(self, ratio: float) -> None:
+        self.bubble_ratio.labels(self.job).set(ratio)
+
+    def on_memory(self, kind: str, ledgers: Mapping[str, float]) -> None:
+        """`kind` is "predicted" or "measured"; `ledgers` maps state/activation/collective/transient to bytes."""
+        for ledger, nbytes in ledgers.items():
+            self.memory_bytes.labels(self.job, ledger, kind).set(nbytes)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter on `host:port` (0 picks a free port); returns the real port."""
@@ -266,9 +273,11 @@ class JobMetrics:
         self.goodput_ratio.labels(self.job).set(totals[PRODUCTIVE] / wall if wall > 0 else 0.0)
 
     def on_rank_compute(self, rank: int, seconds: float) -> None:
-        """A rank reported its step compute time; straggler flags are recomputed for all ranks."""
+        """A rank reported its step compute time (from its heartbeat)."""
         self._compute_s[rank] = seconds
         self.rank_compute.labels(self.job, str(rank)).set(seconds)
-        slow = stragglers(self._compute_s)
-        for known in self._compute_s:
-            self.straggler.labels(self.job, str(known)).set(1 if known in slow else 0)
+
+    def on_stragglers(self, flagged: set[int]) -> None:
+        """The straggler detector's current verdict for every rank that reported."""
+        for rank in self._compute_s:
+            self.straggler.labels(self.job, str(rank)).set(1 if rank in flagged else 0)

@@ -2,6 +2,7 @@
 
     undying run JOB.yaml [--set key.path=value ...] [--report PATH] [--timeline PNG] [--address ADDR]
     undying validate JOB.yaml [--set ...]
+    undying plan JOB.yaml --gpus N [--gpu h200] [--json]
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
 spec or the cluster cannot run the job as written (nothing was started). User mistakes
@@ -24,13 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run (or resume) a training job")
     validate = sub.add_parser("validate", help="check a job spec without starting anything")
-    for p in (run, validate):
+    plan = sub.add_parser("plan", help="rank parallel layouts for N devices by predicted step time and memory")
+    for p in (run, validate, plan):
         p.add_argument("spec", help="job spec YAML")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a spec field, e.g. --set parallel.dp=4 (repeatable)")
     run.add_argument("--report", help="write the JSON run report to this path")
     run.add_argument("--timeline", help="write a PNG timeline (needs matplotlib)")
     run.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
+    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices to plan for")
+    plan.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100", "cpu"),
+                      help="device kind (default h100; cpu measures this machine)")
+    plan.add_argument("--json", dest="as_json", action="store_true", help="print the whole plan as JSON")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -57,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "plan":  # planning needs no storage: only the spec is checked
+        from orchestrator.plan_cmd import plan_main
+
+        try:
+            spec = load_spec(args.spec, args.overrides)
+        except SpecError as err:
+            _print_problems(err.problems)
+            return EXIT_USAGE
+        return plan_main(spec, args.gpus, args.gpu, args.as_json)
     try:
         spec = _load(args)
     except SpecError as err:

@@ -31,6 +31,7 @@ from orchestrator.policies import CheckpointIntervalPolicy, FailurePolicy, Scali
 from orchestrator.recovery import RecoveryMixin
 from orchestrator.rendezvous import PLAN, RendezvousServer
 from orchestrator.spec import spec_hash
+from orchestrator.telemetry import Telemetry
 from orchestrator.worker_group import PlacementError
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ class Controller(RecoveryMixin):
         self.hang_factor = hang_factor
         self.join_timeout_s = join_timeout_s
         self.ledger = GoodputLedger()
-        self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer)
+        self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
+        self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
+                                mfu=self.telemetry.mfu)
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep)
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
@@ -193,6 +196,7 @@ class Controller(RecoveryMixin):
             self._start_recovery(Failure("rendezvous", None, time.time(), f"{type(err).__name__}: {err}"))
             return
         self.record.on_layout(self.gen, self.world_size, self.dp, self.spec.parallel.tp, self.spec.parallel.pp)
+        self.telemetry.on_layout(self.spec, self.dp)
         self._go(State.RESTORING, f"generation {self.gen}: process group of {self.world_size} formed "
                                   f"in {time.perf_counter() - started:.2f} s")
 
@@ -206,7 +210,7 @@ class Controller(RecoveryMixin):
             self._resumed_ledger = True  # nothing to restore: building the engine is start-up (or re-formation) work
             self.ledger.enter("reformation" if self.restarts else "startup")
         try:
-            self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120)
+            results = self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120)
         except CorruptCheckpoint as err:
             self.bad_steps.add(step)
             log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, err)
@@ -217,6 +221,7 @@ class Controller(RecoveryMixin):
             self.outcome_errors = {}
             self._start_recovery(Failure("restore", None, time.time(), f"{type(err).__name__}: {err}"))
             return
+        self.telemetry.on_restored(results)
         self.restored_step = step
         self.committer.reset(step)
         self._publish_plan(anchor=step or 0)
@@ -272,10 +277,21 @@ class Controller(RecoveryMixin):
             if self.just_committed is not None and self._maybe_grow():
                 return
             self.just_committed = None
+            self._watch_stragglers()
             hung = self._hang_check()
             if hung is not None:
                 self._start_recovery(hung)
                 return
+
+    def _watch_stragglers(self) -> None:
+        for rank in sorted(self.telemetry.poll(self.store, self.world_size)):
+            ratio = self.telemetry.detector.ratios().get(rank, float("nan"))
+            self.printer(f"[{self.record.job_seconds():7.2f}s] straggler: rank {rank} computes {ratio:.2f}x "
+                         f"its peers' median for {self.telemetry.detector.sustain_s:.0f} s"
+                         + ("; evicting it" if self.spec.elastic.evict_stragglers else ""))
+            if self.spec.elastic.evict_stragglers:
+                # The eviction hook: kill the rank; its pending call fails and recovery replaces it.
+                self.workers.kill_actor_only(rank)
 
     def _track_checkpointing(self) -> None:
         """RUNNING <-> CHECKPOINTING: a save is in flight from its first receipt to its commit."""

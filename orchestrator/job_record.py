@@ -35,12 +35,13 @@ class StepRecord:
 
 class JobRecord:
     def __init__(self, job: str, total_steps: int, metrics: JobMetrics, ledger: GoodputLedger,
-                 printer=print, progress_every_s: float = 2.0):
+                 printer=print, progress_every_s: float = 2.0, mfu=lambda tokens, step_s: None):
         self.job = job
         self.total_steps = total_steps
         self.metrics = metrics
         self.ledger = ledger
         self.printer = printer
+        self.mfu = mfu
         self.progress_every_s = progress_every_s
         self.started = time.time()
         self.steps: dict[int, StepRecord] = {}
@@ -62,8 +63,9 @@ class JobRecord:
             failure, since = self._awaiting_first_step
             failure.first_step_after_s = rec.time - since
             self._awaiting_first_step = None
-        self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.get("grad_norm"))
-        self.metrics.on_rank_compute(0, event.get("compute_s", rec.step_s))
+        # Loss scale 1: fp32 and bf16 train unscaled (fp16 with dynamic scaling is refused by the spec).
+        self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.get("grad_norm"),
+                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=1.0)
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
             self._last_progress = time.monotonic()
             self.metrics.on_goodput(self.ledger)

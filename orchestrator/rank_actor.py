@@ -81,17 +81,25 @@ class RankActor:
     def restore(self, step: int | None, dp: int) -> dict:
         """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`."""
         from orchestrator.rank_state import build_engine, load_engine_state
+        from trainer.memory_probe import current_bytes
 
         started = time.perf_counter()
+        self.engine = None  # drop the previous generation's engine before measuring the baseline
+        device = torch_device(self.spec)
+        self.baseline_bytes = current_bytes(device)
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
         if step is not None:
             load_engine_state(self.spec, self.engine, step)
-        return {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
+        out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
+        if self.rank == 0:
+            out["peak_flops"] = peak_flops_per_rank(self.spec, device)
+        return out
 
     def train(self, until_step: int, faults: list[dict]) -> dict:
         from orchestrator.rank_loop import RankLoop
 
-        loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort)
+        loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
+                        baseline_bytes=self.baseline_bytes)
         self._training_over.clear()
         watcher = threading.Thread(target=self._watch_abort, daemon=True, name="abort-watcher")
         watcher.start()
@@ -133,3 +141,31 @@ class RankActor:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 
+
+
+def torch_device(spec):
+    import torch
+
+    return torch.device("cuda" if spec.resources.gpus_per_rank > 0 else "cpu")
+
+
+_PEAK_FLOPS: dict[str, float] = {}
+
+
+def peak_flops_per_rank(spec, device) -> float:
+    """Peak FLOP/s of one rank's device, for MFU: the vendor's dense figure on GPUs, a measured
+    matmul peak on CPUs (cached per process; measured once, at this process's first restore)."""
+    from trainer.costmodel.hardware import hardware, measure_cpu_matmul_flops
+
+    precision = spec.train.precision
+    key = f"{device.type}:{precision}"
+    if key not in _PEAK_FLOPS:
+        if device.type == "cuda":
+            import torch
+
+            name = torch.cuda.get_device_name(device).lower()
+            match = next((g for g in ("h200", "h100", "a100") if g in name), None)
+            _PEAK_FLOPS[key] = hardware(match, (precision,)).peak_flops[precision] if match else float("nan")
+        else:
+            _PEAK_FLOPS[key] = measure_cpu_matmul_flops(0.3, precision)
+    return _PEAK_FLOPS[key]

@@ -30,18 +30,20 @@ def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> Checkpoi
 
 
 def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: float) -> None:
+    """`compute_s`: the rank's mean step compute time since its previous heartbeat."""
     store.set_json(heartbeat_key(rank), {"step": step, "time": time.time(), "compute_s": compute_s})
 
 
 class RankLoop:
     def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
-                 abort: threading.Event):
+                 abort: threading.Event, baseline_bytes: int = 0):
         self.spec = spec
         self.engine = engine
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.abort = abort
+        self.baseline_bytes = baseline_bytes
 
     def _on_receipt(self, receipt, extra: dict) -> None:
         self.store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
@@ -55,6 +57,12 @@ class RankLoop:
                 "grad_norm": result.grad_norm, "lr": result.lr, "step_s": result.step_s,
                 "compute_s": result.compute_s, "time": time.time()}
 
+    def _report_memory(self) -> None:
+        """Rank 0, once per generation after its first step: measured memory by ledger."""
+        from trainer.memory_probe import measure
+
+        self.store.push_event({"type": "memory", "ledgers": measure(self.engine, self.baseline_bytes)})
+
     def run(self, until_step: int, faults: list[dict]) -> dict:
         plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
         hook = FaultInjector.hook_for(faults, self.rank, self.store.push_event)
@@ -63,7 +71,7 @@ class RankLoop:
         writer = ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
                              async_save=self.spec.checkpoint.async_, fault_hook=hook)
         heartbeat_s = self.spec.monitor.heartbeat_s
-        last_beat = 0.0
+        last_beat, compute, steps_in_beat, first = 0.0, 0.0, 0, True
         try:
             while self.engine.next_step < until_step:
                 if self.abort.is_set():
@@ -72,9 +80,14 @@ class RankLoop:
                 result = self.engine.train_step()
                 if self.rank == 0:
                     self.store.push_event(self._step_event(result))
+                    if first:
+                        self._report_memory()
+                first = False
+                compute, steps_in_beat = compute + result.compute_s, steps_in_beat + 1
                 now = time.monotonic()
                 if now - last_beat >= heartbeat_s:
-                    write_heartbeat(self.store, self.rank, result.step, result.compute_s)
+                    write_heartbeat(self.store, self.rank, result.step, compute / steps_in_beat)
+                    compute, steps_in_beat = 0.0, 0
                     plan = plan_from_store(self.store, plan)
                     last_beat = now
                 completed = self.engine.next_step

@@ -39,6 +39,8 @@ class RecoveryMixin:
                 self.fired[event["fault_id"]] = event
                 self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {event['kind']} on rank "
                              f"{event['rank']} at step {event['step']} ({event['point']})")
+            elif kind == "memory":
+                self.metrics.on_memory("measured", event["ledgers"])
             elif kind == "save_error":
                 self.printer(f"checkpoint step {event['step']}: rank {event['rank']} failed to write "
                              f"its shard ({event['error']}); the save will not commit")

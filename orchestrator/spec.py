@@ -72,6 +72,8 @@ class ElasticConfig(_Strict):
     grow: bool = True
     # The same error at the same step on the same rank this many times in a row stops the job.
     crash_loop_limit: int = Field(3, ge=2)
+    # Straggler policy hook: replace a rank flagged as a sustained straggler (monitor.straggler).
+    evict_stragglers: bool = False
 
 
 class ResourcesConfig(_Strict):

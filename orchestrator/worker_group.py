@@ -208,6 +208,11 @@ class RayWorkerGroup:
             if r == rank:
                 del self._train_refs[ref]
 
+    def kill_actor_only(self, rank: int) -> None:
+        """Kill a rank's process but keep watching its pending call, which then reports it dead."""
+        if rank in self.actors:
+            ray.kill(self.actors[rank], no_restart=True)
+
     def leave_all(self, ranks: list[int], timeout_s: float) -> list[int]:
         """Ask live ranks to drop their process group; returns ranks that did not answer."""
         refs = {self.actors[r].leave.remote(): r for r in ranks if r in self.actors}

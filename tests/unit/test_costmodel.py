@@ -12,6 +12,7 @@ import json
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from trainer.costmodel import (
     Layout,
     Workload,
     bubble_fraction,
+    cpu_hardware,
     hardware,
     ledgers,
     measure_cpu_matmul_flops,
@@ -35,13 +37,14 @@ from trainer.costmodel import (
     ring_allreduce_seconds,
     stage_params,
 )
-from trainer.costmodel.memory import layer_activation_bytes, m_activation
+from trainer.costmodel.memory import in_flight_microbatches, layer_activation_bytes, m_activation
 from trainer.costmodel.planner import capacity_bytes
 from trainer.costmodel.time import group_link, rank_flops_per_token
 from trainer.engine import Engine
 from trainer.loss import token_loss_sum
 from trainer.model import build_model, count_params, flops_per_token
 
+DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
 TINY, SMALL, EIGHT_B = ModelConfig(preset="tiny"), ModelConfig(preset="small"), ModelConfig(preset="8b")
 H100, H200 = hardware("h100"), hardware("h200")
 
@@ -148,6 +151,10 @@ def test_gpipe_holds_every_microbatch_1f1b_at_most_p():
         first = stage_params(SMALL, layout, 0)  # 3 of the 12 layers, no LM head
         per_layer = layer_activation_bytes(work, layout, 1024, "none")
         assert m_activation(work, layout, first) == held * 3 * per_layer
+    # 1F1B: stage s holds p - s; interleaved (v = 2) stage 0 holds p + (p - 1)/v (Korthikanti, 4.2.3)
+    assert [in_flight_microbatches("1f1b", 4, 32, s) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches("interleaved", 4, 32, 0, v=2) == 4 + 3 / 2
+    assert in_flight_microbatches("1f1b", 4, 2, 0) == 2  # never more than the step's microbatches
 
 
 # --- measured on CPU -------------------------------------------------------------------------
@@ -200,13 +207,25 @@ def test_activation_ledger_matches_the_tensors_autograd_saves(precision, activat
 
 
 def test_cpu_matmul_peak_is_measured():
-    flops = measure_cpu_matmul_flops(seconds=0.05, n=256)
+    flops = measure_cpu_matmul_flops(seconds=0.2, n=256)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     started = time.perf_counter()
     for _ in range(5):
         a @ b
     naive = 5 * 2 * 256**3 / (time.perf_counter() - started)
     assert naive / 3 < flops < 1e14  # the best batch is at least as fast as a plain timing, roughly
+
+
+def test_cpu_row_is_measured_and_shared_by_the_ranks_on_the_host():
+    cpu = cpu_hardware(("fp32", "bf16"), seconds=0.05)
+    assert cpu.kind == "cpu" and cpu.threads == torch.get_num_threads()
+    assert cpu.peak("fp32") > 0 and cpu.peak("bf16") > 0 and cpu.hbm_bandwidth > 0 and cpu.intra_bandwidth > 0
+    assert 0 < cpu.intra_alpha < 0.01
+    assert cpu.host_share(1) <= 1.0
+    assert cpu.host_share(4 * cpu.devices_per_node) == pytest.approx(1 / (4 * cpu.threads))
+    assert H100.host_share(64) == 1.0
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        hardware("tpu")
 
 
 # --- prediction and planner ------------------------------------------------------------------
@@ -248,7 +267,7 @@ def test_planner_rejects_with_the_right_reasons():
 
 
 def test_8b_on_8_h200_ranks_a_fitting_layout_first_and_rejects_plain_ddp_for_memory():
-    spec = load_spec("examples/demo.yaml", ["model.preset=8b"])
+    spec = load_spec(DEMO, ["model.preset=8b"])
     result = plan(spec, H200, 8)
     best = result.valid[0]
     assert best.prediction.memory.total <= capacity_bytes(H200, best.layout)
@@ -272,7 +291,7 @@ def test_oom_layouts_fall_back_to_recomputation_first():
 
 
 def test_predicted_metrics_for_a_spec():
-    spec = load_spec("examples/demo.yaml")
+    spec = load_spec(DEMO)
     mem = predicted_ledgers(spec)
     assert set(mem) == {"state", "activation", "collective", "transient"}
     assert mem["state"] == 16 * count_params(spec.model)
@@ -283,7 +302,7 @@ def test_predicted_metrics_for_a_spec():
 
 
 def test_plan_command_prints_a_table_and_json(capsys):
-    spec = load_spec("examples/demo.yaml")
+    spec = load_spec(DEMO)
     assert plan_main(spec, 8, "h100", as_json=False) == 0
     out = capsys.readouterr().out
     assert "tp=3: 4 heads not divisible by 3" in out and "tokens/s" in out

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.goodput import BADPUT_CAUSES, GoodputLedger
-from monitor.metrics import JobMetrics, stragglers
+from monitor.metrics import JobMetrics
+from monitor.straggler import StragglerDetector
 
 HOST = "127.0.0.1"
 JOB = "demo"
@@ -86,6 +87,9 @@ def feed(metrics: JobMetrics) -> GoodputLedger:
     metrics.on_state("RUNNING")
     for rank, seconds in enumerate([1.0, 1.0, 1.1, 3.0]):
         metrics.on_rank_compute(rank, seconds)
+    metrics.on_stragglers({3})
+    metrics.on_bubble(0.25)
+    metrics.on_memory("predicted", {"state": 100, "activation": 50, "collective": 10, "transient": 5})
     clock = FakeClock()
     ledger = GoodputLedger(clock=clock)
     clock.now = 2.0
@@ -118,6 +122,8 @@ def test_every_name_and_label_is_exposed_with_its_value(metrics):
     assert value(text, "undying_controller_state", state="RUNNING") == 1
     assert value(text, "undying_rank_step_compute_seconds", rank="3") == 3.0
     assert [value(text, "undying_straggler", rank=str(r)) for r in range(4)] == [0, 0, 0, 1]
+    assert value(text, "undying_pipeline_bubble_ratio") == 0.25
+    assert value(text, "undying_memory_bytes", ledger="activation", kind="predicted") == 50
 
 
 def test_goodput_totals_are_exposed_per_cause(metrics):
@@ -195,9 +201,24 @@ def test_two_jobs_in_one_process_do_not_collide():
     assert first.registry.get_sample_value("undying_failures_total", {"job": "a", "kind": "hang"}) == 1
 
 
-def test_stragglers_use_the_median():
-    assert stragglers({}) == set()
-    assert stragglers({0: 5.0}) == set()
-    assert stragglers({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.6}) == {3}
-    assert stragglers({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.4}) == set()
-    assert stragglers({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.4}, factor=1.2) == {3}
+def test_straggler_needs_a_sustained_ten_percent_gap():
+    det = StragglerDetector(threshold=1.10, window=5, sustain_s=10.0)
+    for _ in range(5):
+        for rank in range(4):
+            det.observe(rank, 1.3 if rank == 3 else 1.0)
+    assert det.ratios()[3] == 1.3
+    assert det.evaluate(now=0.0) == (set(), set())  # slow, but not yet for long enough
+    assert det.evaluate(now=9.0) == (set(), set())
+    assert det.evaluate(now=10.0) == ({3}, {3})
+    assert det.evaluate(now=11.0) == ({3}, set())  # flagged once, reported once
+    for _ in range(5):
+        det.observe(3, 1.0)
+    assert det.evaluate(now=12.0) == (set(), set())
+
+
+def test_noise_below_the_threshold_flags_nobody():
+    det = StragglerDetector()
+    for i in range(20):
+        for rank in range(4):
+            det.observe(rank, 1.0 + 0.08 * ((i * 7 + rank * 3) % 5) / 4)  # up to 8% jitter, all ranks
+    assert det.evaluate(0.0) == (set(), set()) and det.evaluate(60.0) == (set(), set())
