@@ -46,6 +46,7 @@ SYSTEMS = {"undying": ("undying", []), "undying-spare": ("undying (warm spare)",
            "raytrain": ("Ray Train", None), "torchrun": ("torchrun", None)}
 TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # issue 5: kill-to-first-step at least this many x faster
 SECTION = "## Recovery: undying vs Ray Train vs torchrun"
+NOTES = ("<!-- recovery-notes: kept when bench/recovery.py rewrites this section -->", "<!-- /recovery-notes -->")
 
 
 def job_from_spec(spec_path: str, overrides: list[str]) -> dict:
@@ -128,14 +129,25 @@ def _ratio(s: dict, anchor: dict) -> float:
     return s["kill_to_first_step_s"]["median"] / anchor["kill_to_first_step_s"]["median"]
 
 
+def _undying_account(result: dict) -> str:
+    """Each undying variant's largest phase, and its own transition lines for the median run."""
+    verdicts, accounts = [], []
+    for name, runs in result["runs"].items():
+        if not name.startswith("undying") or not runs:
+            continue
+        summary = result["summary"][name]
+        phases = summary["phases"]
+        worst = max(phases, key=phases.get)
+        verdicts.append(f"- {name}: kill-to-first-step {summary['kill_to_first_step_s']['median']:.2f} s, "
+                        f"the largest phase is {worst} ({phases[worst]:.2f} s).")
+        median_run = sorted(runs, key=lambda r: r["kill_to_first_step_s"])[len(runs) // 2]
+        accounts.append(f"{name}, its own account of the median run (controller job seconds):\n\n```\n"
+                        + "\n".join(median_run["transitions"]) + "\n```")
+    return "Where undying's time goes:\n\n" + "\n".join(verdicts) + "\n\n" + "\n\n".join(accounts) + "\n"
+
+
 def docs_section(result: dict) -> str:
     job = result["job"]
-    stories = []
-    for name, runs in result["runs"].items():
-        if name.startswith("undying") and runs:
-            median_run = sorted(runs, key=lambda r: r["kill_to_first_step_s"])[len(runs) // 2]
-            stories.append(f"{name}, its own account of the median run (controller job seconds):\n\n```\n"
-                           + "\n".join(median_run["transitions"]) + "\n```\n")
     loads = [r["load_1min"] for runs in result["runs"].values() for r in runs]
     return f"""{SECTION}
 
@@ -151,7 +163,8 @@ Machine: {result['machine']}. The machine was shared while it ran (1-minute load
 Job: `{Path(job['spec']).relative_to(ROOT)}` ({job['world_size']} data-parallel ranks, tiny GPT, DDP over gloo on
 CPU, checkpoint every {job['every']} steps, {job['steps']} steps); rank {job['kill_rank']} is SIGKILLed after the
 backward of step {job['kill_step']}. Every system trains with `trainer.engine.Engine`; undying and Ray Train
-run on the same local Ray head. Medians over {result['repeats']} run(s) per system, [min-max] when they differ.
+run on the same local Ray head. Medians over {result['repeats']} run(s) per system, [min-max] when they differ;
+in the phase table each column is its own median, so a row need not add up to the total.
 
 {result['table']}
 
@@ -166,20 +179,23 @@ How each number is taken (every timestamp is `time.time()` on this machine, writ
 - steps redone: steps completed before the kill minus the step the restart resumed from.
 - total wall: launch to exit of the system's command (Ray's start is not included for undying and Ray Train).
 
-""" + "\n".join(stories)
-
-
+{_undying_account(result)}"""
 
 
 def write_docs(path: Path, section: str) -> None:
-    """Replace only this benchmark's section (up to the next `## ` heading); others' sections stay."""
+    """Replace only this benchmark's section (up to the next `## ` heading); others' sections stay.
+
+    Hand-written notes between the NOTES markers inside the old section are carried over."""
     header = "# Benchmarks\n\nMeasured figures; each section says how to reproduce it.\n"
     text = path.read_text() if path.exists() else header
     start = text.find(SECTION)
+    end = text.find("\n## ", start + len(SECTION)) if start >= 0 else -1
+    old = text[start:end if end >= 0 else len(text)] if start >= 0 else ""
+    if NOTES[0] in old and NOTES[1] in old:
+        section = section.rstrip("\n") + "\n\n" + old[old.index(NOTES[0]):old.index(NOTES[1]) + len(NOTES[1])] + "\n"
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
     else:
-        end = text.find("\n## ", start + len(SECTION))
         rest = text[end + 1:] if end >= 0 else ""
         text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,15 @@ class CheckpointRecord(BaseModel):
     total_s: float
 
 
+class StragglerRecord(BaseModel):
+    """A rank flagged as a sustained straggler."""
+
+    model_config = _CONFIG
+    time: float  # job seconds when it was flagged
+    rank: int
+    ratio: float  # its median compute time over its peers' median
+
+
 class GoodputSummary(BaseModel):
     model_config = _CONFIG
     ratio: float
@@ -107,6 +116,10 @@ class RunReport(BaseModel):
     world_history: list[WorldRecord] = Field(default_factory=list)
     failures: list[FailureRecord] = Field(default_factory=list)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)
+    stragglers: list[StragglerRecord] = Field(default_factory=list)
+    # Steps computed again after a rollback, and their compute seconds (what lost_work cost).
+    redone_steps: int = 0
+    redone_s: float = 0.0
     goodput: GoodputSummary
     status: Literal["succeeded", "failed"]
     error: str | None = None

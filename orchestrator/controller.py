@@ -25,6 +25,7 @@ from enum import Enum
 
 from ckpt.reader import CorruptCheckpoint
 from monitor.goodput import GoodputLedger
+from monitor.report import StragglerRecord
 from orchestrator.commits import Committer
 from orchestrator.job_record import JobRecord
 from orchestrator.policies import CheckpointIntervalPolicy, FailurePolicy, ScalingPolicy
@@ -286,6 +287,7 @@ class Controller(RecoveryMixin):
     def _watch_stragglers(self) -> None:
         for rank in sorted(self.telemetry.poll(self.store, self.world_size)):
             ratio = self.telemetry.detector.ratios().get(rank, float("nan"))
+            self.record.stragglers.append(StragglerRecord(time=self.record.job_seconds(), rank=rank, ratio=ratio))
             self.printer(f"[{self.record.job_seconds():7.2f}s] straggler: rank {rank} computes {ratio:.2f}x "
                          f"its peers' median for {self.telemetry.detector.sustain_s:.0f} s"
                          + ("; evicting it" if self.spec.elastic.evict_stragglers else ""))

@@ -19,6 +19,7 @@ from monitor.report import (
     GoodputSummary,
     LossPoint,
     RunReport,
+    StragglerRecord,
     WorldRecord,
     progress_line,
 )
@@ -48,6 +49,9 @@ class JobRecord:
         self.failures: list[FailureRecord] = []
         self.checkpoints: list[CheckpointRecord] = []
         self.world: list[WorldRecord] = []
+        self.stragglers: list[StragglerRecord] = []
+        self.redone_steps, self.redone_s = 0, 0.0
+        self.in_flight_at_failure: set[int] = set()  # steps a failure interrupted: partly computed
         self._last_progress = 0.0
         self.last_step_time = time.time()
         self._awaiting_first_step: tuple[FailureRecord, float] | None = None
@@ -57,6 +61,10 @@ class JobRecord:
 
     def on_step(self, event: dict) -> None:
         rec = StepRecord(event["step"], event["loss"], event["tokens"], event["step_s"], event["time"])
+        if rec.step in self.steps or rec.step in self.in_flight_at_failure:
+            self.in_flight_at_failure.discard(rec.step)
+            self.redone_steps += 1
+            self.redone_s += rec.step_s
         self.steps[rec.step] = rec
         self.last_step_time = time.time()
         if self._awaiting_first_step is not None:
@@ -81,9 +89,15 @@ class JobRecord:
         busy = sum(r.step_s for r in recent)
         return sum(r.tokens for r in recent) / busy if busy > 0 else None
 
-    def rolled_back_seconds(self, restored_step: int, since: float) -> float:
-        """Compute time of steps >= `restored_step` finished after `since` (they must be redone)."""
-        return sum(r.step_s for r in self.steps.values() if r.step >= restored_step and r.time >= since)
+    def rolled_back_seconds(self, restored_step: int, since: float, failed_at: float | None = None) -> float:
+        """Compute time of steps >= `restored_step` finished after `since` (they must be redone),
+        plus the step that was in flight at `failed_at`, when the failure time is known."""
+        done = [r for r in self.steps.values() if r.step >= restored_step and r.time >= since]
+        lost = sum(r.step_s for r in done)
+        if failed_at is not None:
+            last_end = max((r.time for r in self.steps.values() if r.time >= since), default=since)
+            lost += max(0.0, failed_at - last_end)
+        return lost
 
     def on_layout(self, gen: int, world_size: int, dp: int, tp: int, pp: int) -> None:
         self.world.append(WorldRecord(generation=gen, world_size=world_size, dp=dp, tp=tp, pp=pp,
@@ -91,13 +105,15 @@ class JobRecord:
         self.metrics.on_layout(gen, world_size, dp, tp, pp)
 
     def on_failure(self, kind: str, rank: int | None, detected_at: float, fault_time: float | None,
-                   message: str) -> FailureRecord:
+                   message: str, step: int | None = None) -> FailureRecord:
         record = FailureRecord(
             time=self.job_seconds(detected_at), kind=kind, rank=rank,
             detected_after_s=None if fault_time is None else max(0.0, detected_at - fault_time),
             message=message, step=max(self.steps) if self.steps else None,
         )
         self.failures.append(record)
+        if step is not None and step not in self.steps:
+            self.in_flight_at_failure.add(step)
         self.metrics.on_failure(kind)
         self._awaiting_first_step = (record, fault_time if fault_time is not None else detected_at)
         return record
@@ -119,7 +135,8 @@ class JobRecord:
             job=self.job, final_step=final_step,
             final_loss=self.steps[max(self.steps)].loss if self.steps else None,
             losses=losses, world_history=self.world, failures=self.failures,
-            checkpoints=self.checkpoints, goodput=GoodputSummary.from_ledger(self.ledger),
+            checkpoints=self.checkpoints, stragglers=self.stragglers,
+            redone_steps=self.redone_steps, redone_s=self.redone_s, goodput=GoodputSummary.from_ledger(self.ledger),
             status=status, error=error,
             tokens_per_s=sum(r.tokens for r in self.steps.values()) / busy if busy > 0 else None,
         )

@@ -107,7 +107,7 @@ class RecoveryMixin:
 
         self.failure = failure
         self.open_failure = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
-                                                   failure.fault_time, failure.message)
+                                                   failure.fault_time, failure.message, failure.step)
         if failure.fault_time is not None:
             self.ledger.move(max(0.0, failure.detected_at - failure.fault_time), "productive", "detection")
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"
@@ -167,7 +167,8 @@ class RecoveryMixin:
         self._drain_events()
         self._attribute_failure()
         restore_point = self.committer.latest or 0
-        lost = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at)
+        lost = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,
+                                               failed_at=self.failure.fault_time)
         self.ledger.move(lost, "productive", "lost_work")
         decision = self.failure_policy.decide(self.failure_history)
         if decision.action == "fail":
