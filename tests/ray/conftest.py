@@ -61,14 +61,20 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     port = _free_port()
     log = open(os.path.join(temp_dir, "ray-start.log"), "wb")  # noqa: SIM115 (closed in finally)
+    dashboard_port = _free_port()
+    # Job entrypoints run with the cluster's environment: put this venv's tools on its PATH.
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
-         "--num-gpus=0", f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
+         "--num-gpus=0", f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard_port}", "--disable-usage-stats",
          f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
          f"--object-manager-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+         f"--dashboard-agent-grpc-port={_free_port()}",
          f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
+    os.environ["UNDYING_TEST_DASHBOARD"] = f"http://127.0.0.1:{dashboard_port}"
     address = None
     try:
         node_ip = subprocess.run(
