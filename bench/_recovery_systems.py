@@ -130,24 +130,35 @@ def run_torchrun(job: dict, workdir: Path, kill: bool = True) -> dict:
 # ---- Ray Train -----------------------------------------------------------------------------------
 
 
-def raytrain_reaction_time(head: RayHead, after_t: float) -> float:
-    """When Ray Train's controller decided to retry: its `[FailurePolicy] RETRY` log line (local
-    time, millisecond resolution), written right after the health check that saw the failure."""
-    log_dir = Path(head.temp_dir) / "session_latest" / "logs" / "train"
-    times = []
-    for path in log_dir.glob("ray-train-sys-controller-*.log"):
+_WG_INIT = re.compile(r"^\[Worker Group Initialization\] (.*) in ([\d.]+) ?s")
+
+
+def raytrain_controller_log(head: RayHead, after_t: float) -> tuple[float, list[tuple[str, float]]]:
+    """From Ray Train's controller log: when it decided to retry after `after_t` (its `[FailurePolicy]
+    RETRY` line, local time, millisecond resolution, written right after the health check that saw
+    the failure), and its own timing of the worker-group restart that followed."""
+    records = []
+    for path in (Path(head.temp_dir) / "session_latest" / "logs" / "train").glob("ray-train-sys-controller-*.log"):
         for line in path.read_text(errors="replace").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if str(record.get("message", "")).startswith("[FailurePolicy]"):
-                at = datetime.strptime(record["asctime"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                if at >= after_t - 0.001:
-                    times.append(at)
-    if not times:
-        raise ValueError(f"no [FailurePolicy] decision after the kill in {log_dir}")
-    return min(times)
+            at = datetime.strptime(record["asctime"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if at >= after_t - 0.001:  # log times are rounded to the millisecond
+                records.append((at, str(record.get("message", ""))))
+    records.sort()
+    decided = next((at for at, message in records if message.startswith("[FailurePolicy]")), None)
+    if decided is None:
+        raise ValueError(f"no [FailurePolicy] decision after the kill in {head.temp_dir}/session_latest/logs/train")
+    restart = []
+    for at, message in records:
+        match = _WG_INIT.match(message)
+        if at >= decided and match:
+            restart.append((match.group(1), float(match.group(2))))
+            if message.startswith("[Worker Group Initialization] Worker group startup completed"):
+                break
+    return decided, restart
 
 
 def run_raytrain(job: dict, workdir: Path, head: RayHead) -> dict:
@@ -157,14 +168,14 @@ def run_raytrain(job: dict, workdir: Path, head: RayHead) -> dict:
     wall = _launch([sys.executable, str(WORKER), "raytrain", "--config", json.dumps(cfg)], log, worker_env())
     events = _read_events(Path(cfg["events"]))
     points = _worker_points(events)
-    detect_t = raytrain_reaction_time(head, points["kill_t"])
+    detect_t, restart = raytrain_controller_log(head, points["kill_t"])
     # Cross-check from Ray's own actor table: when the killed attempt's surviving workers ended.
     old = {e["pid"] for e in events if e["ev"] == "start" and e["attempt"] == 0}
     killed = next(e["pid"] for e in events if e["ev"] == "kill")
     ends = [e["end_ms"] / 1000 for e in events if e["ev"] == "ray_actor" and e["actor_pid"] in old - {killed}]
     torn_down = (min(ends) - points["kill_t"]) if ends else None
     return measurement("Ray Train", wall, detect_t=detect_t, log=str(log), survivors_ended_after_s=torn_down,
-                       **points)
+                       restart_log=restart, **points)
 
 
 # ---- undying -------------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ def _ratio(s: dict, anchor: dict) -> float:
     return s["kill_to_first_step_s"]["median"] / anchor["kill_to_first_step_s"]["median"]
 
 
-def _undying_account(result: dict) -> str:
-    """Each undying variant's largest phase, and its own transition lines for the median run."""
+def _accounts(result: dict) -> str:
+    """Each undying variant's largest phase and its own transition lines for the median run; Ray Train's
+    restart timing from its controller log."""
     verdicts, accounts = [], []
     for name, runs in result["runs"].items():
         if not name.startswith("undying") or not runs:
@@ -143,7 +144,14 @@ def _undying_account(result: dict) -> str:
         median_run = sorted(runs, key=lambda r: r["kill_to_first_step_s"])[len(runs) // 2]
         accounts.append(f"{name}, its own account of the median run (controller job seconds):\n\n```\n"
                         + "\n".join(median_run["transitions"]) + "\n```")
-    return "Where undying's time goes:\n\n" + "\n".join(verdicts) + "\n\n" + "\n\n".join(accounts) + "\n"
+    text = "Where undying's time goes:\n\n" + "\n".join(verdicts) + "\n\n" + "\n\n".join(accounts) + "\n"
+    raytrain = result["runs"].get("Ray Train")
+    if raytrain:
+        median_run = sorted(raytrain, key=lambda r: r["kill_to_first_step_s"])[len(raytrain) // 2]
+        steps = "; ".join(f"{what} in {seconds:.2f} s"
+                          for what, seconds in median_run["restart_log"] if seconds >= 0.05)
+        text += f"\nRay Train's re-form, from its controller log (median run): {steps}.\n"
+    return text
 
 
 def docs_section(result: dict) -> str:
@@ -179,7 +187,7 @@ How each number is taken (every timestamp is `time.time()` on this machine, writ
 - steps redone: steps completed before the kill minus the step the restart resumed from.
 - total wall: launch to exit of the system's command (Ray's start is not included for undying and Ray Train).
 
-{_undying_account(result)}"""
+{_accounts(result)}"""
 
 
 def write_docs(path: Path, section: str) -> None:
