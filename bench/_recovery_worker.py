@@ -12,6 +12,7 @@ machine) that the workers append as JSON lines to the `events` file:
   restored  rank 0, the step the engine resumes at (0 on a fresh start)
   step      rank 0, each completed step with its global loss
   kill      the killed rank, just before it sends itself SIGKILL
+  ray_actor the Ray Train driver, after fit(): Ray's start and end time of every worker actor
 
 Entry points:
   python bench/_recovery_worker.py torchrun --config JSON   (the script torchrun starts per rank)

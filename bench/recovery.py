@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {name: summarise(records, ref_loss) for name, records in runs.items()}
     table = tables(summary, ref_loss)
     result = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "job": job,
+              "ray_temp_dir": head.temp_dir if head else None,  # Ray's and Ray Train's logs stay there
               "repeats": args.repeats, "reference": reference, "summary": summary, "runs": runs, "table": table}
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)

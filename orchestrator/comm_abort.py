@@ -2,14 +2,15 @@
 
 Why this exists: when a rank dies, only its ring neighbours see a socket error. The other
 survivors stay blocked in their collective until the process-group timeout (minutes) unless
-the sockets of the ranks that did notice are closed. Measured on torch 2.13 with gloo,
-4 ranks, one SIGKILLed: `destroy_process_group()`, dropping every reference to the group
-and `_abort_process_group()` all leave gloo's pair sockets open while the process lives,
-so a non-neighbour waited 8 s (until the others exited). Shutting the pair sockets down
-(`shutdown(SHUT_RDWR)` on the connected ones; never the listener, which gloo treats as
-fatal) makes every survivor's collective fail within ~5 ms, and the same processes then
-form a new group under a new store prefix in ~6 ms. On NCCL the communicator abort does
-the equivalent.
+the sockets of the ranks that did notice are closed. `destroy_process_group()` closes gloo's
+sockets only when it drops the last reference to the group, and a DDP-wrapped model holds
+one: measured on torch 2.13, gloo, 4 ranks, one SIGKILLed, a non-neighbour stayed blocked
+until the others exited (`_abort_process_group()` did not release it either). Shutting the
+pair sockets down (`shutdown(SHUT_RDWR)` on the connected ones; never the listener, which
+gloo treats as fatal) makes every survivor's collective fail within milliseconds, whoever
+holds the group, and the same processes then form a new group under a new store prefix in
+~10-30 ms (bench/release.py measures every collective the engine uses). On NCCL the
+communicator abort does the equivalent.
 
 Protocol (rank side, in `RankActor`):
   1. `with CommSockets.capture() as sockets: dist.init_process_group(...)` records the

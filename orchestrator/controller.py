@@ -64,7 +64,7 @@ class Failure:
 
 class Controller(RecoveryMixin):
     def __init__(self, spec, workers, rendezvous: RendezvousServer, catalog, metrics, *,
-                 printer=print, poll_s: float = 0.02, release_timeout_s: float = 5.0,
+                 printer=print, poll_s: float = 0.02, release_timeout_s: float = 3.0,
                  hang_min_s: float = 10.0, hang_factor: float = 5.0, join_timeout_s: float = 60.0):
         self.spec = spec
         self.workers = workers

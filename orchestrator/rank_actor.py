@@ -46,14 +46,23 @@ class RankActor:
         self.rank = -1
         self.world_size = 0
         self.sockets: CommSockets | None = None
+        # Ray forks workers from the node's raylet: if our parent changes, the raylet died and
+        # this node is lost, even though this process may still answer calls.
+        self.raylet_pid = os.getppid()
         self._abort = threading.Event()  # the controller asked this generation to stop
         self._training_over = threading.Event()  # stops the abort watcher
 
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "gen": self.gen}
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "gen": self.gen,
+                "node_alive": self.node_alive()}
+
+    def node_alive(self) -> bool:
+        return os.getppid() == self.raylet_pid
 
     def warm_up(self) -> dict:
         """A spare's first call: import the engine so that taking over a rank costs milliseconds."""
+        import torch._dynamo  # noqa: F401  (the engine's first deterministic-mode call imports it: ~1.4 s)
+
         import trainer.engine  # noqa: F401  (the import is the work)
         import trainer.model  # noqa: F401
 
@@ -126,9 +135,11 @@ class RankActor:
                 self.sockets.abort()
                 return
 
-    def leave(self) -> None:
+    def leave(self) -> bool:
+        """Drop the process group; returns whether this rank's node is still alive."""
         self._teardown()
         self.engine = None
+        return self.node_alive()
 
     def _teardown(self) -> None:
         import torch.distributed as dist

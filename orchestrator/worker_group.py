@@ -214,16 +214,18 @@ class RayWorkerGroup:
             ray.kill(self.actors[rank], no_restart=True)
 
     def leave_all(self, ranks: list[int], timeout_s: float) -> list[int]:
-        """Ask live ranks to drop their process group; returns ranks that did not answer."""
+        """Ask live ranks to drop their process group; returns ranks that did not answer or
+        whose node is gone (their raylet died: the process may answer but must not be trusted)."""
         refs = {self.actors[r].leave.remote(): r for r in ranks if r in self.actors}
         deadline = time.monotonic() + timeout_s
-        silent = []
+        lost = []
         for ref, rank in refs.items():
             try:
-                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                if not ray.get(ref, timeout=max(0.0, deadline - time.monotonic())):
+                    lost.append(rank)
             except (GetTimeoutError, RayActorError):
-                silent.append(rank)
-        return silent
+                lost.append(rank)
+        return lost
 
     def shutdown(self) -> None:
         for rank in list(self.actors):

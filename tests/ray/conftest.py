@@ -20,22 +20,35 @@ from tests.ray.jobs import run_job
 VENV_BIN = Path(sys.executable).parent
 
 
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (held open together while chosen, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
 
 
-def _wait_for_cluster(address: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+def _wait_for_cluster(address: str, proc: subprocess.Popen, timeout_s: float = 90.0, min_cpus: int = 1) -> None:
     deadline = time.monotonic() + timeout_s
     probe = [str(VENV_BIN / "python"), "-c",
              f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
-             "assert ray.cluster_resources().get('CPU', 0) > 0"]
+             f"assert ray.cluster_resources().get('CPU', 0) >= {min_cpus}"]
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {proc.returncode}")
-        if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
-            return
+        try:
+            if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+                return
+        except subprocess.TimeoutExpired:
+            pass  # the head is still starting (a slow machine): ask again
         time.sleep(1.0)
     raise TimeoutError(f"local Ray cluster at {address} did not come up in {timeout_s:.0f} s")
 
@@ -59,19 +72,18 @@ def ray_cluster():
     # A private test cluster on this machine: no token to distribute to the CLI under test.
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port = _free_port()
+    port, dashboard_port, *p = _free_ports(9)
     log = open(os.path.join(temp_dir, "ray-start.log"), "wb")  # noqa: SIM115 (closed in finally)
-    dashboard_port = _free_port()
     # Job entrypoints run with the cluster's environment: put this venv's tools on its PATH.
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
          "--num-gpus=0", f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dashboard_port}", "--disable-usage-stats",
-         f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
-         f"--object-manager-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-         f"--dashboard-agent-grpc-port={_free_port()}",
-         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"],
+         f"--ray-client-server-port={p[0]}", f"--node-manager-port={p[1]}",
+         f"--object-manager-port={p[2]}", f"--dashboard-agent-listen-port={p[3]}",
+         f"--dashboard-agent-grpc-port={p[4]}",
+         f"--metrics-export-port={p[5]}", f"--runtime-env-agent-port={p[6]}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
     os.environ["UNDYING_TEST_DASHBOARD"] = f"http://127.0.0.1:{dashboard_port}"
