@@ -14,13 +14,11 @@ so a user fixes a spec in one round rather than one error at a time.
 from __future__ import annotations
 
 import contextlib
-import copy
 import difflib
 import hashlib
 import json
 import re
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Annotated, Any, get_args
 
@@ -31,28 +29,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from chaos.config import ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
+from orchestrator.problems import Problem, SpecError
+from orchestrator.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One user mistake: `field` is a dotted path into the spec (or the file or `--set`
-    the mistake is in); `message` says what is wrong and how to fix it, on one line."""
-
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
-
-
-class SpecError(Exception):
-    """The job spec cannot run as written. `problems` lists every mistake found;
-    `str()` gives one line per problem."""
-
-    def __init__(self, problems: Sequence[Problem]) -> None:
-        self.problems = list(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
 
 
 class _Strict(BaseModel):
@@ -216,11 +195,6 @@ def _dotted(loc: Sequence[str | int]) -> str:
     return text or "spec"
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _model_in(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model inside an annotation such as `X`, `X | None` or `list[X]`."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -265,8 +239,8 @@ def _describe(error: Mapping[str, Any]) -> str:
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         if error["input"] is None:
             return "is empty; give the section's keys, or remove it to take the defaults"
-        return f"expected a mapping of keys (a YAML section), got {_show(error['input'])}"
-    return f"{msg.replace('Input should be', 'should be')}; got {_show(error['input'])}"
+        return f"expected a mapping of keys (a YAML section), got {show(error['input'])}"
+    return f"{msg.replace('Input should be', 'should be')}; got {show(error['input'])}"
 
 
 def problems_from_validation_error(error: ValidationError) -> list[Problem]:
@@ -303,96 +277,21 @@ def validate_spec(data: Mapping[str, Any]) -> JobSpec:
     raise SpecError(problems)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        keys = [self.construct_object(key_node, deep=deep) for key_node, _ in node.value]
-        for i, key in enumerate(keys):
-            if isinstance(key, Hashable) and key in keys[:i]:  # unhashable: the base class reports it
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice", node.value[i][0].start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_reason(error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    return at + " ".join(str(getattr(error, "problem", None) or error).split())
-
-
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_UniqueKeyLoader)
+            data = yaml.load(f, Loader=UniqueKeyLoader)
     except (OSError, UnicodeDecodeError) as error:
         reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror
         raise SpecError([Problem(path, f"cannot be read ({reason}); give the path of a UTF-8 YAML job "
                                  "spec")]) from None
     except yaml.YAMLError as error:
-        raise SpecError([Problem(path, f"{_yaml_reason(error)}; fix the YAML syntax")]) from None
+        raise SpecError([Problem(path, f"{yaml_reason(error)}; fix the YAML syntax")]) from None
     if not isinstance(data, dict):
         got = "empty" if data is None else f"a {type(data).__name__}"
         raise SpecError([Problem(path, f"the top level is {got}, not a mapping; a job spec maps keys "
                                  f"{', '.join(_keys(JobSpec))} to their sections")])
     return data
-
-
-_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\.(\w+))*")
-
-
-def _parse_override(text: str) -> tuple[list[str], Any]:
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not _OVERRIDE_KEY.fullmatch(key):
-        raise SpecError([Problem("--set", f"{text!r} is not key.path=value; write e.g. --set parallel.dp=4")])
-    if not raw.strip():
-        raise SpecError([Problem(key, f"--set {text!r} has no value; write {key}=null to clear it")])
-    try:
-        return key.split("."), yaml.load(raw, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
-        raise SpecError([Problem(key, f"--set {text!r}: the value is not valid YAML ({_yaml_reason(error)}); "
-                                 "quote it, e.g. --set 'name=\"a: b\"'")]) from None
-
-
-def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
-    node: Any = data
-    for depth, part in enumerate(path):
-        last, here = depth == len(path) - 1, ".".join(path[: depth + 1])
-        if isinstance(node, list):
-            if not (part.isdigit() and int(part) < len(node)):
-                raise ValueError(f"{'.'.join(path[:depth])} is a list of {len(node)}; "
-                                 f"{part!r} is not an index in it")
-            index: Any = int(part)
-        elif isinstance(node, dict):
-            index = part
-            if not last and node.get(part) is None:
-                node[part] = {}  # a section missing from the YAML, or written as an empty key
-        else:
-            raise ValueError(f"{'.'.join(path[:depth])} is {_show(node)}, not a section; "
-                             f"cannot set {here} inside it")
-        if last:
-            node[index] = value
-        else:
-            node = node[index]
-
-
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of `data` with each `key.path=value` override applied in order. Values are
-    parsed as YAML (`4` is an int, `[]` a list, `s3://b/p` a string); list items are
-    addressed by index (`chaos.faults.0.rank=2`). Raises SpecError naming every bad one."""
-    result, problems = copy.deepcopy(dict(data)), []
-    for text in overrides:
-        try:
-            path, value = _parse_override(text)
-            _set_path(result, path, value)
-        except SpecError as error:
-            problems += error.problems
-        except ValueError as error:
-            problems.append(Problem(text.partition("=")[0].strip(), f"--set {text!r}: {error}"))
-    if problems:
-        raise SpecError(problems)
-    return result
 
 
 def load_spec(path: str, overrides: Sequence[str] = ()) -> JobSpec:
