@@ -33,6 +33,8 @@ class LossPoint(BaseModel):
     model_config = _CONFIG
     step: int
     loss: float
+    time: float | None = None  # job seconds when the step finished
+    tokens_per_s: float | None = None  # global throughput of that step
 
 
 class WorldRecord(BaseModel):

@@ -64,8 +64,8 @@ def _plot_loss(ax, report: RunReport) -> None:
 
 
 def _plot_events(ax, report: RunReport) -> None:
-    """World size over job time, with failures, their recovery spans and checkpoint commits."""
-    ax.set_title("events")
+    """World size and throughput over job time, with failures, recovery spans and checkpoint commits."""
+    ax.set_title("events and throughput")
     ax.set_xlabel("job seconds")
     ax.set_ylabel("world size")
     wall = report.goodput.wall_s
@@ -88,6 +88,12 @@ def _plot_events(ax, report: RunReport) -> None:
     ax.set_xlim(0, max(wall, 1e-9))
     if report.failures or report.checkpoints:
         ax.legend(loc="lower right")
+    timed = [p for p in report.losses if p.time is not None and p.tokens_per_s is not None]
+    if timed:  # throughput on its own axis: it drops to nothing while a failure is handled
+        tput = ax.twinx()
+        tput.plot([p.time for p in timed], [p.tokens_per_s for p in timed], ".", ms=2, color="#2ca02c")
+        tput.set_ylabel("tokens/s", color="#2ca02c")
+        tput.set_ylim(0, 1.2 * max(p.tokens_per_s for p in timed))
 
 
 def _plot_goodput(ax, report: RunReport) -> None:

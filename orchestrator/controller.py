@@ -102,6 +102,7 @@ class Controller(RecoveryMixin):
         self.stuck_in_release: list[int] = []
         self.just_committed: int | None = None
         self._saving_step = -1
+        self.evicting: set[int] = set()  # stragglers this controller killed on purpose
         self.open_failure = None
         self.plan_version = 0
         self.gen_started_at = time.time()
@@ -293,6 +294,7 @@ class Controller(RecoveryMixin):
                          + ("; evicting it" if self.spec.elastic.evict_stragglers else ""))
             if self.spec.elastic.evict_stragglers:
                 # The eviction hook: kill the rank; its pending call fails and recovery replaces it.
+                self.evicting.add(rank)
                 self.workers.kill_actor_only(rank)
 
     def _track_checkpointing(self) -> None:

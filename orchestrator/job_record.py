@@ -129,7 +129,9 @@ class JobRecord:
         self.metrics.on_checkpoint(step, nbytes, blocking_s, total_s, interval_s)
 
     def report(self, status: str, final_step: int, error: str | None = None) -> RunReport:
-        losses = [LossPoint(step=s, loss=self.steps[s].loss) for s in sorted(self.steps)]
+        losses = [LossPoint(step=s, loss=r.loss, time=self.job_seconds(r.time),
+                            tokens_per_s=r.tokens / r.step_s if r.step_s > 0 else None)
+                  for s, r in sorted(self.steps.items())]
         busy = sum(r.step_s for r in self.steps.values())
         return RunReport(
             job=self.job, final_step=final_step,

@@ -68,6 +68,11 @@ class RecoveryMixin:
         died = [o for o in outcomes if o.status == "died"]
         culprit = died[0] if died else outcomes[0]
         self.outcome_errors = {o.rank: o.info.get("error", o.status) for o in outcomes}
+        evicted = sorted(self.evicting & {o.rank for o in died})
+        if evicted:
+            self.evicting.clear()
+            return Failure("straggler_evicted", evicted[0], time.time(), "evicted as a sustained straggler",
+                           step=self._current_step())
         fault = self._take_fired_fault()
         if fault:
             return Failure(fault["kind"], fault["rank"], time.time(), culprit.info.get("error", ""),

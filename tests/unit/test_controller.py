@@ -37,6 +37,8 @@ class FakeWorkerGroup:
         self.next_step = 0
         self.cascade = False
         self.repeat = False
+        self.slow: set[int] = set()
+        self.evicted: list[int] = []
         self._running: set[int] = set()
         self.until = 0
 
@@ -113,6 +115,9 @@ class FakeWorkerGroup:
                 return [RankOutcome(dead, "died", {"error": "actor died"})]
             store.push_event({"type": "step", "step": step, "loss": 10.0 / (step + 1), "tokens": 100,
                               "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.01, "compute_s": 0.01, "time": 0.0})
+            for rank in self.actors:  # heartbeats: the rank in `slow` computes 30% longer
+                store.set_json(f"hb/{rank}", {"step": step, "time": step, "compute_s": 1.3 if rank in self.slow
+                                              else 1.0})
             self.next_step += 1
             if plan.should_save(self.next_step):
                 for rank in range(world):
@@ -143,6 +148,11 @@ class FakeWorkerGroup:
 
     def kill(self, rank):
         self.actors.pop(rank, None)
+
+    def kill_actor_only(self, rank):
+        self.evicted.append(rank)
+        self.slow.discard(rank)  # its replacement runs at normal speed
+        self.die_at[self.next_step] = rank
 
     def leave_all(self, ranks, timeout_s):
         return []
@@ -262,3 +272,18 @@ def test_crash_loop_stops_with_step_rank_and_error(tmp_path, rendezvous):
     assert report.status == "failed"
     assert "crash loop: rank 1 failed at step 25 3 times" in report.error and "actor died" in report.error
     assert len(report.failures) == 3
+
+
+def test_sustained_straggler_is_flagged_and_evicted(tmp_path, rendezvous):
+    spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
+                 elastic={"evict_stragglers": True, "max_restarts": 2}, monitor={"heartbeat_s": 0.001})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    workers.slow = {1}
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    ctl.telemetry.detector.sustain_s = 0.0  # the fake trains in milliseconds
+    report = ctl.run()
+    assert report.status == "succeeded" and workers.evicted == [1]
+    assert [s.rank for s in report.stragglers] == [1] and report.stragglers[0].ratio == pytest.approx(1.3)
+    assert [(f.kind, f.rank) for f in report.failures] == [("straggler_evicted", 1)]
+    assert any("straggler: rank 1 computes 1.30x" in line and "evicting" in line for line in lines)

@@ -56,7 +56,7 @@ def make_report(final_loss: float = 3.5) -> RunReport:
     ledger.move(1.5, "productive", "checkpoint_save")  # blocking saves, learned from receipts
     ledger.move(3.0, "productive", "lost_work")  # steps 31..33 rolled back
     ledger.stop()
-    losses = [LossPoint(step=s, loss=6.0 - s / 20) for s in range(1, 61)]
+    losses = [LossPoint(step=s, loss=6.0 - s / 20, time=10.0 + s * 0.5, tokens_per_s=1000.0 + s) for s in range(1, 61)]
     return RunReport(
         job="demo",
         final_step=60,
@@ -104,7 +104,7 @@ def test_json_round_trip_has_every_required_key(tmp_path):
     report.to_json(path)
     raw = json.loads(path.read_text())
     assert set(raw) >= REQUIRED_KEYS
-    assert set(raw["losses"][0]) == {"step", "loss"}
+    assert set(raw["losses"][0]) == {"step", "loss", "time", "tokens_per_s"}
     assert set(raw["world_history"][0]) == {"generation", "world_size", "dp", "tp", "pp", "started_at"}
     assert {"time", "kind", "rank", "detected_after_s", "recovered_after_s", "message"} <= set(
         raw["failures"][0]
