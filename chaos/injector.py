@@ -30,6 +30,7 @@ class FaultInjector:
         self.faults = [f for f in faults if f.get("rank") == rank and f["kind"] in RANK_FAULTS]
         self._step_started = time.perf_counter()
         self._last_compute = 0.0  # forward+backward seconds of the previous step
+        self._slept = 0.0  # seconds slept by slow_rank in the current step
 
     @classmethod
     def hook_for(cls, faults: list[dict], rank: int, notify: Callable[[dict], None]):
@@ -38,16 +39,19 @@ class FaultInjector:
 
     def hook(self, point: str, step: int) -> None:
         if point == "before_step":
-            self._step_started = time.perf_counter()
+            self._step_started, self._slept = time.perf_counter(), 0.0
         elif point == "after_backward":
-            self._last_compute = time.perf_counter() - self._step_started
+            # The rank's own compute, without the sleep injected into it (else slowness compounds).
+            self._last_compute = time.perf_counter() - self._step_started - self._slept
         for fault in self.faults:
             at_step = fault.get("at_step")
             if fault["kind"] == "slow_rank":
                 # A straggler stays slow from then on. It sleeps before the backward, inside the
                 # compute the engine measures, as slower hardware would.
                 if point == (fault.get("at_point") or "after_forward") and (at_step is None or step >= at_step):
-                    time.sleep((float(fault["factor"]) - 1.0) * self._last_compute)
+                    extra = (float(fault["factor"]) - 1.0) * self._last_compute
+                    time.sleep(extra)
+                    self._slept += extra
             elif (fault.get("at_point") or DEFAULT_POINT) == point and at_step in (None, step):
                 self._fire(fault, point, step)
 

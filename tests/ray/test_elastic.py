@@ -44,11 +44,13 @@ def test_warm_spare_takes_over_a_killed_rank(ray_cluster, tmp_path, reference):
 def test_shrink_without_replacement_then_grow_back(ray_cluster, tmp_path, reference):
     # replace_timeout_s=0: a new actor cannot be up in time, so dp shrinks 4 -> 2 (the largest
     # degree that divides 16 samples into microbatches of 2); the late replacement then warms
-    # up as a spare and dp grows back to 4 at the next checkpoint.
-    proc, path = run_job(ray_cluster, tmp_path, "shrink",
-                         ["elastic.replace_timeout_s=0", "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 15}]"])
+    # up as a spare and dp grows back to 4 at a later checkpoint. Rank 0 is slowed (sleeps
+    # only: the numbers are unchanged) so that checkpoints remain after the spare is up.
+    proc, path = run_job(ray_cluster, tmp_path, "shrink", [
+        "elastic.replace_timeout_s=0",
+        "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 12}, {kind: slow_rank, rank: 0, at_step: 0, factor: 6}]"])
     report = _ok(proc, path)
-    assert "shrinking dp 4 -> 2" in proc.stdout and "growing dp 2 -> 4" in proc.stdout
+    assert "shrinking dp 4 -> 2" in proc.stdout and "growing dp 2 -> 4" in proc.stdout, proc.stdout[-3000:]
     assert [w["dp"] for w in report["world_history"]] == [4, 2, 4]
     assert len(report["failures"]) == 1
     assert report["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5)
