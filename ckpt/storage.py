@@ -64,17 +64,10 @@ class Storage:
         return "/".join([self.root, *parts])
 
     def write_immutable(self, path: str, data: bytes) -> None:
-        parent = path.rsplit("/", 1)[0]
         if self.is_local:
-            os.makedirs(parent, exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(_durable_temp_copy(path, data), path)
             return
-        self.fs.makedirs(parent, exist_ok=True)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(path, data)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
@@ -98,12 +91,7 @@ class Storage:
 
     def _create_exclusive_posix(self, path: str, data: bytes) -> None:
         parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = _durable_temp_copy(path, data)
         try:
             os.link(tmp, path)  # atomic and exclusive: EEXIST if a manifest is there
         except FileExistsError as err:
@@ -141,6 +129,17 @@ class Storage:
 
     def invalidate(self) -> None:
         self.fs.invalidate_cache()
+
+
+def _durable_temp_copy(path: str, data: bytes) -> str:
+    """Write `data` next to `path` under a unique temporary name, fsynced; returns that name."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
