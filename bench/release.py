@@ -37,7 +37,6 @@ import platform
 import re
 import shlex
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -50,7 +49,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench._docs import median_max, ms, replace_section  # noqa: E402  (needs the repository on sys.path)
 from orchestrator.comm_abort import CommSockets  # noqa: E402
 
 VICTIM = 1
@@ -293,14 +292,6 @@ SECTION = "## Release from a broken collective"
 NOTES = ("<!-- release-notes: kept when bench/release.py rewrites this section -->", "<!-- /release-notes -->")
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms"
-
-
-def _spread(values: list[float]) -> str:
-    return f"{_ms(statistics.median(values))} ({_ms(max(values))})" if values else "-"
-
-
 def _cells(runs: list[dict], mode: str, cap_s: float) -> str:
     """One mode's cell of one table row."""
     runs = [r for r in runs if r["mode"] == mode]
@@ -311,7 +302,7 @@ def _cells(runs: list[dict], mode: str, cap_s: float) -> str:
     if mode in ("destroy", "idle"):
         if stuck:
             return f"> {cap_s:g} s: rank(s) {','.join(map(str, ranks))} still blocked in {len(stuck)}/{len(runs)} runs"
-        return f"all out, max {_ms(max(r['release_s'] for r in runs))}"
+        return f"all out, max {ms(max(r['release_s'] for r in runs))}"
     if stuck:
         return f"NOT released in {len(stuck)}/{len(runs)} runs (rank(s) {','.join(map(str, ranks))})"
     if mode == "watcher":
@@ -319,8 +310,8 @@ def _cells(runs: list[dict], mode: str, cap_s: float) -> str:
         if not held:
             return "n/a: every survivor errored by itself"
         at_key = sorted({b for r in held for b in r["blocked"]})
-        return f"{_spread([r['release_s'] for r in held])}, rank(s) {','.join(map(str, at_key))} held"
-    return _spread([r["release_s"] for r in runs])
+        return f"{median_max([r['release_s'] for r in held])}, rank(s) {','.join(map(str, at_key))} held"
+    return median_max([r["release_s"] for r in runs])
 
 
 def table(runs: list[dict], cap_s: float) -> str:
@@ -332,7 +323,7 @@ def table(runs: list[dict], cap_s: float) -> str:
         of = [r for r in runs if (r["collective"], r["world_size"]) == (collective, world_size)]
         reformed = [r for r in of if r["mode"] == "abort" and "reform_s" in r]
         wrong = [r for r in reformed if set(r["sums"]) != {r["expected"]}]
-        reform = _spread([r["reform_s"] for r in reformed]) + (f" WRONG SUM in {len(wrong)} runs" if wrong else "")
+        reform = median_max([r["reform_s"] for r in reformed]) + (f" WRONG SUM in {len(wrong)} runs" if wrong else "")
         cells = [COLLECTIVES[collective], str(world_size), _cells(of, "abort", cap_s), reform,
                  *(_cells(of, mode, cap_s) for mode in ("watcher", "destroy", "idle"))]
         lines.append("| " + " | ".join(cells) + " |")
@@ -368,26 +359,6 @@ median (max) over {args.repeats} run(s); timestamps are `time.time()` written by
 """
 
 
-def write_docs(path: Path, text_of_section: str) -> None:
-    """Replace only this section (up to the next `## ` heading), re-reading the file right before.
-
-    Hand-written notes between the NOTES markers inside the old section are carried over."""
-    header = "# Benchmarks\n\nMeasured figures; each section says how to reproduce it.\n"
-    text = path.read_text() if path.exists() else header
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + text_of_section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        old = text[start:end if end >= 0 else len(text)]
-        if NOTES[0] in old and NOTES[1] in old:
-            notes = old[old.index(NOTES[0]):old.index(NOTES[1]) + len(NOTES[1])]
-            text_of_section = text_of_section.rstrip("\n") + "\n\n" + notes + "\n"
-        rest = text[end + 1:] if end >= 0 else ""
-        text = text[:start] + text_of_section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8])
@@ -407,8 +378,8 @@ def main() -> None:
                 for _ in range(args.repeats):
                     run = run_scenario(collective, world_size, mode, cap_s=args.cap)
                     runs.append(run)
-                    release = "-" if run["release_s"] is None else _ms(run["release_s"])
-                    reform = _ms(run["reform_s"]) if "reform_s" in run else "-"
+                    release = "-" if run["release_s"] is None else ms(run["release_s"])
+                    reform = ms(run["reform_s"]) if "reform_s" in run else "-"
                     print(f"{collective:15s} W={world_size} {mode:8s} released={run['released']!s:5s}"
                           f" release {release:>7s} blocked {run['blocked']} re-form {reform}", flush=True)
     print(table(runs, args.cap))
@@ -417,7 +388,7 @@ def main() -> None:
     out.write_text(json.dumps({"command": command, "cap_s": args.cap, "modes": MODES, "runs": runs}, indent=1))
     print(f"wrote {out}")
     if args.docs:
-        write_docs(ROOT / args.docs, section(runs, args, command))
+        replace_section(ROOT / args.docs, SECTION, section(runs, args, command), NOTES)
         print(f"section {SECTION[3:]!r} written to {args.docs}")
 
 

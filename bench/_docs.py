@@ -1,0 +1,36 @@
+"""Write one benchmark's section of docs/benchmarks.md, leaving the other sections alone."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+HEADER = "# Benchmarks\n\nMeasured figures; each section says how to reproduce it.\n"
+
+
+def replace_section(path: Path, heading: str, text_of_section: str, notes: tuple[str, str]) -> None:
+    """Replace only the section under `heading` (up to the next `## ` heading), re-reading the
+    file right before. Hand-written notes between the `notes` markers inside the old section
+    are carried over."""
+    text = path.read_text() if path.exists() else HEADER
+    start = text.find(heading)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + text_of_section
+    else:
+        end = text.find("\n## ", start + len(heading))
+        old = text[start:end if end >= 0 else len(text)]
+        if notes[0] in old and notes[1] in old:
+            kept = old[old.index(notes[0]):old.index(notes[1]) + len(notes[1])]
+            text_of_section = text_of_section.rstrip("\n") + "\n\n" + kept + "\n"
+        rest = text[end + 1:] if end >= 0 else ""
+        text = text[:start] + text_of_section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+    path.write_text(text)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def median_max(values: list[float]) -> str:
+    """ "median (max)" in milliseconds, or "-" for no values."""
+    return f"{ms(statistics.median(values))} ({ms(max(values))})" if values else "-"
