@@ -36,7 +36,7 @@ test: setup servers
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
-test-all: setup
+test-all: setup servers
 	$(PY) -m pytest -m ""
 
 lint: setup

@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_problems(problems: list[Problem]) -> None:
+def print_problems(problems: list[Problem]) -> None:
+    """One line per user mistake on stderr (the caller then exits 2)."""
     print(f"undying: the job cannot run as written ({len(problems)} problem(s)):", file=sys.stderr)
     for problem in problems:
         print(f"  - {problem}", file=sys.stderr)
@@ -69,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spec = load_spec(args.spec, args.overrides)
         except SpecError as err:
-            _print_problems(err.problems)
+            print_problems(err.problems)
             return EXIT_USAGE
         return plan_main(spec, args.gpus, args.gpu, args.as_json)
     try:
         spec = _load(args)
     except SpecError as err:
-        _print_problems(err.problems)
+        print_problems(err.problems)
         return EXIT_USAGE
     if args.command == "validate":
         print(f"{args.spec}: valid ({spec.world_size} ranks, {spec.train.steps} steps)")

@@ -47,9 +47,9 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     try:
         problems = capacity_problems(spec, ray.cluster_resources())
         if problems:
-            from orchestrator.cli import _print_problems
+            from orchestrator.cli import print_problems
 
-            _print_problems(problems)
+            print_problems(problems)
             return EXIT_USAGE
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
