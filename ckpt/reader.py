@@ -3,8 +3,9 @@
 Protocol: every rank that restores calls `load_checkpoint(catalog, step, names)` for the
 tensors its layout needs. Only byte ranges named by the committed manifest are read (range
 requests on object storage), and every chunk's CRC32 is verified before use. A mismatch or
-a missing shard raises `CorruptCheckpoint`; the controller then falls back to the previous
-committed checkpoint (`newest_loadable`), loudly, never silently.
+a missing shard raises `CorruptCheckpoint`; the controller then marks that step bad and
+restores the previous committed one, loudly (log line and metric), never silently.
+`newest_loadable` performs the same walk for tools that verify a whole checkpoint offline.
 """
 
 from __future__ import annotations

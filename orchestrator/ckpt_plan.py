@@ -41,12 +41,6 @@ def young_interval_s(save_cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s)
 
 
-def daly_interval_s(save_cost_s: float, mtbf_s: float, restart_s: float) -> float:
-    """The more exact form tau = C + sqrt(2 (M + R) C + C^2), with restart cost R."""
-    c = max(save_cost_s, 0.0)
-    return c + math.sqrt(2.0 * (mtbf_s + restart_s) * c + c * c)
-
-
 def steps_for_interval(interval_s: float, step_s: float, lo: int = 1, hi: int = 1_000_000) -> int:
     """Whole steps closest to an interval in seconds, at least `lo`."""
     if step_s <= 0:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from enum import Enum
 
 from ckpt.reader import CorruptCheckpoint
 from monitor.goodput import GoodputLedger
@@ -32,34 +30,11 @@ from orchestrator.policies import CheckpointIntervalPolicy, FailurePolicy, Scali
 from orchestrator.recovery import RecoveryMixin
 from orchestrator.rendezvous import PLAN, RendezvousServer
 from orchestrator.spec import spec_hash
+from orchestrator.states import TERMINAL, Failure, State
 from orchestrator.telemetry import Telemetry
 from orchestrator.worker_group import PlacementError
 
 log = logging.getLogger(__name__)
-
-
-class State(str, Enum):
-    PLACING = "PLACING"
-    RENDEZVOUS = "RENDEZVOUS"
-    RESTORING = "RESTORING"
-    RUNNING = "RUNNING"
-    CHECKPOINTING = "CHECKPOINTING"
-    RECOVERING = "RECOVERING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-
-TERMINAL = (State.SUCCEEDED, State.FAILED)
-
-
-@dataclass
-class Failure:
-    kind: str
-    rank: int | None
-    detected_at: float  # time.time() when the controller noticed
-    message: str
-    fault_time: float | None = None  # time.time() an injected fault fired, when known
-    step: int | None = None  # the step being computed when it failed
 
 
 class Controller(RecoveryMixin):

@@ -22,6 +22,7 @@ import time
 
 from orchestrator.errors import collapse, normalise
 from orchestrator.policies import FailureSummary
+from orchestrator.states import Failure, State
 
 
 class RecoveryMixin:
@@ -63,8 +64,6 @@ class RecoveryMixin:
     def _failure_from(self, outcomes):
         """The failure behind the first bad outcomes. An injected fault that fired is the cause
         even when a peer's collective error is reported first; otherwise a dead rank is."""
-        from orchestrator.controller import Failure
-
         died = [o for o in outcomes if o.status == "died"]
         culprit = died[0] if died else outcomes[0]
         self.outcome_errors = {o.rank: o.info.get("error", o.status) for o in outcomes}
@@ -92,8 +91,6 @@ class RecoveryMixin:
         return max(self.record.steps) + 1 if self.record.steps else None
 
     def _hang_check(self):
-        from orchestrator.controller import Failure
-
         median = self.record.median_step_s()
         limit = max(self.hang_min_s, self.hang_factor * (median or 0.0))
         since = max(self.record.last_step_time, self.gen_started_at)
@@ -108,8 +105,6 @@ class RecoveryMixin:
         return Failure("hang", None, time.time(), message, step=self._current_step())
 
     def _start_recovery(self, failure) -> None:
-        from orchestrator.controller import State
-
         self.failure = failure
         self.open_failure = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
                                                    failure.fault_time, failure.message, failure.step)
@@ -164,8 +159,6 @@ class RecoveryMixin:
                                                    normalise(error)))
 
     def _recovering(self) -> None:
-        from orchestrator.controller import State
-
         started = time.perf_counter()
         self._drain_events()  # late receipts may still complete a checkpoint
         lost_ranks = self._release()
@@ -192,8 +185,6 @@ class RecoveryMixin:
 
     def _replace(self, lost_ranks: list[int]) -> str | None:
         """Fill the lost ranks (spares, then new actors) or shrink dp; None when the job failed."""
-        from orchestrator.controller import State
-
         if not lost_ranks:
             return f"no rank lost, dp stays {self.dp}"
         cold = self.workers.promote_spares(lost_ranks)
@@ -221,8 +212,6 @@ class RecoveryMixin:
 
     def _maybe_grow(self) -> bool:
         """At a checkpoint commit: re-form larger when warm spares allow; True when started."""
-        from orchestrator.controller import State
-
         if self.dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
             return False
         ready = len(self.workers.ready_spares())
