@@ -14,41 +14,24 @@ from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from orchestrator import ray_cluster
+from orchestrator.capacity import capacity_problems, slots
+from orchestrator.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.controller import Controller
 from orchestrator.rendezvous import RendezvousServer
-from orchestrator.spec import JobSpec, Problem
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def capacity_problems(spec: JobSpec, cluster: dict[str, float]) -> list[Problem]:
-    """Resources the cluster can never provide for `spec`'s ranks (pure; unit-tested)."""
-    res, world = spec.resources, spec.world_size
-    wanted = {"CPU": ("resources.cpus_per_rank", res.cpus_per_rank),
-              "GPU": ("resources.gpus_per_rank", res.gpus_per_rank)}
-    wanted.update({key: (f"resources.custom.{key}", amount) for key, amount in res.custom.items()})
-    problems = []
-    for key, (field, per_rank) in wanted.items():
-        need, have = per_rank * world, cluster.get(key, 0.0)
-        if per_rank > 0 and have < need:
-            problems.append(Problem(
-                field, f"{world} ranks (dp*tp*pp) x {per_rank:g} {key} = {need:g} {key}, but the cluster has "
-                       f"{have:g}; lower {field.split('.')[-1]} or parallel degrees, or add nodes"))
-    return problems
+from orchestrator.spec import JobSpec
 
 
 def run_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
     import ray
 
     world = spec.world_size
-    conn = ray_cluster.connect(address, world * spec.resources.cpus_per_rank, world * spec.resources.gpus_per_rank)
+    conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
+                               slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
     workers = None
     try:
         problems = capacity_problems(spec, ray.cluster_resources())
         if problems:
-            from orchestrator.cli import print_problems
-
             print_problems(problems)
             return EXIT_USAGE
         port = metrics.serve(spec.monitor.host, spec.monitor.port)

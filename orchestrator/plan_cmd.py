@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import sys
 
+from orchestrator.cli import EXIT_OK, EXIT_USAGE
 from orchestrator.spec import JobSpec
 from trainer.costmodel.hardware import DEVICE_NAMES, hardware
 from trainer.costmodel.planner import Plan, capacity_bytes, plan
 from trainer.model import count_params
 
-EXIT_OK, EXIT_USAGE = 0, 2
 SHOWN = 20  # valid layouts in the table; --json lists all
 GiB, MiB = 1 << 30, 1 << 20
 

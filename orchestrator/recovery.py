@@ -119,26 +119,19 @@ class RecoveryMixin:
     def _release(self) -> list[int]:
         """Get every rank out of the old generation; returns the ranks that need a new actor."""
         self.store.request_abort()
-        started = time.monotonic()
-        dead = [r for r, e in self.outcome_errors.items() if r not in self.workers.actors]
-        out_after: dict[int, float] = {}
-        while self.workers.running() and time.monotonic() - started < self.release_timeout_s:
-            for o in self.workers.wait_any(self.poll_s):
-                out_after[o.rank] = time.monotonic() - started
-                self.outcome_errors.setdefault(o.rank, o.info.get("error", o.status))
-                if o.status == "died":
-                    dead.append(o.rank)
-        stuck = self.workers.running()  # hung (e.g. SIGSTOPped): not out of a broken collective
-        for rank in stuck:
-            self.workers.kill(rank)
+        finished, stuck = self._wait_out()
+        for rank, (outcome, _) in finished.items():
+            self.outcome_errors.setdefault(rank, outcome.info.get("error", outcome.status))
+        # Died in the trigger or while we waited: their actors are gone (stuck ones never finished).
+        dead = [r for r in self.outcome_errors if r not in self.workers.actors]
         survivors = [r for r in range(self.world_size) if r in self.workers.actors]
         silent = self.workers.leave_all(survivors, timeout_s=self.release_timeout_s)
         for rank in silent:
             self.workers.kill(rank)
         self.dead_in_release = sorted(set(dead))
         self.stuck_in_release = sorted(set(stuck) | set(silent))
-        slowest = max(out_after.values(), default=0.0)
-        self.printer(f"[{self.record.job_seconds():7.2f}s] release: {len(out_after)} rank(s) out within "
+        slowest = max((seconds for _, seconds in finished.values()), default=0.0)
+        self.printer(f"[{self.record.job_seconds():7.2f}s] release: {len(finished)} rank(s) out within "
                      f"{slowest * 1000:.0f} ms" + (f"; killed {self.stuck_in_release} (not out within "
                                                    f"{self.release_timeout_s:.0f} s)" if self.stuck_in_release else "")
                      + (f"; errors {collapse(self.outcome_errors)}" if self.outcome_errors else ""))
@@ -219,11 +212,9 @@ class RecoveryMixin:
         if new_dp is None or new_dp <= self.dp:
             return False
         step = self.just_committed
-        self.outcome_errors = {}
         self.failure = None
         self.store.request_abort()
-        for o in self._wait_out():
-            self.outcome_errors[o.rank] = o.info.get("error", o.status)
+        self._wait_out()
         survivors = [r for r in range(self.world_size) if r in self.workers.actors]
         self.workers.leave_all(survivors, timeout_s=self.release_timeout_s)
         lost = self.record.rolled_back_seconds(step, since=self.gen_started_at)
@@ -235,11 +226,16 @@ class RecoveryMixin:
                                    f"checkpoint step {step} ({ready} warm spare(s) ready)")
         return True
 
-    def _wait_out(self) -> list:
-        deadline = time.monotonic() + self.release_timeout_s
-        outcomes = []
-        while self.workers.running() and time.monotonic() < deadline:
-            outcomes += self.workers.wait_any(self.poll_s)
-        for rank in self.workers.running():
+    def _wait_out(self) -> tuple[dict, list[int]]:
+        """After the abort key is set: wait up to `release_timeout_s` for every running rank's
+        `train` call, then kill the ranks still inside it (hung). Returns each finished rank's
+        (outcome, seconds since the wait began) and the killed ranks."""
+        started = time.monotonic()
+        finished: dict = {}
+        while self.workers.running() and time.monotonic() - started < self.release_timeout_s:
+            for outcome in self.workers.wait_any(self.poll_s):
+                finished[outcome.rank] = (outcome, time.monotonic() - started)
+        stuck = self.workers.running()
+        for rank in stuck:
             self.workers.kill(rank)
-        return outcomes
+        return finished, stuck

@@ -18,6 +18,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator.capacity import capacity_problems
 from orchestrator.rank_actor import RankActor
 
 
@@ -62,14 +63,9 @@ class RayWorkerGroup:
 
     def place(self, world_size: int, spares: int = 0) -> None:
         bundle, n = self._bundle(), world_size + spares
-        total = ray.cluster_resources()
-        for key, amount in bundle.items():
-            if total.get(key, 0) < amount * n:
-                raise PlacementError(
-                    f"the cluster has {total.get(key, 0):g} {key} but {world_size} ranks + {spares} spares x "
-                    f"{amount:g} = {amount * n:g} are needed; lower resources.{_field(key)}, elastic.spares, "
-                    "or the parallel degrees, or add nodes"
-                )
+        problems = capacity_problems(self.spec, ray.cluster_resources())
+        if problems:
+            raise PlacementError("; ".join(str(p) for p in problems))
         # PACK keeps ranks together (tensor-parallel groups must share a node); Ray spreads
         # what does not fit.
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
@@ -236,7 +232,3 @@ class RayWorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
-
-
-def _field(resource: str) -> str:
-    return {"CPU": "cpus_per_rank", "GPU": "gpus_per_rank"}.get(resource, f"custom.{resource}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.job import capacity_problems
+from orchestrator.capacity import capacity_problems
 from orchestrator.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
