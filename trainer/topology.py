@@ -1,0 +1,112 @@
+"""The rank grid of a 3D-parallel job: which (dp, pp, tp) coordinates each global rank holds.
+
+TP varies fastest, then PP, then DP (the same mapping the cost model prices, see
+`trainer.costmodel.layout`):
+
+    rank = (dp_index * pp + pp_index) * tp + tp_index
+
+so a TP group is `tp` consecutive ranks (inside one node whenever tp <= GPUs per node: TP
+sends activations every layer and needs the fastest link), a PP group strides by `tp`
+(point-to-point activations once per microbatch and stage), and a DP group strides by
+`tp * pp` (one gradient reduction per step, the easiest traffic to hide). Example, dp=2 pp=2 tp=2:
+
+    rank: 0 1 2 3 4 5 6 7
+    dp:   0 0 0 0 1 1 1 1
+    pp:   0 0 1 1 0 0 1 1
+    tp:   0 1 0 1 0 1 0 1
+
+`Topology` is pure arithmetic (unit-tested without processes). `build_mesh` turns it into a
+torch DeviceMesh with dims named ("dp", "pp", "tp") in that order, whose sub-meshes
+(`mesh["tp"]`, ...) are the process groups each parallelism uses; every rank of the default
+process group must call it, in the same order, because creating sub-groups is collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MESH_DIMS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class Coords:
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for dim in MESH_DIMS:
+            value = getattr(self, dim)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{dim}={value!r}: every degree must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Mesh shape in MESH_DIMS order."""
+        return (self.dp, self.pp, self.tp)
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(
+                f"parallel.dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} but the "
+                f"process group has {world_size} ranks: make the product equal the number of ranks"
+            )
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        tp_index = rank % self.tp
+        pp_index = (rank // self.tp) % self.pp
+        dp_index = rank // (self.tp * self.pp)
+        return Coords(dp=dp_index, pp=pp_index, tp=tp_index)
+
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        for dim, index in (("dp", dp), ("pp", pp), ("tp", tp)):
+            if not 0 <= index < getattr(self, dim):
+                raise ValueError(f"{dim} index {index} is outside 0..{getattr(self, dim) - 1}")
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The global ranks that share every coordinate with `rank` except `dim`, in order."""
+        if dim not in MESH_DIMS:
+            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {MESH_DIMS}")
+        here = self.coords(rank)
+        members = []
+        for index in range(getattr(self, dim)):
+            where = {"dp": here.dp, "pp": here.pp, "tp": here.tp, dim: index}
+            members.append(self.rank_of(**where))
+        return members
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along `dim` (each rank in exactly one), sorted by first member."""
+        seen: dict[int, list[int]] = {}
+        for rank in range(self.world_size):
+            group = self.group_of(rank, dim)
+            seen.setdefault(group[0], group)
+        return [seen[first] for first in sorted(seen)]
+
+
+def build_mesh(topology: Topology, device_type: str = "cpu"):
+    """The torch DeviceMesh of `topology` over the default process group (collective).
+
+    The mesh tensor is `arange(world).reshape(dp, pp, tp)`, which is exactly the mapping
+    above, so `mesh[dim]` groups agree with `Topology.group_of`.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    topology.check_world(dist.get_world_size())
+    ranks = torch.arange(topology.world_size).reshape(topology.shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
