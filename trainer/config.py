@@ -118,7 +118,15 @@ class ParallelConfig(_Strict):
     pp: int = Field(1, gt=0)
     zero: Literal[0, 1, 2, 3] = 0
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"] = "1f1b"
+    # Model chunks per pipeline rank: interleaved 1F1B needs >= 2; zero-bubble (V shape) uses 2.
+    # None picks the schedule's default (trainer.costmodel.layout.default_virtual_stages).
+    virtual_stages: int | None = Field(None, gt=0)
     ddp_bucket_mb: float = Field(25.0, gt=0.0)
+    # Activation recomputation: none, selective (keep matmul outputs, recompute the cheap
+    # element-wise ops and attention internals) or block (keep only each block's input).
+    recompute: Literal["none", "selective", "block"] = "none"
+    # Megatron sequence parallelism for norms and dropout when tp > 1 (ignored when tp = 1).
+    sequence_parallel: bool = True
 
     @property
     def world_size(self) -> int:

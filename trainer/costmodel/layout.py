@@ -84,7 +84,9 @@ class Layout:
     def from_spec(cls, spec: Any) -> Layout:
         par = spec.parallel
         return cls(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero, micro_batch=spec.train.micro_batch,
-                   schedule=par.schedule, virtual_stages=default_virtual_stages(par.schedule),
+                   schedule=par.schedule,
+                   virtual_stages=par.virtual_stages or default_virtual_stages(par.schedule),
+                   recompute=par.recompute, sequence_parallel=par.sequence_parallel,
                    ddp_bucket_mb=par.ddp_bucket_mb)
 
     @property
