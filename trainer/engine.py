@@ -36,6 +36,7 @@ from trainer.loss import all_reduce_token_loss, token_loss_sum
 from trainer.model import build_model
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from trainer.seeding import derive_seed
+from trainer.state_slices import TensorSlice, whole
 
 FAULT_POINTS = ("before_step", "after_forward", "after_backward", "after_optimizer_step")
 STATE_FORMAT = "undying.trainer/1"
@@ -251,6 +252,27 @@ class Engine:
                 tensors[f"optim/{name}/{field}"] = _snapshot(value)
         return tensors
 
+    def state_slices(self) -> list[TensorSlice]:
+        """This rank's training state as slices of logical tensors (trainer.state_slices), CPU copies.
+
+        On DDP every rank holds every tensor whole: replica = dp rank, replicas = dp degree.
+        """
+        return [whole(name, t, self.dp_rank, self.dp_size) for name, t in self.state_tensors().items()]
+
+    def wanted_slices(self) -> list[TensorSlice]:
+        """The slices `load_slices` needs, without data, also before the optimizer has state."""
+        wanted = []
+        for name, param in self.model.named_parameters():
+            shape = tuple(param.shape)
+            wanted.append(_geometry(f"model/{name}", param.dtype, shape, self.dp_rank, self.dp_size))
+            for field, fshape in _optimizer_fields(self.train_config, shape):
+                wanted.append(_geometry(f"optim/{name}/{field}", torch.float32, fshape, self.dp_rank, self.dp_size))
+        return wanted
+
+    def load_slices(self, slices: list[TensorSlice], meta: dict) -> None:
+        """Restore from the slices `wanted_slices` named, each with its data (read from any layout)."""
+        self.load_state({piece.name: piece.tensor for piece in slices}, meta)
+
     def state_meta(self) -> dict:
         """The JSON-able rest of the state: the cursor (next_step), seeds and the layout."""
         tc, pc = self.train_config, self.parallel_config
@@ -306,6 +328,18 @@ class Engine:
                 )
         if int(meta.get("next_step", -1)) < 0:
             raise ValueError(f"checkpoint next_step={meta.get('next_step')!r} is not a step number")
+
+
+def _geometry(name: str, dtype: torch.dtype, shape: tuple, replica: int, replicas: int) -> TensorSlice:
+    return TensorSlice(name=name, dtype=dtype, global_shape=shape, offsets=(0,) * len(shape),
+                       lengths=shape, replica=replica, replicas=replicas)
+
+
+def _optimizer_fields(train: TrainConfig, shape: tuple) -> list[tuple[str, tuple]]:
+    """Optimizer state fields per parameter, as torch's optimizers create them on the first step."""
+    if train.optimizer == "adamw":
+        return [("exp_avg", shape), ("exp_avg_sq", shape), ("step", ())]
+    return [("momentum_buffer", shape)] if train.betas[0] != 0 else []
 
 
 def _snapshot(tensor: torch.Tensor) -> torch.Tensor:

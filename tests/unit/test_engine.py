@@ -181,3 +181,18 @@ def test_configuration_errors_name_the_field():
     cfgs = MODEL, DATA, TrainConfig(steps=1, global_batch=8), ParallelConfig(dp=2)
     with pytest.raises(RuntimeError, match="init_process_group"):
         Engine(*cfgs, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_state_slices_round_trip_and_wanted_geometry(optimizer):
+    engine = make_engine(optimizer=optimizer)
+    before_first_step = {piece.key for piece in engine.wanted_slices()}
+    engine.train_step()
+    saved = engine.state_slices()
+    assert {piece.key for piece in saved} == before_first_step
+    assert all(piece.replicas == 1 and piece.tensor is not None for piece in saved)
+    by_name = {piece.name: piece for piece in saved}
+    fresh = make_engine(optimizer=optimizer)
+    fresh.load_slices([w.with_tensor(by_name[w.name].tensor) for w in fresh.wanted_slices()],
+                      engine.state_meta())
+    assert fresh.train_step().loss == engine.train_step().loss
