@@ -10,16 +10,19 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class CheckpointConfig(BaseModel):
     """Checkpoint destination and cadence.
 
-    Cadence: `every_steps`, when set, saves every that many optimizer steps and `interval` is
-    ignored. Otherwise `interval` is a period in seconds, or "young": the period is derived
-    from measured costs with Young's formula tau = sqrt(2 * C * MTBF), where C is the measured
-    save cost and MTBF is `mtbf_s` (Young 1974, https://doi.org/10.1145/361147.361115).
+    Cadence, first match wins: `every_steps: k` saves every k optimizer steps; `every_seconds: t`
+    about every t seconds (converted to steps with the measured step time); otherwise
+    `interval`: "young" (tau = sqrt(2 C M)), "young-daly" (tau = C + sqrt(2 (M + R) C + C^2)),
+    or a number of seconds (same as every_seconds). C is the measured blocking cost of a save
+    (moving average), R the measured restart time, M the system MTBF: a prior (`mtbf_s`, or
+    `node_mtbf_hours` divided by the number of nodes the job runs on) updated with the
+    failures the job observes (ckpt.interval).
     """
 
     # `async` is a Python keyword, so the field is `async_` and YAML uses the alias; both
@@ -27,11 +30,15 @@ class CheckpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     url: str = Field(..., description="fsspec URL (file://, s3://, ...) or a local path")
-    interval: Literal["young"] | float = "young"
+    interval: Literal["young", "young-daly"] | float = "young"
     every_steps: int | None = Field(None, gt=0)
+    every_seconds: float | None = Field(None, gt=0.0)
     keep: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
     async_: bool = Field(True, alias="async", description="stage to host memory, write in background")
-    mtbf_s: float = Field(3600.0, gt=0.0, description="assumed system MTBF for Young's formula")
+    mtbf_s: float = Field(3600.0, gt=0.0, description="prior system MTBF (seconds) for the interval formulas")
+    node_mtbf_hours: float | None = Field(
+        None, gt=0.0, description="prior MTBF of one node; when set, the system prior is this / nodes"
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="passed to fsspec, e.g. {endpoint_url: http://minio:9000}"
     )
@@ -56,13 +63,37 @@ class CheckpointConfig(BaseModel):
     def _check_interval(cls, value: Any) -> Any:
         # Checked before the union is tried so that the user gets one message, not one per
         # union member ("should be 'young'" and "should be a valid number").
-        if value == "young":
+        if value in ("young", "young-daly"):
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected 'young' or a number of seconds, got {value!r}")
+            raise ValueError(f"expected 'young', 'young-daly' or a number of seconds, got {value!r}")
         if value <= 0:
-            raise ValueError(f"must be a positive number of seconds or 'young', got {value!r}")
+            raise ValueError(f"must be a positive number of seconds, 'young' or 'young-daly', got {value!r}")
         return float(value)
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> CheckpointConfig:
+        if self.every_steps is not None and self.every_seconds is not None:
+            raise ValueError(
+                f"every_steps={self.every_steps} and every_seconds={self.every_seconds} are both set: "
+                "keep one of them (or neither, to use `interval`)"
+            )
+        return self
+
+    @property
+    def rule(self) -> str:
+        """"steps", "seconds", "young" or "young-daly": which cadence applies."""
+        if self.every_steps is not None:
+            return "steps"
+        if self.every_seconds is not None or not isinstance(self.interval, str):
+            return "seconds"
+        return self.interval
+
+    @property
+    def fixed_seconds(self) -> float | None:
+        if self.every_seconds is not None:
+            return self.every_seconds
+        return None if isinstance(self.interval, str) else float(self.interval)
 
     def join(self, *parts: str) -> str:
         """The URL of `parts` under `url`, joined with single slashes."""

@@ -136,6 +136,15 @@ class JobMetrics:
         self.ckpt_interval = self._gauge(
             "undying_checkpoint_interval_seconds", "Checkpoint interval chosen by the policy."
         )
+        self.ckpt_cost = self._gauge(
+            "undying_checkpoint_cost_seconds", "Interval input C: moving average of the blocking cost of a save."
+        )
+        self.mtbf = self._gauge(
+            "undying_mtbf_seconds", "Interval input M: system MTBF estimate (prior updated with failures)."
+        )
+        self.restart_cost = self._gauge(
+            "undying_restart_seconds", "Interval input R: moving average of the time a restart costs."
+        )
         self.ckpt_skipped = self._counter(
             "undying_checkpoint_skipped", "Saves skipped because one was still in flight."
         )
@@ -233,6 +242,13 @@ class JobMetrics:
         self.ckpt_total.labels(job).observe(total_s)
         if interval_s is not None:
             self.ckpt_interval.labels(job).set(interval_s)
+
+    def on_interval_inputs(self, inputs: dict[str, float | None]) -> None:
+        """The checkpoint interval's inputs (ckpt.interval.IntervalInputs.snapshot) after a change."""
+        job = self.job
+        for gauge, key in ((self.ckpt_cost, "cost_s"), (self.mtbf, "mtbf_s"), (self.restart_cost, "restart_s")):
+            if inputs.get(key) is not None:
+                gauge.labels(job).set(inputs[key])
 
     def on_checkpoint_skipped(self) -> None:
         """A save was requested while one was in flight and skipped (design.md invariant 6)."""

@@ -12,7 +12,6 @@ controller sets `anchor` ahead of the fastest rank so this is rare.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -34,11 +33,6 @@ class CheckpointPlan:
     @classmethod
     def from_json(cls, data: dict) -> CheckpointPlan:
         return cls(**data)
-
-
-def young_interval_s(save_cost_s: float, mtbf_s: float) -> float:
-    """Young's optimal checkpoint interval tau* = sqrt(2 C M) (design.md section 1)."""
-    return math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s)
 
 
 def steps_for_interval(interval_s: float, step_s: float, lo: int = 1, hi: int = 1_000_000) -> int:

@@ -43,7 +43,6 @@ class Committer:
         self.spec_hash = spec_hash
         self.keep = keep
         self.pending: dict[int, PendingSave] = {}
-        self.save_costs: list[float] = []
         self.latest: int | None = None
 
     def reset(self, latest: int | None) -> None:
@@ -76,7 +75,6 @@ class Committer:
         )
         committed_at = time.time()
         blocking = max(r.blocking_s for r in receipts)
-        self.save_costs.append(blocking)
         self.latest = save.step
         for step in [s for s in self.pending if s < save.step]:
             log.info("dropping incomplete save of step %d, overtaken by step %d", step, save.step)

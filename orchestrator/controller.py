@@ -60,8 +60,7 @@ class Controller(RecoveryMixin):
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
-        self.interval_policy = CheckpointIntervalPolicy(
-            spec.checkpoint.every_steps, spec.checkpoint.interval, spec.checkpoint.mtbf_s)
+        self.interval_policy = CheckpointIntervalPolicy(spec.checkpoint)
         self.state = State.PLACING
         self.gen = -1
         self.dp = spec.parallel.dp
@@ -158,7 +157,8 @@ class Controller(RecoveryMixin):
         self.workers.ensure_actors(list(range(self.world_size)))
         if spares:
             self.workers.start_spares()
-        self.workers.ping_all(timeout_s=self.join_timeout_s)
+        pings = self.workers.ping_all(timeout_s=self.join_timeout_s)
+        self.interval_policy.on_nodes(len({p.get("node") for p in pings if isinstance(p, dict)}))
         self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s"
                                    + (f" ({spares} warm spare(s) starting)" if spares else ""))
 
@@ -226,8 +226,7 @@ class Controller(RecoveryMixin):
         self.record.ledger = self.ledger
 
     def _publish_plan(self, anchor: int) -> None:
-        every = self.interval_policy.every(self.committer.save_costs,
-                                           [r.step_s for r in self.record.steps.values()])
+        every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
         self.plan_version += 1
         self.plan_every = every
         self.store.set_json(PLAN, {"every": every, "anchor": anchor, "version": self.plan_version,
@@ -236,6 +235,7 @@ class Controller(RecoveryMixin):
     def _running(self) -> None:
         if self.open_failure is not None:
             self.record.on_recovered(self.open_failure, self.failure.detected_at)
+            self.interval_policy.on_restart(self.open_failure.recovered_after_s)
             self.open_failure = None
         self.workers.start_training(self.spec.train.steps, self._armed_faults())
         finished: set[int] = set()

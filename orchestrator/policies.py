@@ -9,7 +9,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from orchestrator.ckpt_plan import steps_for_interval, young_interval_s
+from ckpt.config import CheckpointConfig
+from ckpt.interval import IntervalInputs, MtbfEstimate
+from orchestrator.ckpt_plan import steps_for_interval
 
 
 @dataclass(frozen=True)
@@ -82,33 +84,47 @@ class ScalingPolicy:
 
 
 class CheckpointIntervalPolicy:
-    """How many steps between checkpoints: fixed (`every_steps`) or Young's tau* = sqrt(2 C M).
+    """How many steps between checkpoints, by the spec's cadence rule (ckpt.config.CheckpointConfig).
 
-    C is the measured unhidden save cost (the ranks' blocking time, worst rank), M the
-    configured system MTBF. Until a save has been measured, checkpoint after `probe_steps`
-    steps so that a first cost is known early.
+    Fixed (`every_steps`, `every_seconds`) or derived (`young`, `young-daly`) from measured
+    inputs (ckpt.interval.IntervalInputs) that the controller feeds: `on_nodes` after
+    placement, `on_save_cost` after each commit, `on_failure` and `on_restart` around each
+    recovery. Until a save cost has been measured, checkpoint after `probe_steps` steps so a
+    first cost is known early.
     """
 
-    def __init__(self, every_steps: int | None, interval, mtbf_s: float, probe_steps: int = 10):
-        self.every_steps = every_steps
-        self.fixed_s = None if interval == "young" else float(interval)
-        self.mtbf_s = mtbf_s
+    def __init__(self, cfg: CheckpointConfig, probe_steps: int = 10):
+        self.cfg = cfg
         self.probe_steps = probe_steps
+        self.inputs = IntervalInputs(MtbfEstimate(cfg.mtbf_s))
 
-    def interval_s(self, save_cost_s: float | None) -> float | None:
-        if self.every_steps is not None:
-            return None
-        if self.fixed_s is not None:
-            return self.fixed_s
-        if save_cost_s is None:
-            return None
-        return young_interval_s(save_cost_s, self.mtbf_s)
+    def on_nodes(self, nodes: int) -> None:
+        """The job runs on `nodes` nodes: with a per-node MTBF the system prior is node MTBF / nodes."""
+        if self.cfg.node_mtbf_hours is not None and nodes > 0:
+            self.inputs.mtbf.prior_s = self.cfg.node_mtbf_hours * 3600.0 / nodes
 
-    def every(self, save_costs_s: list[float], step_times_s: list[float]) -> int:
-        if self.every_steps is not None:
-            return self.every_steps
-        cost = statistics.median(save_costs_s) if save_costs_s else None
-        interval = self.interval_s(cost)
+    def on_save_cost(self, blocking_s: float) -> None:
+        self.inputs.on_save_cost(blocking_s)
+
+    def on_failure(self) -> None:
+        self.inputs.on_failure()
+
+    def on_restart(self, restart_s: float) -> None:
+        self.inputs.on_restart(restart_s)
+
+    def interval_s(self) -> float | None:
+        """The target interval in seconds; None for a step cadence or before a cost is measured."""
+        rule = self.cfg.rule
+        if rule == "steps":
+            return None
+        if rule == "seconds":
+            return self.cfg.fixed_seconds
+        return self.inputs.interval_s(rule)
+
+    def every(self, step_times_s: list[float]) -> int:
+        if self.cfg.every_steps is not None:
+            return self.cfg.every_steps
+        interval = self.interval_s()
         if interval is None or not step_times_s:
             return self.probe_steps
         return steps_for_interval(interval, statistics.median(step_times_s))

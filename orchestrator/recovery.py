@@ -56,9 +56,10 @@ class RecoveryMixin:
             return
         # The ranks' blocking time was booked as productive; it was the save's cost.
         self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
-        interval = self.interval_policy.interval_s(commit.blocking_s)
+        self.interval_policy.on_save_cost(commit.blocking_s)
         self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
-                                  commit.total_s, interval)
+                                  commit.total_s, self.interval_policy.interval_s())
+        self.metrics.on_interval_inputs(self.interval_policy.inputs.snapshot())
         self.just_committed = commit.step
 
     def _failure_from(self, outcomes):
@@ -108,6 +109,7 @@ class RecoveryMixin:
         self.failure = failure
         self.open_failure = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
                                                    failure.fault_time, failure.message, failure.step)
+        self.interval_policy.on_failure()
         if failure.fault_time is not None:
             self.ledger.move(max(0.0, failure.detected_at - failure.fault_time), "productive", "detection")
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"

@@ -29,6 +29,9 @@ GAUGES = [
     "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step",
     "undying_checkpoint_interval_seconds",
+    "undying_checkpoint_cost_seconds",
+    "undying_mtbf_seconds",
+    "undying_restart_seconds",
     "undying_generation",
     "undying_world_size",
 ]
@@ -78,6 +81,7 @@ def feed(metrics: JobMetrics) -> GoodputLedger:
     """One of each controller event, with known numbers."""
     metrics.on_step(25, step_s=0.5, tokens=4096, loss=4.25, grad_norm=1.5, mfu=0.4, loss_scale=1024.0)
     metrics.on_checkpoint(20, nbytes=1_000_000, blocking_s=0.2, total_s=1.5, interval_s=30.0)
+    metrics.on_interval_inputs({"cost_s": 0.2, "mtbf_s": 3600.0, "restart_s": 3.0})
     metrics.on_checkpoint_skipped()
     metrics.on_failure("actor_died")
     metrics.on_failure("actor_died")
@@ -157,6 +161,10 @@ def test_values_update_between_scrapes(metrics):
     assert value(text, "undying_mfu_ratio") == 0.4
     assert value(text, "undying_grad_norm") == 1.5
     assert value(text, "undying_checkpoint_interval_seconds") == 30.0
+    metrics.on_interval_inputs({"cost_s": 0.25, "mtbf_s": 1800.0, "restart_s": None})
+    text = scrape(port)
+    assert value(text, "undying_checkpoint_cost_seconds") == 0.25
+    assert value(text, "undying_mtbf_seconds") == 1800.0
     assert value(text, "undying_checkpoint_last_committed_step") == 30
     assert value(text, "undying_checkpoint_blocking_seconds_count") == 2
     assert value(text, "undying_step_seconds_count") == 2

@@ -168,7 +168,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["resources.custom={accel: -1}"], "resources.custom.accel", "greater than or equal to 0"),
         (["monitor.port=70000"], "monitor.port", "less than or equal to 65535"),
         (["checkpoint.keep=0"], "checkpoint.keep", "greater than or equal to 1"),
-        (["checkpoint.interval=often"], "checkpoint.interval", "expected 'young' or a number of seconds"),
+        (["checkpoint.interval=often"], "checkpoint.interval", "expected 'young', 'young-daly' or a number of seconds"),
         (["checkpoint.interval=0"], "checkpoint.interval", "positive number of seconds"),
         (["model={n_layers: 2}"], "model", "give a preset"),
     ],
