@@ -72,6 +72,7 @@ class Controller(RecoveryMixin):
         self.failure: Failure | None = None
         self.failure_history: list = []
         self.outcome_errors: dict[int, str] = {}
+        self.lost_node_events: dict[str, dict] = {}  # node id -> first "node_lost" event
         self.dead_in_release: list[int] = []
         self.stuck_in_release: list[int] = []
         self.just_committed: int | None = None
@@ -245,6 +246,9 @@ class Controller(RecoveryMixin):
             self._track_checkpointing()
             trouble = [o for o in outcomes if o.status != "done"]
             finished |= {o.rank for o in outcomes if o.status == "done"}
+            if self.lost_node_events:  # the root cause, even when peers' collective errors came first
+                self._start_recovery(self._node_failure())
+                return
             if trouble:
                 self._start_recovery(self._failure_from(trouble))
                 return

@@ -29,6 +29,10 @@ import ray
 from orchestrator.comm_abort import CommSockets
 from orchestrator.rendezvous import GenerationStore, connect
 
+# How often a rank checks that its node's raylet is alive, and the exit code when it is not.
+NODE_WATCH_S = 0.2
+EXIT_NODE_LOST = 75
+
 
 class RankActor:
     def __init__(self, spec_json: str):
@@ -49,15 +53,35 @@ class RankActor:
         # Ray forks workers from the node's raylet: if our parent changes, the raylet died and
         # this node is lost, even though this process may still answer calls.
         self.raylet_pid = os.getppid()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._rendezvous: tuple[str, int, int] | None = None  # (host, port, gen) of the current store
+        threading.Thread(target=self._watch_node, daemon=True, name="node-watchdog").start()
         self._abort = threading.Event()  # the controller asked this generation to stop
         self._training_over = threading.Event()  # stops the abort watcher
 
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "gen": self.gen,
-                "node_alive": self.node_alive()}
+        return {"pid": os.getpid(), "node": self.node_id, "gen": self.gen, "node_alive": self.node_alive()}
 
     def node_alive(self) -> bool:
         return os.getppid() == self.raylet_pid
+
+    def _watch_node(self) -> None:
+        """Watchdog thread: when this node's raylet dies, tell the controller, then exit.
+
+        A process whose raylet is gone may keep running and answering calls, but Ray can no
+        longer manage it and declares the node dead only after its health checks time out
+        (12-15 s by default). Reporting the loss through the controller's store takes well
+        under a second; exiting at once makes the rank's peers fail fast instead of training
+        on with a member nobody can trust.
+        """
+        while self.node_alive():
+            time.sleep(NODE_WATCH_S)
+        with contextlib.suppress(Exception):
+            if self._rendezvous is not None:
+                host, port, gen = self._rendezvous
+                connect(host, port, gen, timeout_s=2.0).push_event(
+                    {"type": "node_lost", "node": self.node_id, "rank": self.rank, "time": time.time()})
+        os._exit(EXIT_NODE_LOST)
 
     def warm_up(self) -> dict:
         """A spare's first call: import the engine so that taking over a rank costs milliseconds."""
@@ -74,6 +98,7 @@ class RankActor:
         started = time.perf_counter()
         self.leave()
         self.gen, self.rank, self.world_size = gen, rank, world_size
+        self._rendezvous = (host, port, gen)
         self._abort.clear()
         self.store = connect(host, port, gen, timeout_s=timeout_s)
         # The watcher gets its own connection: a TCPStore client is not safe to share between

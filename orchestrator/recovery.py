@@ -40,6 +40,8 @@ class RecoveryMixin:
                 self.fired[event["fault_id"]] = event
                 self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {event['kind']} on rank "
                              f"{event['rank']} at step {event['step']} ({event['point']})")
+            elif kind == "node_lost":
+                self.lost_node_events.setdefault(event["node"], event)
             elif kind == "memory":
                 self.metrics.on_memory("measured", event["ledgers"])
             elif kind == "save_error":
@@ -81,6 +83,23 @@ class RecoveryMixin:
         return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""),
                        step=culprit.info.get("step", self._current_step()))
 
+    def _node_failure(self) -> Failure:
+        """A rank reported its node's raylet gone (RankActor's node watchdog)."""
+        node, event = next(iter(self.lost_node_events.items()))
+        ranks = sorted(e["rank"] for e in self.lost_node_events.values())
+        self.outcome_errors = {}
+        fault = self._take_fired_fault()
+        message = f"node {node[:12]} lost (raylet gone), reported by rank {event['rank']}"
+        return Failure("node_lost", ranks[0] if ranks else None, time.time(), message,
+                       fault_time=fault["time"] if fault else None, step=self._current_step())
+
+    def _forget_lost_nodes(self) -> None:
+        """Drop the ranks of lost nodes without waiting for Ray to notice (it takes 12-15 s)."""
+        for node in list(self.lost_node_events):
+            for rank in self.workers.forget_node(node):
+                self.outcome_errors.setdefault(rank, f"node {node[:12]} lost")
+        self.lost_node_events.clear()
+
     def _take_fired_fault(self) -> dict | None:
         """The injected fault that fired and has not been blamed for a failure yet."""
         fault = next((e for e in self.fired.values() if not e.get("handled")), None)
@@ -121,6 +140,7 @@ class RecoveryMixin:
     def _release(self) -> list[int]:
         """Get every rank out of the old generation; returns the ranks that need a new actor."""
         self.store.request_abort()
+        self._forget_lost_nodes()
         finished, stuck = self._wait_out()
         for rank, (outcome, _) in finished.items():
             self.outcome_errors.setdefault(rank, outcome.info.get("error", outcome.status))
@@ -209,6 +229,9 @@ class RecoveryMixin:
         """At a checkpoint commit: re-form larger when warm spares allow; True when started."""
         if self.dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
             return False
+        # Bundles that were on a lost node come back when Ray re-places them (a node joined):
+        # start spares there now, so that a later commit can grow onto them.
+        self.workers.start_spares()
         ready = len(self.workers.ready_spares())
         new_dp = self.scaling_policy.best_dp(self.world_size + ready)
         if new_dp is None or new_dp <= self.dp:

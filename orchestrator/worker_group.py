@@ -53,6 +53,8 @@ class RayWorkerGroup:
         self.spares: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}  # bundle -> (actor, ping)
         self._train_refs: dict[ray.ObjectRef, int] = {}
         self._remote = ray.remote(RankActor)
+        self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings
+        self.lost_nodes: set[str] = set()
 
     def _bundle(self) -> dict[str, float]:
         res = self.spec.resources
@@ -90,8 +92,44 @@ class RayWorkerGroup:
             self.actors[rank] = self._new_actor(self.bundle_of[rank])
 
     def free_bundles(self) -> list[int]:
+        """Bundles holding no rank and no spare, and not placed on a node known to be lost.
+
+        A bundle on a lost node comes back once Ray re-places it on a live node (after the
+        GCS declares the node dead and capacity exists), so this is re-read every time.
+        """
         used = set(self.bundle_of.values()) | set(self.spares)
-        return [b for b in range(self.n_bundles) if b not in used]
+        on_lost = set(self._bundles_on(self.lost_nodes))
+        return [b for b in range(self.n_bundles) if b not in used and b not in on_lost]
+
+    def _bundles_on(self, nodes: set[str]) -> list[int]:
+        if not nodes or self.pg is None:
+            return []
+        table = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+        return [int(b) for b, node in table.items() if node in nodes]
+
+    def _remember_node(self, actor, info) -> None:
+        if isinstance(info, dict) and info.get("node"):
+            self.node_of_actor[actor._actor_id.hex()] = info["node"]
+
+    def node_of(self, rank: int) -> str | None:
+        actor = self.actors.get(rank)
+        return None if actor is None else self.node_of_actor.get(actor._actor_id.hex())
+
+    def forget_node(self, node: str) -> list[int]:
+        """A node is lost (its raylet died): kill and drop every rank and spare on it.
+
+        Their processes exit by themselves (RankActor's node watchdog); nobody waits for Ray
+        to notice. Returns the ranks that were on the node.
+        """
+        self.lost_nodes.add(node)
+        ranks = [r for r in sorted(self.actors) if self.node_of(r) == node]
+        for rank in ranks:
+            self.kill(rank)
+        for bundle, (actor, _) in list(self.spares.items()):
+            if self.node_of_actor.get(actor._actor_id.hex()) == node:
+                ray.kill(actor, no_restart=True)
+                del self.spares[bundle]
+        return ranks
 
     def start_spares(self) -> int:
         """Start a spare in every free bundle (no waiting); returns how many were started."""
@@ -109,10 +147,14 @@ class RayWorkerGroup:
             if not done:
                 continue
             try:
-                ray.get(ping)
-                ready.append(bundle)
+                self._remember_node(self.spares[bundle][0], ray.get(ping))
             except RayActorError:
                 del self.spares[bundle]  # died while idle; its bundle is free again
+                continue
+            if self.node_of_actor.get(self.spares[bundle][0]._actor_id.hex()) in self.lost_nodes:
+                ray.kill(self.spares.pop(bundle)[0], no_restart=True)
+                continue
+            ready.append(bundle)
         return ready
 
     def promote_spares(self, ranks: list[int]) -> list[int]:
@@ -137,7 +179,15 @@ class RayWorkerGroup:
             self.actors[rank] = self._new_actor(self.bundle_of[rank])
         pings = {self.actors[r].ping.remote(): r for r in ranks}
         ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
-        up = {pings[ref] for ref in ready}
+        up = set()
+        for ref in ready:
+            rank = pings[ref]
+            try:
+                self._remember_node(self.actors[rank], ray.get(ref))
+                up.add(rank)
+            except RayActorError:
+                # Started and died (e.g. placed on a node that was being lost): try again later.
+                self.actors[rank] = self._new_actor(self.bundle_of[rank])
         late = [r for r in ranks if r not in up]
         for rank in late:
             # Keep the pending actor as a spare-to-be: when resources return it starts, and
@@ -166,7 +216,10 @@ class RayWorkerGroup:
         return ray.get(refs, timeout=timeout_s)
 
     def ping_all(self, timeout_s: float) -> list[dict]:
-        return self._call_all("ping", lambda r: (), timeout_s)
+        pings = self._call_all("ping", lambda r: (), timeout_s)
+        for rank, info in zip(sorted(self.actors), pings, strict=True):
+            self._remember_node(self.actors[rank], info)
+        return pings
 
     def join_all(self, gen: int, host: str, port: int, timeout_s: float) -> list[float]:
         world = len(self.actors)
