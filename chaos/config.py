@@ -5,6 +5,11 @@ kind, a target (a rank, a node, the controller or the storage path) and a trigge
 (a training step, or seconds since the job started) and where (a named fault point).
 Checks that need other sections (rank < world size, at_step < train.steps) live in the
 job spec.
+
+Storage faults (`storage_error`, `storage_latency`, `torn_write`) also say which storage
+calls they hit (`op`, `path` glob) and which of those calls fire (`nth`, `probability`);
+chaos.storage_faults runs them. Random failures (`mtbf_s` and its companions) are expanded
+into timed events by chaos.schedule. Durations accept "30s", "2m", "1h" (chaos.durations).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from chaos.durations import Seconds
 
 FaultKind = Literal[
     "kill_rank",  # SIGKILL the rank's process
@@ -30,6 +37,11 @@ FaultKind = Literal[
 # Kinds that act inside one training rank, so they need to know which one.
 RANK_KINDS: frozenset[str] = frozenset({"kill_rank", "hang_rank", "slow_rank", "raise", "nan_grad"})
 TRIGGERS: tuple[str, ...] = ("at_step", "at_seconds", "at_point")
+# Kinds that act on checkpoint storage calls (chaos.storage_faults), and the fields only they take.
+STORAGE_KINDS: frozenset[str] = frozenset({"storage_error", "storage_latency", "torn_write"})
+STORAGE_FIELDS: tuple[str, ...] = ("op", "path", "nth", "probability", "when", "keep_fraction")
+StorageOp = Literal["write", "read", "list", "delete"]
+RandomKind = Literal["kill_node", "kill_rank", "hang_rank"]
 
 
 class _Strict(BaseModel):
@@ -50,15 +62,23 @@ class FaultSpec(_Strict):
     rank: int | None = Field(None, ge=0, validate_default=True, description="target rank (rank-level kinds)")
     node: str | None = Field(None, min_length=1, description="target node (Ray node id or IP)")
     at_step: int | None = Field(None, ge=0, description="fire during this global step")
-    at_seconds: float | None = Field(None, ge=0.0, description="fire this long after the job starts")
+    at_seconds: Seconds | None = Field(None, ge=0.0, description="fire this long after the job starts")
     at_point: str | None = Field(
         None, pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", description="fire at a named point, e.g. ckpt.commit"
     )
     factor: float | None = Field(None, gt=1.0, description="slow_rank: step-time multiplier")
-    delay_s: float | None = Field(None, gt=0.0, description="storage_latency: added seconds per I/O call")
-    duration_s: float | None = Field(None, gt=0.0, description="how long a slow/latency/error fault lasts")
+    delay_s: Seconds | None = Field(None, gt=0.0, description="storage_latency: added seconds per I/O call")
+    duration_s: Seconds | None = Field(None, gt=0.0, description="how long a slow/latency/error fault lasts")
     message: str = Field("injected fault", description="raise: the injected exception's message")
     repeat: bool = False
+    # Storage kinds only (see chaos.storage_faults for the exact semantics).
+    op: StorageOp | None = Field(None, description="storage faults: which calls (default: all)")
+    path: str | None = Field(None, min_length=1, description="storage faults: glob on the path, e.g. */manifest.json")
+    nth: int | None = Field(None, ge=1, description="storage faults: fire on the nth matching call")
+    probability: float | None = Field(None, gt=0.0, le=1.0, description="storage faults: fire with this chance")
+    when: Literal["before", "after"] | None = Field(
+        None, description="storage_error: fail before the call runs, or after it succeeded (a lost reply)")
+    keep_fraction: float | None = Field(None, ge=0.0, lt=1.0, description="torn_write: share of the bytes that land")
 
     @field_validator("rank", mode="after")
     @classmethod
@@ -71,6 +91,23 @@ class FaultSpec(_Strict):
             raise ValueError("kill_controller targets the controller, not a rank; remove rank")
         return rank
 
+    @field_validator(*STORAGE_FIELDS, mode="after")
+    @classmethod
+    def _storage_field_for_kind(cls, value: object, info: ValidationInfo) -> object:
+        kind = info.data.get("kind")
+        if value is None or kind is None:
+            return value
+        if kind not in STORAGE_KINDS:
+            raise ValueError(f"{info.field_name} applies to storage faults ({', '.join(sorted(STORAGE_KINDS))}) "
+                             f"only; remove it from this {kind} fault")
+        if info.field_name == "when" and kind != "storage_error":
+            raise ValueError(f"when applies to storage_error only; remove it from this {kind} fault")
+        if info.field_name == "keep_fraction" and kind != "torn_write":
+            raise ValueError(f"keep_fraction applies to torn_write only; remove it from this {kind} fault")
+        if info.field_name == "op" and kind == "torn_write" and value != "write":
+            raise ValueError(f"torn_write tears writes; use op: write, or remove op (got {value!r})")
+        return value
+
     @model_validator(mode="after")
     def _check_target_and_trigger(self) -> FaultSpec:
         # When: at_step or at_seconds (at most one). Where: at_point, a named fault point
@@ -79,8 +116,12 @@ class FaultSpec(_Strict):
         when = [name for name in ("at_step", "at_seconds") if getattr(self, name) is not None]
         if len(when) > 1:
             raise ValueError("give at most one of at_step, at_seconds (at_point may accompany either)")
-        if not when and self.at_point is None:
+        # A storage fault's selectors are a trigger of their own: the first matching call.
+        selects = self.kind in STORAGE_KINDS and any(getattr(self, f) is not None for f in STORAGE_FIELDS)
+        if not when and self.at_point is None and not selects:
             raise ValueError("give a trigger: at_step, at_seconds or at_point")
+        if self.nth is not None and self.probability is not None:
+            raise ValueError("give at most one of nth, probability")
         if self.kind == "kill_node" and self.node is None and self.rank is None:
             raise ValueError("kill_node needs node: <node id or IP>, or rank: <r> to kill the node hosting r")
         if self.kind == "slow_rank" and self.factor is None:
@@ -90,22 +131,48 @@ class FaultSpec(_Strict):
         return self
 
 
-class ChaosConfig(_Strict):
-    """Faults to inject: a scripted list, plus optional random rank kills.
+_RANDOM_FIELDS = ("mtbf_kind", "mtbf_start_s", "mtbf_max_faults")
 
-    With `mtbf_s` set, a rank chosen at random is killed at exponentially distributed
-    intervals with that mean, drawn from a generator seeded with `seed` so that an
-    experiment can be replayed.
+
+class ChaosConfig(_Strict):
+    """Faults to inject: a scripted list, plus optional random failures.
+
+    With `mtbf_s` set, every target (each node for `mtbf_kind: kill_node`, each rank for the
+    rank kinds) fails independently as a Poisson process with that mean time between
+    failures, so the whole job sees failures every `mtbf_s / targets` seconds on average
+    (design.md section 1). Times and targets are drawn from generators seeded with `seed`,
+    so an experiment replays exactly (chaos.schedule.expand).
     """
 
     faults: list[FaultSpec] = Field(default_factory=list)
-    mtbf_s: float | None = Field(None, gt=0.0, description="mean time between random rank kills")
+    mtbf_s: Seconds | None = Field(None, gt=0.0, description="random failures: mean time between failures per target")
+    mtbf_kind: RandomKind = Field("kill_node", description="random failures: what fails")
+    mtbf_start_s: Seconds = Field(0.0, ge=0.0, description="random failures: none before this many job seconds")
+    mtbf_max_faults: int | None = Field(None, ge=1, description="random failures: at most this many")
     seed: int = 0
+
+    @field_validator(*_RANDOM_FIELDS, mode="after")
+    @classmethod
+    def _random_fields_need_mtbf(cls, value: object, info: ValidationInfo) -> object:
+        # Runs only for keys given, and a dumped spec gives every key: its defaults are fine.
+        # mtbf_s is declared first, so it is in info.data unless invalid (reported on its own).
+        default = cls.model_fields[info.field_name].default
+        if value != default and "mtbf_s" in info.data and info.data["mtbf_s"] is None:
+            raise ValueError(f"{info.field_name} only shapes random failures, which need mtbf_s; "
+                             "set mtbf_s (e.g. '30m') or remove it")
+        return value
 
 
 # What the rank-side injector of this release can fire; the others are accepted by the
 # spec's grammar but refused before any rank starts, so nobody believes a fault ran.
-INJECTABLE_KINDS: frozenset[str] = frozenset({"kill_rank", "hang_rank", "slow_rank", "raise"})
+INJECTABLE_KINDS: frozenset[str] = frozenset({"kill_rank", "kill_node", "hang_rank", "slow_rank", "raise"})
+# What the chaos library itself can inject once the orchestrator wires it (chaos.injector,
+# chaos.storage_faults, chaos.corrupt). Kept apart from INJECTABLE_KINDS, which is what a
+# job may ask for today; a kind moves over when the rank actor and controller use it.
+LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS | {
+    "nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard"}
+# Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures).
+TIMED_KINDS: frozenset[str] = frozenset({"kill_rank", "kill_node", "hang_rank"})
 # Named fault points: the engine's, per training step, and the checkpoint writer's, per save
 # (where at_step names the checkpoint's step).
 FAULT_POINTS: tuple[str, ...] = (
@@ -123,10 +190,10 @@ def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
         elif fault.at_point is not None and fault.at_point not in FAULT_POINTS:
             out.append((f"chaos.faults[{i}].at_point", f"unknown fault point {fault.at_point!r}; use one of "
                         f"{', '.join(FAULT_POINTS)}"))
-        elif fault.at_seconds is not None:
-            out.append((f"chaos.faults[{i}].at_seconds", "time-triggered faults are not supported by this "
-                        "release; use at_step"))
-    if chaos.mtbf_s is not None:
-        out.append(("chaos.mtbf_s", "random (Poisson) failures are not supported by this release; "
-                    "list faults explicitly"))
+        elif fault.kind == "kill_node" and fault.rank is None:
+            out.append((f"chaos.faults[{i}].node", "kill_node is injected by a rank on the node: give rank: <r> "
+                        "to kill the node that hosts rank r"))
+        elif fault.at_seconds is not None and fault.kind not in TIMED_KINDS:
+            out.append((f"chaos.faults[{i}].at_seconds", f"time-triggered {fault.kind} is not supported; "
+                        f"use at_step, or one of {', '.join(sorted(TIMED_KINDS))}"))
     return out

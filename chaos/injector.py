@@ -3,9 +3,22 @@
 Protocol: the rank actor builds one `FaultInjector` per generation from the faults the
 controller still has armed, and passes `injector.hook` to the engine as its fault hook.
 The engine calls `hook(point, step)` at each named point. With no fault armed for the
-rank, `hook` is None and the engine skips the call entirely, so an unarmed run pays
-nothing. Before a fault fires the injector reports it (`notify`), so the controller knows
-the fault's time and can measure detection latency and disarm it.
+rank, `hook_for` returns None and the engine skips the call entirely, so an unarmed run
+pays nothing; even a hook with no fault of its own costs well under a microsecond per call
+(tests/unit/test_chaos_nan_grad.py measures it). Before a fault fires the injector reports
+it (`notify`), so the controller knows the fault's time and can measure detection latency
+and disarm it.
+
+`nan_grad` needs the module whose gradients it poisons: pass `target=engine.model` to
+`hook_for` (or the constructor), or call `set_target(module)` before the first step. At
+the armed step and point (default `after_backward`, where the engine has finished the
+backward and, on DDP, the gradient all-reduce) it fills the gradient of the module's first
+parameter that has one with NaN, in place; the engine's gradient clipping then spreads the
+NaN to every gradient of that rank and the optimizer step writes NaN weights, as a bad
+batch or a hardware fault would. The all-reduce of that step is over, so at first only the
+target rank's replica holds NaN; on DDP the next step's collectives (token loss, gradient
+all-reduce) carry it to every rank (tests/dist/test_chaos_nan_grad_ddp.py). A fault without
+`repeat` fires once per injector.
 """
 
 from __future__ import annotations
@@ -16,7 +29,10 @@ import time
 from collections.abc import Callable
 
 DEFAULT_POINT = "after_backward"
-RANK_FAULTS = ("kill_rank", "hang_rank", "slow_rank", "raise")
+RANK_FAULTS = ("kill_rank", "kill_node", "hang_rank", "slow_rank", "raise", "nan_grad")
+# After killing its node's raylet, the firing rank waits here for its node watchdog
+# (orchestrator.rank_actor) to report the loss and end the process, as for every rank there.
+NODE_KILL_GRACE_S = 10.0
 
 
 class InjectedFault(RuntimeError):
@@ -24,26 +40,35 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    def __init__(self, faults: list[dict], rank: int, notify: Callable[[dict], None]):
+    def __init__(self, faults: list[dict], rank: int, notify: Callable[[dict], None], target=None):
         self.rank = rank
         self.notify = notify
         self.faults = [f for f in faults if f.get("rank") == rank and f["kind"] in RANK_FAULTS]
+        self.target = target  # torch.nn.Module whose gradients nan_grad poisons
+        # Step timing is needed by slow_rank only; without one the hook does no clock reads.
+        self._timing = any(f["kind"] == "slow_rank" for f in self.faults)
+        self._fired: set[int] = set()  # indices of non-repeating faults that have fired
         self._step_started = time.perf_counter()
         self._last_compute = 0.0  # forward+backward seconds of the previous step
         self._slept = 0.0  # seconds slept by slow_rank in the current step
 
     @classmethod
-    def hook_for(cls, faults: list[dict], rank: int, notify: Callable[[dict], None]):
-        injector = cls(faults, rank, notify)
+    def hook_for(cls, faults: list[dict], rank: int, notify: Callable[[dict], None], target=None):
+        injector = cls(faults, rank, notify, target)
         return injector.hook if injector.faults else None
 
+    def set_target(self, module) -> None:
+        """The module (the engine's `model`) whose parameters' gradients nan_grad poisons."""
+        self.target = module
+
     def hook(self, point: str, step: int) -> None:
-        if point == "before_step":
-            self._step_started, self._slept = time.perf_counter(), 0.0
-        elif point == "after_backward":
-            # The rank's own compute, without the sleep injected into it (else slowness compounds).
-            self._last_compute = time.perf_counter() - self._step_started - self._slept
-        for fault in self.faults:
+        if self._timing:
+            if point == "before_step":
+                self._step_started, self._slept = time.perf_counter(), 0.0
+            elif point == "after_backward":
+                # The rank's own compute, without the sleep injected into it (else slowness compounds).
+                self._last_compute = time.perf_counter() - self._step_started - self._slept
+        for index, fault in enumerate(self.faults):
             at_step = fault.get("at_step")
             if fault["kind"] == "slow_rank":
                 # A straggler stays slow from then on. It sleeps before the backward, inside the
@@ -53,7 +78,15 @@ class FaultInjector:
                     time.sleep(extra)
                     self._slept += extra
             elif (fault.get("at_point") or DEFAULT_POINT) == point and at_step in (None, step):
+                if index in self._fired:
+                    continue
+                if not fault.get("repeat"):
+                    self._fired.add(index)
                 self._fire(fault, point, step)
+
+    def fire_now(self, fault: dict, step: int) -> None:
+        """Fire `fault` at once, whatever its trigger (the controller's time-triggered faults)."""
+        self._fire(fault, "timed", step)
 
     def _fire(self, fault: dict, point: str, step: int) -> None:
         kind = fault["kind"]
@@ -61,7 +94,25 @@ class FaultInjector:
                      "step": step, "point": point, "time": time.time()})
         if kind == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "kill_node":
+            # Ray forks rank processes from the node's raylet: killing it is losing the node as
+            # Ray sees it (the GCS declares the node dead after its health checks time out).
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(NODE_KILL_GRACE_S)
         elif kind == "hang_rank":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise InjectedFault(fault.get("message") or f"injected exception on rank {self.rank} at step {step}")
+        elif kind == "nan_grad":
+            self._poison_gradient(point, step)
+
+    def _poison_gradient(self, point: str, step: int) -> None:
+        if self.target is None:
+            raise RuntimeError("nan_grad needs the engine's module: FaultInjector(..., target=engine.model) "
+                               "or injector.set_target(engine.model) before training")
+        for param in self.target.parameters():
+            if param.grad is not None:
+                param.grad.fill_(float("nan"))  # in place: the optimizer and DDP's views see it
+                return
+        raise RuntimeError(f"nan_grad on rank {self.rank} at step {step}: no parameter has a gradient at "
+                           f"{point}; use at_point: after_backward")

@@ -119,6 +119,8 @@ class RunReport(BaseModel):
     failures: list[FailureRecord] = Field(default_factory=list)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)
     stragglers: list[StragglerRecord] = Field(default_factory=list)
+    # [step, dp] per completed step and ["restore", step] per restore, in order (chaos.history).
+    history: list[list] = Field(default_factory=list)
     # Steps computed again after a rollback, and their compute seconds (what lost_work cost).
     redone_steps: int = 0
     redone_s: float = 0.0

@@ -65,7 +65,11 @@ class Controller(RecoveryMixin):
         self.gen = -1
         self.dp = spec.parallel.dp
         self.restarts = 0
-        self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)]
+        # Step- and point-triggered faults are armed in the ranks' injectors; time-triggered ones
+        # (explicit at_seconds, and random ones from chaos.mtbf_s) are fired by the controller.
+        self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults) if f.at_seconds is None]
+        self.timed: list = []  # chaos.schedule.FaultEvent, by time
+        self.timed_next = 0  # index of the next one to fire
         self.fired: dict[int, dict] = {}
         self.bad_steps: set[int] = set()
         self.restored_step: int | None = None
@@ -73,6 +77,7 @@ class Controller(RecoveryMixin):
         self.failure_history: list = []
         self.outcome_errors: dict[int, str] = {}
         self.lost_node_events: dict[str, dict] = {}  # node id -> first "node_lost" event
+        self.nodes_handled: set[str] = set()  # lost nodes whose ranks were already dropped
         self.dead_in_release: list[int] = []
         self.stuck_in_release: list[int] = []
         self.just_committed: int | None = None
@@ -160,8 +165,20 @@ class Controller(RecoveryMixin):
             self.workers.start_spares()
         pings = self.workers.ping_all(timeout_s=self.join_timeout_s)
         self.interval_policy.on_nodes(len({p.get("node") for p in pings if isinstance(p, dict)}))
+        self._schedule_timed_faults()
+        unsafe = self._node_kills_on_controller_node()
+        if unsafe:
+            self._fail(f"chaos.faults: kill_node on rank(s) {unsafe} would kill the node the controller runs on; "
+                       "run on a multi-node cluster and target ranks on other nodes")
+            return
         self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s"
                                    + (f" ({spares} warm spare(s) starting)" if spares else ""))
+
+    def _node_kills_on_controller_node(self) -> list[int]:
+        targets = sorted({f["rank"] for f in self.faults if f["kind"] == "kill_node"})
+        targets += sorted({e.rank for e in self.timed if e.kind == "kill_node" and e.rank is not None})
+        here = self.workers.controller_node()
+        return [r for r in targets if self.workers.node_of(r) == here]
 
     def _rendezvous(self) -> None:
         started = time.perf_counter()
@@ -201,6 +218,7 @@ class Controller(RecoveryMixin):
             return
         self.telemetry.on_restored(results)
         self.restored_step = step
+        self.record.history.append(["restore", step or 0])
         self.committer.reset(step)
         self._publish_plan(anchor=step or 0)
         what = f"restored step {step}" if step is not None else "fresh start (no committed checkpoint)"
@@ -223,6 +241,7 @@ class Controller(RecoveryMixin):
             return
         now = self.ledger.totals()
         self.ledger = GoodputLedger(carried={k: saved.get(k, 0.0) + now.get(k, 0.0) for k in now})
+        self._skip_faults_before(sum(saved.values()))
         self.ledger.enter("checkpoint_restore")
         self.record.ledger = self.ledger
 
@@ -259,6 +278,7 @@ class Controller(RecoveryMixin):
                 return
             self.just_committed = None
             self._watch_stragglers()
+            self._fire_due_faults()
             hung = self._hang_check()
             if hung is not None:
                 self._start_recovery(hung)

@@ -50,6 +50,10 @@ class JobRecord:
         self.checkpoints: list[CheckpointRecord] = []
         self.world: list[WorldRecord] = []
         self.stragglers: list[StragglerRecord] = []
+        # In event order: [step, dp] per completed step, ["restore", step] per restore: which
+        # steps survive into the final model and with which layout (chaos.history).
+        self.history: list[list] = []
+        self.dp = 0  # data-parallel degree of the running generation
         self.redone_steps, self.redone_s = 0, 0.0
         self.in_flight_at_failure: set[int] = set()  # steps a failure interrupted: partly computed
         self._last_progress = 0.0
@@ -66,6 +70,7 @@ class JobRecord:
             self.redone_steps += 1
             self.redone_s += rec.step_s
         self.steps[rec.step] = rec
+        self.history.append([rec.step, self.dp])
         self.last_step_time = time.time()
         if self._awaiting_first_step is not None:
             failure, since = self._awaiting_first_step
@@ -102,6 +107,7 @@ class JobRecord:
     def on_layout(self, gen: int, world_size: int, dp: int, tp: int, pp: int) -> None:
         self.world.append(WorldRecord(generation=gen, world_size=world_size, dp=dp, tp=tp, pp=pp,
                                       started_at=self.job_seconds()))
+        self.dp = dp
         self.metrics.on_layout(gen, world_size, dp, tp, pp)
 
     def on_failure(self, kind: str, rank: int | None, detected_at: float, fault_time: float | None,
@@ -136,7 +142,7 @@ class JobRecord:
         return RunReport(
             job=self.job, final_step=final_step,
             final_loss=self.steps[max(self.steps)].loss if self.steps else None,
-            losses=losses, world_history=self.world, failures=self.failures,
+            losses=losses, world_history=self.world, failures=self.failures, history=self.history,
             checkpoints=self.checkpoints, stragglers=self.stragglers,
             redone_steps=self.redone_steps, redone_s=self.redone_s, goodput=GoodputSummary.from_ledger(self.ledger),
             status=status, error=error,

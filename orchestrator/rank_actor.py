@@ -83,6 +83,22 @@ class RankActor:
                     {"type": "node_lost", "node": self.node_id, "rank": self.rank, "time": time.time()})
         os._exit(EXIT_NODE_LOST)
 
+    def inject(self, fault: dict) -> None:
+        """Fire a time-triggered chaos fault now (the controller calls it when its time comes).
+
+        Runs in one of the actor's spare concurrency slots, next to `train`. The fault event
+        goes through a store connection of its own (clients are not shared between threads).
+        """
+        from chaos.injector import FaultInjector
+
+        def notify(event: dict) -> None:
+            if self._rendezvous is not None:
+                host, port, gen = self._rendezvous
+                connect(host, port, gen, timeout_s=5.0).push_event(event)
+
+        step = self.engine.next_step if self.engine is not None else -1
+        FaultInjector([dict(fault, rank=self.rank)], self.rank, notify).fire_now(dict(fault, rank=self.rank), step)
+
     def warm_up(self) -> dict:
         """A spare's first call: import the engine so that taking over a rank costs milliseconds."""
         import torch._dynamo  # noqa: F401  (the engine's first deterministic-mode call imports it: ~1.4 s)

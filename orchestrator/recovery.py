@@ -20,12 +20,46 @@ from __future__ import annotations
 
 import time
 
+from chaos.schedule import expand
 from orchestrator.errors import collapse, normalise
 from orchestrator.policies import FailureSummary
 from orchestrator.states import Failure, State
 
+# Random failures are drawn up to this many job seconds ahead (a day).
+CHAOS_HORIZON_S = 24 * 3600.0
+
 
 class RecoveryMixin:
+    def _schedule_timed_faults(self) -> None:
+        """Expand the chaos schedule once the ranks' nodes are known (chaos.schedule)."""
+        nodes = sorted({n for r in range(self.world_size) if (n := self.workers.node_of(r))})
+        events = expand(self.spec.chaos, horizon_s=CHAOS_HORIZON_S, nodes=nodes, ranks=self.world_size)
+        self.timed = sorted((e for e in events if e.at_seconds is not None), key=lambda e: (e.at_seconds, e.id))
+        self.timed_next = 0
+
+    def _skip_faults_before(self, job_s: float) -> None:
+        """A resumed job (its job seconds carried in the ledger) does not replay earlier faults."""
+        self.timed_next = max(self.timed_next, sum(1 for e in self.timed if e.at_seconds < job_s))
+
+    def _fire_due_faults(self) -> None:
+        """Fire the time-triggered faults whose time has come (a cursor: the list is long).
+
+        The clock is the ledger's wall time, which a resumed job carries over from its checkpoint."""
+        now = self.ledger.wall()
+        while self.timed_next < len(self.timed) and self.timed[self.timed_next].at_seconds <= now:
+            event = self.timed[self.timed_next]
+            self.timed_next += 1
+            if event.rank is not None:
+                rank = event.rank
+            else:
+                on_node = [r for r in sorted(self.workers.actors) if self.workers.node_of(r) == event.node]
+                if not on_node:
+                    self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {event.kind} of node "
+                                 f"{str(event.node)[:12]} skipped: no rank runs there now")
+                    continue
+                rank = on_node[0]
+            self.workers.inject(rank, dict(event.fault, rank=rank))
+
     def _armed_faults(self) -> list[dict]:
         return [f for f in self.faults if f["id"] not in self.fired or f.get("repeat")]
 
@@ -40,7 +74,9 @@ class RecoveryMixin:
                 self.fired[event["fault_id"]] = event
                 self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {event['kind']} on rank "
                              f"{event['rank']} at step {event['step']} ({event['point']})")
-            elif kind == "node_lost":
+            elif kind == "node_lost" and event["node"] not in self.nodes_handled:
+                # Every rank of a lost node reports it; the first report is acted on, late ones
+                # (possibly drained after the recovery) are not a new failure.
                 self.lost_node_events.setdefault(event["node"], event)
             elif kind == "memory":
                 self.metrics.on_memory("measured", event["ledgers"])
@@ -90,12 +126,14 @@ class RecoveryMixin:
         self.outcome_errors = {}
         fault = self._take_fired_fault()
         message = f"node {node[:12]} lost (raylet gone), reported by rank {event['rank']}"
-        return Failure("node_lost", ranks[0] if ranks else None, time.time(), message,
+        rank = fault["rank"] if fault else (ranks[0] if ranks else None)
+        return Failure(fault["kind"] if fault else "node_lost", rank, time.time(), message,
                        fault_time=fault["time"] if fault else None, step=self._current_step())
 
     def _forget_lost_nodes(self) -> None:
         """Drop the ranks of lost nodes without waiting for Ray to notice (it takes 12-15 s)."""
         for node in list(self.lost_node_events):
+            self.nodes_handled.add(node)
             for rank in self.workers.forget_node(node):
                 self.outcome_errors.setdefault(rank, f"node {node[:12]} lost")
         self.lost_node_events.clear()

@@ -115,6 +115,15 @@ class RayWorkerGroup:
         actor = self.actors.get(rank)
         return None if actor is None else self.node_of_actor.get(actor._actor_id.hex())
 
+    def inject(self, rank: int, fault: dict) -> None:
+        """Fire a chaos fault on `rank` now (no waiting: a killed rank never answers)."""
+        if rank in self.actors:
+            self.actors[rank].inject.remote(fault)
+
+    def controller_node(self) -> str:
+        """The node this process (the controller, a Ray driver) runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def forget_node(self, node: str) -> list[int]:
         """A node is lost (its raylet died): kill and drop every rank and spare on it.
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray._multinode import LocalCluster
 from tests.ray.jobs import run_job
 
 VENV_BIN = Path(sys.executable).parent
@@ -67,8 +68,26 @@ def _kill_session(sid: int) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """Address of a local Ray head with 8 logical CPUs (ranks share the machine's cores)."""
+def local_cluster():
+    """A local multi-node Ray cluster: a head without CPUs (the controller's node) and three
+    worker nodes of 2 logical CPUs each (ranks share the machine's cores)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private test cluster: no token to distribute
+    cluster = LocalCluster(nodes=3, cpus_per_node=2)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(local_cluster):
+    """Address of the multi-node cluster the failure tests run their jobs on."""
+    return local_cluster.address
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """Address of a local Ray head started with `ray start --head` (dashboard on), 8 logical CPUs."""
     # A private test cluster on this machine: no token to distribute to the CLI under test.
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit

@@ -15,7 +15,7 @@ from tests.ray.jobs import ROOT
 pytestmark = pytest.mark.ray
 
 
-def test_ray_job_submit_runs_the_job(ray_cluster, tmp_path):
+def test_ray_job_submit_runs_the_job(ray_head, tmp_path):
     report = tmp_path / "report.json"
     cmd = [
         str(Path(sys.executable).parent / "ray"), "job", "submit",

@@ -7,6 +7,8 @@ make a rank die at a chosen step. Storage and the store are real (local dir, TCP
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -41,6 +43,18 @@ class FakeWorkerGroup:
         self.evicted: list[int] = []
         self._running: set[int] = set()
         self.until = 0
+
+    def controller_node(self) -> str:
+        return "head"
+
+    def inject(self, rank: int, fault: dict) -> None:
+        """A time-triggered fault: the rank reports it, then dies at the next step it reaches."""
+        self.gen_store.push_event({"type": "fault", "fault_id": fault["id"], "kind": fault["kind"], "rank": rank,
+                                   "step": self.next_step, "point": "timed", "time": time.time()})
+        self.die_at[self.next_step] = rank
+
+    def node_of(self, rank: int) -> str:
+        return "head"
 
     def place(self, world_size, spares=0):
         if self.place_error:
@@ -287,3 +301,21 @@ def test_sustained_straggler_is_flagged_and_evicted(tmp_path, rendezvous):
     assert [s.rank for s in report.stragglers] == [1] and report.stragglers[0].ratio == pytest.approx(1.3)
     assert [(f.kind, f.rank) for f in report.failures] == [("straggler_evicted", 1)]
     assert any("straggler: rank 1 computes 1.30x" in line and "evicting" in line for line in lines)
+
+
+def test_kill_node_on_the_controllers_own_node_is_refused(tmp_path, rendezvous):
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_node", "rank": 1, "at_step": 5}]})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    report = _controller(spec, workers, rendezvous, []).run()
+    assert report.status == "failed"
+    assert "kill_node on rank(s) [1] would kill the node the controller runs on" in report.error
+
+
+def test_time_triggered_fault_is_fired_by_the_controller(tmp_path, rendezvous):
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_rank", "rank": 1, "at_seconds": 0}]})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded", report.error
+    [failure] = report.failures
+    assert failure.kind == "kill_rank" and failure.rank == 1 and failure.detected_after_s is not None

@@ -1,0 +1,174 @@
+"""Which storage calls a storage fault hits, and what it does to them: the decision, no I/O.
+
+A `StorageFaultPlan` holds the storage faults of a job (FaultSpecs or their dicts, as the
+controller stores them; other kinds are ignored) and answers `judge(op, path)` once per
+storage call with a `Verdict`. chaos.storage_faults asks it before every call it wraps.
+
+Semantics of one fault (fields of chaos.config.FaultSpec):
+* `op` (write | read | list | delete; default all) and `path` (an fnmatch glob on the
+  path as the storage layer passes it, e.g. `*/manifest.json`, `*/shard-*`; `*` also
+  matches `/`) select the calls it looks at; `at_step` narrows them to that checkpoint's
+  directory (`step-<9 digits>`). `at_seconds` and `duration_s` make it active in that
+  window of seconds after `started` (the job's start on `clock`; default: when the plan
+  was built), from the start and for ever when not given.
+  `at_point` is not evaluated here: the caller installs the plan when the point is reached.
+* Of the matching calls, which fire: `nth: k` the k-th (with `repeat`, every k-th);
+  `probability: p` each with chance p from a generator seeded with (seed, fault index)
+  (without `repeat`, at most once); neither: the first one (with `repeat`, every one), and
+  for `storage_latency` every one.
+* What firing does: `storage_latency` delays the call by `delay_s`; `storage_error` fails
+  it `before` it runs (default; nothing happens) or `after` it succeeded (the effect
+  landed but the caller sees an error, as when a reply is lost); `torn_write` lets only
+  `keep_fraction` (default 0.5) of the bytes land at the path, then fails.
+Every call counts towards `nth` of every fault it matches, whichever fault fires.
+
+Thread-safe: a rank's background shard writer and its training thread may share a plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from chaos.config import STORAGE_KINDS, FaultSpec
+
+OPS = ("write", "read", "list", "delete")
+DEFAULT_KEEP_FRACTION = 0.5
+
+
+class InjectedStorageError(OSError):
+    """The I/O error a storage fault raises (errno EIO, like a failing disk or a 5xx reply)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do to one storage call: delay it, then fail before, tear, fail after, or let it be."""
+
+    delay_s: float = 0.0
+    fail: str | None = None  # "before" | "after"
+    keep_fraction: float | None = None  # set for a torn write
+    reason: str = ""  # which fault fired, for the error message
+
+    @property
+    def clean(self) -> bool:
+        return self.delay_s == 0.0 and self.fail is None and self.keep_fraction is None
+
+    def error(self, op: str, path: str, detail: str = "") -> InjectedStorageError:
+        return InjectedStorageError(5, f"injected {self.reason} on {op} of {path}{detail}")
+
+
+@dataclass
+class _Rule:
+    index: int
+    fault: dict
+    ops: frozenset[str]
+    glob: str | None
+    step_part: re.Pattern | None
+    window: tuple[float, float]
+    rng: random.Random
+    matched: int = 0
+    fired: int = 0
+
+    @classmethod
+    def build(cls, index: int, fault: dict, seed: int) -> _Rule:
+        kind, op, step = fault["kind"], fault.get("op"), fault.get("at_step")
+        ops = frozenset({"write"} if kind == "torn_write" else ({op} if op else OPS))
+        start = float(fault.get("at_seconds") or 0.0)
+        duration = fault.get("duration_s")
+        end = start + float(duration) if duration is not None else float("inf")
+        step_part = re.compile(rf"(^|/)step-{int(step):09d}(/|$)") if step is not None else None
+        return cls(index, fault, ops, fault.get("path"), step_part, (start, end),
+                   random.Random(f"undying.storage-faults:{seed}:{index}"))
+
+    def matches(self, op: str, path: str, elapsed: float) -> bool:
+        return (op in self.ops and self.window[0] <= elapsed < self.window[1]
+                and (self.glob is None or fnmatch.fnmatchcase(path, self.glob))
+                and (self.step_part is None or self.step_part.search(path) is not None))
+
+    def triggers(self) -> bool:
+        """Count this matching call; whether the fault fires on it."""
+        self.matched += 1
+        nth, p, repeat = self.fault.get("nth"), self.fault.get("probability"), bool(self.fault.get("repeat"))
+        if nth is not None:
+            return self.matched % nth == 0 if repeat else self.matched == nth
+        if p is not None:
+            # Drawn on every matching call, so the sequence does not depend on earlier outcomes.
+            hit = self.rng.random() < p
+            return hit and (repeat or self.fired == 0)
+        return repeat or self.fault["kind"] == "storage_latency" or self.matched == 1
+
+
+class StorageFaultPlan:
+    """The storage faults of one process, with their call counters (see module doc).
+
+    `notify(event)` is called for each error or torn write that fires and for the first
+    delay of each latency fault, with {"type": "fault", "fault_id", "kind", "op", "path",
+    "mode", "time"}, so the controller can time the fault as it does rank faults.
+    A plan built in another process than the job's clock (a rank) passes
+    `clock=time.time, started=<job start, epoch seconds>` so `at_seconds` means job seconds.
+    """
+
+    def __init__(
+        self, faults: Iterable[FaultSpec | Mapping], *, seed: int = 0,
+        notify: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
+        started: float | None = None, sleep: Callable[[float], None] = time.sleep,
+    ):
+        dicts = [_as_dict(f, i) for i, f in enumerate(faults)]
+        self.rules = [_Rule.build(i, f, seed) for i, f in enumerate(dicts) if f["kind"] in STORAGE_KINDS]
+        self.notify = notify
+        self.sleep = sleep
+        self.fired: list[dict] = []  # every event also passed to notify, for reports and tests
+        self._clock = clock
+        self._started = clock() if started is None else float(started)
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def judge(self, op: str, path: str) -> Verdict:
+        """The verdict for one call of kind `op` (write | read | list | delete) on `path`."""
+        if op not in OPS:
+            raise ValueError(f"unknown storage operation {op!r}; expected one of {OPS}")
+        delay, fail, keep, reason, events = 0.0, None, None, "", []
+        with self._lock:
+            elapsed = self._clock() - self._started
+            for rule in self.rules:
+                if not rule.matches(op, path, elapsed) or not rule.triggers():
+                    continue
+                kind = rule.fault["kind"]
+                if kind == "storage_latency":
+                    delay += float(rule.fault["delay_s"])
+                    if rule.fired == 0:
+                        events.append(self._event(rule, op, path, "latency"))
+                elif fail is None and keep is None:
+                    if kind == "torn_write":
+                        keep = rule.fault.get("keep_fraction")
+                        keep = DEFAULT_KEEP_FRACTION if keep is None else float(keep)
+                    else:
+                        fail = rule.fault.get("when") or "before"
+                    reason = f"{kind} (fault {rule.fault.get('id', rule.index)})"
+                    events.append(self._event(rule, op, path, "torn" if keep is not None else fail))
+                else:
+                    continue  # an earlier fault already decides this call's outcome
+                rule.fired += 1
+            self.fired.extend(events)
+        for event in events:
+            if self.notify is not None:
+                self.notify(event)
+        return Verdict(delay, fail, keep, reason)
+
+    def _event(self, rule: _Rule, op: str, path: str, mode: str) -> dict:
+        return {"type": "fault", "fault_id": rule.fault.get("id", rule.index), "kind": rule.fault["kind"],
+                "op": op, "path": path, "mode": mode, "time": time.time()}
+
+
+def _as_dict(fault: FaultSpec | Mapping, index: int) -> dict:
+    # Validated through FaultSpec either way, so a hand-written dict gets the spec's checks.
+    data = fault.model_dump() if isinstance(fault, FaultSpec) else dict(fault)
+    fault_id = data.pop("id", index)
+    return dict(FaultSpec.model_validate(data).model_dump(), id=fault_id)

@@ -1,0 +1,101 @@
+"""A local multi-node Ray cluster for the failure tests: one head and N worker nodes on this machine.
+
+Built on `ray.cluster_utils.Cluster` (what Ray's own tests use): every node is a separate
+raylet with its own ports and object store, so killing one is losing a node as Ray sees it.
+The head runs no ranks (0 CPUs): the controller lives there, and a node kill never takes the
+controller down. Each worker node offers `cpus_per_node` CPUs and the same number of the
+custom resource `undying_slot`, which the test jobs request. Nodes are stopped by the PIDs
+of their processes (never `ray stop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import tempfile
+
+SLOT = "undying_slot"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _ports() -> dict:
+    # Agents bind fixed default ports unless told otherwise; pick free ones per node.
+    return {"dashboard_agent_listen_port": _free_port(), "metrics_export_port": _free_port(),
+            "runtime_env_agent_port": _free_port()}
+
+
+class LocalCluster:
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2):
+        from ray.cluster_utils import Cluster
+
+        self.cpus_per_node = cpus_per_node
+        self.temp_dir = tempfile.mkdtemp(prefix="rmn-", dir="/tmp")  # short: socket paths have a limit
+        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args={
+            "num_cpus": 0, "gcs_server_port": _free_port(), "temp_dir": self.temp_dir,
+            "include_dashboard": False, **_ports(),
+            # Ray re-places a lost node's placement-group bundles once the GCS declares the node
+            # dead; a 1 s health check (default 3 s x 5) keeps the grow-back tests short. The
+            # controller's own node-loss detection does not depend on it.
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5},
+        })
+        self.nodes = [self.add_node() for _ in range(nodes)]
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self):
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: self.cpus_per_node}, **_ports())
+        return node
+
+    def node_pids(self, node) -> list[int]:
+        return [info.process.pid for infos in node.all_processes.values() for info in infos]
+
+    def rank_pids(self, node) -> list[int]:
+        """PIDs of rank actors running on `node` (children of its raylet)."""
+        raylet = node.all_processes["raylet"][0].process.pid
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    cmdline = handle.read()
+            except OSError:
+                continue
+            if ppid == raylet and b"RankActor" in cmdline:
+                out.append(int(entry))
+        return out
+
+    def reap_lost_nodes(self) -> int:
+        """Stop what is left of nodes whose raylet died (a kill_node fault); returns how many."""
+        lost = [n for n in self.cluster.worker_nodes if n.all_processes["raylet"][0].process.poll() is not None]
+        for node in lost:
+            self.cluster.remove_node(node, allow_graceful=False)
+            self.nodes.remove(node)
+        return len(lost)
+
+    def restore(self, count: int) -> None:
+        """Bring the cluster back to `count` live worker nodes."""
+        self.reap_lost_nodes()
+        while len(self.nodes) < count:
+            self.nodes.append(self.add_node())
+
+    def shutdown(self) -> None:
+        every = [self.cluster.head_node, *self.cluster.worker_nodes]
+        pids = [pid for node in every if node is not None for pid in self.node_pids(node)]
+        try:
+            self.cluster.shutdown()
+        finally:
+            for pid in pids:  # whatever survived a graceful stop
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

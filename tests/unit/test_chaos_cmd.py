@@ -1,0 +1,97 @@
+"""`undying chaos` without Ray: a fake runner leaves checkpoints and a report, the real checks judge them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chaos.experiment import catalog_of
+from monitor.report import GoodputSummary, RunReport, WorldRecord
+from orchestrator.chaos_cmd import RunOutcome, chaos_main
+from orchestrator.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, _parser
+from tests._checkpoints import save_checkpoint
+
+STEPS = 4
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the PID names no process
+    return proc.pid
+
+
+class FakeRunner:
+    """Writes a committed final checkpoint of `model/w` and returns a report, as a finished job would.
+
+    `history` and `weights` of the chaos run (not the reference) can be spoiled to make a check fail."""
+
+    def __init__(self, history=None, weights=None):
+        self.history = history if history is not None else [[s, 4] for s in range(STEPS)]
+        self.weights = weights
+        self.names: list[str] = []
+
+    def __call__(self, spec, *, address, report_path) -> RunOutcome:
+        self.names.append(spec.name)
+        reference = spec.name.endswith(".reference")
+        weights = self.weights if self.weights is not None and not reference else torch.ones(3, 2)
+        save_checkpoint(catalog_of(spec), spec.train.steps, {"model/w": weights, "optim/w/step": torch.tensor(1.0)},
+                        world=2)
+        totals = {"productive": 8.0, "startup": 1.5, "lost_work": 0.5}
+        report = RunReport(job=spec.name, final_step=spec.train.steps, status="succeeded",
+                           history=[[s, 4] for s in range(STEPS)] if reference else self.history,
+                           world_history=[WorldRecord(generation=0, world_size=4, dp=4, tp=1, pp=1, started_at=0.0)],
+                           goodput=GoodputSummary.from_totals(totals))
+        return RunOutcome(EXIT_OK, report, {"rank 0 pid": _gone_pid()}, wall_s=12.0)
+
+
+def _args(tmp_path, *extra: str):
+    return _parser().parse_args(["chaos", "examples/demo.yaml", "--mtbf", "30s", "--kind", "kill_rank",
+                                 "--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--set", f"train.steps={STEPS}",
+                                 "--set", "name=unit", "--set", "chaos.faults=[]",
+                                 "--report", str(tmp_path / "out.json"), *extra])
+
+
+def test_every_check_passes_and_the_report_holds_them(tmp_path, capsys):
+    runner = FakeRunner()
+    assert chaos_main(_args(tmp_path), runner=runner) == EXIT_OK
+    assert runner.names == ["unit.reference", "unit"]  # the reference first, under its own name
+    out = capsys.readouterr().out
+    for name in ("checkpoints_verify", "newest_loads", "model_matches_reference", "data_exactly_once",
+                 "goodput_sums_to_wall", "no_process_left", "goodput_wall_plausible"):
+        assert f"PASS  {name}" in out
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved["invariants"]["ok"] is True and saved["final_step"] == STEPS
+    assert saved["experiment"]["chaos"]["mtbf_s"] == 30.0 and saved["experiment"]["chaos"]["mtbf_kind"] == "kill_rank"
+    # A second experiment reuses the finished reference, and refuses to resume the old chaos run.
+    again = FakeRunner()
+    assert chaos_main(_args(tmp_path), runner=again) == EXIT_USAGE and again.names == []
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert chaos_main(_args(tmp_path, "--fresh"), runner=again) == EXIT_OK and again.names == ["unit.reference", "unit"]
+
+
+@pytest.mark.parametrize("spoil, failing", [
+    ({"history": [[0, 4], [1, 4], ["restore", 1], [2, 4], [3, 4]]}, "data_exactly_once"),  # step 1 rolled back
+    ({"weights": torch.ones(3, 2) + 1e-3}, "model_matches_reference"),
+])
+def test_a_failed_invariant_exits_non_zero(tmp_path, capsys, spoil, failing):
+    assert chaos_main(_args(tmp_path), runner=FakeRunner(**spoil)) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert f"FAIL  {failing}" in out and "1 check(s) FAILED" in out
+    assert json.loads((tmp_path / "out.json").read_text())["invariants"]["ok"] is False
+
+
+def test_usage_mistakes_exit_2_before_anything_runs(tmp_path, capsys):
+    runner = FakeRunner()
+    no_faults = _parser().parse_args(["chaos", "examples/demo.yaml", "--set", "chaos.faults=[]",
+                                      "--set", f"checkpoint.url=file://{tmp_path}/ckpt"])
+    assert chaos_main(no_faults, runner=runner) == EXIT_USAGE
+    assert "chaos.mtbf_s" in capsys.readouterr().err
+    not_sweep = _args(tmp_path, "--intervals", "5s")
+    assert chaos_main(not_sweep, runner=runner) == EXIT_USAGE
+    bad = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s,soon"])
+    assert chaos_main(bad, runner=runner) == EXIT_USAGE
+    assert "'soon'" in capsys.readouterr().err and runner.names == []

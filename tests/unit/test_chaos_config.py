@@ -1,0 +1,79 @@
+"""The `chaos:` section's new fields: durations, random-failure settings, storage-fault selectors."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from chaos.config import INJECTABLE_KINDS, LIBRARY_KINDS, ChaosConfig, FaultSpec, support_problems
+from chaos.durations import parse_duration
+
+
+def _error(model, data) -> tuple[tuple, str]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(data)
+    [error] = info.value.errors()
+    return error["loc"], error["msg"]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30s", 30.0), ("2m", 120.0), ("1h", 3600.0), ("1.5h", 5400.0),
+                                                ("250ms", 0.25), ("45", 45.0), (" 2 m ", 120.0), ("1d", 86400.0)])
+def test_durations_parse(text, seconds):
+    assert parse_duration(text) == seconds
+    assert ChaosConfig(mtbf_s=text).mtbf_s == seconds
+
+
+def test_numbers_still_work_and_bad_durations_name_field_and_fix():
+    assert ChaosConfig(mtbf_s=90).mtbf_s == 90.0
+    assert FaultSpec(kind="kill_controller", at_seconds="5m").at_seconds == 300.0
+    loc, msg = _error(ChaosConfig, {"mtbf_s": "30 minutes"})
+    assert loc == ("mtbf_s",) and "'30 minutes' is not a duration" in msg and "'2m'" in msg
+    loc, msg = _error(ChaosConfig, {"mtbf_s": "0s"})
+    assert loc == ("mtbf_s",) and "greater than 0" in msg
+    loc, msg = _error(FaultSpec, {"kind": "storage_latency", "op": "read", "delay_s": "soon"})
+    assert loc == ("delay_s",) and "not a duration" in msg
+
+
+def test_random_failure_fields():
+    chaos = ChaosConfig(mtbf_s="1h", mtbf_kind="kill_rank", mtbf_start_s="2m", mtbf_max_faults=3, seed=5)
+    assert (chaos.mtbf_s, chaos.mtbf_kind, chaos.mtbf_start_s, chaos.mtbf_max_faults) == (3600.0, "kill_rank", 120.0, 3)
+    loc, msg = _error(ChaosConfig, {"mtbf_kind": "kill_rank"})
+    assert loc == ("mtbf_kind",) and "need mtbf_s" in msg and "remove it" in msg
+    loc, msg = _error(ChaosConfig, {"mtbf_s": "1h", "mtbf_kind": "slow_rank"})
+    assert loc == ("mtbf_kind",)
+    loc, _ = _error(ChaosConfig, {"mtbf_s": "1h", "mtbf_rate": 2})
+    assert loc == ("mtbf_rate",)  # extra="forbid": a typo is an error, not a silently ignored key
+    # A dumped config (every key present, defaults included) validates again.
+    assert ChaosConfig.model_validate(ChaosConfig().model_dump()) == ChaosConfig()
+
+
+@pytest.mark.parametrize(
+    ("fault", "loc", "fragment"),
+    [
+        ({"kind": "kill_rank", "rank": 0, "at_step": 1, "op": "write"}, ("op",), "storage faults"),
+        ({"kind": "storage_latency", "delay_s": 1, "when": "after"}, ("when",), "storage_error only"),
+        ({"kind": "storage_error", "keep_fraction": 0.5}, ("keep_fraction",), "torn_write only"),
+        ({"kind": "torn_write", "op": "read"}, ("op",), "use op: write"),
+        ({"kind": "storage_error", "nth": 2, "probability": 0.1}, (), "at most one of nth, probability"),
+        ({"kind": "storage_error", "nth": 0}, ("nth",), "greater than or equal to 1"),
+        ({"kind": "storage_error", "probability": 1.5}, ("probability",), "less than or equal to 1"),
+        ({"kind": "storage_error"}, (), "give a trigger"),
+    ],
+)
+def test_storage_fault_checks(fault, loc, fragment):
+    got_loc, msg = _error(FaultSpec, fault)
+    assert got_loc == loc and fragment in msg, msg
+
+
+def test_storage_selectors_are_a_trigger():
+    fault = FaultSpec(kind="storage_error", op="write", path="*/manifest.json", when="after")
+    assert (fault.op, fault.path, fault.when, fault.nth) == ("write", "*/manifest.json", "after", None)
+    assert FaultSpec(kind="torn_write", path="*/shard-*", keep_fraction=0.1).keep_fraction == 0.1
+
+
+def test_release_support_is_unchanged_and_library_kinds_extend_it():
+    assert {"kill_rank", "hang_rank", "slow_rank", "raise"} == INJECTABLE_KINDS
+    assert INJECTABLE_KINDS < LIBRARY_KINDS
+    assert {"nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard"} <= LIBRARY_KINDS
+    problems = support_problems(ChaosConfig(mtbf_s="1h", faults=[FaultSpec(kind="nan_grad", rank=0, at_step=2)]))
+    assert [field for field, _ in problems] == ["chaos.faults[0].kind", "chaos.mtbf_s"]
