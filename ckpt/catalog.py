@@ -5,6 +5,13 @@ rank of the generation for that step. The manifest is created last and exclusive
 checkpoint either exists whole or not at all (design.md invariant 1). `committed_steps`
 derives "latest" from committed manifests alone; a directory without a manifest is an
 unfinished save, invisible to readers and removed by `collect_garbage`.
+
+Retention and garbage collection (`plan_gc`, then `apply_gc`; `apply_retention` and
+`collect_garbage` are its two halves) keep the newest K committed checkpoints, never the
+newest committed one, and delete unfinished saves older than the newest commit. A
+checkpoint is deleted manifest first, so an interrupted deletion leaves an uncommitted
+directory (garbage for the next run), never a manifest that names missing shards. Deletes
+tolerate files that are already gone: the controller and `undying ckpt gc` may race.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ckpt.manifest import MANIFEST_NAME, Manifest, ShardReceipt, merge_receipts, parse_step_dir, step_dir
 from ckpt.storage import AlreadyCommitted, Storage
@@ -47,7 +56,7 @@ class Catalog:
             # shard set means the same checkpoint. Anything else is a second writer.
             existing = self.read_manifest(step)
             if existing.tensors != manifest.tensors:
-                raise RuntimeError(
+                raise AlreadyCommitted(
                     f"checkpoint step {step} was committed by another writer with different shards"
                 ) from None
             return existing
@@ -69,29 +78,57 @@ class Catalog:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
-    def apply_retention(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed checkpoints; return the deleted steps.
+    def gc_plan(self, keep: int, in_flight: Iterable[int] = ()) -> GcPlan:
+        """What `apply_gc` would delete now (see `plan_gc`); reads listings only."""
+        return plan_gc(self.all_steps(), self.committed_steps(), keep, in_flight)
 
-        The newest committed checkpoint is never deleted (keep >= 1 is enforced by the spec).
-        """
-        committed = self.committed_steps()
-        doomed = committed[: max(0, len(committed) - max(1, keep))]
-        for step in doomed:
+    def apply_gc(self, plan: GcPlan) -> None:
+        """Delete what `plan` names: expired checkpoints first, then orphaned directories."""
+        for step in plan.expired:
             # Manifest first: from that moment the checkpoint no longer exists for readers,
             # so a crash in the middle leaves only garbage, never a half-deleted checkpoint.
-            self.storage.fs.rm(self.manifest_path(step))
+            self.storage.remove(self.manifest_path(step))
             self.storage.remove_tree(self.storage.path(step_dir(step)))
-        if doomed:
-            log.info("retention kept %d checkpoints, deleted steps %s", keep, doomed)
-        return doomed
+        for step in plan.orphans:
+            self.storage.remove_tree(self.storage.path(step_dir(step)))
+        if plan.expired or plan.orphans:
+            log.info("checkpoint gc deleted committed steps %s and unfinished saves %s", plan.expired, plan.orphans)
 
-    def collect_garbage(self, in_flight: set[int] = frozenset()) -> list[int]:
+    def apply_retention(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` committed checkpoints; return the deleted steps."""
+        committed = self.committed_steps()
+        plan = GcPlan(expired=plan_gc(committed, committed, keep).expired, orphans=[])
+        self.apply_gc(plan)
+        return plan.expired
+
+    def collect_garbage(self, in_flight: Iterable[int] = ()) -> list[int]:
         """Remove step directories without a manifest that are older than the newest commit."""
-        latest = self.latest()
-        if latest is None:
-            return []
-        committed = set(self.committed_steps())
-        orphans = [s for s in self.all_steps() if s < latest and s not in committed and s not in in_flight]
-        for step in orphans:
-            self.storage.remove_tree(self.storage.path(step_dir(step)))
-        return orphans
+        all_steps = self.all_steps()
+        committed = [s for s in all_steps if self.storage.exists(self.manifest_path(s))]
+        plan = GcPlan(expired=[], orphans=plan_gc(all_steps, committed, len(committed) or 1, in_flight).orphans)
+        self.apply_gc(plan)
+        return plan.orphans
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    expired: list[int]  # committed checkpoints beyond the newest `keep`, oldest first
+    orphans: list[int]  # step directories without a manifest, older than the newest commit
+
+
+def plan_gc(all_steps: Iterable[int], committed: Iterable[int], keep: int, in_flight: Iterable[int] = ()) -> GcPlan:
+    """Retention and garbage collection as a pure decision.
+
+    Keeps the newest `keep` committed checkpoints (at least one: the newest committed
+    checkpoint is never deleted, whatever `keep` says). An uncommitted step directory is
+    garbage only when it is older than the newest commit and not `in_flight`: a newer one
+    may be a save whose manifest is about to be committed.
+    """
+    committed = sorted(set(committed))
+    kept = max(1, keep)
+    expired = committed[: max(0, len(committed) - kept)]
+    if not committed:
+        return GcPlan(expired=[], orphans=[])
+    done, busy = set(committed), set(in_flight)
+    orphans = sorted(s for s in set(all_steps) if s < committed[-1] and s not in done and s not in busy)
+    return GcPlan(expired=expired, orphans=orphans)

@@ -13,6 +13,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def normalise_url(url: str) -> str:
+    """An fsspec URL with an absolute path and no trailing slash; ValueError when empty."""
+    url = url.strip()
+    if not url:
+        raise ValueError("is empty; give an fsspec URL such as file:///data/ckpt or s3://bucket/prefix")
+    if "://" not in url:
+        # A plain path: make it absolute now, so every rank and the controller agree on it
+        # whatever their working directory.
+        url = "file://" + os.path.abspath(os.path.expanduser(url))
+    protocol, _, path = url.partition("://")
+    # A trailing slash would give "a//job" when the job name is appended; a bare root
+    # ("file:///") keeps its slash because there is nothing else left of the path.
+    return f"{protocol}://{path.rstrip('/') or '/'}"
+
+
 class CheckpointConfig(BaseModel):
     """Checkpoint destination and cadence.
 
@@ -46,17 +61,7 @@ class CheckpointConfig(BaseModel):
     @field_validator("url")
     @classmethod
     def _normalise_url(cls, url: str) -> str:
-        url = url.strip()
-        if not url:
-            raise ValueError("is empty; give an fsspec URL such as file:///data/ckpt or s3://bucket/prefix")
-        if "://" not in url:
-            # A plain path: make it absolute now, so every rank and the controller agree on it
-            # whatever their working directory.
-            url = "file://" + os.path.abspath(os.path.expanduser(url))
-        protocol, _, path = url.partition("://")
-        # A trailing slash would give "a//job" when the job name is appended; a bare root
-        # ("file:///") keeps its slash because there is nothing else left of the path.
-        return f"{protocol}://{path.rstrip('/') or '/'}"
+        return normalise_url(url)
 
     @field_validator("interval", mode="before")
     @classmethod

@@ -1,71 +1,97 @@
-"""Read a committed checkpoint back: byte ranges, checksums, assembly of logical tensors.
+"""Read a committed checkpoint back into any layout: plan, fetch byte ranges, verify, assemble.
 
-Protocol: every rank that restores calls `load_checkpoint(catalog, step, names)` for the
-tensors its layout needs. Only byte ranges named by the committed manifest are read (range
-requests on object storage), and every chunk's CRC32 is verified before use. A mismatch or
-a missing shard raises `CorruptCheckpoint`; the controller then marks that step bad and
-restores the previous committed one, loudly (log line and metric), never silently.
-`newest_loadable` performs the same walk for tools that verify a whole checkpoint offline.
+Protocol: a restoring rank calls `read_slices(catalog, step, engine.wanted_slices())` and
+passes the result to `engine.load_slices(slices, manifest.state["engine"])`. The rank reads
+only the blocks its slices need (ckpt.reshard plans them from the manifest alone; no
+collectives, no other rank involved), verifies each block's CRC32, and copies the stored
+regions into its target slices, whatever layout wrote them. `load_checkpoint` does the
+same with whole tensors as targets (one process, tools, tests).
+
+A missing shard, a bad checksum or a manifest whose chunks leave a slice unstored raises
+`CorruptCheckpoint`; the controller then marks that step bad and restores the previous
+committed one, loudly (log line and metric), never silently. `newest_loadable` performs
+the same walk for tools that verify whole checkpoints offline. A manifest of another
+schema version raises `UnsupportedManifest` (not retried with older checkpoints).
 """
 
 from __future__ import annotations
 
+import bisect
+import json
 import logging
-import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import pydantic
 import torch
 
+from ckpt.boxes import row_major_strides
 from ckpt.catalog import Catalog
-from ckpt.manifest import Manifest, TensorEntry, step_dir
-from ckpt.shards import dtype_from_name, tensor_from_bytes
+from ckpt.errors import CorruptCheckpoint, UnsupportedManifest
+from ckpt.fetch import READ_THREADS, fetch
+from ckpt.manifest import Manifest
+from ckpt.reshard import COALESCE_GAP, Copy, CoverageError, ReadPlan, plan_reads
+from ckpt.shards import dtype_from_name, itemsize
+from trainer.state_slices import TensorSlice
+
+__all__ = ["CorruptCheckpoint", "UnsupportedManifest", "load_checkpoint", "newest_loadable", "read_manifest",
+           "read_slices", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 
 
-class CorruptCheckpoint(RuntimeError):
-    """A committed checkpoint cannot be read back intact (missing shard, bad checksum)."""
+def read_manifest(catalog: Catalog, step: int) -> Manifest:
+    """The committed manifest of `step`; CorruptCheckpoint when it is absent or unreadable."""
+    try:
+        return catalog.read_manifest(step)
+    except FileNotFoundError as err:
+        raise CorruptCheckpoint(f"step {step} has no committed manifest") from err
+    except (json.JSONDecodeError, pydantic.ValidationError) as err:
+        raise CorruptCheckpoint(f"step {step}: the manifest does not parse: {err}") from err
 
 
-def _read_entry(catalog: Catalog, step: int, name: str, entry: TensorEntry) -> torch.Tensor:
-    full = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
-    covered = 0
-    for chunk in entry.chunks:
-        path = catalog.storage.path(step_dir(step), chunk.file)
-        try:
-            data = catalog.storage.read_range(path, chunk.byte_offset, chunk.byte_offset + chunk.nbytes)
-        except (FileNotFoundError, OSError) as err:
-            raise CorruptCheckpoint(f"step {step}: cannot read {chunk.file} for {name}: {err}") from err
-        if len(data) != chunk.nbytes or zlib.crc32(data) != chunk.crc32:
-            raise CorruptCheckpoint(f"step {step}: checksum mismatch in {chunk.file} for {name}")
-        piece = tensor_from_bytes(data, entry.dtype, chunk.lengths)
-        index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.lengths, strict=True))
-        full[index] = piece
-        covered += piece.numel()
-    if covered != full.numel():
-        raise CorruptCheckpoint(f"step {step}: chunks of {name} cover {covered} of {full.numel()} elements")
-    return full
+def read_slices(
+    catalog: Catalog, step: int, wanted: Sequence[TensorSlice], *,
+    manifest: Manifest | None = None, threads: int = READ_THREADS, coalesce_gap: int = COALESCE_GAP,
+) -> list[TensorSlice]:
+    """`wanted` (geometry only) filled from committed checkpoint `step`, in the same order.
+
+    Each returned slice carries a fresh CPU tensor of the wanted dtype (stored values are
+    cast if the dtypes differ). Needed ranges of a file less than `coalesce_gap` bytes apart
+    are fetched as one request. Raises ValueError when a wanted tensor is not in the
+    checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad.
+    """
+    manifest = manifest if manifest is not None else read_manifest(catalog, step)
+    plan = _plan(manifest, step, wanted, coalesce_gap)
+    fetched = fetch(catalog.storage, step, plan.reads, threads=threads)
+    starts = {file: [start for start, _ in ranges] for file, ranges in fetched.items()}
+    out = [torch.empty(w.lengths, dtype=w.dtype) for w in wanted]
+    for copy in plan.copies:
+        dst = tuple(slice(o, o + n) for o, n in zip(copy.dst_offsets, copy.lengths, strict=True))
+        out[copy.target][dst] = _source(fetched[copy.file], starts[copy.file], copy)
+    return [w.with_tensor(t) for w, t in zip(wanted, out, strict=True)]
 
 
 def load_checkpoint(
     catalog: Catalog, step: int, names: Iterable[str] | None = None
 ) -> tuple[dict[str, torch.Tensor], Manifest]:
-    """Tensors `names` (all when None) of committed checkpoint `step`, verified, plus its manifest."""
-    try:
-        manifest = catalog.read_manifest(step)
-    except FileNotFoundError as err:
-        raise CorruptCheckpoint(f"step {step} has no committed manifest") from err
-    wanted = list(manifest.tensors) if names is None else list(names)
-    missing = [n for n in wanted if n not in manifest.tensors]
+    """Whole tensors `names` (all when None) of committed checkpoint `step`, verified, plus its manifest."""
+    manifest = read_manifest(catalog, step)
+    names = list(manifest.tensors) if names is None else list(names)
+    missing = [n for n in names if n not in manifest.tensors]
     if missing:
         raise KeyError(f"checkpoint step {step} has no tensors {missing[:5]}")
-    tensors = {n: _read_entry(catalog, step, n, manifest.tensors[n]) for n in wanted}
-    return tensors, manifest
+    slices = read_slices(catalog, step, _whole_targets(manifest, names), manifest=manifest)
+    return {piece.name: piece.tensor for piece in slices}, manifest
 
 
 def verify_checkpoint(catalog: Catalog, step: int) -> None:
-    """Read and checksum every chunk of checkpoint `step`; raise CorruptCheckpoint on any fault."""
-    load_checkpoint(catalog, step)
+    """Check that checkpoint `step` covers every tensor and every block's CRC32 matches.
+
+    Reads the whole checkpoint but holds only the ranges in flight; raises CorruptCheckpoint.
+    """
+    manifest = read_manifest(catalog, step)
+    plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
+    fetch(catalog.storage, step, plan.reads, keep=False)
 
 
 def newest_loadable(catalog: Catalog, on_fallback=None) -> int | None:
@@ -84,3 +110,53 @@ def newest_loadable(catalog: Catalog, on_fallback=None) -> int | None:
             if on_fallback is not None:
                 on_fallback(step, err)
     return None
+
+
+def _whole_targets(manifest: Manifest, names: list[str]) -> list[TensorSlice]:
+    targets = []
+    for name in names:
+        entry = manifest.tensors[name]
+        shape = tuple(entry.shape)
+        targets.append(TensorSlice(name=name, dtype=dtype_from_name(entry.dtype), global_shape=shape,
+                                   offsets=(0,) * len(shape), lengths=shape))
+    return targets
+
+
+def _plan(manifest: Manifest, step: int, targets: Sequence[TensorSlice], coalesce_gap: int = COALESCE_GAP) -> ReadPlan:
+    try:
+        return plan_reads(manifest.tensors, targets, coalesce_gap=coalesce_gap)
+    except CoverageError as err:
+        raise CorruptCheckpoint(f"step {step}: {err}") from err
+
+
+def _source(ranges: list[tuple[int, torch.Tensor]], starts: list[int], copy: Copy) -> torch.Tensor:
+    """The stored region of `copy` as a strided view over the fetched bytes (no copy when possible)."""
+    size = itemsize(copy.dtype)
+    strides = row_major_strides(copy.chunk_shape)
+    first = sum(o * s for o, s in zip(copy.src_offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(copy.src_offsets, copy.lengths, strides, strict=True))
+    begin, end = copy.chunk_start + first * size, copy.chunk_start + (last + 1) * size
+    flat = _span(ranges, starts, begin, end).view(dtype_from_name(copy.dtype))
+    return flat.as_strided(copy.lengths, strides)
+
+
+def _span(ranges: list[tuple[int, torch.Tensor]], starts: list[int], begin: int, end: int) -> torch.Tensor:
+    """Bytes [begin, end) of a file from its fetched ranges, which hold every needed block of it.
+
+    Usually one range holds the whole span and a view is returned. When the span crosses
+    ranges (a column slice whose rows lie far apart), the bytes between them were not
+    fetched because no element of the slice lies there; the gap stays uninitialised.
+    """
+    i = bisect.bisect_right(starts, begin) - 1
+    if i >= 0:
+        start, data = ranges[i]
+        if start + len(data) >= end:
+            return data[begin - start:end - start]
+    out = torch.empty(end - begin, dtype=torch.uint8)
+    for start, data in ranges[max(i, 0):]:
+        if start >= end:
+            break
+        lo, hi = max(start, begin), min(start + len(data), end)
+        if lo < hi:
+            out[lo - begin:hi - begin] = data[lo - start:hi - start]
+    return out

@@ -1,23 +1,32 @@
-"""Rank side of a save: who writes which tensor, and the shard file format.
+"""Rank side of a save: which slices this rank writes, and the shard file format.
 
-Protocol: at a checkpoint step every rank calls `owned_by(rank, ...)` (pure, identical on
-every rank, no communication) to learn which replicated tensors it writes, then
-`write_shard(...)`, which returns a `ShardReceipt` that the rank hands to the controller.
-The controller commits the manifest once every rank's receipt is in (`ckpt.commit`).
+Protocol: at a checkpoint step every rank (through `ckpt.writer.ShardWriter`) calls
+`slices_to_write(slices)` on the `TensorSlice`s its engine holds (pure, a function of each
+slice alone, so every replica agrees without communication), then `write_slices(...)`,
+which writes one immutable shard file and returns a `ShardReceipt` for the controller.
+The controller commits the manifest once every rank's receipt is in and their chunks tile
+every tensor (`ckpt.manifest.merge_receipts`).
 
-A shard file is the raw bytes of its tensors back to back (never pickle); each chunk's
-byte range and CRC32 live in the receipt and then in the manifest.
+A shard file is raw row-major bytes of its chunks back to back, each chunk starting at an
+`ALIGN`-byte boundary (zero padding between), never pickle. Offsets, lengths and per-block
+CRC32s live in the receipt and then in the manifest.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 import zlib
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
+from ckpt.blocks import ALIGN, BLOCK_BYTES, block_crcs, check_block_bytes
 from ckpt.manifest import Chunk, ShardReceipt, TensorEntry, step_dir
 from ckpt.storage import Storage
+from trainer.state_slices import TensorSlice, whole
+
+SPLIT_BYTES = 4 * BLOCK_BYTES  # replicated slices at least this large are written in row bands by all replicas
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -31,58 +40,116 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
 
 
-def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return raw.view(dtype_from_name(dtype)).reshape(shape).clone()
+def _greedy(sizes: Sequence[tuple[Hashable, int]], bins: int) -> dict[Hashable, int]:
+    """Largest first onto the least-loaded bin; ties broken by key order and bin index."""
+    load = [(0, b) for b in range(bins)]
+    out = {}
+    for key, size in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        used, target = heapq.heappop(load)
+        out[key] = target
+        heapq.heappush(load, (used + size, target))
+    return out
 
 
 def owned_by(rank: int, world_size: int, sizes: dict[str, int]) -> set[str]:
-    """Names of replicated tensors that `rank` writes: each written once, bytes spread evenly.
+    """Names of tensors replicated on all `world_size` ranks that `rank` writes: each once, bytes spread evenly.
 
-    Greedy largest-first onto the least-loaded rank; ties broken by name and rank so every
-    rank computes the same assignment without talking to the others.
+    Needs every rank to pass the same `sizes` (whole-tensor DDP state); `slices_to_write`
+    is the general rule for slices.
     """
-    load = [0] * world_size
-    mine: set[str] = set()
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        target = min(range(world_size), key=lambda r: (load[r], r))
-        load[target] += sizes[name]
-        if target == rank:
-            mine.add(name)
-    return mine
+    return {name for name, owner in _greedy(list(sizes.items()), world_size).items() if owner == rank}
+
+
+def slices_to_write(slices: Iterable[TensorSlice], split_bytes: int = SPLIT_BYTES) -> list[TensorSlice]:
+    """This rank's share of its slices: every element of a replicated slice is written by exactly one replica.
+
+    Each decision depends on the slice alone (its geometry and `replicas`), never on the
+    rest of the rank's slice set: two replica groups of the same size can cross at a rank
+    (ZeRO-1 optimizer state replicated over tp next to TP shards replicated over dp, with
+    dp == tp), so a set-wide greedy assignment could differ between the holders of a slice
+    and leave it unwritten or written twice.
+      * Large slices (>= `split_bytes`, at least `replicas` rows) are cut into `replicas`
+        row bands of near-equal size; replica r writes band r. The bytes that dominate a
+        checkpoint are so spread exactly evenly.
+      * Smaller ones are written whole by the replica a stable hash of their geometry picks,
+        which spreads many small slices evenly on average.
+    Unreplicated slices (replicas == 1) are written as they are.
+    """
+    mine = []
+    for piece in slices:
+        if piece.replicas == 1:
+            mine.append(piece)
+        elif piece.nbytes >= split_bytes and piece.lengths and piece.lengths[0] >= piece.replicas:
+            mine.append(_band(piece, piece.replica, piece.replicas))
+        elif zlib.crc32(repr(piece.key).encode()) % piece.replicas == piece.replica:
+            mine.append(piece)
+    return sorted(mine, key=lambda piece: piece.key)
+
+
+def _band(piece: TensorSlice, index: int, count: int) -> TensorSlice:
+    """Rows [index * n / count, (index + 1) * n / count) of the slice, as a slice of the logical tensor."""
+    rows = piece.lengths[0]
+    lo, hi = index * rows // count, (index + 1) * rows // count
+    tensor = piece.tensor[lo:hi] if piece.tensor is not None else None
+    return TensorSlice(piece.name, piece.dtype, piece.global_shape, (piece.offsets[0] + lo, *piece.offsets[1:]),
+                       (hi - lo, *piece.lengths[1:]), tensor=tensor)
 
 
 def shard_file_name(rank: int) -> str:
     return f"shard-r{rank:05d}.bin"
 
 
-def write_shard(
-    storage: Storage, step: int, rank: int, tensors: dict[str, torch.Tensor], blocking_s: float
+def _raw(tensor: torch.Tensor):
+    """The tensor's row-major bytes as a buffer (a view of a contiguous CPU copy, no pickle)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_slices(
+    storage: Storage, step: int, rank: int, written: Sequence[TensorSlice], blocking_s: float,
+    held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES,
 ) -> ShardReceipt:
-    """Write this rank's tensors (whole tensors, offsets 0) as one immutable shard file."""
+    """Write the `written` slices (with data) as this rank's immutable shard file for `step`.
+
+    `held`: every slice the rank holds, written or not; their tensors are named in the
+    receipt (without chunks) so the commit can check that somebody wrote them.
+    """
     started = time.perf_counter()
+    check_block_bytes(block_bytes)
     file = shard_file_name(rank)
-    parts: list[bytes] = []
     entries: dict[str, TensorEntry] = {}
+    for piece in [*held, *written]:
+        entries.setdefault(piece.name, TensorEntry(dtype=dtype_name(piece.dtype), shape=list(piece.global_shape)))
     offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        data = tensor_bytes(t)
-        shape = list(t.shape)
-        chunk = Chunk(
-            offsets=[0] * len(shape), lengths=shape, file=file,
-            byte_offset=offset, nbytes=len(data), crc32=zlib.crc32(data),
-        )
-        entries[name] = TensorEntry(dtype=dtype_name(t.dtype), shape=shape, chunks=[chunk])
-        parts.append(data)
-        offset += len(data)
-    storage.write_immutable(storage.path(step_dir(step), file), b"".join(parts))
+    # Streamed: the staged tensors are the only copy of the state this rank holds in memory.
+    with storage.atomic_writer(storage.path(step_dir(step), file)) as out:
+        for piece in sorted(written, key=lambda p: p.key):
+            if piece.tensor is None:
+                raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to write has no data")
+            data = _raw(piece.tensor)
+            pad = -offset % ALIGN
+            out.write(bytes(pad))
+            offset += pad
+            entries[piece.name].chunks.append(Chunk(
+                offsets=list(piece.offsets), lengths=list(piece.lengths), file=file, byte_offset=offset,
+                nbytes=len(data), block_bytes=block_bytes, block_crc32=block_crcs(data, block_bytes),
+            ))
+            out.write(data)
+            offset += len(data)
     return ShardReceipt(
         step=step, rank=rank, file=file, nbytes=offset, tensors=entries,
         blocking_s=blocking_s, write_s=time.perf_counter() - started,
     )
+
+
+def write_shard(
+    storage: Storage, step: int, rank: int, tensors: dict[str, torch.Tensor], blocking_s: float,
+    block_bytes: int = BLOCK_BYTES,
+) -> ShardReceipt:
+    """Write whole, unreplicated tensors as this rank's shard (tools and tests with no engine)."""
+    pieces = [whole(name, t) for name, t in tensors.items()]
+    return write_slices(storage, step, rank, pieces, blocking_s, block_bytes=block_bytes)

@@ -1,44 +1,73 @@
 """Where checkpoint bytes go: fsspec URLs, immutable writes and the atomic create of a manifest.
 
 Everything in `ckpt/` addresses storage through a `Storage` built from a URL, never a local
-path, so the same code writes `file://`, `s3://` and `memory://`. Two write primitives:
+path, so the same code writes `file://`, `s3://` and `memory://`. Write primitives:
 
 * `write_immutable(path, data)`: shard files. A shard path is never written twice with
   different bytes (its name carries step and rank), so a plain overwrite is safe on retry.
   A failure mid-write must not leave a file that looks complete: local files are written
-  to a temporary name and renamed; S3 `pipe_file` is a single PUT (or a multipart upload
-  aborted on error), which never exposes a prefix.
+  to a temporary name and renamed; S3 `pipe_file` is a single PUT, or a multipart upload
+  that s3fs aborts on error, and neither ever exposes a prefix.
+* `atomic_writer(path)`: the same guarantee for data written piece by piece. On S3 the
+  object is opened with `autocommit=False` and committed only when the block exits
+  cleanly, and the multipart upload is aborted otherwise: with s3fs's default
+  `autocommit=True`, an exception inside `with fs.open(p, "wb")` still closes the file
+  and so publishes the truncated bytes as the object.
 * `create_exclusive(path, data)`: the manifest commit. It succeeds for exactly one writer
   and never replaces an existing object: POSIX `link()` of a finished temp file (rename
-  would silently overwrite), S3 conditional PUT `If-None-Match: *`. A "412 / exists" is
-  reported as `AlreadyCommitted` so the caller can read back and compare: it may be its
-  own retried write.
+  would silently overwrite), S3 conditional PUT `If-None-Match: *` through `pipe_file(...,
+  mode="create")`. Not `open(p, "xb")`: on a multipart write s3fs leaves the upload
+  pending when the condition fails, while `pipe_file` aborts it. An "exists" answer (EEXIST,
+  HTTP 412) is followed by a read-back: identical bytes mean our own request landed
+  earlier (a retry whose first answer was lost) and count as success; different bytes
+  raise `AlreadyCommitted`.
+
+Listings: s3fs caches directory listings per filesystem instance, and a cached listing
+hides files that other processes wrote since (and makes `exists` answer False for them).
+Every `listdir` and `exists` here drops the cache first, and every `Storage` builds its
+own filesystem instance (`skip_instance_cache`), because fsspec otherwise hands out one
+shared, cached instance for equal arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import fsspec
 
+# s3fs's own default for pipe_file: bodies under twice this size go in one PUT.
+DEFAULT_MULTIPART_CHUNK = 50 * 2**20
+
 
 class AlreadyCommitted(FileExistsError):
-    """The object to create exists already (POSIX EEXIST, S3 412 Precondition Failed)."""
+    """The object to create exists already with other bytes (POSIX EEXIST, S3 412 Precondition Failed)."""
 
 
-def _is_precondition_failure(err: BaseException) -> bool:
-    # s3fs raises FileExistsError only when the error body names the condition; otherwise an
-    # OSError whose cause is botocore's PreconditionFailed / a 412 status.
+def is_precondition_failure(err: BaseException | None) -> bool:
+    """Whether `err` (or an exception it was raised from) says "the object exists already".
+
+    s3fs raises FileExistsError only when the 412 error body names the `If-None-Match`
+    condition; servers that omit it (SeaweedFS among them) give an OSError whose cause is
+    botocore's ClientError with code PreconditionFailed. The check reads the error code and
+    HTTP status from botocore's response, never the message text, which may carry paths.
+    """
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, FileExistsError):
             return True
-        text = f"{type(err).__name__} {err}"
-        if "PreconditionFailed" in text or "412" in text:
-            return True
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
         err = err.__cause__ or err.__context__
     return False
 
@@ -49,13 +78,12 @@ class Storage:
 
     url: str
     storage_options: dict = field(default_factory=dict)
+    # Bodies of at least twice this size go to S3 as multipart uploads; tests lower it to
+    # exercise that path with small data (S3's minimum part size is 5 MiB).
+    multipart_chunk: int = DEFAULT_MULTIPART_CHUNK
 
     def __post_init__(self) -> None:
-        # skip_instance_cache: fsspec caches filesystems by arguments, and a cached instance
-        # carries listing caches that would hide other writers' files (s3fs dircache).
-        self.fs, self.root = fsspec.core.url_to_fs(
-            self.url, skip_instance_cache=True, **self.storage_options
-        )
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **self.storage_options)
         self.root = self.root.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         self.is_s3 = bool({"s3", "s3a"} & _protocols(self.fs))
@@ -63,22 +91,63 @@ class Storage:
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
+    # -- writes ------------------------------------------------------------------------
+
     def write_immutable(self, path: str, data: bytes) -> None:
         if self.is_local:
             os.replace(_durable_temp_copy(path, data), path)
             return
+        if self.is_s3:
+            self.fs.pipe_file(path, data, chunksize=self.multipart_chunk)
+            return
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(path, data)
 
+    @contextlib.contextmanager
+    def atomic_writer(self, path: str) -> Iterator[BinaryIO]:
+        """A file to write `path` piece by piece; it appears whole when the block exits, or not at all."""
+        if self.is_local:
+            with _local_atomic_writer(path) as f:
+                yield f
+        elif self.is_s3:
+            f = self.fs.open(path, "wb", autocommit=False, block_size=max(self.multipart_chunk, 5 * 2**20))
+            try:
+                yield f
+                f.close()  # uploads the last part; the object still does not exist
+                f.commit()
+            except BaseException:
+                f.discard()  # abort the multipart upload, so no part lingers (or is billed)
+                f.closed = True  # else the file's finaliser tries to upload the discarded buffer
+                raise
+        else:
+            buffer = io.BytesIO()
+            yield buffer
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(path, buffer.getvalue())
+
     def create_exclusive(self, path: str, data: bytes) -> None:
-        """Create `path` with `data` iff it does not exist; raise AlreadyCommitted otherwise."""
+        """Create `path` with `data` iff it does not exist; raise AlreadyCommitted otherwise.
+
+        Idempotent for identical bytes: a retried create that finds its own earlier
+        attempt in place succeeds.
+        """
+        try:
+            self._create(path, data)
+        except AlreadyCommitted:
+            if self._holds(path, data):
+                return
+            raise
+        finally:
+            self.invalidate()
+
+    def _create(self, path: str, data: bytes) -> None:
         if self.is_local:
             self._create_exclusive_posix(path, data)
         elif self.is_s3:
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                self.fs.pipe_file(path, data, mode="create", chunksize=self.multipart_chunk)
             except Exception as err:
-                if _is_precondition_failure(err):
+                if is_precondition_failure(err):
                     raise AlreadyCommitted(path) from err
                 raise
         else:
@@ -87,7 +156,12 @@ class Storage:
             if self.fs.exists(path):
                 raise AlreadyCommitted(path)
             self.fs.pipe_file(path, data)
-        self.invalidate()
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        try:
+            return self.read(path) == data
+        except FileNotFoundError:
+            return False
 
     def _create_exclusive_posix(self, path: str, data: bytes) -> None:
         parent = os.path.dirname(path)
@@ -98,11 +172,9 @@ class Storage:
             raise AlreadyCommitted(path) from err
         finally:
             os.unlink(tmp)
-        dir_fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the new directory entry durable before we call it committed
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(parent)  # make the new directory entry durable before we call it committed
+
+    # -- reads -------------------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
@@ -111,6 +183,7 @@ class Storage:
         return self.fs.cat_file(path, start=start, end=end)
 
     def exists(self, path: str) -> bool:
+        self.invalidate()
         return self.fs.exists(path)
 
     def listdir(self, path: str) -> list[str]:
@@ -122,13 +195,45 @@ class Storage:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    # -- deletes -----------------------------------------------------------------------
+
+    def remove(self, path: str) -> None:
+        """Delete one file; a file that is already gone is not an error (another cleaner won)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+        self.invalidate()
+
     def remove_tree(self, path: str) -> None:
-        if self.fs.exists(path):
+        """Delete everything under `path`; missing is not an error."""
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
+        if self.is_s3:
+            # Servers with a real directory tree behind S3 (SeaweedFS's filer) keep the
+            # emptied directory and list it as a common prefix until its "dir/" key is
+            # deleted; on AWS this deletes nothing and succeeds.
+            bucket, key, _ = self.fs.split_path(path)
+            if key:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
         self.invalidate()
 
     def invalidate(self) -> None:
         self.fs.invalidate_cache()
+
+
+@contextlib.contextmanager
+def _local_atomic_writer(path: str) -> Iterator[BinaryIO]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _durable_temp_copy(path: str, data: bytes) -> str:
@@ -140,6 +245,14 @@ def _durable_temp_copy(path: str, data: bytes) -> str:
         f.flush()
         os.fsync(f.fileno())
     return tmp
+
+
+def _fsync_dir(path: str) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:

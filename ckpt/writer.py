@@ -1,9 +1,11 @@
 """A rank's checkpoint writer: stage to host memory, write in the background, report a receipt.
 
 Protocol (one instance per rank, driven by the rank's training thread only):
-  1. `save(step, tensors, extra)` at a checkpoint step. The training loop is blocked only
-     while the owned tensors are copied to host memory (the "staging"); the shard is then
-     written by a background thread (or inline when `async_save` is False).
+  1. `save(step, slices, extra)` at a checkpoint step, with the rank's `TensorSlice`s
+     (`engine.state_slices()`). `ckpt.shards.slices_to_write` picks the ones this rank
+     writes (each replicated slice by one replica, bytes spread evenly); the training loop
+     is blocked only while those are copied to host memory (the "staging"); the shard is
+     then written by a background thread (or inline when `async_save` is False).
   2. When the shard is durable, `on_receipt(receipt, extra)` is called (from the writer
      thread) so the rank can hand the receipt to the controller, which commits.
   3. `flush()` before the rank leaves, so a final save is never lost.
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-import torch
-
+from ckpt.blocks import BLOCK_BYTES
 from ckpt.manifest import ShardReceipt
-from ckpt.shards import write_shard
+from ckpt.shards import slices_to_write, write_slices
 from ckpt.storage import Storage
+from trainer.state_slices import TensorSlice
 
 
 class ShardWriter:
@@ -33,6 +35,7 @@ class ShardWriter:
         on_error: Callable[[int, BaseException], None],
         async_save: bool = True,
         fault_hook: Callable[[str, int], None] | None = None,
+        block_bytes: int = BLOCK_BYTES,
     ):
         self.storage = storage
         self.rank = rank
@@ -40,34 +43,37 @@ class ShardWriter:
         self.on_error = on_error
         self.async_save = async_save
         self.fault_hook = fault_hook  # chaos points "during_stage" and "during_shard_write"
+        self.block_bytes = block_bytes
         self.waited = 0
         self._thread: threading.Thread | None = None
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], extra: dict) -> float:
-        """Stage `tensors` and start writing; return the seconds the caller was blocked."""
+    def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float:
+        """Stage this rank's share of `slices` and start writing; return the seconds the caller was blocked."""
         started = time.perf_counter()
         if self._thread is not None and self._thread.is_alive():
             self.waited += 1
             self._thread.join()
-        staged = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+        held = [piece.with_tensor(None) for piece in slices]
+        staged = [_stage(piece) for piece in slices_to_write(slices)]
         if self.fault_hook is not None:
             self.fault_hook("during_stage", step)
         blocking_s = time.perf_counter() - started
         if not self.async_save:
-            self._write(step, staged, extra, blocking_s, started)
+            self._write(step, staged, held, extra, blocking_s, started)
             return time.perf_counter() - started
         self._thread = threading.Thread(
-            target=self._write, args=(step, staged, extra, blocking_s, started),
+            target=self._write, args=(step, staged, held, extra, blocking_s, started),
             name=f"ckpt-writer-r{self.rank}", daemon=True,
         )
         self._thread.start()
         return blocking_s
 
-    def _write(self, step: int, staged: dict, extra: dict, blocking_s: float, started: float) -> None:
+    def _write(self, step: int, staged: list, held: list, extra: dict, blocking_s: float, started: float) -> None:
         try:
             if self.fault_hook is not None:
                 self.fault_hook("during_shard_write", step)
-            receipt = write_shard(self.storage, step, self.rank, staged, blocking_s)
+            receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
+                                   block_bytes=self.block_bytes)
         except BaseException as err:  # reported, never raised into a dead thread
             self.on_error(step, err)
             return
@@ -79,3 +85,10 @@ class ShardWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def _stage(piece: TensorSlice) -> TensorSlice:
+    # A copy even of CPU tensors: training goes on mutating the originals while the shard is written.
+    if piece.tensor is None:
+        raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to save has no data")
+    return piece.with_tensor(piece.tensor.detach().to("cpu", copy=True))

@@ -3,6 +3,8 @@
     undying run JOB.yaml [--set key.path=value ...] [--report PATH] [--timeline PNG] [--address ADDR]
     undying validate JOB.yaml [--set ...]
     undying plan JOB.yaml --gpus N [--gpu h200] [--json]
+    undying ckpt ls|verify|export|gc URL [--storage-option KEY=VALUE ...]   (see orchestrator/ckpt_cmd.py)
+    undying chaos [sweep] JOB.yaml [--mtbf 30s] [--kind K] [--seed N] ...     (see orchestrator/chaos_cmd.py)
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
 spec or the cluster cannot run the job as written (nothing was started). User mistakes
@@ -38,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="device kind (default h100; cpu measures this machine)")
     plan.add_argument("--json", dest="as_json", action="store_true", help="print the whole plan as JSON")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    from orchestrator.ckpt_cmd import add_ckpt_parser  # here, not at the top: ckpt_cmd imports this module
+
+    add_ckpt_parser(sub)
+    from orchestrator.chaos_cmd import add_chaos_parser
+
+    add_chaos_parser(sub)
     return parser
 
 
@@ -64,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "ckpt":  # works on a checkpoint root; no spec involved
+        from orchestrator.ckpt_cmd import ckpt_main
+
+        return ckpt_main(args)
+    if args.command == "chaos":  # its own spec handling: reference run, overrides from its flags
+        from orchestrator.chaos_cmd import chaos_main
+
+        return chaos_main(args)
     if args.command == "plan":  # planning needs no storage: only the spec is checked
         from orchestrator.plan_cmd import plan_main
 

@@ -4,7 +4,9 @@ Protocol: the controller feeds every `receipt` event of the current generation t
 `on_receipt`; when the receipts of all `world_size` ranks for a step are in, the manifest
 is committed (ckpt.catalog) and the step becomes the newest restore point. Receipts of an
 older generation never arrive here (the generation's store prefix is dropped). A pending
-step that a newer commit overtook can never complete usefully and is dropped.
+step that a newer commit overtook can never complete usefully and is dropped. A step whose
+shards do not tile every logical tensor exactly (ckpt.manifest.merge_receipts) is refused,
+logged as an error and kept in `rejected`: such a state must never become a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
+from ckpt.errors import IncompleteCheckpoint
 from ckpt.manifest import ShardReceipt
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class Committer:
         self.keep = keep
         self.pending: dict[int, PendingSave] = {}
         self.latest: int | None = None
+        self.rejected: dict[int, str] = {}  # step -> why its shards could not be committed
 
     def reset(self, latest: int | None) -> None:
         """Start of a generation: nothing is pending; `latest` is the restore point."""
@@ -64,7 +68,13 @@ class Committer:
         del self.pending[receipt.step]
         if self.latest is not None and receipt.step <= self.latest:
             return None
-        return self._commit(save, generation, layout, extra_state())
+        try:
+            return self._commit(save, generation, layout, extra_state())
+        except IncompleteCheckpoint as err:
+            self.rejected[save.step] = str(err)
+            log.error("checkpoint step %d NOT committed: the shards of the %d ranks do not form a complete "
+                      "checkpoint: %s", save.step, len(save.receipts), err)
+            return None
 
     def _commit(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Commit:
         receipts = list(save.receipts.values())

@@ -18,7 +18,6 @@ from chaos.injector import FaultInjector
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
 from orchestrator.ckpt_plan import CheckpointPlan
-from orchestrator.rank_state import tensors_to_save
 from orchestrator.rendezvous import PLAN, GenerationStore, heartbeat_key
 
 
@@ -93,7 +92,7 @@ class RankLoop:
                 completed = self.engine.next_step
                 if plan.should_save(completed):
                     extra = {"engine": self.engine.state_meta()} if self.rank == 0 else {}
-                    writer.save(completed, tensors_to_save(self.engine, self.rank, self.world_size), extra)
+                    writer.save(completed, self.engine.state_slices(), extra)
         finally:
             writer.flush()  # a save started before an error still lands; it commits only if complete
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,

@@ -1,14 +1,16 @@
 """Glue between a rank's engine and the checkpoint library: build, save-set, restore.
 
-Called on a rank only (inside `RankActor`). Replicated data-parallel state is written once
-across the ranks (`ckpt.shards.owned_by`), and read back whole by every rank.
+Called on a rank only (inside `RankActor`). A save hands `engine.state_slices()` to the
+rank's `ckpt.writer.ShardWriter`, which writes this rank's share (replicated slices once
+across their replicas). A restore reads, from whatever layout wrote the checkpoint, exactly
+the slices this rank's layout needs (`engine.wanted_slices()`), and loads them; no
+collectives, no other rank involved.
 """
 
 from __future__ import annotations
 
 from ckpt.catalog import Catalog
-from ckpt.reader import load_checkpoint
-from ckpt.shards import owned_by
+from ckpt.reader import read_manifest, read_slices
 from ckpt.storage import Storage
 
 
@@ -28,17 +30,17 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
     )
 
 
-def tensors_to_save(engine, rank: int, world_size: int) -> dict:
-    """The subset of the engine's (replicated) state that this rank writes."""
-    state = engine.state_tensors()
-    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
-    mine = owned_by(rank, world_size, sizes)
-    return {name: state[name] for name in mine}
-
-
 def load_engine_state(spec, engine, step: int) -> dict:
-    """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state."""
-    tensors, manifest = load_checkpoint(catalog_for(spec), step)
-    engine_tensors = {k: v for k, v in tensors.items()}
-    engine.load_state(engine_tensors, manifest.state["engine"])
+    """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
+
+    Raises ckpt.errors.CorruptCheckpoint when the checkpoint cannot be read back intact
+    (the controller then falls back to the previous committed one).
+    """
+    catalog = catalog_for(spec)
+    manifest = read_manifest(catalog, step)
+    # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
+    # first step has no optimizer state (fine), a missing parameter is an error it names.
+    wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
+    slices = read_slices(catalog, step, wanted, manifest=manifest)
+    engine.load_slices(slices, manifest.state["engine"])
     return manifest.state

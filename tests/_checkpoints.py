@@ -1,0 +1,53 @@
+"""Small checkpoints for the checkpoint tests: a state of every dtype, saved by several ranks
+through the real writer and committed through the real catalog, and a storage-agnostic way
+to damage a committed shard."""
+
+from __future__ import annotations
+
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.manifest import step_dir
+from ckpt.shards import owned_by, write_shard
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model/w": torch.randn(8, 4, generator=g),
+        "model/b": torch.randn(4, generator=g),
+        "model/half": torch.randn(5, generator=g).to(torch.bfloat16),
+        "model/emb.weight": torch.randn(3, 2, 2, generator=g).to(torch.float16),
+        "optim/w/step": torch.tensor(3.0),
+        "optim/w/exp_avg": torch.randn(8, 4, generator=g),
+        "ids": torch.arange(7, dtype=torch.int64),
+    }
+
+
+def save_checkpoint(catalog: Catalog, step: int, state: dict[str, torch.Tensor], world: int = 3) -> None:
+    """Every rank writes its shard, then the controller commits (as a job does)."""
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    receipts = []
+    for rank in range(world):
+        mine = {n: state[n] for n in owned_by(rank, world, sizes)}
+        receipts.append(write_shard(catalog.storage, step, rank, mine, blocking_s=0.0))
+    catalog.commit(job="j", step=step, generation=0, layout={"dp": world, "tp": 1, "pp": 1, "zero": 0},
+                   spec_hash="h", receipts=receipts, state={"engine": {"next_step": step}})
+
+
+def shard_path(catalog: Catalog, step: int, file: str) -> str:
+    return catalog.storage.path(step_dir(step), file)
+
+
+def shard_of(catalog: Catalog, step: int, tensor: str) -> str:
+    """The shard file that holds (the first chunk of) `tensor` in committed checkpoint `step`."""
+    return catalog.read_manifest(step).tensors[tensor].chunks[0].file
+
+
+def flip_bit(catalog: Catalog, step: int, file: str, offset: int = 3) -> None:
+    """Flip one bit of a committed shard in place, on any storage (a silent media error)."""
+    path = shard_path(catalog, step, file)
+    data = bytearray(catalog.storage.read(path))
+    data[offset] ^= 0x40
+    catalog.storage.fs.pipe_file(path, bytes(data))
+    catalog.storage.invalidate()

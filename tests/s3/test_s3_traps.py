@@ -1,0 +1,106 @@
+"""The s3fs and S3 behaviours that `ckpt.storage` works around, each checked against the real
+server: a 412 answered without the condition in its body, multipart uploads left pending,
+truncated objects published by an exception inside `open(..., "wb")`, and stale listings."""
+
+from __future__ import annotations
+
+import pytest
+from botocore.exceptions import ClientError
+
+from ckpt.manifest import step_dir
+from ckpt.storage import AlreadyCommitted, Storage, is_precondition_failure
+from tests.s3._seaweed import BUCKET
+
+pytestmark = pytest.mark.s3
+MiB = 2**20
+
+
+def _storage(backend, **kw) -> Storage:
+    return Storage(backend.url, backend.storage_options, **kw)
+
+
+def _pending_uploads(storage: Storage, path: str) -> list[str]:
+    _, key, _ = storage.fs.split_path(path)
+    listing = storage.fs.call_s3("list_multipart_uploads", Bucket=BUCKET)
+    return [u["UploadId"] for u in listing.get("Uploads", []) if u["Key"] == key]
+
+
+def test_a_412_without_the_condition_in_its_body_is_already_committed(s3_backend):
+    storage = _storage(s3_backend)
+    path = storage.path(step_dir(1), "manifest.json")
+    storage.create_exclusive(path, b"mine")
+    with pytest.raises(AlreadyCommitted) as caught:
+        storage.create_exclusive(path, b"theirs")
+    # What s3fs raised underneath: an OSError from botocore's PreconditionFailed (this server
+    # does not name the condition), which must still read as "exists".
+    assert is_precondition_failure(caught.value.__cause__)
+    assert storage.read(path) == b"mine"
+
+
+def test_precondition_check_reads_codes_not_message_text():
+    def client_error(code: str, status: int, message: str) -> OSError:
+        err = OSError(22, message)
+        err.__cause__ = ClientError({"Error": {"Code": code, "Message": message},
+                                     "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+        return err
+
+    assert is_precondition_failure(client_error("PreconditionFailed", 412, "At least one pre-condition failed"))
+    assert is_precondition_failure(FileExistsError("exists"))
+    # A path with "412" in it, or a message that mentions a precondition, is not a 412.
+    assert not is_precondition_failure(client_error("InternalError", 500, "step-000000412/manifest.json"))
+    assert not is_precondition_failure(OSError(5, "PreconditionFailed talk in a 503 body"))
+
+
+def test_multipart_create_over_an_existing_object_fails_and_leaves_no_upload(s3_backend):
+    storage = _storage(s3_backend, multipart_chunk=5 * MiB)
+    path = storage.path(step_dir(2), "manifest.json")
+    big = bytes(range(256)) * (12 * MiB // 256)  # 12 MiB: three parts of 5, 5 and 2 MiB
+    storage.create_exclusive(path, b"small")
+    with pytest.raises(AlreadyCommitted):
+        storage.create_exclusive(path, big)
+    assert storage.read(path) == b"small"
+    assert _pending_uploads(storage, path) == []
+
+
+def test_multipart_create_is_exclusive_and_a_retry_with_the_same_bytes_succeeds(s3_backend):
+    storage = _storage(s3_backend, multipart_chunk=5 * MiB)
+    path = storage.path(step_dir(3), "manifest.json")
+    big = bytes(range(256)) * (11 * MiB // 256)
+    storage.create_exclusive(path, big)
+    storage.create_exclusive(path, big)
+    with pytest.raises(AlreadyCommitted):
+        storage.create_exclusive(path, big[:-1] + b"!")
+    assert storage.read(path) == big
+    assert _pending_uploads(storage, path) == []
+
+
+def test_a_writer_that_raises_mid_write_leaves_no_object_and_no_upload(s3_backend):
+    storage = _storage(s3_backend, multipart_chunk=5 * MiB)
+    path = storage.path(step_dir(4), "shard-r00000.bin")
+    with pytest.raises(RuntimeError, match="killed"), storage.atomic_writer(path) as f:
+        f.write(b"a" * (6 * MiB))  # more than one part: a part is on the server already
+        f.flush()
+        raise RuntimeError("rank killed mid-write")
+    assert not storage.exists(path)
+    assert _pending_uploads(storage, path) == []
+    assert not Storage(s3_backend.url, s3_backend.storage_options).exists(path)
+
+
+def test_atomic_writer_writes_multipart_objects_whole(s3_backend):
+    storage = _storage(s3_backend, multipart_chunk=5 * MiB)
+    path = storage.path(step_dir(5), "shard-r00000.bin")
+    parts = [bytes([i]) * (3 * MiB) for i in range(4)]
+    with storage.atomic_writer(path) as f:
+        for part in parts:
+            f.write(part)
+    assert storage.read(path) == b"".join(parts)
+    assert storage.read_range(path, 3 * MiB - 2, 3 * MiB + 2) == b"\x00\x00\x01\x01"
+    assert _pending_uploads(storage, path) == []
+
+
+def test_shards_are_not_written_into_a_missing_bucket(s3_server):
+    # A missing bucket is a typo in the URL; creating it would hide the mistake.
+    storage = Storage("s3://no-such-bucket-undying/job", s3_server.storage_options)
+    with pytest.raises(FileNotFoundError):
+        storage.write_immutable(storage.path(step_dir(1), "shard-r00000.bin"), b"x")
+    assert not s3_server.filesystem().exists("no-such-bucket-undying")

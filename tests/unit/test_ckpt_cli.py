@@ -1,0 +1,204 @@
+"""`undying ckpt ls|verify|export|gc` on file:// checkpoints written by the real writer and catalog.
+
+The same commands against a real S3 server are in tests/s3/test_ckpt_cli_s3.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ckpt.catalog import Catalog
+from ckpt.export import export_safetensors
+from ckpt.shards import write_shard
+from ckpt.storage import Storage
+from orchestrator.cli import main
+from tests._checkpoints import flip_bit, make_state, save_checkpoint, shard_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["ckpt", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def job(tmp_path) -> tuple[str, Catalog]:
+    """A job root with committed steps 10, 20, 30 and unfinished saves 15 (stale) and 35 (newer)."""
+    url = f"file://{tmp_path}/ckpt/myjob"
+    catalog = Catalog(Storage(url))
+    for step in (10, 20, 30):
+        save_checkpoint(catalog, step, make_state(step))
+    for step in (15, 35):
+        write_shard(catalog.storage, step, 0, make_state(), blocking_s=0.0)
+    return url, catalog
+
+
+def _one_line_error(err: str, *needles: str) -> None:
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_ls_lists_committed_checkpoints_as_a_table(capsys, job):
+    url, _ = job
+    code, out, err = run(capsys, "ls", url)
+    assert code == 0 and not err
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2].isdigit()]
+    assert [r[0] for r in rows] == ["10", "20", "30"]
+    assert all(" ".join(r[1:5]) == "dp3 tp1 pp1 zero0" for r in rows)
+    assert "KiB" in out or " B" in out
+    assert "unfinished saves (no manifest): steps 15" in out
+    assert "steps 35" in out
+
+
+def test_ls_accepts_a_plain_path(capsys, job, tmp_path):
+    code, out, _ = run(capsys, "ls", str(tmp_path / "ckpt" / "myjob"))
+    assert code == 0 and "3 committed checkpoint(s)" in out
+
+
+def test_ls_of_checkpoint_url_without_the_job_name_points_at_the_job(capsys, job, tmp_path):
+    code, _, err = run(capsys, "ls", f"file://{tmp_path}/ckpt")
+    assert code == 2
+    _one_line_error(err, "holds job directories", f"file://{tmp_path}/ckpt/myjob")
+
+
+def test_bad_locations_exit_2_with_one_line(capsys, tmp_path):
+    code, _, err = run(capsys, "ls", str(tmp_path / "nothing-here"))
+    assert code == 2
+    _one_line_error(err, "does not exist", "<checkpoint.url>/<job name>")
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "verify", str(tmp_path / "empty"))
+    assert code == 2
+    _one_line_error(err, "has no checkpoints")
+    code, _, err = run(capsys, "ls", "nosuchproto://bucket/x")
+    assert code == 2
+    _one_line_error(err, "unknown or unavailable protocol")
+    code, _, err = run(capsys, "ls", str(tmp_path), "--storage-option", "endpoint_url")
+    assert code == 2
+    _one_line_error(err, "--storage-option expects KEY=VALUE")
+
+
+def test_only_unfinished_saves_is_an_error_that_says_so(capsys, tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/job"))
+    write_shard(catalog.storage, 5, 0, make_state(), blocking_s=0.0)
+    code, _, err = run(capsys, "gc", str(tmp_path / "job"))
+    assert code == 2
+    _one_line_error(err, "no committed checkpoint", "steps 5")
+    assert catalog.all_steps() == [5]
+
+
+def test_verify_passes_intact_checkpoints(capsys, job):
+    url, _ = job
+    code, out, err = run(capsys, "verify", url)
+    assert code == 0 and not err
+    assert [line.split(":")[0] for line in out.splitlines()] == ["step 10", "step 20", "step 30"]
+    assert all(": ok (" in line for line in out.splitlines())
+
+
+def test_verify_names_the_shard_with_a_flipped_bit(capsys, job):
+    url, catalog = job
+    bad_file = shard_of(catalog, 20, "model/w")
+    flip_bit(catalog, 20, bad_file)
+    code, out, err = run(capsys, "verify", url)
+    assert code == 1
+    assert "step 10: ok" in out and "step 30: ok" in out
+    assert "step 20: CORRUPT" in out and bad_file in out
+    assert "1 of 3" in err and bad_file in err and "Traceback" not in err
+    code, out, _ = run(capsys, "verify", url, "--step", "30")
+    assert code == 0 and out.startswith("step 30: ok")
+    code, _, err = run(capsys, "verify", url, "--step", "20")
+    assert code == 1 and bad_file in err
+
+
+def test_verify_of_a_step_that_is_not_committed(capsys, job):
+    url, _ = job
+    code, _, err = run(capsys, "verify", url, "--step", "15")
+    assert code == 2
+    _one_line_error(err, "--step 15", "committed steps: 10, 20, 30")
+
+
+def _saved_model(step: int) -> dict[str, torch.Tensor]:
+    return {name.removeprefix("model/"): t for name, t in make_state(step).items() if name.startswith("model/")}
+
+
+def test_export_writes_the_model_tensors_as_safetensors(capsys, job, tmp_path):
+    url, _ = job
+    out_file = tmp_path / "model.safetensors"
+    code, out, err = run(capsys, "export", url, "--step", "20", "--out", str(out_file))
+    assert code == 0 and not err and "4 tensors of step 20" in out
+    loaded = load_file(str(out_file))  # the reference reader
+    expected = _saved_model(20)
+    assert set(loaded) == set(expected) == {"w", "b", "half", "emb.weight"}
+    for name, t in expected.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    with safe_open(str(out_file), "pt") as f:
+        assert f.metadata()["undying.step"] == "20"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_export_defaults_to_the_newest_and_reads_in_bounded_batches(capsys, job, tmp_path):
+    url, catalog = job
+    code, out, _ = run(capsys, "export", url, "--out", str(tmp_path / "newest.safetensors"))
+    assert code == 0 and "of step 30" in out
+    loaded = load_file(str(tmp_path / "newest.safetensors"))
+    assert all(torch.equal(loaded[n], t) for n, t in _saved_model(30).items())
+    # One tensor per batch: the same file, byte for byte.
+    export_safetensors(catalog, 30, str(tmp_path / "batched.safetensors"), batch_bytes=1)
+    assert (tmp_path / "batched.safetensors").read_bytes() == (tmp_path / "newest.safetensors").read_bytes()
+
+
+def test_export_of_a_damaged_checkpoint_writes_nothing(capsys, job, tmp_path):
+    url, catalog = job
+    flip_bit(catalog, 30, shard_of(catalog, 30, "model/w"))
+    out_file = tmp_path / "model.safetensors"
+    code, _, err = run(capsys, "export", url, "--out", str(out_file))
+    assert code == 1 and "damaged" in err and "Traceback" not in err
+    assert not out_file.exists() and [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_export_bad_arguments(capsys, job, tmp_path):
+    url, _ = job
+    code, _, err = run(capsys, "export", url, "--out", str(tmp_path / "no" / "dir" / "m.safetensors"))
+    assert code == 2
+    _one_line_error(err, "--out", "does not exist")
+    code, _, err = run(capsys, "export", url, "--out", str(tmp_path / "m.safetensors"), "--prefix", "weights/")
+    assert code == 2
+    _one_line_error(err, "--prefix 'weights/'", "model/", "optim/")
+    code, _, err = run(capsys, "export", url, "--step", "25", "--out", str(tmp_path / "m.safetensors"))
+    assert code == 2
+    _one_line_error(err, "--step 25")
+
+
+def test_gc_keeps_the_newest_and_deletes_stale_unfinished_saves(capsys, job):
+    url, catalog = job
+    code, out, _ = run(capsys, "gc", url, "--keep", "2", "--dry-run")
+    assert code == 0 and "would delete committed checkpoints: steps 10" in out
+    assert "would delete unfinished saves: steps 15" in out
+    assert catalog.all_steps() == [10, 15, 20, 30, 35]
+    code, out, _ = run(capsys, "gc", url, "--keep", "2")
+    assert code == 0 and "deleted committed checkpoints: steps 10" in out and "kept: steps 20, 30" in out
+    assert catalog.all_steps() == [20, 30, 35]  # 35 is newer than the newest commit: maybe in flight
+    code, out, _ = run(capsys, "gc", url, "--keep", "1")
+    assert code == 0 and catalog.committed_steps() == [30]
+    code, out, _ = run(capsys, "gc", url, "--keep", "1")
+    assert code == 0 and "nothing to delete" in out
+    code, _, err = run(capsys, "gc", url, "--keep", "0")
+    assert code == 2
+    _one_line_error(err, "--keep 0", "at least 1")
+    assert catalog.committed_steps() == [30]
+
+
+def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "ckpt", "ls", str(tmp_path / "missing")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    _one_line_error(result.stderr, "undying ckpt ls:", "does not exist")
