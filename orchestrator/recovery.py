@@ -24,15 +24,27 @@ from chaos.schedule import expand
 from orchestrator.errors import collapse, normalise
 from orchestrator.policies import FailureSummary
 from orchestrator.states import Failure, State
+from orchestrator.worker_group import PlacementError
 
 # Random failures are drawn up to this many job seconds ahead (a day).
 CHAOS_HORIZON_S = 24 * 3600.0
+# A new checkpoint cadence starts this many steps after the fastest rank's current step.
+REPLAN_LEAD_STEPS = 3
 
 
 class RecoveryMixin:
     def _schedule_timed_faults(self) -> None:
-        """Expand the chaos schedule once the ranks' nodes are known (chaos.schedule)."""
-        nodes = sorted({n for r in range(self.world_size) if (n := self.workers.node_of(r))})
+        """Expand the chaos schedule once the ranks' nodes are known (chaos.schedule).
+
+        Random node kills target the ranks' nodes except the controller's own: losing that node
+        is losing the controller (kill_controller's job), not a node failure the job survives."""
+        here = self.workers.controller_node()
+        nodes = sorted({n for r in range(self.world_size) if (n := self.workers.node_of(r))} - {here})
+        chaos = self.spec.chaos
+        if chaos.mtbf_s is not None and chaos.mtbf_kind == "kill_node" and not nodes:
+            raise PlacementError("chaos.mtbf_kind=kill_node: every rank runs on the controller's node, so a node "
+                                 "kill would kill the controller; run on a multi-node cluster, or use "
+                                 "mtbf_kind: kill_rank")
         events = expand(self.spec.chaos, horizon_s=CHAOS_HORIZON_S, nodes=nodes, ranks=self.world_size)
         self.timed = sorted((e for e in events if e.at_seconds is not None), key=lambda e: (e.at_seconds, e.id))
         self.timed_next = 0
@@ -58,6 +70,12 @@ class RecoveryMixin:
                                  f"{str(event.node)[:12]} skipped: no rank runs there now")
                     continue
                 rank = on_node[0]
+            if rank not in self.workers.actors:
+                # After a shrink the job may have fewer ranks than the schedule was drawn for: say
+                # so, or the experiment would believe a failure was injected.
+                self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {event.kind} of rank {rank} "
+                             f"skipped: the job runs {self.world_size} rank(s) now")
+                continue
             self.workers.inject(rank, dict(event.fault, rank=rank))
 
     def _armed_faults(self) -> list[dict]:
@@ -98,6 +116,7 @@ class RecoveryMixin:
         self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
                                   commit.total_s, self.interval_policy.interval_s())
         self.metrics.on_interval_inputs(self.interval_policy.inputs.snapshot())
+        self._maybe_replan()
         self.just_committed = commit.step
 
     def _failure_from(self, outcomes):
@@ -118,6 +137,21 @@ class RecoveryMixin:
         kind = "rank_died" if died else "rank_error"
         return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""),
                        step=culprit.info.get("step", self._current_step()))
+
+    def _maybe_replan(self) -> None:
+        """After a commit: publish a new cadence when the measured costs moved it by over 20%.
+
+        The first plan (at restore) knows no save cost yet and probes; this is where a
+        time-based interval (young, young-daly, every_seconds) takes effect. The new anchor is
+        ahead of the fastest rank, so ranks picking the plan up at slightly different steps
+        still agree on every save step after it."""
+        every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
+        if abs(every - self.plan_every) <= 0.2 * self.plan_every:
+            return
+        anchor = max(self.committer.latest or 0, (self._current_step() or 0) + REPLAN_LEAD_STEPS)
+        self._publish_plan(anchor)
+        self.printer(f"[{self.record.job_seconds():7.2f}s] checkpoint cadence: every {self.plan_every} steps "
+                     f"from step {anchor} (interval {self.interval_policy.interval_s() or 0:.1f} s)")
 
     def _node_failure(self) -> Failure:
         """A rank reported its node's raylet gone (RankActor's node watchdog)."""

@@ -37,23 +37,53 @@ class LocalCluster:
 
         self.cpus_per_node = cpus_per_node
         self.temp_dir = tempfile.mkdtemp(prefix="rmn-", dir="/tmp")  # short: socket paths have a limit
-        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args={
-            "num_cpus": 0, "gcs_server_port": _free_port(), "temp_dir": self.temp_dir,
-            "include_dashboard": False, **_ports(),
+        self.cluster = Cluster(initialize_head=False, shutdown_at_exit=False)
+        self._start(lambda: self.cluster.add_node(
+            num_cpus=0, gcs_server_port=_free_port(), temp_dir=self.temp_dir, include_dashboard=False, **_ports(),
             # Ray re-places a lost node's placement-group bundles once the GCS declares the node
             # dead; a 1 s health check (default 3 s x 5) keeps the grow-back tests short. The
             # controller's own node-loss detection does not depend on it.
-            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 5},
-        })
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
         self.nodes = [self.add_node() for _ in range(nodes)]
+
+    def _start(self, start, attempts: int = 3):
+        """Start a node, retrying: Ray gives a raylet a fixed 30 s to register, which a loaded
+        2-core machine can miss. A failed attempt's processes are found by our temp dir and
+        killed by PID."""
+        for attempt in range(attempts):
+            known = {pid for node in self._all_nodes() for pid in self.node_pids(node)}
+            try:
+                return start()
+            except Exception:
+                for pid in self._pids_under_temp_dir() - known:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                if attempt == attempts - 1:
+                    raise
+
+    def _all_nodes(self) -> list:
+        return [n for n in [self.cluster.head_node, *self.cluster.worker_nodes] if n is not None]
+
+    def _pids_under_temp_dir(self) -> set[int]:
+        marker = self.temp_dir.encode()
+        found = set()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                        if marker in handle.read():
+                            found.add(int(entry))
+                except OSError:
+                    continue
+        return found
 
     @property
     def address(self) -> str:
         return self.cluster.address
 
     def add_node(self):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node, resources={SLOT: self.cpus_per_node}, **_ports())
-        return node
+        return self._start(lambda: self.cluster.add_node(
+            num_cpus=self.cpus_per_node, resources={SLOT: self.cpus_per_node}, **_ports()))
 
     def node_pids(self, node) -> list[int]:
         return [info.process.pid for infos in node.all_processes.values() for info in infos]
@@ -91,8 +121,8 @@ class LocalCluster:
             self.nodes.append(self.add_node())
 
     def shutdown(self) -> None:
-        every = [self.cluster.head_node, *self.cluster.worker_nodes]
-        pids = [pid for node in every if node is not None for pid in self.node_pids(node)]
+        pids = [pid for node in self._all_nodes() for pid in self.node_pids(node)]
+        pids += sorted(self._pids_under_temp_dir())
         try:
             self.cluster.shutdown()
         finally:

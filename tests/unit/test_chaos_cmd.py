@@ -95,3 +95,49 @@ def test_usage_mistakes_exit_2_before_anything_runs(tmp_path, capsys):
     bad = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s,soon"])
     assert chaos_main(bad, runner=runner) == EXIT_USAGE
     assert "'soon'" in capsys.readouterr().err and runner.names == []
+
+
+def test_sweep_runs_each_interval_under_the_same_failures_and_writes_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from monitor.report import CheckpointRecord, FailureRecord, LossPoint
+
+    seen = []
+
+    def runner(spec, *, address, report_path) -> RunOutcome:
+        seen.append(spec)
+        every = spec.checkpoint.every_steps or 8
+        report = RunReport(
+            job=spec.name, final_step=spec.train.steps, status="succeeded",
+            losses=[LossPoint(step=s, loss=1.0, time=10.0 + 0.25 * s) for s in range(spec.train.steps)],
+            checkpoints=[CheckpointRecord(step=s, committed_at=10.0 + 0.25 * s, bytes=1, blocking_s=0.1, total_s=0.2)
+                         for s in range(every, spec.train.steps + 1, every)],
+            failures=[FailureRecord(time=30.0, kind="kill_rank", rank=1, detected_after_s=0.05,
+                                    recovered_after_s=3.0, first_step_after_s=3.2)],
+            goodput=GoodputSummary.from_totals({"productive": 40.0 - abs(every - 16) / 10, "startup": 10.0,
+                                                "lost_work": 2.0}))
+        return RunOutcome(EXIT_OK, report, {}, wall_s=60.0)
+
+    args = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "120s", "--kind", "kill_rank",
+                                 "--intervals", "1s,4s,young", "--set", "chaos.faults=[]",
+                                 "--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--set", "train.steps=40",
+                                 "--out", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "sweep.png")])
+    assert chaos_main(args, runner=runner) == EXIT_OK
+    assert [s.name for s in seen] == ["demo.sweep-calibrate", "demo.sweep-1s", "demo.sweep-4s", "demo.sweep-young"]
+    assert [s.checkpoint.every_steps for s in seen[1:]] == [4, 16, None]  # 0.25 s per step, measured
+    assert seen[1].chaos == seen[2].chaos == seen[3].chaos and seen[0].chaos.mtbf_s is None
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["label"] for r in saved["rows"]] == ["1s", "4s", "young"] and saved["system_mtbf_s"] == 30.0
+    assert saved["summary"]["best_fixed"]["label"] == "4s"
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "tau* = sqrt(2 C M) = 2.4 s" in capsys.readouterr().out  # sqrt(2 * 0.1 * 30)
+
+
+def test_random_node_kills_never_target_the_controllers_node(tmp_path):
+    from ckpt.storage import Storage
+    from orchestrator.rendezvous import RendezvousServer
+    from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+
+    rendezvous = RendezvousServer("127.0.0.1")
+    spec = _spec(tmp_path, chaos={"mtbf_s": 5, "mtbf_kind": "kill_node"})  # every fake rank runs on "head"
+    report = _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, []).run()
+    assert report.status == "failed" and "would kill the controller" in report.error and not report.failures

@@ -319,3 +319,15 @@ def test_time_triggered_fault_is_fired_by_the_controller(tmp_path, rendezvous):
     assert report.status == "succeeded", report.error
     [failure] = report.failures
     assert failure.kind == "kill_rank" and failure.rank == 1 and failure.detected_after_s is not None
+
+
+def test_measured_save_cost_sets_the_young_cadence_after_the_first_commit(tmp_path, rendezvous):
+    # The fake's saves block 1 ms and its steps take 10 ms: tau = sqrt(2 * 0.001 * 36) s = 0.27 s,
+    # i.e. 27 steps, instead of the 10-step probe the first plan uses.
+    spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
+                 checkpoint={"url": f"file://{tmp_path}/ckpt", "interval": "young", "mtbf_s": 36.0})
+    lines: list[str] = []
+    report = _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, lines).run()
+    assert report.status == "succeeded", report.error
+    assert any("checkpoint cadence: every 27 steps" in line for line in lines), lines
+    assert [c.step for c in report.checkpoints][:2] == [10, 40]  # the probe, then 27 steps from the anchor

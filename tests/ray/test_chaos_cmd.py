@@ -1,0 +1,81 @@
+"""`undying chaos` end to end on the multi-node test cluster: random rank kills, then the invariant table.
+
+The soak test is `heavy` (left out of the default suite). Run it with, e.g.:
+
+    .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py                      # 30 minutes
+    UNDYING_SOAK_S=300 .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py   # 5 minutes
+
+UNDYING_SOAK_S sizes the job (train.steps = UNDYING_SOAK_S / UNDYING_SOAK_STEP_S, the seconds
+one step of the 4-rank job takes on the test machine, 0.15 by default); UNDYING_SOAK_MTBF is
+chaos.mtbf_s per rank (default 60s: the 4-rank job sees a failure every 15 s on average) and
+UNDYING_SOAK_SEED its seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.ray.jobs import BASE, ROOT, UNDYING
+
+pytestmark = pytest.mark.ray
+
+CHECKS = ("checkpoints_verify", "newest_loads", "model_matches_reference", "data_exactly_once",
+          "goodput_sums_to_wall", "no_process_left", "goodput_wall_plausible")
+
+
+def _chaos(ray_cluster: str, tmp, name: str, flags: list[str], sets: list[str], timeout: float):
+    report = tmp / f"{name}.json"
+    cmd = [UNDYING, "chaos", str(ROOT / "examples/demo.yaml"), "--address", ray_cluster, "--report", str(report),
+           *flags]
+    for item in [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", "chaos.faults=[]", *sets]:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return proc, report
+
+
+def _assert_every_check_passed(proc, report_path) -> dict:
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("invariants:"):]
+    for name in CHECKS:
+        assert f"PASS  {name}" in table, table
+    assert "FAIL" not in table and "every check passed" in proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["invariants"]["ok"] is True and report["status"] == "succeeded"
+    assert [c["name"] for c in report["invariants"]["checks"]] == list(CHECKS)
+    return report
+
+
+def test_random_rank_kills_pass_every_invariant(ray_cluster, tmp_path):
+    # Two random kills, due 15.5 and 16.6 s into the job (a kill due during start-up fires as soon as the
+    # ranks train); 200 steps keep the job training well past that on a loaded machine.
+    proc, report_path = _chaos(ray_cluster, tmp_path, "chaos", [
+        "--mtbf", "8s", "--kind", "kill_rank", "--seed", "3", "--start", "12s", "--max-faults", "2"],
+        ["train.steps=200", "checkpoint.every_steps=20"], timeout=420)
+    report = _assert_every_check_passed(proc, report_path)
+    assert "reference run 'chaos.reference' (chaos off) first" in proc.stdout
+    kinds = [f["kind"] for f in report["failures"]]
+    assert 1 <= len(kinds) <= 2 and set(kinds) == {"kill_rank"}, report["failures"]
+    assert report["experiment"]["chaos"]["mtbf_kind"] == "kill_rank"
+    assert len(report["experiment"]["rank_pids"]) >= 5  # 4 ranks and at least one replacement
+
+
+@pytest.mark.heavy
+def test_soak_poisson_rank_kills(ray_cluster, tmp_path):
+    duration = float(os.environ.get("UNDYING_SOAK_S", "1800"))
+    steps = max(100, int(duration / float(os.environ.get("UNDYING_SOAK_STEP_S", "0.15"))))
+    flags = ["--mtbf", os.environ.get("UNDYING_SOAK_MTBF", "60s"), "--kind", "kill_rank",
+             "--seed", os.environ.get("UNDYING_SOAK_SEED", "1"), "--start", "10s"]
+    sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000"]
+    proc, report_path = _chaos(ray_cluster, tmp_path, "soak", flags, sets, timeout=4 * duration + 900)
+    report = _assert_every_check_passed(proc, report_path)
+    assert report["failures"], "the soak saw no failure: raise UNDYING_SOAK_S or lower UNDYING_SOAK_MTBF"
+    print(f"soak: {steps} steps, {len(report['failures'])} failures, goodput {report['goodput']['ratio']:.1%}, "
+          f"wall {report['goodput']['wall_s']:.0f} s")
+
+
+test_soak_poisson_rank_kills = pytest.mark.timeout(4 * float(os.environ.get("UNDYING_SOAK_S", "1800")) + 1200)(
+    test_soak_poisson_rank_kills)
