@@ -62,6 +62,20 @@ class Catalog:
             return existing
         return manifest
 
+    def quarantine(self, step: int) -> str:
+        """Withdraw committed checkpoint `step`, found corrupt: its manifest moves aside.
+
+        The copy (`manifest.corrupt-<time>.json`) keeps the evidence; without `manifest.json`
+        the step is no longer committed, so the job can commit a fresh save of the same step
+        (its shards carry another save tag, ckpt.shards.shard_file_name). Returns the copy's path.
+        """
+        path = self.manifest_path(step)
+        aside = self.storage.path(step_dir(step), f"manifest.corrupt-{int(time.time() * 1000)}.json")
+        self.storage.write_immutable(aside, self.storage.read(path))
+        self.storage.remove(path)
+        self.storage.invalidate()
+        return aside
+
     def read_manifest(self, step: int) -> Manifest:
         return Manifest.model_validate(json.loads(self.storage.read(self.manifest_path(step))))
 

@@ -99,8 +99,13 @@ def _band(piece: TensorSlice, index: int, count: int) -> TensorSlice:
                        (hi - lo, *piece.lengths[1:]), tensor=tensor)
 
 
-def shard_file_name(rank: int) -> str:
-    return f"shard-r{rank:05d}.bin"
+def shard_file_name(rank: int, tag: str = "") -> str:
+    """The shard file of `rank`; `tag` names the save attempt (controller run and generation).
+
+    With a tag, a second attempt at the same step (after falling back from a corrupt
+    checkpoint, or by a second controller on the same job) writes new files instead of
+    overwriting the shards some committed manifest may name."""
+    return f"shard-{tag}-r{rank:05d}.bin" if tag else f"shard-r{rank:05d}.bin"
 
 
 def _raw(tensor: torch.Tensor):
@@ -111,7 +116,7 @@ def _raw(tensor: torch.Tensor):
 
 def write_slices(
     storage: Storage, step: int, rank: int, written: Sequence[TensorSlice], blocking_s: float,
-    held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES,
+    held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES, tag: str = "",
 ) -> ShardReceipt:
     """Write the `written` slices (with data) as this rank's immutable shard file for `step`.
 
@@ -120,7 +125,7 @@ def write_slices(
     """
     started = time.perf_counter()
     check_block_bytes(block_bytes)
-    file = shard_file_name(rank)
+    file = shard_file_name(rank, tag)
     entries: dict[str, TensorEntry] = {}
     for piece in [*held, *written]:
         entries.setdefault(piece.name, TensorEntry(dtype=dtype_name(piece.dtype), shape=list(piece.global_shape)))

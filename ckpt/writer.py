@@ -36,6 +36,7 @@ class ShardWriter:
         async_save: bool = True,
         fault_hook: Callable[[str, int], None] | None = None,
         block_bytes: int = BLOCK_BYTES,
+        tag: str = "",
     ):
         self.storage = storage
         self.rank = rank
@@ -44,6 +45,7 @@ class ShardWriter:
         self.async_save = async_save
         self.fault_hook = fault_hook  # chaos points "during_stage" and "during_shard_write"
         self.block_bytes = block_bytes
+        self.tag = tag  # in shard file names: see ckpt.shards.shard_file_name
         self.waited = 0
         self._thread: threading.Thread | None = None
 
@@ -73,7 +75,7 @@ class ShardWriter:
             if self.fault_hook is not None:
                 self.fault_hook("during_shard_write", step)
             receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
-                                   block_bytes=self.block_bytes)
+                                   block_bytes=self.block_bytes, tag=self.tag)
         except BaseException as err:  # reported, never raised into a dead thread
             self.on_error(step, err)
             return

@@ -21,6 +21,7 @@ class CheckpointPlan:
     anchor: int = 0
     version: int = 0
     final_step: int | None = None
+    tag: str = ""  # save attempt (controller run + generation), in shard file names
 
     def should_save(self, completed: int) -> bool:
         if self.final_step is not None and completed == self.final_step:
@@ -28,7 +29,8 @@ class CheckpointPlan:
         return completed > self.anchor and (completed - self.anchor) % self.every == 0
 
     def to_json(self) -> dict:
-        return {"every": self.every, "anchor": self.anchor, "version": self.version, "final_step": self.final_step}
+        return {"every": self.every, "anchor": self.anchor, "version": self.version, "final_step": self.final_step,
+                "tag": self.tag}
 
     @classmethod
     def from_json(cls, data: dict) -> CheckpointPlan:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
-from ckpt.reader import CorruptCheckpoint
+from ckpt.reader import CorruptCheckpoint, verify_checkpoint
 from monitor.goodput import GoodputLedger
 from monitor.report import StragglerRecord
 from orchestrator.commits import Committer
@@ -78,6 +79,7 @@ class Controller(RecoveryMixin):
         self.outcome_errors: dict[int, str] = {}
         self.lost_node_events: dict[str, dict] = {}  # node id -> first "node_lost" event
         self.nodes_handled: set[str] = set()  # lost nodes whose ranks were already dropped
+        self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.dead_in_release: list[int] = []
         self.stuck_in_release: list[int] = []
         self.just_committed: int | None = None
@@ -174,6 +176,17 @@ class Controller(RecoveryMixin):
         self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s"
                                    + (f" ({spares} warm spare(s) starting)" if spares else ""))
 
+    def _quarantine(self, step: int) -> str:
+        """Withdraw a checkpoint that fails the controller's own full verification, so that the
+        step can be saved and committed again; one that verifies (a transient read error on a
+        rank) stays committed and is only skipped by this run. Returns words for the log line."""
+        try:
+            verify_checkpoint(self.catalog, step)
+        except CorruptCheckpoint:
+            aside = self.catalog.quarantine(step)
+            return f"; its manifest moved aside to {aside}"
+        return "; it verifies here, so it stays committed (skipped by this run)"
+
     def _node_kills_on_controller_node(self) -> list[int]:
         targets = sorted({f["rank"] for f in self.faults if f["kind"] == "kill_node"})
         targets += sorted({e.rank for e in self.timed if e.kind == "kill_node" and e.rank is not None})
@@ -209,7 +222,8 @@ class Controller(RecoveryMixin):
         except CorruptCheckpoint as err:
             self.bad_steps.add(step)
             log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, err)
-            self.printer(f"checkpoint step {step} is corrupt ({err}); falling back to the previous committed one")
+            self.printer(f"checkpoint step {step} is corrupt ({err}); falling back to the previous committed one"
+                         + self._quarantine(step))
             self.metrics.on_failure("corrupt_checkpoint")
             return
         except Exception as err:
@@ -250,7 +264,7 @@ class Controller(RecoveryMixin):
         self.plan_version += 1
         self.plan_every = every
         self.store.set_json(PLAN, {"every": every, "anchor": anchor, "version": self.plan_version,
-                                   "final_step": self.spec.train.steps})
+                                   "final_step": self.spec.train.steps, "tag": f"{self.run_id}g{self.gen}"})
 
     def _running(self) -> None:
         if self.open_failure is not None:

@@ -68,7 +68,7 @@ class RankLoop:
         self.engine.fault_hook = hook
         storage = Storage(self.spec.checkpoint_root, self.spec.checkpoint.storage_options)
         writer = ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
-                             async_save=self.spec.checkpoint.async_, fault_hook=hook)
+                             async_save=self.spec.checkpoint.async_, fault_hook=hook, tag=plan.tag)
         heartbeat_s = self.spec.monitor.heartbeat_s
         last_beat, compute, steps_in_beat, first = 0.0, 0.0, 0, True
         try:

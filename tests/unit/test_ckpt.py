@@ -105,6 +105,30 @@ def test_corrupt_shard_is_detected_and_load_falls_back(catalog):
     assert skipped == [20]
 
 
+def test_a_quarantined_checkpoint_can_be_saved_again_without_touching_its_files(catalog):
+    _save(catalog, 10, _state(0))
+    _save(catalog, 20, _state(1))
+    directory = os.path.join(catalog.storage.root, step_dir(20))
+    old_shard = os.path.join(directory, "shard-r00000.bin")
+    with open(old_shard, "r+b") as f:
+        f.seek(3)
+        f.write(b"\xff")
+    aside = catalog.quarantine(20)
+    assert catalog.committed_steps() == [10] and catalog.storage.exists(aside)
+    with open(old_shard, "rb") as f:
+        evidence = f.read()
+    # The step is saved again under another save tag: new files, the old ones untouched.
+    state = _state(2)
+    receipt = write_slices(catalog.storage, 20, 0, [whole(n, t) for n, t in state.items()], 0.0, tag="runBg3")
+    catalog.commit(job="j", step=20, generation=3, layout={"dp": 1}, spec_hash="h", receipts=[receipt],
+                   state={"engine": {"next_step": 20}})
+    assert receipt.file == "shard-runBg3-r00000.bin"
+    with open(old_shard, "rb") as f:
+        assert f.read() == evidence
+    loaded, _ = load_checkpoint(catalog, 20)
+    assert all(torch.equal(loaded[n], t) for n, t in state.items())
+
+
 def test_missing_shard_is_corrupt(catalog):
     _save(catalog, 10, _state())
     os.remove(os.path.join(catalog.storage.root, step_dir(10), "shard-r00001.bin"))
