@@ -43,6 +43,7 @@ from trainer.costmodel.time import group_link, rank_flops_per_token
 from trainer.engine import Engine
 from trainer.loss import token_loss_sum
 from trainer.model import build_model, count_params, flops_per_token
+from trainer.recompute import apply_recompute
 
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
 TINY, SMALL, EIGHT_B = ModelConfig(preset="tiny"), ModelConfig(preset="small"), ModelConfig(preset="8b")
@@ -64,7 +65,9 @@ def job(model=TINY, seq_len=64, global_batch=16, micro_batch=2, precision="fp32"
 def test_state_ledger_is_the_zero_formula(zero, dp):
     n = count_params(SMALL)
     w, g, o = 4 * n, 4 * n, 8 * n  # fp32 weights, fp32 gradients, AdamW moments
-    oracle = {0: w + g + o, 1: w + g + o / dp, 2: w + (g + o) / dp, 3: (w + g + o) / dp}[zero]
+    # Stage 2 is FSDP2 without resharding after forward: sharded at rest like stage 3 (the
+    # gathered weights it keeps from forward to backward are collective memory).
+    oracle = {0: w + g + o, 1: w + g + o / dp, 2: (w + g + o) / dp, 3: (w + g + o) / dp}[zero]
     state = ledgers(Workload(SMALL, 1024, 64), Layout(dp=dp, zero=zero)).state
     assert state == pytest.approx(oracle, rel=1e-12)
 
@@ -204,6 +207,31 @@ def test_activation_ledger_matches_the_tensors_autograd_saves(precision, activat
     predicted = m_activation(work, layout, stage_params(model_cfg, layout, 0), "cpu")
     logits_grad = 4 * batch * seq * model_cfg.vocab_size  # made at backward's start, not saved
     assert predicted - logits_grad == pytest.approx(measured, rel=0.001)
+
+
+def _net_forward_bytes(model_cfg: ModelConfig, precision: str, recompute: str, batch: int, seq: int) -> int:
+    """Bytes a forward + loss leaves allocated (alloc minus free, as torch's profiler counts them)."""
+    model = apply_recompute(build_model(model_cfg, seed=0), recompute)
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, seq))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with autocast:
+            logits = model(ids)
+        token_loss_sum(logits, ids)
+    return sum(event.self_cpu_memory_usage for event in prof.events())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["selective", "block"])
+@pytest.mark.parametrize(("activation", "norm"), [("gelu", "layernorm"), ("swiglu", "rmsnorm")])
+def test_recomputed_layer_ledger_matches_what_a_layer_keeps(precision, recompute, activation, norm):
+    # What one more checkpointed layer leaves allocated after the forward: 4 layers minus 2, halved.
+    batch, seq = 2, 64
+    cfgs = [ModelConfig(preset="tiny", activation=activation, norm=norm, n_layers=n) for n in (4, 2)]
+    more, fewer = (_net_forward_bytes(cfg, precision, recompute, batch, seq) for cfg in cfgs)
+    work, layout = Workload(cfgs[0], seq, batch, precision), Layout(micro_batch=batch, recompute=recompute)
+    predicted = layer_activation_bytes(work, layout, batch * seq, recompute, "cpu")
+    assert predicted == pytest.approx((more - fewer) / 2, rel=0.01)
 
 
 def test_cpu_matmul_peak_is_measured():

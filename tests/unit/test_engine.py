@@ -166,12 +166,10 @@ def test_a_raising_fault_hook_stops_the_step_before_the_update():
 
 
 def test_configuration_errors_name_the_field():
-    with pytest.raises(NotImplementedError, match="train.precision='fp16'"):
-        make_engine(precision="fp16")
-    with pytest.raises(NotImplementedError, match="parallel.tp=2"):
+    with pytest.raises(ValueError, match="world_size=1 but parallel.dp\\*tp\\*pp = 1\\*2\\*1 = 2"):
         make_engine(parallel=ParallelConfig(tp=2))
-    with pytest.raises(NotImplementedError, match="parallel.zero=1"):
-        make_engine(parallel=ParallelConfig(zero=1))
+    with pytest.raises(NotImplementedError, match="parallel.pp=2"):
+        make_engine(parallel=ParallelConfig(pp=2))
     with pytest.raises(ValueError, match="world_size=1 but parallel.dp=2"):
         make_engine(parallel=ParallelConfig(dp=2))
     with pytest.raises(ValueError, match="train.global_batch=8 is not divisible"):
@@ -181,6 +179,20 @@ def test_configuration_errors_name_the_field():
     cfgs = MODEL, DATA, TrainConfig(steps=1, global_batch=8), ParallelConfig(dp=2)
     with pytest.raises(RuntimeError, match="init_process_group"):
         Engine(*cfgs, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize(("model", "parallel", "message"), [
+    (MODEL, ParallelConfig(tp=3), "model.n_heads=4 is not divisible by parallel.tp=3"),
+    (ModelConfig(preset="tiny", d_ff=255), ParallelConfig(tp=2), "model.d_ff=255 is not divisible by parallel.tp=2"),
+    (ModelConfig(preset="tiny", vocab_size=255), ParallelConfig(tp=2), "model.vocab_size=255 is not divisible"),
+    (ModelConfig(preset="tiny", max_seq_len=33), ParallelConfig(tp=2), "pads data.seq_len=33 to 34"),
+])
+def test_tensor_parallel_errors_name_the_field_and_the_fix(model, parallel, message):
+    # Checked before any collective, so one process sees the error every rank would.
+    data = DataConfig(seq_len=33) if model.max_seq_len == 33 else DATA
+    train = TrainConfig(steps=1, global_batch=8)
+    with pytest.raises(ValueError, match=message):
+        Engine(model, data, train, parallel, rank=0, world_size=parallel.world_size)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -8,8 +8,13 @@ CUDA context and NCCL's own buffers live outside it and are `runtime_reserve_byt
 the planner subtracts from the device's capacity instead.
 
 State (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, with W, G, O the bytes of weights,
-gradients and optimizer state on the rank and D = dp):
-    stage 0  W + G + O      stage 1  W + G + O/D      stage 2  W + (G + O)/D      stage 3  (W + G + O)/D
+gradients and optimizer state on the rank and D = dp), as the engine holds it between its
+gradient reduction and its optimizer step:
+    stage 0  W + G + O      stage 1  W + G + O/D      stage 2  (W + G + O)/D      stage 3  (W + G + O)/D
+Stage 2 is FSDP2 with reshard_after_forward=False (trainer/data_parallel.py): the weights are
+sharded at rest like stage 3's, not replicated as in the paper's stage 2; what differs is that
+every block's gathered weights stay from its forward to its backward, which M_collective
+counts (measured against the engine's local tensors in tests/dist/test_engine_parallel.py).
 Weights stay fp32 in every precision: bf16/fp16 run under autocast, as the engine does, or
 FSDP2's MixedPrecisionPolicy, and both keep the fp32 parameters as the master copy and make
 low-precision copies per use (counted below). So per parameter W = 4, G = 4 (fp32 grads),
@@ -24,11 +29,9 @@ last stage. See `layer_activation_bytes`; for an unsharded model on CPU the coun
 
 Collective: DDP's gradient buckets (a flat copy of every gradient: the engine leaves
 `gradient_as_bucket_view` off), the unsharded copies FSDP all-gathers (ZeRO-3: the layer in
-use plus the prefetched next, in the compute dtype; ZeRO-2: the fp32 shard the optimizer
-updates, beside the unsharded weights W of the state formula, which FSDP2 holds from forward
-to backward; W is counted at fp32 although bf16 runs gather bf16, an overestimate of 2 bytes
-per parameter there) and their reduce-scatter input (one block's fp32 gradients), and the
-pipeline's send/receive buffers.
+use plus the prefetched next; ZeRO-2: every layer's, held from its forward to its backward;
+both in the compute dtype, which FSDP2's MixedPrecisionPolicy gathers) and their
+reduce-scatter input (one block's fp32 gradients), and the pipeline's send/receive buffers.
 
 Transient (an estimate, not a count): GEMM workspace, the optimizer step's temporaries where
 they exceed the activations they reuse, and a fragmentation allowance of the caching
@@ -51,6 +54,7 @@ GEMM_WORKSPACE_BYTES = 32 << 20  # cuBLAS with CUBLAS_WORKSPACE_CONFIG=:4096:8 (
 CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context and kernels, outside the caching allocator
 NCCL_COMMUNICATOR_BYTES = 256 << 20  # NCCL channel buffers per communicator (estimate)
 CPU_PROCESS_BYTES = 512 << 20  # a Python process with torch imported, per rank
+RNG_STATE_BYTES = 5056  # torch's CPU generator state (Mersenne Twister), kept by each checkpointed block
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,7 @@ def zero_state_bytes(weights: float, grads: float, optim: float, zero: int, dp: 
         return weights + grads + optim
     if zero == 1:
         return weights + grads + optim / dp
-    if zero == 2:
-        return weights + (grads + optim) / dp
-    if zero == 3:
+    if zero in (2, 3):
         return (weights + grads + optim) / dp
     raise ValueError(f"ZeRO stage {zero} does not exist; stages are 0, 1, 2, 3")
 
@@ -145,11 +147,19 @@ def layer_activation_bytes(work: Workload, layout: Layout, tokens: int, recomput
                  + e*k*f/t     MLP intermediates: swiglu gate, silu(gate), up, product (k=4);
                                gelu up, gelu(up) (k=2)
                  + 4*heads/t   the attention's log-sum-exp (flash / memory-efficient SDPA)
-      selective  2n/t_sp + e*(3h + j*f)/t: keep the matmul outputs (q, k, v; the MLP's j = 2
-                 or 1 first projections), recompute the attention core and the pointwise ops
+      selective  4h/t_sp       the block's fp32 input
+                 + e*(3h + j*f)/t   every matmul output (trainer/recompute.py's policy): q, k, v
+                               and the MLP's j = 2 (swiglu) or 1 first projections, split over tp
+                 + 2e*h        o_proj's and down_proj's local outputs: full width, the partial
+                               sums before their reduction
+                 + 2e*h/t_sp   the outputs of those reductions (when t > 1): reduce-scatter
+                               under SP, all-reduce without; saved so backward repeats no reduction
+                 the norms, attention core, activation functions and dropout are recomputed
       block      4h/t_sp: the block's fp32 input only; the block is re-run in backward
-    plus 1-byte dropout masks on the two residual branches when dropout > 0. Measured
-    against autograd's saved tensors in tests/unit/test_costmodel.py.
+    plus, without recomputation, 1-byte dropout masks on the two residual branches when
+    dropout > 0; with it, the CPU RNG state each checkpointed block keeps to replay dropout
+    (RNG_STATE_BYTES, per block, not per token). Measured against autograd's saved tensors
+    (none) and the allocator's net allocations (selective, block) in tests/unit/test_costmodel.py.
     """
     m, h, f = work.model, work.model.d_model, work.model.d_ff
     t = layout.tp
@@ -161,14 +171,17 @@ def layer_activation_bytes(work: Workload, layout: Layout, tokens: int, recomput
     if recompute == "block":
         per_token = RESIDUAL_BYTES * h / t_sp
     elif recompute == "selective":
-        per_token = norms + e * (3 * h + (2 if swiglu else 1) * f) / t + masks
+        reductions = 2 * e * h / t_sp if t > 1 else 0
+        per_token = (RESIDUAL_BYTES * h / t_sp + e * (3 * h + (2 if swiglu else 1) * f) / t
+                     + 2 * e * h + reductions)
     elif recompute == "none":
         copies = 2 if work.precision == "fp32" else 3 + (2 if swiglu else 1)
         per_token = (norms + e * copies * h + e * (4 * h + (4 if swiglu else 2) * f) / t
                      + 4 * m.n_heads / t + masks)
+        return round(tokens * per_token)
     else:
         raise ValueError(f"recompute {recompute!r} is not one of none, selective, block")
-    return round(tokens * per_token)
+    return round(tokens * per_token) + RNG_STATE_BYTES
 
 
 def _head_activation_bytes(work: Workload, layout: Layout, tokens: int, device_kind: str) -> int:
@@ -193,8 +206,13 @@ def m_activation(work: Workload, layout: Layout, params: StageParams, device_kin
         per_microbatch += _head_activation_bytes(work, layout, tokens, device_kind)
     if work.precision != "fp32" and layout.zero < 2:
         # autocast's low-precision weight copies are saved for backward with each microbatch
-        # (FSDP2, ZeRO 2 and 3, gathers low-precision weights instead: M_collective)
-        per_microbatch += LOW_PRECISION_BYTES[work.precision] * params.matmul_params
+        # (FSDP2, ZeRO 2 and 3, gathers low-precision weights instead: M_collective); a
+        # recomputed block casts its weights again in backward, so only the head's copy stays
+        copied = params.matmul_params
+        if layout.recompute != "none":
+            head = -(-work.model.vocab_size // layout.tp) * work.model.d_model if params.stage == layout.pp - 1 else 0
+            copied = head
+        per_microbatch += LOW_PRECISION_BYTES[work.precision] * copied
     total = held * per_microbatch
     if layout.recompute != "none":
         # the layer being recomputed holds its full activations during its backward
@@ -214,7 +232,7 @@ def m_collective(work: Workload, layout: Layout, params: StageParams) -> int:
     if layout.dp > 1 and layout.zero in (0, 1):
         out += grad_bytes
     elif layout.dp > 1 and layout.zero == 2:
-        out += 4 * params.total / layout.dp + 4 * unit
+        out += e * params.total + 4 * unit
     elif layout.dp > 1 and layout.zero == 3:
         out += 2 * e * unit + 4 * unit
     if layout.pp > 1:
