@@ -163,15 +163,20 @@ class ChaosConfig(_Strict):
         return value
 
 
-# What the rank-side injector of this release can fire; the others are accepted by the
-# spec's grammar but refused before any rank starts, so nobody believes a fault ran.
-INJECTABLE_KINDS: frozenset[str] = frozenset({"kill_rank", "kill_node", "hang_rank", "slow_rank", "raise"})
-# What the chaos library itself can inject once the orchestrator wires it (chaos.injector,
-# chaos.storage_faults, chaos.corrupt). Kept apart from INJECTABLE_KINDS, which is what a
-# job may ask for today; a kind moves over when the rank actor and controller use it.
-LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS | {
-    "nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard"}
-# Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures).
+# What a job may ask for: every kind the orchestrator wires to an injector. Rank kinds and
+# nan_grad fire in the rank's FaultInjector (chaos.injector); storage kinds are installed on a
+# Storage (chaos.storage_faults): with `rank: r` on the one rank r's shard writer uses, without
+# `rank` on the controller's catalog Storage (manifest commits, listings, deletes, restores'
+# manifest reads); corrupt_shard is fired by the controller right after a commit (chaos.corrupt).
+# kill_controller is accepted by the grammar but refused before any rank starts, so nobody
+# believes a fault ran.
+INJECTABLE_KINDS: frozenset[str] = frozenset({
+    "kill_rank", "kill_node", "hang_rank", "slow_rank", "raise", "nan_grad",
+    "storage_error", "storage_latency", "torn_write", "corrupt_shard"})
+# What the chaos library itself can inject (chaos.injector, chaos.storage_faults, chaos.corrupt).
+LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS
+# Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures). Storage
+# faults take at_seconds too, with another meaning: the start of the window they are active in.
 TIMED_KINDS: frozenset[str] = frozenset({"kill_rank", "kill_node", "hang_rank"})
 # Named fault points: the engine's, per training step, and the checkpoint writer's, per save
 # (where at_step names the checkpoint's step).
@@ -181,19 +186,62 @@ FAULT_POINTS: tuple[str, ...] = (
 
 
 def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
-    """(field, message) for each configured fault this release cannot inject."""
+    """(field, message) for each configured fault this release cannot inject as written.
+
+    Triggers each kind accepts (FaultSpec already demands at least one):
+      kill_rank, hang_rank   at_step, at_point (a FAULT_POINT), at_seconds (fired by the controller)
+      kill_node              the same, and needs rank: the rank's own process kills its node
+      raise, slow_rank       at_step, at_point
+      nan_grad               at_step; at_point only after_backward (the gradients exist only there)
+      storage kinds          at_step (that checkpoint's directory), at_seconds + duration_s (a window of
+                             job seconds), op / path / nth / probability; with rank only op: write
+      corrupt_shard          at_step only: the first checkpoint committed at or after that step, once
+    """
     out = []
     for i, fault in enumerate(chaos.faults):
-        if fault.kind not in INJECTABLE_KINDS:
-            out.append((f"chaos.faults[{i}].kind", f"{fault.kind} cannot be injected by this release; "
-                        f"use one of {', '.join(sorted(INJECTABLE_KINDS))}"))
-        elif fault.at_point is not None and fault.at_point not in FAULT_POINTS:
-            out.append((f"chaos.faults[{i}].at_point", f"unknown fault point {fault.at_point!r}; use one of "
-                        f"{', '.join(FAULT_POINTS)}"))
-        elif fault.kind == "kill_node" and fault.rank is None:
-            out.append((f"chaos.faults[{i}].node", "kill_node is injected by a rank on the node: give rank: <r> "
-                        "to kill the node that hosts rank r"))
-        elif fault.at_seconds is not None and fault.kind not in TIMED_KINDS:
-            out.append((f"chaos.faults[{i}].at_seconds", f"time-triggered {fault.kind} is not supported; "
-                        f"use at_step, or one of {', '.join(sorted(TIMED_KINDS))}"))
+        problem = _fault_problem(fault)
+        if problem is not None:
+            out.append((f"chaos.faults[{i}].{problem[0]}", problem[1]))
     return out
+
+
+def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
+    kind = fault.kind
+    if kind not in INJECTABLE_KINDS:
+        return "kind", f"{kind} cannot be injected by this release; use one of {', '.join(sorted(INJECTABLE_KINDS))}"
+    if kind == "corrupt_shard":
+        return _corrupt_problem(fault)
+    if kind in STORAGE_KINDS:
+        if fault.at_point is not None:
+            return "at_point", (f"{kind} is selected by op, path, nth, probability, at_step or at_seconds, not by a "
+                                "fault point; remove at_point")
+        if fault.rank is not None and fault.op not in (None, "write"):
+            return "op", (f"{kind} with rank acts on that rank's shard writes only; use op: write, or remove rank "
+                          "to act on the controller's storage (manifests, listings, deletes, reads)")
+        return None
+    if fault.duration_s is not None:
+        return "duration_s", f"duration_s shapes storage faults only; remove it from this {kind} fault"
+    if fault.at_point is not None and fault.at_point not in FAULT_POINTS:
+        return "at_point", f"unknown fault point {fault.at_point!r}; use one of {', '.join(FAULT_POINTS)}"
+    if kind == "nan_grad" and fault.at_point not in (None, "after_backward"):
+        return "at_point", ("nan_grad poisons gradients, which exist only after the backward; use at_point: "
+                            "after_backward or remove at_point")
+    if kind == "kill_node" and fault.rank is None:
+        return "node", "kill_node is injected by a rank on the node: give rank: <r> to kill the node that hosts rank r"
+    if fault.at_seconds is not None and kind not in TIMED_KINDS:
+        return "at_seconds", (f"time-triggered {kind} is not supported; use at_step, or one of "
+                              f"{', '.join(sorted(TIMED_KINDS))}")
+    return None
+
+
+def _corrupt_problem(fault: FaultSpec) -> tuple[str, str] | None:
+    # The controller corrupts a checkpoint it has just committed: a step is the only trigger.
+    for name in ("rank", "at_point", "at_seconds", "duration_s"):
+        if getattr(fault, name) is not None:
+            return name, (f"corrupt_shard is fired by the controller after a commit; remove {name} and give "
+                          "at_step: <k> (the first checkpoint committed at or after step k)")
+    if fault.at_step is None:
+        return "at_step", "corrupt_shard needs at_step: <k> (the first checkpoint committed at or after step k)"
+    if fault.repeat:
+        return "repeat", "corrupt_shard corrupts one checkpoint; remove repeat"
+    return None

@@ -251,7 +251,8 @@ class JobMetrics:
                 gauge.labels(job).set(inputs[key])
 
     def on_checkpoint_skipped(self) -> None:
-        """A save was requested while one was in flight and skipped (design.md invariant 6)."""
+        """A save was skipped (requested while one was in flight, design.md invariant 6) or cannot
+        commit (a rank's shard write or the manifest commit failed)."""
         self.ckpt_skipped.labels(self.job).inc()
 
     def on_failure(self, kind: str) -> None:

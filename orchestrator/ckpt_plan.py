@@ -22,6 +22,9 @@ class CheckpointPlan:
     version: int = 0
     final_step: int | None = None
     tag: str = ""  # save attempt (controller run + generation), in shard file names
+    # Epoch seconds at job second 0 (the goodput ledger's clock, carried across resumes), so
+    # that a rank's storage faults read `at_seconds` and `duration_s` as job seconds.
+    job_started_at: float | None = None
 
     def should_save(self, completed: int) -> bool:
         if self.final_step is not None and completed == self.final_step:
@@ -30,7 +33,7 @@ class CheckpointPlan:
 
     def to_json(self) -> dict:
         return {"every": self.every, "anchor": self.anchor, "version": self.version, "final_step": self.final_step,
-                "tag": self.tag}
+                "tag": self.tag, "job_started_at": self.job_started_at}
 
     @classmethod
     def from_json(cls, data: dict) -> CheckpointPlan:

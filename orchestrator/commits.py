@@ -7,17 +7,31 @@ older generation never arrive here (the generation's store prefix is dropped). A
 step that a newer commit overtook can never complete usefully and is dropped. A step whose
 shards do not tile every logical tensor exactly (ckpt.manifest.merge_receipts) is refused,
 logged as an error and kept in `rejected`: such a state must never become a checkpoint.
+
+A save that cannot commit never stops the job (the next save will commit; chaos faults
+exercise each case): a rank's failed shard write (`abandon`, from its `save_error` event:
+the step's later receipts are ignored), and a manifest create that fails. The create is
+retried once: a retry that finds the manifest already there with the same shards is our own
+first attempt that landed although its reply was lost (ckpt.catalog.Catalog.commit treats it
+as success). A manifest that is there but does not parse is a torn write of ours; it is
+moved aside (Catalog.quarantine) before the retry and after a failed one, so an unreadable
+manifest never stays where a reader would take the step for committed. Every save that
+will not commit is passed to `on_dropped(step, reason)` (the controller logs and counts it).
+Retention and garbage collection after a commit are best effort: a storage error there is
+logged and they run again at the next commit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
-from ckpt.errors import IncompleteCheckpoint
-from ckpt.manifest import ShardReceipt
+from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
+from ckpt.manifest import Manifest, ShardReceipt
+from ckpt.reader import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +54,36 @@ class Commit:
 
 
 class Committer:
-    def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int):
+    def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int,
+                 on_dropped: Callable[[int, str], None] = lambda step, reason: None):
         self.catalog = catalog
+        self.on_dropped = on_dropped
         self.job = job
         self.spec_hash = spec_hash
         self.keep = keep
         self.pending: dict[int, PendingSave] = {}
         self.latest: int | None = None
         self.rejected: dict[int, str] = {}  # step -> why its shards could not be committed
+        self.abandoned: set[int] = set()  # steps of this generation a rank failed to write
 
     def reset(self, latest: int | None) -> None:
         """Start of a generation: nothing is pending; `latest` is the restore point."""
         self.pending.clear()
+        self.abandoned.clear()  # a new generation may save those steps again
         self.latest = latest
+
+    def abandon(self, step: int, reason: str) -> None:
+        """A rank could not write its shard of `step`: the save cannot commit; drop it now,
+        so it does not sit pending (CHECKPOINTING) until a later commit overtakes it."""
+        self.abandoned.add(step)
+        self.pending.pop(step, None)
+        self.on_dropped(step, reason)
 
     def on_receipt(self, event: dict, world_size: int, generation: int, layout: dict,
                    extra_state) -> Commit | None:
         receipt = ShardReceipt.model_validate(event["receipt"])
+        if receipt.step in self.abandoned:
+            return None
         began = time.time() - receipt.write_s - receipt.blocking_s
         save = self.pending.setdefault(receipt.step, PendingSave(receipt.step, began))
         save.started_at = min(save.started_at, began)
@@ -74,23 +101,64 @@ class Committer:
             self.rejected[save.step] = str(err)
             log.error("checkpoint step %d NOT committed: the shards of the %d ranks do not form a complete "
                       "checkpoint: %s", save.step, len(save.receipts), err)
+            self.on_dropped(save.step, f"its shards do not form a complete checkpoint: {err}")
             return None
 
-    def _commit(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Commit:
+    def _create(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Manifest | None:
+        """Create the manifest, retrying once (see module doc); None when both attempts failed."""
+        errors = []
+        for _ in range(2):
+            try:
+                return self.catalog.commit(
+                    job=self.job, step=save.step, generation=generation, layout=layout,
+                    spec_hash=self.spec_hash, receipts=list(save.receipts.values()),
+                    state={"engine": save.engine_state, **extra},
+                )
+            except IncompleteCheckpoint:
+                raise
+            except (OSError, ValueError) as err:  # storage errors; a torn manifest read back (JSON, pydantic)
+                errors.append(f"{type(err).__name__}: {err}")
+                log.warning("checkpoint step %d: manifest commit failed (%s)", save.step, errors[-1])
+                self._withdraw_torn(save.step)
+        self.rejected[save.step] = "; ".join(errors)
+        log.error("checkpoint step %d NOT committed: the manifest could not be created twice: %s",
+                  save.step, self.rejected[save.step])
+        self.on_dropped(save.step, f"the manifest commit failed twice ({errors[-1]})")
+        return None
+
+    def _withdraw_torn(self, step: int) -> None:
+        """Move aside a manifest of `step` that is there but does not parse (our own torn write)."""
+        try:
+            if not self.catalog.storage.exists(self.catalog.manifest_path(step)):
+                return
+            read_manifest(self.catalog, step)
+        except CorruptCheckpoint as err:
+            try:
+                aside = self.catalog.quarantine(step)
+                log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
+            except (OSError, ValueError) as again:
+                log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "
+                          "will report and skip it", step, again)
+        except (OSError, ValueError, UnsupportedManifest) as err:
+            log.warning("checkpoint step %d: could not check the manifest after a failed commit (%s)", step, err)
+
+    def _commit(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Commit | None:
         receipts = list(save.receipts.values())
-        manifest = self.catalog.commit(
-            job=self.job, step=save.step, generation=generation, layout=layout,
-            spec_hash=self.spec_hash, receipts=receipts,
-            state={"engine": save.engine_state, **extra},
-        )
+        manifest = self._create(save, generation, layout, extra)
+        if manifest is None:
+            return None
         committed_at = time.time()
         blocking = max(r.blocking_s for r in receipts)
         self.latest = save.step
         for step in [s for s in self.pending if s < save.step]:
             log.info("dropping incomplete save of step %d, overtaken by step %d", step, save.step)
             del self.pending[step]
-        self.catalog.apply_retention(self.keep)
-        self.catalog.collect_garbage(in_flight=set(self.pending))
+        try:
+            self.catalog.apply_retention(self.keep)
+            self.catalog.collect_garbage(in_flight=set(self.pending))
+        except (OSError, ValueError) as err:
+            log.warning("checkpoint retention after step %d failed (%s: %s); it runs again at the next commit",
+                        save.step, type(err).__name__, err)
         return Commit(step=save.step, nbytes=manifest.total_bytes, blocking_s=blocking,
                       total_s=committed_at - save.started_at,
                       committed_at=committed_at)

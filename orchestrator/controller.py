@@ -22,10 +22,12 @@ import logging
 import time
 import uuid
 
-from ckpt.reader import CorruptCheckpoint, verify_checkpoint
+from chaos.config import STORAGE_KINDS
+from ckpt.reader import CorruptCheckpoint, read_manifest, verify_checkpoint
 from monitor.goodput import GoodputLedger
 from monitor.report import StragglerRecord
 from orchestrator.commits import Committer
+from orchestrator.controller_faults import ControllerFaults
 from orchestrator.job_record import JobRecord
 from orchestrator.policies import CheckpointIntervalPolicy, FailurePolicy, ScalingPolicy
 from orchestrator.recovery import RecoveryMixin
@@ -57,7 +59,8 @@ class Controller(RecoveryMixin):
         self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)
-        self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep)
+        self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
+                                   on_dropped=self._on_save_dropped)
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
@@ -68,7 +71,11 @@ class Controller(RecoveryMixin):
         self.restarts = 0
         # Step- and point-triggered faults are armed in the ranks' injectors; time-triggered ones
         # (explicit at_seconds, and random ones from chaos.mtbf_s) are fired by the controller.
-        self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults) if f.at_seconds is None]
+        # Storage faults stay armed whatever their trigger: their at_seconds opens a window.
+        self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)
+                       if f.at_seconds is None or f.kind in STORAGE_KINDS]
+        # Storage faults without a rank and corrupt_shard act here, on the catalog.
+        self.chaos = ControllerFaults(self.faults, catalog, spec.chaos.seed, lambda: self.ledger.wall())
         self.timed: list = []  # chaos.schedule.FaultEvent, by time
         self.timed_next = 0  # index of the next one to fire
         self.fired: dict[int, dict] = {}
@@ -111,6 +118,7 @@ class Controller(RecoveryMixin):
             except Exception as err:  # a bug or an unexpected platform error: fail loudly, keep checkpoints
                 log.exception("controller error in %s", self.state.value)
                 self._fail(f"{type(err).__name__} in {self.state.value}: {err}")
+        self.chaos.close()
         self.ledger.stop()
         self.metrics.on_goodput(self.ledger)
         final = self.committer.latest if self.committer.latest is not None else 0
@@ -181,11 +189,19 @@ class Controller(RecoveryMixin):
         step can be saved and committed again; one that verifies (a transient read error on a
         rank) stays committed and is only skipped by this run. Returns words for the log line."""
         try:
-            verify_checkpoint(self.catalog, step)
-        except CorruptCheckpoint:
-            aside = self.catalog.quarantine(step)
-            return f"; its manifest moved aside to {aside}"
+            try:
+                verify_checkpoint(self.catalog, step)
+            except CorruptCheckpoint:
+                aside = self.catalog.quarantine(step)
+                return f"; its manifest moved aside to {aside}"
+        except (OSError, ValueError) as err:  # the storage failed us here too: skip the step, keep going
+            return f"; it could not be checked or moved aside ({type(err).__name__}: {err}), skipped by this run"
         return "; it verifies here, so it stays committed (skipped by this run)"
+
+    def _on_save_dropped(self, step: int, reason: str) -> None:
+        self.printer(f"[{self.record.job_seconds():7.2f}s] checkpoint step {step} will not be committed: {reason}; "
+                     "training goes on and the next save commits")
+        self.metrics.on_checkpoint_skipped()
 
     def _node_kills_on_controller_node(self) -> list[int]:
         targets = sorted({f["rank"] for f in self.faults if f["kind"] == "kill_node"})
@@ -210,14 +226,15 @@ class Controller(RecoveryMixin):
 
     def _restoring(self) -> None:
         started = time.perf_counter()
-        candidates = [s for s in self.catalog.committed_steps() if s not in self.bad_steps]
-        step = candidates[-1] if candidates else None
-        if step is not None:
-            self._resume_ledger(step)
-        else:
-            self._resumed_ledger = True  # nothing to restore: building the engine is start-up (or re-formation) work
-            self.ledger.enter("reformation" if self.restarts else "startup")
+        step = None
         try:
+            candidates = [s for s in self.catalog.committed_steps() if s not in self.bad_steps]
+            step = candidates[-1] if candidates else None
+            if step is not None:
+                self._resume_ledger(step)
+            else:
+                self._resumed_ledger = True  # nothing to restore: building the engine is start-up work
+                self.ledger.enter("reformation" if self.restarts else "startup")
             results = self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120)
         except CorruptCheckpoint as err:
             self.bad_steps.add(step)
@@ -249,8 +266,9 @@ class Controller(RecoveryMixin):
         ledger is already in ours."""
         if self._resumed_ledger:
             return
+        # ckpt.reader's read: an unparsable (torn) manifest is a CorruptCheckpoint, handled by the caller.
+        saved = read_manifest(self.catalog, step).state.get("goodput")
         self._resumed_ledger = True
-        saved = self.catalog.read_manifest(step).state.get("goodput")
         if not saved:
             return
         now = self.ledger.totals()
@@ -264,7 +282,8 @@ class Controller(RecoveryMixin):
         self.plan_version += 1
         self.plan_every = every
         self.store.set_json(PLAN, {"every": every, "anchor": anchor, "version": self.plan_version,
-                                   "final_step": self.spec.train.steps, "tag": f"{self.run_id}g{self.gen}"})
+                                   "final_step": self.spec.train.steps, "tag": f"{self.run_id}g{self.gen}",
+                                   "job_started_at": time.time() - self.ledger.wall()})
 
     def _running(self) -> None:
         if self.open_failure is not None:

@@ -44,6 +44,7 @@ class RankActor:
         self.spec = JobSpec.model_validate_json(spec_json)
         self.store: GenerationStore | None = None
         self.watch_store: GenerationStore | None = None
+        self.writer_store: GenerationStore | None = None
         self.engine = None
         self.writer = None
         self.gen = -1
@@ -120,6 +121,8 @@ class RankActor:
         # The watcher gets its own connection: a TCPStore client is not safe to share between
         # threads (interleaved requests on one socket can deadlock the training thread).
         self.watch_store = connect(host, port, gen, timeout_s=timeout_s)
+        # And so does the checkpoint writer thread, for its receipts and fault notices.
+        self.writer_store = connect(host, port, gen, timeout_s=timeout_s)
         backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(
@@ -149,7 +152,7 @@ class RankActor:
         from orchestrator.rank_loop import RankLoop
 
         loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
-                        baseline_bytes=self.baseline_bytes)
+                        baseline_bytes=self.baseline_bytes, writer_store=self.writer_store)
         self._training_over.clear()
         watcher = threading.Thread(target=self._watch_abort, daemon=True, name="abort-watcher")
         watcher.start()

@@ -6,19 +6,49 @@ but its process group; to the controller it sends, through the store:
     so the controller's per-step traffic does not grow with the number of ranks;
   * every rank: a heartbeat key, at most every `monitor.heartbeat_s`, when it also picks
     up a new checkpoint plan;
-  * every rank: a `receipt` event when its shard of a checkpoint is durable.
+  * every rank: a `receipt` event when its shard of a checkpoint is durable, or a
+    `save_error` event when it could not be written (that save then never commits).
+Events raised on the checkpoint writer's thread (receipts, save errors, fault notices of
+`during_shard_write` and of storage faults) go through a second store client, `writer_store`:
+a TCPStore client is not safe to share between threads. The notice must be sent before the
+fault acts (a kill at `during_shard_write` ends the process), so it cannot wait in a queue.
+
+Chaos on a rank: the injector gets the engine's module as its nan_grad target; storage
+faults with `rank` equal to this rank are installed on the Storage its ShardWriter uses, so
+they hit this rank's shard writes only. A step whose gradient norm is not finite (and that
+no fp16 loss scaler skipped) raises `NonFiniteGradient` before anything of it is reported or
+saved: its update has written NaN into the weights, and training on would only spread them.
+The controller then recovers from the last committed checkpoint, like after any rank error.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
+from chaos.config import STORAGE_KINDS
 from chaos.injector import FaultInjector
+from chaos.storage_faults import install
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
 from orchestrator.ckpt_plan import CheckpointPlan
 from orchestrator.rendezvous import PLAN, GenerationStore, heartbeat_key
+
+
+class NonFiniteGradient(RuntimeError):
+    """A training step produced a NaN or infinite gradient norm: the rank's weights are poisoned."""
+
+
+class _EventSink:
+    """push_event from the training thread on its client, from any other thread on the writer's."""
+
+    def __init__(self, store: GenerationStore, writer_store: GenerationStore):
+        self.store, self.writer_store = store, writer_store
+        self.owner = threading.get_ident()
+
+    def push(self, event: dict) -> None:
+        (self.store if threading.get_ident() == self.owner else self.writer_store).push_event(event)
 
 
 def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> CheckpointPlan:
@@ -35,7 +65,7 @@ def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: flo
 
 class RankLoop:
     def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
-                 abort: threading.Event, baseline_bytes: int = 0):
+                 abort: threading.Event, baseline_bytes: int = 0, *, writer_store: GenerationStore):
         self.spec = spec
         self.engine = engine
         self.store = store
@@ -43,13 +73,30 @@ class RankLoop:
         self.world_size = world_size
         self.abort = abort
         self.baseline_bytes = baseline_bytes
+        self.events = _EventSink(store, writer_store)  # built here: this is the training thread
 
     def _on_receipt(self, receipt, extra: dict) -> None:
-        self.store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+        self.events.push({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
 
     def _on_save_error(self, step: int, err: BaseException) -> None:
-        self.store.push_event({"type": "save_error", "rank": self.rank, "step": step,
-                               "error": f"{type(err).__name__}: {err}"})
+        self.events.push({"type": "save_error", "rank": self.rank, "step": step,
+                          "error": f"{type(err).__name__}: {err}"})
+
+    def _install_storage_faults(self, storage: Storage, faults: list[dict], plan: CheckpointPlan) -> None:
+        """This rank's storage faults on its writer's Storage (a fresh one per generation)."""
+        mine = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") == self.rank]
+        if not mine:
+            return
+        # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.
+        started = plan.job_started_at if plan.job_started_at is not None else time.time()
+        install(storage, mine, seed=self.spec.chaos.seed, clock=time.time, started=started,
+                notify=lambda event: self.events.push(dict(event, rank=self.rank)))
+
+    def _check_finite(self, result) -> None:
+        if not result.skipped and not math.isfinite(result.grad_norm):
+            raise NonFiniteGradient(f"non-finite gradient norm at step {result.step} on rank {self.rank} "
+                                    f"({result.grad_norm}); the weights are poisoned, recover from the last "
+                                    "committed checkpoint")
 
     def _step_event(self, result) -> dict:
         return {"type": "step", "step": result.step, "loss": result.loss, "tokens": result.tokens,
@@ -64,9 +111,10 @@ class RankLoop:
 
     def run(self, until_step: int, faults: list[dict]) -> dict:
         plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
-        hook = FaultInjector.hook_for(faults, self.rank, self.store.push_event)
+        hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
         storage = Storage(self.spec.checkpoint_root, self.spec.checkpoint.storage_options)
+        self._install_storage_faults(storage, faults, plan)
         writer = ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
                              async_save=self.spec.checkpoint.async_, fault_hook=hook, tag=plan.tag)
         heartbeat_s = self.spec.monitor.heartbeat_s
@@ -77,6 +125,7 @@ class RankLoop:
                     return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
                             "error": "abort requested by the controller"}
                 result = self.engine.train_step()
+                self._check_finite(result)
                 if self.rank == 0:
                     self.store.push_event(self._step_event(result))
                     if first:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import time
 
+from chaos.config import STORAGE_KINDS
 from chaos.schedule import expand
+from orchestrator.controller_faults import describe_fault
 from orchestrator.errors import collapse, normalise
 from orchestrator.policies import FailureSummary
 from orchestrator.states import Failure, State
@@ -46,7 +48,9 @@ class RecoveryMixin:
                                  "kill would kill the controller; run on a multi-node cluster, or use "
                                  "mtbf_kind: kill_rank")
         events = expand(self.spec.chaos, horizon_s=CHAOS_HORIZON_S, nodes=nodes, ranks=self.world_size)
-        self.timed = sorted((e for e in events if e.at_seconds is not None), key=lambda e: (e.at_seconds, e.id))
+        # A storage fault's at_seconds opens its window (chaos.storage_rules): nothing to fire.
+        self.timed = sorted((e for e in events if e.at_seconds is not None and e.kind not in STORAGE_KINDS),
+                            key=lambda e: (e.at_seconds, e.id))
         self.timed_next = 0
 
     def _skip_faults_before(self, job_s: float) -> None:
@@ -82,26 +86,26 @@ class RecoveryMixin:
         return [f for f in self.faults if f["id"] not in self.fired or f.get("repeat")]
 
     def _drain_events(self) -> None:
-        for event in self.store.drain_events():
+        for event in [*self.store.drain_events(), *self.chaos.drain()]:
             kind = event.get("type")
             if kind == "step":
                 self.record.on_step(event)
             elif kind == "receipt":
                 self._on_receipt(event)
             elif kind == "fault":
+                if event["kind"] in STORAGE_KINDS:
+                    event["handled"] = True  # a failed save is not a rank failure: never blame one on it
                 self.fired[event["fault_id"]] = event
-                self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {event['kind']} on rank "
-                             f"{event['rank']} at step {event['step']} ({event['point']})")
+                self.printer(f"[{self.record.job_seconds():7.2f}s] chaos: {describe_fault(event)}")
             elif kind == "node_lost" and event["node"] not in self.nodes_handled:
                 # Every rank of a lost node reports it; the first report is acted on, late ones
                 # (possibly drained after the recovery) are not a new failure.
                 self.lost_node_events.setdefault(event["node"], event)
-            elif kind == "memory":
+            elif kind == "memory" and event["ledgers"] is not None:
                 self.metrics.on_memory("measured", event["ledgers"])
             elif kind == "save_error":
-                self.printer(f"checkpoint step {event['step']}: rank {event['rank']} failed to write "
-                             f"its shard ({event['error']}); the save will not commit")
-                self.metrics.on_checkpoint_skipped()
+                self.committer.abandon(event["step"], f"rank {event['rank']} failed to write its shard "
+                                                      f"({event['error']})")
 
     def _on_receipt(self, event: dict) -> None:
         commit = self.committer.on_receipt(
@@ -110,6 +114,8 @@ class RecoveryMixin:
         )
         if commit is None:
             return
+        self.bad_steps.discard(commit.step)  # a quarantined step saved and committed again is good
+        self.chaos.after_commit(commit.step, self.fired)
         # The ranks' blocking time was booked as productive; it was the save's cost.
         self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
         self.interval_policy.on_save_cost(commit.blocking_s)

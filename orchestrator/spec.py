@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from chaos.config import ChaosConfig
+from chaos.config import STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
 from orchestrator.problems import Problem, SpecError
@@ -66,6 +66,8 @@ class ResourcesConfig(_Strict):
     )
 
 
+# Fault kinds whose at_step names a checkpoint step (up to and including train.steps, the final save).
+CHECKPOINT_STEP_KINDS = STORAGE_KINDS | {"corrupt_shard"}
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -145,17 +147,23 @@ def cross_section_problems(spec: Any) -> list[Problem]:
         if par and fault.rank is not None and fault.rank >= par.world_size:
             out.append(Problem(f"chaos.faults[{i}].rank", f"{fault.rank} is not a rank of this job (dp * tp"
                                f" * pp = {par.world_size} ranks); use a rank in 0..{par.world_size - 1}"))
-        if train and fault.at_step is not None and fault.at_step >= train.steps:
+        # A storage fault's or corrupt_shard's at_step names a checkpoint, and the last one is train.steps.
+        last = train.steps if train and fault.kind in CHECKPOINT_STEP_KINDS else (train.steps - 1 if train else 0)
+        if train and fault.at_step is not None and fault.at_step > last:
             out.append(Problem(f"chaos.faults[{i}].at_step", f"{fault.at_step} is not before train.steps "
-                               f"= {train.steps}, so it never fires; use a step in 0..{train.steps - 1}"))
+                               f"= {train.steps}" + (" (nor that final checkpoint)" if last == train.steps else "")
+                               + f", so it never fires; use a step in 0..{last}"))
     return out
 
 
 def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[Problem]:
     out: list[Problem] = []
-    if model and par and model.n_heads % par.tp:
-        out.append(Problem("parallel.tp", f"model.n_heads = {model.n_heads} is not divisible by tp = "
-                           f"{par.tp}; use a tp that divides it: {_divisors(model.n_heads)}"))
+    # Tensor parallelism splits heads, the MLP width and the vocabulary evenly over the tp ranks.
+    for field in ("n_heads", "d_ff", "vocab_size"):
+        value = getattr(model, field, None) if model and par else None
+        if value is not None and value % par.tp:
+            out.append(Problem("parallel.tp", f"model.{field} = {value} is not divisible by tp = "
+                               f"{par.tp}; use a tp that divides it: {_divisors(value)}"))
     if model and par and model.n_layers % par.pp:
         out.append(Problem("parallel.pp", f"model.n_layers = {model.n_layers} is not divisible by pp = "
                            f"{par.pp}; use a pp that divides it: {_divisors(model.n_layers)}"))
@@ -171,20 +179,19 @@ def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[P
 
 
 def engine_support_problems(spec: Any) -> list[Problem]:
-    """What this release's engine cannot run yet: data parallel only, in fp32 or bf16.
-    The layout checks above already cover tp/pp/zero, so lifting a limit means deleting
-    its lines here and nothing else. `spec` may be a partial view, as above."""
-    par, out = spec.parallel, []
-    limit = "this release's engine supports data parallel only"
-    if par and par.tp > 1:
-        out.append(Problem("parallel.tp", f"tensor parallelism (tp = {par.tp}): {limit}; set tp: 1"))
+    """What this release's engine cannot run yet. The layout checks above cover the rest, so
+    lifting a limit means deleting its lines here and nothing else. `spec` may be a partial
+    view, as above."""
+    par, data, model, out = spec.parallel, spec.data, spec.model, []
     if par and par.pp > 1:
-        out.append(Problem("parallel.pp", f"pipeline parallelism (pp = {par.pp}): {limit}; set pp: 1"))
-    if par and par.zero > 0:
-        out.append(Problem("parallel.zero", f"ZeRO stage {par.zero}: {limit} without sharding; set zero: 0"))
-    if spec.train and spec.train.precision == "fp16":
-        out.append(Problem("train.precision", "fp16 (loss scaling) is not supported by this release's "
-                           "engine; use bf16 or fp32"))
+        out.append(Problem("parallel.pp", f"pipeline parallelism (pp = {par.pp}) runs in the engine's pipeline "
+                           "runner but is not offered for jobs by this release; set pp: 1"))
+    if par and data and model and par.tp > 1 and par.sequence_parallel:
+        padded = -(-data.seq_len // par.tp) * par.tp
+        if padded > model.max_seq_len:
+            out.append(Problem("parallel.sequence_parallel", f"pads data.seq_len = {data.seq_len} to {padded} "
+                               f"(a multiple of tp = {par.tp}), beyond model.max_seq_len = {model.max_seq_len}; "
+                               "raise max_seq_len or set sequence_parallel: false"))
     return out
 
 

@@ -71,9 +71,39 @@ def test_storage_selectors_are_a_trigger():
     assert FaultSpec(kind="torn_write", path="*/shard-*", keep_fraction=0.1).keep_fraction == 0.1
 
 
-def test_release_support_is_unchanged_and_library_kinds_extend_it():
-    assert {"kill_rank", "hang_rank", "slow_rank", "raise"} == INJECTABLE_KINDS
-    assert INJECTABLE_KINDS < LIBRARY_KINDS
-    assert {"nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard"} <= LIBRARY_KINDS
-    problems = support_problems(ChaosConfig(mtbf_s="1h", faults=[FaultSpec(kind="nan_grad", rank=0, at_step=2)]))
-    assert [field for field, _ in problems] == ["chaos.faults[0].kind", "chaos.mtbf_s"]
+def test_every_library_kind_but_kill_controller_is_injectable():
+    assert INJECTABLE_KINDS == LIBRARY_KINDS
+    assert {"nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard"} <= INJECTABLE_KINDS
+    problems = support_problems(ChaosConfig(faults=[FaultSpec(kind="kill_controller", at_seconds=5)]))
+    assert [field for field, _ in problems] == ["chaos.faults[0].kind"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "field", "fragment"),
+    [
+        ({"kind": "nan_grad", "rank": 0, "at_step": 3}, None, ""),
+        ({"kind": "nan_grad", "rank": 0, "at_step": 3, "at_point": "after_backward"}, None, ""),
+        ({"kind": "nan_grad", "rank": 0, "at_point": "before_step"}, "at_point", "only after the backward"),
+        ({"kind": "nan_grad", "rank": 0, "at_seconds": 5}, "at_seconds", "time-triggered nan_grad"),
+        ({"kind": "raise", "rank": 0, "at_step": 3, "duration_s": 5}, "duration_s", "storage faults only"),
+        ({"kind": "kill_rank", "rank": 0, "at_seconds": 5}, None, ""),
+        ({"kind": "storage_error", "path": "*/manifest.json", "when": "after"}, None, ""),
+        ({"kind": "storage_error", "op": "list", "at_seconds": 5, "duration_s": 2}, None, ""),
+        ({"kind": "storage_latency", "rank": 1, "delay_s": 0.5, "at_step": 10}, None, ""),
+        ({"kind": "torn_write", "rank": 1, "at_step": 10}, None, ""),
+        ({"kind": "storage_error", "rank": 1, "op": "read"}, "op", "shard writes only"),
+        ({"kind": "storage_error", "at_point": "during_shard_write"}, "at_point", "not by a fault point"),
+        ({"kind": "corrupt_shard", "at_step": 20}, None, ""),
+        ({"kind": "corrupt_shard", "at_point": "during_stage"}, "at_point", "remove at_point"),
+        ({"kind": "corrupt_shard", "at_seconds": 5}, "at_seconds", "remove at_seconds"),
+        ({"kind": "corrupt_shard", "rank": 1, "at_step": 20}, "rank", "remove rank"),
+        ({"kind": "corrupt_shard", "at_step": 20, "repeat": True}, "repeat", "remove repeat"),
+    ],
+)
+def test_support_problems_name_the_trigger_a_kind_does_not_take(fault, field, fragment):
+    problems = support_problems(ChaosConfig(faults=[FaultSpec(**fault)]))
+    if field is None:
+        assert problems == []
+    else:
+        [(got, message)] = problems
+        assert got == f"chaos.faults[0].{field}" and fragment in message, message

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ckpt.catalog import Catalog
+from ckpt.reader import verify_checkpoint
 from ckpt.shards import write_shard
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
@@ -43,6 +44,8 @@ class FakeWorkerGroup:
         self.evicted: list[int] = []
         self._running: set[int] = set()
         self.until = 0
+        self.fail_shard: dict[int, int] = {}  # step -> rank whose shard write fails (a save_error event)
+        self.verify_restore = False  # restore reads the checkpoint whole, as real ranks do
 
     def controller_node(self) -> str:
         return "head"
@@ -105,6 +108,8 @@ class FakeWorkerGroup:
         return [0.0] * len(self.actors)
 
     def restore_all(self, step, dp, timeout_s):
+        if self.verify_restore and step is not None:
+            verify_checkpoint(Catalog(self.storage), step)  # CorruptCheckpoint, as from a real rank
         self.dp_history.append(dp)
         self.next_step = step or 0
         self.gen_store = self.rendezvous.generation(self.gen)
@@ -135,6 +140,10 @@ class FakeWorkerGroup:
             self.next_step += 1
             if plan.should_save(self.next_step):
                 for rank in range(world):
+                    if self.fail_shard.get(self.next_step) == rank:
+                        store.push_event({"type": "save_error", "rank": rank, "step": self.next_step,
+                                          "error": "InjectedStorageError: injected storage_error"})
+                        continue
                     t = {f"w{rank}": torch.full((2,), float(self.next_step))}
                     receipt = write_shard(self.storage, self.next_step, rank, t, blocking_s=0.001)
                     extra = {"engine": {"next_step": self.next_step}} if rank == 0 else {}

@@ -137,21 +137,29 @@ def test_global_batch_message_says_the_fix(tiny_data):
                             "use a multiple of 4 such as 16")
 
 
-@pytest.mark.parametrize(
-    ("override", "field"),
-    [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"), ("parallel.zero=1", "parallel.zero"),
-     ("train.precision=fp16", "train.precision")],
-)
-def test_engine_limits_are_reported_on_their_field(tiny_data, override, field):
-    # tp=2 and pp=2 divide the tiny model's 4 heads and 4 layers: only the engine limit remains.
-    [problem] = problems_of(tiny_data, [override])
-    assert problem.field == field and "this release" in problem.message
+def test_engine_limits_are_reported_on_their_field(tiny_data):
+    # pp=2 divides the tiny model's 4 layers: only the engine limit remains.
+    [problem] = problems_of(tiny_data, ["parallel.pp=2"])
+    assert problem.field == "parallel.pp" and "this release" in problem.message
     assert engine_support_problems(validate_spec(tiny_data)) == []
+
+
+@pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.zero=1", "parallel.zero=3", "train.precision=fp16"])
+def test_sharded_and_fp16_layouts_are_accepted(tiny_data, override):
+    spec = validate_spec(apply_overrides(tiny_data, [override, "parallel.dp=2"]))
+    assert engine_support_problems(spec) == []
+
+
+def test_every_dimension_tp_splits_must_divide(tiny_data):
+    problems = problems_of(tiny_data, ["parallel.tp=3", "model={vocab_size: 256, n_layers: 2, n_heads: 6, "
+                                       "d_model: 48, d_ff: 100}"])
+    messages = {p.message.split(" is ")[0] for p in problems if p.field == "parallel.tp"}
+    assert messages == {"model.d_ff = 100", "model.vocab_size = 256"}
 
 
 def test_section_and_cross_section_problems_come_together(tiny_data):
     fields = fields_of(tiny_data, ["train.stpes=3", "parallel.tp=3", "name=my job", "elastic.min_dp=5"])
-    assert fields.count("parallel.tp") == 2  # not divisible, and not supported by this release
+    assert fields.count("parallel.tp") == 3  # 3 divides none of the heads, the MLP width, the vocabulary
     assert {"train.stpes", "name", "elastic.min_dp"} <= set(fields)
 
 

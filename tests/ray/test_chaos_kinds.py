@@ -1,0 +1,96 @@
+"""One end-to-end run per wired fault kind on the real Ray test cluster (4 ranks, 40 steps, a save
+every 10), each ending with the job's expected outcome, every committed checkpoint verifying
+(the latest among them) and, since every run here completes on the reference's layout, the
+reference's final loss bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckpt.catalog import Catalog
+from ckpt.reader import verify_checkpoint
+from ckpt.storage import Storage
+from tests.ray.jobs import run_job
+
+pytestmark = pytest.mark.ray
+
+
+def _run(ray_cluster, tmp_path: Path, name: str, faults: str) -> tuple[dict, str, Catalog]:
+    proc, path = run_job(ray_cluster, tmp_path, name, [f"chaos.faults={faults}"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return json.loads(path.read_text()), out, Catalog(Storage(f"file://{tmp_path}/ckpt/{name}"))
+
+
+def _all_verify(catalog: Catalog, latest: int = 40) -> None:
+    steps = catalog.committed_steps()
+    assert steps and steps[-1] == latest, steps
+    for step in steps:
+        verify_checkpoint(catalog, step)
+
+
+def test_nan_grad_fails_the_rank_and_recovers_from_the_last_commit(ray_cluster, tmp_path, reference):
+    report, out, catalog = _run(ray_cluster, tmp_path, "nan", "[{kind: nan_grad, rank: 2, at_step: 25}]")
+    [failure] = report["failures"]
+    assert failure["kind"] == "nan_grad" and failure["rank"] == 2, out[-3000:]
+    assert "non-finite gradient norm at step 25" in out
+    assert "restored step 20" in out
+    _all_verify(catalog)
+    assert report["final_loss"] == reference["final_loss"]
+
+
+def test_storage_errors_on_a_shard_and_on_a_manifest_reply(ray_cluster, tmp_path, reference):
+    # Rank 1 cannot write its shard of step 10: that save never commits. The manifest of
+    # step 20 lands but its reply is "lost": the retried create finds our own manifest.
+    report, out, catalog = _run(ray_cluster, tmp_path, "storerr", (
+        "[{kind: storage_error, rank: 1, at_step: 10},"
+        " {kind: storage_error, path: '*/manifest.json', when: after, at_step: 20}]"))
+    assert report["failures"] == [], out[-3000:]
+    assert "checkpoint step 10 will not be committed: rank 1 failed to write its shard" in out
+    assert "storage_error (after) on the controller's write of" in out
+    assert [c["step"] for c in report["checkpoints"]] == [20, 30, 40]
+    _all_verify(catalog)
+    assert report["final_loss"] == reference["final_loss"]
+
+
+def test_torn_shard_and_torn_manifest_never_commit(ray_cluster, tmp_path, reference):
+    # A torn shard of rank 3 at step 10; at step 20 both manifest attempts are torn. Neither
+    # save commits, no unreadable manifest is left where a reader would trust it.
+    report, out, catalog = _run(ray_cluster, tmp_path, "torn", (
+        "[{kind: torn_write, rank: 3, at_step: 10},"
+        " {kind: torn_write, path: '*/manifest.json', at_step: 20, repeat: true}]"))
+    assert report["failures"] == [], out[-3000:]
+    assert "checkpoint step 10 will not be committed: rank 3 failed to write its shard" in out
+    assert "checkpoint step 20 will not be committed: the manifest commit failed twice" in out
+    assert [c["step"] for c in report["checkpoints"]] == [30, 40]
+    assert not catalog.storage.exists(catalog.manifest_path(20))
+    _all_verify(catalog)
+    assert report["final_loss"] == reference["final_loss"]
+
+
+def test_storage_latency_on_a_shard_write_delays_that_save(ray_cluster, tmp_path, reference):
+    report, out, catalog = _run(ray_cluster, tmp_path, "slowio",
+                                "[{kind: storage_latency, rank: 0, delay_s: 1.5, at_step: 20}]")
+    assert report["failures"] == [], out[-3000:]
+    assert "storage_latency (latency) on rank 0's write of" in out
+    saves = {c["step"]: c["total_s"] for c in report["checkpoints"]}
+    assert sorted(saves) == [10, 20, 30, 40]
+    assert saves[20] >= 1.5
+    _all_verify(catalog)
+    assert report["final_loss"] == reference["final_loss"]
+
+
+def test_corrupt_shard_is_found_at_restore_and_the_previous_checkpoint_is_used(ray_cluster, tmp_path, reference):
+    report, out, catalog = _run(ray_cluster, tmp_path, "corrupt", (
+        "[{kind: corrupt_shard, at_step: 20}, {kind: kill_rank, rank: 1, at_step: 25}]"))
+    assert "corrupt_shard on committed step 20: bit" in out, out[-3000:]
+    assert "checkpoint step 20 is corrupt" in out and "moved aside" in out
+    assert "restored step 10" in out
+    assert [f["kind"] for f in report["failures"]] == ["kill_rank"]
+    assert [c["step"] for c in report["checkpoints"]] == [10, 20, 20, 30, 40]  # 20 saved and committed again
+    _all_verify(catalog)
+    assert report["final_loss"] == reference["final_loss"]

@@ -1,0 +1,123 @@
+"""Controller-side chaos with the fake worker group: storage faults on the catalog, corrupt_shard,
+a rank's failed shard write; each run must go on and leave only checkpoints that verify."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt.catalog import Catalog
+from ckpt.manifest import step_dir
+from ckpt.reader import verify_checkpoint
+from ckpt.storage import Storage
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
+
+
+def _run(tmp_path, rendezvous, faults, steps=30, **fake):
+    spec = _spec(tmp_path, chaos={"faults": faults}, train={"steps": steps, "global_batch": 4, "micro_batch": 1})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    for name, value in fake.items():
+        setattr(workers, name, value)
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    report = ctl.run()
+    return ctl, report, "\n".join(lines)
+
+
+def _skipped(ctl) -> float:
+    return ctl.metrics.registry.get_sample_value("undying_checkpoint_skipped_total", {"job": "unit"})
+
+
+def _verified(ctl) -> list[int]:
+    catalog = Catalog(Storage(ctl.spec.checkpoint_root))  # without the controller's faults
+    steps = catalog.committed_steps()
+    for step in steps:
+        verify_checkpoint(catalog, step)
+    return steps
+
+
+def test_a_failed_shard_write_drops_that_save_and_the_next_one_commits(tmp_path, rendezvous):
+    # Rank 0's error arrives first: rank 1's later receipt of step 20 must not reopen the save
+    # (it would sit pending, in CHECKPOINTING, until step 30 overtook it).
+    ctl, report, text = _run(tmp_path, rendezvous, [], fail_shard={20: 0})
+    assert report.status == "succeeded", report.error
+    assert "checkpoint step 20 will not be committed: rank 0 failed to write its shard" in text
+    assert "step 20: shards arriving" not in text
+    assert [c.step for c in report.checkpoints] == [10, 30] and report.failures == []
+    assert _skipped(ctl) == 1
+    assert _verified(ctl) == [10, 30]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_failed_manifest_commit_is_retried_once(tmp_path, rendezvous, when):
+    # "after": the manifest landed and the reply was lost; the retry finds our own manifest.
+    ctl, report, text = _run(tmp_path, rendezvous, [
+        {"kind": "storage_error", "path": "*/manifest.json", "at_step": 20, "when": when}])
+    assert report.status == "succeeded", report.error
+    assert f"chaos: storage_error ({when}) on the controller's write of" in text
+    assert [c.step for c in report.checkpoints] == [10, 20, 30] and report.failures == []
+    assert _skipped(ctl) == 0
+    assert _verified(ctl) == [20, 30]
+
+
+def test_a_manifest_commit_failing_twice_skips_the_save_and_the_job_goes_on(tmp_path, rendezvous):
+    ctl, report, text = _run(tmp_path, rendezvous, [
+        {"kind": "storage_error", "op": "write", "path": "*/manifest.json", "at_step": 20, "repeat": True}])
+    assert report.status == "succeeded", report.error
+    assert "checkpoint step 20 will not be committed: the manifest commit failed twice" in text
+    assert [c.step for c in report.checkpoints] == [10, 30] and report.failures == []
+    assert _skipped(ctl) == 1
+    assert _verified(ctl) == [10, 30]
+
+
+def test_a_torn_manifest_is_moved_aside_and_the_retry_commits(tmp_path, rendezvous):
+    ctl, report, text = _run(tmp_path, rendezvous, [{"kind": "torn_write", "path": "*/manifest.json", "at_step": 20}])
+    assert report.status == "succeeded", report.error
+    assert "chaos: torn_write (torn) on the controller's write of" in text
+    assert [c.step for c in report.checkpoints] == [10, 20, 30]
+    assert _verified(ctl) == [20, 30]
+
+
+def test_a_manifest_torn_twice_never_looks_committed(tmp_path, rendezvous):
+    # Step 20 is the final step: nothing commits after it, so what the failed commit left stays.
+    ctl, report, text = _run(tmp_path, rendezvous, [
+        {"kind": "torn_write", "path": "*/manifest.json", "at_step": 20, "repeat": True}], steps=20)
+    assert report.status == "failed" and "final checkpoint (step 20) was not committed" in report.error
+    assert "the manifest commit failed twice" in text
+    assert _verified(ctl) == [10]  # the torn manifest is not where a reader would take it for committed
+    aside = list((tmp_path / "ckpt" / "unit" / step_dir(20)).glob("manifest.corrupt-*.json"))
+    assert len(aside) == 2  # one per attempt
+    assert not (tmp_path / "ckpt" / "unit" / step_dir(20) / "manifest.json").exists()
+
+
+def test_an_unreadable_manifest_found_at_restore_is_reported_and_skipped(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, []).run()
+    manifest = tmp_path / "ckpt" / "unit" / step_dir(30) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])  # torn by an earlier controller that then died
+    ctl, report, text = _run(tmp_path, rendezvous, [])
+    assert report.status == "succeeded", report.error
+    assert "checkpoint step 30 is corrupt" in text and "does not parse" in text and "moved aside" in text
+    assert "restored step 20" in text
+    assert [c.step for c in report.checkpoints] == [30]  # saved and committed again
+    assert _verified(ctl) == [20, 30]
+
+
+def test_corrupt_shard_forces_a_loud_fallback_at_the_next_restore(tmp_path, rendezvous):
+    ctl, report, text = _run(tmp_path, rendezvous, [{"kind": "corrupt_shard", "at_step": 20}],
+                             die_at={25: 1}, verify_restore=True)
+    assert report.status == "succeeded", report.error
+    assert "chaos: corrupt_shard on committed step 20: bit" in text
+    assert "checkpoint step 20 is corrupt" in text and "moved aside" in text and "restored step 10" in text
+    # The rank's death is blamed on nothing else (a corruption makes no rank fail).
+    assert [(f.kind, f.rank) for f in report.failures] == [("rank_died", 1)]
+    assert [c.step for c in report.checkpoints] == [10, 20, 20, 30]  # 20 saved and committed again
+    assert _verified(ctl) == [20, 30]
+
+
+def test_a_listing_error_at_restore_re_forms_the_generation(tmp_path, rendezvous):
+    ctl, report, text = _run(tmp_path, rendezvous, [{"kind": "storage_error", "op": "list", "nth": 1}])
+    assert report.status == "succeeded", report.error
+    assert [f.kind for f in report.failures] == ["restore"]
+    assert "InjectedStorageError" in text
+    assert _verified(ctl) == [20, 30]

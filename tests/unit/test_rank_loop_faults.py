@@ -1,0 +1,86 @@
+"""A rank's loop with a real one-rank engine and a real store: nan_grad stops it, storage faults hit its
+shard writes only, and events from the writer thread travel on the writer's own store client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ckpt.manifest import step_dir
+from orchestrator.rank_loop import NonFiniteGradient, RankLoop, _EventSink
+from orchestrator.rank_state import build_engine
+from orchestrator.rendezvous import PLAN, RendezvousServer, connect
+from orchestrator.spec import validate_spec
+
+
+def _spec(tmp_path, faults):
+    # Two ranks in the spec, so that faults may name rank 1; the loop under test plays rank 0 alone.
+    return validate_spec({
+        "name": "loop", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+        "train": {"steps": 6, "global_batch": 2, "micro_batch": 1}, "parallel": {"dp": 2},
+        "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2}, "chaos": {"faults": faults},
+    })
+
+
+def _run(tmp_path, faults):
+    """Run rank 0 of a one-rank job to step 6 (saves after steps 2, 4, 6); returns (outcome, events)."""
+    spec = _spec(tmp_path, faults)
+    server = RendezvousServer("127.0.0.1")
+    controller = server.generation(0)
+    controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
+                               "job_started_at": time.time()})
+    armed = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)]
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect("127.0.0.1", server.port, 0), 0, 1, threading.Event(),
+                    writer_store=connect("127.0.0.1", server.port, 0))
+    try:
+        outcome = loop.run(6, armed)
+    except NonFiniteGradient as err:
+        outcome = err
+    return outcome, controller.drain_events(), spec
+
+
+def test_nan_grad_stops_the_rank_before_the_poisoned_step_is_reported_or_saved(tmp_path):
+    outcome, events, _ = _run(tmp_path, [{"kind": "nan_grad", "rank": 0, "at_step": 3}])
+    assert isinstance(outcome, NonFiniteGradient) and "non-finite gradient norm at step 3" in str(outcome)
+    assert [(e["kind"], e["step"]) for e in events if e["type"] == "fault"] == [("nan_grad", 3)]
+    assert [e["step"] for e in events if e["type"] == "step"] == [0, 1, 2]
+    assert [e["receipt"]["step"] for e in events if e["type"] == "receipt"] == [2]
+
+
+@pytest.mark.parametrize("kind", ["storage_error", "torn_write"])
+def test_a_storage_fault_on_the_rank_fails_that_shard_write_only(tmp_path, kind):
+    outcome, events, spec = _run(tmp_path, [{"kind": kind, "rank": 0, "at_step": 4}])
+    assert outcome["status"] == "done"
+    [error] = [e for e in events if e["type"] == "save_error"]
+    assert error["step"] == 4 and f"injected {kind}" in error["error"]
+    [fault] = [e for e in events if e["type"] == "fault"]
+    assert fault["kind"] == kind and fault["rank"] == 0 and step_dir(4) in fault["path"]
+    assert [e["receipt"]["step"] for e in events if e["type"] == "receipt"] == [2, 6]
+
+
+def test_a_storage_fault_for_another_rank_changes_nothing_here(tmp_path):
+    outcome, events, _ = _run(tmp_path, [{"kind": "storage_error", "rank": 1, "at_step": 4},
+                                         {"kind": "storage_error", "at_step": 4}])  # the controller's
+    assert outcome["status"] == "done"
+    assert [e["receipt"]["step"] for e in events if e["type"] == "receipt"] == [2, 4, 6]
+    assert not [e for e in events if e["type"] in ("fault", "save_error")]
+
+
+class _ListStore:
+    def __init__(self):
+        self.events = []
+
+    def push_event(self, event):
+        self.events.append(event)
+
+
+def test_events_from_another_thread_use_the_writer_client():
+    store, writer = _ListStore(), _ListStore()
+    sink = _EventSink(store, writer)
+    sink.push({"n": 1})
+    thread = threading.Thread(target=sink.push, args=({"n": 2},))
+    thread.start()
+    thread.join()
+    assert store.events == [{"n": 1}] and writer.events == [{"n": 2}]
