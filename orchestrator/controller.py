@@ -181,8 +181,26 @@ class Controller(RecoveryMixin):
             self._fail(f"chaos.faults: kill_node on rank(s) {unsafe} would kill the node the controller runs on; "
                        "run on a multi-node cluster and target ranks on other nodes")
             return
-        self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up in {time.perf_counter() - started:.2f} s"
-                                   + (f" ({spares} warm spare(s) starting)" if spares else ""))
+        nodes = len({self.workers.node_of(r) for r in range(self.world_size)})
+        self._go(State.RENDEZVOUS, f"{self.world_size} rank actors up on {nodes} node(s) in "
+                                   f"{time.perf_counter() - started:.2f} s"
+                                   + (f" ({spares} warm spare(s) starting)" if spares else "") + self._tp_locality())
+
+    def _tp_locality(self) -> str:
+        """Words on whether every tensor-parallel group landed on one node.
+
+        TP exchanges activations every layer, so a group split across nodes runs at the
+        inter-node bandwidth. The placement group packs consecutive bundles (ranks) onto a node
+        and a TP group is `tp` consecutive ranks, so groups stay whole whenever a node's slots
+        are a multiple of tp; this says so, or names the groups that were split."""
+        tp = self.spec.parallel.tp
+        if tp == 1:
+            return ""
+        groups = [list(range(start, start + tp)) for start in range(0, self.world_size, tp)]
+        split = [g for g in groups if len({self.workers.node_of(r) for r in g}) > 1]
+        if not split:
+            return f"; each of the {len(groups)} TP group(s) on one node"
+        return f"; WARNING: TP group(s) {split} span nodes (give nodes a multiple of tp = {tp} slots)"
 
     def _quarantine(self, step: int) -> str:
         """Withdraw a checkpoint that fails the controller's own full verification, so that the

@@ -340,3 +340,14 @@ def test_measured_save_cost_sets_the_young_cadence_after_the_first_commit(tmp_pa
     assert report.status == "succeeded", report.error
     assert any("checkpoint cadence: every 27 steps" in line for line in lines), lines
     assert [c.step for c in report.checkpoints][:2] == [10, 40]  # the probe, then 27 steps from the anchor
+
+
+def test_placement_says_whether_tp_groups_share_a_node(tmp_path, rendezvous):
+    spec = _spec(tmp_path, parallel={"dp": 2, "tp": 2}, train={"steps": 10, "global_batch": 4, "micro_batch": 1})
+    lines: list[str] = []
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    ctl = _controller(spec, workers, rendezvous, lines)
+    ctl._placing()
+    assert "each of the 2 TP group(s) on one node" in lines[-1]
+    workers.node_of = lambda rank: f"node{rank % 2}"  # ranks 0 and 1 (a TP group) on two nodes
+    assert "TP group(s) [[0, 1], [2, 3]] span nodes" in ctl._tp_locality()
