@@ -144,6 +144,20 @@ class RecoveryMixin:
         return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""),
                        step=culprit.info.get("step", self._current_step()))
 
+    def _model_parallel(self) -> int:
+        return self.spec.parallel.tp * self.spec.parallel.pp
+
+    def _ranks_to_keep(self, alive: list[int], new_dp: int) -> list[int]:
+        """The `new_dp` x tp x pp live ranks that form the smaller job, in their new rank order.
+
+        Whole model-parallel groups (the tp x pp ranks of one dp replica) come first, so that
+        TP groups stay on the node they were placed on; gaps are filled with other live ranks."""
+        group = self._model_parallel()
+        whole = [r for start in range(0, self.world_size, group)
+                 if all(m in alive for m in range(start, start + group)) for r in range(start, start + group)]
+        rest = [r for r in alive if r not in whole]
+        return (whole + rest)[:new_dp * group]
+
     def _maybe_replan(self) -> None:
         """After a commit: publish a new cadence when the measured costs moved it by over 20%.
 
@@ -297,7 +311,7 @@ class RecoveryMixin:
                 return None
             words.append(f"no replacement for rank(s) {late} within {self.spec.elastic.replace_timeout_s:.0f} s, "
                          f"shrinking dp {self.dp} -> {new_dp} (grad accumulation absorbs it)")
-            self.workers.renumber(alive[:new_dp])
+            self.workers.renumber(self._ranks_to_keep(alive, new_dp))
             self.dp = new_dp
         if self.spec.elastic.spares or self.dp < self.spec.parallel.dp:
             self.workers.start_spares()
@@ -323,7 +337,7 @@ class RecoveryMixin:
         lost = self.record.rolled_back_seconds(step, since=self.gen_started_at)
         self.ledger.move(lost, "productive", "lost_work")
         old = self.dp
-        self.workers.grow(new_dp)
+        self.workers.grow(new_dp * self._model_parallel())
         self.dp = new_dp
         self._go(State.RENDEZVOUS, f"generation {self.gen} -> {self.gen + 1}: growing dp {old} -> {new_dp} at "
                                    f"checkpoint step {step} ({ready} warm spare(s) ready)")

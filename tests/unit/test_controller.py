@@ -277,6 +277,27 @@ def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
     assert len(report.failures) == 1  # growing is not a failure
 
 
+def test_tensor_parallel_job_shrinks_and_grows_by_whole_tp_groups(tmp_path, rendezvous):
+    # dp=2 x tp=2: rank 2 (replica 1's first TP rank) dies; the job shrinks to replica 0's
+    # TP group (old ranks 0 and 1) and grows back to 4 ranks, never to a partial TP group.
+    spec = _spec(tmp_path, parallel={"dp": 2, "tp": 2})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={15: 2}, cold_start_works=False)
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    real_renumber = workers.renumber
+    kept: list[list[int]] = []
+
+    def renumber(keep):
+        kept.append(list(keep))
+        real_renumber(keep)
+
+    workers.renumber = renumber
+    report = ctl.run()
+    assert report.status == "succeeded", report.error
+    assert kept == [[0, 1]]
+    assert [(w.dp, w.world_size) for w in report.world_history] == [(2, 4), (1, 2), (2, 4)]
+
+
 def test_warm_spare_takes_over(tmp_path, rendezvous):
     spec = _spec(tmp_path, elastic={"spares": 1, "max_restarts": 2})
     workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={12: 0})
