@@ -10,7 +10,9 @@ Retention and garbage collection (`plan_gc`, then `apply_gc`; `apply_retention` 
 `collect_garbage` are its two halves) keep the newest K committed checkpoints, never the
 newest committed one, and delete unfinished saves older than the newest commit. A
 checkpoint is deleted manifest first, so an interrupted deletion leaves an uncommitted
-directory (garbage for the next run), never a manifest that names missing shards. Deletes
+directory (garbage for the next run), never a manifest that names missing shards. On S3 an
+unfinished save also counts when all it left is multipart uploads pending (a writer killed
+mid-upload): deleting it aborts them (ckpt.storage.Storage.remove_tree). Deletes
 tolerate files that are already gone: the controller and `undying ckpt gc` may race.
 """
 
@@ -84,6 +86,11 @@ class Catalog:
         steps = (parse_step_dir(name) for name in self.storage.listdir(self.storage.root))
         return sorted(s for s in steps if s is not None)
 
+    def gc_candidates(self) -> list[int]:
+        """`all_steps`, plus steps that hold only multipart uploads a killed writer left pending (S3)."""
+        uploads = (parse_step_dir(name) for name in self.storage.pending_upload_children(self.storage.root))
+        return sorted(set(self.all_steps()) | {s for s in uploads if s is not None})
+
     def committed_steps(self) -> list[int]:
         """Steps with a committed manifest, oldest first."""
         return [s for s in self.all_steps() if self.storage.exists(self.manifest_path(s))]
@@ -94,7 +101,7 @@ class Catalog:
 
     def gc_plan(self, keep: int, in_flight: Iterable[int] = ()) -> GcPlan:
         """What `apply_gc` would delete now (see `plan_gc`); reads listings only."""
-        return plan_gc(self.all_steps(), self.committed_steps(), keep, in_flight)
+        return plan_gc(self.gc_candidates(), self.committed_steps(), keep, in_flight)
 
     def apply_gc(self, plan: GcPlan) -> None:
         """Delete what `plan` names: expired checkpoints first, then orphaned directories."""
@@ -117,8 +124,8 @@ class Catalog:
 
     def collect_garbage(self, in_flight: Iterable[int] = ()) -> list[int]:
         """Remove step directories without a manifest that are older than the newest commit."""
-        all_steps = self.all_steps()
-        committed = [s for s in all_steps if self.storage.exists(self.manifest_path(s))]
+        all_steps = self.gc_candidates()
+        committed = [s for s in self.all_steps() if self.storage.exists(self.manifest_path(s))]
         plan = GcPlan(expired=[], orphans=plan_gc(all_steps, committed, len(committed) or 1, in_flight).orphans)
         self.apply_gc(plan)
         return plan.orphans

@@ -27,6 +27,11 @@ hides files that other processes wrote since (and makes `exists` answer False fo
 Every `listdir` and `exists` here drops the cache first, and every `Storage` builds its
 own filesystem instance (`skip_instance_cache`), because fsspec otherwise hands out one
 shared, cached instance for equal arguments.
+
+A writer killed mid multipart upload (SIGKILL) leaves the upload pending: no object, but
+stored parts. `remove_tree` (checkpoint GC of unfinished saves) aborts the pending uploads
+under the tree it deletes; a bucket lifecycle rule `AbortIncompleteMultipartUpload` covers
+prefixes GC never visits.
 """
 
 from __future__ import annotations
@@ -214,7 +219,52 @@ class Storage:
             bucket, key, _ = self.fs.split_path(path)
             if key:
                 self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+                self.abort_uploads(path)
         self.invalidate()
+
+    def pending_uploads(self, path: str) -> list[tuple[str, str]]:
+        """S3: (key, upload id) of every multipart upload begun and never completed or aborted under `path`.
+
+        A writer killed mid-upload (SIGKILL, a lost node) leaves its upload pending: its
+        parts are stored (and billed) but no object shows them. Empty on other stores.
+        """
+        if not self.is_s3:
+            return []
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        found, markers = [], {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            # Filtered here as well: not every S3-compatible server honours Prefix.
+            found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", []) if u["Key"].startswith(prefix)]
+            if not page.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def pending_upload_children(self, path: str) -> set[str]:
+        """Names directly under `path` that hold pending multipart uploads (S3; empty elsewhere).
+
+        A writer killed before any of its objects completed leaves a directory that no
+        listing shows, only its pending uploads: this is how GC still finds it.
+        """
+        pending = self.pending_uploads(path)
+        if not pending:
+            return set()
+        prefix = self.fs.split_path(path)[1].rstrip("/") + "/"
+        return {key[len(prefix):].split("/", 1)[0] for key, _ in pending if "/" in key[len(prefix):]}
+
+    def abort_uploads(self, path: str) -> int:
+        """Abort the pending multipart uploads under `path` (see `pending_uploads`); returns how many.
+
+        Only for a tree being deleted: an upload still in flight there fails, which is what
+        deleting its directory means anyway.
+        """
+        bucket = self.fs.split_path(path)[0]
+        pending = self.pending_uploads(path)
+        for key, upload_id in pending:
+            with contextlib.suppress(FileNotFoundError):  # NoSuchUpload: finished or aborted meanwhile
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        return len(pending)
 
     def invalidate(self) -> None:
         self.fs.invalidate_cache()
