@@ -11,7 +11,8 @@ replicas, TP-replicated norm gains and ZeRO-1 parameters are stored once.
 
 Protocol: the engine builds one `ParamLayout` per parameter after wrapping (`describe`), and
 uses them for `state_slices`, `wanted_slices`, `load_slices` and the gradient norm. The grid
-excludes pp: pipeline stages hold different parameters.
+excludes pp: pipeline stages hold different parameters (but for a tied embedding's copy,
+`ParamLayout.copy`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class ParamLayout:
     """One parameter on this rank: its logical name and where its pieces of state sit.
 
     `optim` / `step` are None when this rank holds none of the parameter's optimizer state
-    (ZeRO-1, another dp rank owns it).
+    (ZeRO-1, another dp rank owns it). `copy` marks the last pipeline chunk's copy of a tied
+    embedding: trained like the original, but neither saved nor counted in the gradient norm
+    (the full model holds the tensor once).
     """
 
     name: str
@@ -110,6 +113,7 @@ class ParamLayout:
     geometry: Geometry
     optim: Geometry | None
     step: Geometry | None
+    copy: bool = False
 
     @property
     def local(self) -> torch.Tensor:

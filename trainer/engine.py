@@ -25,8 +25,16 @@ reuses. With dp = 1 nothing is replicated, so `zero` changes nothing and is not 
 Precision: fp32; bf16 and fp16 with fp32 master weights (autocast for DDP, FSDP2's
 MixedPrecisionPolicy for zero 2/3); fp16 adds a dynamic loss scaler (trainer.scaler).
 
-Pipeline parallelism (pp > 1) is refused here (trainer.layout_checks): the seam for it is
-`_forward_backward`, which a pipeline runner replaces (see that method).
+Pipeline parallelism (pp > 1, trainer.engine_pipeline): the rank builds only its own chunks
+(trainer.stages), each parallelised in the same order, and a `PipelineRunner` replaces
+`_forward_backward`'s microbatch loop. `engine.model` is then a `LocalChunks` whose
+parameters carry the full model's names; the optimizer (ZeRO-1: one ZeroRedundancyOptimizer
+over the dp group) covers all local chunks. The "after_forward" fault point cannot sit inside
+a schedule step: with pp > 1 it fires after the runner's step (forwards and backwards done),
+just before "after_backward". `StepResult.bubble` is this rank's measured idle fraction of the
+schedule (trainer.pipeline.StepTrace). With tied embeddings the last chunk's copy of
+`tok_emb.weight` is not saved (the first chunk's is the logical tensor) and is loaded from
+the same "model/tok_emb.weight" entry, so checkpoints move between pp degrees.
 
 Bit-exact resume: all randomness is derived from (seed, step, ...) (trainer.seeding), the
 data cursor is the step number, the LR schedule is a pure function of the step, and the
@@ -58,12 +66,14 @@ from trainer.data_parallel import (
     wrap_ddp,
 )
 from trainer.dtensor_slices import Grid, ParamLayout, dtensor_spec, geometry, local, scalar_geometry
+from trainer.engine_pipeline import LocalChunks, build_pipeline
 from trainer.engine_state import STATE_FORMAT, EngineState
 from trainer.grad_clip import clip_sharded_grads
 from trainer.layout_checks import check_layout
 from trainer.loss import all_reduce_token_loss, token_loss_sum
 from trainer.model import build_model
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from trainer.pipeline import sync_tied_grads
 from trainer.recompute import apply_recompute
 from trainer.scaler import LossScaler
 from trainer.seeding import derive_seed
@@ -85,6 +95,7 @@ class StepResult:
     step_s: float  # wall time of the step on this rank
     loss_scale: float = 1.0  # fp16 loss scale this step's backward used (1.0 without a scaler)
     skipped: bool = False  # fp16 overflow: no update was made (the step still counts)
+    bubble: float = 0.0  # measured idle fraction of this rank's pipeline schedule (0.0 without pp)
 
 
 class Engine(EngineState):
@@ -92,8 +103,8 @@ class Engine(EngineState):
 
     `fault_hook(point, step)`, if set (also assignable later as `engine.fault_hook`), is called
     once per step at each of FAULT_POINTS: before the step, after the last microbatch's
-    forward (before the backward that syncs gradients), after that backward, and after the
-    optimizer step.
+    forward (before the backward that syncs gradients; with pp > 1 after the whole schedule,
+    see the module docstring), after that backward, and after the optimizer step.
     """
 
     def __init__(
@@ -121,6 +132,7 @@ class Engine(EngineState):
         self.topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp)
         coords = self.topology.coords(rank)
         self.dp_rank, self.dp_size = coords.dp, parallel.dp
+        self.pp_rank, self.pp_size = coords.pp, parallel.pp
         self.tp_rank, self.tp_size = coords.tp, parallel.tp
         self.sequence_parallel = parallel.sequence_parallel and parallel.tp > 1
         self.fault_hook = fault_hook
@@ -128,12 +140,19 @@ class Engine(EngineState):
         self.data = DataCursor(data, model.vocab_size)
         self.mesh = build_mesh(self.topology, self.device.type) if world_size > 1 else None
         self._dp_group = self.mesh["dp"].get_group() if self.mesh is not None else None
-        self.model = build_model(model, seed=train.seed, device=self.device)
         self._clock = SyncClock()
         self._ddp = None
         self._fsdp = parallel.zero >= 2 and parallel.dp > 1
         self._zero1 = parallel.zero == 1 and parallel.dp > 1
-        tp_specs = self._parallelize()
+        self.pipeline = None
+        if parallel.pp > 1:
+            self.pipeline = build_pipeline(model, data, train, parallel, mesh=self.mesh, pp_rank=self.pp_rank,
+                                           n_micro=self.n_micro, device=self.device, clock=self._clock)
+            self.model = LocalChunks(self.pipeline.stages)
+            tp_specs = self.pipeline.tp_specs
+        else:
+            self.model = build_model(model, seed=train.seed, device=self.device)
+            tp_specs = self._parallelize()
         if self._zero1:
             self.optimizer = build_zero1_optimizer(self.model, train, self._dp_group)
         else:
@@ -142,7 +161,7 @@ class Engine(EngineState):
         self.local_optimizer = self.optimizer.optim if self._zero1 else self.optimizer
         self.layouts = self._describe(tp_specs)
         # Every rank holds every tensor whole: state_tensors() and the local gradient norm work.
-        self.whole_state = parallel.tp == 1 and not self._fsdp and not self._zero1
+        self.whole_state = parallel.tp == parallel.pp == 1 and not self._fsdp and not self._zero1
         self.scaler = LossScaler() if train.precision == "fp16" else None
         self.next_step = 0
 
@@ -167,7 +186,11 @@ class Engine(EngineState):
         grid = Grid(coords={"dp": self.dp_rank, "tp": self.tp_rank}, sizes={"dp": self.dp_size, "tp": self.tp_size})
         owner = getattr(self.optimizer, "_param_to_rank", None) if self._zero1 else None
         layouts = []
-        for name, param in self.model.named_parameters():
+        if isinstance(self.model, LocalChunks):
+            named = list(self.model.named_parameters_with_copies())
+        else:
+            named = [(name, param, False) for name, param in self.model.named_parameters()]
+        for name, param, copy in named:
             if name in tp_specs:
                 mesh, placements, shape = tp_specs[name]
                 spec = (mesh, placements)
@@ -181,7 +204,7 @@ class Engine(EngineState):
                 optim, step = geometry(shape, spec, grid, ("tp",)), scalar_geometry(grid, ("tp",))
             else:
                 optim = step = None
-            layouts.append(ParamLayout(name, param, where, optim, step))
+            layouts.append(ParamLayout(name, param, where, optim, step, copy=copy))
         return layouts
 
     def _fault(self, point: str, step: int) -> None:
@@ -200,10 +223,12 @@ class Engine(EngineState):
         # Dropout draws from the global generator; reseeding it per step means a resumed run
         # needs no RNG state from the checkpoint. Without sequence parallelism the tp ranks
         # must draw identical masks (their activations are replicas); with it each holds a
-        # different part of the sequence and draws its own.
+        # different part of the sequence and draws its own. Pipeline stages hold different
+        # layers, so they draw independent masks (the masks differ from one process's).
+        where = (self.dp_rank,) if self.pp_size == 1 else (self.dp_rank, "pp", self.pp_rank)
         if self.sequence_parallel:
-            return derive_seed(self.train_config.seed, "dropout", step, self.dp_rank, "tp", self.tp_rank)
-        return derive_seed(self.train_config.seed, "dropout", step, self.dp_rank)
+            return derive_seed(self.train_config.seed, "dropout", step, *where, "tp", self.tp_rank)
+        return derive_seed(self.train_config.seed, "dropout", step, *where)
 
     def train_step(self) -> StepResult:
         """One optimizer step over the global batch of step `next_step`; collective."""
@@ -218,8 +243,13 @@ class Engine(EngineState):
         global_tokens = self._sum_over_dp(local_tokens)
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         compute_started = time.perf_counter()
-        loss_sum = self._forward_backward(step, batches, global_tokens, loss_scale)
-        compute_s = self._compute_seconds(compute_started)
+        self._trace = None
+        if self.pipeline is not None:
+            loss_sum = self._pipeline_forward_backward(step, batches, global_tokens, loss_scale)
+            compute_s = self._trace.busy_s
+        else:
+            loss_sum = self._forward_backward(step, batches, global_tokens, loss_scale)
+            compute_s = self._compute_seconds(compute_started)
         self._fault("after_backward", step)
         skipped, grad_norm = self._finish_gradients(step)
         lr = lr_at(step, tc)
@@ -231,11 +261,12 @@ class Engine(EngineState):
         self.next_step = step + 1
         self._fault("after_optimizer_step", step)
         if self.dp_size > 1:
-            loss_sum, _ = all_reduce_token_loss(loss_sum, local_tokens, group=self._dp_group)
+            loss_sum, _ = all_reduce_token_loss(loss_sum, local_tokens, group=self._dp_group, device=self.device)
         return StepResult(
             step=step, loss=loss_sum / global_tokens, tokens=global_tokens, grad_norm=grad_norm,
             lr=lr, compute_s=compute_s, step_s=time.perf_counter() - started,
             loss_scale=loss_scale, skipped=skipped,
+            bubble=self._trace.idle_fraction() if self._trace is not None else 0.0,
         )
 
     def _sum_over_dp(self, count: int) -> int:
@@ -253,12 +284,8 @@ class Engine(EngineState):
         dp_size / global_tokens; gradients are reduced only in the last microbatch's backward.
         Returns this rank's summed token loss (over its dp replica's samples).
 
-        Seam for pipeline parallelism: with pp > 1 a pipeline runner takes this method's
-        place. It must run every microbatch of `batches` through the stages with the same
-        loss (token_loss_sum under `loss_context`, scaled as here) on the last stage,
-        accumulate gradients with `gradient_sync` semantics (reduced once, at the end), call
-        the "after_forward" fault point, and return the last stage's loss sum broadcast to
-        every stage of its pipeline.
+        With pp > 1 `_pipeline_forward_backward` takes this method's place, with the same
+        loss, scaling, single gradient reduction and return value.
         """
         scale = loss_scale * self.dp_size / global_tokens
         module = self._ddp if self._ddp is not None else self.model
@@ -275,6 +302,20 @@ class Engine(EngineState):
                     (part * scale).backward()
             loss_sum += local(part.detach())
         return float(loss_sum)
+
+    def _pipeline_forward_backward(self, step: int, batches: list[Batch], global_tokens: int,
+                                   loss_scale: float) -> float:
+        """`_forward_backward` through the pipeline schedule (collective over pp).
+
+        The runner applies the same loss and scale (under `loss_context(tp)`), and each stage's
+        DDP / FSDP reduces its gradients once, in its last backward. Then the tied embedding's
+        two copies sum their gradients. Returns the pipeline's loss sum on every stage.
+        """
+        out = self.pipeline.runner.step(batches, global_tokens, loss_scale)
+        self._trace = out.trace
+        self._fault("after_forward", step)  # after the whole schedule: see the module docstring
+        sync_tied_grads(self.pipeline.stages, self.mesh["pp"], self.parallel_config.schedule)
+        return out.loss_sum
 
     def _finish_gradients(self, step: int) -> tuple[bool, float]:
         """fp16: unscale and check for overflow (skip the step); then the global norm and clipping."""

@@ -9,7 +9,13 @@ wanted slice out of whatever pieces were stored.
 Protocol (see trainer/state_slices.py): between steps, on any rank, no collectives:
 `state_slices()` + `state_meta()` to save; `wanted_slices()`, then `load_slices(slices, meta)`
 with the data filled in, to restore. `state_tensors()` / `load_state()` are the whole-tensor
-form, for layouts where every rank holds every tensor whole (zero 0 or dp 1, tp 1).
+form, for layouts where every rank holds every tensor whole (zero 0 or dp 1, tp 1, pp 1).
+
+Pipeline parallelism with tied embeddings: the last chunk's copy of `tok_emb.weight`
+(`ParamLayout.copy`) is never saved, since the first chunk's is the logical tensor, but it is
+wanted, and `load_slices` fills it, parameter and optimizer state, from the same entries as
+the original. A checkpoint therefore holds each logical tensor once and moves between pp
+degrees (and into pp = 1) unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class EngineState:
         out = []
         optim_state = self.local_optimizer.state
         for layout in self.layouts:
+            if layout.copy:
+                continue
             if not layout.geometry.empty:
                 value = _snapshot(layout.param)
                 out.append(layout.geometry.slice(f"model/{layout.name}", value.dtype, value))
@@ -54,18 +62,28 @@ class EngineState:
         return out
 
     def wanted_slices(self) -> list[TensorSlice]:
-        """The geometry `load_slices` needs, without data; optimizer state even before the first step."""
-        wanted = []
+        """The geometry `load_slices` needs, without data; optimizer state even before the first step.
+
+        Each name once: a rank holding both copies of a tied embedding (pipeline V placement)
+        holds the same slice of each, and one entry fills both.
+        """
+        wanted: dict[str, TensorSlice] = {}
+
+        def want(piece: TensorSlice) -> None:
+            seen = wanted.setdefault(piece.name, piece)
+            if seen.key != piece.key:
+                raise RuntimeError(f"{piece.name}: this rank holds two different slices of it")
+
         for layout in self.layouts:
             if not layout.geometry.empty:
-                wanted.append(layout.geometry.slice(f"model/{layout.name}", layout.local.dtype))
+                want(layout.geometry.slice(f"model/{layout.name}", layout.local.dtype))
             if layout.optim is None:
                 continue
             for field in self._fields():
                 geometry = layout.step if field == "step" else layout.optim
                 if not geometry.empty:
-                    wanted.append(geometry.slice(f"optim/{layout.name}/{field}", torch.float32))
-        return wanted
+                    want(geometry.slice(f"optim/{layout.name}/{field}", torch.float32))
+        return list(wanted.values())
 
     def load_slices(self, slices: list[TensorSlice], meta: dict) -> None:
         """Copy the wanted slices (data read from any stored layout) into this rank's state.
@@ -120,8 +138,9 @@ class EngineState:
         if not self.whole_state:
             pc = self.parallel_config
             raise ValueError(
-                f"{what} needs every rank to hold whole tensors (parallel.zero=0 or dp=1, and tp=1); this "
-                f"layout (dp={pc.dp}, tp={pc.tp}, zero={pc.zero}) shards them: use state_slices() / load_slices()"
+                f"{what} needs every rank to hold whole tensors (parallel.zero=0 or dp=1, and tp=pp=1); this "
+                f"layout (dp={pc.dp}, tp={pc.tp}, pp={pc.pp}, zero={pc.zero}) shards them: use state_slices() / "
+                "load_slices()"
             )
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -31,6 +31,8 @@ def clip_sharded_grads(layouts: list[ParamLayout], max_norm: float | None, group
             continue
         grad = local(layout.param.grad)
         grads.append(grad)
+        if layout.copy:  # a tied embedding's pipeline copy: clipped, but counted once (its original)
+            continue
         parts.append(grad.double().square().sum() / layout.geometry.replicas)
     # On the gradients' device: NCCL reduces device tensors only.
     total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)

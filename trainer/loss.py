@@ -47,12 +47,14 @@ def token_weighted_mean(parts: Iterable[tuple[float | torch.Tensor, int | torch.
     return total_sum / total_tokens
 
 
-def all_reduce_token_loss(loss_sum: float, n_tokens: int, group=None) -> tuple[float, int]:
+def all_reduce_token_loss(loss_sum: float, n_tokens: int, group=None,
+                          device: str | torch.device = "cpu") -> tuple[float, int]:
     """(sum_r S_r, sum_r n_r) over the ranks of `group`; every rank of the group must call it.
 
     One all-reduce of a float64 pair: float64 keeps token counts exact (to 2**53) and makes
     the reported loss independent of how the sum is split into ranks, to double rounding.
+    `device` is where the group reduces (NCCL: the rank's GPU; gloo: the CPU).
     """
-    pair = torch.tensor([loss_sum, float(n_tokens)], dtype=torch.float64)
+    pair = torch.tensor([loss_sum, float(n_tokens)], dtype=torch.float64, device=device)
     dist.all_reduce(pair, group=group)
     return float(pair[0]), int(pair[1])

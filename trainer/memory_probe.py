@@ -82,7 +82,15 @@ def _bucket_bytes(engine) -> int:
     return sum(int(x) for x in sizes.split(",") if x.strip())
 
 
-def measure(engine, baseline_bytes: int) -> dict[str, int]:
+def measure(engine, baseline_bytes: int) -> dict[str, int] | None:
+    """The four ledgers measured on this rank, or None where a probe cannot run alone.
+
+    The probe runs one microbatch's forward and backward on the calling rank only. With
+    tensor or pipeline parallelism, or sharded (FSDP) parameters, that forward has
+    collectives the other ranks would never join, so those layouts are not probed.
+    """
+    if not getattr(engine, "whole_state", True) or engine.parallel_config.pp > 1:
+        return None
     params = list(engine.model.parameters())
     activation, grads = _probe_microbatch(engine)
     state = _tensor_bytes(params) + grads

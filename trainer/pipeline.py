@@ -65,6 +65,7 @@ from trainer.config import ModelConfig
 from trainer.data import Batch
 from trainer.loss import IGNORE_INDEX, token_loss_sum
 from trainer.stages import Chunk, StageModel, chunk_ranks, placement_of
+from trainer.tensor_parallel import loss_context
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -93,22 +94,25 @@ def pad_batch(batch: Batch, seq_len: int) -> Batch:
 
 
 def stage_examples(cfg: ModelConfig, chunk: Chunk, micro_batch: int, seq_len: int,
-                   logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   logits_dtype: torch.dtype = torch.float32, hidden_dtype: torch.dtype = torch.float32,
+                   seq_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) example tensors of `chunk` for a static-shape PipelineStage.
 
-    Hidden states cross stage boundaries in fp32 (the residual stream stays fp32 under bf16
-    autocast). Float examples carry requires_grad=True: in static mode torch derives from it
-    which gradients a stage receives (outputs) and sends back (inputs).
+    Hidden states cross stage boundaries in fp32 under autocast (the residual stream stays
+    fp32); FSDP2's low-precision policy makes them `hidden_dtype`. Under sequence parallelism
+    a boundary carries this tp rank's 1/seq_split of the sequence (a plain local tensor).
+    Float examples carry requires_grad=True: in static mode torch derives from it which
+    gradients a stage receives (outputs) and sends back (inputs).
     """
-    hidden = (micro_batch, seq_len, cfg.d_model)
+    hidden = (micro_batch, seq_len // seq_split, cfg.d_model)
     if chunk.first:
         inputs = torch.zeros(micro_batch, seq_len, dtype=torch.long)
     else:
-        inputs = torch.empty(hidden, dtype=torch.float32, requires_grad=True)
+        inputs = torch.empty(hidden, dtype=hidden_dtype, requires_grad=True)
     if chunk.last:
         outputs = torch.empty(micro_batch, seq_len, cfg.vocab_size, dtype=logits_dtype, requires_grad=True)
     else:
-        outputs = torch.empty(hidden, dtype=torch.float32, requires_grad=True)
+        outputs = torch.empty(hidden, dtype=hidden_dtype, requires_grad=True)
     return inputs, outputs
 
 
@@ -184,7 +188,7 @@ class PipelineRunner:
     def __init__(self, cfg: ModelConfig, chunks: Sequence[Chunk], modules: Sequence[nn.Module], *,
                  schedule: str, pp: dist.ProcessGroup | DeviceMesh, n_micro: int, micro_batch: int,
                  seq_len: int, dp_size: int = 1, device: str | torch.device = "cpu",
-                 amp_dtype: torch.dtype | None = None,
+                 amp_dtype: torch.dtype | None = None, tp_size: int = 1,
                  examples: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(
@@ -197,7 +201,7 @@ class PipelineRunner:
         self.n_chunks = self.pp_size * len(self.chunks)
         self.n_micro, self.micro_batch, self.seq_len = n_micro, micro_batch, seq_len
         self._check_layout(schedule)
-        self.dp_size, self.amp_dtype = dp_size, amp_dtype
+        self.dp_size, self.amp_dtype, self.tp_size = dp_size, amp_dtype, tp_size
         self.device = torch.device(device)
         self._scale = 0.0
         self._parts: list[torch.Tensor] = []
@@ -262,17 +266,21 @@ class PipelineRunner:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         part, _ = token_loss_sum(logits, labels)
-        self._parts.append(part.detach())
+        # under loss_parallel a Replicate DTensor: every tp rank holds the whole sum
+        self._parts.append(part.detach().to_local() if isinstance(part, DTensor) else part.detach())
         scaled = part * self._scale
         self.trace.events.append(ActionEvent("L", self.chunks[-1].index, len(self._parts) - 1, start,
                                              time.perf_counter()))
         return scaled
 
-    def step(self, batches: Sequence[Batch], global_tokens: int) -> StepOutput:
+    def step(self, batches: Sequence[Batch], global_tokens: int, loss_scale: float = 1.0) -> StepOutput:
         """Forward and backward of `batches` (this pipeline's microbatches); collective over pp.
 
         Gradients accumulate into the stage modules' .grad (zero them before the step).
-        `global_tokens` is the loss-token count of the whole global batch, over every dp rank.
+        `global_tokens` is the loss-token count of the whole global batch, over every dp rank;
+        `loss_scale` multiplies the loss whose gradient is taken (fp16 loss scaling), not the
+        returned loss sum. With tp_size > 1 the schedule runs under `loss_parallel`, the
+        loss's backward included (the logits are vocabulary-sharded DTensors).
         """
         if len(batches) != self.n_micro:
             raise ValueError(f"expected {self.n_micro} microbatches, got {len(batches)}")
@@ -284,12 +292,12 @@ class PipelineRunner:
                 raise ValueError(f"microbatch of {batch.input_ids.shape[0]} samples, expected {self.micro_batch}")
         args = (torch.cat([b.input_ids for b in padded]).to(self.device),) if self.holds_first else ()
         target = torch.cat([b.labels for b in padded]).to(self.device) if self.holds_last else None
-        self._scale, self._parts = self.dp_size / global_tokens, []
+        self._scale, self._parts = loss_scale * self.dp_size / global_tokens, []
         self.trace = StepTrace()
         dist.barrier(group=self.group)
         self.trace.window_start = time.perf_counter()
         amp = torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
-        with amp:
+        with amp, loss_context(self.tp_size):
             self.schedule.step(*args, target=target, return_outputs=False)
         local = torch.stack(self._parts).double().sum() if self._parts else torch.zeros((), dtype=torch.float64)
         total = local.reshape(1).to(self.device)
@@ -297,6 +305,12 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.group)
         self.trace.window_end = time.perf_counter()
         return StepOutput(loss_sum=float(total), trace=self.trace)
+
+
+def _tied_weight(stage: StageModel) -> nn.Parameter:
+    # The registered parameter: under DDP x TP (trainer.data_parallel.localize_dtensor_params)
+    # attribute lookup finds the forward's DTensor view, which holds no gradient.
+    return stage.tok_emb._parameters["weight"]
 
 
 def _grad_local(param: nn.Parameter) -> torch.Tensor:
@@ -323,14 +337,14 @@ def sync_tied_grads(stage_models: Sequence[StageModel], pp: dist.ProcessGroup | 
     first = next((m for m in stage_models if m.is_first), None)
     last = next((m for m in stage_models if m.is_last), None)
     if first is not None and last is not None:
-        total = _grad_local(first.tok_emb.weight) + _grad_local(last.tok_emb.weight)
-        _grad_local(first.tok_emb.weight).copy_(total)
-        _grad_local(last.tok_emb.weight).copy_(total)
+        total = _grad_local(_tied_weight(first)) + _grad_local(_tied_weight(last))
+        _grad_local(_tied_weight(first)).copy_(total)
+        _grad_local(_tied_weight(last)).copy_(total)
         return
     mine = first if first is not None else last
     if mine is None:
         return
-    grad = _grad_local(mine.tok_emb.weight)
+    grad = _grad_local(_tied_weight(mine))
     peer = last_rank if first is not None else first_rank
     theirs = torch.empty_like(grad)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grad, group=group, group_peer=peer),

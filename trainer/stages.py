@@ -177,6 +177,10 @@ class StageModel(nn.Module):
         super().__init__()
         self.cfg, self.is_first, self.is_last = cfg, first, last
         self.layer_ids = layers
+        # Under sequence parallelism a non-first chunk receives its tp rank's shard of the
+        # sequence: the positions (RoPE rows) it needs are those of the whole sequence,
+        # seq_split times the shard's length. Set by whoever applies tensor parallelism.
+        self.seq_split = 1
         # the last chunk's copy of the tied embedding, for the head (see the module docstring)
         tied_copy = last and not first and cfg.tie_embeddings
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if first or tied_copy else None
@@ -192,7 +196,7 @@ class StageModel(nn.Module):
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
+        seq = x.shape[1] if self.is_first else x.shape[1] * self.seq_split
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if self.is_first:

@@ -168,7 +168,7 @@ def test_a_raising_fault_hook_stops_the_step_before_the_update():
 def test_configuration_errors_name_the_field():
     with pytest.raises(ValueError, match="world_size=1 but parallel.dp\\*tp\\*pp = 1\\*2\\*1 = 2"):
         make_engine(parallel=ParallelConfig(tp=2))
-    with pytest.raises(NotImplementedError, match="parallel.pp=2"):
+    with pytest.raises(ValueError, match="world_size=1 but parallel.dp\\*tp\\*pp = 1\\*1\\*2 = 2"):
         make_engine(parallel=ParallelConfig(pp=2))
     with pytest.raises(ValueError, match="world_size=1 but parallel.dp=2"):
         make_engine(parallel=ParallelConfig(dp=2))
@@ -208,3 +208,28 @@ def test_state_slices_round_trip_and_wanted_geometry(optimizer):
     fresh.load_slices([w.with_tensor(by_name[w.name].tensor) for w in fresh.wanted_slices()],
                       engine.state_meta())
     assert fresh.train_step().loss == engine.train_step().loss
+
+
+@pytest.mark.parametrize(("parallel", "global_batch", "message"), [
+    (ParallelConfig(pp=2, schedule="pipedream"), 8, "trainer.pipedream.PipeDream2BW"),
+    (ParallelConfig(pp=2, dp=2, zero=3, schedule="zero-bubble"), 8, "wrong gradients with ZeRO-3"),
+    (ParallelConfig(pp=2, dp=2, zero=1, schedule="zero-bubble"), 8, "use parallel.zero=2"),
+    (ParallelConfig(pp=2, dp=2, zero=0, schedule="zero-bubble"), 8, "DDP"),
+    (ParallelConfig(pp=2, schedule="zero-bubble", virtual_stages=3), 8, "exactly 2 chunks per rank"),
+    (ParallelConfig(pp=2, schedule="interleaved", virtual_stages=1), 8, "virtual_stages >= 2"),
+    (ParallelConfig(pp=2, schedule="1f1b", virtual_stages=2), 8, "one chunk per rank"),
+    (ParallelConfig(pp=2, schedule="1f1b"), 1, "at least pp=2 microbatches"),
+    (ParallelConfig(pp=2, schedule="interleaved"), 5, "rounds of pp=2"),
+    (ParallelConfig(pp=4, schedule="interleaved"), 8, "cannot cut 4 layers into 8 pipeline chunks"),
+])
+def test_pipeline_layouts_the_engine_cannot_run_are_refused(parallel, global_batch, message):
+    # Checked before any collective, so one process sees the error every rank would.
+    train = TrainConfig(steps=1, global_batch=global_batch)
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, DATA, train, parallel, rank=0, world_size=parallel.world_size)
+
+
+def test_without_a_pipeline_the_bubble_is_zero_and_compute_is_timed():
+    result = make_engine().train_step()
+    assert result.bubble == 0.0
+    assert 0.0 < result.compute_s <= result.step_s
