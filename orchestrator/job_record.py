@@ -76,9 +76,11 @@ class JobRecord:
             failure, since = self._awaiting_first_step
             failure.first_step_after_s = rec.time - since
             self._awaiting_first_step = None
-        # Loss scale 1: fp32 and bf16 train unscaled (fp16 with dynamic scaling is refused by the spec).
+        # fp32 and bf16 train unscaled (1.0); fp16 reports its dynamic loss scale.
+        if event.get("bubble"):  # measured idle fraction of rank 0's pipeline stage (pp > 1)
+            self.metrics.on_bubble(event["bubble"])
         self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.get("grad_norm"),
-                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=1.0)
+                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.get("loss_scale", 1.0))
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
             self._last_progress = time.monotonic()
             self.metrics.on_goodput(self.ledger)

@@ -101,7 +101,8 @@ class RankLoop:
     def _step_event(self, result) -> dict:
         return {"type": "step", "step": result.step, "loss": result.loss, "tokens": result.tokens,
                 "grad_norm": result.grad_norm, "lr": result.lr, "step_s": result.step_s,
-                "compute_s": result.compute_s, "time": time.time()}
+                "compute_s": result.compute_s, "bubble": result.bubble,
+                "loss_scale": result.loss_scale, "time": time.time()}
 
     def _report_memory(self) -> None:
         """Rank 0, once per generation after its first step: measured memory by ledger."""

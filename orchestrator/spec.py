@@ -183,9 +183,16 @@ def engine_support_problems(spec: Any) -> list[Problem]:
     lifting a limit means deleting its lines here and nothing else. `spec` may be a partial
     view, as above."""
     par, data, model, out = spec.parallel, spec.data, spec.model, []
-    if par and par.pp > 1:
-        out.append(Problem("parallel.pp", f"pipeline parallelism (pp = {par.pp}) runs in the engine's pipeline "
-                           "runner but is not offered for jobs by this release; set pp: 1"))
+    if par and data and model and spec.train and (par.pp > 1 or par.schedule == "pipedream"):
+        # The engine's own pipeline checks (schedule x ZeRO x chunks x microbatches); imported
+        # here only, because they need torch.
+        from trainer.layout_checks import check_pipeline
+
+        try:
+            check_pipeline(model, data, spec.train, par)
+        except ValueError as err:
+            field = re.search(r"\b(parallel|train|model)\.([a-z_]+)", str(err))
+            out.append(Problem(field.group(0) if field else "parallel.pp", str(err)))
     if par and data and model and par.tp > 1 and par.sequence_parallel:
         padded = -(-data.seq_len // par.tp) * par.tp
         if padded > model.max_seq_len:

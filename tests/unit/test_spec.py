@@ -137,11 +137,15 @@ def test_global_batch_message_says_the_fix(tiny_data):
                             "use a multiple of 4 such as 16")
 
 
-def test_engine_limits_are_reported_on_their_field(tiny_data):
-    # pp=2 divides the tiny model's 4 layers: only the engine limit remains.
-    [problem] = problems_of(tiny_data, ["parallel.pp=2"])
-    assert problem.field == "parallel.pp" and "this release" in problem.message
-    assert engine_support_problems(validate_spec(tiny_data)) == []
+def test_pipeline_layouts_the_engine_refuses_are_reported_on_their_field(tiny_data):
+    # zero-bubble with ZeRO-3 computes wrong gradients in torch 2.13: refused before any rank starts.
+    problems = problems_of(tiny_data, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
+                                       "parallel.schedule=zero-bubble"])
+    assert [p.field for p in problems] == ["parallel.schedule"]
+    assert "parallel.zero=2" in problems[0].message
+    [problem] = problems_of(tiny_data, ["parallel.schedule=pipedream"])
+    assert problem.field == "parallel.schedule" and "PipeDream2BW" in problem.message
+    assert engine_support_problems(validate_spec(apply_overrides(tiny_data, ["parallel.pp=2"]))) == []
 
 
 @pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.zero=1", "parallel.zero=3", "train.precision=fp16"])
