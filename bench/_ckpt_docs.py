@@ -1,0 +1,55 @@
+"""The docs/benchmarks.md section of bench/ckpt.py: command, machine, state, tables, how numbers are taken."""
+
+from __future__ import annotations
+
+SECTION = "## Checkpoint save and load: undying vs torch.distributed.checkpoint"
+
+
+def docs_section(result: dict, tables: str) -> str:
+    m, load, args = result["machine"], result["load_during"], result["args"]
+    gib = result["total_bytes"] / 2**30
+    return f"""{SECTION}
+
+Measured by `bench/ckpt.py` on {result['date']} ({result['wall_s'] / 60:.1f} minutes). Command:
+
+```bash
+{result['command']}
+```
+
+Machine: {m['cores']} cores ({m['cpu']}), {m['mem_gib']} GiB RAM, no GPU; {m['versions']}. The machine was
+shared while it ran: 1-minute load average {m['load_at_start'][0]:.1f} at the start, {load['min']:.1f} to
+{load['max']:.1f} (mean {load['mean']:.1f}) during the run, on {m['cores']} cores.
+
+State: {gib:.2f} GiB over 4 gloo ranks (one intra-op thread each): a stack of {result['layers']} Linear layers
+(width {args['width']} <-> {4 * args['width']}) wrapped with FSDP2 `fully_shard`, and its AdamW state after one step
+(params + exp_avg + exp_avg_sq, fp32, each sharded by rows over the 4 ranks; AdamW's scalar `step` replicated).
+Medians over {args['repeats']} repeats, [min-max]; ratios are median / median. The first repeat bit-checks every
+load against the saved state (outside the timings).
+
+{tables}
+
+How each number is taken (`time.time()` stamps of the rank processes and of the driver, one clock):
+- every operation starts after a barrier on the training group; no collective runs inside a timed region
+  of ours (the barrier, the gathering of timings and the bit checks are outside).
+- blocking: the worst rank's time inside the save call: `ShardWriter.save` (async: staging only; sync: the
+  whole write), `dcp.async_save` until it returns, `dcp.save` until it returns.
+- total save: first rank starting -> the save is a checkpoint. Ours: the driver, playing the controller,
+  gets each rank's receipt through a TCPStore (a side channel, not the training group) and commits the
+  manifest with `orchestrator.commits.Committer`; the time is that of the durable manifest. DCP: the last
+  rank's `dcp.save` returning or `async_save` future completing (rank 0 writes `.metadata` inside).
+  Throughput = logical state bytes / total.
+- loads: first rank starting -> last loading rank done, including the manifest / metadata read. Ours:
+  `read_slices` into fresh tensors of the layout; DCP: `dcp.load` into pre-allocated zeroed DTensors of the
+  layout (allocation not timed). dp2 loads run on ranks 0 and 1 only (DCP on a 2-rank sub-mesh), tp4 on all
+  4 ranks: every weight's rows are spread over 4 shard files and each rank wants a column band of every row.
+- raw read (floor): each rank reads its own shard file of our checkpoint with one `fs.cat_file`.
+- file:// reads come mostly from the page cache (the files were just written; not checked per read):
+  they measure the software path more than a disk.
+- thread vs process: rank 0 alone (the others idle in a barrier), writing its shard
+  ({result['total_bytes'] / 4 / 2**20:.0f} MiB) while a training loop (small MLP, forward/backward/AdamW on one
+  thread) keeps stepping. Windows of training of one length (1.5 x the slowest warm-up write, 1 s to 15 s):
+  none, thread, process, rotated in every repeat. Lost = window - steps x the median seconds per step of the
+  save-free windows (blocking included); the save-free windows' own spread is the noise floor. The process
+  writer copies into a shared-memory buffer allocated at its untimed warm-up save and reused; the thread
+  writer (ShardWriter) allocates a fresh staging copy on every save.
+"""

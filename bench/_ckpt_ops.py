@@ -1,0 +1,212 @@
+"""The timed operations of bench/ckpt.py, run on every rank of the worker group (bench/_ckpt_worker.py).
+
+Each operation starts after a barrier on the training group and stops its clocks before any
+other collective: barriers, `all_gather_object` of the timings and the bit checks are
+outside the timed regions. Every rank returns its own timestamps (`time.time()`, one clock
+for all processes of this machine); the driver reduces them (bench/_ckpt_report.py):
+blocking = the worst rank's, total = last rank done - first rank started.
+
+Our save follows the production protocol: `ShardWriter.save` on each rank, the receipt
+sent from the writer thread through a side channel (a TCPStore the driver hosts, never a
+collective on the training group, design.md invariant 5) to the driver, which merges the
+receipts and commits the manifest with orchestrator.commits.Committer, as the controller
+does, and publishes the commit time under `commit/<step>`. The rank waits for that key
+(the store releases the GIL while it waits) to learn when its save became a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from bench._ckpt_state import BenchState
+from ckpt.catalog import Catalog
+from ckpt.manifest import ShardReceipt, step_dir
+from ckpt.reader import read_slices
+from ckpt.reshard import plan_reads
+from ckpt.storage import Storage
+from ckpt.writer import ShardWriter
+
+STORE_TIMEOUT = timedelta(minutes=30)
+
+
+def plan(backends: list[str], repeats: int, layouts: list[str]) -> list[dict]:
+    """Every operation in order, the same list on the driver and every rank.
+
+    Systems alternate inside each repeat, and the order rotates from one repeat to the next
+    (saves by one place, loads swap who goes first), so drift on a shared machine and
+    first-in-a-row effects (a storage server growing its volumes) do not fall on one system.
+    Our saves get increasing step numbers in execution order (the committer ignores a step at
+    or below its latest). The raw read is last: after it the repeat's checkpoints are deleted.
+    """
+    saves = ["ours_async", "ours_sync", "dcp_save", "dcp_async"]
+    ops, step = [], 0
+    for backend in backends:
+        for rep in range(repeats):
+            for kind in saves[rep % len(saves):] + saves[:rep % len(saves)]:
+                op = {"backend": backend, "rep": rep, "op": kind}
+                if kind.startswith("ours"):
+                    step += 1
+                    op["step"] = step
+                ops.append(op)
+            for layout in layouts:
+                pair = ["ours_load", "dcp_load"] if rep % 2 == 0 else ["dcp_load", "ours_load"]
+                ops += [{"backend": backend, "rep": rep, "op": kind, "layout": layout} for kind in pair]
+            ops.append({"backend": backend, "rep": rep, "op": "raw_read"})
+    return ops
+
+
+@dataclass
+class Backend:
+    """Where one storage kind keeps this run's checkpoints (built by the driver, sent as JSON)."""
+
+    name: str
+    ours: str  # our checkpoint root URL (one step directory per save)
+    dcp: str  # DCP checkpoints go to <dcp>/<save id>: a path for file://, a URL for s3://
+    options: dict = field(default_factory=dict)
+
+    def dcp_writer(self, path: str):
+        if self.name == "file":
+            return FileSystemWriter(path)
+        return FsspecWriter(path, **self.options)  # the kwargs reach fsspec's url_to_fs
+
+    def dcp_reader(self, path: str):
+        return FileSystemReader(path) if self.name == "file" else FsspecReader(path, **self.options)
+
+
+class RankOps:
+    """One rank's side of every operation in `plan`."""
+
+    def __init__(self, state: BenchState, backends: dict[str, Backend], store_host: str, store_port: int):
+        self.state = state
+        self.rank = state.rank
+        self.backends = backends
+        # Two clients: the writer thread sends receipts while the main thread waits on another key.
+        self.sender = dist.TCPStore(store_host, store_port, is_master=False, timeout=STORE_TIMEOUT)
+        self.waiter = dist.TCPStore(store_host, store_port, is_master=False, timeout=STORE_TIMEOUT)
+        self.storages = {name: Storage(b.ours, b.options) for name, b in backends.items()}
+        self.slices = state.our_slices()
+        self.dcp_state = state.dcp_state()
+        self.errors: list[str] = []
+        self.shard_file: dict[str, str] = {}  # backend -> this rank's shard file of the last save
+
+    def warm_up(self) -> None:
+        """Untimed: open every storage client once (connection pools, fsspec's cached instance that
+        DCP's fsspec writer and reader reuse), as a training job has long done before a save."""
+        for name, backend in self.backends.items():
+            storage = self.storages[name]
+            path = storage.path(".warm", f"r{self.rank}")
+            storage.write_immutable(path, b"warm")
+            storage.read(path)
+            storage.remove(path)
+            if name != "file":
+                fs, root = url_to_fs(backend.dcp, **backend.options)
+                fs.pipe_file(f"{root}/.warm-r{self.rank}", b"warm")
+                fs.rm_file(f"{root}/.warm-r{self.rank}")
+        dist.barrier()
+
+    # -- saves -----------------------------------------------------------------------------
+
+    def _on_receipt(self, backend: str):
+        def send(receipt: ShardReceipt, extra: dict) -> None:
+            self.shard_file[backend] = receipt.file
+            event = {"backend": backend, "receipt": receipt.model_dump(mode="json"), "extra": extra}
+            self.sender.set(f"receipt/{receipt.step}/{receipt.rank}", json.dumps(event))
+        return send
+
+    def _on_error(self, step: int, err: BaseException) -> None:
+        self.errors.append(f"step {step}: {type(err).__name__}: {err}")
+        self.sender.set(f"error/{step}/{self.rank}", repr(err))
+
+    def ours_save(self, op: dict) -> dict:
+        backend, step = op["backend"], op["step"]
+        writer = ShardWriter(self.storages[backend], self.rank, self._on_receipt(backend), self._on_error,
+                             async_save=op["op"] == "ours_async")
+        extra = {"engine": {"bench": "ckpt", "step": step}} if self.rank == 0 else {}
+        dist.barrier()
+        start = time.time()
+        blocking = writer.save(step, self.slices, extra)
+        returned = time.time()
+        self.waiter.wait([f"commit/{step}"])
+        commit = json.loads(self.waiter.get(f"commit/{step}"))
+        writer.flush()
+        if not commit["ok"]:
+            raise RuntimeError(f"step {step} was not committed: {commit['why']}")
+        return {"start": start, "returned": returned, "blocking": blocking, "end": commit["committed_at"],
+                "nbytes": commit["nbytes"]}
+
+    def dcp_save(self, op: dict) -> dict:
+        backend = self.backends[op["backend"]]
+        path = f"{backend.dcp}/{op['op']}-{op['rep']}"
+        dist.barrier()
+        start = time.time()
+        if op["op"] == "dcp_save":
+            dcp.save(self.dcp_state, storage_writer=backend.dcp_writer(path))
+            returned = end = time.time()
+        else:
+            future = dcp.async_save(self.dcp_state, storage_writer=backend.dcp_writer(path))
+            returned = time.time()
+            future.result()
+            end = time.time()
+        return {"start": start, "returned": returned, "blocking": returned - start, "end": end}
+
+    # -- loads -----------------------------------------------------------------------------
+
+    def ours_load(self, op: dict, step: int, check: bool) -> dict:
+        wanted = self.state.layout_slices(op["layout"])
+        catalog = Catalog(self.storages[op["backend"]])
+        dist.barrier()
+        start = time.time()
+        loaded = read_slices(catalog, step, wanted) if wanted else []
+        end = time.time()
+        result = {"start": start, "end": end, "active": bool(wanted)}
+        if wanted:  # what the plan fetched, for the read amplification of a layout (untimed)
+            result["nbytes"] = plan_reads(catalog.read_manifest(step).tensors, wanted).bytes_to_read
+        if check:
+            result["checked"] = self.state.check_loaded({p.name: p.tensor for p in loaded}, op["layout"])
+        return result
+
+    def dcp_load(self, op: dict, check: bool) -> dict:
+        backend = self.backends[op["backend"]]
+        targets = self.state.dcp_targets(op["layout"])
+        group = self.state.pair_mesh.get_group() if op["layout"] == "dp2" and targets else None
+        path = f"{backend.dcp}/dcp_save-{op['rep']}"
+        dist.barrier()
+        start = time.time()
+        if targets:
+            dcp.load(targets, storage_reader=backend.dcp_reader(path), process_group=group)
+        end = time.time()
+        result = {"start": start, "end": end, "active": bool(targets)}
+        if check:
+            result["checked"] = self.state.check_loaded(targets, op["layout"])
+        return result
+
+    def raw_read(self, op: dict, step: int) -> dict:
+        """The read floor: each rank reads its own whole shard file in one request, nothing else."""
+        storage = self.storages[op["backend"]]
+        path = storage.path(step_dir(step), self.shard_file[op["backend"]])
+        dist.barrier()
+        start = time.time()
+        data = storage.fs.cat_file(path)
+        end = time.time()
+        return {"start": start, "end": end, "active": True, "nbytes": len(data)}
+
+    # -- clean-up (outside the timed regions) --------------------------------------------------
+
+    def clean(self, backend: str, steps: list[int]) -> None:
+        """Rank 0 deletes the repeat's checkpoints, so disk use stays at about one repeat's worth."""
+        if self.rank == 0:
+            storage, b = self.storages[backend], self.backends[backend]
+            for step in steps:
+                storage.remove_tree(storage.path(step_dir(step)))
+            dcp_store = Storage(b.dcp, b.options) if b.name != "file" else Storage(f"file://{b.dcp}")
+            dcp_store.remove_tree(dcp_store.root)
+        dist.barrier()
