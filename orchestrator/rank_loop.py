@@ -142,7 +142,7 @@ class RankLoop:
                 completed = self.engine.next_step
                 if plan.should_save(completed):
                     extra = {"engine": self.engine.state_meta()} if self.rank == 0 else {}
-                    writer.save(completed, self.engine.state_slices(), extra)
+                    writer.save(completed, self.engine.state_slices(copy=False), extra)
         finally:
             writer.flush()  # a save started before an error still lands; it commits only if complete
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,

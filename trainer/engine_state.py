@@ -33,31 +33,38 @@ def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
     return local(tensor).detach().to("cpu", copy=True).contiguous()
 
 
+def _view(tensor: torch.Tensor) -> torch.Tensor:
+    return local(tensor).detach()
+
+
 class EngineState:
     """Mixed into `Engine`; uses its `layouts`, `local_optimizer`, configs, `scaler`, `next_step`."""
 
     def _fields(self) -> list[str]:
         return optimizer_fields(self.train_config.optimizer, self.train_config.betas)
 
-    def state_slices(self) -> list[TensorSlice]:
-        """This rank's pieces of the training state, CPU copies (safe to write in the background).
+    def state_slices(self, copy: bool = True) -> list[TensorSlice]:
+        """This rank's pieces of the training state: CPU copies (safe to write in the background),
+        or with `copy=False` views of the live local tensors, for a caller that copies only what
+        it keeps (the checkpoint writer stages just the slices this rank writes).
 
         Before the first step the optimizer has no state yet and none is reported.
         """
+        take = _snapshot if copy else _view
         out = []
         optim_state = self.local_optimizer.state
         for layout in self.layouts:
             if layout.copy:
                 continue
             if not layout.geometry.empty:
-                value = _snapshot(layout.param)
+                value = take(layout.param)
                 out.append(layout.geometry.slice(f"model/{layout.name}", value.dtype, value))
             if layout.optim is None:
                 continue
             for field, value in optim_state.get(layout.param, {}).items():
                 geometry = layout.step if field == "step" else layout.optim
                 if not geometry.empty:
-                    value = _snapshot(value)
+                    value = take(value)
                     out.append(geometry.slice(f"optim/{layout.name}/{field}", value.dtype, value))
         return out
 
