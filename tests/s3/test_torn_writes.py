@@ -254,9 +254,23 @@ def stage_of(events: list[str], committed: bool) -> str:
     return "before_manifest"
 
 
+def settled_steps(catalog) -> list[int]:
+    """Committed steps once the storage is quiet: a request the killed writer had fully sent
+    (the manifest PUT, say) may still complete at the server just after the SIGKILL."""
+    last = catalog.committed_steps()
+    for _ in range(40):
+        time.sleep(0.25)
+        catalog.storage.invalidate()
+        now = catalog.committed_steps()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def check_after_kill(place: Place, url: str, out: Outcome, shards: dict[str, str], tally: Tally) -> None:
     catalog = place.catalog(url)
-    committed = catalog.committed_steps()
+    committed = settled_steps(catalog)
     assert listed_steps(place, url) == committed, "`undying ckpt ls` and the catalog disagree"
     assert committed in ([OLD], [OLD, NEW]), committed
     new = NEW in committed
