@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -67,12 +68,14 @@ class Catalog:
     def quarantine(self, step: int) -> str:
         """Withdraw committed checkpoint `step`, found corrupt: its manifest moves aside.
 
-        The copy (`manifest.corrupt-<time>.json`) keeps the evidence; without `manifest.json`
+        The copy (`manifest.corrupt-<time>-<random>.json`) keeps the evidence; without `manifest.json`
         the step is no longer committed, so the job can commit a fresh save of the same step
         (its shards carry another save tag, ckpt.shards.shard_file_name). Returns the copy's path.
         """
         path = self.manifest_path(step)
-        aside = self.storage.path(step_dir(step), f"manifest.corrupt-{int(time.time() * 1000)}.json")
+        # Time for the reader, a random part so two quarantines in one millisecond never collide.
+        name = f"manifest.corrupt-{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
+        aside = self.storage.path(step_dir(step), name)
         self.storage.write_immutable(aside, self.storage.read(path))
         self.storage.remove(path)
         self.storage.invalidate()
