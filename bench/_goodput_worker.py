@@ -26,8 +26,14 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
-from _recovery_worker import _state, build_engine, emit
+# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
+sys.path.append(str(_ROOT / "bench"))
+
+from _recovery_worker import _state, build_engine, emit  # noqa: E402  (after the sys.path fix)
 
 
 def _kill_thread(cfg: dict, rank: int, engine) -> None:

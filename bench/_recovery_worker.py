@@ -27,6 +27,12 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
+
+# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
+sys.path.append(str(_ROOT / "bench"))
 
 
 def emit(path: str, **fields) -> None:

@@ -34,8 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
+sys.path.append(str(_ROOT / "bench"))
 
 from _docs import replace_section  # noqa: E402
 from _recovery_ray import ROOT, VENV_BIN, start_head, worker_env  # noqa: E402
