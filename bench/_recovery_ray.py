@@ -32,7 +32,8 @@ def free_port() -> int:
 def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for the head (and so every Ray worker) and for the bench's drivers."""
     env = dict(os.environ if base is None else base)
-    paths = [str(ROOT / "bench"), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    # The repository before bench/: there bench/ckpt.py would shadow the ckpt package.
+    paths = [str(ROOT), str(ROOT / "bench")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update({
         "PYTHONPATH": os.pathsep.join(paths),
         "GLOO_SOCKET_IFNAME": "lo",
