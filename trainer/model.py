@@ -168,18 +168,27 @@ class GPT(nn.Module):
         name makes a parameter's initial value independent of which other parameters exist,
         so a pipeline stage holding layers 4..7 initialises them exactly as the full model does.
         """
-        residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
-            values = torch.randn(param.shape, generator=generator(seed, "init", name)) * std
-            param.copy_(values)
+        init_named_parameters(self, self.cfg, seed)
         if self.pos_emb is None:
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+
+@torch.no_grad()
+def init_named_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """The GPT-2 rule of `GPT.init_weights` for every parameter of `module`, by its name.
+
+    Shared by the full model and pipeline stages (trainer.stages), whose parameters carry the
+    full model's names; the residual std always uses the full model's depth, cfg.n_layers.
+    """
+    residual_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+        param.copy_(torch.randn(param.shape, generator=generator(seed, "init", name)) * std)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> GPT:

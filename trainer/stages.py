@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.model import INIT_STD, Block, make_norm, rope_tables
-from trainer.seeding import generator
+from trainer.model import Block, init_named_parameters, make_norm, rope_tables
 
 Placement = Literal["loop", "v"]
 
@@ -219,13 +218,7 @@ class StageModel(nn.Module):
 
         The residual projections' std uses the full model's depth, cfg.n_layers, not the chunk's.
         """
-        residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
-            param.copy_(torch.randn(param.shape, generator=generator(seed, "init", name)) * std)
+        init_named_parameters(self, self.cfg, seed)
         if hasattr(self, "rope_cos"):
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len)
             self.rope_cos.copy_(cos)
