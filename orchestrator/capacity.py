@@ -3,6 +3,7 @@ again by the worker group before it reserves a placement group."""
 
 from __future__ import annotations
 
+from orchestrator.placement import group_resources, tp_groups_that_fit
 from orchestrator.problems import Problem
 
 
@@ -27,3 +28,23 @@ def capacity_problems(spec, cluster: dict[str, float]) -> list[Problem]:
                        f"{field.split('.')[-1]}{', elastic.spares' if spares else ''} or parallel degrees, "
                        "or add nodes"))
     return problems
+
+
+def node_problems(spec, nodes: list[dict[str, float]]) -> list[Problem]:
+    """TP groups that no node of the cluster (each alive node's total resources) can hold (pure).
+
+    Every TP group is one placement-group bundle, and Ray never splits a bundle across nodes,
+    so a group that fits in the cluster's total but on no single node would wait forever."""
+    tp, groups = spec.parallel.tp, spec.world_size // spec.parallel.tp
+    need = group_resources(spec.resources, tp)
+    fit = sum(tp_groups_that_fit(node, need) for node in nodes)
+    if fit >= groups:
+        return []
+    biggest = max(nodes, key=lambda node: tp_groups_that_fit(node, need), default={})
+    offered = ", ".join(f"{biggest.get(key, 0.0):g} {key}" for key in need) or "nothing"
+    what = f"a TP group of {tp} ranks" if tp > 1 else "a rank"
+    field = "parallel.tp" if tp > 1 else "resources.cpus_per_rank"
+    return [Problem(field, f"{what} must sit on one node and needs "
+                           f"{', '.join(f'{v:g} {k}' for k, v in need.items())}; the cluster's nodes hold "
+                           f"{fit} such group(s) of the {groups} needed (largest node offers {offered}); lower "
+                           f"{'tp or ' if tp > 1 else ''}the per-rank resources, or add bigger nodes")]

@@ -187,20 +187,22 @@ class Controller(RecoveryMixin):
                                    + (f" ({spares} warm spare(s) starting)" if spares else "") + self._tp_locality())
 
     def _tp_locality(self) -> str:
-        """Words on whether every tensor-parallel group landed on one node.
+        """Words on where the TP groups landed: one node each, and over how many nodes.
 
-        TP exchanges activations every layer, so a group split across nodes runs at the
-        inter-node bandwidth. The placement group packs consecutive bundles (ranks) onto a node
-        and a TP group is `tp` consecutive ranks, so groups stay whole whenever a node's slots
-        are a multiple of tp; this says so, or names the groups that were split."""
+        Each TP group is one placement-group bundle, so at placement it always shares a node;
+        a group refilled from spares on other nodes after a failure would not, and this says
+        so by naming it (TP then runs at the inter-node bandwidth)."""
         tp = self.spec.parallel.tp
-        if tp == 1:
-            return ""
         groups = [list(range(start, start + tp)) for start in range(0, self.world_size, tp)]
+        nodes = {self.workers.node_of(g[0]) for g in groups}
+        unit = "TP group" if tp > 1 else "rank"
+        spread = f"{len(groups)} {unit}(s) over {len(nodes)} node(s) ({self.spec.resources.placement})"
         split = [g for g in groups if len({self.workers.node_of(r) for r in g}) > 1]
+        if tp == 1:
+            return f"; {spread}"
         if not split:
-            return f"; each of the {len(groups)} TP group(s) on one node"
-        return f"; WARNING: TP group(s) {split} span nodes (give nodes a multiple of tp = {tp} slots)"
+            return f"; each TP group on one node, {spread}"
+        return f"; WARNING: TP group(s) {split} span nodes, {spread}"
 
     def _quarantine(self, step: int) -> str:
         """Withdraw a checkpoint that fails the controller's own full verification, so that the

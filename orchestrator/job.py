@@ -14,7 +14,7 @@ from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from orchestrator import ray_cluster
-from orchestrator.capacity import capacity_problems, slots
+from orchestrator.capacity import capacity_problems, node_problems, slots
 from orchestrator.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.controller import Controller
 from orchestrator.rendezvous import RendezvousServer
@@ -31,6 +31,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     workers = None
     try:
         problems = capacity_problems(spec, ray.cluster_resources())
+        problems = problems or node_problems(spec, ray_cluster.alive_node_resources())
         if problems:
             print_problems(problems)
             return EXIT_USAGE

@@ -36,3 +36,8 @@ def connect(address: str | None, cpus_needed: float, gpus_needed: float) -> RayC
              log_to_driver=True, logging_level="WARNING")
     # One machine: keep rank-to-rank and rank-to-controller traffic on loopback.
     return RayConnection(True, "127.0.0.1", {"GLOO_SOCKET_IFNAME": "lo"})
+
+
+def alive_node_resources() -> list[dict[str, float]]:
+    """Each alive node's total Ray resources (what it could ever give one bundle)."""
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]

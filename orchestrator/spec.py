@@ -20,7 +20,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -63,6 +63,10 @@ class ResourcesConfig(_Strict):
     num_ranks: int | None = Field(None, gt=0)
     custom: dict[str, Annotated[float, Field(ge=0.0)]] = Field(
         default_factory=dict, description="extra Ray resources per rank, e.g. {accelerator_type:H100: 1}"
+    )
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="each TP group is one bundle on one node; pack puts the groups on few nodes, "
+                            "spread puts DP replicas and PP stages on as many nodes as possible"
     )
 
 

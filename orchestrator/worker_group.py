@@ -1,8 +1,9 @@
 """The ranks of a job as Ray actors in a placement group: create, call, watch, replace.
 
-Protocol: the controller is the only caller, from one thread. `place` reserves one bundle
-per rank (failing fast when the cluster can never satisfy it); `ensure_actors` creates
-the actors of the given ranks in their bundles; the `*_all` methods fan a call out and wait;
+Protocol: the controller is the only caller, from one thread. `place` reserves the bundles
+of the placement plan (orchestrator/placement.py: one bundle per TP group, so a group always
+shares a node; one seat per rank or spare), failing fast when the cluster can never satisfy
+it; `ensure_actors` creates the actors of the given ranks in their seats; the `*_all` methods fan a call out and wait;
 `start_training` launches every rank's `train` call and `wait_any` reports finished or dead
 ranks. A SIGKILLed actor is seen through its pending `train` call: Ray raises
 `ActorDiedError` within milliseconds, so no polling of the dead process is needed.
@@ -18,8 +19,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.capacity import capacity_problems
+from orchestrator.capacity import capacity_problems, node_problems
+from orchestrator.placement import plan_placement
 from orchestrator.rank_actor import RankActor
+from orchestrator.ray_cluster import alive_node_resources
 
 
 class PlacementError(RuntimeError):
@@ -34,11 +37,12 @@ class RankOutcome:
 
 
 class RayWorkerGroup:
-    """Rank actors and warm spares, each pinned to one bundle of the job's placement group.
+    """Rank actors and warm spares, each pinned to one seat of the job's placement group.
 
-    `actors[rank]` is the actor that plays `rank` in the current generation; `bundle_of[rank]`
-    its bundle. Spares are actors that have started (torch imported) but hold no rank; a
-    failed rank is replaced by a spare in milliseconds instead of a cold actor in seconds.
+    A seat is one rank's share of a bundle (a TP group's bundle has tp seats). `actors[rank]`
+    is the actor that plays `rank` in the current generation; `bundle_of[rank]` its seat.
+    Spares are actors that have started (torch imported) but hold no rank; a failed rank is
+    replaced by a spare in milliseconds instead of a cold actor in seconds.
     """
 
     def __init__(self, spec, env_vars: dict[str, str] | None = None, placement_timeout_s: float = 60.0):
@@ -47,7 +51,8 @@ class RayWorkerGroup:
         self.env_vars = env_vars or {}
         self.placement_timeout_s = placement_timeout_s
         self.pg = None
-        self.n_bundles = 0
+        self.n_bundles = 0  # seats, in fact: every `bundle` index below is a seat index
+        self.seat_bundle: list[int] = []  # seat -> Ray bundle index
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.bundle_of: dict[int, int] = {}
         self.spares: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}  # bundle -> (actor, ping)
@@ -56,30 +61,25 @@ class RayWorkerGroup:
         self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings
         self.lost_nodes: set[str] = set()
 
-    def _bundle(self) -> dict[str, float]:
-        res = self.spec.resources
-        bundle = {"CPU": res.cpus_per_rank, **res.custom}
-        if res.gpus_per_rank:
-            bundle["GPU"] = res.gpus_per_rank
-        return bundle
-
     def place(self, world_size: int, spares: int = 0) -> None:
-        bundle, n = self._bundle(), world_size + spares
         problems = capacity_problems(self.spec, ray.cluster_resources())
+        problems = problems or node_problems(self.spec, alive_node_resources())
         if problems:
             raise PlacementError("; ".join(str(p) for p in problems))
-        # PACK keeps ranks together (tensor-parallel groups must share a node); Ray spreads
-        # what does not fit.
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        self.n_bundles = n
+        plan = plan_placement(world_size, self.spec.parallel.tp, spares, self.spec.resources,
+                              self.spec.resources.placement)
+        self.pg = placement_group(plan.bundles, strategy=plan.strategy)
+        self.n_bundles, self.seat_bundle = plan.n_seats, plan.seat_bundle
         ready, _ = ray.wait([self.pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
-            raise PlacementError(f"{n} bundles of {bundle} could not be placed within {self.placement_timeout_s:.0f} s")
+            raise PlacementError(f"{len(plan.bundles)} bundles ({plan.bundles[0]} for each TP group) could not be "
+                                 f"placed within {self.placement_timeout_s:.0f} s")
         self.bundle_of = {rank: rank for rank in range(world_size)}
 
-    def _new_actor(self, bundle: int):
+    def _new_actor(self, seat: int):
         res = self.spec.resources
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                    placement_group_bundle_index=self.seat_bundle[seat])
         return self._remote.options(
             num_cpus=res.cpus_per_rank, num_gpus=res.gpus_per_rank, resources=res.custom or None,
             max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
@@ -105,7 +105,8 @@ class RayWorkerGroup:
         if not nodes or self.pg is None:
             return []
         table = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
-        return [int(b) for b, node in table.items() if node in nodes]
+        lost = {int(b) for b, node in table.items() if node in nodes}
+        return [seat for seat, bundle in enumerate(self.seat_bundle) if bundle in lost]
 
     def _remember_node(self, actor, info) -> None:
         if isinstance(info, dict) and info.get("node"):
@@ -168,7 +169,9 @@ class RayWorkerGroup:
 
     def promote_spares(self, ranks: list[int]) -> list[int]:
         """Give ready spares to `ranks`; returns the ranks no spare was ready for."""
-        ready = self.ready_spares()
+        # In seat order: a bundle's seats are consecutive and so are a TP group's ranks, so
+        # consecutive new ranks fill one bundle (one node) before the next.
+        ready = sorted(self.ready_spares())
         left = []
         for rank in ranks:
             if not ready:
@@ -234,8 +237,8 @@ class RayWorkerGroup:
         world = len(self.actors)
         return self._call_all("join", lambda r: (gen, r, world, host, port, timeout_s), timeout_s + 30)
 
-    def restore_all(self, step: int | None, dp: int, timeout_s: float) -> list[dict]:
-        return self._call_all("restore", lambda r: (step, dp), timeout_s)
+    def restore_all(self, step: int | None, dp: int, timeout_s: float, faults: list[dict] | None = None) -> list[dict]:
+        return self._call_all("restore", lambda r: (step, dp, faults), timeout_s)
 
     def start_training(self, until_step: int, faults: list[dict]) -> None:
         self._train_refs = {self.actors[r].train.remote(until_step, faults): r for r in sorted(self.actors)}

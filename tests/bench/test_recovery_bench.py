@@ -31,7 +31,8 @@ def test_recovery_bench_measures_every_system(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
 
-    assert set(result["summary"]) == {"undying", "undying (warm spare)", "Ray Train", "torchrun"}
+    assert set(result["summary"]) == {"undying", "undying (warm spare)", "undying (shrink)", "Ray Train",
+                                      "torchrun"}
     for name, summary in result["summary"].items():
         for key in ("detection_s", "kill_to_first_step_s", "wall_s"):
             assert summary[key]["median"] > 0, (name, key, summary[key])

@@ -5,8 +5,10 @@ The soak test is `heavy` (left out of the default suite). Run it with, e.g.:
     .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py                      # 30 minutes
     UNDYING_SOAK_S=300 .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py   # 5 minutes
 
-UNDYING_SOAK_S sizes the job (train.steps = UNDYING_SOAK_S / UNDYING_SOAK_STEP_S, the seconds
-one step of the 4-rank job takes on the test machine, 0.15 by default); UNDYING_SOAK_MTBF is
+The soak job is 3D-parallel on 4 ranks: dp 2 x pp 2 (1F1B) with ZeRO-1, so every recovery restores
+sharded optimizer state into a pipeline. UNDYING_SOAK_S sizes the job (train.steps =
+UNDYING_SOAK_S / UNDYING_SOAK_STEP_S, the seconds one step of that job takes on the test machine,
+0.25 by default); UNDYING_SOAK_MTBF is
 chaos.mtbf_s per rank (default 60s: the 4-rank job sees a failure every 15 s on average) and
 UNDYING_SOAK_SEED its seed.
 """
@@ -66,10 +68,11 @@ def test_random_rank_kills_pass_every_invariant(ray_cluster, tmp_path):
 @pytest.mark.heavy
 def test_soak_poisson_rank_kills(ray_cluster, tmp_path):
     duration = float(os.environ.get("UNDYING_SOAK_S", "1800"))
-    steps = max(100, int(duration / float(os.environ.get("UNDYING_SOAK_STEP_S", "0.15"))))
+    steps = max(100, int(duration / float(os.environ.get("UNDYING_SOAK_STEP_S", "0.25"))))
     flags = ["--mtbf", os.environ.get("UNDYING_SOAK_MTBF", "60s"), "--kind", "kill_rank",
              "--seed", os.environ.get("UNDYING_SOAK_SEED", "1"), "--start", "10s"]
-    sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000"]
+    sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000",
+            "parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]
     proc, report_path = _chaos(ray_cluster, tmp_path, "soak", flags, sets, timeout=4 * duration + 900)
     report = _assert_every_check_passed(proc, report_path)
     assert report["failures"], "the soak saw no failure: raise UNDYING_SOAK_S or lower UNDYING_SOAK_MTBF"

@@ -369,6 +369,8 @@ def test_placement_says_whether_tp_groups_share_a_node(tmp_path, rendezvous):
     workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
     ctl = _controller(spec, workers, rendezvous, lines)
     ctl._placing()
-    assert "each of the 2 TP group(s) on one node" in lines[-1]
+    assert "each TP group on one node, 2 TP group(s) over 1 node(s) (pack)" in lines[-1]
     workers.node_of = lambda rank: f"node{rank % 2}"  # ranks 0 and 1 (a TP group) on two nodes
     assert "TP group(s) [[0, 1], [2, 3]] span nodes" in ctl._tp_locality()
+    workers.node_of = lambda rank: f"node{rank // 2}"  # spread: one group per node
+    assert ctl._tp_locality() == "; each TP group on one node, 2 TP group(s) over 2 node(s) (pack)"

@@ -1,0 +1,67 @@
+"""How a job's ranks map onto Ray placement-group bundles (pure; no Ray calls).
+
+A tensor-parallel group exchanges activations in every layer, so it must share a node; data-
+and pipeline-parallel traffic is once per step or per microbatch and can cross nodes. Ray
+keeps each bundle of a placement group on one node, so the plan gives every TP group one
+bundle of `tp` seats (one seat per rank): no placement Ray may choose can split a TP group.
+The bundles themselves are then packed onto few nodes (`resources.placement: pack`, the
+default: intra-node links for the DP and PP collectives too, and a lost node takes whole DP
+replicas with it) or spread over as many nodes as possible (`spread`: DP replicas and PP
+stages on different machines, so one machine's loss or slowness touches fewer of them).
+
+Seats are numbered: seat r < world_size is rank r's at placement time (ranks r..r+tp-1 with
+r % tp == 0 are one TP group, the topology's TP-fastest order); warm spares follow. Spares
+come as whole TP groups when `elastic.spares` is a multiple of tp (a lost node's group can be
+replaced on one node), else one seat per bundle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    bundles: list[dict[str, float]]  # Ray resources of each bundle
+    seat_bundle: list[int]  # seat -> index of the bundle it sits in
+    strategy: str  # Ray's strategy name
+
+    @property
+    def n_seats(self) -> int:
+        return len(self.seat_bundle)
+
+
+def rank_resources(resources) -> dict[str, float]:
+    """What one rank asks Ray for (`resources` is the spec's ResourcesConfig)."""
+    wanted = {"CPU": resources.cpus_per_rank, **resources.custom}
+    if resources.gpus_per_rank:
+        wanted["GPU"] = resources.gpus_per_rank
+    return wanted
+
+
+def group_resources(resources, tp: int) -> dict[str, float]:
+    """What one TP group's bundle asks Ray for: tp ranks' worth on one node."""
+    return {key: amount * tp for key, amount in rank_resources(resources).items()}
+
+
+def plan_placement(world_size: int, tp: int, spares: int, resources, placement: str) -> PlacementPlan:
+    if world_size % tp:
+        raise ValueError(f"world size {world_size} is not a multiple of tp = {tp}")
+    per_rank = rank_resources(resources)
+    spare_group = tp if spares and spares % tp == 0 else 1
+    bundles: list[dict[str, float]] = []
+    seat_bundle: list[int] = []
+    for size, count in ((tp, world_size // tp), (spare_group, spares // spare_group)):
+        for _ in range(count):
+            seat_bundle += [len(bundles)] * size
+            bundles.append({key: amount * size for key, amount in per_rank.items()})
+    return PlacementPlan(bundles, seat_bundle, STRATEGIES[placement])
+
+
+def tp_groups_that_fit(node_resources: dict[str, float], group: dict[str, float]) -> int:
+    """How many TP-group bundles one node (its total Ray resources) can ever hold."""
+    # The epsilon absorbs float sums such as 3 x 0.1 CPU; Ray itself counts in 1e-4 units.
+    fits = [int(node_resources.get(key, 0.0) / amount + 1e-6) for key, amount in group.items() if amount > 0]
+    return min(fits) if fits else 0

@@ -1,0 +1,46 @@
+"""Placement on the multi-node test cluster (3 worker nodes of 2 `undying_slot`s each).
+
+Each TP group is one placement-group bundle, so it always lands on one node; `pack` puts the
+groups on as few nodes as possible and `spread` on as many. A TP group larger than any node is
+refused before anything is reserved, naming `parallel.tp` (never an endless wait).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.ray.jobs import run_job
+
+pytestmark = pytest.mark.ray
+SHORT = ["train.steps=4", "checkpoint.every_steps=2", "chaos.faults=[]"]
+
+
+def _placement_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if "rank actors up on" in line)
+
+
+@pytest.mark.parametrize(("placement", "nodes"), [("pack", 1), ("spread", 2)])
+def test_dp_replicas_pack_or_spread_over_nodes(ray_cluster, tmp_path, placement, nodes):
+    proc, _ = run_job(ray_cluster, tmp_path, f"place{placement}", [
+        *SHORT, "parallel.dp=2", f"resources.placement={placement}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = _placement_line(proc.stdout)
+    assert f"2 rank actors up on {nodes} node(s)" in line and f"2 rank(s) over {nodes} node(s) ({placement})" in line
+
+
+def test_spread_tp_groups_stay_whole_on_distinct_nodes(ray_cluster, tmp_path):
+    proc, _ = run_job(ray_cluster, tmp_path, "placetp", [
+        *SHORT, "parallel.dp=2", "parallel.tp=2", "train.micro_batch=4", "resources.placement=spread"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each TP group on one node, 2 TP group(s) over 2 node(s) (spread)" in _placement_line(proc.stdout)
+
+
+def test_a_tp_group_larger_than_any_node_is_refused_at_once(ray_cluster, tmp_path):
+    started = time.monotonic()
+    proc, _ = run_job(ray_cluster, tmp_path, "placebig", [
+        *SHORT, "parallel.dp=1", "parallel.tp=4", "train.micro_batch=4"], timeout=120)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "parallel.tp" in proc.stderr and "a TP group of 4 ranks must sit on one node" in proc.stderr
+    assert time.monotonic() - started < 60
