@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, NodeDiedError, OutOfMemoryError, RayActorError, WorkerCrashedError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -23,6 +23,12 @@ from orchestrator.capacity import capacity_problems, node_problems
 from orchestrator.placement import plan_placement
 from orchestrator.rank_actor import RankActor
 from orchestrator.ray_cluster import alive_node_resources
+
+# What a call on a rank actor raises when its process is gone: killed (ActorDiedError), killed by
+# Ray's memory monitor when the node runs low on memory (OutOfMemoryError: not a RayActorError,
+# but the rank is just as dead, and host OOM is a common failure at scale), crashed or lost with
+# its node. Each is a rank failure to recover from, never a controller error.
+RANK_GONE = (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError)
 
 
 class PlacementError(RuntimeError):
@@ -158,7 +164,7 @@ class RayWorkerGroup:
                 continue
             try:
                 self._remember_node(self.spares[bundle][0], ray.get(ping))
-            except RayActorError:
+            except RANK_GONE:
                 del self.spares[bundle]  # died while idle; its bundle is free again
                 continue
             if self.node_of_actor.get(self.spares[bundle][0]._actor_id.hex()) in self.lost_nodes:
@@ -197,7 +203,7 @@ class RayWorkerGroup:
             try:
                 self._remember_node(self.actors[rank], ray.get(ref))
                 up.add(rank)
-            except RayActorError:
+            except RANK_GONE:
                 # Started and died (e.g. placed on a node that was being lost): try again later.
                 self.actors[rank] = self._new_actor(self.bundle_of[rank])
         late = [r for r in ranks if r not in up]
@@ -227,11 +233,32 @@ class RayWorkerGroup:
         refs = [getattr(self.actors[r], method).remote(*args_of(r)) for r in sorted(self.actors)]
         return ray.get(refs, timeout=timeout_s)
 
-    def ping_all(self, timeout_s: float) -> list[dict]:
-        pings = self._call_all("ping", lambda r: (), timeout_s)
-        for rank, info in zip(sorted(self.actors), pings, strict=True):
-            self._remember_node(self.actors[rank], info)
-        return pings
+    def ping_all(self, timeout_s: float, restarts: int = 1) -> list[dict]:
+        """Wait until every rank actor has started; returns their pings in rank order.
+
+        An actor that dies while starting (a crash, or Ray's memory monitor killing it while the
+        node is short of memory) is created again in its seat, up to `restarts` times, since no
+        rank holds any state yet; one that is merely slow past `timeout_s` is an error."""
+        ranks = sorted(self.actors)
+        refs = {rank: self.actors[rank].ping.remote() for rank in ranks}
+        pings: dict[int, dict] = {}
+        for attempt in range(restarts + 1):
+            deadline = time.monotonic() + timeout_s
+            for rank, ref in list(refs.items()):
+                try:
+                    pings[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except RANK_GONE:
+                    if attempt == restarts:
+                        raise
+                    self.actors[rank] = self._new_actor(self.bundle_of[rank])
+                    refs[rank] = self.actors[rank].ping.remote()
+                    continue
+                del refs[rank]
+            if not refs:
+                break
+        for rank in ranks:
+            self._remember_node(self.actors[rank], pings[rank])
+        return [pings[rank] for rank in ranks]
 
     def join_all(self, gen: int, host: str, port: int, timeout_s: float) -> list[float]:
         world = len(self.actors)
@@ -253,8 +280,10 @@ class RayWorkerGroup:
             try:
                 info = ray.get(ref)
                 outcomes.append(RankOutcome(rank, info["status"], info))
-            except RayActorError as err:
-                self.actors.pop(rank, None)  # gone for good (max_restarts=0); the controller replaces it
+            except RANK_GONE as err:
+                actor = self.actors.pop(rank, None)  # gone for good (max_restarts=0); the controller replaces it
+                if actor is not None and not isinstance(err, RayActorError):
+                    ray.kill(actor, no_restart=True)  # the call failed; make sure its process is gone too
                 outcomes.append(RankOutcome(rank, "died", {"error": str(err).splitlines()[0]}))
         return outcomes
 
@@ -284,7 +313,7 @@ class RayWorkerGroup:
             try:
                 if not ray.get(ref, timeout=max(0.0, deadline - time.monotonic())):
                     lost.append(rank)
-            except (GetTimeoutError, RayActorError):
+            except (GetTimeoutError, *RANK_GONE):
                 lost.append(rank)
         return lost
 

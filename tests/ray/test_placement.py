@@ -44,3 +44,31 @@ def test_a_tp_group_larger_than_any_node_is_refused_at_once(ray_cluster, tmp_pat
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parallel.tp" in proc.stderr and "a TP group of 4 ranks must sit on one node" in proc.stderr
     assert time.monotonic() - started < 60
+
+
+def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
+    # Ray's memory monitor kills actors while a node is short of memory, and a process can crash
+    # in its start-up; no rank holds state yet, so placement starts that seat's actor again.
+    import ray
+
+    from orchestrator.spec import load_spec
+    from orchestrator.worker_group import RayWorkerGroup
+    from tests.ray.jobs import BASE, ROOT
+
+    spec = load_spec(str(ROOT / "examples/demo.yaml"), [*BASE, "checkpoint.url=memory://restart-ping"])
+    ray.init(address=ray_cluster, logging_level="ERROR")
+    workers = RayWorkerGroup(spec)
+    try:
+        workers.place(4)
+        workers.ensure_actors([0, 1, 2, 3])
+        doomed = workers.actors[2]
+        ray.kill(doomed, no_restart=True)
+        pings = workers.ping_all(timeout_s=120)
+        assert len(pings) == 4 and all(p.get("node") for p in pings)
+        assert workers.actors[2] is not doomed
+        ray.kill(workers.actors[1], no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            workers.ping_all(timeout_s=120, restarts=0)  # no restart allowed: the death is an error
+    finally:
+        workers.shutdown()
+        ray.shutdown()
