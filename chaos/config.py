@@ -23,7 +23,7 @@ from chaos.durations import Seconds
 FaultKind = Literal[
     "kill_rank",  # SIGKILL the rank's process
     "kill_node",  # kill every process on a node (the named node, or the node that hosts `rank`)
-    "kill_controller",  # kill the controller; ranks must survive and be re-adopted
+    "kill_controller",  # the controller SIGKILLs itself; a rerun resumes from the last commit
     "hang_rank",  # the rank stops making progress without dying
     "slow_rank",  # the rank's steps take `factor` times longer (a straggler)
     "raise",  # the rank raises a Python exception in the training loop
@@ -167,22 +167,30 @@ class ChaosConfig(_Strict):
 # nan_grad fire in the rank's FaultInjector (chaos.injector); storage kinds are installed on a
 # Storage (chaos.storage_faults): with `rank: r` on the one rank r's shard writer uses, without
 # `rank` on the controller's catalog Storage (manifest commits, listings, deletes, restores'
-# manifest reads); corrupt_shard is fired by the controller right after a commit (chaos.corrupt).
-# kill_controller is accepted by the grammar but refused before any rank starts, so nobody
-# believes a fault ran.
+# manifest reads); corrupt_shard is fired by the controller right after a commit (chaos.corrupt);
+# kill_controller by the controller on itself (orchestrator.controller_kill).
 INJECTABLE_KINDS: frozenset[str] = frozenset({
-    "kill_rank", "kill_node", "hang_rank", "slow_rank", "raise", "nan_grad",
+    "kill_rank", "kill_node", "kill_controller", "hang_rank", "slow_rank", "raise", "nan_grad",
     "storage_error", "storage_latency", "torn_write", "corrupt_shard"})
 # What the chaos library itself can inject (chaos.injector, chaos.storage_faults, chaos.corrupt).
 LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS
 # Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures). Storage
 # faults take at_seconds too, with another meaning: the start of the window they are active in.
 TIMED_KINDS: frozenset[str] = frozenset({"kill_rank", "kill_node", "hang_rank"})
-# Named fault points: the engine's, per training step, and the checkpoint writer's, per save
-# (where at_step names the checkpoint's step).
-FAULT_POINTS: tuple[str, ...] = (
-    "before_step", "after_forward", "after_backward", "after_optimizer_step", "during_stage", "during_shard_write",
+# Named fault points on a rank: the engine's, per training step (in_allreduce: the step's DDP
+# gradient all-reduce is in flight), the checkpoint writer's, per save, and the restore's, per load
+# (at_step names the checkpoint's step at the last two).
+RANK_POINTS: tuple[str, ...] = (
+    "before_step", "after_forward", "after_backward", "in_allreduce", "after_optimizer_step",
+    "during_stage", "during_shard_write", "during_restore",
 )
+# Named fault points in the controller, per commit (at_step: the first checkpoint committed at or
+# after that step): only controller faults fire there.
+CONTROLLER_POINTS: tuple[str, ...] = ("before_manifest_commit", "after_manifest_commit")
+FAULT_POINTS: tuple[str, ...] = RANK_POINTS + CONTROLLER_POINTS
+# Points where at_step names a checkpoint's step, which may be the final save (train.steps).
+CHECKPOINT_POINTS: frozenset[str] = frozenset({"during_stage", "during_shard_write", "during_restore",
+                                               *CONTROLLER_POINTS})
 
 
 def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
@@ -196,6 +204,9 @@ def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
       storage kinds          at_step (that checkpoint's directory), at_seconds + duration_s (a window of
                              job seconds), op / path / nth / probability; with rank only op: write
       corrupt_shard          at_step only: the first checkpoint committed at or after that step, once
+      kill_controller        at_step (the controller learns that step finished), at_point (a CONTROLLER_POINT,
+                             optionally with at_step: the first commit at or after it); once per job
+    Rank kinds take RANK_POINTS only, kill_controller CONTROLLER_POINTS only.
     """
     out = []
     for i, fault in enumerate(chaos.faults):
@@ -211,6 +222,8 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
         return "kind", f"{kind} cannot be injected by this release; use one of {', '.join(sorted(INJECTABLE_KINDS))}"
     if kind == "corrupt_shard":
         return _corrupt_problem(fault)
+    if kind == "kill_controller":
+        return _kill_controller_problem(fault)
     if kind in STORAGE_KINDS:
         if fault.at_point is not None:
             return "at_point", (f"{kind} is selected by op, path, nth, probability, at_step or at_seconds, not by a "
@@ -221,8 +234,11 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
         return None
     if fault.duration_s is not None:
         return "duration_s", f"duration_s shapes storage faults only; remove it from this {kind} fault"
-    if fault.at_point is not None and fault.at_point not in FAULT_POINTS:
-        return "at_point", f"unknown fault point {fault.at_point!r}; use one of {', '.join(FAULT_POINTS)}"
+    if fault.at_point in CONTROLLER_POINTS:
+        return "at_point", (f"{fault.at_point} is a point in the controller, where only kill_controller fires; "
+                            f"give this {kind} fault a rank point: {', '.join(RANK_POINTS)}")
+    if fault.at_point is not None and fault.at_point not in RANK_POINTS:
+        return "at_point", f"unknown fault point {fault.at_point!r}; use one of {', '.join(RANK_POINTS)}"
     if kind == "nan_grad" and fault.at_point not in (None, "after_backward"):
         return "at_point", ("nan_grad poisons gradients, which exist only after the backward; use at_point: "
                             "after_backward or remove at_point")
@@ -244,4 +260,20 @@ def _corrupt_problem(fault: FaultSpec) -> tuple[str, str] | None:
         return "at_step", "corrupt_shard needs at_step: <k> (the first checkpoint committed at or after step k)"
     if fault.repeat:
         return "repeat", "corrupt_shard corrupts one checkpoint; remove repeat"
+    return None
+
+
+def _kill_controller_problem(fault: FaultSpec) -> tuple[str, str] | None:
+    # The controller fires it on itself: at a step it learns of, or at one of its own points.
+    if fault.at_point is not None and fault.at_point not in CONTROLLER_POINTS:
+        where = "a rank point" if fault.at_point in RANK_POINTS else f"an unknown point {fault.at_point!r}"
+        return "at_point", (f"kill_controller fires in the controller, not at {where}; use at_point: "
+                            f"{' or '.join(CONTROLLER_POINTS)}, or only at_step: <k>")
+    for name in ("node", "at_seconds", "duration_s"):
+        if getattr(fault, name) is not None:
+            return name, (f"kill_controller is triggered by at_step or at_point ({', '.join(CONTROLLER_POINTS)}); "
+                          f"remove {name}")
+    if fault.repeat:
+        return "repeat", ("kill_controller fires once per job (a rerun that fired it again would never finish); "
+                          "remove repeat")
     return None

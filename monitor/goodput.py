@@ -22,6 +22,20 @@ must not be read from other threads (metrics get a snapshot through `JobMetrics.
 
 Invariant (tested with a fake clock): `sum(totals().values()) == wall()` after any sequence of
 `enter` and `move`.
+
+Lost work, precisely. A recovery (or a grow) that resumes from committed step R throws away
+every step >= R that finished in the generation that stopped. For each such step, rank 0's
+wall time of that execution (its `step_s`: from the step's start to its end, the collectives
+included) is lost, and so is the step the fault interrupted, from the end of the last
+finished step to the fault (counted only when the fault's time is known, i.e. for an injected
+fault; otherwise that remainder stays where it was booked). The controller computes it at
+recovery time (`JobRecord.rolled_back_seconds`) and moves it productive -> lost_work. The
+same quantity can be recomputed after the run from the report alone: the executions that a
+later execution of the same step replaced (`RunReport.rolled_back`) plus, per failure, its
+fault time minus the end of the last of them. The ledger test (tests/ray/test_monitoring.py)
+checks the two agree. A second execution of the same steps (`RunReport.redone_s`) measures
+what redoing cost, not what was lost: it runs at another time under another machine load and
+after a fresh process group, so it matches lost work only as far as step times repeat.
 """
 
 from __future__ import annotations

@@ -74,6 +74,19 @@ class CheckpointRecord(BaseModel):
     total_s: float
 
 
+class RolledBackStep(BaseModel):
+    """An execution of a step that a rollback threw away: the step was computed again later.
+
+    `step_s` is rank 0's wall time of that execution; the sum over a rollback's steps, plus
+    the interrupted step up to the fault, is what the ledger books as `lost_work`
+    (monitor.goodput explains the definition)."""
+
+    model_config = _CONFIG
+    step: int
+    step_s: float
+    finished_at: float  # job seconds when that execution finished
+
+
 class StragglerRecord(BaseModel):
     """A rank flagged as a sustained straggler."""
 
@@ -121,9 +134,11 @@ class RunReport(BaseModel):
     stragglers: list[StragglerRecord] = Field(default_factory=list)
     # [step, dp] per completed step and ["restore", step] per restore, in order (chaos.history).
     history: list[list] = Field(default_factory=list)
-    # Steps computed again after a rollback, and their compute seconds (what lost_work cost).
+    # Steps computed again after a rollback, and the seconds of those second executions (what
+    # redoing the lost work cost); the executions they replaced are in `rolled_back`.
     redone_steps: int = 0
     redone_s: float = 0.0
+    rolled_back: list[RolledBackStep] = Field(default_factory=list)
     goodput: GoodputSummary
     status: Literal["succeeded", "failed"]
     error: str | None = None

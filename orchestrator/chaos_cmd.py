@@ -17,7 +17,9 @@ runs on what it left and the pass/fail table is printed. A checkpoint root that 
 checkpoints of another run is refused (a chaos run must start from scratch), unless --fresh,
 which deletes it first. Rank PIDs are taken from the ranks' own answers to the controller's
 pings (every actor of the run answers one before it trains) by recording them on the worker
-group; `run_job` has no hook for it, hence the subclass swapped in for the run.
+group; `run_job` has no hook for it, hence the subclass swapped in for the run. A spec with a
+kill_controller fault runs each job in a child process instead, rerun after the controller
+killed itself (orchestrator.chaos_child), so the checks see the job's whole life.
 
 Exit codes: 0 the run succeeded and every check passed; 1 the run failed or a check failed;
 2 the spec, the flags or the cluster cannot run the experiment (nothing was started).
@@ -83,7 +85,6 @@ def add_chaos_parser(sub) -> None:
 
 
 def chaos_main(args, runner: Runner | None = None) -> int:
-    runner = runner or run_recorded
     words = list(args.words)
     sweep = words[0] == "sweep"
     if sweep:
@@ -105,6 +106,12 @@ def chaos_main(args, runner: Runner | None = None) -> int:
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
+    if runner is None:
+        # A controller that kills itself must not take this process with it: it runs in a child,
+        # rerun after each kill (orchestrator.chaos_child).
+        from orchestrator.chaos_child import kills_controller, run_rerunning
+
+        runner = run_rerunning if kills_controller(spec) else run_recorded
     if sweep:
         return sweep_main(spec, intervals, args, runner)
     return experiment_main(spec, args, runner)
@@ -257,15 +264,19 @@ def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
 
 def prepare_root(spec, fresh: bool) -> None:
     """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh."""
+    from orchestrator.controller_kill import MARKER_DIR
+
     catalog = experiment.catalog_of(spec)
-    if not catalog.all_steps():
+    # A kill_controller marker alone (the controller died before its first commit) is state too:
+    # it would keep that fault from firing in this run.
+    if not catalog.all_steps() and not catalog.storage.exists(catalog.storage.path(MARKER_DIR)):
         return
     if fresh:
         catalog.storage.remove_tree(catalog.storage.root)
         return
-    raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints of an earlier "
-                             f"run, which this run would resume from; pass --fresh to delete them, or choose "
-                             f"another name with --set name=...")])
+    raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
+                             f"records) of an earlier run, which this run would resume from; pass --fresh to "
+                             f"delete them, or choose another name with --set name=...")])
 
 
 def run_with_report(runner: Runner, spec, address: str | None) -> RunOutcome:
@@ -283,11 +294,12 @@ def write_json(path: str, data) -> None:
 
 
 @contextlib.contextmanager
-def recording_rank_pids():
+def recording_rank_pids(on_record: Callable[[dict, dict], None] | None = None):
     """Swap in a worker group that keeps the PID each rank actor reports in its ping; yields {label: pid}.
 
     Only PIDs on this host are kept (the check reads /proc here), each with its start time, so a
-    PID reused by another process later is not taken for a rank that survived.
+    PID reused by another process later is not taken for a rank that survived. `on_record(pids,
+    starts)` is called after each new one (a controller that may die writes them out as it goes).
     """
     import ray
 
@@ -311,6 +323,8 @@ def recording_rank_pids():
                 label = f"actor {actor._actor_id.hex()[:8]} pid"
                 seen[label] = int(info["pid"])
                 starts[label] = _start_time(int(info["pid"])) or ""
+                if on_record is not None:
+                    on_record(seen, starts)
 
     wg.RayWorkerGroup = Recording
     try:

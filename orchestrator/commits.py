@@ -19,6 +19,11 @@ manifest never stays where a reader would take the step for committed. Every sav
 will not commit is passed to `on_dropped(step, reason)` (the controller logs and counts it).
 Retention and garbage collection after a commit are best effort: a storage error there is
 logged and they run again at the next commit.
+
+Chaos: `fault_point(point, step)` is called just before the manifest create
+("before_manifest_commit": every shard is durable, nothing is committed) and just after it
+succeeded ("after_manifest_commit": committed, before retention and before the controller
+learns of it); the controller passes its ControllerFaults.at_point (kill_controller).
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ class Commit:
 
 class Committer:
     def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int,
-                 on_dropped: Callable[[int, str], None] = lambda step, reason: None):
+                 on_dropped: Callable[[int, str], None] = lambda step, reason: None,
+                 fault_point: Callable[[str, int], None] | None = None):
         self.catalog = catalog
+        self.fault_point = fault_point
         self.on_dropped = on_dropped
         self.job = job
         self.spec_hash = spec_hash
@@ -144,9 +151,13 @@ class Committer:
 
     def _commit(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Commit | None:
         receipts = list(save.receipts.values())
+        if self.fault_point is not None:
+            self.fault_point("before_manifest_commit", save.step)
         manifest = self._create(save, generation, layout, extra)
         if manifest is None:
             return None
+        if self.fault_point is not None:
+            self.fault_point("after_manifest_commit", save.step)
         committed_at = time.time()
         blocking = max(r.blocking_s for r in receipts)
         self.latest = save.step

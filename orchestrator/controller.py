@@ -60,7 +60,8 @@ class Controller(RecoveryMixin):
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
-                                   on_dropped=self._on_save_dropped)
+                                   on_dropped=self._on_save_dropped,
+                                   fault_point=lambda point, step: self.chaos.at_point(point, step))
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
@@ -75,7 +76,8 @@ class Controller(RecoveryMixin):
         self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)
                        if f.at_seconds is None or f.kind in STORAGE_KINDS]
         # Storage faults without a rank and corrupt_shard act here, on the catalog.
-        self.chaos = ControllerFaults(self.faults, catalog, spec.chaos.seed, lambda: self.ledger.wall())
+        self.chaos = ControllerFaults(self.faults, catalog, spec.chaos.seed, lambda: self.ledger.wall(),
+                                      printer=printer)
         self.timed: list = []  # chaos.schedule.FaultEvent, by time
         self.timed_next = 0  # index of the next one to fire
         self.fired: dict[int, dict] = {}
@@ -255,7 +257,8 @@ class Controller(RecoveryMixin):
             else:
                 self._resumed_ledger = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
-            results = self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120)
+            results = self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120,
+                                               faults=self._armed_faults())
         except CorruptCheckpoint as err:
             self.bad_steps.add(step)
             log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, err)
@@ -265,7 +268,7 @@ class Controller(RecoveryMixin):
             return
         except Exception as err:
             self.outcome_errors = {}
-            self._start_recovery(Failure("restore", None, time.time(), f"{type(err).__name__}: {err}"))
+            self._start_recovery(self._restore_failure(err))
             return
         self.telemetry.on_restored(results)
         self.restored_step = step
@@ -280,15 +283,18 @@ class Controller(RecoveryMixin):
         self._go(State.RUNNING, f"{what} in {time.perf_counter() - started:.2f} s")
 
     def _resume_ledger(self, step: int) -> None:
-        """On the first restore of this invocation, carry the goodput ledger saved with the checkpoint.
+        """On the first restore of this invocation, carry the goodput ledger and the step history
+        (chaos.history: which steps the restored model holds) saved with the checkpoint.
 
         Only the first: later restores load checkpoints this invocation wrote itself, whose
         ledger is already in ours."""
         if self._resumed_ledger:
             return
         # ckpt.reader's read: an unparsable (torn) manifest is a CorruptCheckpoint, handled by the caller.
-        saved = read_manifest(self.catalog, step).state.get("goodput")
+        state = read_manifest(self.catalog, step).state
+        saved = state.get("goodput")
         self._resumed_ledger = True
+        self.record.history[:0] = state.get("history", [])
         if not saved:
             return
         now = self.ledger.totals()

@@ -1,4 +1,4 @@
-"""The controller's own chaos: storage faults on its catalog, and corrupt_shard after a commit.
+"""The controller's own chaos: storage faults on its catalog, corrupt_shard after a commit, kill_controller.
 
 Protocol (the controller owns one `ControllerFaults`, built with the job's armed faults):
   * Storage faults without `rank` (storage_error, storage_latency, torn_write) are installed
@@ -10,6 +10,9 @@ Protocol (the controller owns one `ControllerFaults`, built with the job's armed
     first checkpoint committed at or after that step gets one bit of one shard flipped
     (chaos.corrupt). The commit itself stands; the next restore of that step must find the
     damage, quarantine the step and fall back (Controller._restoring).
+  * kill_controller (orchestrator.controller_kill): `on_step(step)` for each step the controller
+    learns finished, `at_point(point, step)` at its commit points (the Committer calls it just
+    before and just after a manifest is created). Unarmed, each is one test of an empty list.
   * Fault notices, from the storage plan (any thread: the reader's fetch pool calls storage
     too) and from corrupt_shard, are queued; `drain()` hands them to the controller's event
     intake on its own thread. Each is marked `handled`: these faults make no rank fail, so a
@@ -27,13 +30,17 @@ from collections.abc import Callable
 from chaos.config import STORAGE_KINDS
 from chaos.corrupt import corrupt_shard
 from chaos.storage_faults import install
+from orchestrator.controller_kill import ControllerKill
 
 log = logging.getLogger(__name__)
 
 
 class ControllerFaults:
-    def __init__(self, faults: list[dict], catalog, seed: int, job_seconds: Callable[[], float]):
+    def __init__(self, faults: list[dict], catalog, seed: int, job_seconds: Callable[[], float], *,
+                 printer=print, kill: ControllerKill | None = None):
         self.catalog = catalog
+        # Built before the storage faults go on the catalog: reading the fired markers is not a fault's target.
+        self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
         self.seed = seed
         self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
         ours = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") is None]
@@ -59,6 +66,16 @@ class ControllerFaults:
                 log.warning("corrupt_shard on step %d %s", step, event["detail"])
             fired[fault["id"]] = event  # at once: a second commit in the same drain must not re-fire it
             self._events.append(event)
+
+    def on_step(self, step: int) -> None:
+        """The controller learned that `step` finished: fire a due kill_controller."""
+        if self.kill.armed:
+            self.kill.on_step(step)
+
+    def at_point(self, point: str, step: int) -> None:
+        """A controller fault point (chaos.config.CONTROLLER_POINTS) for checkpoint `step`."""
+        if self.kill.armed:
+            self.kill.at_point(point, step)
 
     def drain(self) -> list[dict]:
         out = []

@@ -18,6 +18,7 @@ from monitor.report import (
     FailureRecord,
     GoodputSummary,
     LossPoint,
+    RolledBackStep,
     RunReport,
     StragglerRecord,
     WorldRecord,
@@ -55,6 +56,7 @@ class JobRecord:
         self.history: list[list] = []
         self.dp = 0  # data-parallel degree of the running generation
         self.redone_steps, self.redone_s = 0, 0.0
+        self.rolled_back: list[RolledBackStep] = []  # the executions that redone steps replaced
         self.in_flight_at_failure: set[int] = set()  # steps a failure interrupted: partly computed
         self._last_progress = 0.0
         self.last_step_time = time.time()
@@ -67,6 +69,10 @@ class JobRecord:
         rec = StepRecord(event["step"], event["loss"], event["tokens"], event["step_s"], event["time"])
         if rec.step in self.steps or rec.step in self.in_flight_at_failure:
             self.in_flight_at_failure.discard(rec.step)
+            if rec.step in self.steps:
+                old = self.steps[rec.step]
+                self.rolled_back.append(RolledBackStep(step=old.step, step_s=old.step_s,
+                                                       finished_at=self.job_seconds(old.time)))
             self.redone_steps += 1
             self.redone_s += rec.step_s
         self.steps[rec.step] = rec
@@ -98,7 +104,8 @@ class JobRecord:
 
     def rolled_back_seconds(self, restored_step: int, since: float, failed_at: float | None = None) -> float:
         """Compute time of steps >= `restored_step` finished after `since` (they must be redone),
-        plus the step that was in flight at `failed_at`, when the failure time is known."""
+        plus the step that was in flight at `failed_at`, when the failure time is known: the
+        `lost_work` of a rollback to `restored_step` (monitor.goodput defines it)."""
         done = [r for r in self.steps.values() if r.step >= restored_step and r.time >= since]
         lost = sum(r.step_s for r in done)
         if failed_at is not None:
@@ -146,7 +153,8 @@ class JobRecord:
             final_loss=self.steps[max(self.steps)].loss if self.steps else None,
             losses=losses, world_history=self.world, failures=self.failures, history=self.history,
             checkpoints=self.checkpoints, stragglers=self.stragglers,
-            redone_steps=self.redone_steps, redone_s=self.redone_s, goodput=GoodputSummary.from_ledger(self.ledger),
+            redone_steps=self.redone_steps, redone_s=self.redone_s, rolled_back=self.rolled_back,
+            goodput=GoodputSummary.from_ledger(self.ledger),
             status=status, error=error,
             tokens_per_s=sum(r.tokens for r in self.steps.values()) / busy if busy > 0 else None,
         )

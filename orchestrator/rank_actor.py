@@ -131,8 +131,12 @@ class RankActor:
             )
         return time.perf_counter() - started
 
-    def restore(self, step: int | None, dp: int) -> dict:
-        """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`."""
+    def restore(self, step: int | None, dp: int, faults: list[dict] | None = None) -> dict:
+        """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`.
+
+        `faults`: the chaos faults still armed; those of this rank at "during_restore" fire while
+        the checkpoint loads (their notice goes through the generation's store, as in training)."""
+        from chaos.injector import FaultInjector
         from orchestrator.rank_state import build_engine, load_engine_state
         from trainer.memory_probe import current_bytes
 
@@ -142,7 +146,8 @@ class RankActor:
         self.baseline_bytes = current_bytes(device)
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
         if step is not None:
-            load_engine_state(self.spec, self.engine, step)
+            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.push_event)
+            load_engine_state(self.spec, self.engine, step, fault_hook=hook)
         out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)

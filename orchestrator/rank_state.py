@@ -30,8 +30,11 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
     )
 
 
-def load_engine_state(spec, engine, step: int) -> dict:
+def load_engine_state(spec, engine, step: int, fault_hook=None) -> dict:
     """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
+
+    `fault_hook(point, step)`, if given, is called at the chaos point "during_restore": the slices
+    are read and not yet loaded, so a fault there leaves a half-restored rank.
 
     Raises ckpt.errors.CorruptCheckpoint when the checkpoint cannot be read back intact
     (the controller then falls back to the previous committed one).
@@ -42,5 +45,7 @@ def load_engine_state(spec, engine, step: int) -> dict:
     # first step has no optimizer state (fine), a missing parameter is an error it names.
     wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
     slices = read_slices(catalog, step, wanted, manifest=manifest)
+    if fault_hook is not None:
+        fault_hook("during_restore", step)
     engine.load_slices(slices, manifest.state["engine"])
     return manifest.state

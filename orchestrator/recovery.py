@@ -90,6 +90,7 @@ class RecoveryMixin:
             kind = event.get("type")
             if kind == "step":
                 self.record.on_step(event)
+                self.chaos.on_step(event["step"])
             elif kind == "receipt":
                 self._on_receipt(event)
             elif kind == "fault":
@@ -110,7 +111,10 @@ class RecoveryMixin:
     def _on_receipt(self, event: dict) -> None:
         commit = self.committer.on_receipt(
             event, self.world_size, self.gen, self.layout(),
-            lambda: {"goodput": self.ledger.to_dict(), "restarts": self.restarts},
+            # The history travels with the checkpoint, so a rerun of a dead controller knows which
+            # steps the model it restores holds (chaos.history, the data-exactly-once check).
+            lambda: {"goodput": self.ledger.to_dict(), "restarts": self.restarts,
+                     "history": list(self.record.history)},
         )
         if commit is None:
             return
@@ -131,9 +135,8 @@ class RecoveryMixin:
         died = [o for o in outcomes if o.status == "died"]
         culprit = died[0] if died else outcomes[0]
         self.outcome_errors = {o.rank: o.info.get("error", o.status) for o in outcomes}
-        evicted = sorted(self.evicting & {o.rank for o in died})
+        evicted = self._take_evicted({o.rank for o in died})
         if evicted:
-            self.evicting.clear()
             return Failure("straggler_evicted", evicted[0], time.time(), "evicted as a sustained straggler",
                            step=self._current_step())
         fault = self._take_fired_fault()
@@ -143,6 +146,21 @@ class RecoveryMixin:
         kind = "rank_died" if died else "rank_error"
         return Failure(kind, culprit.rank, time.time(), culprit.info.get("error", ""),
                        step=culprit.info.get("step", self._current_step()))
+
+    def _take_evicted(self, dead: set[int]) -> list[int]:
+        """The dead ranks the straggler hook killed on purpose (controller._watch_stragglers).
+
+        Forgets the evictions and disarms the slow_rank faults of those ranks: chaos slowness
+        stands for slow hardware, which leaves with the evicted process, so the replacement
+        (a warm spare or a new actor) runs at full speed instead of being evicted in turn."""
+        evicted = sorted(self.evicting & dead)
+        if evicted:
+            self.evicting.clear()
+            for fault in self.faults:
+                if fault["kind"] == "slow_rank" and fault.get("rank") in evicted:
+                    self.fired.setdefault(fault["id"], {"type": "fault", "fault_id": fault["id"], "kind": "slow_rank",
+                                                        "rank": fault["rank"], "handled": True})
+        return evicted
 
     def _model_parallel(self) -> int:
         return self.spec.parallel.tp * self.spec.parallel.pp
@@ -199,6 +217,17 @@ class RecoveryMixin:
             fault["handled"] = True
         return fault
 
+    def _restore_failure(self, err: BaseException) -> Failure:
+        """A rank's restore failed: blame a fault that fired there (during_restore) if one did, so it
+        is disarmed before the next restore and never blamed for a later failure."""
+        self._drain_events()
+        message = f"{type(err).__name__}: {err}"
+        fault = self._take_fired_fault()
+        if fault is not None:
+            return Failure(fault["kind"], fault.get("rank"), time.time(), message, fault_time=fault["time"],
+                           step=fault.get("step"))
+        return Failure("restore", None, time.time(), message)
+
     def _current_step(self) -> int | None:
         return max(self.record.steps) + 1 if self.record.steps else None
 
@@ -254,7 +283,12 @@ class RecoveryMixin:
     def _attribute_failure(self) -> None:
         """Name the real culprit once every rank's outcome is known."""
         culprit = None
-        if self.failure.kind == "rank_error" and self.dead_in_release:
+        # A peer's collective error can be seen before the evicted rank's death. An eviction
+        # that coincided with another failure is still forgotten (and its slowness disarmed).
+        evicted = self._take_evicted(set(self.dead_in_release))
+        if evicted and self.failure.kind == "rank_error":
+            culprit, kind = evicted[0], "straggler_evicted"
+        elif self.failure.kind == "rank_error" and self.dead_in_release:
             culprit, kind = self.dead_in_release[0], "rank_died"
         elif self.failure.kind == "hang" and self.stuck_in_release:
             culprit, kind = self.stuck_in_release[0], "hang"

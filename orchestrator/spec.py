@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from chaos.config import STORAGE_KINDS, ChaosConfig
+from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
 from orchestrator.problems import Problem, SpecError
@@ -152,11 +152,18 @@ def cross_section_problems(spec: Any) -> list[Problem]:
             out.append(Problem(f"chaos.faults[{i}].rank", f"{fault.rank} is not a rank of this job (dp * tp"
                                f" * pp = {par.world_size} ranks); use a rank in 0..{par.world_size - 1}"))
         # A storage fault's or corrupt_shard's at_step names a checkpoint, and the last one is train.steps.
-        last = train.steps if train and fault.kind in CHECKPOINT_STEP_KINDS else (train.steps - 1 if train else 0)
+        names_checkpoint = fault.kind in CHECKPOINT_STEP_KINDS or fault.at_point in CHECKPOINT_POINTS
+        last = train.steps if train and names_checkpoint else (train.steps - 1 if train else 0)
         if train and fault.at_step is not None and fault.at_step > last:
             out.append(Problem(f"chaos.faults[{i}].at_step", f"{fault.at_step} is not before train.steps "
                                f"= {train.steps}" + (" (nor that final checkpoint)" if last == train.steps else "")
                                + f", so it never fires; use a step in 0..{last}"))
+        # in_allreduce fires in DDP's gradient all-reduce (trainer.data_parallel), which only dp > 1
+        # with ZeRO 0/1 runs; elsewhere the point is never reached and the fault would never fire.
+        if par and fault.at_point == "in_allreduce" and (par.dp == 1 or par.zero >= 2):
+            out.append(Problem(f"chaos.faults[{i}].at_point", f"in_allreduce is DDP's gradient all-reduce, which "
+                               f"this layout (dp = {par.dp}, zero = {par.zero}) does not run; use dp > 1 with "
+                               "zero 0 or 1, or another point such as after_backward"))
     return out
 
 

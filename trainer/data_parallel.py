@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,18 +37,27 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class SyncClock:
-    """When DDP handed the last gradient bucket to the all-reduce: the end of backward compute."""
+    """When DDP handed the last gradient bucket to the all-reduce: the end of backward compute.
+
+    `in_flight`, when set (the engine sets it while a chaos fault hook is armed), is called after
+    each bucket's all-reduce is launched: the fault point "in_allreduce" (trainer.engine)."""
 
     def __init__(self) -> None:
         self.last_ready = 0.0
+        self.in_flight: Callable[[], None] | None = None
 
 
 def _timed_allreduce(clock, bucket):
-    # Same arithmetic as DDP's built-in reduction (divide by the world size, then sum).
+    # Same arithmetic as DDP's built-in reduction (divide by the world size, then sum): the
+    # bucket's all-reduce is launched exactly as before, and the fault point runs only after it,
+    # touching no tensor, so an unfired point leaves every gradient bit-identical.
     # No annotations: DDP compares them with dist.GradBucket, and postponed (string)
     # annotations would fail that check.
     clock.last_ready = time.perf_counter()
-    return default_hooks.allreduce_hook(clock.group, bucket)
+    future = default_hooks.allreduce_hook(clock.group, bucket)
+    if clock.in_flight is not None:
+        clock.in_flight()
+    return future
 
 
 def wrap_ddp(module: nn.Module, dp_group, bucket_mb: float, clock: SyncClock) -> DistributedDataParallel:

@@ -80,7 +80,7 @@ from trainer.seeding import derive_seed
 from trainer.tensor_parallel import apply_tensor_parallel, loss_context, pad_to_multiple
 from trainer.topology import Topology, build_mesh
 
-FAULT_POINTS = ("before_step", "after_forward", "after_backward", "after_optimizer_step")
+FAULT_POINTS = ("before_step", "after_forward", "in_allreduce", "after_backward", "after_optimizer_step")
 __all__ = ["FAULT_POINTS", "STATE_FORMAT", "Engine", "StepResult", "check_layout"]
 
 
@@ -104,7 +104,9 @@ class Engine(EngineState):
     `fault_hook(point, step)`, if set (also assignable later as `engine.fault_hook`), is called
     once per step at each of FAULT_POINTS: before the step, after the last microbatch's
     forward (before the backward that syncs gradients; with pp > 1 after the whole schedule,
-    see the module docstring), after that backward, and after the optimizer step.
+    see the module docstring), while the backward's gradient all-reduce is in flight (DDP only:
+    on the first bucket DDP hands to the all-reduce, after it was launched; dp = 1 and FSDP never
+    reach it), after that backward, and after the optimizer step.
     """
 
     def __init__(
@@ -135,12 +137,13 @@ class Engine(EngineState):
         self.pp_rank, self.pp_size = coords.pp, parallel.pp
         self.tp_rank, self.tp_size = coords.tp, parallel.tp
         self.sequence_parallel = parallel.sequence_parallel and parallel.tp > 1
+        self._clock = SyncClock()
+        self._allreduce_step: int | None = None  # step whose first all-reduced bucket is still to come
         self.fault_hook = fault_hook
         self.n_micro = microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)
         self.data = DataCursor(data, model.vocab_size)
         self.mesh = build_mesh(self.topology, self.device.type) if world_size > 1 else None
         self._dp_group = self.mesh["dp"].get_group() if self.mesh is not None else None
-        self._clock = SyncClock()
         self._ddp = None
         self._fsdp = parallel.zero >= 2 and parallel.dp > 1
         self._zero1 = parallel.zero == 1 and parallel.dp > 1
@@ -207,9 +210,26 @@ class Engine(EngineState):
             layouts.append(ParamLayout(name, param, where, optim, step, copy=copy))
         return layouts
 
+    @property
+    def fault_hook(self) -> Callable[[str, int], None] | None:
+        return self._fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[str, int], None] | None) -> None:
+        # The DDP comm hook calls back only when a fault hook is set: unarmed, it tests one None.
+        self._fault_hook = hook
+        self._clock.in_flight = self._in_allreduce if hook is not None else None
+
     def _fault(self, point: str, step: int) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(point, step)
+        if self._fault_hook is not None:
+            self._fault_hook(point, step)
+
+    def _in_allreduce(self) -> None:
+        """DDP launched a gradient bucket's all-reduce (trainer.data_parallel): on the step's first
+        bucket, fire "in_allreduce" while that collective is in flight."""
+        step, self._allreduce_step = self._allreduce_step, None
+        if step is not None:
+            self._fault("in_allreduce", step)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Low-precision compute with fp32 weights: the optimizer always updates fp32 master
@@ -235,6 +255,7 @@ class Engine(EngineState):
         step, tc = self.next_step, self.train_config
         started = time.perf_counter()
         self._fault("before_step", step)
+        self._allreduce_step = step
         torch.manual_seed(self._dropout_seed(step))
         batches = self.data.microbatches(step, tc.global_batch, tc.micro_batch, self.dp_rank, self.dp_size)
         if self.sequence_parallel:

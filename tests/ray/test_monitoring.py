@@ -1,4 +1,4 @@
-"""Monitoring on a real run: the goodput ledger after a failure, and straggler detection."""
+"""Monitoring on a real run: the goodput ledger after a failure (stragglers: test_stragglers.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,25 @@ from tests.ray.jobs import run_job
 pytestmark = pytest.mark.ray
 
 
-def _ledger_after_a_kill(ray_cluster, tmp_path) -> tuple[float, float]:
-    """Run a job killed at step 77 (last commit 40); check the ledger; return (lost_work, redone_s)."""
+def _lost_work_from_the_report(report: dict) -> float:
+    """Lost work recomputed from the report alone, by its definition (monitor.goodput): the
+    executions a later execution replaced, plus the interrupted step up to the fault."""
+    [failure] = report["failures"]
+    fault_at = failure["time"] - failure["detected_after_s"]  # job seconds
+    thrown_away = report["rolled_back"]
+    last_end = max(r["finished_at"] for r in thrown_away)
+    return sum(r["step_s"] for r in thrown_away) + max(0.0, fault_at - last_end)
+
+
+def test_ledger_after_a_kill_adds_up_and_books_the_lost_work(ray_cluster, tmp_path):
+    """A kill at step 77 (last commit 40): the buckets add up to wall time within 1%, and
+    lost_work equals the time of the steps that were redone within 10%.
+
+    "The redone steps' time" is the time their thrown-away executions took, which the report
+    lists step by step (`rolled_back`). It is compared, not the time of their second
+    executions (`redone_s`): those ran later, under another load, so on a shared machine the
+    two passes can differ by over 2x (measured: 10.0 s thrown away, 23.5 s to redo) while the
+    ledger is right."""
     proc, path = run_job(ray_cluster, tmp_path, "ledger", [
         "train.steps=100", "checkpoint.every_steps=40",
         "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 77}]"])
@@ -22,34 +39,12 @@ def _ledger_after_a_kill(ray_cluster, tmp_path) -> tuple[float, float]:
     total = goodput["productive_s"] + sum(goodput["badput_s"].values())
     assert abs(total - goodput["wall_s"]) <= 0.01 * goodput["wall_s"]
     assert goodput["badput_s"]["checkpoint_restore"] > 0 and goodput["badput_s"]["detection"] > 0
-    # Steps 40..77 ran twice: the first time is lost work, the second is what it cost.
+    # Steps 40..77 ran twice. Rank 0 may finish step 77 (the kill comes after its backward)
+    # before its next collective fails, so the thrown-away executions end at step 76 or 77.
     assert report["redone_steps"] == 38
-    return goodput["badput_s"]["lost_work"], report["redone_s"]
-
-
-def test_ledger_after_a_kill_adds_up_and_books_the_lost_work(ray_cluster, tmp_path):
-    lost, redone = _ledger_after_a_kill(ray_cluster, tmp_path)
-    # The two are the same steps computed twice, so they agree as far as step times repeat. On a
-    # quiet machine that is within 1% (2.21 s vs 2.20 s); with 4 ranks on 2 cores and other work
-    # running, step times drift by tens of percent between the two passes. This bound still
-    # catches a ledger that drops the rolled-back steps or books them twice.
-    assert 0.5 * redone <= lost <= 1.5 * redone, (lost, redone)
-
-
-@pytest.mark.heavy
-def test_lost_work_matches_the_redone_steps_within_10_percent(ray_cluster, tmp_path):
-    """The issue's bound; run it on a quiet machine: `pytest -m heavy -k lost_work`."""
-    lost, redone = _ledger_after_a_kill(ray_cluster, tmp_path)
-    assert abs(lost - redone) <= 0.10 * redone, (lost, redone)
-
-
-def test_a_rank_slowed_by_30_percent_is_flagged_within_30_s(ray_cluster, tmp_path):
-    proc, path = run_job(ray_cluster, tmp_path, "slow", [
-        "train.steps=600", "checkpoint.every_steps=200",
-        "chaos.faults=[{kind: slow_rank, rank: 2, at_step: 5, factor: 1.3}]"], timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(path.read_text())
-    assert [s["rank"] for s in report["stragglers"]] == [2]  # and nobody else, ever
-    flagged_after = report["stragglers"][0]["time"] - report["world_history"][0]["started_at"]
-    assert flagged_after <= 30.0, flagged_after
-    assert "straggler: rank 2" in proc.stdout
+    thrown_away = sorted(r["step"] for r in report["rolled_back"])
+    assert thrown_away in (list(range(40, 77)), list(range(40, 78))), thrown_away
+    lost, expected = goodput["badput_s"]["lost_work"], _lost_work_from_the_report(report)
+    print(f"lost_work {lost:.3f} s, thrown-away executions {expected:.3f} s, "
+          f"their second executions {report['redone_s']:.3f} s")
+    assert abs(lost - expected) <= 0.10 * expected, (lost, expected)

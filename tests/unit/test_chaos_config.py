@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from chaos.config import INJECTABLE_KINDS, LIBRARY_KINDS, ChaosConfig, FaultSpec, support_problems
+from chaos.config import (
+    CONTROLLER_POINTS,
+    FAULT_POINTS,
+    INJECTABLE_KINDS,
+    LIBRARY_KINDS,
+    RANK_POINTS,
+    ChaosConfig,
+    FaultSpec,
+    support_problems,
+)
 from chaos.durations import parse_duration
 
 
@@ -71,11 +80,12 @@ def test_storage_selectors_are_a_trigger():
     assert FaultSpec(kind="torn_write", path="*/shard-*", keep_fraction=0.1).keep_fraction == 0.1
 
 
-def test_every_library_kind_but_kill_controller_is_injectable():
+def test_every_library_kind_is_injectable():
     assert INJECTABLE_KINDS == LIBRARY_KINDS
-    assert {"nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard"} <= INJECTABLE_KINDS
-    problems = support_problems(ChaosConfig(faults=[FaultSpec(kind="kill_controller", at_seconds=5)]))
-    assert [field for field, _ in problems] == ["chaos.faults[0].kind"]
+    assert {"nan_grad", "storage_error", "storage_latency", "torn_write", "corrupt_shard",
+            "kill_controller"} <= INJECTABLE_KINDS
+    assert set(RANK_POINTS) & set(CONTROLLER_POINTS) == set()
+    assert {"in_allreduce", "during_restore", "before_manifest_commit", "after_manifest_commit"} <= set(FAULT_POINTS)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +108,21 @@ def test_every_library_kind_but_kill_controller_is_injectable():
         ({"kind": "corrupt_shard", "at_seconds": 5}, "at_seconds", "remove at_seconds"),
         ({"kind": "corrupt_shard", "rank": 1, "at_step": 20}, "rank", "remove rank"),
         ({"kind": "corrupt_shard", "at_step": 20, "repeat": True}, "repeat", "remove repeat"),
+        # Points: rank kinds at rank points, kill_controller at controller points (or at_step alone).
+        ({"kind": "kill_rank", "rank": 0, "at_point": "in_allreduce"}, None, ""),
+        ({"kind": "hang_rank", "rank": 1, "at_step": 20, "at_point": "during_restore"}, None, ""),
+        ({"kind": "kill_rank", "rank": 0, "at_point": "before_manifest_commit"}, "at_point",
+         "only kill_controller fires"),
+        ({"kind": "raise", "rank": 0, "at_point": "no_such_point"}, "at_point", "unknown fault point"),
+        ({"kind": "kill_controller", "at_step": 12}, None, ""),
+        ({"kind": "kill_controller", "at_point": "before_manifest_commit"}, None, ""),
+        ({"kind": "kill_controller", "at_point": "after_manifest_commit", "at_step": 20}, None, ""),
+        ({"kind": "kill_controller", "at_point": "after_backward"}, "at_point",
+         "not at a rank point; use at_point: before_manifest_commit or after_manifest_commit"),
+        ({"kind": "kill_controller", "at_point": "ckpt.commit"}, "at_point", "unknown point 'ckpt.commit'"),
+        ({"kind": "kill_controller", "at_seconds": 5}, "at_seconds", "remove at_seconds"),
+        ({"kind": "kill_controller", "node": "n1", "at_step": 5}, "node", "remove node"),
+        ({"kind": "kill_controller", "at_step": 5, "repeat": True}, "repeat", "fires once per job"),
     ],
 )
 def test_support_problems_name_the_trigger_a_kind_does_not_take(fault, field, fragment):

@@ -39,7 +39,8 @@ def test_bad_spec_exits_2_naming_every_field():
         ("typo_key=1", "typo_key"),
         ("checkpoint.url=nosuchproto://bucket/x", "checkpoint.url"),
         ("checkpoint.url=file:///proc/undying-cannot-write", "checkpoint.url"),
-        ("chaos.faults=[{kind: kill_controller, at_seconds: 3}]", "chaos.faults[0].kind"),
+        ("chaos.faults=[{kind: kill_controller, at_seconds: 3}]", "chaos.faults[0].at_seconds"),
+        ("chaos.faults=[{kind: kill_controller, at_point: after_backward}]", "chaos.faults[0].at_point"),
         ("chaos.faults=[{kind: corrupt_shard, at_point: during_stage}]", "chaos.faults[0].at_point"),
     ],
 )

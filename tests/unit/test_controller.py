@@ -107,7 +107,7 @@ class FakeWorkerGroup:
         self.gen = gen
         return [0.0] * len(self.actors)
 
-    def restore_all(self, step, dp, timeout_s):
+    def restore_all(self, step, dp, timeout_s, faults=None):
         if self.verify_restore and step is not None:
             verify_checkpoint(Catalog(self.storage), step)  # CorruptCheckpoint, as from a real rank
         self.dp_history.append(dp)

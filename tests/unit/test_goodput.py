@@ -166,3 +166,39 @@ def test_stop_freezes_wall_and_totals():
     assert ledger.wall() == 8 == sum(ledger.totals().values())
     with pytest.raises(RuntimeError, match="stopped"):
         ledger.enter("productive")
+
+
+def _step(record, step: int, step_s: float, end: float) -> float:
+    record.on_step({"step": step, "loss": 1.0, "tokens": 10, "step_s": step_s, "time": end})
+    return end
+
+
+def _lost_from_report(report, failure_index: int = 0) -> float:
+    """monitor.goodput's definition of lost work, applied to the report alone."""
+    failure = report.failures[failure_index]
+    fault_at = failure.time - failure.detected_after_s
+    last_end = max(r.finished_at for r in report.rolled_back)
+    return sum(r.step_s for r in report.rolled_back) + max(0.0, fault_at - last_end)
+
+
+def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
+    """What the controller books as lost_work at recovery (JobRecord.rolled_back_seconds) is
+    what the report later lists as thrown away, whatever the second executions cost."""
+    from monitor.metrics import JobMetrics
+    from orchestrator.job_record import JobRecord
+
+    record = JobRecord("unit", 20, JobMetrics("unit"), GoodputLedger(clock=FakeClock()), printer=lambda _: None)
+    t = record.started
+    for step in range(13):  # generation 0: steps 0..12, then step 13 is killed half-way
+        t = _step(record, step, 0.5 + 0.01 * step, t + 0.5 + 0.01 * step + 0.02)
+    fault_at = t + 0.3
+    record.on_failure("kill_rank", 1, detected_at=fault_at + 0.05, fault_time=fault_at, message="killed", step=13)
+    lost = record.rolled_back_seconds(10, since=record.started, failed_at=fault_at)
+    assert lost == pytest.approx(0.60 + 0.61 + 0.62 + 0.3)
+    t = fault_at + 5.0  # generation 1 restores step 10 and redoes 10..13 twice as slowly
+    for step in range(10, 20):
+        t = _step(record, step, 1.2, t + 1.2)
+    report = record.report("succeeded", 20)
+    assert [r.step for r in report.rolled_back] == [10, 11, 12]
+    assert report.redone_steps == 4 and report.redone_s == pytest.approx(4 * 1.2)
+    assert _lost_from_report(report) == pytest.approx(lost, abs=1e-6)

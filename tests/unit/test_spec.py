@@ -221,8 +221,35 @@ def test_fault_checks(tiny_data, fault, field, fragment):
     assert problem.field == field and fragment in problem.message, problem
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fault", "field"),
+    [
+        ({}, {"kind": "kill_controller", "at_point": "after_manifest_commit", "at_step": "STEPS"}, None),
+        ({}, {"kind": "kill_controller", "at_step": "STEPS"}, "chaos.faults[0].at_step"),
+        ({}, {"kind": "kill_rank", "rank": 0, "at_point": "during_restore", "at_step": "STEPS"}, None),
+        ({"dp": 2}, {"kind": "kill_rank", "rank": 0, "at_point": "in_allreduce"}, None),
+        ({"dp": 1}, {"kind": "kill_rank", "rank": 0, "at_point": "in_allreduce"}, "chaos.faults[0].at_point"),
+        ({"dp": 2, "zero": 3}, {"kind": "kill_rank", "rank": 0, "at_point": "in_allreduce"},
+         "chaos.faults[0].at_point"),
+    ],
+)
+def test_fault_points_that_need_the_layout_or_name_a_checkpoint(tiny_data, overrides, fault, field):
+    """A point's at_step may be the final checkpoint's step; in_allreduce needs DDP's all-reduce."""
+    tiny_data["parallel"].update(overrides)
+    steps = tiny_data["train"]["steps"]
+    tiny_data["chaos"] = {"faults": [{k: steps if v == "STEPS" else v for k, v in fault.items()}]}
+    try:
+        validate_spec(tiny_data)
+        problems = []
+    except SpecError as err:
+        problems = err.problems
+    assert [p.field for p in problems] == ([] if field is None else [field]), problems
+    if field == "chaos.faults[0].at_point":
+        assert "use dp > 1 with zero 0 or 1" in problems[0].message
+
+
 def test_faults_that_need_no_rank():
-    for fault in [dict(kind="kill_controller", at_seconds=10.0), dict(kind="kill_node", node="n2", at_step=3),
+    for fault in [dict(kind="kill_controller", at_step=10), dict(kind="kill_node", node="n2", at_step=3),
                   dict(kind="torn_write", at_point="ckpt.after_shards", repeat=True)]:
         assert FaultSpec.model_validate(fault).rank is None
 

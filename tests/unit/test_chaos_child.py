@@ -1,0 +1,73 @@
+"""`undying chaos` with kill_controller, without Ray: the child runs are faked, the rerun rule is real.
+
+A child that dies by SIGKILL after recording a kill_controller fault as fired is run again; any
+other end (success, failure, a SIGKILL nobody recorded) is final; PIDs and wall of every run add up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+
+import monitor.report
+import orchestrator.chaos_child as chaos_child
+from chaos.experiment import catalog_of
+from orchestrator.controller_kill import MARKER_DIR, marker_name
+from tests.unit.test_controller import _spec
+
+
+class FakeChildren:
+    """Stands in for `subprocess.run` of the child: each call plays the next scripted end."""
+
+    def __init__(self, spec, ends: list[str]):
+        self.spec, self.ends, self.calls = spec, list(ends), []
+
+    def __call__(self, cmd, **kwargs):
+        spec_path, report_path, pids_path = cmd[3:6]
+        self.calls.append(cmd)
+        attempt = len(self.calls) - 1
+        with open(pids_path, "w") as handle:
+            json.dump({"pids": {"actor a pid": 100 + attempt}, "starts": {"actor a pid": "1"}}, handle)
+        end = self.ends[attempt]
+        if end == "killed":  # what ControllerKill does before its SIGKILL
+            storage = catalog_of(self.spec).storage
+            fault = dict(self.spec.chaos.faults[0].model_dump(), id=0)
+            storage.create_exclusive(storage.path(MARKER_DIR, marker_name(fault)), b"{}")
+        if end in ("killed", "sigkill"):
+            return subprocess.CompletedProcess(cmd, -signal.SIGKILL)
+        with open(report_path, "w") as handle:
+            handle.write("{}")
+        return subprocess.CompletedProcess(cmd, 0 if end == "ok" else 1)
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return _spec(tmp_path, chaos={"faults": [{"kind": "kill_controller", "at_point": "after_manifest_commit"}]})
+
+
+@pytest.mark.parametrize(("ends", "runs", "code"), [
+    (["killed", "ok"], 2, 0),  # killed by the fault, rerun, finished
+    (["killed", "failed"], 2, 1),
+    (["sigkill"], 1, 1),  # killed, but not by the fault: not rerun
+    (["ok"], 1, 0),
+])
+def test_reruns_only_after_a_recorded_kill(monkeypatch, tmp_path, spec, ends, runs, code):
+    children = FakeChildren(spec, ends)
+    monkeypatch.setattr(chaos_child.subprocess, "run", children)
+    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: "report"))
+    outcome = chaos_child.run_rerunning(spec, address="1.2.3.4:6379", report_path=str(tmp_path / "r.json"))
+    assert len(children.calls) == runs and outcome.code == code
+    assert all(c[-2:] == ["--address", "1.2.3.4:6379"] for c in children.calls)
+    assert outcome.pids == {f"run {i} actor a pid": 100 + i for i in range(runs)}
+    assert outcome.report == ("report" if ends[runs - 1] in ("ok", "failed") else None)
+
+
+def test_at_most_one_rerun_per_kill_controller_fault(monkeypatch, tmp_path, spec):
+    """A rerun that dies by SIGKILL with the fault's marker already there (from the first run) was not
+    killed by the fault, which fires once per job: that end is final."""
+    children = FakeChildren(spec, ["killed", "killed", "ok"])
+    monkeypatch.setattr(chaos_child.subprocess, "run", children)
+    outcome = chaos_child.run_rerunning(spec, address=None, report_path=str(tmp_path / "r.json"))
+    assert len(children.calls) == 2 and outcome.code == 1 and outcome.report is None

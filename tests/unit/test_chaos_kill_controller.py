@@ -1,0 +1,134 @@
+"""kill_controller with the fake worker group: the controller dies at a step or around a manifest
+commit (a raising stand-in for its SIGKILL), a second controller of the same job resumes from the
+last committed checkpoint without dying again, and what the two leave passes the invariant checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import orchestrator.controller_kill as controller_kill
+from chaos.invariants import check_checkpoints_verify, check_data_once, check_goodput
+from ckpt.catalog import Catalog
+from ckpt.storage import Storage
+from orchestrator.commits import Committer
+from orchestrator.controller_kill import ControllerKill, has_fired, marker_name
+from orchestrator.rendezvous import RendezvousServer
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+
+
+class ControllerDied(BaseException):
+    """The stand-in for SIGKILL: a BaseException, so no `except Exception` of the controller stops it."""
+
+
+def _die() -> None:
+    raise ControllerDied
+
+
+@pytest.fixture(autouse=True)
+def no_real_kill(monkeypatch):
+    monkeypatch.setattr(controller_kill, "_sigkill", _die)
+
+
+def _run(spec):
+    """One `undying run` of `spec`: (report or None if the controller died, its printed lines)."""
+    rendezvous = RendezvousServer("127.0.0.1")
+    lines: list[str] = []
+    ctl = _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, lines)
+    try:
+        return ctl.run(), lines
+    except ControllerDied:
+        return None, lines
+
+
+@pytest.mark.parametrize(("point", "committed_when_killed", "restored"), [
+    ("before_manifest_commit", [10], 10),  # every shard of step 20 is durable, its manifest is not
+    ("after_manifest_commit", [10, 20], 20),  # step 20 is committed; retention never ran
+])
+def test_killed_at_a_commit_point_then_the_rerun_resumes_and_never_dies_again(tmp_path, point,
+                                                                              committed_when_killed, restored):
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_controller", "at_point": point, "at_step": 15}]},
+                 checkpoint={"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 3})
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    report, lines = _run(spec)
+    assert report is None, "the controller should have died"
+    assert f"chaos: kill_controller at {point} of step 20: the controller kills itself (SIGKILL)" in lines[-1]
+    assert catalog.committed_steps() == committed_when_killed
+    fault = dict(spec.chaos.faults[0].model_dump(), id=0)
+    marker = json.loads(catalog.storage.read(catalog.storage.path("chaos", marker_name(fault))))
+    assert (marker["point"], marker["step"], marker["fault_id"]) == (point, 20, 0)
+
+    report, lines = _run(spec)  # the operator runs the same job again
+    assert report is not None and report.status == "succeeded", report and report.error
+    assert any(f"restored step {restored}" in line for line in lines)
+    assert not any("kill_controller" in line for line in lines)  # fired once per job, not per run
+    assert catalog.committed_steps() == [10, 20, 30]
+    assert check_checkpoints_verify(catalog).ok
+    # The history saved with the checkpoint carries the dead controller's steps into the rerun's.
+    data = check_data_once(report.history, final_step=30, global_batch=spec.train.global_batch)
+    assert data.ok, data.detail
+    goodput = check_goodput({"productive": report.goodput.productive_s, **report.goodput.badput_s},
+                            wall_s=report.goodput.wall_s)
+    assert goodput.ok, goodput.detail
+
+
+def test_killed_at_a_step_rolls_back_to_the_last_commit(tmp_path):
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_controller", "at_step": 15}]})
+    report, lines = _run(spec)
+    assert report is None and "kill_controller after step 15" in lines[-1]
+    assert Catalog(Storage(spec.checkpoint_root)).committed_steps() == [10]
+    report, lines = _run(spec)
+    assert report.status == "succeeded" and any("restored step 10" in line for line in lines)
+    assert [p.step for p in report.losses] == list(range(10, 30))
+    assert check_data_once(report.history, final_step=30, global_batch=spec.train.global_batch).ok
+
+
+def test_fire_once_is_per_fault_as_written(tmp_path):
+    """The marker is keyed by the fault's index and fields: an edited fault is a new one and arms again."""
+    storage = Storage(f"file://{tmp_path}/ckpt/job")
+    fault = {"id": 0, "kind": "kill_controller", "at_step": 5, "at_point": None}
+    kills: list[int] = []
+    first = ControllerKill([fault], storage, printer=lambda line: None, kill=lambda: kills.append(1))
+    first.on_step(4)
+    assert kills == [] and not has_fired(storage, fault)
+    first.on_step(6)
+    first.on_step(7)
+    assert kills == [1] and has_fired(storage, fault) and first.armed == []
+    again = ControllerKill([fault], storage, printer=lambda line: None, kill=lambda: kills.append(2))
+    assert again.armed == [] and again.spent == [fault]
+    edited = dict(fault, at_step=6)
+    assert ControllerKill([edited], storage, kill=lambda: None).armed == [edited]
+
+
+def test_a_kill_that_cannot_be_recorded_is_not_fired(tmp_path):
+    class Unwritable:
+        def path(self, *parts):
+            return "/".join(parts)
+
+        def exists(self, path):
+            return False
+
+        def create_exclusive(self, path, data):
+            raise OSError("read-only file system")
+
+    lines: list[str] = []
+    kill = ControllerKill([{"id": 3, "kind": "kill_controller", "at_step": 0}], Unwritable(), lines.append,
+                          kill=lambda: pytest.fail("killed without a record: every rerun would die again"))
+    kill.on_step(1)
+    assert kill.armed == [] and "NOT fired" in lines[0] and "read-only file system" in lines[0]
+
+
+def test_the_committer_fires_its_points_around_the_manifest_create(tmp_path):
+    calls: list[tuple[str, int, bool]] = []
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+    spec = _spec(tmp_path)
+    committer = Committer(catalog, "job", "hash", keep=3, fault_point=lambda point, step: calls.append(
+        (point, step, step in catalog.committed_steps())))
+    rendezvous = RendezvousServer("127.0.0.1")
+    workers = FakeWorkerGroup(rendezvous, catalog.storage)
+    ctl = _controller(spec, workers, rendezvous, [])
+    ctl.committer = committer  # the controller's own committer, observed
+    assert ctl.run().status == "succeeded"
+    assert calls == [(p, s, p == "after_manifest_commit") for s in (10, 20, 30)
+                     for p in ("before_manifest_commit", "after_manifest_commit")]
