@@ -2,9 +2,10 @@
 
 Called by ckpt.reader on the restoring rank (or by a verifying tool), after
 `ckpt.reshard.plan_reads`. Object-store latency, not bandwidth, dominates small range
-reads, so ranges are fetched by a pool of threads (`Storage` is safe to share). Every
-needed block is verified against the manifest before any byte of it is used; a missing
-file, a short read or a checksum mismatch raises `CorruptCheckpoint`.
+reads, so ranges are fetched by a pool of threads (`Storage` is safe to share), each
+straight into the tensor the reader then views. Every needed block is verified against
+the manifest before any byte of it is used; a missing file, a short read or a checksum
+mismatch raises `CorruptCheckpoint`.
 """
 
 from __future__ import annotations
@@ -54,20 +55,21 @@ def fetch(storage: Storage, step: int, reads: Sequence[RangeRead], *, threads: i
 
 def _read_one(storage: Storage, step: int, read: RangeRead, keep: bool) -> torch.Tensor | None:
     path = storage.path(step_dir(step), read.file)
+    # The bytes land in the tensor the reader will view (no bytes object, no second copy).
+    buffer = torch.empty(read.end - read.start, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
     try:
-        data = storage.read_range(path, read.start, read.end)
+        got = storage.read_range_into(path, read.start, view)
     except OSError as err:  # FileNotFoundError included: a shard named by the manifest is gone
         raise CorruptCheckpoint(f"step {step}: cannot read bytes {read.start}..{read.end} of {read.file}: "
                                 f"{type(err).__name__}: {err}") from err
-    if len(data) != read.end - read.start:
-        raise CorruptCheckpoint(f"step {step}: {read.file} is truncated: got {len(data)} of the "
-                                f"{read.end - read.start} bytes at {read.start}")
-    view = memoryview(data)
+    if got != len(view):
+        raise CorruptCheckpoint(f"step {step}: {read.file} is truncated: got {got} of the "
+                                f"{len(view)} bytes at {read.start}")
+    # zlib.crc32 releases the GIL on large buffers: the pool's threads checksum one range
+    # while others are still reading theirs.
     for block in read.blocks:
         if zlib.crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
             raise CorruptCheckpoint(f"step {step}: checksum mismatch in {read.file}, "
                                     f"block at bytes {block.start}..{block.end}")
-    if not keep:
-        return None
-    # A writable copy: torch refuses to wrap immutable bytes without a warning.
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buffer if keep else None

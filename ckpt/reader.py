@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import pydantic
@@ -55,8 +56,9 @@ def read_slices(
 ) -> list[TensorSlice]:
     """`wanted` (geometry only) filled from committed checkpoint `step`, in the same order.
 
-    Each returned slice carries a fresh CPU tensor of the wanted dtype (stored values are
-    cast if the dtypes differ). Needed ranges of a file less than `coalesce_gap` bytes apart
+    Each returned slice carries a CPU tensor of the wanted dtype (stored values are cast if
+    the dtypes differ), either fresh or a view of the fetched bytes; slices never share
+    elements, and the tensors are writable. Needed ranges of a file less than `coalesce_gap` bytes apart
     are fetched as one request. Raises ValueError when a wanted tensor is not in the
     checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad.
     """
@@ -64,10 +66,24 @@ def read_slices(
     plan = _plan(manifest, step, wanted, coalesce_gap)
     fetched = fetch(catalog.storage, step, plan.reads, threads=threads)
     starts = {file: [start for start, _ in ranges] for file, ranges in fetched.items()}
-    out = [torch.empty(w.lengths, dtype=w.dtype) for w in wanted]
+    sources: dict[int, list[Copy]] = defaultdict(list)
     for copy in plan.copies:
-        dst = tuple(slice(o, o + n) for o, n in zip(copy.dst_offsets, copy.lengths, strict=True))
-        out[copy.target][dst] = _source(fetched[copy.file], starts[copy.file], copy)
+        sources[copy.target].append(copy)
+    out = []
+    for index, w in enumerate(wanted):
+        copies = sources[index]
+        if len(copies) == 1 and dtype_from_name(copies[0].dtype) == w.dtype:
+            # The slice is one region of one stored chunk (a same-layout load): when that
+            # region is contiguous, the fetched bytes are the tensor, and nothing is copied.
+            region = _source(fetched[copies[0].file], starts[copies[0].file], copies[0])
+            if region.is_contiguous():
+                out.append(region)
+                continue
+        tensor = torch.empty(w.lengths, dtype=w.dtype)
+        for copy in copies:
+            dst = tuple(slice(o, o + n) for o, n in zip(copy.dst_offsets, copy.lengths, strict=True))
+            tensor[dst] = _source(fetched[copy.file], starts[copy.file], copy)
+        out.append(tensor)
     return [w.with_tensor(t) for w, t in zip(wanted, out, strict=True)]
 
 

@@ -9,7 +9,8 @@ every tensor (`ckpt.manifest.merge_receipts`).
 
 A shard file is raw row-major bytes of its chunks back to back, each chunk starting at an
 `ALIGN`-byte boundary (zero padding between), never pickle. Offsets, lengths and per-block
-CRC32s live in the receipt and then in the manifest.
+CRC32s live in the receipt and then in the manifest. A wide slice is stored as several
+chunks, its column tiles (`column_tiles`), so that column-split loads read contiguous bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from ckpt.storage import Storage
 from trainer.state_slices import TensorSlice, whole
 
 SPLIT_BYTES = 4 * BLOCK_BYTES  # replicated slices at least this large are written in row bands by all replicas
+# Wide chunks are stored as this many column tiles (see `column_tiles`): loads that split
+# columns 2, 4 or 8 ways then read only their own tiles.
+COLUMN_TILES = 8
+MIN_TILE_BYTES = 64 << 10  # smaller tiles would turn a same-layout load into many small reads
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -99,6 +104,31 @@ def _band(piece: TensorSlice, index: int, count: int) -> TensorSlice:
                        (hi - lo, *piece.lengths[1:]), tensor=tensor)
 
 
+def column_tiles(piece: TensorSlice, tiles: int = COLUMN_TILES, min_tile_bytes: int = MIN_TILE_BYTES,
+                 ) -> list[TensorSlice]:
+    """`piece` cut along its last dimension into `tiles` near-equal column bands, each stored as a chunk.
+
+    Row-major bytes put a column slice's elements in every row of a chunk, so a load that
+    splits columns (a tp4 layout reading a checkpoint whose weights were split by rows)
+    would fetch, and checksum, every block of every chunk: 4x the bytes for tp4. Stored as
+    column tiles, each tile is contiguous and such a load reads only its tiles; a load of
+    whole rows reads all tiles, which lie back to back and are fetched as one range. The
+    manifest needs nothing new: tiles are ordinary rectangular chunks. Only chunks with at
+    least two dimensions, `tiles` columns and `tiles * min_tile_bytes` bytes are cut.
+    """
+    if len(piece.lengths) < 2 or piece.lengths[-1] < tiles or piece.nbytes < tiles * min_tile_bytes:
+        return [piece]
+    if piece.tensor is None:
+        raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to write has no data")
+    cols, out = piece.lengths[-1], []
+    for index in range(tiles):
+        lo, hi = index * cols // tiles, (index + 1) * cols // tiles
+        offsets = (*piece.offsets[:-1], piece.offsets[-1] + lo)
+        out.append(TensorSlice(piece.name, piece.dtype, piece.global_shape, offsets, (*piece.lengths[:-1], hi - lo),
+                               tensor=piece.tensor[..., lo:hi]))
+    return out
+
+
 def shard_file_name(rank: int, tag: str = "") -> str:
     """The shard file of `rank`; `tag` names the save attempt (controller run and generation).
 
@@ -117,11 +147,13 @@ def _raw(tensor: torch.Tensor):
 def write_slices(
     storage: Storage, step: int, rank: int, written: Sequence[TensorSlice], blocking_s: float,
     held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES, tag: str = "",
+    min_tile_bytes: int = MIN_TILE_BYTES,
 ) -> ShardReceipt:
     """Write the `written` slices (with data) as this rank's immutable shard file for `step`.
 
     `held`: every slice the rank holds, written or not; their tensors are named in the
-    receipt (without chunks) so the commit can check that somebody wrote them.
+    receipt (without chunks) so the commit can check that somebody wrote them. Wide slices
+    are stored as column tiles (`column_tiles`, at least `min_tile_bytes` each).
     """
     started = time.perf_counter()
     check_block_bytes(block_bytes)
@@ -132,7 +164,9 @@ def write_slices(
     offset = 0
     # Streamed: the staged tensors are the only copy of the state this rank holds in memory.
     with storage.atomic_writer(storage.path(step_dir(step), file)) as out:
-        for piece in sorted(written, key=lambda p: p.key):
+        tiles = [tile for piece in sorted(written, key=lambda p: p.key)
+                 for tile in column_tiles(piece, min_tile_bytes=min_tile_bytes)]
+        for piece in tiles:
             if piece.tensor is None:
                 raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to write has no data")
             data = _raw(piece.tensor)

@@ -187,6 +187,29 @@ class Storage:
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
 
+    def read_range_into(self, path: str, start: int, out: memoryview) -> int:
+        """Read bytes [start, start + len(out)) of `path` into `out`; returns how many arrived.
+
+        Fewer than `len(out)` means the file is shorter. Local files are read straight into
+        `out` (no intermediate bytes object); other stores return the range as bytes (one
+        ranged GET on S3, no read-ahead), which are copied in. Through `fs` either way, so
+        wrappers of the filesystem (chaos.storage_faults) see every read.
+        """
+        if self.is_local:
+            with self.fs.open(path, "rb") as f:
+                f.seek(start)
+                got = 0
+                while got < len(out):
+                    n = f.readinto(out[got:])
+                    if not n:
+                        break
+                    got += n
+                return got
+        data = self.read_range(path, start, start + len(out))
+        got = min(len(data), len(out))
+        out[:got] = memoryview(data)[:got]
+        return len(data)
+
     def exists(self, path: str) -> bool:
         self.invalidate()
         return self.fs.exists(path)

@@ -410,9 +410,9 @@ def test_reads_run_in_parallel_threads(tmp_path):
     threads = set()
 
     class Recording(CountingStorage):
-        def read_range(self, path, start, end):
+        def read_range_into(self, path, start, out):
             threads.add(threading.current_thread().name)
-            return super().read_range(path, start, end)
+            return super().read_range_into(path, start, out)
 
     catalog = Catalog(Recording(f"file://{tmp_path}/job"))
     _save_sharded(catalog, 5, _global())

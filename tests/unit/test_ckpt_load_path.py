@@ -1,0 +1,111 @@
+"""The load path's byte economy: column tiles on save, reads straight into tensors, views instead of copies."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.manifest import step_dir
+from ckpt.reader import CorruptCheckpoint, load_checkpoint, read_slices
+from ckpt.shards import column_tiles, write_slices
+from ckpt.storage import Storage
+from tests._counting_storage import CountingStorage
+from trainer.state_slices import TensorSlice, whole
+
+ROWS, COLS = 64, 256  # float32: 64 KiB, eight 8 KiB column tiles at MIN_TILE = 1 KiB
+MIN_TILE = 1024
+BLOCK = 1024
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {"model/wide": torch.randn(ROWS, COLS, generator=g), "model/small": torch.randn(4, 16, generator=g),
+            "model/bias": torch.randn(COLS, generator=g), "model/half": torch.randn(32, 64, generator=g).bfloat16()}
+
+
+def _save(storage: Storage, tensors: dict[str, torch.Tensor]):
+    receipt = write_slices(storage, 1, 0, [whole(n, t) for n, t in tensors.items()], 0.0, block_bytes=BLOCK,
+                           min_tile_bytes=MIN_TILE)
+    return Catalog(storage).commit(job="j", step=1, generation=0, layout={}, spec_hash="h", receipts=[receipt],
+                                   state={})
+
+
+def _cols(name: str, t: torch.Tensor, lo: int, hi: int) -> TensorSlice:
+    return TensorSlice(name, t.dtype, tuple(t.shape), (0, lo), (t.shape[0], hi - lo))
+
+
+def test_column_tiles_cut_only_wide_two_dimensional_slices():
+    wide = whole("w", torch.randn(ROWS, 20))
+    tiles = column_tiles(wide, tiles=8, min_tile_bytes=16)
+    assert [t.offsets for t in tiles] == [(0, c) for c in (0, 2, 5, 7, 10, 12, 15, 17)]  # uneven: 2 or 3 wide
+    assert sum(t.lengths[1] for t in tiles) == 20 and all(t.lengths[0] == ROWS for t in tiles)
+    assert all(torch.equal(t.tensor, wide.tensor[:, t.offsets[1]:t.offsets[1] + t.lengths[1]]) for t in tiles)
+    for piece in (whole("b", torch.randn(4096)), whole("narrow", torch.randn(64, 7)), whole("w", torch.randn(8, 8))):
+        assert len(column_tiles(piece, tiles=8, min_tile_bytes=1024)) == 1, piece.name
+
+
+@pytest.fixture(params=["file", "memory"])
+def url(request, tmp_path):
+    if request.param == "file":
+        yield f"file://{tmp_path}/job"
+        return
+    root = f"undying-tiles-{uuid.uuid4().hex}"
+    yield f"memory://{root}/job"
+    fsspec.filesystem("memory").rm(f"/{root}", recursive=True)
+
+
+def test_column_split_load_reads_only_its_tiles_and_row_load_all_in_one_range(url):
+    storage, tensors = CountingStorage(url), _tensors()
+    manifest = _save(storage, tensors)
+    assert len(manifest.tensors["model/wide"].chunks) == 8  # 64 KiB >= 8 x 1 KiB
+    assert len(manifest.tensors["model/small"].chunks) == 1 and len(manifest.tensors["model/bias"].chunks) == 1
+    catalog = Catalog(storage)
+
+    wide = tensors["model/wide"]
+    got = read_slices(catalog, 1, [_cols("model/wide", wide, 64, 128)], coalesce_gap=0)  # a tp4 rank's quarter
+    assert torch.equal(got[0].tensor, wide[:, 64:128])
+    assert storage.bytes_read == ROWS * 64 * 4  # its two tiles, nothing else: no read amplification
+    assert len(storage.reads) == 1  # adjacent tiles: one range
+
+    storage.reads.clear()
+    whole_state, _ = load_checkpoint(catalog, 1)
+    for name, t in tensors.items():
+        assert whole_state[name].dtype == t.dtype and torch.equal(whole_state[name], t), name
+    assert len(storage.reads) == 1  # tiles and tensors lie back to back: one request for the file
+
+    storage.reads.clear()
+    rows = TensorSlice("model/wide", wide.dtype, (ROWS, COLS), (0, 0), (ROWS // 2, COLS))
+    got = read_slices(catalog, 1, [rows], coalesce_gap=0)
+    assert torch.equal(got[0].tensor, wide[: ROWS // 2])
+    assert storage.bytes_read == ROWS // 2 * COLS * 4  # the upper half of each tile, blocks of 1 KiB
+
+
+def test_same_layout_load_views_the_fetched_bytes_and_stays_exact(tmp_path):
+    tensors = {"model/a": torch.randn(8, 4), "model/b": torch.randn(16).bfloat16(), "optim/step": torch.tensor(3.0)}
+    catalog = Catalog(Storage(f"file://{tmp_path}/job"))
+    _save(catalog.storage, tensors)
+    got = {p.name: p.tensor for p in read_slices(catalog, 1, [whole(n, t).with_tensor(None)
+                                                              for n, t in tensors.items()])}
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    # one range fetched for the file, every tensor a view of it: no second copy
+    assert got["model/a"].untyped_storage().data_ptr() == got["model/b"].untyped_storage().data_ptr()
+    got["model/a"].add_(1.0)  # writable, and no other slice shares its elements
+    assert torch.equal(got["model/b"], tensors["model/b"]) and torch.equal(got["optim/step"], tensors["optim/step"])
+    # a wanted dtype that differs from the stored one gets a fresh, cast tensor
+    cast = read_slices(catalog, 1, [TensorSlice("model/b", torch.float32, (16,), (0,), (16,))])[0].tensor
+    assert cast.dtype == torch.float32 and torch.equal(cast, tensors["model/b"].float())
+
+
+def test_a_short_file_read_into_the_buffer_is_caught(tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/job"))
+    manifest = _save(catalog.storage, {"model/a": torch.randn(300)})
+    shard = catalog.storage.path(step_dir(1), manifest.tensors["model/a"].chunks[0].file)
+    with open(shard, "r+b") as f:
+        f.truncate(700)
+    with pytest.raises(CorruptCheckpoint, match="truncated: got 700 of the 1200 bytes"):
+        load_checkpoint(catalog, 1)
