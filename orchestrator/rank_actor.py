@@ -181,7 +181,9 @@ class RankActor:
                 return  # the controller is gone; the collective timeout remains the last resort
             if requested:
                 self._abort.set()
-                self.sockets.abort()
+                sockets = self.sockets  # `leave` may have torn the group down meanwhile
+                if sockets is not None:
+                    sockets.abort()
                 return
 
     def leave(self) -> bool:

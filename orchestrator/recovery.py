@@ -12,9 +12,8 @@ Recovery, in order (design.md section 2):
   5. Membership: lost ranks are taken over by warm spares, else by new actors that must
      start within `elastic.replace_timeout_s`, else data parallelism shrinks to the largest
      valid degree. Survivors keep their processes. Then a new generation forms.
-Growing back is the same path without a failure: at a checkpoint commit, when warm spares
-could raise dp towards its target, the generation is stopped and re-formed larger.
-"""
+Growing back is the same path without a failure: at a checkpoint commit, when warm spares could
+raise dp towards its target, the generation is stopped and re-formed larger."""
 
 from __future__ import annotations
 
@@ -210,6 +209,12 @@ class RecoveryMixin:
                 self.outcome_errors.setdefault(rank, f"node {node[:12]} lost")
         self.lost_node_events.clear()
 
+    def _sweep_fired_faults(self, before: float) -> None:
+        """Faults fired before this failure was noticed are dealt with by this recovery (every rank
+        restarts from the checkpoint): never blame one for a later failure (its detection time)."""
+        for event in (e for e in self.fired.values() if e.get("time") is not None and e["time"] <= before):
+            event["handled"] = True
+
     def _take_fired_fault(self) -> dict | None:
         """The injected fault that fired and has not been blamed for a failure yet."""
         fault = next((e for e in self.fired.values() if not e.get("handled")), None)
@@ -251,7 +256,9 @@ class RecoveryMixin:
                                                    failure.fault_time, failure.message, failure.step)
         self.interval_policy.on_failure()
         if failure.fault_time is not None:
-            self.ledger.move(max(0.0, failure.detected_at - failure.fault_time), "productive", "detection")
+            # From the fault, but not before this generation trained (earlier time has its bucket).
+            since = max(failure.fault_time, self.gen_started_at or failure.fault_time)
+            self.ledger.move(max(0.0, failure.detected_at - since), "productive", "detection")
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"
         after = self.open_failure.detected_after_s
         self._go(State.RECOVERING, f"generation {self.gen}: {failure.kind} on {who}"
@@ -305,6 +312,7 @@ class RecoveryMixin:
         lost_ranks = self._release()
         self._drain_events()
         self._attribute_failure()
+        self._sweep_fired_faults(self.failure.detected_at)
         restore_point = self.committer.latest or 0
         lost = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,
                                                failed_at=self.failure.fault_time)

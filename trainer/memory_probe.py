@@ -12,6 +12,8 @@ Protocol: a rank calls `measure(engine, baseline_bytes)` once per generation, af
 training step (so gradients and optimizer state exist); `baseline_bytes` is `current_bytes()`
 taken before the engine was built. The probe runs one extra forward and backward of one
 microbatch under `no_sync` and drops the gradients it made, so training state is unchanged.
+`held_state_bytes(engine)` counts the state ledger alone, on any layout and without any
+collective; called from the engine's "after_backward" fault point it sees the gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import resource
 
 import torch
 
+from trainer.dtensor_slices import local
 from trainer.loss import token_loss_sum
 
 
@@ -39,6 +42,43 @@ def _peak_bytes(device: torch.device) -> int:
 
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors: their local shards) not in `seen`.
+
+    Storages, not tensor sizes: an FSDP2 shard is a view into its padded flat shard (the
+    padding is held too), and FSDP2's sharded gradients are views into one reduce-scatter
+    output per unit, counted once. A storage freed by resizing to 0 counts nothing.
+    """
+    total = 0
+    for tensor in tensors:
+        storage = local(tensor).untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def held_state_bytes(engine) -> dict[str, int]:
+    """The state ledger as this rank holds it, by kind: parameters (the fp32 master weights:
+    the engine computes in low precision through autocast or FSDP2's policy, never from a
+    second stored copy), gradients (present between backward and the optimizer step),
+    optimizer state (ZeRO-1: this rank's partition only) and the loss scaler's tensors.
+
+    Local and collective-free, on every layout: pipeline ranks count their own chunks,
+    the tied embedding's second copy included (trainer.engine_pipeline.LocalChunks).
+    """
+    seen: set[int] = set()
+    params = list(engine.model.parameters())
+    held = {"params": _storage_bytes(params, seen),
+            "grads": _storage_bytes((p.grad for p in params if p.grad is not None), seen)}
+    optim_state = engine.local_optimizer.state.values()
+    held["optimizer"] = _storage_bytes((v for fields in optim_state for v in fields.values()
+                                        if torch.is_tensor(v)), seen)
+    scaler = vars(engine.scaler).values() if engine.scaler is not None else ()
+    held["scaler"] = _storage_bytes((v for v in scaler if torch.is_tensor(v)), seen)
+    return held
 
 
 def _probe_microbatch(engine) -> tuple[int, int]:
@@ -82,20 +122,23 @@ def _bucket_bytes(engine) -> int:
     return sum(int(x) for x in sizes.split(",") if x.strip())
 
 
-def measure(engine, baseline_bytes: int) -> dict[str, int] | None:
-    """The four ledgers measured on this rank, or None where a probe cannot run alone.
+def measure(engine, baseline_bytes: int) -> dict[str, int]:
+    """The ledgers measured on this rank: all four where the probe can run alone, else the state.
 
-    The probe runs one microbatch's forward and backward on the calling rank only. With
-    tensor or pipeline parallelism, or sharded (FSDP) parameters, that forward has
-    collectives the other ranks would never join, so those layouts are not probed.
+    The state ledger is counted on every layout (`held_state_bytes`). Called between steps,
+    when the engine holds no gradients, it counts them at their peak: one per parameter, of
+    the parameter's local shape (FSDP2's sharded gradients have its padded shard's size).
+    The activation probe runs one microbatch's forward and backward on the calling rank
+    only. With tensor or pipeline parallelism, or sharded (FSDP, ZeRO-1) state, that forward
+    or its optimizer has collectives the other ranks would never join, so those layouts
+    report the state ledger alone.
     """
+    held = held_state_bytes(engine)
     if not getattr(engine, "whole_state", True) or engine.parallel_config.pp > 1:
-        return None
-    params = list(engine.model.parameters())
+        grads = held["grads"] or held["params"]
+        return {"state": held["params"] + grads + held["optimizer"] + held["scaler"]}
     activation, grads = _probe_microbatch(engine)
-    state = _tensor_bytes(params) + grads
-    for per_param in engine.optimizer.state.values():
-        state += _tensor_bytes(v for v in per_param.values() if torch.is_tensor(v))
+    state = held["params"] + grads + held["optimizer"] + held["scaler"]
     collective = _bucket_bytes(engine)
     growth = _peak_bytes(engine.device) - baseline_bytes
     transient = max(0, growth - state - activation - collective)

@@ -374,3 +374,18 @@ def test_placement_says_whether_tp_groups_share_a_node(tmp_path, rendezvous):
     assert "TP group(s) [[0, 1], [2, 3]] span nodes" in ctl._tp_locality()
     workers.node_of = lambda rank: f"node{rank // 2}"  # spread: one group per node
     assert ctl._tp_locality() == "; each TP group on one node, 2 TP group(s) over 2 node(s) (pack)"
+
+
+def test_faults_fired_before_a_failure_are_never_blamed_for_a_later_one():
+    # Two kills due at once (both fired during a restore) make one failure; the recovery deals
+    # with both. The second must not be blamed, minutes later, for an unrelated failure, or that
+    # failure's detection would be counted from the old kill (and taken out of productive time).
+    ctl = object.__new__(Controller)
+    ctl.fired = {0: {"fault_id": 0, "kind": "kill_rank", "rank": 0, "time": 100.0},
+                 1: {"fault_id": 1, "kind": "kill_rank", "rank": 3, "time": 100.0}}
+    assert ctl._take_fired_fault()["fault_id"] == 0
+    ctl._sweep_fired_faults(before=100.5)
+    assert ctl._take_fired_fault() is None
+    ctl.fired[2] = {"fault_id": 2, "kind": "kill_rank", "rank": 1, "time": 300.0}
+    ctl._sweep_fired_faults(before=250.0)  # a failure noticed before this kill fired leaves it armed
+    assert ctl._take_fired_fault()["fault_id"] == 2

@@ -115,20 +115,54 @@ def test_links_follow_the_rank_mapping():
 
 @pytest.mark.parametrize("model", [TINY, SMALL, EIGHT_B, ModelConfig(preset="tiny", position="learned")])
 def test_stage_parameters_add_up_to_the_model(model):
-    assert stage_params(model, Layout(), 0).total == count_params(model)
-    tp, d, half = 2, model.d_model, model.n_layers // 2
+    assert stage_params(model, Layout(), 0, 64).total == count_params(model)
+    tp, d = 2, model.d_model
+    stages = [stage_params(model, Layout(tp=tp, pp=2), s, 64) for s in range(2)]
+    assert sum(s.layers for s in stages) == model.n_layers
     # norm gains and learned positions are replicated on every tp rank; the rest is split
-    replicated = [2 * d * half + (model.max_seq_len * d if model.position == "learned" else 0), 2 * d * half + d]
+    learned = model.max_seq_len * d if model.position == "learned" else 0
+    replicated = [2 * d * s.layers + (learned if s.first else 0) + (d if s.last else 0) for s in stages]
     tied_copy = model.vocab_size * d if model.tie_embeddings else 0  # the last stage's head
-    split = Layout(tp=tp, pp=2)
-    total = sum((stage_params(model, split, s).total - replicated[s]) * tp + replicated[s] for s in range(2))
+    total = sum((s.total - r) * tp + r for s, r in zip(stages, replicated, strict=True))
     assert total == count_params(model) + tied_copy
+
+
+def _chunk_parameters(model: ModelConfig, pp: int, schedule: str, rank: int) -> tuple[int, int]:
+    """(blocks, parameters) of the chunks the engine builds on pipeline rank `rank` (on the meta device)."""
+    from trainer.engine_pipeline import plan_chunks, virtual_stages_of
+    from trainer.stages import build_stage, local_chunks, placement_of
+
+    parallel = ParallelConfig(pp=pp, schedule=schedule)
+    every = plan_chunks(model, DataConfig(seq_len=64), parallel)
+    mine = [every[c] for c in local_chunks(pp, virtual_stages_of(parallel), placement_of(schedule), rank)]
+    stages = [build_stage(model, 0, chunk, "meta") for chunk in mine]
+    return (sum(len(chunk.layers) for chunk in mine),
+            sum(p.numel() for stage in stages for p in stage.parameters()))
+
+
+# A large vocabulary makes the head worth about two blocks: the FLOP-balanced split gives the
+# last stage fewer blocks than the first, which an even split by count would not.
+WIDE_HEAD = ModelConfig(vocab_size=1024, n_layers=8, n_heads=4, d_model=64, d_ff=128, max_seq_len=64)
+
+
+@pytest.mark.parametrize("model", [WIDE_HEAD, WIDE_HEAD.model_copy(update={"tie_embeddings": False}), TINY])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero-bubble"])
+def test_stage_parameters_are_the_chunks_the_engine_builds(model, schedule):
+    layout = Layout(pp=2, schedule=schedule, virtual_stages=2 if schedule in ("interleaved", "zero-bubble") else 1)
+    for rank in range(2):
+        params = stage_params(model, layout, rank, 64)
+        assert (params.layers, params.total) == _chunk_parameters(model, 2, schedule, rank), (schedule, rank)
+    if model is WIDE_HEAD and schedule == "1f1b":
+        assert [stage_params(model, layout, r, 64).layers for r in range(2)] == [5, 3]
+    if schedule == "zero-bubble" and model.tie_embeddings:  # the V puts both copies of the embedding on rank 0
+        first = stage_params(model, layout, 0, 64)
+        assert first.first and first.last and first.other_params == 2 * model.vocab_size * model.d_model + model.d_model
 
 
 def test_stage_flops_add_up_to_flops_per_token():
     for model, tp, pp in ((SMALL, 2, 2), (EIGHT_B, 8, 1), (EIGHT_B, 2, 4), (TINY, 1, 1)):
         work, layout = Workload(model, 512, 8), Layout(tp=tp, pp=pp)
-        total = sum(rank_flops_per_token(work, layout, stage_params(model, layout, s)) * tp for s in range(pp))
+        total = sum(rank_flops_per_token(work, layout, stage_params(model, layout, s, 512)) * tp for s in range(pp))
         assert total == pytest.approx(flops_per_token(model, 512), rel=1e-12)
 
 
@@ -151,9 +185,10 @@ def test_gpipe_holds_every_microbatch_1f1b_at_most_p():
     work = Workload(SMALL, 1024, 32)  # 32 microbatches of 1
     for schedule, held in (("gpipe", 32), ("1f1b", 4)):
         layout = Layout(pp=4, micro_batch=1, schedule=schedule)
-        first = stage_params(SMALL, layout, 0)  # 3 of the 12 layers, no LM head
+        first = stage_params(SMALL, layout, 0, 1024)  # 4 of the 12 layers (the head is a stage's worth), no LM head
         per_layer = layer_activation_bytes(work, layout, 1024, "none")
-        assert m_activation(work, layout, first) == held * 3 * per_layer
+        assert first.layers == 4 and not first.last
+        assert m_activation(work, layout, first) == held * 4 * per_layer
     # 1F1B: stage s holds p - s; interleaved (v = 2) stage 0 holds p + (p - 1)/v (Korthikanti, 4.2.3)
     assert [in_flight_microbatches("1f1b", 4, 32, s) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight_microbatches("interleaved", 4, 32, 0, v=2) == 4 + 3 / 2
@@ -204,7 +239,7 @@ def test_activation_ledger_matches_the_tensors_autograd_saves(precision, activat
     batch, seq = 2, 64
     measured = _saved_for_backward(model_cfg, precision, batch, seq)
     work, layout = Workload(model_cfg, seq, batch, precision), Layout(micro_batch=batch)
-    predicted = m_activation(work, layout, stage_params(model_cfg, layout, 0), "cpu")
+    predicted = m_activation(work, layout, stage_params(model_cfg, layout, 0, seq), "cpu")
     logits_grad = 4 * batch * seq * model_cfg.vocab_size  # made at backward's start, not saved
     assert predicted - logits_grad == pytest.approx(measured, rel=0.001)
 

@@ -1,9 +1,9 @@
 """What the cost model is asked about: a workload (what is trained) and a layout (how it is cut).
 
-The planner evaluates layouts the job spec would refuse today (tp > 1, pp > 1, zero > 0 are
-not yet run by the engine), so a `Layout` is built from plain numbers, never by validating a
-new JobSpec. `Workload.from_spec` / `Layout.from_spec` read any object with the spec's
-`model`, `data`, `train` (and `parallel`) sections: a JobSpec or a view of one.
+The planner evaluates layouts the job spec or the engine may refuse (trainer.layout_checks),
+so a `Layout` is built from plain numbers, never by validating a new JobSpec.
+`Workload.from_spec` / `Layout.from_spec` read any object with the spec's `model`, `data`,
+`train` (and `parallel`) sections: a JobSpec or a view of one.
 
 Rank mapping (issue 3, item 1): TP varies fastest, then PP, then DP, so
 
@@ -12,23 +12,31 @@ Rank mapping (issue 3, item 1): TP varies fastest, then PP, then DP, so
 A TP group is `tp` consecutive ranks (inside one node whenever tp <= GPUs per node), a PP
 group strides by `tp`, a DP group by `tp * pp`. `time.py` picks each group's link from this.
 
-Parameters per rank, for pipeline stage s of p (the layers split evenly, `n_layers / p` each):
+Parameters per rank of pipeline rank s of p: the chunks the engine gives it. The model is cut
+into p * v chunks (v virtual stages per rank, 1 without interleaving) balanced by training
+FLOPs, not by layer count (`trainer.stages.split_layers`: the LM head is several blocks' worth
+when the vocabulary is large), and chunk c sits on the rank the schedule's placement names
+(`trainer.stages.local_chunks`: round robin, or the V shape of zero-bubble, which puts the
+first and the last chunk on rank 0). Each chunk holds
   * every block: its projections split over tp (Megatron column/row parallel), its two norm
     gains replicated on every tp rank;
-  * stage 0: the token embedding, vocab-parallel (split over tp), and learned positions
-    (replicated);
-  * stage p-1: the final norm and the LM head (split over tp). With tied embeddings and
-    p > 1 the last stage keeps its own copy of the embedding matrix for the head, whose
-    gradient is all-reduced with stage 0's (Megatron-LM's treatment of shared embeddings).
+  * the first chunk: the token embedding, vocab-parallel (split over tp), and learned
+    positions (replicated);
+  * the last chunk: the final norm and the LM head (split over tp). With tied embeddings and
+    more than one chunk the last chunk keeps its own copy of the embedding matrix for the
+    head, whose gradient is all-reduced with the first chunk's (Megatron-LM's treatment of
+    shared embeddings); under the V placement rank 0 thus holds both copies.
 With tp = pp = 1 this is exactly `trainer.model.count_params`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 from trainer.config import ModelConfig
+from trainer.stages import Chunk, local_chunks, placement_of, split_layers
 
 Recompute = Literal["none", "selective", "block"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "block")
@@ -126,35 +134,48 @@ def group_stride(layout: Layout, dim: str) -> int:
 
 @dataclass(frozen=True)
 class StageParams:
-    """Parameters one rank of pipeline stage `stage` holds, split by role."""
+    """Parameters one rank of pipeline rank `stage` holds (all its chunks), split by role."""
 
     stage: int
     layers: int
     block_params: int  # projections and norm gains of this rank's blocks
     matmul_params: int  # weights that multiply activations (FLOPs): projections and the LM head
-    other_params: int  # embeddings, final norm, LM head
+    other_params: int  # embeddings (both copies of a tied one, where the rank holds both), final norm, LM head
+    first: bool = True  # holds the first chunk: the embedding lookup
+    last: bool = True  # holds the last chunk: the final norm, the LM head and the loss
 
     @property
     def total(self) -> int:
         return self.block_params + self.other_params
 
 
-def stage_params(model: ModelConfig, layout: Layout, stage: int) -> StageParams:
-    """Parameters held by one tp rank of pipeline stage `stage` (see the module docstring)."""
+@lru_cache(maxsize=1024)
+def _chunks(model: ModelConfig, seq_len: int, n_chunks: int) -> tuple[Chunk, ...]:
+    # the planner asks for the same split once per candidate and stage: solve it once
+    return tuple(split_layers(model, seq_len, n_chunks))
+
+
+def stage_params(model: ModelConfig, layout: Layout, stage: int, seq_len: int) -> StageParams:
+    """Parameters held by one tp rank of pipeline rank `stage` (see the module docstring).
+
+    `seq_len` enters the balanced split (attention FLOPs grow with it). ValueError where the
+    layers do not cut into pp * virtual_stages chunks.
+    """
     d, tp, p = model.d_model, layout.tp, layout.pp
-    layers = model.n_layers // p
+    virtual = layout.virtual_stages if p > 1 else 1
+    every = _chunks(model, seq_len, p * virtual)
+    mine = [every[c] for c in local_chunks(p, virtual, placement_of(layout.schedule), stage)]
     mlp_matrices = 3 if model.activation == "swiglu" else 2
     block_matmul = _ceil_div(4 * d * d + mlp_matrices * d * model.d_ff, tp)
-    block = layers * (block_matmul + 2 * d)
+    layers = sum(len(chunk.layers) for chunk in mine)
     vocab_shard = _ceil_div(model.vocab_size, tp) * d
-    first, last = stage == 0, stage == p - 1
-    other = 0
-    if first:
-        other += vocab_shard + (model.max_seq_len * d if model.position == "learned" else 0)
-    if last:
-        other += d
-        if not model.tie_embeddings or not first:
-            other += vocab_shard
-    head = vocab_shard if last else 0
-    return StageParams(stage=stage, layers=layers, block_params=block,
-                       matmul_params=layers * block_matmul + head, other_params=other)
+    other = head = 0
+    for chunk in mine:
+        if chunk.first:
+            other += vocab_shard + (model.max_seq_len * d if model.position == "learned" else 0)
+        if chunk.last:
+            other += d + (vocab_shard if not model.tie_embeddings or not chunk.first else 0)
+            head = vocab_shard
+    return StageParams(stage=stage, layers=layers, block_params=layers * (block_matmul + 2 * d),
+                       matmul_params=layers * block_matmul + head, other_params=other,
+                       first=any(chunk.first for chunk in mine), last=any(chunk.last for chunk in mine))

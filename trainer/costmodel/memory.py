@@ -14,7 +14,11 @@ gradient reduction and its optimizer step:
 Stage 2 is FSDP2 with reshard_after_forward=False (trainer/data_parallel.py): the weights are
 sharded at rest like stage 3's, not replicated as in the paper's stage 2; what differs is that
 every block's gathered weights stay from its forward to its backward, which M_collective
-counts (measured against the engine's local tensors in tests/dist/test_engine_parallel.py).
+counts. A pipeline rank's W, G, O are those of its own chunks (layout.stage_params: the
+FLOP-balanced split, interleaved and V-shaped placements, the tied embedding's copy). FSDP2
+pads each shard to ceil(rows / D) rows, which /D leaves out (under 2 % for the layouts
+tested). Measured against the bytes every rank of every layout of issue 3's matrix holds in
+tests/dist/test_state_ledger.py.
 Weights stay fp32 in every precision: bf16/fp16 run under autocast, as the engine does, or
 FSDP2's MixedPrecisionPolicy, and both keep the fp32 parameters as the master copy and make
 low-precision copies per use (counted below). So per parameter W = 4, G = 4 (fp32 grads),
@@ -202,7 +206,7 @@ def m_activation(work: Workload, layout: Layout, params: StageParams, device_kin
     held = in_flight_microbatches(layout.schedule, layout.pp, m, params.stage, layout.virtual_stages)
     per_layer = layer_activation_bytes(work, layout, tokens, layout.recompute, device_kind)
     per_microbatch = params.layers * per_layer
-    if params.stage == layout.pp - 1:
+    if params.last:
         per_microbatch += _head_activation_bytes(work, layout, tokens, device_kind)
     if work.precision != "fp32" and layout.zero < 2:
         # autocast's low-precision weight copies are saved for backward with each microbatch
@@ -210,7 +214,7 @@ def m_activation(work: Workload, layout: Layout, params: StageParams, device_kin
         # recomputed block casts its weights again in backward, so only the head's copy stays
         copied = params.matmul_params
         if layout.recompute != "none":
-            head = -(-work.model.vocab_size // layout.tp) * work.model.d_model if params.stage == layout.pp - 1 else 0
+            head = -(-work.model.vocab_size // layout.tp) * work.model.d_model if params.last else 0
             copied = head
         per_microbatch += LOW_PRECISION_BYTES[work.precision] * copied
     total = held * per_microbatch
@@ -261,7 +265,7 @@ def m_transient(work: Workload, layout: Layout, params: StageParams, activation:
 
 
 def stage_ledgers(work: Workload, layout: Layout, stage: int, device_kind: str = "gpu") -> Ledgers:
-    params = stage_params(work.model, layout, stage)
+    params = stage_params(work.model, layout, stage, work.seq_len)
     state = m_state(work, layout, params)
     activation = m_activation(work, layout, params, device_kind)
     collective = m_collective(work, layout, params)

@@ -135,7 +135,7 @@ def _exposed_seconds(work: Workload, layout: Layout, hw: Hardware, params: Stage
     out = 0.0
     if layout.tp > 1:
         per_layer = 6 if layout.recompute == "block" else 4
-        count = params.layers * per_layer + (params.stage == 0) + (params.stage == layout.pp - 1)
+        count = params.layers * per_layer + params.first + params.last
         out += m * count * ring_allreduce_seconds(activation, layout.tp, *group_link(hw, layout, "tp"))
     if layout.pp > 1:
         alpha, bw = group_link(hw, layout, "pp")
@@ -166,7 +166,7 @@ def predict(work: Workload, layout: Layout, hw: Hardware, io_s: float = 0.0) -> 
     peak, hbm_bandwidth = hw.peak(work.precision) * share, hw.hbm_bandwidth * share
     worst = None
     for stage in range(layout.pp):
-        params = stage_params(work.model, layout, stage)
+        params = stage_params(work.model, layout, stage, work.seq_len)
         compute = tokens_per_rank * rank_flops_per_token(work, layout, params) / peak
         hbm = _hbm_bytes(work, layout, params, m, hw.kind) / hbm_bandwidth
         dp = _dp_seconds(work, layout, hw, params, m)
