@@ -81,8 +81,9 @@ class RecoveryMixin:
                 continue
             self.workers.inject(rank, dict(event.fault, rank=rank))
 
-    def _armed_faults(self) -> list[dict]:
-        return [f for f in self.faults if f["id"] not in self.fired or f.get("repeat")]
+    def _armed_faults(self) -> list[dict]:  # a storage fault's window of job seconds reaches late joiners
+        return [f for f in self.faults if f["id"] not in self.fired or f.get("repeat")
+                or (f["kind"] in STORAGE_KINDS and f.get("duration_s"))]
 
     def _drain_events(self) -> None:
         for event in [*self.store.drain_events(), *self.chaos.drain()]:
@@ -378,9 +379,8 @@ class RecoveryMixin:
         self.workers.leave_all(survivors, timeout_s=self.release_timeout_s)
         lost = self.record.rolled_back_seconds(step, since=self.gen_started_at)
         self.ledger.move(lost, "productive", "lost_work")
-        old = self.dp
+        old, self.dp = self.dp, new_dp
         self.workers.grow(new_dp * self._model_parallel())
-        self.dp = new_dp
         self._go(State.RENDEZVOUS, f"generation {self.gen} -> {self.gen + 1}: growing dp {old} -> {new_dp} at "
                                    f"checkpoint step {step} ({ready} warm spare(s) ready)")
         return True

@@ -389,3 +389,14 @@ def test_faults_fired_before_a_failure_are_never_blamed_for_a_later_one():
     ctl.fired[2] = {"fault_id": 2, "kind": "kill_rank", "rank": 1, "time": 300.0}
     ctl._sweep_fired_faults(before=250.0)  # a failure noticed before this kill fired leaves it armed
     assert ctl._take_fired_fault()["fault_id"] == 2
+
+
+def test_a_windowed_storage_fault_stays_armed_for_ranks_that_join_later():
+    # A replaced rank gets the faults still armed; a storage fault over a window of job seconds
+    # must reach it too, or the experiment's storage turns fast after the first recovery.
+    ctl = object.__new__(Controller)
+    ctl.faults = [{"id": 0, "kind": "storage_latency", "rank": 1, "at_seconds": 0.0, "duration_s": 100.0},
+                  {"id": 1, "kind": "storage_error", "rank": 1, "at_step": 10, "duration_s": None},
+                  {"id": 2, "kind": "kill_rank", "rank": 2, "at_step": 5}]
+    ctl.fired = {0: {"fault_id": 0}, 1: {"fault_id": 1}, 2: {"fault_id": 2}}
+    assert [f["id"] for f in ctl._armed_faults()] == [0]
