@@ -144,10 +144,12 @@ def test_fault_hook_points_in_order():
     engine = make_engine(fault_hook=lambda point, step: calls.append((point, step)))
     engine.train_step()
     engine.train_step()
-    assert calls == [(point, step) for step in (0, 1) for point in FAULT_POINTS]
+    # One process has no gradient all-reduce: in_allreduce is a DDP point (tests/dist covers it).
+    points = [p for p in FAULT_POINTS if p != "in_allreduce"]
+    assert calls == [(point, step) for step in (0, 1) for point in points]
     engine.fault_hook = None  # the rank loop re-arms or disarms the hook between steps
     engine.train_step()
-    assert len(calls) == 2 * len(FAULT_POINTS)
+    assert len(calls) == 2 * len(points)
 
 
 def test_a_raising_fault_hook_stops_the_step_before_the_update():
