@@ -9,6 +9,7 @@ vertical line. Needs matplotlib (the `plot` extra).
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 from chaos.goodput_model import ModelInputs, log_grid
@@ -17,6 +18,7 @@ from chaos.sweep import Row
 
 def plot_sweep(rows: Sequence[Row], inputs: ModelInputs, path: str, title: str = "") -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")  # no display: a file is all we write
     import matplotlib.pyplot as plt
@@ -40,9 +42,13 @@ def plot_sweep(rows: Sequence[Row], inputs: ModelInputs, path: str, title: str =
         ax.plot([t], [100 * r.steady_goodput], marker, markersize=12, color="tab:orange",
                 label=f"measured, interval: {r.label}")
     ax.set_xscale("log")
+    # Plain seconds on the major ticks, no labels on the minor ones (they collide on a short range).
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("checkpoint interval tau (s, realised: median gap between commits)")
     ax.set_ylabel("goodput excluding start-up (%)")
-    ax.set_title(title or "goodput vs checkpoint interval")
+    ax.set_title(textwrap.fill(title or "goodput vs checkpoint interval", 90), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower center")
     fig.tight_layout()
