@@ -51,3 +51,34 @@ def flip_bit(catalog: Catalog, step: int, file: str, offset: int = 3) -> None:
     data[offset] ^= 0x40
     catalog.storage.fs.pipe_file(path, bytes(data))
     catalog.storage.invalidate()
+
+
+def tiny_engine():
+    """The single-process tiny-GPT engine the rank-glue tests save and restore."""
+    from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+    from trainer.engine import Engine
+
+    train = TrainConfig(steps=4, global_batch=4, micro_batch=2, lr=1e-3)
+    return Engine(ModelConfig(preset="tiny"), DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
+
+
+def commit_trained_engine(root: str, steps: int = 2):
+    """Train `tiny_engine()` for `steps` steps, save it through the real writer and commit it at
+    that step under `root` (a file:// job root). Returns (the spec stand-in that
+    orchestrator.rank_state reads, the trained engine)."""
+    from types import SimpleNamespace
+
+    from ckpt.writer import ShardWriter
+    from orchestrator.rank_state import catalog_for
+
+    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}))
+    catalog = catalog_for(spec)
+    source = tiny_engine()
+    for _ in range(steps):
+        source.train_step()
+    receipts = []
+    ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
+                async_save=False).save(steps, source.state_slices(), {})
+    catalog.commit(job="j", step=steps, generation=0, layout={}, spec_hash="h", receipts=receipts,
+                   state={"engine": source.state_meta()})
+    return spec, source

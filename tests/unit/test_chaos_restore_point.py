@@ -4,51 +4,33 @@ not yet loaded, once per restore, and a fault there leaves the engine unrestored
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from chaos.injector import FaultInjector, InjectedFault
 from ckpt.storage import Storage
-from ckpt.writer import ShardWriter
-from orchestrator.rank_state import catalog_for, load_engine_state
+from orchestrator.rank_state import load_engine_state
 from orchestrator.rendezvous import RendezvousServer
+from tests._checkpoints import commit_trained_engine, tiny_engine
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
-from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from trainer.engine import Engine
-
-
-def _engine() -> Engine:
-    train = TrainConfig(steps=4, global_batch=4, micro_batch=2, lr=1e-3)
-    return Engine(ModelConfig(preset="tiny"), DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A committed checkpoint of step 2 of the tiny engine; the spec stand-in the rank glue reads."""
-    root = tmp_path_factory.mktemp("restore")
-    spec = SimpleNamespace(checkpoint_root=f"file://{root}/job", checkpoint=SimpleNamespace(storage_options={}))
-    catalog = catalog_for(spec)
-    source = _engine()
-    for _ in range(2):
-        source.train_step()
-    receipts = []
-    ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
-                async_save=False).save(2, source.state_slices(), {})
-    catalog.commit(job="j", step=2, generation=0, layout={}, spec_hash="h", receipts=receipts,
-                   state={"engine": source.state_meta()})
+    spec, _ = commit_trained_engine(f"file://{tmp_path_factory.mktemp('restore')}/job")
     return spec
 
 
 def test_the_point_fires_once_with_the_slices_read_and_not_loaded(saved):
-    engine, seen = _engine(), []
+    engine, seen = tiny_engine(), []
     hook = lambda point, step: seen.append((point, step, engine.next_step))  # noqa: E731
     assert load_engine_state(saved, engine, 2, fault_hook=hook)["engine"]["next_step"] == 2
     assert seen == [("during_restore", 2, 0)] and engine.next_step == 2
 
 
 def test_a_fault_at_the_point_interrupts_the_restore(saved):
-    engine, notices = _engine(), []
+    engine, notices = tiny_engine(), []
     hook = FaultInjector.hook_for([{"id": 4, "kind": "raise", "rank": 0, "at_step": 2, "at_point": "during_restore",
                                     "message": "restore interrupted"}], 0, notices.append)
     with pytest.raises(InjectedFault, match="restore interrupted"):

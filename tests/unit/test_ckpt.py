@@ -421,29 +421,11 @@ def test_reads_run_in_parallel_threads(tmp_path):
 
 
 def test_engine_state_round_trips_through_the_rank_glue(tmp_path):
-    from types import SimpleNamespace
+    from orchestrator.rank_state import load_engine_state
+    from tests._checkpoints import commit_trained_engine, tiny_engine
 
-    from orchestrator.rank_state import catalog_for, load_engine_state
-    from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-    from trainer.engine import Engine
-
-    def engine():
-        train = TrainConfig(steps=4, global_batch=4, micro_batch=2, lr=1e-3)
-        return Engine(ModelConfig(preset="tiny"), DataConfig(seq_len=16), train, ParallelConfig(), rank=0,
-                      world_size=1)
-
-    spec = SimpleNamespace(checkpoint_root=f"file://{tmp_path}/job", checkpoint=SimpleNamespace(storage_options={}))
-    catalog = catalog_for(spec)
-    source = engine()
-    for _ in range(2):
-        source.train_step()
-    receipts = []
-    writer = ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
-                         async_save=False)
-    writer.save(2, source.state_slices(), {})
-    catalog.commit(job="j", step=2, generation=0, layout={}, spec_hash="h", receipts=receipts,
-                   state={"engine": source.state_meta()})
-    restored = engine()
+    spec, source = commit_trained_engine(f"file://{tmp_path}/job")
+    restored = tiny_engine()
     assert load_engine_state(spec, restored, 2)["engine"]["next_step"] == 2
     saved = {s.key: s.tensor for s in source.state_slices()}
     assert saved and {s.key: s.tensor for s in restored.state_slices()}.keys() == saved.keys()
