@@ -49,14 +49,13 @@ def group_resources(resources, tp: int) -> dict[str, float]:
 def plan_placement(world_size: int, tp: int, spares: int, resources, placement: str) -> PlacementPlan:
     if world_size % tp:
         raise ValueError(f"world size {world_size} is not a multiple of tp = {tp}")
-    per_rank = rank_resources(resources)
     spare_group = tp if spares and spares % tp == 0 else 1
     bundles: list[dict[str, float]] = []
     seat_bundle: list[int] = []
     for size, count in ((tp, world_size // tp), (spare_group, spares // spare_group)):
         for _ in range(count):
             seat_bundle += [len(bundles)] * size
-            bundles.append({key: amount * size for key, amount in per_rank.items()})
+            bundles.append(group_resources(resources, size))
     return PlacementPlan(bundles, seat_bundle, STRATEGIES[placement])
 
 

@@ -57,8 +57,8 @@ class RayWorkerGroup:
         self.env_vars = env_vars or {}
         self.placement_timeout_s = placement_timeout_s
         self.pg = None
-        self.n_bundles = 0  # seats, in fact: every `bundle` index below is a seat index
-        self.seat_bundle: list[int] = []  # seat -> Ray bundle index
+        # seat -> Ray bundle index; every `bundle` index below (bundle_of, spares) is a seat index
+        self.seat_bundle: list[int] = []
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.bundle_of: dict[int, int] = {}
         self.spares: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}  # bundle -> (actor, ping)
@@ -75,7 +75,7 @@ class RayWorkerGroup:
         plan = plan_placement(world_size, self.spec.parallel.tp, spares, self.spec.resources,
                               self.spec.resources.placement)
         self.pg = placement_group(plan.bundles, strategy=plan.strategy)
-        self.n_bundles, self.seat_bundle = plan.n_seats, plan.seat_bundle
+        self.seat_bundle = plan.seat_bundle
         ready, _ = ray.wait([self.pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
             raise PlacementError(f"{len(plan.bundles)} bundles ({plan.bundles[0]} for each TP group) could not be "
@@ -105,7 +105,7 @@ class RayWorkerGroup:
         """
         used = set(self.bundle_of.values()) | set(self.spares)
         on_lost = set(self._bundles_on(self.lost_nodes))
-        return [b for b in range(self.n_bundles) if b not in used and b not in on_lost]
+        return [b for b in range(len(self.seat_bundle)) if b not in used and b not in on_lost]
 
     def _bundles_on(self, nodes: set[str]) -> list[int]:
         if not nodes or self.pg is None:
