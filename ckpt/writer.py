@@ -12,7 +12,9 @@ Protocol (one instance per rank, driven by the rank's training thread only):
 
 At most one snapshot is staged per rank (design.md invariant 6): a save requested while
 the previous one is still being written waits for it; the wait is part of the blocking
-time and is counted in `waited`.
+time and is counted in `waited`. The staging buffers are kept from one save to the next
+(`ckpt.staging.StagingPool`), which that wait makes safe: a buffer is refilled only after
+the write that read it has finished.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from ckpt.blocks import BLOCK_BYTES
 from ckpt.manifest import ShardReceipt
 from ckpt.shards import slices_to_write, write_slices
+from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from trainer.state_slices import TensorSlice
 
@@ -47,6 +50,7 @@ class ShardWriter:
         self.block_bytes = block_bytes
         self.tag = tag  # in shard file names: see ckpt.shards.shard_file_name
         self.waited = 0
+        self.staging = StagingPool()
         self._thread: threading.Thread | None = None
 
     def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float:
@@ -56,7 +60,8 @@ class ShardWriter:
             self.waited += 1
             self._thread.join()
         held = [piece.with_tensor(None) for piece in slices]
-        staged = [_stage(piece) for piece in slices_to_write(slices)]
+        # A copy even of CPU tensors: training goes on mutating the originals while the shard is written.
+        staged = self.staging.stage(slices_to_write(slices))
         if self.fault_hook is not None:
             self.fault_hook("during_stage", step)
         blocking_s = time.perf_counter() - started
@@ -88,9 +93,3 @@ class ShardWriter:
             self._thread.join()
             self._thread = None
 
-
-def _stage(piece: TensorSlice) -> TensorSlice:
-    # A copy even of CPU tensors: training goes on mutating the originals while the shard is written.
-    if piece.tensor is None:
-        raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to save has no data")
-    return piece.with_tensor(piece.tensor.detach().to("cpu", copy=True))

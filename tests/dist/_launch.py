@@ -11,6 +11,7 @@ timeout, after the ranks are killed.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import pickle
@@ -39,6 +40,8 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 60.0) ->
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    # A rank that dies in native code (SIGSEGV, SIGABRT) prints every thread's Python stack.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     init_gloo(rank, world_size, port)
     try:
