@@ -12,6 +12,12 @@ collective on the training group, design.md invariant 5) to the driver, which me
 receipts and commits the manifest with orchestrator.commits.Committer, as the controller
 does, and publishes the commit time under `commit/<step>`. The rank waits for that key
 (the store releases the GIL while it waits) to learn when its save became a checkpoint.
+
+Both systems are timed warm, as in a training job that has saved before: our writers are
+created once per storage and mode and share one staging pool (`ckpt.staging.StagingPool`)
+that the untimed warm-up fills; DCP's `async_save` gets one `DefaultStager` for the run,
+whose cached host copy the warm-up fills (without it every `async_save` would build a
+fresh stager and allocate a new copy).
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from bench._ckpt_state import BenchState
 from ckpt.catalog import Catalog
 from ckpt.manifest import ShardReceipt, step_dir
 from ckpt.reader import read_slices
 from ckpt.reshard import plan_reads
+from ckpt.shards import slices_to_write
+from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
 
@@ -97,6 +106,13 @@ class RankOps:
         self.dcp_state = state.dcp_state()
         self.errors: list[str] = []
         self.shard_file: dict[str, str] = {}  # backend -> this rank's shard file of the last save
+        # One pool for all writers: each save is flushed before the next starts (as the one
+        # writer of a training rank would be), so they never stage at the same time.
+        self.staging = StagingPool()
+        self.writers: dict[tuple[str, str], ShardWriter] = {}
+        # CPU training: no pinned or shared memory, staging on the calling thread (the
+        # options that need an accelerator are off).
+        self.dcp_stager = DefaultStager(StagingOptions(False, False, False, False))
 
     def warm_up(self) -> None:
         """Untimed: open every storage client once (connection pools, fsspec's cached instance that
@@ -111,6 +127,9 @@ class RankOps:
                 fs, root = url_to_fs(backend.dcp, **backend.options)
                 fs.pipe_file(f"{root}/.warm-r{self.rank}", b"warm")
                 fs.rm_file(f"{root}/.warm-r{self.rank}")
+        # The host copies both systems keep between saves.
+        self.staging.stage(slices_to_write(self.slices))
+        self.dcp_stager.stage(self.dcp_state)
         dist.barrier()
 
     # -- saves -----------------------------------------------------------------------------
@@ -128,8 +147,12 @@ class RankOps:
 
     def ours_save(self, op: dict) -> dict:
         backend, step = op["backend"], op["step"]
-        writer = ShardWriter(self.storages[backend], self.rank, self._on_receipt(backend), self._on_error,
-                             async_save=op["op"] == "ours_async")
+        writer = self.writers.get((backend, op["op"]))
+        if writer is None:
+            writer = ShardWriter(self.storages[backend], self.rank, self._on_receipt(backend), self._on_error,
+                                 async_save=op["op"] == "ours_async")
+            writer.staging = self.staging
+            self.writers[(backend, op["op"])] = writer
         extra = {"engine": {"bench": "ckpt", "step": step}} if self.rank == 0 else {}
         dist.barrier()
         start = time.time()
@@ -152,7 +175,8 @@ class RankOps:
             dcp.save(self.dcp_state, storage_writer=backend.dcp_writer(path))
             returned = end = time.time()
         else:
-            future = dcp.async_save(self.dcp_state, storage_writer=backend.dcp_writer(path))
+            future = dcp.async_save(self.dcp_state, storage_writer=backend.dcp_writer(path),
+                                    async_stager=self.dcp_stager)
             returned = time.time()
             future.result()
             end = time.time()

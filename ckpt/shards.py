@@ -129,6 +129,24 @@ def column_tiles(piece: TensorSlice, tiles: int = COLUMN_TILES, min_tile_bytes: 
     return out
 
 
+def file_order(written: Iterable[TensorSlice], min_tile_bytes: int = MIN_TILE_BYTES) -> list[TensorSlice]:
+    """The chunks of a shard file in the order they are written: untiled slices, then tile 0 of
+    every tiled slice, tile 1 of every tiled slice, and so on (each group by slice key).
+
+    Tile-major order makes every column band of the file contiguous: a load that splits
+    columns k ways (k dividing `COLUMN_TILES`) wants tiles [i*8/k, (i+1)*8/k) of every chunk,
+    which lie back to back here, so it reads one range per file where a chunk-major order
+    would need one per chunk with unneeded tiles between them. A load of whole rows reads the
+    whole file either way. The order is free to choose: chunks carry their byte offsets.
+    """
+    ordered = []
+    for piece in sorted(written, key=lambda p: p.key):
+        tiles = column_tiles(piece, min_tile_bytes=min_tile_bytes)
+        for index, tile in enumerate(tiles):
+            ordered.append(((index if len(tiles) > 1 else -1, piece.key), tile))
+    return [tile for _, tile in sorted(ordered, key=lambda item: item[0])]
+
+
 def shard_file_name(rank: int, tag: str = "") -> str:
     """The shard file of `rank`; `tag` names the save attempt (controller run and generation).
 
@@ -164,9 +182,7 @@ def write_slices(
     offset = 0
     # Streamed: the staged tensors are the only copy of the state this rank holds in memory.
     with storage.atomic_writer(storage.path(step_dir(step), file)) as out:
-        tiles = [tile for piece in sorted(written, key=lambda p: p.key)
-                 for tile in column_tiles(piece, min_tile_bytes=min_tile_bytes)]
-        for piece in tiles:
+        for piece in file_order(written, min_tile_bytes):
             if piece.tensor is None:
                 raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to write has no data")
             data = _raw(piece.tensor)

@@ -84,6 +84,20 @@ def test_column_split_load_reads_only_its_tiles_and_row_load_all_in_one_range(ur
     assert storage.bytes_read == ROWS // 2 * COLS * 4  # the upper half of each tile, blocks of 1 KiB
 
 
+def test_a_column_band_of_every_wide_tensor_is_one_range_of_the_file(url):
+    # Tile-major file order: a tp4 rank's quarter of every wide chunk lies back to back.
+    storage = CountingStorage(url)
+    g = torch.Generator().manual_seed(6)
+    tensors = {f"model/w{i}": torch.randn(ROWS, COLS, generator=g) for i in range(3)}
+    tensors["model/bias"] = torch.randn(COLS, generator=g)
+    _save(storage, tensors)
+    wanted = [_cols(f"model/w{i}", tensors[f"model/w{i}"], 128, 192) for i in range(3)]
+    got = read_slices(Catalog(storage), 1, wanted, coalesce_gap=0)
+    for piece in got:
+        assert torch.equal(piece.tensor, tensors[piece.name][:, 128:192]), piece.name
+    assert storage.bytes_read == 3 * ROWS * 64 * 4 and len(storage.reads) == 1
+
+
 def test_same_layout_load_views_the_fetched_bytes_and_stays_exact(tmp_path):
     tensors = {"model/a": torch.randn(8, 4), "model/b": torch.randn(16).bfloat16(), "optim/step": torch.tensor(3.0)}
     catalog = Catalog(Storage(f"file://{tmp_path}/job"))
