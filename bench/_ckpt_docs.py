@@ -32,7 +32,9 @@ How each number is taken (`time.time()` stamps of the rank processes and of the 
 - every operation starts after a barrier on the training group; no collective runs inside a timed region
   of ours (the barrier, the gathering of timings and the bit checks are outside).
 - blocking: the worst rank's time inside the save call: `ShardWriter.save` (async: staging only; sync: the
-  whole write), `dcp.async_save` until it returns, `dcp.save` until it returns.
+  whole write), `dcp.async_save` until it returns, `dcp.save` until it returns. Both systems save warm, as a
+  job that has saved before: our writers keep their staging buffers (`ckpt.staging.StagingPool`) and every
+  `dcp.async_save` gets the same `DefaultStager`, which keeps its host copy; an untimed warm-up fills both.
 - total save: first rank starting -> the save is a checkpoint. Ours: the driver, playing the controller,
   gets each rank's receipt through a TCPStore (a side channel, not the training group) and commits the
   manifest with `orchestrator.commits.Committer`; the time is that of the durable manifest. DCP: the last
@@ -51,5 +53,5 @@ How each number is taken (`time.time()` stamps of the rank processes and of the 
   none, thread, process, rotated in every repeat. Lost = window - steps x the median seconds per step of the
   save-free windows (blocking included); the save-free windows' own spread is the noise floor. The process
   writer copies into a shared-memory buffer allocated at its untimed warm-up save and reused; the thread
-  writer (ShardWriter) allocates a fresh staging copy on every save.
+  writer (ShardWriter) likewise reuses the staging buffers of its warm-up save.
 """
