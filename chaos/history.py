@@ -11,6 +11,13 @@ once, each consuming every sample of its global batch exactly once.
 
 A step computed twice without a restore in between stays twice in the surviving history on
 purpose: nothing rolled it back, so its update was applied twice.
+
+Stored form (in the job record, the run report and every checkpoint's manifest): consecutive
+steps with one layout are one run, `["steps", first, end, dp_size]` for steps first..end-1
+(`record_step` appends that way), so a million-step job without failures is one entry, not a
+million. A restore is `["restore", step]`; a step with recorded samples stays one
+`[step, dp_size, samples]`. A repeated step never extends a run (its `first` would not be the
+run's `end`), so runs lose nothing the exactly-once check needs.
 """
 
 from __future__ import annotations
@@ -37,14 +44,27 @@ class Restored:
     step: int
 
 
+def record_step(events: list, step: int, dp_size: int) -> None:
+    """Append a completed step to the stored history `events`, extending the last run when it can."""
+    last = events[-1] if events else None
+    if last is not None and last[0] == "steps" and last[2] == step and last[3] == dp_size:
+        last[2] = step + 1
+    else:
+        events.append(["steps", step, step + 1, dp_size])
+
+
 def surviving_history(events: Iterable[StepRecord | Restored | Sequence]) -> list[StepRecord]:
     """The step records whose updates are in the final model, in order.
 
     `events` may also hold plain tuples: `(step, dp_size)` or `(step, dp_size, samples)`
-    for a step, `("restore", step)` for a restore.
+    for a step, `("restore", step)` for a restore, `("steps", first, end, dp_size)` for a run.
     """
     kept: list[StepRecord] = []
     for event in events:
+        if not isinstance(event, (StepRecord, Restored)) and len(event) == 4 and event[0] == "steps":
+            first, end, dp_size = (int(v) for v in event[1:])
+            kept.extend(StepRecord(step, dp_size) for step in range(first, end))
+            continue
         event = _parse(event)
         if isinstance(event, Restored):
             kept = [record for record in kept if record.step < event.step]
@@ -61,4 +81,5 @@ def _parse(event: StepRecord | Restored | Sequence) -> StepRecord | Restored:
     if len(event) in (2, 3):
         samples = None if len(event) == 2 or event[2] is None else tuple(tuple(ids) for ids in event[2])
         return StepRecord(int(event[0]), int(event[1]), samples)
-    raise ValueError(f"history event {event!r} is neither (step, dp_size[, samples]) nor ('restore', step)")
+    raise ValueError(f"history event {event!r} is neither (step, dp_size[, samples]), ('steps', first, end, "
+                     "dp_size) nor ('restore', step)")

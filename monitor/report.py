@@ -132,7 +132,8 @@ class RunReport(BaseModel):
     failures: list[FailureRecord] = Field(default_factory=list)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)
     stragglers: list[StragglerRecord] = Field(default_factory=list)
-    # [step, dp] per completed step and ["restore", step] per restore, in order (chaos.history).
+    # Runs of completed steps ["steps", first, end, dp] and ["restore", step] per restore, in
+    # order (chaos.history).
     history: list[list] = Field(default_factory=list)
     # Steps computed again after a rollback, and the seconds of those second executions (what
     # redoing the lost work cost); the executions they replaced are in `rolled_back`.

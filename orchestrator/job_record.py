@@ -11,6 +11,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from chaos.history import record_step
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.report import (
@@ -51,8 +52,9 @@ class JobRecord:
         self.checkpoints: list[CheckpointRecord] = []
         self.world: list[WorldRecord] = []
         self.stragglers: list[StragglerRecord] = []
-        # In event order: [step, dp] per completed step, ["restore", step] per restore: which
-        # steps survive into the final model and with which layout (chaos.history).
+        # In event order: runs of completed steps ["steps", first, end, dp], ["restore", step]
+        # per restore: which steps survive into the final model and with which layout
+        # (chaos.history).
         self.history: list[list] = []
         self.dp = 0  # data-parallel degree of the running generation
         self.redone_steps, self.redone_s = 0, 0.0
@@ -76,7 +78,7 @@ class JobRecord:
             self.redone_steps += 1
             self.redone_s += rec.step_s
         self.steps[rec.step] = rec
-        self.history.append([rec.step, self.dp])
+        record_step(self.history, rec.step, self.dp)
         self.last_step_time = time.time()
         if self._awaiting_first_step is not None:
             failure, since = self._awaiting_first_step

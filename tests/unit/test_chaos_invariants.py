@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chaos.corrupt import corrupt_shard
-from chaos.history import Restored, StepRecord, surviving_history
+from chaos.history import Restored, StepRecord, record_step, surviving_history
 from chaos.invariants import (
     check_all,
     check_checkpoints_verify,
@@ -122,6 +122,26 @@ def test_data_once_passes_across_a_restore_and_a_layout_change():
     check = check_data_once(events, final_step=60, global_batch=8)
     assert check.ok and "dp sizes [2, 4]" in check.detail
     assert check_data_once([(0, 1), (1, 2, [[0, 1, 2, 3], [4, 5, 6, 7]])], final_step=2, global_batch=8).ok
+
+
+def test_stored_history_is_runs_and_keeps_what_the_check_needs():
+    stored: list = []
+    for step in range(25):
+        record_step(stored, step, 4)
+    stored.append(["restore", 20])
+    for step in range(20, 60):
+        record_step(stored, step, 2 if step < 40 else 4)  # a grow back to dp4 at step 40
+    assert stored == [["steps", 0, 25, 4], ["restore", 20], ["steps", 20, 40, 2], ["steps", 40, 60, 4]]
+    assert surviving_history(stored) == surviving_history(_run_with_a_failure()[:46] + [
+        StepRecord(s, 4) for s in range(40, 60)])
+    assert check_data_once(stored, final_step=60, global_batch=8).ok
+    # A step run again without a restore starts a new run: the repeat is still seen.
+    replayed: list = []
+    for step in [*range(10), *range(8, 12)]:
+        record_step(replayed, step, 4)
+    assert replayed == [["steps", 0, 10, 4], ["steps", 8, 12, 4]]
+    check = check_data_once(replayed, final_step=12, global_batch=8)
+    assert not check.ok and "steps applied twice: 8, 9" in check.detail
 
 
 def test_data_once_fails_on_skipped_repeated_or_wrong_steps():
