@@ -150,8 +150,7 @@ class RankOps:
         writer = self.writers.get((backend, op["op"]))
         if writer is None:
             writer = ShardWriter(self.storages[backend], self.rank, self._on_receipt(backend), self._on_error,
-                                 async_save=op["op"] == "ours_async")
-            writer.staging = self.staging
+                                 async_save=op["op"] == "ours_async", staging=self.staging)
             self.writers[(backend, op["op"])] = writer
         extra = {"engine": {"bench": "ckpt", "step": step}} if self.rank == 0 else {}
         dist.barrier()

@@ -61,25 +61,27 @@ def surviving_history(events: Iterable[StepRecord | Restored | Sequence]) -> lis
     """
     kept: list[StepRecord] = []
     for event in events:
-        if not isinstance(event, (StepRecord, Restored)) and len(event) == 4 and event[0] == "steps":
-            first, end, dp_size = (int(v) for v in event[1:])
-            kept.extend(StepRecord(step, dp_size) for step in range(first, end))
-            continue
         event = _parse(event)
         if isinstance(event, Restored):
             kept = [record for record in kept if record.step < event.step]
         else:
-            kept.append(event)
+            kept.extend(event)
     return kept
 
 
-def _parse(event: StepRecord | Restored | Sequence) -> StepRecord | Restored:
-    if isinstance(event, (StepRecord, Restored)):
+def _parse(event: StepRecord | Restored | Sequence) -> list[StepRecord] | Restored:
+    """A restore, or the step records one event stands for (a run stands for several)."""
+    if isinstance(event, Restored):
         return event
+    if isinstance(event, StepRecord):
+        return [event]
     if len(event) == 2 and event[0] == "restore":
         return Restored(int(event[1]))
+    if len(event) == 4 and event[0] == "steps":
+        first, end, dp_size = (int(v) for v in event[1:])
+        return [StepRecord(step, dp_size) for step in range(first, end)]
     if len(event) in (2, 3):
         samples = None if len(event) == 2 or event[2] is None else tuple(tuple(ids) for ids in event[2])
-        return StepRecord(int(event[0]), int(event[1]), samples)
+        return [StepRecord(int(event[0]), int(event[1]), samples)]
     raise ValueError(f"history event {event!r} is neither (step, dp_size[, samples]), ('steps', first, end, "
                      "dp_size) nor ('restore', step)")

@@ -140,7 +140,7 @@ def file_order(written: Iterable[TensorSlice], min_tile_bytes: int = MIN_TILE_BY
     whole file either way. The order is free to choose: chunks carry their byte offsets.
     """
     ordered = []
-    for piece in sorted(written, key=lambda p: p.key):
+    for piece in written:
         tiles = column_tiles(piece, min_tile_bytes=min_tile_bytes)
         for index, tile in enumerate(tiles):
             ordered.append(((index if len(tiles) > 1 else -1, piece.key), tile))

@@ -40,6 +40,7 @@ class ShardWriter:
         fault_hook: Callable[[str, int], None] | None = None,
         block_bytes: int = BLOCK_BYTES,
         tag: str = "",
+        staging: StagingPool | None = None,
     ):
         self.storage = storage
         self.rank = rank
@@ -50,7 +51,8 @@ class ShardWriter:
         self.block_bytes = block_bytes
         self.tag = tag  # in shard file names: see ckpt.shards.shard_file_name
         self.waited = 0
-        self.staging = StagingPool()
+        # Callers that run several writers one save at a time (bench/ckpt.py) may share one pool.
+        self.staging = staging if staging is not None else StagingPool()
         self._thread: threading.Thread | None = None
 
     def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float:
