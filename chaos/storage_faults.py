@@ -169,7 +169,8 @@ class _FaultyWriteFile:
         self._closed = False
 
     def write(self, data) -> int:
-        self._parts.append(data)
+        # A copy: a caller may reuse its buffer once write returns (shard writes do).
+        self._parts.append(data if isinstance(data, str) else bytes(data))
         return len(data)
 
     def close(self) -> None:
@@ -177,7 +178,7 @@ class _FaultyWriteFile:
             return
         self._closed = True
         text = any(isinstance(part, str) for part in self._parts)  # a text-mode handle
-        data = "".join(self._parts) if text else b"".join(bytes(part) for part in self._parts)
+        data = "".join(self._parts) if text else b"".join(self._parts)
         if self._verdict.keep_fraction is not None:
             kept = int(len(data) * self._verdict.keep_fraction)
             self._handle.write(data[:kept])

@@ -1,9 +1,12 @@
 """Rank side of a save: which slices this rank writes, and the shard file format.
 
 Protocol: at a checkpoint step every rank (through `ckpt.writer.ShardWriter`) calls
-`slices_to_write(slices)` on the `TensorSlice`s its engine holds (pure, a function of each
-slice alone, so every replica agrees without communication), then `write_slices(...)`,
-which writes one immutable shard file and returns a `ShardReceipt` for the controller.
+`chunks_to_write(slices)` on the `TensorSlice`s its engine holds: its share
+(`slices_to_write`, pure, a function of each slice alone, so every replica agrees without
+communication) cut into the chunks of its shard file in file order (`file_order`). It stages
+those chunks (or not, for a synchronous save) and calls `write_chunks(...)`, which writes one
+immutable shard file and returns a `ShardReceipt` for the controller (`write_slices` does
+both steps for callers that do not stage).
 The controller commits the manifest once every rank's receipt is in and their chunks tile
 every tensor (`ckpt.manifest.merge_receipts`).
 
@@ -147,6 +150,11 @@ def file_order(written: Iterable[TensorSlice], min_tile_bytes: int = MIN_TILE_BY
     return [tile for _, tile in sorted(ordered, key=lambda item: item[0])]
 
 
+def chunks_to_write(slices: Iterable[TensorSlice]) -> list[TensorSlice]:
+    """This rank's share of its slices (`slices_to_write`) as the chunks of its shard file, in file order."""
+    return file_order(slices_to_write(slices))
+
+
 def shard_file_name(rank: int, tag: str = "") -> str:
     """The shard file of `rank`; `tag` names the save attempt (controller run and generation).
 
@@ -156,10 +164,28 @@ def shard_file_name(rank: int, tag: str = "") -> str:
     return f"shard-{tag}-r{rank:05d}.bin" if tag else f"shard-r{rank:05d}.bin"
 
 
-def _raw(tensor: torch.Tensor):
-    """The tensor's row-major bytes as a buffer (a view of a contiguous CPU copy, no pickle)."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+class _ChunkBytes:
+    """Row-major bytes of each chunk to write, copying only what is not already contiguous host memory.
+
+    A staged chunk (a contiguous CPU tensor) is handed out as a view of its own memory. A
+    column tile of a live tensor (a strided view) or a device tensor is gathered into one
+    scratch buffer, kept and grown for the whole file: the bytes of one chunk are checksummed
+    and handed to the file's `write` (which copies them into the page cache or the upload
+    buffer) before the next chunk reuses it. A fresh contiguous copy per tile would fault in
+    new pages for every byte of the state, which costs more than the copy itself.
+    """
+
+    def __init__(self) -> None:
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, tensor: torch.Tensor) -> memoryview:
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            nbytes = tensor.numel() * tensor.element_size()
+            if self._scratch.numel() < nbytes:
+                self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            tensor = self._scratch[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def write_slices(
@@ -173,19 +199,33 @@ def write_slices(
     receipt (without chunks) so the commit can check that somebody wrote them. Wide slices
     are stored as column tiles (`column_tiles`, at least `min_tile_bytes` each).
     """
+    return write_chunks(storage, step, rank, file_order(written, min_tile_bytes), blocking_s, held=held,
+                        block_bytes=block_bytes, tag=tag)
+
+
+def write_chunks(
+    storage: Storage, step: int, rank: int, chunks: Sequence[TensorSlice], blocking_s: float,
+    held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES, tag: str = "",
+) -> ShardReceipt:
+    """Write `chunks` (`file_order` of the written slices, each with data) as they are, one chunk
+    each and in this order, as this rank's immutable shard file for `step`.
+
+    Callers that stage before writing (`ckpt.writer.ShardWriter`) stage the chunks, not the
+    slices, so that a staged column tile is already contiguous and is written without a copy.
+    """
     started = time.perf_counter()
     check_block_bytes(block_bytes)
     file = shard_file_name(rank, tag)
     entries: dict[str, TensorEntry] = {}
-    for piece in [*held, *written]:
+    for piece in [*held, *chunks]:
         entries.setdefault(piece.name, TensorEntry(dtype=dtype_name(piece.dtype), shape=list(piece.global_shape)))
-    offset = 0
+    offset, as_bytes = 0, _ChunkBytes()
     # Streamed: the staged tensors are the only copy of the state this rank holds in memory.
     with storage.atomic_writer(storage.path(step_dir(step), file)) as out:
-        for piece in file_order(written, min_tile_bytes):
+        for piece in chunks:
             if piece.tensor is None:
                 raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to write has no data")
-            data = _raw(piece.tensor)
+            data = as_bytes(piece.tensor)
             pad = -offset % ALIGN
             out.write(bytes(pad))
             offset += pad

@@ -5,7 +5,8 @@ Protocol (one instance per rank, driven by the rank's training thread only):
      (`engine.state_slices()`). `ckpt.shards.slices_to_write` picks the ones this rank
      writes (each replicated slice by one replica, bytes spread evenly); the training loop
      is blocked only while those are copied to host memory (the "staging"); the shard is
-     then written by a background thread (or inline when `async_save` is False).
+     then written by a background thread. With `async_save` False nothing is staged: the
+     shard is written inline from the rank's own tensors while training waits.
   2. When the shard is durable, `on_receipt(receipt, extra)` is called (from the writer
      thread) so the rank can hand the receipt to the controller, which commits.
   3. `flush()` before the rank leaves, so a final save is never lost.
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from ckpt.blocks import BLOCK_BYTES
 from ckpt.manifest import ShardReceipt
-from ckpt.shards import slices_to_write, write_slices
+from ckpt.shards import chunks_to_write, write_chunks
 from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from trainer.state_slices import TensorSlice
@@ -62,8 +63,12 @@ class ShardWriter:
             self.waited += 1
             self._thread.join()
         held = [piece.with_tensor(None) for piece in slices]
-        # A copy even of CPU tensors: training goes on mutating the originals while the shard is written.
-        staged = self.staging.stage(slices_to_write(slices))
+        # Staged chunk by chunk in file order, so that each column tile is gathered once, into
+        # the staging copy, and written from it without another copy.
+        chunks = chunks_to_write(slices)
+        # Async: a copy even of CPU tensors, since training goes on mutating the originals while
+        # the shard is written. Sync: training waits for the write, which reads the live tensors.
+        staged = self.staging.stage(chunks) if self.async_save else chunks
         if self.fault_hook is not None:
             self.fault_hook("during_stage", step)
         blocking_s = time.perf_counter() - started
@@ -81,7 +86,7 @@ class ShardWriter:
         try:
             if self.fault_hook is not None:
                 self.fault_hook("during_shard_write", step)
-            receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
+            receipt = write_chunks(self.storage, step, self.rank, staged, blocking_s, held=held,
                                    block_bytes=self.block_bytes, tag=self.tag)
         except BaseException as err:  # reported, never raised into a dead thread
             self.on_error(step, err)

@@ -222,6 +222,20 @@ def test_torn_write_through_open_lands_a_prefix_then_fails():
     assert inner.cat_file(path) == b"whole"
 
 
+def test_a_held_write_keeps_the_bytes_it_was_given_not_the_callers_buffer():
+    # Shard writes reuse one buffer for successive chunks once `write` returns; a file that
+    # holds writes until close must land what each write was given.
+    inner = fsspec.filesystem("memory")
+    faulty = FaultyFileSystem(inner, StorageFaultPlan([{"kind": "storage_error", "op": "write", "when": "after"}]))
+    path = f"/chaos-{uuid.uuid4().hex}/reused.bin"
+    buffer = bytearray(b"abcd")
+    with pytest.raises(InjectedStorageError), faulty.open(path, "wb") as f:
+        f.write(memoryview(buffer))
+        buffer[:] = b"efgh"
+        f.write(memoryview(buffer))
+    assert inner.cat_file(path) == b"abcdefgh"
+
+
 def test_atomic_writer_on_local_storage_is_judged_as_one_write(tmp_path):
     storage = Storage(f"file://{tmp_path}/job")
     torn = {"kind": "torn_write", "path": "*/m.json"}

@@ -14,7 +14,7 @@ from ckpt.catalog import Catalog
 from ckpt.errors import IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import step_dir
 from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable, read_slices, verify_checkpoint
-from ckpt.shards import owned_by, slices_to_write, write_shard, write_slices
+from ckpt.shards import _ChunkBytes, owned_by, slices_to_write, write_shard, write_slices
 from ckpt.storage import AlreadyCommitted, Storage
 from ckpt.writer import ShardWriter
 from orchestrator.commits import Committer
@@ -191,6 +191,51 @@ def test_async_writer_stages_then_reports_receipt(catalog):
                    receipts=[receipts[0][0]], state=receipts[0][1])
     tensors, _ = load_checkpoint(catalog, 7)
     assert torch.equal(tensors["model/w"], _state()["model/w"])
+
+
+def test_sync_writer_writes_the_live_tensors_byte_for_byte_as_the_async_one_and_stages_nothing(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "model/wide": torch.randn(256, 1024, generator=g),  # 1 MiB: stored as 8 column tiles
+        "model/wide_t": torch.randn(1024, 256, generator=g).t(),  # a strided source, also tiled
+        "model/half": torch.randn(512, 1024, generator=g).to(torch.bfloat16),
+        "model/b": torch.randn(4, generator=g),
+    }
+    slices = [whole(name, t) for name, t in state.items()]
+    shards, writers = {}, {}
+    for mode in ("sync", "async"):
+        storage = Storage(f"file://{tmp_path}/{mode}/job")
+        receipts = []
+        writers[mode] = ShardWriter(storage, 0, lambda r, extra, out=receipts: out.append(r), _raise,
+                                    async_save=mode == "async")
+        writers[mode].save(1, slices, {})
+        writers[mode].flush()
+        assert len(receipts[0].tensors["model/wide"].chunks) == 8
+        shards[mode] = storage.read(storage.path(step_dir(1), receipts[0].file))
+        Catalog(storage).commit(job="j", step=1, generation=0, layout={}, spec_hash="h", receipts=receipts, state={})
+        loaded, _ = load_checkpoint(Catalog(storage), 1)
+        assert all(torch.equal(loaded[name], t) for name, t in state.items())
+    assert shards["sync"] == shards["async"]
+    assert writers["sync"].staging.nbytes == 0  # a synchronous save holds no second copy of the state
+    assert writers["async"].staging.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_chunk_bytes_view_contiguous_host_tensors_and_gather_the_rest_into_one_buffer():
+    as_bytes = _ChunkBytes()
+    flat = torch.arange(12.0)
+    view = as_bytes(flat)
+    flat[0] = 99.0
+    assert bytes(view[:4]) == torch.tensor([99.0]).numpy().tobytes()  # no copy was made
+    grid = torch.arange(24.0).reshape(4, 6)
+    first = bytes(as_bytes(grid[:, :3]))
+    second = as_bytes(grid[:, 3:])
+    assert first == grid[:, :3].contiguous().numpy().tobytes()
+    assert bytes(second) == grid[:, 3:].contiguous().numpy().tobytes()
+    assert as_bytes._scratch.numel() == 12 * 4  # one scratch buffer, reused for the second tile
+
+
+def _raise(step: int, err: BaseException) -> None:
+    raise err
 
 
 def test_memory_filesystem_commit(tmp_path):
