@@ -46,6 +46,8 @@ from typing import BinaryIO
 
 import fsspec
 
+from ckpt.write_behind import WriteBehindFile
+
 # s3fs's own default for pipe_file: bodies under twice this size go in one PUT.
 DEFAULT_MULTIPART_CHUNK = 50 * 2**20
 
@@ -299,7 +301,7 @@ def _local_atomic_writer(path: str) -> Iterator[BinaryIO]:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "wb") as f:
-            yield f
+            yield WriteBehindFile(f)  # the disk starts on the first bytes while later ones are produced
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
