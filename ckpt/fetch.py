@@ -10,13 +10,13 @@ mismatch raises `CorruptCheckpoint`.
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ckpt.blocks import crc32
 from ckpt.errors import CorruptCheckpoint
 from ckpt.manifest import step_dir
 from ckpt.reshard import RangeRead
@@ -66,10 +66,10 @@ def _read_one(storage: Storage, step: int, read: RangeRead, keep: bool) -> torch
     if got != len(view):
         raise CorruptCheckpoint(f"step {step}: {read.file} is truncated: got {got} of the "
                                 f"{len(view)} bytes at {read.start}")
-    # zlib.crc32 releases the GIL on large buffers: the pool's threads checksum one range
-    # while others are still reading theirs.
+    # crc32 releases the GIL on large buffers: the pool's threads checksum one range while
+    # others are still reading theirs.
     for block in read.blocks:
-        if zlib.crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
+        if crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
             raise CorruptCheckpoint(f"step {step}: checksum mismatch in {read.file}, "
                                     f"block at bytes {block.start}..{block.end}")
     return buffer if keep else None

@@ -6,10 +6,12 @@ import json
 import logging
 import os
 import threading
+import zlib
 
 import pytest
 import torch
 
+from ckpt.blocks import block_crcs
 from ckpt.catalog import Catalog
 from ckpt.errors import IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import step_dir
@@ -232,6 +234,14 @@ def test_chunk_bytes_view_contiguous_host_tensors_and_gather_the_rest_into_one_b
     assert first == grid[:, :3].contiguous().numpy().tobytes()
     assert bytes(second) == grid[:, 3:].contiguous().numpy().tobytes()
     assert as_bytes._scratch.numel() == 12 * 4  # one scratch buffer, reused for the second tile
+
+
+def test_block_checksums_are_zlibs_crc32_whatever_computes_them():
+    # The manifest promises zlib's CRC32: any reader (the standard library's included) can verify a block.
+    data = torch.randint(0, 256, (3 * 4096 + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    raw = data.numpy().tobytes()
+    expected = [zlib.crc32(raw[start:start + 4096]) for start in range(0, len(raw), 4096)]
+    assert block_crcs(data.numpy(), 4096) == expected and len(expected) == 4
 
 
 def _raise(step: int, err: BaseException) -> None:
