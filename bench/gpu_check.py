@@ -7,6 +7,8 @@ It prints one table and writes `$OUT/gpu_check.json` (or `runs/gpu_check.json`):
     device (H100/H200/A100), so MFU is reported against both;
   * NCCL: a single-process NCCL group (world 1) all-reduce, all-gather and reduce-scatter
     round trip, which proves the NCCL path (init, abort-free teardown) works on this image;
+  * checkpoint staging: 1 GiB of device tensors staged by `ckpt.staging.StagingPool` (pinned
+    host buffers, asynchronous copies): exact, pinned, and the warm copy's GB/s;
   * training: the engine's GPT (`small` preset unless --preset) for --steps bf16 steps on one
     GPU, with step time, tokens/s and MFU = achieved model FLOP/s / peak;
   * memory: a 1B-class model (--mem-preset) for a few bf16 steps at tp = 1, without and with
@@ -136,6 +138,24 @@ def memory_check(torch, preset: str, seq_len: int, micro_batch: int, recompute: 
             "within_15pct": abs(ratio - 1) <= 0.15}
 
 
+def staging_check(torch, mib: int = 1024, saves: int = 3) -> dict:
+    """The checkpoint writer's staging of device state: pinned host buffers, exact copies, GB/s."""
+    from ckpt.staging import StagingPool
+    from trainer.state_slices import whole
+
+    pieces = [whole(f"w{i}", torch.randn(1 << 20, 16, device="cuda")) for i in range(mib // 64)]
+    pool, times = StagingPool(), []
+    for _ in range(saves):  # the first save allocates (pins) the buffers, later ones reuse them
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        staged = pool.stage(pieces)
+        times.append(time.perf_counter() - start)
+    exact = all(torch.equal(s.tensor, p.tensor.cpu()) for s, p in zip(staged, pieces, strict=True))
+    pinned = all(s.tensor.is_pinned() for s in staged)
+    return {"mib": mib, "first_s": times[0], "warm_s": min(times[1:]), "gbps": (mib << 20) / min(times[1:]) / 1e9,
+            "exact": exact, "pinned": pinned, "reused": pool.reused, "ok": exact and pinned}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
@@ -159,6 +179,7 @@ def main() -> int:
     result["matmul_tflops"] = measured_matmul_tflops(torch)
     result["table_peak_tflops"] = table_peak(name)
     result["nccl_roundtrip"] = nccl_roundtrip(torch)
+    result["staging"] = staging = staging_check(torch)
     result["train"] = train_steps(torch, args.preset, args.steps, args.seq_len, args.micro_batch)
     model_tflops = result["train"]["model_tflops"]
     result["memory"] = [memory_check(torch, args.mem_preset, args.mem_seq_len, args.mem_micro_batch, rc)
@@ -173,6 +194,9 @@ def main() -> int:
             ("bf16 matmul", f"{result['matmul_tflops']:.0f} TFLOP/s (table {result['table_peak_tflops']})"),
             ("nccl round trip", f"{'ok' if result['nccl_roundtrip']['ok'] else 'WRONG'} "
                                 f"{result['nccl_roundtrip']['seconds'] * 1e3:.1f} ms"),
+            ("ckpt staging (pinned)", f"{'ok' if staging['ok'] else 'WRONG'} {staging['mib']} MiB warm "
+                                      f"{staging['warm_s'] * 1e3:.0f} ms ({staging['gbps']:.1f} GB/s), "
+                                      f"first {staging['first_s']:.2f} s"),
             (f"{args.preset} bf16 step", f"{result['train']['step_s'] * 1e3:.1f} ms, "
                                           f"{result['train']['tokens_per_s'] / 1e3:.1f}k tok/s"),
             ("MFU", f"{result['mfu_vs_measured']:.1%} of measured, "
@@ -185,7 +209,7 @@ def main() -> int:
                      f"({'within' if mem['within_15pct'] else 'NOT within'} 15%)"))
     for key, value in rows:
         print(f"{key:22s} {value}")
-    return 0 if result["nccl_roundtrip"]["ok"] else 1
+    return 0 if result["nccl_roundtrip"]["ok"] and result["staging"]["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ the second save on staging is a plain copy into memory that is already mapped. A
 whose geometry or dtype changed (a new layout after a reshard) gets a new buffer; buffers no
 slice asked for in the latest call are released, so the pool never holds more than one
 snapshot.
+
+Device state (CUDA tensors) is staged into pinned host memory with asynchronous copies, all
+issued first and waited for once at the end of `stage` (so the copies of many tensors run
+back to back on the copy engine, and the writer thread never reads a buffer still being
+filled); host state is copied into ordinary memory.
 """
 
 from __future__ import annotations
@@ -30,22 +35,29 @@ class StagingPool:
 
     def stage(self, pieces: Sequence[TensorSlice]) -> list[TensorSlice]:
         """A CPU copy of every piece's tensor, in buffers kept for the next call; the pieces are not changed."""
-        kept, staged = {}, []
+        kept, staged, devices = {}, [], set()
         for piece in pieces:
             if piece.tensor is None:
                 raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to save has no data")
             source = piece.tensor.detach()
-            slot = (piece.key, source.dtype, tuple(source.shape))
+            on_device = source.device.type == "cuda"
+            slot = (piece.key, source.dtype, tuple(source.shape), on_device)
             if slot in kept:  # the same slice twice in one call: each needs its own copy
                 raise ValueError(f"{piece.name}{list(piece.offsets)}: the same slice was staged twice")
             buffer = self._buffers.get(slot)
             if buffer is None:
-                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+                # Pinned for device sources: a pageable target would make the copy synchronous and
+                # go through a bounce buffer; pinned memory is also what keeps the pool worth having.
+                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=on_device)
             else:
                 self.reused += 1
-            buffer.copy_(source)
+            buffer.copy_(source, non_blocking=on_device)
+            if on_device:
+                devices.add(source.device)
             kept[slot] = buffer
             staged.append(piece.with_tensor(buffer))
+        for device in devices:  # the copies above may still be in flight
+            torch.cuda.synchronize(device)
         self._buffers = kept
         return staged
 
