@@ -11,7 +11,7 @@ Protocol (the same as `ckpt.writer.ShardWriter`, so the two are measured on equa
 
 The staging buffer is one flat shared tensor, allocated at the first save (and again only
 if a save needs more room) and sent to the child once; later saves copy into it, so they
-neither allocate nor page-fault, unlike the thread writer's fresh copy per save. The child
+neither allocate nor page-fault, as the thread writer's kept staging pool. The child
 is started with "spawn" (a fork of a process running gloo threads is unsafe).
 """
 
