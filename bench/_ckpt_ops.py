@@ -39,7 +39,7 @@ from ckpt.catalog import Catalog
 from ckpt.manifest import ShardReceipt, step_dir
 from ckpt.reader import read_slices
 from ckpt.reshard import plan_reads
-from ckpt.shards import chunks_to_write
+from ckpt.shards import slices_to_write
 from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
@@ -128,7 +128,7 @@ class RankOps:
                 fs.pipe_file(f"{root}/.warm-r{self.rank}", b"warm")
                 fs.rm_file(f"{root}/.warm-r{self.rank}")
         # The host copies both systems keep between saves.
-        self.staging.stage(chunks_to_write(self.slices))
+        self.staging.stage(slices_to_write(self.slices))
         self.dcp_stager.stage(self.dcp_state)
         dist.barrier()
 

@@ -1,12 +1,11 @@
 """Rank side of a save: which slices this rank writes, and the shard file format.
 
 Protocol: at a checkpoint step every rank (through `ckpt.writer.ShardWriter`) calls
-`chunks_to_write(slices)` on the `TensorSlice`s its engine holds: its share
-(`slices_to_write`, pure, a function of each slice alone, so every replica agrees without
-communication) cut into the chunks of its shard file in file order (`file_order`). It stages
-those chunks (or not, for a synchronous save) and calls `write_chunks(...)`, which writes one
-immutable shard file and returns a `ShardReceipt` for the controller (`write_slices` does
-both steps for callers that do not stage).
+`slices_to_write(slices)` on the `TensorSlice`s its engine holds (pure, a function of each
+slice alone, so every replica agrees without communication), stages them (or not, for a
+synchronous save) and calls `write_slices(...)`, which cuts them into the chunks of the file in
+file order (`file_order`) and writes one immutable shard file (`write_chunks`), returning a
+`ShardReceipt` for the controller.
 The controller commits the manifest once every rank's receipt is in and their chunks tile
 every tensor (`ckpt.manifest.merge_receipts`).
 
@@ -150,11 +149,6 @@ def file_order(written: Iterable[TensorSlice], min_tile_bytes: int = MIN_TILE_BY
     return [tile for _, tile in sorted(ordered, key=lambda item: item[0])]
 
 
-def chunks_to_write(slices: Iterable[TensorSlice]) -> list[TensorSlice]:
-    """This rank's share of its slices (`slices_to_write`) as the chunks of its shard file, in file order."""
-    return file_order(slices_to_write(slices))
-
-
 def shard_file_name(rank: int, tag: str = "") -> str:
     """The shard file of `rank`; `tag` names the save attempt (controller run and generation).
 
@@ -210,8 +204,8 @@ def write_chunks(
     """Write `chunks` (`file_order` of the written slices, each with data) as they are, one chunk
     each and in this order, as this rank's immutable shard file for `step`.
 
-    Callers that stage before writing (`ckpt.writer.ShardWriter`) stage the chunks, not the
-    slices, so that a staged column tile is already contiguous and is written without a copy.
+    Contiguous host chunks are written from their own memory; column tiles are gathered into
+    one reused scratch buffer (`_ChunkBytes`).
     """
     started = time.perf_counter()
     check_block_bytes(block_bytes)

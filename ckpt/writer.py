@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from ckpt.blocks import BLOCK_BYTES
 from ckpt.manifest import ShardReceipt
-from ckpt.shards import chunks_to_write, write_chunks
+from ckpt.shards import slices_to_write, write_slices
 from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from trainer.state_slices import TensorSlice
@@ -63,12 +63,12 @@ class ShardWriter:
             self.waited += 1
             self._thread.join()
         held = [piece.with_tensor(None) for piece in slices]
-        # Staged chunk by chunk in file order, so that each column tile is gathered once, into
-        # the staging copy, and written from it without another copy.
-        chunks = chunks_to_write(slices)
-        # Async: a copy even of CPU tensors, since training goes on mutating the originals while
-        # the shard is written. Sync: training waits for the write, which reads the live tensors.
-        staged = self.staging.stage(chunks) if self.async_save else chunks
+        mine = slices_to_write(slices)
+        # Async: a contiguous copy of each slice (a plain memcpy: the least training waits for),
+        # even of CPU tensors, since training goes on mutating the originals while the shard is
+        # written; the writer thread gathers column tiles from it. Sync: training waits for the
+        # write, which reads the live tensors.
+        staged = self.staging.stage(mine) if self.async_save else mine
         if self.fault_hook is not None:
             self.fault_hook("during_stage", step)
         blocking_s = time.perf_counter() - started
@@ -86,7 +86,7 @@ class ShardWriter:
         try:
             if self.fault_hook is not None:
                 self.fault_hook("during_shard_write", step)
-            receipt = write_chunks(self.storage, step, self.rank, staged, blocking_s, held=held,
+            receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
                                    block_bytes=self.block_bytes, tag=self.tag)
         except BaseException as err:  # reported, never raised into a dead thread
             self.on_error(step, err)
