@@ -4,8 +4,8 @@ Protocol: at a checkpoint step every rank (through `ckpt.writer.ShardWriter`) ca
 `slices_to_write(slices)` on the `TensorSlice`s its engine holds (pure, a function of each
 slice alone, so every replica agrees without communication), stages them (or not, for a
 synchronous save) and calls `write_slices(...)`, which cuts them into the chunks of the file in
-file order (`file_order`) and writes one immutable shard file (`write_chunks`), returning a
-`ShardReceipt` for the controller.
+file order (`file_order`) and writes one immutable shard file, returning a `ShardReceipt` for
+the controller.
 The controller commits the manifest once every rank's receipt is in and their chunks tile
 every tensor (`ckpt.manifest.merge_receipts`).
 
@@ -161,8 +161,8 @@ def shard_file_name(rank: int, tag: str = "") -> str:
 class _ChunkBytes:
     """Row-major bytes of each chunk to write, copying only what is not already contiguous host memory.
 
-    A staged chunk (a contiguous CPU tensor) is handed out as a view of its own memory. A
-    column tile of a live tensor (a strided view) or a device tensor is gathered into one
+    A contiguous CPU chunk (an untiled staged slice) is handed out as a view of its own memory.
+    A column tile (a strided view, of a staged or a live tensor) or a device tensor is gathered into one
     scratch buffer, kept and grown for the whole file: the bytes of one chunk are checksummed
     and handed to the file's `write` (which copies them into the page cache or the upload
     buffer) before the next chunk reuses it. A fresh contiguous copy per tile would fault in
@@ -192,17 +192,6 @@ def write_slices(
     `held`: every slice the rank holds, written or not; their tensors are named in the
     receipt (without chunks) so the commit can check that somebody wrote them. Wide slices
     are stored as column tiles (`column_tiles`, at least `min_tile_bytes` each).
-    """
-    return write_chunks(storage, step, rank, file_order(written, min_tile_bytes), blocking_s, held=held,
-                        block_bytes=block_bytes, tag=tag)
-
-
-def write_chunks(
-    storage: Storage, step: int, rank: int, chunks: Sequence[TensorSlice], blocking_s: float,
-    held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES, tag: str = "",
-) -> ShardReceipt:
-    """Write `chunks` (`file_order` of the written slices, each with data) as they are, one chunk
-    each and in this order, as this rank's immutable shard file for `step`.
 
     Contiguous host chunks are written from their own memory; column tiles are gathered into
     one reused scratch buffer (`_ChunkBytes`).
@@ -211,6 +200,7 @@ def write_chunks(
     check_block_bytes(block_bytes)
     file = shard_file_name(rank, tag)
     entries: dict[str, TensorEntry] = {}
+    chunks = file_order(written, min_tile_bytes)
     for piece in [*held, *chunks]:
         entries.setdefault(piece.name, TensorEntry(dtype=dtype_name(piece.dtype), shape=list(piece.global_shape)))
     offset, as_bytes = 0, _ChunkBytes()
