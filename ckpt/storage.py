@@ -46,6 +46,7 @@ from typing import BinaryIO
 
 import fsspec
 
+from ckpt.direct_io import DirectFile, open_direct
 from ckpt.write_behind import WriteBehindFile
 
 # s3fs's own default for pipe_file: bodies under twice this size go in one PUT.
@@ -300,10 +301,20 @@ def _local_atomic_writer(path: str) -> Iterator[BinaryIO]:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
-        with open(tmp, "wb") as f:
-            yield WriteBehindFile(f)  # the disk starts on the first bytes while later ones are produced
-            f.flush()
-            os.fsync(f.fileno())
+        fd = open_direct(tmp)
+        if fd is not None:  # from our buffers to the disk, past the page cache
+            direct = DirectFile(fd)
+            try:
+                yield direct
+            except BaseException:
+                direct.abort()
+                raise
+            direct.finish()
+        else:
+            with open(tmp, "wb") as f:
+                yield WriteBehindFile(f)  # the disk starts on the first bytes while later ones are produced
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

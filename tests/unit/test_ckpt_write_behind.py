@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from ckpt import storage as storage_module
 from ckpt import write_behind
 from ckpt.storage import Storage
 from ckpt.write_behind import WriteBehindFile
@@ -32,7 +33,8 @@ def test_the_kernel_accepts_the_request(tmp_path):
         assert write_behind._start_writeback(f.fileno(), 0, 8192, 2) == 0
 
 
-def test_local_shard_writes_go_through_it_and_land_whole(tmp_path, monkeypatch):
+def test_local_shard_writes_go_through_it_where_o_direct_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage_module, "open_direct", lambda path: None)  # tmpfs, say: see ckpt.direct_io
     queued = []
     monkeypatch.setattr(write_behind, "_start_writeback", lambda *args: queued.append(args[1:3]) or 0)
     monkeypatch.setattr(write_behind, "WRITE_BEHIND_BYTES", 1 << 20)
