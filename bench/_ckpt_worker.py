@@ -65,6 +65,8 @@ def run(config: dict) -> dict:
             print(f"[ckpt bench] {_describe(op, gathered)}", flush=True)
         if kind == "raw_read":  # last operation of the repeat
             ops.clean(backend, steps[(backend, op["rep"])])
+    for writer in ops.writers.values():
+        writer.flush()
     tvp = {}
     if config["tvp_repeats"] > 0:
         if state.rank == 0:

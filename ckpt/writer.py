@@ -9,7 +9,8 @@ Protocol (one instance per rank, driven by the rank's training thread only):
      shard is written inline from the rank's own tensors while training waits.
   2. When the shard is durable, `on_receipt(receipt, extra)` is called (from the writer
      thread) so the rank can hand the receipt to the controller, which commits.
-  3. `flush()` before the rank leaves, so a final save is never lost.
+  3. `flush()` before the rank leaves, so a final save is never lost (`wait()` waits for the
+     save in flight without stopping the writer thread).
 
 At most one snapshot is staged per rank (design.md invariant 6): a save requested while
 the previous one is still being written waits for it; the wait is part of the blocking
@@ -20,6 +21,10 @@ the write that read it has finished.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +35,24 @@ from ckpt.shards import slices_to_write, write_slices
 from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from trainer.state_slices import TensorSlice
+
+WRITER_NICE = 10  # added to the writer thread's nice value: it runs on what CPU training leaves over
+
+
+def yield_cpu_to_training() -> None:
+    """Lower the calling thread's CPU priority by `WRITER_NICE` (Linux: nice is per thread).
+
+    Called by the background writer thread on itself, first thing. The copy that training waits
+    for is done by then; what is left (gathering tiles, checksums, I/O) is not on the training
+    path, so the scheduler should give a core to the training thread, its data loader or
+    another rank's staging before it. Threads the writer starts (the direct-I/O thread) inherit
+    the value. A no-op where threads have no nice value of their own.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
 
 
 class ShardWriter:
@@ -54,14 +77,20 @@ class ShardWriter:
         self.waited = 0
         # Callers that run several writers one save at a time (bench/ckpt.py) may share one pool.
         self.staging = staging if staging is not None else StagingPool()
+        # The background writer: one long-lived thread fed through `_jobs`, started by the first
+        # async save and stopped by `flush`. Not a thread per save: `Thread.start` waits until the
+        # new thread has run, which on a busy machine costs the training thread a scheduler turn.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._idle = threading.Event()  # set while no save is being written
+        self._idle.set()
 
     def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float:
         """Stage this rank's share of `slices` and start writing; return the seconds the caller was blocked."""
         started = time.perf_counter()
-        if self._thread is not None and self._thread.is_alive():
+        if not self._idle.is_set():
             self.waited += 1
-            self._thread.join()
+            self._idle.wait()
         held = [piece.with_tensor(None) for piece in slices]
         mine = slices_to_write(slices)
         # Async: a contiguous copy of each slice (a plain memcpy: the least training waits for),
@@ -75,12 +104,21 @@ class ShardWriter:
         if not self.async_save:
             self._write(step, staged, held, extra, blocking_s, started)
             return time.perf_counter() - started
-        self._thread = threading.Thread(
-            target=self._write, args=(step, staged, held, extra, blocking_s, started),
-            name=f"ckpt-writer-r{self.rank}", daemon=True,
-        )
-        self._thread.start()
+        self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"ckpt-writer-r{self.rank}", daemon=True)
+            self._thread.start()
+        self._jobs.put((step, staged, held, extra, blocking_s, started))
         return blocking_s
+
+    def _serve(self) -> None:
+        """The writer thread: one save at a time, until `flush` sends None."""
+        yield_cpu_to_training()
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._write(*job)
+            finally:
+                self._idle.set()
 
     def _write(self, step: int, staged: list, held: list, extra: dict, blocking_s: float, started: float) -> None:
         try:
@@ -88,15 +126,20 @@ class ShardWriter:
                 self.fault_hook("during_shard_write", step)
             receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
                                    block_bytes=self.block_bytes, tag=self.tag)
-        except BaseException as err:  # reported, never raised into a dead thread
+            if not self.async_save:
+                receipt.blocking_s = time.perf_counter() - started
+            self.on_receipt(receipt, extra)
+        except BaseException as err:  # reported, never raised into the writer thread's loop
             self.on_error(step, err)
-            return
-        if not self.async_save:
-            receipt.blocking_s = time.perf_counter() - started
-        self.on_receipt(receipt, extra)
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, has been written and its receipt handed over."""
+        self._idle.wait()
 
     def flush(self) -> None:
+        """`wait`, then stop the writer thread (a later save starts a new one). Before the rank leaves."""
+        self._idle.wait()
         if self._thread is not None:
+            self._jobs.put(None)
             self._thread.join()
             self._thread = None
-

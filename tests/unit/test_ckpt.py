@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import zlib
 
@@ -18,7 +19,7 @@ from ckpt.manifest import step_dir
 from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable, read_slices, verify_checkpoint
 from ckpt.shards import _ChunkBytes, owned_by, slices_to_write, write_shard, write_slices
 from ckpt.storage import AlreadyCommitted, Storage
-from ckpt.writer import ShardWriter
+from ckpt.writer import WRITER_NICE, ShardWriter
 from orchestrator.commits import Committer
 from trainer.state_slices import TensorSlice, assemble, whole
 
@@ -193,6 +194,46 @@ def test_async_writer_stages_then_reports_receipt(catalog):
                    receipts=[receipts[0][0]], state=receipts[0][1])
     tensors, _ = load_checkpoint(catalog, 7)
     assert torch.equal(tensors["model/w"], _state()["model/w"])
+
+
+def test_async_saves_share_one_low_priority_writer_thread_until_flush(catalog):
+    seen, errors = [], []
+
+    def on_receipt(receipt, extra):  # runs on the writer thread
+        tid = threading.get_native_id()
+        seen.append((receipt.step, threading.current_thread().name, tid, os.getpriority(os.PRIO_PROCESS, tid)))
+
+    writer = ShardWriter(catalog.storage, 3, on_receipt, lambda s, e: errors.append(e), async_save=True)
+    slices = [whole(name, t) for name, t in _state().items()]
+    for step in (1, 2, 3):
+        writer.save(step, slices, {})
+        writer.wait()
+    thread = writer._thread
+    writer.flush()
+    writer.save(4, slices, {})  # a save after flush starts a new thread
+    writer.flush()
+    assert not errors and [s for s, *_ in seen] == [1, 2, 3, 4]
+    assert {name for _, name, _, _ in seen} == {"ckpt-writer-r3"}
+    assert len({tid for _, _, tid, _ in seen[:3]}) == 1 and not thread.is_alive() and writer._thread is None
+    if sys.platform.startswith("linux"):
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert all(nice == min(19, own + WRITER_NICE) for *_, nice in seen)
+
+
+def test_a_failing_receipt_handler_is_reported_and_the_writer_goes_on(catalog):
+    errors, receipts = [], []
+
+    def on_receipt(receipt, extra):
+        if receipt.step == 1:
+            raise ConnectionError("controller store unreachable")
+        receipts.append(receipt.step)
+
+    writer = ShardWriter(catalog.storage, 0, on_receipt, lambda s, e: errors.append((s, e)), async_save=True)
+    slices = [whole(name, t) for name, t in _state().items()]
+    writer.save(1, slices, {})
+    writer.save(2, slices, {})
+    writer.flush()
+    assert [(s, type(e).__name__) for s, e in errors] == [(1, "ConnectionError")] and receipts == [2]
 
 
 def test_sync_writer_writes_the_live_tensors_byte_for_byte_as_the_async_one_and_stages_nothing(tmp_path):
