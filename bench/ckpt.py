@@ -60,6 +60,7 @@ from bench._ckpt_report import (  # noqa: E402
     tvp_verdict,
 )
 from bench._docs import replace_section  # noqa: E402
+from ckpt.staging import staging_env  # noqa: E402
 
 NOTES = ("<!-- ckpt-notes: kept when bench/ckpt.py rewrites this section -->", "<!-- /ckpt-notes -->")
 WORKER = ROOT / "bench" / "_ckpt_worker.py"
@@ -123,8 +124,10 @@ def launch(config_path: Path, work: Path) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        # The environment the orchestrator gives its rank processes (ckpt.staging.staging_env), for
+        # every rank of both systems.
+        env = {**os.environ, **staging_env(os.environ), "RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         log = (work / f"rank{rank}.log").open("wb")
         out = None if rank == 0 else log  # rank 0's progress lines go to the terminal
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(config_path)], env=env, cwd=ROOT,

@@ -17,15 +17,52 @@ Device state (CUDA tensors) is staged into pinned host memory with asynchronous 
 issued first and waited for once at the end of `stage` (so the copies of many tensors run
 back to back on the copy engine, and the writer thread never reads a buffer still being
 filled); host state is copied into ordinary memory.
+
+Host-to-host copies of contiguous tensors go through the C library's `memmove`, not
+`Tensor.copy_`: glibc's memmove switches to non-temporal stores above a size threshold, and
+a staging copy (hundreds of MiB, read next by another thread) has no use for the cache; with
+the rank's cores all copying, memory bandwidth is what staging waits for, and streaming
+stores skip the read of every destination line that ordinary stores make. glibc derives the
+threshold from the cache size it detects, often hundreds of MiB on virtual machines, so
+`staging_env` lowers it to `NON_TEMPORAL_THRESHOLD` for the rank processes the orchestrator
+starts (glibc reads tunables when a process starts). Measured here, 4 ranks copying 264 MiB
+each on 2 cores: 0.058-0.061 s with it against 0.067-0.075 s for `copy_`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from trainer.state_slices import TensorSlice
+
+NON_TEMPORAL_THRESHOLD = 1 << 20  # copies this large stream past the cache; below, they fit in L2
+_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+
+
+def staging_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables to add for a rank process, given the environment it would start with.
+
+    Sets glibc's non-temporal threshold (x86; ignored elsewhere) unless `env` already sets it;
+    other tunables in `env` are kept.
+    """
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if _TUNABLE in tunables:
+        return {}
+    ours = f"{_TUNABLE}={NON_TEMPORAL_THRESHOLD}"
+    return {"GLIBC_TUNABLES": f"{tunables}:{ours}" if tunables else ours}
+
+
+def copy_into(buffer: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> None:
+    """`buffer.copy_(source)`, by the C library's memmove where both are contiguous host tensors of one dtype."""
+    if (buffer.device.type == "cpu" and source.device.type == "cpu" and buffer.dtype == source.dtype
+            and buffer.shape == source.shape and buffer.is_contiguous() and source.is_contiguous()
+            and source.layout == torch.strided and not source.is_conj() and not source.is_neg()):
+        ctypes.memmove(buffer.data_ptr(), source.data_ptr(), buffer.numel() * buffer.element_size())
+    else:
+        buffer.copy_(source, non_blocking=non_blocking)
 
 
 class StagingPool:
@@ -51,7 +88,7 @@ class StagingPool:
                 buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=on_device)
             else:
                 self.reused += 1
-            buffer.copy_(source, non_blocking=on_device)
+            copy_into(buffer, source, non_blocking=on_device)
             if on_device:
                 devices.add(source.device)
             kept[slot] = buffer

@@ -11,6 +11,7 @@ ranks. A SIGKILLed actor is seen through its pending `train` call: Ray raises
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from ray.exceptions import GetTimeoutError, NodeDiedError, OutOfMemoryError, Ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ckpt.staging import staging_env
 from orchestrator.capacity import capacity_problems, node_problems
 from orchestrator.placement import plan_placement
 from orchestrator.rank_actor import RankActor
@@ -54,7 +56,9 @@ class RayWorkerGroup:
     def __init__(self, spec, env_vars: dict[str, str] | None = None, placement_timeout_s: float = 60.0):
         self.spec = spec
         self.spec_json = spec.model_dump_json(by_alias=True)
-        self.env_vars = env_vars or {}
+        # The rank processes' environment, fixed when Ray starts them: the connection's settings
+        # plus glibc's streaming-copy threshold for checkpoint staging (ckpt.staging.staging_env).
+        self.env_vars = {**staging_env(os.environ), **(env_vars or {})}
         self.placement_timeout_s = placement_timeout_s
         self.pg = None
         # seat -> Ray bundle index; every `bundle` index below (bundle_of, spares) is a seat index

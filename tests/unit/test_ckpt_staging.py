@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ckpt.staging import StagingPool
+from ckpt.staging import NON_TEMPORAL_THRESHOLD, StagingPool, copy_into, staging_env
 from trainer.state_slices import TensorSlice, whole
 
 
@@ -39,3 +39,30 @@ def test_bad_input_is_named():
         pool.stage([whole("w", torch.zeros(2)).with_tensor(None)])
     with pytest.raises(ValueError, match="staged twice"):
         pool.stage([whole("w", torch.zeros(2)), whole("w", torch.zeros(2))])
+
+
+def test_copy_into_uses_memmove_only_where_bytes_are_the_values():
+    base = torch.arange(40.0).reshape(5, 8)
+    cases = [
+        base[1:3],  # contiguous, with a storage offset: memmove from the offset
+        base[:, 2:6],  # strided: copy_
+        torch.arange(16, dtype=torch.float64).reshape(2, 8).float(),
+        (torch.arange(8.0) + 1j * torch.arange(8.0)).reshape(2, 4).conj(),  # lazy conjugate: copy_
+        -torch.arange(8.0).reshape(2, 4),
+    ]
+    for source in cases:
+        buffer = torch.empty(source.shape, dtype=source.dtype)
+        copy_into(buffer, source)
+        assert torch.equal(buffer, source.resolve_conj()), source
+    mixed = torch.empty(2, 8, dtype=torch.float64)
+    copy_into(mixed, base[1:3])  # dtypes differ: copy_ casts
+    assert torch.equal(mixed, base[1:3].double())
+
+
+def test_staging_env_lowers_the_streaming_threshold_and_keeps_other_tunables():
+    assert staging_env({}) == {"GLIBC_TUNABLES": f"glibc.cpu.x86_non_temporal_threshold={NON_TEMPORAL_THRESHOLD}"}
+    other = "glibc.malloc.arena_max=2"
+    assert staging_env({"GLIBC_TUNABLES": other})["GLIBC_TUNABLES"] == (
+        f"{other}:glibc.cpu.x86_non_temporal_threshold={NON_TEMPORAL_THRESHOLD}")
+    # An operator's own value wins.
+    assert staging_env({"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x4040"}) == {}

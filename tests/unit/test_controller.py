@@ -15,13 +15,14 @@ import torch
 from ckpt.catalog import Catalog
 from ckpt.reader import verify_checkpoint
 from ckpt.shards import write_shard
+from ckpt.staging import staging_env
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from orchestrator.ckpt_plan import CheckpointPlan
 from orchestrator.controller import Controller, State
 from orchestrator.rendezvous import PLAN, RendezvousServer
 from orchestrator.spec import validate_spec
-from orchestrator.worker_group import PlacementError, RankOutcome
+from orchestrator.worker_group import PlacementError, RankOutcome, RayWorkerGroup
 
 
 class FakeWorkerGroup:
@@ -400,3 +401,10 @@ def test_a_windowed_storage_fault_stays_armed_for_ranks_that_join_later():
                   {"id": 2, "kind": "kill_rank", "rank": 2, "at_step": 5}]
     ctl.fired = {0: {"fault_id": 0}, 1: {"fault_id": 1}, 2: {"fault_id": 2}}
     assert [f["id"] for f in ctl._armed_faults()] == [0]
+
+
+def test_rank_processes_start_with_the_staging_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    workers = RayWorkerGroup(_spec(tmp_path), env_vars={"GLOO_SOCKET_IFNAME": "lo"})
+    assert workers.env_vars == {"GLOO_SOCKET_IFNAME": "lo", **staging_env({})}
+    assert "x86_non_temporal_threshold" in workers.env_vars["GLIBC_TUNABLES"]
