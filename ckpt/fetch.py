@@ -2,14 +2,16 @@
 
 Called by ckpt.reader on the restoring rank (or by a verifying tool), after
 `ckpt.reshard.plan_reads`. Object-store latency, not bandwidth, dominates small range
-reads, so ranges are fetched by a pool of threads (`Storage` is safe to share), each
-straight into the tensor the reader then views. Every needed block is verified against
+reads, and a cold disk or a store gives its bandwidth only to many requests in flight, so
+ranges are fetched by a pool of threads (`Storage` is safe to share), long ranges in pieces,
+each straight into the tensor the reader then views. Every needed block is verified against
 the manifest before any byte of it is used; a missing file, a short read or a checksum
 mismatch raises `CorruptCheckpoint`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,53 +25,86 @@ from ckpt.reshard import RangeRead
 from ckpt.storage import Storage
 
 READ_THREADS = 8
+# Ranges longer than this are read as several pieces by the pool's threads at once, into one
+# buffer: a restoring rank often needs a single range per file (hundreds of MiB), and one
+# sequential read of it keeps one request in flight, while a cold disk or an object store
+# gives its bandwidth only to many (the kernel's read-ahead is 128 KiB by default; a ranged
+# GET is one connection).
+PIECE_BYTES = 16 << 20
 
 Fetched = dict[str, list[tuple[int, torch.Tensor]]]  # file -> [(start byte, uint8 bytes)], sorted by start
 
 
 def fetch(storage: Storage, step: int, reads: Sequence[RangeRead], *, threads: int = READ_THREADS,
-          keep: bool = True) -> Fetched:
+          keep: bool = True, piece_bytes: int = PIECE_BYTES) -> Fetched:
     """Read and verify every range of `reads` from checkpoint `step`'s directory.
 
-    With `keep=False` the bytes are verified and dropped (whole-checkpoint verification
-    in bounded memory); the result is then empty.
+    Each range is read into one buffer, as pieces of at most `piece_bytes` fetched
+    concurrently; once a range's pieces are all in, the thread that brought the last one
+    checks its blocks. With `keep=False` the bytes are verified and dropped (whole-checkpoint
+    verification in bounded memory); the result is then empty.
     """
     out: Fetched = defaultdict(list)
     if not reads:
         return out
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(reads))), thread_name_prefix="ckpt-read") as pool:
-        futures = [pool.submit(_read_one, storage, step, read, keep) for read in reads]
+    ranges = [_Range(storage, step, read, piece_bytes) for read in reads]
+    pieces = [(r, lo, hi) for r in ranges for lo, hi in r.pieces]
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(pieces))), thread_name_prefix="ckpt-read") as pool:
+        # Ranges in order, so a range's buffer is allocated only when its first piece is read:
+        # with keep=False at most the ranges in flight are held.
+        futures = [pool.submit(r.read_piece, lo, hi, keep) for r, lo, hi in pieces]
         try:
-            for read, future in zip(reads, futures, strict=True):
-                data = future.result()
-                if keep:
-                    out[read.file].append((read.start, data))
+            for future in futures:
+                future.result()
         except BaseException:
             for future in futures:
                 future.cancel()  # do not keep fetching from a checkpoint already known bad
             raise
-    for ranges in out.values():
-        ranges.sort(key=lambda item: item[0])
+    if keep:
+        for r in ranges:
+            out[r.read.file].append((r.read.start, r.buffer))
+        for file_ranges in out.values():
+            file_ranges.sort(key=lambda item: item[0])
     return out
 
 
-def _read_one(storage: Storage, step: int, read: RangeRead, keep: bool) -> torch.Tensor | None:
-    path = storage.path(step_dir(step), read.file)
-    # The bytes land in the tensor the reader will view (no bytes object, no second copy).
-    buffer = torch.empty(read.end - read.start, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
-    try:
-        got = storage.read_range_into(path, read.start, view)
-    except OSError as err:  # FileNotFoundError included: a shard named by the manifest is gone
-        raise CorruptCheckpoint(f"step {step}: cannot read bytes {read.start}..{read.end} of {read.file}: "
-                                f"{type(err).__name__}: {err}") from err
-    if got != len(view):
-        raise CorruptCheckpoint(f"step {step}: {read.file} is truncated: got {got} of the "
-                                f"{len(view)} bytes at {read.start}")
-    # crc32 releases the GIL on large buffers: the pool's threads checksum one range while
-    # others are still reading theirs.
-    for block in read.blocks:
-        if crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
-            raise CorruptCheckpoint(f"step {step}: checksum mismatch in {read.file}, "
-                                    f"block at bytes {block.start}..{block.end}")
-    return buffer if keep else None
+class _Range:
+    """One `RangeRead` being fetched: its buffer, its pieces, and the count of pieces still out."""
+
+    def __init__(self, storage: Storage, step: int, read: RangeRead, piece_bytes: int):
+        self.storage, self.step, self.read = storage, step, read
+        size = read.end - read.start
+        self.pieces = [(lo, min(lo + piece_bytes, size)) for lo in range(0, size, piece_bytes)] or [(0, 0)]
+        self.buffer: torch.Tensor | None = None
+        self._left = len(self.pieces)
+        self._lock = threading.Lock()
+
+    def read_piece(self, lo: int, hi: int, keep: bool) -> None:
+        read = self.read
+        with self._lock:
+            if self.buffer is None:
+                # The bytes land in the tensor the reader will view (no bytes object, no second copy).
+                self.buffer = torch.empty(read.end - read.start, dtype=torch.uint8)
+            buffer = self.buffer
+        view = memoryview(buffer.numpy())
+        path = self.storage.path(step_dir(self.step), read.file)
+        try:
+            got = self.storage.read_range_into(path, read.start + lo, view[lo:hi])
+        except OSError as err:  # FileNotFoundError included: a shard named by the manifest is gone
+            raise CorruptCheckpoint(f"step {self.step}: cannot read bytes {read.start + lo}..{read.start + hi} "
+                                    f"of {read.file}: {type(err).__name__}: {err}") from err
+        if got != hi - lo:
+            raise CorruptCheckpoint(f"step {self.step}: {read.file} is truncated: got {got} of the "
+                                    f"{hi - lo} bytes at {read.start + lo}")
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        # The last piece is in: check every block of the range. crc32 releases the GIL on large
+        # buffers, so other threads go on reading meanwhile.
+        for block in read.blocks:
+            if crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
+                raise CorruptCheckpoint(f"step {self.step}: checksum mismatch in {read.file}, "
+                                        f"block at bytes {block.start}..{block.end}")
+        if not keep:
+            self.buffer = None

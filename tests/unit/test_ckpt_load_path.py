@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from ckpt.catalog import Catalog
+from ckpt.fetch import fetch
 from ckpt.manifest import step_dir
 from ckpt.reader import CorruptCheckpoint, load_checkpoint, read_slices
+from ckpt.reshard import plan_reads
 from ckpt.shards import column_tiles, write_slices
 from ckpt.storage import Storage
 from tests._counting_storage import CountingStorage
@@ -123,3 +125,31 @@ def test_a_short_file_read_into_the_buffer_is_caught(tmp_path):
         f.truncate(700)
     with pytest.raises(CorruptCheckpoint, match="truncated: got 700 of the 1200 bytes"):
         load_checkpoint(catalog, 1)
+
+
+def test_a_long_range_is_fetched_in_concurrent_pieces_into_one_buffer_and_verified(url):
+    storage, tensors = CountingStorage(url), _tensors()
+    manifest = _save(storage, tensors)
+    wanted = [whole(n, t).with_tensor(None) for n, t in tensors.items()]
+    plan = plan_reads(manifest.tensors, wanted)
+    assert len(plan.reads) == 1  # the whole file, one range
+    size = plan.reads[0].end - plan.reads[0].start
+    fetched = fetch(storage, 1, plan.reads, piece_bytes=3000)  # not a multiple of anything stored
+    (start, data), = fetched[plan.reads[0].file]
+    assert len(data) == size and sorted(storage.reads) == [
+        (plan.reads[0].file, lo, min(lo + 3000, size)) for lo in range(0, size, 3000)]
+    storage.reads.clear()
+    whole_bytes = fetch(storage, 1, plan.reads)[plan.reads[0].file][0][1]
+    assert len(storage.reads) == 1 and torch.equal(data, whole_bytes)
+
+    # A bit flipped in a middle piece is caught once the range is complete, whoever read it.
+    shard = storage.path(step_dir(1), plan.reads[0].file)
+    raw = bytearray(storage.read(shard))
+    raw[size // 2] ^= 0x10
+    storage.fs.pipe_file(shard, bytes(raw))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        fetch(storage, 1, plan.reads, piece_bytes=3000)
+    storage.fs.pipe_file(shard, bytes(raw[: size - 5000]))
+    with pytest.raises(CorruptCheckpoint, match="truncated"):
+        fetch(storage, 1, plan.reads, piece_bytes=3000)
+    assert fetch(storage, 1, plan.reads[:0], piece_bytes=3000) == {}
