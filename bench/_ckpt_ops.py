@@ -23,6 +23,7 @@ fresh stager and allocate a new copy).
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -106,7 +107,7 @@ class RankOps:
         self.dcp_state = state.dcp_state()
         self.errors: list[str] = []
         self.shard_file: dict[str, str] = {}  # backend -> this rank's shard file of the last save
-        # One pool for all writers: each save is flushed before the next starts (as the one
+        # One pool for all writers: each save is written before the next starts (as the one
         # writer of a training rank would be), so they never stage at the same time.
         self.staging = StagingPool()
         self.writers: dict[tuple[str, str], ShardWriter] = {}
@@ -159,7 +160,7 @@ class RankOps:
         returned = time.time()
         self.waiter.wait([f"commit/{step}"])
         commit = json.loads(self.waiter.get(f"commit/{step}"))
-        writer.flush()
+        writer.wait()  # the thread stays, as a training rank's writer does from one save to the next
         if not commit["ok"]:
             raise RuntimeError(f"step {step} was not committed: {commit['why']}")
         return {"start": start, "returned": returned, "blocking": blocking, "end": commit["committed_at"],
@@ -183,9 +184,31 @@ class RankOps:
 
     # -- loads -----------------------------------------------------------------------------
 
+    def cold(self, backend: str) -> None:
+        """file://: rank 0 drops both systems' checkpoint files from the page cache (untimed).
+
+        Every load then reads the disk, as a restore on a replaced machine does, whatever wrote
+        the files: our shard files are written past the page cache (O_DIRECT) and DCP's through
+        it, so without this DCP's loads would read memory and ours the disk. All files are
+        fsynced, so their pages are clean and the advice drops them. The caller's barrier
+        follows before any timed region.
+        """
+        b = self.backends[backend]
+        if b.name != "file" or self.rank != 0:
+            return
+        for root in (self.storages[backend].root, b.dcp):
+            for folder, _, files in os.walk(root):
+                for name in files:
+                    fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+
     def ours_load(self, op: dict, step: int, check: bool) -> dict:
         wanted = self.state.layout_slices(op["layout"])
         catalog = Catalog(self.storages[op["backend"]])
+        self.cold(op["backend"])
         dist.barrier()
         start = time.time()
         loaded = read_slices(catalog, step, wanted) if wanted else []
@@ -202,6 +225,7 @@ class RankOps:
         targets = self.state.dcp_targets(op["layout"])
         group = self.state.pair_mesh.get_group() if op["layout"] == "dp2" and targets else None
         path = f"{backend.dcp}/dcp_save-{op['rep']}"
+        self.cold(op["backend"])
         dist.barrier()
         start = time.time()
         if targets:
@@ -216,6 +240,7 @@ class RankOps:
         """The read floor: each rank reads its own whole shard file in one request, nothing else."""
         storage = self.storages[op["backend"]]
         path = storage.path(step_dir(step), self.shard_file[op["backend"]])
+        self.cold(op["backend"])
         dist.barrier()
         start = time.time()
         data = storage.fs.cat_file(path)
