@@ -45,8 +45,12 @@ How each number is taken (`time.time()` stamps of the rank processes and of the 
   layout (allocation not timed). dp2 loads run on ranks 0 and 1 only (DCP on a 2-rank sub-mesh), tp4 on all
   4 ranks: every weight's rows are spread over 4 shard files and each rank wants a column band of every row.
 - raw read (floor): each rank reads its own shard file of our checkpoint with one `fs.cat_file`.
-- file:// reads come mostly from the page cache (the files were just written; not checked per read):
-  they measure the software path more than a disk.
+- file:// loads and the raw read are cold: before each one, rank 0 drops both systems' checkpoint files
+  from the page cache (`posix_fadvise(DONTNEED)`, untimed), so every load reads the disk, as a restore on
+  a replaced machine does. Our shard files are written past the page cache (O_DIRECT), DCP's through it.
+- every rank process (both systems) starts with the environment the orchestrator gives its ranks
+  (`ckpt.staging.staging_env`: glibc's non-temporal copy threshold at 1 MiB, used by our staging copy;
+  DCP stages with `Tensor.copy_`, which it does not affect).
 - thread vs process: rank 0 alone (the others idle in a barrier), writing its shard
   ({result['total_bytes'] / 4 / 2**20:.0f} MiB) while a training loop (small MLP, forward/backward/AdamW on one
   thread) keeps stepping. Windows of training of one length (1.5 x the slowest warm-up write, 1 s to 15 s):
