@@ -41,9 +41,10 @@ How each number is taken (`time.time()` stamps of the rank processes and of the 
   rank's `dcp.save` returning or `async_save` future completing (rank 0 writes `.metadata` inside).
   Throughput = logical state bytes / total.
 - loads: first rank starting -> last loading rank done, including the manifest / metadata read. Ours:
-  `read_slices` into fresh tensors of the layout; DCP: `dcp.load` into pre-allocated zeroed DTensors of the
-  layout (allocation not timed). dp2 loads run on ranks 0 and 1 only (DCP on a 2-rank sub-mesh), tp4 on all
-  4 ranks: every weight's rows are spread over 4 shard files and each rank wants a column band of every row.
+  `read_slices` into pre-allocated zeroed tensors of the layout; DCP: `dcp.load` into pre-allocated zeroed
+  DTensors of the layout (allocations not timed). dp2 loads run on ranks 0 and 1 only (DCP on a 2-rank
+  sub-mesh), tp4 on all 4 ranks: every weight's rows are spread over 4 shard files and each rank wants a
+  column band of every row.
 - raw read (floor): each rank reads its own shard file of our checkpoint with one `fs.cat_file`.
 - file:// loads and the raw read are cold: before each one, rank 0 drops both systems' checkpoint files
   from the page cache (`posix_fadvise(DONTNEED)`, untimed), so every load reads the disk, as a restore on

@@ -56,12 +56,19 @@ def read_slices(
 ) -> list[TensorSlice]:
     """`wanted` (geometry only) filled from committed checkpoint `step`, in the same order.
 
-    Each returned slice carries a CPU tensor of the wanted dtype (stored values are cast if
-    the dtypes differ), either fresh or a view of the fetched bytes; slices never share
+    A wanted slice that carries a tensor (of its dtype, on any device) is filled in place:
+    every element is overwritten, and only after every needed block has been fetched and
+    verified, so a corrupt checkpoint leaves it untouched; the restorer so needs no second
+    copy of its state. The others get a CPU tensor of the wanted dtype (stored values are cast
+    if the dtypes differ), either fresh or a view of the fetched bytes; slices never share
     elements, and the tensors are writable. Needed ranges of a file less than `coalesce_gap` bytes apart
     are fetched as one request. Raises ValueError when a wanted tensor is not in the
     checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad.
     """
+    for w in wanted:
+        if w.tensor is not None and w.tensor.dtype != w.dtype:
+            raise ValueError(f"{w.name}{list(w.offsets)}: the tensor to fill is {w.tensor.dtype}, the slice says "
+                             f"{w.dtype}; pass a tensor of the slice's dtype or none")
     manifest = manifest if manifest is not None else read_manifest(catalog, step)
     plan = _plan(manifest, step, wanted, coalesce_gap)
     fetched = fetch(catalog.storage, step, plan.reads, threads=threads)
@@ -72,14 +79,14 @@ def read_slices(
     out = []
     for index, w in enumerate(wanted):
         copies = sources[index]
-        if len(copies) == 1 and dtype_from_name(copies[0].dtype) == w.dtype:
+        if w.tensor is None and len(copies) == 1 and dtype_from_name(copies[0].dtype) == w.dtype:
             # The slice is one region of one stored chunk (a same-layout load): when that
             # region is contiguous, the fetched bytes are the tensor, and nothing is copied.
             region = _source(fetched[copies[0].file], starts[copies[0].file], copies[0])
             if region.is_contiguous():
                 out.append(region)
                 continue
-        tensor = torch.empty(w.lengths, dtype=w.dtype)
+        tensor = w.tensor if w.tensor is not None else torch.empty(w.lengths, dtype=w.dtype)
         for copy in copies:
             dst = tuple(slice(o, o + n) for o, n in zip(copy.dst_offsets, copy.lengths, strict=True))
             tensor[dst] = _source(fetched[copy.file], starts[copy.file], copy)

@@ -153,3 +153,31 @@ def test_a_long_range_is_fetched_in_concurrent_pieces_into_one_buffer_and_verifi
     with pytest.raises(CorruptCheckpoint, match="truncated"):
         fetch(storage, 1, plan.reads, piece_bytes=3000)
     assert fetch(storage, 1, plan.reads[:0], piece_bytes=3000) == {}
+
+
+def test_wanted_tensors_are_filled_in_place_and_left_untouched_by_a_corrupt_checkpoint(url):
+    storage, tensors = CountingStorage(url), _tensors()
+    _save(storage, tensors)
+    catalog = Catalog(storage)
+    wide, half = tensors["model/wide"], tensors["model/half"]
+    targets = [_cols("model/wide", wide, 64, 160).with_tensor(torch.full((ROWS, 96), -1.0)),
+               whole("model/half", half).with_tensor(torch.zeros_like(half)),
+               whole("model/bias", tensors["model/bias"]).with_tensor(None)]
+    got = read_slices(catalog, 1, targets)
+    assert got[0].tensor is targets[0].tensor and torch.equal(got[0].tensor, wide[:, 64:160])
+    assert got[1].tensor is targets[1].tensor and torch.equal(got[1].tensor, half)  # same layout: filled, not viewed
+    assert torch.equal(got[2].tensor, tensors["model/bias"])
+
+    with pytest.raises(ValueError, match="the tensor to fill is torch.float32, the slice says torch.bfloat16"):
+        read_slices(catalog, 1, [whole("model/half", half).with_tensor(torch.zeros(half.shape))])
+
+    tile = next(c for c in catalog.read_manifest(1).tensors["model/wide"].chunks if c.offsets == [0, 128])
+    shard = storage.path(step_dir(1), tile.file)
+    raw = bytearray(storage.read(shard))
+    raw[tile.byte_offset + tile.nbytes // 2] ^= 0x01  # in a tile the column band 64..160 needs
+    storage.fs.pipe_file(shard, bytes(raw))
+    fresh = torch.full((ROWS, 96), -1.0)
+    with pytest.raises(CorruptCheckpoint):
+        read_slices(catalog, 1, [_cols("model/wide", wide, 64, 160).with_tensor(fresh),
+                                 whole("model/half", half).with_tensor(torch.zeros_like(half))])
+    assert torch.equal(fresh, torch.full((ROWS, 96), -1.0))  # nothing written before every block verified
