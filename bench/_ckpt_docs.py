@@ -30,7 +30,9 @@ load against the saved state (outside the timings).
 
 How each number is taken (`time.time()` stamps of the rank processes and of the driver, one clock):
 - every operation starts after a barrier on the training group; no collective runs inside a timed region
-  of ours (the barrier, the gathering of timings and the bit checks are outside).
+  of ours (the barrier, the gathering of timings and the bit checks are outside). Before every save, of
+  either system, rank 0 runs `os.sync()` and waits 1 s (untimed), so no save waits for the writeback of
+  the one before it: a training job saves minutes apart, not back to back.
 - blocking: the worst rank's time inside the save call: `ShardWriter.save` (async: staging only; sync: the
   whole write), `dcp.async_save` until it returns, `dcp.save` until it returns. Both systems save warm, as a
   job that has saved before: our writers keep their staging buffers (`ckpt.staging.StagingPool`) and every
