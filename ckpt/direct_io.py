@@ -119,8 +119,8 @@ class DirectFile:
                 padded = tail if not self.direct else -(-tail // ALIGN_BYTES) * ALIGN_BYTES
                 view[tail:padded] = bytes(padded - tail)
                 self._write_all(view[:padded])
-            if self.direct:
-                os.ftruncate(self._fd, self._size)
+            # Cut the zero padding off; also when the padded write itself fell back to buffered I/O.
+            os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
         finally:
             self._close()

@@ -71,6 +71,25 @@ def test_a_device_that_refuses_direct_writes_gets_buffered_io_and_the_same_bytes
     assert calls[-1] == 17  # buffered from then on: the tail is written as it is, not padded
 
 
+def test_a_device_refusing_only_the_padded_last_write_still_gets_the_true_length(tmp_path, monkeypatch):
+    real_write, calls = os.write, []
+
+    def refusing_the_tail(fd, data):
+        calls.append(len(data))
+        if len(data) % BUFFER and len(calls) == 2:  # the padded tail, after one full buffer
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct_io.os, "write", refusing_the_tail)
+    data = _payload(BUFFER + 100)
+    path = tmp_path / "shard.bin"
+    f = DirectFile(_direct_fd(path), buffer_bytes=BUFFER)
+    f.write(data)
+    f.finish()
+    assert calls == [BUFFER, ALIGN_BYTES, ALIGN_BYTES]  # the padded tail, refused, then retried buffered
+    assert not f.direct and path.read_bytes() == data
+
+
 def test_an_io_error_reaches_the_writer_and_the_descriptor_is_closed(tmp_path, monkeypatch):
     def full_disk(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
