@@ -164,8 +164,8 @@ class _ChunkBytes:
     A contiguous CPU chunk (an untiled staged slice) is handed out as a view of its own memory.
     A column tile (a strided view, of a staged or a live tensor) or a device tensor is gathered into one
     scratch buffer, kept and grown for the whole file: the bytes of one chunk are checksummed
-    and handed to the file's `write` (which copies them into the page cache or the upload
-    buffer) before the next chunk reuses it. A fresh contiguous copy per tile would fault in
+    and handed to the file's `write` (which copies them into its direct-I/O buffer, the page
+    cache or the upload buffer) before the next chunk reuses it. A fresh contiguous copy per tile would fault in
     new pages for every byte of the state, which costs more than the copy itself.
     """
 
