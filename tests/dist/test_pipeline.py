@@ -228,8 +228,11 @@ def test_gpipe_bubble_and_1f1b_activations_in_flight():
     assert 0.5 * expected < gpipe_bubble(ranks) < 2.5 * expected
 
 
+# The formula counts compute only; every activation send and the last stage's loss add a little
+# idle time the formula does not know. Wide stages keep that overhead small against compute: at
+# d_model 512 (p=2) it alone put the bubble 20-40 % over the formula on this 2-core VM.
 @pytest.mark.heavy
-@pytest.mark.parametrize("p, m, d_model", [(2, 4, 512), (2, 8, 512), (4, 8, 256)])
+@pytest.mark.parametrize("p, m, d_model", [(2, 4, 1024), (2, 8, 1024), (4, 8, 512)])
 def test_gpipe_bubble_matches_the_formula_within_20_percent(p, m, d_model):
     ranks = run_ranks(measure_schedules, p, (d_model, m, 5))
     expected = (p - 1) / (m + p - 1)
