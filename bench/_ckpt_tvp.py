@@ -12,7 +12,8 @@ a shared machine falls on all of them alike:
   none     training only: its median seconds per step is the baseline, and its own spread
            ("lost" of a save-free window) is the noise floor of this measurement;
   thread   `ckpt.writer.ShardWriter.save` (async) at the start of the window;
-  process  bench/_ckpt_procwriter.ProcessShardWriter.save at the start of the window.
+  process  `ckpt.process_writer.ProcessShardWriter.save` (checkpoint.writer: process) at the start
+           of the window.
 A window with a save lasts until W has passed and the shard is durable (its receipt came).
 Per trial: blocking = the save call; write = save start -> receipt; lost = window length -
 steps x baseline step (the training time the save cost, blocking included).
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from bench._ckpt_procwriter import ProcessShardWriter
+from ckpt.process_writer import ProcessShardWriter
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
 from trainer.state_slices import TensorSlice
@@ -86,7 +87,7 @@ def _window(trainer: Trainer, writer, slices: list[TensorSlice], step: int, done
             break
     elapsed = time.perf_counter() - start
     if writer is not None:
-        writer.flush()
+        writer.wait()  # the writer (thread or process) and its staging buffer stay for the next window
     return {"blocking": blocking, "write": done.when - start if writer is not None else 0.0,
             "steps": steps, "elapsed": elapsed}
 
@@ -114,7 +115,8 @@ def measure(url: str, options: dict, rank: int, slices: list[TensorSlice], repea
                 trials[name].append(_window(trainer, writers[name], slices, step, done, window_s))
                 step += 1
     finally:
-        writers["process"].close()
+        writers["thread"].flush()
+        writers["process"].flush()
         storage.remove_tree(storage.root)
     if done.errors:
         raise RuntimeError(f"background writes failed: {done.errors}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from fsspec.spec import AbstractFileSystem
@@ -251,6 +252,16 @@ def install(
             setattr(storage, name, make(plan, original_fs, getattr(storage, name)))
     storage.fs = wrapper
     return Installed(storage, plan, wrapper, original_fs, shadowed)
+
+
+def install_on(storage, notify: Callable[[dict], None], *, faults: list[dict], seed: int, started: float) -> None:
+    """`install` with the rank loop's job clock: the storage setup a rank's checkpoint writer runs.
+
+    Module-level with plain-data arguments, so `functools.partial(install_on, faults=..., seed=...,
+    started=...)` pickles into a writer process (`ckpt.process_writer`). `started`: the wall time
+    of job second 0, which the faults' `at_seconds` count from.
+    """
+    install(storage, faults, seed=seed, notify=notify, clock=time.time, started=started)
 
 
 def _local_write(plan: StorageFaultPlan, fs: AbstractFileSystem, original: Callable[[str, bytes], None]):

@@ -50,6 +50,9 @@ class CheckpointConfig(BaseModel):
     every_seconds: float | None = Field(None, gt=0.0)
     keep: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
     async_: bool = Field(True, alias="async", description="stage to host memory, write in background")
+    writer: Literal["thread", "process"] = Field(
+        "thread", description="where async shard writes run: a thread of the rank (local disk), or a child process "
+        "of it (object stores, whose Python clients hold the GIL while uploading; ckpt.process_writer)")
     mtbf_s: float = Field(3600.0, gt=0.0, description="prior system MTBF (seconds) for the interval formulas")
     node_mtbf_hours: float | None = Field(
         None, gt=0.0, description="prior MTBF of one node; when set, the system prior is this / nodes"
@@ -83,6 +86,13 @@ class CheckpointConfig(BaseModel):
                 f"every_steps={self.every_steps} and every_seconds={self.every_seconds} are both set: "
                 "keep one of them (or neither, to use `interval`)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _process_writer_is_async(self) -> CheckpointConfig:
+        if self.writer == "process" and not self.async_:
+            raise ValueError("writer='process' writes in the background, but async is false (a synchronous save "
+                             "writes from the training thread): set async: true, or writer: thread")
         return self
 
     @property

@@ -55,7 +55,31 @@ def yield_cpu_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
 
 
-class ShardWriter:
+class OneSaveInFlight:
+    """What every rank writer shares: at most one save in flight (design.md invariant 6).
+
+    `_take_turn(slices)` at the start of a save waits for the previous one (counted in `waited`)
+    and splits `slices` into the geometry this rank holds and the slices it writes; the writer
+    clears `_idle` when it hands a save over and sets it when that save is done.
+    """
+
+    def __init__(self) -> None:
+        self.waited = 0
+        self._idle = threading.Event()  # set while no save is being written
+        self._idle.set()
+
+    def _take_turn(self, slices: Sequence[TensorSlice]) -> tuple[list[TensorSlice], list[TensorSlice]]:
+        if not self._idle.is_set():
+            self.waited += 1
+            self._idle.wait()
+        return [piece.with_tensor(None) for piece in slices], slices_to_write(slices)
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, has been written and its receipt handed over."""
+        self._idle.wait()
+
+
+class ShardWriter(OneSaveInFlight):
     def __init__(
         self, storage: Storage, rank: int,
         on_receipt: Callable[[ShardReceipt, dict], None],
@@ -74,7 +98,7 @@ class ShardWriter:
         self.fault_hook = fault_hook  # chaos points "during_stage" and "during_shard_write"
         self.block_bytes = block_bytes
         self.tag = tag  # in shard file names: see ckpt.shards.shard_file_name
-        self.waited = 0
+        super().__init__()
         # Callers that run several writers one save at a time (bench/ckpt.py) may share one pool.
         self.staging = staging if staging is not None else StagingPool()
         # The background writer: one long-lived thread fed through `_jobs`, started by the first
@@ -82,17 +106,11 @@ class ShardWriter:
         # new thread has run, which on a busy machine costs the training thread a scheduler turn.
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._idle = threading.Event()  # set while no save is being written
-        self._idle.set()
 
     def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float:
         """Stage this rank's share of `slices` and start writing; return the seconds the caller was blocked."""
         started = time.perf_counter()
-        if not self._idle.is_set():
-            self.waited += 1
-            self._idle.wait()
-        held = [piece.with_tensor(None) for piece in slices]
-        mine = slices_to_write(slices)
+        held, mine = self._take_turn(slices)
         # Async: a contiguous copy of each slice (a plain memcpy: the least training waits for),
         # even of CPU tensors, since training goes on mutating the originals while the shard is
         # written; the writer thread gathers column tiles from it. Sync: training waits for the
@@ -131,10 +149,6 @@ class ShardWriter:
             self.on_receipt(receipt, extra)
         except BaseException as err:  # reported, never raised into the writer thread's loop
             self.on_error(step, err)
-
-    def wait(self) -> None:
-        """Block until the save in flight, if any, has been written and its receipt handed over."""
-        self._idle.wait()
 
     def flush(self) -> None:
         """`wait`, then stop the writer thread (a later save starts a new one). Before the rank leaves."""

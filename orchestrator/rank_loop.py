@@ -8,28 +8,32 @@ but its process group; to the controller it sends, through the store:
     up a new checkpoint plan;
   * every rank: a `receipt` event when its shard of a checkpoint is durable, or a
     `save_error` event when it could not be written (that save then never commits).
-Events raised on the checkpoint writer's thread (receipts, save errors, fault notices of
-`during_shard_write` and of storage faults) go through a second store client, `writer_store`:
-a TCPStore client is not safe to share between threads. The notice must be sent before the
-fault acts (a kill at `during_shard_write` ends the process), so it cannot wait in a queue.
+Events raised on the checkpoint writer's thread, or on its listener thread with a writer
+process (receipts, save errors, fault notices of `during_shard_write` and of storage faults),
+go through a second store client, `writer_store`: a TCPStore client is not safe to share
+between threads. The notice must be sent before the fault acts (a kill at
+`during_shard_write` ends the process), so it cannot wait in a queue.
 
 Chaos on a rank: the injector gets the engine's module as its nan_grad target; storage
-faults with `rank` equal to this rank are installed on the Storage its ShardWriter uses, so
-they hit this rank's shard writes only. A step whose gradient norm is not finite (and that
-no fp16 loss scaler skipped) raises `NonFiniteGradient` before anything of it is reported or
-saved: its update has written NaN into the weights, and training on would only spread them.
-The controller then recovers from the last committed checkpoint, like after any rank error.
+faults with `rank` equal to this rank are installed on the Storage its writer uses (in the
+writer process, with `checkpoint.writer: process`), so they hit this rank's shard writes
+only. A step whose gradient norm is not finite (and that no fp16 loss scaler skipped)
+raises `NonFiniteGradient` before anything of it is reported or saved: its update has
+written NaN into the weights, and training on would only spread them. The controller then
+recovers from the last committed checkpoint, like after any rank error.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
 
 from chaos.config import STORAGE_KINDS
 from chaos.injector import FaultInjector
-from chaos.storage_faults import install
+from chaos.storage_faults import install_on
+from ckpt.process_writer import ProcessShardWriter
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
 from orchestrator.ckpt_plan import CheckpointPlan
@@ -82,15 +86,31 @@ class RankLoop:
         self.events.push({"type": "save_error", "rank": self.rank, "step": step,
                           "error": f"{type(err).__name__}: {err}"})
 
-    def _install_storage_faults(self, storage: Storage, faults: list[dict], plan: CheckpointPlan) -> None:
-        """This rank's storage faults on its writer's Storage (a fresh one per generation)."""
+    def _storage_faults(self, faults: list[dict], plan: CheckpointPlan) -> functools.partial | None:
+        """This rank's storage faults, as a setup to run on its writer's Storage (a fresh one per generation)."""
         mine = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") == self.rank]
         if not mine:
-            return
+            return None
         # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.
         started = plan.job_started_at if plan.job_started_at is not None else time.time()
-        install(storage, mine, seed=self.spec.chaos.seed, clock=time.time, started=started,
-                notify=lambda event: self.events.push(dict(event, rank=self.rank)))
+        return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=started)
+
+    def _notify_storage_fault(self, event: dict) -> None:
+        self.events.push(dict(event, rank=self.rank))
+
+    def _writer(self, hook, faults: list[dict], plan: CheckpointPlan):
+        """The ShardWriter (a thread) or ProcessShardWriter (a child process) the spec asks for, faults installed."""
+        config = self.spec.checkpoint
+        setup = self._storage_faults(faults, plan)
+        if config.writer == "process":
+            return ProcessShardWriter(self.spec.checkpoint_root, config.storage_options, self.rank,
+                                      self._on_receipt, self._on_save_error, fault_hook=hook, tag=plan.tag,
+                                      storage_setup=setup, notify=self._notify_storage_fault)
+        storage = Storage(self.spec.checkpoint_root, config.storage_options)
+        if setup is not None:
+            setup(storage, self._notify_storage_fault)
+        return ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
+                           async_save=config.async_, fault_hook=hook, tag=plan.tag)
 
     def _check_finite(self, result) -> None:
         if not result.skipped and not math.isfinite(result.grad_norm):
@@ -114,10 +134,7 @@ class RankLoop:
         plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
-        storage = Storage(self.spec.checkpoint_root, self.spec.checkpoint.storage_options)
-        self._install_storage_faults(storage, faults, plan)
-        writer = ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
-                             async_save=self.spec.checkpoint.async_, fault_hook=hook, tag=plan.tag)
+        writer = self._writer(hook, faults, plan)
         heartbeat_s = self.spec.monitor.heartbeat_s
         last_beat, compute, steps_in_beat, first = 0.0, 0.0, 0, True
         try:

@@ -94,3 +94,40 @@ def test_corrupt_shard_is_found_at_restore_and_the_previous_checkpoint_is_used(r
     assert [c["step"] for c in report["checkpoints"]] == [10, 20, 20, 30, 40]  # 20 saved and committed again
     _all_verify(catalog)
     assert report["final_loss"] == reference["final_loss"]
+
+
+def _writer_processes() -> list[int]:
+    """PIDs of live checkpoint writer processes (`python -m ckpt.process_writer ...`) on this machine."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"ckpt.process_writer" in argv and (entry / "stat").read_text().split()[2] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_writer_processes_take_storage_faults_and_rank_kills_and_leave_nothing_behind(ray_cluster, tmp_path,
+                                                                                     reference):
+    # checkpoint.writer=process: each rank's shards are written by its own child process. Rank 1's
+    # writer fails its shard of step 10 (a storage fault installed in the child); rank 2 is
+    # killed at step 25 mid-training, and with it its writer; the job recovers from step 20.
+    before = set(_writer_processes())
+    proc, path = run_job(ray_cluster, tmp_path, "procw", [
+        "checkpoint.writer=process",
+        "chaos.faults=[{kind: storage_error, rank: 1, at_step: 10}, {kind: kill_rank, rank: 2, at_step: 25}]"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    report = json.loads(path.read_text())
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/procw"))
+    assert "checkpoint step 10 will not be committed: rank 1 failed to write its shard" in out, out[-3000:]
+    assert "storage_error" in out and "restored step 20" in out
+    [failure] = report["failures"]
+    assert failure["kind"] == "kill_rank" and failure["rank"] == 2
+    assert [c["step"] for c in report["checkpoints"]] == [20, 30, 40]
+    _all_verify(catalog)
+    assert report["final_loss"] == reference["final_loss"]
+    assert set(_writer_processes()) <= before  # every rank's writer is gone, the killed rank's too

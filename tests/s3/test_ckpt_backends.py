@@ -11,10 +11,12 @@ import torch
 
 from ckpt.catalog import Catalog
 from ckpt.manifest import step_dir
+from ckpt.process_writer import ProcessShardWriter, ShardWriteFailed
 from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable
 from ckpt.shards import write_shard
 from ckpt.storage import AlreadyCommitted, Storage
 from tests._checkpoints import flip_bit, make_state, save_checkpoint, shard_of, shard_path
+from trainer.state_slices import whole
 
 
 def _catalog(backend) -> Catalog:
@@ -150,3 +152,28 @@ def test_atomic_writer_publishes_whole_files_only(backend):
         f.write(b"b" * 10)
     assert storage.read(path) == b"a" * 10 + b"b" * 10
     assert storage.listdir(storage.path(step_dir(1))) == ["shard-r00000.bin"]
+
+
+def test_a_writer_process_saves_to_s3_with_the_jobs_storage_options(s3_backend):
+    """checkpoint.writer=process on a real S3 server: the child builds its own client from the
+    storage options, its shards load back exactly, and a write error comes back as a save error."""
+    state = make_state(3)
+    receipts, errors = [], []
+    writer = ProcessShardWriter(s3_backend.url, s3_backend.storage_options, 0,
+                                lambda receipt, extra: receipts.append((receipt, extra)),
+                                lambda step, err: errors.append((step, err)))
+    writer.save(10, [whole(name, t) for name, t in state.items()], {"engine": {"next_step": 10}})
+    writer.flush()
+    assert not errors and [r.step for r, _ in receipts] == [10]
+    catalog = _catalog(s3_backend)
+    catalog.commit(job="j", step=10, generation=0, layout={}, spec_hash="h", receipts=[receipts[0][0]],
+                   state=receipts[0][1])
+    tensors, _ = load_checkpoint(_catalog(s3_backend), 10)
+    assert all(torch.equal(tensors[name], t) for name, t in state.items())
+
+    wrong = dict(s3_backend.storage_options, secret="not-the-secret")
+    writer = ProcessShardWriter(s3_backend.url, wrong, 0, lambda r, e: receipts.append(r),
+                                lambda step, err: errors.append((step, err)))
+    writer.save(11, [whole(name, t) for name, t in state.items()], {})
+    writer.flush()
+    assert [(s, type(e)) for s, e in errors] == [(11, ShardWriteFailed)] and len(receipts) == 1

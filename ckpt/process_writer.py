@@ -1,0 +1,348 @@
+"""A rank's checkpoint writer whose shard writes run in a child process, for object stores.
+
+Why: `ckpt.writer.ShardWriter` writes from a thread of the rank's own process, so it shares the
+training thread's GIL. On file:// that costs training little (the direct-I/O writes, the copies
+and the checksums release the GIL), but a Python object-store client (s3fs over aiohttp) holds
+it for much of an upload: on s3:// a save cost the training loop 1.9-2.7 s with the writer
+thread against 0.07-0.8 s with a writer process (bench/ckpt.py, thread-vs-process section).
+Chosen per job by `checkpoint.writer: process`.
+
+Protocol (the same as `ShardWriter`'s, so the rank loop drives either; one instance per rank,
+driven by one thread, which must also be the one that calls `flush`):
+  1. `save(step, slices, extra)` waits for a save still in flight (one snapshot staged at
+     most, design.md invariant 6; the wait is blocking time and is counted in `waited`),
+     copies this rank's share (`ckpt.shards.slices_to_write`) into one shared-memory staging
+     buffer (the only work training waits for), calls `fault_hook("during_stage", step)`,
+     sends the geometry to the child and returns the blocking seconds.
+  2. The child runs `ckpt.shards.write_slices` on views of that buffer (the very function the
+     writer thread runs) and answers with the receipt. The parent's listener thread then calls
+     `on_receipt(receipt, extra)`, or `on_error(step, error)` when the write failed.
+  3. `wait()` waits for the save in flight; `flush()` waits, then stops the child.
+
+The child is started with "spawn" when the writer is built (a fork of a process running gloo
+threads is unsafe), so its start-up overlaps training; the first save waits for it only if it
+is not ready by then. It dies with its parent (PR_SET_PDEATHSIG, which follows the thread that
+started it: hence one thread for construction and `flush`), so a killed rank leaves no writer
+finishing a shard of a generation that is gone. If the child dies (OOM killer, crash), the
+save in flight goes to `on_error` and the next save starts a new child.
+
+The staging buffer is one flat shared tensor, allocated at the first save (and again only when
+a save needs more room) and sent to the child once; later saves copy into it, so a warm save
+neither allocates nor faults in pages. Reusing it is safe for the reason `StagingPool` is:
+a save refills it only after the previous write has finished.
+
+Chaos: `storage_setup(storage, notify)` runs in the child on its Storage (it must pickle: a
+module-level function or a `functools.partial` of one, over plain data); storage-fault notices
+it raises come back through the listener to `notify`. The point "during_shard_write" fires in
+the parent's listener thread when the child begins a write, so a kill there ends the rank (and
+with it the child) mid-write, as with the writer thread; a fault hook that raises there makes
+the save fail (`on_error`; the receipt, if the write still lands, is dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+
+import torch
+
+from ckpt.blocks import ALIGN, BLOCK_BYTES
+from ckpt.manifest import ShardReceipt
+from ckpt.shards import write_slices
+from ckpt.staging import copy_into
+from ckpt.storage import Storage
+from ckpt.writer import OneSaveInFlight, yield_cpu_to_training
+from trainer.state_slices import TensorSlice
+
+_PR_SET_PDEATHSIG = 1
+
+
+class WriterProcessDied(RuntimeError):
+    """The writer's child process exited while a shard was being written (that save never commits)."""
+
+
+class ShardWriteFailed(RuntimeError):
+    """The child could not write a shard; the message is the child's exception."""
+
+
+def buffer_layout(pieces: Sequence[TensorSlice]) -> tuple[list[int], int]:
+    """Byte offset of each piece in the flat staging buffer (ALIGN-aligned, so typed views are valid) and the total."""
+    offsets, total = [], 0
+    for piece in pieces:
+        total += -total % ALIGN
+        offsets.append(total)
+        total += piece.nbytes
+    return offsets, total
+
+
+def _view(flat: torch.Tensor, offset: int, piece: TensorSlice) -> torch.Tensor:
+    return flat[offset:offset + piece.nbytes].view(piece.dtype).view(piece.lengths)
+
+
+class SharedBuffer:
+    """A flat uint8 tensor over anonymous shared memory (memfd): mapped by the rank and its writer.
+
+    A memfd, not a /dev/shm file: nothing is left behind when a process is killed, and its size
+    is bounded by the memory limit, not by the /dev/shm mount's. The descriptor goes to the
+    child over the control socket (SCM_RIGHTS).
+    """
+
+    def __init__(self, nbytes: int, fd: int | None = None):
+        if fd is None:
+            fd = os.memfd_create("undying-ckpt-staging", os.MFD_CLOEXEC)
+            os.ftruncate(fd, max(nbytes, 1))
+        self.fd, self.nbytes = fd, nbytes
+        self._map = mmap.mmap(fd, max(nbytes, 1))
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
+
+    def close(self) -> None:
+        self.tensor = None
+        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+            self._map.close()
+        os.close(self.fd)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to kill this process when its parent goes (Linux); exit now if it is already gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _serve(conn: Connection, parent_pid: int) -> None:
+    """The child: write each job's slices from the shared buffer; answer with the receipt or the error."""
+    _die_with_parent(parent_pid)
+    torch.set_num_threads(1)
+    yield_cpu_to_training()  # the same priority the writer thread runs at
+    config = conn.recv()
+    send_lock = threading.Lock()  # storage-fault notices may come from a client's own threads
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    storage = Storage(config["url"], config["options"])
+    if config["storage_setup"] is not None:
+        config["storage_setup"](storage, lambda event: send(("notice", event, None)))
+    buffer = None
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent closed the socket: stop
+            return
+        if job is None:
+            return
+        step = job["step"]
+        if job["buffer_bytes"] is not None:  # a new buffer: its descriptor follows the job
+            if buffer is not None:
+                buffer.close()
+            buffer = SharedBuffer(job["buffer_bytes"], fd=recv_handle(conn))
+        try:
+            send(("writing", None, step))
+            staged = [piece.with_tensor(_view(buffer.tensor, offset, piece))
+                      for piece, offset in zip(job["pieces"], job["offsets"], strict=True)]
+            receipt = write_slices(storage, step, config["rank"], staged, job["blocking_s"], held=job["held"],
+                                   block_bytes=config["block_bytes"], tag=config["tag"])
+            send(("ok", receipt.model_dump_json(), step))
+        except BaseException as err:  # reported to the parent, never lost with the child
+            send(("error", f"{type(err).__name__}: {err}", step))
+
+
+class _Child:
+    """One writer process, the rank's end of its control socket, and the buffer it has mapped."""
+
+    def __init__(self, config: dict, rank: int):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The child imports this package the way the rank did.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckpt.process_writer", str(theirs.fileno()), str(os.getpid())],
+            pass_fds=(theirs.fileno(),), env=env, close_fds=True)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(config)
+        self.rank = rank
+        self.buffer_sent: SharedBuffer | None = None
+        self.stopping = False
+
+    def send_job(self, job: dict, buffer: SharedBuffer) -> None:
+        fresh = self.buffer_sent is not buffer
+        self.conn.send(dict(job, buffer_bytes=buffer.nbytes if fresh else None))
+        if fresh:
+            send_handle(self.conn, buffer.fd, self.proc.pid)
+            self.buffer_sent = buffer
+
+    def stop(self, timeout_s: float) -> None:
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # by its PID, never by name
+            self.proc.wait()
+
+
+class ProcessShardWriter(OneSaveInFlight):
+    def __init__(
+        self, url: str, options: dict, rank: int,
+        on_receipt: Callable[[ShardReceipt, dict], None],
+        on_error: Callable[[int, BaseException], None],
+        fault_hook: Callable[[str, int], None] | None = None,
+        block_bytes: int = BLOCK_BYTES,
+        tag: str = "",
+        storage_setup: Callable[[Storage, Callable[[dict], None]], None] | None = None,
+        notify: Callable[[dict], None] | None = None,
+    ):
+        self.rank = rank
+        self.on_receipt = on_receipt
+        self.on_error = on_error
+        self.fault_hook = fault_hook  # chaos points "during_stage" and "during_shard_write"
+        self.notify = notify
+        super().__init__()
+        self._config = {"url": url, "options": dict(options), "rank": rank, "block_bytes": block_bytes, "tag": tag,
+                        "storage_setup": storage_setup}
+        self._buffer: SharedBuffer | None = None
+        self._in_flight: tuple[int, dict] | None = None  # (step, extra) of the save being written
+        self._hook_failed: int | None = None
+        self._child: _Child | None = None
+        self._listener: threading.Thread | None = None
+        # Orders a save's hand-over against the listener's handling of a child's death: either the
+        # job reaches the child first (and the death handler fails it), or the save sees no child
+        # and starts a new one.
+        self._lock = threading.Lock()
+        self._start_child()
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's PID (None between a child's death and the next save)."""
+        return self._child.proc.pid if self._child is not None else None
+
+    def _start_child(self) -> None:
+        child = _Child(self._config, self.rank)
+        self._child = child
+        self._listener = threading.Thread(target=self._listen, args=(child,), name=f"ckpt-writer-listen-r{self.rank}",
+                                          daemon=True)
+        self._listener.start()
+
+    def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float:
+        """Stage this rank's share of `slices` in shared memory and start the child's write; the blocking seconds."""
+        started = time.perf_counter()
+        held, mine = self._take_turn(slices)
+        for piece in mine:
+            if piece.tensor is None:
+                raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to save has no data")
+        offsets, total = buffer_layout(mine)
+        if self._buffer is None or self._buffer.nbytes < total:
+            if self._buffer is not None:
+                self._buffer.close()
+            self._buffer = SharedBuffer(total)
+        for piece, offset in zip(mine, offsets, strict=True):
+            copy_into(_view(self._buffer.tensor, offset, piece), piece.tensor)
+        if self.fault_hook is not None:
+            self.fault_hook("during_stage", step)
+        blocking_s = time.perf_counter() - started
+        job = {"step": step, "pieces": [p.with_tensor(None) for p in mine], "offsets": offsets, "held": held,
+               "blocking_s": blocking_s}
+        with self._lock:
+            if self._child is None:
+                self._start_child()
+            self._idle.clear()
+            self._in_flight = (step, extra)
+            # A child that died is found by its listener (end of file), which fails this save.
+            with contextlib.suppress(OSError):
+                self._child.send_job(job, self._buffer)
+        return blocking_s
+
+    def _listen(self, child: _Child) -> None:
+        """The listener thread of one child: hand on its messages until it stops or dies."""
+        while True:
+            try:
+                message = child.conn.recv()
+            except (EOFError, OSError):  # the child exited, or closed its end
+                if not child.stopping:
+                    self._child_died(child)
+                return
+            self._handle(*message)
+
+    def _handle(self, kind: str, payload, step: int | None) -> None:
+        if kind == "notice":
+            if self.notify is not None:
+                self.notify(payload)
+            return
+        if kind == "writing":
+            if self.fault_hook is not None:
+                try:
+                    self.fault_hook("during_shard_write", step)
+                except BaseException as err:  # the save fails, as when the hook raises in the writer thread
+                    self._hook_failed = step
+                    self.on_error(step, err)
+            return
+        _, extra = self._in_flight
+        try:
+            if self._hook_failed == step:
+                pass  # already reported as failed; without a receipt the save never commits
+            elif kind == "ok":
+                self.on_receipt(ShardReceipt.model_validate_json(payload), extra)
+            else:
+                self.on_error(step, ShardWriteFailed(payload))
+        except BaseException as err:  # reported, never raised into the listener's loop
+            self.on_error(step, err)
+        finally:
+            self._hook_failed = None
+            self._in_flight = None
+            self._idle.set()
+
+    def _child_died(self, child: _Child) -> None:
+        with self._lock:
+            if self._child is child:
+                self._child = None  # the next save starts a new one
+            lost, self._in_flight, self._hook_failed = self._in_flight, None, None
+        child.stop(5.0)
+        child.conn.close()
+        if lost is not None:
+            step = lost[0]
+            try:
+                self.on_error(step, WriterProcessDied(f"the checkpoint writer process of rank {self.rank} exited "
+                                                      f"(code {child.proc.returncode}) while writing step {step}"))
+            finally:
+                self._idle.set()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """`wait`, then stop the child and free the staging buffer (a later save starts a new child)."""
+        self._idle.wait()
+        with self._lock:
+            child, listener = self._child, self._listener
+            self._child = self._listener = None
+        if child is not None:
+            child.stop(timeout_s)  # the child exits, its end closes, the listener returns
+        if listener is not None:
+            listener.join()
+        if child is not None:
+            child.conn.close()
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+def main(argv: list[str]) -> None:
+    """The writer process's entry point: `python -m ckpt.process_writer SOCKET_FD PARENT_PID`."""
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    _serve(Connection(fd), parent_pid)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
