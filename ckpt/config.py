@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# fsspec protocols of object stores, whose Python clients hold the GIL for much of an upload.
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+
 
 def normalise_url(url: str) -> str:
     """An fsspec URL with an absolute path and no trailing slash; ValueError when empty."""
@@ -50,9 +53,10 @@ class CheckpointConfig(BaseModel):
     every_seconds: float | None = Field(None, gt=0.0)
     keep: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
     async_: bool = Field(True, alias="async", description="stage to host memory, write in background")
-    writer: Literal["thread", "process"] = Field(
-        "thread", description="where async shard writes run: a thread of the rank (local disk), or a child process "
-        "of it (object stores, whose Python clients hold the GIL while uploading; ckpt.process_writer)")
+    writer: Literal["auto", "thread", "process"] = Field(
+        "auto", description="where async shard writes run: a thread of the rank, or a child process of it "
+        "(ckpt.process_writer: for object stores, whose Python clients hold the GIL while uploading); auto picks "
+        "the process for object stores and the thread otherwise")
     mtbf_s: float = Field(3600.0, gt=0.0, description="prior system MTBF (seconds) for the interval formulas")
     node_mtbf_hours: float | None = Field(
         None, gt=0.0, description="prior MTBF of one node; when set, the system prior is this / nodes"
@@ -89,11 +93,27 @@ class CheckpointConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _process_writer_is_async(self) -> CheckpointConfig:
-        if self.writer == "process" and not self.async_:
+    def _process_writer_fits(self) -> CheckpointConfig:
+        if self.writer != "process":
+            return self
+        if not self.async_:
             raise ValueError("writer='process' writes in the background, but async is false (a synchronous save "
                              "writes from the training thread): set async: true, or writer: thread")
+        if self.protocol == "memory":
+            raise ValueError("writer='process' cannot write to memory:// (a store per process: the rank would never "
+                             "see its writer's shards): use writer: thread or auto")
         return self
+
+    @property
+    def protocol(self) -> str:
+        return self.url.partition("://")[0]
+
+    @property
+    def resolved_writer(self) -> str:
+        """"thread" or "process": `writer`, with auto resolved (a process for object stores, when async)."""
+        if self.writer != "auto":
+            return self.writer
+        return "process" if self.async_ and self.protocol in OBJECT_STORES else "thread"
 
     @property
     def rule(self) -> str:

@@ -16,7 +16,7 @@ between threads. The notice must be sent before the fault acts (a kill at
 
 Chaos on a rank: the injector gets the engine's module as its nan_grad target; storage
 faults with `rank` equal to this rank are installed on the Storage its writer uses (in the
-writer process, with `checkpoint.writer: process`), so they hit this rank's shard writes
+writer process, the default on object stores), so they hit this rank's shard writes
 only. A step whose gradient norm is not finite (and that no fp16 loss scaler skipped)
 raises `NonFiniteGradient` before anything of it is reported or saved: its update has
 written NaN into the weights, and training on would only spread them. The controller then
@@ -102,7 +102,7 @@ class RankLoop:
         """The ShardWriter (a thread) or ProcessShardWriter (a child process) the spec asks for, faults installed."""
         config = self.spec.checkpoint
         setup = self._storage_faults(faults, plan)
-        if config.writer == "process":
+        if config.resolved_writer == "process":
             return ProcessShardWriter(self.spec.checkpoint_root, config.storage_options, self.rank,
                                       self._on_receipt, self._on_save_error, fault_hook=hook, tag=plan.tag,
                                       storage_setup=setup, notify=self._notify_storage_fault)

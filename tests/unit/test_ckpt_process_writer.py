@@ -213,9 +213,17 @@ def test_the_child_dies_with_its_parent_even_mid_write(tmp_path):
         parent.wait()
 
 
-def test_the_process_writer_needs_async_saves():
-    assert CheckpointConfig(url="/tmp/x", writer="process").writer == "process"
+def test_auto_picks_the_process_for_object_stores_and_bad_choices_are_named():
+    def resolved(url, **extra):
+        return CheckpointConfig(url=url, **extra).resolved_writer
+
+    assert resolved("s3://b/p") == resolved("gs://b/p") == "process"
+    assert resolved("/tmp/x") == resolved("memory://x") == "thread"
+    assert resolved("s3://b/p", **{"async": False}) == "thread"  # a synchronous save writes from the training thread
+    assert resolved("/tmp/x", writer="process") == "process" and resolved("s3://b/p", writer="thread") == "thread"
     with pytest.raises(pydantic.ValidationError, match="writer='process'.*async is false.*set async: true"):
         CheckpointConfig(url="/tmp/x", writer="process", **{"async": False})
+    with pytest.raises(pydantic.ValidationError, match="writer='process' cannot write to memory://"):
+        CheckpointConfig(url="memory://x", writer="process")
     with pytest.raises(pydantic.ValidationError, match="writer"):
         CheckpointConfig(url="/tmp/x", writer="fork")
