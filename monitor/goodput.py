@@ -14,9 +14,10 @@ must not be read from other threads (metrics get a snapshot through `JobMetrics.
 3. `move(seconds, src, dst)` re-attributes time already booked when its cause is learned after
    the fact: a checkpoint's blocking time (productive -> checkpoint_save) once the shard
    receipts arrive, and the steps rolled back by a recovery (productive -> lost_work).
-4. `to_dict()` is saved with each checkpoint; `GoodputLedger(carried=saved)` resumes the totals
-   after a controller restart. The gap between that save and the restart is not known to any
-   process, so it is in no bucket and not in wall either.
+4. `to_dict()` is saved with each checkpoint, and every few seconds beside them
+   (orchestrator.ledger_snapshot); `GoodputLedger(carried=...)` resumes the totals after a
+   controller restart, with the predecessor's steps past the restored commit moved to
+   lost_work and the time no controller ran booked to `other`.
 5. `stop()` closes the last interval when the job ends, so a report built later sees the
    same totals.
 

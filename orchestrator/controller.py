@@ -29,6 +29,7 @@ from monitor.report import StragglerRecord
 from orchestrator.commits import Committer
 from orchestrator.controller_faults import ControllerFaults
 from orchestrator.job_record import JobRecord
+from orchestrator.ledger_snapshot import LedgerSnapshots, resume_totals
 from orchestrator.policies import CheckpointIntervalPolicy, FailurePolicy, ScalingPolicy
 from orchestrator.recovery import RecoveryMixin
 from orchestrator.rendezvous import PLAN, RendezvousServer
@@ -56,6 +57,8 @@ class Controller(RecoveryMixin):
         self.hang_factor = hang_factor
         self.join_timeout_s = join_timeout_s
         self.ledger = GoodputLedger()
+        self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
+        self.snapshots = LedgerSnapshots(catalog.storage)
         self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)
@@ -122,6 +125,7 @@ class Controller(RecoveryMixin):
                 self._fail(f"{type(err).__name__} in {self.state.value}: {err}")
         self.chaos.close()
         self.ledger.stop()
+        self.snapshots.save(self.ledger, ended=True)
         self.metrics.on_goodput(self.ledger)
         final = self.committer.latest if self.committer.latest is not None else 0
         status = "succeeded" if self.state == State.SUCCEEDED else "failed"
@@ -291,15 +295,19 @@ class Controller(RecoveryMixin):
         if self._resumed_ledger:
             return
         # ckpt.reader's read: an unparsable (torn) manifest is a CorruptCheckpoint, handled by the caller.
-        state = read_manifest(self.catalog, step).state
+        manifest = read_manifest(self.catalog, step)
+        state = manifest.state
         saved = state.get("goodput")
         self._resumed_ledger = True
         self.record.history[:0] = state.get("history", [])
         if not saved:
             return
+        # Past the commit, the predecessor's last ledger snapshot: its rolled-back steps become
+        # lost work and the time until this controller started is booked (orchestrator.ledger_snapshot).
+        carried = resume_totals(saved, manifest.created_at, self.snapshots.load(), self.created_at)
         now = self.ledger.totals()
-        self.ledger = GoodputLedger(carried={k: saved.get(k, 0.0) + now.get(k, 0.0) for k in now})
-        self._skip_faults_before(sum(saved.values()))
+        self.ledger = GoodputLedger(carried={k: carried.get(k, 0.0) + now.get(k, 0.0) for k in now})
+        self._skip_faults_before(sum(carried.values()))
         self.ledger.enter("checkpoint_restore")
         self.record.ledger = self.ledger
 
@@ -336,6 +344,7 @@ class Controller(RecoveryMixin):
             if self.just_committed is not None and self._maybe_grow():
                 return
             self.just_committed = None
+            self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
             self._fire_due_faults()
             hung = self._hang_check()
@@ -366,6 +375,7 @@ class Controller(RecoveryMixin):
             if last is not None and last.step >= self._saving_step:
                 self._go(State.RUNNING, f"step {last.step} committed: {last.bytes / 1e6:.2f} MB, blocking "
                                         f"{last.blocking_s * 1e3:.0f} ms, total {last.total_s * 1e3:.0f} ms")
+                self.snapshots.save(self.ledger)
             else:
                 self._go(State.RUNNING, f"save of step {self._saving_step} dropped (incomplete)")
 

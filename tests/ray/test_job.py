@@ -52,19 +52,31 @@ def test_rerun_of_a_killed_controller_resumes(ray_cluster, tmp_path, reference):
     cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--address", ray_cluster]
     for item in sets:
         cmd += ["--set", item]
+    first_started = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                             start_new_session=True)
     deadline = time.monotonic() + 180
     while not (ckpt / "step-000000020" / "manifest.json").exists():
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint committed"
         time.sleep(0.05)
+    killed_at = time.time()
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    time.sleep(2.0)  # no controller runs: the successor books this (and its own start-up) as `other`
+    restarted_at = time.time()
     again, report_path = _run(ray_cluster, tmp_path, "resume", ["chaos.faults=[]"])
+    ended_at = time.time()
     assert again.returncode == 0, again.stdout + again.stderr
     report = json.loads(report_path.read_text())
     resumed_from = min(p["step"] for p in report["losses"])
     assert resumed_from >= 20 and f"restored step {resumed_from}" in again.stdout
     assert report["final_loss"] == reference["final_loss"]
+    # Goodput across the kill (orchestrator.ledger_snapshot): the dead controller's last snapshot
+    # (at most 5 s before the kill) to the successor's start is `other`, and the wall covers the
+    # whole job, both runs and the gap, less the first run's start-up before its ledger began.
+    goodput = report["goodput"]
+    assert restarted_at - killed_at <= goodput["badput_s"]["other"] <= restarted_at - killed_at + 5.0 + 30.0
+    assert abs(goodput["productive_s"] + sum(goodput["badput_s"].values()) - goodput["wall_s"]) < 1e-6
+    assert ended_at - first_started - 30.0 <= goodput["wall_s"] <= ended_at - first_started
     finished, _ = _run(ray_cluster, tmp_path, "resume", ["chaos.faults=[]"])
     assert finished.returncode == 0 and "already finished" in finished.stdout

@@ -1,0 +1,99 @@
+"""The goodput ledger between checkpoints: what lets a successor controller book its predecessor's death.
+
+A checkpoint's manifest carries the ledger as it was at that commit, so a controller that is
+killed (its driver process, its node) and run again resumes the totals from there. What
+happened after that commit would be in no bucket and not in wall: the steps the dead
+controller's job ran past the commit (rolled back now) and the time no controller ran at all.
+So the controller also rewrites a small snapshot of its ledger every `SAVE_EVERY_S` seconds
+and after every commit (`<job root>/goodput.json`), and a successor resumes from it.
+
+Protocol:
+  * the controller calls `maybe_save(ledger)` from its RUNNING loop, `save(ledger)` after a
+    commit and `save(ledger, ended=True)` when it stops on its own; a failed write is logged
+    and skipped (the snapshot is telemetry: a job never stops for it, and nothing reads it as
+    a checkpoint);
+  * a successor, on its first restore of committed step R, calls `load()` and
+    `resume_totals(at_commit, committed_at, snapshot, started_at)` with the ledger saved with
+    R, R's commit time and the wall time it started at, and builds its ledger on the result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from monitor.goodput import BUCKETS, PRODUCTIVE
+
+SNAPSHOT_FILE = "goodput.json"
+SAVE_EVERY_S = 5.0
+DOWN_BUCKET = "other"  # no controller ran: the time is no other bucket's
+
+log = logging.getLogger(__name__)
+
+
+def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: dict | None,
+                  started_at: float) -> dict[str, float]:
+    """The totals a successor controller resumes with.
+
+    `at_commit`: the ledger saved with the checkpoint it restores, committed at wall time
+    `committed_at`. `snapshot`: the newest one (`{"time": epoch seconds, "totals": {...},
+    "ended": bool}`) or None. The newer of the two (in job seconds) is resumed: from a
+    snapshot, the productive time it holds beyond the commit moves to lost_work (those steps
+    are rolled back). The wall time from the resumed one to `started_at` (when this controller
+    began) goes to `other`: no controller was running, or one was about to die (up to
+    `SAVE_EVERY_S` of it). Unless the predecessor ended on its own (`ended`, a job that
+    failed and was run again later): the wait before a deliberate rerun is the operator's,
+    not the job's.
+    """
+    if snapshot is None or sum(snapshot["totals"].values()) < sum(at_commit.values()):
+        snapshot = {"time": committed_at, "totals": at_commit, "ended": False}
+    totals = dict(snapshot["totals"])
+    lost = max(0.0, totals.get(PRODUCTIVE, 0.0) - at_commit.get(PRODUCTIVE, 0.0))
+    totals[PRODUCTIVE] = totals.get(PRODUCTIVE, 0.0) - lost
+    totals["lost_work"] = totals.get("lost_work", 0.0) + lost
+    if not snapshot.get("ended"):
+        totals[DOWN_BUCKET] = totals.get(DOWN_BUCKET, 0.0) + max(0.0, started_at - float(snapshot["time"]))
+    return totals
+
+
+class LedgerSnapshots:
+    def __init__(self, storage, every_s: float = SAVE_EVERY_S, clock=time.monotonic):
+        self.storage = storage
+        self.every_s = every_s
+        self.clock = clock
+        self.path = storage.path(SNAPSHOT_FILE)
+        self._last = -float("inf")
+        self._warned = False
+
+    def maybe_save(self, ledger) -> None:
+        """`save`, if the last one is `every_s` old."""
+        if self.clock() - self._last >= self.every_s:
+            self.save(ledger)
+
+    def save(self, ledger, ended: bool = False) -> None:
+        """Write the ledger's totals now; `ended` when the controller stops on its own (run's end)."""
+        self._last = self.clock()
+        data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended}).encode()
+        try:
+            with self.storage.atomic_writer(self.path) as handle:
+                handle.write(data)
+        except Exception as err:  # telemetry: logged once, never fatal
+            if not self._warned:
+                log.warning("could not save the goodput snapshot %s (%s); a successor controller will not "
+                            "book the time after the last commit", self.path, err)
+                self._warned = True
+
+    def load(self) -> dict | None:
+        """The newest snapshot, or None when there is none or it does not parse."""
+        try:
+            data = json.loads(self.storage.read(self.path))
+            totals = {k: float(v) for k, v in data["totals"].items() if k in BUCKETS}
+            if any(v < 0 for v in totals.values()):
+                raise ValueError(f"negative seconds in {totals}")
+            return {"time": float(data["time"]), "totals": totals, "ended": bool(data.get("ended", False))}
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            log.warning("ignoring the goodput snapshot %s: %s", self.path, err)
+            return None

@@ -1,0 +1,71 @@
+"""The goodput snapshot a successor controller resumes from: arithmetic, persistence, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt.storage import Storage
+from monitor.goodput import GoodputLedger
+from orchestrator.ledger_snapshot import SNAPSHOT_FILE, LedgerSnapshots, resume_totals
+
+AT_COMMIT = {"productive": 100.0, "startup": 5.0, "checkpoint_save": 2.0}
+
+
+def test_a_newer_snapshot_books_the_rolled_back_steps_and_the_downtime():
+    snapshot = {"time": 1000.0, "totals": {"productive": 130.0, "startup": 5.0, "checkpoint_save": 3.0}}
+    totals = resume_totals(AT_COMMIT, 990.0, snapshot, started_at=1042.5)
+    assert totals == {"productive": 100.0, "startup": 5.0, "checkpoint_save": 3.0, "lost_work": 30.0,
+                      "other": 42.5}
+    # Every second up to the successor's start is in some bucket: the snapshot's wall plus the gap.
+    assert sum(totals.values()) == pytest.approx(sum(snapshot["totals"].values()) + 42.5)
+
+
+def test_an_older_snapshot_or_none_resumes_the_commits_ledger_and_books_the_time_since_the_commit():
+    # A controller killed right after a commit: its last periodic snapshot predates the commit.
+    older = {"time": 1000.0, "totals": {"productive": 90.0, "startup": 5.0}}
+    expected = dict(AT_COMMIT, lost_work=0.0, other=12.0)
+    assert resume_totals(AT_COMMIT, 1003.0, older, started_at=1015.0) == expected
+    assert resume_totals(AT_COMMIT, 1003.0, None, started_at=1015.0) == expected
+    # A clock that went back books no negative downtime.
+    snapshot = {"time": 3000.0, "totals": dict(AT_COMMIT)}
+    assert resume_totals(AT_COMMIT, 2990.0, snapshot, started_at=2000.0)["other"] == 0.0
+
+
+def test_after_a_controller_that_ended_on_its_own_the_wait_for_a_rerun_is_not_the_jobs():
+    ended = {"time": 1000.0, "totals": {"productive": 120.0, "startup": 5.0, "checkpoint_save": 2.0}, "ended": True}
+    totals = resume_totals(AT_COMMIT, 990.0, ended, started_at=90000.0)
+    assert totals == {"productive": 100.0, "startup": 5.0, "checkpoint_save": 2.0, "lost_work": 20.0}
+
+
+def test_snapshots_round_trip_every_few_seconds_and_a_failed_write_is_not_fatal(tmp_path, caplog):
+    now = [0.0]
+    storage = Storage(f"file://{tmp_path}/job")
+    snapshots = LedgerSnapshots(storage, every_s=5.0, clock=lambda: now[0])
+    assert snapshots.load() is None
+    ledger = GoodputLedger(carried={"productive": 7.0})
+    snapshots.maybe_save(ledger)
+    first = snapshots.load()
+    assert first["totals"]["productive"] >= 7.0 and first["ended"] is False
+    ledger = GoodputLedger(carried={"productive": 9.0})
+    now[0] = 4.0
+    snapshots.maybe_save(ledger)  # too soon
+    assert snapshots.load() == first
+    now[0] = 5.0
+    snapshots.maybe_save(ledger)
+    assert snapshots.load()["totals"]["productive"] >= 9.0
+    snapshots.save(ledger, ended=True)
+    assert snapshots.load()["ended"] is True
+    (tmp_path / "job" / SNAPSHOT_FILE).write_text("{not json")
+    assert snapshots.load() is None and "ignoring the goodput snapshot" in caplog.text
+    (tmp_path / "job" / SNAPSHOT_FILE).write_text('{"time": 1, "totals": {"productive": -3}}')
+    assert snapshots.load() is None
+
+    broken = LedgerSnapshots(Storage(f"file://{tmp_path}/job"), every_s=0.0)
+    broken.storage.atomic_writer = _failing_writer
+    broken.save(ledger)
+    broken.save(ledger)
+    assert caplog.text.count("could not save the goodput snapshot") == 1
+
+
+def _failing_writer(path):
+    raise OSError("disk full")
