@@ -8,7 +8,9 @@ It prints one table and writes `$OUT/gpu_check.json` (or `runs/gpu_check.json`):
   * NCCL: a single-process NCCL group (world 1) all-reduce, all-gather and reduce-scatter
     round trip, which proves the NCCL path (init, abort-free teardown) works on this image;
   * checkpoint staging: 1 GiB of device tensors staged by `ckpt.staging.StagingPool` (pinned
-    host buffers, asynchronous copies): exact, pinned, and the warm copy's GB/s;
+    host buffers, asynchronous copies): exact, pinned, and the warm copy's GB/s; and the same
+    state saved by `ckpt.process_writer.ProcessShardWriter` (memfd buffer page-locked for
+    CUDA): pinned, the warm blocking time, and the shard loaded back equal to the device state;
   * training: the engine's GPT (`small` preset unless --preset) for --steps bf16 steps on one
     GPU, with step time, tokens/s and MFU = achieved model FLOP/s / peak;
   * memory: a 1B-class model (--mem-preset) for a few bf16 steps at tp = 1, without and with
@@ -156,6 +158,42 @@ def staging_check(torch, mib: int = 1024, saves: int = 3) -> dict:
             "exact": exact, "pinned": pinned, "reused": pool.reused, "ok": exact and pinned}
 
 
+def process_writer_check(torch, mib: int = 1024, saves: int = 3) -> dict:
+    """The writer process's staging of device state (checkpoint.writer: process, the default on
+    object stores): a memfd buffer page-locked for CUDA, asynchronous copies; then the child's
+    shards, loaded back, must equal the device tensors."""
+    import tempfile
+
+    from ckpt.catalog import Catalog
+    from ckpt.process_writer import ProcessShardWriter
+    from ckpt.reader import load_checkpoint
+    from ckpt.storage import Storage
+    from trainer.state_slices import whole
+
+    pieces = [whole(f"w{i}", torch.randn(1 << 20, 16, device="cuda")) for i in range(mib // 64)]
+    receipts, errors, blocking = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"file://{tmp}/job"
+        writer = ProcessShardWriter(url, {}, 0, lambda r, extra: receipts.append(r),
+                                    lambda step, err: errors.append(f"{step}: {err}"))
+        for step in range(1, saves + 1):
+            torch.cuda.synchronize()
+            blocking.append(writer.save(step, pieces, {}))
+            writer.wait()
+        pinned = writer._buffer.pinned
+        writer.flush()
+        exact = False
+        if not errors:
+            catalog = Catalog(Storage(url))
+            catalog.commit(job="j", step=saves, generation=0, layout={}, spec_hash="h",
+                           receipts=[receipts[-1]], state={})
+            tensors, _ = load_checkpoint(catalog, saves)
+            exact = all(torch.equal(tensors[p.name], p.tensor.cpu()) for p in pieces)
+    warm = min(blocking[1:])
+    return {"mib": mib, "first_s": blocking[0], "warm_s": warm, "gbps": (mib << 20) / warm / 1e9, "pinned": pinned,
+            "exact": exact, "errors": errors, "ok": exact and pinned and not errors}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
@@ -180,6 +218,7 @@ def main() -> int:
     result["table_peak_tflops"] = table_peak(name)
     result["nccl_roundtrip"] = nccl_roundtrip(torch)
     result["staging"] = staging = staging_check(torch)
+    result["process_writer"] = procw = process_writer_check(torch)
     result["train"] = train_steps(torch, args.preset, args.steps, args.seq_len, args.micro_batch)
     model_tflops = result["train"]["model_tflops"]
     result["memory"] = [memory_check(torch, args.mem_preset, args.mem_seq_len, args.mem_micro_batch, rc)
@@ -197,6 +236,9 @@ def main() -> int:
             ("ckpt staging (pinned)", f"{'ok' if staging['ok'] else 'WRONG'} {staging['mib']} MiB warm "
                                       f"{staging['warm_s'] * 1e3:.0f} ms ({staging['gbps']:.1f} GB/s), "
                                       f"first {staging['first_s']:.2f} s"),
+            ("ckpt writer process", f"{'ok' if procw['ok'] else 'WRONG'} {procw['mib']} MiB warm "
+                                    f"{procw['warm_s'] * 1e3:.0f} ms ({procw['gbps']:.1f} GB/s), "
+                                    f"pinned {procw['pinned']}, first {procw['first_s']:.2f} s"),
             (f"{args.preset} bf16 step", f"{result['train']['step_s'] * 1e3:.1f} ms, "
                                           f"{result['train']['tokens_per_s'] / 1e3:.1f}k tok/s"),
             ("MFU", f"{result['mfu_vs_measured']:.1%} of measured, "
@@ -209,7 +251,7 @@ def main() -> int:
                      f"({'within' if mem['within_15pct'] else 'NOT within'} 15%)"))
     for key, value in rows:
         print(f"{key:22s} {value}")
-    return 0 if result["nccl_roundtrip"]["ok"] and result["staging"]["ok"] else 1
+    return 0 if result["nccl_roundtrip"]["ok"] and result["staging"]["ok"] and procw["ok"] else 1
 
 
 if __name__ == "__main__":
