@@ -5,7 +5,7 @@ training thread's GIL. On file:// that costs training little (the direct-I/O wri
 and the checksums release the GIL), but a Python object-store client (s3fs over aiohttp) holds
 it for much of an upload: on s3:// a save cost the training loop 1.9-2.7 s with the writer
 thread against 0.07-0.8 s with a writer process (bench/ckpt.py, thread-vs-process section).
-Chosen per job by `checkpoint.writer: process`.
+Chosen per job by `checkpoint.writer` (`auto`: this writer on object stores).
 
 Protocol (the same as `ShardWriter`'s, so the rank loop drives either; one instance per rank,
 driven by one thread, which must also be the one that calls `flush`):
@@ -19,12 +19,14 @@ driven by one thread, which must also be the one that calls `flush`):
      `on_receipt(receipt, extra)`, or `on_error(step, error)` when the write failed.
   3. `wait()` waits for the save in flight; `flush()` waits, then stops the child.
 
-The child is started with "spawn" when the writer is built (a fork of a process running gloo
-threads is unsafe), so its start-up overlaps training; the first save waits for it only if it
-is not ready by then. It dies with its parent (PR_SET_PDEATHSIG, which follows the thread that
-started it: hence one thread for construction and `flush`), so a killed rank leaves no writer
-finishing a shard of a generation that is gone. If the child dies (OOM killer, crash), the
-save in flight goes to `on_error` and the next save starts a new child.
+The child is a fresh interpreter (`python -m ckpt.process_writer`, not a fork: forking a process
+running gloo threads is unsafe; not multiprocessing's spawn, which re-runs the parent's main
+script), started when the writer is built, so its start-up overlaps training; a save never
+waits for it, since jobs queue on the control socket. It dies with its parent
+(PR_SET_PDEATHSIG, which follows the thread that started it: hence one thread for
+construction and `flush`), so a killed rank leaves no writer finishing a shard of a
+generation that is gone. If the child dies (OOM killer, crash), the save in flight goes to
+`on_error` and the next save starts a new child.
 
 The staging buffer is one flat shared tensor, allocated at the first save (and again only when
 a save needs more room) and sent to the child once; later saves copy into it, so a warm save
@@ -178,7 +180,7 @@ def _serve(conn: Connection, parent_pid: int) -> None:
 class _Child:
     """One writer process, the rank's end of its control socket, and the buffer it has mapped."""
 
-    def __init__(self, config: dict, rank: int):
+    def __init__(self, config: dict):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The child imports this package the way the rank did.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
@@ -188,7 +190,6 @@ class _Child:
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send(config)
-        self.rank = rank
         self.buffer_sent: SharedBuffer | None = None
         self.stopping = False
 
@@ -246,7 +247,7 @@ class ProcessShardWriter(OneSaveInFlight):
         return self._child.proc.pid if self._child is not None else None
 
     def _start_child(self) -> None:
-        child = _Child(self._config, self.rank)
+        child = _Child(self._config)
         self._child = child
         self._listener = threading.Thread(target=self._listen, args=(child,), name=f"ckpt-writer-listen-r{self.rank}",
                                           daemon=True)
