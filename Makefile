@@ -34,15 +34,17 @@ servers:
 	sh scripts/install-servers.sh
 
 # The whole default suite (unit, dist, ray, prom, s3). Heavy tests: `make test-all`.
-test: setup servers
-	$(VENV)/bin/ruff check .
+test: setup servers lint
 	$(PY) -m pytest
 
 test-all: setup servers
 	$(PY) -m pytest -m ""
 
+# Style, the layer rule and cycles (import-linter, contracts in pyproject.toml), the size budget.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_sizes.py
 
 # For a machine with an NVIDIA GPU: NCCL, bf16, real step times and MFU.
 gpu-check: setup

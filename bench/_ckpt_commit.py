@@ -2,9 +2,9 @@
 
 Protocol (side channel, no collective on the training group, design.md invariant 5): each
 rank's writer thread sets `receipt/<step>/<rank>` in a TCPStore that this process hosts,
-with {"backend", "receipt", "extra"} as orchestrator/rank_loop.py sends them; a failed write
+with {"backend", "receipt", "extra"} as orchestrator/rank/loop.py sends them; a failed write
 sets `error/<step>/<rank>`. For every save of the plan, in order, this loop waits for all
-ranks' receipts, feeds them to orchestrator.commits.Committer exactly as the controller does
+ranks' receipts, feeds them to ckpt.commit.Committer exactly as the controller does
 (merge, coverage check, exclusive manifest create), and publishes `commit/<step>` =
 {"ok", "committed_at" (time.time() of the durable manifest), "nbytes"} or {"ok": false,
 "why"}. A rank process that exits early ends the loop with an error instead of a hang.
@@ -17,8 +17,8 @@ import time
 from datetime import timedelta
 
 from ckpt.catalog import Catalog
+from ckpt.commit import Committer
 from ckpt.storage import Storage
-from orchestrator.commits import Committer
 
 POLL = timedelta(seconds=1)
 

@@ -39,7 +39,7 @@ How each number is taken (`time.time()` stamps of the rank processes and of the 
   `dcp.async_save` gets the same `DefaultStager`, which keeps its host copy; an untimed warm-up fills both.
 - total save: first rank starting -> the save is a checkpoint. Ours: the driver, playing the controller,
   gets each rank's receipt through a TCPStore (a side channel, not the training group) and commits the
-  manifest with `orchestrator.commits.Committer`; the time is that of the durable manifest. DCP: the last
+  manifest with `ckpt.commit.Committer`; the time is that of the durable manifest. DCP: the last
   rank's `dcp.save` returning or `async_save` future completing (rank 0 writes `.metadata` inside).
   Throughput = logical state bytes / total.
 - loads: first rank starting -> last loading rank done, including the manifest / metadata read. Ours:

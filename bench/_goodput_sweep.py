@@ -7,8 +7,8 @@ docs/benchmarks.md always come from one recorded run.
 
 from __future__ import annotations
 
-from chaos.goodput_model import ModelInputs
-from chaos.sweep import Row, table
+from orchestrator.cli.chaos.goodput_model import ModelInputs
+from orchestrator.cli.chaos.sweep import Row, table
 
 SECTION = "## Checkpoint interval sweep: measured goodput vs Young's tau*"
 NOTES = ("<!-- sweep-notes: kept when bench/goodput.py rewrites this section -->", "<!-- /sweep-notes -->")

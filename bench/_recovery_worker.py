@@ -46,7 +46,7 @@ def emit(path: str, **fields) -> None:
 
 
 def build_engine(cfg: dict, rank: int, world_size: int):
-    from orchestrator.spec import load_spec
+    from orchestrator.spec.job_spec import load_spec
     from trainer.engine import Engine
 
     spec = load_spec(cfg["spec"], cfg["overrides"])

@@ -10,7 +10,7 @@ this script starts on free loopback ports and stops by PID, tests/s3/_seaweed.py
 repeat saves and loads that state with
   undying  `ShardWriter.save` (async and sync) on every rank; this process plays the
            controller: it receives the receipts through a TCPStore and commits the
-           manifest with orchestrator.commits.Committer; `read_slices` loads the same
+           manifest with ckpt.commit.Committer; `read_slices` loads the same
            layout and resharded ones (dp2: 2 ranks, row halves; tp4: column splits);
   DCP      `dcp.save`, `dcp.async_save` and `dcp.load` (FileSystemWriter/Reader on file://,
            FsspecWriter/Reader with the same endpoint and credentials on s3://);

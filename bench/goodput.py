@@ -58,7 +58,7 @@ def job_overrides(args) -> list[str]:
 def kill_schedule(spec) -> list[tuple[float, int]]:
     """(job seconds, rank) of every kill undying's controller will fire for this spec."""
     from chaos.schedule import expand
-    from orchestrator.recovery import CHAOS_HORIZON_S
+    from orchestrator.controller.recovery import CHAOS_HORIZON_S
 
     events = expand(spec.chaos, horizon_s=CHAOS_HORIZON_S, ranks=spec.world_size)
     return [(e.at_seconds, e.rank) for e in events if e.at_seconds is not None]
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from recovery import machine
 
-    from orchestrator.spec import load_spec
+    from orchestrator.spec.job_spec import load_spec
 
     command = shlex.join([".venv/bin/python", "bench/goodput.py", *(argv if argv is not None else sys.argv[1:])])
     started = time.time()

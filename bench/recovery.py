@@ -57,7 +57,7 @@ NOTES = ("<!-- recovery-notes: kept when bench/recovery.py rewrites this section
 
 def job_from_spec(spec_path: str, overrides: list[str]) -> dict:
     """What every system needs to know about the job, taken from undying's own spec."""
-    from orchestrator.spec import load_spec
+    from orchestrator.spec.job_spec import load_spec
 
     spec = load_spec(spec_path, overrides)
     kills = [f for f in spec.chaos.faults if f.kind == "kill_rank" and f.at_step is not None]

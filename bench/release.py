@@ -8,7 +8,7 @@ WARMUP iterations rank 1 pauses PAUSE_S (so the others are blocked inside the ne
 and SIGKILLs itself. The process-group timeout is 60 s, so no release below is the timeout.
 What the survivors do when their collective raises depends on the mode:
 
-  abort    the protocol of orchestrator/comm_abort.py: `sockets.abort()` then
+  abort    the protocol of orchestrator/rank/comm_abort.py: `sockets.abort()` then
            `destroy_process_group()`; the closed sockets cascade the error to the other survivors.
   watcher  survivors that see an error touch nothing until every survivor is out. HOLD_S after
            the kill the "controller" (this process) sets the abort key in the store; in each
@@ -50,7 +50,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench._docs import median_max, ms, replace_section  # noqa: E402  (needs the repository on sys.path)
-from orchestrator.comm_abort import CommSockets  # noqa: E402
+from orchestrator.rank.comm_abort import CommSockets  # noqa: E402
 
 VICTIM = 1
 WARMUP = 3  # iterations every rank completes before the kill (pairs and DDP buckets are set up)
@@ -347,7 +347,7 @@ Each rank runs the collective in a loop; after {WARMUP} iterations rank 1 pauses
 then inside the next iteration) and SIGKILLs itself. Process-group timeout {PG_TIMEOUT_S:.0f} s. Cells are
 median (max) over {args.repeats} run(s); timestamps are `time.time()` written by the processes themselves.
 - release with abort: kill -> last survivor out of its collective, when every survivor that sees an error
-  calls `CommSockets.abort()` then `destroy_process_group()` (orchestrator/comm_abort.py).
+  calls `CommSockets.abort()` then `destroy_process_group()` (orchestrator/rank/comm_abort.py).
 - re-form: last survivor out -> every survivor has joined a new group of W-1 ranks (new store prefix) and
   checked an all_reduce sum in it (abort runs; watcher runs' re-form times are in the JSON).
 - watcher: survivors that see an error touch nothing; {HOLD_S:g} s after the kill the controller sets the abort

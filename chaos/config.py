@@ -1,6 +1,6 @@
 """Typed configuration of fault injection: which faults, where, and when they fire.
 
-This is the `chaos:` section of the job spec (`orchestrator.spec.JobSpec`). A fault is a
+This is the `chaos:` section of the job spec (`orchestrator.spec.job_spec.JobSpec`). A fault is a
 kind, a target (a rank, a node, the controller or the storage path) and a trigger: when
 (a training step, or seconds since the job started) and where (a named fault point).
 Checks that need other sections (rank < world size, at_step < train.steps) live in the
@@ -168,7 +168,7 @@ class ChaosConfig(_Strict):
 # Storage (chaos.storage_faults): with `rank: r` on the one rank r's shard writer uses, without
 # `rank` on the controller's catalog Storage (manifest commits, listings, deletes, restores'
 # manifest reads); corrupt_shard is fired by the controller right after a commit (chaos.corrupt);
-# kill_controller by the controller on itself (orchestrator.controller_kill).
+# kill_controller by the controller on itself (orchestrator.controller.kill).
 INJECTABLE_KINDS: frozenset[str] = frozenset({
     "kill_rank", "kill_node", "kill_controller", "hang_rank", "slow_rank", "raise", "nan_grad",
     "storage_error", "storage_latency", "torn_write", "corrupt_shard"})

@@ -31,7 +31,7 @@ from collections.abc import Callable
 DEFAULT_POINT = "after_backward"
 RANK_FAULTS = ("kill_rank", "kill_node", "hang_rank", "slow_rank", "raise", "nan_grad")
 # After killing its node's raylet, the firing rank waits here for its node watchdog
-# (orchestrator.rank_actor) to report the loss and end the process, as for every rank there.
+# (orchestrator.rank.actor) to report the loss and end the process, as for every rank there.
 NODE_KILL_GRACE_S = 10.0
 
 

@@ -1,8 +1,8 @@
 """Typed configuration of checkpointing: where checkpoints go, how often, how many are kept.
 
-This is the `checkpoint:` section of the job spec (`orchestrator.spec.JobSpec`). It is
+This is the `checkpoint:` section of the job spec (`orchestrator.spec.job_spec.JobSpec`). It is
 validated once, before any rank starts; whether the URL is actually reachable and writable
-is probed separately by `orchestrator.storage_check.check_storage`, because that needs I/O.
+is probed separately by `orchestrator.spec.storage_check.check_storage`, because that needs I/O.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Typed configuration of the controller's monitoring endpoint.
 
-This is the `monitor:` section of the job spec (`orchestrator.spec.JobSpec`): where the
+This is the `monitor:` section of the job spec (`orchestrator.spec.job_spec.JobSpec`): where the
 controller serves Prometheus metrics, and how often ranks report liveness to it.
 """
 

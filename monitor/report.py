@@ -133,7 +133,7 @@ class RunReport(BaseModel):
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)
     stragglers: list[StragglerRecord] = Field(default_factory=list)
     # Runs of completed steps ["steps", first, end, dp] and ["restore", step] per restore, in
-    # order (chaos.history).
+    # order (orchestrator.controller.step_history).
     history: list[list] = Field(default_factory=list)
     # Steps computed again after a rollback, and the seconds of those second executions (what
     # redoing the lost work cost); the executions they replaced are in `rolled_back`.

@@ -65,11 +65,11 @@ def tiny_engine():
 def commit_trained_engine(root: str, steps: int = 2):
     """Train `tiny_engine()` for `steps` steps, save it through the real writer and commit it at
     that step under `root` (a file:// job root). Returns (the spec stand-in that
-    orchestrator.rank_state reads, the trained engine)."""
+    orchestrator.rank.state reads, the trained engine)."""
     from types import SimpleNamespace
 
     from ckpt.writer import ShardWriter
-    from orchestrator.rank_state import catalog_for
+    from orchestrator.rank.state import catalog_for
 
     spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}))
     catalog = catalog_for(spec)

@@ -10,7 +10,7 @@ writer's (it cannot have been reaped and reused).
 
 The writer saves like a job does: step 10, then step 20, each by `WORLD` ranks through the
 real `ShardWriter` (background threads, `write_slices`), their receipts fed to the
-controller's `orchestrator.commits.Committer`, which merges them and commits the manifest
+controller's `ckpt.commit.Committer`, which merges them and commits the manifest
 with `Catalog.commit`. It reports what it is doing as lines on the job's FIFO (`events`);
 `hold` names an event after which it stops (sleeps) so the test can kill it exactly there.
 
@@ -34,10 +34,10 @@ import traceback
 import torch
 
 from ckpt.catalog import Catalog
+from ckpt.commit import Committer
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
-from orchestrator.commits import Committer
 from trainer.state_slices import TensorSlice
 
 WORLD = 4

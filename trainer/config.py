@@ -1,7 +1,7 @@
 """Typed configuration of what a rank trains: model, data, optimisation, parallel layout.
 
 These are the `model:`, `data:`, `train:` and `parallel:` sections of the job spec
-(`orchestrator.spec.JobSpec`). They are validated once, at the edge, before any rank
+(`orchestrator.spec.job_spec.JobSpec`). They are validated once, at the edge, before any rank
 starts; the engine trusts them afterwards. Cross-section checks (heads % tp, batch
 divisibility, ...) live in the job spec because they need more than one section.
 """

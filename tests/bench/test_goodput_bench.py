@@ -29,7 +29,7 @@ def test_surviving_steps_lost_time_and_redone_steps():
 
 
 def test_kill_schedule_is_the_controllers():
-    from orchestrator.spec import load_spec
+    from orchestrator.spec.job_spec import load_spec
 
     spec = load_spec("examples/demo.yaml", ["chaos.faults=[]", "chaos.mtbf_s=60s", "chaos.mtbf_kind=kill_rank",
                                             "chaos.seed=2", "chaos.mtbf_start_s=25s", "chaos.mtbf_max_faults=3"])

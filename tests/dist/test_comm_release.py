@@ -1,4 +1,4 @@
-"""Release from a broken collective (orchestrator/comm_abort.py), on 4 gloo ranks.
+"""Release from a broken collective (orchestrator/rank/comm_abort.py), on 4 gloo ranks.
 
 Each scenario (bench/release.py, which measures the same ones at 4 and 8 ranks) runs one collective
 in a loop on 4 ranks; rank 1 SIGKILLs itself while the others are inside it. The process-group

@@ -15,7 +15,7 @@ import pytest
 import ray.autoscaler
 import yaml
 
-from orchestrator.spec import load_spec
+from orchestrator.spec.job_spec import load_spec
 from tests.prom._dashboard import BUILTINS, METRIC_NAME, ROOT, exported_names, expressions, load, panels
 
 DEPLOY = ROOT / "deploy"

@@ -71,7 +71,7 @@ def test_rerun_of_a_killed_controller_resumes(ray_cluster, tmp_path, reference):
     resumed_from = min(p["step"] for p in report["losses"])
     assert resumed_from >= 20 and f"restored step {resumed_from}" in again.stdout
     assert report["final_loss"] == reference["final_loss"]
-    # Goodput across the kill (orchestrator.ledger_snapshot): the dead controller's last snapshot
+    # Goodput across the kill (orchestrator.controller.ledger_snapshot): the dead controller's last snapshot
     # (at most 5 s before the kill) to the successor's start is `other`, and the wall covers the
     # whole job, both runs and the gap, less the first run's start-up before its ledger began.
     goodput = report["goodput"]

@@ -51,8 +51,8 @@ def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
     # in its start-up; no rank holds state yet, so placement starts that seat's actor again.
     import ray
 
-    from orchestrator.spec import load_spec
-    from orchestrator.worker_group import RayWorkerGroup
+    from orchestrator.cluster.worker_group import RayWorkerGroup
+    from orchestrator.spec.job_spec import load_spec
     from tests.ray.jobs import BASE, ROOT
 
     spec = load_spec(str(ROOT / "examples/demo.yaml"), [*BASE, "checkpoint.url=memory://restart-ping"])

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from ckpt.catalog import Catalog
 from ckpt.shards import write_shard
 from ckpt.storage import Storage
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from tests._checkpoints import flip_bit, make_state, save_checkpoint, shard_of
 
 pytestmark = pytest.mark.s3

@@ -106,7 +106,7 @@ def train_and_save(rank: int, world_size: int, backends: list[Backend]) -> dict:
 
 
 def restore(engine: Engine, backend: Backend, memory: dict[str, dict[str, bytes]]) -> None:
-    """What a restoring rank does (orchestrator.rank_state.load_engine_state), on `backend`."""
+    """What a restoring rank does (orchestrator.rank.state.load_engine_state), on `backend`."""
     kind, url, _ = backend
     if kind == "memory":
         install_tree(url, memory[url])

@@ -42,7 +42,7 @@ from ckpt.catalog import Catalog
 from ckpt.manifest import step_dir
 from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable, verify_checkpoint
 from ckpt.storage import Storage
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from tests._checkpoints import flip_bit, make_state, save_checkpoint
 from tests._torn_writer import BIG_SHARD, WORLD, logical_state
 from tests.s3._seaweed import BUCKET

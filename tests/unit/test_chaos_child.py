@@ -12,9 +12,9 @@ import subprocess
 import pytest
 
 import monitor.report
-import orchestrator.chaos_child as chaos_child
-from chaos.experiment import catalog_of
-from orchestrator.controller_kill import MARKER_DIR, marker_name
+import orchestrator.cli.chaos.child as chaos_child
+from orchestrator.cli.chaos.experiment import catalog_of
+from orchestrator.controller.kill import MARKER_DIR, marker_name
 from tests.unit.test_controller import _spec
 
 

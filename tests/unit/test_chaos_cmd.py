@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from chaos.experiment import catalog_of
 from monitor.report import GoodputSummary, RunReport, WorldRecord
-from orchestrator.chaos_cmd import RunOutcome, chaos_main
-from orchestrator.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, _parser
+from orchestrator.cli.chaos.command import RunOutcome, chaos_main
+from orchestrator.cli.chaos.experiment import catalog_of
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from orchestrator.cli.main import _parser
 from tests._checkpoints import save_checkpoint
 
 STEPS = 4
@@ -134,7 +135,7 @@ def test_sweep_runs_each_interval_under_the_same_failures_and_writes_json_and_pl
 
 def test_random_node_kills_never_target_the_controllers_node(tmp_path):
     from ckpt.storage import Storage
-    from orchestrator.rendezvous import RendezvousServer
+    from orchestrator.wire.store import RendezvousServer
     from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 
     rendezvous = RendezvousServer("127.0.0.1")

@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from chaos.corrupt import corrupt_shard
-from chaos.history import Restored, StepRecord, record_step, surviving_history
-from chaos.invariants import (
+from ckpt.catalog import Catalog
+from ckpt.manifest import step_dir
+from ckpt.shards import write_shard
+from ckpt.storage import Storage
+from monitor.goodput import GoodputLedger
+from orchestrator.cli.chaos.invariants import (
     check_all,
     check_checkpoints_verify,
     check_data_once,
@@ -22,11 +26,7 @@ from chaos.invariants import (
     check_newest_loads,
     check_no_process_left,
 )
-from ckpt.catalog import Catalog
-from ckpt.manifest import step_dir
-from ckpt.shards import write_shard
-from ckpt.storage import Storage
-from monitor.goodput import GoodputLedger
+from orchestrator.controller.step_history import Restored, StepRecord, record_step, surviving_history
 
 
 def _save(catalog: Catalog, step: int) -> None:

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-import orchestrator.controller_kill as controller_kill
-from chaos.invariants import check_checkpoints_verify, check_data_once, check_goodput
+import orchestrator.controller.kill as controller_kill
 from ckpt.catalog import Catalog
+from ckpt.commit import Committer
 from ckpt.storage import Storage
-from orchestrator.commits import Committer
-from orchestrator.controller_kill import ControllerKill, has_fired, marker_name
-from orchestrator.rendezvous import RendezvousServer
+from orchestrator.cli.chaos.invariants import check_checkpoints_verify, check_data_once, check_goodput
+from orchestrator.controller.kill import ControllerKill, has_fired, marker_name
+from orchestrator.wire.store import RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 
 

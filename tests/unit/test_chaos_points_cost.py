@@ -9,7 +9,7 @@ import time
 import trainer.data_parallel as data_parallel
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
-from orchestrator.controller_faults import ControllerFaults
+from orchestrator.controller.faults import ControllerFaults
 from tests.unit.test_chaos_nan_grad import _engine, _loop_ns, _ns_per_call
 from trainer.data_parallel import SyncClock, _timed_allreduce
 

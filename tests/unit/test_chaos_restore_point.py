@@ -9,8 +9,8 @@ import pytest
 
 from chaos.injector import FaultInjector, InjectedFault
 from ckpt.storage import Storage
-from orchestrator.rank_state import load_engine_state
-from orchestrator.rendezvous import RendezvousServer
+from orchestrator.rank.state import load_engine_state
+from orchestrator.wire.store import RendezvousServer
 from tests._checkpoints import commit_trained_engine, tiny_engine
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 

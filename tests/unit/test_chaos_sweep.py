@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from chaos import sweep
-from chaos.goodput_model import inputs_from_reports, log_grid, model_goodput, young_tau
 from monitor.report import CheckpointRecord, FailureRecord, GoodputSummary, RunReport
-from orchestrator.problems import SpecError
-from orchestrator.spec import load_spec
+from orchestrator.cli.chaos import sweep
+from orchestrator.cli.chaos.goodput_model import inputs_from_reports, log_grid, model_goodput, young_tau
+from orchestrator.spec.job_spec import load_spec
+from orchestrator.spec.problems import SpecError
 
 
 def test_model_is_first_order_and_peaks_at_young():
@@ -99,7 +99,7 @@ def test_measure_reads_goodput_interval_cost_and_restart():
 
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from chaos.sweep_plot import plot_sweep
+    from orchestrator.cli.chaos.sweep_plot import plot_sweep
 
     rows = [sweep.measure("5s", 5.0, 12, _report(commits=(5, 10, 15))), sweep.measure("young", None, None, _report())]
     path = tmp_path / "sweep.png"

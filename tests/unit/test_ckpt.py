@@ -14,13 +14,13 @@ import torch
 
 from ckpt.blocks import block_crcs
 from ckpt.catalog import Catalog
+from ckpt.commit import Committer
 from ckpt.errors import IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import step_dir
 from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable, read_slices, verify_checkpoint
 from ckpt.shards import _ChunkBytes, owned_by, slices_to_write, write_shard, write_slices
 from ckpt.storage import AlreadyCommitted, Storage
 from ckpt.writer import WRITER_NICE, ShardWriter
-from orchestrator.commits import Committer
 from trainer.state_slices import TensorSlice, assemble, whole
 
 
@@ -493,7 +493,7 @@ def test_committer_drops_an_incomplete_save_loudly(catalog, caplog):
     committer = Committer(catalog, "j", "h", keep=2)
     events = [{"receipt": r.model_dump(), "extra": {"engine": {"next_step": 4}} if r.rank == 0 else {}}
               for r in receipts]
-    with caplog.at_level(logging.ERROR, logger="orchestrator.commits"):
+    with caplog.at_level(logging.ERROR, logger="ckpt.commit"):
         assert committer.on_receipt(events[0], 2, 0, {}, dict) is None
         assert committer.on_receipt(events[1], 2, 0, {}, dict) is None
     assert "written twice" in committer.rejected[4] and "step 4 NOT committed" in caplog.text
@@ -517,7 +517,7 @@ def test_reads_run_in_parallel_threads(tmp_path):
 
 
 def test_engine_state_round_trips_through_the_rank_glue(tmp_path):
-    from orchestrator.rank_state import load_engine_state
+    from orchestrator.rank.state import load_engine_state
     from tests._checkpoints import commit_trained_engine, tiny_engine
 
     spec, source = commit_trained_engine(f"file://{tmp_path}/job")

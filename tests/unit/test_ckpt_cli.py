@@ -17,7 +17,7 @@ from ckpt.catalog import Catalog
 from ckpt.export import export_safetensors
 from ckpt.shards import write_shard
 from ckpt.storage import Storage
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from tests._checkpoints import flip_bit, make_state, save_checkpoint, shard_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -198,7 +198,7 @@ def test_gc_keeps_the_newest_and_deletes_stale_unfinished_saves(capsys, job):
 
 
 def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "ckpt", "ls", str(tmp_path / "missing")],
+    result = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "ckpt", "ls", str(tmp_path / "missing")],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     _one_line_error(result.stderr, "undying ckpt ls:", "does not exist")

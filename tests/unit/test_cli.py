@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.capacity import capacity_problems
-from orchestrator.spec import load_spec
+from orchestrator.cluster.capacity import capacity_problems
+from orchestrator.spec.job_spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 UNDYING = str(Path(sys.executable).parent / "undying")

@@ -18,11 +18,11 @@ from ckpt.shards import write_shard
 from ckpt.staging import staging_env
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
-from orchestrator.ckpt_plan import CheckpointPlan
-from orchestrator.controller import Controller, State
-from orchestrator.rendezvous import PLAN, RendezvousServer
-from orchestrator.spec import validate_spec
-from orchestrator.worker_group import PlacementError, RankOutcome, RayWorkerGroup
+from orchestrator.cluster.worker_group import PlacementError, RankOutcome, RayWorkerGroup
+from orchestrator.controller.machine import Controller, State
+from orchestrator.spec.job_spec import validate_spec
+from orchestrator.wire.plan import CheckpointPlan
+from orchestrator.wire.store import PLAN, RendezvousServer
 
 
 class FakeWorkerGroup:

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from orchestrator.plan_cmd import plan_main
-from orchestrator.spec import load_spec
+from orchestrator.cli.plan_cmd import plan_main
+from orchestrator.spec.job_spec import load_spec
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.costmodel import (
     Layout,

@@ -185,7 +185,7 @@ def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
     """What the controller books as lost_work at recovery (JobRecord.rolled_back_seconds) is
     what the report later lists as thrown away, whatever the second executions cost."""
     from monitor.metrics import JobMetrics
-    from orchestrator.job_record import JobRecord
+    from orchestrator.controller.job_record import JobRecord
 
     record = JobRecord("unit", 20, JobMetrics("unit"), GoodputLedger(clock=FakeClock()), printer=lambda _: None)
     t = record.started

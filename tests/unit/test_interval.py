@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from ckpt.config import CheckpointConfig
 from ckpt.interval import IntervalInputs, MovingAverage, MtbfEstimate, young_daly_interval_s, young_interval_s
-from orchestrator.policies import CheckpointIntervalPolicy
+from orchestrator.controller.policies import CheckpointIntervalPolicy
 
 
 def test_formulas():

@@ -6,7 +6,7 @@ import pytest
 
 from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
-from orchestrator.ledger_snapshot import SNAPSHOT_FILE, LedgerSnapshots, resume_totals
+from orchestrator.controller.ledger_snapshot import SNAPSHOT_FILE, LedgerSnapshots, resume_totals
 
 AT_COMMIT = {"productive": 100.0, "startup": 5.0, "checkpoint_save": 2.0}
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.capacity import node_problems
-from orchestrator.placement import plan_placement, tp_groups_that_fit
-from orchestrator.spec import ResourcesConfig, load_spec
+from orchestrator.cluster.capacity import node_problems
+from orchestrator.cluster.placement import plan_placement, tp_groups_that_fit
+from orchestrator.spec.job_spec import ResourcesConfig, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from ckpt.manifest import step_dir
-from orchestrator.rank_loop import NonFiniteGradient, RankLoop, _EventSink
-from orchestrator.rank_state import build_engine
-from orchestrator.rendezvous import PLAN, RendezvousServer, connect
-from orchestrator.spec import validate_spec
+from orchestrator.rank.loop import NonFiniteGradient, RankLoop, _EventSink
+from orchestrator.rank.state import build_engine
+from orchestrator.spec.job_spec import validate_spec
+from orchestrator.wire.store import PLAN, RendezvousServer, connect
 
 
 def _spec(tmp_path, faults):

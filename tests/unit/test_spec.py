@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from chaos.config import FaultSpec
 from ckpt.config import CheckpointConfig
-from orchestrator.spec import (
+from orchestrator.spec.job_spec import (
     JobSpec,
     Problem,
     SpecError,
@@ -28,7 +28,7 @@ from orchestrator.spec import (
     spec_hash,
     validate_spec,
 )
-from orchestrator.storage_check import check_storage, require_storage
+from orchestrator.spec.storage_check import check_storage, require_storage
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -354,7 +354,7 @@ def test_spec_hash_is_stable(tmp_path, tiny_data):
                 for o in ("{a: 1, b: 2}", "{b: 2, a: 1}"))
     assert spec_hash(one) == spec_hash(two)
     # ... and does not depend on the process (string hashing is randomised per process).
-    code = f"from orchestrator.spec import *; print(spec_hash(load_spec({str(EXAMPLES / 'tiny.yaml')!r})))"
+    code = f"from orchestrator.spec.job_spec import *; print(spec_hash(load_spec({str(EXAMPLES / 'tiny.yaml')!r})))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONHASHSEED": "7"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == digest

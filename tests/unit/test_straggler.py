@@ -8,8 +8,8 @@ import pytest
 
 from ckpt.storage import Storage
 from monitor.straggler import StragglerDetector
-from orchestrator.rendezvous import RendezvousServer
-from orchestrator.worker_group import RankOutcome
+from orchestrator.cluster.worker_group import RankOutcome
+from orchestrator.wire.store import RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 
 

@@ -1,0 +1,116 @@
+"""`undying chaos` with kill_controller: the controller runs in a child process, rerun after each kill.
+
+Protocol: orchestrator.cli.chaos.command uses `run_rerunning` as its runner when the spec holds a
+kill_controller fault (`kills_controller`). It writes the validated spec to a file and starts
+
+    python -m orchestrator.cli.chaos.child SPEC.json REPORT.json PIDS.json [--address ADDR]
+
+which is `undying run` (orchestrator.cli.run.run_job) with the chaos command's rank-PID recording:
+each rank PID is written to PIDS.json as soon as the rank reports it, since a controller killed
+by SIGKILL writes nothing at its end. When the child dies by SIGKILL and a kill_controller fault
+of the spec has been recorded as fired since it started (orchestrator.controller.kill), the job
+is run again, as an operator would after losing the driver: it resumes from its last committed
+checkpoint, and Ray has ended the dead driver's rank actors. Any other end is final. At most one
+rerun per kill_controller fault, since each fires once per job.
+
+The outcome joins every attempt: the last one's exit code and report (the killed ones leave
+none), every rank PID any attempt had (the dead controller's ranks must be gone as well: the
+"no process left" check), and the wall time of all attempts together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from orchestrator.cli.chaos.runs import RankPidRecorder, RunOutcome
+from orchestrator.cli.exits import EXIT_FAILED
+
+
+def kills_controller(spec) -> bool:
+    return any(f.kind == "kill_controller" for f in spec.chaos.faults)
+
+
+def _fired_now(spec) -> set[int]:
+    """Ids of the spec's kill_controller faults recorded as fired beside its checkpoints."""
+    from orchestrator.cli.chaos.experiment import catalog_of
+    from orchestrator.controller.kill import has_fired
+
+    storage = catalog_of(spec).storage
+    faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults) if f.kind == "kill_controller"]
+    return {f["id"] for f in faults if has_fired(storage, f)}
+
+
+def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str]]:
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):  # the child died before its first rank answered
+        return {}, {}
+    return {k: int(v) for k, v in data["pids"].items()}, dict(data["starts"])
+
+
+def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
+    """Run the job in a child process; rerun it while it died from a kill_controller fault."""
+    from monitor.report import RunReport
+
+    kills = sum(1 for f in spec.chaos.faults if f.kind == "kill_controller")
+    pids: dict[str, int] = {}
+    starts: dict[str, str] = {}
+    wall, code = 0.0, EXIT_FAILED
+    with tempfile.TemporaryDirectory(prefix="undying-chaos-child-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as handle:
+            handle.write(spec.model_dump_json(by_alias=True))
+        for attempt in range(kills + 1):
+            fired_before = _fired_now(spec)
+            pids_path = os.path.join(tmp, f"pids-{attempt}.json")
+            cmd = [sys.executable, "-m", "orchestrator.cli.chaos.child", spec_path, report_path, pids_path]
+            sys.stdout.flush()
+            started = time.monotonic()
+            code = subprocess.run(cmd + (["--address", address] if address else [])).returncode
+            wall += time.monotonic() - started
+            more_pids, more_starts = _read_pids(pids_path)
+            pids.update({f"run {attempt} {k}": v for k, v in more_pids.items()})
+            starts.update({f"run {attempt} {k}": v for k, v in more_starts.items()})
+            killed = code == -signal.SIGKILL and _fired_now(spec) - fired_before
+            if not killed:
+                break
+            print(f"undying chaos: the controller died from kill_controller (SIGKILL); running the job again "
+                  f"(rerun {attempt + 1}) to resume from its last committed checkpoint", flush=True)
+    report = RunReport.from_json(report_path) if os.path.exists(report_path) else None
+    return RunOutcome(code if code >= 0 else EXIT_FAILED, report, pids, wall, starts)
+
+
+def _write_pids(path: str, pids: dict, starts: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump({"pids": pids, "starts": starts}, handle)
+    os.replace(tmp, path)  # whole or not at all, whenever the SIGKILL comes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.cli.chaos.child")
+    parser.add_argument("spec")
+    parser.add_argument("report")
+    parser.add_argument("pids")
+    parser.add_argument("--address")
+    args = parser.parse_args(argv)
+    from orchestrator.cli.run import run_job
+    from orchestrator.spec.job_spec import JobSpec
+
+    with open(args.spec) as handle:
+        spec = JobSpec.model_validate_json(handle.read())
+    recorder = RankPidRecorder(lambda pids, starts: _write_pids(args.pids, pids, starts))
+    return run_job(spec, address=args.address, report_path=args.report, timeline_path=None,
+                   worker_group=recorder.group_class)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""`undying chaos`: run a job under random failures and check the invariants; or sweep checkpoint intervals.
+
+    undying chaos JOB.yaml [--mtbf 30s] [--kind kill_rank|kill_node|hang_rank] [--seed 1] [--start 10s]
+                  [--max-faults N] [--set k=v ...] [--address ADDR] [--report out.json] [--no-reference] [--fresh]
+    undying chaos sweep JOB.yaml --mtbf 60s --intervals 5s,10s,20s,40s,young [--seed 1] --plot sweep.png
+                  [--step-s S] [--out sweep.json]
+
+`--mtbf` is `chaos.mtbf_s`: the mean time between failures of each target (each rank for the
+rank kinds, each node for kill_node), so a 4-rank job with `--mtbf 60s --kind kill_rank` sees
+a failure every 15 s on average. The other flags set chaos.mtbf_kind, seed, mtbf_start_s and
+mtbf_max_faults; `--set` edits any other field.
+
+Protocol of one experiment (orchestrator.cli.chaos.experiment): unless --no-reference, the same job with chaos
+off runs first under the name `<name>.reference` (a finished reference with the same spec is
+reused: it is deterministic); then the job runs with its faults; then every invariant check
+runs on what it left and the pass/fail table is printed. A checkpoint root that already holds
+checkpoints of another run is refused (a chaos run must start from scratch), unless --fresh,
+which deletes it first. Rank PIDs are taken from the ranks' own answers to the controller's
+pings (every actor of the run answers one before it trains) by recording them on the worker
+group; `run_job` has no hook for it, hence the subclass swapped in for the run. A spec with a
+kill_controller fault runs each job in a child process instead, rerun after the controller
+killed itself (orchestrator.cli.chaos.child), so the checks see the job's whole life.
+
+Exit codes: 0 the run succeeded and every check passed; 1 the run failed or a check failed;
+2 the spec, the flags or the cluster cannot run the experiment (nothing was started).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator.cli.chaos import experiment
+from orchestrator.cli.chaos.runs import RunOutcome, run_recorded, wait_for_exit
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.spec.problems import Problem, SpecError
+
+KINDS = ("kill_rank", "kill_node", "hang_rank")
+
+
+Runner = Callable[..., RunOutcome]  # runner(spec, address=..., report_path=...) -> RunOutcome
+
+
+def add_chaos_parser(sub) -> None:
+    p = sub.add_parser("chaos", help="run a job under random failures and check the invariants; "
+                                     "`chaos sweep` measures goodput per checkpoint interval")
+    p.add_argument("words", nargs="+", metavar="[sweep] JOB.yaml", help="job spec YAML, after `sweep` for a sweep")
+    p.add_argument("--mtbf", help="chaos.mtbf_s: mean time between failures of each target, e.g. 30s, 5m")
+    p.add_argument("--kind", choices=KINDS, help="chaos.mtbf_kind: what fails (default: the spec's, kill_node)")
+    p.add_argument("--seed", type=int, help="chaos.seed: the failure process's seed")
+    p.add_argument("--start", help="chaos.mtbf_start_s: no random failure before this many job seconds")
+    p.add_argument("--max-faults", type=int, help="chaos.mtbf_max_faults: at most this many random failures")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec field, e.g. --set train.steps=200 (repeatable)")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
+    p.add_argument("--report", help="write the run report with the invariant results (JSON) here")
+    p.add_argument("--no-reference", action="store_true", help="skip the failure-free run (no model comparison)")
+    p.add_argument("--fresh", action="store_true", help="delete the runs' checkpoint roots first")
+    p.add_argument("--intervals", help="sweep: checkpoint intervals, e.g. 5s,10s,20s,40s,young")
+    p.add_argument("--plot", help="sweep: PNG of goodput vs interval (needs matplotlib)")
+    p.add_argument("--out", help="sweep: write every run's numbers as JSON here")
+    p.add_argument("--step-s", type=float, help="sweep: seconds per step (default: measured by a short run)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def chaos_main(args, runner: Runner | None = None) -> int:
+    words = list(args.words)
+    sweep = words[0] == "sweep"
+    if sweep:
+        words = words[1:]
+    if len(words) != 1:
+        print("undying chaos: give one job spec: `undying chaos JOB.yaml` or `undying chaos sweep JOB.yaml`",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if not sweep and (args.intervals or args.plot or args.out or args.step_s):
+        print("undying chaos: --intervals, --plot, --out and --step-s belong to `undying chaos sweep`",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        spec = _load(words[0], args)
+        if sweep:
+            from orchestrator.cli.chaos.sweep import parse_intervals
+
+            intervals = parse_intervals(args.intervals or "")
+    except SpecError as err:
+        print_problems(err.problems)
+        return EXIT_USAGE
+    if runner is None:
+        # A controller that kills itself must not take this process with it: it runs in a child,
+        # rerun after each kill (orchestrator.cli.chaos.child).
+        from orchestrator.cli.chaos.child import kills_controller, run_rerunning
+
+        runner = run_rerunning if kills_controller(spec) else run_recorded
+    if sweep:
+        return sweep_main(spec, intervals, args, runner)
+    return experiment_main(spec, args, runner)
+
+
+def _load(path: str, args):
+    from chaos.config import support_problems
+    from orchestrator.spec.job_spec import load_spec
+    from orchestrator.spec.storage_check import require_storage
+
+    overrides = [*args.overrides, *experiment.chaos_overrides(
+        mtbf=args.mtbf, kind=args.kind, seed=args.seed, start=args.start, max_faults=args.max_faults)]
+    spec = load_spec(path, overrides)
+    problems = [Problem(f, m) for f, m in support_problems(spec.chaos)]
+    if spec.chaos.mtbf_s is None and not spec.chaos.faults:
+        problems.append(Problem("chaos.mtbf_s", "no fault to inject: give --mtbf 60s (random failures) or "
+                                                "chaos.faults in the spec"))
+    if problems:
+        raise SpecError(problems)
+    require_storage(spec)
+    return spec
+
+
+def experiment_main(spec, args, runner: Runner) -> int:
+    reference = None
+    try:
+        if not args.no_reference:
+            reference = ensure_reference(spec, runner, args.address, args.fresh)
+            if reference is None:
+                return EXIT_FAILED
+        prepare_root(spec, args.fresh)
+    except SpecError as err:
+        print_problems(err.problems)
+        return EXIT_USAGE
+    print(f"undying chaos: {describe_faults(spec)}", flush=True)
+    outcome = run_with_report(runner, spec, args.address)
+    if outcome.code == EXIT_USAGE:
+        return EXIT_USAGE
+    if outcome.report is None:
+        checks = experiment.failed_run_report(f"the run left no report (exit code {outcome.code})")
+    else:
+        checks = experiment.invariants(spec, outcome.report, reference=reference,
+                                       pids=wait_for_exit(outcome), measured_wall_s=outcome.wall_s)
+    print("\ninvariants:\n" + checks.table(), flush=True)
+    if args.report and outcome.report is not None:
+        data = experiment.chaos_report(outcome.report, checks, {
+            "faults": describe_faults(spec), "chaos": spec.chaos.model_dump(mode="json"),
+            "reference": None if args.no_reference else spec.name + experiment.REFERENCE_SUFFIX,
+            "rank_pids": outcome.pids, "measured_wall_s": outcome.wall_s})
+        write_json(args.report, data)
+        print(f"report written to {args.report}")
+    ok = outcome.code == EXIT_OK and checks.ok
+    verdict = "every check passed" if checks.ok else f"{len(checks.failed)} check(s) FAILED"
+    print(f"undying chaos: run {'succeeded' if outcome.code == EXIT_OK else 'FAILED'}; {verdict}", flush=True)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def sweep_main(spec, intervals, args, runner: Runner) -> int:
+    """Calibrate the step time, run the job once per interval under the same failures, fit the model,
+    print the table, write the JSON and the plot (orchestrator.cli.chaos.sweep has the protocol)."""
+    from orchestrator.cli.chaos import sweep
+    from orchestrator.cli.chaos.goodput_model import inputs_from_reports
+
+    try:
+        mtbf = sweep.system_mtbf_s(spec)
+        specs = [sweep.calibration_spec(spec)] if args.step_s is None else []
+        for s in specs:
+            prepare_root(s, args.fresh)
+    except SpecError as err:
+        print_problems(err.problems)
+        return EXIT_USAGE
+    step_s = args.step_s
+    if step_s is None:
+        outcome = run_with_report(runner, specs[0], args.address)
+        if outcome.code != EXIT_OK or outcome.report is None:
+            print(f"undying chaos sweep: the calibration run failed (exit {outcome.code})", file=sys.stderr)
+            return EXIT_FAILED
+        step_s = sweep.step_seconds(outcome.report)
+    print(f"undying chaos sweep: {describe_faults(spec)}; system MTBF {mtbf:.1f} s; step {step_s:.3f} s", flush=True)
+    rows, reports = [], []
+    for interval in intervals:
+        run_spec = sweep.sweep_spec(spec, interval, step_s)
+        try:
+            prepare_root(run_spec, args.fresh)
+        except SpecError as err:
+            print_problems(err.problems)
+            return EXIT_USAGE
+        print(f"undying chaos sweep: interval {interval.label} ({run_spec.name})", flush=True)
+        outcome = run_with_report(runner, run_spec, args.address)
+        if outcome.report is None:
+            print(f"undying chaos sweep: run {run_spec.name} left no report (exit {outcome.code})", file=sys.stderr)
+            return EXIT_FAILED
+        reports.append(outcome.report.model_dump(mode="json"))
+        rows.append(sweep.measure(interval.label, interval.seconds, run_spec.checkpoint.every_steps, outcome.report))
+    inputs = inputs_from_reports(reports, mtbf)
+    result = sweep.summary(rows, inputs)
+    print("\n" + sweep.table(rows, inputs) + "\n", flush=True)
+    best = result["best_fixed"]
+    print(f"tau* = sqrt(2 C M) = {inputs.tau_star:.1f} s (C {inputs.cost_s:.3f} s over {inputs.saves} saves, "
+          f"M {mtbf:.1f} s; R {inputs.restart_s:.1f} s over {inputs.restarts} recoveries)"
+          + (f"; best fixed interval {best['label']} ({100 * best['steady_goodput']:.1f}% steady goodput)"
+             if best else ""), flush=True)
+    for rule in sweep.RULES:
+        if rule in result:
+            print(f"{rule}: {result[rule]['points_below_best']:+.1f} points below the best fixed interval")
+    if args.out:
+        write_json(args.out, {"command": shlex.join(["undying", *sys.argv[1:]]), "step_s": step_s,
+                              "system_mtbf_s": mtbf, "chaos": spec.chaos.model_dump(mode="json"),
+                              "rows": sweep.rows_to_json(rows), "summary": result, "reports": reports})
+        print(f"sweep written to {args.out}")
+    if args.plot:
+        from orchestrator.cli.chaos.sweep_plot import plot_sweep
+
+        plot_sweep(rows, inputs, args.plot, title=f"{spec.name}: {describe_faults(spec)}")
+        print(f"plot written to {args.plot}")
+    return EXIT_OK if all(r.status == "succeeded" for r in rows) else EXIT_FAILED
+
+
+def describe_faults(spec) -> str:
+    chaos = spec.chaos
+    parts = [f"{len(chaos.faults)} scripted fault(s)"] if chaos.faults else []
+    if chaos.mtbf_s is not None:
+        targets = f"each of {spec.world_size} ranks" if chaos.mtbf_kind != "kill_node" else "each node"
+        parts.append(f"random {chaos.mtbf_kind} with MTBF {chaos.mtbf_s:g} s for {targets} (seed {chaos.seed}"
+                     + (f", from {chaos.mtbf_start_s:g} s" if chaos.mtbf_start_s else "")
+                     + (f", at most {chaos.mtbf_max_faults}" if chaos.mtbf_max_faults else "") + ")")
+    return "; ".join(parts) or "no faults"
+
+
+def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
+    """The failure-free run's final model tensors: reused when a finished reference of the same spec
+    exists, else run now. None (after printing why) when the reference run failed."""
+    from orchestrator.spec.job_spec import spec_hash
+
+    ref = experiment.reference_spec(spec)
+    catalog = experiment.catalog_of(ref)
+    latest = catalog.latest()
+    if latest == ref.train.steps and catalog.read_manifest(latest).spec_hash == spec_hash(ref) and not fresh:
+        print(f"undying chaos: reusing the finished reference run {ref.name!r} ({ref.checkpoint_root})", flush=True)
+    else:
+        prepare_root(ref, fresh)
+        print(f"undying chaos: reference run {ref.name!r} (chaos off) first", flush=True)
+        outcome = run_with_report(runner, ref, address)
+        if outcome.code != EXIT_OK:
+            print(f"undying chaos: the reference run failed (exit {outcome.code}); nothing to compare with",
+                  file=sys.stderr)
+            return None
+    return experiment.final_model(catalog)[1]
+
+
+def prepare_root(spec, fresh: bool) -> None:
+    """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh."""
+    from orchestrator.controller.kill import MARKER_DIR
+
+    catalog = experiment.catalog_of(spec)
+    # A kill_controller marker alone (the controller died before its first commit) is state too:
+    # it would keep that fault from firing in this run.
+    if not catalog.all_steps() and not catalog.storage.exists(catalog.storage.path(MARKER_DIR)):
+        return
+    if fresh:
+        catalog.storage.remove_tree(catalog.storage.root)
+        return
+    raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
+                             f"records) of an earlier run, which this run would resume from; pass --fresh to "
+                             f"delete them, or choose another name with --set name=...")])
+
+
+def run_with_report(runner: Runner, spec, address: str | None) -> RunOutcome:
+    with tempfile.TemporaryDirectory(prefix="undying-chaos-") as tmp:
+        return runner(spec, address=address, report_path=os.path.join(tmp, "report.json"))
+
+
+def write_json(path: str, data) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=2))

@@ -1,0 +1,137 @@
+"""A chaos experiment: one job run under faults, then the invariant checks on what it left.
+
+Protocol (orchestrator.cli.chaos.command drives it; nothing here starts Ray or a rank):
+  1. `chaos_overrides(...)` turns the command's flags into `--set` overrides of the `chaos:`
+     section (random failures: chaos.mtbf_s and its companions), applied after the user's.
+  2. `reference_spec(spec)` is the same job with chaos off, under another name, so its
+     checkpoints land under another prefix (`<checkpoint.url>/<name>.reference`). Its final
+     model is what the faulty run must reproduce (design.md section 7).
+  3. The caller runs both jobs, then `invariants(...)` gathers every check's inputs from the
+     faulty run's report and checkpoints and runs orchestrator.cli.chaos.invariants.check_all: checkpoints
+     verify and the newest loads; the final `model/...` tensors equal the reference's (bit
+     for bit when the run never changed dp, else within rtol 1e-5); every step and sample
+     survives exactly once (RunReport.history + trainer.data.DataCursor); the goodput
+     buckets sum to wall; no rank process is left.
+  4. `chaos_report(...)` is the JSON written by `--report`: the RunReport's fields plus
+     `invariants` (InvariantReport.to_dict) and `experiment` (what was injected, compared).
+
+`with_changes` derives specs by editing the validated spec's plain data and validating it
+again, so a derived spec is exactly as checked as one read from YAML.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.reader import load_checkpoint
+from ckpt.storage import Storage
+from orchestrator.cli.chaos.invariants import Check, InvariantReport, check_all
+
+MODEL_PREFIX = "model/"
+# Tolerance when the data-parallel degree changed: another reduction order changes the fp32
+# rounding of every all-reduced gradient, so bit equality is not expected.
+ELASTIC_RTOL, ELASTIC_ATOL = 1e-5, 1e-6
+REFERENCE_SUFFIX = ".reference"
+
+
+def with_changes(spec, changes: Mapping[str, Any]):
+    """A new validated JobSpec: `spec` with each dotted path of `changes` set (a whole section for a
+    top-level key). Raises orchestrator.spec.problems.SpecError like a bad YAML file would."""
+    from orchestrator.spec.job_spec import validate_spec
+
+    data = copy.deepcopy(spec.model_dump(mode="json", by_alias=True))
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return validate_spec(data)
+
+
+def chaos_overrides(*, mtbf: str | None = None, kind: str | None = None, seed: int | None = None,
+                    start: str | None = None, max_faults: int | None = None) -> list[str]:
+    """`--set` overrides for the random-failure flags that were given (None: keep the spec's)."""
+    pairs = (("mtbf_s", mtbf), ("mtbf_kind", kind), ("seed", seed), ("mtbf_start_s", start),
+             ("mtbf_max_faults", max_faults))
+    return [f"chaos.{key}={value}" for key, value in pairs if value is not None]
+
+
+def reference_spec(spec):
+    """The failure-free twin of `spec`: chaos off, name `<name>.reference` (its own checkpoint prefix)."""
+    return with_changes(spec, {"name": spec.name + REFERENCE_SUFFIX, "chaos": {}})
+
+
+def catalog_of(spec) -> Catalog:
+    return Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+
+
+def final_model(catalog: Catalog) -> tuple[int | None, dict[str, torch.Tensor] | None]:
+    """(step, `model/...` tensors) of the newest committed checkpoint; (None, None) when there is none."""
+    step = catalog.latest()
+    if step is None:
+        return None, None
+    names = [n for n in catalog.read_manifest(step).tensors if n.startswith(MODEL_PREFIX)]
+    tensors, _ = load_checkpoint(catalog, step, names)
+    return step, tensors
+
+
+def dp_changed(report, target_dp: int) -> bool:
+    """Whether any generation of the run trained with another data-parallel degree than `target_dp`."""
+    return any(world.dp != target_dp for world in report.world_history)
+
+
+def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
+               pids: Mapping[str, int] | None, measured_wall_s: float | None = None) -> InvariantReport:
+    """Every invariant check of a finished chaos run (see module doc) and, when the caller timed
+    the run from outside, whether the ledger's wall fits inside that time.
+
+    `reference`: the failure-free run's final `model/...` tensors (None: that check is skipped);
+    `pids`: {label: pid} of every rank process the run had (None: skipped).
+    """
+    from trainer.data import DataCursor
+
+    catalog = catalog_of(spec)
+    _, final = final_model(catalog)
+    exact = not dp_changed(report, spec.parallel.dp)
+    goodput = {"productive": report.goodput.productive_s, **report.goodput.badput_s}
+    result = check_all(
+        catalog=catalog, final=final if final is not None else ({} if reference is not None else None),
+        reference=reference, exact=exact, rtol=ELASTIC_RTOL, atol=ELASTIC_ATOL,
+        history=report.history, final_step=spec.train.steps, global_batch=spec.train.global_batch,
+        cursor=DataCursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.wall_s,
+        pids=pids,
+    )
+    checks = list(result.checks)
+    if measured_wall_s is not None:
+        checks.append(check_wall_within(report.goodput.wall_s, measured_wall_s))
+    return InvariantReport(checks, list(result.skipped))
+
+
+def check_wall_within(ledger_wall_s: float, measured_wall_s: float, slack_s: float = 0.5) -> Check:
+    """The ledger's wall is positive and no longer than the run as timed from outside.
+
+    The report's wall is the sum of its buckets, so `goodput_sums_to_wall` alone cannot see
+    time booked twice; an outside clock can: the controller lives inside the timed call.
+    """
+    name = "goodput_wall_plausible"
+    if not 0.0 < ledger_wall_s <= measured_wall_s + slack_s:
+        return Check(name, False, f"ledger wall {ledger_wall_s:.3f} s is not within the {measured_wall_s:.3f} s "
+                     "the run took as timed from outside")
+    return Check(name, True, f"ledger wall {ledger_wall_s:.1f} s of {measured_wall_s:.1f} s timed from outside "
+                 f"(the rest: connecting to Ray and tearing down)")
+
+
+def chaos_report(report, checks: InvariantReport, experiment: Mapping[str, Any]) -> dict:
+    """The `--report` JSON: the RunReport's fields, `invariants`, and `experiment`."""
+    return {**report.model_dump(mode="json"), "invariants": checks.to_dict(), "experiment": dict(experiment)}
+
+
+def failed_run_report(error: str, skipped: Iterable[str] = ()) -> InvariantReport:
+    """The verdict when the run left no report at all (it could not start)."""
+    return InvariantReport([Check("run_finished", False, error)], list(skipped))

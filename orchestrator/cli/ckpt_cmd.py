@@ -1,0 +1,323 @@
+"""`undying ckpt ls|verify|export|gc URL`: inspect and maintain a job's checkpoints offline.
+
+URL is the job's checkpoint root, the directory `undying run` writes to: `checkpoint.url`
+of the spec with the job name appended (`<checkpoint.url>/<name>`); a plain path means a
+local directory. `--storage-option KEY=VALUE` (repeatable) is passed to fsspec, e.g.
+`endpoint_url=http://127.0.0.1:8333`, `key=...`, `secret=...` for an S3-compatible server.
+
+    ls       committed checkpoints: step, layout, size, age (manifests only, no shard reads)
+    verify   read every chunk of every (or one, --step) committed checkpoint and check its CRC
+    export   the `model/...` tensors of one checkpoint as a safetensors file, prefix removed
+    gc       keep the newest --keep committed checkpoints (never the newest one) and delete
+             unfinished saves older than the newest commit
+
+Exit codes: 0 done; 1 `verify` found damage, or storage failed mid-way; 2 the arguments
+cannot work as given (no such location, no checkpoints, no such step, bad option): one
+line naming the argument and the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ckpt.catalog import Catalog
+from ckpt.config import normalise_url as checkpoint_url
+from ckpt.manifest import Manifest, parse_step_dir
+from ckpt.storage import Storage
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+
+class UsageError(Exception):
+    """The arguments cannot work as given; the message names the argument and the fix."""
+
+
+def add_ckpt_parser(sub) -> None:
+    ckpt = sub.add_parser("ckpt", help="list, verify, export and garbage-collect a job's checkpoints")
+    actions = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    parsers = {
+        "ls": actions.add_parser("ls", help="committed checkpoints: step, layout, size, age"),
+        "verify": actions.add_parser("verify", help="check the checksum of every chunk of every shard"),
+        "export": actions.add_parser("export", help="model weights of one checkpoint as safetensors"),
+        "gc": actions.add_parser("gc", help="delete old checkpoints and unfinished saves"),
+    }
+    for p in parsers.values():
+        p.add_argument("url", metavar="URL", help="the job's checkpoint root: <checkpoint.url>/<job name>")
+        p.add_argument("--storage-option", dest="storage_options", action="append", default=[],
+                       metavar="KEY=VALUE", help="fsspec storage option, e.g. endpoint_url=http://host:8333 "
+                       "(repeatable; true/false and {...} JSON values are decoded, the rest are strings)")
+    parsers["verify"].add_argument("--step", type=int, help="verify only this step (default: every committed one)")
+    parsers["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest committed)")
+    parsers["export"].add_argument("--out", required=True, help="safetensors file to write (a local path)")
+    parsers["export"].add_argument("--prefix", default="model/", help="tensors to export (default: model/)")
+    parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
+    parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+
+
+def ckpt_main(args: argparse.Namespace) -> int:
+    command = f"undying ckpt {args.ckpt_command}"
+    try:
+        catalog = open_catalog(args.url, parse_storage_options(args.storage_options))
+        return COMMANDS[args.ckpt_command](catalog, args)
+    except UsageError as err:
+        print(f"{command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as err:
+        if not is_storage_error(err):
+            raise
+        # Storage failed after the location was found: not the user's input.
+        print(f"{command}: storage error: {_reason(err)}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+def parse_storage_options(items: list[str]) -> dict:
+    options: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--storage-option expects KEY=VALUE, got {item!r}; e.g. "
+                             "--storage-option endpoint_url=http://127.0.0.1:8333")
+        options[key.strip()] = _option_value(value)
+    return options
+
+
+def _option_value(value: str):
+    # Strings by default: secrets and keys may look like numbers and must stay strings.
+    if value in ("true", "false"):
+        return value == "true"
+    if value[:1] in ("{", "["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--storage-option value {value!r} is not valid JSON ({err})") from None
+    return value
+
+
+def normalise_url(url: str) -> str:
+    if not url.strip():
+        raise UsageError("URL is empty; give the job's checkpoint root, e.g. file:///data/ckpt/myjob")
+    return checkpoint_url(url)
+
+
+def is_storage_error(err: BaseException) -> bool:
+    """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors)."""
+    return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def open_catalog(url: str, options: dict) -> Catalog:
+    url = normalise_url(url)
+    try:
+        storage = Storage(url, options)
+    except (ValueError, ImportError) as err:
+        raise UsageError(f"URL {url}: unknown or unavailable protocol ({_reason(err)}); use file://, "
+                         "s3:// (with s3fs installed) or a local path") from None
+    except Exception as err:  # a filesystem that rejects its options
+        raise UsageError(f"--storage-option: cannot open {url} with these options ({_reason(err)}); "
+                         "fix or remove the offending option") from None
+    return Catalog(storage)
+
+
+# -- what is there -----------------------------------------------------------------------
+
+def committed_or_fail(catalog: Catalog) -> list[int]:
+    """Committed steps, oldest first; a UsageError that says why when there are none."""
+    url = catalog.storage.url
+    try:
+        committed = catalog.committed_steps()
+        if committed:
+            return committed
+        unfinished = catalog.all_steps()
+        exists = bool(unfinished) or catalog.storage.exists(catalog.storage.root)
+        jobs = [] if unfinished or not exists else _job_dirs(catalog.storage)
+    except PermissionError as err:
+        raise UsageError(f"URL {url}: access denied ({_reason(err)}); check the credentials "
+                         "(--storage-option key=... secret=...)") from None
+    except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
+        if not is_storage_error(err):
+            raise
+        raise UsageError(f"URL {url}: cannot list it ({_reason(err)}); check the URL and the endpoint "
+                         "(--storage-option endpoint_url=...)") from None
+    if jobs:
+        raise UsageError(f"URL {url} holds job directories, not checkpoints; give one job's checkpoint root, "
+                         f"e.g. {url}/{jobs[0]}")
+    if unfinished:
+        raise UsageError(f"URL {url} has no committed checkpoint, only unfinished saves (steps "
+                         f"{_steps(unfinished)}); nothing to work on until a save commits")
+    what = "does not exist" if not exists else "has no checkpoints"
+    raise UsageError(f"URL {url} {what}; give the job's checkpoint root, <checkpoint.url>/<job name> "
+                     "(the directory with step-NNNNNNNNN/ entries)")
+
+
+def _job_dirs(storage: Storage, limit: int = 10) -> list[str]:
+    """Children of the root that hold step directories (the user gave checkpoint.url itself)."""
+    found = []
+    for name in storage.listdir(storage.root)[:limit]:
+        if any(parse_step_dir(child) is not None for child in storage.listdir(storage.path(name))):
+            found.append(name)
+    return found
+
+
+def _steps(steps: list[int], shown: int = 8) -> str:
+    text = ", ".join(str(s) for s in steps[:shown])
+    return text + (f" and {len(steps) - shown} more" if len(steps) > shown else "")
+
+
+def _about(step: int, err: BaseException) -> str:
+    """The error's message without a leading "step N: " (the caller prints the step itself)."""
+    return str(err).removeprefix(f"step {step}: ")
+
+
+def step_or_fail(catalog: Catalog, step: int | None, committed: list[int]) -> int:
+    if step is None:
+        return committed[-1]
+    if step not in committed:
+        raise UsageError(f"--step {step}: no committed checkpoint at step {step} under {catalog.storage.url}; "
+                         f"committed steps: {_steps(committed)} (see `undying ckpt ls`)")
+    return step
+
+
+# -- ls ----------------------------------------------------------------------------------
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def layout_label(layout: dict) -> str:
+    known = [f"{k}{layout[k]}" for k in ("dp", "tp", "pp", "zero") if k in layout]
+    return " ".join(known) or json.dumps(layout, sort_keys=True)
+
+
+def _ls(catalog: Catalog, args: argparse.Namespace) -> int:
+    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
+
+    committed = committed_or_fail(catalog)
+    unfinished = sorted(set(catalog.all_steps()) - set(committed))
+    now = time.time()
+    print(f"{catalog.storage.url}: {len(committed)} committed checkpoint(s)")
+    print(f"{'step':>10}  {'layout':<22}{'size':>11}{'age':>10}{'gen':>5}{'tensors':>9}")
+    for step in committed:
+        try:
+            m: Manifest = read_manifest(catalog, step)
+        except (CorruptCheckpoint, UnsupportedManifest) as err:
+            print(f"{step:>10}  unreadable: {err}")
+            continue
+        print(f"{step:>10}  {layout_label(m.layout):<22}{human_bytes(m.total_bytes):>11}"
+              f"{human_age(now - m.created_at):>10}{m.generation:>5}{len(m.tensors):>9}")
+    stale = [s for s in unfinished if s < committed[-1]]
+    newer = [s for s in unfinished if s > committed[-1]]
+    if stale:
+        print(f"unfinished saves (no manifest): steps {_steps(stale)}; `undying ckpt gc` deletes them")
+    if newer:
+        print(f"saves in progress or abandoned (no manifest yet): steps {_steps(newer)}")
+    return EXIT_OK
+
+
+# -- verify ------------------------------------------------------------------------------
+
+def _verify(catalog: Catalog, args: argparse.Namespace) -> int:
+    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
+
+    committed = committed_or_fail(catalog)
+    steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
+    bad: dict[int, str] = {}
+    for step in steps:
+        started = time.perf_counter()
+        try:
+            manifest = read_manifest(catalog, step)
+            verify_checkpoint(catalog, step)
+        except CorruptCheckpoint as err:
+            bad[step] = _about(step, err)
+            print(f"step {step}: CORRUPT: {bad[step]}")
+            continue
+        except UnsupportedManifest as err:  # not damage, but not verifiable by this version either
+            bad[step] = _about(step, err)
+            print(f"step {step}: NOT VERIFIED: {bad[step]}")
+            continue
+        files = {c.file for e in manifest.tensors.values() for c in e.chunks}
+        chunks = sum(len(e.chunks) for e in manifest.tensors.values())
+        print(f"step {step}: ok ({len(manifest.tensors)} tensors, {chunks} chunks in {len(files)} shard files, "
+              f"{human_bytes(manifest.total_bytes)}, {time.perf_counter() - started:.2f} s)")
+    if bad:
+        print(f"undying ckpt verify: {len(bad)} of {len(steps)} checkpoint(s) failed: "
+              + "; ".join(f"step {s}: {why}" for s, why in bad.items()), file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+# -- export ------------------------------------------------------------------------------
+
+def _export(catalog: Catalog, args: argparse.Namespace) -> int:
+    from ckpt.export import export_safetensors
+    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
+
+    out = os.path.abspath(os.path.expanduser(args.out))
+    if not os.path.isdir(os.path.dirname(out)):
+        raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} does not exist; create it first")
+    if os.path.isdir(out):
+        raise UsageError(f"--out {args.out} is a directory; give a file name, e.g. {args.out}/model.safetensors")
+    committed = committed_or_fail(catalog)
+    step = step_or_fail(catalog, args.step, committed)
+    try:
+        manifest = read_manifest(catalog, step)
+    except UnsupportedManifest as err:
+        raise UsageError(f"--step {step}: {err}") from None
+    except CorruptCheckpoint as err:
+        print(f"undying ckpt export: step {step} is damaged, nothing written: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    if not any(name.startswith(args.prefix) for name in manifest.tensors):
+        prefixes = sorted({name.split("/", 1)[0] + "/" for name in manifest.tensors if "/" in name})
+        raise UsageError(f"--prefix {args.prefix!r}: checkpoint step {step} has no such tensors; "
+                         f"it holds {', '.join(prefixes) or 'tensors without a prefix'}")
+    try:
+        names = export_safetensors(catalog, step, out, prefix=args.prefix)
+    except CorruptCheckpoint as err:
+        print(f"undying ckpt export: step {step} is damaged, nothing written: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"wrote {out}: {len(names)} tensors of step {step} ({human_bytes(os.path.getsize(out))})")
+    return EXIT_OK
+
+
+# -- gc ----------------------------------------------------------------------------------
+
+def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
+    committed = committed_or_fail(catalog)
+    plan = catalog.gc_plan(args.keep)
+    verb = "would delete" if args.dry_run else "deleted"
+    if not args.dry_run:
+        catalog.apply_gc(plan)
+    kept = [s for s in committed if s not in plan.expired]
+    if not plan.expired and not plan.orphans:
+        print(f"nothing to delete: {len(committed)} committed checkpoint(s), --keep {args.keep}")
+    if plan.expired:
+        print(f"{verb} committed checkpoints: steps {_steps(plan.expired)}")
+    if plan.orphans:
+        print(f"{verb} unfinished saves: steps {_steps(plan.orphans)}")
+    print(f"kept: steps {_steps(kept)}")
+    return EXIT_OK
+
+
+COMMANDS = {"ls": _ls, "verify": _verify, "export": _export, "gc": _gc}

@@ -1,0 +1,24 @@
+"""Exit codes of every `undying` command and how user mistakes are printed.
+
+    0 (EXIT_OK)      the job or command succeeded
+    1 (EXIT_FAILED)  the job failed; its committed checkpoints are intact
+    2 (EXIT_USAGE)   the spec or the cluster cannot run the job as written; nothing was started
+
+Every command module prints user mistakes with `print_problems` and returns EXIT_USAGE:
+one line per problem, naming the field and the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from orchestrator.spec.problems import Problem
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def print_problems(problems: list[Problem]) -> None:
+    """One line per user mistake on stderr (the caller then exits 2)."""
+    print(f"undying: the job cannot run as written ({len(problems)} problem(s)):", file=sys.stderr)
+    for problem in problems:
+        print(f"  - {problem}", file=sys.stderr)

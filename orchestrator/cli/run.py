@@ -1,0 +1,69 @@
+"""Wire one job together in the driver process: Ray, store, metrics, workers, controller.
+
+Called by the CLI after the spec is validated. Order matters: the cluster capacity check
+runs before any actor exists (so an impossible request exits 2, naming the field), the
+store and the metrics endpoint exist before the first rank, and everything is torn down
+by PID/handle in `finally`, whatever happened.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from ckpt.catalog import Catalog
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cluster import ray_cluster
+from orchestrator.cluster.capacity import capacity_problems, node_problems, slots
+from orchestrator.cluster.worker_group import RayWorkerGroup
+from orchestrator.controller.machine import Controller
+from orchestrator.spec.job_spec import JobSpec
+from orchestrator.wire.store import RendezvousServer
+
+
+def run_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None,
+            worker_group: Callable[..., RayWorkerGroup] = RayWorkerGroup) -> int:
+    """Run the job to its end; returns the exit code. `worker_group(spec, env_vars=...)` builds the
+    rank actors' group (the chaos command passes one that records the rank PIDs)."""
+    import ray
+
+    world = spec.world_size
+    conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
+                               slots(spec) * spec.resources.gpus_per_rank)
+    metrics = JobMetrics(spec.name)
+    workers = None
+    try:
+        problems = capacity_problems(spec, ray.cluster_resources())
+        problems = problems or node_problems(spec, ray_cluster.alive_node_resources())
+        if problems:
+            print_problems(problems)
+            return EXIT_USAGE
+        port = metrics.serve(spec.monitor.host, spec.monitor.port)
+        print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
+              f"checkpoints in {spec.checkpoint_root}", flush=True)
+        workers = worker_group(spec, env_vars=conn.env_vars)
+        rendezvous = RendezvousServer(conn.rendezvous_host)
+        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+        controller = Controller(spec, workers, rendezvous, catalog, metrics,
+                                printer=lambda line: print(line, flush=True))
+        report = controller.run()
+        print(report.summary_table(), flush=True)
+        if report_path:
+            report.to_json(report_path)
+            print(f"report written to {report_path}")
+        if timeline_path:
+            from monitor.timeline import plot_timeline
+
+            plot_timeline(report, timeline_path)
+            print(f"timeline written to {timeline_path}")
+        if report.status != "succeeded":
+            print(f"undying: job failed: {report.error}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
+    finally:
+        if workers is not None:
+            workers.shutdown()
+        metrics.close()
+        conn.close()

@@ -1,0 +1,332 @@
+"""The ranks of a job as Ray actors in a placement group: create, call, watch, replace.
+
+Protocol: the controller is the only caller, from one thread. `place` reserves the bundles
+of the placement plan (orchestrator/cluster/placement.py: one bundle per TP group, so a group always
+shares a node; one seat per rank or spare), failing fast when the cluster can never satisfy
+it; `ensure_actors` creates the actors of the given ranks in their seats; the `*_all` methods fan a call out and wait;
+`start_training` launches every rank's `train` call and `wait_any` reports finished or dead
+ranks. A SIGKILLed actor is seen through its pending `train` call: Ray raises
+`ActorDiedError` within milliseconds, so no polling of the dead process is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, NodeDiedError, OutOfMemoryError, RayActorError, WorkerCrashedError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ckpt.staging import staging_env
+from orchestrator.cluster.capacity import capacity_problems, node_problems
+from orchestrator.cluster.placement import plan_placement
+from orchestrator.cluster.ray_cluster import alive_node_resources
+from orchestrator.rank.actor import RankActor
+
+# What a call on a rank actor raises when its process is gone: killed (ActorDiedError), killed by
+# Ray's memory monitor when the node runs low on memory (OutOfMemoryError: not a RayActorError,
+# but the rank is just as dead, and host OOM is a common failure at scale), crashed or lost with
+# its node. Each is a rank failure to recover from, never a controller error.
+RANK_GONE = (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError)
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot place the job's ranks (fatal: retrying will not help)."""
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    status: str  # "done" | "aborted" | "died"
+    info: dict
+
+
+class RayWorkerGroup:
+    """Rank actors and warm spares, each pinned to one seat of the job's placement group.
+
+    A seat is one rank's share of a bundle (a TP group's bundle has tp seats). `actors[rank]`
+    is the actor that plays `rank` in the current generation; `bundle_of[rank]` its seat.
+    Spares are actors that have started (torch imported) but hold no rank; a failed rank is
+    replaced by a spare in milliseconds instead of a cold actor in seconds.
+    """
+
+    def __init__(self, spec, env_vars: dict[str, str] | None = None, placement_timeout_s: float = 60.0):
+        self.spec = spec
+        self.spec_json = spec.model_dump_json(by_alias=True)
+        # The rank processes' environment, fixed when Ray starts them: the connection's settings
+        # plus glibc's streaming-copy threshold for checkpoint staging (ckpt.staging.staging_env).
+        self.env_vars = {**staging_env(os.environ), **(env_vars or {})}
+        self.placement_timeout_s = placement_timeout_s
+        self.pg = None
+        # seat -> Ray bundle index; every `bundle` index below (bundle_of, spares) is a seat index
+        self.seat_bundle: list[int] = []
+        self.actors: dict[int, ray.actor.ActorHandle] = {}
+        self.bundle_of: dict[int, int] = {}
+        self.spares: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}  # bundle -> (actor, ping)
+        self._train_refs: dict[ray.ObjectRef, int] = {}
+        self._remote = ray.remote(RankActor)
+        self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings
+        self.lost_nodes: set[str] = set()
+
+    def place(self, world_size: int, spares: int = 0) -> None:
+        problems = capacity_problems(self.spec, ray.cluster_resources())
+        problems = problems or node_problems(self.spec, alive_node_resources())
+        if problems:
+            raise PlacementError("; ".join(str(p) for p in problems))
+        plan = plan_placement(world_size, self.spec.parallel.tp, spares, self.spec.resources,
+                              self.spec.resources.placement)
+        self.pg = placement_group(plan.bundles, strategy=plan.strategy)
+        self.seat_bundle = plan.seat_bundle
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.placement_timeout_s)
+        if not ready:
+            raise PlacementError(f"{len(plan.bundles)} bundles ({plan.bundles[0]} for each TP group) could not be "
+                                 f"placed within {self.placement_timeout_s:.0f} s")
+        self.bundle_of = {rank: rank for rank in range(world_size)}
+
+    def _new_actor(self, seat: int):
+        res = self.spec.resources
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                    placement_group_bundle_index=self.seat_bundle[seat])
+        return self._remote.options(
+            num_cpus=res.cpus_per_rank, num_gpus=res.gpus_per_rank, resources=res.custom or None,
+            max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
+            runtime_env={"env_vars": self.env_vars} if self.env_vars else None,
+        ).remote(self.spec_json)
+
+    def ensure_actors(self, ranks: list[int]) -> None:
+        """Create cold actors for `ranks` in their own bundles (no waiting)."""
+        for rank in ranks:
+            self.actors[rank] = self._new_actor(self.bundle_of[rank])
+
+    def free_bundles(self) -> list[int]:
+        """Bundles holding no rank and no spare, and not placed on a node known to be lost.
+
+        A bundle on a lost node comes back once Ray re-places it on a live node (after the
+        GCS declares the node dead and capacity exists), so this is re-read every time.
+        """
+        used = set(self.bundle_of.values()) | set(self.spares)
+        on_lost = set(self._bundles_on(self.lost_nodes))
+        return [b for b in range(len(self.seat_bundle)) if b not in used and b not in on_lost]
+
+    def _bundles_on(self, nodes: set[str]) -> list[int]:
+        if not nodes or self.pg is None:
+            return []
+        table = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+        lost = {int(b) for b, node in table.items() if node in nodes}
+        return [seat for seat, bundle in enumerate(self.seat_bundle) if bundle in lost]
+
+    def _remember_node(self, actor, info) -> None:
+        if isinstance(info, dict) and info.get("node"):
+            self.node_of_actor[actor._actor_id.hex()] = info["node"]
+
+    def node_of(self, rank: int) -> str | None:
+        actor = self.actors.get(rank)
+        return None if actor is None else self.node_of_actor.get(actor._actor_id.hex())
+
+    def inject(self, rank: int, fault: dict) -> None:
+        """Fire a chaos fault on `rank` now (no waiting: a killed rank never answers)."""
+        if rank in self.actors:
+            self.actors[rank].inject.remote(fault)
+
+    def controller_node(self) -> str:
+        """The node this process (the controller, a Ray driver) runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def forget_node(self, node: str) -> list[int]:
+        """A node is lost (its raylet died): kill and drop every rank and spare on it.
+
+        Their processes exit by themselves (RankActor's node watchdog); nobody waits for Ray
+        to notice. Returns the ranks that were on the node.
+        """
+        self.lost_nodes.add(node)
+        ranks = [r for r in sorted(self.actors) if self.node_of(r) == node]
+        for rank in ranks:
+            self.kill(rank)
+        for bundle, (actor, _) in list(self.spares.items()):
+            if self.node_of_actor.get(actor._actor_id.hex()) == node:
+                ray.kill(actor, no_restart=True)
+                del self.spares[bundle]
+        return ranks
+
+    def start_spares(self) -> int:
+        """Start a spare in every free bundle (no waiting); returns how many were started."""
+        free = self.free_bundles()
+        for bundle in free:
+            actor = self._new_actor(bundle)
+            self.spares[bundle] = (actor, actor.warm_up.remote())
+        return len(free)
+
+    def ready_spares(self) -> list[int]:
+        """Bundles whose spare has started and warmed up (non-blocking)."""
+        ready = []
+        for bundle, (_, ping) in list(self.spares.items()):
+            done, _ = ray.wait([ping], timeout=0)
+            if not done:
+                continue
+            try:
+                self._remember_node(self.spares[bundle][0], ray.get(ping))
+            except RANK_GONE:
+                del self.spares[bundle]  # died while idle; its bundle is free again
+                continue
+            if self.node_of_actor.get(self.spares[bundle][0]._actor_id.hex()) in self.lost_nodes:
+                ray.kill(self.spares.pop(bundle)[0], no_restart=True)
+                continue
+            ready.append(bundle)
+        return ready
+
+    def promote_spares(self, ranks: list[int]) -> list[int]:
+        """Give ready spares to `ranks`; returns the ranks no spare was ready for."""
+        # In seat order: a bundle's seats are consecutive and so are a TP group's ranks, so
+        # consecutive new ranks fill one bundle (one node) before the next.
+        ready = sorted(self.ready_spares())
+        left = []
+        for rank in ranks:
+            if not ready:
+                left.append(rank)
+                continue
+            bundle = ready.pop(0)
+            actor, _ = self.spares.pop(bundle)
+            self.actors[rank], self.bundle_of[rank] = actor, bundle
+        return left
+
+    def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
+        """New actors for `ranks`, each in a free bundle; returns ranks not up within `timeout_s`."""
+        free = self.free_bundles()
+        for rank in ranks:
+            if rank not in self.bundle_of or self.bundle_of[rank] not in free:
+                self.bundle_of[rank] = free.pop(0) if free else self.bundle_of.get(rank, rank)
+            self.actors[rank] = self._new_actor(self.bundle_of[rank])
+        pings = {self.actors[r].ping.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        up = set()
+        for ref in ready:
+            rank = pings[ref]
+            try:
+                self._remember_node(self.actors[rank], ray.get(ref))
+                up.add(rank)
+            except RANK_GONE:
+                # Started and died (e.g. placed on a node that was being lost): try again later.
+                self.actors[rank] = self._new_actor(self.bundle_of[rank])
+        late = [r for r in ranks if r not in up]
+        for rank in late:
+            # Keep the pending actor as a spare-to-be: when resources return it starts, and
+            # the controller can grow back at a checkpoint boundary.
+            actor = self.actors.pop(rank)
+            self.spares[self.bundle_of.pop(rank)] = (actor, actor.warm_up.remote())
+        return late
+
+    def renumber(self, keep: list[int]) -> None:
+        """Shrink: old rank keep[i] becomes rank i; any other live rank becomes a spare."""
+        actors, bundles = {}, {}
+        for new, old in enumerate(keep):
+            actors[new], bundles[new] = self.actors[old], self.bundle_of[old]
+        for old in set(self.actors) - set(keep):
+            self.spares[self.bundle_of[old]] = (self.actors[old], self.actors[old].warm_up.remote())
+        self.actors, self.bundle_of = actors, bundles
+
+    def grow(self, world_size: int) -> list[int]:
+        """Promote ready spares to ranks len(actors)..world_size-1; returns the new ranks."""
+        new = list(range(len(self.actors), world_size))
+        missing = self.promote_spares(new)
+        return [r for r in new if r not in missing]
+
+    def _call_all(self, method: str, args_of, timeout_s: float) -> list:
+        refs = [getattr(self.actors[r], method).remote(*args_of(r)) for r in sorted(self.actors)]
+        return ray.get(refs, timeout=timeout_s)
+
+    def ping_all(self, timeout_s: float, restarts: int = 1) -> list[dict]:
+        """Wait until every rank actor has started; returns their pings in rank order.
+
+        An actor that dies while starting (a crash, or Ray's memory monitor killing it while the
+        node is short of memory) is created again in its seat, up to `restarts` times, since no
+        rank holds any state yet; one that is merely slow past `timeout_s` is an error."""
+        ranks = sorted(self.actors)
+        refs = {rank: self.actors[rank].ping.remote() for rank in ranks}
+        pings: dict[int, dict] = {}
+        for attempt in range(restarts + 1):
+            deadline = time.monotonic() + timeout_s
+            for rank, ref in list(refs.items()):
+                try:
+                    pings[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except RANK_GONE:
+                    if attempt == restarts:
+                        raise
+                    self.actors[rank] = self._new_actor(self.bundle_of[rank])
+                    refs[rank] = self.actors[rank].ping.remote()
+                    continue
+                del refs[rank]
+            if not refs:
+                break
+        for rank in ranks:
+            self._remember_node(self.actors[rank], pings[rank])
+        return [pings[rank] for rank in ranks]
+
+    def join_all(self, gen: int, host: str, port: int, timeout_s: float) -> list[float]:
+        world = len(self.actors)
+        return self._call_all("join", lambda r: (gen, r, world, host, port, timeout_s), timeout_s + 30)
+
+    def restore_all(self, step: int | None, dp: int, timeout_s: float, faults: list[dict] | None = None) -> list[dict]:
+        return self._call_all("restore", lambda r: (step, dp, faults), timeout_s)
+
+    def start_training(self, until_step: int, faults: list[dict]) -> None:
+        self._train_refs = {self.actors[r].train.remote(until_step, faults): r for r in sorted(self.actors)}
+
+    def wait_any(self, timeout_s: float) -> list[RankOutcome]:
+        if not self._train_refs:
+            return []
+        ready, _ = ray.wait(list(self._train_refs), num_returns=len(self._train_refs), timeout=timeout_s)
+        outcomes = []
+        for ref in ready:
+            rank = self._train_refs.pop(ref)
+            try:
+                info = ray.get(ref)
+                outcomes.append(RankOutcome(rank, info["status"], info))
+            except RANK_GONE as err:
+                actor = self.actors.pop(rank, None)  # gone for good (max_restarts=0); the controller replaces it
+                if actor is not None and not isinstance(err, RayActorError):
+                    ray.kill(actor, no_restart=True)  # the call failed; make sure its process is gone too
+                outcomes.append(RankOutcome(rank, "died", {"error": str(err).splitlines()[0]}))
+        return outcomes
+
+    def running(self) -> list[int]:
+        return sorted(self._train_refs.values())
+
+    def kill(self, rank: int) -> None:
+        actor = self.actors.pop(rank, None)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+        for ref, r in list(self._train_refs.items()):
+            if r == rank:
+                del self._train_refs[ref]
+
+    def kill_actor_only(self, rank: int) -> None:
+        """Kill a rank's process but keep watching its pending call, which then reports it dead."""
+        if rank in self.actors:
+            ray.kill(self.actors[rank], no_restart=True)
+
+    def leave_all(self, ranks: list[int], timeout_s: float) -> list[int]:
+        """Ask live ranks to drop their process group; returns ranks that did not answer or
+        whose node is gone (their raylet died: the process may answer but must not be trusted)."""
+        refs = {self.actors[r].leave.remote(): r for r in ranks if r in self.actors}
+        deadline = time.monotonic() + timeout_s
+        lost = []
+        for ref, rank in refs.items():
+            try:
+                if not ray.get(ref, timeout=max(0.0, deadline - time.monotonic())):
+                    lost.append(rank)
+            except (GetTimeoutError, *RANK_GONE):
+                lost.append(rank)
+        return lost
+
+    def shutdown(self) -> None:
+        for rank in list(self.actors):
+            self.kill(rank)
+        for actor, _ in self.spares.values():
+            ray.kill(actor, no_restart=True)
+        self.spares.clear()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,100 @@
+"""The controller's own chaos: storage faults on its catalog, corrupt_shard after a commit, kill_controller.
+
+Protocol (the controller owns one `ControllerFaults`, built with the job's armed faults):
+  * Storage faults without `rank` (storage_error, storage_latency, torn_write) are installed
+    once, at construction, on the catalog's Storage: they hit manifest commits, listings,
+    deletes (retention, gc, quarantine) and the controller's manifest reads. `at_seconds` and
+    `duration_s` are job seconds on `job_seconds` (the goodput ledger's clock, which a resumed
+    job carries over). Storage faults with `rank` are the rank's business (rank_loop).
+  * `after_commit(step)` fires each corrupt_shard fault whose `at_step` is reached: the
+    first checkpoint committed at or after that step gets one bit of one shard flipped
+    (chaos.corrupt). The commit itself stands; the next restore of that step must find the
+    damage, quarantine the step and fall back (Controller._restoring).
+  * kill_controller (orchestrator.controller.kill): `on_step(step)` for each step the controller
+    learns finished, `at_point(point, step)` at its commit points (the Committer calls it just
+    before and just after a manifest is created). Unarmed, each is one test of an empty list.
+  * Fault notices, from the storage plan (any thread: the reader's fetch pool calls storage
+    too) and from corrupt_shard, are queued; `drain()` hands them to the controller's event
+    intake on its own thread. Each is marked `handled`: these faults make no rank fail, so a
+    later rank failure must never be blamed on them.
+  * `close()` takes the storage faults off the catalog when the job ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+from chaos.config import STORAGE_KINDS
+from chaos.corrupt import corrupt_shard
+from chaos.storage_faults import install
+from orchestrator.controller.kill import ControllerKill
+
+log = logging.getLogger(__name__)
+
+
+class ControllerFaults:
+    def __init__(self, faults: list[dict], catalog, seed: int, job_seconds: Callable[[], float], *,
+                 printer=print, kill: ControllerKill | None = None):
+        self.catalog = catalog
+        # Built before the storage faults go on the catalog: reading the fired markers is not a fault's target.
+        self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
+        self.seed = seed
+        self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
+        ours = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") is None]
+        self._undo = install(catalog.storage, ours, seed=seed, notify=self._on_storage_fault,
+                             clock=job_seconds, started=0.0) if ours else None
+        self.corruptions = [f for f in faults if f["kind"] == "corrupt_shard"]
+
+    def _on_storage_fault(self, event: dict) -> None:
+        self._events.append(dict(event, handled=True))
+
+    def after_commit(self, step: int, fired: dict) -> None:
+        """Checkpoint `step` was just committed: fire the corrupt_shard faults it reaches."""
+        for fault in self.corruptions:
+            if fault["id"] in fired or step < fault["at_step"]:
+                continue
+            event = {"type": "fault", "fault_id": fault["id"], "kind": "corrupt_shard", "step": step,
+                     "time": time.time(), "handled": True}
+            try:
+                hit = corrupt_shard(self.catalog.storage, step, seed=self.seed)
+                event["detail"] = f"bit {hit.bit} of byte {hit.byte} of {hit.file} ({hit.tensor}) flipped"
+            except (OSError, ValueError) as err:  # e.g. a storage fault of the same job hit the rewrite
+                event["detail"] = f"could not be applied: {type(err).__name__}: {err}"
+                log.warning("corrupt_shard on step %d %s", step, event["detail"])
+            fired[fault["id"]] = event  # at once: a second commit in the same drain must not re-fire it
+            self._events.append(event)
+
+    def on_step(self, step: int) -> None:
+        """The controller learned that `step` finished: fire a due kill_controller."""
+        if self.kill.armed:
+            self.kill.on_step(step)
+
+    def at_point(self, point: str, step: int) -> None:
+        """A controller fault point (chaos.config.CONTROLLER_POINTS) for checkpoint `step`."""
+        if self.kill.armed:
+            self.kill.at_point(point, step)
+
+    def drain(self) -> list[dict]:
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def close(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+
+def describe_fault(event: dict) -> str:
+    """One line for a fault notice: a rank's (kind, rank, step, point), a storage fault's call, a corruption."""
+    kind = event["kind"]
+    if kind in STORAGE_KINDS:
+        who = f"rank {event['rank']}'s" if event.get("rank") is not None else "the controller's"
+        return f"{kind} ({event.get('mode')}) on {who} {event.get('op')} of {event.get('path')}"
+    if kind == "corrupt_shard":
+        return f"corrupt_shard on committed step {event['step']}: {event.get('detail', '')}"
+    return f"{kind} on rank {event['rank']} at step {event['step']} ({event['point']})"

@@ -1,0 +1,162 @@
+"""What the controller learns about a run, turned into the report, metrics and progress lines.
+
+Single-threaded: only the controller calls it. Step records come from rank 0's `step`
+events; a step recomputed after a rollback replaces its earlier record (the run is
+deterministic, so the values agree; the replacement keeps the report to one loss per step).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from monitor.goodput import GoodputLedger
+from monitor.metrics import JobMetrics
+from monitor.report import (
+    CheckpointRecord,
+    FailureRecord,
+    GoodputSummary,
+    LossPoint,
+    RolledBackStep,
+    RunReport,
+    StragglerRecord,
+    WorldRecord,
+    progress_line,
+)
+from orchestrator.controller.step_history import record_step
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    tokens: int
+    step_s: float
+    time: float  # wall-clock time (time.time()) the step finished on rank 0
+
+
+class JobRecord:
+    def __init__(self, job: str, total_steps: int, metrics: JobMetrics, ledger: GoodputLedger,
+                 printer=print, progress_every_s: float = 2.0, mfu=lambda tokens, step_s: None):
+        self.job = job
+        self.total_steps = total_steps
+        self.metrics = metrics
+        self.ledger = ledger
+        self.printer = printer
+        self.mfu = mfu
+        self.progress_every_s = progress_every_s
+        self.started = time.time()
+        self.steps: dict[int, StepRecord] = {}
+        self.failures: list[FailureRecord] = []
+        self.checkpoints: list[CheckpointRecord] = []
+        self.world: list[WorldRecord] = []
+        self.stragglers: list[StragglerRecord] = []
+        # In event order: runs of completed steps ["steps", first, end, dp], ["restore", step]
+        # per restore: which steps survive into the final model and with which layout
+        # (orchestrator.controller.step_history).
+        self.history: list[list] = []
+        self.dp = 0  # data-parallel degree of the running generation
+        self.redone_steps, self.redone_s = 0, 0.0
+        self.rolled_back: list[RolledBackStep] = []  # the executions that redone steps replaced
+        self.in_flight_at_failure: set[int] = set()  # steps a failure interrupted: partly computed
+        self._last_progress = 0.0
+        self.last_step_time = time.time()
+        self._awaiting_first_step: tuple[FailureRecord, float] | None = None
+
+    def job_seconds(self, at: float | None = None) -> float:
+        return (at if at is not None else time.time()) - self.started
+
+    def on_step(self, event: dict) -> None:
+        rec = StepRecord(event["step"], event["loss"], event["tokens"], event["step_s"], event["time"])
+        if rec.step in self.steps or rec.step in self.in_flight_at_failure:
+            self.in_flight_at_failure.discard(rec.step)
+            if rec.step in self.steps:
+                old = self.steps[rec.step]
+                self.rolled_back.append(RolledBackStep(step=old.step, step_s=old.step_s,
+                                                       finished_at=self.job_seconds(old.time)))
+            self.redone_steps += 1
+            self.redone_s += rec.step_s
+        self.steps[rec.step] = rec
+        record_step(self.history, rec.step, self.dp)
+        self.last_step_time = time.time()
+        if self._awaiting_first_step is not None:
+            failure, since = self._awaiting_first_step
+            failure.first_step_after_s = rec.time - since
+            self._awaiting_first_step = None
+        # fp32 and bf16 train unscaled (1.0); fp16 reports its dynamic loss scale.
+        if event.get("bubble"):  # measured idle fraction of rank 0's pipeline stage (pp > 1)
+            self.metrics.on_bubble(event["bubble"])
+        self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.get("grad_norm"),
+                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.get("loss_scale", 1.0))
+        if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
+            self._last_progress = time.monotonic()
+            self.metrics.on_goodput(self.ledger)
+            self.printer(progress_line(rec.step + 1, self.total_steps, rec.loss, self.tokens_per_s(),
+                                       self.ledger.goodput()))
+
+    def median_step_s(self, last: int = 20) -> float | None:
+        recent = [r.step_s for r in sorted(self.steps.values(), key=lambda r: r.time)[-last:]]
+        return statistics.median(recent) if recent else None
+
+    def tokens_per_s(self, last: int = 20) -> float | None:
+        recent = sorted(self.steps.values(), key=lambda r: r.time)[-last:]
+        busy = sum(r.step_s for r in recent)
+        return sum(r.tokens for r in recent) / busy if busy > 0 else None
+
+    def rolled_back_seconds(self, restored_step: int, since: float, failed_at: float | None = None) -> float:
+        """Compute time of steps >= `restored_step` finished after `since` (they must be redone),
+        plus the step that was in flight at `failed_at`, when the failure time is known: the
+        `lost_work` of a rollback to `restored_step` (monitor.goodput defines it)."""
+        done = [r for r in self.steps.values() if r.step >= restored_step and r.time >= since]
+        lost = sum(r.step_s for r in done)
+        if failed_at is not None:
+            last_end = max((r.time for r in self.steps.values() if r.time >= since), default=since)
+            lost += max(0.0, failed_at - last_end)
+        return lost
+
+    def on_layout(self, gen: int, world_size: int, dp: int, tp: int, pp: int) -> None:
+        self.world.append(WorldRecord(generation=gen, world_size=world_size, dp=dp, tp=tp, pp=pp,
+                                      started_at=self.job_seconds()))
+        self.dp = dp
+        self.metrics.on_layout(gen, world_size, dp, tp, pp)
+
+    def on_failure(self, kind: str, rank: int | None, detected_at: float, fault_time: float | None,
+                   message: str, step: int | None = None) -> FailureRecord:
+        record = FailureRecord(
+            time=self.job_seconds(detected_at), kind=kind, rank=rank,
+            detected_after_s=None if fault_time is None else max(0.0, detected_at - fault_time),
+            message=message, step=max(self.steps) if self.steps else None,
+        )
+        self.failures.append(record)
+        if step is not None and step not in self.steps:
+            self.in_flight_at_failure.add(step)
+        self.metrics.on_failure(kind)
+        self._awaiting_first_step = (record, fault_time if fault_time is not None else detected_at)
+        return record
+
+    def on_recovered(self, record: FailureRecord, detected_at: float) -> None:
+        record.recovered_after_s = time.time() - detected_at
+        self.metrics.on_recovery(record.detected_after_s or 0.0, record.recovered_after_s)
+
+    def on_checkpoint(self, step: int, committed_at: float, nbytes: int, blocking_s: float,
+                      total_s: float, interval_s: float | None) -> None:
+        self.checkpoints.append(CheckpointRecord(step=step, committed_at=self.job_seconds(committed_at),
+                                                 bytes=nbytes, blocking_s=blocking_s, total_s=total_s))
+        self.metrics.on_checkpoint(step, nbytes, blocking_s, total_s, interval_s)
+
+    def report(self, status: str, final_step: int, error: str | None = None) -> RunReport:
+        losses = [LossPoint(step=s, loss=r.loss, time=self.job_seconds(r.time),
+                            tokens_per_s=r.tokens / r.step_s if r.step_s > 0 else None)
+                  for s, r in sorted(self.steps.items())]
+        busy = sum(r.step_s for r in self.steps.values())
+        return RunReport(
+            job=self.job, final_step=final_step,
+            final_loss=self.steps[max(self.steps)].loss if self.steps else None,
+            losses=losses, world_history=self.world, failures=self.failures, history=self.history,
+            checkpoints=self.checkpoints, stragglers=self.stragglers,
+            redone_steps=self.redone_steps, redone_s=self.redone_s, rolled_back=self.rolled_back,
+            goodput=GoodputSummary.from_ledger(self.ledger),
+            status=status, error=error,
+            tokens_per_s=sum(r.tokens for r in self.steps.values()) / busy if busy > 0 else None,
+        )

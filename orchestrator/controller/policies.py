@@ -1,0 +1,130 @@
+"""Policies decide; only the controller acts (design.md section 2).
+
+Each policy is a small object with pure decision methods, injected into the controller so
+unit tests can drive one transition at a time and swap a policy for a fake.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from ckpt.config import CheckpointConfig
+from ckpt.interval import IntervalInputs, MtbfEstimate
+from orchestrator.wire.plan import steps_for_interval
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    action: str  # "restart" | "fail"
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailureSummary:
+    """What the failure policy needs to know of one failure."""
+
+    kind: str
+    rank: int | None
+    step: int | None  # the step the job was computing when it failed
+    error: str  # normalised exception text (see orchestrator.controller.errors.normalise)
+
+
+class FailurePolicy:
+    """Restart after a failure until `max_restarts` is spent, then fail the job.
+
+    A crash loop, the same error on the same rank at the same step `crash_loop_limit` times
+    in a row, fails the job at once: restarting deterministic training on the same data
+    would only fail again, and the user needs the step, rank and exception, not a spent budget.
+    """
+
+    def __init__(self, max_restarts: int, crash_loop_limit: int = 3):
+        self.max_restarts = max_restarts
+        self.crash_loop_limit = crash_loop_limit
+
+    def decide(self, history: list[FailureSummary]) -> FailureDecision:
+        restarts_so_far = len(history) - 1
+        last = history[-1]
+        same = 0
+        for failure in reversed(history):
+            if (failure.rank, failure.step, failure.error) != (last.rank, last.step, last.error):
+                break
+            same += 1
+        if last.step is not None and same >= self.crash_loop_limit:
+            return FailureDecision("fail", f"crash loop: rank {last.rank} failed at step {last.step} "
+                                           f"{same} times in a row with {last.error}")
+        if restarts_so_far >= self.max_restarts:
+            return FailureDecision("fail", f"{restarts_so_far} restarts used, elastic.max_restarts={self.max_restarts}")
+        return FailureDecision("restart", f"restart {restarts_so_far + 1} of {self.max_restarts}")
+
+
+class ScalingPolicy:
+    """Which data-parallel degree to run with when ranks are lost or come back.
+
+    Tensor and pipeline degrees are fixed by the model; only dp changes. A degree is valid
+    when it is at least `min_dp` and divides the global batch into whole microbatches
+    (`global_batch % (dp * micro_batch) == 0`): the global batch stays constant and gradient
+    accumulation absorbs the difference, so the loss trajectory does not depend on failures.
+    """
+
+    def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1):
+        self.target_dp = target_dp
+        self.min_dp = min_dp
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.model_parallel = model_parallel  # tp * pp ranks per data-parallel replica
+
+    def valid(self, dp: int) -> bool:
+        return dp >= self.min_dp and self.global_batch % (dp * self.micro_batch) == 0
+
+    def best_dp(self, ranks_available: int) -> int | None:
+        """The largest valid dp that `ranks_available` ranks can hold, capped at the target."""
+        top = min(self.target_dp, ranks_available // self.model_parallel)
+        return next((dp for dp in range(top, 0, -1) if self.valid(dp)), None)
+
+
+class CheckpointIntervalPolicy:
+    """How many steps between checkpoints, by the spec's cadence rule (ckpt.config.CheckpointConfig).
+
+    Fixed (`every_steps`, `every_seconds`) or derived (`young`, `young-daly`) from measured
+    inputs (ckpt.interval.IntervalInputs) that the controller feeds: `on_nodes` after
+    placement, `on_save_cost` after each commit, `on_failure` and `on_restart` around each
+    recovery. Until a save cost has been measured, checkpoint after `probe_steps` steps so a
+    first cost is known early.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, probe_steps: int = 10):
+        self.cfg = cfg
+        self.probe_steps = probe_steps
+        self.inputs = IntervalInputs(MtbfEstimate(cfg.mtbf_s))
+
+    def on_nodes(self, nodes: int) -> None:
+        """The job runs on `nodes` nodes: with a per-node MTBF the system prior is node MTBF / nodes."""
+        if self.cfg.node_mtbf_hours is not None and nodes > 0:
+            self.inputs.mtbf.prior_s = self.cfg.node_mtbf_hours * 3600.0 / nodes
+
+    def on_save_cost(self, blocking_s: float) -> None:
+        self.inputs.on_save_cost(blocking_s)
+
+    def on_failure(self) -> None:
+        self.inputs.on_failure()
+
+    def on_restart(self, restart_s: float) -> None:
+        self.inputs.on_restart(restart_s)
+
+    def interval_s(self) -> float | None:
+        """The target interval in seconds; None for a step cadence or before a cost is measured."""
+        rule = self.cfg.rule
+        if rule == "steps":
+            return None
+        if rule == "seconds":
+            return self.cfg.fixed_seconds
+        return self.inputs.interval_s(rule)
+
+    def every(self, step_times_s: list[float]) -> int:
+        if self.cfg.every_steps is not None:
+            return self.cfg.every_steps
+        interval = self.interval_s()
+        if interval is None or not step_times_s:
+            return self.probe_steps
+        return steps_for_interval(interval, statistics.median(step_times_s))

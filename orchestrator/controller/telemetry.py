@@ -1,0 +1,69 @@
+"""The controller's view of rank health and efficiency: heartbeats, stragglers, MFU, memory.
+
+Protocol (controller thread only):
+  * `on_layout(spec, dp, gen)` at every new generation: predicted memory ledgers and pipeline
+    bubble are exported for the new layout; straggler history is reset (ranks renumber).
+  * `on_restored(results)` with the ranks' `restore` results: rank 0 reports its device's
+    peak FLOP/s (table value on GPUs, measured matmul peak on CPUs) for MFU.
+  * `mfu(tokens, step_s)` per step record.
+  * `poll(store, world_size)` from the RUNNING loop; reads every rank's heartbeat at most
+    once per heartbeat period, feeds the straggler detector and exports per-rank compute and
+    straggler flags. Returns ranks newly flagged, for the log and the eviction hook.
+"""
+
+from __future__ import annotations
+
+import time
+
+from monitor.straggler import StragglerDetector
+from orchestrator.wire.store import heartbeat_key
+
+
+class Telemetry:
+    def __init__(self, spec, metrics, heartbeat_s: float):
+        from trainer.model import flops_per_token
+
+        self.metrics = metrics
+        self.heartbeat_s = heartbeat_s
+        self.flops_per_token = flops_per_token(spec.model, spec.data.seq_len)
+        self.peak_flops_per_rank: float | None = None
+        self.world_size = spec.world_size
+        self.detector = StragglerDetector()
+        self._last_poll = 0.0
+        self._seen: dict[int, float] = {}
+
+    def on_layout(self, spec, dp: int) -> None:
+        from trainer.costmodel.metrics import predicted_bubble_ratio, predicted_ledgers
+
+        now = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp": dp})})
+        self.world_size = now.world_size
+        self.metrics.on_memory("predicted", predicted_ledgers(now))
+        self.metrics.on_bubble(predicted_bubble_ratio(now))
+        self.detector.reset()
+        self._seen.clear()
+
+    def on_restored(self, results: list[dict]) -> None:
+        peak = next((r["peak_flops"] for r in results if "peak_flops" in r), None)
+        if peak:
+            self.peak_flops_per_rank = peak
+
+    def mfu(self, tokens: int, step_s: float) -> float | None:
+        if not self.peak_flops_per_rank or step_s <= 0:
+            return None
+        return tokens / step_s * self.flops_per_token / (self.peak_flops_per_rank * self.world_size)
+
+    def poll(self, store, world_size: int) -> set[int]:
+        now = time.monotonic()
+        if now - self._last_poll < self.heartbeat_s:
+            return set()
+        self._last_poll = now
+        for rank in range(world_size):
+            beat = store.get_json(heartbeat_key(rank))
+            if beat is None or self._seen.get(rank) == beat["time"]:
+                continue
+            self._seen[rank] = beat["time"]
+            self.detector.observe(rank, beat["compute_s"])
+            self.metrics.on_rank_compute(rank, beat["compute_s"])
+        flagged, newly = self.detector.evaluate(now)
+        self.metrics.on_stragglers(flagged)
+        return newly

@@ -1,0 +1,233 @@
+"""One training rank as a Ray actor: joins a generation, restores, trains autonomously.
+
+Protocol (the controller calls, in this order, once per generation):
+  1. `join(gen, rank, world_size, store_host, store_port)`: connect to the controller's
+     store, form the process group (gloo on CPU, nccl on GPU) under the generation's prefix.
+  2. `restore(step)`: build the engine for the layout and load committed checkpoint `step`
+     (None = fresh start).
+  3. `train(until_step, faults)`: run steps with no per-step round trip to the controller.
+     Step records (rank 0), heartbeats and shard receipts go through the store. Returns
+     `{"status": "done" | "aborted", ...}`; any error in a collective makes the rank tear
+     down its process group at once, which cascades the error to peers blocked elsewhere
+     in the ring, so nobody sits in a collective until its timeout.
+  4. `leave()`: drop the process group; the process (and its imported torch) stays warm
+     for the next generation, which is what makes re-forming take milliseconds.
+
+The actor runs with several concurrency slots so `ping` answers while `train` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from datetime import timedelta
+
+import ray
+
+from orchestrator.rank.comm_abort import CommSockets
+from orchestrator.wire.store import GenerationStore, connect
+
+# How often a rank checks that its node's raylet is alive, and the exit code when it is not.
+NODE_WATCH_S = 0.2
+EXIT_NODE_LOST = 75
+
+
+class RankActor:
+    def __init__(self, spec_json: str):
+        import torch
+
+        from orchestrator.spec.job_spec import JobSpec
+
+        torch.set_num_threads(1)  # many ranks share few cores in CPU set-ups
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.store: GenerationStore | None = None
+        self.watch_store: GenerationStore | None = None
+        self.writer_store: GenerationStore | None = None
+        self.engine = None
+        self.writer = None
+        self.gen = -1
+        self.rank = -1
+        self.world_size = 0
+        self.sockets: CommSockets | None = None
+        # Ray forks workers from the node's raylet: if our parent changes, the raylet died and
+        # this node is lost, even though this process may still answer calls.
+        self.raylet_pid = os.getppid()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._rendezvous: tuple[str, int, int] | None = None  # (host, port, gen) of the current store
+        threading.Thread(target=self._watch_node, daemon=True, name="node-watchdog").start()
+        self._abort = threading.Event()  # the controller asked this generation to stop
+        self._training_over = threading.Event()  # stops the abort watcher
+
+    def ping(self) -> dict:
+        return {"pid": os.getpid(), "node": self.node_id, "gen": self.gen, "node_alive": self.node_alive()}
+
+    def node_alive(self) -> bool:
+        return os.getppid() == self.raylet_pid
+
+    def _watch_node(self) -> None:
+        """Watchdog thread: when this node's raylet dies, tell the controller, then exit.
+
+        A process whose raylet is gone may keep running and answering calls, but Ray can no
+        longer manage it and declares the node dead only after its health checks time out
+        (12-15 s by default). Reporting the loss through the controller's store takes well
+        under a second; exiting at once makes the rank's peers fail fast instead of training
+        on with a member nobody can trust.
+        """
+        while self.node_alive():
+            time.sleep(NODE_WATCH_S)
+        with contextlib.suppress(Exception):
+            if self._rendezvous is not None:
+                host, port, gen = self._rendezvous
+                connect(host, port, gen, timeout_s=2.0).push_event(
+                    {"type": "node_lost", "node": self.node_id, "rank": self.rank, "time": time.time()})
+        os._exit(EXIT_NODE_LOST)
+
+    def inject(self, fault: dict) -> None:
+        """Fire a time-triggered chaos fault now (the controller calls it when its time comes).
+
+        Runs in one of the actor's spare concurrency slots, next to `train`. The fault event
+        goes through a store connection of its own (clients are not shared between threads).
+        """
+        from chaos.injector import FaultInjector
+
+        def notify(event: dict) -> None:
+            if self._rendezvous is not None:
+                host, port, gen = self._rendezvous
+                connect(host, port, gen, timeout_s=5.0).push_event(event)
+
+        step = self.engine.next_step if self.engine is not None else -1
+        FaultInjector([dict(fault, rank=self.rank)], self.rank, notify).fire_now(dict(fault, rank=self.rank), step)
+
+    def warm_up(self) -> dict:
+        """A spare's first call: import the engine so that taking over a rank costs milliseconds."""
+        import torch._dynamo  # noqa: F401  (the engine's first deterministic-mode call imports it: ~1.4 s)
+
+        import trainer.engine  # noqa: F401  (the import is the work)
+        import trainer.model  # noqa: F401
+
+        return self.ping()
+
+    def join(self, gen: int, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> float:
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        self.leave()
+        self.gen, self.rank, self.world_size = gen, rank, world_size
+        self._rendezvous = (host, port, gen)
+        self._abort.clear()
+        self.store = connect(host, port, gen, timeout_s=timeout_s)
+        # The watcher gets its own connection: a TCPStore client is not safe to share between
+        # threads (interleaved requests on one socket can deadlock the training thread).
+        self.watch_store = connect(host, port, gen, timeout_s=timeout_s)
+        # And so does the checkpoint writer thread, for its receipts and fault notices.
+        self.writer_store = connect(host, port, gen, timeout_s=timeout_s)
+        backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
+        with CommSockets.capture() as self.sockets:
+            dist.init_process_group(
+                backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        return time.perf_counter() - started
+
+    def restore(self, step: int | None, dp: int, faults: list[dict] | None = None) -> dict:
+        """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`.
+
+        `faults`: the chaos faults still armed; those of this rank at "during_restore" fire while
+        the checkpoint loads (their notice goes through the generation's store, as in training)."""
+        from chaos.injector import FaultInjector
+        from orchestrator.rank.state import build_engine, load_engine_state
+        from trainer.memory_probe import current_bytes
+
+        started = time.perf_counter()
+        self.engine = None  # drop the previous generation's engine before measuring the baseline
+        device = torch_device(self.spec)
+        self.baseline_bytes = current_bytes(device)
+        self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
+        if step is not None:
+            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.push_event)
+            load_engine_state(self.spec, self.engine, step, fault_hook=hook)
+        out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
+        if self.rank == 0:
+            out["peak_flops"] = peak_flops_per_rank(self.spec, device)
+        return out
+
+    def train(self, until_step: int, faults: list[dict]) -> dict:
+        from orchestrator.rank.loop import RankLoop
+
+        loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
+                        baseline_bytes=self.baseline_bytes, writer_store=self.writer_store)
+        self._training_over.clear()
+        watcher = threading.Thread(target=self._watch_abort, daemon=True, name="abort-watcher")
+        watcher.start()
+        try:
+            return loop.run(until_step, faults)
+        except BaseException as err:  # a collective error or an injected exception
+            # Release the peers first (they may be blocked in a collective with us), then clean up.
+            self.sockets.abort()
+            self._teardown()
+            return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
+                    "error": f"{type(err).__name__}: {str(err)[:300]}"}
+        finally:
+            self._training_over.set()
+
+    def _watch_abort(self) -> None:
+        """Watcher thread: on the controller's abort key, break our own blocked collective."""
+        while not self._training_over.wait(0.05):
+            try:
+                requested = self.watch_store.abort_requested()
+            except Exception:
+                return  # the controller is gone; the collective timeout remains the last resort
+            if requested:
+                self._abort.set()
+                sockets = self.sockets  # `leave` may have torn the group down meanwhile
+                if sockets is not None:
+                    sockets.abort()
+                return
+
+    def leave(self) -> bool:
+        """Drop the process group; returns whether this rank's node is still alive."""
+        self._teardown()
+        self.engine = None
+        return self.node_alive()
+
+    def _teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self.sockets is not None:
+            self.sockets.abort()  # closes what destroy_process_group leaves open (see comm_abort)
+            self.sockets = None
+        if dist.is_initialized():
+            # A broken group may fail to tear down cleanly; it is unusable either way.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+
+def torch_device(spec):
+    import torch
+
+    return torch.device("cuda" if spec.resources.gpus_per_rank > 0 else "cpu")
+
+
+_PEAK_FLOPS: dict[str, float] = {}
+
+
+def peak_flops_per_rank(spec, device) -> float:
+    """Peak FLOP/s of one rank's device, for MFU: the vendor's dense figure on GPUs, a measured
+    matmul peak on CPUs (cached per process; measured once, at this process's first restore)."""
+    from trainer.costmodel.hardware import hardware, measure_cpu_matmul_flops
+
+    precision = spec.train.precision
+    key = f"{device.type}:{precision}"
+    if key not in _PEAK_FLOPS:
+        if device.type == "cuda":
+            import torch
+
+            name = torch.cuda.get_device_name(device).lower()
+            match = next((g for g in ("h200", "h100", "a100") if g in name), None)
+            _PEAK_FLOPS[key] = hardware(match, (precision,)).peak_flops[precision] if match else float("nan")
+        else:
+            _PEAK_FLOPS[key] = measure_cpu_matmul_flops(0.3, precision)
+    return _PEAK_FLOPS[key]

@@ -1,0 +1,166 @@
+"""A rank's autonomous training loop: steps, reports, checkpoint saves.
+
+Runs inside `RankActor.train` on the actor's training thread. Per step it talks to nobody
+but its process group; to the controller it sends, through the store:
+  * rank 0 only: one `step` event per step with the global (already all-reduced) loss,
+    so the controller's per-step traffic does not grow with the number of ranks;
+  * every rank: a heartbeat key, at most every `monitor.heartbeat_s`, when it also picks
+    up a new checkpoint plan;
+  * every rank: a `receipt` event when its shard of a checkpoint is durable, or a
+    `save_error` event when it could not be written (that save then never commits).
+Events raised on the checkpoint writer's thread, or on its listener thread with a writer
+process (receipts, save errors, fault notices of `during_shard_write` and of storage faults),
+go through a second store client, `writer_store`: a TCPStore client is not safe to share
+between threads. The notice must be sent before the fault acts (a kill at
+`during_shard_write` ends the process), so it cannot wait in a queue.
+
+Chaos on a rank: the injector gets the engine's module as its nan_grad target; storage
+faults with `rank` equal to this rank are installed on the Storage its writer uses (in the
+writer process, the default on object stores), so they hit this rank's shard writes
+only. A step whose gradient norm is not finite (and that no fp16 loss scaler skipped)
+raises `NonFiniteGradient` before anything of it is reported or saved: its update has
+written NaN into the weights, and training on would only spread them. The controller then
+recovers from the last committed checkpoint, like after any rank error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+
+from chaos.config import STORAGE_KINDS
+from chaos.injector import FaultInjector
+from chaos.storage_faults import install_on
+from ckpt.process_writer import ProcessShardWriter
+from ckpt.storage import Storage
+from ckpt.writer import ShardWriter
+from orchestrator.wire.plan import CheckpointPlan
+from orchestrator.wire.store import PLAN, GenerationStore, heartbeat_key
+
+
+class NonFiniteGradient(RuntimeError):
+    """A training step produced a NaN or infinite gradient norm: the rank's weights are poisoned."""
+
+
+class _EventSink:
+    """push_event from the training thread on its client, from any other thread on the writer's."""
+
+    def __init__(self, store: GenerationStore, writer_store: GenerationStore):
+        self.store, self.writer_store = store, writer_store
+        self.owner = threading.get_ident()
+
+    def push(self, event: dict) -> None:
+        (self.store if threading.get_ident() == self.owner else self.writer_store).push_event(event)
+
+
+def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> CheckpointPlan:
+    data = store.get_json(PLAN)
+    if data is None or data.get("version", -1) <= current.version:
+        return current
+    return CheckpointPlan.from_json(data)
+
+
+def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: float) -> None:
+    """`compute_s`: the rank's mean step compute time since its previous heartbeat."""
+    store.set_json(heartbeat_key(rank), {"step": step, "time": time.time(), "compute_s": compute_s})
+
+
+class RankLoop:
+    def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
+                 abort: threading.Event, baseline_bytes: int = 0, *, writer_store: GenerationStore):
+        self.spec = spec
+        self.engine = engine
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.abort = abort
+        self.baseline_bytes = baseline_bytes
+        self.events = _EventSink(store, writer_store)  # built here: this is the training thread
+
+    def _on_receipt(self, receipt, extra: dict) -> None:
+        self.events.push({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+
+    def _on_save_error(self, step: int, err: BaseException) -> None:
+        self.events.push({"type": "save_error", "rank": self.rank, "step": step,
+                          "error": f"{type(err).__name__}: {err}"})
+
+    def _storage_faults(self, faults: list[dict], plan: CheckpointPlan) -> functools.partial | None:
+        """This rank's storage faults, as a setup to run on its writer's Storage (a fresh one per generation)."""
+        mine = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") == self.rank]
+        if not mine:
+            return None
+        # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.
+        started = plan.job_started_at if plan.job_started_at is not None else time.time()
+        return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=started)
+
+    def _notify_storage_fault(self, event: dict) -> None:
+        self.events.push(dict(event, rank=self.rank))
+
+    def _writer(self, hook, faults: list[dict], plan: CheckpointPlan):
+        """The ShardWriter (a thread) or ProcessShardWriter (a child process) the spec asks for, faults installed."""
+        config = self.spec.checkpoint
+        setup = self._storage_faults(faults, plan)
+        if config.resolved_writer == "process":
+            return ProcessShardWriter(self.spec.checkpoint_root, config.storage_options, self.rank,
+                                      self._on_receipt, self._on_save_error, fault_hook=hook, tag=plan.tag,
+                                      storage_setup=setup, notify=self._notify_storage_fault)
+        storage = Storage(self.spec.checkpoint_root, config.storage_options)
+        if setup is not None:
+            setup(storage, self._notify_storage_fault)
+        return ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
+                           async_save=config.async_, fault_hook=hook, tag=plan.tag)
+
+    def _check_finite(self, result) -> None:
+        if not result.skipped and not math.isfinite(result.grad_norm):
+            raise NonFiniteGradient(f"non-finite gradient norm at step {result.step} on rank {self.rank} "
+                                    f"({result.grad_norm}); the weights are poisoned, recover from the last "
+                                    "committed checkpoint")
+
+    def _step_event(self, result) -> dict:
+        return {"type": "step", "step": result.step, "loss": result.loss, "tokens": result.tokens,
+                "grad_norm": result.grad_norm, "lr": result.lr, "step_s": result.step_s,
+                "compute_s": result.compute_s, "bubble": result.bubble,
+                "loss_scale": result.loss_scale, "time": time.time()}
+
+    def _report_memory(self) -> None:
+        """Rank 0, once per generation after its first step: measured memory by ledger."""
+        from trainer.memory_probe import measure
+
+        self.store.push_event({"type": "memory", "ledgers": measure(self.engine, self.baseline_bytes)})
+
+    def run(self, until_step: int, faults: list[dict]) -> dict:
+        plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
+        hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
+        self.engine.fault_hook = hook
+        writer = self._writer(hook, faults, plan)
+        heartbeat_s = self.spec.monitor.heartbeat_s
+        last_beat, compute, steps_in_beat, first = 0.0, 0.0, 0, True
+        try:
+            while self.engine.next_step < until_step:
+                if self.abort.is_set():
+                    return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
+                            "error": "abort requested by the controller"}
+                result = self.engine.train_step()
+                self._check_finite(result)
+                if self.rank == 0:
+                    self.store.push_event(self._step_event(result))
+                    if first:
+                        self._report_memory()
+                first = False
+                compute, steps_in_beat = compute + result.compute_s, steps_in_beat + 1
+                now = time.monotonic()
+                if now - last_beat >= heartbeat_s:
+                    write_heartbeat(self.store, self.rank, result.step, compute / steps_in_beat)
+                    compute, steps_in_beat = 0.0, 0
+                    plan = plan_from_store(self.store, plan)
+                    last_beat = now
+                completed = self.engine.next_step
+                if plan.should_save(completed):
+                    extra = {"engine": self.engine.state_meta()} if self.rank == 0 else {}
+                    writer.save(completed, self.engine.state_slices(copy=False), extra)
+        finally:
+            writer.flush()  # a save started before an error still lands; it commits only if complete
+        return {"status": "done", "rank": self.rank, "step": self.engine.next_step,
+                "ckpt_waits": writer.waited}

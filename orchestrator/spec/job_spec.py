@@ -1,0 +1,332 @@
+"""The job spec: one typed, validated description of a training job, loaded from YAML.
+
+Protocol: the driver (the `undying` CLI, on the machine the user runs it from) calls
+`load_spec(path, overrides)` once, then `orchestrator.spec.storage_check.require_storage(spec)`,
+before any rank starts; every later component receives the `JobSpec` object and trusts it.
+Any user mistake surfaces as one `SpecError` that lists every problem found, each naming
+the dotted field (`parallel.tp`, `chaos.faults[0].rank`) and saying how to fix it.
+
+Sections are checked on their own by their models (trainer/, ckpt/, chaos/, monitor/);
+checks that need two sections (heads % tp, batch divisibility, ...) run here, all of them,
+so a user fixes a spec in one round rather than one error at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
+from ckpt.config import CheckpointConfig
+from monitor.config import MonitorConfig
+from orchestrator.spec.problems import Problem, SpecError
+from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+
+
+class _Strict(BaseModel):
+    # Unknown keys are user mistakes (a typo silently ignored is a wasted GPU-day).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ElasticConfig(_Strict):
+    """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
+
+    min_dp: int = Field(1, ge=1)
+    spares: int = Field(0, ge=0)
+    max_restarts: int = Field(10, ge=0)
+    # How long a lost rank's replacement may take to start before dp shrinks instead.
+    replace_timeout_s: float = Field(60.0, ge=0.0)
+    # Grow back to parallel.dp at a checkpoint boundary once replacements have started.
+    grow: bool = True
+    # The same error at the same step on the same rank this many times in a row stops the job.
+    crash_loop_limit: int = Field(3, ge=2)
+    # Straggler policy hook: replace a rank flagged as a sustained straggler (monitor.straggler).
+    evict_stragglers: bool = False
+
+
+class ResourcesConfig(_Strict):
+    """What one rank asks Ray for; `num_ranks`, when given, must equal dp * tp * pp."""
+
+    cpus_per_rank: float = Field(1.0, gt=0.0)
+    gpus_per_rank: float = Field(0.0, ge=0.0)
+    num_ranks: int | None = Field(None, gt=0)
+    custom: dict[str, Annotated[float, Field(ge=0.0)]] = Field(
+        default_factory=dict, description="extra Ray resources per rank, e.g. {accelerator_type:H100: 1}"
+    )
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="each TP group is one bundle on one node; pack puts the groups on few nodes, "
+                            "spread puts DP replicas and PP stages on as many nodes as possible"
+    )
+
+
+# Fault kinds whose at_step names a checkpoint step (up to and including train.steps, the final save).
+CHECKPOINT_STEP_KINDS = STORAGE_KINDS | {"corrupt_shard"}
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class JobSpec(_Strict):
+    """A whole job. Cross-section checks run when it is built, so a JobSpec is always valid."""
+
+    name: str
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        # The name becomes a directory under checkpoint.url, so it must be one safe path
+        # component: no separators, no spaces, and not "." or "..".
+        if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a safe directory name; use letters, digits, '.', '_' "
+                             "and '-' only, e.g. 'llama-1b.run3'")
+        return name
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> JobSpec:
+        problems = cross_section_problems(self) + engine_support_problems(self)
+        if problems:
+            # Raised as a ValidationError so that pydantic reports every problem at its own
+            # field, the same way as the per-section errors.
+            raise ValidationError.from_exception_data("JobSpec", [_line_error(p) for p in problems])
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def checkpoint_root(self) -> str:
+        """Where this job's checkpoints live: `<checkpoint.url>/<name>`."""
+        return self.checkpoint.join(self.name)
+
+
+def _line_error(problem: Problem) -> InitErrorDetails:
+    loc = tuple(int(p) if p.isdigit() else p for p in re.split(r"\.|\[|\]\.?", problem.field) if p)
+    # The message goes in the context, not the template, so braces in it are not formatted.
+    error = PydanticCustomError("spec", "{message}", {"message": problem.message})
+    return InitErrorDetails(type=error, loc=loc, input=None)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def cross_section_problems(spec: Any) -> list[Problem]:
+    """Every layout and consistency problem that needs more than one section.
+
+    `spec` is a JobSpec, or a view of one whose invalid sections are None (see
+    `validate_spec`); a check that needs a missing section is skipped, so layout problems
+    are reported in the same round as typos elsewhere in the spec."""
+    model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
+    out = _layout_problems(model, train, par, spec.resources)
+    if model and data and model.position == "learned" and data.seq_len > model.max_seq_len:
+        out.append(Problem("data.seq_len", f"{data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}"
+                           " (learned positions cannot extrapolate); lower data.seq_len or raise "
+                           "model.max_seq_len"))
+    if model and data and data.source == "text" and model.vocab_size < 256:
+        out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
+                           "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
+    if par and spec.elastic and spec.elastic.min_dp > par.dp:
+        out.append(Problem("elastic.min_dp", f"{spec.elastic.min_dp} exceeds parallel.dp = {par.dp}; "
+                           f"set it to at most {par.dp}"))
+    for i, fault in enumerate(spec.chaos.faults if spec.chaos else ()):
+        if par and fault.rank is not None and fault.rank >= par.world_size:
+            out.append(Problem(f"chaos.faults[{i}].rank", f"{fault.rank} is not a rank of this job (dp * tp"
+                               f" * pp = {par.world_size} ranks); use a rank in 0..{par.world_size - 1}"))
+        # A storage fault's or corrupt_shard's at_step names a checkpoint, and the last one is train.steps.
+        names_checkpoint = fault.kind in CHECKPOINT_STEP_KINDS or fault.at_point in CHECKPOINT_POINTS
+        last = train.steps if train and names_checkpoint else (train.steps - 1 if train else 0)
+        if train and fault.at_step is not None and fault.at_step > last:
+            out.append(Problem(f"chaos.faults[{i}].at_step", f"{fault.at_step} is not before train.steps "
+                               f"= {train.steps}" + (" (nor that final checkpoint)" if last == train.steps else "")
+                               + f", so it never fires; use a step in 0..{last}"))
+        # in_allreduce fires in DDP's gradient all-reduce (trainer.data_parallel), which only dp > 1
+        # with ZeRO 0/1 runs; elsewhere the point is never reached and the fault would never fire.
+        if par and fault.at_point == "in_allreduce" and (par.dp == 1 or par.zero >= 2):
+            out.append(Problem(f"chaos.faults[{i}].at_point", f"in_allreduce is DDP's gradient all-reduce, which "
+                               f"this layout (dp = {par.dp}, zero = {par.zero}) does not run; use dp > 1 with "
+                               "zero 0 or 1, or another point such as after_backward"))
+    return out
+
+
+def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[Problem]:
+    out: list[Problem] = []
+    # Tensor parallelism splits heads, the MLP width and the vocabulary evenly over the tp ranks.
+    for field in ("n_heads", "d_ff", "vocab_size"):
+        value = getattr(model, field, None) if model and par else None
+        if value is not None and value % par.tp:
+            out.append(Problem("parallel.tp", f"model.{field} = {value} is not divisible by tp = "
+                               f"{par.tp}; use a tp that divides it: {_divisors(value)}"))
+    if model and par and model.n_layers % par.pp:
+        out.append(Problem("parallel.pp", f"model.n_layers = {model.n_layers} is not divisible by pp = "
+                           f"{par.pp}; use a pp that divides it: {_divisors(model.n_layers)}"))
+    per_step = par.dp * train.micro_batch if train and par else 1
+    if train and train.global_batch % per_step:
+        nearest = -(-train.global_batch // per_step) * per_step
+        out.append(Problem("train.global_batch", f"{train.global_batch} is not divisible by parallel.dp * "
+                           f"train.micro_batch = {per_step}; use a multiple of {per_step} such as {nearest}"))
+    if par and resources and resources.num_ranks not in (None, par.world_size):
+        out.append(Problem("resources.num_ranks", f"{resources.num_ranks} does not match parallel.dp * "
+                           f"tp * pp = {par.world_size}; set it to {par.world_size} or leave it out"))
+    return out
+
+
+def engine_support_problems(spec: Any) -> list[Problem]:
+    """What this release's engine cannot run yet. The layout checks above cover the rest, so
+    lifting a limit means deleting its lines here and nothing else. `spec` may be a partial
+    view, as above."""
+    par, data, model, out = spec.parallel, spec.data, spec.model, []
+    if par and data and model and spec.train and (par.pp > 1 or par.schedule == "pipedream"):
+        # The engine's own pipeline checks (schedule x ZeRO x chunks x microbatches); imported
+        # here only, because they need torch.
+        from trainer.layout_checks import check_pipeline
+
+        try:
+            check_pipeline(model, data, spec.train, par)
+        except ValueError as err:
+            field = re.search(r"\b(parallel|train|model)\.([a-z_]+)", str(err))
+            out.append(Problem(field.group(0) if field else "parallel.pp", str(err)))
+    if par and data and model and par.tp > 1 and par.sequence_parallel:
+        padded = -(-data.seq_len // par.tp) * par.tp
+        if padded > model.max_seq_len:
+            out.append(Problem("parallel.sequence_parallel", f"pads data.seq_len = {data.seq_len} to {padded} "
+                               f"(a multiple of tp = {par.tp}), beyond model.max_seq_len = {model.max_seq_len}; "
+                               "raise max_seq_len or set sequence_parallel: false"))
+    return out
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "spec"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation such as `X`, `X | None` or `list[X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def _section(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The model that validates the mapping at `loc` (list indices are transparent)."""
+    model: type[BaseModel] | None = JobSpec
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        info = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        model = _model_in(info.annotation) if info else None
+    return model
+
+
+def _unknown_key(loc: Sequence[str | int]) -> str:
+    key, section = loc[-1], _section(loc[:-1])
+    if section is None:
+        return f"unknown key {key!r}; remove it"
+    allowed = _keys(section)
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    kind, loc, msg = error["type"], error["loc"], error["msg"]
+    if kind == "extra_forbidden":
+        return _unknown_key(loc)
+    if kind == "missing":
+        where = _dotted(loc[:-1]) if len(loc) > 1 else "the top level"
+        return f"required key {loc[-1]!r} is missing; add it under {where}"
+    if kind in ("spec", "value_error"):  # our own messages, already saying what to do
+        return msg.removeprefix("Value error, ")
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        if error["input"] is None:
+            return "is empty; give the section's keys, or remove it to take the defaults"
+        return f"expected a mapping of keys (a YAML section), got {show(error['input'])}"
+    return f"{msg.replace('Input should be', 'should be')}; got {show(error['input'])}"
+
+
+def problems_from_validation_error(error: ValidationError) -> list[Problem]:
+    """Translate a ValidationError raised while building a JobSpec into Problems."""
+    return [Problem(_dotted(e["loc"]), " ".join(_describe(e).split())) for e in error.errors()]
+
+
+def _valid_sections(data: Mapping[str, Any]) -> SimpleNamespace:
+    """Each section of `data` that passes its own checks; None for the others."""
+    view: dict[str, Any] = {}
+    for key, info in JobSpec.model_fields.items():
+        model, view[key] = _model_in(info.annotation), None
+        if model is None or (key not in data and info.is_required()):
+            continue
+        with contextlib.suppress(ValidationError):  # already reported by the whole-spec validation
+            value = data[key] if key in data else info.get_default(call_default_factory=True)
+            view[key] = model.model_validate(value)
+    return SimpleNamespace(**view)
+
+
+def validate_spec(data: Mapping[str, Any]) -> JobSpec:
+    """Build a JobSpec from plain data (parsed YAML); raise SpecError listing every problem.
+
+    When some sections are invalid, pydantic never reaches the cross-section checks, so
+    they are run again on the sections that are valid: one round reports everything."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as error:
+        problems = problems_from_validation_error(error)
+    if isinstance(data, Mapping):
+        view = _valid_sections(data)
+        more = cross_section_problems(view) + engine_support_problems(view)
+        problems += [p for p in more if p not in problems]
+    raise SpecError(problems)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=UniqueKeyLoader)
+    except (OSError, UnicodeDecodeError) as error:
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror
+        raise SpecError([Problem(path, f"cannot be read ({reason}); give the path of a UTF-8 YAML job "
+                                 "spec")]) from None
+    except yaml.YAMLError as error:
+        raise SpecError([Problem(path, f"{yaml_reason(error)}; fix the YAML syntax")]) from None
+    if not isinstance(data, dict):
+        got = "empty" if data is None else f"a {type(data).__name__}"
+        raise SpecError([Problem(path, f"the top level is {got}, not a mapping; a job spec maps keys "
+                                 f"{', '.join(_keys(JobSpec))} to their sections")])
+    return data
+
+
+def load_spec(path: str, overrides: Sequence[str] = ()) -> JobSpec:
+    """Read the YAML job spec at `path`, apply `--set` overrides, validate; raise SpecError."""
+    return validate_spec(apply_overrides(_read_yaml(path), overrides))
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """Stable sha256 (hex) of the spec's canonical JSON: sorted keys, no whitespace, YAML
+    key spellings. Equal specs hash equally across processes and Python versions."""
+    canonical = json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
