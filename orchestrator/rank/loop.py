@@ -33,9 +33,7 @@ import time
 from chaos.config import STORAGE_KINDS
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on
-from ckpt.process_writer import ProcessShardWriter
-from ckpt.storage import Storage
-from ckpt.writer import ShardWriter
+from ckpt.writers import CheckpointWriter, make_writer
 from orchestrator.wire.plan import CheckpointPlan
 from orchestrator.wire.store import PLAN, GenerationStore, heartbeat_key
 
@@ -98,19 +96,11 @@ class RankLoop:
     def _notify_storage_fault(self, event: dict) -> None:
         self.events.push(dict(event, rank=self.rank))
 
-    def _writer(self, hook, faults: list[dict], plan: CheckpointPlan):
-        """The ShardWriter (a thread) or ProcessShardWriter (a child process) the spec asks for, faults installed."""
-        config = self.spec.checkpoint
-        setup = self._storage_faults(faults, plan)
-        if config.resolved_writer == "process":
-            return ProcessShardWriter(self.spec.checkpoint_root, config.storage_options, self.rank,
-                                      self._on_receipt, self._on_save_error, fault_hook=hook, tag=plan.tag,
-                                      storage_setup=setup, notify=self._notify_storage_fault)
-        storage = Storage(self.spec.checkpoint_root, config.storage_options)
-        if setup is not None:
-            setup(storage, self._notify_storage_fault)
-        return ShardWriter(storage, self.rank, self._on_receipt, self._on_save_error,
-                           async_save=config.async_, fault_hook=hook, tag=plan.tag)
+    def _writer(self, hook, faults: list[dict], plan: CheckpointPlan) -> CheckpointWriter:
+        """The writer the spec asks for (ckpt.writers.make_writer), this rank's storage faults installed."""
+        return make_writer(self.spec.checkpoint, self.spec.checkpoint_root, self.rank, self._on_receipt,
+                           self._on_save_error, fault_hook=hook, tag=plan.tag,
+                           storage_setup=self._storage_faults(faults, plan), notify=self._notify_storage_fault)
 
     def _check_finite(self, result) -> None:
         if not result.skipped and not math.isfinite(result.grad_norm):

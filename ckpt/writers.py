@@ -1,0 +1,63 @@
+"""The rank-side checkpoint writer protocol, and which writer a job's config gets.
+
+Two writers implement `CheckpointWriter`: `ckpt.writer.ShardWriter` (a background thread
+of the rank) and `ckpt.process_writer.ProcessShardWriter` (a child process of the rank,
+for object stores, whose clients hold the GIL for much of an upload). Both write the same
+bytes by the same `ckpt.shards.write_slices`, and both keep at most one save in flight.
+
+Protocol (one writer per rank and generation, driven by the rank's training thread):
+  1. `make_writer(config, url, rank, ...)` when the rank starts training.
+  2. `save(step, slices, extra)` at each checkpoint step: returns the seconds training was
+     blocked (staging, or the whole write when saves are synchronous); the receipt reaches
+     `on_receipt(receipt, extra)`, or a failed write `on_error(step, exc)`, from the
+     writer's own thread.
+  3. `wait()` blocks until the save in flight is durable; `flush()` does that and stops
+     the writer, before the rank leaves the generation.
+`waited` counts the saves that had to wait for the previous one (bounded memory: one
+snapshot staged per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from ckpt.config import CheckpointConfig
+from ckpt.manifest import ShardReceipt
+from ckpt.process_writer import ProcessShardWriter
+from ckpt.storage import Storage
+from ckpt.writer import ShardWriter
+from trainer.state_slices import TensorSlice
+
+OnReceipt = Callable[[ShardReceipt, dict], None]
+OnError = Callable[[int, BaseException], None]
+FaultHook = Callable[[str, int], None]
+# Installs chaos storage faults on the Storage the writer uses; the second argument is where
+# fault notices go. Called in the writer's own process (the child, for the process writer).
+StorageSetup = Callable[[Storage, Callable[[dict], None]], None]
+
+
+@runtime_checkable
+class CheckpointWriter(Protocol):
+    rank: int
+    waited: int
+
+    def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float: ...
+
+    def wait(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def make_writer(config: CheckpointConfig, url: str, rank: int, on_receipt: OnReceipt, on_error: OnError, *,
+                fault_hook: FaultHook | None = None, tag: str = "", storage_setup: StorageSetup | None = None,
+                notify: Callable[[dict], None] | None = None) -> CheckpointWriter:
+    """The writer `config.writer` asks for (auto: a process on object stores when async, else the thread)."""
+    if config.resolved_writer == "process":
+        return ProcessShardWriter(url, config.storage_options, rank, on_receipt, on_error, fault_hook=fault_hook,
+                                  tag=tag, storage_setup=storage_setup, notify=notify)
+    storage = Storage(url, config.storage_options)
+    if storage_setup is not None:
+        storage_setup(storage, notify or (lambda event: None))
+    return ShardWriter(storage, rank, on_receipt, on_error, async_save=config.async_, fault_hook=fault_hook,
+                       tag=tag)
