@@ -140,7 +140,7 @@ class ChaosConfig(_Strict):
     With `mtbf_s` set, every target (each node for `mtbf_kind: kill_node`, each rank for the
     rank kinds) fails independently as a Poisson process with that mean time between
     failures, so the whole job sees failures every `mtbf_s / targets` seconds on average
-    (design.md section 1). Times and targets are drawn from generators seeded with `seed`,
+    (docs/design.md section 1). Times and targets are drawn from generators seeded with `seed`,
     so an experiment replays exactly (chaos.schedule.expand).
     """
 

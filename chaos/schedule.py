@@ -6,7 +6,7 @@ Two sources of faults:
 * random: with `chaos.mtbf_s` set, every target (each node for `mtbf_kind: kill_node`,
   each rank otherwise) fails as an independent Poisson process with mean time between
   failures `mtbf_s`, from `mtbf_start_s` until the horizon. Superposed, the job sees a
-  failure every `mtbf_s / targets` seconds on average (design.md section 1: M_node / N).
+  failure every `mtbf_s / targets` seconds on average (docs/design.md section 1: M_node / N).
 
 Protocol: the controller calls `expand(chaos, horizon_s=..., nodes=..., ranks=...)` when it
 knows the job's nodes and ranks, and again after a re-placement if they changed (the same

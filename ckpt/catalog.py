@@ -2,7 +2,7 @@
 
 Protocol: only the controller calls `commit`, after it holds one `ShardReceipt` from every
 rank of the generation for that step. The manifest is created last and exclusively, so a
-checkpoint either exists whole or not at all (design.md invariant 1). `committed_steps`
+checkpoint either exists whole or not at all (docs/design.md invariant 1). `committed_steps`
 derives "latest" from committed manifests alone; a directory without a manifest is an
 unfinished save, invisible to readers and removed by `collect_garbage`.
 

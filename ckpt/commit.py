@@ -86,17 +86,18 @@ class Committer:
         self.pending.pop(step, None)
         self.on_dropped(step, reason)
 
-    def on_receipt(self, event: dict, world_size: int, generation: int, layout: dict,
-                   extra_state) -> Commit | None:
-        receipt = ShardReceipt.model_validate(event["receipt"])
+    def on_receipt(self, receipt: ShardReceipt, extra: dict, world_size: int, generation: int, layout: dict,
+                   extra_state: Callable[[], dict]) -> Commit | None:
+        """One rank's receipt (with rank 0's `extra`: {"engine": state metadata}); the Commit when it
+        completed a save, else None. `extra_state()` gives what the manifest carries beyond the shards."""
         if receipt.step in self.abandoned:
             return None
         began = time.time() - receipt.write_s - receipt.blocking_s
         save = self.pending.setdefault(receipt.step, PendingSave(receipt.step, began))
         save.started_at = min(save.started_at, began)
         save.receipts[receipt.rank] = receipt
-        if "engine" in event.get("extra", {}):
-            save.engine_state = event["extra"]["engine"]
+        if "engine" in extra:
+            save.engine_state = extra["engine"]
         if len(save.receipts) < world_size or save.engine_state is None:
             return None
         del self.pending[receipt.step]

@@ -103,3 +103,10 @@ class IntervalInputs:
         """The inputs as numbers, for metrics and the run report."""
         return {"cost_s": self.cost.value, "mtbf_s": self.mtbf.mtbf_s(now), "restart_s": self.restart.value,
                 "failures": float(self.mtbf.failures)}
+
+
+def steps_for_interval(interval_s: float, step_s: float, lo: int = 1, hi: int = 1_000_000) -> int:
+    """Whole steps closest to an interval in seconds, at least `lo`."""
+    if step_s <= 0:
+        return lo
+    return max(lo, min(hi, round(interval_s / step_s)))

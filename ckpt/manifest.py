@@ -5,7 +5,7 @@ and, once committed, `manifest.json`. The manifest lists every logical tensor (s
 name, dtype, global shape) and the chunks that store it: a rectangular slice (offsets,
 lengths) of the unsharded tensor, the shard file, the byte range inside it, and a CRC32
 per fixed-size block of those bytes (ckpt.blocks), so that a partial read is verified too.
-A reader trusts nothing that no committed manifest names (design.md invariant 1), and can
+A reader trusts nothing that no committed manifest names (docs/design.md invariant 1), and can
 assemble any slice of any tensor from the chunk list alone (invariant 2, ckpt.reshard).
 
 Schema history: 1 = one CRC32 per chunk, whole-tensor chunks; 2 = per-block CRC32s and

@@ -3,7 +3,7 @@
 Protocol: one `StagingPool` per `ckpt.writer.ShardWriter` (so per rank). At a checkpoint step
 the writer calls `stage(pieces)` from the training thread, only after the previous save's
 background write has finished (the writer joins it first: at most one snapshot is staged,
-design.md invariant 6), so no buffer handed out by the last call is still being read.
+docs/design.md invariant 6), so no buffer handed out by the last call is still being read.
 
 Why keep the buffers: the training loop is blocked while its state is copied out, and a
 fresh copy of a few hundred MiB spends more time faulting in new pages than copying

@@ -1,7 +1,7 @@
 """The goodput ledger: every second of a job's wall time, booked into exactly one bucket.
 
 Buckets are `productive` (training whose effect survives in the final model) and the badput
-causes of Google's ml-goodput-measurement taxonomy (design.md section 4), so users can compare
+causes of Google's ml-goodput-measurement taxonomy (docs/design.md section 4), so users can compare
 numbers across tools: https://github.com/AI-Hypercomputer/ml-goodput-measurement
 
 Protocol. The controller (single-threaded) is the only caller; the ledger takes no locks and
@@ -121,6 +121,18 @@ class GoodputLedger:
         self._booked[src] -= amount
         self._booked[dst] += amount
         return amount
+
+    def carry(self, carried: Mapping[str, float]) -> None:
+        """Add a predecessor's totals (a resumed job's, from its checkpoint) to this ledger's.
+
+        The carried seconds join their buckets and the wall time alike, so the buckets still sum
+        to the wall; the open interval keeps running in its bucket."""
+        extra = _validated_carry(carried)
+        if self._current is not None:
+            self._close_open_interval()
+        for bucket, seconds in extra.items():
+            self._booked[bucket] += seconds
+        self._carried_wall += sum(extra.values())
 
     def stop(self) -> None:
         """Close the last interval and freeze wall time (the controller calls it at job end)."""

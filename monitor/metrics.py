@@ -146,7 +146,7 @@ class JobMetrics:
             "undying_restart_seconds", "Interval input R: moving average of the time a restart costs."
         )
         self.ckpt_skipped = self._counter(
-            "undying_checkpoint_skipped", "Saves skipped because one was still in flight."
+            "undying_checkpoint_skipped", "Saves that will not be committed (a shard write or the commit failed)."
         )
 
     def _define_resilience(self) -> None:
@@ -251,8 +251,9 @@ class JobMetrics:
                 gauge.labels(job).set(inputs[key])
 
     def on_checkpoint_skipped(self) -> None:
-        """A save was skipped (requested while one was in flight, design.md invariant 6) or cannot
-        commit (a rank's shard write or the manifest commit failed)."""
+        """A save will not commit (a rank's shard write failed, its shards do not tile every tensor,
+        or the manifest commit failed twice). A save requested while one is in flight is never
+        skipped: it waits (docs/design.md invariant 6)."""
         self.ckpt_skipped.labels(self.job).inc()
 
     def on_failure(self, kind: str) -> None:

@@ -173,8 +173,7 @@ def run_job(job: dict, fd: int) -> None:
                 raise extra
             if n == WORLD - 1 and step == 20:
                 emit("shards_done")
-            event = {"receipt": receipt.model_dump(mode="json"), "extra": extra}
-            commit = committer.on_receipt(event, WORLD, 0, LAYOUT, dict)
+            commit = committer.on_receipt(receipt, extra, WORLD, 0, LAYOUT, dict)
         if commit is None:
             raise RuntimeError(f"step {step} did not commit: {committer.rejected}")
         emit(f"committed {step}", always=True)

@@ -4,7 +4,7 @@ A global step consumes `global_batch` samples, indexed 0..global_batch-1. A data
 rank owns one contiguous block of those indices and cuts it into microbatches, so the
 union over ranks is the same global batch whatever the layout (dp degree, microbatch size).
 Nothing is stateful: the "cursor" is just the step number, which the engine checkpoints. A
-run resumed in another layout therefore neither skips nor repeats a sample (design.md,
+run resumed in another layout therefore neither skips nor repeats a sample (docs/design.md
 invariant 4).
 
 Sources:

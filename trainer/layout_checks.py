@@ -1,7 +1,8 @@
-"""Construction-time checks of the layout an engine is asked to run (issue 3, item 7).
+"""Construction-time checks of the layout an engine is asked to run (docs/design.md invariant 7).
 
 Called first thing by `Engine.__init__`, before any collective, so a bad combination fails on
-every rank with the same message, naming the field and the fix.
+every rank with the same message, naming the field and the fix. The job spec runs the pipeline
+checks too (`check_pipeline`), so a job asking for such a layout is refused before any rank starts.
 
 Pipeline layouts refused (pp > 1), and why:
   * schedule 'pipedream': PipeDream-2BW trains on one-step-stale weights, without clipping or

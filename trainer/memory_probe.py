@@ -1,6 +1,6 @@
 """Measure a rank's memory by ledger, for comparison with the cost model's prediction.
 
-The four ledgers of design.md section 1, measured rather than predicted:
+The four ledgers of docs/design.md section 1, measured rather than predicted:
   * state: bytes of parameters, gradients and optimizer state actually allocated;
   * activation: bytes autograd saves for backward during one microbatch's forward, counted
     with `saved_tensors_hooks` (unique storages, so views are not double-counted);

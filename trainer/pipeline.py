@@ -25,7 +25,7 @@ because it puts the first and the last chunk on rank 0, so a tied embedding's tw
 sum their gradients without a message, and because it is the layout the cost model prices
 (`default_virtual_stages` = 2). The zero-bubble schedules split each backward into input and
 weight gradients; they crash with DDP-wrapped stages and are silently wrong with FSDP2
-reshard_after_forward=True (torch 2.13 probes, design.md section 5), so the runner refuses
+reshard_after_forward=True (torch 2.13 probes, docs/design.md section 5), so the runner refuses
 both; with FSDP2 reshard_after_forward=False (ZeRO-2) they match the reference.
 
 Loss: token-weighted (trainer/loss.py). The schedule's loss function returns

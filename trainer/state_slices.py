@@ -1,4 +1,4 @@
-"""The engine's training state as rectangular slices of named logical tensors (design.md invariant 2).
+"""The engine's training state as rectangular slices of named logical tensors (docs/design.md invariant 2).
 
 Whatever the layout (DDP replicas, ZeRO shards, TP column/row splits, PP stages), every
 tensor a rank holds for its training state is described as a slice of one *logical*,

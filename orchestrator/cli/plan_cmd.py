@@ -55,7 +55,7 @@ def _header(spec: JobSpec, result: Plan, unit: str) -> list[str]:
         f"model {m.preset or 'custom'} ({_count(count_params(m))} parameters), global batch "
         f"{spec.train.global_batch} x {spec.data.seq_len} tokens, {spec.train.optimizer}, "
         f"pipeline schedule {spec.parallel.schedule}",
-        "step time is the cost model's lower bound (design.md section 1), so MFU is an upper bound; "
+        "step time is the cost model's lower bound (docs/design.md section 1), so MFU is an upper bound; "
         f"memory in {unit} per rank",
     ]
 

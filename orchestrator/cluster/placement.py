@@ -64,3 +64,23 @@ def tp_groups_that_fit(node_resources: dict[str, float], group: dict[str, float]
     # The epsilon absorbs float sums such as 3 x 0.1 CPU; Ray itself counts in 1e-4 units.
     fits = [int(node_resources.get(key, 0.0) / amount + 1e-6) for key, amount in group.items() if amount > 0]
     return min(fits) if fits else 0
+
+
+def tp_locality(spec, world_size: int, node_of) -> str:
+    """Words on where the TP groups landed: one node each, and over how many nodes.
+
+    Each TP group is one placement-group bundle, so at placement it always shares a node;
+    a group refilled from spares on other nodes after a failure would not, and this says
+    so by naming it (TP then runs at the inter-node bandwidth). `node_of(rank)` is the
+    worker group's."""
+    tp = spec.parallel.tp
+    groups = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+    nodes = {node_of(g[0]) for g in groups}
+    unit = "TP group" if tp > 1 else "rank"
+    spread = f"{len(groups)} {unit}(s) over {len(nodes)} node(s) ({spec.resources.placement})"
+    split = [g for g in groups if len({node_of(r) for r in g}) > 1]
+    if tp == 1:
+        return f"; {spread}"
+    if not split:
+        return f"; each TP group on one node, {spread}"
+    return f"; WARNING: TP group(s) {split} span nodes, {spread}"

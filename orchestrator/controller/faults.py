@@ -31,6 +31,7 @@ from chaos.config import STORAGE_KINDS
 from chaos.corrupt import corrupt_shard
 from chaos.storage_faults import install
 from orchestrator.controller.kill import ControllerKill
+from orchestrator.wire.messages import FaultFired, decode
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +49,23 @@ class ControllerFaults:
                              clock=job_seconds, started=0.0) if ours else None
         self.corruptions = [f for f in faults if f["kind"] == "corrupt_shard"]
 
-    def _on_storage_fault(self, event: dict) -> None:
-        self._events.append(dict(event, handled=True))
+    def _on_storage_fault(self, notice: dict) -> None:
+        event = decode(notice)
+        event.handled = True
+        self._events.append(event)
 
-    def after_commit(self, step: int, fired: dict) -> None:
+    def after_commit(self, step: int, fired: dict[int, FaultFired]) -> None:
         """Checkpoint `step` was just committed: fire the corrupt_shard faults it reaches."""
         for fault in self.corruptions:
             if fault["id"] in fired or step < fault["at_step"]:
                 continue
-            event = {"type": "fault", "fault_id": fault["id"], "kind": "corrupt_shard", "step": step,
-                     "time": time.time(), "handled": True}
+            event = FaultFired(fault["id"], "corrupt_shard", time=time.time(), step=step, handled=True)
             try:
                 hit = corrupt_shard(self.catalog.storage, step, seed=self.seed)
-                event["detail"] = f"bit {hit.bit} of byte {hit.byte} of {hit.file} ({hit.tensor}) flipped"
+                event.detail = f"bit {hit.bit} of byte {hit.byte} of {hit.file} ({hit.tensor}) flipped"
             except (OSError, ValueError) as err:  # e.g. a storage fault of the same job hit the rewrite
-                event["detail"] = f"could not be applied: {type(err).__name__}: {err}"
-                log.warning("corrupt_shard on step %d %s", step, event["detail"])
+                event.detail = f"could not be applied: {type(err).__name__}: {err}"
+                log.warning("corrupt_shard on step %d %s", step, event.detail)
             fired[fault["id"]] = event  # at once: a second commit in the same drain must not re-fire it
             self._events.append(event)
 
@@ -77,7 +79,7 @@ class ControllerFaults:
         if self.kill.armed:
             self.kill.at_point(point, step)
 
-    def drain(self) -> list[dict]:
+    def drain(self) -> list[FaultFired]:
         out = []
         while self._events:
             out.append(self._events.popleft())
@@ -89,12 +91,12 @@ class ControllerFaults:
             self._undo = None
 
 
-def describe_fault(event: dict) -> str:
+def describe_fault(event: FaultFired) -> str:
     """One line for a fault notice: a rank's (kind, rank, step, point), a storage fault's call, a corruption."""
-    kind = event["kind"]
+    kind = event.kind
     if kind in STORAGE_KINDS:
-        who = f"rank {event['rank']}'s" if event.get("rank") is not None else "the controller's"
-        return f"{kind} ({event.get('mode')}) on {who} {event.get('op')} of {event.get('path')}"
+        who = f"rank {event.rank}'s" if event.rank is not None else "the controller's"
+        return f"{kind} ({event.mode}) on {who} {event.op} of {event.path}"
     if kind == "corrupt_shard":
-        return f"corrupt_shard on committed step {event['step']}: {event.get('detail', '')}"
-    return f"{kind} on rank {event['rank']} at step {event['step']} ({event['point']})"
+        return f"corrupt_shard on committed step {event.step}: {event.detail or ''}"
+    return f"{kind} on rank {event.rank} at step {event.step} ({event.point})"

@@ -25,6 +25,7 @@ from monitor.report import (
     progress_line,
 )
 from orchestrator.controller.step_history import record_step
+from orchestrator.wire.messages import StepDone
 
 
 @dataclass
@@ -67,8 +68,8 @@ class JobRecord:
     def job_seconds(self, at: float | None = None) -> float:
         return (at if at is not None else time.time()) - self.started
 
-    def on_step(self, event: dict) -> None:
-        rec = StepRecord(event["step"], event["loss"], event["tokens"], event["step_s"], event["time"])
+    def on_step(self, event: StepDone) -> None:
+        rec = StepRecord(event.step, event.loss, event.tokens, event.step_s, event.time)
         if rec.step in self.steps or rec.step in self.in_flight_at_failure:
             self.in_flight_at_failure.discard(rec.step)
             if rec.step in self.steps:
@@ -85,10 +86,10 @@ class JobRecord:
             failure.first_step_after_s = rec.time - since
             self._awaiting_first_step = None
         # fp32 and bf16 train unscaled (1.0); fp16 reports its dynamic loss scale.
-        if event.get("bubble"):  # measured idle fraction of rank 0's pipeline stage (pp > 1)
-            self.metrics.on_bubble(event["bubble"])
-        self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.get("grad_norm"),
-                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.get("loss_scale", 1.0))
+        if event.bubble:  # measured idle fraction of rank 0's pipeline stage (pp > 1)
+            self.metrics.on_bubble(event.bubble)
+        self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.grad_norm,
+                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.loss_scale)
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
             self._last_progress = time.monotonic()
             self.metrics.on_goodput(self.ledger)

@@ -57,6 +57,27 @@ def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: di
     return totals
 
 
+def carry_from_checkpoint(catalog, step: int, ledger, history: list, snapshots: LedgerSnapshots,
+                          started_at: float) -> float | None:
+    """A restarted controller's first restore: carry into `ledger` the goodput saved with checkpoint
+    `step` (resumed by `resume_totals` against the newest snapshot) and put the step history it
+    saved (which steps the restored model holds) in front of `history`.
+
+    Returns the carried job seconds (the resumed job's clock), or None when the checkpoint has no
+    ledger. An unparsable (torn) manifest raises ckpt.errors.CorruptCheckpoint."""
+    from ckpt.reader import read_manifest
+
+    manifest = read_manifest(catalog, step)
+    state = manifest.state
+    history[:0] = state.get("history", [])
+    saved = state.get("goodput")
+    if not saved:
+        return None
+    carried = resume_totals(saved, manifest.created_at, snapshots.load(), started_at)
+    ledger.carry(carried)
+    return sum(carried.values())
+
+
 class LedgerSnapshots:
     def __init__(self, storage, every_s: float = SAVE_EVERY_S, clock=time.monotonic):
         self.storage = storage

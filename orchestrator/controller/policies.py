@@ -1,4 +1,4 @@
-"""Policies decide; only the controller acts (design.md section 2).
+"""Policies decide; only the controller acts (docs/design.md section 2).
 
 Each policy is a small object with pure decision methods, injected into the controller so
 unit tests can drive one transition at a time and swap a policy for a fake.
@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from enum import Enum
 
 from ckpt.config import CheckpointConfig
-from ckpt.interval import IntervalInputs, MtbfEstimate
-from orchestrator.wire.plan import steps_for_interval
+from ckpt.interval import IntervalInputs, MtbfEstimate, steps_for_interval
 
 
 @dataclass(frozen=True)
 class FailureDecision:
-    action: str  # "restart" | "fail"
+    class Action(str, Enum):
+        RESTART = "restart"
+        FAIL = "fail"
+
+    action: Action
     reason: str
 
 
@@ -51,11 +55,13 @@ class FailurePolicy:
                 break
             same += 1
         if last.step is not None and same >= self.crash_loop_limit:
-            return FailureDecision("fail", f"crash loop: rank {last.rank} failed at step {last.step} "
-                                           f"{same} times in a row with {last.error}")
+            return FailureDecision(FailureDecision.Action.FAIL,
+                                   f"crash loop: rank {last.rank} failed at step {last.step} "
+                                   f"{same} times in a row with {last.error}")
         if restarts_so_far >= self.max_restarts:
-            return FailureDecision("fail", f"{restarts_so_far} restarts used, elastic.max_restarts={self.max_restarts}")
-        return FailureDecision("restart", f"restart {restarts_so_far + 1} of {self.max_restarts}")
+            return FailureDecision(FailureDecision.Action.FAIL,
+                                   f"{restarts_so_far} restarts used, elastic.max_restarts={self.max_restarts}")
+        return FailureDecision(FailureDecision.Action.RESTART, f"restart {restarts_so_far + 1} of {self.max_restarts}")
 
 
 class ScalingPolicy:

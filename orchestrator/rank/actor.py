@@ -27,6 +27,7 @@ from datetime import timedelta
 import ray
 
 from orchestrator.rank.comm_abort import CommSockets
+from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
 
 # How often a rank checks that its node's raylet is alive, and the exit code when it is not.
@@ -80,8 +81,7 @@ class RankActor:
         with contextlib.suppress(Exception):
             if self._rendezvous is not None:
                 host, port, gen = self._rendezvous
-                connect(host, port, gen, timeout_s=2.0).push_event(
-                    {"type": "node_lost", "node": self.node_id, "rank": self.rank, "time": time.time()})
+                connect(host, port, gen, timeout_s=2.0).send(NodeLost(self.node_id, self.rank, time.time()))
         os._exit(EXIT_NODE_LOST)
 
     def inject(self, fault: dict) -> None:
@@ -95,7 +95,7 @@ class RankActor:
         def notify(event: dict) -> None:
             if self._rendezvous is not None:
                 host, port, gen = self._rendezvous
-                connect(host, port, gen, timeout_s=5.0).push_event(event)
+                connect(host, port, gen, timeout_s=5.0).send(event)
 
         step = self.engine.next_step if self.engine is not None else -1
         FaultInjector([dict(fault, rank=self.rank)], self.rank, notify).fire_now(dict(fault, rank=self.rank), step)
@@ -146,7 +146,7 @@ class RankActor:
         self.baseline_bytes = current_bytes(device)
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
         if step is not None:
-            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.push_event)
+            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
             load_engine_state(self.spec, self.engine, step, fault_hook=hook)
         out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
         if self.rank == 0:

@@ -34,7 +34,14 @@ from chaos.config import STORAGE_KINDS
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on
 from ckpt.writers import CheckpointWriter, make_writer
-from orchestrator.wire.plan import CheckpointPlan
+from orchestrator.wire.messages import (
+    CheckpointPlan,
+    MemoryReport,
+    Message,
+    SaveFailed,
+    ShardWritten,
+    StepDone,
+)
 from orchestrator.wire.store import PLAN, GenerationStore, heartbeat_key
 
 
@@ -43,14 +50,18 @@ class NonFiniteGradient(RuntimeError):
 
 
 class _EventSink:
-    """push_event from the training thread on its client, from any other thread on the writer's."""
+    """push_event from the training thread on its client, from any other thread on the writer's.
+
+    Takes typed messages (orchestrator.wire.messages) and the chaos library's fault notices,
+    which are dicts of FaultFired's fields: those are decoded here, so a malformed one fails
+    on the rank that made it."""
 
     def __init__(self, store: GenerationStore, writer_store: GenerationStore):
         self.store, self.writer_store = store, writer_store
         self.owner = threading.get_ident()
 
-    def push(self, event: dict) -> None:
-        (self.store if threading.get_ident() == self.owner else self.writer_store).push_event(event)
+    def push(self, message: Message | dict) -> None:
+        (self.store if threading.get_ident() == self.owner else self.writer_store).send(message)
 
 
 def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> CheckpointPlan:
@@ -78,11 +89,10 @@ class RankLoop:
         self.events = _EventSink(store, writer_store)  # built here: this is the training thread
 
     def _on_receipt(self, receipt, extra: dict) -> None:
-        self.events.push({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+        self.events.push(ShardWritten(receipt, extra))
 
     def _on_save_error(self, step: int, err: BaseException) -> None:
-        self.events.push({"type": "save_error", "rank": self.rank, "step": step,
-                          "error": f"{type(err).__name__}: {err}"})
+        self.events.push(SaveFailed(self.rank, step, f"{type(err).__name__}: {err}"))
 
     def _storage_faults(self, faults: list[dict], plan: CheckpointPlan) -> functools.partial | None:
         """This rank's storage faults, as a setup to run on its writer's Storage (a fresh one per generation)."""
@@ -108,17 +118,16 @@ class RankLoop:
                                     f"({result.grad_norm}); the weights are poisoned, recover from the last "
                                     "committed checkpoint")
 
-    def _step_event(self, result) -> dict:
-        return {"type": "step", "step": result.step, "loss": result.loss, "tokens": result.tokens,
-                "grad_norm": result.grad_norm, "lr": result.lr, "step_s": result.step_s,
-                "compute_s": result.compute_s, "bubble": result.bubble,
-                "loss_scale": result.loss_scale, "time": time.time()}
+    def _step_event(self, result) -> StepDone:
+        return StepDone(step=result.step, loss=result.loss, tokens=result.tokens, step_s=result.step_s,
+                        time=time.time(), compute_s=result.compute_s, grad_norm=result.grad_norm, lr=result.lr,
+                        bubble=result.bubble, loss_scale=result.loss_scale)
 
     def _report_memory(self) -> None:
         """Rank 0, once per generation after its first step: measured memory by ledger."""
         from trainer.memory_probe import measure
 
-        self.store.push_event({"type": "memory", "ledgers": measure(self.engine, self.baseline_bytes)})
+        self.events.push(MemoryReport(measure(self.engine, self.baseline_bytes)))
 
     def run(self, until_step: int, faults: list[dict]) -> dict:
         plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
@@ -135,7 +144,7 @@ class RankLoop:
                 result = self.engine.train_step()
                 self._check_finite(result)
                 if self.rank == 0:
-                    self.store.push_event(self._step_event(result))
+                    self.events.push(self._step_event(result))
                     if first:
                         self._report_memory()
                 first = False

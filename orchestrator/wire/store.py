@@ -21,6 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from orchestrator.wire.messages import Message, decode, encode
+
 EVENTS = "events"
 ABORT = "abort"
 PLAN = "plan"
@@ -58,6 +60,14 @@ class GenerationStore:
 
     def push_event(self, event: dict) -> None:
         self.store.queue_push(EVENTS, json.dumps(event))
+
+    def send(self, message: Message | dict) -> None:
+        """Queue a message for the controller; a dict is a chaos fault notice (see wire.messages)."""
+        self.push_event(encode(decode(message) if isinstance(message, dict) else message))
+
+    def receive(self, limit: int = 10_000) -> list[Message]:
+        """Every queued message, oldest first, without blocking (the controller's intake)."""
+        return [decode(event) for event in self.drain_events(limit)]
 
     def drain_events(self, limit: int = 10_000) -> list[dict]:
         """Every queued event, oldest first, without blocking."""

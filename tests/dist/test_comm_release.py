@@ -1,7 +1,7 @@
 """Release from a broken collective (orchestrator/rank/comm_abort.py), on 4 gloo ranks.
 
-Each scenario (bench/release.py, which measures the same ones at 4 and 8 ranks) runs one collective
-in a loop on 4 ranks; rank 1 SIGKILLs itself while the others are inside it. The process-group
+Each scenario (bench/release/scenario.py; bench.release measures the same ones at 4 and 8 ranks) runs one
+collective in a loop on 4 ranks; rank 1 SIGKILLs itself while the others are inside it. The process-group
 timeout is 60 s, so a survivor out within RELEASE_S was released by the mechanism, not the timeout.
 Then the 3 survivors form a new group under a new store prefix and check an all_reduce sum in it.
 
@@ -11,7 +11,7 @@ reduce-scatter included (`dist.reduce_scatter_single`; `reduce_scatter_tensor` i
 
 import pytest
 
-from bench.release import COLLECTIVES, VICTIM, run_scenario
+from bench.release.scenario import COLLECTIVES, VICTIM, run_scenario
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,4 @@
-"""A real job scraped by a real Prometheus: every metric of issue 6 reaches Prometheus, and every
+"""A real job scraped by a real Prometheus: every metric the controller promises reaches Prometheus, and every
 PromQL query of the Grafana dashboard returns data through Prometheus's HTTP API.
 
 One job (4 ranks on an embedded local Ray, rank 1 killed at step 30 so failure and recovery
@@ -25,10 +25,11 @@ pytestmark = [pytest.mark.prom, pytest.mark.timeout(600)]
 JOB = "promtest"
 SEL = f'{{job="{JOB}"}}'
 UNDYING = os.path.join(os.path.dirname(sys.executable), "undying")
-# Issue 6, item 1, as series names in Prometheus (a histogram is its `_bucket`, `_sum`, `_count`).
+# The metrics the controller promises (tests/prom/test_deploy.py's REQUIRED_METRICS), as series names in
+# Prometheus (a histogram is its `_bucket`, `_sum`, `_count`).
 HISTOGRAMS = ("undying_step_seconds", "undying_checkpoint_blocking_seconds", "undying_checkpoint_total_seconds",
               "undying_detection_seconds", "undying_recovery_seconds")
-ISSUE_SERIES = (
+REQUIRED_SERIES = (
     "undying_step", "undying_tokens_per_second", "undying_mfu_ratio", "undying_loss", "undying_grad_norm",
     "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
@@ -121,11 +122,11 @@ def _finite(result: list[dict]) -> bool:
     return any(not math.isnan(float(series["value"][1])) for series in result)
 
 
-def test_every_metric_of_the_issue_is_scraped(scraped):
+def test_every_required_metric_is_scraped(scraped):
     prom, _ = scraped
     present = {s["metric"]["__name__"] for s in prom.query(f'count({{__name__=~"undying_.*", job="{JOB}"}}) '
                                                             "by (__name__)")}
-    missing = [name for name in ISSUE_SERIES if name not in present]
+    missing = [name for name in REQUIRED_SERIES if name not in present]
     assert not missing, f"not exported by the running job: {missing}"
 
 

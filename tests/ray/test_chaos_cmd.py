@@ -13,8 +13,8 @@ sharded optimizer state into a pipeline. UNDYING_SOAK_S sizes the job (train.ste
 UNDYING_SOAK_S / UNDYING_SOAK_STEP_S, the wall seconds per step of the faulty run, failures
 included: 0.09 by default, as measured on a 2-core machine, where 20000 steps took 2079 s with
 30 failures (34.6 minutes of faults); with heavy work beside it the same job took 0.19 s per step); UNDYING_SOAK_MTBF is
-chaos.mtbf_s per rank (default 240s: the 4-rank job sees a failure every 60 s on average, the
-issue's MTBF of 60 s for the job) and UNDYING_SOAK_SEED its seed.
+chaos.mtbf_s per rank (default 240s: the 4-rank job sees a failure every 60 s on average, a job
+MTBF of 60 s) and UNDYING_SOAK_SEED its seed.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def test_node_loss_is_detected_in_seconds_and_warm_spares_take_over(local_cluste
         text = log.read_text()
         assert [f["kind"] for f in result["failures"]] == ["kill_node"], text[-4000:]
         [failure] = result["failures"]
-        assert failure["detected_after_s"] < 3.0  # issue 5's target for node loss
+        assert failure["detected_after_s"] < 3.0  # node loss seen within 3 s, not after Ray's 12-15 s health checks
         assert "taken over by warm spares" in text
         assert [w["dp"] for w in result["world_history"]] == [4, 4]
         assert result["final_loss"] == reference["final_loss"]  # same layout: bit for bit

@@ -1,5 +1,5 @@
 """Torn writes: a checkpoint writer SIGKILLed anywhere in a save never leaves a checkpoint that
-is listed and loaded without verifying, and the previous one stays loadable (design.md
+is listed and loaded without verifying, and the previous one stays loadable (docs/design.md
 invariant 1); a flipped bit in a committed shard is caught by `verify` and `load`.
 
 The writer is a real subprocess (tests/_torn_writer.py: ranks' ShardWriters, the

@@ -128,7 +128,7 @@ def test_the_committer_fires_its_points_around_the_manifest_create(tmp_path):
     rendezvous = RendezvousServer("127.0.0.1")
     workers = FakeWorkerGroup(rendezvous, catalog.storage)
     ctl = _controller(spec, workers, rendezvous, [])
-    ctl.committer = committer  # the controller's own committer, observed
+    ctl.checkpoints.committer = committer  # the controller's own committer, observed
     assert ctl.run().status == "succeeded"
     assert calls == [(p, s, p == "after_manifest_commit") for s in (10, 20, 30)
                      for p in ("before_manifest_commit", "after_manifest_commit")]

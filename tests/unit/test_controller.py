@@ -18,10 +18,13 @@ from ckpt.shards import write_shard
 from ckpt.staging import staging_env
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
+from orchestrator.cluster.placement import tp_locality
 from orchestrator.cluster.worker_group import PlacementError, RankOutcome, RayWorkerGroup
-from orchestrator.controller.machine import Controller, State
+from orchestrator.controller.fault_clock import FaultClock
+from orchestrator.controller.machine import Controller
+from orchestrator.controller.states import TERMINAL, TRANSITIONS, State
 from orchestrator.spec.job_spec import validate_spec
-from orchestrator.wire.plan import CheckpointPlan
+from orchestrator.wire.messages import CheckpointPlan, FaultFired
 from orchestrator.wire.store import PLAN, RendezvousServer
 
 
@@ -216,8 +219,12 @@ def test_one_transition_at_a_time_to_success(tmp_path, rendezvous):
     assert ctl.step_once() == State.RENDEZVOUS and sorted(workers.actors) == [0, 1]
     assert ctl.step_once() == State.RESTORING and ctl.gen == 0
     assert ctl.step_once() == State.RUNNING and ctl.restored_step is None
-    assert ctl.step_once() == State.SUCCEEDED
-    assert ctl.committer.latest == 30
+    seen = [State.RUNNING]
+    while ctl.state not in TERMINAL:
+        seen.append(ctl.step_once())
+    # The fake's receipts of a save all arrive in one drain, so no CHECKPOINTING interval shows.
+    assert seen == [State.RUNNING, State.SUCCEEDED]
+    assert ctl.checkpoints.latest == 30
     assert ctl.catalog.committed_steps() == [20, 30]  # keep=2
     assert any("RUNNING -> SUCCEEDED" in line for line in lines)
 
@@ -371,36 +378,36 @@ def test_placement_says_whether_tp_groups_share_a_node(tmp_path, rendezvous):
     ctl = _controller(spec, workers, rendezvous, lines)
     ctl._placing()
     assert "each TP group on one node, 2 TP group(s) over 1 node(s) (pack)" in lines[-1]
-    workers.node_of = lambda rank: f"node{rank % 2}"  # ranks 0 and 1 (a TP group) on two nodes
-    assert "TP group(s) [[0, 1], [2, 3]] span nodes" in ctl._tp_locality()
-    workers.node_of = lambda rank: f"node{rank // 2}"  # spread: one group per node
-    assert ctl._tp_locality() == "; each TP group on one node, 2 TP group(s) over 2 node(s) (pack)"
+    # ranks 0 and 1 (a TP group) on two nodes
+    assert "TP group(s) [[0, 1], [2, 3]] span nodes" in tp_locality(spec, 4, lambda rank: f"node{rank % 2}")
+    # spread: one group per node
+    assert tp_locality(spec, 4, lambda rank: f"node{rank // 2}") == (
+        "; each TP group on one node, 2 TP group(s) over 2 node(s) (pack)")
 
 
-def test_faults_fired_before_a_failure_are_never_blamed_for_a_later_one():
+def test_faults_fired_before_a_failure_are_never_blamed_for_a_later_one(tmp_path):
     # Two kills due at once (both fired during a restore) make one failure; the recovery deals
     # with both. The second must not be blamed, minutes later, for an unrelated failure, or that
     # failure's detection would be counted from the old kill (and taken out of productive time).
-    ctl = object.__new__(Controller)
-    ctl.fired = {0: {"fault_id": 0, "kind": "kill_rank", "rank": 0, "time": 100.0},
-                 1: {"fault_id": 1, "kind": "kill_rank", "rank": 3, "time": 100.0}}
-    assert ctl._take_fired_fault()["fault_id"] == 0
-    ctl._sweep_fired_faults(before=100.5)
-    assert ctl._take_fired_fault() is None
-    ctl.fired[2] = {"fault_id": 2, "kind": "kill_rank", "rank": 1, "time": 300.0}
-    ctl._sweep_fired_faults(before=250.0)  # a failure noticed before this kill fired leaves it armed
-    assert ctl._take_fired_fault()["fault_id"] == 2
+    clock = FaultClock(_spec(tmp_path), workers=None, clock=lambda: 0.0, log=print)
+    clock.fired = {0: FaultFired(0, "kill_rank", rank=0, time=100.0), 1: FaultFired(1, "kill_rank", rank=3, time=100.0)}
+    assert clock.take_fired().fault_id == 0
+    clock.sweep_fired(before=100.5)
+    assert clock.take_fired() is None
+    clock.fired[2] = FaultFired(2, "kill_rank", rank=1, time=300.0)
+    clock.sweep_fired(before=250.0)  # a failure noticed before this kill fired leaves it armed
+    assert clock.take_fired().fault_id == 2
 
 
-def test_a_windowed_storage_fault_stays_armed_for_ranks_that_join_later():
+def test_a_windowed_storage_fault_stays_armed_for_ranks_that_join_later(tmp_path):
     # A replaced rank gets the faults still armed; a storage fault over a window of job seconds
     # must reach it too, or the experiment's storage turns fast after the first recovery.
-    ctl = object.__new__(Controller)
-    ctl.faults = [{"id": 0, "kind": "storage_latency", "rank": 1, "at_seconds": 0.0, "duration_s": 100.0},
-                  {"id": 1, "kind": "storage_error", "rank": 1, "at_step": 10, "duration_s": None},
-                  {"id": 2, "kind": "kill_rank", "rank": 2, "at_step": 5}]
-    ctl.fired = {0: {"fault_id": 0}, 1: {"fault_id": 1}, 2: {"fault_id": 2}}
-    assert [f["id"] for f in ctl._armed_faults()] == [0]
+    clock = FaultClock(_spec(tmp_path), workers=None, clock=lambda: 0.0, log=print)
+    clock.faults = [{"id": 0, "kind": "storage_latency", "rank": 1, "at_seconds": 0.0, "duration_s": 100.0},
+                    {"id": 1, "kind": "storage_error", "rank": 1, "at_step": 10, "duration_s": None},
+                    {"id": 2, "kind": "kill_rank", "rank": 2, "at_step": 5}]
+    clock.fired = {i: FaultFired(i, clock.faults[i]["kind"]) for i in range(3)}
+    assert [f["id"] for f in clock.armed()] == [0]
 
 
 def test_rank_processes_start_with_the_staging_environment(tmp_path, monkeypatch):
@@ -408,3 +415,25 @@ def test_rank_processes_start_with_the_staging_environment(tmp_path, monkeypatch
     workers = RayWorkerGroup(_spec(tmp_path), env_vars={"GLOO_SOCKET_IFNAME": "lo"})
     assert workers.env_vars == {"GLOO_SOCKET_IFNAME": "lo", **staging_env({})}
     assert "x86_non_temporal_threshold" in workers.env_vars["GLIBC_TUNABLES"]
+
+
+def test_the_docstring_diagram_is_the_transition_table():
+    from orchestrator.controller import states
+
+    assert states.diagram() in states.__doc__
+    assert set(TRANSITIONS) == set(State) and not TRANSITIONS[State.SUCCEEDED] and not TRANSITIONS[State.FAILED]
+    # Every non-terminal state can fail; growing back goes straight to a new rendezvous.
+    assert all(State.FAILED in TRANSITIONS[s] for s in State if s not in TERMINAL)
+    assert State.RENDEZVOUS in TRANSITIONS[State.RUNNING] and State.RECOVERING not in TRANSITIONS[State.PLACING]
+
+
+def test_an_illegal_transition_is_a_bug_that_fails_the_job(tmp_path, rendezvous):
+    from orchestrator.controller.states import IllegalTransition, Running
+
+    spec = _spec(tmp_path)
+    lines: list[str] = []
+    ctl = _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, lines)
+    with pytest.raises(IllegalTransition, match="PLACING -> RUNNING"):
+        ctl._go(Running(), "skipping the rendezvous")
+    ctl.HANDLERS[State.PLACING] = lambda: ctl._go(Running(), "skipping the rendezvous")
+    assert ctl.step_once() == State.FAILED and "IllegalTransition" in ctl.error

@@ -1,4 +1,4 @@
-"""The cost model against design.md's formulas (as oracles) and against what torch really holds.
+"""The cost model against docs/design.md's formulas (as oracles) and against what torch really holds.
 
 Oracles are written out here independently of trainer/costmodel: the ZeRO state formulas,
 the GPipe bubble, the ring all-reduce. Measured checks build the real model or Engine on
@@ -58,7 +58,7 @@ def job(model=TINY, seq_len=64, global_batch=16, micro_batch=2, precision="fp32"
         parallel=parallel or ParallelConfig(), resources=SimpleNamespace(gpus_per_rank=gpus))
 
 
-# --- design.md formulas as oracles -------------------------------------------------------
+# --- docs/design.md formulas as oracles --------------------------------------------------
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4, 8])

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from monitor.goodput import BADPUT_CAUSES, BUCKETS, PRODUCTIVE, GoodputLedger
+from orchestrator.wire.messages import StepDone
 
 
 class FakeClock:
@@ -169,7 +170,7 @@ def test_stop_freezes_wall_and_totals():
 
 
 def _step(record, step: int, step_s: float, end: float) -> float:
-    record.on_step({"step": step, "loss": 1.0, "tokens": 10, "step_s": step_s, "time": end})
+    record.on_step(StepDone(step=step, loss=1.0, tokens=10, step_s=step_s, time=end))
     return end
 
 
@@ -202,3 +203,18 @@ def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
     assert [r.step for r in report.rolled_back] == [10, 11, 12]
     assert report.redone_steps == 4 and report.redone_s == pytest.approx(4 * 1.2)
     assert _lost_from_report(report) == pytest.approx(lost, abs=1e-6)
+
+
+def test_carry_adds_a_predecessors_totals_to_buckets_and_wall_alike():
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    clock.advance(2)
+    ledger.enter("productive")
+    clock.advance(3)
+    ledger.carry({"productive": 10.0, "lost_work": 4.0})
+    clock.advance(1)
+    totals = ledger.totals()
+    assert totals["startup"] == 2 and totals["productive"] == 14 and totals["lost_work"] == 4
+    assert ledger.wall() == 20 == sum(totals.values()) and ledger.current == "productive"
+    with pytest.raises(ValueError, match="need >= 0"):
+        ledger.carry({"productive": -1.0})

@@ -12,6 +12,7 @@ from ckpt.manifest import step_dir
 from orchestrator.rank.loop import NonFiniteGradient, RankLoop, _EventSink
 from orchestrator.rank.state import build_engine
 from orchestrator.spec.job_spec import validate_spec
+from orchestrator.wire.messages import SaveFailed
 from orchestrator.wire.store import PLAN, RendezvousServer, connect
 
 
@@ -72,15 +73,16 @@ class _ListStore:
     def __init__(self):
         self.events = []
 
-    def push_event(self, event):
-        self.events.append(event)
+    def send(self, message):
+        self.events.append(message)
 
 
 def test_events_from_another_thread_use_the_writer_client():
     store, writer = _ListStore(), _ListStore()
     sink = _EventSink(store, writer)
-    sink.push({"n": 1})
-    thread = threading.Thread(target=sink.push, args=({"n": 2},))
+    first, second = SaveFailed(0, 1, "e1"), SaveFailed(0, 2, "e2")
+    sink.push(first)
+    thread = threading.Thread(target=sink.push, args=(second,))
     thread.start()
     thread.join()
-    assert store.events == [{"n": 1}] and writer.events == [{"n": 2}]
+    assert store.events == [first] and writer.events == [second]

@@ -110,4 +110,4 @@ def test_eviction_disarms_the_slow_rank_fault_so_the_replacement_runs_at_full_sp
     assert report.status == "succeeded", report.error
     assert workers.evicted == [1] and [s.rank for s in report.stragglers] == [1]
     assert [(f.kind, f.rank) for f in report.failures] == [("straggler_evicted", 1)]
-    assert ctl._armed_faults() == []
+    assert ctl.fault_clock.armed() == []

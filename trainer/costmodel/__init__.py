@@ -7,7 +7,7 @@
     planner.py   every layout for N devices, rejected with reasons or ranked by step time
     metrics.py   predictions for a spec's own layout, for the controller's metrics
 
-The formulas are design.md section 1's; the tests use them as oracles.
+The formulas are docs/design.md section 1's; the tests use them as oracles.
 """
 
 from trainer.costmodel.hardware import GPUS, Hardware, cpu_hardware, hardware, measure_cpu_matmul_flops

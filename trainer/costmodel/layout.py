@@ -5,7 +5,7 @@ so a `Layout` is built from plain numbers, never by validating a new JobSpec.
 `Workload.from_spec` / `Layout.from_spec` read any object with the spec's `model`, `data`,
 `train` (and `parallel`) sections: a JobSpec or a view of one.
 
-Rank mapping (issue 3, item 1): TP varies fastest, then PP, then DP, so
+Rank mapping (the engine's, trainer.topology): TP varies fastest, then PP, then DP, so
 
     rank = (dp_index * pp + pp_index) * tp + tp_index
 

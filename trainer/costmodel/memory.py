@@ -1,4 +1,4 @@
-"""Peak memory per rank as four ledgers (design.md section 1):
+"""Peak memory per rank as four ledgers (docs/design.md section 1):
 
     M_peak = M_state + M_activation + M_collective + M_transient
 
@@ -17,8 +17,8 @@ every block's gathered weights stay from its forward to its backward, which M_co
 counts. A pipeline rank's W, G, O are those of its own chunks (layout.stage_params: the
 FLOP-balanced split, interleaved and V-shaped placements, the tied embedding's copy). FSDP2
 pads each shard to ceil(rows / D) rows, which /D leaves out (under 2 % for the layouts
-tested). Measured against the bytes every rank of every layout of issue 3's matrix holds in
-tests/dist/test_state_ledger.py.
+tested). Measured against the bytes every rank of every layout of the engine's parity matrix
+holds in tests/dist/test_state_ledger.py.
 Weights stay fp32 in every precision: bf16/fp16 run under autocast, as the engine does, or
 FSDP2's MixedPrecisionPolicy, and both keep the fp32 parameters as the master copy and make
 low-precision copies per use (counted below). So per parameter W = 4, G = 4 (fp32 grads),
@@ -52,7 +52,7 @@ RESIDUAL_BYTES = 4  # the residual stream is fp32: fp32 embeddings plus autocast
 LOW_PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # An allowance, not a measurement: reserved-but-unallocated blocks of the caching allocator,
 # as a fraction of the memory that is allocated and freed every step. To be calibrated
-# against max_memory_reserved on a GPU (issue 3's acceptance compares within 15 %).
+# against max_memory_reserved on a GPU (the prediction should be within 15 % of it; bench/gpu_check.py).
 FRAGMENTATION = 0.10
 GEMM_WORKSPACE_BYTES = 32 << 20  # cuBLAS with CUBLAS_WORKSPACE_CONFIG=:4096:8 (engine, deterministic)
 CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context and kernels, outside the caching allocator

@@ -21,7 +21,7 @@ def device_kind(spec: Any) -> str:
 
 def predicted_ledgers(spec: Any) -> dict[str, int]:
     """Bytes per ledger (state, activation, collective, transient) of the spec's most loaded
-    rank, for its own layout and device kind (design.md section 1)."""
+    rank, for its own layout and device kind (docs/design.md section 1)."""
     memory = ledgers(Workload.from_spec(spec), Layout.from_spec(spec), device_kind(spec))
     return {"state": memory.state, "activation": memory.activation, "collective": memory.collective,
             "transient": memory.transient}

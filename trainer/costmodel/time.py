@@ -1,4 +1,4 @@
-"""Step time from first principles (design.md section 1):
+"""Step time from first principles (docs/design.md section 1):
 
     T_step >= max(F/F_peak, Q_hbm/B_hbm, Q_net/B_net) + T_bubble + T_unhidden_io
 

@@ -5,7 +5,7 @@ Protocol (orchestrator.cli.chaos.command drives it; nothing here starts Ray or a
      section (random failures: chaos.mtbf_s and its companions), applied after the user's.
   2. `reference_spec(spec)` is the same job with chaos off, under another name, so its
      checkpoints land under another prefix (`<checkpoint.url>/<name>.reference`). Its final
-     model is what the faulty run must reproduce (design.md section 7).
+     model is what the faulty run must reproduce (docs/design.md section 7).
   3. The caller runs both jobs, then `invariants(...)` gathers every check's inputs from the
      faulty run's report and checkpoints and runs orchestrator.cli.chaos.invariants.check_all: checkpoints
      verify and the newest loads; the final `model/...` tensors equal the reference's (bit

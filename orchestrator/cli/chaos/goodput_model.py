@@ -1,4 +1,4 @@
-"""First-order goodput model of periodic checkpointing under random failures (design.md section 1).
+"""First-order goodput model of periodic checkpointing under random failures (docs/design.md section 1).
 
 With a checkpoint every `tau` seconds of training, an unhidden save cost `C` per checkpoint,
 system failures as a Poisson process with mean time between failures `M`, and a restart

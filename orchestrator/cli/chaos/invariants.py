@@ -1,4 +1,4 @@
-"""The checks every chaos run ends with (design.md sections 3, 4 and 7), each a `Check(name, ok, detail)`.
+"""The checks every chaos run ends with (docs/design.md sections 3, 4 and 7), each a `Check(name, ok, detail)`.
 
 Protocol: when a chaos run has finished (SUCCEEDED or FAILED, ledger stopped, actors
 released), the caller gathers what the run left and calls

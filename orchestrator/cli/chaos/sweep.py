@@ -63,7 +63,7 @@ def parse_intervals(text: str) -> list[Interval]:
 
 
 def system_mtbf_s(spec) -> float:
-    """The job's MTBF under its random failures: chaos.mtbf_s per rank, over the ranks (design.md section 1)."""
+    """The job's MTBF under its random failures: chaos.mtbf_s per rank, over the ranks (docs/design.md section 1)."""
     chaos = spec.chaos
     if chaos.mtbf_s is None or chaos.mtbf_kind not in RANK_KINDS:
         raise SpecError([Problem("chaos.mtbf_kind", "a sweep needs random rank failures (the model needs the "

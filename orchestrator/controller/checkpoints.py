@@ -1,0 +1,137 @@
+"""The controller's side of checkpointing: the plan it publishes, the commits, the restore point.
+
+Protocol (controller thread only; one per controller run):
+  * `restore_point()` in RESTORING: the newest committed step not found corrupt by this run;
+    `on_corrupt(step)` when a rank's restore of it failed its checks (quarantine, below).
+  * `begin(store, gen, anchor)` once the ranks restored: nothing is pending, and the first plan
+    of the generation is published (`CheckpointPlan` under the store's `plan` key).
+  * `on_receipt(message, ...)` for each shard receipt the event intake receives: a completed
+    save is committed (ckpt.commit.Committer), its blocking time booked as `checkpoint_save`,
+    the interval policy fed, the job record updated, and the cadence re-planned (a new plan
+    published) when the measured costs moved it. Returns the committed step, or None.
+  * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
+
+A save that cannot commit never stops the job: it is logged, counted, and the next one commits.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from ckpt.commit import Committer
+from ckpt.reader import CorruptCheckpoint, verify_checkpoint
+from orchestrator.controller.policies import CheckpointIntervalPolicy
+from orchestrator.spec.job_spec import spec_hash
+from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten
+from orchestrator.wire.store import PLAN
+
+# A new checkpoint cadence starts this many steps after the fastest rank's current step.
+REPLAN_LEAD_STEPS = 3
+
+
+class Checkpoints:
+    def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None]):
+        self.spec = spec
+        self.catalog = catalog
+        self.ledger = ledger
+        self.record = record
+        self.metrics = metrics
+        self.chaos = chaos  # ControllerFaults: corrupt_shard after a commit, kill_controller around it
+        self.log = log
+        self.interval_policy = CheckpointIntervalPolicy(spec.checkpoint)
+        self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
+                                   on_dropped=self._on_dropped, fault_point=chaos.at_point)
+        self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
+        self.bad_steps: set[int] = set()  # committed steps this run found corrupt
+        self.plan_version = 0
+        self.plan_every = 0
+        self.store = None
+        self.gen = -1
+
+    @property
+    def latest(self) -> int | None:
+        return self.committer.latest
+
+    def restore_point(self) -> int | None:
+        candidates = [s for s in self.catalog.committed_steps() if s not in self.bad_steps]
+        return candidates[-1] if candidates else None
+
+    def on_corrupt(self, step: int) -> str:
+        """A rank found checkpoint `step` corrupt: never restore it again in this run; words for the log."""
+        self.bad_steps.add(step)
+        return self._quarantine(step)
+
+    def _quarantine(self, step: int) -> str:
+        """Withdraw a checkpoint that fails the controller's own full verification, so that the
+        step can be saved and committed again; one that verifies (a transient read error on a
+        rank) stays committed and is only skipped by this run."""
+        try:
+            try:
+                verify_checkpoint(self.catalog, step)
+            except CorruptCheckpoint:
+                aside = self.catalog.quarantine(step)
+                return f"; its manifest moved aside to {aside}"
+        except (OSError, ValueError) as err:  # the storage failed us here too: skip the step, keep going
+            return f"; it could not be checked or moved aside ({type(err).__name__}: {err}), skipped by this run"
+        return "; it verifies here, so it stays committed (skipped by this run)"
+
+    def begin(self, store, gen: int, anchor: int | None) -> None:
+        """A generation restored from `anchor` (None: fresh): nothing pending, first plan published."""
+        self.store, self.gen = store, gen
+        self.committer.reset(anchor)
+        self.publish(anchor or 0)
+
+    def publish(self, anchor: int) -> None:
+        every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
+        self.plan_version += 1
+        self.plan_every = every
+        plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
+                              final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
+                              job_started_at=time.time() - self.ledger.wall())
+        self.store.set_json(PLAN, plan.to_json())
+
+    def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
+                   fired: dict) -> int | None:
+        commit = self.committer.on_receipt(
+            message.receipt, message.extra, world_size, self.gen, layout,
+            # The history travels with the checkpoint, so a rerun of a dead controller knows which
+            # steps the model it restores holds (the data-exactly-once check).
+            lambda: {"goodput": self.ledger.to_dict(), "restarts": restarts, "history": list(self.record.history)},
+        )
+        if commit is None:
+            return None
+        self.bad_steps.discard(commit.step)  # a quarantined step saved and committed again is good
+        self.chaos.after_commit(commit.step, fired)
+        # The ranks' blocking time was booked as productive; it was the save's cost.
+        self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
+        self.interval_policy.on_save_cost(commit.blocking_s)
+        self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
+                                  commit.total_s, self.interval_policy.interval_s())
+        self.metrics.on_interval_inputs(self.interval_policy.inputs.snapshot())
+        self._replan()
+        return commit.step
+
+    def _replan(self) -> None:
+        """After a commit: publish a new cadence when the measured costs moved it by over 20%.
+
+        The first plan (at restore) knows no save cost yet and probes; this is where a
+        time-based interval (young, young-daly, every_seconds) takes effect. The new anchor is
+        ahead of the fastest rank, so ranks picking the plan up at slightly different steps
+        still agree on every save step after it."""
+        every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
+        if abs(every - self.plan_every) <= 0.2 * self.plan_every:
+            return
+        current_step = max(self.record.steps) + 1 if self.record.steps else 0
+        anchor = max(self.committer.latest or 0, current_step + REPLAN_LEAD_STEPS)
+        self.publish(anchor)
+        self.log(f"checkpoint cadence: every {self.plan_every} steps from step {anchor} "
+                 f"(interval {self.interval_policy.interval_s() or 0:.1f} s)")
+
+    def on_save_failed(self, message: SaveFailed) -> None:
+        self.committer.abandon(message.step, f"rank {message.rank} failed to write its shard ({message.error})")
+
+    def _on_dropped(self, step: int, reason: str) -> None:
+        self.log(f"checkpoint step {step} will not be committed: {reason}; training goes on and the next save commits")
+        self.metrics.on_checkpoint_skipped()

@@ -1,0 +1,76 @@
+"""The controller's intake of rank events: one handler per message type.
+
+Protocol (controller thread only): `drain(store)` takes every message queued in the
+generation's store (orchestrator.wire.store.GenerationStore.receive) and every notice of the
+controller's own chaos (ControllerFaults.drain), oldest first, and hands each to the handler
+`HANDLERS` names for its type. It returns the steps committed while draining, newest last
+(the training loop may grow the job at a commit). Called from every state that waits on
+ranks: the training loop each poll, RESTORING after a failed restore (to learn a fault
+that fired there), RECOVERING before and after the release (late receipts may still
+complete a checkpoint).
+
+Lost nodes: every rank of a lost node reports it; the first report per node is kept in
+`lost_nodes` until the recovery takes it (`take_lost_nodes`); late reports of a node already
+handled (possibly drained after the recovery) are not a new failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orchestrator.controller.faults import describe_fault
+from orchestrator.wire.messages import FaultFired, MemoryReport, NodeLost, SaveFailed, ShardWritten, StepDone
+
+
+class EventIntake:
+    def __init__(self, record, faults, chaos, checkpoints, metrics, log: Callable[[str], None],
+                 on_receipt: Callable[[ShardWritten], int | None]):
+        self.record = record  # JobRecord: step records
+        self.faults = faults  # FaultClock: fired faults
+        self.chaos = chaos  # ControllerFaults: its notices, and kill_controller per finished step
+        self.checkpoints = checkpoints  # Checkpoints: a rank's failed shard write
+        self.metrics = metrics
+        self.log = log
+        self.on_receipt = on_receipt  # the controller's commit path (it knows the layout)
+        self.lost_nodes: dict[str, NodeLost] = {}  # node id -> first report
+        self.nodes_handled: set[str] = set()
+        self.HANDLERS = {StepDone: self._step, ShardWritten: self._receipt, FaultFired: self._fault,
+                         NodeLost: self._node_lost, MemoryReport: self._memory, SaveFailed: self._save_failed}
+        self._committed: list[int] = []
+
+    def drain(self, store) -> list[int]:
+        self._committed = []
+        for message in [*store.receive(), *self.chaos.drain()]:
+            self.HANDLERS[type(message)](message)
+        return self._committed
+
+    def take_lost_nodes(self) -> list[str]:
+        """The lost nodes not yet handled; from now on their late reports are ignored."""
+        nodes = list(self.lost_nodes)
+        self.nodes_handled.update(nodes)
+        self.lost_nodes.clear()
+        return nodes
+
+    def _step(self, message: StepDone) -> None:
+        self.record.on_step(message)
+        self.chaos.on_step(message.step)
+
+    def _receipt(self, message: ShardWritten) -> None:
+        step = self.on_receipt(message)
+        if step is not None:
+            self._committed.append(step)
+
+    def _fault(self, message: FaultFired) -> None:
+        self.faults.on_fired(message)
+        self.log(f"chaos: {describe_fault(message)}")
+
+    def _node_lost(self, message: NodeLost) -> None:
+        if message.node not in self.nodes_handled:
+            self.lost_nodes.setdefault(message.node, message)
+
+    def _memory(self, message: MemoryReport) -> None:
+        if message.ledgers is not None:
+            self.metrics.on_memory("measured", message.ledgers)
+
+    def _save_failed(self, message: SaveFailed) -> None:
+        self.checkpoints.on_save_failed(message)

@@ -1,0 +1,161 @@
+"""Every message between the ranks and the controller, typed, with its JSON form.
+
+Ranks push events to the controller through the generation's store queue
+(orchestrator.wire.store: `push_event` / `drain_events`); the controller publishes one
+checkpoint plan under the `plan` key, which ranks poll. Who sends what:
+
+    message          type         sender                         when
+    StepDone         "step"       rank 0                         after every step (global loss)
+    ShardWritten     "receipt"    every rank (writer thread)     its shard of a save is durable
+    SaveFailed       "save_error" every rank (writer thread)     its shard could not be written
+    FaultFired       "fault"      a rank or the controller       an injected fault fires, before it acts
+    NodeLost         "node_lost"  every rank (node watchdog)     its raylet is gone
+    MemoryReport     "memory"     rank 0                         after a generation's first step
+    CheckpointPlan   (a key)      the controller                 at restore, and when the cadence moves
+
+`encode(message)` gives the JSON-ready dict (with its "type"), `decode(dict)` the message;
+`MESSAGES` is the dispatch table between the two. The bytes on the wire are that JSON.
+Fault notices are built by the chaos library (chaos.injector, chaos.storage_rules), which
+sits below this module, as dicts of FaultFired's fields; the rank decodes them before
+sending, so a malformed notice fails where it is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from ckpt.manifest import ShardReceipt
+
+
+@dataclass(frozen=True)
+class StepDone:
+    type: ClassVar[str] = "step"
+    step: int
+    loss: float
+    tokens: int
+    step_s: float
+    time: float
+    compute_s: float = 0.0
+    grad_norm: float | None = None
+    lr: float | None = None
+    bubble: float | None = None  # measured idle fraction of rank 0's pipeline stage (pp > 1)
+    loss_scale: float = 1.0  # fp16's dynamic loss scale; 1.0 when training unscaled
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    type: ClassVar[str] = "receipt"
+    receipt: ShardReceipt
+    extra: dict = field(default_factory=dict)  # rank 0: {"engine": the engine's state metadata}
+
+    def to_json(self) -> dict:
+        return {"receipt": self.receipt.model_dump(), "extra": self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ShardWritten:
+        return cls(ShardReceipt.model_validate(data["receipt"]), dict(data.get("extra") or {}))
+
+
+@dataclass(frozen=True)
+class SaveFailed:
+    type: ClassVar[str] = "save_error"
+    rank: int
+    step: int
+    error: str
+
+
+@dataclass
+class FaultFired:
+    """An injected fault fired. Rank faults name (rank, step, point); storage faults (op, path, mode);
+    corrupt_shard the committed `step` and a `detail`. `handled` is the controller's own mark:
+    the fault was blamed for a failure, or can make none (storage, corruption)."""
+
+    type: ClassVar[str] = "fault"
+    fault_id: int
+    kind: str
+    time: float | None = None
+    rank: int | None = None
+    step: int | None = None
+    point: str | None = None
+    op: str | None = None
+    path: str | None = None
+    mode: str | None = None
+    detail: str | None = None
+    handled: bool = False
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    type: ClassVar[str] = "node_lost"
+    node: str
+    rank: int
+    time: float
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    type: ClassVar[str] = "memory"
+    ledgers: dict | None  # measured bytes per memory ledger (trainer.memory_probe); None where unmeasurable
+
+
+Message = StepDone | ShardWritten | SaveFailed | FaultFired | NodeLost | MemoryReport
+MESSAGES: dict[str, type] = {m.type: m for m in (StepDone, ShardWritten, SaveFailed, FaultFired, NodeLost,
+                                                 MemoryReport)}
+
+
+def encode(message: Message) -> dict[str, Any]:
+    body = message.to_json() if hasattr(message, "to_json") else asdict(message)
+    return {"type": message.type, **body}
+
+
+def decode(data: dict[str, Any]) -> Message:
+    """The message a JSON event holds; ValueError naming the type or field when it is not one."""
+    kind = data.get("type")
+    cls = MESSAGES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown event type {kind!r}; known: {sorted(MESSAGES)}")
+    body = {k: v for k, v in data.items() if k != "type"}
+    if hasattr(cls, "from_json"):
+        return cls.from_json(body)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ValueError(f"{kind} event: unknown field(s) {unknown}")
+    try:
+        return cls(**body)
+    except TypeError as err:
+        raise ValueError(f"{kind} event: {err}") from None
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Which completed steps a rank checkpoints at, published by the controller under `plan`.
+
+    A save happens after completed step `s` when `s > anchor` and `(s - anchor) % every == 0`,
+    and always at the final step. Ranks may pick up a new plan at slightly different steps.
+    That is safe by construction: the controller commits a checkpoint only when every rank's
+    receipt for that step is in, so a step that only some ranks saved is never committed; its
+    shards are garbage. The controller sets `anchor` ahead of the fastest rank so this is rare.
+    """
+
+    every: int
+    anchor: int = 0
+    version: int = 0
+    final_step: int | None = None
+    tag: str = ""  # save attempt (controller run + generation), in shard file names
+    # Epoch seconds at job second 0 (the goodput ledger's clock, carried across resumes), so
+    # that a rank's storage faults read `at_seconds` and `duration_s` as job seconds.
+    job_started_at: float | None = None
+
+    def should_save(self, completed: int) -> bool:
+        if self.final_step is not None and completed == self.final_step:
+            return True
+        return completed > self.anchor and (completed - self.anchor) % self.every == 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> CheckpointPlan:
+        return cls(**data)
