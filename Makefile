@@ -48,7 +48,7 @@ lint: setup
 
 # For a machine with an NVIDIA GPU: NCCL, bf16, real step times and MFU.
 gpu-check: setup
-	$(PY) bench/gpu_check.py
+	$(PY) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -14,6 +14,7 @@ into timed events by chaos.schedule. Durations accept "30s", "2m", "1h" (chaos.d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -129,6 +130,32 @@ class FaultSpec(_Strict):
         if self.kind == "storage_latency" and self.delay_s is None:
             raise ValueError("storage_latency needs delay_s: <seconds added to each storage call>")
         return self
+
+
+class ArmedFault(FaultSpec):
+    """A fault as the controller arms it and the injectors fire it: its FaultSpec and an `id`.
+
+    Explicit faults are numbered by their index in `chaos.faults`; random ones after them
+    (chaos.schedule). The id names the fault in every notice (a FaultFired message) and in
+    the controller's record of what fired."""
+
+    id: int = Field(ge=0)
+
+    @classmethod
+    def of(cls, spec: FaultSpec, fault_id: int) -> ArmedFault:
+        return cls(**spec.model_dump(), id=fault_id)
+
+
+def as_armed(fault: FaultSpec | Mapping, index: int) -> ArmedFault:
+    """`fault` as an ArmedFault: one already is; a FaultSpec gets id `index`; a mapping (written by
+    hand, as tests and tools do) is validated as a FaultSpec and keeps its own "id" if it has one."""
+    if isinstance(fault, ArmedFault):
+        return fault
+    if isinstance(fault, FaultSpec):
+        return ArmedFault.of(fault, index)
+    data = dict(fault)
+    fault_id = data.pop("id", index)
+    return ArmedFault.of(FaultSpec.model_validate(data), fault_id)
 
 
 _RANDOM_FIELDS = ("mtbf_kind", "mtbf_start_s", "mtbf_max_faults")

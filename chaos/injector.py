@@ -26,7 +26,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+
+from chaos.config import ArmedFault, as_armed
 
 DEFAULT_POINT = "after_backward"
 RANK_FAULTS = ("kill_rank", "kill_node", "hang_rank", "slow_rank", "raise", "nan_grad")
@@ -40,20 +42,23 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    def __init__(self, faults: list[dict], rank: int, notify: Callable[[dict], None], target=None):
+    def __init__(self, faults: Iterable[ArmedFault | Mapping], rank: int, notify: Callable[[dict], None],
+                 target=None):
         self.rank = rank
         self.notify = notify
-        self.faults = [f for f in faults if f.get("rank") == rank and f["kind"] in RANK_FAULTS]
+        armed = [as_armed(f, i) for i, f in enumerate(faults)]
+        self.faults = [f for f in armed if f.rank == rank and f.kind in RANK_FAULTS]
         self.target = target  # torch.nn.Module whose gradients nan_grad poisons
         # Step timing is needed by slow_rank only; without one the hook does no clock reads.
-        self._timing = any(f["kind"] == "slow_rank" for f in self.faults)
+        self._timing = any(f.kind == "slow_rank" for f in self.faults)
         self._fired: set[int] = set()  # indices of non-repeating faults that have fired
         self._step_started = time.perf_counter()
         self._last_compute = 0.0  # forward+backward seconds of the previous step
         self._slept = 0.0  # seconds slept by slow_rank in the current step
 
     @classmethod
-    def hook_for(cls, faults: list[dict], rank: int, notify: Callable[[dict], None], target=None):
+    def hook_for(cls, faults: Iterable[ArmedFault | Mapping], rank: int, notify: Callable[[dict], None],
+                 target=None):
         injector = cls(faults, rank, notify, target)
         return injector.hook if injector.faults else None
 
@@ -69,28 +74,29 @@ class FaultInjector:
                 # The rank's own compute, without the sleep injected into it (else slowness compounds).
                 self._last_compute = time.perf_counter() - self._step_started - self._slept
         for index, fault in enumerate(self.faults):
-            at_step = fault.get("at_step")
-            if fault["kind"] == "slow_rank":
+            at_step = fault.at_step
+            if fault.kind == "slow_rank":
                 # A straggler stays slow from then on. It sleeps before the backward, inside the
                 # compute the engine measures, as slower hardware would.
-                if point == (fault.get("at_point") or "after_forward") and (at_step is None or step >= at_step):
-                    extra = (float(fault["factor"]) - 1.0) * self._last_compute
+                if point == (fault.at_point or "after_forward") and (at_step is None or step >= at_step):
+                    extra = (float(fault.factor) - 1.0) * self._last_compute
                     time.sleep(extra)
                     self._slept += extra
-            elif (fault.get("at_point") or DEFAULT_POINT) == point and at_step in (None, step):
+            elif (fault.at_point or DEFAULT_POINT) == point and at_step in (None, step):
                 if index in self._fired:
                     continue
-                if not fault.get("repeat"):
+                if not fault.repeat:
                     self._fired.add(index)
                 self._fire(fault, point, step)
 
-    def fire_now(self, fault: dict, step: int) -> None:
+    def fire_now(self, fault: ArmedFault | Mapping, step: int) -> None:
         """Fire `fault` at once, whatever its trigger (the controller's time-triggered faults)."""
-        self._fire(fault, "timed", step)
+        self._fire(as_armed(fault, 0), "timed", step)
 
-    def _fire(self, fault: dict, point: str, step: int) -> None:
-        kind = fault["kind"]
-        self.notify({"type": "fault", "fault_id": fault["id"], "kind": kind, "rank": self.rank,
+    def _fire(self, fault: ArmedFault, point: str, step: int) -> None:
+        kind = fault.kind
+        # The notice is a dict of FaultFired's fields (orchestrator.wire.messages sits above this library).
+        self.notify({"type": "fault", "fault_id": fault.id, "kind": kind, "rank": self.rank,
                      "step": step, "point": point, "time": time.time()})
         if kind == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -102,7 +108,7 @@ class FaultInjector:
         elif kind == "hang_rank":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
-            raise InjectedFault(fault.get("message") or f"injected exception on rank {self.rank} at step {step}")
+            raise InjectedFault(fault.message or f"injected exception on rank {self.rank} at step {step}")
         elif kind == "nan_grad":
             self._poison_gradient(point, step)
 

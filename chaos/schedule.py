@@ -13,7 +13,7 @@ knows the job's nodes and ranks, and again after a re-placement if they changed 
 arguments always give the same events: nothing here reads a clock or a global random
 state). It fires time-triggered events when the job clock passes `at_seconds`
 (`due_by_time`), and arms step/point-triggered ones in the rank injector through
-`event.fault`, the same dict shape it builds for explicit faults (FaultSpec fields + "id").
+`event.fault`, an ArmedFault (FaultSpec fields and the event id) as the injectors take it.
 
 Each target draws from its own generator, seeded from (seed, target), so adding a node
 does not move the failures of the others, and a run replays exactly from its seed.
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from chaos.config import RANK_KINDS, ChaosConfig, FaultSpec
+from chaos.config import RANK_KINDS, ArmedFault, ChaosConfig, FaultSpec
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class FaultEvent:
     at_point: str | None = None
     rank: int | None = None
     node: str | None = None
-    fault: dict = field(default_factory=dict, compare=False)  # FaultSpec fields + "id", for the injector
+    fault: ArmedFault | None = field(default=None, compare=False)  # the fault itself, for the injector
 
 
 def poisson_times(mtbf_s: float, horizon_s: float, *, seed: int, target: str, start_s: float = 0.0) -> list[float]:
@@ -112,7 +112,7 @@ def due_by_time(events: Iterable[FaultEvent], now_s: float, fired: Iterable[int]
 def _event(event_id: int, source: Literal["explicit", "random"], spec: FaultSpec) -> FaultEvent:
     return FaultEvent(
         id=event_id, kind=spec.kind, source=source, at_seconds=spec.at_seconds, at_step=spec.at_step,
-        at_point=spec.at_point, rank=spec.rank, node=spec.node, fault=dict(spec.model_dump(), id=event_id),
+        at_point=spec.at_point, rank=spec.rank, node=spec.node, fault=ArmedFault.of(spec, event_id),
     )
 
 

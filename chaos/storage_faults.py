@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from fsspec.spec import AbstractFileSystem
 
-from chaos.config import FaultSpec
+from chaos.config import ArmedFault, FaultSpec
 from chaos.storage_rules import InjectedStorageError, StorageFaultPlan, Verdict
 
 __all__ = ["FaultyFileSystem", "InjectedStorageError", "Installed", "StorageFaultPlan", "install"]
@@ -254,10 +254,11 @@ def install(
     return Installed(storage, plan, wrapper, original_fs, shadowed)
 
 
-def install_on(storage, notify: Callable[[dict], None], *, faults: list[dict], seed: int, started: float) -> None:
+def install_on(storage, notify: Callable[[dict], None], *, faults: list[ArmedFault], seed: int,
+               started: float) -> None:
     """`install` with the rank loop's job clock: the storage setup a rank's checkpoint writer runs.
 
-    Module-level with plain-data arguments, so `functools.partial(install_on, faults=..., seed=...,
+    Module-level with picklable arguments, so `functools.partial(install_on, faults=..., seed=...,
     started=...)` pickles into a writer process (`ckpt.process_writer`). `started`: the wall time
     of job second 0, which the faults' `at_seconds` count from.
     """

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from chaos.config import STORAGE_KINDS, FaultSpec
+from chaos.config import STORAGE_KINDS, ArmedFault, FaultSpec, as_armed
 
 OPS = ("write", "read", "list", "delete")
 DEFAULT_KEEP_FRACTION = 0.5
@@ -65,7 +65,7 @@ class Verdict:
 @dataclass
 class _Rule:
     index: int
-    fault: dict
+    fault: ArmedFault
     ops: frozenset[str]
     glob: str | None
     step_part: re.Pattern | None
@@ -75,14 +75,14 @@ class _Rule:
     fired: int = 0
 
     @classmethod
-    def build(cls, index: int, fault: dict, seed: int) -> _Rule:
-        kind, op, step = fault["kind"], fault.get("op"), fault.get("at_step")
+    def build(cls, index: int, fault: ArmedFault, seed: int) -> _Rule:
+        kind, op, step = fault.kind, fault.op, fault.at_step
         ops = frozenset({"write"} if kind == "torn_write" else ({op} if op else OPS))
-        start = float(fault.get("at_seconds") or 0.0)
-        duration = fault.get("duration_s")
+        start = float(fault.at_seconds or 0.0)
+        duration = fault.duration_s
         end = start + float(duration) if duration is not None else float("inf")
         step_part = re.compile(rf"(^|/)step-{int(step):09d}(/|$)") if step is not None else None
-        return cls(index, fault, ops, fault.get("path"), step_part, (start, end),
+        return cls(index, fault, ops, fault.path, step_part, (start, end),
                    random.Random(f"undying.storage-faults:{seed}:{index}"))
 
     def matches(self, op: str, path: str, elapsed: float) -> bool:
@@ -93,14 +93,14 @@ class _Rule:
     def triggers(self) -> bool:
         """Count this matching call; whether the fault fires on it."""
         self.matched += 1
-        nth, p, repeat = self.fault.get("nth"), self.fault.get("probability"), bool(self.fault.get("repeat"))
+        nth, p, repeat = self.fault.nth, self.fault.probability, bool(self.fault.repeat)
         if nth is not None:
             return self.matched % nth == 0 if repeat else self.matched == nth
         if p is not None:
             # Drawn on every matching call, so the sequence does not depend on earlier outcomes.
             hit = self.rng.random() < p
             return hit and (repeat or self.fired == 0)
-        return repeat or self.fault["kind"] == "storage_latency" or self.matched == 1
+        return repeat or self.fault.kind == "storage_latency" or self.matched == 1
 
 
 class StorageFaultPlan:
@@ -118,8 +118,8 @@ class StorageFaultPlan:
         notify: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
         started: float | None = None, sleep: Callable[[float], None] = time.sleep,
     ):
-        dicts = [_as_dict(f, i) for i, f in enumerate(faults)]
-        self.rules = [_Rule.build(i, f, seed) for i, f in enumerate(dicts) if f["kind"] in STORAGE_KINDS]
+        armed = [as_armed(f, i) for i, f in enumerate(faults)]
+        self.rules = [_Rule.build(i, f, seed) for i, f in enumerate(armed) if f.kind in STORAGE_KINDS]
         self.notify = notify
         self.sleep = sleep
         self.fired: list[dict] = []  # every event also passed to notify, for reports and tests
@@ -140,18 +140,18 @@ class StorageFaultPlan:
             for rule in self.rules:
                 if not rule.matches(op, path, elapsed) or not rule.triggers():
                     continue
-                kind = rule.fault["kind"]
+                kind = rule.fault.kind
                 if kind == "storage_latency":
-                    delay += float(rule.fault["delay_s"])
+                    delay += float(rule.fault.delay_s)
                     if rule.fired == 0:
                         events.append(self._event(rule, op, path, "latency"))
                 elif fail is None and keep is None:
                     if kind == "torn_write":
-                        keep = rule.fault.get("keep_fraction")
+                        keep = rule.fault.keep_fraction
                         keep = DEFAULT_KEEP_FRACTION if keep is None else float(keep)
                     else:
-                        fail = rule.fault.get("when") or "before"
-                    reason = f"{kind} (fault {rule.fault.get('id', rule.index)})"
+                        fail = rule.fault.when or "before"
+                    reason = f"{kind} (fault {rule.fault.id})"
                     events.append(self._event(rule, op, path, "torn" if keep is not None else fail))
                 else:
                     continue  # an earlier fault already decides this call's outcome
@@ -163,12 +163,7 @@ class StorageFaultPlan:
         return Verdict(delay, fail, keep, reason)
 
     def _event(self, rule: _Rule, op: str, path: str, mode: str) -> dict:
-        return {"type": "fault", "fault_id": rule.fault.get("id", rule.index), "kind": rule.fault["kind"],
+        return {"type": "fault", "fault_id": rule.fault.id, "kind": rule.fault.kind,
                 "op": op, "path": path, "mode": mode, "time": time.time()}
 
 
-def _as_dict(fault: FaultSpec | Mapping, index: int) -> dict:
-    # Validated through FaultSpec either way, so a hand-written dict gets the spec's checks.
-    data = fault.model_dump() if isinstance(fault, FaultSpec) else dict(fault)
-    fault_id = data.pop("id", index)
-    return dict(FaultSpec.model_validate(data).model_dump(), id=fault_id)

@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, NodeDiedError, OutOfMemoryError, Ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from chaos.config import ArmedFault
 from ckpt.staging import staging_env
 from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.placement import plan_placement
@@ -126,7 +127,7 @@ class RayWorkerGroup:
         actor = self.actors.get(rank)
         return None if actor is None else self.node_of_actor.get(actor._actor_id.hex())
 
-    def inject(self, rank: int, fault: dict) -> None:
+    def inject(self, rank: int, fault: ArmedFault) -> None:
         """Fire a chaos fault on `rank` now (no waiting: a killed rank never answers)."""
         if rank in self.actors:
             self.actors[rank].inject.remote(fault)
@@ -268,10 +269,11 @@ class RayWorkerGroup:
         world = len(self.actors)
         return self._call_all("join", lambda r: (gen, r, world, host, port, timeout_s), timeout_s + 30)
 
-    def restore_all(self, step: int | None, dp: int, timeout_s: float, faults: list[dict] | None = None) -> list[dict]:
+    def restore_all(self, step: int | None, dp: int, timeout_s: float,
+                    faults: list[ArmedFault] | None = None) -> list[dict]:
         return self._call_all("restore", lambda r: (step, dp, faults), timeout_s)
 
-    def start_training(self, until_step: int, faults: list[dict]) -> None:
+    def start_training(self, until_step: int, faults: list[ArmedFault]) -> None:
         self._train_refs = {self.actors[r].train.remote(until_step, faults): r for r in sorted(self.actors)}
 
     def wait_any(self, timeout_s: float) -> list[RankOutcome]:

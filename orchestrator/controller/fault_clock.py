@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from chaos.config import STORAGE_KINDS
+from chaos.config import STORAGE_KINDS, ArmedFault
 from chaos.schedule import expand
 from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.wire.messages import FaultFired
@@ -34,7 +34,7 @@ class FaultClock:
         self.workers = workers
         self.clock = clock
         self.log = log
-        self.faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)
+        self.faults = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)
                        if f.at_seconds is None or f.kind in STORAGE_KINDS]
         self.timed: list = []  # chaos.schedule.FaultEvent, by time
         self.timed_next = 0  # index of the next one to fire
@@ -60,7 +60,7 @@ class FaultClock:
 
     def node_kills_on(self, node: str) -> list[int]:
         """Ranks on `node` that a kill_node fault targets (the controller refuses to kill its own node)."""
-        targets = sorted({f["rank"] for f in self.faults if f["kind"] == "kill_node"})
+        targets = sorted({f.rank for f in self.faults if f.kind == "kill_node" and f.rank is not None})
         targets += sorted({e.rank for e in self.timed if e.kind == "kill_node" and e.rank is not None})
         return [r for r in targets if self.workers.node_of(r) == node]
 
@@ -87,12 +87,12 @@ class FaultClock:
                 # so, or the experiment would believe a failure was injected.
                 self.log(f"chaos: {event.kind} of rank {rank} skipped: the job runs {world_size} rank(s) now")
                 continue
-            self.workers.inject(rank, dict(event.fault, rank=rank))
+            self.workers.inject(rank, event.fault.model_copy(update={"rank": rank}))
 
-    def armed(self) -> list[dict]:
+    def armed(self) -> list[ArmedFault]:
         """The faults ranks arm: not fired yet, or repeating; a storage fault's window reaches late joiners."""
-        return [f for f in self.faults if f["id"] not in self.fired or f.get("repeat")
-                or (f["kind"] in STORAGE_KINDS and f.get("duration_s"))]
+        return [f for f in self.faults if f.id not in self.fired or f.repeat
+                or (f.kind in STORAGE_KINDS and f.duration_s)]
 
     def on_fired(self, notice: FaultFired) -> None:
         if notice.kind in STORAGE_KINDS:
@@ -117,6 +117,5 @@ class FaultClock:
         """Evicted stragglers' slow_rank faults stay with the evicted processes: chaos slowness stands
         for slow hardware, so the replacement runs at full speed instead of being evicted in turn."""
         for fault in self.faults:
-            if fault["kind"] == "slow_rank" and fault.get("rank") in ranks:
-                self.fired.setdefault(fault["id"], FaultFired(fault["id"], "slow_rank", rank=fault["rank"],
-                                                              handled=True))
+            if fault.kind == "slow_rank" and fault.rank in ranks:
+                self.fired.setdefault(fault.id, FaultFired(fault.id, "slow_rank", rank=fault.rank, handled=True))

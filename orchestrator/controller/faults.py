@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from chaos.config import STORAGE_KINDS
+from chaos.config import STORAGE_KINDS, ArmedFault
 from chaos.corrupt import corrupt_shard
 from chaos.storage_faults import install
 from orchestrator.controller.kill import ControllerKill
@@ -37,17 +37,17 @@ log = logging.getLogger(__name__)
 
 
 class ControllerFaults:
-    def __init__(self, faults: list[dict], catalog, seed: int, job_seconds: Callable[[], float], *,
+    def __init__(self, faults: list[ArmedFault], catalog, seed: int, job_seconds: Callable[[], float], *,
                  printer=print, kill: ControllerKill | None = None):
         self.catalog = catalog
         # Built before the storage faults go on the catalog: reading the fired markers is not a fault's target.
         self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
         self.seed = seed
         self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
-        ours = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") is None]
+        ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None]
         self._undo = install(catalog.storage, ours, seed=seed, notify=self._on_storage_fault,
                              clock=job_seconds, started=0.0) if ours else None
-        self.corruptions = [f for f in faults if f["kind"] == "corrupt_shard"]
+        self.corruptions = [f for f in faults if f.kind == "corrupt_shard"]
 
     def _on_storage_fault(self, notice: dict) -> None:
         event = decode(notice)
@@ -57,16 +57,16 @@ class ControllerFaults:
     def after_commit(self, step: int, fired: dict[int, FaultFired]) -> None:
         """Checkpoint `step` was just committed: fire the corrupt_shard faults it reaches."""
         for fault in self.corruptions:
-            if fault["id"] in fired or step < fault["at_step"]:
+            if fault.id in fired or step < fault.at_step:
                 continue
-            event = FaultFired(fault["id"], "corrupt_shard", time=time.time(), step=step, handled=True)
+            event = FaultFired(fault.id, "corrupt_shard", time=time.time(), step=step, handled=True)
             try:
                 hit = corrupt_shard(self.catalog.storage, step, seed=self.seed)
                 event.detail = f"bit {hit.bit} of byte {hit.byte} of {hit.file} ({hit.tensor}) flipped"
             except (OSError, ValueError) as err:  # e.g. a storage fault of the same job hit the rewrite
                 event.detail = f"could not be applied: {type(err).__name__}: {err}"
                 log.warning("corrupt_shard on step %d %s", step, event.detail)
-            fired[fault["id"]] = event  # at once: a second commit in the same drain must not re-fire it
+            fired[fault.id] = event  # at once: a second commit in the same drain must not re-fire it
             self._events.append(event)
 
     def on_step(self, step: int) -> None:

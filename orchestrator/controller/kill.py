@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from chaos.config import CONTROLLER_POINTS
+from chaos.config import CONTROLLER_POINTS, ArmedFault, as_armed
 from ckpt.storage import AlreadyCommitted
 
 log = logging.getLogger(__name__)
@@ -43,43 +43,43 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def marker_name(fault: dict) -> str:
-    """File name of the marker that says `fault` (a spec fault with its `id`) fired."""
-    fields = {k: v for k, v in sorted(fault.items()) if k != "id"}
+def marker_name(fault: ArmedFault) -> str:
+    """File name of the marker that says `fault` fired: its id and a digest of its spec fields."""
+    fields = fault.model_dump(exclude={"id"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"fired-{fault['id']}-{digest}.json"
+    return f"fired-{fault.id}-{digest}.json"
 
 
-def has_fired(storage, fault: dict) -> bool:
+def has_fired(storage, fault: ArmedFault) -> bool:
     """Whether a controller of this job (this checkpoint root) already fired `fault`."""
     return storage.exists(storage.path(MARKER_DIR, marker_name(fault)))
 
 
 class ControllerKill:
-    def __init__(self, faults: list[dict], storage, printer=print, job_seconds: Callable[[], float] = lambda: 0.0,
+    def __init__(self, faults: list[ArmedFault], storage, printer=print, job_seconds: Callable[[], float] = lambda: 0.0,
                  kill: Callable[[], None] | None = None):
         self.storage = storage
         self.printer = printer
         self.job_seconds = job_seconds
         self.kill = kill if kill is not None else _sigkill  # tests pass one that raises instead
-        mine = [f for f in faults if f["kind"] == "kill_controller"]
+        mine = [f for f in (as_armed(f, i) for i, f in enumerate(faults)) if f.kind == "kill_controller"]
         self.armed = [f for f in mine if not has_fired(storage, f)]
         self.spent = [f for f in mine if f not in self.armed]  # fired by an earlier controller of this job
 
     def on_step(self, step: int) -> None:
         for fault in self.armed:
-            if fault.get("at_point") is None and step >= fault["at_step"]:
+            if fault.at_point is None and step >= fault.at_step:
                 self._fire(fault, "step", step)
 
     def at_point(self, point: str, step: int) -> None:
         for fault in self.armed:
-            if fault.get("at_point") == point and step >= (fault.get("at_step") or 0):
+            if fault.at_point == point and step >= (fault.at_step or 0):
                 self._fire(fault, point, step)
 
-    def _fire(self, fault: dict, point: str, step: int) -> None:
+    def _fire(self, fault: ArmedFault, point: str, step: int) -> None:
         self.armed.remove(fault)
         where = f"at {point} of step {step}" if point in CONTROLLER_POINTS else f"after step {step}"
-        record = {"fault_id": fault["id"], "kind": "kill_controller", "point": point, "step": step,
+        record = {"fault_id": fault.id, "kind": "kill_controller", "point": point, "step": step,
                   "time": time.time(), "job_s": self.job_seconds(), "pid": os.getpid()}
         try:
             self.storage.create_exclusive(self.storage.path(MARKER_DIR, marker_name(fault)),

@@ -26,6 +26,7 @@ from datetime import timedelta
 
 import ray
 
+from chaos.config import ArmedFault
 from orchestrator.rank.comm_abort import CommSockets
 from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
@@ -84,7 +85,7 @@ class RankActor:
                 connect(host, port, gen, timeout_s=2.0).send(NodeLost(self.node_id, self.rank, time.time()))
         os._exit(EXIT_NODE_LOST)
 
-    def inject(self, fault: dict) -> None:
+    def inject(self, fault: ArmedFault) -> None:
         """Fire a time-triggered chaos fault now (the controller calls it when its time comes).
 
         Runs in one of the actor's spare concurrency slots, next to `train`. The fault event
@@ -131,7 +132,7 @@ class RankActor:
             )
         return time.perf_counter() - started
 
-    def restore(self, step: int | None, dp: int, faults: list[dict] | None = None) -> dict:
+    def restore(self, step: int | None, dp: int, faults: list[ArmedFault] | None = None) -> dict:
         """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`.
 
         `faults`: the chaos faults still armed; those of this rank at "during_restore" fire while
@@ -153,7 +154,7 @@ class RankActor:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)
         return out
 
-    def train(self, until_step: int, faults: list[dict]) -> dict:
+    def train(self, until_step: int, faults: list[ArmedFault]) -> dict:
         from orchestrator.rank.loop import RankLoop
 
         loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,

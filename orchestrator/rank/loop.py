@@ -30,7 +30,7 @@ import math
 import threading
 import time
 
-from chaos.config import STORAGE_KINDS
+from chaos.config import STORAGE_KINDS, ArmedFault
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on
 from ckpt.writers import CheckpointWriter, make_writer
@@ -94,9 +94,9 @@ class RankLoop:
     def _on_save_error(self, step: int, err: BaseException) -> None:
         self.events.push(SaveFailed(self.rank, step, f"{type(err).__name__}: {err}"))
 
-    def _storage_faults(self, faults: list[dict], plan: CheckpointPlan) -> functools.partial | None:
+    def _storage_faults(self, faults: list[ArmedFault], plan: CheckpointPlan) -> functools.partial | None:
         """This rank's storage faults, as a setup to run on its writer's Storage (a fresh one per generation)."""
-        mine = [f for f in faults if f["kind"] in STORAGE_KINDS and f.get("rank") == self.rank]
+        mine = [f for f in faults if f.kind in STORAGE_KINDS and f.rank == self.rank]
         if not mine:
             return None
         # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.
@@ -106,7 +106,7 @@ class RankLoop:
     def _notify_storage_fault(self, event: dict) -> None:
         self.events.push(dict(event, rank=self.rank))
 
-    def _writer(self, hook, faults: list[dict], plan: CheckpointPlan) -> CheckpointWriter:
+    def _writer(self, hook, faults: list[ArmedFault], plan: CheckpointPlan) -> CheckpointWriter:
         """The writer the spec asks for (ckpt.writers.make_writer), this rank's storage faults installed."""
         return make_writer(self.spec.checkpoint, self.spec.checkpoint_root, self.rank, self._on_receipt,
                            self._on_save_error, fault_hook=hook, tag=plan.tag,
@@ -129,7 +129,7 @@ class RankLoop:
 
         self.events.push(MemoryReport(measure(self.engine, self.baseline_bytes)))
 
-    def run(self, until_step: int, faults: list[dict]) -> dict:
+    def run(self, until_step: int, faults: list[ArmedFault]) -> dict:
         plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook

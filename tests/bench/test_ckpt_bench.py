@@ -1,4 +1,4 @@
-"""bench/ckpt.py: the plan and the reductions (fast), and one small end-to-end run (heavy).
+"""bench.ckpt: the plan and the reductions (fast), and one small end-to-end run (heavy).
 
 The end-to-end run starts 4 gloo ranks and a SeaweedFS server, saves and loads a 16 MiB
 state once per system on file:// and s3:// (every load bit-checked by the ranks), runs the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench._ckpt_ops import plan
-from bench._ckpt_report import reduce_op, summarise, targets
+from bench.ckpt.ops import plan
+from bench.ckpt.report import reduce_op, summarise, targets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_targets_judge_the_medians():
 def test_ckpt_bench_small_run_measures_everything(tmp_path):
     out = tmp_path / "ckpt.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "ckpt.py"), "--size-mib", "16", "--width", "128", "--repeats", "1",
+        [sys.executable, "-m", "bench.ckpt", "--size-mib", "16", "--width", "128", "--repeats", "1",
          "--tvp-repeats", "1", "--layouts", "dp4", "dp2", "tp4", "--out", str(out), "--docs", ""],
         cwd=ROOT, capture_output=True, text=True, timeout=850,
     )

@@ -1,4 +1,4 @@
-"""bench/engine.py: layout parsing and the table (fast), and one small end-to-end run on gloo ranks (heavy).
+"""bench.engine: layout parsing and the table (fast), and one small end-to-end run on gloo ranks (heavy).
 
 The end-to-end run launches a world-1 and a world-2 group of processes; on a shared 2-core machine that
 takes about a minute, so it is left out of the default suite: `pytest -m heavy tests/bench/test_engine_bench.py`.
@@ -10,7 +10,17 @@ import json
 
 import pytest
 
-from bench.engine import COLUMNS, REFERENCE, default_layouts, label, main, parse_layout, parse_model, table, world_of
+from bench.engine.main import (
+    COLUMNS,
+    REFERENCE,
+    default_layouts,
+    label,
+    main,
+    parse_layout,
+    parse_model,
+    table,
+    world_of,
+)
 
 
 def test_layouts_parse_and_default_to_four_processes():

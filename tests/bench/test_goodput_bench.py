@@ -1,15 +1,10 @@
-"""bench/goodput.py's accounting of a Ray Train run, from events written by hand (no Ray)."""
+"""bench.goodput's accounting of a Ray Train run, from events written by hand (no Ray)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from goodput import kill_schedule, raytrain_numbers  # noqa: E402
+from bench.goodput.main import kill_schedule, raytrain_numbers
 
 
 def test_surviving_steps_lost_time_and_redone_steps():

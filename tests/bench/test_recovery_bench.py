@@ -1,4 +1,4 @@
-"""Smoke test of bench/recovery.py: one repeat of every system, numbers present and positive.
+"""Smoke test of bench.recovery: one repeat of every system, numbers present and positive.
 
 Heavy (a few minutes on 2 cores: Ray start, four training runs with a kill, one without),
 so it is left out of the default suite; run it with `pytest -m heavy tests/bench`. Needs the
@@ -24,7 +24,7 @@ def test_recovery_bench_measures_every_system(tmp_path):
         pytest.importorskip(module, reason="Ray Train needs the bench extra: pip install -e '.[bench]'")
     out = tmp_path / "recovery.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "recovery.py"), "--repeats", "1", "--out", str(out),
+        [sys.executable, "-m", "bench.recovery", "--repeats", "1", "--out", str(out),
          "--work", str(tmp_path / "work"), "--docs", ""],
         cwd=ROOT, capture_output=True, text=True, timeout=1700,
     )

@@ -13,6 +13,7 @@ import pytest
 
 import monitor.report
 import orchestrator.cli.chaos.child as chaos_child
+from chaos.config import ArmedFault
 from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.controller.kill import MARKER_DIR, marker_name
 from tests.unit.test_controller import _spec
@@ -33,7 +34,7 @@ class FakeChildren:
         end = self.ends[attempt]
         if end == "killed":  # what ControllerKill does before its SIGKILL
             storage = catalog_of(self.spec).storage
-            fault = dict(self.spec.chaos.faults[0].model_dump(), id=0)
+            fault = ArmedFault.of(self.spec.chaos.faults[0], 0)
             storage.create_exclusive(storage.path(MARKER_DIR, marker_name(fault)), b"{}")
         if end in ("killed", "sigkill"):
             return subprocess.CompletedProcess(cmd, -signal.SIGKILL)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 import orchestrator.controller.kill as controller_kill
+from chaos.config import ArmedFault, as_armed
 from ckpt.catalog import Catalog
 from ckpt.commit import Committer
 from ckpt.storage import Storage
@@ -55,7 +56,7 @@ def test_killed_at_a_commit_point_then_the_rerun_resumes_and_never_dies_again(tm
     assert report is None, "the controller should have died"
     assert f"chaos: kill_controller at {point} of step 20: the controller kills itself (SIGKILL)" in lines[-1]
     assert catalog.committed_steps() == committed_when_killed
-    fault = dict(spec.chaos.faults[0].model_dump(), id=0)
+    fault = ArmedFault.of(spec.chaos.faults[0], 0)
     marker = json.loads(catalog.storage.read(catalog.storage.path("chaos", marker_name(fault))))
     assert (marker["point"], marker["step"], marker["fault_id"]) == (point, 20, 0)
 
@@ -87,7 +88,7 @@ def test_killed_at_a_step_rolls_back_to_the_last_commit(tmp_path):
 def test_fire_once_is_per_fault_as_written(tmp_path):
     """The marker is keyed by the fault's index and fields: an edited fault is a new one and arms again."""
     storage = Storage(f"file://{tmp_path}/ckpt/job")
-    fault = {"id": 0, "kind": "kill_controller", "at_step": 5, "at_point": None}
+    fault = as_armed({"id": 0, "kind": "kill_controller", "at_step": 5, "at_point": None}, 0)
     kills: list[int] = []
     first = ControllerKill([fault], storage, printer=lambda line: None, kill=lambda: kills.append(1))
     first.on_step(4)
@@ -97,7 +98,7 @@ def test_fire_once_is_per_fault_as_written(tmp_path):
     assert kills == [1] and has_fired(storage, fault) and first.armed == []
     again = ControllerKill([fault], storage, printer=lambda line: None, kill=lambda: kills.append(2))
     assert again.armed == [] and again.spent == [fault]
-    edited = dict(fault, at_step=6)
+    edited = fault.model_copy(update={"at_step": 6})
     assert ControllerKill([edited], storage, kill=lambda: None).armed == [edited]
 
 

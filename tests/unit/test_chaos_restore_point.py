@@ -53,10 +53,10 @@ class RestoreKiller(FakeWorkerGroup):
 
     def restore_all(self, step, dp, timeout_s, faults=None):
         self.restores.append(step)
-        armed = [f for f in faults or [] if f.get("at_point") == "during_restore" and f.get("at_step") in (None, step)]
+        armed = [f for f in faults or [] if f.at_point == "during_restore" and f.at_step in (None, step)]
         if step is not None and armed:
             self.rendezvous.generation(self.gen).push_event({
-                "type": "fault", "fault_id": armed[0]["id"], "kind": armed[0]["kind"], "rank": 1, "step": step,
+                "type": "fault", "fault_id": armed[0].id, "kind": armed[0].kind, "rank": 1, "step": step,
                 "point": "during_restore", "time": time.time()})
             self.actors.pop(1)
             raise RuntimeError("The actor died unexpectedly before finishing this task")

@@ -74,12 +74,12 @@ def test_explicit_and_random_events_with_ids_and_order():
     assert sorted(e.id for e in events) == list(range(6))
     explicit = {e.id: e for e in events if e.source == "explicit"}
     assert (explicit[0].at_step, explicit[0].rank) == (25, 1) and explicit[1].node == "n2"
-    assert explicit[2].fault["path"] == "*/shard-*" and explicit[2].fault["id"] == 2
+    assert explicit[2].fault.path == "*/shard-*" and explicit[2].fault.id == 2
     randoms = [e for e in events if e.source == "random"]
     assert [e.id for e in randoms] == [4, 5] and all(e.kind == "kill_node" for e in randoms)
     timed = [e.at_seconds for e in events if e.at_seconds is not None]
     assert timed == sorted(timed) and events[-1].id == 2  # point-only last, after the step event
     assert events[-2].id == 0
-    assert FaultSpec.model_validate({k: v for k, v in randoms[0].fault.items() if k != "id"}).kind == "kill_node"
+    assert FaultSpec.model_validate(randoms[0].fault.model_dump(exclude={"id"})).kind == "kill_node"
     due = due_by_time(events, now_s=30.0, fired=[3])
     assert all(e.at_seconds <= 30.0 and e.id != 3 for e in due) and 1 in [e.id for e in due]

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from chaos.config import as_armed
 from ckpt.catalog import Catalog
 from ckpt.reader import verify_checkpoint
 from ckpt.shards import write_shard
@@ -54,9 +55,9 @@ class FakeWorkerGroup:
     def controller_node(self) -> str:
         return "head"
 
-    def inject(self, rank: int, fault: dict) -> None:
+    def inject(self, rank: int, fault) -> None:
         """A time-triggered fault: the rank reports it, then dies at the next step it reaches."""
-        self.gen_store.push_event({"type": "fault", "fault_id": fault["id"], "kind": fault["kind"], "rank": rank,
+        self.gen_store.push_event({"type": "fault", "fault_id": fault.id, "kind": fault.kind, "rank": rank,
                                    "step": self.next_step, "point": "timed", "time": time.time()})
         self.die_at[self.next_step] = rank
 
@@ -403,11 +404,12 @@ def test_a_windowed_storage_fault_stays_armed_for_ranks_that_join_later(tmp_path
     # A replaced rank gets the faults still armed; a storage fault over a window of job seconds
     # must reach it too, or the experiment's storage turns fast after the first recovery.
     clock = FaultClock(_spec(tmp_path), workers=None, clock=lambda: 0.0, log=print)
-    clock.faults = [{"id": 0, "kind": "storage_latency", "rank": 1, "at_seconds": 0.0, "duration_s": 100.0},
-                    {"id": 1, "kind": "storage_error", "rank": 1, "at_step": 10, "duration_s": None},
-                    {"id": 2, "kind": "kill_rank", "rank": 2, "at_step": 5}]
-    clock.fired = {i: FaultFired(i, clock.faults[i]["kind"]) for i in range(3)}
-    assert [f["id"] for f in clock.armed()] == [0]
+    clock.faults = [as_armed(f, i) for i, f in enumerate([
+        {"kind": "storage_latency", "rank": 1, "at_seconds": 0.0, "duration_s": 100.0, "delay_s": 0.1},
+        {"kind": "storage_error", "rank": 1, "at_step": 10, "duration_s": None},
+        {"kind": "kill_rank", "rank": 2, "at_step": 5}])]
+    clock.fired = {i: FaultFired(i, clock.faults[i].kind) for i in range(3)}
+    assert [f.id for f in clock.armed()] == [0]
 
 
 def test_rank_processes_start_with_the_staging_environment(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from chaos.config import ArmedFault
 from ckpt.manifest import step_dir
 from orchestrator.rank.loop import NonFiniteGradient, RankLoop, _EventSink
 from orchestrator.rank.state import build_engine
@@ -32,7 +33,7 @@ def _run(tmp_path, faults):
     controller = server.generation(0)
     controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
                                "job_started_at": time.time()})
-    armed = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults)]
+    armed = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)]
     loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect("127.0.0.1", server.port, 0), 0, 1, threading.Event(),
                     writer_store=connect("127.0.0.1", server.port, 0))
     try:

@@ -67,7 +67,7 @@ class _FaultDrivenWorkers(FakeWorkerGroup):
     real rank's fault injector; an evicted rank's replacement is slow again if they stay armed."""
 
     def start_training(self, until_step, faults):
-        self.slow = {f["rank"] for f in faults if f["kind"] == "slow_rank"}
+        self.slow = {f.rank for f in faults if f.kind == "slow_rank"}
         super().start_training(until_step, faults)
 
 

@@ -39,12 +39,13 @@ def kills_controller(spec) -> bool:
 
 def _fired_now(spec) -> set[int]:
     """Ids of the spec's kill_controller faults recorded as fired beside its checkpoints."""
+    from chaos.config import ArmedFault
     from orchestrator.cli.chaos.experiment import catalog_of
     from orchestrator.controller.kill import has_fired
 
     storage = catalog_of(spec).storage
-    faults = [dict(f.model_dump(), id=i) for i, f in enumerate(spec.chaos.faults) if f.kind == "kill_controller"]
-    return {f["id"] for f in faults if has_fired(storage, f)}
+    faults = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults) if f.kind == "kill_controller"]
+    return {f.id for f in faults if has_fired(storage, f)}
 
 
 def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str]]:

@@ -1,9 +1,9 @@
-"""The timed operations of bench/ckpt.py, run on every rank of the worker group (bench/_ckpt_worker.py).
+"""The timed operations of bench.ckpt, run on every rank of the worker group (bench/ckpt/worker.py).
 
 Each operation starts after a barrier on the training group and stops its clocks before any
 other collective: barriers, `all_gather_object` of the timings and the bit checks are
 outside the timed regions. Every rank returns its own timestamps (`time.time()`, one clock
-for all processes of this machine); the driver reduces them (bench/_ckpt_report.py):
+for all processes of this machine); the driver reduces them (bench/ckpt/report.py):
 blocking = the worst rank's, total = last rank done - first rank started.
 
 Our save follows the production protocol: `ShardWriter.save` on each rank, the receipt
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from bench._ckpt_state import BenchState
+from bench.ckpt.state import BenchState
 from ckpt.catalog import Catalog
 from ckpt.manifest import ShardReceipt, step_dir
 from ckpt.reader import read_slices

@@ -1,6 +1,6 @@
-"""The Ray Train side of bench/goodput.py: the engine's training loop under a time-triggered kill schedule.
+"""The Ray Train side of bench.goodput: the engine's training loop under a time-triggered kill schedule.
 
-The same loop as bench/_recovery_worker.py (trainer.engine.Engine from the undying spec, a whole-
+The same loop as bench/recovery/worker.py (trainer.engine.Engine from the undying spec, a whole-
 state checkpoint through `ray.train.report` every `every` steps), but the kills are the ones
 undying's controller fires for `chaos.mtbf_s` (chaos.schedule.expand, the same seed): kill i is
 due `at` seconds after the driver starts `fit()` and hits whichever worker holds world rank `r`
@@ -13,7 +13,7 @@ Events (JSON lines, `time.time()`): `fit_start`/`fit_end` (driver), `start` (eve
 `restored` (rank 0, the resumed step), `step` (rank 0: step, loss, the engine's step seconds),
 `kill` (the killed worker, kill id and step).
 
-    python bench/_goodput_worker.py --config JSON
+    python -m bench.goodput.worker --config JSON      (from the repository root)
 """
 
 from __future__ import annotations
@@ -26,14 +26,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
-sys.path.append(str(_ROOT / "bench"))
-
-from _recovery_worker import _state, build_engine, emit  # noqa: E402  (after the sys.path fix)
+from bench.recovery.worker import build_engine, emit, engine_state
 
 
 def _kill_thread(cfg: dict, rank: int, engine) -> None:
@@ -79,7 +73,7 @@ def raytrain_worker(cfg: dict) -> None:
                 ray.train.report(metrics, checkpoint=None)
                 continue
             with tempfile.TemporaryDirectory() as folder:
-                torch.save(_state(engine), os.path.join(folder, "state.pt"))
+                torch.save(engine_state(engine), os.path.join(folder, "state.pt"))
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
@@ -89,13 +83,15 @@ def raytrain_driver(cfg: dict) -> int:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     ray.init(address=cfg["address"], logging_level="ERROR", log_to_driver=False)
-    import _goodput_worker  # by reference, so Ray's workers import it from PYTHONPATH
+    # By its module name, not as __main__: Ray pickles it by reference and its workers import it
+    # from PYTHONPATH (the repository root, bench.recovery.ray_head.worker_env).
+    from bench.goodput.worker import raytrain_worker
 
     os.makedirs(cfg["markers"], exist_ok=True)
     cfg = dict(cfg, t0=time.time())  # the job clock the kill times count from, as undying's ledger
     emit(cfg["events"], ev="fit_start", t0=cfg["t0"])
     trainer = TorchTrainer(
-        _goodput_worker.raytrain_worker, train_loop_config=cfg, torch_config=TorchConfig(backend="gloo"),
+        raytrain_worker, train_loop_config=cfg, torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=cfg["world_size"], use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=cfg["run_name"], storage_path=cfg["ckpt_dir"],
                              failure_config=FailureConfig(max_failures=cfg["max_restarts"]),
@@ -108,7 +104,7 @@ def raytrain_driver(cfg: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m bench.goodput.worker")
     parser.add_argument("--config", required=True, help="the run's settings as JSON")
     return raytrain_driver(json.loads(parser.parse_args(argv).config))
 

@@ -1,12 +1,12 @@
 """Engine step time per parallel layout: the same model and global batch on every (dp, tp, pp, zero) layout.
 
-    .venv/bin/python bench/engine.py [--layouts dp2tp1z0 dp1pp2:gpipe ...] [--steps N] [--model SPEC]
+    .venv/bin/python -m bench.engine [--layouts dp2tp1z0 dp1pp2:gpipe ...] [--steps N] [--model SPEC]
                                      [--max-world 4] [--json PATH] [--docs docs/benchmarks.md]
 
 Each layout trains `--warmup` + `--steps` steps of one model (`--model`: a preset name and/or key=value
 dimensions, comma-separated) on local processes joined by `tests.dist._launch.run_ranks` (gloo, one thread
 each, on CPU; NCCL, one GPU each, in bf16, when CUDA is available). All layouts of one world size share one
-launch of ranks (bench/_engine_worker.py). The single-process layout dp1tp1pp1z0 is the reference: same
+launch of ranks (bench/engine/worker.py). The single-process layout dp1tp1pp1z0 is the reference: same
 model, same global batch, world 1. Per layout it reports, over the measured steps only:
   * median step time: per step the slowest rank's wall time (the ranks run in lockstep), then the median;
   * that time relative to the reference, and tokens/s = global tokens per step / median step time;
@@ -36,13 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.docs import replace_section
+from trainer.config import MODEL_PRESETS
 
-from bench._docs import replace_section  # noqa: E402
-from trainer.config import MODEL_PRESETS  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Engine step time by parallel layout"
+# The markers' text is what docs/benchmarks.md already holds (from when this was bench/engine.py).
 NOTES = ("<!-- engine-notes: kept when bench/engine.py rewrites this section -->", "<!-- /engine-notes -->")
 REFERENCE = "dp1tp1pp1z0"
 # Small enough for 4 ranks on 2 cores in a few minutes, big enough that compute is not all overhead;
@@ -100,7 +99,7 @@ def parse_model(text: str) -> dict:
 
 def run_world(job: dict, world: int, layouts: list[dict], backend: str) -> dict:
     """Every rank's records for `layouts` (one launch; on failure one launch per layout, to isolate it)."""
-    from bench._engine_worker import train_layouts
+    from bench.engine.worker import train_layouts
     from tests.dist._launch import free_port, run_ranks
 
     def launch(group: list[dict]) -> list[dict]:
@@ -224,7 +223,7 @@ def docs_section(result: dict) -> str:
     model = ", ".join(f"{k}={v}" for k, v in job["model"].items())
     return f"""{SECTION}
 
-Measured by `bench/engine.py` on {result['date']}. Command:
+Measured by `python -m bench.engine` on {result['date']}. Command:
 
 ```bash
 {result['command']}
@@ -253,7 +252,7 @@ reference is {REFERENCE}: the same model and global batch on one process.
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", type=parse_layout, default=None, metavar="LAYOUT",
                         help="e.g. dp2tp2z1 dp1pp2:gpipe (default: every layout of world <= --max-world)")
     parser.add_argument("--max-world", type=int, default=4, help="largest world of the default layouts (8 adds dp8...)")
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.costmodel.hardware import GPUS
 
     os.chdir(ROOT)
-    command = shlex.join([".venv/bin/python", "bench/engine.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join([".venv/bin/python", "-m", "bench.engine", *(argv if argv is not None else sys.argv[1:])])
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = "nccl" if gpus else "gloo"
     job = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
@@ -308,7 +307,3 @@ def main(argv: list[str] | None = None) -> int:
         replace_section(docs, SECTION, section, NOTES)
         print(f"section {SECTION[3:]!r} written to {args.docs}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

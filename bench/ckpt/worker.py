@@ -1,12 +1,13 @@
-"""One rank of bench/ckpt.py: build the sharded state, run every operation of the plan, report timings.
+"""One rank of bench.ckpt: build the sharded state, run every operation of the plan, report timings.
 
-    python bench/_ckpt_worker.py CONFIG.json      (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+    python -m bench.ckpt.worker CONFIG.json      (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set;
+                                                  from the repository root)
 
-Started by the driver (bench/ckpt.py) once per rank. The ranks form a gloo group with one
-intra-op thread each (4 ranks on 2 cores), build the state (bench/_ckpt_state.py), then run
-`_ckpt_ops.plan(...)` in order. After each operation the ranks' timings are gathered to
+Started by the driver (bench/ckpt/main.py) once per rank. The ranks form a gloo group with one
+intra-op thread each (4 ranks on 2 cores), build the state (bench/ckpt/state.py), then run
+`bench.ckpt.ops.plan(...)` in order. After each operation the ranks' timings are gathered to
 rank 0 (outside the timed region); the first repeat's loads are bit-checked. Rank 0 then
-runs the thread-vs-process trials (bench/_ckpt_tvp.py) on its shard for each backend while
+runs the thread-vs-process trials (bench/ckpt/tvp.py) on its shard for each backend while
 the others wait, and writes everything to the config's `out` file.
 """
 
@@ -21,17 +22,11 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# The script's own folder comes first on sys.path, and there bench/ckpt.py would shadow the
-# `ckpt` package; the helpers are imported as `bench._ckpt_*` from the repository root.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench._ckpt_ops import Backend, RankOps, plan  # noqa: E402
-from bench._ckpt_state import BenchState  # noqa: E402
+from bench.ckpt.ops import Backend, RankOps, plan
+from bench.ckpt.state import BenchState
 
 
 def run(config: dict) -> dict:
@@ -81,7 +76,7 @@ def run(config: dict) -> dict:
 
 
 def _tvp(backend: Backend, state: BenchState, config: dict) -> dict:
-    from bench._ckpt_tvp import measure
+    from bench.ckpt.tvp import measure
 
     url = f"{backend.ours.rsplit('/', 1)[0]}/tvp"
     # Rank 0's pieces, marked unreplicated: the trial writes all of them (the scalars too).

@@ -1,4 +1,4 @@
-"""The state that bench/ckpt.py saves and loads: a GPT-like stack of Linear layers under FSDP2.
+"""The state that bench.ckpt saves and loads: a GPT-like stack of Linear layers under FSDP2.
 
 Every rank of a 4-process gloo group builds the same model (same seed), wraps each Linear
 and the root with `fully_shard` on a 1-D "dp" mesh, runs one forward/backward and one

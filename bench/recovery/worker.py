@@ -1,4 +1,4 @@
-"""The training processes of bench/recovery.py for Ray Train and torchrun (undying runs its own).
+"""The training processes of bench.recovery for Ray Train and torchrun (undying runs its own).
 
 Both run the same loop as undying's ranks: `trainer.engine.Engine` built from the same job
 spec (tiny GPT, DDP over gloo, 4 ranks), a checkpoint of the whole engine state every
@@ -14,9 +14,9 @@ machine) that the workers append as JSON lines to the `events` file:
   kill      the killed rank, just before it sends itself SIGKILL
   ray_actor the Ray Train driver, after fit(): Ray's start and end time of every worker actor
 
-Entry points:
-  python bench/_recovery_worker.py torchrun --config JSON   (the script torchrun starts per rank)
-  python bench/_recovery_worker.py raytrain --config JSON   (the Ray Train driver: TorchTrainer.fit)
+Entry points (from the repository root):
+  torchrun ... -m bench.recovery.worker torchrun --config JSON   (what torchrun starts per rank)
+  python -m bench.recovery.worker raytrain --config JSON         (the Ray Train driver: TorchTrainer.fit)
 """
 
 from __future__ import annotations
@@ -27,12 +27,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
-
-# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
-sys.path.append(str(_ROOT / "bench"))
 
 
 def emit(path: str, **fields) -> None:
@@ -91,7 +85,7 @@ def train_loop(cfg: dict, rank: int, world_size: int, attempt: int, load, save) 
             save(engine)
 
 
-def _state(engine) -> dict:
+def engine_state(engine) -> dict:
     return {"tensors": engine.state_tensors(), "meta": engine.state_meta()}
 
 
@@ -117,7 +111,7 @@ def torchrun_worker(cfg: dict) -> None:
     def save(engine) -> None:
         if rank == 0:  # DDP replicas are identical: one copy is the whole state
             tmp = f"{path}.tmp"
-            torch.save(_state(engine), tmp)
+            torch.save(engine_state(engine), tmp)
             os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint
 
     train_loop(cfg, rank, world_size, attempt, load, save)
@@ -152,7 +146,7 @@ def raytrain_worker(cfg: dict) -> None:
             ray.train.report(metrics, checkpoint=None)
             return
         with tempfile.TemporaryDirectory() as folder:
-            torch.save(_state(engine), os.path.join(folder, "state.pt"))
+            torch.save(engine_state(engine), os.path.join(folder, "state.pt"))
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
     train_loop(cfg, rank, world_size, attempt, load, save)
@@ -165,10 +159,12 @@ def raytrain_driver(cfg: dict) -> int:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     ray.init(address=cfg["address"], logging_level="ERROR", log_to_driver=False)
-    import _recovery_worker  # by reference, so Ray's workers import it from PYTHONPATH
+    # By its module name, not as __main__: Ray pickles it by reference and its workers import it
+    # from PYTHONPATH (the repository root, bench.recovery.ray_head.worker_env).
+    from bench.recovery.worker import raytrain_worker
 
     trainer = TorchTrainer(
-        _recovery_worker.raytrain_worker,
+        raytrain_worker,
         train_loop_config=cfg,
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=cfg["world_size"], use_gpu=False,
@@ -195,7 +191,7 @@ def raytrain_driver(cfg: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m bench.recovery.worker")
     parser.add_argument("role", choices=["torchrun", "raytrain"])
     parser.add_argument("--config", required=True, help="the run's settings as JSON")
     args = parser.parse_args(argv)

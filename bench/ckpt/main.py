@@ -1,9 +1,9 @@
 """Checkpoint save and load: undying's writer/reader vs torch.distributed.checkpoint, same state, one run.
 
-    .venv/bin/python bench/ckpt.py [--size-mib 1024] [--repeats 3] [--tvp-repeats 3]
+    .venv/bin/python -m bench.ckpt [--size-mib 1024] [--repeats 3] [--tvp-repeats 3]
                                    [--backends file s3] [--layouts dp4 dp2 tp4]
 
-Four gloo processes (bench/_ckpt_worker.py) hold a GPT-like stack of Linear layers wrapped
+Four gloo processes (bench/ckpt/worker.py) hold a GPT-like stack of Linear layers wrapped
 with FSDP2 `fully_shard` plus its AdamW state after one step (params + exp_avg +
 exp_avg_sq, --size-mib in total). On file:// (a temp dir) and s3:// (a SeaweedFS server
 this script starts on free loopback ports and stops by PID, tests/s3/_seaweed.py), each
@@ -17,7 +17,7 @@ repeat saves and loads that state with
   floor    each rank reads its own shard file in one request (`fs.cat_file`).
 The first repeat bit-checks every load. Then rank 0 compares the background writer as a
 thread (ShardWriter) with the same write in a child process fed through shared memory,
-while a training loop runs (bench/_ckpt_tvp.py). It prints the tables (median [min-max]
+while a training loop runs (bench/ckpt/tvp.py). It prints the tables (median [min-max]
 over the repeats, ratios against DCP, the issue's targets), writes runs/bench/ckpt.json and
 rewrites its own section of docs/benchmarks.md.
 """
@@ -42,16 +42,10 @@ from pathlib import Path
 # The committer waits on the store with a short timeout so that it notices a dead rank; each
 # timeout would print a C++ warning. Set before torch is imported; this process only.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-ROOT = Path(__file__).resolve().parents[1]
-# The script's own folder comes first on sys.path, and there bench/ckpt.py would shadow the
-# `ckpt` package; the helpers are imported as `bench._ckpt_*` from the repository root.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
 
-from bench._ckpt_commit import commit_loop  # noqa: E402
-from bench._ckpt_docs import SECTION, docs_section  # noqa: E402
-from bench._ckpt_ops import plan  # noqa: E402
-from bench._ckpt_report import (  # noqa: E402
+from bench.ckpt.controller import commit_loop  # noqa: E402
+from bench.ckpt.ops import plan  # noqa: E402
+from bench.ckpt.report import (  # noqa: E402
     backend_table,
     read_lines,
     summarise,
@@ -59,11 +53,14 @@ from bench._ckpt_report import (  # noqa: E402
     tvp_table,
     tvp_verdict,
 )
-from bench._docs import replace_section  # noqa: E402
+from bench.ckpt.section import SECTION, docs_section  # noqa: E402
+from bench.docs import replace_section  # noqa: E402
 from ckpt.staging import staging_env  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
+# The markers' text is what docs/benchmarks.md already holds (from when this was bench/ckpt.py).
 NOTES = ("<!-- ckpt-notes: kept when bench/ckpt.py rewrites this section -->", "<!-- /ckpt-notes -->")
-WORKER = ROOT / "bench" / "_ckpt_worker.py"
+WORKER = "bench.ckpt.worker"  # run as `python -m` from the repository root
 WORLD = 4
 
 
@@ -130,7 +127,7 @@ def launch(config_path: Path, work: Path) -> list[subprocess.Popen]:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         log = (work / f"rank{rank}.log").open("wb")
         out = None if rank == 0 else log  # rank 0's progress lines go to the terminal
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(config_path)], env=env, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", WORKER, str(config_path)], env=env, cwd=ROOT,
                                       stdout=out, stderr=log, stdin=subprocess.DEVNULL))
     return procs
 
@@ -181,7 +178,7 @@ def run(args, work: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.ckpt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="params + AdamW moments, all ranks together")
     parser.add_argument("--width", type=int, default=1024, help="model width (Linear layers width <-> 4 x width)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every save and load (median, range)")
@@ -196,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.layouts = ["dp4", *[x for x in args.layouts if x != "dp4"]]
     os.chdir(ROOT)
-    command = shlex.join([".venv/bin/python", "bench/ckpt.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join([".venv/bin/python", "-m", "bench.ckpt", *(argv if argv is not None else sys.argv[1:])])
     facts = machine()
     print(f"$ {command}\n{facts['cores']} cores, load average {facts['load_at_start'][0]:.1f} at start; "
           f"{facts['versions']}", flush=True)
@@ -235,7 +232,3 @@ def render(result: dict) -> str:
         parts.append("Background writer: thread vs process (rank 0's shard, a training loop running)\n\n"
                      + tvp_table(result["tvp"]) + "\n\n" + tvp_verdict(result["tvp"]))
     return "\n\n".join(parts)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

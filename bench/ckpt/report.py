@@ -1,4 +1,4 @@
-"""Numbers and tables of bench/ckpt.py: reduce the ranks' timestamps, compare with DCP, check the targets.
+"""Numbers and tables of bench.ckpt: reduce the ranks' timestamps, compare with DCP, check the targets.
 
 Reduction of one operation (every rank's `time.time()` stamps):
   blocking  the worst rank's seconds inside the save call (training stopped that long);

@@ -1,7 +1,7 @@
 """Recovery speed of undying vs Ray Train vs torchrun: the same job, the same kill, one run, one table.
 
     .venv/bin/pip install -e '.[bench]'      # Ray Train's extras (pandas, pyarrow, ...)
-    .venv/bin/python bench/recovery.py [--repeats N] [--set KEY=VALUE ...] [--undying-set KEY=VALUE ...]
+    .venv/bin/python -m bench.recovery [--repeats N] [--set KEY=VALUE ...] [--undying-set KEY=VALUE ...]
 
 The job is `examples/demo.yaml` (tiny GPT, 4 data-parallel ranks, DDP over gloo on CPU, a
 checkpoint every 10 steps, 60 steps) and its chaos fault: rank 1 SIGKILLs itself after the
@@ -34,13 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
-sys.path.append(str(_ROOT / "bench"))
-
-from _recovery_ray import ROOT, start_head  # noqa: E402
-from _recovery_systems import run_raytrain, run_torchrun, run_undying  # noqa: E402
+from bench.recovery.ray_head import ROOT, RayHead, start_head
+from bench.recovery.systems import run_raytrain, run_torchrun, run_undying
 
 # --systems key -> (table name, extra undying overrides). The issue's targets are for undying
 # with a warm spare (or a shrink); the plain run replaces the dead rank with a new actor.
@@ -52,6 +47,7 @@ SYSTEMS = {"undying": ("undying", []), "undying-spare": ("undying (warm spare)",
 SHRINK_RTOL = 1e-5
 TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # issue 5: kill-to-first-step at least this many x faster
 SECTION = "## Recovery: undying vs Ray Train vs torchrun"
+# The markers' text is what docs/benchmarks.md already holds (from when this was bench/recovery.py).
 NOTES = ("<!-- recovery-notes: kept when bench/recovery.py rewrites this section -->", "<!-- /recovery-notes -->")
 
 
@@ -169,7 +165,7 @@ def docs_section(result: dict) -> str:
     loads = [r["load_1min"] for runs in result["runs"].values() for r in runs]
     return f"""{SECTION}
 
-Measured by `bench/recovery.py` on {result['date']}. Command:
+Measured by `python -m bench.recovery` on {result['date']}. Command:
 
 ```bash
 {result['command']}
@@ -220,8 +216,8 @@ def write_docs(path: Path, section: str) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs per system (median and range reported)")
     parser.add_argument("--spec", default="examples/demo.yaml", help="undying job spec; its chaos kill is the kill")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -234,9 +230,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="runs/bench/recovery-work", help="each invocation logs to a new folder here")
     parser.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
     parser.add_argument("--no-reference", action="store_true", help="skip the failure-free run (loss not checked)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_system(key: str, job: dict, folder: Path, head: RayHead | None, undying_set: list[str]) -> dict:
+    """One run of the system `key` of SYSTEMS in `folder`, with the load average at its start."""
+    name, undying_sets = SYSTEMS[key]
+    load = os.getloadavg()[0]
+    if undying_sets is not None:
+        record = run_undying(job, folder, head, undying_sets + undying_set)
+    elif key == "raytrain":
+        record = run_raytrain(job, folder, head)
+    else:
+        record = run_torchrun(job, folder)
+    record.update(system=name, load_1min=load)
+    return record
+
+
+def run_systems(args, job: dict, work: Path) -> tuple[dict[str, list[dict]], str | None]:
+    """Every system of --systems --repeats times; the runs by table name, and the Ray head's temp dir."""
+    runs: dict[str, list[dict]] = {SYSTEMS[key][0]: [] for key in args.systems}
+    needs_ray = {"undying", "undying-spare", "undying-shrink", "raytrain"} & set(args.systems)
+    head = start_head(num_cpus=max(8, job["world_size"] + 1)) if needs_ray else None
+    try:
+        for i in range(args.repeats):  # interleaved, so drift on the machine hits every system alike
+            for key in args.systems:
+                record = run_system(key, job, work / f"{key}-{i}", head, args.undying_set)
+                runs[record["system"]].append(record)
+                print(f"[{i + 1}/{args.repeats}] {record['system']}: detection {record['detection_s']:.3f} s, "
+                      f"kill-to-first-step {record['kill_to_first_step_s']:.2f} s, {record['steps_redone']} steps "
+                      f"redone, wall {record['wall_s']:.1f} s, final loss {record['final_loss']:.6f}", flush=True)
+    finally:
+        if head is not None:
+            head.stop()
+    return runs, head.temp_dir if head else None  # Ray's and Ray Train's logs stay in the temp dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
     os.chdir(ROOT)
-    command = shlex.join([".venv/bin/python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join([".venv/bin/python", "-m", "bench.recovery", *(argv if argv is not None else sys.argv[1:])])
     job = job_from_spec(args.spec, args.overrides)
     work = ROOT / args.work / time.strftime("%Y%m%d-%H%M%S")
     print(f"$ {command}\nwork directories and logs in {work}", flush=True)
@@ -246,36 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         reference = run_torchrun(job, work / "reference", kill=False)
         print(f"reference (torchrun, no kill): final loss {reference['final_loss']:.6f}, "
               f"wall {reference['wall_s']:.1f} s", flush=True)
-    runs: dict[str, list[dict]] = {SYSTEMS[key][0]: [] for key in args.systems}
-    needs_ray = {"undying", "undying-spare", "undying-shrink", "raytrain"} & set(args.systems)
-    head = start_head(num_cpus=max(8, job["world_size"] + 1)) if needs_ray else None
-    try:
-        for i in range(args.repeats):  # interleaved, so drift on the machine hits every system alike
-            for key in args.systems:
-                name, undying_sets = SYSTEMS[key]
-                folder = work / f"{key}-{i}"
-                load = os.getloadavg()[0]
-                if undying_sets is not None:
-                    record = run_undying(job, folder, head, undying_sets + args.undying_set)
-                elif key == "raytrain":
-                    record = run_raytrain(job, folder, head)
-                else:
-                    record = run_torchrun(job, folder)
-                record.update(system=name, load_1min=load)
-                runs[name].append(record)
-                print(f"[{i + 1}/{args.repeats}] {name}: detection {record['detection_s']:.3f} s, kill-to-first-step "
-                      f"{record['kill_to_first_step_s']:.2f} s, {record['steps_redone']} steps redone, "
-                      f"wall {record['wall_s']:.1f} s, final loss {record['final_loss']:.6f}", flush=True)
-    finally:
-        if head is not None:
-            head.stop()
+    runs, ray_temp_dir = run_systems(args, job, work)
 
     ref_loss = reference["final_loss"] if reference else None
     summary = {name: summarise(records, ref_loss) for name, records in runs.items()}
     table = tables(summary, ref_loss)
     result = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "job": job,
-              "ray_temp_dir": head.temp_dir if head else None,  # Ray's and Ray Train's logs stay there
-              "repeats": args.repeats, "reference": reference, "summary": summary, "runs": runs, "table": table}
+              "ray_temp_dir": ray_temp_dir, "repeats": args.repeats, "reference": reference, "summary": summary,
+              "runs": runs, "table": table}
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -284,7 +295,3 @@ def main(argv: list[str] | None = None) -> int:
         write_docs(ROOT / args.docs, docs_section(result))
         print(f"section {SECTION[3:]!r} written to {args.docs}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,4 @@
-"""Release from a broken collective: how fast every survivor leaves its collective when a rank dies.
-
-    .venv/bin/python bench/release.py [--world-sizes 4 8] [--repeats 3] [--cap 3] [--modes ...]
+"""One scenario of bench.release: W gloo rank processes, one dies, how fast the survivors get out.
 
 One scenario = one collective, W gloo ranks on 127.0.0.1 (one intra-op thread each), a store
 hosted by this process. Every rank runs the collective in a loop, like training steps; after
@@ -22,35 +20,25 @@ Measured, from time.time() stamps the processes write themselves (one machine, o
   re-form  the last survivor out -> every survivor has joined a new group of W-1 ranks under a
            new store prefix and checked the sum of an all_reduce in it (abort and watcher modes).
 
-Prints a table (median and max over --repeats), writes runs/bench/release.json and replaces its
-own section of docs/benchmarks.md. tests/dist/test_comm_release.py runs the same scenarios.
+bench/release/main.py measures every scenario; tests/dist/test_comm_release.py runs them on 4 ranks.
 """
-
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import multiprocessing
 import os
-import platform
 import re
-import shlex
 import signal
-import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench._docs import median_max, ms, replace_section  # noqa: E402  (needs the repository on sys.path)
-from orchestrator.rank.comm_abort import CommSockets  # noqa: E402
+from orchestrator.rank.comm_abort import CommSockets
 
 VICTIM = 1
 WARMUP = 3  # iterations every rank completes before the kill (pairs and DDP buckets are set up)
@@ -228,169 +216,90 @@ def run_scenario(collective: str, world_size: int, mode: str = "abort", cap_s: f
     blocked: list[int] = []
     try:
         deadline = time.time() + timeout_s
-        while not store.check(["kill"]):
-            _check_alive(procs)
-            if time.time() > deadline:
-                raise TimeoutError(f"rank {VICTIM} did not reach the kill within {timeout_s:.0f} s")
-            time.sleep(0.01)
-        t_kill = t_from = float(store.get("kill"))
-        if mode == "watcher":
-            time.sleep(max(0.0, t_kill + HOLD_S - time.time()))
-            at_key = [r for r in survivors if not store.check([f"out/{r}"])]
-            t_from = time.time()
-            store.set("abort", repr(t_from))
-        keys = [f"result/{r}" if mode in REFORM else f"out/{r}" for r in survivors]
+        t_kill = _wait_for_kill(store, procs, deadline, timeout_s)
+        at_key, t_from = _hold_then_abort(store, survivors, t_kill) if mode == "watcher" else ([], t_kill)
         end = deadline if mode in REFORM else min(deadline, t_kill + cap_s)
-        while not store.check(keys) and time.time() < end:
-            _check_alive([procs[r] for r in survivors])
-            time.sleep(0.01)
-        outs = {r: _read(store, f"out/{r}") for r in survivors}
-        results = {r: _read(store, f"result/{r}") for r in survivors}
-        for r, res in results.items():
-            if res and "exception" in res:
-                raise RuntimeError(f"rank {r} failed:\n{res['exception']}")
+        outs, results = _wait_for_survivors(store, procs, survivors, mode, end)
         blocked = [r for r in survivors if outs[r] is None]
-        out_times = {r: o["t"] for r, o in outs.items() if o}
-        if mode == "watcher":
-            released_late = [out_times[r] for r in at_key if r in out_times]
-            release_s = max(released_late) - t_from if at_key and not blocked else None
-        else:
-            release_s = None if blocked else max(out_times.values()) - t_kill
-        report = {
-            "collective": collective, "world_size": world_size, "mode": mode, "released": not blocked,
-            "release_s": release_s, "first_out_s": min(out_times.values(), default=t_kill) - t_kill,
-            "blocked": at_key if mode == "watcher" else blocked,
-            "errors": {r: o["error"] for r, o in outs.items() if o},
-        }
-        if mode in REFORM and all(results.values()):
-            report["reform_s"] = max(res["t_checked"] for res in results.values()) - max(out_times.values())
-            report["sums"] = [results[r]["sum"] for r in survivors]
-            report["expected"] = float(sum(r + 1 for r in survivors))
-        return report
+        return _report(collective, world_size, mode, (t_kill, t_from), at_key, outs, results)
     finally:
-        store.set("done", "1")
-        for r in blocked:  # `destroy` and `idle`: still inside the collective, they would never exit
-            procs[r].kill()
-        join_until = time.time() + 5.0
-        for proc in procs:
-            proc.join(timeout=max(0.1, join_until - time.time()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _stop(store, procs, blocked)
+
+
+def _wait_for_kill(store, procs, deadline: float, timeout_s: float) -> float:
+    """The victim's time.time() just before its SIGKILL, once it is in the store."""
+    while not store.check(["kill"]):
+        _check_alive(procs)
+        if time.time() > deadline:
+            raise TimeoutError(f"rank {VICTIM} did not reach the kill within {timeout_s:.0f} s")
+        time.sleep(0.01)
+    return float(store.get("kill"))
+
+
+def _hold_then_abort(store, survivors: list[int], t_kill: float) -> tuple[list[int], float]:
+    """`watcher`: HOLD_S after the kill, set the abort key; the survivors still blocked then, and when."""
+    time.sleep(max(0.0, t_kill + HOLD_S - time.time()))
+    at_key = [r for r in survivors if not store.check([f"out/{r}"])]
+    t_from = time.time()
+    store.set("abort", repr(t_from))
+    return at_key, t_from
+
+
+def _wait_for_survivors(store, procs, survivors: list[int], mode: str, end: float) -> tuple[dict, dict]:
+    """Until `end`, wait for every survivor to be out (or, in the re-forming modes, done re-forming);
+    then each survivor's `out` and `result` record (None where missing). Raises if a rank failed."""
+    keys = [f"result/{r}" if mode in REFORM else f"out/{r}" for r in survivors]
+    while not store.check(keys) and time.time() < end:
+        _check_alive([procs[r] for r in survivors])
+        time.sleep(0.01)
+    outs = {r: _read(store, f"out/{r}") for r in survivors}
+    results = {r: _read(store, f"result/{r}") for r in survivors}
+    for r, res in results.items():
+        if res and "exception" in res:
+            raise RuntimeError(f"rank {r} failed:\n{res['exception']}")
+    return outs, results
+
+
+def _report(collective: str, world_size: int, mode: str, times: tuple[float, float], at_key: list[int],
+            outs: dict, results: dict) -> dict:
+    """run_scenario's record, from the survivors' records; `times` = (the kill, the abort key or the kill)."""
+    t_kill, t_from = times
+    survivors = list(outs)
+    blocked = [r for r in survivors if outs[r] is None]
+    out_times = {r: o["t"] for r, o in outs.items() if o}
+    if mode == "watcher":
+        released_late = [out_times[r] for r in at_key if r in out_times]
+        release_s = max(released_late) - t_from if at_key and not blocked else None
+    else:
+        release_s = None if blocked else max(out_times.values()) - t_kill
+    report = {
+        "collective": collective, "world_size": world_size, "mode": mode, "released": not blocked,
+        "release_s": release_s, "first_out_s": min(out_times.values(), default=t_kill) - t_kill,
+        "blocked": at_key if mode == "watcher" else blocked,
+        "errors": {r: o["error"] for r, o in outs.items() if o},
+    }
+    if mode in REFORM and all(results.values()):
+        report["reform_s"] = max(res["t_checked"] for res in results.values()) - max(out_times.values())
+        report["sums"] = [results[r]["sum"] for r in survivors]
+        report["expected"] = float(sum(r + 1 for r in survivors))
+    return report
+
+
+def _stop(store, procs, blocked: list[int]) -> None:
+    """Release the ranks waiting for `done`; kill the survivors still blocked (`destroy`, `idle`: they would
+    never exit) and any rank not gone 5 s later."""
+    store.set("done", "1")
+    for r in blocked:
+        procs[r].kill()
+    join_until = time.time() + 5.0
+    for proc in procs:
+        proc.join(timeout=max(0.1, join_until - time.time()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _check_alive(procs) -> None:
     dead = [p.pid for p in procs if p.exitcode is not None]
     if dead:
         raise RuntimeError(f"rank process(es) {dead} exited early")
-
-
-# ---------------------------------------------------------------------------------------------
-# Bench: table, JSON and docs section.
-
-SECTION = "## Release from a broken collective"
-NOTES = ("<!-- release-notes: kept when bench/release.py rewrites this section -->", "<!-- /release-notes -->")
-
-
-def _cells(runs: list[dict], mode: str, cap_s: float) -> str:
-    """One mode's cell of one table row."""
-    runs = [r for r in runs if r["mode"] == mode]
-    if not runs:
-        return "-"
-    stuck = [r for r in runs if not r["released"]]
-    ranks = sorted({b for r in stuck for b in r["blocked"]})
-    if mode in ("destroy", "idle"):
-        if stuck:
-            return f"> {cap_s:g} s: rank(s) {','.join(map(str, ranks))} still blocked in {len(stuck)}/{len(runs)} runs"
-        return f"all out, max {ms(max(r['release_s'] for r in runs))}"
-    if stuck:
-        return f"NOT released in {len(stuck)}/{len(runs)} runs (rank(s) {','.join(map(str, ranks))})"
-    if mode == "watcher":
-        held = [r for r in runs if r["blocked"]]
-        if not held:
-            return "n/a: every survivor errored by itself"
-        at_key = sorted({b for r in held for b in r["blocked"]})
-        return f"{median_max([r['release_s'] for r in held])}, rank(s) {','.join(map(str, at_key))} held"
-    return median_max([r["release_s"] for r in runs])
-
-
-def table(runs: list[dict], cap_s: float) -> str:
-    lines = ["| collective | ranks | release with abort | re-form | watcher: key -> out | destroy only | no action |",
-             "|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["collective"], r["world_size"]) for r in runs},
-                  key=lambda k: (list(COLLECTIVES).index(k[0]), k[1]))
-    for collective, world_size in keys:
-        of = [r for r in runs if (r["collective"], r["world_size"]) == (collective, world_size)]
-        reformed = [r for r in of if r["mode"] == "abort" and "reform_s" in r]
-        wrong = [r for r in reformed if set(r["sums"]) != {r["expected"]}]
-        reform = median_max([r["reform_s"] for r in reformed]) + (f" WRONG SUM in {len(wrong)} runs" if wrong else "")
-        cells = [COLLECTIVES[collective], str(world_size), _cells(of, "abort", cap_s), reform,
-                 *(_cells(of, mode, cap_s) for mode in ("watcher", "destroy", "idle"))]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def section(runs: list[dict], args, command: str) -> str:
-    return f"""{SECTION}
-
-Measured by `bench/release.py` on {time.strftime("%Y-%m-%d")}. Command:
-
-```bash
-{command}
-```
-
-Machine: {os.cpu_count()} cores, no GPU; Python {platform.python_version()}, torch {torch.__version__}, gloo on
-127.0.0.1, one intra-op thread per rank, ranks forked from a forkserver; 1-minute load average
-{os.getloadavg()[0]:.1f} when the run ended (the machine is shared).
-
-Each rank runs the collective in a loop; after {WARMUP} iterations rank 1 pauses {PAUSE_S} s (the others are
-then inside the next iteration) and SIGKILLs itself. Process-group timeout {PG_TIMEOUT_S:.0f} s. Cells are
-median (max) over {args.repeats} run(s); timestamps are `time.time()` written by the processes themselves.
-- release with abort: kill -> last survivor out of its collective, when every survivor that sees an error
-  calls `CommSockets.abort()` then `destroy_process_group()` (orchestrator/rank/comm_abort.py).
-- re-form: last survivor out -> every survivor has joined a new group of W-1 ranks (new store prefix) and
-  checked an all_reduce sum in it (abort runs; watcher runs' re-form times are in the JSON).
-- watcher: survivors that see an error touch nothing; {HOLD_S:g} s after the kill the controller sets the abort
-  key and, in each survivor still blocked ("held"), a second thread calls `sockets.abort()`; key -> last out.
-- destroy only / no action: survivors that see an error call `destroy_process_group()` only / do nothing;
-  watched for {args.cap:g} s after the kill.
-
-{table(runs, args.cap)}
-"""
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cap", type=float, default=3.0, help="seconds the baselines are watched for")
-    parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=list(COLLECTIVES))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--json", default="runs/bench/release.json")
-    parser.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
-    args = parser.parse_args()
-    command = " ".join([".venv/bin/python bench/release.py", *map(shlex.quote, sys.argv[1:])])
-
-    runs = []
-    for collective in args.collectives:
-        for world_size in args.world_sizes:
-            for mode in args.modes:
-                for _ in range(args.repeats):
-                    run = run_scenario(collective, world_size, mode, cap_s=args.cap)
-                    runs.append(run)
-                    release = "-" if run["release_s"] is None else ms(run["release_s"])
-                    reform = ms(run["reform_s"]) if "reform_s" in run else "-"
-                    print(f"{collective:15s} W={world_size} {mode:8s} released={run['released']!s:5s}"
-                          f" release {release:>7s} blocked {run['blocked']} re-form {reform}", flush=True)
-    print(table(runs, args.cap))
-    out = ROOT / args.json
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "cap_s": args.cap, "modes": MODES, "runs": runs}, indent=1))
-    print(f"wrote {out}")
-    if args.docs:
-        replace_section(ROOT / args.docs, SECTION, section(runs, args, command), NOTES)
-        print(f"section {SECTION[3:]!r} written to {args.docs}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,15 @@
 """Goodput under the same random failures: undying vs Ray Train, one job, one seeded kill schedule, one table.
 
     .venv/bin/pip install -e '.[bench]'      # Ray Train's extras
-    .venv/bin/python bench/goodput.py [--steps 1000] [--every 20] [--mtbf 60s] [--seed 2] [--start 25s] [--max-faults 3]
+    .venv/bin/python -m bench.goodput [--steps 1000] [--every 20] [--mtbf 60s] [--seed 2] [--start 25s] [--max-faults 3]
 
 The job is `examples/demo.yaml` (tiny GPT, 4 data-parallel ranks, DDP over gloo on CPU) with a
 checkpoint every `--every` steps in both systems. The failures are undying's random
 `kill_rank` process (chaos.mtbf_s per rank, seeded; chaos.schedule.expand): kill i SIGKILLs
 world rank r_i at t_i seconds of the job's clock. undying's controller fires them itself
 (its clock: the goodput ledger, from the controller's start); the Ray Train workers
-(bench/_goodput_worker.py) fire the same list against the clock of `fit()`'s start. Both
-run on one private local Ray head started here (bench/_recovery_ray.py), so neither pays
+(bench/goodput/worker.py) fire the same list against the clock of `fit()`'s start. Both
+run on one private local Ray head started here (bench/recovery/ray_head.py), so neither pays
 for starting Ray.
 
 Numbers, the same definition for both systems:
@@ -34,18 +34,14 @@ import sys
 import time
 from pathlib import Path
 
-# The repository first and this folder last: first, bench/ckpt.py would shadow the ckpt package.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (_ROOT, _ROOT / "bench")]
-sys.path.append(str(_ROOT / "bench"))
-
-from _docs import replace_section  # noqa: E402
-from _recovery_ray import ROOT, VENV_BIN, start_head, worker_env  # noqa: E402
-from _recovery_systems import _launch, _read_events  # noqa: E402
+from bench.docs import replace_section
+from bench.recovery.ray_head import ROOT, VENV_BIN, start_head, worker_env
+from bench.recovery.systems import launch, read_events
 
 SECTION = "## Goodput under random failures: undying vs Ray Train"
+# The markers' text is what docs/benchmarks.md already holds (from when this was bench/goodput.py).
 NOTES = ("<!-- goodput-notes: kept when bench/goodput.py rewrites this section -->", "<!-- /goodput-notes -->")
-WORKER = ROOT / "bench" / "_goodput_worker.py"
+WORKER = "bench.goodput.worker"  # run as `python -m` from the repository root
 
 
 def job_overrides(args) -> list[str]:
@@ -58,7 +54,7 @@ def job_overrides(args) -> list[str]:
 def kill_schedule(spec) -> list[tuple[float, int]]:
     """(job seconds, rank) of every kill undying's controller will fire for this spec."""
     from chaos.schedule import expand
-    from orchestrator.controller.recovery import CHAOS_HORIZON_S
+    from orchestrator.controller.fault_clock import CHAOS_HORIZON_S
 
     events = expand(spec.chaos, horizon_s=CHAOS_HORIZON_S, ranks=spec.world_size)
     return [(e.at_seconds, e.rank) for e in events if e.at_seconds is not None]
@@ -69,7 +65,7 @@ def run_undying(spec_path: str, sets: list[str], workdir: Path, address: str) ->
     report_path = workdir / "report.json"
     cmd = [str(VENV_BIN / "undying"), "run", spec_path, "--address", address, "--report", str(report_path)]
     cmd += [a for s in [*sets, f"checkpoint.url=file://{workdir / 'ckpt'}"] for a in ("--set", s)]
-    command_wall = _launch(cmd, workdir / "undying.log", worker_env())
+    command_wall = launch(cmd, workdir / "undying.log", worker_env())
     report = json.loads(report_path.read_text())
     failures = report["failures"]
     to_first_step = [f["first_step_after_s"] for f in failures if f["first_step_after_s"] is not None]
@@ -112,9 +108,9 @@ def run_raytrain(spec_path: str, sets: list[str], kills: list, workdir: Path, ad
     cfg = {"spec": spec_path, "overrides": sets, "events": str(workdir / "events.jsonl"), "kills": kills,
            "markers": str(workdir / "markers"), "ckpt_dir": str(workdir / "ckpt"), "every": every,
            "address": address, "world_size": world_size, "run_name": f"goodput-{workdir.name}", "max_restarts": 100}
-    command_wall = _launch([sys.executable, str(WORKER), "--config", json.dumps(cfg)], workdir / "raytrain.log",
-                           worker_env())
-    return {**raytrain_numbers(_read_events(Path(cfg["events"]))), "command_wall_s": command_wall,
+    command_wall = launch([sys.executable, "-m", WORKER, "--config", json.dumps(cfg)], workdir / "raytrain.log",
+                          worker_env())
+    return {**raytrain_numbers(read_events(Path(cfg["events"]))), "command_wall_s": command_wall,
             "log": str(workdir / "raytrain.log")}
 
 
@@ -149,7 +145,7 @@ def docs_section(result: dict) -> str:
     kills = ", ".join(f"rank {r} at {t:.1f} s" for t, r in result["kills"])
     return f"""{SECTION}
 
-Measured by `bench/goodput.py` on {result['date']} ({result['bench_s']:.0f} s for the whole bench). Command:
+Measured by `python -m bench.goodput` on {result['date']} ({result['bench_s']:.0f} s for the whole bench). Command:
 
 ```bash
 {result['command']}
@@ -161,7 +157,7 @@ Job: `examples/demo.yaml` with `{' '.join(result['overrides'])}`: 4 data-paralle
 a checkpoint every {result['every']} steps in both systems (undying: its async sharded writer; Ray Train:
 `torch.save` of the whole state on rank 0 + `ray.train.report`). Random failures: `chaos.mtbf_s`
 per rank, seeded; the kill schedule (job seconds) is {kills}. undying's controller fires it; the Ray Train
-workers fire the same list against the clock of `fit()`'s start (bench/_goodput_worker.py). One run each.
+workers fire the same list against the clock of `fit()`'s start (bench/goodput/worker.py). One run each.
 
 {result['table']}
 
@@ -176,7 +172,7 @@ first step completed after the restart, plus the compute of the redone steps, pe
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", default="examples/demo.yaml")
     # 1000 steps keep undying training past the default schedule's last kill (about 46 s).
     parser.add_argument("--steps", type=int, default=1000)
@@ -198,11 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         write_docs(args, json.loads((ROOT / args.out).read_text()))
         return 0
-    from recovery import machine
-
+    from bench.recovery.main import machine
     from orchestrator.spec.job_spec import load_spec
 
-    command = shlex.join([".venv/bin/python", "bench/goodput.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join([".venv/bin/python", "-m", "bench.goodput", *(argv if argv is not None else sys.argv[1:])])
     started = time.time()
     sets = job_overrides(args)
     spec_path = str((ROOT / args.spec).resolve())
@@ -237,14 +232,10 @@ def write_docs(args, result: dict) -> None:
     replace_section(ROOT / args.docs, SECTION, docs_section(result), NOTES)
     print(f"section {SECTION[3:]!r} written to {args.docs}")
     if args.sweep:
-        import _goodput_sweep
+        from bench.goodput import sweep
 
         data = json.loads(Path(args.sweep).read_text())
         minutes = args.sweep_minutes * 60 if args.sweep_minutes else None
-        text = _goodput_sweep.sweep_section(data, args.sweep_command, args.sweep_plot, result["date"], minutes)
-        replace_section(ROOT / args.docs, _goodput_sweep.SECTION, text, _goodput_sweep.NOTES)
-        print(f"section {_goodput_sweep.SECTION[3:]!r} written to {args.docs}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        text = sweep.sweep_section(data, args.sweep_command, args.sweep_plot, result["date"], minutes)
+        replace_section(ROOT / args.docs, sweep.SECTION, text, sweep.NOTES)
+        print(f"section {sweep.SECTION[3:]!r} written to {args.docs}")

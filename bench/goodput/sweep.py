@@ -1,4 +1,4 @@
-"""The docs section of an `undying chaos sweep` result (its --out JSON), written by bench/goodput.py --sweep.
+"""The docs section of an `undying chaos sweep` result (its --out JSON), written by bench.goodput --sweep.
 
 The sweep itself is a user command; this only turns its JSON into a markdown section with the
 table, the fitted model, the verdict on Young's interval and the plot, so the figures in
@@ -11,6 +11,7 @@ from orchestrator.cli.chaos.goodput_model import ModelInputs
 from orchestrator.cli.chaos.sweep import Row, table
 
 SECTION = "## Checkpoint interval sweep: measured goodput vs Young's tau*"
+# The markers' text is what docs/benchmarks.md already holds (from when the bench was bench/goodput.py).
 NOTES = ("<!-- sweep-notes: kept when bench/goodput.py rewrites this section -->", "<!-- /sweep-notes -->")
 
 

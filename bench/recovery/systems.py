@@ -12,7 +12,7 @@ machine clock (`time.time()` in every process):
 
 The kill itself is the same everywhere: rank 1 (by default) SIGKILLs itself after the
 backward of step 25, the fault undying's spec describes (undying injects it; the Ray Train
-and torchrun workers in _recovery_worker.py do it themselves).
+and torchrun workers in bench/recovery/worker.py do it themselves).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from _recovery_ray import ROOT, VENV_BIN, RayHead, free_port, worker_env
+from bench.recovery.ray_head import ROOT, VENV_BIN, RayHead, free_port, worker_env
 
-WORKER = ROOT / "bench" / "_recovery_worker.py"
+WORKER = "bench.recovery.worker"  # run as `python -m` (torchrun: `-m`) from the repository root
 RUN_TIMEOUT_S = 900
 
 
@@ -45,7 +45,7 @@ def measurement(system: str, wall_s: float, kill_t: float, detect_t: float, refo
     }
 
 
-def _launch(cmd: list[str], log_path: Path, env: dict[str, str]) -> float:
+def launch(cmd: list[str], log_path: Path, env: dict[str, str]) -> float:
     """Run `cmd` to completion (its own session, so a timeout kills all of it); return wall seconds."""
     started = time.time()
     with open(log_path, "wb") as log:
@@ -70,7 +70,7 @@ def _worker_config(job: dict, workdir: Path, kill: bool, **extra) -> dict:
             "every": job["every"], **extra}
 
 
-def _read_events(path: Path) -> list[dict]:
+def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -113,12 +113,12 @@ def run_torchrun(job: dict, workdir: Path, kill: bool = True) -> dict:
     cfg = _worker_config(job, workdir, kill)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["world_size"]),
            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           str(WORKER), "torchrun", "--config", json.dumps(cfg)]
+           "-m", WORKER, "torchrun", "--config", json.dumps(cfg)]
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it the restarted group cannot form here (issue 5).
     env = worker_env() | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", "OMP_NUM_THREADS": "1"}
     log = workdir / "torchrun.log"
-    wall = _launch(cmd, log, env)
-    events = _read_events(Path(cfg["events"]))
+    wall = launch(cmd, log, env)
+    events = read_events(Path(cfg["events"]))
     if not kill:
         last = max((e for e in events if e["ev"] == "step"), key=lambda e: e["step"])
         return {"system": "torchrun (no failure)", "wall_s": wall, "final_loss": last["loss"], "log": str(log)}
@@ -165,8 +165,8 @@ def run_raytrain(job: dict, workdir: Path, head: RayHead) -> dict:
     cfg = _worker_config(job, workdir, kill=True, address=head.address, world_size=job["world_size"],
                          run_name=f"recovery-{workdir.name}", max_restarts=3)
     log = workdir / "raytrain.log"
-    wall = _launch([sys.executable, str(WORKER), "raytrain", "--config", json.dumps(cfg)], log, worker_env())
-    events = _read_events(Path(cfg["events"]))
+    wall = launch([sys.executable, "-m", WORKER, "raytrain", "--config", json.dumps(cfg)], log, worker_env())
+    events = read_events(Path(cfg["events"]))
     points = _worker_points(events)
     detect_t, restart = raytrain_controller_log(head, points["kill_t"])
     # Cross-check from Ray's own actor table: when the killed attempt's surviving workers ended.
@@ -211,7 +211,7 @@ def run_undying(job: dict, workdir: Path, head: RayHead, extra_sets: list[str]) 
     sets = [f"checkpoint.url=file://{workdir / 'ckpt'}", *job["overrides"], *extra_sets]
     cmd = [str(VENV_BIN / "undying"), "run", job["spec"], "--address", head.address, "--report", str(report_path)]
     cmd += [arg for value in sets for arg in ("--set", value)]
-    wall = _launch(cmd, log, worker_env())
+    wall = launch(cmd, log, worker_env())
     stdout = log.read_text(errors="replace")
     points = undying_points(json.loads(report_path.read_text()), stdout)
     story = [line for line in stdout.splitlines() if re.match(r"^\[\s*[\d.]+s\] ", line)]

@@ -1,4 +1,4 @@
-"""The docs/benchmarks.md section of bench/ckpt.py: command, machine, state, tables, how numbers are taken."""
+"""The docs/benchmarks.md section of bench.ckpt: command, machine, state, tables, how numbers are taken."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def docs_section(result: dict, tables: str) -> str:
     gib = result["total_bytes"] / 2**30
     return f"""{SECTION}
 
-Measured by `bench/ckpt.py` on {result['date']} ({result['wall_s'] / 60:.1f} minutes). Command:
+Measured by `python -m bench.ckpt` on {result['date']} ({result['wall_s'] / 60:.1f} minutes). Command:
 
 ```bash
 {result['command']}

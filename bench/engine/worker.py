@@ -1,6 +1,6 @@
-"""The rank side of bench/engine.py: train each layout of one world size in one launch of ranks.
+"""The rank side of bench.engine: train each layout of one world size in one launch of ranks.
 
-Protocol: `bench/engine.py` calls `run_ranks(train_layouts, world, args=(job, layouts, steps, warmup, backend,
+Protocol: `bench/engine/main.py` calls `run_ranks(train_layouts, world, args=(job, layouts, steps, warmup, backend,
 port))` once per world size. Every rank walks the same list of layouts in the same order; for each it builds an
 `Engine`, runs `warmup + steps` steps in lockstep and returns, per layout, either a record of every step (loss,
 tokens, step_s, compute_s, bubble) or the error the engine raised. Construction errors (`check_layout`) are raised

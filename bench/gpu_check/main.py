@@ -1,6 +1,6 @@
 """The prepared GPU check: NCCL collectives, bf16 training steps, step time and MFU.
 
-Run on a machine with an NVIDIA GPU (`make gpu-check`, or `python bench/gpu_check.py`).
+Run on a machine with an NVIDIA GPU (`make gpu-check`, or `python -m bench.gpu_check`).
 It prints one table and writes `$OUT/gpu_check.json` (or `runs/gpu_check.json`):
 
   * matmul peak: measured bf16 TFLOP/s of a large GEMM, beside the table value for the
@@ -32,8 +32,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 # Dense bf16 peak (no sparsity), TFLOP/s, by device-name fragment.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
@@ -195,7 +194,7 @@ def process_writer_check(torch, mib: int = 1024, saves: int = 3) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -252,7 +251,3 @@ def main() -> int:
     for key, value in rows:
         print(f"{key:22s} {value}")
     return 0 if result["nccl_roundtrip"]["ok"] and result["staging"]["ok"] and procw["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
-"""A private local Ray head for bench/recovery.py: free ports, its own temp dir, stopped by PID.
+"""A private local Ray head for bench.recovery (and bench.goodput): free ports, its own temp dir, stopped by PID.
 
 undying and Ray Train both run on it, so neither system's wall time includes starting Ray.
-The head's environment is inherited by every Ray worker process: it puts `bench/` and the
-repository on PYTHONPATH (Ray Train imports the benchmark's training function by reference),
+The head's environment is inherited by every Ray worker process: it puts the repository on
+PYTHONPATH (Ray Train imports the benchmark's training function, `bench.*.worker`, by reference),
 keeps gloo on loopback and sets Ray Train's health-check interval. Never `ray stop`: that
 kills every Ray process on the machine, including other people's.
 """
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -32,8 +32,8 @@ def free_port() -> int:
 def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for the head (and so every Ray worker) and for the bench's drivers."""
     env = dict(os.environ if base is None else base)
-    # The repository before bench/: there bench/ckpt.py would shadow the ckpt package.
-    paths = [str(ROOT), str(ROOT / "bench")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    # The repository, so that every process (Ray's workers too) imports the `bench` package.
+    paths = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update({
         "PYTHONPATH": os.pathsep.join(paths),
         "GLOO_SOCKET_IFNAME": "lo",

@@ -1,4 +1,4 @@
-"""The controller's half of our saves in bench/ckpt.py: collect the ranks' receipts, commit the manifest.
+"""The controller's half of our saves in bench.ckpt: collect the ranks' receipts, commit the manifest.
 
 Protocol (side channel, no collective on the training group, design.md invariant 5): each
 rank's writer thread sets `receipt/<step>/<rank>` in a TCPStore that this process hosts,
@@ -18,6 +18,7 @@ from datetime import timedelta
 
 from ckpt.catalog import Catalog
 from ckpt.commit import Committer
+from ckpt.manifest import ShardReceipt
 from ckpt.storage import Storage
 
 POLL = timedelta(seconds=1)
@@ -55,7 +56,8 @@ def commit_loop(store, saves: list[tuple[int, str]], backends: dict, world: int,
         commit = None
         for key in keys:
             event = json.loads(store.get(key))
-            commit = committers[backend].on_receipt(event, world, 0, {"dp": world}, dict)
+            receipt = ShardReceipt.model_validate(event["receipt"])
+            commit = committers[backend].on_receipt(receipt, event.get("extra", {}), world, 0, {"dp": world}, dict)
         if commit is None:
             why = committers[backend].rejected.get(step, "no commit")
             store.set(f"commit/{step}", json.dumps({"ok": False, "why": why}))
