@@ -1,0 +1,90 @@
+"""The wire protocol between ranks and controller: every message round-trips through JSON, bad
+ones are refused naming the type or field, and the chaos library's notices decode as FaultFired."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chaos.injector import FaultInjector
+from chaos.storage_rules import StorageFaultPlan
+from ckpt.manifest import ShardReceipt
+from orchestrator.wire.messages import (
+    MESSAGES,
+    CheckpointPlan,
+    FaultFired,
+    MemoryReport,
+    NodeLost,
+    SaveFailed,
+    ShardWritten,
+    StepDone,
+    decode,
+    encode,
+)
+from orchestrator.wire.store import RendezvousServer
+
+RECEIPT = ShardReceipt(step=10, rank=1, file="step-000000010/shard-r1.bin", nbytes=64, tensors={},
+                       blocking_s=0.01, write_s=0.2)
+EXAMPLES = [
+    StepDone(step=3, loss=2.5, tokens=512, step_s=0.1, time=1e9, compute_s=0.08, grad_norm=1.2, lr=1e-3,
+             bubble=0.2, loss_scale=1024.0),
+    ShardWritten(RECEIPT, {"engine": {"next_step": 10}}),
+    SaveFailed(rank=1, step=10, error="OSError: disk full"),
+    FaultFired(fault_id=2, kind="kill_rank", time=1e9, rank=1, step=25, point="after_backward"),
+    NodeLost(node="abc123", rank=3, time=1e9),
+    MemoryReport(ledgers={"state": 1024, "activation": 2048}),
+    MemoryReport(ledgers=None),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_json(message):
+    wire = json.loads(json.dumps(encode(message)))
+    assert wire["type"] == message.type and decode(wire) == message
+
+
+def test_the_dispatch_table_names_every_message_type_once():
+    assert set(MESSAGES) == {"step", "receipt", "save_error", "fault", "node_lost", "memory"}
+    assert {type(m) for m in EXAMPLES} == set(MESSAGES.values())
+
+
+def test_bad_events_are_refused_naming_the_type_or_the_field():
+    with pytest.raises(ValueError, match="unknown event type 'heartbeat'"):
+        decode({"type": "heartbeat", "rank": 0})
+    with pytest.raises(ValueError, match=r"save_error event: unknown field\(s\) \['stepp'\]"):
+        decode({"type": "save_error", "rank": 0, "stepp": 3, "error": "x"})
+    with pytest.raises(ValueError, match="node_lost event"):
+        decode({"type": "node_lost", "node": "n"})
+
+
+def test_chaos_notices_decode_as_fault_fired():
+    notices: list[dict] = []
+    hook = FaultInjector.hook_for([{"id": 4, "kind": "nan_grad", "rank": 0, "at_step": 1}], 0, notices.append)
+    with pytest.raises(RuntimeError, match="nan_grad needs the engine's module"):
+        hook("after_backward", 1)  # notifies before it acts
+    plan = StorageFaultPlan([{"id": 7, "kind": "storage_error", "op": "write", "nth": 1}], notify=notices.append)
+    plan.judge("write", "root/step-000000010/shard-r0.bin")
+    rank_fault, storage_fault = (decode(n) for n in notices)
+    assert (rank_fault.fault_id, rank_fault.kind, rank_fault.step, rank_fault.point) == (4, "nan_grad", 1,
+                                                                                        "after_backward")
+    assert (storage_fault.fault_id, storage_fault.op, storage_fault.mode) == (7, "write", "before")
+
+
+def test_messages_travel_through_the_generation_store():
+    store = RendezvousServer("127.0.0.1").generation(0)
+    for message in EXAMPLES:
+        store.send(message)
+    store.send({"type": "fault", "fault_id": 1, "kind": "hang_rank", "rank": 0, "step": 2, "point": "x",
+                "time": 1.0})
+    received = store.receive()
+    assert received[:-1] == EXAMPLES and received[-1] == FaultFired(1, "hang_rank", time=1.0, rank=0, step=2,
+                                                                    point="x")
+    with pytest.raises(ValueError, match="unknown event type"):
+        store.send({"type": "typo"})  # refused where it is made, not at the controller
+
+
+def test_checkpoint_plan_round_trips_and_saves_on_its_cadence():
+    plan = CheckpointPlan(every=5, anchor=3, version=2, final_step=21, tag="abc g1", job_started_at=1e9)
+    assert CheckpointPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert [s for s in range(1, 22) if plan.should_save(s)] == [8, 13, 18, 21]
