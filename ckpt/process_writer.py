@@ -4,13 +4,13 @@ Why: `ckpt.writer.ShardWriter` writes from a thread of the rank's own process, s
 training thread's GIL. On file:// that costs training little (the direct-I/O writes, the copies
 and the checksums release the GIL), but a Python object-store client (s3fs over aiohttp) holds
 it for much of an upload: on s3:// a save cost the training loop 1.9-2.7 s with the writer
-thread against 0.07-0.8 s with a writer process (bench/ckpt.py, thread-vs-process section).
+thread against 0.07-0.8 s with a writer process (python -m bench.ckpt, thread-vs-process section).
 Chosen per job by `checkpoint.writer` (`auto`: this writer on object stores).
 
 Protocol (the same as `ShardWriter`'s, so the rank loop drives either; one instance per rank,
 driven by one thread, which must also be the one that calls `flush`):
   1. `save(step, slices, extra)` waits for a save still in flight (one snapshot staged at
-     most, design.md invariant 6; the wait is blocking time and is counted in `waited`),
+     most, docs/design.md invariant 6; the wait is blocking time and is counted in `waited`),
      copies this rank's share (`ckpt.shards.slices_to_write`) into one shared-memory staging
      buffer (the only work training waits for), calls `fault_hook("during_stage", step)`,
      sends the geometry to the child and returns the blocking seconds.

@@ -12,7 +12,7 @@ Protocol (one instance per rank, driven by the rank's training thread only):
   3. `flush()` before the rank leaves, so a final save is never lost (`wait()` waits for the
      save in flight without stopping the writer thread).
 
-At most one snapshot is staged per rank (design.md invariant 6): a save requested while
+At most one snapshot is staged per rank (docs/design.md invariant 6): a save requested while
 the previous one is still being written waits for it; the wait is part of the blocking
 time and is counted in `waited`. The staging buffers are kept from one save to the next
 (`ckpt.staging.StagingPool`), which that wait makes safe: a buffer is refilled only after
@@ -56,7 +56,7 @@ def yield_cpu_to_training() -> None:
 
 
 class OneSaveInFlight:
-    """What every rank writer shares: at most one save in flight (design.md invariant 6).
+    """What every rank writer shares: at most one save in flight (docs/design.md invariant 6).
 
     `_take_turn(slices)` at the start of a save waits for the previous one (counted in `waited`)
     and splits `slices` into the geometry this rank holds and the slices it writes; the writer
@@ -99,7 +99,7 @@ class ShardWriter(OneSaveInFlight):
         self.block_bytes = block_bytes
         self.tag = tag  # in shard file names: see ckpt.shards.shard_file_name
         super().__init__()
-        # Callers that run several writers one save at a time (bench/ckpt.py) may share one pool.
+        # Callers that run several writers one save at a time (the checkpoint bench) may share one pool.
         self.staging = staging if staging is not None else StagingPool()
         # The background writer: one long-lived thread fed through `_jobs`, started by the first
         # async save and stopped by `flush`. Not a thread per save: `Thread.start` waits until the

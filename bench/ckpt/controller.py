@@ -1,6 +1,6 @@
 """The controller's half of our saves in bench.ckpt: collect the ranks' receipts, commit the manifest.
 
-Protocol (side channel, no collective on the training group, design.md invariant 5): each
+Protocol (side channel, no collective on the training group, docs/design.md invariant 5): each
 rank's writer thread sets `receipt/<step>/<rank>` in a TCPStore that this process hosts,
 with {"backend", "receipt", "extra"} as orchestrator/rank/loop.py sends them; a failed write
 sets `error/<step>/<rank>`. For every save of the plan, in order, this loop waits for all

@@ -18,7 +18,7 @@ repeat saves and loads that state with
 The first repeat bit-checks every load. Then rank 0 compares the background writer as a
 thread (ShardWriter) with the same write in a child process fed through shared memory,
 while a training loop runs (bench/ckpt/tvp.py). It prints the tables (median [min-max]
-over the repeats, ratios against DCP, the issue's targets), writes runs/bench/ckpt.json and
+over the repeats, ratios against DCP, the targets of docs/benchmarks.md), writes runs/bench/ckpt.json and
 rewrites its own section of docs/benchmarks.md.
 """
 
@@ -58,8 +58,7 @@ from bench.docs import replace_section  # noqa: E402
 from ckpt.staging import staging_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-# The markers' text is what docs/benchmarks.md already holds (from when this was bench/ckpt.py).
-NOTES = ("<!-- ckpt-notes: kept when bench/ckpt.py rewrites this section -->", "<!-- /ckpt-notes -->")
+NOTES = ("<!-- ckpt-notes: kept when python -m bench.ckpt rewrites this section -->", "<!-- /ckpt-notes -->")
 WORKER = "bench.ckpt.worker"  # run as `python -m` from the repository root
 WORLD = 4
 

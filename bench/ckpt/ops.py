@@ -8,7 +8,7 @@ blocking = the worst rank's, total = last rank done - first rank started.
 
 Our save follows the production protocol: `ShardWriter.save` on each rank, the receipt
 sent from the writer thread through a side channel (a TCPStore the driver hosts, never a
-collective on the training group, design.md invariant 5) to the driver, which merges the
+collective on the training group, docs/design.md invariant 5) to the driver, which merges the
 receipts and commits the manifest with ckpt.commit.Committer, as the controller
 does, and publishes the commit time under `commit/<step>`. The rank waits for that key
 (the store releases the GIL while it waits) to learn when its save became a checkpoint.

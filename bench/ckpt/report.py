@@ -86,7 +86,7 @@ def backend_table(ops: dict, layouts: list[str]) -> str:
 
 
 def targets(ops: dict, backend: str, layouts: list[str]) -> list[tuple[str, float, float, bool]]:
-    """(what, measured, limit, met) for each of the issue's targets that this backend's numbers decide."""
+    """(what, measured, limit, met) for each checkpoint target that this backend's numbers decide."""
     def m(name: str, key: str) -> float | None:
         values = ops.get(name, {}).get(key)
         return med(values) if values else None

@@ -41,8 +41,7 @@ from trainer.config import MODEL_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Engine step time by parallel layout"
-# The markers' text is what docs/benchmarks.md already holds (from when this was bench/engine.py).
-NOTES = ("<!-- engine-notes: kept when bench/engine.py rewrites this section -->", "<!-- /engine-notes -->")
+NOTES = ("<!-- engine-notes: kept when python -m bench.engine rewrites this section -->", "<!-- /engine-notes -->")
 REFERENCE = "dp1tp1pp1z0"
 # Small enough for 4 ranks on 2 cores in a few minutes, big enough that compute is not all overhead;
 # 4 layers cut into 2 or 4 pipeline chunks, and every width splits over tp = 2.

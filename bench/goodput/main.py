@@ -39,8 +39,7 @@ from bench.recovery.ray_head import ROOT, VENV_BIN, start_head, worker_env
 from bench.recovery.systems import launch, read_events
 
 SECTION = "## Goodput under random failures: undying vs Ray Train"
-# The markers' text is what docs/benchmarks.md already holds (from when this was bench/goodput.py).
-NOTES = ("<!-- goodput-notes: kept when bench/goodput.py rewrites this section -->", "<!-- /goodput-notes -->")
+NOTES = ("<!-- goodput-notes: kept when python -m bench.goodput rewrites this section -->", "<!-- /goodput-notes -->")
 WORKER = "bench.goodput.worker"  # run as `python -m` from the repository root
 
 

@@ -11,8 +11,7 @@ from orchestrator.cli.chaos.goodput_model import ModelInputs
 from orchestrator.cli.chaos.sweep import Row, table
 
 SECTION = "## Checkpoint interval sweep: measured goodput vs Young's tau*"
-# The markers' text is what docs/benchmarks.md already holds (from when the bench was bench/goodput.py).
-NOTES = ("<!-- sweep-notes: kept when bench/goodput.py rewrites this section -->", "<!-- /sweep-notes -->")
+NOTES = ("<!-- sweep-notes: kept when python -m bench.goodput rewrites this section -->", "<!-- /sweep-notes -->")
 
 
 def sweep_section(data: dict, command: str, plot: str | None, date: str, seconds: float | None) -> str:

@@ -15,7 +15,7 @@ It prints one table and writes `$OUT/gpu_check.json` (or `runs/gpu_check.json`):
     GPU, with step time, tokens/s and MFU = achieved model FLOP/s / peak;
   * memory: a 1B-class model (--mem-preset) for a few bf16 steps at tp = 1, without and with
     recomputation (--mem-recompute), its `torch.cuda.max_memory_allocated` beside the cost
-    model's predicted peak (trainer.costmodel.memory ledgers; issue 3 asks for within 15 %).
+    model's predicted peak (trainer.costmodel.memory ledgers; the target is within 15 %).
     A mismatch is printed and recorded, not turned into a failing exit code: the ledgers'
     allowances are calibrated from these numbers.
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from bench.recovery.ray_head import ROOT, RayHead, start_head
 from bench.recovery.systems import run_raytrain, run_torchrun, run_undying
 
-# --systems key -> (table name, extra undying overrides). The issue's targets are for undying
+# --systems key -> (table name, extra undying overrides). The recovery targets are for undying
 # with a warm spare (or a shrink); the plain run replaces the dead rank with a new actor.
 # The shrink variant gets no replacement (dp 4 -> 2 at once) and does not grow back: its layout
 # changes, so its final loss is compared within SHRINK_RTOL instead of bit for bit.
@@ -45,10 +45,10 @@ SYSTEMS = {"undying": ("undying", []), "undying-spare": ("undying (warm spare)",
            "undying-shrink": ("undying (shrink)", ["elastic.replace_timeout_s=0", "elastic.grow=false"]),
            "raytrain": ("Ray Train", None), "torchrun": ("torchrun", None)}
 SHRINK_RTOL = 1e-5
-TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # issue 5: kill-to-first-step at least this many x faster
+TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # kill-to-first-step at least this many x faster
 SECTION = "## Recovery: undying vs Ray Train vs torchrun"
-# The markers' text is what docs/benchmarks.md already holds (from when this was bench/recovery.py).
-NOTES = ("<!-- recovery-notes: kept when bench/recovery.py rewrites this section -->", "<!-- /recovery-notes -->")
+NOTES = ("<!-- recovery-notes: kept when python -m bench.recovery rewrites this section -->",
+         "<!-- /recovery-notes -->")
 
 
 def job_from_spec(spec_path: str, overrides: list[str]) -> dict:

@@ -114,7 +114,7 @@ def run_torchrun(job: dict, workdir: Path, kill: bool = True) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["world_size"]),
            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "-m", WORKER, "torchrun", "--config", json.dumps(cfg)]
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it the restarted group cannot form here (issue 5).
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it the restarted group cannot form here.
     env = worker_env() | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", "OMP_NUM_THREADS": "1"}
     log = workdir / "torchrun.log"
     wall = launch(cmd, log, env)

@@ -29,8 +29,7 @@ from bench.release.scenario import COLLECTIVES, HOLD_S, MODES, PAUSE_S, PG_TIMEO
 ROOT = Path(__file__).resolve().parents[2]
 
 SECTION = "## Release from a broken collective"
-# The markers' text is what docs/benchmarks.md already holds (from when this was bench/release.py).
-NOTES = ("<!-- release-notes: kept when bench/release.py rewrites this section -->", "<!-- /release-notes -->")
+NOTES = ("<!-- release-notes: kept when python -m bench.release rewrites this section -->", "<!-- /release-notes -->")
 
 
 def _cells(runs: list[dict], mode: str, cap_s: float) -> str:

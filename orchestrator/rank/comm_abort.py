@@ -9,7 +9,7 @@ until the others exited (`_abort_process_group()` did not release it either). Sh
 pair sockets down (`shutdown(SHUT_RDWR)` on the connected ones; never the listener, which
 gloo treats as fatal) makes every survivor's collective fail within milliseconds, whoever
 holds the group, and the same processes then form a new group under a new store prefix in
-~10-30 ms (bench/release.py measures every collective the engine uses). On NCCL the
+~10-30 ms (python -m bench.release measures every collective the engine uses). On NCCL the
 communicator abort does the equivalent.
 
 Protocol (rank side, in `RankActor`):

@@ -1,7 +1,7 @@
 """The rendezvous store, hosted by the controller, and the per-generation key space.
 
 The controller owns one `torch.distributed.TCPStore` server for the life of the job, so
-losing any rank never loses the store (design.md section 2). Each membership generation
+losing any rank never loses the store (docs/design.md section 2). Each membership generation
 uses the key prefix `gen<g>`: process-group bootstrap keys, the abort flag, the checkpoint
 plan, heartbeats and the event queue. Messages of an old generation live under an old
 prefix and are never read again.

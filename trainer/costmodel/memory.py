@@ -52,7 +52,7 @@ RESIDUAL_BYTES = 4  # the residual stream is fp32: fp32 embeddings plus autocast
 LOW_PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # An allowance, not a measurement: reserved-but-unallocated blocks of the caching allocator,
 # as a fraction of the memory that is allocated and freed every step. To be calibrated
-# against max_memory_reserved on a GPU (the prediction should be within 15 % of it; bench/gpu_check.py).
+# against max_memory_reserved on a GPU (the prediction should be within 15 % of it; python -m bench.gpu_check).
 FRAGMENTATION = 0.10
 GEMM_WORKSPACE_BYTES = 32 << 20  # cuBLAS with CUBLAS_WORKSPACE_CONFIG=:4096:8 (engine, deterministic)
 CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context and kernels, outside the caching allocator
