@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from monitor.straggler import StragglerDetector
+from orchestrator.wire.messages import Heartbeat
 from orchestrator.wire.store import heartbeat_key
 
 
@@ -58,12 +59,13 @@ class Telemetry:
             return set()
         self._last_poll = now
         for rank in range(world_size):
-            beat = store.get_json(heartbeat_key(rank))
-            if beat is None or self._seen.get(rank) == beat["time"]:
+            data = store.get_json(heartbeat_key(rank))
+            beat = Heartbeat.from_json(data) if data is not None else None
+            if beat is None or self._seen.get(rank) == beat.time:
                 continue
-            self._seen[rank] = beat["time"]
-            self.detector.observe(rank, beat["compute_s"])
-            self.metrics.on_rank_compute(rank, beat["compute_s"])
+            self._seen[rank] = beat.time
+            self.detector.observe(rank, beat.compute_s)
+            self.metrics.on_rank_compute(rank, beat.compute_s)
         flagged, newly = self.detector.evaluate(now)
         self.metrics.on_stragglers(flagged)
         return newly

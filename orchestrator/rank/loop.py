@@ -36,6 +36,7 @@ from chaos.storage_faults import install_on
 from ckpt.writers import CheckpointWriter, make_writer
 from orchestrator.wire.messages import (
     CheckpointPlan,
+    Heartbeat,
     MemoryReport,
     Message,
     SaveFailed,
@@ -73,7 +74,7 @@ def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> Checkpoi
 
 def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: float) -> None:
     """`compute_s`: the rank's mean step compute time since its previous heartbeat."""
-    store.set_json(heartbeat_key(rank), {"step": step, "time": time.time(), "compute_s": compute_s})
+    store.set_json(heartbeat_key(rank), Heartbeat(step, time.time(), compute_s).to_json())
 
 
 class RankLoop:

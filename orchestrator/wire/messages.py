@@ -11,9 +11,11 @@ checkpoint plan under the `plan` key, which ranks poll. Who sends what:
     FaultFired       "fault"      a rank or the controller       an injected fault fires, before it acts
     NodeLost         "node_lost"  every rank (node watchdog)     its raylet is gone
     MemoryReport     "memory"     rank 0                         after a generation's first step
+    Heartbeat        (a key)      every rank                     at most every monitor.heartbeat_s
     CheckpointPlan   (a key)      the controller                 at restore, and when the cadence moves
 
-`encode(message)` gives the JSON-ready dict (with its "type"), `decode(dict)` the message;
+Events are queued; a heartbeat (`hb/<rank>`) and the plan (`plan`) are keys, the newest value
+overwriting the last. `encode(message)` gives the JSON-ready dict (with its "type"), `decode(dict)` the message;
 `MESSAGES` is the dispatch table between the two. The bytes on the wire are that JSON.
 Fault notices are built by the chaos library (chaos.injector, chaos.storage_rules), which
 sits below this module, as dicts of FaultFired's fields; the rank decodes them before
@@ -126,6 +128,23 @@ def decode(data: dict[str, Any]) -> Message:
         return cls(**body)
     except TypeError as err:
         raise ValueError(f"{kind} event: {err}") from None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A rank's latest heartbeat: the step it finished, when, and its mean compute time per step
+    since its previous heartbeat (the straggler detector's input)."""
+
+    step: int
+    time: float
+    compute_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Heartbeat:
+        return cls(int(data["step"]), float(data["time"]), float(data["compute_s"]))
 
 
 @dataclass(frozen=True)

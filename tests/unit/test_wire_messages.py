@@ -14,6 +14,7 @@ from orchestrator.wire.messages import (
     MESSAGES,
     CheckpointPlan,
     FaultFired,
+    Heartbeat,
     MemoryReport,
     NodeLost,
     SaveFailed,
@@ -82,6 +83,11 @@ def test_messages_travel_through_the_generation_store():
                                                                     point="x")
     with pytest.raises(ValueError, match="unknown event type"):
         store.send({"type": "typo"})  # refused where it is made, not at the controller
+
+
+def test_a_heartbeat_round_trips_as_its_key_value():
+    beat = Heartbeat(step=7, time=1e9, compute_s=0.25)
+    assert Heartbeat.from_json(json.loads(json.dumps(beat.to_json()))) == beat
 
 
 def test_checkpoint_plan_round_trips_and_saves_on_its_cadence():
