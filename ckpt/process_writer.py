@@ -36,11 +36,12 @@ synchronisation per device, as with the thread writer's pinned staging. Reusing 
 safe for the reason `StagingPool` is: a save refills it only after the previous write ended.
 
 Chaos: `storage_setup(storage, notify)` runs in the child on its Storage (it must pickle: a
-module-level function or a `functools.partial` of one, over plain data); storage-fault notices
-it raises come back through the listener to `notify`. The point "during_shard_write" fires in
-the parent's listener thread when the child begins a write, so a kill there ends the rank (and
-with it the child) mid-write, as with the writer thread; a fault hook that raises there makes
-the save fail (`on_error`; the receipt, if the write still lands, is dropped).
+module-level function or a `functools.partial` of one, over picklable data such as
+chaos.config.ArmedFault); storage-fault notices it raises come back through the listener to
+`notify`. The point "during_shard_write" fires in the parent's listener thread when the child
+begins a write, so a kill there ends the rank (and with it the child) mid-write, as with the
+writer thread; a fault hook that raises there makes the save fail (`on_error`; the receipt, if
+the write still lands, is dropped).
 """
 
 from __future__ import annotations

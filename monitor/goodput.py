@@ -15,8 +15,8 @@ must not be read from other threads (metrics get a snapshot through `JobMetrics.
    the fact: a checkpoint's blocking time (productive -> checkpoint_save) once the shard
    receipts arrive, and the steps rolled back by a recovery (productive -> lost_work).
 4. `to_dict()` is saved with each checkpoint, and every few seconds beside them
-   (orchestrator.controller.ledger_snapshot); `GoodputLedger(carried=...)` resumes the totals after a
-   controller restart, with the predecessor's steps past the restored commit moved to
+   (orchestrator.controller.ledger_snapshot); `GoodputLedger(carried=...)` or `carry(totals)` resumes the
+   totals after a controller restart, with the predecessor's steps past the restored commit moved to
    lost_work and the time no controller ran booked to `other`.
 5. `stop()` closes the last interval when the job ends, so a report built later sees the
    same totals.

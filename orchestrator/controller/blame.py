@@ -3,12 +3,12 @@
 Protocol (controller thread only): the training loop asks for a `Failure` when something
 went wrong: `from_outcomes` (a rank's `train` call died or returned an error), `node_lost`
 (a rank's node watchdog reported its raylet gone), `hang` (no step for too long, polled);
-RENDEZVOUS and RESTORING build theirs with `rendezvous_failed` and `restore_failed`. Each asks
-the FaultClock first: an injected fault that fired is the cause even when a peer's
-collective error is reported first, and taking it marks it blamed, so it is never blamed
-for a later failure. Once every rank is out (RECOVERING), `attribute` names the real culprit
-from what the release learned (who was dead, who was stuck) and returns what the failure
-policy needs to know of it.
+RENDEZVOUS and RESTORING build theirs with `rendezvous_failed` and `restore_failed`. All but
+`rendezvous_failed` ask the FaultClock (`from_outcomes` after the evictions): an injected
+fault that fired is the cause even when a peer's collective error is reported first, and
+taking it marks it blamed, so it is never blamed for a later failure. Once every rank is out
+(RECOVERING), `attribute` names the real culprit from what the release learned (who was
+dead, who was stuck) and returns what the failure policy needs to know of it.
 
 Evictions: the straggler watch records the ranks it kills on purpose (`evicting`); their
 deaths are `straggler_evicted`, not `rank_died`.

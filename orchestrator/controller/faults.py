@@ -5,7 +5,7 @@ Protocol (the controller owns one `ControllerFaults`, built with the job's armed
     once, at construction, on the catalog's Storage: they hit manifest commits, listings,
     deletes (retention, gc, quarantine) and the controller's manifest reads. `at_seconds` and
     `duration_s` are job seconds on `job_seconds` (the goodput ledger's clock, which a resumed
-    job carries over). Storage faults with `rank` are the rank's business (rank_loop).
+    job carries over). Storage faults with `rank` are the rank's business (orchestrator.rank.loop).
   * `after_commit(step)` fires each corrupt_shard fault whose `at_step` is reached: the
     first checkpoint committed at or after that step gets one bit of one shard flipped
     (chaos.corrupt). The commit itself stands; the next restore of that step must find the

@@ -14,7 +14,8 @@ Protocol:
     a checkpoint);
   * a successor, on its first restore of committed step R, calls `load()` and
     `resume_totals(at_commit, committed_at, snapshot, started_at)` with the ledger saved with
-    R, R's commit time and the wall time it started at, and builds its ledger on the result.
+    R, R's commit time and the wall time it started at, and carries the result into its ledger
+    (`carry_from_checkpoint`, which does both).
 """
 
 from __future__ import annotations
@@ -57,23 +58,22 @@ def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: di
     return totals
 
 
-def carry_from_checkpoint(catalog, step: int, ledger, history: list, snapshots: LedgerSnapshots,
+def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnapshots,
                           started_at: float) -> float | None:
-    """A restarted controller's first restore: carry into `ledger` the goodput saved with checkpoint
-    `step` (resumed by `resume_totals` against the newest snapshot) and put the step history it
-    saved (which steps the restored model holds) in front of `history`.
+    """A restarted controller's first restore: carry into `ledger` the goodput saved with the
+    restored checkpoint's `manifest` (resumed by `resume_totals` against the newest snapshot) and
+    put the step history it saved (which steps the restored model holds) in front of `history`.
 
     Returns the carried job seconds (the resumed job's clock), or None when the checkpoint has no
-    ledger. An unparsable (torn) manifest raises ckpt.errors.CorruptCheckpoint."""
-    from ckpt.reader import read_manifest
-
-    manifest = read_manifest(catalog, step)
+    ledger. Buckets this release does not know are dropped, as a newer writer's would be. A
+    snapshot that cannot be read is ignored (LedgerSnapshots.load), so this never fails a restore."""
     state = manifest.state
     history[:0] = state.get("history", [])
     saved = state.get("goodput")
     if not saved:
         return None
     carried = resume_totals(saved, manifest.created_at, snapshots.load(), started_at)
+    carried = {bucket: seconds for bucket, seconds in carried.items() if bucket in BUCKETS}
     ledger.carry(carried)
     return sum(carried.values())
 
@@ -106,7 +106,8 @@ class LedgerSnapshots:
                 self._warned = True
 
     def load(self) -> dict | None:
-        """The newest snapshot, or None when there is none or it does not parse."""
+        """The newest snapshot, or None when there is none, it does not parse or cannot be read (a
+        storage error here must not fail the restore that asks: the commit's own ledger then resumes)."""
         try:
             data = json.loads(self.storage.read(self.path))
             totals = {k: float(v) for k, v in data["totals"].items() if k in BUCKETS}
@@ -115,6 +116,6 @@ class LedgerSnapshots:
             return {"time": float(data["time"]), "totals": totals, "ended": bool(data.get("ended", False))}
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             log.warning("ignoring the goodput snapshot %s: %s", self.path, err)
             return None

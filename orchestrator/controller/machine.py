@@ -8,15 +8,11 @@ with its numbers, books wall time to the goodput bucket of the new state and exp
 state as a metric. RUNNING and CHECKPOINTING share the training handler: saves run beside
 training, from a save's first receipt to its commit.
 
-Collaborators, each built here with its dependencies: `FaultClock` (chaos faults: armed,
-fired, time-triggered), `Blame` (which failure, whose fault), `EventIntake` (rank events,
-one handler per message), `Checkpoints` (the plan, commits, the restore point), `Recovery`
-(release, replace, shrink, grow). Policies (failure, scaling, checkpoint interval) only
-return decisions; the controller acts on them. The worker group is injected, so unit tests
-drive transitions with a fake group.
-
-Single-threaded: everything, including event handling and commits, runs on the thread that
-calls `run()` (or `step_once()`, one transition at a time).
+Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which
+failure, whose fault), EventIntake (rank events), Checkpoints (plan, commits, restore point),
+Recovery (release, replace, shrink, grow). Policies only return decisions; the controller
+acts. The worker group is injected, so unit tests drive transitions with a fake group.
+Single-threaded: everything runs on the thread that calls `run()` (or `step_once()`).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ckpt.reader import CorruptCheckpoint
+from ckpt.reader import CorruptCheckpoint, read_manifest
 from monitor.goodput import GoodputLedger
 from monitor.report import StragglerRecord
 from orchestrator.cluster.placement import tp_locality
@@ -123,17 +119,14 @@ class Controller:
         p = self.spec.parallel
         return {"dp": self.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.world_size}
 
-    def layout_text(self) -> str:
-        p = self.spec.parallel
-        return f"dp={self.dp} tp={p.tp} pp={p.pp}"
-
     def log(self, line: str) -> None:
         self.printer(f"[{self.record.job_seconds():7.2f}s] {line}")
 
     # ---- the machine -------------------------------------------------------------------------
 
     def run(self):
-        self._enter(self.phase, f"placing {self.world_size} ranks ({self.layout_text()})")
+        p = self.spec.parallel
+        self._enter(self.phase, f"placing {self.world_size} ranks (dp={self.dp} tp={p.tp} pp={p.pp})")
         while self.state not in TERMINAL:
             self.step_once()
         self.chaos.close()
@@ -152,10 +145,10 @@ class Controller:
             try:
                 self.HANDLERS[self.state]()
             except PlacementError as err:
-                self._fail(str(err))
+                self._fail_unless_ended(str(err))
             except Exception as err:  # a bug or an unexpected platform error
                 log.exception("controller error in %s", self.state.value)
-                self._fail(f"{type(err).__name__} in {self.state.value}: {err}")
+                self._fail_unless_ended(f"{type(err).__name__} in {self.state.value}: {err}")
         return self.state
 
     def _go(self, phase: Phase, sentence: str) -> None:
@@ -175,6 +168,13 @@ class Controller:
     def _fail(self, error: str) -> None:
         self.error = error
         self._go(Failed(error), error)
+
+    def _fail_unless_ended(self, error: str) -> None:
+        """A handler raised: fail the job, unless it raised after the job had ended (then it stays ended)."""
+        if self.state in TERMINAL:
+            log.error("controller error after the job ended %s: %s", self.state.value, error)
+            return
+        self._fail(error)
 
     # ---- states --------------------------------------------------------------------------------
 
@@ -256,9 +256,9 @@ class Controller:
         ledger is already in ours. A torn manifest raises CorruptCheckpoint (handled by the caller)."""
         if self._resumed_ledger:
             return
-        carried = carry_from_checkpoint(self.catalog, step, self.ledger, self.record.history,
-                                        self.snapshots, self.created_at)
-        self._resumed_ledger = True
+        manifest = read_manifest(self.catalog, step)
+        self._resumed_ledger = True  # from here on, a retry must not carry (or prepend the history) again
+        carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.created_at)
         if carried is not None:
             self.fault_clock.skip_before(carried)
             self.ledger.enter("checkpoint_restore")

@@ -99,7 +99,8 @@ class RankActor:
                 connect(host, port, gen, timeout_s=5.0).send(event)
 
         step = self.engine.next_step if self.engine is not None else -1
-        FaultInjector([dict(fault, rank=self.rank)], self.rank, notify).fire_now(dict(fault, rank=self.rank), step)
+        mine = fault.model_copy(update={"rank": self.rank})
+        FaultInjector([mine], self.rank, notify).fire_now(mine, step)
 
     def warm_up(self) -> dict:
         """A spare's first call: import the engine so that taking over a rank costs milliseconds."""

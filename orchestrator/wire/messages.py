@@ -1,7 +1,7 @@
 """Every message between the ranks and the controller, typed, with its JSON form.
 
 Ranks push events to the controller through the generation's store queue
-(orchestrator.wire.store: `push_event` / `drain_events`); the controller publishes one
+(orchestrator.wire.store: `send` / `receive`); the controller publishes one
 checkpoint plan under the `plan` key, which ranks poll. Who sends what:
 
     message          type         sender                         when
@@ -70,8 +70,9 @@ class SaveFailed:
 @dataclass
 class FaultFired:
     """An injected fault fired. Rank faults name (rank, step, point); storage faults (op, path, mode);
-    corrupt_shard the committed `step` and a `detail`. `handled` is the controller's own mark:
-    the fault was blamed for a failure, or can make none (storage, corruption)."""
+    corrupt_shard the committed `step` and a `detail`. `handled` is the controller's own mark
+    (the fault was blamed for a failure, or can make none: storage, corruption); it never
+    travels: `to_json` leaves it out and `from_json` starts every notice unhandled."""
 
     type: ClassVar[str] = "fault"
     fault_id: int
@@ -85,6 +86,20 @@ class FaultFired:
     mode: str | None = None
     detail: str | None = None
     handled: bool = False
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "handled"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> FaultFired:
+        body = {k: v for k, v in data.items() if k != "handled"}
+        unknown = sorted(set(body) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"fault event: unknown field(s) {unknown}")
+        try:
+            return cls(**body)
+        except TypeError as err:
+            raise ValueError(f"fault event: {err}") from None
 
 
 @dataclass(frozen=True)

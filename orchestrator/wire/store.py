@@ -17,11 +17,14 @@ Key space under `gen<g>/` (who writes -> who reads):
 from __future__ import annotations
 
 import json
+import logging
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from orchestrator.wire.messages import Message, decode, encode
+
+log = logging.getLogger(__name__)
 
 EVENTS = "events"
 ABORT = "abort"
@@ -66,8 +69,17 @@ class GenerationStore:
         self.push_event(encode(decode(message) if isinstance(message, dict) else message))
 
     def receive(self, limit: int = 10_000) -> list[Message]:
-        """Every queued message, oldest first, without blocking (the controller's intake)."""
-        return [decode(event) for event in self.drain_events(limit)]
+        """Every queued message, oldest first, without blocking (the controller's intake).
+
+        An event that is not a message (a rank of another release, a bug) is logged and skipped:
+        the others of the batch are already off the queue, and the job must not stop for it."""
+        out: list[Message] = []
+        for event in self.drain_events(limit):
+            try:
+                out.append(decode(event))
+            except ValueError as err:
+                log.error("ignoring an event that is not a wire message (%s): %s", err, event)
+        return out
 
     def drain_events(self, limit: int = 10_000) -> list[dict]:
         """Every queued event, oldest first, without blocking."""

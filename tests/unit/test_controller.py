@@ -439,3 +439,17 @@ def test_an_illegal_transition_is_a_bug_that_fails_the_job(tmp_path, rendezvous)
         ctl._go(Running(), "skipping the rendezvous")
     ctl.HANDLERS[State.PLACING] = lambda: ctl._go(Running(), "skipping the rendezvous")
     assert ctl.step_once() == State.FAILED and "IllegalTransition" in ctl.error
+
+
+def test_an_error_after_the_job_ended_leaves_it_ended(tmp_path, rendezvous):
+    from orchestrator.controller.states import Succeeded
+
+    spec = _spec(tmp_path)
+    ctl = _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, [])
+
+    def ends_then_raises():
+        ctl.phase = Succeeded()
+        raise RuntimeError("the metrics endpoint went away")
+
+    ctl.HANDLERS[State.PLACING] = ends_then_raises
+    assert ctl.step_once() == State.SUCCEEDED and ctl.error is None

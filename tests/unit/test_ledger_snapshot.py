@@ -69,3 +69,32 @@ def test_snapshots_round_trip_every_few_seconds_and_a_failed_write_is_not_fatal(
 
 def _failing_writer(path):
     raise OSError("disk full")
+
+
+def test_an_unreadable_snapshot_is_ignored_so_the_restore_resumes_the_commits_ledger(tmp_path, caplog):
+    class Unreadable:
+        def path(self, *parts):
+            return "/".join(parts)
+
+        def read(self, path):
+            raise OSError(5, "injected storage_error on read")
+
+    with caplog.at_level("WARNING"):
+        assert LedgerSnapshots(Unreadable()).load() is None
+    assert "ignoring the goodput snapshot" in caplog.text
+
+
+def test_a_checkpoints_ledger_is_carried_once_and_unknown_buckets_are_dropped(tmp_path):
+    from types import SimpleNamespace
+
+    from orchestrator.controller.ledger_snapshot import carry_from_checkpoint
+
+    manifest = SimpleNamespace(created_at=100.0, state={"goodput": {"productive": 30.0, "startup": 5.0,
+                                                                     "from_a_newer_release": 1.0},
+                                                        "history": [["restore", 0]]})
+    ledger, history = GoodputLedger(), [["restore", 20]]
+    snapshots = LedgerSnapshots(Storage(f"file://{tmp_path}/job"))
+    carried = carry_from_checkpoint(manifest, ledger, history, snapshots, started_at=100.0)
+    assert carried == 35.0 and history == [["restore", 0], ["restore", 20]]
+    totals = ledger.totals()
+    assert totals["productive"] == 30.0 and totals["startup"] >= 5.0 and "from_a_newer_release" not in totals

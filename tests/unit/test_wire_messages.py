@@ -94,3 +94,19 @@ def test_checkpoint_plan_round_trips_and_saves_on_its_cadence():
     plan = CheckpointPlan(every=5, anchor=3, version=2, final_step=21, tag="abc g1", job_started_at=1e9)
     assert CheckpointPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
     assert [s for s in range(1, 22) if plan.should_save(s)] == [8, 13, 18, 21]
+
+
+def test_the_controllers_handled_mark_never_travels():
+    fired = FaultFired(3, "kill_rank", time=1.0, rank=0, step=4, point="after_backward", handled=True)
+    assert "handled" not in encode(fired)
+    assert decode({**encode(fired), "handled": True}).handled is False
+
+
+def test_an_event_that_is_not_a_message_is_skipped_and_the_rest_received(caplog):
+    store = RendezvousServer("127.0.0.1").generation(0)
+    store.send(EXAMPLES[2])
+    store.push_event({"type": "from_another_release", "x": 1})
+    store.send(EXAMPLES[4])
+    with caplog.at_level("ERROR"):
+        assert store.receive() == [EXAMPLES[2], EXAMPLES[4]]
+    assert "not a wire message" in caplog.text
