@@ -92,14 +92,7 @@ class FaultFired:
 
     @classmethod
     def from_json(cls, data: dict) -> FaultFired:
-        body = {k: v for k, v in data.items() if k != "handled"}
-        unknown = sorted(set(body) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"fault event: unknown field(s) {unknown}")
-        try:
-            return cls(**body)
-        except TypeError as err:
-            raise ValueError(f"fault event: {err}") from None
+        return _build(cls, {k: v for k, v in data.items() if k != "handled"})
 
 
 @dataclass(frozen=True)
@@ -133,16 +126,18 @@ def decode(data: dict[str, Any]) -> Message:
     if cls is None:
         raise ValueError(f"unknown event type {kind!r}; known: {sorted(MESSAGES)}")
     body = {k: v for k, v in data.items() if k != "type"}
-    if hasattr(cls, "from_json"):
-        return cls.from_json(body)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(body) - known)
+    return cls.from_json(body) if hasattr(cls, "from_json") else _build(cls, body)
+
+
+def _build(cls: type, body: dict[str, Any]) -> Message:
+    """`cls(**body)`, with a ValueError naming the event type and the field when it does not fit."""
+    unknown = sorted(set(body) - {f.name for f in fields(cls)})
     if unknown:
-        raise ValueError(f"{kind} event: unknown field(s) {unknown}")
+        raise ValueError(f"{cls.type} event: unknown field(s) {unknown}")
     try:
         return cls(**body)
     except TypeError as err:
-        raise ValueError(f"{kind} event: {err}") from None
+        raise ValueError(f"{cls.type} event: {err}") from None
 
 
 @dataclass(frozen=True)
