@@ -18,64 +18,150 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-# Model shapes by name. Explicit dimensions in the spec override the preset's.
+class RopeScaling(_Strict):
+    """Llama-3.1 RoPE frequency scaling (Hugging Face `rope_type: llama3`; Meta's llama-models
+    `apply_scaling`): wavelengths longer than original_max_position_embeddings / low_freq_factor
+    are stretched by `factor`, shorter than original / high_freq_factor are kept, and the band
+    between is interpolated smoothly."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(..., gt=0.0)
+    low_freq_factor: float = Field(1.0, gt=0.0)
+    high_freq_factor: float = Field(4.0, gt=0.0)
+    original_max_position_embeddings: int = Field(8192, gt=0)
+
+    @model_validator(mode="after")
+    def _band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                             f"{self.low_freq_factor}: the interpolated band would be empty")
+        return self
+
+
+_LLAMA = dict(activation="swiglu", norm="rmsnorm", position="rope", norm_eps=1e-5, rope_theta=500000.0)
+_LLAMA_3_1_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA_3_2_SCALING = dict(_LLAMA_3_1_SCALING, factor=32.0)
+
+# Model shapes by name. Explicit dimensions in the spec override the preset's. The Llama
+# presets are the published architectures (their config.json on the Hugging Face hub): the
+# parameter counts equal the published ones (tests/unit/test_llama.py).
 MODEL_PRESETS: dict[str, dict] = {
     # For tests and CPU demos: trains in milliseconds per step.
     "tiny": dict(vocab_size=256, n_layers=4, n_heads=4, d_model=64, d_ff=256, max_seq_len=256),
+    # A tiny Llama-3 (grouped-query attention, scaled RoPE) for tests and CPU demos.
+    "tiny-llama": dict(_LLAMA, vocab_size=256, n_layers=4, n_heads=4, n_kv_heads=2, d_model=64, d_ff=192,
+                       max_seq_len=256, tie_embeddings=False,
+                       rope_scaling=dict(_LLAMA_3_1_SCALING, original_max_position_embeddings=64)),
     # GPT-2 small shape (124M parameters).
     "small": dict(vocab_size=50304, n_layers=12, n_heads=12, d_model=768, d_ff=3072, max_seq_len=1024),
-    # Llama-3.2-1B-like shape.
-    "1b": dict(vocab_size=128256, n_layers=16, n_heads=32, d_model=2048, d_ff=8192, max_seq_len=4096,
-               activation="swiglu", norm="rmsnorm", tie_embeddings=True),
-    # Llama-3-8B-like shape.
-    "8b": dict(vocab_size=128256, n_layers=32, n_heads=32, d_model=4096, d_ff=14336, max_seq_len=8192,
-               activation="swiglu", norm="rmsnorm", tie_embeddings=False),
+    # meta-llama/Llama-3.2-1B: 1.24 B parameters.
+    "llama3.2-1b": dict(_LLAMA, vocab_size=128256, n_layers=16, n_heads=32, n_kv_heads=8, d_model=2048,
+                        d_ff=8192, max_seq_len=131072, tie_embeddings=True, rope_scaling=_LLAMA_3_2_SCALING),
+    # meta-llama/Llama-3.2-3B: 3.21 B parameters.
+    "llama3.2-3b": dict(_LLAMA, vocab_size=128256, n_layers=28, n_heads=24, n_kv_heads=8, d_model=3072,
+                        d_ff=8192, max_seq_len=131072, tie_embeddings=True, rope_scaling=_LLAMA_3_2_SCALING),
+    # meta-llama/Llama-3.1-8B: 8.03 B parameters.
+    "llama3.1-8b": dict(_LLAMA, vocab_size=128256, n_layers=32, n_heads=32, n_kv_heads=8, d_model=4096,
+                        d_ff=14336, max_seq_len=131072, tie_embeddings=False, rope_scaling=_LLAMA_3_1_SCALING),
+    # meta-llama/Llama-3.1-70B: 70.6 B parameters (for `undying plan`).
+    "llama3.1-70b": dict(_LLAMA, vocab_size=128256, n_layers=80, n_heads=64, n_kv_heads=8, d_model=8192,
+                         d_ff=28672, max_seq_len=131072, tie_embeddings=False, rope_scaling=_LLAMA_3_1_SCALING),
 }
+PresetName = Literal["tiny", "tiny-llama", "small", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b"]
 
 
 class ModelConfig(_Strict):
-    """A GPT-style decoder. Either `preset`, explicit dimensions, or a preset with overrides."""
+    """A decoder-only transformer: `preset`, explicit dimensions, a preset with overrides, or
+    `from_hf` (a Hugging Face model directory whose config.json gives the architecture and
+    whose safetensors give the initial weights; see trainer/hf_config.py)."""
 
-    preset: Literal["tiny", "small", "1b", "8b"] | None = None
+    preset: PresetName | None = None
+    from_hf: str | None = None
     vocab_size: int | None = Field(None, gt=0)
     n_layers: int | None = Field(None, gt=0)
     n_heads: int | None = Field(None, gt=0)
+    # Grouped-query attention: key/value heads shared by n_heads / n_kv_heads query heads each
+    # (Ainslie et al. 2023, arXiv:2305.13245). None means n_heads (multi-head attention).
+    n_kv_heads: int | None = Field(None, gt=0)
     d_model: int | None = Field(None, gt=0)
     d_ff: int | None = Field(None, gt=0)
     max_seq_len: int | None = Field(None, gt=0)
     activation: Literal["gelu", "swiglu"] = "gelu"
     position: Literal["rope", "learned"] = "rope"
+    rope_theta: float = Field(10000.0, gt=0.0)
+    rope_scaling: RopeScaling | None = None
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     tie_embeddings: bool = True
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_eps: float = Field(1e-5, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf_config(cls, data):
+        # A Hugging Face directory supplies every architecture key; explicit keys may not
+        # contradict it (they would silently train another model than the weights describe).
+        if isinstance(data, dict) and data.get("from_hf"):
+            from trainer.hf_config import merge_hf_architecture
+
+            return merge_hf_architecture(data)
+        return data
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:
         base = dict(MODEL_PRESETS[self.preset]) if self.preset else {}
         explicit = {k: v for k, v in self.__dict__.items() if k in self.model_fields_set and k != "preset"}
         base.update(explicit)
+        if isinstance(base.get("rope_scaling"), dict):
+            base["rope_scaling"] = RopeScaling(**base["rope_scaling"])
         for key, value in base.items():
             object.__setattr__(self, key, value)
         missing = [k for k in ("vocab_size", "n_layers", "n_heads", "d_model") if getattr(self, k) is None]
         if missing:
             raise ValueError(
-                f"missing {', '.join(missing)}: give a preset (tiny, small, 1b, 8b) or every dimension"
+                f"missing {', '.join(missing)}: give a preset ({', '.join(MODEL_PRESETS)}), from_hf, or every dimension"
             )
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.max_seq_len is None:
             object.__setattr__(self, "max_seq_len", 2048)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
                 "choose n_heads that divides d_model"
             )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: each key/value head "
+                f"serves the same number of query heads; choose n_kv_heads among {_divisor_list(self.n_heads)}"
+            )
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError("rope_scaling needs position='rope'; remove rope_scaling or use rotary positions")
         return self
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: n_kv_heads * head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Weights of one block's attention: q and o (d x d), k and v (d x kv_dim)."""
+        return 2 * self.d_model * self.d_model + 2 * self.d_model * self.kv_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """Weights of one block's MLP: 3 matrices with SwiGLU, 2 with gelu."""
+        return (3 if self.activation == "swiglu" else 2) * self.d_model * self.d_ff
+
+
+def _divisor_list(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 class DataConfig(_Strict):

@@ -1,13 +1,17 @@
-"""A GPT-style decoder-only transformer, meant to be read top to bottom.
+"""A decoder-only transformer (GPT-2 or Llama-3 shaped), meant to be read top to bottom.
 
     token ids -> token embedding (+ learned positions) -> dropout
               -> n_layers x Block -> final norm -> LM head -> logits
     Block:       x = x + attention(norm(x))
                  x = x + mlp(norm(x))                    (pre-norm, as GPT-2 and Llama)
 
-Positions are rotary (RoPE, applied to queries and keys inside attention) or a learned
-table added to the embeddings. The LM head reuses the token embedding when embeddings are
-tied. No linear layer or norm has a bias.
+Positions are rotary (RoPE, applied to queries and keys inside attention, with a configurable
+base `rope_theta` and Llama-3.1 frequency scaling) or a learned table added to the embeddings.
+Attention is grouped-query when `n_kv_heads < n_heads`: query head h reads key/value head
+h // (n_heads / n_kv_heads), the layout of Hugging Face's `repeat_kv`. The LM head reuses the
+token embedding when embeddings are tied. No linear layer or norm has a bias. With swiglu,
+rmsnorm, rope and these options the model is exactly Hugging Face's LlamaForCausalLM
+(parameter names map one to one: trainer/hf_names.py).
 
 Parameter names are part of the checkpoint format (`Engine.state_tensors` stores them as
 "model/<name>"), so they must not change:
@@ -29,18 +33,40 @@ from torch import nn
 from trainer.config import ModelConfig
 from trainer.seeding import generator
 
-ROPE_THETA = 10000.0
 INIT_STD = 0.02
 
 
-def rope_tables(head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """theta^(-2j/head_dim) for j < head_dim/2, in fp32, with Llama-3.1 scaling when configured.
+
+    Computed as Hugging Face computes it (`1 / theta^(2j/d)`, then `_compute_llama3_parameters`),
+    so the tables match its rotary embedding to the last bit of the frequencies.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (beyond the original context) are stretched by `factor`; short ones kept.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each (max_seq_len, head_dim), in fp32.
 
-    Channel pair (j, j + head_dim/2) of position t is rotated by t * theta^(-2j/head_dim)
-    (the "rotate half" layout of GPT-NeoX and Llama; RoFormer, arXiv:2104.09864).
+    Channel pair (j, j + head_dim/2) of position t is rotated by t * inv_freq[j] (the "rotate
+    half" layout of GPT-NeoX and Llama; RoFormer, arXiv:2104.09864).
     """
-    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    inv_freq = rope_inverse_frequencies(cfg)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -64,21 +90,26 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        # The head count comes from the projection's width, not the config, so that a
-        # tensor-parallel rank holding a slice of the heads runs this code unchanged.
+        # Head counts come from the projections' widths, not the config, so that a
+        # tensor-parallel rank holding a slice of the query and key/value heads runs this
+        # code unchanged (tp divides n_kv_heads, so its query heads read its own kv heads).
         q, k, v = (
             proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            # Hugging Face's repeat_kv: kv head g serves query heads g*group .. g*group+group-1.
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
@@ -170,7 +201,7 @@ class GPT(nn.Module):
         """
         init_named_parameters(self, self.cfg, seed)
         if self.pos_emb is None:
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len)
+            cos, sin = rope_tables(self.cfg)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -207,8 +238,7 @@ def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu")
 def count_params(cfg: ModelConfig) -> int:
     """Number of distinct parameters of `build_model(cfg)`, from the config alone."""
     d, vocab = cfg.d_model, cfg.vocab_size
-    mlp_matrices = 3 if cfg.activation == "swiglu" else 2
-    per_block = 4 * d * d + mlp_matrices * d * cfg.d_ff + 2 * d
+    per_block = cfg.attention_params + cfg.mlp_params + 2 * d
     total = vocab * d + cfg.n_layers * per_block + d
     if cfg.position == "learned":
         total += cfg.max_seq_len * d
@@ -227,6 +257,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     MFU figures compare with the published ones.
     """
     d = cfg.d_model
-    mlp_matrices = 3 if cfg.activation == "swiglu" else 2
-    matmul_params = cfg.n_layers * (4 * d * d + mlp_matrices * d * cfg.d_ff) + cfg.vocab_size * d
+    matmul_params = cfg.n_layers * (cfg.attention_params + cfg.mlp_params) + cfg.vocab_size * d
     return 6 * matmul_params + 12 * cfg.n_layers * d * seq_len

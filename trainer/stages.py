@@ -61,8 +61,7 @@ def layer_flops(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int]:
     values. The head: 6 * vocab * d_model. The embedding lookup multiplies nothing: 0.
     """
     d = cfg.d_model
-    mlp_matrices = 3 if cfg.activation == "swiglu" else 2
-    block = 6 * (4 * d * d + mlp_matrices * d * cfg.d_ff) + 12 * d * seq_len
+    block = 6 * (cfg.attention_params + cfg.mlp_params) + 12 * d * seq_len
     return 0, block, 6 * cfg.vocab_size * d
 
 
@@ -220,7 +219,7 @@ class StageModel(nn.Module):
         """
         init_named_parameters(self, self.cfg, seed)
         if hasattr(self, "rope_cos"):
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len)
+            cos, sin = rope_tables(self.cfg)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

@@ -12,7 +12,9 @@ The plan (Shoeybi et al. 2019, arXiv:1909.08053; sequence parallelism: Korthikan
 2022, arXiv:2205.05198), for whichever of these submodules `module` has:
 
     tok_emb            RowwiseParallel: vocab-parallel embedding (weight split on the vocabulary)
-    blocks.<i>.attn    q/k/v ColwiseParallel (heads split), o_proj RowwiseParallel
+    blocks.<i>.attn    q/k/v ColwiseParallel (query and key/value heads split: tp divides
+                       n_kv_heads, so each rank's query heads find their kv heads locally),
+                       o_proj RowwiseParallel
     blocks.<i>.mlp     gate/up ColwiseParallel, down RowwiseParallel
     norm -> head       the final norm's output becomes a Replicate DTensor; the head weight
                        (lm_head, or tok_emb's with tied embeddings: both split on the
@@ -53,7 +55,10 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
     tp = parallel.tp
     if tp == 1:
         return
-    for field, value in (("n_heads", model.n_heads), ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)):
+    fields = [("n_heads", model.n_heads), ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)]
+    if model.n_kv_heads != model.n_heads:
+        fields.insert(1, ("n_kv_heads", model.n_kv_heads))
+    for field, value in fields:
         if value % tp:
             raise ValueError(
                 f"model.{field}={value} is not divisible by parallel.tp={tp}: tensor parallelism splits "

@@ -199,7 +199,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--mem-preset", default="1b", help="model of the memory check ('' to skip it)")
+    parser.add_argument("--mem-preset", default="llama3.2-1b", help="model of the memory check ('' to skip it)")
     parser.add_argument("--mem-seq-len", type=int, default=4096)
     parser.add_argument("--mem-micro-batch", type=int, default=1)
     parser.add_argument("--mem-recompute", nargs="+", default=["none", "block"],

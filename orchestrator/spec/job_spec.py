@@ -170,8 +170,10 @@ def cross_section_problems(spec: Any) -> list[Problem]:
 def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[Problem]:
     out: list[Problem] = []
     # Tensor parallelism splits heads, the MLP width and the vocabulary evenly over the tp ranks.
-    for field in ("n_heads", "d_ff", "vocab_size"):
+    for field in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(model, field, None) if model and par else None
+        if field == "n_kv_heads" and value is not None and value == model.n_heads:
+            continue  # multi-head attention: the n_heads line says it already
         if value is not None and value % par.tp:
             out.append(Problem("parallel.tp", f"model.{field} = {value} is not divisible by tp = "
                                f"{par.tp}; use a tp that divides it: {_divisors(value)}"))

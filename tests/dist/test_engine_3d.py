@@ -22,7 +22,8 @@ from trainer.state_slices import assemble
 pytestmark = pytest.mark.dist
 
 STEPS = 10
-MODEL = ModelConfig(vocab_size=128, n_layers=4, n_heads=4, d_model=32, d_ff=64, max_seq_len=64)
+MODEL = ModelConfig(vocab_size=128, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=64,
+                    rope_theta=500000.0, rope_scaling={"factor": 8.0, "original_max_position_embeddings": 16})
 DATA = DataConfig(seq_len=16)
 # Four microbatches per pipeline at dp=1, two at dp=2, one at dp=4.
 TRAIN = TrainConfig(steps=STEPS, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=2)

@@ -30,7 +30,8 @@ from trainer.topology import Topology, build_mesh
 pytestmark = pytest.mark.dist
 
 STEPS = 10
-MODEL = ModelConfig(vocab_size=128, n_layers=2, n_heads=4, d_model=32, d_ff=64, max_seq_len=64)
+MODEL = ModelConfig(vocab_size=128, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=64,
+                    rope_theta=500000.0, rope_scaling={"factor": 8.0, "original_max_position_embeddings": 16})
 DATA = DataConfig(seq_len=16)
 # Two microbatches per rank at dp=4, four at dp=2: gradient accumulation is exercised.
 TRAIN = TrainConfig(steps=STEPS, global_batch=8, micro_batch=1, lr=3e-3, warmup_steps=2)
@@ -261,7 +262,7 @@ class Stage(torch.nn.Module):
         self.blocks = torch.nn.ModuleDict({str(i): Block(cfg) for i in layers})
         self.norm = make_norm(cfg)
         self.lm_head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rope = rope_tables(cfg.head_dim, cfg.max_seq_len)
+        self.rope = rope_tables(cfg)
 
     def forward(self, x):
         rope = tuple(t[: x.shape[1] * self.seq_split] for t in self.rope)

@@ -26,7 +26,7 @@ from trainer.topology import Topology, build_mesh
 pytestmark = pytest.mark.dist
 
 STEPS = 10
-MODEL = ModelConfig(vocab_size=96, n_layers=4, n_heads=4, d_model=32, d_ff=64, max_seq_len=32)
+MODEL = ModelConfig(vocab_size=96, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=32)
 DATA = DataConfig(seq_len=16)
 # 8 samples of 2: four microbatches per pipeline at dp=1, two at dp=2; ragged lengths exercise padding.
 TRAIN = TrainConfig(steps=STEPS, global_batch=8, micro_batch=2, lr=3e-3, warmup_steps=2)

@@ -46,7 +46,7 @@ from trainer.model import build_model, count_params, flops_per_token
 from trainer.recompute import apply_recompute
 
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
-TINY, SMALL, EIGHT_B = ModelConfig(preset="tiny"), ModelConfig(preset="small"), ModelConfig(preset="8b")
+TINY, SMALL, EIGHT_B = ModelConfig(preset="tiny"), ModelConfig(preset="small"), ModelConfig(preset="llama3.1-8b")
 H100, H200 = hardware("h100"), hardware("h200")
 
 
@@ -330,13 +330,13 @@ def test_planner_rejects_with_the_right_reasons():
 
 
 def test_8b_on_8_h200_ranks_a_fitting_layout_first_and_rejects_plain_ddp_for_memory():
-    spec = load_spec(DEMO, ["model.preset=8b"])
+    spec = load_spec(DEMO, ["model.preset=llama3.1-8b"])
     result = plan(spec, H200, 8)
     best = result.valid[0]
     assert best.prediction.memory.total <= capacity_bytes(H200, best.layout)
     ddp = [r for r in result.rejected if (r.layout.dp, r.layout.tp, r.layout.pp, r.layout.zero) == (8, 1, 1, 0)]
     assert ddp and all("out of memory" in r.key and r.memory.total > capacity_bytes(H200, r.layout) for r in ddp)
-    assert "state 131.7" in ddp[0].reason  # 8.84B parameters x 16 bytes, in GiB
+    assert "state 119.7" in ddp[0].reason  # 8.03B parameters x 16 bytes, in GiB
     assert not [c for c in result.valid if (c.layout.dp, c.layout.tp, c.layout.zero) == (8, 1, 0)]
     assert any((c.layout.dp, c.layout.zero) == (8, 3) for c in result.valid)  # sharding makes dp=8 fit
 

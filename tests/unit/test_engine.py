@@ -63,7 +63,8 @@ def test_accumulated_gradient_is_the_gradient_of_the_token_mean():
 def test_microbatch_size_does_not_change_the_step(micro_batch):
     whole, split = make_engine(micro_batch=8), make_engine(micro_batch=micro_batch)
     for _ in range(3):
-        assert split.train_step().loss == pytest.approx(whole.train_step().loss, abs=1e-6)
+        # fp32: the two splits sum the same terms in another order, a few ulps of a loss near 5.
+        assert split.train_step().loss == pytest.approx(whole.train_step().loss, rel=1e-6)
     whole_state, split_state = whole.state_tensors(), split.state_tensors()
     for name, value in whole_state.items():
         torch.testing.assert_close(split_state[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -111,7 +111,7 @@ def test_tied_head_reuses_the_embedding(tied):
 
 
 def test_rope_rotates_pairs_and_preserves_norm():
-    cos, sin = rope_tables(head_dim=8, max_seq_len=16)
+    cos, sin = rope_tables(ModelConfig(vocab_size=16, n_layers=1, n_heads=1, d_model=8, max_seq_len=16))
     x = torch.randn(1, 2, 16, 8)
     rotated = apply_rope(x, cos, sin)
     torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))

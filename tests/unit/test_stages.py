@@ -26,7 +26,7 @@ def tiny(**overrides) -> ModelConfig:
 
 
 def test_chunk_costs_add_up_to_the_models_flops():
-    for cfg in (tiny(), ModelConfig(preset="1b"), ModelConfig(preset="8b")):
+    for cfg in (tiny(), ModelConfig(preset="llama3.2-1b"), ModelConfig(preset="llama3.1-8b")):
         for n_chunks in (1, 2, 4, cfg.n_layers + 1):
             chunks = split_layers(cfg, 2048, n_chunks)
             assert sum(c.flops_per_token for c in chunks) == flops_per_token(cfg, 2048)
@@ -43,7 +43,7 @@ def test_equal_blocks_and_a_cheap_head_split_by_count():
 
 
 def test_an_expensive_head_takes_layers_from_the_last_chunk():
-    cfg = ModelConfig(preset="1b")  # head = 6 * 128256 * 2048, about 3.8 blocks at seq 2048
+    cfg = ModelConfig(preset="llama3.2-1b")  # head = 6 * 128256 * 2048, about 3.8 blocks at seq 2048
     _, block, head = layer_flops(cfg, 2048)
     assert 3 * block < head < 4 * block
     chunks = split_layers(cfg, 2048, 4)
@@ -62,7 +62,7 @@ def test_an_expensive_head_takes_layers_from_the_last_chunk():
 
 
 def test_the_last_chunk_may_hold_only_the_head():
-    cfg = ModelConfig(preset="1b")
+    cfg = ModelConfig(preset="llama3.2-1b")
     chunks = split_layers(cfg, 2048, 8)  # 16 blocks, head ~ 3.8 blocks: the head stands alone
     assert len(chunks[-1].layers) == 0
     assert all(len(c.layers) >= 1 for c in chunks[:-1])

@@ -165,8 +165,7 @@ def stage_params(model: ModelConfig, layout: Layout, stage: int, seq_len: int) -
     virtual = layout.virtual_stages if p > 1 else 1
     every = _chunks(model, seq_len, p * virtual)
     mine = [every[c] for c in local_chunks(p, virtual, placement_of(layout.schedule), stage)]
-    mlp_matrices = 3 if model.activation == "swiglu" else 2
-    block_matmul = _ceil_div(4 * d * d + mlp_matrices * d * model.d_ff, tp)
+    block_matmul = _ceil_div(model.attention_params + model.mlp_params, tp)
     layers = sum(len(chunk.layers) for chunk in mine)
     vocab_shard = _ceil_div(model.vocab_size, tp) * d
     other = head = 0

@@ -81,6 +81,8 @@ def _structural_reason(work: Workload, lay: Layout, n_gpus: int) -> tuple[str, s
     chunks = lay.pp * lay.virtual_stages
     if model.n_heads % lay.tp:
         key = f"tp={lay.tp}: {model.n_heads} heads not divisible by {lay.tp}"
+    elif model.n_kv_heads % lay.tp:
+        key = f"tp={lay.tp}: {model.n_kv_heads} key/value heads not divisible by {lay.tp}"
     elif model.n_layers % chunks:
         split = f"pp={lay.pp} x {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else f"{lay.pp}"
         key = f"pp={lay.pp}: {model.n_layers} layers not divisible by {split}"

@@ -1,0 +1,123 @@
+"""Llama-3 architecture: presets equal the published models, grouped-query attention and scaled
+RoPE equal Hugging Face's LlamaForCausalLM, and config.json is read exactly or refused."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from orchestrator.spec.job_spec import SpecError, validate_spec  # noqa: E402
+from trainer.config import ModelConfig  # noqa: E402
+from trainer.hf_config import architecture_from_hf, hf_config_of  # noqa: E402
+from trainer.hf_names import from_hf, to_hf  # noqa: E402
+from trainer.model import build_model, count_params, rope_inverse_frequencies  # noqa: E402
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+HF_KW = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def hf_model(tie: bool = False, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**HF_KW, **kw}, rope_theta=500000.0, rope_scaling=dict(SCALING), tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("preset, published", [
+    ("llama3.2-1b", 1_235_814_400), ("llama3.2-3b", 3_212_749_824),
+    ("llama3.1-8b", 8_030_261_248), ("llama3.1-70b", 70_553_706_496),
+])
+def test_presets_have_the_published_parameter_counts(preset, published):
+    assert count_params(ModelConfig(preset=preset)) == published
+
+
+def test_count_params_counts_what_the_model_holds():
+    cfg = ModelConfig(preset="tiny-llama")
+    model = build_model(cfg, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
+    assert model.blocks[0].attn.k_proj.weight.shape == (cfg.kv_dim, cfg.d_model) == (32, 64)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_equal_hugging_face_llama_with_gqa_and_scaled_rope(tie):
+    hf = hf_model(tie=tie)
+    cfg = ModelConfig(**architecture_from_hf(hf.config.to_dict()))
+    assert (cfg.n_kv_heads, cfg.rope_theta, cfg.rope_scaling.factor, cfg.tie_embeddings) == (2, 500000.0, 8.0, tie)
+    ours = build_model(cfg, seed=1).eval()
+    state = {from_hf(k): v for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_rope_frequencies_equal_hugging_face_llama3_scaling():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = hf_model()
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    cfg = ModelConfig(**architecture_from_hf(hf.config.to_dict()))
+    assert torch.equal(rope_inverse_frequencies(cfg), theirs)
+    # The scaling stretches the long wavelengths only: the highest frequency is unchanged.
+    plain = rope_inverse_frequencies(cfg.model_copy(update={"rope_scaling": None}))
+    assert plain[0] == theirs[0] and plain[-1] / theirs[-1] == pytest.approx(8.0)
+
+
+def test_names_map_one_to_one_and_refuse_strangers():
+    cfg = ModelConfig(preset="tiny-llama")
+    names = [n for n, _ in build_model(cfg, seed=0).named_parameters()]
+    hf_names = set(hf_model(num_hidden_layers=cfg.n_layers).state_dict())
+    assert {to_hf(n) for n in names} == hf_names
+    assert [from_hf(to_hf(n)) for n in names] == names
+    with pytest.raises(KeyError, match="pos_emb.weight"):
+        to_hf("pos_emb.weight")
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.q_proj.bias"):
+        from_hf("model.layers.0.self_attn.q_proj.bias")
+
+
+def test_both_config_spellings_read_the_same_and_export_round_trips():
+    five = hf_model().config.to_dict()  # transformers 5.x: rope_parameters
+    four = {k: v for k, v in five.items() if k != "rope_parameters"}
+    four.update(rope_theta=500000.0, rope_scaling={k: v for k, v in SCALING.items()})  # 4.x spelling
+    assert architecture_from_hf(five) == architecture_from_hf(four)
+    cfg = ModelConfig(**architecture_from_hf(five))
+    assert ModelConfig(**architecture_from_hf(hf_config_of(cfg))) == cfg
+    plain = dict(four, rope_scaling=None)
+    assert architecture_from_hf(plain)["rope_scaling"] is None
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("attention_bias", True, "'attention_bias'"), ("hidden_act", "gelu", "'hidden_act'"),
+    ("sliding_window", 4096, "'sliding_window'"), ("head_dim", 32, "'head_dim'"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "'rope_scaling.rope_type'"),
+    ("model_type", "mistral", "'model_type'"),
+])
+def test_keys_that_cannot_be_represented_are_refused_by_name(key, value, words):
+    config = {**HF_KW, "model_type": "llama", key: value}
+    with pytest.raises(ValueError, match=words):
+        architecture_from_hf(config)
+
+
+def test_from_hf_in_a_spec_reads_config_json_and_refuses_contradictions(tmp_path):
+    hf_model().config.save_pretrained(tmp_path)
+    base = {"name": "ft", "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"}}
+    spec = validate_spec({**base, "model": {"from_hf": str(tmp_path), "max_seq_len": 128}})
+    assert (spec.model.n_kv_heads, spec.model.max_seq_len, spec.model.rope_theta) == (2, 128, 500000.0)
+    with pytest.raises(SpecError) as err:
+        validate_spec({**base, "model": {"from_hf": str(tmp_path), "n_heads": 8}})
+    assert "model.n_heads=8 contradicts" in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps({**HF_KW, "model_type": "llama", "attention_bias": True}))
+    with pytest.raises(SpecError, match="attention_bias"):
+        validate_spec({**base, "model": {"from_hf": str(tmp_path)}})
+
+
+def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_both_fields():
+    base = {"name": "j", "model": {"preset": "tiny-llama"}, "train": {"steps": 2, "global_batch": 4},
+            "checkpoint": {"url": "file:///tmp/x"}, "parallel": {"tp": 4}}
+    with pytest.raises(SpecError) as err:
+        validate_spec(base)
+    assert any(p.field == "parallel.tp" and "model.n_kv_heads = 2" in p.message for p in err.value.problems)

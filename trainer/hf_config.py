@@ -1,0 +1,143 @@
+"""Hugging Face `config.json` <-> `ModelConfig`, for Llama-architecture models, exactly or not at all.
+
+Protocol: `ModelConfig` calls `merge_hf_architecture(data)` while validating a `model:` section
+that names `from_hf` (the driver, once, before any rank starts; `undying plan` too), and
+`ckpt export --format hf` calls `hf_config_of(model)` to write one. Both directions accept
+the two spellings transformers writes: 4.x (`rope_theta` and `rope_scaling` at the top level)
+and 5.x (`rope_parameters` holding both).
+
+A key undying cannot represent exactly is refused with `ValueError`, naming the key: a model
+trained from weights whose architecture was silently approximated is the failure the users of
+every converter complain about (dropped biases, misread rope scaling). Keys that describe no
+computation (token ids, dtype, cache use, provenance) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import fsspec
+
+# Architecture keys -> ModelConfig fields.
+_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
+    "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+    "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings",
+}
+# Keys whose value must be this for the model to be the one undying computes.
+_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+             "attention_dropout": 0.0, "model_type": "llama"}
+# Keys that change nothing in the forward pass.
+_IGNORED = {
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "use_cache",
+    "transformers_version", "initializer_range", "_name_or_path", "return_dict", "output_hidden_states",
+    "output_attentions", "torchscript", "id2label", "label2id", "tokenizer_class", "prefix", "task_specific_params",
+    "problem_type", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "chunk_size_feed_forward", "finetuning_task", "cross_attention_hidden_size", "sep_token_id",
+    "decoder_start_token_id", "output_scores", "return_dict_in_generate", "pruned_heads", "model_name",
+}
+_ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+# Keys of `model:` that may differ from the weights' config without changing what the weights mean.
+OVERRIDABLE = {"max_seq_len", "dropout"}
+
+
+def read_hf_config(url: str) -> dict[str, Any]:
+    """The parsed config.json of the Hugging Face model directory at `url` (path or fsspec URL)."""
+    path = url.rstrip("/") + "/config.json"
+    try:
+        with fsspec.open(path, "rb") as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"model.from_hf: no config.json at {path}; give a Hugging Face model directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"model.from_hf: cannot read {path} ({type(err).__name__}: {err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model.from_hf: {path} is not a JSON object")
+    return config
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either spelling."""
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    if params is not None and scaling is not None:
+        raise ValueError("config key 'rope_scaling': given beside 'rope_parameters'; keep one of them")
+    source, key = (params, "rope_parameters") if params is not None else (scaling, "rope_scaling")
+    theta = config.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+    if source is None:
+        return float(theta), None
+    rope_type = source.get("rope_type", source.get("type", "default"))
+    if rope_type == "default":
+        unknown = set(source) - {"rope_type", "type", "rope_theta"}
+        if unknown:
+            raise ValueError(f"config key '{key}.{sorted(unknown)[0]}': not used by rope_type 'default'")
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"config key '{key}.rope_type': {rope_type!r} is not supported (undying computes 'default' "
+                         "and 'llama3' rotary embeddings exactly); use a Llama-3 model")
+    unknown = set(source) - _ROPE_KEYS - {"rope_type", "type", "rope_theta"}
+    if unknown:
+        raise ValueError(f"config key '{key}.{sorted(unknown)[0]}': not part of llama3 rope scaling")
+    return float(theta), {k: source[k] for k in _ROPE_KEYS if k in source}
+
+
+def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig keys for a Llama `config.json`; ValueError naming the first key that does not fit."""
+    for key, value in _REQUIRED.items():
+        if key in config and config[key] != value:
+            raise ValueError(f"config key {key!r}: {config[key]!r} cannot be represented (undying computes "
+                             f"{value!r}); only Llama-architecture models load")
+    if "model_type" not in config:
+        raise ValueError("config key 'model_type': missing; only Llama-architecture models ('llama') load")
+    known = set(_FIELDS) | set(_REQUIRED) | _IGNORED | {"rope_theta", "rope_scaling", "rope_parameters", "head_dim"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"config key {unknown[0]!r}: undying cannot represent it exactly; remove it only if it "
+                         "does not change the model")
+    out = {field: config[key] for key, field in _FIELDS.items() if key in config}
+    out.setdefault("tie_embeddings", False)  # LlamaConfig's default
+    out.setdefault("max_seq_len", 2048)
+    out["rope_theta"], out["rope_scaling"] = _rope(config)
+    out.update(activation="swiglu", norm="rmsnorm", position="rope")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and out.get("n_heads") and head_dim * out["n_heads"] != out.get("d_model"):
+        raise ValueError(f"config key 'head_dim': {head_dim} x num_attention_heads {out['n_heads']} != hidden_size "
+                         f"{out.get('d_model')}; undying's heads split hidden_size evenly")
+    return out
+
+
+def merge_hf_architecture(data: dict[str, Any]) -> dict[str, Any]:
+    """The `model:` mapping `data` with the architecture of `data['from_hf']` filled in.
+
+    Explicit keys may only restate the weights' architecture, except OVERRIDABLE ones (a
+    shorter training context, dropout); anything else is refused, naming it."""
+    try:
+        arch = architecture_from_hf(read_hf_config(data["from_hf"]))
+    except ValueError as err:
+        raise ValueError(f"from_hf={data['from_hf']!r}: {err}") from None
+    for key, value in data.items():
+        if key in ("from_hf", *OVERRIDABLE) or key not in arch and key != "preset":
+            continue
+        if key == "preset" or arch[key] != value:
+            raise ValueError(f"model.{key}={value!r} contradicts the config.json of from_hf "
+                             f"({arch.get(key, 'no preset')!r}); remove model.{key}")
+    return {**arch, **data}
+
+
+def hf_config_of(model) -> dict[str, Any]:
+    """The transformers 5.x `config.json` of a Llama-architecture ModelConfig (the rotary settings in
+    `rope_parameters`); ValueError naming the field that makes it another architecture."""
+    for field, want in (("activation", "swiglu"), ("norm", "rmsnorm"), ("position", "rope")):
+        if getattr(model, field) != want:
+            raise ValueError(f"model.{field} is {getattr(model, field)!r}; Hugging Face's Llama needs {want!r}, so "
+                             "this checkpoint exports only with --format safetensors")
+    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        rope = {**model.rope_scaling.model_dump(), "rope_theta": model.rope_theta}
+    config = {key: getattr(model, field) for key, field in _FIELDS.items()}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **config, "head_dim": model.head_dim,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "pretraining_tp": 1, "rope_parameters": rope,
+    }
