@@ -1,4 +1,4 @@
-"""Export the model weights of a committed checkpoint as one safetensors file, for inference.
+"""Export the model weights of a committed checkpoint as safetensors files, for inference.
 
 Format (https://huggingface.co/docs/safetensors, "Format"): an 8-byte little-endian
 unsigned header length N, then N bytes of JSON header, then the tensors' raw bytes back to
@@ -8,11 +8,12 @@ back. The header maps each tensor name to {"dtype", "shape", "data_offsets": [be
 and tensors are laid out largest element size first, so every tensor starts aligned to its
 element size (what zero-copy loaders expect).
 
-Protocol: the header is computed from the manifest alone (dtype and shape of every tensor),
-then the tensors are read in batches of at most `batch_bytes` through the reader, which
-verifies every chunk's checksum, so memory stays bounded by one batch whatever the model
-size. The file is written under a temporary name and renamed when complete: a failed
-export never leaves a file that looks like a model.
+Protocol: `plan_export` orders the tensors of one file, `write_safetensors` writes it (also
+used per shard by ckpt.hf_export). The header is computed from the manifest alone (dtype and
+shape of every tensor, or the dtype cast to), then the tensors are read in batches of at
+most `batch_bytes` through the reader, which verifies every chunk's checksum, so memory
+stays bounded by one batch whatever the model size. The file is written under a temporary
+name and renamed when complete: a failed export never leaves a file that looks like a model.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import struct
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -44,48 +46,85 @@ def model_tensor_names(manifest: Manifest, prefix: str) -> dict[str, str]:
     return {name: name[len(prefix):] for name in sorted(manifest.tensors) if name.startswith(prefix)}
 
 
-def _nbytes(manifest: Manifest, name: str) -> int:
-    entry = manifest.tensors[name]
-    numel = 1
-    for n in entry.shape:
-        numel *= n
-    return numel * _itemsize(entry.dtype)
+@dataclass(frozen=True)
+class Exported:
+    """One tensor of an exported file: its stored name, its name in the file, dtype (torch name), shape."""
+
+    stored: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return numel * _itemsize(self.dtype)
 
 
-def _layout(manifest: Manifest, names: dict[str, str]) -> list[str]:
-    """Stored names in file order: largest element size first (alignment), then by exported name."""
-    return sorted(names, key=lambda n: (-_itemsize(manifest.tensors[n].dtype), names[n]))
+def plan_export(manifest: Manifest, names: dict[str, str], dtype: str | None = None) -> list[Exported]:
+    """`names` (stored -> exported) of `manifest` in file order: largest element size first
+    (alignment), then by exported name; `dtype` casts floating-point tensors (None: as stored)."""
+    out = []
+    for stored, name in names.items():
+        entry = manifest.tensors[stored]
+        cast = dtype if dtype is not None and getattr(torch, entry.dtype).is_floating_point else entry.dtype
+        out.append(Exported(stored, name, cast, tuple(entry.shape)))
+    return sorted(out, key=lambda t: (-_itemsize(t.dtype), t.name))
 
 
-def safetensors_header(manifest: Manifest, names: dict[str, str], metadata: dict[str, str]) -> bytes:
-    """The length prefix and padded JSON header for `names` (stored -> exported) of `manifest`."""
+def safetensors_header(tensors: list[Exported], metadata: dict[str, str]) -> bytes:
+    """The length prefix and padded JSON header for `tensors`, laid out in the given order."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
-    for name in _layout(manifest, names):
-        entry = manifest.tensors[name]
-        if entry.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name} has dtype {entry.dtype}, which safetensors cannot store")
-        end = offset + _nbytes(manifest, name)
-        header[names[name]] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                               "data_offsets": [offset, end]}
-        offset = end
+    for t in tensors:
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {t.stored} has dtype {t.dtype}, which safetensors cannot store")
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
-def _batches(manifest: Manifest, ordered: list[str], batch_bytes: int) -> Iterator[list[str]]:
-    batch: list[str] = []
+def _batches(tensors: list[Exported], batch_bytes: int) -> Iterator[list[Exported]]:
+    batch: list[Exported] = []
     size = 0
-    for name in ordered:
-        nbytes = _nbytes(manifest, name)
-        if batch and size + nbytes > batch_bytes:
+    for t in tensors:
+        if batch and size + t.nbytes > batch_bytes:
             yield batch
             batch, size = [], 0
-        batch.append(name)
-        size += nbytes
+        batch.append(t)
+        size += t.nbytes
     if batch:
         yield batch
+
+
+def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[Exported],
+                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    """Write `tensors` of committed checkpoint `step` to the local file `out_path` (through a
+    temporary name, renamed when complete). Reads batches of at most `batch_bytes` through the
+    verifying reader; CorruptCheckpoint when a chunk is damaged."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors stores little-endian bytes; export on a little-endian machine")
+    header = safetensors_header(tensors, metadata)
+    tmp = f"{out_path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for batch in _batches(tensors, batch_bytes):
+                loaded, _ = load_checkpoint(catalog, step, [t.stored for t in batch])
+                for t in batch:
+                    f.write(_raw(loaded.pop(t.stored).to(getattr(torch, t.dtype))))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def export_safetensors(
@@ -95,30 +134,12 @@ def export_safetensors(
     """Write the tensors under `prefix` of committed checkpoint `step` to `out_path` (a local
     file), without the prefix; returns stored name -> exported name. Raises ValueError when
     the checkpoint has no tensor under `prefix`, CorruptCheckpoint when a chunk is damaged."""
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors stores little-endian bytes; export on a little-endian machine")
     manifest = catalog.read_manifest(step)
     names = model_tensor_names(manifest, prefix)
     if not names:
         raise ValueError(f"checkpoint step {step} has no tensors under {prefix!r}")
     metadata = {"format": "pt", "undying.job": manifest.job, "undying.step": str(step)}
-    header = safetensors_header(manifest, names, metadata)
-    ordered = _layout(manifest, names)
-    tmp = f"{out_path}.tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for batch in _batches(manifest, ordered, batch_bytes):
-                tensors, _ = load_checkpoint(catalog, step, batch)
-                for name in batch:
-                    f.write(_raw(tensors.pop(name)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_safetensors(catalog, step, out_path, plan_export(manifest, names), metadata, batch_bytes)
     return names
 
 

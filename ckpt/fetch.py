@@ -35,9 +35,11 @@ PIECE_BYTES = 16 << 20
 Fetched = dict[str, list[tuple[int, torch.Tensor]]]  # file -> [(start byte, uint8 bytes)], sorted by start
 
 
-def fetch(storage: Storage, step: int, reads: Sequence[RangeRead], *, threads: int = READ_THREADS,
+def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, threads: int = READ_THREADS,
           keep: bool = True, piece_bytes: int = PIECE_BYTES) -> Fetched:
-    """Read and verify every range of `reads` from checkpoint `step`'s directory.
+    """Read and verify every range of `reads` from checkpoint `step`'s directory (`step` None: from
+    the storage root, as for a Hugging Face model directory; blocks whose crc32 is None, which
+    safetensors files do not carry, are read unverified).
 
     Each range is read into one buffer, as pieces of at most `piece_bytes` fetched
     concurrently; once a range's pieces are all in, the thread that brought the last one
@@ -71,8 +73,9 @@ def fetch(storage: Storage, step: int, reads: Sequence[RangeRead], *, threads: i
 class _Range:
     """One `RangeRead` being fetched: its buffer, its pieces, and the count of pieces still out."""
 
-    def __init__(self, storage: Storage, step: int, read: RangeRead, piece_bytes: int):
+    def __init__(self, storage: Storage, step: int | None, read: RangeRead, piece_bytes: int):
         self.storage, self.step, self.read = storage, step, read
+        self.where = f"step {step}" if step is not None else storage.root
         size = read.end - read.start
         self.pieces = [(lo, min(lo + piece_bytes, size)) for lo in range(0, size, piece_bytes)] or [(0, 0)]
         self.buffer: torch.Tensor | None = None
@@ -87,14 +90,15 @@ class _Range:
                 self.buffer = torch.empty(read.end - read.start, dtype=torch.uint8)
             buffer = self.buffer
         view = memoryview(buffer.numpy())
-        path = self.storage.path(step_dir(self.step), read.file)
+        path = self.storage.path(step_dir(self.step), read.file) if self.step is not None \
+            else self.storage.path(read.file)
         try:
             got = self.storage.read_range_into(path, read.start + lo, view[lo:hi])
         except OSError as err:  # FileNotFoundError included: a shard named by the manifest is gone
-            raise CorruptCheckpoint(f"step {self.step}: cannot read bytes {read.start + lo}..{read.start + hi} "
+            raise CorruptCheckpoint(f"{self.where}: cannot read bytes {read.start + lo}..{read.start + hi} "
                                     f"of {read.file}: {type(err).__name__}: {err}") from err
         if got != hi - lo:
-            raise CorruptCheckpoint(f"step {self.step}: {read.file} is truncated: got {got} of the "
+            raise CorruptCheckpoint(f"{self.where}: {read.file} is truncated: got {got} of the "
                                     f"{hi - lo} bytes at {read.start + lo}")
         with self._lock:
             self._left -= 1
@@ -103,8 +107,10 @@ class _Range:
         # The last piece is in: check every block of the range. crc32 releases the GIL on large
         # buffers, so other threads go on reading meanwhile.
         for block in read.blocks:
+            if block.crc32 is None:
+                continue
             if crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
-                raise CorruptCheckpoint(f"step {self.step}: checksum mismatch in {read.file}, "
+                raise CorruptCheckpoint(f"{self.where}: checksum mismatch in {read.file}, "
                                         f"block at bytes {block.start}..{block.end}")
         if not keep:
             self.buffer = None

@@ -34,8 +34,8 @@ from ckpt.reshard import COALESCE_GAP, Copy, CoverageError, ReadPlan, plan_reads
 from ckpt.shards import dtype_from_name, itemsize
 from trainer.state_slices import TensorSlice
 
-__all__ = ["CorruptCheckpoint", "UnsupportedManifest", "load_checkpoint", "newest_loadable", "read_manifest",
-           "read_slices", "verify_checkpoint"]
+__all__ = ["CorruptCheckpoint", "UnsupportedManifest", "assemble", "load_checkpoint", "newest_loadable",
+           "read_manifest", "read_slices", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,11 @@ def read_slices(
                              f"{w.dtype}; pass a tensor of the slice's dtype or none")
     manifest = manifest if manifest is not None else read_manifest(catalog, step)
     plan = _plan(manifest, step, wanted, coalesce_gap)
-    fetched = fetch(catalog.storage, step, plan.reads, threads=threads)
+    return assemble(wanted, plan, fetch(catalog.storage, step, plan.reads, threads=threads))
+
+
+def assemble(wanted: Sequence[TensorSlice], plan: ReadPlan, fetched: dict) -> list[TensorSlice]:
+    """`wanted` filled from the fetched bytes of `plan` (see `read_slices` for the in-place rule)."""
     starts = {file: [start for start, _ in ranges] for file, ranges in fetched.items()}
     sources: dict[int, list[Copy]] = defaultdict(list)
     for copy in plan.copies:

@@ -36,7 +36,7 @@ class Block:
 
     start: int
     end: int
-    crc32: int
+    crc32: int | None  # None: the source carries no checksum (a safetensors file)
 
 
 @dataclass(frozen=True)

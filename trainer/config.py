@@ -144,6 +144,11 @@ class ModelConfig(_Strict):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def architecture(self) -> dict:
+        """Every resolved key as plain data, without `preset` or `from_hf`: rebuilds this model
+        with nothing else at hand (the checkpoint manifest carries it)."""
+        return self.model_dump(mode="json", exclude={"preset", "from_hf"})
+
     @property
     def kv_dim(self) -> int:
         """Width of the key (and of the value) projection: n_kv_heads * head_dim."""

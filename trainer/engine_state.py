@@ -92,6 +92,25 @@ class EngineState:
                     want(geometry.slice(f"optim/{layout.name}/{field}", torch.float32))
         return list(wanted.values())
 
+    def load_weights(self, slices: list[TensorSlice]) -> None:
+        """Set the model parameters from `slices` (pretrained weights; every "model/" slice this rank
+        holds, nothing else). Optimizer state, step and scaler stay as built: training starts at
+        step 0 from these weights. Raises ValueError when a slice is missing or does not fit."""
+        wanted = {piece.name: piece for piece in self.wanted_slices() if piece.name.startswith("model/")}
+        given = {piece.name: piece for piece in slices}
+        if set(given) != set(wanted):
+            raise ValueError(f"pretrained weights do not match the model: missing {sorted(set(wanted) - set(given))}"
+                             f", unexpected {sorted(set(given) - set(wanted))}")
+        for name, piece in given.items():
+            if piece.key != wanted[name].key or piece.tensor is None:
+                raise ValueError(f"{name}: got slice {piece.offsets}+{piece.lengths}, this rank holds "
+                                 f"{wanted[name].offsets}+{wanted[name].lengths}")
+        with torch.no_grad():
+            for layout in self.layouts:
+                name = f"model/{layout.name}"
+                if name in given:
+                    layout.local.copy_(given[name].tensor)
+
     def load_slices(self, slices: list[TensorSlice], meta: dict) -> None:
         """Copy the wanted slices (data read from any stored layout) into this rank's state.
 

@@ -117,7 +117,7 @@ def merge_hf_architecture(data: dict[str, Any]) -> dict[str, Any]:
     except ValueError as err:
         raise ValueError(f"from_hf={data['from_hf']!r}: {err}") from None
     for key, value in data.items():
-        if key in ("from_hf", *OVERRIDABLE) or key not in arch and key != "preset":
+        if value is None or key in ("from_hf", *OVERRIDABLE) or key not in arch and key != "preset":
             continue
         if key == "preset" or arch[key] != value:
             raise ValueError(f"model.{key}={value!r} contradicts the config.json of from_hf "

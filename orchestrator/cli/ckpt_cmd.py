@@ -7,7 +7,8 @@ local directory. `--storage-option KEY=VALUE` (repeatable) is passed to fsspec, 
 
     ls       committed checkpoints: step, layout, size, age (manifests only, no shard reads)
     verify   read every chunk of every (or one, --step) committed checkpoint and check its CRC
-    export   the `model/...` tensors of one checkpoint as a safetensors file, prefix removed
+    export   the `model/...` tensors of one checkpoint: a safetensors file, prefix removed
+             (--format safetensors), or a Hugging Face model directory (--format hf)
     gc       keep the newest --keep committed checkpoints (never the newest one) and delete
              unfinished saves older than the newest commit
 
@@ -51,8 +52,17 @@ def add_ckpt_parser(sub) -> None:
                        "(repeatable; true/false and {...} JSON values are decoded, the rest are strings)")
     parsers["verify"].add_argument("--step", type=int, help="verify only this step (default: every committed one)")
     parsers["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest committed)")
-    parsers["export"].add_argument("--out", required=True, help="safetensors file to write (a local path)")
+    parsers["export"].add_argument("--out", required=True, help="safetensors file (--format safetensors) or "
+                                   "directory (--format hf) to write, a local path")
     parsers["export"].add_argument("--prefix", default="model/", help="tensors to export (default: model/)")
+    parsers["export"].add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                                   help="safetensors: one file, undying's names; hf: a directory transformers loads")
+    parsers["export"].add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="--format hf: cast the weights "
+                                   "(default: the dtype the checkpoint holds)")
+    parsers["export"].add_argument("--max-shard-size", default="5GB", help="--format hf: split the weights into "
+                                   "files of at most this size, with an index (default 5GB)")
+    parsers["export"].add_argument("--tokenizer", help="--format hf: tokenizer.json (or its directory) to ship "
+                                   "(default: the one the job trained with, when the checkpoint records it)")
     parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
     parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
 
@@ -268,10 +278,46 @@ def _verify(catalog: Catalog, args: argparse.Namespace) -> int:
 
 # -- export ------------------------------------------------------------------------------
 
+EXPORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes (transformers' spelling of shard sizes)."""
+    number = text.strip().upper()
+    unit = next((u for u in _SIZE_UNITS if number.endswith(u)), "B")
+    try:
+        value = float(number[: len(number) - len(unit)] if number.endswith(unit) else number)
+    except ValueError:
+        raise UsageError(f"--max-shard-size {text!r}: not a size; use e.g. 5GB, 500MB or 2GiB") from None
+    if value <= 0:
+        raise UsageError(f"--max-shard-size {text!r}: must be positive")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) -> int:
+    from ckpt.hf_export import export_hf
+
+    out = os.path.abspath(os.path.expanduser(args.out))
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"--out {args.out} exists and is not an empty directory; choose a new directory")
+    tokenizer = args.tokenizer or manifest.state.get("tokenizer", {}).get("url")
+    try:
+        files = export_hf(catalog, step, out, dtype=EXPORT_DTYPES.get(args.dtype),
+                          max_shard_bytes=parse_size(args.max_shard_size), tokenizer_url=tokenizer,
+                          token_ids=manifest.state.get("tokenizer", {}).get("token_ids"))
+    except (ValueError, KeyError) as err:
+        raise UsageError(f"--format hf: {err}") from None
+    print(f"wrote {out}: {', '.join(files)} (step {step})")
+    return EXIT_OK
+
+
 def _export(catalog: Catalog, args: argparse.Namespace) -> int:
     from ckpt.export import export_safetensors
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
 
+    if args.format == "hf":
+        return _export_checked(catalog, args, _export_hf)
     out = os.path.abspath(os.path.expanduser(args.out))
     if not os.path.isdir(os.path.dirname(out)):
         raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} does not exist; create it first")
@@ -297,6 +343,22 @@ def _export(catalog: Catalog, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(f"wrote {out}: {len(names)} tensors of step {step} ({human_bytes(os.path.getsize(out))})")
     return EXIT_OK
+
+
+def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
+    """`action(catalog, step, args, manifest)` on the chosen committed step; damage exits 1."""
+    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
+
+    if not os.path.isdir(os.path.dirname(os.path.abspath(os.path.expanduser(args.out)))):
+        raise UsageError(f"--out {args.out}: its parent directory does not exist; create it first")
+    step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
+    try:
+        return action(catalog, step, args, read_manifest(catalog, step))
+    except UnsupportedManifest as err:
+        raise UsageError(f"--step {step}: {err}") from None
+    except CorruptCheckpoint as err:
+        print(f"undying ckpt {args.ckpt_command}: step {step} is damaged, nothing written: {err}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 # -- gc ----------------------------------------------------------------------------------

@@ -98,7 +98,10 @@ class Checkpoints:
             message.receipt, message.extra, world_size, self.gen, layout,
             # The history travels with the checkpoint, so a rerun of a dead controller knows which
             # steps the model it restores holds (the data-exactly-once check).
-            lambda: {"goodput": self.ledger.to_dict(), "restarts": restarts, "history": list(self.record.history)},
+            # The model's architecture travels too, so a checkpoint exports (`ckpt export --format hf`)
+            # and evaluates (`undying eval`) without the job spec.
+            lambda: {"goodput": self.ledger.to_dict(), "restarts": restarts, "history": list(self.record.history),
+                     "model": self.spec.model.architecture()},
         )
         if commit is None:
             return None

@@ -139,7 +139,7 @@ class RankActor:
         `faults`: the chaos faults still armed; those of this rank at "during_restore" fire while
         the checkpoint loads (their notice goes through the generation's store, as in training)."""
         from chaos.injector import FaultInjector
-        from orchestrator.rank.state import build_engine, load_engine_state
+        from orchestrator.rank.state import build_engine, load_engine_state, load_pretrained
         from trainer.memory_probe import current_bytes
 
         started = time.perf_counter()
@@ -150,6 +150,8 @@ class RankActor:
         if step is not None:
             hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
             load_engine_state(self.spec, self.engine, step, fault_hook=hook)
+        elif self.spec.model.from_hf:
+            load_pretrained(self.spec, self.engine)
         out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)

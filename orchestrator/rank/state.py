@@ -30,6 +30,14 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
     )
 
 
+def load_pretrained(spec, engine) -> None:
+    """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet)."""
+    from ckpt.hf_import import read_hf_slices
+
+    wanted = [piece for piece in engine.wanted_slices() if piece.name.startswith("model/")]
+    engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model))
+
+
 def load_engine_state(spec, engine, step: int, fault_hook=None) -> dict:
     """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
 

@@ -1,0 +1,125 @@
+"""Export a committed checkpoint as a Hugging Face model directory that transformers loads as is.
+
+Protocol: `undying ckpt export URL --format hf --out DIR` calls `export_hf(catalog, step, DIR,
+...)` once. It writes, into a temporary sibling directory that is renamed to DIR only when
+every file is complete (a failed export never leaves a directory that looks like a model):
+
+    config.json                      LlamaForCausalLM, from the model config the manifest carries
+    generation_config.json           bos/eos token ids
+    model.safetensors                or model-0000k-of-0000n.safetensors + model.safetensors.index.json
+                                     when the weights exceed `max_shard_bytes`
+    tokenizer.json (+ its config)    the tokenizer the job trained with, when known
+
+Names follow trainer.hf_names; the dtype is the checkpoint's (fp32 master weights) unless
+`dtype` casts it. Memory stays bounded by one read batch whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+import fsspec
+
+from ckpt.catalog import Catalog
+from ckpt.export import Exported, plan_export, write_safetensors
+from ckpt.manifest import Manifest
+from trainer.config import ModelConfig
+from trainer.hf_config import hf_config_of
+from trainer.hf_names import to_hf
+
+PREFIX = "model/"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default "5GB"
+
+
+def model_config_of(manifest: Manifest) -> ModelConfig:
+    """The model architecture a checkpoint was trained with; ValueError when it does not say."""
+    raw = manifest.state.get("model")
+    if raw is None:
+        raise ValueError("this checkpoint does not record its model config (written by an older release); export it "
+                         "with --format safetensors")
+    return ModelConfig.model_validate(raw)
+
+
+def shard_plan(tensors: list[Exported], max_shard_bytes: int) -> list[list[Exported]]:
+    """Tensors grouped into files of at most `max_shard_bytes` (a larger tensor gets a file of its own)."""
+    shards: list[list[Exported]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _copy_tokenizer(tokenizer_url: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files found at `tokenizer_url` (a tokenizer.json or a directory holding one)."""
+    base = tokenizer_url[: -len("tokenizer.json")] if tokenizer_url.endswith("tokenizer.json") else tokenizer_url
+    base = base.rstrip("/")
+    copied = []
+    for name in TOKENIZER_FILES:
+        fs, path = fsspec.core.url_to_fs(f"{base}/{name}")
+        if fs.exists(path):
+            with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            copied.append(name)
+    if "tokenizer.json" not in copied:
+        raise ValueError(f"no tokenizer.json at {base}; pass --tokenizer with the tokenizer the job trained with")
+    return copied
+
+
+def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict) -> None:
+    config = {**hf_config_of(model), "dtype": dtype, **token_ids}
+    generation = {"_from_model_config": True, **token_ids}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+
+
+def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = None,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_url: str | None = None,
+              token_ids: dict | None = None) -> list[str]:
+    """Write checkpoint `step` as a Hugging Face directory at `out_dir` (which must not exist or be
+    empty); returns the files written. ValueError when the model is not a Llama architecture."""
+    manifest = catalog.read_manifest(step)
+    model = model_config_of(manifest)
+    names = {stored: to_hf(stored[len(PREFIX):]) for stored in sorted(manifest.tensors) if stored.startswith(PREFIX)}
+    hf_config_of(model)  # refuses a non-Llama architecture before anything is written
+    tensors = plan_export(manifest, names, dtype)
+    shards = shard_plan(tensors, max_shard_bytes)
+    files = _file_names(len(shards))
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex}")
+    os.makedirs(tmp)
+    try:
+        metadata = {"format": "pt", "undying.job": manifest.job, "undying.step": str(step)}
+        for file, shard in zip(files, shards, strict=True):
+            write_safetensors(catalog, step, os.path.join(tmp, file), shard, metadata)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                     "weight_map": {t.name: file for file, shard in zip(files, shards, strict=True) for t in shard}}
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        stored_dtype = dtype or manifest.tensors[next(iter(names))].dtype
+        _write_configs(tmp, model, stored_dtype, token_ids or {})
+        copied = _copy_tokenizer(tokenizer_url, tmp) if tokenizer_url else []
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked by the caller); a non-empty one raises here
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(files + ([INDEX_NAME] if len(files) > 1 else []) + ["config.json", "generation_config.json"]
+                  + copied)

@@ -1,0 +1,139 @@
+"""Hugging Face weights in and out: a Llama saved by transformers loads into the engine exactly,
+and a checkpoint exports as a directory transformers loads with no missing or unexpected key."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from ckpt.catalog import Catalog  # noqa: E402
+from ckpt.hf_export import export_hf  # noqa: E402
+from ckpt.hf_import import read_hf_slices  # noqa: E402
+from ckpt.safetensors_source import BadSafetensors, parse_header  # noqa: E402
+from ckpt.storage import Storage  # noqa: E402
+from ckpt.writer import ShardWriter  # noqa: E402
+from orchestrator.cli.main import main  # noqa: E402
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from trainer.engine import Engine  # noqa: E402
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+
+
+def save_hf(path, tie=False, **save_kw) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
+                         rope_scaling=dict(SCALING), tie_word_embeddings=tie)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, **save_kw)
+    return model
+
+
+def engine_from_hf(path) -> Engine:
+    cfg = ModelConfig(from_hf=str(path))
+    train = TrainConfig(steps=3, global_batch=2, micro_batch=1, lr=1e-2)
+    engine = Engine(cfg, DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
+    wanted = [p for p in engine.wanted_slices() if p.name.startswith("model/")]
+    engine.load_weights(read_hf_slices(str(path), wanted, cfg))
+    return engine
+
+
+def commit(engine: Engine, root) -> Catalog:
+    catalog = Catalog(Storage(f"file://{root}", {}))
+    receipts = []
+    step = engine.next_step
+    ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
+                async_save=False).save(step, engine.state_slices(), {})
+    catalog.commit(job="j", step=step, generation=0, layout={}, spec_hash="h", receipts=receipts,
+                   state={"engine": engine.state_meta(), "model": engine.model_config.architecture()})
+    return catalog
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+IDS = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("tie, shard", [(False, None), (True, "20KB")])
+def test_hf_weights_load_exactly_from_one_file_or_an_index(tmp_path, tie, shard):
+    hf = save_hf(tmp_path / "hf", tie=tie, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists() == bool(shard)
+    engine = engine_from_hf(tmp_path / "hf")
+    torch.testing.assert_close(logits(engine.model, IDS), logits(hf, IDS), rtol=0, atol=1e-5)
+
+
+def test_trained_checkpoint_exports_and_transformers_loads_it_with_every_key(tmp_path):
+    save_hf(tmp_path / "hf")
+    engine = engine_from_hf(tmp_path / "hf")
+    for _ in range(2):
+        engine.train_step()
+    catalog = commit(engine, tmp_path / "ck")
+    files = export_hf(catalog, 2, str(tmp_path / "out"))
+    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    torch.testing.assert_close(logits(loaded.eval(), IDS), logits(engine.model, IDS), rtol=0, atol=1e-5)
+
+
+def test_hf_in_and_out_without_an_update_is_bit_identical(tmp_path):
+    hf = save_hf(tmp_path / "hf")
+    catalog = commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck")
+    export_hf(catalog, 0, str(tmp_path / "out"), max_shard_bytes=30_000)
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    original, exported = hf.state_dict(), back.state_dict()
+    assert set(original) == set(exported)
+    for name, value in original.items():
+        assert torch.equal(value, exported[name]), name
+
+
+def test_cli_exports_bf16_and_refuses_a_model_transformers_cannot_hold(tmp_path, capsys):
+    save_hf(tmp_path / "hf")
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck")
+    url = f"file://{tmp_path}/ck"
+    assert main(["ckpt", "export", url, "--format", "hf", "--dtype", "bf16", "--out", str(tmp_path / "b")]) == 0
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["num_key_value_heads"] == 2
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "b").dtype == torch.bfloat16
+    assert main(["ckpt", "export", url, "--format", "hf", "--out", str(tmp_path / "b")]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    gpt = Engine(ModelConfig(preset="tiny"), DataConfig(seq_len=16), TrainConfig(steps=1, global_batch=1),
+                 ParallelConfig(), rank=0, world_size=1)
+    commit(gpt, tmp_path / "gpt")
+    assert main(["ckpt", "export", f"file://{tmp_path}/gpt", "--format", "hf", "--out", str(tmp_path / "g")]) == 2
+    assert "model.activation is 'gelu'" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
+
+
+def test_a_directory_with_a_weight_undying_would_drop_is_refused(tmp_path):
+    hf = save_hf(tmp_path / "hf")
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(state, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ValueError, match="q_proj.bias.*dropped"):
+        engine_from_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("header, words", [
+    (b"[1]", "not a JSON object"), (b"\xff", "not UTF-8 JSON"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode(), "does not hold"),
+    (json.dumps({"w": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 4]}}).encode(), "dtype 'Q4'"),
+    (json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                 "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}).encode(), "overlap"),
+])
+def test_bad_safetensors_headers_are_refused_by_name(header, words):
+    header += b" " * (-len(header) % 8)  # as writers pad it, so tensors start aligned
+    blob = struct.pack("<Q", len(header)) + header + b"\0" * 16
+    with pytest.raises(BadSafetensors, match=words):
+        parse_header(blob, len(blob), "m.safetensors")
