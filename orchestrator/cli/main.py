@@ -5,6 +5,8 @@
     undying plan JOB.yaml --gpus N [--gpu h200] [--json]
     undying ckpt ls|verify|export|gc URL [--storage-option KEY=VALUE ...]   (see orchestrator/cli/ckpt_cmd.py)
     undying chaos [sweep] JOB.yaml [--mtbf 30s] [--kind K] [--seed N] ...     (see orchestrator/cli/chaos/command.py)
+    undying data prepare INPUT... --tokenizer PATH --out URL [--text-field text] [--address ADDR] ...
+                                                                             (see orchestrator/cli/data/command.py)
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
 spec or the cluster cannot run the job as written (nothing was started). User mistakes
@@ -19,6 +21,7 @@ import sys
 
 from orchestrator.cli.chaos.command import add_chaos_parser
 from orchestrator.cli.ckpt_cmd import add_ckpt_parser
+from orchestrator.cli.data.command import add_data_parser
 from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError, load_spec
 
@@ -43,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_ckpt_parser(sub)
     add_chaos_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -66,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.cli.ckpt_cmd import ckpt_main
 
         return ckpt_main(args)
+    if args.command == "data":  # works on data files and a tokenizer; no spec involved
+        from orchestrator.cli.data.command import data_main
+
+        return data_main(args)
     if args.command == "chaos":  # its own spec handling: reference run, overrides from its flags
         from orchestrator.cli.chaos.command import chaos_main
 

@@ -1,0 +1,135 @@
+"""Running the units of a preparation: on Ray Data, or in this process; and the progress line.
+
+An executor is called by the driver (`prepare.py`) once, with the job, the indices of the
+units to run and a `Sink`. On the driver thread it calls `sink.started(where)` once its
+workers are ready, then `sink.result(r)` with each `UnitResult` as it arrives, in
+completion order (the driver orders them by index). `result` returns False to stop early
+(a bad record: the other units' work would be thrown away anyway).
+
+`RayDataExecutor` joins the cluster at `--address` (or `$RAY_ADDRESS`), else starts an
+embedded local Ray, as `undying run` does (`orchestrator/cluster/ray_cluster.py`), and
+stops the embedded one when done. Each unit is one row of a Ray Data dataset of one row
+per block, so each becomes its own task; `run_unit` runs in a Ray worker and writes the
+shard itself, and only the small result row comes back. `run_serial` does the same in this
+process (tests, and a check that the two agree).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from orchestrator.cli.data.shard_task import Job, UnitResult, run_unit
+
+
+class Sink(Protocol):
+    def started(self, where: str) -> None: ...
+
+    def result(self, result: UnitResult) -> bool: ...
+
+
+Executor = Callable[[Job, list[int], Sink], None]
+
+
+def run_serial(job: Job, indices: list[int], sink: Sink) -> None:
+    sink.started("this process")
+    for index in indices:
+        if sink.result(run_unit(job, index)) is False:
+            return
+
+
+def _map_row(row: dict, job: Job) -> dict:
+    return run_unit(job, int(row["unit"])).as_row()
+
+
+class RayDataExecutor:
+    """Runs the units as Ray Data tasks on the cluster at `address` (None: embedded local Ray)."""
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+
+    def __call__(self, job: Job, indices: list[int], sink: Sink) -> None:
+        import ray
+
+        from orchestrator.cluster import ray_cluster
+
+        conn = ray_cluster.connect(self.address, cpus_needed=1, gpus_needed=0)
+        try:
+            import ray.data
+
+            address = self.address or os.environ.get("RAY_ADDRESS")
+            where = "the embedded local Ray" if conn.embedded else f"the Ray cluster at {address}"
+            sink.started(f"{where} ({ray.cluster_resources().get('CPU', 0):.0f} CPUs)")
+
+            context = ray.data.DataContext.get_current()
+            context.enable_progress_bars = False  # the driver prints its own progress line
+            logging.getLogger("ray.data").setLevel(logging.WARNING)
+            # Its one warning says that the bars above are off, which is what we asked for.
+            logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+            rows = ray.data.from_items([{"unit": i} for i in indices], override_num_blocks=max(1, len(indices)))
+            results = rows.map(_map_row, fn_kwargs={"job": job}, num_cpus=1)
+            for row in results.iter_rows():
+                if sink.result(UnitResult.from_row(row)) is False:
+                    return
+        finally:
+            conn.close()
+
+
+class Progress:
+    """Totals of the units done so far, and a line about them every `every_s` seconds.
+
+    `begin` (once the workers are ready: the clock starts there, so tokens/s leaves out
+    starting Ray) and `add` are called on the driver thread; the printing thread only reads
+    the totals. Use as a context manager: the thread starts on entry and stops on exit.
+    """
+
+    def __init__(self, n_units: int, printer: Callable[[str], None] | None = None, every_s: float = 2.0) -> None:
+        self.n_units = n_units
+        self.printer = printer or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.every_s = every_s
+        self.units = self.reused = self.documents = self.tokens = 0
+        self.started: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="data-progress", daemon=True)
+
+    def begin(self, where: str) -> None:
+        self.started = time.monotonic()
+        self.printer(f"data prepare: {self.n_units} units to run on {where}")
+
+    def add(self, result: UnitResult) -> None:
+        self.units += 1
+        self.reused += int(result.reused)
+        self.documents += result.n_documents
+        self.tokens += result.n_tokens
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - (self.started or time.monotonic()), 1e-9)
+        reused = f" ({self.reused} kept from an earlier run)" if self.reused else ""
+        return (f"data prepare: {self.units}/{self.n_units} shards{reused}, {self.documents:,} documents, "
+                f"{human_count(self.tokens)} tokens, {human_count(self.tokens / elapsed)} tokens/s, "
+                f"{elapsed:.0f} s")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if self.started is not None:
+                self.printer(self.line())
+
+    def __enter__(self) -> Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"

@@ -1,0 +1,166 @@
+"""`undying data prepare`, the driver: check everything, plan, run the units, commit the manifest.
+
+Protocol, in this order, on the driver:
+  1. load the tokenizer and check every input (`vocab.py`, `sources.py`): a mistake exits 2
+     before anything is written or started;
+  2. build the plan (`plan.py`) and compare it with what `--out` holds: DONE (a committed
+     dataset of the same inputs and tokenizer) prints "already prepared" and exits 0;
+     another dataset, or another plan's unfinished run, exits 2; FRESH creates
+     `OUT/plan.json` exclusively, RESUME reuses it;
+  3. run every unit (`execute.py`: Ray Data tasks, each writing its own shard and `.done`);
+  4. once every unit has succeeded, create `OUT/manifest.json` exclusively (`ckpt/storage.py`:
+     POSIX link(), S3 If-None-Match). Its bytes depend only on the plan, so two runs racing
+     to commit the same dataset both succeed, and a run of another plan cannot replace it.
+
+Ray starts only in step 3, so the checks and "already prepared" cost no cluster.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckpt.storage import AlreadyCommitted, Storage
+from orchestrator.cli.ckpt_cmd import UsageError
+from orchestrator.cli.data.execute import Executor, Progress, human_count
+from orchestrator.cli.data.plan import PLAN_NAME, Decision, Plan, decide, make_plan, parse_plan
+from orchestrator.cli.data.shard_task import Job, UnitResult
+from orchestrator.cli.data.sources import options_for, resolve_sources, to_url
+from orchestrator.cli.data.vocab import load_tokenizer
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from trainer.tokens.format import MANIFEST_NAME, TokenFormatError, TokenManifest, manifest_bytes, parse_manifest
+
+
+@dataclass
+class PrepareRequest:
+    """The command's arguments, as parsed."""
+
+    inputs: list[str]
+    tokenizer: str
+    out: str
+    shard_tokens: int
+    text_field: str = "text"
+    eos_token: str | None = None
+    storage_options: dict = field(default_factory=dict)
+
+
+def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str], None] = print) -> int:
+    """Run steps 1-4 of the module docstring; returns the exit code. UsageError propagates
+    from steps 1-2 (the command prints it and exits 2)."""
+    if request.shard_tokens < 1:
+        raise UsageError(f"--shard-tokens {request.shard_tokens}: must be at least 1")
+    tokenizer = load_tokenizer(request.tokenizer, request.eos_token, request.storage_options)
+    sources = resolve_sources(request.inputs, request.text_field, request.storage_options)
+    plan = make_plan(sources, tokenizer, request.text_field, request.shard_tokens)
+    storage = open_output(request.out, request.storage_options)
+    plan, decision = _settle(storage, plan)
+    if decision is Decision.DONE:
+        manifest = parse_manifest(storage.read(storage.path(MANIFEST_NAME)), storage.url)
+        printer(f"already prepared: {storage.url} ({human_count(manifest.n_tokens)} tokens, "
+                f"{manifest.n_documents:,} documents in {len(manifest.shards)} shards)")
+        return EXIT_OK
+    if decision is Decision.RESUME:
+        printer(f"resuming the unfinished preparation at {storage.url}")
+    job = Job(storage.url, request.storage_options, plan, plan.sha256(), tokenizer.json_text)
+    results = _run(job, executor)
+    if isinstance(results, int):
+        return results
+    return _commit(storage, plan, results, printer)
+
+
+def open_output(out: str, storage_options: dict) -> Storage:
+    url = to_url(out)
+    try:
+        return Storage(url, options_for(url, storage_options))
+    except (ValueError, ImportError) as err:
+        raise UsageError(f"--out {out}: unknown or unavailable protocol ({err}); use a local path, file:// "
+                         "or s3:// (with s3fs installed)") from None
+
+
+def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:
+    """The plan to run and what to do: step 2 of the module docstring."""
+    for _ in range(2):  # a second look when another run created plan.json meanwhile
+        manifest, old_plan, others = _what_is_there(storage)
+        decision = decide(storage.url, plan, manifest, old_plan, others)
+        if decision is Decision.RESUME:
+            return old_plan, decision  # the same identity; how inputs and tokenizer were spelled may differ
+        if decision is Decision.DONE:
+            return plan, decision
+        try:
+            storage.create_exclusive(storage.path(PLAN_NAME), plan.to_bytes())
+            return plan, decision
+        except AlreadyCommitted:
+            continue
+    raise UsageError(f"--out {storage.url}: another run is writing there; choose another --out")
+
+
+def _what_is_there(storage: Storage) -> tuple[TokenManifest | None, Plan | None, list[str]]:
+    names = storage.listdir(storage.root)
+    manifest = old_plan = None
+    if MANIFEST_NAME in names:
+        try:
+            manifest = parse_manifest(storage.read(storage.path(MANIFEST_NAME)), f"{storage.url}/{MANIFEST_NAME}")
+        except TokenFormatError as err:
+            raise UsageError(f"--out {storage.url}: {err}") from None
+    if PLAN_NAME in names:
+        old_plan = parse_plan(storage.read(storage.path(PLAN_NAME)), f"{storage.url}/{PLAN_NAME}")
+    return manifest, old_plan, [n for n in names if n not in (MANIFEST_NAME, PLAN_NAME)]
+
+
+class _Collector:
+    """The `Sink` of one run: keeps each unit's result, the first failure, and the progress."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.results: dict[int, UnitResult] = {}
+        self.failed: UnitResult | None = None
+
+    def started(self, where: str) -> None:
+        self.progress.begin(where)
+
+    def result(self, result: UnitResult) -> bool:
+        if result.error:
+            self.failed = result
+            return False
+        self.results[result.index] = result
+        self.progress.add(result)
+        return True
+
+
+def _run(job: Job, executor: Executor) -> list[UnitResult] | int:
+    """Every unit's result in index order, or the exit code of the first failure."""
+    units = [u.index for u in job.plan.units]
+    if not units:  # inputs without a single record: an empty dataset, and no cluster to start
+        return []
+    progress = Progress(len(units))
+    collector = _Collector(progress)
+    with progress:
+        executor(job, units, collector)
+    if collector.failed is not None:
+        print(f"undying data prepare: {collector.failed.error}", file=sys.stderr)
+        return EXIT_USAGE if collector.failed.error_kind == "usage" else EXIT_FAILED
+    assert len(collector.results) == len(units), f"{len(units) - len(collector.results)} units returned no result"
+    progress.printer(progress.line())
+    return [collector.results[i] for i in units]
+
+
+def _commit(storage: Storage, plan: Plan, results: list[UnitResult], printer: Callable[[str], None]) -> int:
+    shards = [r.entry() for r in results]
+    manifest = TokenManifest(dtype=plan.dtype, vocab_size=plan.vocab_size, eos_id=plan.eos_id,
+                             tokenizer_sha256=plan.tokenizer_sha256, tokenizer=plan.tokenizer,
+                             text_field=plan.text_field, inputs=plan.inputs,
+                             n_tokens=sum(s.n_tokens for s in shards),
+                             n_documents=sum(s.n_documents for s in shards), shards=shards)
+    started = time.monotonic()
+    try:
+        storage.create_exclusive(storage.path(MANIFEST_NAME), manifest_bytes(manifest))
+    except AlreadyCommitted:
+        print(f"undying data prepare: {storage.url}/{MANIFEST_NAME} appeared meanwhile with other contents "
+              "(another run committed there); nothing was replaced", file=sys.stderr)
+        return EXIT_FAILED
+    printer(f"prepared {storage.url}: {human_count(manifest.n_tokens)} tokens ({manifest.dtype}), "
+            f"{manifest.n_documents:,} documents, {len(shards)} shards; manifest committed in "
+            f"{time.monotonic() - started:.2f} s")
+    return EXIT_OK

@@ -1,0 +1,200 @@
+"""One preparation task: tokenize one work unit and write it as one shard.
+
+`run_unit(job, index)` runs in a Ray Data task (or in-process for tests), once per unit,
+any number at a time, in any order. It writes `shard-NNNNNN.tokens`, then `.docs`, then
+`.done`: a JSON marker with both files' checksums and the plan's hash, written only
+after both files are complete. A unit whose marker matches the plan and whose files still
+hash to the recorded checksums is not tokenized again (a resumed run); anything else is
+redone from scratch, and since the bytes of a shard are a function of the plan alone, a
+redo writes the same bytes. The result (counts and checksums, or the error) goes back to
+the driver, which writes the manifest once every unit has one.
+
+Each document is encoded with `add_special_tokens=False` and followed by the EOS id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ckpt.storage import Storage
+from orchestrator.cli.ckpt_cmd import is_storage_error
+from orchestrator.cli.data.plan import Plan
+from orchestrator.cli.data.records import BadRecord, iter_documents
+from orchestrator.cli.data.sources import options_for
+from orchestrator.cli.data.units import Unit
+from orchestrator.cli.data.vocab import build_tokenizer
+from trainer.tokens.format import (
+    DOCS_SUFFIX,
+    TOKENS_SUFFIX,
+    ShardEntry,
+    encode_shard,
+    numpy_dtype,
+    sha256_hex,
+    shard_entry,
+    shard_name,
+)
+
+DONE_SUFFIX = ".done"
+# Documents are encoded in batches (the tokenizer parallelises a batch across its own
+# threads) of bounded text, so memory stays near the shard's own size.
+BATCH_DOCS, BATCH_BYTES = 1024, 8 * 2**20
+_storages: dict[str, Storage] = {}
+_storages_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every task needs, shipped to each: where to write, the plan and the tokenizer."""
+
+    out: str
+    storage_options: dict
+    plan: Plan
+    plan_sha256: str
+    tokenizer_json: str
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """A task's answer: the shard's counts and checksums, or `error` (`error_kind` "usage":
+    a bad record, the user's to fix; "storage": the output failed)."""
+
+    index: int
+    n_tokens: int = 0
+    n_documents: int = 0
+    tokens_sha256: str = ""
+    docs_sha256: str = ""
+    reused: bool = False
+    error: str = ""
+    error_kind: str = ""
+
+    def entry(self) -> ShardEntry:
+        return ShardEntry(name=shard_name(self.index), n_tokens=self.n_tokens, n_documents=self.n_documents,
+                          tokens_sha256=self.tokens_sha256, docs_sha256=self.docs_sha256)
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict) -> UnitResult:
+        """From a Ray Data row, whose values may come back as numpy scalars."""
+        ints = ("index", "n_tokens", "n_documents")
+        strs = ("tokens_sha256", "docs_sha256", "error", "error_kind")
+        return cls(**{k: int(row[k]) for k in ints}, **{k: str(row[k]) for k in strs}, reused=bool(row["reused"]))
+
+
+def _storage(job: Job) -> Storage:
+    """The output's Storage, one per process and job: an S3 client costs a session and a
+    connection pool to build, which a worker running many units should pay once."""
+    key = json.dumps([job.out, job.storage_options], sort_keys=True, default=str)
+    with _storages_lock:
+        if key not in _storages:
+            _storages[key] = Storage(job.out, options_for(job.out, job.storage_options))
+        return _storages[key]
+
+
+def run_unit(job: Job, index: int) -> UnitResult:
+    storage = _storage(job)
+    try:
+        found = _reuse(storage, job, index)
+        if found is not None:
+            return found
+        tokens, ends = tokenize_unit(job, job.plan.units[index])
+        tokens_bytes, docs_bytes = encode_shard(tokens, ends, job.plan.dtype)
+        name = shard_name(index)
+        storage.write_immutable(storage.path(name + TOKENS_SUFFIX), tokens_bytes)
+        storage.write_immutable(storage.path(name + DOCS_SUFFIX), docs_bytes)
+        entry = shard_entry(index, tokens_bytes, docs_bytes, numpy_dtype(job.plan.dtype).itemsize)
+        marker = {"plan_sha256": job.plan_sha256, "shard": entry.model_dump()}
+        storage.write_immutable(storage.path(name + DONE_SUFFIX), json.dumps(marker).encode())
+        return UnitResult(index, entry.n_tokens, entry.n_documents, entry.tokens_sha256, entry.docs_sha256)
+    except BadRecord as err:
+        return UnitResult(index, error=str(err), error_kind="usage")
+    except Exception as err:
+        if not is_storage_error(err):
+            raise
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        return UnitResult(index, error=f"shard {shard_name(index)}: storage error: {reason}", error_kind="storage")
+
+
+def _reuse(storage: Storage, job: Job, index: int) -> UnitResult | None:
+    """The recorded result of a unit a previous run completed, if its files are intact."""
+    name = shard_name(index)
+    try:
+        marker = json.loads(storage.read(storage.path(name + DONE_SUFFIX)))
+        if marker.get("plan_sha256") != job.plan_sha256:
+            return None
+        entry = ShardEntry.model_validate(marker["shard"])
+        tokens = storage.read(storage.path(name + TOKENS_SUFFIX))
+        docs = storage.read(storage.path(name + DOCS_SUFFIX))
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no marker, a torn one or a missing file: redo the unit
+    if entry.name != name or sha256_hex(tokens) != entry.tokens_sha256 or sha256_hex(docs) != entry.docs_sha256:
+        return None
+    return UnitResult(index, entry.n_tokens, entry.n_documents, entry.tokens_sha256, entry.docs_sha256, reused=True)
+
+
+def tokenize_unit(job: Job, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
+    """The unit's token stream (each document's ids, then EOS) and its documents' end offsets."""
+    plan = job.plan
+    tokenizer = build_tokenizer(job.tokenizer_json, plan.tokenizer_sha256)
+    wide = numpy_dtype(plan.dtype)
+    parts, ends, texts, wheres = [], [], [], []
+    total = size = 0
+
+    def flush() -> None:
+        nonlocal total, size
+        if texts:
+            flat, lengths = _encode(tokenizer, texts, wheres, plan.eos_id, wide)
+            parts.append(flat)
+            ends.append(total + np.cumsum(lengths))
+            total += len(flat)
+        texts.clear()
+        wheres.clear()
+        size = 0
+
+    for piece in unit.pieces:
+        source = plan.sources[piece.source]
+        file = source.files[piece.file]
+        for text, where in iter_documents(source, file, piece, plan.text_field, job.storage_options):
+            texts.append(text)
+            wheres.append((source.arg, where))
+            size += len(text)
+            if len(texts) >= BATCH_DOCS or size >= BATCH_BYTES:
+                flush()
+    flush()
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=wide)
+    return tokens, (np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64))
+
+
+def _encode(tokenizer, texts: list[str], wheres: list[tuple[str, str]], eos_id: int,
+            wide: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """One batch: the documents' ids, each followed by EOS, and each document's length."""
+    try:
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    except Exception:
+        _name_bad_text(texts, wheres)
+        raise
+    ids = [e.ids for e in encodings]
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.empty(int(lengths.sum()), dtype=wide)
+    is_eos = np.zeros(len(flat), dtype=bool)
+    is_eos[np.cumsum(lengths) - 1] = True
+    flat[is_eos] = eos_id
+    flat[~is_eos] = np.fromiter(itertools.chain.from_iterable(ids), dtype=wide, count=len(flat) - len(ids))
+    return flat, lengths
+
+
+def _name_bad_text(texts: list[str], wheres: list[tuple[str, str]]) -> None:
+    """A text the tokenizer refused is one Python can hold but UTF-8 cannot (a lone
+    surrogate, e.g. from a JSON "\\ud800" escape): name its record."""
+    for text, (arg, where) in zip(texts, wheres, strict=True):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRecord(f"INPUT {arg}: {where} holds text that is not valid Unicode (a lone surrogate); "
+                            "fix or drop that record") from None

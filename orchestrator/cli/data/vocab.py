@@ -1,0 +1,126 @@
+"""The tokenizer of `undying data prepare`: loaded once on the driver, identified by its hash.
+
+Called by the driver (`prepare.py`) before anything runs. `--tokenizer` is a Hugging Face
+`tokenizers` tokenizer.json, or a directory (local or fsspec URL) that holds one. The
+driver ships the JSON text to the tasks, which build their own `Tokenizer` from it
+(`build_tokenizer`, cached per worker process), so every task encodes with exactly the
+bytes whose SHA-256 the manifest records.
+
+The end-of-document token, appended after every document, is the first of:
+  1. `--eos-token`, when given (it must be in the vocabulary);
+  2. the directory's tokenizer_config.json `eos_token`, then config.json `eos_token_id`;
+  3. the first of "</s>", "<|endoftext|>", "<eos>" the vocabulary holds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+from orchestrator.cli.ckpt_cmd import UsageError
+from orchestrator.cli.data.sources import open_fs, to_url
+from trainer.tokens.format import dtype_for_vocab, sha256_hex
+
+DEFAULT_EOS = ("</s>", "<|endoftext|>", "<eos>")
+_cache: dict[str, object] = {}
+_cache_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The tokenizer as the plan and the manifest record it, and its JSON for the tasks."""
+
+    source: str  # URL of the tokenizer.json read
+    json_text: str
+    sha256: str
+    vocab_size: int  # largest id + 1: what an embedding table needs
+    eos_id: int
+    eos_token: str
+
+    @property
+    def dtype(self) -> str:
+        return dtype_for_vocab(self.vocab_size)
+
+
+def build_tokenizer(json_text: str, sha256: str):
+    """A `tokenizers.Tokenizer` for `json_text`, built once per process (tasks reuse workers)."""
+    from tokenizers import Tokenizer
+
+    with _cache_lock:
+        if sha256 not in _cache:
+            _cache[sha256] = Tokenizer.from_str(json_text)
+        return _cache[sha256]
+
+
+def load_tokenizer(arg: str, eos_token: str | None, storage_options: dict) -> TokenizerSpec:
+    """Read, check and identify the tokenizer at `arg`; UsageError naming the flag and the fix."""
+    url = to_url(arg)
+    try:
+        fs, path = open_fs(url, storage_options)
+    except (ValueError, ImportError) as err:
+        raise UsageError(f"--tokenizer {arg}: unknown or unavailable protocol ({err})") from None
+    directory = fs.isdir(path)
+    source = f"{url}/tokenizer.json" if directory else url
+    try:
+        data = fs.cat_file(f"{path}/tokenizer.json" if directory else path)
+    except FileNotFoundError:
+        what = f"{arg} has no tokenizer.json" if directory else f"{arg}: no such file or directory"
+        raise UsageError(f"--tokenizer {what}; give a tokenizer.json or a directory holding one") from None
+    try:
+        text = data.decode("utf-8")
+        tokenizer = build_tokenizer(text, sha256_hex(data))
+    except Exception as err:  # tokenizers raises a plain Exception for a file it cannot parse
+        raise UsageError(f"--tokenizer {arg}: not a Hugging Face tokenizers tokenizer.json ({_short(err)})") from None
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise UsageError(f"--tokenizer {arg}: the tokenizer has an empty vocabulary")
+    config = _directory_config(fs, path) if directory else {}
+    eos_token, eos_id = resolve_eos(vocab, eos_token, config)
+    return TokenizerSpec(source=source, json_text=text, sha256=sha256_hex(data), vocab_size=max(vocab.values()) + 1,
+                         eos_id=eos_id, eos_token=eos_token)
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _directory_config(fs, path: str) -> dict:
+    """`eos_token` of tokenizer_config.json and `eos_token_id` of config.json, where present."""
+    found: dict = {}
+    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+        try:
+            value = json.loads(fs.cat_file(f"{path}/{name}")).get(key)
+        except (FileNotFoundError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):  # older tokenizer_config.json: an AddedToken as a dict
+            value = value.get("content")
+        if isinstance(value, list):  # config.json may list several end ids; the first ends documents
+            value = value[0] if value else None
+        if value is not None:
+            found[key] = value
+    return found
+
+
+def resolve_eos(vocab: dict[str, int], explicit: str | None, config: dict) -> tuple[str, int]:
+    """The (token, id) that ends every document; see the module docstring for the order."""
+    if explicit is not None:
+        if explicit not in vocab:
+            raise UsageError(f"--eos-token {explicit!r}: not in the tokenizer's vocabulary; "
+                             "give a token the vocabulary holds")
+        return explicit, vocab[explicit]
+    token = config.get("eos_token")
+    if isinstance(token, str) and token in vocab:
+        return token, vocab[token]
+    by_id = {i: t for t, i in vocab.items()}
+    token_id = config.get("eos_token_id")
+    if isinstance(token_id, int) and token_id in by_id:
+        return by_id[token_id], token_id
+    for token in DEFAULT_EOS:
+        if token in vocab:
+            return token, vocab[token]
+    named = " and its directory names no usable eos_token" if not config else \
+        f" and its directory's eos {next(iter(config.values()))!r} is not in it"
+    raise UsageError(f"--eos-token: the vocabulary holds none of {', '.join(repr(t) for t in DEFAULT_EOS)}{named}; "
+                     "pass --eos-token with the token that ends a document")

@@ -1,0 +1,231 @@
+"""`undying data prepare` end to end through the CLI, with the units run in this process
+instead of on Ray Data (`execute.run_serial`; the Ray run is tests/ray/test_data_prepare.py):
+the token stream against a one-document-at-a-time reference, "already prepared", the
+refusals, resuming an interrupted run, and every user mistake as one line and exit 2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from orchestrator.cli.data import execute
+from orchestrator.cli.main import main
+from tests._corpus import documents, expected_stream, train_tokenizer, write_corpus
+from trainer.tokens import TokenDataset
+
+
+class Recorder:
+    """An executor that runs units in-process and records them; `stop_after` interrupts it."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.results = []
+        self.stop_after = stop_after
+
+    def __call__(self, job, indices, sink) -> None:
+        recorder = self
+
+        class Recording:
+            def started(self, where: str) -> None:
+                sink.started(where)
+
+            def result(self, result) -> bool:
+                recorder.results.append(result)
+                if recorder.stop_after is not None and len(recorder.results) >= recorder.stop_after:
+                    raise KeyboardInterrupt  # the run dies here, as under Ctrl-C or a lost driver
+                return sink.result(result)
+
+        execute.run_serial(job, indices, Recording())
+
+
+@pytest.fixture
+def executor(monkeypatch):
+    """Replaces Ray Data: the next `undying data prepare` runs its units with this recorder."""
+    box = {"executor": Recorder()}
+    monkeypatch.setattr(execute, "RayDataExecutor", lambda address: box["executor"])
+    return box
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    docs = documents(120)
+    tokenizer = train_tokenizer(root / "tokenizer.json", docs)
+    inputs = write_corpus(root / "in", docs, hf=True)
+    return root, tokenizer, inputs, docs
+
+
+def prepare(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["data", "prepare", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def args_for(corpus, out: Path, *extra: str) -> list[str]:
+    _, tokenizer, inputs, _ = corpus
+    return [*(str(p) for p, _ in inputs), "--tokenizer", str(tokenizer), "--out", str(out), "--shard-tokens", "60",
+            *extra]
+
+
+def check_stream(out: Path, tokenizer: Path, docs: list[str]) -> TokenDataset:
+    tokens, ends = expected_stream(tokenizer, docs)
+    ds = TokenDataset(str(out))
+    assert ds.n_tokens == len(tokens) and ds.n_documents == len(docs)
+    assert np.array_equal(ds.read(0, ds.n_tokens), tokens)
+    assert np.array_equal(ds.document_bounds(), ends)
+    return ds
+
+
+def test_prepare_matches_one_process_tokenization(capsys, executor, corpus, tmp_path):
+    root, tokenizer, inputs, docs = corpus
+    code, out, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 0, err
+    assert "prepared file://" in out and f"{len(docs)} documents" in out
+    ds = check_stream(tmp_path / "out", tokenizer, docs)
+    m = ds.manifest
+    assert len(m.shards) >= 5 and m.dtype == "uint16" and m.text_field == "text"
+    assert m.inputs == [f"file://{p}" for p, _ in inputs]
+    assert m.tokenizer_sha256 == hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    assert m.eos_id == Tokenizer.from_file(str(tokenizer)).token_to_id("</s>")
+    assert not any(r.reused for r in executor["executor"].results)
+
+
+def test_rerun_is_already_prepared_and_other_inputs_are_refused(capsys, executor, corpus, tmp_path):
+    root, tokenizer, inputs, docs = corpus
+    assert prepare(capsys, *args_for(corpus, tmp_path / "out"))[0] == 0
+    executor["executor"] = Recorder()
+    code, out, _ = prepare(capsys, *args_for(corpus, tmp_path / "out", "--shard-tokens", "1000"))
+    assert code == 0 and out.startswith(f"already prepared: file://{tmp_path}/out (")
+    assert not executor["executor"].results
+
+    code, _, err = prepare(capsys, str(inputs[0][0]), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
+    assert code == 2 and err.count("\n") == 1
+    assert "already holds a dataset prepared from other inputs" in err and "choose another --out" in err
+
+    other = train_tokenizer(tmp_path / "other.json", docs, vocab_size=300)
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out")[:-6], "--tokenizer", str(other),
+                           "--out", str(tmp_path / "out"))
+    assert code == 2 and "prepared from another tokenizer" in err
+
+
+def test_a_changed_input_is_refused(capsys, executor, corpus, tmp_path):
+    root, tokenizer, inputs, docs = corpus
+    txt = tmp_path / "one.txt"
+    txt.write_text("first version")
+    base = [str(txt), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
+    assert prepare(capsys, *base)[0] == 0
+    txt.write_text("second version, longer")
+    code, _, err = prepare(capsys, *base)
+    assert code == 2 and "another version of input" in err
+
+
+def test_an_interrupted_run_resumes_and_writes_the_same_bytes(capsys, executor, corpus, tmp_path):
+    root, tokenizer, inputs, docs = corpus
+    assert prepare(capsys, *args_for(corpus, tmp_path / "ref"))[0] == 0
+    reference = (tmp_path / "ref" / "manifest.json").read_bytes()
+
+    executor["executor"] = Recorder(stop_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists() and (tmp_path / "out" / "plan.json").exists()
+    # One finished shard is damaged afterwards: a resume must redo it, not trust its marker.
+    shard = tmp_path / "out" / "shard-000001.tokens"
+    shard.write_bytes(bytes([shard.read_bytes()[0] ^ 1]) + shard.read_bytes()[1:])
+
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out", "--shard-tokens", "61"))
+    assert code == 2 and "unfinished preparation of another --shard-tokens (60, not 61)" in err
+
+    executor["executor"] = Recorder()
+    code, out, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 0, err
+    assert "resuming the unfinished preparation" in out and "(2 kept from an earlier run)" in err
+    reused = sorted(r.index for r in executor["executor"].results if r.reused)
+    assert reused == [0, 2]
+    assert (tmp_path / "out" / "manifest.json").read_bytes() == reference
+    check_stream(tmp_path / "out", tokenizer, docs)
+
+
+def test_a_location_that_holds_something_else_is_refused(capsys, executor, corpus, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 2 and "is not empty (notes.txt) and holds no plan.json" in err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt"]
+
+
+def test_a_bad_record_in_a_task_fails_with_one_line_and_no_manifest(capsys, executor, corpus, tmp_path):
+    root, tokenizer, _, _ = corpus
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    code, _, err = prepare(capsys, str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
+    assert code == 2 and "Traceback" not in err
+    # After the progress lines, the error: one line.
+    assert err.splitlines()[-1].startswith(f"undying data prepare: INPUT {bad}: the line at byte 17 is not valid UTF-8")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus, tmp_path):
+    root, tokenizer, inputs, _ = corpus
+    jsonl = tmp_path / "other.jsonl"
+    jsonl.write_text(json.dumps({"body": "x"}) + "\n")
+    (tmp_path / "data.csv").write_text("a,b\n")
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "dd"))
+    no_eos = tmp_path / "no_eos.json"
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(no_eos))
+    capsys.readouterr()  # datasets' own progress bars
+    out = ["--out", str(tmp_path / "out")]
+    tok = ["--tokenizer", str(tokenizer)]
+    parquet = str(inputs[3][0])
+    cases = [
+        ([str(tmp_path / "missing.txt"), *tok], "INPUT", "no such file or directory"),
+        ([str(tmp_path / "data.csv"), *tok], "INPUT", "unsupported extension '.csv'"),
+        ([str(jsonl), *tok], "--text-field text", "has no field 'text' (it has 'body')"),
+        ([parquet, *tok, "--text-field", "body"], "--text-field body", "the schema of"),
+        ([parquet, *tok, "--text-field", "n"], "--text-field n", "holds int64, not strings"),
+        ([str(tmp_path / "dd"), *tok], "INPUT", "a DatasetDict; give one split's directory, e.g."),
+        ([parquet, "--tokenizer", str(tmp_path / "none.json")], "--tokenizer", "no such file or directory"),
+        ([parquet, "--tokenizer", str(no_eos)], "--eos-token", "pass --eos-token"),
+        ([parquet, *tok, "--storage-option", "oops"], "--storage-option", "expects KEY=VALUE"),
+        ([parquet, *tok, "--shard-tokens", "0"], "--shard-tokens 0", "must be at least 1"),
+    ]
+    for argv, argument, message in cases:
+        code, _, err = prepare(capsys, *argv, *out)
+        assert code == 2, (argv, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"undying data prepare: {argument}") and message in err, err
+    assert not (tmp_path / "out").exists() and not executor["executor"].results
+
+
+def test_large_vocabularies_store_uint32_ids(capsys, executor, tmp_path):
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "big.json"))
+    docs = ["w69999 w3 w65534", "w65535 w65536", ""]
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.writelines(json.dumps({"content": d}) + "\n" for d in docs)
+    code, _, err = prepare(capsys, str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "big.json"),
+                           "--text-field", "content", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    ds = check_stream(tmp_path / "out", tmp_path / "big.json", docs)
+    assert ds.manifest.dtype == "uint32" and ds.read(0, 3).tolist() == [70_001, 5, 65_536]
+
+
+def test_a_resume_may_spell_the_inputs_and_tokenizer_differently(capsys, executor, corpus, tmp_path, monkeypatch):
+    root, tokenizer, inputs, docs = corpus
+    executor["executor"] = Recorder(stop_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    monkeypatch.chdir(root)
+    relative = [str(p.relative_to(root)) for p, _ in inputs]
+    executor["executor"] = Recorder()
+    code, out, err = prepare(capsys, *relative, "--tokenizer", f"file://{tokenizer}", "--out", str(tmp_path / "out"),
+                             "--shard-tokens", "60")
+    assert code == 0 and "resuming" in out, err
+    check_stream(tmp_path / "out", tokenizer, docs)

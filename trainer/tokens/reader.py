@@ -1,0 +1,155 @@
+"""`TokenDataset`: random access to the global token stream of a prepared dataset.
+
+Protocol: build one `TokenDataset(url)` per process (it reads and checks `manifest.json`
+once; nothing else is trusted), then call `read(start, length)` from any thread: a
+prefetching data loader calls it from its own thread while the training thread reads too.
+`read` fetches only the bytes of the requested range: on local files through one
+read-only memory map per shard (opened on first use, under a lock), elsewhere as one
+ranged read per shard touched (`cat_file(path, start=, end=)`, one ranged GET on S3).
+The format is described in `trainer/tokens/format.py`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import fsspec
+import numpy as np
+
+from trainer.tokens.format import (
+    DOCS_DTYPE,
+    DOCS_SUFFIX,
+    MANIFEST_NAME,
+    TOKENS_SUFFIX,
+    NoManifest,
+    TokenFormatError,
+    TokenManifest,
+    numpy_dtype,
+    parse_manifest,
+)
+
+
+class TokenDataset:
+    """A committed dataset at `url` (any fsspec URL; a plain path is a local directory)."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self._local = "file" in protocols
+        self.manifest = self._read_manifest()
+        self.dtype = numpy_dtype(self.manifest.dtype)
+        counts = [s.n_tokens for s in self.manifest.shards]
+        # offsets[i] is the global position of shard i's first token; offsets[-1] == n_tokens.
+        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        self._maps: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # guards opening memory maps
+        self._bounds_lock = threading.Lock()
+        self._bounds: np.ndarray | None = None
+
+    def _read_manifest(self) -> TokenManifest:
+        where = f"{self.url}/{MANIFEST_NAME}"
+        try:
+            data = self.fs.cat_file(f"{self.root}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            raise NoManifest(f"no {MANIFEST_NAME} at {self.url}: run `undying data prepare` first "
+                             "(or wait for a running one to finish)") from None
+        return parse_manifest(data, where)
+
+    # -- what is there ---------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        return self.manifest.n_tokens
+
+    @property
+    def n_documents(self) -> int:
+        return self.manifest.n_documents
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self.manifest.eos_id
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def _path(self, shard: int, suffix: str) -> str:
+        return f"{self.root}/{self.manifest.shards[shard].name}{suffix}"
+
+    # -- reads -------------------------------------------------------------------------
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens at global positions [start, start + length) as int64, across shard boundaries.
+
+        Thread-safe. Raises IndexError for a range outside [0, n_tokens) and TokenFormatError
+        when a shard file is shorter than its manifest entry says.
+        """
+        if start < 0 or length < 0 or start + length > self.n_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) are outside [0, {self.n_tokens}) of {self.url}")
+        out = np.empty(length, dtype=np.int64)
+        shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        done = 0
+        while done < length:
+            local = start + done - int(self.offsets[shard])
+            take = min(length - done, int(self.offsets[shard + 1]) - (start + done))
+            if take > 0:
+                out[done:done + take] = self._read_shard(shard, local, take)
+                done += take
+            shard += 1
+        return out
+
+    def _read_shard(self, shard: int, local: int, count: int) -> np.ndarray:
+        if self._local:
+            return self._map(shard)[local:local + count]
+        size = self.dtype.itemsize
+        path = self._path(shard, TOKENS_SUFFIX)
+        data = self.fs.cat_file(path, start=local * size, end=(local + count) * size)
+        if len(data) != count * size:
+            raise TokenFormatError(f"{path}: {len(data)} bytes where {count * size} were expected at byte "
+                                   f"{local * size}; the shard is truncated, prepare the data again")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def _map(self, shard: int) -> np.ndarray:
+        found = self._maps.get(shard)
+        if found is not None:
+            return found
+        with self._lock:
+            if shard not in self._maps:
+                path = self._path(shard, TOKENS_SUFFIX)
+                expected = self.manifest.shards[shard].n_tokens * self.dtype.itemsize
+                actual = self.fs.size(path)
+                if actual != expected:
+                    raise TokenFormatError(f"{path}: {actual} bytes where the manifest says {expected}; "
+                                           "the shard is damaged, prepare the data again")
+                mapped = np.memmap(path, dtype=self.dtype, mode="r")
+                # Training reads windows at random places: no read-ahead around each one, which on
+                # a cold cache would read far more of the file from disk than the windows.
+                mapped._mmap.madvise(mmap.MADV_RANDOM)
+                self._maps[shard] = mapped
+            return self._maps[shard]
+
+    def document_bounds(self) -> np.ndarray:
+        """Global exclusive end offsets of every document, int64, in stream order (cached).
+
+        Reads every shard's `.docs` file once (8 bytes per document); thread-safe.
+        """
+        with self._bounds_lock:
+            if self._bounds is None:
+                parts = [np.zeros(0, dtype=np.int64)]
+                for i, entry in enumerate(self.manifest.shards):
+                    if not entry.n_documents:
+                        continue
+                    path = self._path(i, DOCS_SUFFIX)
+                    data = self.fs.cat_file(path)
+                    if len(data) != entry.n_documents * DOCS_DTYPE.itemsize:
+                        raise TokenFormatError(f"{path}: {len(data)} bytes for {entry.n_documents} documents; "
+                                               "the shard is damaged, prepare the data again")
+                    parts.append(np.frombuffer(data, dtype=DOCS_DTYPE).astype(np.int64) + self.offsets[i])
+                self._bounds = np.concatenate(parts)
+            return self._bounds
