@@ -53,6 +53,7 @@ BADPUT_CAUSES = (
     "reformation",
     "lost_work",
     "waiting_for_resources",
+    "data",
     "other",
 )
 BUCKETS = (PRODUCTIVE, *BADPUT_CAUSES)

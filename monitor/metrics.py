@@ -114,6 +114,9 @@ class JobMetrics:
         self.loss = self._gauge("undying_loss", "Token-weighted global training loss of the last step.")
         self.grad_norm = self._gauge("undying_grad_norm", "Global gradient norm of the last step.")
         self.loss_scale = self._gauge("undying_loss_scale", "Dynamic loss scale (mixed precision).")
+        self.data_wait = self._histogram(
+            "undying_data_wait_seconds", "Seconds a global step waited for its samples (rank 0).", STEP_BUCKETS
+        )
         self.goodput_ratio = self._gauge("undying_goodput_ratio", "Productive seconds / wall seconds.")
         self.rank_compute = self._gauge(
             "undying_rank_step_compute_seconds", "Compute seconds of the last step, per rank.", "rank"
@@ -209,6 +212,7 @@ class JobMetrics:
         grad_norm: float | None,
         mfu: float | None = None,
         loss_scale: float | None = None,
+        data_wait_s: float | None = None,
     ) -> None:
         """A global step finished: `tokens` is the global tokens of that step, `step_s` its wall time.
 
@@ -226,6 +230,8 @@ class JobMetrics:
             self.mfu_ratio.labels(job).set(mfu)
         if loss_scale is not None:
             self.loss_scale.labels(job).set(loss_scale)
+        if data_wait_s is not None:
+            self.data_wait.labels(job).observe(data_wait_s)
 
     def on_checkpoint(
         self, step: int, nbytes: int, blocking_s: float, total_s: float, interval_s: float | None

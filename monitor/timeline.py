@@ -25,6 +25,7 @@ BUCKET_COLORS = {
     "reformation": "#ff7f0e",
     "lost_work": "#9467bd",
     "waiting_for_resources": "#bcbd22",
+    "data": "#e377c2",
     "other": "#8c564b",
 }
 _FAILURE_COLOR = "#d62728"

@@ -169,11 +169,26 @@ def _divisor_list(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+class MixturePart(_Strict):
+    """One prepared dataset of a `data.mixture` and its share of the samples."""
+
+    path: str
+    weight: float = Field(..., gt=0.0)
+
+
 class DataConfig(_Strict):
     """Where samples come from. Sample i of global step s is a pure function of (seed, s, i)."""
 
-    source: Literal["synthetic", "text"] = "synthetic"
-    path: str | None = None  # fsspec URL or local path of a UTF-8 text file, for source=text
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    # source=text: fsspec URL or local path of a UTF-8 text file; source=tokens: a dataset prepared by
+    # `undying data prepare` (its directory URL).
+    path: str | None = None
+    # source=tokens: several prepared datasets, each sample drawn from one in proportion to its weight.
+    mixture: list[MixturePart] | None = None
+    # fsspec options for the data URLs (e.g. endpoint_url, key, secret of an S3-compatible store).
+    storage_options: dict = Field(default_factory=dict)
+    # source=tokens: steps of this rank's windows read ahead by a background thread (bounded memory).
+    prefetch_steps: int = Field(4, ge=1)
     seq_len: int = Field(64, gt=1)
     seed: int = 0
     # Synthetic samples have lengths drawn in [min_len_fraction * seq_len, seq_len] so that
@@ -181,9 +196,14 @@ class DataConfig(_Strict):
     min_len_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
-    def _path_for_text(self) -> DataConfig:
+    def _path_for_source(self) -> DataConfig:
         if self.source == "text" and not self.path:
             raise ValueError("source 'text' needs data.path: the URL or path of a UTF-8 text file")
+        if self.source == "tokens" and bool(self.path) == bool(self.mixture):
+            raise ValueError("source 'tokens' needs exactly one of data.path (a prepared dataset's URL) and "
+                             "data.mixture (a list of {path, weight})")
+        if self.source != "tokens" and self.mixture:
+            raise ValueError(f"data.mixture needs source 'tokens', got source {self.source!r}")
         return self
 
 

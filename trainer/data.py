@@ -15,59 +15,30 @@ Sources:
              microbatches are ragged and padding is exercised.
   text       a UTF-8 file read once (fsspec URL or path), one token per byte (vocab >= 256);
              each sample is a window of seq_len + 1 bytes at an offset hashed from (seed, s, i).
+  tokens     prepared token datasets (`undying data prepare`), streamed by trainer/tokens/loader.py:
+             windows drawn without replacement within an epoch, a mixture of datasets by weight.
+
+`make_cursor` picks the cursor for a DataConfig. Every cursor counts the samples it served
+(`consumed`, a trainer.batch.SampleDigest) and times each call (`last_wait_s`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable
 
 import fsspec
 import torch
 
-from trainer.config import DataConfig
-from trainer.loss import IGNORE_INDEX
+from trainer.batch import Batch, SampleDigest, collate, microbatches_per_rank, owned_indices
+from trainer.config import DataConfig, MixturePart
 from trainer.seeding import derive_seed, generator
+
+__all__ = ["Batch", "DataCursor", "collate", "make_cursor", "microbatches_per_rank", "read_text_bytes"]
 
 SYNTHETIC_NOISE = 0.1
 BYTE_VOCAB = 256
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One microbatch. input_ids and labels are (B, T) int64, right-padded to the longest sample;
-    labels[b, t] is the token after input_ids[b, t], or IGNORE_INDEX on padding."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        """Number of positions that carry loss."""
-        return int((self.labels != IGNORE_INDEX).sum())
-
-
-def microbatches_per_rank(global_batch: int, micro_batch: int, dp_size: int) -> int:
-    """Gradient-accumulation steps per optimizer step; ValueError when the batch does not split."""
-    per_step = dp_size * micro_batch
-    if global_batch % per_step:
-        raise ValueError(
-            f"train.global_batch={global_batch} is not divisible by parallel.dp ({dp_size}) x "
-            f"train.micro_batch ({micro_batch}) = {per_step}: choose a global batch that is a "
-            f"multiple of {per_step}, or change dp or micro_batch"
-        )
-    return global_batch // per_step
-
-
-def collate(samples: list[torch.Tensor]) -> Batch:
-    """Shift each sample into (inputs, labels) and right-pad them to the longest one."""
-    width = max(len(sample) for sample in samples) - 1
-    input_ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        input_ids[row, : len(sample) - 1] = sample[:-1]
-        labels[row, : len(sample) - 1] = sample[1:]
-    return Batch(input_ids, labels)
 
 
 def read_text_bytes(path: str) -> torch.Tensor:
@@ -82,7 +53,8 @@ def read_text_bytes(path: str) -> torch.Tensor:
 
 
 class DataCursor:
-    """Deterministic samples of the job's data; safe to share between threads (no state).
+    """Deterministic samples of the synthetic or text source. `sample` is safe to call from any
+    thread (no state); `microbatches` also counts what it served, for the training thread only.
 
     Every rank builds its own cursor from the same DataConfig and calls `microbatches` once
     per step with its place in the layout; no communication is needed.
@@ -91,6 +63,8 @@ class DataCursor:
     def __init__(self, cfg: DataConfig, vocab_size: int):
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.consumed = SampleDigest()  # the samples this cursor served (trainer.batch)
+        self.last_wait_s = 0.0  # how long the last `microbatches` call took
         self._text: torch.Tensor | None = None
         if cfg.source == "text":
             if vocab_size < BYTE_VOCAB:
@@ -136,24 +110,43 @@ class DataCursor:
         return torch.tensor(tokens, dtype=torch.long)
 
     def sample_ids(self, step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
-        """The global sample indices of `step` that data-parallel rank `dp_rank` owns.
+        """The global sample indices of `step` that data-parallel rank `dp_rank` owns: a contiguous
+        block (trainer.batch.owned_indices); the step argument keeps call sites explicit about time."""
+        return owned_indices(global_batch, dp_rank, dp_size)
 
-        A contiguous block, so ranks in order concatenate to range(global_batch). The block
-        does not depend on `step`; the argument keeps call sites explicit about time.
-        """
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1}")
-        if global_batch % dp_size:
-            raise ValueError(
-                f"train.global_batch={global_batch} is not divisible by parallel.dp={dp_size}"
-            )
-        per_rank = global_batch // dp_size
-        return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    def sample_keys(self, step: int, global_batch: int, indices: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """The ids of samples `indices` (default: all) of `step`, as the digests count them: (0, global index)."""
+        indices = range(global_batch) if indices is None else indices
+        return [(0, step * global_batch + i) for i in indices]
 
     def microbatches(
         self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
     ) -> list[Batch]:
         """This rank's samples of `step`, in index order, cut into microbatches of `micro_batch`."""
+        started = time.perf_counter()
         count = microbatches_per_rank(global_batch, micro_batch, dp_size)
-        samples = [self.sample(step, i) for i in self.sample_ids(step, global_batch, dp_rank, dp_size)]
+        owned = self.sample_ids(step, global_batch, dp_rank, dp_size)
+        samples = [self.sample(step, i) for i in owned]
+        self.consumed.add(step, self.sample_keys(step, global_batch, owned))
+        self.last_wait_s = time.perf_counter() - started
         return [collate(samples[k * micro_batch : (k + 1) * micro_batch]) for k in range(count)]
+
+    def close(self) -> None:
+        """Nothing to release (the token loader's prefetch thread has something)."""
+
+
+def make_cursor(cfg: DataConfig, vocab_size: int):
+    """The data cursor of `cfg`: `DataCursor` for synthetic and text, the streaming `TokenCursor`
+    for prepared datasets (trainer/tokens/loader.py). Both serve `microbatches(...)` the same way."""
+    if cfg.source != "tokens":
+        return DataCursor(cfg, vocab_size)
+    from trainer.tokens.loader import TokenCursor
+    from trainer.tokens.reader import TokenDataset
+
+    parts = cfg.mixture or [MixturePart(path=cfg.path, weight=1.0)]
+    datasets = [TokenDataset(part.path, cfg.storage_options) for part in parts]
+    for part, ds in zip(parts, datasets, strict=True):
+        if ds.vocab_size > vocab_size:
+            raise ValueError(f"data path {part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "
+                             f"than model.vocab_size = {vocab_size}: use the model's tokenizer or a larger vocab_size")
+    return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps)

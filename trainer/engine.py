@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from trainer.data import Batch, DataCursor, microbatches_per_rank
+from trainer.data import Batch, make_cursor, microbatches_per_rank
 from trainer.data_parallel import (
     LOW_PRECISION,
     SyncClock,
@@ -68,6 +68,7 @@ from trainer.data_parallel import (
 from trainer.dtensor_slices import Grid, ParamLayout, dtensor_spec, geometry, local, scalar_geometry
 from trainer.engine_pipeline import LocalChunks, build_pipeline
 from trainer.engine_state import STATE_FORMAT, EngineState
+from trainer.evaluation import padded_microbatches, shard_windows
 from trainer.grad_clip import clip_sharded_grads
 from trainer.layout_checks import check_layout
 from trainer.loss import all_reduce_token_loss, token_loss_sum
@@ -96,6 +97,7 @@ class StepResult:
     loss_scale: float = 1.0  # fp16 loss scale this step's backward used (1.0 without a scaler)
     skipped: bool = False  # fp16 overflow: no update was made (the step still counts)
     bubble: float = 0.0  # measured idle fraction of this rank's pipeline schedule (0.0 without pp)
+    data_wait_s: float = 0.0  # how long this step waited for its samples (read, or a prefetch in flight)
 
 
 class Engine(EngineState):
@@ -141,7 +143,7 @@ class Engine(EngineState):
         self._allreduce_step: int | None = None  # step whose first all-reduced bucket is still to come
         self.fault_hook = fault_hook
         self.n_micro = microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)
-        self.data = DataCursor(data, model.vocab_size)
+        self.data = make_cursor(data, model.vocab_size)
         self.mesh = build_mesh(self.topology, self.device.type) if world_size > 1 else None
         self._dp_group = self.mesh["dp"].get_group() if self.mesh is not None else None
         self._ddp = None
@@ -288,7 +290,41 @@ class Engine(EngineState):
             lr=lr, compute_s=compute_s, step_s=time.perf_counter() - started,
             loss_scale=loss_scale, skipped=skipped,
             bubble=self._trace.idle_fraction() if self._trace is not None else 0.0,
+            data_wait_s=self.data.last_wait_s,
         )
+
+    @torch.no_grad()
+    def evaluate(self, windows: list[torch.Tensor]) -> tuple[float, int]:
+        """(summed token loss, tokens) of `windows` (trainer.evaluation's, the same on every rank);
+        collective over the whole job. Each dp replica evaluates its share, padded to the same
+        microbatch count on every rank (FSDP and the pipeline run collectives per forward)."""
+        mb, seq = self.train_config.micro_batch, int(windows[0].numel()) - 1
+        rounds = self.pipeline.runner.n_micro if self.pipeline is not None else 1
+        per_rank = -(-len(windows) // self.dp_size)
+        count = -(-per_rank // (mb * rounds)) * rounds  # microbatches, the same on every rank
+        width = -(-seq // self.tp_size) * self.tp_size if self.sequence_parallel else seq
+        batches = padded_microbatches(shard_windows(windows, self.dp_rank, self.dp_size), mb, count, width)
+        total, tokens = 0.0, sum(b.n_tokens for b in batches)
+        self.model.train(False)  # no dropout
+        try:
+            total = self._evaluate_batches(batches, rounds)
+        finally:
+            self.model.train(True)
+        if self.dp_size > 1:
+            total, tokens = all_reduce_token_loss(total, tokens, group=self._dp_group, device=self.device)
+        return total, tokens
+
+    def _evaluate_batches(self, batches: list[Batch], rounds: int) -> float:
+        total = 0.0
+        for start in range(0, len(batches), rounds):
+            if self.pipeline is not None:
+                total += self.pipeline.runner.step(batches[start:start + rounds], 1, forward_only=True).loss_sum
+                continue
+            with self._autocast(), loss_context(self.tp_size):
+                part, _ = token_loss_sum(self.model(batches[start].input_ids.to(self.device)),
+                                         batches[start].labels.to(self.device))
+            total += float(local(part))
+        return total
 
     def _sum_over_dp(self, count: int) -> int:
         # Every tp rank of a dp replica reads the same samples: count them once per replica.

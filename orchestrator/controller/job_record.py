@@ -35,6 +35,7 @@ class StepRecord:
     tokens: int
     step_s: float
     time: float  # wall-clock time (time.time()) the step finished on rank 0
+    data_wait_s: float = 0.0  # part of step_s rank 0 waited for its samples (booked as `data` badput)
 
 
 class JobRecord:
@@ -69,7 +70,9 @@ class JobRecord:
         return (at if at is not None else time.time()) - self.started
 
     def on_step(self, event: StepDone) -> None:
-        rec = StepRecord(event.step, event.loss, event.tokens, event.step_s, event.time)
+        rec = StepRecord(event.step, event.loss, event.tokens, event.step_s, event.time, event.data_wait_s)
+        # The wait for samples was booked as productive (the controller was RUNNING); its cause is data.
+        self.ledger.move(min(event.data_wait_s, event.step_s), "productive", "data")
         if rec.step in self.steps or rec.step in self.in_flight_at_failure:
             self.in_flight_at_failure.discard(rec.step)
             if rec.step in self.steps:
@@ -89,7 +92,8 @@ class JobRecord:
         if event.bubble:  # measured idle fraction of rank 0's pipeline stage (pp > 1)
             self.metrics.on_bubble(event.bubble)
         self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.grad_norm,
-                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.loss_scale)
+                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.loss_scale,
+                             data_wait_s=event.data_wait_s)
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
             self._last_progress = time.monotonic()
             self.metrics.on_goodput(self.ledger)
@@ -110,7 +114,7 @@ class JobRecord:
         plus the step that was in flight at `failed_at`, when the failure time is known: the
         `lost_work` of a rollback to `restored_step` (monitor.goodput defines it)."""
         done = [r for r in self.steps.values() if r.step >= restored_step and r.time >= since]
-        lost = sum(r.step_s for r in done)
+        lost = sum(r.step_s - r.data_wait_s for r in done)  # the data wait stays in `data`
         if failed_at is not None:
             last_end = max((r.time for r in self.steps.values() if r.time >= since), default=since)
             lost += max(0.0, failed_at - last_end)

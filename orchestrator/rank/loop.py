@@ -122,7 +122,7 @@ class RankLoop:
     def _step_event(self, result) -> StepDone:
         return StepDone(step=result.step, loss=result.loss, tokens=result.tokens, step_s=result.step_s,
                         time=time.time(), compute_s=result.compute_s, grad_norm=result.grad_norm, lr=result.lr,
-                        bubble=result.bubble, loss_scale=result.loss_scale)
+                        bubble=result.bubble, loss_scale=result.loss_scale, data_wait_s=result.data_wait_s)
 
     def _report_memory(self) -> None:
         """Rank 0, once per generation after its first step: measured memory by ledger."""

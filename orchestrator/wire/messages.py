@@ -43,6 +43,7 @@ class StepDone:
     lr: float | None = None
     bubble: float | None = None  # measured idle fraction of rank 0's pipeline stage (pp > 1)
     loss_scale: float = 1.0  # fp16's dynamic loss scale; 1.0 when training unscaled
+    data_wait_s: float = 0.0  # how long rank 0's step waited for its samples
 
 
 @dataclass(frozen=True)

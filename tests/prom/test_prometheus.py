@@ -39,7 +39,7 @@ REQUIRED_SERIES = (
     *(f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
 )
 BADPUT_CAUSES = {"startup", "checkpoint_save", "checkpoint_restore", "detection", "reformation", "lost_work",
-                 "waiting_for_resources", "other"}
+                 "waiting_for_resources", "data", "other"}
 # Scrapes (1 s apart) of the running job, and of it after its recovery, before the checks.
 MIN_SCRAPES, MIN_SCRAPES_AFTER_RECOVERY = 40, 15
 

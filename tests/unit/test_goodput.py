@@ -31,6 +31,7 @@ def test_buckets_are_productive_plus_the_taxonomy():
         "reformation",
         "lost_work",
         "waiting_for_resources",
+        "data",
         "other",
     )
 

@@ -1,0 +1,117 @@
+"""The streaming loader of prepared token datasets: each rank reads only its windows, ahead of time.
+
+Protocol: the engine builds one `TokenCursor` per rank (through `trainer.data.make_cursor`)
+and calls `microbatches(step, global_batch, micro_batch, dp_rank, dp_size)` once per step on
+its training thread, as with the synthetic cursor. Sample i of step s is the window
+`WindowSchedule.window(s, i)` (trainer/tokens/windows.py), a pure function of (seed, s, i), so
+a resume in any layout neither skips nor repeats one. The cursor then asks its background
+thread for the next `prefetch_steps` steps of the same place in the layout; a request for
+another step or layout (a restore, an elastic change) drops what was prefetched. At most
+`prefetch_steps` steps of this rank's windows are held: the loader's memory is bounded by
+prefetch_steps x (global_batch / dp) x (seq_len + 1) x 8 bytes, whatever the dataset's size.
+
+`last_wait_s` is how long the last call waited for data (the read, or the rest of a prefetch
+in flight): the engine reports it and the controller books it as `data` badput. `consumed`
+(a trainer.batch.SampleDigest of the (dataset, window) ids served) is the evidence for the
+exactly-once check.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from trainer.batch import SampleDigest, collate, microbatches_per_rank, owned_indices
+from trainer.tokens.reader import TokenDataset
+from trainer.tokens.windows import Source, WindowSchedule
+
+
+class TokenCursor:
+    """Windows of one or more prepared datasets, as the engine's data cursor (see module docstring)."""
+
+    def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float], seq_len: int, seed: int,
+                 prefetch_steps: int = 4):
+        self.datasets, self.weights = list(datasets), list(weights)
+        self.seq_len, self.seed, self.prefetch_steps = seq_len, seed, prefetch_steps
+        self.span = seq_len + 1
+        for ds in self.datasets:
+            if len(ds) < self.span:
+                raise ValueError(f"data.path={ds.url!r} holds {len(ds)} tokens, fewer than one window of data.seq_len"
+                                 f" + 1 = {self.span}: use a larger dataset or a shorter seq_len")
+        self.sources = [Source(len(ds) // self.span, w) for ds, w in zip(self.datasets, self.weights, strict=True)]
+        self._schedules: dict[int, WindowSchedule] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
+        self._ahead: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self.last_wait_s = 0.0
+        self.consumed = SampleDigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return max(ds.vocab_size for ds in self.datasets)
+
+    def schedule(self, global_batch: int) -> WindowSchedule:
+        sched = self._schedules.get(global_batch)
+        if sched is None:
+            sched = self._schedules[global_batch] = WindowSchedule(self.sources, self.seed, global_batch)
+        return sched
+
+    def sample_ids(self, step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
+        """The global sample indices of `step` this dp rank owns: a contiguous block, as for every source."""
+        return owned_indices(global_batch, dp_rank, dp_size)
+
+    def sample_keys(self, step: int, global_batch: int, indices: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """(dataset, window) of samples `indices` (default: all) of `step`, in index order."""
+        sched = self.schedule(global_batch)
+        return [sched.window(step, i) for i in (range(global_batch) if indices is None else indices)]
+
+    def windows(self, step: int, global_batch: int, dp_rank: int, dp_size: int) -> list[tuple[int, int]]:
+        """(dataset, window) of each sample this rank consumes at `step`, in index order."""
+        return self.sample_keys(step, global_batch, self.sample_ids(step, global_batch, dp_rank, dp_size))
+
+    def _read(self, source: int, window: int) -> torch.Tensor:
+        tokens = self.datasets[source].read(window * self.span, self.span)
+        return torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+
+    def _load(self, key: tuple) -> tuple[list, list[tuple[int, int]]]:
+        step, global_batch, micro_batch, dp_rank, dp_size = key
+        count = microbatches_per_rank(global_batch, micro_batch, dp_size)
+        ids = self.windows(step, global_batch, dp_rank, dp_size)
+        samples = [self._read(s, w) for s, w in ids]
+        return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
+
+    def microbatches(self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int) -> list:
+        """This rank's windows of `step` as microbatches; starts prefetching the steps after it."""
+        key = (step, global_batch, micro_batch, dp_rank, dp_size)
+        started = time.perf_counter()
+        with self._lock:
+            future = self._ahead.pop(key, None)
+            if future is None:  # not the step we prefetched for: a restore or a new layout
+                for other in self._ahead.values():
+                    other.cancel()
+                self._ahead.clear()
+        batches, ids = future.result() if future is not None else self._load(key)
+        self.last_wait_s = time.perf_counter() - started
+        self.consumed.add(step, ids)
+        self._prefetch_after(key)
+        return batches
+
+    def _prefetch_after(self, key: tuple) -> None:
+        step, rest = key[0], key[1:]
+        with self._lock:
+            for ahead in range(step + 1, step + 1 + self.prefetch_steps):
+                nxt = (ahead, *rest)
+                if nxt not in self._ahead:
+                    self._ahead[nxt] = self._pool.submit(self._load, nxt)
+
+    def close(self) -> None:
+        with self._lock:
+            for future in self._ahead.values():
+                future.cancel()
+            self._ahead.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)  # at most one read in flight to wait for
