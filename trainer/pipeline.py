@@ -273,18 +273,20 @@ class PipelineRunner:
                                              time.perf_counter()))
         return scaled
 
-    def step(self, batches: Sequence[Batch], global_tokens: int, loss_scale: float = 1.0) -> StepOutput:
+    def step(self, batches: Sequence[Batch], global_tokens: int, loss_scale: float = 1.0,
+             forward_only: bool = False) -> StepOutput:
         """Forward and backward of `batches` (this pipeline's microbatches); collective over pp.
 
         Gradients accumulate into the stage modules' .grad (zero them before the step).
         `global_tokens` is the loss-token count of the whole global batch, over every dp rank;
         `loss_scale` multiplies the loss whose gradient is taken (fp16 loss scaling), not the
         returned loss sum. With tp_size > 1 the schedule runs under `loss_parallel`, the
-        loss's backward included (the logits are vocabulary-sharded DTensors).
+        loss's backward included (the logits are vocabulary-sharded DTensors). `forward_only`
+        (evaluation): the schedule's forward passes alone, no gradient; padding-only batches allowed.
         """
         if len(batches) != self.n_micro:
             raise ValueError(f"expected {self.n_micro} microbatches, got {len(batches)}")
-        if global_tokens <= 0:
+        if global_tokens <= 0 and not forward_only:
             raise ValueError("no loss tokens: every label of the global batch is padding")
         padded = [pad_batch(batch, self.seq_len) for batch in batches]
         for batch in padded:
@@ -292,13 +294,14 @@ class PipelineRunner:
                 raise ValueError(f"microbatch of {batch.input_ids.shape[0]} samples, expected {self.micro_batch}")
         args = (torch.cat([b.input_ids for b in padded]).to(self.device),) if self.holds_first else ()
         target = torch.cat([b.labels for b in padded]).to(self.device) if self.holds_last else None
-        self._scale, self._parts = loss_scale * self.dp_size / global_tokens, []
+        self._scale, self._parts = loss_scale * self.dp_size / max(global_tokens, 1), []
         self.trace = StepTrace()
         dist.barrier(group=self.group)
         self.trace.window_start = time.perf_counter()
         amp = torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
-        with amp, loss_context(self.tp_size):
-            self.schedule.step(*args, target=target, return_outputs=False)
+        with amp, loss_context(self.tp_size), torch.set_grad_enabled(not forward_only):
+            run = self.schedule.eval if forward_only else self.schedule.step
+            run(*args, target=target, return_outputs=False)
         local = torch.stack(self._parts).double().sum() if self._parts else torch.zeros((), dtype=torch.float64)
         total = local.reshape(1).to(self.device)
         # only the last chunk's rank contributes: x + 0 is exact, so every rank gets its sum

@@ -7,6 +7,7 @@
     undying chaos [sweep] JOB.yaml [--mtbf 30s] [--kind K] [--seed N] ...     (see orchestrator/cli/chaos/command.py)
     undying data prepare INPUT... --tokenizer PATH --out URL [--text-field text] [--address ADDR] ...
                                                                              (see orchestrator/cli/data/command.py)
+    undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]  (see orchestrator/cli/eval_cmd.py)
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
 spec or the cluster cannot run the job as written (nothing was started). User mistakes
@@ -22,6 +23,7 @@ import sys
 from orchestrator.cli.chaos.command import add_chaos_parser
 from orchestrator.cli.ckpt_cmd import add_ckpt_parser
 from orchestrator.cli.data.command import add_data_parser
+from orchestrator.cli.eval_cmd import add_eval_parser
 from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError, load_spec
 
@@ -47,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ckpt_parser(sub)
     add_chaos_parser(sub)
     add_data_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.cli.ckpt_cmd import ckpt_main
 
         return ckpt_main(args)
+    if args.command == "eval":  # works on a checkpoint root and a prepared dataset; no spec involved
+        from orchestrator.cli.eval_cmd import eval_main
+
+        return eval_main(args)
     if args.command == "data":  # works on data files and a tokenizer; no spec involved
         from orchestrator.cli.data.command import data_main
 

@@ -31,6 +31,19 @@ from orchestrator.wire.store import PLAN
 REPLAN_LEAD_STEPS = 3
 
 
+def data_provenance(data) -> dict:
+    """What a checkpoint records of the tokenizer its prepared data used (`ckpt export --format hf`
+    ships those tokenizer files): {} for synthetic and text data."""
+    if data.source != "tokens":
+        return {}
+    from trainer.tokens.reader import TokenDataset
+
+    first = data.path or data.mixture[0].path
+    manifest = TokenDataset(first, data.storage_options).manifest
+    return {"tokenizer": {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256,
+                          "token_ids": {"eos_token_id": manifest.eos_id}}}
+
+
 class Checkpoints:
     def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None]):
         self.spec = spec
@@ -49,6 +62,7 @@ class Checkpoints:
         self.plan_every = 0
         self.store = None
         self.gen = -1
+        self.data_provenance = data_provenance(spec.data)
 
     @property
     def latest(self) -> int | None:
@@ -101,7 +115,8 @@ class Checkpoints:
             # The model's architecture travels too, so a checkpoint exports (`ckpt export --format hf`)
             # and evaluates (`undying eval`) without the job spec.
             lambda: {"goodput": self.ledger.to_dict(), "restarts": restarts, "history": list(self.record.history),
-                     "model": self.spec.model.architecture()},
+                     "model": self.spec.model.architecture(), "seq_len": self.spec.data.seq_len,
+                     **self.data_provenance},
         )
         if commit is None:
             return None

@@ -8,57 +8,14 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
-from ckpt.catalog import Catalog  # noqa: E402
 from ckpt.hf_export import export_hf  # noqa: E402
-from ckpt.hf_import import read_hf_slices  # noqa: E402
 from ckpt.safetensors_source import BadSafetensors, parse_header  # noqa: E402
-from ckpt.storage import Storage  # noqa: E402
-from ckpt.writer import ShardWriter  # noqa: E402
 from orchestrator.cli.main import main  # noqa: E402
+from tests._hf import commit, engine_from_hf, logits, save_hf  # noqa: E402
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from trainer.engine import Engine  # noqa: E402
-
-SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 32}
-
-
-def save_hf(path, tie=False, **save_kw) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
-                         rope_scaling=dict(SCALING), tie_word_embeddings=tie)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, **save_kw)
-    return model
-
-
-def engine_from_hf(path) -> Engine:
-    cfg = ModelConfig(from_hf=str(path))
-    train = TrainConfig(steps=3, global_batch=2, micro_batch=1, lr=1e-2)
-    engine = Engine(cfg, DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
-    wanted = [p for p in engine.wanted_slices() if p.name.startswith("model/")]
-    engine.load_weights(read_hf_slices(str(path), wanted, cfg))
-    return engine
-
-
-def commit(engine: Engine, root) -> Catalog:
-    catalog = Catalog(Storage(f"file://{root}", {}))
-    receipts = []
-    step = engine.next_step
-    ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
-                async_save=False).save(step, engine.state_slices(), {})
-    catalog.commit(job="j", step=step, generation=0, layout={}, spec_hash="h", receipts=receipts,
-                   state={"engine": engine.state_meta(), "model": engine.model_config.architecture()})
-    return catalog
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return out.logits if hasattr(out, "logits") else out
-
 
 IDS = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
 

@@ -1,0 +1,113 @@
+"""`undying eval CKPT_URL --data URL`: the validation loss of a committed checkpoint, in one process.
+
+    undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]
+                 [--storage-option KEY=VALUE ...]
+
+CKPT_URL is a job's checkpoint root (as for `undying ckpt`); --data a dataset prepared by
+`undying data prepare`. The number is defined in trainer/evaluation.py: the first K
+non-overlapping windows of T + 1 tokens from the dataset's start, summed token cross-entropy
+over K * T tokens. T defaults to the sequence length the job trained with (the manifest
+records it), K to 64. The model is rebuilt from the architecture the manifest carries and
+loaded whole on this machine's CPU (or its GPU with --device cuda).
+
+Exit codes: 0 printed; 1 the checkpoint is damaged; 2 the arguments cannot work (no such
+checkpoint or dataset, too few windows, a vocabulary the model cannot read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from orchestrator.cli.ckpt_cmd import (
+    UsageError,
+    committed_or_fail,
+    is_storage_error,
+    open_catalog,
+    parse_storage_options,
+    step_or_fail,
+)
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="validation loss of a committed checkpoint on a prepared dataset")
+    p.add_argument("url", metavar="CKPT_URL", help="the job's checkpoint root: <checkpoint.url>/<job name>")
+    p.add_argument("--data", required=True, help="a prepared dataset (`undying data prepare --out`)")
+    p.add_argument("--step", type=int, help="checkpoint to evaluate (default: the newest committed)")
+    p.add_argument("--windows", type=int, default=64, help="windows to evaluate (default 64)")
+    p.add_argument("--seq-len", type=int, help="tokens per window minus one (default: the job's training seq_len)")
+    p.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cpu", help="torch device to evaluate on (default cpu)")
+    p.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option for both URLs, e.g. endpoint_url=http://host:8333 (repeatable)")
+
+
+def _load_model(catalog, step: int, device: str):
+    from ckpt.hf_export import model_config_of
+    from ckpt.reader import load_checkpoint, read_manifest
+    from trainer.model import build_model
+
+    manifest = read_manifest(catalog, step)
+    try:
+        cfg = model_config_of(manifest)
+    except ValueError as err:
+        raise UsageError(f"--step {step}: {err}") from None
+    names = [n for n in manifest.tensors if n.startswith("model/")]
+    tensors, _ = load_checkpoint(catalog, step, names)
+    model = build_model(cfg, seed=0, device=device)
+    model.load_state_dict({n.removeprefix("model/"): t for n, t in tensors.items()}, strict=True)
+    return model, cfg, manifest
+
+
+def _evaluate(args: argparse.Namespace) -> dict:
+    from trainer.evaluation import eval_windows, loss_of_model
+    from trainer.tokens.format import NoManifest, TokenFormatError
+    from trainer.tokens.reader import TokenDataset
+
+    options = parse_storage_options(args.storage_options)
+    catalog = open_catalog(args.url, options)
+    step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
+    try:
+        dataset = TokenDataset(args.data, options)
+    except (NoManifest, TokenFormatError) as err:
+        raise UsageError(f"--data {args.data}: {err}") from None
+    model, cfg, manifest = _load_model(catalog, step, args.device)
+    if dataset.vocab_size > cfg.vocab_size:
+        raise UsageError(f"--data {args.data}: token ids up to {dataset.vocab_size - 1}, beyond the model's "
+                         f"vocabulary of {cfg.vocab_size}; evaluate on data tokenized for this model")
+    seq_len = args.seq_len or manifest.state.get("seq_len") or cfg.max_seq_len
+    if seq_len > cfg.max_seq_len:
+        raise UsageError(f"--seq-len {seq_len}: beyond the model's max_seq_len {cfg.max_seq_len}")
+    try:
+        windows = eval_windows(dataset, seq_len, args.windows)
+    except ValueError as err:
+        raise UsageError(f"--windows {args.windows}: {err}") from None
+    result = loss_of_model(model, [w.to(args.device) for w in windows])
+    return {"loss": result.loss, "tokens": result.tokens, "step": step, "windows": result.windows,
+            "seq_len": result.seq_len, "data": args.data}
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    from ckpt.errors import CorruptCheckpoint
+
+    try:
+        out = _evaluate(args)
+    except UsageError as err:
+        print(f"undying eval: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except CorruptCheckpoint as err:
+        print(f"undying eval: the checkpoint is damaged: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as err:
+        if not is_storage_error(err):
+            raise
+        print(f"undying eval: storage error: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.as_json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        print(f"step {out['step']}: validation loss {out['loss']:.6f} over {out['tokens']} tokens "
+              f"({out['windows']} windows of {out['seq_len']} + 1) of {out['data']}")
+    return EXIT_OK

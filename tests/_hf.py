@@ -1,0 +1,54 @@
+"""A small random Hugging Face Llama saved by transformers, loaded into an engine, and committed as a
+checkpoint: the fixtures of the Hugging Face import/export and eval tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ckpt.catalog import Catalog
+from ckpt.hf_import import read_hf_slices
+from ckpt.storage import Storage
+from ckpt.writer import ShardWriter
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.engine import Engine
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+
+
+def save_hf(path, tie=False, **save_kw) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
+                         rope_scaling=dict(SCALING), tie_word_embeddings=tie)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, **save_kw)
+    return model
+
+
+def engine_from_hf(path) -> Engine:
+    cfg = ModelConfig(from_hf=str(path))
+    train = TrainConfig(steps=3, global_batch=2, micro_batch=1, lr=1e-2)
+    engine = Engine(cfg, DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
+    wanted = [p for p in engine.wanted_slices() if p.name.startswith("model/")]
+    engine.load_weights(read_hf_slices(str(path), wanted, cfg))
+    return engine
+
+
+def commit(engine: Engine, root) -> Catalog:
+    catalog = Catalog(Storage(f"file://{root}", {}))
+    receipts = []
+    step = engine.next_step
+    ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
+                async_save=False).save(step, engine.state_slices(), {})
+    catalog.commit(job="j", step=step, generation=0, layout={}, spec_hash="h", receipts=receipts,
+                   state={"engine": engine.state_meta(), "model": engine.model_config.architecture(),
+                          "seq_len": engine.data_config.seq_len})
+    return catalog
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out

@@ -1,0 +1,89 @@
+"""Validation loss: `undying eval` of a checkpoint equals the Hugging Face model's own loss on the
+same windows, the engine's distributed evaluation equals the one-process number, and the
+semantics (first K non-overlapping windows of T+1 tokens) hold exactly."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from orchestrator.cli.main import main  # noqa: E402
+from tests._hf import commit, engine_from_hf, save_hf  # noqa: E402
+from tests._tokens import write_token_dataset  # noqa: E402
+from trainer.evaluation import eval_windows, loss_of_model, padded_microbatches, shard_windows  # noqa: E402
+from trainer.tokens.reader import TokenDataset  # noqa: E402
+
+K, T = 12, 31
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 96, size=2000)
+    return write_token_dataset(tmp_path / "val", tokens, vocab_size=96, shard_tokens=300)
+
+
+def hf_loss(hf, windows) -> float:
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            logits = hf(w[:-1].unsqueeze(0)).logits[0]
+            total += float(F.cross_entropy(logits.double(), w[1:], reduction="sum"))
+            tokens += T
+    return total / tokens
+
+
+def test_windows_are_the_first_k_of_t_plus_1_tokens_across_shards(dataset):
+    ds = TokenDataset(str(dataset))
+    windows = eval_windows(ds, T, K)
+    assert len(windows) == K and all(w.numel() == T + 1 for w in windows)
+    assert torch.equal(torch.cat(windows), torch.from_numpy(ds.read(0, K * (T + 1))))
+    with pytest.raises(ValueError, match="fewer than the 100 asked"):
+        eval_windows(ds, T, 100)
+
+
+def test_undying_eval_equals_the_hf_models_loss_on_the_same_windows(tmp_path, dataset, capsys):
+    hf = save_hf(tmp_path / "hf")
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck")
+    assert main(["eval", f"file://{tmp_path}/ck", "--data", str(dataset), "--windows", str(K),
+                 "--seq-len", str(T), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["step"], out["tokens"], out["windows"], out["seq_len"]) == (0, K * T, K, T)
+    expected = hf_loss(hf, eval_windows(TokenDataset(str(dataset)), T, K))
+    assert out["loss"] == pytest.approx(expected, rel=1e-5)
+    # default T: the sequence length the job trained with (16 here, recorded in the manifest)
+    assert main(["eval", f"file://{tmp_path}/ck", "--data", str(dataset), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == 16
+
+
+def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
+    save_hf(tmp_path / "hf")
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck")
+    url = f"file://{tmp_path}/ck"
+    assert main(["eval", url, "--data", str(dataset), "--windows", "500", "--seq-len", str(T)]) == 2
+    assert "--windows 500" in capsys.readouterr().err
+    assert main(["eval", url, "--data", str(tmp_path / "nothing")]) == 2
+    assert "run `undying data prepare` first" in capsys.readouterr().err
+    wide = write_token_dataset(tmp_path / "wide", np.arange(3000) % 500, vocab_size=500)
+    assert main(["eval", url, "--data", str(wide), "--seq-len", str(T)]) == 2
+    assert "beyond the model's vocabulary of 96" in capsys.readouterr().err
+
+
+def test_the_engines_evaluation_equals_the_one_process_loss(tmp_path, dataset):
+    save_hf(tmp_path / "hf")
+    engine = engine_from_hf(tmp_path / "hf")
+    windows = eval_windows(TokenDataset(str(dataset)), T, K)
+    total, tokens = engine.evaluate(windows)
+    assert tokens == K * T
+    assert total / tokens == pytest.approx(loss_of_model(engine.model, windows).loss, rel=1e-6)
+
+
+def test_shares_and_padding_give_every_rank_the_same_microbatches():
+    windows = [torch.arange(5) + i for i in range(7)]
+    shares = [shard_windows(windows, r, 3) for r in range(3)]
+    assert [len(s) for s in shares] == [3, 2, 2] and sum(shares, []) == windows
+    batches = padded_microbatches(shares[1], micro_batch=2, count=2, seq_len=4)
+    assert len(batches) == 2 and [b.n_tokens for b in batches] == [8, 0]
