@@ -47,6 +47,7 @@ class PendingSave:
     started_at: float  # earliest wall time a rank began this save (estimated from its receipt)
     receipts: dict[int, ShardReceipt] = field(default_factory=dict)
     engine_state: dict | None = None
+    samples: dict[int, list[int]] = field(default_factory=dict)  # rank -> its replica's sample digest
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Commit:
     blocking_s: float  # worst rank's blocking time: what the save cost training
     total_s: float  # first rank starting to stage -> durable manifest
     committed_at: float
+    samples: dict[int, list[int]] = field(default_factory=dict)  # rank -> [first, end, count, digest]
 
 
 class Committer:
@@ -87,9 +89,10 @@ class Committer:
         self.on_dropped(step, reason)
 
     def on_receipt(self, receipt: ShardReceipt, extra: dict, world_size: int, generation: int, layout: dict,
-                   extra_state: Callable[[], dict]) -> Commit | None:
-        """One rank's receipt (with rank 0's `extra`: {"engine": state metadata}); the Commit when it
-        completed a save, else None. `extra_state()` gives what the manifest carries beyond the shards."""
+                   extra_state: Callable[[dict], dict]) -> Commit | None:
+        """One rank's receipt (with rank 0's `extra`: {"engine": state metadata}; with the first rank of
+        each dp replica's: {"samples": its sample digest}); the Commit when it completed a save, else
+        None. `extra_state(samples)` (rank -> digest) gives what the manifest carries beyond the shards."""
         if receipt.step in self.abandoned:
             return None
         began = time.time() - receipt.write_s - receipt.blocking_s
@@ -98,13 +101,15 @@ class Committer:
         save.receipts[receipt.rank] = receipt
         if "engine" in extra:
             save.engine_state = extra["engine"]
+        if "samples" in extra:
+            save.samples[receipt.rank] = list(extra["samples"])
         if len(save.receipts) < world_size or save.engine_state is None:
             return None
         del self.pending[receipt.step]
         if self.latest is not None and receipt.step <= self.latest:
             return None
         try:
-            return self._commit(save, generation, layout, extra_state())
+            return self._commit(save, generation, layout, extra_state(save.samples))
         except IncompleteCheckpoint as err:
             self.rejected[save.step] = str(err)
             log.error("checkpoint step %d NOT committed: the shards of the %d ranks do not form a complete "
@@ -173,4 +178,4 @@ class Committer:
                         save.step, type(err).__name__, err)
         return Commit(step=save.step, nbytes=manifest.total_bytes, blocking_s=blocking,
                       total_s=committed_at - save.started_at,
-                      committed_at=committed_at)
+                      committed_at=committed_at, samples=save.samples)

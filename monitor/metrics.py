@@ -114,6 +114,8 @@ class JobMetrics:
         self.loss = self._gauge("undying_loss", "Token-weighted global training loss of the last step.")
         self.grad_norm = self._gauge("undying_grad_norm", "Global gradient norm of the last step.")
         self.loss_scale = self._gauge("undying_loss_scale", "Dynamic loss scale (mixed precision).")
+        self.eval_loss = self._gauge("undying_eval_loss", "Validation loss of the last evaluation.")
+        self.eval_step = self._gauge("undying_eval_step", "Steps the last evaluated model had trained.")
         self.data_wait = self._histogram(
             "undying_data_wait_seconds", "Seconds a global step waited for its samples (rank 0).", STEP_BUCKETS
         )
@@ -232,6 +234,11 @@ class JobMetrics:
             self.loss_scale.labels(job).set(loss_scale)
         if data_wait_s is not None:
             self.data_wait.labels(job).observe(data_wait_s)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        """A validation loss (trainer.evaluation) of the model after `step` steps."""
+        self.eval_loss.labels(self.job).set(loss)
+        self.eval_step.labels(self.job).set(step)
 
     def on_checkpoint(
         self, step: int, nbytes: int, blocking_s: float, total_s: float, interval_s: float | None

@@ -37,6 +37,17 @@ class LossPoint(BaseModel):
     tokens_per_s: float | None = None  # global throughput of that step
 
 
+class EvalPoint(BaseModel):
+    """A validation loss (trainer.evaluation) of the model after `step` steps."""
+
+    model_config = _CONFIG
+    step: int
+    loss: float
+    tokens: int
+    seconds: float  # how long the evaluation took
+    time: float | None = None  # job seconds when it finished
+
+
 class WorldRecord(BaseModel):
     """One membership generation and the layout it trained with."""
 
@@ -128,6 +139,7 @@ class RunReport(BaseModel):
     final_step: int
     final_loss: float | None = None
     losses: list[LossPoint] = Field(default_factory=list)
+    evals: list[EvalPoint] = Field(default_factory=list)
     world_history: list[WorldRecord] = Field(default_factory=list)
     failures: list[FailureRecord] = Field(default_factory=list)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)

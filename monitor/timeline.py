@@ -54,7 +54,11 @@ def _plot_loss(ax, report: RunReport) -> None:
     ax.set_title("loss")
     ax.set_xlabel("step")
     if report.losses:
-        ax.plot([p.step for p in report.losses], [p.loss for p in report.losses], color="black", lw=1)
+        ax.plot([p.step for p in report.losses], [p.loss for p in report.losses], color="black", lw=1,
+                label="training loss")
+    if report.evals:  # after N steps: beside the loss of step index N - 1
+        ax.plot([p.step - 1 for p in report.evals], [p.loss for p in report.evals], "o-", color="#e377c2",
+                ms=4, lw=1, label="validation loss")
     for i, ckpt in enumerate(report.checkpoints):
         ax.axvline(ckpt.step, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None)
     failed_steps = [f.step for f in report.failures if f.step is not None]

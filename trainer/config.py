@@ -17,6 +17,11 @@ class _Strict(BaseModel):
     # Unknown keys are user mistakes (a typo silently ignored is a wasted GPU-day).
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def __hash__(self) -> int:
+        # By value, through the canonical JSON: a section may hold lists and mappings (a data
+        # mixture, storage options), which pydantic's field-tuple hash cannot hash.
+        return hash(self.model_dump_json())
+
 
 class RopeScaling(_Strict):
     """Llama-3.1 RoPE frequency scaling (Hugging Face `rope_type: llama3`; Meta's llama-models
@@ -205,6 +210,17 @@ class DataConfig(_Strict):
         if self.source != "tokens" and self.mixture:
             raise ValueError(f"data.mixture needs source 'tokens', got source {self.source!r}")
         return self
+
+
+class EvalConfig(_Strict):
+    """Validation loss during training on a held-out prepared dataset (trainer/evaluation.py gives
+    the semantics): every `every_steps` steps and after the last one."""
+
+    path: str  # a dataset prepared by `undying data prepare`
+    every_steps: int = Field(..., gt=0)
+    windows: int = Field(64, gt=0)
+    seq_len: int | None = Field(None, gt=0)  # default: data.seq_len
+    storage_options: dict = Field(default_factory=dict)  # default: data.storage_options when empty
 
 
 class TrainConfig(_Strict):

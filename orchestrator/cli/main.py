@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args) -> JobSpec:
     from chaos.config import support_problems
+    from orchestrator.spec.data_check import require_data
     from orchestrator.spec.storage_check import require_storage
 
     spec = load_spec(args.spec, args.overrides)
@@ -62,6 +63,7 @@ def _load(args) -> JobSpec:
     if problems:
         raise SpecError(problems)
     require_storage(spec)
+    require_data(spec)
     return spec
 
 

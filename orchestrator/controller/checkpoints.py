@@ -23,6 +23,7 @@ from collections.abc import Callable
 from ckpt.commit import Committer
 from ckpt.reader import CorruptCheckpoint, verify_checkpoint
 from orchestrator.controller.policies import CheckpointIntervalPolicy
+from orchestrator.controller.step_history import sample_events
 from orchestrator.spec.job_spec import spec_hash
 from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten
 from orchestrator.wire.store import PLAN
@@ -110,16 +111,18 @@ class Checkpoints:
                    fired: dict) -> int | None:
         commit = self.committer.on_receipt(
             message.receipt, message.extra, world_size, self.gen, layout,
-            # The history travels with the checkpoint, so a rerun of a dead controller knows which
-            # steps the model it restores holds (the data-exactly-once check).
-            # The model's architecture travels too, so a checkpoint exports (`ckpt export --format hf`)
-            # and evaluates (`undying eval`) without the job spec.
-            lambda: {"goodput": self.ledger.to_dict(), "restarts": restarts, "history": list(self.record.history),
-                     "model": self.spec.model.architecture(), "seq_len": self.spec.data.seq_len,
-                     **self.data_provenance},
+            # The history travels with the checkpoint (with this commit's sample digests), so a rerun
+            # of a dead controller knows which steps and samples the model it restores holds (the
+            # data-exactly-once check). The model's architecture travels too, so a checkpoint exports
+            # (`ckpt export --format hf`) and evaluates (`undying eval`) without the job spec.
+            lambda samples: {"goodput": self.ledger.to_dict(), "restarts": restarts,
+                             "history": [*self.record.history, *sample_events(samples)],
+                             "model": self.spec.model.architecture(), "seq_len": self.spec.data.seq_len,
+                             **self.data_provenance},
         )
         if commit is None:
             return None
+        self.record.history.extend(sample_events(commit.samples))
         self.bad_steps.discard(commit.step)  # a quarantined step saved and committed again is good
         self.chaos.after_commit(commit.step, fired)
         # The ranks' blocking time was booked as productive; it was the save's cost.

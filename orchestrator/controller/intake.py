@@ -19,7 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from orchestrator.controller.faults import describe_fault
-from orchestrator.wire.messages import FaultFired, MemoryReport, NodeLost, SaveFailed, ShardWritten, StepDone
+from orchestrator.wire.messages import (
+    EvalDone,
+    FaultFired,
+    MemoryReport,
+    NodeLost,
+    SaveFailed,
+    ShardWritten,
+    StepDone,
+)
 
 
 class EventIntake:
@@ -35,7 +43,8 @@ class EventIntake:
         self.lost_nodes: dict[str, NodeLost] = {}  # node id -> first report
         self.nodes_handled: set[str] = set()
         self.HANDLERS = {StepDone: self._step, ShardWritten: self._receipt, FaultFired: self._fault,
-                         NodeLost: self._node_lost, MemoryReport: self._memory, SaveFailed: self._save_failed}
+                         NodeLost: self._node_lost, MemoryReport: self._memory, SaveFailed: self._save_failed,
+                         EvalDone: self.record.on_eval}
         self._committed: list[int] = []
 
     def drain(self, store) -> list[int]:

@@ -15,6 +15,7 @@ from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.report import (
     CheckpointRecord,
+    EvalPoint,
     FailureRecord,
     GoodputSummary,
     LossPoint,
@@ -25,7 +26,7 @@ from monitor.report import (
     progress_line,
 )
 from orchestrator.controller.step_history import record_step
-from orchestrator.wire.messages import StepDone
+from orchestrator.wire.messages import EvalDone, StepDone
 
 
 @dataclass
@@ -54,6 +55,7 @@ class JobRecord:
         self.checkpoints: list[CheckpointRecord] = []
         self.world: list[WorldRecord] = []
         self.stragglers: list[StragglerRecord] = []
+        self.evals: list[EvalPoint] = []
         # In event order: runs of completed steps ["steps", first, end, dp], ["restore", step]
         # per restore: which steps survive into the final model and with which layout
         # (orchestrator.controller.step_history).
@@ -109,6 +111,17 @@ class JobRecord:
         busy = sum(r.step_s for r in recent)
         return sum(r.tokens for r in recent) / busy if busy > 0 else None
 
+    def on_eval(self, event: EvalDone) -> None:
+        """A validation loss from rank 0. Its time was booked as productive (the controller was
+        RUNNING); it trained nothing, so it moves to `other`, as Google's taxonomy has no bucket for it."""
+        self.ledger.move(event.seconds, "productive", "other")
+        self.evals = [e for e in self.evals if e.step != event.step]  # a re-evaluation after a rollback
+        self.evals.append(EvalPoint(step=event.step, loss=event.loss, tokens=event.tokens, seconds=event.seconds,
+                                    time=self.job_seconds()))
+        self.metrics.on_eval(event.step, event.loss)
+        self.printer(f"eval after step {event.step}: validation loss {event.loss:.4f} over {event.tokens} tokens "
+                     f"({event.seconds:.1f} s)")
+
     def rolled_back_seconds(self, restored_step: int, since: float, failed_at: float | None = None) -> float:
         """Compute time of steps >= `restored_step` finished after `since` (they must be redone),
         plus the step that was in flight at `failed_at`, when the failure time is known: the
@@ -158,7 +171,8 @@ class JobRecord:
         return RunReport(
             job=self.job, final_step=final_step,
             final_loss=self.steps[max(self.steps)].loss if self.steps else None,
-            losses=losses, world_history=self.world, failures=self.failures, history=self.history,
+            losses=losses, evals=sorted(self.evals, key=lambda e: e.step), world_history=self.world,
+            failures=self.failures, history=self.history,
             checkpoints=self.checkpoints, stragglers=self.stragglers,
             redone_steps=self.redone_steps, redone_s=self.redone_s, rolled_back=self.rolled_back,
             goodput=GoodputSummary.from_ledger(self.ledger),

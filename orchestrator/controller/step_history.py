@@ -12,6 +12,15 @@ once, each consuming every sample of its global batch exactly once.
 A step computed twice without a restore in between stays twice in the surviving history on
 purpose: nothing rolled it back, so its update was applied twice.
 
+What the ranks consumed, as they report it: at each commit the controller appends
+`["samples", first, end, count, digest]`, the sum over the dp replicas of the digests
+(trainer.batch.SampleDigest) of the samples they consumed in steps first..end-1 (first: the
+generation's restore point; end: the committed step). `surviving_samples(events)` keeps the
+reports whose steps survive: a restore to step X drops reports that end after X, and of a
+generation's (same `first`) remaining reports the one reaching furthest counts. The surviving reports
+should tile 0..final-1, and their digests equal those of the samples the data schedule
+assigns to those steps (the exactly-once check compares them).
+
 Stored form (in the job record, the run report and every checkpoint's manifest): consecutive
 steps with one layout are one run, `["steps", first, end, dp_size]` for steps first..end-1
 (`record_step` appends that way), so a million-step job without failures is one entry, not a
@@ -38,6 +47,16 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class SampleReport:
+    """The ranks' digest of the samples of steps first..end-1 (see the module docstring)."""
+
+    first: int
+    end: int
+    count: int
+    digest: int
+
+
+@dataclass(frozen=True)
 class Restored:
     """A generation resumed from the checkpoint whose next step is `step`."""
 
@@ -53,6 +72,37 @@ def record_step(events: list, step: int, dp_size: int) -> None:
         events.append(["steps", step, step + 1, dp_size])
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def sample_events(samples: dict) -> list[list]:
+    """History events for one commit's digests (rank -> [first, end, count, digest]): the dp
+    replicas' reports summed, one event per distinct step range (one, unless a rank is wrong)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for first, end, count, digest in samples.values():
+        total = groups.setdefault((int(first), int(end)), [0, 0])
+        total[0] += int(count)
+        total[1] = (total[1] + int(digest)) & _MASK64
+    return [["samples", first, end, count, digest] for (first, end), (count, digest) in sorted(groups.items())]
+
+
+def surviving_samples(events: Iterable[Sequence]) -> list[SampleReport]:
+    """The sample reports whose steps survive in the final model, by first step (module docstring)."""
+    kept: list[SampleReport] = []
+    for event in events:
+        if isinstance(event, Sequence) and len(event) == 5 and event[0] == "samples":
+            kept.append(SampleReport(*(int(v) for v in event[1:])))
+        elif isinstance(event, Restored) or (isinstance(event, Sequence) and len(event) == 2
+                                              and event[0] == "restore"):
+            step = event.step if isinstance(event, Restored) else int(event[1])
+            kept = [k for k in kept if k.end <= step]
+    newest: dict[int, SampleReport] = {}  # per generation (its first step): the report reaching furthest
+    for k in kept:
+        if k.first not in newest or k.end > newest[k.first].end:
+            newest[k.first] = k
+    return sorted(newest.values(), key=lambda k: k.first)
+
+
 def surviving_history(events: Iterable[StepRecord | Restored | Sequence]) -> list[StepRecord]:
     """The step records whose updates are in the final model, in order.
 
@@ -61,6 +111,8 @@ def surviving_history(events: Iterable[StepRecord | Restored | Sequence]) -> lis
     """
     kept: list[StepRecord] = []
     for event in events:
+        if isinstance(event, Sequence) and len(event) == 5 and event[0] == "samples":
+            continue  # what the ranks consumed: surviving_samples
         event = _parse(event)
         if isinstance(event, Restored):
             kept = [record for record in kept if record.step < event.step]

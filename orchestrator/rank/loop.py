@@ -7,7 +7,12 @@ but its process group; to the controller it sends, through the store:
   * every rank: a heartbeat key, at most every `monitor.heartbeat_s`, when it also picks
     up a new checkpoint plan;
   * every rank: a `receipt` event when its shard of a checkpoint is durable, or a
-    `save_error` event when it could not be written (that save then never commits).
+    `save_error` event when it could not be written (that save then never commits). The
+    first rank of each dp replica adds the digest of the samples it consumed since the
+    generation's restore (trainer.batch.SampleDigest): the controller sums the replicas'
+    digests per commit, and the exactly-once check compares them with the data schedule;
+  * rank 0: an `eval` event after each validation (`eval.every_steps`; every rank takes part,
+    the evaluation is collective).
 Events raised on the checkpoint writer's thread, or on its listener thread with a writer
 process (receipts, save errors, fault notices of `during_shard_write` and of storage faults),
 go through a second store client, `writer_store`: a TCPStore client is not safe to share
@@ -36,6 +41,7 @@ from chaos.storage_faults import install_on
 from ckpt.writers import CheckpointWriter, make_writer
 from orchestrator.wire.messages import (
     CheckpointPlan,
+    EvalDone,
     Heartbeat,
     MemoryReport,
     Message,
@@ -77,6 +83,28 @@ def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: flo
     store.set_json(heartbeat_key(rank), Heartbeat(step, time.time(), compute_s).to_json())
 
 
+class Evaluator:
+    """The validation windows of `spec.eval`, read once per generation, and when to evaluate."""
+
+    def __init__(self, every_steps: int, windows: list):
+        self.every_steps, self.windows = every_steps, windows
+
+    @classmethod
+    def for_spec(cls, spec) -> Evaluator | None:
+        if spec.eval is None:
+            return None
+        from trainer.evaluation import eval_windows
+        from trainer.tokens.reader import TokenDataset
+
+        options = spec.eval.storage_options or spec.data.storage_options
+        dataset = TokenDataset(spec.eval.path, options)
+        return cls(spec.eval.every_steps, eval_windows(dataset, spec.eval.seq_len or spec.data.seq_len,
+                                                       spec.eval.windows))
+
+    def due(self, completed: int, until_step: int) -> bool:
+        return completed % self.every_steps == 0 or completed == until_step
+
+
 class RankLoop:
     def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
                  abort: threading.Event, baseline_bytes: int = 0, *, writer_store: GenerationStore):
@@ -88,6 +116,7 @@ class RankLoop:
         self.abort = abort
         self.baseline_bytes = baseline_bytes
         self.events = _EventSink(store, writer_store)  # built here: this is the training thread
+        self.evaluator = Evaluator.for_spec(spec)
 
     def _on_receipt(self, receipt, extra: dict) -> None:
         self.events.push(ShardWritten(receipt, extra))
@@ -124,6 +153,19 @@ class RankLoop:
                         time=time.time(), compute_s=result.compute_s, grad_norm=result.grad_norm, lr=result.lr,
                         bubble=result.bubble, loss_scale=result.loss_scale, data_wait_s=result.data_wait_s)
 
+    def _save_extra(self) -> dict:
+        extra = {"engine": self.engine.state_meta()} if self.rank == 0 else {}
+        if self.engine.tp_rank == 0 and self.engine.pp_rank == 0:  # one report per dp replica
+            extra["samples"] = self.engine.data.consumed.to_json()
+        return extra
+
+    def _evaluate(self, completed: int) -> None:
+        started = time.perf_counter()
+        loss_sum, tokens = self.engine.evaluate(self.evaluator.windows)
+        if self.rank == 0:
+            self.events.push(EvalDone(step=completed, loss=loss_sum / tokens, tokens=tokens,
+                                      seconds=time.perf_counter() - started))
+
     def _report_memory(self) -> None:
         """Rank 0, once per generation after its first step: measured memory by ledger."""
         from trainer.memory_probe import measure
@@ -158,8 +200,9 @@ class RankLoop:
                     last_beat = now
                 completed = self.engine.next_step
                 if plan.should_save(completed):
-                    extra = {"engine": self.engine.state_meta()} if self.rank == 0 else {}
-                    writer.save(completed, self.engine.state_slices(copy=False), extra)
+                    writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())
+                if self.evaluator is not None and self.evaluator.due(completed, until_step):
+                    self._evaluate(completed)
         finally:
             writer.flush()  # a save started before an error still lands; it commits only if complete
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,

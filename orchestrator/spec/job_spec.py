@@ -31,7 +31,7 @@ from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
-from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
 class _Strict(BaseModel):
@@ -88,6 +88,7 @@ class JobSpec(_Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    eval: EvalConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -144,6 +145,11 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
+    evaluation = getattr(spec, "eval", None)
+    eval_len = (evaluation.seq_len or (data.seq_len if data else None)) if evaluation else None
+    if model and eval_len and eval_len > model.max_seq_len:
+        out.append(Problem("eval.seq_len", f"{eval_len} exceeds model.max_seq_len = {model.max_seq_len}; "
+                           "evaluate shorter windows"))
     if par and spec.elastic and spec.elastic.min_dp > par.dp:
         out.append(Problem("elastic.min_dp", f"{spec.elastic.min_dp} exceeds parallel.dp = {par.dp}; "
                            f"set it to at most {par.dp}"))

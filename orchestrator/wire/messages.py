@@ -11,6 +11,7 @@ checkpoint plan under the `plan` key, which ranks poll. Who sends what:
     FaultFired       "fault"      a rank or the controller       an injected fault fires, before it acts
     NodeLost         "node_lost"  every rank (node watchdog)     its raylet is gone
     MemoryReport     "memory"     rank 0                         after a generation's first step
+    EvalDone         "eval"       rank 0                         after each validation (eval.every_steps)
     Heartbeat        (a key)      every rank                     at most every monitor.heartbeat_s
     CheckpointPlan   (a key)      the controller                 at restore, and when the cadence moves
 
@@ -50,7 +51,10 @@ class StepDone:
 class ShardWritten:
     type: ClassVar[str] = "receipt"
     receipt: ShardReceipt
-    extra: dict = field(default_factory=dict)  # rank 0: {"engine": the engine's state metadata}
+    # rank 0: {"engine": the engine's state metadata}; the first rank of each dp replica (tp and pp
+    # rank 0): {"samples": [first_step, end_step, count, digest]} of the samples it consumed since
+    # its generation's restore (trainer.batch.SampleDigest), the exactly-once evidence.
+    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"receipt": self.receipt.model_dump(), "extra": self.extra}
@@ -97,6 +101,15 @@ class FaultFired:
 
 
 @dataclass(frozen=True)
+class EvalDone:
+    type: ClassVar[str] = "eval"
+    step: int  # the model after this many steps (the eval ran once step - 1 finished)
+    loss: float  # summed token cross-entropy / tokens (trainer.evaluation)
+    tokens: int
+    seconds: float  # wall time of the evaluation on rank 0
+
+
+@dataclass(frozen=True)
 class NodeLost:
     type: ClassVar[str] = "node_lost"
     node: str
@@ -110,9 +123,9 @@ class MemoryReport:
     ledgers: dict | None  # measured bytes per memory ledger (trainer.memory_probe); None where unmeasurable
 
 
-Message = StepDone | ShardWritten | SaveFailed | FaultFired | NodeLost | MemoryReport
+Message = StepDone | ShardWritten | SaveFailed | FaultFired | NodeLost | MemoryReport | EvalDone
 MESSAGES: dict[str, type] = {m.type: m for m in (StepDone, ShardWritten, SaveFailed, FaultFired, NodeLost,
-                                                 MemoryReport)}
+                                                 MemoryReport, EvalDone)}
 
 
 def encode(message: Message) -> dict[str, Any]:

@@ -23,8 +23,10 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 
+from tests._tokens import write_token_dataset
 from tests.ray.jobs import BASE, ROOT, UNDYING
 
 pytestmark = pytest.mark.ray
@@ -67,6 +69,26 @@ def test_random_rank_kills_pass_every_invariant(ray_cluster, tmp_path):
     assert 1 <= len(kinds) <= 2 and set(kinds) == {"kill_rank"}, report["failures"]
     assert report["experiment"]["chaos"]["mtbf_kind"] == "kill_rank"
     assert len(report["experiment"]["rank_pids"]) >= 5  # 4 ranks and at least one replacement
+
+
+def test_prepared_data_kill_and_shrink_every_window_once_from_the_ranks_reports(ray_cluster, tmp_path):
+    """A prepared dataset at dp 4, rank 1 killed at step 25 with no replacement in time: dp shrinks
+    to 2 from the step-20 checkpoint. The exactly-once check compares the window digests the ranks
+    reported at each commit with the data schedule; a validation loss is taken every 20 steps."""
+    tokens = np.random.default_rng(0).integers(0, 256, size=40_000)
+    write_token_dataset(tmp_path / "train", tokens, vocab_size=256, shard_tokens=7_000)
+    write_token_dataset(tmp_path / "val", tokens[::-1].copy(), vocab_size=256, shard_tokens=7_000)
+    proc, report_path = _chaos(ray_cluster, tmp_path, "tokens", [], [
+        "data.source=tokens", f"data.path=file://{tmp_path}/train", "data.seq_len=32",
+        f"eval={{path: 'file://{tmp_path}/val', every_steps: 20, windows: 8}}",
+        "elastic.replace_timeout_s=0", "elastic.grow=false",
+        "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 25}]"], timeout=420)
+    report = _assert_every_check_passed(proc, report_path)
+    assert "shrinking dp 4 -> 2" in proc.stdout, proc.stdout[-4000:]
+    once = next(c for c in report["invariants"]["checks"] if c["name"] == "data_exactly_once")
+    assert "as the ranks reported them" in once["detail"] and "dp sizes [2, 4]" in once["detail"], once
+    assert [e["step"] for e in report["evals"]] == [20, 40] and all(e["tokens"] == 8 * 32 for e in report["evals"])
+    assert "eval after step 40: validation loss" in proc.stdout
 
 
 @pytest.mark.timeout(900)  # three runs of the job: the reference, the killed one, the rerun

@@ -493,8 +493,8 @@ def test_committer_drops_an_incomplete_save_loudly(catalog, caplog):
     committer = Committer(catalog, "j", "h", keep=2)
     extras = [{"engine": {"next_step": 4}} if r.rank == 0 else {} for r in receipts]
     with caplog.at_level(logging.ERROR, logger="ckpt.commit"):
-        assert committer.on_receipt(receipts[0], extras[0], 2, 0, {}, dict) is None
-        assert committer.on_receipt(receipts[1], extras[1], 2, 0, {}, dict) is None
+        assert committer.on_receipt(receipts[0], extras[0], 2, 0, {}, lambda samples: {}) is None
+        assert committer.on_receipt(receipts[1], extras[1], 2, 0, {}, lambda samples: {}) is None
     assert "written twice" in committer.rejected[4] and "step 4 NOT committed" in caplog.text
     assert committer.latest is None and not committer.pending and catalog.committed_steps() == []
 

@@ -172,7 +172,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
     [
         (["train.steps=sixty"], "train.steps", "valid integer"),
         (["train.lr=-1"], "train.lr", "greater than 0"),
-        (["data.source=txt"], "data.source", "'synthetic' or 'text'; got 'txt'"),
+        (["data.source=txt"], "data.source", "'synthetic', 'text' or 'tokens'; got 'txt'"),
         (["model=5"], "model", "expected a mapping"),
         (["chaos=null"], "chaos", "is empty"),
         (["resources.cpus_per_rank=0"], "resources.cpus_per_rank", "greater than 0"),

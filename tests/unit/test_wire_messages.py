@@ -13,6 +13,7 @@ from ckpt.manifest import ShardReceipt
 from orchestrator.wire.messages import (
     MESSAGES,
     CheckpointPlan,
+    EvalDone,
     FaultFired,
     Heartbeat,
     MemoryReport,
@@ -29,8 +30,9 @@ RECEIPT = ShardReceipt(step=10, rank=1, file="step-000000010/shard-r1.bin", nbyt
                        blocking_s=0.01, write_s=0.2)
 EXAMPLES = [
     StepDone(step=3, loss=2.5, tokens=512, step_s=0.1, time=1e9, compute_s=0.08, grad_norm=1.2, lr=1e-3,
-             bubble=0.2, loss_scale=1024.0),
-    ShardWritten(RECEIPT, {"engine": {"next_step": 10}}),
+             bubble=0.2, loss_scale=1024.0, data_wait_s=0.003),
+    ShardWritten(RECEIPT, {"engine": {"next_step": 10}, "samples": [0, 10, 40, 2**64 - 1]}),
+    EvalDone(step=10, loss=3.25, tokens=2048, seconds=0.4),
     SaveFailed(rank=1, step=10, error="OSError: disk full"),
     FaultFired(fault_id=2, kind="kill_rank", time=1e9, rank=1, step=25, point="after_backward"),
     NodeLost(node="abc123", rank=3, time=1e9),
@@ -46,7 +48,7 @@ def test_every_message_round_trips_through_json(message):
 
 
 def test_the_dispatch_table_names_every_message_type_once():
-    assert set(MESSAGES) == {"step", "receipt", "save_error", "fault", "node_lost", "memory"}
+    assert set(MESSAGES) == {"step", "receipt", "save_error", "fault", "node_lost", "memory", "eval"}
     assert {type(m) for m in EXAMPLES} == set(MESSAGES.values())
 
 

@@ -116,6 +116,9 @@ def _load(path: str, args):
     if problems:
         raise SpecError(problems)
     require_storage(spec)
+    from orchestrator.spec.data_check import require_data
+
+    require_data(spec)
     return spec
 
 

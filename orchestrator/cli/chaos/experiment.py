@@ -10,7 +10,7 @@ Protocol (orchestrator.cli.chaos.command drives it; nothing here starts Ray or a
      faulty run's report and checkpoints and runs orchestrator.cli.chaos.invariants.check_all: checkpoints
      verify and the newest loads; the final `model/...` tensors equal the reference's (bit
      for bit when the run never changed dp, else within rtol 1e-5); every step and sample
-     survives exactly once (RunReport.history + trainer.data.DataCursor); the goodput
+     survives exactly once (RunReport.history, with the ranks' sample digests); the goodput
      buckets sum to wall; no rank process is left.
   4. `chaos_report(...)` is the JSON written by `--report`: the RunReport's fields plus
      `invariants` (InvariantReport.to_dict) and `experiment` (what was injected, compared).
@@ -94,7 +94,7 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
     `reference`: the failure-free run's final `model/...` tensors (None: that check is skipped);
     `pids`: {label: pid} of every rank process the run had (None: skipped).
     """
-    from trainer.data import DataCursor
+    from trainer.data import make_cursor
 
     catalog = catalog_of(spec)
     _, final = final_model(catalog)
@@ -104,7 +104,7 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
         catalog=catalog, final=final if final is not None else ({} if reference is not None else None),
         reference=reference, exact=exact, rtol=ELASTIC_RTOL, atol=ELASTIC_ATOL,
         history=report.history, final_step=spec.train.steps, global_batch=spec.train.global_batch,
-        cursor=DataCursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.wall_s,
+        cursor=make_cursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.wall_s,
         pids=pids,
     )
     checks = list(result.checks)

@@ -28,14 +28,14 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ckpt.reader import load_checkpoint, verify_checkpoint
 from monitor.goodput import BUCKETS, GoodputLedger
-from orchestrator.controller.step_history import StepRecord, surviving_history
+from orchestrator.controller.step_history import StepRecord, surviving_history, surviving_samples
 
 _SHOWN = 5  # problems named in a detail line before "and N more"
 
@@ -158,13 +158,41 @@ def _sample_ids(cursor, record: StepRecord, global_batch: int) -> list[int]:
     return [i for r in range(record.dp_size) for i in cursor.sample_ids(record.step, global_batch, r, record.dp_size)]
 
 
+def reported_sample_problems(history: list, *, final_step: int, global_batch: int, cursor) -> list[str] | None:
+    """What is wrong with the samples the ranks reported consuming (orchestrator.controller.step_history:
+    surviving_samples), against the samples `cursor`'s schedule assigns to steps 0..final_step-1;
+    [] when they match exactly; None when the history holds no report (written by an older release)."""
+    from trainer.batch import SampleDigest
+
+    if not any(isinstance(e, Sequence) and len(e) == 5 and e[0] == "samples" for e in history):
+        return None
+    reports = surviving_samples(history)
+    problems, expected_first = [], 0
+    for report in reports:
+        if report.first != expected_first:
+            problems.append(f"reports cover steps from {report.first}, expected from {expected_first}")
+        want = SampleDigest.of(report.first, [cursor.sample_keys(s, global_batch) for s in range(report.first,
+                                                                                                report.end)])
+        if (report.count, report.digest) != (want.count, want.total):
+            problems.append(f"steps {report.first}..{report.end - 1}: the ranks consumed {report.count} samples "
+                            f"(digest {report.digest:#x}), the schedule assigns {want.count} (digest {want.total:#x})")
+        expected_first = report.end
+    if expected_first != final_step:
+        problems.append(f"reports end at step {expected_first}, the job at {final_step}")
+    return problems
+
+
 def check_data_once(history: Iterable, *, final_step: int, global_batch: int, cursor=None) -> Check:
     """(d) Steps 0..final_step-1 each survive once, each consuming range(global_batch) exactly once.
 
+    The samples are checked against what the ranks reported consuming (their digests, summed per
+    commit) when the history holds reports; otherwise derived from the layout (older histories).
+
     `history`: the surviving step records (orchestrator.controller.step_history.surviving_history), or the whole
     recorded event list, which is reduced to them here (already-surviving input is unchanged
-    by that). `cursor`: a trainer.data.DataCursor (any config: sample ids depend on the
-    layout only); one is built when not given.
+    by that). `cursor`: the job's cursor (trainer.data.make_cursor): the ids of a prepared
+    dataset's samples are its windows, those of synthetic and text samples their global
+    index; a synthetic one is built when not given.
     """
     name = "data_exactly_once"
     if cursor is None:
@@ -172,6 +200,7 @@ def check_data_once(history: Iterable, *, final_step: int, global_batch: int, cu
         from trainer.data import DataCursor
 
         cursor = DataCursor(DataConfig(), vocab_size=2)
+    history = list(history)
     records = surviving_history(history)
     counts: dict[int, int] = {}
     for record in records:
@@ -194,10 +223,14 @@ def check_data_once(history: Iterable, *, final_step: int, global_batch: int, cu
     problems = [f"{label} {_listing(items)}" for label, items in (
         ("steps never applied:", missing), ("steps applied twice:", repeated),
         ("steps outside 0..final-1:", beyond), ("wrong samples in", wrong)) if items]
+    reported = reported_sample_problems(history, final_step=final_step, global_batch=global_batch, cursor=cursor)
+    problems += reported or []
     if problems:
         return Check(name, False, "; ".join(problems))
     layouts = sorted({r.dp_size for r in records})
-    return Check(name, True, f"steps 0..{final_step - 1} once each, {global_batch} samples each, dp sizes {layouts}")
+    evidence = "as the ranks reported them" if reported is not None else "derived from the layouts"
+    return Check(name, True, f"steps 0..{final_step - 1} once each, {global_batch} samples each ({evidence}), "
+                             f"dp sizes {layouts}")
 
 
 def check_goodput(goodput: GoodputLedger | Mapping[str, float], *, wall_s: float | None = None,

@@ -1,0 +1,62 @@
+"""Check, before any rank starts, that the prepared datasets a spec names can be read and fit the model.
+
+Protocol: the driver (`undying run`, `undying validate`) calls `require_data(spec)` once, after
+the spec validated and beside `require_storage`. It reads each dataset's manifest only (no
+token is read): a missing or damaged dataset, a vocabulary larger than the model's, or a
+dataset too small for one training window (or for the validation windows asked) is a
+`SpecError` naming the field and the fix, exit 2, instead of a rank failing after placement.
+"""
+
+from __future__ import annotations
+
+from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
+
+
+def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
+    from trainer.tokens.format import NoManifest, TokenFormatError
+    from trainer.tokens.reader import TokenDataset
+
+    try:
+        return TokenDataset(url, options)
+    except (NoManifest, TokenFormatError) as err:
+        problems.append(Problem(field, str(err)))
+    except (OSError, ValueError) as err:
+        problems.append(Problem(field, f"{url} cannot be read ({type(err).__name__}: {err}); check the URL and "
+                                       "data.storage_options"))
+    return None
+
+
+def data_problems(spec: JobSpec) -> list[Problem]:
+    problems: list[Problem] = []
+    data, model = spec.data, spec.model
+    if data.source == "tokens":
+        parts = [(data.path, "data.path")] if data.path else [
+            (part.path, f"data.mixture[{i}].path") for i, part in enumerate(data.mixture)]
+        for url, field in parts:
+            ds = _dataset(url, data.storage_options, field, problems)
+            if ds is None:
+                continue
+            if ds.vocab_size > model.vocab_size:
+                problems.append(Problem(field, f"{url} holds token ids up to {ds.vocab_size - 1}, beyond model."
+                                        f"vocab_size = {model.vocab_size}; prepare it with the model's tokenizer"))
+            if len(ds) < data.seq_len + 1:
+                problems.append(Problem(field, f"{url} holds {len(ds)} tokens, fewer than one window of data.seq_len "
+                                        f"+ 1 = {data.seq_len + 1}; use more data or a shorter seq_len"))
+    if spec.eval is not None:
+        ds = _dataset(spec.eval.path, spec.eval.storage_options or data.storage_options, "eval.path", problems)
+        span = (spec.eval.seq_len or data.seq_len) + 1
+        if ds is not None and len(ds) // span < spec.eval.windows:
+            problems.append(Problem("eval.windows", f"{spec.eval.windows} windows of {span} tokens need "
+                                    f"{spec.eval.windows * span} tokens; {spec.eval.path} holds {len(ds)}: evaluate "
+                                    "fewer windows or prepare more data"))
+        if ds is not None and ds.vocab_size > model.vocab_size:
+            problems.append(Problem("eval.path", f"token ids up to {ds.vocab_size - 1}, beyond model.vocab_size = "
+                                    f"{model.vocab_size}; prepare it with the model's tokenizer"))
+    return problems
+
+
+def require_data(spec: JobSpec) -> None:
+    """Raise SpecError listing every problem of the spec's prepared datasets."""
+    problems = data_problems(spec)
+    if problems:
+        raise SpecError(problems)
