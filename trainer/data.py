@@ -120,15 +120,17 @@ class DataCursor:
         return [(0, step * global_batch + i) for i in indices]
 
     def microbatches(
-        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, record: bool = True
     ) -> list[Batch]:
-        """This rank's samples of `step`, in index order, cut into microbatches of `micro_batch`."""
+        """This rank's samples of `step`, in index order, cut into microbatches of `micro_batch`;
+        counted as consumed (and timed) unless `record` is False (a look that trains nothing)."""
         started = time.perf_counter()
         count = microbatches_per_rank(global_batch, micro_batch, dp_size)
         owned = self.sample_ids(step, global_batch, dp_rank, dp_size)
         samples = [self.sample(step, i) for i in owned]
-        self.consumed.add(step, self.sample_keys(step, global_batch, owned))
-        self.last_wait_s = time.perf_counter() - started
+        if record:
+            self.consumed.add(step, self.sample_keys(step, global_batch, owned))
+            self.last_wait_s = time.perf_counter() - started
         return [collate(samples[k * micro_batch : (k + 1) * micro_batch]) for k in range(count)]
 
     def close(self) -> None:

@@ -88,8 +88,10 @@ def _probe_microbatch(engine) -> tuple[int, int]:
     the calling rank needs to run it), then drops the gradients again: the engine clears
     gradients after every optimizer step, so its state is exactly as before.
     """
+    # record=False: a probe is not training; the samples it looks at are not consumed.
     batch = engine.data.microbatches(engine.next_step, engine.train_config.global_batch,
-                                     engine.train_config.micro_batch, engine.dp_rank, engine.dp_size)[0]
+                                     engine.train_config.micro_batch, engine.dp_rank, engine.dp_size,
+                                     record=False)[0]
     storages: dict[int, int] = {}
     # Autograd also saves weights (for the input gradient of a matmul): those are state.
     weights = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}

@@ -104,6 +104,8 @@ def test_the_consumed_digest_matches_the_ids_whatever_the_layout(tmp_path):
            (ranks[0].consumed.total + ranks[1].consumed.total) % 2**64)
     assert (ranks[0].consumed.first_step, ranks[0].consumed.end_step) == (4, 9)
     assert got == (expected.count, expected.total)
+    ranks[0].microbatches(9, 8, 4, 0, 2, record=False)  # a look (the memory probe's) consumes nothing
+    assert (ranks[0].consumed.end_step, ranks[0].consumed.count) == (9, 20)
     ranks[1].microbatches(8, 8, 4, 1, 2)  # a sample consumed twice changes the digest
     assert ranks[1].consumed.first_step == 8
 

@@ -85,9 +85,13 @@ class TokenCursor:
         samples = [self._read(s, w) for s, w in ids]
         return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
 
-    def microbatches(self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int) -> list:
-        """This rank's windows of `step` as microbatches; starts prefetching the steps after it."""
+    def microbatches(self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                     record: bool = True) -> list:
+        """This rank's windows of `step` as microbatches; starts prefetching the steps after it.
+        `record` False: a look that trains nothing (read directly, not counted, prefetch untouched)."""
         key = (step, global_batch, micro_batch, dp_rank, dp_size)
+        if not record:
+            return self._load(key)[0]
         started = time.perf_counter()
         with self._lock:
             future = self._ahead.pop(key, None)
