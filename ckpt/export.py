@@ -127,6 +127,23 @@ def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[
         raise
 
 
+def write_tensors(out_path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write in-memory `tensors` (name -> tensor) as one safetensors file at `out_path`, atomically."""
+    ordered = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    layout = [Exported(n, n, str(tensors[n].dtype).removeprefix("torch."), tuple(tensors[n].shape)) for n in ordered]
+    tmp = f"{out_path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(safetensors_header(layout, metadata))
+            for name in ordered:
+                f.write(_raw(tensors[name]))
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def export_safetensors(
     catalog: Catalog, step: int, out_path: str, prefix: str = "model/",
     batch_bytes: int = DEFAULT_BATCH_BYTES,

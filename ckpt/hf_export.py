@@ -24,7 +24,7 @@ import uuid
 import fsspec
 
 from ckpt.catalog import Catalog
-from ckpt.export import Exported, plan_export, write_safetensors
+from ckpt.export import Exported, plan_export, write_safetensors, write_tensors
 from ckpt.manifest import Manifest
 from trainer.config import ModelConfig
 from trainer.hf_config import hf_config_of
@@ -86,6 +86,18 @@ def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict
     for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(content, f, indent=2, sort_keys=True)
+
+
+def save_hf(model: ModelConfig, weights: dict, out_dir: str, token_ids: dict | None = None) -> None:
+    """Write in-memory weights (undying parameter names -> tensors) as a Hugging Face directory:
+    how a model made outside a checkpoint (a new initialisation, a conversion) becomes a
+    `model.from_hf` starting point."""
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config_of(model)
+    tensors = {to_hf(name): t.detach().contiguous() for name, t in weights.items()}
+    write_tensors(os.path.join(out_dir, "model.safetensors"), tensors, {"format": "pt"})
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    _write_configs(out_dir, model, dtype, token_ids or {})
 
 
 def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = None,

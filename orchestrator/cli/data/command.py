@@ -26,7 +26,10 @@ from orchestrator.cli.exits import EXIT_FAILED, EXIT_USAGE
 COMMAND = "undying data prepare"
 # About 32 MiB of uint16 ids per shard: few enough files for large corpora, and a task's
 # memory (its text, then its tokens) stays well under a worker's.
-DEFAULT_SHARD_TOKENS = 2**24
+# 4M tokens (about 16 MiB of text, 8 MiB of uint16 ids) per shard and task: small enough that a
+# corpus of a few hundred MiB keeps two cores busy to the end, large enough that a terabyte is
+# tens of thousands of files, not millions.
+DEFAULT_SHARD_TOKENS = 2**22
 
 
 def add_data_parser(sub) -> None:

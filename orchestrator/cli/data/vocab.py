@@ -15,6 +15,7 @@ The end-of-document token, appended after every document, is the first of:
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 
@@ -43,12 +44,27 @@ class TokenizerSpec:
         return dtype_for_vocab(self.vocab_size)
 
 
+def _task_cpus() -> int:
+    """CPUs Ray gave the running task (1 by default), or every core outside Ray (run_serial)."""
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    except (ImportError, AttributeError):
+        pass
+    return os.cpu_count() or 1
+
+
 def build_tokenizer(json_text: str, sha256: str):
     """A `tokenizers.Tokenizer` for `json_text`, built once per process (tasks reuse workers)."""
     from tokenizers import Tokenizer
 
     with _cache_lock:
         if sha256 not in _cache:
+            # A task holds one CPU (Ray's contract): encode_batch's Rust thread pool, sized on first
+            # use, gets that many threads, not every core of the node that other tasks share.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(_task_cpus()))
             _cache[sha256] = Tokenizer.from_str(json_text)
         return _cache[sha256]
 

@@ -1,0 +1,5 @@
+import sys
+
+from bench.data.main import main
+
+sys.exit(main())

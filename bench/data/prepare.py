@@ -1,0 +1,116 @@
+"""Tokenizing throughput: `undying data prepare` on Ray Data against one-process `tokenizers` loops.
+
+Protocol: `main` calls `make_corpus(dir, mib)` once, then `measure_prepare(...)`. Three ways over
+the same .jsonl corpus and tokenizer, each producing the same token stream (checked):
+  * loop         a single-process loop, `tokenizer.encode(doc, add_special_tokens=False)` per
+                 document, EOS appended, the ids collected into one uint16 array: how a script
+                 tokenizes (the issue's anchor);
+  * batch        the same in one process with `encode_batch` (Rust threads on every core): the
+                 strongest single-process way, to show where a speed-up comes from;
+  * ours         `undying data prepare` as a user runs it (a subprocess: embedded Ray start-up,
+                 Ray Data tasks, shard writes, manifest), wall time end to end, and the same
+                 with Ray's start-up taken out (its "workers on" line to the end).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORDS = (
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "an",
+    "be", "this", "are", "which", "or", "had", "not", "but", "river", "mountain", "engine", "signal", "garden",
+    "library", "window", "market", "winter", "orbit", "copper", "lantern", "harbor", "quickly", "slowly",
+    "brightly", "naive", "cafe", "tokyo", "ratio", "vector", "matrix",
+)
+
+
+def make_corpus(out: Path, mib: int, files: int = 8, seed: int = 0) -> list[Path]:
+    """`files` .jsonl files of about `mib` MiB of text in all, documents of 20 to 400 words."""
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    paths, per_file = [], mib * 2**20 // files
+    for i in range(files):
+        path = out / f"part-{i:02d}.jsonl"
+        size = 0
+        with path.open("w") as f:
+            while size < per_file:
+                line = json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400)))}) + "\n"
+                f.write(line)
+                size += len(line)
+        paths.append(path)
+    return paths
+
+
+def train_tokenizer(paths: list[Path], out: Path, vocab: int = 8192) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    texts = (json.loads(line)["text"] for line in paths[0].open())
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"]))
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"
+
+
+def _documents(paths: list[Path]) -> list[str]:
+    return [json.loads(line)["text"] for path in paths for line in path.open()]
+
+
+def loop(paths: list[Path], tokenizer_path: Path, batch: bool) -> tuple[float, np.ndarray]:
+    from tokenizers import Tokenizer
+
+    started = time.perf_counter()
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eos = tok.token_to_id("</s>")
+    docs = _documents(paths)
+    encoded = tok.encode_batch(docs, add_special_tokens=False) if batch else \
+        [tok.encode(d, add_special_tokens=False) for d in docs]
+    ids = np.concatenate([np.array([*e.ids, eos], dtype=np.uint16) for e in encoded])
+    return time.perf_counter() - started, ids
+
+
+def ours(paths: list[Path], tokenizer_path: Path, out: Path, address: str | None = None
+         ) -> tuple[float, float, np.ndarray]:
+    """(wall s, wall s from the workers being up to the end, the stream) of `undying data prepare`
+    in a subprocess; the workers are up at its "units to run on" line."""
+    from trainer.tokens.reader import TokenDataset
+
+    cmd = [str(Path(sys.executable).parent / "undying"), "data", "prepare", *map(str, paths),
+           "--tokenizer", str(tokenizer_path), "--out", f"file://{out}", *(["--address", address] if address else [])]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers_up = None
+    for line in proc.stdout:
+        if workers_up is None and "units to run on" in line:
+            workers_up = time.perf_counter()
+    if proc.wait() != 0:
+        raise RuntimeError(f"undying data prepare failed (exit {proc.returncode})")
+    ended = time.perf_counter()
+    ds = TokenDataset(f"file://{out}")
+    return ended - started, ended - (workers_up or started), ds.read(0, len(ds))
+
+
+def measure_prepare(work: Path, mib: int, address: str | None = None) -> dict:
+    """The three ways on one corpus; with `address` (a running Ray cluster of this machine's cores)
+    `undying data prepare --address` too, as a user of a standing cluster runs it."""
+    paths = make_corpus(work / "corpus", mib)
+    tokenizer = train_tokenizer(paths, work / "tokenizer")
+    loop_s, reference = loop(paths, tokenizer, batch=False)
+    batch_s, batched = loop(paths, tokenizer, batch=True)
+    ours_s, ours_up_s, stream = ours(paths, tokenizer, work / "prepared")
+    same = bool(np.array_equal(reference, batched) and np.array_equal(reference, stream))
+    out = {"corpus_mib": sum(p.stat().st_size for p in paths) / 2**20, "tokens": int(len(reference)),
+           "documents": sum(1 for p in paths for _ in p.open()), "loop_s": loop_s, "batch_s": batch_s,
+           "ours_s": ours_s, "ours_after_startup_s": ours_up_s}
+    if address:
+        out["ours_cluster_s"], _, on_cluster = ours(paths, tokenizer, work / "prepared-cluster", address)
+        same = same and bool(np.array_equal(reference, on_cluster))
+    return {**out, "same_stream": same}
