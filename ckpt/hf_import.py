@@ -54,6 +54,8 @@ def check_directory(entries: dict[str, SafetensorsEntry], cfg: ModelConfig, url:
         if name not in shapes:
             raise ValueError(f"model.from_hf={url!r}: holds {hf_name}, which this model ({cfg.n_layers} layers, "
                              f"tie_embeddings={cfg.tie_embeddings}) has no parameter for")
+        if not getattr(torch, entry.dtype).is_floating_point:
+            raise ValueError(f"model.from_hf={url!r}: {hf_name} is {entry.dtype}, not a floating-point weight")
         if tuple(entry.shape) != shapes[name]:
             raise ValueError(f"model.from_hf={url!r}: {hf_name} has shape {entry.shape}, the model's {name} "
                              f"is {list(shapes[name])}")

@@ -79,7 +79,7 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     unknown = set(source) - _ROPE_KEYS - {"rope_type", "type", "rope_theta"}
     if unknown:
         raise ValueError(f"config key '{key}.{sorted(unknown)[0]}': not part of llama3 rope scaling")
-    return float(theta), {k: source[k] for k in _ROPE_KEYS if k in source}
+    return float(theta), {"rope_type": "llama3", **{k: source[k] for k in sorted(_ROPE_KEYS) if k in source}}
 
 
 def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def _header(spec: JobSpec, result: Plan, unit: str) -> list[str]:
     return [
         f"undying plan: {spec.name} on {result.n_gpus} x {hw.name}, {spec.train.precision}, "
         f"{hw.hbm_bytes / GiB:.0f} GiB per device",
-        f"model {m.preset or 'custom'} ({_count(count_params(m))} parameters), global batch "
+        f"model {m.preset or m.from_hf or 'custom'} ({_count(count_params(m))} parameters), global batch "
         f"{spec.train.global_batch} x {spec.data.seq_len} tokens, {spec.train.optimizer}, "
         f"pipeline schedule {spec.parallel.schedule}",
         "step time is the cost model's lower bound (docs/design.md section 1), so MFU is an upper bound; "

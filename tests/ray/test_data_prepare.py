@@ -2,9 +2,9 @@
 as Ray Data tasks, over .txt + .jsonl + .parquet inputs and a BPE tokenizer trained here.
 
 The shards' bytes must equal a one-process `tokenizers` loop over the same documents, and the
-manifest the one the same units commit when run one by one in-process; a run
-whose manifest and two `.done` markers are gone resumes on Ray and commits the same
-manifest; a rerun is "already prepared" and other inputs are refused (neither starts Ray)."""
+manifest the one the same units commit when run one by one in-process; a run whose manifest
+and two `.done` markers are gone resumes and commits the same manifest; a rerun is "already
+prepared" and other inputs are refused (neither starts Ray)."""
 
 from __future__ import annotations
 
@@ -57,11 +57,11 @@ def test_prepare_on_ray_data_equals_one_process_tokenization_and_resumes(tmp_pat
     (out / "manifest.json").unlink()
     for name in ("shard-000000.done", "shard-000002.done"):
         (out / name).unlink()
-    resumed = undying(*argv)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    kept = len(ds.manifest.shards) - 2
-    assert "resuming" in resumed.stdout and f"({kept} kept from an earlier run)" in resumed.stderr
+    # The resume runs in this process (the executor does not change what resumes; one Ray start
+    # per test keeps the suite's time): the two units are redone, the rest kept, the same manifest.
+    assert main(["data", "prepare", *argv]) == 0
     assert (out / "manifest.json").read_bytes() == manifest
+    assert len(list(out.glob("*.done"))) == len(ds.manifest.shards)
 
     again = undying(*argv)
     assert again.returncode == 0 and again.stdout.startswith("already prepared: ")
