@@ -20,6 +20,7 @@ It prints the table, writes --json and rewrites its section of --docs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -65,16 +66,23 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
+@contextlib.contextmanager
+def standing_cluster():
+    """A local Ray cluster (a head and one node of this machine's cores) for the duration; its
+    address. Stopped by the PIDs of its own processes (tests/ray/_multinode.py), never `ray stop`."""
+    from tests.ray._multinode import LocalCluster
+
+    cluster = LocalCluster(nodes=1, cpus_per_node=os.cpu_count() or 2)
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
 def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="undying-bench-data-") as tmp:
         work = Path(tmp)
-        from tests.ray._multinode import LocalCluster
-
-        cluster = LocalCluster(nodes=1, cpus_per_node=os.cpu_count() or 2)  # a standing cluster, ours alone
-        try:
-            result = {"prepare": measure_prepare(work / "prepare", args.mib, cluster.address)}
-        finally:
-            cluster.shutdown()
+        result = {"prepare": measure_prepare(work / "prepare", args.mib, standing_cluster)}
         server = None
         if "s3" in args.backends:
             from tests.s3._seaweed import start_seaweed

@@ -98,9 +98,10 @@ def ours(paths: list[Path], tokenizer_path: Path, out: Path, address: str | None
     return ended - started, ended - (workers_up or started), ds.read(0, len(ds))
 
 
-def measure_prepare(work: Path, mib: int, address: str | None = None) -> dict:
-    """The three ways on one corpus; with `address` (a running Ray cluster of this machine's cores)
-    `undying data prepare --address` too, as a user of a standing cluster runs it."""
+def measure_prepare(work: Path, mib: int, start_cluster=None) -> dict:
+    """The three ways on one corpus; with `start_cluster` (a context manager yielding the address of
+    a Ray cluster of this machine's cores, started only for that run so it idles beside nothing
+    else) `undying data prepare --address` too, as a user of a standing cluster runs it."""
     paths = make_corpus(work / "corpus", mib)
     tokenizer = train_tokenizer(paths, work / "tokenizer")
     loop_s, reference = loop(paths, tokenizer, batch=False)
@@ -110,7 +111,8 @@ def measure_prepare(work: Path, mib: int, address: str | None = None) -> dict:
     out = {"corpus_mib": sum(p.stat().st_size for p in paths) / 2**20, "tokens": int(len(reference)),
            "documents": sum(1 for p in paths for _ in p.open()), "loop_s": loop_s, "batch_s": batch_s,
            "ours_s": ours_s, "ours_after_startup_s": ours_up_s}
-    if address:
-        out["ours_cluster_s"], _, on_cluster = ours(paths, tokenizer, work / "prepared-cluster", address)
+    if start_cluster is not None:
+        with start_cluster() as address:
+            out["ours_cluster_s"], _, on_cluster = ours(paths, tokenizer, work / "prepared-cluster", address)
         same = same and bool(np.array_equal(reference, on_cluster))
     return {**out, "same_stream": same}
