@@ -81,7 +81,7 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str) -> list[str]:
 
 
 def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict) -> None:
-    config = {**hf_config_of(model), "dtype": dtype, **token_ids}
+    config = {**hf_config_of(model), "dtype": dtype, "torch_dtype": dtype, **token_ids}  # 5.x and 4.x keys
     generation = {"_from_model_config": True, **token_ids}
     for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w") as f:

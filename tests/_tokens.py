@@ -21,7 +21,7 @@ from trainer.tokens.format import (
 
 
 def write_token_dataset(out: Path, tokens: np.ndarray, vocab_size: int, shard_tokens: int = 1000,
-                        doc_tokens: int = 50, eos_id: int = 0) -> Path:
+                        doc_tokens: int = 50, eos_id: int = 0, tokenizer_sha256: str = "0" * 64) -> Path:
     """Write `tokens` as shards of `shard_tokens` tokens, documents of `doc_tokens`; returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
@@ -33,7 +33,7 @@ def write_token_dataset(out: Path, tokens: np.ndarray, vocab_size: int, shard_to
         (out / f"{shard_name(index)}{TOKENS_SUFFIX}").write_bytes(tokens_bytes)
         (out / f"{shard_name(index)}{DOCS_SUFFIX}").write_bytes(docs_bytes)
         entries.append(shard_entry(index, tokens_bytes, docs_bytes, np.dtype(dtype).itemsize))
-    manifest = TokenManifest(dtype=dtype, vocab_size=vocab_size, eos_id=eos_id, tokenizer_sha256="0" * 64,
+    manifest = TokenManifest(dtype=dtype, vocab_size=vocab_size, eos_id=eos_id, tokenizer_sha256=tokenizer_sha256,
                              tokenizer="generated", text_field="text", inputs=["generated"], n_tokens=len(tokens),
                              n_documents=sum(e.n_documents for e in entries), shards=entries)
     (out / MANIFEST_NAME).write_bytes(manifest_bytes(manifest))

@@ -133,7 +133,7 @@ class DataCursor:
             self.last_wait_s = time.perf_counter() - started
         return [collate(samples[k * micro_batch : (k + 1) * micro_batch]) for k in range(count)]
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Nothing to release (the token loader's prefetch thread has something)."""
 
 

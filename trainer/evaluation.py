@@ -87,12 +87,13 @@ def loss_of_model(model: torch.nn.Module, windows: Sequence[torch.Tensor], batch
     """The validation loss of a whole (single-process) model on `windows` (module docstring)."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     total, tokens = torch.zeros((), dtype=torch.float64), 0
     try:
         for i in range(0, len(windows), batch_size):
-            batch = collate(list(windows[i:i + batch_size]))
-            part, n = token_loss_sum(model(batch.input_ids), batch.labels)
-            total += part.double()
+            batch = collate([w.cpu() for w in windows[i:i + batch_size]])
+            part, n = token_loss_sum(model(batch.input_ids.to(device)), batch.labels.to(device))
+            total += part.double().cpu()
             tokens += int(n)
     finally:
         model.train(was_training)

@@ -38,6 +38,9 @@ _IGNORED = {
     "decoder_start_token_id", "output_scores", "return_dict_in_generate", "pruned_heads", "model_name",
 }
 _ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+# Dimensions a config.json must give, and what transformers' LlamaConfig assumes for the rest.
+_REQUIRED_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_LLAMA_DEFAULTS = {"max_seq_len": 2048, "norm_eps": 1e-6, "tie_embeddings": False}
 # Keys of `model:` that may differ from the weights' config without changing what the weights mean.
 OVERRIDABLE = {"max_seq_len", "dropout"}
 
@@ -57,14 +60,8 @@ def read_hf_config(url: str) -> dict[str, Any]:
     return config
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) from either spelling."""
-    params = config.get("rope_parameters")
-    scaling = config.get("rope_scaling")
-    if params is not None and scaling is not None:
-        raise ValueError("config key 'rope_scaling': given beside 'rope_parameters'; keep one of them")
-    source, key = (params, "rope_parameters") if params is not None else (scaling, "rope_scaling")
-    theta = config.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+def _rope_of(source: dict | None, key: str, theta: float) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) of one spelling's rope settings, `theta` its base."""
     if source is None:
         return float(theta), None
     rope_type = source.get("rope_type", source.get("type", "default"))
@@ -79,7 +76,25 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     unknown = set(source) - _ROPE_KEYS - {"rope_type", "type", "rope_theta"}
     if unknown:
         raise ValueError(f"config key '{key}.{sorted(unknown)[0]}': not part of llama3 rope scaling")
-    return float(theta), {"rope_type": "llama3", **{k: source[k] for k in sorted(_ROPE_KEYS) if k in source}}
+    absent = sorted(_ROPE_KEYS - set(source))
+    if absent:  # transformers versions disagree on these defaults: only an explicit value is exact
+        raise ValueError(f"config key '{key}.{absent[0]}': missing; llama3 rope scaling needs it given")
+    return float(theta), {"rope_type": "llama3", **{k: source[k] for k in sorted(_ROPE_KEYS)}}
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from the 5.x spelling (`rope_parameters`), the 4.x one
+    (top-level `rope_theta`, `rope_scaling`), or both when they agree (what undying exports)."""
+    params, top = config.get("rope_parameters"), config.get("rope_theta")
+    if params is None:
+        return _rope_of(config.get("rope_scaling"), "rope_scaling", 10000.0 if top is None else top)
+    if top is not None and params.get("rope_theta", top) != top:
+        raise ValueError(f"config key 'rope_theta': {top} at the top level, {params['rope_theta']} in rope_parameters;"
+                         " keep one value")
+    reading = _rope_of(params, "rope_parameters", params.get("rope_theta", 10000.0 if top is None else top))
+    if "rope_scaling" in config and _rope_of(config["rope_scaling"], "rope_scaling", reading[0]) != reading:
+        raise ValueError("config key 'rope_scaling': differs from rope_parameters; keep one of them")
+    return reading
 
 
 def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
@@ -95,9 +110,12 @@ def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"config key {unknown[0]!r}: undying cannot represent it exactly; remove it only if it "
                          "does not change the model")
-    out = {field: config[key] for key, field in _FIELDS.items() if key in config}
-    out.setdefault("tie_embeddings", False)  # LlamaConfig's default
-    out.setdefault("max_seq_len", 2048)
+    missing = [key for key in _REQUIRED_SHAPE if key not in config]
+    if missing:
+        raise ValueError(f"config key {missing[0]!r}: missing; a Llama config.json names every dimension")
+    # A key left out means LlamaConfig's default, as transformers reads the same file.
+    out = {**_LLAMA_DEFAULTS, **{field: config[key] for key, field in _FIELDS.items() if key in config}}
+    out.setdefault("n_kv_heads", out["n_heads"])
     out["rope_theta"], out["rope_scaling"] = _rope(config)
     out.update(activation="swiglu", norm="rmsnorm", position="rope")
     head_dim = config.get("head_dim")
@@ -126,8 +144,9 @@ def merge_hf_architecture(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_config_of(model) -> dict[str, Any]:
-    """The transformers 5.x `config.json` of a Llama-architecture ModelConfig (the rotary settings in
-    `rope_parameters`); ValueError naming the field that makes it another architecture."""
+    """The `config.json` of a Llama-architecture ModelConfig, rotary settings in both spellings
+    (5.x `rope_parameters`, 4.x `rope_theta` / `rope_scaling`); ValueError naming the field that
+    makes it another architecture."""
     for field, want in (("activation", "swiglu"), ("norm", "rmsnorm"), ("position", "rope")):
         if getattr(model, field) != want:
             raise ValueError(f"model.{field} is {getattr(model, field)!r}; Hugging Face's Llama needs {want!r}, so "
@@ -140,4 +159,6 @@ def hf_config_of(model) -> dict[str, Any]:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **config, "head_dim": model.head_dim,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "pretraining_tp": 1, "rope_parameters": rope,
+        # The 4.x spelling too, read by transformers 4.x and by other loaders of config.json.
+        "rope_theta": model.rope_theta, "rope_scaling": None if model.rope_scaling is None else rope,
     }

@@ -8,7 +8,8 @@ CKPT_URL is a job's checkpoint root (as for `undying ckpt`); --data a dataset pr
 non-overlapping windows of T + 1 tokens from the dataset's start, summed token cross-entropy
 over K * T tokens. T defaults to the sequence length the job trained with (the manifest
 records it), K to 64. The model is rebuilt from the architecture the manifest carries and
-loaded whole on this machine's CPU (or its GPU with --device cuda).
+loaded whole on this machine's CPU (or its GPU with --device cuda), and evaluated in fp32
+(a bf16 job's in-training numbers, taken under autocast, differ by that rounding).
 
 Exit codes: 0 printed; 1 the checkpoint is damaged; 2 the arguments cannot work (no such
 checkpoint or dataset, too few windows, a vocabulary the model cannot read).
@@ -84,7 +85,7 @@ def _evaluate(args: argparse.Namespace) -> dict:
         windows = eval_windows(dataset, seq_len, args.windows)
     except ValueError as err:
         raise UsageError(f"--windows {args.windows}: {err}") from None
-    result = loss_of_model(model, [w.to(args.device) for w in windows])
+    result = loss_of_model(model, windows)
     return {"loss": result.loss, "tokens": result.tokens, "step": step, "windows": result.windows,
             "seq_len": result.seq_len, "data": args.data}
 

@@ -56,6 +56,7 @@ class JobRecord:
         self.world: list[WorldRecord] = []
         self.stragglers: list[StragglerRecord] = []
         self.evals: list[EvalPoint] = []
+        self.last_step = -1  # the newest step event's step
         # In event order: runs of completed steps ["steps", first, end, dp], ["restore", step]
         # per restore: which steps survive into the final model and with which layout
         # (orchestrator.controller.step_history).
@@ -84,6 +85,7 @@ class JobRecord:
             self.redone_steps += 1
             self.redone_s += rec.step_s
         self.steps[rec.step] = rec
+        self.last_step = rec.step
         record_step(self.history, rec.step, self.dp)
         self.last_step_time = time.time()
         if self._awaiting_first_step is not None:
@@ -102,6 +104,11 @@ class JobRecord:
             self.printer(progress_line(rec.step + 1, self.total_steps, rec.loss, self.tokens_per_s(),
                                        self.ledger.goodput()))
 
+    def completed_steps(self) -> int:
+        """How many steps the newest step event says are done (0 before the first): after a
+        rollback, the running generation's, not the furthest ever reached."""
+        return self.last_step + 1
+
     def median_step_s(self, last: int = 20) -> float | None:
         recent = [r.step_s for r in sorted(self.steps.values(), key=lambda r: r.time)[-last:]]
         return statistics.median(recent) if recent else None
@@ -115,6 +122,7 @@ class JobRecord:
         """A validation loss from rank 0. Its time was booked as productive (the controller was
         RUNNING); it trained nothing, so it moves to `other`, as Google's taxonomy has no bucket for it."""
         self.ledger.move(event.seconds, "productive", "other")
+        self.last_step_time = time.time()  # progress: the hang clock restarts after a validation
         self.evals = [e for e in self.evals if e.step != event.step]  # a re-evaluation after a rollback
         self.evals.append(EvalPoint(step=event.step, loss=event.loss, tokens=event.tokens, seconds=event.seconds,
                                     time=self.job_seconds()))

@@ -33,7 +33,7 @@ from orchestrator.controller.faults import ControllerFaults
 from orchestrator.controller.intake import EventIntake
 from orchestrator.controller.job_record import JobRecord
 from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
-from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy
+from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy, hang_limit
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.states import (
     TERMINAL,
@@ -283,7 +283,8 @@ class Controller:
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
             self.fault_clock.fire_due(self.world_size)
-            limit = max(self.hang_min_s, self.hang_factor * (self.record.median_step_s() or 0.0))
+            limit = hang_limit(self.record.median_step_s(), self.record.completed_steps(), self.spec, self.hang_min_s,
+                               self.hang_factor)
             hung = self.blame.hang(max(self.record.last_step_time, self.gen_started_at), limit)
             if hung is not None:
                 self._start_recovery(hung)

@@ -134,3 +134,21 @@ class CheckpointIntervalPolicy:
         if interval is None or not step_times_s:
             return self.probe_steps
         return steps_for_interval(interval, statistics.median(step_times_s))
+
+
+def hang_limit(median_step_s: float | None, completed: int, spec, min_s: float, factor: float) -> float:
+    """Seconds without a step event after which the ranks count as hung.
+
+    `factor` median steps, at least `min_s`. When a validation is due after the `completed`-th
+    step (`eval.every_steps`, and after the last), the next step event comes later by the
+    evaluation: forward passes over `eval.windows` windows, at most a training step's cost per
+    global batch of them, so the limit grows by `factor` such steps (and `min_s` of start-up).
+    """
+    step = median_step_s or 0.0
+    limit = max(min_s, factor * step)
+    evaluation = getattr(spec, "eval", None)
+    if evaluation is not None and completed > 0 and (completed % evaluation.every_steps == 0
+                                                     or completed == spec.train.steps):
+        limit += min_s + factor * step * max(1.0, evaluation.windows / spec.train.global_batch)
+    return limit
+

@@ -143,7 +143,7 @@ class RankActor:
         from trainer.memory_probe import current_bytes
 
         started = time.perf_counter()
-        self.engine = None  # drop the previous generation's engine before measuring the baseline
+        self._drop_engine()  # drop the previous generation's engine before measuring the baseline
         device = torch_device(self.spec)
         self.baseline_bytes = current_bytes(device)
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
@@ -193,8 +193,14 @@ class RankActor:
     def leave(self) -> bool:
         """Drop the process group; returns whether this rank's node is still alive."""
         self._teardown()
-        self.engine = None
+        self._drop_engine()
         return self.node_alive()
+
+    def _drop_engine(self) -> None:
+        """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself."""
+        if self.engine is not None:
+            self.engine.data.close(wait=False)
+        self.engine = None
 
     def _teardown(self) -> None:
         import torch.distributed as dist

@@ -84,22 +84,27 @@ def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: flo
 
 
 class Evaluator:
-    """The validation windows of `spec.eval`, read once per generation, and when to evaluate."""
+    """The validation windows of `spec.eval`, and when to evaluate. The windows are read at the
+    first evaluation of a generation (inside the training loop, so a storage error there is a
+    rank failure like any other) and kept for the rest of it."""
 
-    def __init__(self, every_steps: int, windows: list):
-        self.every_steps, self.windows = every_steps, windows
+    def __init__(self, spec):
+        self.spec, self.every_steps, self._windows = spec, spec.eval.every_steps, None
 
     @classmethod
     def for_spec(cls, spec) -> Evaluator | None:
-        if spec.eval is None:
-            return None
-        from trainer.evaluation import eval_windows
-        from trainer.tokens.reader import TokenDataset
+        return None if spec.eval is None else cls(spec)
 
-        options = spec.eval.storage_options or spec.data.storage_options
-        dataset = TokenDataset(spec.eval.path, options)
-        return cls(spec.eval.every_steps, eval_windows(dataset, spec.eval.seq_len or spec.data.seq_len,
-                                                       spec.eval.windows))
+    @property
+    def windows(self) -> list:
+        if self._windows is None:
+            from trainer.evaluation import eval_windows
+            from trainer.tokens.reader import TokenDataset
+
+            ev, data = self.spec.eval, self.spec.data
+            dataset = TokenDataset(ev.path, ev.storage_options or data.storage_options)
+            self._windows = eval_windows(dataset, ev.seq_len or data.seq_len, ev.windows)
+        return self._windows
 
     def due(self, completed: int, until_step: int) -> bool:
         return completed % self.every_steps == 0 or completed == until_step

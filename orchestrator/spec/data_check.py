@@ -29,6 +29,7 @@ def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
 def data_problems(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
     data, model = spec.data, spec.model
+    tokenizers: list[tuple[str, str]] = []  # (field, tokenizer sha256) of every dataset read
     if data.source == "tokens":
         parts = [(data.path, "data.path")] if data.path else [
             (part.path, f"data.mixture[{i}].path") for i, part in enumerate(data.mixture)]
@@ -36,6 +37,7 @@ def data_problems(spec: JobSpec) -> list[Problem]:
             ds = _dataset(url, data.storage_options, field, problems)
             if ds is None:
                 continue
+            tokenizers.append((field, ds.manifest.tokenizer_sha256))
             if ds.vocab_size > model.vocab_size:
                 problems.append(Problem(field, f"{url} holds token ids up to {ds.vocab_size - 1}, beyond model."
                                         f"vocab_size = {model.vocab_size}; prepare it with the model's tokenizer"))
@@ -52,6 +54,15 @@ def data_problems(spec: JobSpec) -> list[Problem]:
         if ds is not None and ds.vocab_size > model.vocab_size:
             problems.append(Problem("eval.path", f"token ids up to {ds.vocab_size - 1}, beyond model.vocab_size = "
                                     f"{model.vocab_size}; prepare it with the model's tokenizer"))
+        if ds is not None:
+            tokenizers.append(("eval.path", ds.manifest.tokenizer_sha256))
+    # Ids mean something only under their tokenizer: a mixture (or a validation set) tokenized
+    # with another one would train (or measure) on different words behind the same numbers.
+    for field, sha in tokenizers[1:]:
+        if sha != tokenizers[0][1]:
+            problems.append(Problem(field, f"was tokenized with another tokenizer (sha256 {sha[:12]}...) than "
+                                    f"{tokenizers[0][0]} ({tokenizers[0][1][:12]}...); prepare every dataset of a job "
+                                    "with the same tokenizer"))
     return problems
 
 

@@ -150,6 +150,9 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     if model and eval_len and eval_len > model.max_seq_len:
         out.append(Problem("eval.seq_len", f"{eval_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                            "evaluate shorter windows"))
+    if par and data and eval_len and par.pp > 1 and eval_len > data.seq_len:
+        out.append(Problem("eval.seq_len", f"{eval_len} exceeds data.seq_len = {data.seq_len}, the static shape of "
+                           "the pipeline's stages (pp > 1); evaluate windows of at most data.seq_len tokens"))
     if par and spec.elastic and spec.elastic.min_dp > par.dp:
         out.append(Problem("elastic.min_dp", f"{spec.elastic.min_dp} exceeds parallel.dp = {par.dp}; "
                            f"set it to at most {par.dp}"))

@@ -137,3 +137,26 @@ def test_plan_reads_the_architecture_from_config_json(tmp_path, capsys):
     # the GQA model of config.json, named by its directory; tp=4 is refused for its 2 kv heads
     assert f"model {tmp_path / 'hf'} (0.13M parameters)" in out, out
     assert "tp=4: 2 key/value heads not divisible by 4" in out
+
+
+def test_absent_keys_mean_what_transformers_reads_and_missing_dimensions_are_refused():
+    config = {**HF_KW, "model_type": "llama"}
+    del config["rms_norm_eps"]
+    arch = architecture_from_hf(config)
+    assert arch["norm_eps"] == LlamaConfig(**{k: v for k, v in HF_KW.items() if k != "rms_norm_eps"}).rms_norm_eps
+    del config["intermediate_size"]
+    with pytest.raises(ValueError, match="'intermediate_size': missing"):
+        architecture_from_hf(config)
+    partial = {**HF_KW, "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match="rope_scaling.high_freq_factor': missing"):
+        architecture_from_hf(partial)
+
+
+def test_both_rope_spellings_must_agree():
+    five = hf_model().config.to_dict()
+    both = {**five, "rope_theta": 500000.0, "rope_scaling": dict(SCALING)}
+    assert architecture_from_hf(both) == architecture_from_hf(five)
+    with pytest.raises(ValueError, match="'rope_theta'"):
+        architecture_from_hf({**five, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="'rope_scaling': differs"):
+        architecture_from_hf({**both, "rope_scaling": {**SCALING, "factor": 4.0}})

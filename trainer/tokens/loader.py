@@ -113,9 +113,11 @@ class TokenCursor:
                 if nxt not in self._ahead:
                     self._ahead[nxt] = self._pool.submit(self._load, nxt)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Cancel the reads ahead; `wait` for the one in flight (a rank dropping its engine does not:
+        a read stuck on a failing store must not hold up the restore)."""
         with self._lock:
             for future in self._ahead.values():
                 future.cancel()
             self._ahead.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)  # at most one read in flight to wait for
+        self._pool.shutdown(wait=wait, cancel_futures=True)

@@ -175,7 +175,10 @@ def _encode(tokenizer, texts: list[str], wheres: list[tuple[str, str]], eos_id: 
             wide: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """One batch: the documents' ids, each followed by EOS, and each document's length."""
     try:
-        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+        # The ids alone: the fast path skips the character offsets (most of the per-token work
+        # after the model itself), which a token stream never uses.
+        encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        encodings = encode(texts, add_special_tokens=False)
     except Exception:
         _name_bad_text(texts, wheres)
         raise

@@ -1,0 +1,57 @@
+"""Prepared datasets are checked before any rank starts: readable, within the model's vocabulary,
+large enough, and every dataset of the job tokenized with the same tokenizer; a pipeline's
+validation windows fit its static shape; a validation is no hang."""
+
+import numpy as np
+import pytest
+
+from orchestrator.controller.policies import hang_limit
+from orchestrator.spec.data_check import data_problems
+from orchestrator.spec.job_spec import SpecError, validate_spec
+from tests._tokens import write_token_dataset
+
+TOKENS = np.arange(5000) % 200
+
+
+def spec(tmp_path, **sections):
+    base = {"name": "j", "model": {"preset": "tiny"}, "train": {"steps": 10, "global_batch": 4},
+            "checkpoint": {"url": f"file://{tmp_path}/ck"}}
+    return validate_spec({**base, **sections})
+
+
+def test_a_mixture_or_validation_set_from_another_tokenizer_is_refused_by_field(tmp_path):
+    write_token_dataset(tmp_path / "a", TOKENS, 256)
+    write_token_dataset(tmp_path / "b", TOKENS, 256, tokenizer_sha256="1" * 64)
+    mixture = {"source": "tokens", "seq_len": 16, "mixture": [{"path": str(tmp_path / "a"), "weight": 1},
+                                                              {"path": str(tmp_path / "b"), "weight": 1}]}
+    problems = data_problems(spec(tmp_path, data=mixture))
+    assert [p.field for p in problems] == ["data.mixture[1].path"] and "another tokenizer" in problems[0].message
+    same = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "a")}
+    assert data_problems(spec(tmp_path, data=same)) == []
+    problems = data_problems(spec(tmp_path, data=same, eval={"path": str(tmp_path / "b"), "every_steps": 5}))
+    assert [p.field for p in problems] == ["eval.path"]
+
+
+def test_missing_small_or_too_wide_datasets_name_their_field(tmp_path):
+    write_token_dataset(tmp_path / "wide", np.arange(3000) % 1000, 1000)
+    data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "wide")}
+    problems = data_problems(spec(tmp_path, data=data, eval={"path": str(tmp_path / "none"), "every_steps": 5}))
+    fields = {p.field: p.message for p in problems}
+    assert "beyond model.vocab_size = 256" in fields["data.path"]
+    assert "run `undying data prepare` first" in fields["eval.path"]
+
+
+def test_pipeline_validation_windows_must_fit_the_stages(tmp_path):
+    with pytest.raises(SpecError) as err:
+        spec(tmp_path, data={"seq_len": 16}, parallel={"pp": 2},
+             train={"steps": 10, "global_batch": 4}, eval={"path": "x", "every_steps": 5, "seq_len": 32})
+    assert any(p.field == "eval.seq_len" and "static shape" in p.message for p in err.value.problems)
+
+
+def test_the_hang_limit_allows_for_a_validation_where_one_is_due(tmp_path):
+    job = spec(tmp_path, eval={"path": "x", "every_steps": 5, "windows": 40})
+    assert hang_limit(1.0, 4, job, 10.0, 5.0) == 10.0  # no validation after step 4
+    # after step 5: 10 global batches of windows, each at most a step: 5 x 10 steps more, plus start-up
+    assert hang_limit(1.0, 5, job, 10.0, 5.0) == 10.0 + 10.0 + 5.0 * 10
+    assert hang_limit(1.0, 10, job, 10.0, 5.0) > 10.0  # the last step
+    assert hang_limit(1.0, 5, spec(tmp_path), 10.0, 5.0) == 10.0  # no eval section
