@@ -18,6 +18,7 @@ name and renamed when complete: a failed export never leaves a file that looks l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -25,6 +26,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import torch
 
@@ -71,7 +73,12 @@ def plan_export(manifest: Manifest, names: dict[str, str], dtype: str | None = N
         entry = manifest.tensors[stored]
         cast = dtype if dtype is not None and getattr(torch, entry.dtype).is_floating_point else entry.dtype
         out.append(Exported(stored, name, cast, tuple(entry.shape)))
-    return sorted(out, key=lambda t: (-_itemsize(t.dtype), t.name))
+    return _file_order(out)
+
+
+def _file_order(tensors: list[Exported]) -> list[Exported]:
+    """Largest element size first (every tensor then starts aligned to its size), then by name."""
+    return sorted(tensors, key=lambda t: (-_itemsize(t.dtype), t.name))
 
 
 def safetensors_header(tensors: list[Exported], metadata: dict[str, str]) -> bytes:
@@ -102,22 +109,16 @@ def _batches(tensors: list[Exported], batch_bytes: int) -> Iterator[list[Exporte
         yield batch
 
 
-def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[Exported],
-                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
-    """Write `tensors` of committed checkpoint `step` to the local file `out_path` (through a
-    temporary name, renamed when complete). Reads batches of at most `batch_bytes` through the
-    verifying reader; CorruptCheckpoint when a chunk is damaged."""
+@contextlib.contextmanager
+def _atomic_file(out_path: str) -> Iterator[BinaryIO]:
+    """A file written under a temporary name, flushed to disk and renamed to `out_path` when the
+    block completes; removed when it raises, so no half file ever looks like a model."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian bytes; export on a little-endian machine")
-    header = safetensors_header(tensors, metadata)
     tmp = f"{out_path}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "wb") as f:
-            f.write(header)
-            for batch in _batches(tensors, batch_bytes):
-                loaded, _ = load_checkpoint(catalog, step, [t.stored for t in batch])
-                for t in batch:
-                    f.write(_raw(loaded.pop(t.stored).to(getattr(torch, t.dtype))))
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
@@ -127,21 +128,27 @@ def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[
         raise
 
 
+def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[Exported],
+                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    """Write `tensors` of committed checkpoint `step` to the local file `out_path` (through a
+    temporary name, renamed when complete). Reads batches of at most `batch_bytes` through the
+    verifying reader; CorruptCheckpoint when a chunk is damaged."""
+    with _atomic_file(out_path) as f:
+        f.write(safetensors_header(tensors, metadata))
+        for batch in _batches(tensors, batch_bytes):
+            loaded, _ = load_checkpoint(catalog, step, [t.stored for t in batch])
+            for t in batch:
+                f.write(_raw(loaded.pop(t.stored).to(getattr(torch, t.dtype))))
+
+
 def write_tensors(out_path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write in-memory `tensors` (name -> tensor) as one safetensors file at `out_path`, atomically."""
-    ordered = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    layout = [Exported(n, n, str(tensors[n].dtype).removeprefix("torch."), tuple(tensors[n].shape)) for n in ordered]
-    tmp = f"{out_path}.tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(safetensors_header(layout, metadata))
-            for name in ordered:
-                f.write(_raw(tensors[name]))
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    layout = _file_order([Exported(n, n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                          for n, t in tensors.items()])
+    with _atomic_file(out_path) as f:
+        f.write(safetensors_header(layout, metadata))
+        for t in layout:
+            f.write(_raw(tensors[t.name]))
 
 
 def export_safetensors(

@@ -1,10 +1,12 @@
 """Prepared token datasets written directly in the on-disk format (no tokenizer, no Ray), for the
-loader, eval and exactly-once tests: the token stream is given, so expectations are exact."""
+loader, eval and exactly-once tests and the data bench: the token stream is given, so
+expectations are exact."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
 from trainer.tokens.format import (
@@ -20,23 +22,26 @@ from trainer.tokens.format import (
 )
 
 
-def write_token_dataset(out: Path, tokens: np.ndarray, vocab_size: int, shard_tokens: int = 1000,
-                        doc_tokens: int = 50, eos_id: int = 0, tokenizer_sha256: str = "0" * 64) -> Path:
-    """Write `tokens` as shards of `shard_tokens` tokens, documents of `doc_tokens`; returns `out`."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_token_dataset(out: Path | str, tokens: np.ndarray, vocab_size: int, shard_tokens: int = 1000,
+                        doc_tokens: int = 50, eos_id: int = 0, tokenizer_sha256: str = "0" * 64,
+                        storage_options: dict | None = None) -> Path | str:
+    """Write `tokens` as shards of `shard_tokens` tokens, documents of `doc_tokens`, at `out` (a local
+    path or any fsspec URL, with `storage_options`); returns `out`."""
+    fs, root = fsspec.core.url_to_fs(str(out), **(storage_options or {}))
+    fs.makedirs(root, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
     entries = []
     for index, start in enumerate(range(0, len(tokens), shard_tokens)):
         part = tokens[start:start + shard_tokens]
         ends = np.append(np.arange(doc_tokens, len(part), doc_tokens), len(part))
         tokens_bytes, docs_bytes = encode_shard(part, ends, dtype)
-        (out / f"{shard_name(index)}{TOKENS_SUFFIX}").write_bytes(tokens_bytes)
-        (out / f"{shard_name(index)}{DOCS_SUFFIX}").write_bytes(docs_bytes)
+        fs.pipe_file(f"{root}/{shard_name(index)}{TOKENS_SUFFIX}", tokens_bytes)
+        fs.pipe_file(f"{root}/{shard_name(index)}{DOCS_SUFFIX}", docs_bytes)
         entries.append(shard_entry(index, tokens_bytes, docs_bytes, np.dtype(dtype).itemsize))
     manifest = TokenManifest(dtype=dtype, vocab_size=vocab_size, eos_id=eos_id, tokenizer_sha256=tokenizer_sha256,
                              tokenizer="generated", text_field="text", inputs=["generated"], n_tokens=len(tokens),
                              n_documents=sum(e.n_documents for e in entries), shards=entries)
-    (out / MANIFEST_NAME).write_bytes(manifest_bytes(manifest))
+    fs.pipe_file(f"{root}/{MANIFEST_NAME}", manifest_bytes(manifest))
     return out
 
 

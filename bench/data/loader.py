@@ -25,35 +25,12 @@ VOCAB = 256  # the tiny preset's vocabulary: its step is short, so a data wait s
 
 
 def write_dataset(url: str, options: dict, n_tokens: int) -> None:
-    """A prepared dataset of random ids at `url`, in the on-disk format (trainer/tokens/format.py)."""
-    import fsspec
+    """A prepared dataset of random ids at `url` (tests/_tokens.py writes the on-disk format);
+    one document per shard of 4M tokens."""
+    from tests._tokens import write_token_dataset
 
-    from trainer.tokens.format import (
-        DOCS_SUFFIX,
-        MANIFEST_NAME,
-        TOKENS_SUFFIX,
-        TokenManifest,
-        dtype_for_vocab,
-        encode_shard,
-        manifest_bytes,
-        shard_entry,
-        shard_name,
-    )
-
-    fs, root = fsspec.core.url_to_fs(url, **options)
-    fs.makedirs(root, exist_ok=True)
-    rng, dtype, shard_tokens, entries = np.random.default_rng(0), dtype_for_vocab(VOCAB), 4_000_000, []
-    for index, start in enumerate(range(0, n_tokens, shard_tokens)):
-        count = min(shard_tokens, n_tokens - start)
-        tokens = rng.integers(0, VOCAB, size=count)
-        tokens_bytes, docs_bytes = encode_shard(tokens, np.array([count]), dtype)
-        fs.pipe_file(f"{root}/{shard_name(index)}{TOKENS_SUFFIX}", tokens_bytes)
-        fs.pipe_file(f"{root}/{shard_name(index)}{DOCS_SUFFIX}", docs_bytes)
-        entries.append(shard_entry(index, tokens_bytes, docs_bytes, 2))
-    manifest = TokenManifest(dtype=dtype, vocab_size=VOCAB, eos_id=0, tokenizer_sha256="0" * 64, tokenizer="bench",
-                             text_field="text", inputs=["bench"], n_tokens=n_tokens, n_documents=len(entries),
-                             shards=entries)
-    fs.pipe_file(f"{root}/{MANIFEST_NAME}", manifest_bytes(manifest))
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=n_tokens, dtype=np.uint16)
+    write_token_dataset(url, tokens, VOCAB, shard_tokens=4_000_000, doc_tokens=4_000_000, storage_options=options)
 
 
 def read_rate(url: str, options: dict) -> dict:

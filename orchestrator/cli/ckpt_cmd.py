@@ -79,7 +79,7 @@ def ckpt_main(args: argparse.Namespace) -> int:
         if not is_storage_error(err):
             raise
         # Storage failed after the location was found: not the user's input.
-        print(f"{command}: storage error: {_reason(err)}", file=sys.stderr)
+        print(f"{command}: storage error: {error_reason(err)}", file=sys.stderr)
         return EXIT_FAILED
 
 
@@ -119,9 +119,10 @@ def is_storage_error(err: BaseException) -> bool:
     return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
 
 
-def _reason(err: BaseException) -> str:
+def error_reason(err: BaseException, limit: int = 200) -> str:
+    """`Type: message` on one line, at most `limit` characters: how every command names a storage error."""
     text = " ".join(f"{type(err).__name__}: {err}".split())
-    return text if len(text) <= 200 else text[:197] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def open_catalog(url: str, options: dict) -> Catalog:
@@ -129,10 +130,10 @@ def open_catalog(url: str, options: dict) -> Catalog:
     try:
         storage = Storage(url, options)
     except (ValueError, ImportError) as err:
-        raise UsageError(f"URL {url}: unknown or unavailable protocol ({_reason(err)}); use file://, "
+        raise UsageError(f"URL {url}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
                          "s3:// (with s3fs installed) or a local path") from None
     except Exception as err:  # a filesystem that rejects its options
-        raise UsageError(f"--storage-option: cannot open {url} with these options ({_reason(err)}); "
+        raise UsageError(f"--storage-option: cannot open {url} with these options ({error_reason(err)}); "
                          "fix or remove the offending option") from None
     return Catalog(storage)
 
@@ -150,12 +151,12 @@ def committed_or_fail(catalog: Catalog) -> list[int]:
         exists = bool(unfinished) or catalog.storage.exists(catalog.storage.root)
         jobs = [] if unfinished or not exists else _job_dirs(catalog.storage)
     except PermissionError as err:
-        raise UsageError(f"URL {url}: access denied ({_reason(err)}); check the credentials "
+        raise UsageError(f"URL {url}: access denied ({error_reason(err)}); check the credentials "
                          "(--storage-option key=... secret=...)") from None
     except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
         if not is_storage_error(err):
             raise
-        raise UsageError(f"URL {url}: cannot list it ({_reason(err)}); check the URL and the endpoint "
+        raise UsageError(f"URL {url}: cannot list it ({error_reason(err)}); check the URL and the endpoint "
                          "(--storage-option endpoint_url=...)") from None
     if jobs:
         raise UsageError(f"URL {url} holds job directories, not checkpoints; give one job's checkpoint root, "

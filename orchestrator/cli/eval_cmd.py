@@ -24,6 +24,7 @@ import sys
 from orchestrator.cli.ckpt_cmd import (
     UsageError,
     committed_or_fail,
+    error_reason,
     is_storage_error,
     open_catalog,
     parse_storage_options,
@@ -104,7 +105,7 @@ def eval_main(args: argparse.Namespace) -> int:
     except Exception as err:
         if not is_storage_error(err):
             raise
-        print(f"undying eval: storage error: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"undying eval: storage error: {error_reason(err)}", file=sys.stderr)
         return EXIT_FAILED
     if args.as_json:
         print(json.dumps(out, sort_keys=True))

@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from orchestrator.cli.ckpt_cmd import UsageError, is_storage_error, parse_storage_options
+from orchestrator.cli.ckpt_cmd import UsageError, error_reason, is_storage_error, parse_storage_options
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_USAGE
 
 COMMAND = "undying data prepare"
-# About 32 MiB of uint16 ids per shard: few enough files for large corpora, and a task's
-# memory (its text, then its tokens) stays well under a worker's.
 # 4M tokens (about 16 MiB of text, 8 MiB of uint16 ids) per shard and task: small enough that a
-# corpus of a few hundred MiB keeps two cores busy to the end, large enough that a terabyte is
-# tens of thousands of files, not millions.
+# corpus of a few hundred MiB keeps two cores busy to the end and a task's memory (its text,
+# then its tokens) stays well under a worker's, large enough that a terabyte is tens of
+# thousands of files, not millions.
 DEFAULT_SHARD_TOKENS = 2**22
 
 
@@ -68,7 +67,7 @@ def data_main(args: argparse.Namespace, executor=None) -> int:
     except Exception as err:
         if not is_storage_error(err):
             raise
-        reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-        print(f"{COMMAND}: storage error: {reason}; run the same command again (finished shards are kept)",
+        print(f"{COMMAND}: storage error: {error_reason(err, limit=300)}; run the same command again (finished "
+              "shards are kept)",
               file=sys.stderr)
         return EXIT_FAILED
