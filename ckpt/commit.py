@@ -83,7 +83,10 @@ class Committer:
 
     def abandon(self, step: int, reason: str) -> None:
         """A rank could not write its shard of `step`: the save cannot commit; drop it now,
-        so it does not sit pending (CHECKPOINTING) until a later commit overtakes it."""
+        so it does not sit pending (CHECKPOINTING) until a later commit overtakes it. A second
+        rank failing the same save drops nothing more: it is one failed save."""
+        if step in self.abandoned:
+            return
         self.abandoned.add(step)
         self.pending.pop(step, None)
         self.on_dropped(step, reason)

@@ -52,6 +52,9 @@ class CheckpointConfig(BaseModel):
     every_steps: int | None = Field(None, gt=0)
     every_seconds: float | None = Field(None, gt=0.0)
     keep: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
+    max_failed_saves: int = Field(
+        3, ge=1, description="consecutive saves that may fail (a shard write or the commit) before the job fails "
+        "with the storage error rather than train on with nothing durable; a commit resets the count")
     async_: bool = Field(True, alias="async", description="stage to host memory, write in background")
     writer: Literal["auto", "thread", "process"] = Field(
         "auto", description="where async shard writes run: a thread of the rank, or a child process of it "

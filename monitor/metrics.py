@@ -13,6 +13,7 @@ Every series carries a `job` label, so several jobs can share one Prometheus and
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -89,8 +90,9 @@ class JobMetrics:
         # its first observation has no zero to rate() against, and a counter that is never
         # incremented would not exist at all.
         for metric in (self.step_seconds, self.ckpt_blocking, self.ckpt_total, self.ckpt_skipped,
-                       self.detection, self.recovery):
+                       self.ckpt_failures, self.detection, self.recovery):
             metric.labels(job)
+        self.ckpt_last_commit.labels(job).set(time.time())
         self._goodput = _GoodputCollector(job)
         self.registry.register(self._goodput)
 
@@ -153,6 +155,12 @@ class JobMetrics:
         self.ckpt_skipped = self._counter(
             "undying_checkpoint_skipped", "Saves that will not be committed (a shard write or the commit failed)."
         )
+        self.ckpt_failures = self._counter(
+            "undying_checkpoint_failures", "Failed saves: a rank's shard write, the manifest commit (twice), or "
+            "shards that do not form a checkpoint (checkpoint.max_failed_saves in a row fail the job).")
+        self.ckpt_last_commit = self._gauge(
+            "undying_checkpoint_last_commit_timestamp_seconds", "Unix time of the last commit (before the "
+            "job's first commit: the time the job started, so a job that never commits is seen).")
 
     def _define_resilience(self) -> None:
         self.failures = self._counter("undying_failures", "Failures seen, by kind.", "kind")
@@ -245,10 +253,11 @@ class JobMetrics:
     ) -> None:
         """A checkpoint was committed (its manifest is durable).
 
-        `interval_s` is the interval the checkpoint policy now targets; None when the policy
-        saves on a step count rather than a time interval.
+        `interval_s` is the interval between saves the checkpoint plan now targets (for a step
+        cadence, its steps at the median step time); None while it is not known.
         """
         job = self.job
+        self.ckpt_last_commit.labels(job).set(time.time())
         self.ckpt_step.labels(job).set(step)
         self.ckpt_bytes.labels(job).set(nbytes)
         self.ckpt_blocking.labels(job).observe(blocking_s)
@@ -266,8 +275,9 @@ class JobMetrics:
     def on_checkpoint_skipped(self) -> None:
         """A save will not commit (a rank's shard write failed, its shards do not tile every tensor,
         or the manifest commit failed twice). A save requested while one is in flight is never
-        skipped: it waits (docs/design.md invariant 6)."""
+        skipped: it waits (docs/design.md invariant 6). Counted as a failed save too."""
         self.ckpt_skipped.labels(self.job).inc()
+        self.ckpt_failures.labels(self.job).inc()
 
     def on_failure(self, kind: str) -> None:
         """A failure of `kind` (e.g. "actor_died", "hang", "nan") was detected."""

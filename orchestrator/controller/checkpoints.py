@@ -10,8 +10,15 @@ Protocol (controller thread only; one per controller run):
     the interval policy fed, the job record updated, and the cadence re-planned (a new plan
     published) when the measured costs moved it. Returns the committed step, or None.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
+  * `SavesFailing` is raised out of `on_receipt` / `on_save_failed` (so out of the controller's
+    event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures: the
+    controller fails the job with its words.
 
-A save that cannot commit never stops the job: it is logged, counted, and the next one commits.
+A save that cannot commit does not stop the job by itself: it is logged, counted, and the next one
+commits. Only a run of `checkpoint.max_failed_saves` of them with no commit in between does (a
+failed shard write, a manifest commit that failed twice, shards that do not form a checkpoint):
+the storage is not taking checkpoints, and training on would keep nothing durable. A commit
+resets the count; a recovery does not (its saves are as failed as before it).
 """
 
 from __future__ import annotations
@@ -45,6 +52,11 @@ def data_provenance(data) -> dict:
                           "token_ids": {"eos_token_id": manifest.eos_id}}}
 
 
+class SavesFailing(Exception):
+    """`checkpoint.max_failed_saves` consecutive saves failed: training on would keep nothing
+    durable, so the job fails (not a storage error of one request: fatal, never retried)."""
+
+
 class Checkpoints:
     def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None]):
         self.spec = spec
@@ -64,6 +76,7 @@ class Checkpoints:
         self.store = None
         self.gen = -1
         self.data_provenance = data_provenance(spec.data)
+        self.failed_saves: list[int] = []  # the steps of the saves failed since the last commit
 
     @property
     def latest(self) -> int | None:
@@ -122,6 +135,7 @@ class Checkpoints:
         )
         if commit is None:
             return None
+        self.failed_saves.clear()
         self.record.history.extend(sample_events(commit.samples))
         self.bad_steps.discard(commit.step)  # a quarantined step saved and committed again is good
         self.chaos.after_commit(commit.step, fired)
@@ -129,10 +143,17 @@ class Checkpoints:
         self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
         self.interval_policy.on_save_cost(commit.blocking_s)
         self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
-                                  commit.total_s, self.interval_policy.interval_s())
+                                  commit.total_s, self._interval_s())
         self.metrics.on_interval_inputs(self.interval_policy.inputs.snapshot())
         self._replan()
         return commit.step
+
+    def _interval_s(self) -> float | None:
+        """Seconds between saves: the policy's target; for a step cadence, its steps at the median step
+        time (exported, so that "no commit for 3 intervals" can be alerted on whatever the cadence)."""
+        seconds = self.interval_policy.interval_s()
+        median = self.record.median_step_s()
+        return seconds if seconds is not None or median is None else self.plan_every * median
 
     def _replan(self) -> None:
         """After a commit: publish a new cadence when the measured costs moved it by over 20%.
@@ -154,5 +175,14 @@ class Checkpoints:
         self.committer.abandon(message.step, f"rank {message.rank} failed to write its shard ({message.error})")
 
     def _on_dropped(self, step: int, reason: str) -> None:
-        self.log(f"checkpoint step {step} will not be committed: {reason}; training goes on and the next save commits")
         self.metrics.on_checkpoint_skipped()
+        self.failed_saves.append(step)
+        limit = self.spec.checkpoint.max_failed_saves
+        if len(self.failed_saves) < limit:
+            self.log(f"checkpoint step {step} will not be committed: {reason}; training goes on and the next save "
+                     f"commits ({len(self.failed_saves)} of checkpoint.max_failed_saves={limit} consecutive failures)")
+            return
+        since = f"after step {self.latest}" if self.latest is not None else "in this run"
+        raise SavesFailing(f"checkpoint storage failing: {len(self.failed_saves)} consecutive saves failed (steps "
+                           f"{', '.join(map(str, self.failed_saves))}; checkpoint.max_failed_saves={limit}) "
+                           f"and nothing was committed {since}; the last, step {step}: {reason}")

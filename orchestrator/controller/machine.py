@@ -26,7 +26,7 @@ from monitor.report import StragglerRecord
 from orchestrator.cluster.placement import tp_locality
 from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.controller.blame import Blame
-from orchestrator.controller.checkpoints import Checkpoints
+from orchestrator.controller.checkpoints import Checkpoints, SavesFailing
 from orchestrator.controller.errors import normalise
 from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.faults import ControllerFaults
@@ -144,7 +144,7 @@ class Controller:
         while self.state == before and self.state not in TERMINAL:
             try:
                 self.HANDLERS[self.state]()
-            except PlacementError as err:
+            except (PlacementError, SavesFailing) as err:
                 self._fail_unless_ended(str(err))
             except Exception as err:  # a bug or an unexpected platform error
                 log.exception("controller error in %s", self.state.value)

@@ -13,8 +13,10 @@ from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
 
 
-def _run(tmp_path, rendezvous, faults, steps=30, **fake):
-    spec = _spec(tmp_path, chaos={"faults": faults}, train={"steps": steps, "global_batch": 4, "micro_batch": 1})
+def _run(tmp_path, rendezvous, faults, steps=30, checkpoint_over=None, **fake):
+    checkpoint = {"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2, **(checkpoint_over or {})}
+    spec = _spec(tmp_path, chaos={"faults": faults}, train={"steps": steps, "global_batch": 4, "micro_batch": 1},
+                 checkpoint=checkpoint)
     workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
     for name, value in fake.items():
         setattr(workers, name, value)

@@ -230,3 +230,21 @@ def test_noise_below_the_threshold_flags_nobody():
         for rank in range(4):
             det.observe(rank, 1.0 + 0.08 * ((i * 7 + rank * 3) % 5) / 4)  # up to 8% jitter, all ranks
     assert det.evaluate(0.0) == (set(), set()) and det.evaluate(60.0) == (set(), set())
+
+
+def test_failed_saves_and_the_last_commit_time_are_exported(metrics, monkeypatch):
+    # Before the first commit the commit clock reads the job's start, so a job that never commits is seen.
+    monkeypatch.setattr("monitor.metrics.time.time", lambda: 1000.0)
+    fresh = JobMetrics("fresh")
+    assert fresh.registry.get_sample_value("undying_checkpoint_last_commit_timestamp_seconds",
+                                           {"job": "fresh"}) == 1000.0
+    assert fresh.registry.get_sample_value("undying_checkpoint_failures_total", {"job": "fresh"}) == 0
+    monkeypatch.setattr("monitor.metrics.time.time", lambda: 1234.5)
+    port = metrics.serve(HOST, 0)
+    metrics.on_checkpoint(20, nbytes=10, blocking_s=0.1, total_s=0.2, interval_s=60.0)
+    metrics.on_checkpoint_skipped()
+    metrics.on_checkpoint_skipped()
+    text = scrape(port)
+    assert value(text, "undying_checkpoint_last_commit_timestamp_seconds") == 1234.5
+    assert value(text, "undying_checkpoint_failures_total") == 2
+    assert value(text, "undying_checkpoint_skipped_total") == 2
