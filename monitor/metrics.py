@@ -176,6 +176,9 @@ class JobMetrics:
         self.controller_state = self._gauge(
             "undying_controller_state", "1 for the controller's current state, 0 for others.", "state"
         )
+        self.control_rejected = self._counter(
+            "undying_control_messages_rejected", "Control messages dropped for want of a valid tag "
+            "(orchestrator.wire.auth), by channel: events, abort, plan, heartbeat.", "channel")
 
     def _define_layout_model(self) -> None:
         self.bubble_ratio = self._gauge(
@@ -282,6 +285,11 @@ class JobMetrics:
     def on_failure(self, kind: str) -> None:
         """A failure of `kind` (e.g. "actor_died", "hang", "nan") was detected."""
         self.failures.labels(self.job, kind).inc()
+
+    def on_control_rejected(self, channel: str) -> None:
+        """The controller or a rank dropped a control message on `channel`: someone without the
+        job's secret wrote to the store. Called from the controller's thread."""
+        self.control_rejected.labels(self.job, channel).inc()
 
     def on_recovery(self, detection_s: float, recovery_s: float) -> None:
         """Training resumed after a failure detected `detection_s` after it happened."""

@@ -44,7 +44,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}", flush=True)
         workers = worker_group(spec, env_vars=conn.env_vars)
-        rendezvous = RendezvousServer(conn.rendezvous_host)
+        rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
         controller = Controller(spec, workers, rendezvous, catalog, metrics,
                                 printer=lambda line: print(line, flush=True))

@@ -26,6 +26,7 @@ from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.placement import plan_placement
 from orchestrator.cluster.ray_cluster import alive_node_resources
 from orchestrator.rank.actor import RankActor
+from orchestrator.wire.auth import StoreAddress
 
 # What a call on a rank actor raises when its process is gone: killed (ActorDiedError), killed by
 # Ray's memory monitor when the node runs low on memory (OutOfMemoryError: not a RayActorError,
@@ -265,9 +266,11 @@ class RayWorkerGroup:
             self._remember_node(self.actors[rank], pings[rank])
         return [pings[rank] for rank in ranks]
 
-    def join_all(self, gen: int, host: str, port: int, timeout_s: float) -> list[float]:
+    def join_all(self, gen: int, address: StoreAddress, timeout_s: float) -> list[float]:
+        """Every rank joins generation `gen` of the store at `address` (which carries the job's
+        secret to the actors as a call argument: through Ray, never a file or a log)."""
         world = len(self.actors)
-        return self._call_all("join", lambda r: (gen, r, world, host, port, timeout_s), timeout_s + 30)
+        return self._call_all("join", lambda r: (gen, r, world, address, timeout_s), timeout_s + 30)
 
     def restore_all(self, step: int | None, dp: int, timeout_s: float,
                     faults: list[ArmedFault] | None = None) -> list[dict]:

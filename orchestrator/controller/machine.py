@@ -205,7 +205,7 @@ class Controller:
         self.gen += 1
         self.store = self.rendezvous.generation(self.gen)
         try:
-            self.workers.join_all(self.gen, self.rendezvous.host, self.rendezvous.port, self.join_timeout_s)
+            self.workers.join_all(self.gen, self.rendezvous.address, self.join_timeout_s)
         except Exception as err:
             self._start_recovery(self.blame.rendezvous_failed(err))
             return

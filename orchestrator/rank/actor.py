@@ -1,8 +1,9 @@
 """One training rank as a Ray actor: joins a generation, restores, trains autonomously.
 
 Protocol (the controller calls, in this order, once per generation):
-  1. `join(gen, rank, world_size, store_host, store_port)`: connect to the controller's
-     store, form the process group (gloo on CPU, nccl on GPU) under the generation's prefix.
+  1. `join(gen, rank, world_size, address, timeout_s)`: connect to the controller's store
+     (`address` carries the job's secret, which seals every control message: wire.auth), form
+     the process group (gloo on CPU, nccl on GPU) under the generation's prefix.
   2. `restore(step)`: build the engine for the layout and load committed checkpoint `step`
      (None = fresh start).
   3. `train(until_step, faults)`: run steps with no per-step round trip to the controller.
@@ -28,6 +29,7 @@ import ray
 
 from chaos.config import ArmedFault
 from orchestrator.rank.comm_abort import CommSockets
+from orchestrator.wire.auth import StoreAddress
 from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
 
@@ -57,7 +59,7 @@ class RankActor:
         # this node is lost, even though this process may still answer calls.
         self.raylet_pid = os.getppid()
         self.node_id = ray.get_runtime_context().get_node_id()
-        self._rendezvous: tuple[str, int, int] | None = None  # (host, port, gen) of the current store
+        self._rendezvous: tuple[StoreAddress, int] | None = None  # (address, gen) of the current store
         threading.Thread(target=self._watch_node, daemon=True, name="node-watchdog").start()
         self._abort = threading.Event()  # the controller asked this generation to stop
         self._training_over = threading.Event()  # stops the abort watcher
@@ -81,8 +83,7 @@ class RankActor:
             time.sleep(NODE_WATCH_S)
         with contextlib.suppress(Exception):
             if self._rendezvous is not None:
-                host, port, gen = self._rendezvous
-                connect(host, port, gen, timeout_s=2.0).send(NodeLost(self.node_id, self.rank, time.time()))
+                connect(*self._rendezvous, timeout_s=2.0).send(NodeLost(self.node_id, self.rank, time.time()))
         os._exit(EXIT_NODE_LOST)
 
     def inject(self, fault: ArmedFault) -> None:
@@ -95,8 +96,7 @@ class RankActor:
 
         def notify(event: dict) -> None:
             if self._rendezvous is not None:
-                host, port, gen = self._rendezvous
-                connect(host, port, gen, timeout_s=5.0).send(event)
+                connect(*self._rendezvous, timeout_s=5.0).send(event)
 
         step = self.engine.next_step if self.engine is not None else -1
         mine = fault.model_copy(update={"rank": self.rank})
@@ -111,20 +111,20 @@ class RankActor:
 
         return self.ping()
 
-    def join(self, gen: int, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> float:
+    def join(self, gen: int, rank: int, world_size: int, address: StoreAddress, timeout_s: float) -> float:
         import torch.distributed as dist
 
         started = time.perf_counter()
         self.leave()
         self.gen, self.rank, self.world_size = gen, rank, world_size
-        self._rendezvous = (host, port, gen)
+        self._rendezvous = (address, gen)
         self._abort.clear()
-        self.store = connect(host, port, gen, timeout_s=timeout_s)
+        self.store = connect(address, gen, timeout_s=timeout_s)
         # The watcher gets its own connection: a TCPStore client is not safe to share between
         # threads (interleaved requests on one socket can deadlock the training thread).
-        self.watch_store = connect(host, port, gen, timeout_s=timeout_s)
+        self.watch_store = connect(address, gen, timeout_s=timeout_s)
         # And so does the checkpoint writer thread, for its receipts and fault notices.
-        self.writer_store = connect(host, port, gen, timeout_s=timeout_s)
+        self.writer_store = connect(address, gen, timeout_s=timeout_s)
         backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(

@@ -7,21 +7,33 @@ plan, heartbeats and the event queue. Messages of an old generation live under a
 prefix and are never read again.
 
 Key space under `gen<g>/` (who writes -> who reads):
-  pg/...         torch.distributed bootstrap (ranks -> ranks)
+  pg/...         torch.distributed bootstrap (ranks -> ranks; not sealed, see wire.auth)
   abort          "1" when the controller wants every rank out (controller -> ranks)
   plan           checkpoint plan JSON (controller -> ranks, polled at the heartbeat rate)
   hb/<rank>      last heartbeat JSON of a rank (rank -> controller)
   events         queue of JSON events: step records, shard receipts, fault notices (ranks -> controller)
+
+Every value but `pg/...` is sealed with the job's secret (orchestrator.wire.auth); a reader
+drops what does not open. A rank that drops a value tells the controller with a sealed
+`control_rejected` notice on the queue, so that the controller counts every rejection, its
+own and the ranks', in one metric.
+
+The server listens on the host it is given and nowhere else: torch's TCPStore binds the
+wildcard address whatever host it is passed, so the listening socket is made here, bound to
+that host, and handed to the store (libuv backend, `master_listen_fd`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from orchestrator.wire.auth import Rejected, Rejections, Seal, StoreAddress, channel_of, new_secret
 from orchestrator.wire.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -29,6 +41,8 @@ log = logging.getLogger(__name__)
 EVENTS = "events"
 ABORT = "abort"
 PLAN = "plan"
+REJECTED = "control_rejected"  # a rank's notice that it dropped a value (see module doc)
+_LISTEN_BACKLOG = 1024  # every rank opens several clients at once when a generation forms
 
 
 def heartbeat_key(rank: int) -> str:
@@ -36,33 +50,65 @@ def heartbeat_key(rank: int) -> str:
 
 
 class RendezvousServer:
-    """Controller side. Create once per job; `generation(g)` gives that generation's key space."""
+    """Controller side. Create once per job; `generation(g)` gives that generation's key space,
+    `address` what ranks need to join it (the secret included).
 
-    def __init__(self, host: str, port: int = 0):
+    `on_reject(channel)` is called for every control message dropped, by the controller or a
+    rank (run.py passes the metrics' `on_control_rejected`); `rejections.counts` keeps the totals."""
+
+    def __init__(self, host: str, port: int = 0, on_reject=None):
         self.host = host
-        self._server = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+        self._secret = new_secret()
+        self.rejections = Rejections(on_reject)
+        self._server = _listening_store(host, port)
         self.port = self._server.port
 
+    @property
+    def address(self) -> StoreAddress:
+        return StoreAddress(self.host, self.port, self._secret)
+
     def generation(self, gen: int) -> GenerationStore:
-        return GenerationStore(dist.PrefixStore(f"gen{gen}", self._server))
+        return GenerationStore(dist.PrefixStore(f"gen{gen}", self._server), Seal(self._secret, gen),
+                               self.rejections)
+
+
+def _listening_store(host: str, port: int) -> dist.TCPStore:
+    """A TCPStore server that listens on `host` only (TCPStore itself would bind every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=_LISTEN_BACKLOG)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the socket from here on (libuv closes it)
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
+                             master_listen_fd=fd, timeout=timedelta(seconds=30))
+    except BaseException:
+        socket.socket(fileno=fd).close()
+        raise
 
 
 class GenerationStore:
     """One generation's key space; used by the controller and (through `connect`) by ranks.
 
-    Thread-safety: one instance per thread; each `connect` opens its own client connection.
+    Values are sealed on write and opened on read (orchestrator.wire.auth); a value that does
+    not open reads as absent. `rejections`: the controller's counter; None on a rank, which
+    counts its own and also sends the controller a notice of each. Thread-safe (one lock per client), though each
+    thread should still have its own client: a blocked call holds the lock.
     """
 
-    def __init__(self, store: dist.Store):
+    def __init__(self, store: dist.Store, seal: Seal, rejections: Rejections | None = None):
         self.store = store
+        self._seal = seal
+        self._rejections = rejections or Rejections()
+        self._on_rank = rejections is None
+        self._lock = threading.RLock()  # a sealed value's seq and its place in the queue must agree
+        self._dropped: dict[str, bytes] = {}  # key -> the last value dropped (counted once)
 
     def pg_store(self) -> dist.Store:
         return dist.PrefixStore("pg", self.store)
 
     def push_event(self, event: dict) -> None:
-        self.store.queue_push(EVENTS, json.dumps(event))
+        with self._lock:
+            self.store.queue_push(EVENTS, self._seal.seal(EVENTS, json.dumps(event)))
 
     def send(self, message: Message | dict) -> None:
         """Queue a message for the controller; a dict is a chaos fault notice (see wire.messages)."""
@@ -82,30 +128,63 @@ class GenerationStore:
         return out
 
     def drain_events(self, limit: int = 10_000) -> list[dict]:
-        """Every queued event, oldest first, without blocking."""
+        """Every queued event that opens, oldest first, without blocking; the others are counted
+        (and so are the ranks' rejection notices, which are taken here)."""
         out: list[dict] = []
-        pending = self.store.queue_len(EVENTS)
-        for _ in range(min(pending, limit)):
-            out.append(json.loads(self.store.queue_pop(EVENTS, block=False)))
+        with self._lock:
+            pending = self.store.queue_len(EVENTS)
+            for _ in range(min(pending, limit)):
+                body = self._open(EVENTS, self.store.queue_pop(EVENTS, block=False), queued=True)
+                event = _json_object(body) if body is not None else None
+                if event is not None and event.get("type") == REJECTED:
+                    self._rejections.count(str(event.get("channel")), str(event.get("reason")), "a rank")
+                elif event is not None:
+                    out.append(event)
         return out
 
     def set_json(self, key: str, value) -> None:
-        self.store.set(key, json.dumps(value))
+        with self._lock:
+            self.store.set(key, self._seal.seal(key, json.dumps(value)))
 
     def get_json(self, key: str, default=None):
-        # TCPStore.get blocks until the key exists: check first.
-        if not self.store.check([key]):
-            return default
-        return json.loads(self.store.get(key))
+        """The value of `key`; `default` when it is absent or does not open."""
+        with self._lock:
+            # TCPStore.get blocks until the key exists: check first.
+            if not self.store.check([key]):
+                return default
+            body = self._open(key, self.store.get(key), queued=False)
+        return default if body is None else json.loads(body)
 
     def request_abort(self) -> None:
-        self.store.set(ABORT, "1")
+        self.set_json(ABORT, 1)
 
     def abort_requested(self) -> bool:
-        return self.store.check([ABORT])
+        return self.get_json(ABORT) == 1
+
+    def _open(self, key: str, raw: bytes, *, queued: bool) -> str | None:
+        try:
+            return self._seal.open(key, raw, queued=queued)
+        except Rejected as err:
+            if queued or self._dropped.get(key) != raw:  # a key is re-read: count each value once
+                self._dropped[key] = raw
+                self._count(channel_of(key), str(err))
+            return None
+
+    def _count(self, channel: str, reason: str) -> None:
+        self._rejections.count(channel, reason, "a rank" if self._on_rank else "the controller")
+        if self._on_rank:  # the controller counts it too (the notice is sealed like any other event)
+            self.push_event({"type": REJECTED, "channel": channel, "reason": reason})
 
 
-def connect(host: str, port: int, gen: int, timeout_s: float = 60.0) -> GenerationStore:
+def _json_object(body: str) -> dict | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def connect(address: StoreAddress, gen: int, timeout_s: float = 60.0) -> GenerationStore:
     """Rank side: a client of the controller's store, scoped to generation `gen`."""
-    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return GenerationStore(dist.PrefixStore(f"gen{gen}", client))
+    client = dist.TCPStore(address.host, address.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return GenerationStore(dist.PrefixStore(f"gen{gen}", client), Seal(address.secret, gen))

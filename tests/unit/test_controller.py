@@ -108,7 +108,7 @@ class FakeWorkerGroup:
     def ping_all(self, timeout_s):
         return [{} for _ in self.actors]
 
-    def join_all(self, gen, host, port, timeout_s):
+    def join_all(self, gen, address, timeout_s):
         self.gen = gen
         return [0.0] * len(self.actors)
 

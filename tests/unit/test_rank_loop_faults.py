@@ -34,8 +34,8 @@ def _run(tmp_path, faults):
     controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
                                "job_started_at": time.time()})
     armed = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)]
-    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect("127.0.0.1", server.port, 0), 0, 1, threading.Event(),
-                    writer_store=connect("127.0.0.1", server.port, 0))
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
+                    writer_store=connect(server.address, 0))
     try:
         outcome = loop.run(6, armed)
     except NonFiniteGradient as err:
