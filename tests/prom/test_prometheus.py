@@ -33,6 +33,7 @@ REQUIRED_SERIES = (
     "undying_step", "undying_tokens_per_second", "undying_mfu_ratio", "undying_loss", "undying_grad_norm",
     "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
+    "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds",
     "undying_checkpoint_skipped_total", "undying_failures_total", "undying_generation", "undying_world_size",
     "undying_parallel_degree", "undying_pipeline_bubble_ratio", "undying_memory_bytes",
     "undying_rank_step_compute_seconds", "undying_straggler",
