@@ -3,7 +3,9 @@
 URL is the job's checkpoint root, the directory `undying run` writes to: `checkpoint.url`
 of the spec with the job name appended (`<checkpoint.url>/<name>`); a plain path means a
 local directory. `--storage-option KEY=VALUE` (repeatable) is passed to fsspec, e.g.
-`endpoint_url=http://127.0.0.1:8333`, `key=...`, `secret=...` for an S3-compatible server.
+`endpoint_url=http://127.0.0.1:8333`; credentials (`key`, `secret`, ...) come from the
+environment or `--storage-options-file PATH`, never from the command line (refused: `ps`
+shows every argument).
 
     ls       committed checkpoints: step, layout, size, age (manifests only, no shard reads)
     verify   read every chunk of every (or one, --step) committed checkpoint and check its CRC
@@ -29,11 +31,8 @@ from ckpt.catalog import Catalog
 from ckpt.config import normalise_url as checkpoint_url
 from ckpt.manifest import Manifest, parse_step_dir
 from ckpt.storage import Storage
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-
-
-class UsageError(Exception):
-    """The arguments cannot work as given; the message names the argument and the fix."""
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 
 def add_ckpt_parser(sub) -> None:
@@ -47,9 +46,8 @@ def add_ckpt_parser(sub) -> None:
     }
     for p in parsers.values():
         p.add_argument("url", metavar="URL", help="the job's checkpoint root: <checkpoint.url>/<job name>")
-        p.add_argument("--storage-option", dest="storage_options", action="append", default=[],
-                       metavar="KEY=VALUE", help="fsspec storage option, e.g. endpoint_url=http://host:8333 "
-                       "(repeatable; true/false and {...} JSON values are decoded, the rest are strings)")
+        add_storage_option_args(p, "fsspec storage option, e.g. endpoint_url=http://host:8333 "
+                                "(repeatable; true/false and {...} JSON values are decoded, the rest are strings)")
     parsers["verify"].add_argument("--step", type=int, help="verify only this step (default: every committed one)")
     parsers["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest committed)")
     parsers["export"].add_argument("--out", required=True, help="safetensors file (--format safetensors) or "
@@ -70,7 +68,7 @@ def add_ckpt_parser(sub) -> None:
 def ckpt_main(args: argparse.Namespace) -> int:
     command = f"undying ckpt {args.ckpt_command}"
     try:
-        catalog = open_catalog(args.url, parse_storage_options(args.storage_options))
+        catalog = open_catalog(args.url, parse_storage_options(args.storage_options, args.storage_options_file))
         return COMMANDS[args.ckpt_command](catalog, args)
     except UsageError as err:
         print(f"{command}: {err}", file=sys.stderr)
@@ -84,29 +82,6 @@ def ckpt_main(args: argparse.Namespace) -> int:
 
 
 # -- arguments ---------------------------------------------------------------------------
-
-def parse_storage_options(items: list[str]) -> dict:
-    options: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--storage-option expects KEY=VALUE, got {item!r}; e.g. "
-                             "--storage-option endpoint_url=http://127.0.0.1:8333")
-        options[key.strip()] = _option_value(value)
-    return options
-
-
-def _option_value(value: str):
-    # Strings by default: secrets and keys may look like numbers and must stay strings.
-    if value in ("true", "false"):
-        return value == "true"
-    if value[:1] in ("{", "["):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--storage-option value {value!r} is not valid JSON ({err})") from None
-    return value
-
 
 def normalise_url(url: str) -> str:
     if not url.strip():
@@ -152,7 +127,7 @@ def committed_or_fail(catalog: Catalog) -> list[int]:
         jobs = [] if unfinished or not exists else _job_dirs(catalog.storage)
     except PermissionError as err:
         raise UsageError(f"URL {url}: access denied ({error_reason(err)}); check the credentials "
-                         "(--storage-option key=... secret=...)") from None
+                         "(the environment's AWS_* variables, or --storage-options-file)") from None
     except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
         if not is_storage_error(err):
             raise

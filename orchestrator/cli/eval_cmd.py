@@ -1,7 +1,7 @@
 """`undying eval CKPT_URL --data URL`: the validation loss of a committed checkpoint, in one process.
 
     undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]
-                 [--storage-option KEY=VALUE ...]
+                 [--storage-option KEY=VALUE ...] [--storage-options-file PATH]
 
 CKPT_URL is a job's checkpoint root (as for `undying ckpt`); --data a dataset prepared by
 `undying data prepare`. The number is defined in trainer/evaluation.py: the first K
@@ -27,10 +27,10 @@ from orchestrator.cli.ckpt_cmd import (
     error_reason,
     is_storage_error,
     open_catalog,
-    parse_storage_options,
     step_or_fail,
 )
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 
 def add_eval_parser(sub) -> None:
@@ -42,8 +42,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per window minus one (default: the job's training seq_len)")
     p.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="cpu", help="torch device to evaluate on (default cpu)")
-    p.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for both URLs, e.g. endpoint_url=http://host:8333 (repeatable)")
+    add_storage_option_args(p, "fsspec storage option for both URLs, e.g. endpoint_url=http://host:8333 (repeatable)")
 
 
 def _load_model(catalog, step: int, device: str):
@@ -68,7 +67,7 @@ def _evaluate(args: argparse.Namespace) -> dict:
     from trainer.tokens.format import NoManifest, TokenFormatError
     from trainer.tokens.reader import TokenDataset
 
-    options = parse_storage_options(args.storage_options)
+    options = parse_storage_options(args.storage_options, args.storage_options_file)
     catalog = open_catalog(args.url, options)
     step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
     try:

@@ -22,3 +22,7 @@ def print_problems(problems: list[Problem]) -> None:
     print(f"undying: the job cannot run as written ({len(problems)} problem(s)):", file=sys.stderr)
     for problem in problems:
         print(f"  - {problem}", file=sys.stderr)
+
+
+class UsageError(Exception):
+    """The arguments cannot work as given; the message names the argument and the fix."""

@@ -17,6 +17,7 @@ import contextlib
 import difflib
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
 from orchestrator.spec.problems import Problem, SpecError
+from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
 
@@ -297,15 +299,23 @@ def _valid_sections(data: Mapping[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(**view)
 
 
-def validate_spec(data: Mapping[str, Any]) -> JobSpec:
+def validate_spec(data: Mapping[str, Any], base_dir: str | None = None) -> JobSpec:
     """Build a JobSpec from plain data (parsed YAML); raise SpecError listing every problem.
 
+    Each section's `storage_options_file` (relative to `base_dir`, else the working directory)
+    is read into its `storage_options` first (orchestrator.spec.secrets).
     When some sections are invalid, pydantic never reaches the cross-section checks, so
     they are run again on the sections that are valid: one round reports everything."""
+    problems: list[Problem] = []
+    if isinstance(data, Mapping):
+        data, problems = resolve_storage_files(data, base_dir)
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
+        if not problems:
+            return spec
+        raise SpecError(problems)
     except ValidationError as error:
-        problems = problems_from_validation_error(error)
+        problems += problems_from_validation_error(error)
     if isinstance(data, Mapping):
         view = _valid_sections(data)
         more = cross_section_problems(view) + engine_support_problems(view)
@@ -332,12 +342,19 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 def load_spec(path: str, overrides: Sequence[str] = ()) -> JobSpec:
     """Read the YAML job spec at `path`, apply `--set` overrides, validate; raise SpecError."""
-    return validate_spec(apply_overrides(_read_yaml(path), overrides))
+    return validate_spec(apply_overrides(_read_yaml(path), overrides), os.path.dirname(os.path.abspath(path)))
+
+
+# Left out of the hash: storage options hold credentials, and the hash is written into every
+# manifest. They say where the bytes live and how to reach them, not what the job computes, so a
+# job resumes after its endpoint moves or its keys rotate (the manifest sits in the store itself).
+HASH_EXCLUDED = {section: {"storage_options"} for section in STORAGE_SECTIONS}
 
 
 def spec_hash(spec: JobSpec) -> str:
     """Stable sha256 (hex) of the spec's canonical JSON: sorted keys, no whitespace, YAML
-    key spellings. Equal specs hash equally across processes and Python versions."""
-    canonical = json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True,
+    key spellings, without HASH_EXCLUDED. Equal specs hash equally across processes and
+    Python versions."""
+    canonical = json.dumps(spec.model_dump(mode="json", by_alias=True, exclude=HASH_EXCLUDED), sort_keys=True,
                            separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from orchestrator.spec.problems import Problem, SpecError
+from orchestrator.spec.secrets import FIX, command_line_credentials
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -76,11 +77,17 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of `data` with each `key.path=value` override applied in order. Values are
     parsed as YAML (`4` is an int, `[]` a list, `s3://b/p` a string); list items are
-    addressed by index (`chaos.faults.0.rank=2`). Raises SpecError naming every bad one."""
+    addressed by index (`chaos.faults.0.rank=2`). Raises SpecError naming every bad one, and
+    every override that would put a credential into storage options (orchestrator.spec.secrets)."""
     result, problems = copy.deepcopy(dict(data)), []
     for text in overrides:
         try:
             path, value = _parse_override(text)
+            secret = command_line_credentials(path, value)
+            if secret:
+                problems.append(Problem("--set", f"{secret[0]}: refused, a credential on the command line "
+                                        f"({FIX}, named by {path[0]}.storage_options_file)"))
+                continue
             _set_path(result, path, value)
         except SpecError as error:
             problems += error.problems

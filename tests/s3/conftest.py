@@ -7,6 +7,9 @@ objects and the server needs no cleaning between them."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,9 +48,19 @@ class Backend:
     server: SeaweedS3 | None = None
 
     def cli_options(self) -> list[str]:
-        """The `--storage-option` arguments that reach this backend from `undying ckpt`."""
-        return [arg for key, value in self.storage_options.items()
-                for arg in ("--storage-option", f"{key}={value}")]
+        """The arguments that reach this backend from `undying ckpt`."""
+        return cli_options(self.storage_options)
+
+
+def cli_options(options: dict) -> list[str]:
+    """`--storage-options-file` naming a new private file of `options` (credentials are refused as
+    `--storage-option` flags), or nothing when there are no options."""
+    if not options:
+        return []
+    fd, path = tempfile.mkstemp(prefix="undying-s3-options-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(options, f)
+    return ["--storage-options-file", path]
 
 
 def _s3_backend(server: SeaweedS3) -> Backend:

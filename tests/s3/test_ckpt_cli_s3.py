@@ -1,4 +1,4 @@
-"""`undying ckpt` against the real S3 server, reached through `--storage-option`."""
+"""`undying ckpt` against the real S3 server, reached through `--storage-options-file`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ckpt.shards import write_shard
 from ckpt.storage import Storage
 from orchestrator.cli.main import main
 from tests._checkpoints import flip_bit, make_state, save_checkpoint, shard_of
+from tests.s3.conftest import cli_options
 
 pytestmark = pytest.mark.s3
 
@@ -64,10 +65,13 @@ def test_verify_over_s3_names_the_shard_with_a_flipped_bit(capsys, job):
 
 def test_bad_credentials_and_missing_bucket_exit_2(capsys, job):
     backend, _ = job
-    wrong = [*backend.cli_options(), "--storage-option", "secret=not-the-secret"]
+    wrong = cli_options(dict(backend.storage_options, secret="not-the-secret"))
     code, _, err = run(capsys, "ls", backend.url, *wrong)
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "access denied" in err and "--storage-option key=... secret=..." in err
+    assert "access denied" in err and "--storage-options-file" in err and "not-the-secret" not in err
+    # A credential given as a flag is refused before anything is contacted, and not echoed.
+    code, _, err = run(capsys, "ls", backend.url, "--storage-option", "secret=not-the-secret")
+    assert code == 2 and "refused, a credential on the command line" in err and "not-the-secret" not in err
     missing = "s3://no-such-bucket-undying/job"
     code, _, err = run(capsys, "verify", missing, *backend.cli_options())
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err

@@ -46,6 +46,7 @@ from orchestrator.cli.main import main
 from tests._checkpoints import flip_bit, make_state, save_checkpoint
 from tests._torn_writer import BIG_SHARD, WORLD, logical_state
 from tests.s3._seaweed import BUCKET
+from tests.s3.conftest import cli_options
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -171,7 +172,7 @@ class Place:
         return Catalog(Storage(url, self.options))
 
     def cli_options(self) -> list[str]:
-        return [arg for key, value in self.options.items() for arg in ("--storage-option", f"{key}={value}")]
+        return cli_options(self.options)
 
 
 def _place(kind: str, request, tmp_path) -> Place:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from orchestrator.cli.ckpt_cmd import UsageError, error_reason, is_storage_error, parse_storage_options
+from orchestrator.cli.ckpt_cmd import UsageError, error_reason, is_storage_error
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_USAGE
+from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 COMMAND = "undying data prepare"
 # 4M tokens (about 16 MiB of text, 8 MiB of uint16 ids) per shard and task: small enough that a
@@ -44,8 +45,7 @@ def add_data_parser(sub) -> None:
     p.add_argument("--eos-token", help="the token appended after each document (default: from the tokenizer's "
                    "directory, else the first of </s>, <|endoftext|>, <eos> in the vocabulary)")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
-    p.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec option for non-local locations, e.g. endpoint_url=http://host:8333 (repeatable)")
+    add_storage_option_args(p, "fsspec option for non-local locations, e.g. endpoint_url=http://host:8333 (repeatable)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help=f"about this many tokens per shard and task (default {DEFAULT_SHARD_TOKENS})")
 
@@ -58,7 +58,7 @@ def data_main(args: argparse.Namespace, executor=None) -> int:
     try:
         request = PrepareRequest(inputs=args.inputs, tokenizer=args.tokenizer, out=args.out,
                                  text_field=args.text_field, eos_token=args.eos_token,
-                                 storage_options=parse_storage_options(args.storage_options),
+                                 storage_options=parse_storage_options(args.storage_options, args.storage_options_file),
                                  shard_tokens=args.shard_tokens)
         return prepare(request, executor or RayDataExecutor(args.address))
     except UsageError as err:
