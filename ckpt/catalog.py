@@ -18,14 +18,21 @@ tolerate files that are already gone: the controller and `undying ckpt gc` may r
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ckpt.manifest import MANIFEST_NAME, Manifest, ShardReceipt, merge_receipts, parse_step_dir, step_dir
+from ckpt.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardReceipt,
+    merge_receipts,
+    parse_manifest,
+    parse_step_dir,
+    step_dir,
+)
 from ckpt.storage import AlreadyCommitted, Storage
 
 log = logging.getLogger(__name__)
@@ -82,7 +89,8 @@ class Catalog:
         return aside
 
     def read_manifest(self, step: int) -> Manifest:
-        return Manifest.model_validate(json.loads(self.storage.read(self.manifest_path(step))))
+        """Raises CorruptCheckpoint for bytes that are not a manifest (ckpt.manifest.parse_manifest)."""
+        return parse_manifest(self.storage.read(self.manifest_path(step)), step)
 
     def all_steps(self) -> list[int]:
         """Every step directory, committed or not, oldest first."""

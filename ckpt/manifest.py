@@ -11,33 +11,54 @@ assemble any slice of any tensor from the chunk list alone (invariant 2, ckpt.re
 Schema history: 1 = one CRC32 per chunk, whole-tensor chunks; 2 = per-block CRC32s and
 arbitrary rectangular chunks. Only the current version is read; any other is refused
 with `UnsupportedManifest` rather than misread.
+
+A manifest's bytes are untrusted input (anyone who can write to the store can write one):
+`parse_manifest` turns anything that is not UTF-8 JSON of this schema into a one-line
+`CorruptCheckpoint`, and a chunk's `file` must be one plain file name (`SHARD_FILE`: no
+separator, no `..`, no leading dot), so no manifest can make a reader open a path outside its
+checkpoint directory.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ckpt.blocks import block_count
 from ckpt.coverage import check_coverage
-from ckpt.errors import IncompleteCheckpoint, UnsupportedManifest
+from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
+# One file name inside the checkpoint directory: what ckpt.shards.shard_file_name makes.
+SHARD_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def _plain_file_name(name: str) -> str:
+    if not SHARD_FILE.fullmatch(name):
+        raise ValueError(f"shard file {name[:80]!r} is not a plain file name inside the checkpoint directory "
+                         "(letters, digits, '.', '_', '-'; no separator, no leading dot)")
+    return name
+
+
+FileName = Annotated[str, AfterValidator(_plain_file_name)]
+NonNegative = Annotated[int, Field(ge=0)]
 
 
 class Chunk(BaseModel):
     """One stored rectangular slice of a logical tensor: row-major bytes in one shard file."""
 
     model_config = ConfigDict(extra="forbid")
-    offsets: list[int]
-    lengths: list[int]
-    file: str  # shard file name, relative to the checkpoint directory
-    byte_offset: int
-    nbytes: int
-    block_bytes: int  # block i covers [byte_offset + i * block_bytes, ...), the last one may be short
+    offsets: list[NonNegative]
+    lengths: list[NonNegative]
+    file: FileName  # shard file name, relative to the checkpoint directory
+    byte_offset: NonNegative
+    nbytes: NonNegative
+    block_bytes: int = Field(gt=0)  # block i covers [byte_offset + i * block_bytes, ...), the last one may be short
     block_crc32: list[int]
 
     @model_validator(mode="after")
@@ -53,7 +74,7 @@ class Chunk(BaseModel):
 class TensorEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    shape: list[int]
+    shape: list[NonNegative]
     chunks: list[Chunk] = Field(default_factory=list)
 
 
@@ -68,7 +89,7 @@ class ShardReceipt(BaseModel):
     model_config = ConfigDict(extra="forbid")
     step: int
     rank: int
-    file: str
+    file: FileName
     nbytes: int
     tensors: dict[str, TensorEntry]
     blocking_s: float  # time the rank's training loop was stopped for this save
@@ -101,6 +122,32 @@ class Manifest(BaseModel):
                 f"undying version that wrote it, or start from a checkpoint written by this one"
             )
         return data
+
+
+def parse_manifest(data: bytes, step: int) -> Manifest:
+    """The manifest in `data`, read from step `step`'s directory. Raises CorruptCheckpoint, with
+    a one-line message, for bytes that are not UTF-8 JSON of this schema or that name another
+    step; UnsupportedManifest for another schema version."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise CorruptCheckpoint(f"step {step}: the manifest is not UTF-8 text (byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise CorruptCheckpoint(f"step {step}: the manifest is not JSON ({err.msg}: line {err.lineno} "
+                                f"column {err.colno})") from None
+    except RecursionError:
+        raise CorruptCheckpoint(f"step {step}: the manifest is not JSON (nested too deeply)") from None
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the top level"
+        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise CorruptCheckpoint(f"step {step}: the manifest does not parse: {where}: "
+                                f"{' '.join(first['msg'].split())}{more}") from None
+    if manifest.step != step:
+        raise CorruptCheckpoint(f"step {step}: the manifest is that of step {manifest.step}")
+    return manifest
 
 
 def step_dir(step: int) -> str:

@@ -1,0 +1,72 @@
+"""A manifest is untrusted bytes: chunk paths stay inside the checkpoint, and bytes that are
+not a manifest are a corrupt checkpoint with a one-line error, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckpt.catalog import Catalog
+from ckpt.errors import CorruptCheckpoint
+from ckpt.manifest import parse_manifest
+from ckpt.reader import load_checkpoint
+from ckpt.storage import Storage
+from tests._checkpoints import make_state, save_checkpoint
+from tests.unit.test_ckpt_cli import run
+
+
+@pytest.fixture
+def committed(tmp_path) -> tuple[str, Catalog]:
+    url = f"file://{tmp_path}/ckpt/job"
+    catalog = Catalog(Storage(url))
+    for step in (10, 20):
+        save_checkpoint(catalog, step, make_state(step))
+    return url, catalog
+
+
+def _rewrite(catalog: Catalog, step: int, data: bytes) -> None:
+    catalog.storage.fs.pipe_file(catalog.manifest_path(step), data)
+    catalog.storage.invalidate()
+
+
+@pytest.mark.parametrize("name", ["../escape.bin", "/etc/passwd", "a/b.bin", "..", ".", "",
+                                  "..\\x.bin", "shard\x00.bin", ".hidden", "x" * 300])
+def test_a_chunk_outside_the_checkpoint_directory_is_corrupt(committed, tmp_path, name):
+    url, catalog = committed
+    raw = json.loads(catalog.storage.read(catalog.manifest_path(20)))
+    entry = next(iter(raw["tensors"].values()))
+    entry["chunks"][0]["file"] = name
+    (tmp_path / "escape.bin").write_bytes(b"\0" * 4096)  # what a `..` would reach
+    _rewrite(catalog, 20, json.dumps(raw).encode())
+    with pytest.raises(CorruptCheckpoint, match="step 20: the manifest does not parse: tensors.*file"):
+        load_checkpoint(catalog, 20)
+    assert parse_manifest(catalog.storage.read(catalog.manifest_path(10)), 10).step == 10  # the others parse
+
+
+@pytest.mark.parametrize(("data", "fragment"), [
+    (b"\xff\xfe{not utf-8", "not UTF-8 text (byte 0)"),
+    (b'{"job": "j", "step": 2', "not JSON (Expecting"),
+    (b"[" * 100_000, "not JSON"),
+    (b'{"job": 1}', "does not parse"),
+])
+def test_bytes_that_are_not_a_manifest_are_a_one_line_corrupt_checkpoint(committed, capsys, data, fragment):
+    url, catalog = committed
+    _rewrite(catalog, 20, data)
+    with pytest.raises(CorruptCheckpoint) as caught:
+        catalog.read_manifest(20)
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+    code, out, err = run(capsys, "ls", url)
+    assert code == 0 and "Traceback" not in err
+    [line] = [line for line in out.splitlines() if line.split()[:1] == ["20"]]
+    assert "unreadable: step 20: the manifest" in line and fragment in line
+    code, out, err = run(capsys, "verify", url)
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "step 10: ok" in out and "step 20: CORRUPT: the manifest" in out and fragment in out
+
+
+def test_a_manifest_of_another_step_is_corrupt(committed):
+    _, catalog = committed
+    _rewrite(catalog, 20, catalog.storage.read(catalog.manifest_path(10)))
+    with pytest.raises(CorruptCheckpoint, match="step 20: the manifest is that of step 10"):
+        catalog.read_manifest(20)
