@@ -1,0 +1,194 @@
+"""The sealed control plane (orchestrator.wire.auth, wire.store): a value without a valid tag
+under the job's secret is dropped and counted, whoever wrote it and wherever it is replayed."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator.wire.auth import Rejected, Seal, StoreAddress, new_secret
+from orchestrator.wire.store import ABORT, EVENTS, PLAN, RendezvousServer, connect, heartbeat_key
+from tests._sockets import listening_sockets
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+
+SECRET = new_secret()
+STEP = {"type": "step", "step": 3, "loss": 1.0, "tokens": 8, "step_s": 0.1, "time": 0.0}
+
+
+def test_a_sealed_value_opens_with_its_secret_generation_and_key():
+    sealed = Seal(SECRET, 2).seal("hb/0", '{"step": 1}')
+    assert Seal(SECRET, 2).open("hb/0", sealed.encode(), queued=True) == '{"step": 1}'
+
+
+@pytest.mark.parametrize(("secret", "gen", "key", "reason"), [
+    (new_secret(), 2, "hb/0", "invalid tag"),  # another job's secret (or none known)
+    (SECRET, 3, "hb/0", "invalid tag"),  # replayed into the next generation
+    (SECRET, 2, "hb/1", "invalid tag"),  # copied under another key
+], ids=["wrong-secret", "next-generation", "other-key"])
+def test_a_sealed_value_does_not_open_elsewhere(secret, gen, key, reason):
+    sealed = Seal(SECRET, 2).seal("hb/0", '{"step": 1}')
+    with pytest.raises(Rejected, match=reason):
+        Seal(secret, gen).open(key, sealed, queued=False)
+
+
+@pytest.mark.parametrize("forge", [
+    lambda v: v.replace('"step": 1', '"step": 9'),  # tampered body
+    lambda v: "0" * 64 + v[64:],  # tag replaced
+    lambda v: v[:66] + v[66:].replace(":", ":1", 1),  # another sequence number
+])
+def test_a_tampered_value_is_rejected(forge):
+    sealed = Seal(SECRET, 0).seal(EVENTS, '{"step": 1}')
+    with pytest.raises(Rejected, match="invalid tag"):
+        Seal(SECRET, 0).open(EVENTS, forge(sealed), queued=True)
+
+
+@pytest.mark.parametrize("raw", [b"1", json.dumps(STEP).encode(), b"\xff\xfe:a:b:c", b"a:b:c:d"],
+                         ids=["abort", "json", "not-utf8", "short-tag"])
+def test_a_value_without_a_tag_is_rejected_without_reading_it(raw):
+    with pytest.raises(Rejected, match="no tag|invalid tag") as err:
+        Seal(SECRET, 0).open(EVENTS, raw, queued=True)
+    assert "step" not in str(err.value)  # the contents are never echoed
+
+
+def test_a_queued_value_opens_once_and_a_key_never_goes_back():
+    writer, reader = Seal(SECRET, 0), Seal(SECRET, 0)
+    first, second = writer.seal(EVENTS, "a"), writer.seal(EVENTS, "b")
+    assert reader.open(EVENTS, first, queued=True) == "a"
+    assert reader.open(EVENTS, second, queued=True) == "b"
+    with pytest.raises(Rejected, match="replayed"):
+        reader.open(EVENTS, first, queued=True)
+    old, new = writer.seal(PLAN, "v1"), writer.seal(PLAN, "v2")
+    assert reader.open(PLAN, new, queued=False) == reader.open(PLAN, new, queued=False) == "v2"
+    with pytest.raises(Rejected, match="replayed"):
+        reader.open(PLAN, old, queued=False)
+
+
+def test_the_secret_is_in_no_repr_and_survives_pickling():
+    address = StoreAddress("127.0.0.1", 1234, SECRET)
+    assert SECRET.hex() not in repr(address) and str(SECRET) not in repr(address)
+    assert pickle.loads(pickle.dumps(address)) == address  # as Ray sends it to the rank actors
+
+
+def test_the_store_listens_on_the_host_it_is_given_only():
+    server = RendezvousServer("127.0.0.1")
+    assert ("127.0.0.1", server.port) in listening_sockets()
+    assert ("0.0.0.0", server.port) not in listening_sockets()
+    assert ("::", server.port) not in listening_sockets()
+
+
+def _metrics_count(metrics: JobMetrics, channel: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "undying_control_messages_rejected_total", {"job": metrics.job, "channel": channel})
+    return value or 0.0
+
+
+FORGER = """
+import json, sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
+store.set("gen0/abort", "1")
+store.set("gen0/hb/0", json.dumps({"step": 99, "time": 0.0, "compute_s": 50.0}))
+for event in json.loads(sys.argv[2]):
+    store.queue_push("gen0/events", json.dumps(event))
+store.check(["round-trip"])  # pushes are not answered: wait until the server has them
+"""
+
+
+def test_another_process_without_the_secret_changes_nothing_and_is_counted():
+    metrics = JobMetrics("forged")
+    server = RendezvousServer("127.0.0.1", on_reject=metrics.on_control_rejected)
+    controller = server.generation(0)
+    rank = connect(server.address, 0, timeout_s=10)
+    rank.set_json(heartbeat_key(0), {"step": 1, "time": 1.0, "compute_s": 1.0})
+    rank.send(_step())  # one genuine step record, queued first
+    forged = [{"type": "node_lost", "node": "head", "rank": 0, "time": 0.0},
+              {"type": "receipt", "receipt": {"step": 10, "rank": 0}, "extra": {}}, STEP]
+    subprocess.run([sys.executable, "-c", FORGER, str(server.port), json.dumps(forged)], check=True, timeout=60)
+
+    assert [m.step for m in controller.receive()] == [3]  # only the genuine record
+    assert controller.get_json(heartbeat_key(0)) is None  # the forged heartbeat reads as absent
+    assert controller.get_json(heartbeat_key(0)) is None  # ... and is counted once
+    assert not rank.abort_requested() and not rank.abort_requested()
+    assert server.rejections.counts == {"events": 3, "heartbeat": 1}
+    controller.receive()  # the rank's notice of the forged abort
+    assert server.rejections.counts == {"events": 3, "heartbeat": 1, "abort": 1}
+    assert [_metrics_count(metrics, c) for c in ("events", "heartbeat", "abort")] == [3, 1, 1]
+    controller.request_abort()  # the controller's own abort still gets through
+    assert rank.abort_requested()
+
+
+def _step():
+    from orchestrator.wire.messages import StepDone
+
+    return StepDone(step=3, loss=1.0, tokens=8, step_s=0.1, time=0.0)
+
+
+def test_a_captured_event_replayed_on_the_queue_is_dropped():
+    server = RendezvousServer("127.0.0.1")
+    controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
+    eavesdropper = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    rank.send(_step())
+    captured = eavesdropper.queue_pop(f"gen0/{EVENTS}")  # read off the wire (waits for the push)
+    for gen in (0, 0, 1):  # put back, replayed, then replayed into the next generation
+        eavesdropper.queue_push(f"gen{gen}/{EVENTS}", captured)
+    assert [m.step for m in controller.receive()] == [3]
+    assert server.generation(1).receive() == []
+    assert server.rejections.counts == {"events": 2}
+
+
+def test_sealing_a_step_record_costs_microseconds():
+    seal, body = Seal(SECRET, 0), json.dumps(STEP)
+    started = time.perf_counter()
+    for _ in range(1000):
+        seal.open(EVENTS, seal.seal(EVENTS, body), queued=True)
+    assert (time.perf_counter() - started) / 1000 < 200e-6  # ~10 us here; a step is milliseconds at least
+
+
+def test_the_abort_key_a_rank_reads_is_sealed():
+    server = RendezvousServer("127.0.0.1")
+    rank = connect(server.address, 0, timeout_s=10)
+    server.generation(1).request_abort()  # another generation's abort is not this one's
+    assert not rank.abort_requested()
+    server.generation(0).request_abort()
+    assert rank.abort_requested() and rank.get_json(ABORT) == 1
+
+
+class ForgedWorkerGroup(FakeWorkerGroup):
+    """The fake ranks of tests.unit.test_controller, and a client without the secret that writes
+    every control key it can when training starts: each forgery, if trusted, would change the job."""
+
+    def start_training(self, until_step, faults):
+        super().start_training(until_step, faults)
+        forger = dist.TCPStore("127.0.0.1", self.rendezvous.port, is_master=False, timeout=timedelta(seconds=10))
+        prefix = f"gen{self.gen}"
+        forger.set(f"{prefix}/{ABORT}", "1")  # every rank would stop
+        for event in ({"type": "node_lost", "node": "head", "rank": 0, "time": 0.0},  # a recovery
+                      {"type": "save_error", "rank": 0, "step": 10, "error": "forged"},  # a skipped save
+                      STEP | {"loss": 999.0}):  # a loss in the report
+            forger.queue_push(f"{prefix}/{EVENTS}", json.dumps(event))
+        forger.check(["round-trip"])  # pushes are not answered: wait until the server has them
+
+
+def test_forged_control_messages_leave_a_running_job_as_it_was(tmp_path):
+    spec = _spec(tmp_path)
+    rendezvous = RendezvousServer("127.0.0.1")
+    workers = ForgedWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    controller = _controller(spec, workers, rendezvous, [])
+    rendezvous.rejections.on_reject = controller.metrics.on_control_rejected  # as run.py wires it
+    report = controller.run()
+    assert report.status == "succeeded" and report.failures == []
+    assert [w.generation for w in report.world_history] == [0]
+    assert [p.loss for p in report.losses] == [10.0 / (step + 1) for step in range(30)]
+    assert controller.catalog.committed_steps() == [20, 30]
+    assert rendezvous.rejections.counts == {"events": 3, "abort": 1}
+    assert [_metrics_count(controller.metrics, c) for c in ("events", "abort")] == [3, 1]
