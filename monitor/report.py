@@ -110,9 +110,12 @@ class StragglerRecord(BaseModel):
 class GoodputSummary(BaseModel):
     model_config = _CONFIG
     ratio: float
-    wall_s: float
+    wall_s: float  # the sum of the buckets
     productive_s: float
     badput_s: dict[str, float]
+    # The ledger's own clock (carried wall + its start-to-stop reading), kept apart from the
+    # buckets: what "buckets sum to wall" is checked against (None in reports of older releases).
+    clock_wall_s: float | None = None
 
     @classmethod
     def from_totals(cls, totals: Mapping[str, float]) -> GoodputSummary:
@@ -128,7 +131,7 @@ class GoodputSummary(BaseModel):
 
     @classmethod
     def from_ledger(cls, ledger: GoodputLedger) -> GoodputSummary:
-        return cls.from_totals(ledger.totals())
+        return cls.from_totals(ledger.totals()).model_copy(update={"clock_wall_s": ledger.wall()})
 
 
 class RunReport(BaseModel):

@@ -45,7 +45,7 @@ class FakeRunner:
         report = RunReport(job=spec.name, final_step=spec.train.steps, status="succeeded",
                            history=[[s, 4] for s in range(STEPS)] if reference else self.history,
                            world_history=[WorldRecord(generation=0, world_size=4, dp=4, tp=1, pp=1, started_at=0.0)],
-                           goodput=GoodputSummary.from_totals(totals))
+                           goodput=GoodputSummary.from_totals(totals).model_copy(update={"clock_wall_s": 10.0}))
         return RunOutcome(EXIT_OK, report, {"rank 0 pid": _gone_pid()}, wall_s=12.0)
 
 

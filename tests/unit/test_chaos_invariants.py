@@ -195,6 +195,34 @@ def test_goodput_fails_on_a_gap_a_negative_or_an_unknown_bucket():
     assert not check_goodput(totals).ok  # a dict has no wall of its own
 
 
+def _report_of(ledger: GoodputLedger):
+    from monitor.report import GoodputSummary
+
+    summary = GoodputSummary.from_ledger(ledger)
+    return summary, {"productive": summary.productive_s, **summary.badput_s}
+
+
+def test_wrong_buckets_fail_against_the_ledgers_clock_not_against_their_own_sum():
+    from orchestrator.cli.chaos.experiment import check_wall_within
+
+    clock = _Clock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.enter("productive")
+    clock.now += 30.0
+    ledger.stop()
+    summary, buckets = _report_of(ledger)
+    assert summary.clock_wall_s == 30.0 and check_goodput(buckets, wall_s=summary.clock_wall_s).ok
+    ledger._booked["productive"] += 5.0  # a booking bug: 5 s counted twice
+    summary, buckets = _report_of(ledger)
+    assert check_goodput(buckets, wall_s=summary.wall_s).ok  # the report's wall is their sum: blind
+    check = check_goodput(buckets, wall_s=summary.clock_wall_s)
+    assert not check.ok and "buckets sum to 35.000000 s but wall is 30.000000 s" in check.detail
+    # The ledger's clock against the driver's: time the ledger never lived through is caught.
+    assert check_wall_within(summary.clock_wall_s, measured_wall_s=31.0).ok
+    assert not check_wall_within(summary.clock_wall_s, measured_wall_s=20.0).ok
+    assert not check_wall_within(None, measured_wall_s=20.0).ok  # an older report proves nothing
+
+
 # -- (f): processes -------------------------------------------------------------------------------
 
 

@@ -110,7 +110,7 @@ def test_json_round_trip_has_every_required_key(tmp_path):
         raw["failures"][0]
     )
     assert set(raw["checkpoints"][0]) == {"step", "committed_at", "bytes", "blocking_s", "total_s"}
-    assert set(raw["goodput"]) == {"ratio", "wall_s", "productive_s", "badput_s"}
+    assert set(raw["goodput"]) == {"ratio", "wall_s", "productive_s", "badput_s", "clock_wall_s"}
     assert set(raw["goodput"]["badput_s"]) == set(BUCKETS) - {"productive"}
     assert RunReport.from_json(path) == report
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]  # no temporary file left

@@ -19,7 +19,8 @@ and tools that need only one:
   within rtol/atol; names the worst tensor and its largest difference.
 * check_data_once: steps 0..final-1 each survive exactly once, each consuming every sample
   of its global batch exactly once over its dp ranks (orchestrator.controller.step_history builds the input).
-* check_goodput: the goodput buckets sum to wall time, none negative or unknown.
+* check_goodput: the goodput buckets sum to the wall time of a clock kept apart from them
+  (the ledger's own start-to-stop reading), none negative or unknown.
 * check_no_process_left: none of the given PIDs (on this host) is still running.
 """
 
@@ -238,14 +239,17 @@ def check_goodput(goodput: GoodputLedger | Mapping[str, float], *, wall_s: float
     """(e) The buckets sum to wall time within max(tol_s, rel_tol * wall), none negative or unknown.
 
     `goodput`: the ledger (stop it first, so totals and wall are read at one instant) or its
-    `to_dict()`; with a dict, `wall_s` is required (the dict has no wall of its own).
+    `to_dict()`; with a dict, `wall_s` is required (the dict has no wall of its own). The wall
+    must come from a clock, never from the buckets: a report's `goodput.wall_s` is their sum
+    (the check would pass whatever they hold); its `goodput.clock_wall_s` is the ledger's clock.
     """
     name = "goodput_sums_to_wall"
     if isinstance(goodput, GoodputLedger):
         totals, wall = goodput.totals(), goodput.wall() if wall_s is None else wall_s
     else:
         if wall_s is None:
-            return Check(name, False, "a goodput dict needs wall_s: the job's wall seconds")
+            return Check(name, False, "a goodput dict needs wall_s: the job's wall seconds by a clock "
+                         "(a report's goodput.clock_wall_s; reports of older releases have none)")
         totals, wall = dict(goodput), wall_s
     unknown = sorted(set(totals) - set(BUCKETS))
     negative = sorted(b for b, s in totals.items() if not s >= 0.0)  # NaN included
