@@ -6,7 +6,7 @@ kind, a target (a rank, a node, the controller or the storage path) and a trigge
 Checks that need other sections (rank < world size, at_step < train.steps) live in the
 job spec.
 
-Storage faults (`storage_error`, `storage_latency`, `torn_write`) also say which storage
+Storage faults (`storage_error`, `storage_latency`, `storage_throttle`, `torn_write`) also say which storage
 calls they hit (`op`, `path` glob) and which of those calls fire (`nth`, `probability`);
 chaos.storage_faults runs them. Random failures (`mtbf_s` and its companions) are expanded
 into timed events by chaos.schedule. Durations accept "30s", "2m", "1h" (chaos.durations).
@@ -31,6 +31,7 @@ FaultKind = Literal[
     "nan_grad",  # the rank's gradients become NaN
     "storage_error",  # checkpoint reads/writes fail with an I/O error
     "storage_latency",  # checkpoint reads/writes are delayed by `delay_s`
+    "storage_throttle",  # checkpoint reads/writes are refused with S3's 503 SlowDown, as s3fs raises it
     "torn_write",  # a shard write stops half-way (the process dies mid-write)
     "corrupt_shard",  # a committed shard's bytes are flipped after the commit
 ]
@@ -39,7 +40,7 @@ FaultKind = Literal[
 RANK_KINDS: frozenset[str] = frozenset({"kill_rank", "hang_rank", "slow_rank", "raise", "nan_grad"})
 TRIGGERS: tuple[str, ...] = ("at_step", "at_seconds", "at_point")
 # Kinds that act on checkpoint storage calls (chaos.storage_faults), and the fields only they take.
-STORAGE_KINDS: frozenset[str] = frozenset({"storage_error", "storage_latency", "torn_write"})
+STORAGE_KINDS: frozenset[str] = frozenset({"storage_error", "storage_latency", "storage_throttle", "torn_write"})
 STORAGE_FIELDS: tuple[str, ...] = ("op", "path", "nth", "probability", "when", "keep_fraction")
 StorageOp = Literal["write", "read", "list", "delete"]
 RandomKind = Literal["kill_node", "kill_rank", "hang_rank"]
@@ -192,13 +193,14 @@ class ChaosConfig(_Strict):
 
 # What a job may ask for: every kind the orchestrator wires to an injector. Rank kinds and
 # nan_grad fire in the rank's FaultInjector (chaos.injector); storage kinds are installed on a
-# Storage (chaos.storage_faults): with `rank: r` on the one rank r's shard writer uses, without
-# `rank` on the controller's catalog Storage (manifest commits, listings, deletes, restores'
-# manifest reads); corrupt_shard is fired by the controller right after a commit (chaos.corrupt);
+# Storage (chaos.storage_faults): with `rank: r` on the one rank r's shard writer uses (op: write
+# or none) or on the one its restore reads through (op: read), without `rank` on the controller's
+# catalog Storage (manifest commits, listings, deletes, its manifest reads and verifications);
+# corrupt_shard is fired by the controller right after a commit (chaos.corrupt);
 # kill_controller by the controller on itself (orchestrator.controller.kill).
 INJECTABLE_KINDS: frozenset[str] = frozenset({
     "kill_rank", "kill_node", "kill_controller", "hang_rank", "slow_rank", "raise", "nan_grad",
-    "storage_error", "storage_latency", "torn_write", "corrupt_shard"})
+    "storage_error", "storage_latency", "storage_throttle", "torn_write", "corrupt_shard"})
 # What the chaos library itself can inject (chaos.injector, chaos.storage_faults, chaos.corrupt).
 LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS
 # Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures). Storage
@@ -229,7 +231,9 @@ def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
       raise, slow_rank       at_step, at_point
       nan_grad               at_step; at_point only after_backward (the gradients exist only there)
       storage kinds          at_step (that checkpoint's directory), at_seconds + duration_s (a window of
-                             job seconds), op / path / nth / probability; with rank only op: write
+                             job seconds; duration_s alone: from the first call it matches), op / path /
+                             nth / probability; with rank, op: write (its shard writes) or op: read (its
+                             restore reads, not at_seconds: a restore's time is not known in advance)
       corrupt_shard          at_step only: the first checkpoint committed at or after that step, once
       kill_controller        at_step (the controller learns that step finished), at_point (a CONTROLLER_POINT,
                              optionally with at_step: the first commit at or after it); once per job
@@ -255,9 +259,14 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
         if fault.at_point is not None:
             return "at_point", (f"{kind} is selected by op, path, nth, probability, at_step or at_seconds, not by a "
                                 "fault point; remove at_point")
-        if fault.rank is not None and fault.op not in (None, "write"):
-            return "op", (f"{kind} with rank acts on that rank's shard writes only; use op: write, or remove rank "
-                          "to act on the controller's storage (manifests, listings, deletes, reads)")
+        if fault.rank is not None and fault.op not in (None, "write", "read"):
+            return "op", (f"{kind} with rank acts on that rank's shard writes (op: write) or restore reads (op: read); "
+                          "use one of them, or remove rank to act on the controller's storage (manifests, listings, "
+                          "deletes, reads)")
+        if fault.rank is not None and fault.op == "read" and fault.at_seconds is not None:
+            return "at_seconds", (f"{kind} on a rank's restore reads cannot start at a job second (when a restore "
+                                  "happens is not known in advance); remove at_seconds: with duration_s the fault "
+                                  "lasts that long from the first read it matches")
         return None
     if fault.duration_s is not None:
         return "duration_s", f"duration_s shapes storage faults only; remove it from this {kind} fault"

@@ -26,9 +26,11 @@ fsync, rename or link) that bypass `fs`, so `install` also shadows the instance'
 same plan around the original method. A torn write lands its prefix at the final path on
 every backend (the worst a non-atomic writer can do); a correct reader must still refuse it.
 
-Note for readers of faults: ckpt.fetch reports any OSError while reading a shard as
-`CorruptCheckpoint`, so a read fault during a restore makes the controller fall back to an
-older checkpoint, as real corruption would.
+Note for readers of faults: an injected read error (EIO) or throttle (503 SlowDown) is
+transient to ckpt.storage_errors.classify, so a restore retries it for
+`checkpoint.read_retry_s` and, when it lasts longer, the job fails naming the checkpoint;
+it never makes the controller fall back (only corrupt_shard and torn_write damage bytes).
+A rank's faults with `op: read` act on its restore reads (orchestrator.rank.state).
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from fsspec.spec import AbstractFileSystem
 
 from chaos.config import ArmedFault, FaultSpec
-from chaos.storage_rules import InjectedStorageError, StorageFaultPlan, Verdict
+from chaos.storage_rules import InjectedStorageError, InjectedThrottle, StorageFaultPlan, Verdict
 
-__all__ = ["FaultyFileSystem", "InjectedStorageError", "Installed", "StorageFaultPlan", "install"]
+__all__ = ["FaultyFileSystem", "InjectedStorageError", "InjectedThrottle", "Installed", "StorageFaultPlan", "install"]
 
 # method -> (operation, index of the path argument, its keyword name)
 _OPS: dict[str, tuple[str, int, str]] = {

@@ -10,16 +10,21 @@ Semantics of one fault (fields of chaos.config.FaultSpec):
   matches `/`) select the calls it looks at; `at_step` narrows them to that checkpoint's
   directory (`step-<9 digits>`). `at_seconds` and `duration_s` make it active in that
   window of seconds after `started` (the job's start on `clock`; default: when the plan
-  was built), from the start and for ever when not given.
+  was built), from the start and for ever when not given; `duration_s` without `at_seconds`
+  opens the window at the first call the fault matches (a rank's restore: "its reads fail
+  for 10 s").
   `at_point` is not evaluated here: the caller installs the plan when the point is reached.
 * Of the matching calls, which fire: `nth: k` the k-th (with `repeat`, every k-th);
   `probability: p` each with chance p from a generator seeded with (seed, fault index)
   (without `repeat`, at most once); neither: the first one (with `repeat`, every one), and
-  for `storage_latency` every one.
+  for `storage_latency` or a fault with `duration_s` every one in its window.
 * What firing does: `storage_latency` delays the call by `delay_s`; `storage_error` fails
   it `before` it runs (default; nothing happens) or `after` it succeeded (the effect
-  landed but the caller sees an error, as when a reply is lost); `torn_write` lets only
-  `keep_fraction` (default 0.5) of the bytes land at the path, then fails.
+  landed but the caller sees an error, as when a reply is lost); `storage_throttle` refuses
+  it before it runs with S3's 503 SlowDown, raised as s3fs raises it (OSError EBUSY whose
+  cause is botocore's ClientError with code SlowDown and status 503), so readers classify it
+  as the real thing (ckpt.storage_errors); `torn_write` lets only `keep_fraction` (default
+  0.5) of the bytes land at the path, then fails.
 Every call counts towards `nth` of every fault it matches, whichever fault fires.
 
 Thread-safe: a rank's background shard writer and its training thread may share a plan.
@@ -27,6 +32,7 @@ Thread-safe: a rank's background shard writer and its training thread may share 
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import random
 import re
@@ -45,6 +51,31 @@ class InjectedStorageError(OSError):
     """The I/O error a storage fault raises (errno EIO, like a failing disk or a 5xx reply)."""
 
 
+class InjectedThrottle(InjectedStorageError):
+    """The error a storage_throttle fault raises: s3fs's OSError(EBUSY) for S3's 503 SlowDown."""
+
+
+_S3_OPERATIONS = {"read": "GetObject", "write": "PutObject", "list": "ListObjectsV2", "delete": "DeleteObject"}
+
+
+def slow_down(op: str, message: str) -> InjectedThrottle:
+    """A 503 SlowDown reply to a storage call `op`, as s3fs raises it: OSError(EBUSY) whose `__cause__`
+    is botocore's ClientError (a stand-in of the same shape where botocore is not installed)."""
+    response = {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+                "ResponseMetadata": {"HTTPStatusCode": 503}}
+    try:
+        from botocore.exceptions import ClientError
+    except ImportError:  # file:// only installs: the same attributes s3fs's callers would see
+        cause: Exception = RuntimeError(f"An error occurred (SlowDown) when calling the {_S3_OPERATIONS[op]} "
+                                        "operation: Please reduce your request rate.")
+        cause.response = response  # type: ignore[attr-defined]
+    else:
+        cause = ClientError(response, _S3_OPERATIONS[op])
+    err = InjectedThrottle(errno.EBUSY, message)
+    err.__cause__ = cause
+    return err
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What to do to one storage call: delay it, then fail before, tear, fail after, or let it be."""
@@ -53,13 +84,15 @@ class Verdict:
     fail: str | None = None  # "before" | "after"
     keep_fraction: float | None = None  # set for a torn write
     reason: str = ""  # which fault fired, for the error message
+    throttle: bool = False  # fail with S3's 503 SlowDown instead of EIO
 
     @property
     def clean(self) -> bool:
         return self.delay_s == 0.0 and self.fail is None and self.keep_fraction is None
 
     def error(self, op: str, path: str, detail: str = "") -> InjectedStorageError:
-        return InjectedStorageError(5, f"injected {self.reason} on {op} of {path}{detail}")
+        message = f"injected {self.reason} on {op} of {path}{detail}"
+        return slow_down(op, message) if self.throttle else InjectedStorageError(errno.EIO, message)
 
 
 @dataclass
@@ -69,7 +102,7 @@ class _Rule:
     ops: frozenset[str]
     glob: str | None
     step_part: re.Pattern | None
-    window: tuple[float, float]
+    window: tuple[float, float] | None  # None: opens at the first matching call
     rng: random.Random
     matched: int = 0
     fired: int = 0
@@ -81,14 +114,18 @@ class _Rule:
         start = float(fault.at_seconds or 0.0)
         duration = fault.duration_s
         end = start + float(duration) if duration is not None else float("inf")
+        window = None if duration is not None and fault.at_seconds is None else (start, end)
         step_part = re.compile(rf"(^|/)step-{int(step):09d}(/|$)") if step is not None else None
-        return cls(index, fault, ops, fault.path, step_part, (start, end),
+        return cls(index, fault, ops, fault.path, step_part, window,
                    random.Random(f"undying.storage-faults:{seed}:{index}"))
 
     def matches(self, op: str, path: str, elapsed: float) -> bool:
-        return (op in self.ops and self.window[0] <= elapsed < self.window[1]
-                and (self.glob is None or fnmatch.fnmatchcase(path, self.glob))
-                and (self.step_part is None or self.step_part.search(path) is not None))
+        if not (op in self.ops and (self.glob is None or fnmatch.fnmatchcase(path, self.glob))
+                and (self.step_part is None or self.step_part.search(path) is not None)):
+            return False
+        if self.window is None:  # duration_s alone: the window opens now
+            self.window = (elapsed, elapsed + float(self.fault.duration_s))
+        return self.window[0] <= elapsed < self.window[1]
 
     def triggers(self) -> bool:
         """Count this matching call; whether the fault fires on it."""
@@ -100,7 +137,7 @@ class _Rule:
             # Drawn on every matching call, so the sequence does not depend on earlier outcomes.
             hit = self.rng.random() < p
             return hit and (repeat or self.fired == 0)
-        return repeat or self.fault.kind == "storage_latency" or self.matched == 1
+        return repeat or self.fault.kind == "storage_latency" or self.fault.duration_s is not None or self.matched == 1
 
 
 class StorageFaultPlan:
@@ -134,7 +171,7 @@ class StorageFaultPlan:
         """The verdict for one call of kind `op` (write | read | list | delete) on `path`."""
         if op not in OPS:
             raise ValueError(f"unknown storage operation {op!r}; expected one of {OPS}")
-        delay, fail, keep, reason, events = 0.0, None, None, "", []
+        delay, fail, keep, reason, events, throttle = 0.0, None, None, "", [], False
         with self._lock:
             elapsed = self._clock() - self._started
             for rule in self.rules:
@@ -151,6 +188,7 @@ class StorageFaultPlan:
                         keep = DEFAULT_KEEP_FRACTION if keep is None else float(keep)
                     else:
                         fail = rule.fault.when or "before"
+                        throttle = kind == "storage_throttle"
                     reason = f"{kind} (fault {rule.fault.id})"
                     events.append(self._event(rule, op, path, "torn" if keep is not None else fail))
                 else:
@@ -160,7 +198,7 @@ class StorageFaultPlan:
         for event in events:
             if self.notify is not None:
                 self.notify(event)
-        return Verdict(delay, fail, keep, reason)
+        return Verdict(delay, fail, keep, reason, throttle)
 
     def _event(self, rule: _Rule, op: str, path: str, mode: str) -> dict:
         return {"type": "fault", "fault_id": rule.fault.id, "kind": rule.fault.kind,

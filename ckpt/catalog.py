@@ -37,6 +37,8 @@ from ckpt.storage import AlreadyCommitted, Storage
 
 log = logging.getLogger(__name__)
 
+QUARANTINED_PREFIX = "manifest.corrupt-"  # a quarantined manifest's name: manifest.corrupt-<ms>-<random>.json
+
 
 class Catalog:
     """The checkpoints of one job under `<checkpoint.url>/<job name>`."""
@@ -81,12 +83,18 @@ class Catalog:
         """
         path = self.manifest_path(step)
         # Time for the reader, a random part so two quarantines in one millisecond never collide.
-        name = f"manifest.corrupt-{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
+        name = f"{QUARANTINED_PREFIX}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
         aside = self.storage.path(step_dir(step), name)
         self.storage.write_immutable(aside, self.storage.read(path))
         self.storage.remove(path)
         self.storage.invalidate()
         return aside
+
+    def quarantined_steps(self) -> list[int]:
+        """Steps without a committed manifest whose manifest was quarantined (moved aside), oldest first."""
+        return [s for s in self.all_steps() if not self.storage.exists(self.manifest_path(s))
+                and any(name.startswith(QUARANTINED_PREFIX) for name in self.storage.listdir(
+                    self.storage.path(step_dir(s))))]
 
     def read_manifest(self, step: int) -> Manifest:
         """Raises CorruptCheckpoint for bytes that are not a manifest (ckpt.manifest.parse_manifest)."""

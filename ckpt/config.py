@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ckpt.storage_errors import DEFAULT_READ_RETRY_S
+
 # fsspec protocols of object stores, whose Python clients hold the GIL for much of an upload.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 
@@ -67,6 +69,9 @@ class CheckpointConfig(BaseModel):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="passed to fsspec, e.g. {endpoint_url: http://minio:9000}"
     )
+    read_retry_s: float = Field(
+        DEFAULT_READ_RETRY_S, ge=0.0, description="how long a restore retries reads the store fails transiently "
+        "(timeouts, 5xx, throttling), with backoff, before the job fails naming the checkpoint (0: no retry)")
 
     @field_validator("url")
     @classmethod

@@ -7,6 +7,11 @@
 * `IncompleteCheckpoint`: the shard receipts of a save do not tile every logical tensor
   exactly (a gap, an overlap, a slice written twice, a dtype/shape disagreement). Raised
   before the manifest is created, so such a state is never committed.
+* `TransientStorageError`: the store did not answer a read (a timeout, a reset connection, an
+  HTTP 5xx, S3 throttling) for longer than the read retry budget (`checkpoint.read_retry_s`,
+  ckpt.storage_errors.ReadRetry). It proves nothing about the checkpoint's bytes: the
+  controller never quarantines or falls back from a checkpoint for it; the job fails naming
+  the checkpoint and the cause, and deletes nothing.
 * `UnsupportedManifest`: the manifest was written in a schema this code does not read.
   Fatal for that checkpoint and for its older siblings alike, so it is not a
   `CorruptCheckpoint` (falling back would silently restart from an older state or scratch).
@@ -17,6 +22,12 @@ from __future__ import annotations
 
 class CorruptCheckpoint(RuntimeError):
     """A committed checkpoint cannot be read back intact (missing shard, bad checksum)."""
+
+
+class TransientStorageError(OSError):
+    """The store kept failing a read with errors that prove nothing about the bytes (timeouts,
+    connection errors, 5xx, throttling) for the whole retry budget. An OSError, so tools that fold
+    storage errors into one line keep doing so."""
 
 
 class IncompleteCheckpoint(ValueError):

@@ -6,7 +6,10 @@ reads, and a cold disk or a store gives its bandwidth only to many requests in f
 ranges are fetched by a pool of threads (`Storage` is safe to share), long ranges in pieces,
 each straight into the tensor the reader then views. Every needed block is verified against
 the manifest before any byte of it is used; a missing file, a short read or a checksum
-mismatch raises `CorruptCheckpoint`.
+mismatch raises `CorruptCheckpoint`. A read the store fails transiently (a timeout, a reset
+connection, a 5xx, throttling: ckpt.storage_errors.classify) is retried with backoff for the
+`retry` budget and then raises `TransientStorageError`, which proves nothing about the bytes;
+other storage errors (permission denied) pass through as they are.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ckpt.blocks import crc32
-from ckpt.errors import CorruptCheckpoint
+from ckpt.errors import CorruptCheckpoint, TransientStorageError
 from ckpt.manifest import step_dir
 from ckpt.reshard import RangeRead
 from ckpt.storage import Storage
+from ckpt.storage_errors import CORRUPT, ReadRetry, classify
 
 READ_THREADS = 8
 # Ranges longer than this are read as several pieces by the pool's threads at once, into one
@@ -36,7 +40,7 @@ Fetched = dict[str, list[tuple[int, torch.Tensor]]]  # file -> [(start byte, uin
 
 
 def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, threads: int = READ_THREADS,
-          keep: bool = True, piece_bytes: int = PIECE_BYTES) -> Fetched:
+          keep: bool = True, piece_bytes: int = PIECE_BYTES, retry: ReadRetry | None = None) -> Fetched:
     """Read and verify every range of `reads` from checkpoint `step`'s directory (`step` None: from
     the storage root, as for a Hugging Face model directory; blocks whose crc32 is None, which
     safetensors files do not carry, are read unverified).
@@ -44,12 +48,14 @@ def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, thr
     Each range is read into one buffer, as pieces of at most `piece_bytes` fetched
     concurrently; once a range's pieces are all in, the thread that brought the last one
     checks its blocks. With `keep=False` the bytes are verified and dropped (whole-checkpoint
-    verification in bounded memory); the result is then empty.
+    verification in bounded memory); the result is then empty. `retry`: how transient read
+    errors are retried (default: ReadRetry(), checkpoint.read_retry_s's default budget).
     """
     out: Fetched = defaultdict(list)
     if not reads:
         return out
-    ranges = [_Range(storage, step, read, piece_bytes) for read in reads]
+    retry = retry if retry is not None else ReadRetry()
+    ranges = [_Range(storage, step, read, piece_bytes, retry) for read in reads]
     pieces = [(r, lo, hi) for r in ranges for lo, hi in r.pieces]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(pieces))), thread_name_prefix="ckpt-read") as pool:
         # Ranges in order, so a range's buffer is allocated only when its first piece is read:
@@ -73,8 +79,8 @@ def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, thr
 class _Range:
     """One `RangeRead` being fetched: its buffer, its pieces, and the count of pieces still out."""
 
-    def __init__(self, storage: Storage, step: int | None, read: RangeRead, piece_bytes: int):
-        self.storage, self.step, self.read = storage, step, read
+    def __init__(self, storage: Storage, step: int | None, read: RangeRead, piece_bytes: int, retry: ReadRetry):
+        self.storage, self.step, self.read, self.retry = storage, step, read, retry
         self.where = f"step {step}" if step is not None else storage.root
         size = read.end - read.start
         self.pieces = [(lo, min(lo + piece_bytes, size)) for lo in range(0, size, piece_bytes)] or [(0, 0)]
@@ -92,11 +98,16 @@ class _Range:
         view = memoryview(buffer.numpy())
         path = self.storage.path(step_dir(self.step), read.file) if self.step is not None \
             else self.storage.path(read.file)
+        what = f"{self.where}: bytes {read.start + lo}..{read.start + hi} of {read.file}"
         try:
-            got = self.storage.read_range_into(path, read.start + lo, view[lo:hi])
-        except OSError as err:  # FileNotFoundError included: a shard named by the manifest is gone
-            raise CorruptCheckpoint(f"{self.where}: cannot read bytes {read.start + lo}..{read.start + hi} "
-                                    f"of {read.file}: {type(err).__name__}: {err}") from err
+            got = self.retry.call(lambda: self.storage.read_range_into(path, read.start + lo, view[lo:hi]), what)
+        except TransientStorageError:
+            raise
+        except Exception as err:
+            if classify(err) != CORRUPT:  # not proof: the caller must not take the checkpoint for bad
+                raise
+            # A shard the committed manifest names is gone, or shorter than the range (S3 416).
+            raise CorruptCheckpoint(f"{what} cannot be read: {type(err).__name__}: {err}") from err
         if got != hi - lo:
             raise CorruptCheckpoint(f"{self.where}: {read.file} is truncated: got {got} of the "
                                     f"{hi - lo} bytes at {read.start + lo}")

@@ -9,7 +9,10 @@ same with whole tensors as targets (one process, tools, tests).
 
 A missing shard, a bad checksum or a manifest whose chunks leave a slice unstored raises
 `CorruptCheckpoint`; the controller then marks that step bad and restores the previous
-committed one, loudly (log line and metric), never silently. `newest_loadable` performs
+committed one, loudly (log line and metric), never silently. A store that fails reads
+transiently (timeouts, 5xx, throttling) is retried for a bounded time (`retry`,
+ckpt.storage_errors.ReadRetry) and then raises `TransientStorageError`, which is no proof
+of corruption: the controller fails the job instead of falling back. `newest_loadable` performs
 the same walk for tools that verify whole checkpoints offline. A manifest of another
 schema version raises `UnsupportedManifest` (not retried with older checkpoints).
 """
@@ -27,32 +30,40 @@ import torch
 
 from ckpt.boxes import row_major_strides
 from ckpt.catalog import Catalog
-from ckpt.errors import CorruptCheckpoint, UnsupportedManifest
+from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
 from ckpt.fetch import READ_THREADS, fetch
 from ckpt.manifest import Manifest
 from ckpt.reshard import COALESCE_GAP, Copy, CoverageError, ReadPlan, plan_reads
 from ckpt.shards import dtype_from_name, itemsize
+from ckpt.storage_errors import CORRUPT, ReadRetry, classify
 from trainer.state_slices import TensorSlice
 
-__all__ = ["CorruptCheckpoint", "UnsupportedManifest", "assemble", "load_checkpoint", "newest_loadable",
-           "read_manifest", "read_slices", "verify_checkpoint"]
+__all__ = ["CorruptCheckpoint", "TransientStorageError", "UnsupportedManifest", "assemble", "load_checkpoint",
+           "newest_loadable", "read_manifest", "read_slices", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 
 
-def read_manifest(catalog: Catalog, step: int) -> Manifest:
-    """The committed manifest of `step`; CorruptCheckpoint when it is absent or unreadable."""
+def read_manifest(catalog: Catalog, step: int, retry: ReadRetry | None = None) -> Manifest:
+    """The committed manifest of `step`; CorruptCheckpoint when it is absent or unreadable,
+    TransientStorageError when the store failed the read for the whole `retry` budget."""
+    retry = retry if retry is not None else ReadRetry()
     try:
-        return catalog.read_manifest(step)
-    except FileNotFoundError as err:
-        raise CorruptCheckpoint(f"step {step} has no committed manifest") from err
+        return retry.call(lambda: catalog.read_manifest(step), f"step {step}: reading the manifest")
     except (json.JSONDecodeError, pydantic.ValidationError) as err:
         raise CorruptCheckpoint(f"step {step}: the manifest does not parse: {err}") from err
+    except (CorruptCheckpoint, TransientStorageError):
+        raise
+    except Exception as err:
+        if classify(err) == CORRUPT:
+            raise CorruptCheckpoint(f"step {step} has no committed manifest") from err
+        raise
 
 
 def read_slices(
     catalog: Catalog, step: int, wanted: Sequence[TensorSlice], *,
     manifest: Manifest | None = None, threads: int = READ_THREADS, coalesce_gap: int = COALESCE_GAP,
+    retry: ReadRetry | None = None,
 ) -> list[TensorSlice]:
     """`wanted` (geometry only) filled from committed checkpoint `step`, in the same order.
 
@@ -63,15 +74,16 @@ def read_slices(
     if the dtypes differ), either fresh or a view of the fetched bytes; slices never share
     elements, and the tensors are writable. Needed ranges of a file less than `coalesce_gap` bytes apart
     are fetched as one request. Raises ValueError when a wanted tensor is not in the
-    checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad.
+    checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad,
+    TransientStorageError when the store failed a read for the whole `retry` budget.
     """
     for w in wanted:
         if w.tensor is not None and w.tensor.dtype != w.dtype:
             raise ValueError(f"{w.name}{list(w.offsets)}: the tensor to fill is {w.tensor.dtype}, the slice says "
                              f"{w.dtype}; pass a tensor of the slice's dtype or none")
-    manifest = manifest if manifest is not None else read_manifest(catalog, step)
+    manifest = manifest if manifest is not None else read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, wanted, coalesce_gap)
-    return assemble(wanted, plan, fetch(catalog.storage, step, plan.reads, threads=threads))
+    return assemble(wanted, plan, fetch(catalog.storage, step, plan.reads, threads=threads, retry=retry))
 
 
 def assemble(wanted: Sequence[TensorSlice], plan: ReadPlan, fetched: dict) -> list[TensorSlice]:
@@ -111,14 +123,15 @@ def load_checkpoint(
     return {piece.name: piece.tensor for piece in slices}, manifest
 
 
-def verify_checkpoint(catalog: Catalog, step: int) -> None:
+def verify_checkpoint(catalog: Catalog, step: int, retry: ReadRetry | None = None) -> None:
     """Check that checkpoint `step` covers every tensor and every block's CRC32 matches.
 
-    Reads the whole checkpoint but holds only the ranges in flight; raises CorruptCheckpoint.
+    Reads the whole checkpoint but holds only the ranges in flight; raises CorruptCheckpoint
+    (proof), or TransientStorageError when the store kept failing (proves nothing).
     """
-    manifest = read_manifest(catalog, step)
+    manifest = read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
-    fetch(catalog.storage, step, plan.reads, keep=False)
+    fetch(catalog.storage, step, plan.reads, keep=False, retry=retry)
 
 
 def newest_loadable(catalog: Catalog, on_fallback=None) -> int | None:

@@ -71,7 +71,7 @@ def commit_trained_engine(root: str, steps: int = 2):
     from ckpt.writer import ShardWriter
     from orchestrator.rank.state import catalog_for
 
-    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}))
+    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.0))
     catalog = catalog_for(spec)
     source = tiny_engine()
     for _ in range(steps):

@@ -1,6 +1,6 @@
 """`undying`: the command line. `undying run JOB.yaml` is also the entry point for `ray job submit`.
 
-    undying run JOB.yaml [--set key.path=value ...] [--report PATH] [--timeline PNG] [--address ADDR]
+    undying run JOB.yaml [--set key.path=value ...] [--report PATH] [--timeline PNG] [--address ADDR] [--fresh]
     undying validate JOB.yaml [--set ...]
     undying plan JOB.yaml --gpus N [--gpu h200] [--json]
     undying ckpt ls|verify|export|gc URL [--storage-option KEY=VALUE ...]   (see orchestrator/cli/ckpt_cmd.py)
@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="device kind (default h100; cpu measures this machine)")
     plan.add_argument("--json", dest="as_json", action="store_true", help="print the whole plan as JSON")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    run.add_argument("--fresh", action="store_true",
+                     help="start from step 0 where the checkpoints were all quarantined as corrupt (refused while "
+                          "committed checkpoints exist; nothing is ever deleted)")
     add_ckpt_parser(sub)
     add_chaos_parser(sub)
     add_data_parser(sub)
@@ -104,9 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(f"{args.spec}: valid ({spec.world_size} ranks, {spec.train.steps} steps)")
         return EXIT_OK
+    if args.fresh:
+        from orchestrator.controller.restore_policy import fresh_problem
+
+        problem = fresh_problem(spec)
+        if problem is not None:
+            print_problems([Problem("--fresh", problem)])
+            return EXIT_USAGE
     from orchestrator.cli.run import run_job
 
-    return run_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline)
+    return run_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline,
+                   fresh=args.fresh)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from orchestrator.wire.store import RendezvousServer
 
 
 def run_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None,
-            worker_group: Callable[..., RayWorkerGroup] = RayWorkerGroup) -> int:
+            worker_group: Callable[..., RayWorkerGroup] = RayWorkerGroup, fresh: bool = False) -> int:
     """Run the job to its end; returns the exit code. `worker_group(spec, env_vars=...)` builds the
-    rank actors' group (the chaos command passes one that records the rank PIDs)."""
+    rank actors' group (the chaos command passes one that records the rank PIDs). `fresh`: start from
+    step 0 (`undying run --fresh`; the CLI has checked that no committed checkpoint is in the way)."""
     import ray
 
     world = spec.world_size
@@ -46,7 +47,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         workers = worker_group(spec, env_vars=conn.env_vars)
         rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
-        controller = Controller(spec, workers, rendezvous, catalog, metrics,
+        controller = Controller(spec, workers, rendezvous, catalog, metrics, fresh=fresh,
                                 printer=lambda line: print(line, flush=True))
         report = controller.run()
         print(report.summary_table(), flush=True)

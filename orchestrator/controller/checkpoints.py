@@ -2,7 +2,9 @@
 
 Protocol (controller thread only; one per controller run):
   * `restore_point()` in RESTORING: the newest committed step not found corrupt by this run;
-    `on_corrupt(step)` when a rank's restore of it failed its checks (quarantine, below).
+    `on_corrupt(step, err)` when a restore of it proved it corrupt, `unreadable(step, err)` when
+    it failed without proof (orchestrator.controller.restore_policy: quarantine only on proof,
+    never a silent start from step 0).
   * `begin(store, gen, anchor)` once the ranks restored: nothing is pending, and the first plan
     of the generation is published (`CheckpointPlan` under the store's `plan` key).
   * `on_receipt(message, ...)` for each shard receipt the event intake receives: a completed
@@ -28,8 +30,8 @@ import uuid
 from collections.abc import Callable
 
 from ckpt.commit import Committer
-from ckpt.reader import CorruptCheckpoint, verify_checkpoint
 from orchestrator.controller.policies import CheckpointIntervalPolicy
+from orchestrator.controller.restore_policy import RestorePolicy
 from orchestrator.controller.step_history import sample_events
 from orchestrator.spec.job_spec import spec_hash
 from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten
@@ -58,7 +60,7 @@ class SavesFailing(Exception):
 
 
 class Checkpoints:
-    def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None]):
+    def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None], fresh: bool = False):
         self.spec = spec
         self.catalog = catalog
         self.ledger = ledger
@@ -70,7 +72,7 @@ class Checkpoints:
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
                                    on_dropped=self._on_dropped, fault_point=chaos.at_point)
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
-        self.bad_steps: set[int] = set()  # committed steps this run found corrupt
+        self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
         self.plan_version = 0
         self.plan_every = 0
         self.store = None
@@ -83,27 +85,17 @@ class Checkpoints:
         return self.committer.latest
 
     def restore_point(self) -> int | None:
-        candidates = [s for s in self.catalog.committed_steps() if s not in self.bad_steps]
-        return candidates[-1] if candidates else None
+        return self.restore.restore_point()
 
-    def on_corrupt(self, step: int) -> str:
-        """A rank found checkpoint `step` corrupt: never restore it again in this run; words for the log."""
-        self.bad_steps.add(step)
-        return self._quarantine(step)
+    def on_corrupt(self, step: int, err: BaseException) -> str:
+        """Checkpoint `step` proved corrupt: never restore it again in this run; the line to print."""
+        return self.restore.on_corrupt(step, err)
 
-    def _quarantine(self, step: int) -> str:
-        """Withdraw a checkpoint that fails the controller's own full verification, so that the
-        step can be saved and committed again; one that verifies (a transient read error on a
-        rank) stays committed and is only skipped by this run."""
-        try:
-            try:
-                verify_checkpoint(self.catalog, step)
-            except CorruptCheckpoint:
-                aside = self.catalog.quarantine(step)
-                return f"; its manifest moved aside to {aside}"
-        except (OSError, ValueError) as err:  # the storage failed us here too: skip the step, keep going
-            return f"; it could not be checked or moved aside ({type(err).__name__}: {err}), skipped by this run"
-        return "; it verifies here, so it stays committed (skipped by this run)"
+    def unreadable(self, step: int | None, err: BaseException) -> str:
+        return self.restore.unreadable(step, err)
+
+    def read_manifest(self, step: int):
+        return self.restore.read_manifest(step)
 
     def begin(self, store, gen: int, anchor: int | None) -> None:
         """A generation restored from `anchor` (None: fresh): nothing pending, first plan published."""
@@ -137,7 +129,7 @@ class Checkpoints:
             return None
         self.failed_saves.clear()
         self.record.history.extend(sample_events(commit.samples))
-        self.bad_steps.discard(commit.step)  # a quarantined step saved and committed again is good
+        self.restore.on_committed(commit.step)
         self.chaos.after_commit(commit.step, fired)
         # The ranks' blocking time was booked as productive; it was the save's cost.
         self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 
-from ckpt.reader import CorruptCheckpoint, read_manifest
 from monitor.goodput import GoodputLedger
 from monitor.report import StragglerRecord
 from orchestrator.cluster.placement import tp_locality
@@ -35,6 +34,7 @@ from orchestrator.controller.job_record import JobRecord
 from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
 from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy, hang_limit
 from orchestrator.controller.recovery import Recovery
+from orchestrator.controller.restore_policy import UNRESTORABLE, CorruptCheckpoint
 from orchestrator.controller.states import (
     TERMINAL,
     TRANSITIONS,
@@ -68,7 +68,8 @@ _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("start
 class Controller:
     def __init__(self, spec, workers, rendezvous: RendezvousServer, catalog, metrics, *,
                  printer=print, poll_s: float = 0.02, release_timeout_s: float = 3.0,
-                 hang_min_s: float = 10.0, hang_factor: float = 5.0, join_timeout_s: float = 60.0):
+                 hang_min_s: float = 10.0, hang_factor: float = 5.0, join_timeout_s: float = 60.0,
+                 fresh: bool = False):
         self.spec, self.workers, self.rendezvous, self.catalog = spec, workers, rendezvous, catalog
         self.metrics = metrics
         self.printer = printer
@@ -85,7 +86,7 @@ class Controller:
         self.chaos = ControllerFaults(self.fault_clock.faults, catalog, spec.chaos.seed, self.ledger.wall,
                                       printer=printer)
         self.blame = Blame(self.fault_clock, self.record)
-        self.checkpoints = Checkpoints(spec, catalog, self.ledger, self.record, metrics, self.chaos, self.log)
+        self.checkpoints = Checkpoints(spec, catalog, self.ledger, self.record, metrics, self.chaos, self.log, fresh)
         self.intake = EventIntake(self.record, self.fault_clock, self.chaos, self.checkpoints, metrics, self.log,
                                   on_receipt=self._on_receipt)
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
@@ -224,14 +225,14 @@ class Controller:
             else:
                 self._resumed_ledger = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
-            results = self.workers.restore_all(step, self.dp, timeout_s=self.join_timeout_s + 120,
-                                               faults=self.fault_clock.armed())
+            results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
+                                               timeout_s=self.join_timeout_s + 120 + self.spec.checkpoint.read_retry_s)
         except CorruptCheckpoint as err:  # stays in RESTORING: the next handler call tries the previous one
-            log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, err)
-            self.printer(f"checkpoint step {step} is corrupt ({err}); falling back to the previous committed one"
-                         + self.checkpoints.on_corrupt(step))
+            self.printer(self.checkpoints.on_corrupt(step, err))
             self.metrics.on_failure("corrupt_checkpoint")
             return
+        except UNRESTORABLE as err:  # no proof of corruption (the store kept failing): fail, delete nothing
+            return self._fail(self.checkpoints.unreadable(step, err))
         except Exception as err:
             self.intake.drain(self.store)  # a fault that fired during the restore is its cause
             self._start_recovery(self.blame.restore_failed(err))
@@ -256,7 +257,7 @@ class Controller:
         ledger is already in ours. A torn manifest raises CorruptCheckpoint (handled by the caller)."""
         if self._resumed_ledger:
             return
-        manifest = read_manifest(self.catalog, step)
+        manifest = self.checkpoints.read_manifest(step)  # retried while the store fails transiently
         self._resumed_ledger = True  # from here on, a retry must not carry (or prepend the history) again
         carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.created_at)
         if carried is not None:

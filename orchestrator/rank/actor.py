@@ -137,9 +137,10 @@ class RankActor:
         """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`.
 
         `faults`: the chaos faults still armed; those of this rank at "during_restore" fire while
-        the checkpoint loads (their notice goes through the generation's store, as in training)."""
+        the checkpoint loads, its storage faults with `op: read` disturb the loading's reads (their
+        notices go through the generation's store, as in training)."""
         from chaos.injector import FaultInjector
-        from orchestrator.rank.state import build_engine, load_engine_state, load_pretrained
+        from orchestrator.rank.state import build_engine, load_engine_state, load_pretrained, restore_storage_setup
         from trainer.memory_probe import current_bytes
 
         started = time.perf_counter()
@@ -149,7 +150,8 @@ class RankActor:
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
         if step is not None:
             hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
-            load_engine_state(self.spec, self.engine, step, fault_hook=hook)
+            load_engine_state(self.spec, self.engine, step, fault_hook=hook,
+                              storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
         elif self.spec.model.from_hf:
             load_pretrained(self.spec, self.engine)
         out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}

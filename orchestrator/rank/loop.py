@@ -131,7 +131,8 @@ class RankLoop:
 
     def _storage_faults(self, faults: list[ArmedFault], plan: CheckpointPlan) -> functools.partial | None:
         """This rank's storage faults, as a setup to run on its writer's Storage (a fresh one per generation)."""
-        mine = [f for f in faults if f.kind in STORAGE_KINDS and f.rank == self.rank]
+        # op: read faults are the restore's (orchestrator.rank.state.restore_storage_setup).
+        mine = [f for f in faults if f.kind in STORAGE_KINDS and f.rank == self.rank and f.op != "read"]
         if not mine:
             return None
         # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.

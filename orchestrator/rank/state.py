@@ -12,6 +12,7 @@ from __future__ import annotations
 from ckpt.catalog import Catalog
 from ckpt.reader import read_manifest, read_slices
 from ckpt.storage import Storage
+from ckpt.storage_errors import ReadRetry
 
 
 def catalog_for(spec) -> Catalog:
@@ -38,21 +39,41 @@ def load_pretrained(spec, engine) -> None:
     engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model))
 
 
-def load_engine_state(spec, engine, step: int, fault_hook=None) -> dict:
+def restore_storage_setup(spec, faults, rank: int, notify):
+    """This rank's storage faults with `op: read`, as a `storage_setup` for `load_engine_state`
+    (None without any): they disturb the restore's reads, and each firing is reported through
+    `notify(event)` with the rank, as the writer's storage faults are."""
+    from chaos.config import STORAGE_KINDS
+    from chaos.storage_faults import install
+
+    mine = [f for f in faults or [] if f.kind in STORAGE_KINDS and f.rank == rank and f.op == "read"]
+    if not mine:
+        return None
+    return lambda storage: install(storage, mine, seed=spec.chaos.seed,
+                                   notify=lambda event: notify(dict(event, rank=rank)))
+
+
+def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=None) -> dict:
     """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
 
     `fault_hook(point, step)`, if given, is called at the chaos point "during_restore": the slices
-    are read and not yet loaded, so a fault there leaves a half-restored rank.
+    are read and not yet loaded, so a fault there leaves a half-restored rank. `storage_setup(storage)`,
+    if given, is run on the Storage the reads go through (chaos: this rank's `op: read` faults).
 
-    Raises ckpt.errors.CorruptCheckpoint when the checkpoint cannot be read back intact
-    (the controller then falls back to the previous committed one).
+    Reads the store fails transiently are retried for `checkpoint.read_retry_s`. Raises
+    ckpt.errors.CorruptCheckpoint when the checkpoint cannot be read back intact (the controller
+    then falls back to the previous committed one), TransientStorageError when the store kept
+    failing (the controller then fails the job, deleting nothing).
     """
     catalog = catalog_for(spec)
-    manifest = read_manifest(catalog, step)
+    if storage_setup is not None:
+        storage_setup(catalog.storage)
+    retry = ReadRetry(spec.checkpoint.read_retry_s)
+    manifest = read_manifest(catalog, step, retry)
     # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
     # first step has no optimizer state (fine), a missing parameter is an error it names.
     wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
-    slices = read_slices(catalog, step, wanted, manifest=manifest)
+    slices = read_slices(catalog, step, wanted, manifest=manifest, retry=retry)
     if fault_hook is not None:
         fault_hook("during_restore", step)
     engine.load_slices(slices, manifest.state["engine"])

@@ -1,0 +1,161 @@
+"""Storage read failures judged and retried: a slow store is not a corrupt checkpoint.
+
+`classify(err)` sorts an exception raised by a storage read into
+  * "corrupt": proof that the checkpoint's bytes are bad or gone: the object a committed
+    manifest names does not exist (FileNotFoundError, S3 404 NoSuchKey), or a range past its
+    end was asked for (S3 416 InvalidRange: the object is shorter than the manifest says).
+    Checksum mismatches, short reads and manifests that do not parse are found by the callers
+    (ckpt.fetch, ckpt.reader) and raised as CorruptCheckpoint directly.
+  * "transient": the store did not answer properly, which says nothing about the bytes:
+    timeouts, refused or reset connections, HTTP 429 and 5xx, S3 throttling (`SlowDown`),
+    and the errnos that local and network file systems give for the same (EIO, EBUSY,
+    ETIMEDOUT, ESTALE, ...).
+  * None: neither (permission denied, bad request): not retried, and not proof either.
+
+How s3fs surfaces them (s3fs.errors.translate_boto_error, s3fs.core._error_wrapper, after its
+own few retries): an S3 error reply becomes a builtin exception whose `__cause__` is botocore's
+ClientError, with the error code and HTTP status in `.response` (SlowDown and 503 ->
+OSError(EBUSY), 500 -> OSError(EREMOTEIO), RequestTimeout -> TimeoutError, NoSuchKey and 404 ->
+FileNotFoundError, an unknown code -> OSError(EIO)); a connection failure is raised as
+botocore's or aiohttp's own exception (EndpointConnectionError, ReadTimeoutError,
+ServerDisconnectedError, ...), which is not an OSError. The classifier therefore walks the
+cause chain, reads the code and status from `.response` first (never the message text),
+then the exception types and errnos.
+
+`ReadRetry(budget_s).call(fn, what)` calls `fn` until it returns; a transient error is
+retried with exponential backoff and jitter (each wait drawn from [1/2, 1] of
+min(cap_s, first_s * 2^attempt)) until `budget_s` seconds have passed since that call's first
+failure, then raised as TransientStorageError naming `what` and the last cause. Other errors
+pass through at once. The budget is per call: concurrent reads of one restore (ckpt.fetch's
+pool) each wait out the same outage side by side. Thread-safe; tests inject `clock`, `sleep`
+and `rng`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ckpt.errors import CorruptCheckpoint, TransientStorageError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_RETRY_S = 120.0
+TRANSIENT, CORRUPT = "transient", "corrupt"
+_NEITHER = "neither"  # the store answered with an error that is neither (403, 400): decided, not retried
+
+_TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name) for name in (
+        "EIO", "EBUSY", "EAGAIN", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EPIPE",
+        "EHOSTUNREACH", "ENETUNREACH", "ENETDOWN", "ENETRESET", "ESTALE", "EREMOTEIO")
+    if hasattr(errno, name))
+# S3 error codes that mean "ask again later" (AWS's throttling and server-side codes).
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException", "ServiceUnavailable",
+    "InternalError", "RequestTimeout", "BandwidthLimitExceeded", "EC2ThrottledException"})
+_CORRUPT_CODES = frozenset({"NoSuchKey", "NotFound", "InvalidRange"})
+# Connection-level exceptions of the HTTP stacks under s3fs and other object-store clients,
+# matched by name so that this module needs none of them installed.
+_CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http.client")
+_TRANSIENT_NAMES = frozenset({
+    "ConnectionError", "HTTPClientError", "EndpointConnectionError", "ConnectionClosedError",
+    "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError",
+    "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError",
+    "ProtocolError", "IncompleteRead", "RemoteDisconnected"})
+
+T = TypeVar("T")
+
+
+def classify(err: BaseException) -> str | None:
+    """"corrupt", "transient" or None for an exception from a storage read (see module doc)."""
+    chain = list(_chain(err))
+    if any(isinstance(e, CorruptCheckpoint) for e in chain):  # a caller's own proof (checksum, parse)
+        return CORRUPT
+    for e in chain:  # the store's own answer decides, when there is one
+        verdict = _from_response(getattr(e, "response", None))
+        if verdict is not None:
+            return None if verdict == _NEITHER else verdict
+    if any(isinstance(e, FileNotFoundError) for e in chain):
+        return CORRUPT
+    if any(_transient_type(e) for e in chain):
+        return TRANSIENT
+    return None
+
+
+def is_transient(err: BaseException) -> bool:
+    return classify(err) == TRANSIENT
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err` and its explicit causes (`raise ... from`, s3fs's translated errors). Not `__context__`:
+    an error raised while another was being handled was not caused by it."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__
+
+
+def _from_response(response: object) -> str | None:
+    if not isinstance(response, dict):
+        return None
+    code = (response.get("Error") or {}).get("Code")
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    if code in _CORRUPT_CODES or status in (404, 416):
+        return CORRUPT
+    if code in _TRANSIENT_CODES or status == 429 or (isinstance(status, int) and status >= 500):
+        return TRANSIENT
+    return None if code is None and status is None else _NEITHER
+
+
+def _transient_type(e: BaseException) -> bool:
+    if isinstance(e, (TimeoutError, ConnectionError, TransientStorageError)):
+        return True
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    return any(cls.__name__ in _TRANSIENT_NAMES and cls.__module__.split(".")[0] in _CLIENT_LIBRARIES
+               for cls in type(e).__mro__)
+
+
+@dataclass
+class ReadRetry:
+    """Retry transient read errors for up to `budget_s` seconds (see module doc)."""
+
+    budget_s: float = DEFAULT_READ_RETRY_S
+    first_s: float = 0.2
+    cap_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    rng: random.Random = field(default_factory=random.Random)
+
+    def backoff(self, attempt: int) -> float:
+        """The wait before retry `attempt` (0-based), jittered."""
+        ceiling = min(self.cap_s, self.first_s * 2.0 ** attempt)
+        return ceiling * self.rng.uniform(0.5, 1.0)
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        first_failure: float | None = None
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as err:
+                if classify(err) != TRANSIENT:
+                    raise
+                now = self.clock()
+                first_failure = now if first_failure is None else first_failure
+                left = first_failure + self.budget_s - now
+                if left <= 0:
+                    raise TransientStorageError(
+                        f"{what}: the store kept failing for {now - first_failure:.1f} s (checkpoint.read_retry_s="
+                        f"{self.budget_s:g}): {type(err).__name__}: {err}") from err
+                if attempt == 0:
+                    log.warning("%s: %s: %s; retrying for up to %.0f s", what, type(err).__name__, err, left)
+                self.sleep(min(self.backoff(attempt), left))
+                attempt += 1

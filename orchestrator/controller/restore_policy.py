@@ -1,0 +1,125 @@
+"""Which checkpoint a generation restores, and what a failed restore proves.
+
+Protocol (controller thread only; `Checkpoints` owns one and the controller's RESTORING handler
+drives it through Checkpoints):
+  * `restore_point()`: the newest committed step this run has not found unusable. None (start
+    from step 0) only when the root never held a checkpoint, or with `undying run --fresh`.
+    Raises NoRestorePoint when committed checkpoints exist (or this root's were all quarantined)
+    and none is left to try: the job fails naming them, it never starts over on its own.
+  * `on_corrupt(step, err)` when a rank or the controller proved checkpoint `step` corrupt (a
+    checksum mismatch, a shard the manifest names is missing, a short read, a manifest that does
+    not parse): the step is skipped by this run, and quarantined (its manifest moved aside,
+    ckpt.catalog.Catalog.quarantine) only when the controller's own full verification proves
+    the corruption too. Returns the line to print: a fallback is always loud.
+  * `unreadable(step, err)` when a restore failed with TransientStorageError (the store kept
+    failing past `checkpoint.read_retry_s`) or NoRestorePoint: the words the job fails with.
+
+A verification that itself meets transient errors proves nothing: it is retried for the same
+budget, and if the store still fails, the manifest stays where it is. Nothing here deletes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckpt.errors import CorruptCheckpoint, TransientStorageError
+from ckpt.reader import read_manifest, verify_checkpoint
+from ckpt.storage_errors import ReadRetry
+
+log = logging.getLogger(__name__)
+
+FRESH_HINT = "`undying run --fresh` starts from step 0 (docs/design.md, restore)"
+
+
+class NoRestorePoint(RuntimeError):
+    """Committed checkpoints exist (or were quarantined) and none of them can be restored."""
+
+
+# What a restore may fail with that proves nothing about a checkpoint's bytes: the job fails.
+UNRESTORABLE = (TransientStorageError, NoRestorePoint)
+
+
+def cause(err: BaseException) -> str:
+    """`err` in one line, the rank's own exception when Ray wrapped it (its str is a traceback)."""
+    inner = getattr(err, "cause", None)
+    inner = inner if isinstance(inner, BaseException) else err
+    return f"{type(inner).__name__}: {inner}" if not isinstance(inner, (CorruptCheckpoint, NoRestorePoint)) \
+        else str(inner)
+
+
+def fresh_problem(spec) -> str | None:
+    """Why `undying run --fresh` must not start this job, or None. Committed checkpoints in its root
+    would collide with the fresh run's step numbers and fall to its retention, so they are in the way;
+    the flag never deletes or moves one (a fresh start elsewhere: another job name)."""
+    from orchestrator.rank.state import catalog_for
+
+    committed = catalog_for(spec).committed_steps()
+    if not committed:
+        return None
+    return (f"{spec.checkpoint_root} holds committed checkpoints (steps {committed}); a fresh run there would reuse "
+            f"their step numbers and its retention would delete them: rerun without --fresh to resume from step "
+            f"{committed[-1]}, or start from step 0 under another name (--set name=...), which leaves them intact")
+
+
+class RestorePolicy:
+    def __init__(self, catalog, read_retry_s: float, fresh: bool = False):
+        self.catalog = catalog
+        self.retry = ReadRetry(read_retry_s)
+        self.fresh = fresh  # --fresh: an empty root (checkpoints all quarantined) may start from step 0
+        self.bad: dict[int, str] = {}  # committed steps this run will not restore -> why
+
+    def read_manifest(self, step: int):
+        return read_manifest(self.catalog, step, self.retry)
+
+    def restore_point(self) -> int | None:
+        committed = self.retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
+        candidates = [s for s in committed if s not in self.bad]
+        if candidates:
+            return candidates[-1]
+        if self.bad:
+            tried = "; ".join(f"step {s}: {why}" for s, why in sorted(self.bad.items(), reverse=True))
+            hint = FRESH_HINT if not committed else "rerun to try them again, or start over under another name " \
+                                                    "(--set name=...)"
+            raise NoRestorePoint(f"no committed checkpoint can be restored ({tried}); nothing was deleted and the "
+                                 f"job does not start from step 0 on its own: {hint}")
+        if self.fresh:
+            return None
+        quarantined = self.retry.call(self.catalog.quarantined_steps, "listing the quarantined checkpoints")
+        if quarantined:
+            raise NoRestorePoint(f"{self.catalog.storage.root} holds no committed checkpoint, but the manifests of "
+                                 f"steps {quarantined} were quarantined as corrupt (moved aside, kept as evidence); "
+                                 f"the job does not start from step 0 on its own: {FRESH_HINT}")
+        return None
+
+    def on_committed(self, step: int) -> None:
+        self.bad.pop(step, None)  # a quarantined step saved and committed again is good
+
+    def on_corrupt(self, step: int, err: BaseException) -> str:
+        why = cause(err)
+        log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, why)
+        words = self._quarantine(step)
+        self.bad[step] = f"corrupt ({why}){words}"
+        return f"checkpoint step {step} is corrupt ({why}); falling back to the previous committed one{words}"
+
+    def _quarantine(self, step: int) -> str:
+        """Withdraw a checkpoint only when the controller's own full verification proves it corrupt;
+        one that verifies (the rank's read was damaged in flight), or that the store keeps the
+        controller from verifying, stays committed and is only skipped by this run."""
+        try:
+            verify_checkpoint(self.catalog, step, self.retry)
+        except CorruptCheckpoint:
+            try:
+                return f"; its manifest moved aside to {self.catalog.quarantine(step)}"
+            except Exception as err:  # the storage failed the move: the step stays committed, skipped
+                return f"; it could not be moved aside ({type(err).__name__}: {err}), skipped by this run"
+        except Exception as err:  # TransientStorageError or another storage error: no proof
+            return (f"; its verification here failed without proving corruption ({type(err).__name__}: {err}), so it "
+                    "stays committed (skipped by this run)")
+        return "; it verifies here, so it stays committed (skipped by this run)"
+
+    def unreadable(self, step: int | None, err: BaseException) -> str:
+        if isinstance(err, NoRestorePoint):
+            return str(err)
+        what = f"checkpoint step {step}" if step is not None else "the committed checkpoints"
+        return (f"{what} could not be read ({cause(err)}); that proves nothing about the bytes, so nothing was "
+                "quarantined or deleted: rerun once the store answers")
