@@ -11,7 +11,8 @@ dir) and on s3:// (a SeaweedFS `weed mini` this script starts on free loopback p
 PID, tests/s3/_seaweed.py; model/big goes up in 5 MiB multipart parts), every point gets a fresh
 checkpoint root and one SIGKILL, timed from an event the writer reports:
   * half uniformly over the whole step-20 save (measured by one save run to the end first),
-  * a fifth 0-15 ms after the last shard receipt (the commit: merging receipts, the manifest),
+  * a tenth 0-15 ms after the last shard receipt (the commit: merging receipts, the manifest), and
+    a tenth there exactly (the writer stops after that receipt until it is killed),
   * the rest within a window after the manifest create began (racing it): 2 ms on file:// (a
     local create takes about a millisecond), 30 ms on s3:// (a PUT); `--create-window-ms` sets both.
 After each kill, bench/torture/checks.py verifies and loads every committed checkpoint with the
@@ -55,8 +56,10 @@ def kill_points(count: int, save_s: float, create_window_s: float, rng: random.R
         share = i / count
         if share < 0.5:
             points.append(Plan("uniform", "save_begin", rng.uniform(0.0, 1.1 * save_s)))
-        elif share < 0.7:
+        elif share < 0.6:
             points.append(Plan("commit", "shards_done", rng.uniform(0.0, 0.015)))
+        elif share < 0.7:
+            points.append(Plan("held", "shards_done", rng.uniform(0.0, 0.02), hold="shards_done"))
         else:
             points.append(Plan("manifest", f"manifest_begin {step_dir(NEW)}", rng.uniform(0.0, create_window_s)))
     rng.shuffle(points)
@@ -142,8 +145,9 @@ Machine: {result['cores']} cores, shared: 1-minute load average {load[0]:.1f} at
 at the end (the bench ran alone under the suite's CPU lock; other work outside the lock may have run).
 Each point is one SIGKILL of a process doing a real save of step 20 (4 ranks' `ShardWriter`s, the
 `Committer`, the manifest's exclusive create; 24 MiB, model/big in 5 MiB multipart parts on s3://), on a
-fresh checkpoint root holding committed step 10. Half the points fall uniformly over the save, a fifth in
-the 15 ms after the last shard receipt, the rest within a few ms after the manifest create began
+fresh checkpoint root holding committed step 10. Half the points fall uniformly over the save, a tenth in
+the 15 ms after the last shard receipt, a tenth right there (the writer stops after that receipt until
+it is killed), the rest within a few ms after the manifest create began
 ({windows}). Where a kill landed is read from the writer's own events ("manifest create":
 the create had begun and not returned; it may have landed). After each kill every committed checkpoint is
 verified (CRC32 of every block) and loaded with the real reader and compared bit for bit with what was

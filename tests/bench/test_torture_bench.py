@@ -21,7 +21,8 @@ OLD_DIR, NEW_DIR = step_dir(OLD), step_dir(NEW)
 def test_kill_points_are_seeded_and_spread_over_the_save():
     points = kill_points(50, save_s=0.5, create_window_s=0.002, rng=random.Random(3))
     kinds = [p.kind for p in points]
-    assert (kinds.count("uniform"), kinds.count("commit"), kinds.count("manifest")) == (25, 10, 15)
+    assert [kinds.count(k) for k in ("uniform", "commit", "held", "manifest")] == [25, 5, 5, 15]
+    assert all(p.hold == p.anchor == "shards_done" for p in points if p.kind == "held")
     assert [(p.kind, p.delay) for p in points] == [
         (p.kind, p.delay) for p in kill_points(50, save_s=0.5, create_window_s=0.002, rng=random.Random(3))]
     assert all(0 <= p.delay <= 0.55 for p in points if p.kind == "uniform")
