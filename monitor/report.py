@@ -156,7 +156,7 @@ class RunReport(BaseModel):
     redone_s: float = 0.0
     rolled_back: list[RolledBackStep] = Field(default_factory=list)
     goodput: GoodputSummary
-    status: Literal["succeeded", "failed"]
+    status: Literal["succeeded", "failed", "preempted"]  # preempted: stopped by a signal, exit 75
     error: str | None = None
     tokens_per_s: float | None = None  # mean global throughput over productive time
 

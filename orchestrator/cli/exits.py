@@ -3,6 +3,8 @@
     0 (EXIT_OK)      the job or command succeeded
     1 (EXIT_FAILED)  the job failed; its committed checkpoints are intact
     2 (EXIT_USAGE)   the spec or the cluster cannot run the job as written; nothing was started
+    75 (EXIT_PREEMPTED)  the job was stopped by SIGTERM or SIGINT (EX_TEMPFAIL: retry it); it
+                     checkpointed where it stopped when it could, and a rerun resumes there
 
 Every command module prints user mistakes with `print_problems` and returns EXIT_USAGE:
 one line per problem, naming the field and the fix, never a traceback.
@@ -15,6 +17,7 @@ import sys
 from orchestrator.spec.problems import Problem
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: schedulers and wrappers read it as "try again"
 
 
 def print_problems(problems: list[Problem]) -> None:

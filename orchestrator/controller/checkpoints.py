@@ -74,7 +74,8 @@ class Checkpoints:
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
         self.plan_version = 0
-        self.plan_every = 0
+        self.plan_every = self.plan_anchor = 0
+        self.stop_at: int | None = None  # the generation's stop step (orchestrator.controller.stopping)
         self.store = None
         self.gen = -1
         self.data_provenance = data_provenance(spec.data)
@@ -101,15 +102,21 @@ class Checkpoints:
         """A generation restored from `anchor` (None: fresh): nothing pending, first plan published."""
         self.store, self.gen = store, gen
         self.committer.reset(anchor)
+        self.stop_at = None
         self.publish(anchor or 0)
+
+    def stop(self, step: int) -> None:
+        """End the generation at completed step `step`, saved (every later plan keeps it)."""
+        self.stop_at = step
+        self.publish(self.plan_anchor)
 
     def publish(self, anchor: int) -> None:
         every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
         self.plan_version += 1
-        self.plan_every = every
+        self.plan_every, self.plan_anchor = every, anchor
         plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
                               final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
-                              job_started_at=time.time() - self.ledger.wall())
+                              job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at)
         self.store.set_json(PLAN, plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,

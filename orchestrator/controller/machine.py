@@ -10,7 +10,8 @@ training, from a save's first receipt to its commit.
 
 Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which
 failure, whose fault), EventIntake (rank events), Checkpoints (plan, commits, restore point),
-Recovery (release, replace, shrink, grow). Policies only return decisions; the controller
+Recovery (release, replace, shrink, grow), Stops (preemption, node drain and growing back: a
+healthy generation ended at a checkpointed step). Policies only return decisions; the controller
 acts. The worker group is injected, so unit tests drive transitions with a fake group.
 Single-threaded: everything runs on the thread that calls `run()` (or `step_once()`).
 """
@@ -21,7 +22,6 @@ import logging
 import time
 
 from monitor.goodput import GoodputLedger
-from monitor.report import StragglerRecord
 from orchestrator.cluster.placement import tp_locality
 from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.controller.blame import Blame
@@ -52,6 +52,7 @@ from orchestrator.controller.states import (
     Succeeded,
     TrainingRun,
 )
+from orchestrator.controller.stopping import Move, Stops
 from orchestrator.controller.telemetry import Telemetry
 from orchestrator.wire.messages import ShardWritten
 from orchestrator.wire.store import RendezvousServer
@@ -62,14 +63,15 @@ log = logging.getLogger(__name__)
 _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("startup", "reformation"),
             State.RESTORING: ("checkpoint_restore",) * 2, State.RUNNING: ("productive",) * 2,
             # Saves run beside training; their blocking part is moved to checkpoint_save at commit.
-            State.CHECKPOINTING: ("productive",) * 2, State.RECOVERING: ("reformation",) * 2}
+            State.CHECKPOINTING: ("productive",) * 2, State.STOPPING: ("productive",) * 2,
+            State.RECOVERING: ("reformation",) * 2}
 
 
 class Controller:
     def __init__(self, spec, workers, rendezvous: RendezvousServer, catalog, metrics, *,
                  printer=print, poll_s: float = 0.02, release_timeout_s: float = 3.0,
                  hang_min_s: float = 10.0, hang_factor: float = 5.0, join_timeout_s: float = 60.0,
-                 fresh: bool = False):
+                 drains=dict, fresh: bool = False):
         self.spec, self.workers, self.rendezvous, self.catalog = spec, workers, rendezvous, catalog
         self.metrics = metrics
         self.printer = printer
@@ -94,6 +96,9 @@ class Controller:
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log,
                                  release_timeout_s=release_timeout_s, poll_s=poll_s)
+        # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
+        self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
+                           drains, self.log)
         self.phase: Phase = Placing()
         self.gen = -1
         self.dp = spec.parallel.dp
@@ -106,7 +111,8 @@ class Controller:
         self.store = None
         self.HANDLERS = {State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
                          State.RESTORING: self._restoring, State.RUNNING: self._training,
-                         State.CHECKPOINTING: self._training, State.RECOVERING: self._recovering}
+                         State.CHECKPOINTING: self._training, State.STOPPING: self._training,
+                         State.RECOVERING: self._recovering}
 
     @property
     def state(self) -> State:
@@ -135,16 +141,18 @@ class Controller:
         self.snapshots.save(self.ledger, ended=True)
         self.metrics.on_goodput(self.ledger)
         final = self.checkpoints.latest if self.checkpoints.latest is not None else 0
-        status = "succeeded" if self.state == State.SUCCEEDED else "failed"
+        status = {State.SUCCEEDED: "succeeded", State.PREEMPTED: "preempted"}.get(self.state, "failed")
         return self.record.report(status, final, self.error)
 
     def step_once(self) -> State:
         """Run the current state's handler until the state changes: one transition (tests drive the
-        machine with it). An error fails the job loudly; its checkpoints are kept."""
+        machine with it). An error fails the job loudly; its checkpoints are kept. A signal may
+        end the job before a handler runs (Stops.at_once)."""
         before = self.state
         while self.state == before and self.state not in TERMINAL:
             try:
-                self.HANDLERS[self.state]()
+                if not self._take(self.stops.at_once(self.state)):
+                    self.HANDLERS[self.state]()
             except (PlacementError, SavesFailing) as err:
                 self._fail_unless_ended(str(err))
             except Exception as err:  # a bug or an unexpected platform error
@@ -169,6 +177,14 @@ class Controller:
     def _fail(self, error: str) -> None:
         self.error = error
         self._go(Failed(error), error)
+
+    def _take(self, move: Move | None) -> bool:
+        """Make the transition a collaborator decided (False when it decided none)."""
+        if move is not None:
+            self.error = move.sentence if move.phase.state in TERMINAL else self.error
+            self.dp = move.dp or self.dp
+            self._go(move.phase, move.sentence)
+        return move is not None
 
     def _fail_unless_ended(self, error: str) -> None:
         """A handler raised: fail the job, unless it raised after the job had ended (then it stays ended)."""
@@ -278,9 +294,14 @@ class Controller:
             self._start_recovery(self.blame.node_lost(self.intake.lost_nodes))
         elif trouble:
             self._start_recovery(self.blame.from_outcomes(trouble))
-        elif len(run.finished) == self.world_size:
-            self._finish()
-        elif not (committed and self._maybe_grow(committed[-1])):
+        elif len(run.finished) == self.world_size:  # the job's end, or the generation's stop step
+            self.intake.drain(self.store)
+            self._take(self.stops.finished(self.phase, self.store, self.gen, self.world_size, self.dp))
+        elif self.state == State.STOPPING:  # until every rank returned at the stop step, or too late
+            self._take(self.stops.overdue(self.phase))
+        elif not self._take(committed and self.stops.grow_at(committed[-1], self.store, self.gen, self.dp,
+                                                             self.world_size, self.gen_started_at)
+                            or self.stops.due(run, self.world_size, self.restored_step)):
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
             self.fault_clock.fire_due(self.world_size)
@@ -304,16 +325,10 @@ class Controller:
                                            self.fault_clock.fired)
 
     def _watch_stragglers(self) -> None:
-        for rank in sorted(self.telemetry.poll(self.store, self.world_size)):
-            ratio = self.telemetry.detector.ratios().get(rank, float("nan"))
-            self.record.stragglers.append(StragglerRecord(time=self.record.job_seconds(), rank=rank, ratio=ratio))
-            self.log(f"straggler: rank {rank} computes {ratio:.2f}x its peers' median for "
-                     f"{self.telemetry.detector.sustain_s:.0f} s"
-                     + ("; evicting it" if self.spec.elastic.evict_stragglers else ""))
-            if self.spec.elastic.evict_stragglers:
-                # The eviction hook: kill the rank; its pending call fails and recovery replaces it.
-                self.blame.evicting.add(rank)
-                self.workers.kill_actor_only(rank)
+        for rank in self.telemetry.stragglers(self.store, self.world_size, self.record, self.log,
+                                              self.spec.elastic.evict_stragglers):
+            self.blame.evicting.add(rank)  # the eviction hook: its pending call fails, recovery replaces it
+            self.workers.kill_actor_only(rank)
 
     def _track_checkpointing(self, run: TrainingRun) -> None:
         """RUNNING <-> CHECKPOINTING: a save is in flight from its first receipt to its commit."""
@@ -331,15 +346,6 @@ class Controller:
                 self.snapshots.save(self.ledger)
             else:
                 self._go(Running(run), f"save of step {saving} dropped (incomplete)")
-
-    def _finish(self) -> None:
-        self.intake.drain(self.store)
-        steps = self.spec.train.steps
-        if self.checkpoints.latest != steps:
-            self._fail(f"all ranks finished but the final checkpoint (step {steps}) "
-                       f"was not committed; latest committed is {self.checkpoints.latest}")
-            return
-        self._go(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
 
     # ---- failure, recovery, growth ------------------------------------------------------------
 
@@ -384,17 +390,3 @@ class Controller:
                  f"generation {self.gen} -> {self.gen + 1}: {cause}; {membership.words}; "
                  f"{lost:.2f} s of work after step {restore_point} to redo; "
                  f"{decision.reason}; released in {time.perf_counter() - started:.2f} s")
-
-    def _maybe_grow(self, step: int) -> bool:
-        """At checkpoint `step`'s commit: re-form larger when warm spares allow; True when started."""
-        target = self.recovery.grow_to(self.dp, self.world_size)
-        if target is None:
-            return False
-        new_dp, ready = target
-        self.recovery.stop_generation(self.store, self.world_size)
-        self.ledger.move(self.record.rolled_back_seconds(step, since=self.gen_started_at), "productive", "lost_work")
-        old, self.dp = self.dp, new_dp
-        self.workers.grow(new_dp * self.recovery.model_parallel())
-        self._go(Rendezvous(), f"generation {self.gen} -> {self.gen + 1}: growing dp {old} -> {new_dp} at "
-                               f"checkpoint step {step} ({ready} warm spare(s) ready)")
-        return True

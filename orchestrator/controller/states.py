@@ -1,11 +1,12 @@
 """The controller's states, the data each one carries, and the one table of legal transitions.
 
-    PLACING        -> RENDEZVOUS | FAILED
-    RENDEZVOUS     -> RESTORING | RECOVERING | FAILED
-    RESTORING      -> RUNNING | RECOVERING | SUCCEEDED | FAILED
-    RUNNING        -> RENDEZVOUS | CHECKPOINTING | RECOVERING | SUCCEEDED | FAILED
-    CHECKPOINTING  -> RENDEZVOUS | RUNNING | RECOVERING | SUCCEEDED | FAILED
-    RECOVERING     -> RENDEZVOUS | FAILED
+    PLACING        -> RENDEZVOUS | FAILED | PREEMPTED
+    RENDEZVOUS     -> RESTORING | RECOVERING | FAILED | PREEMPTED
+    RESTORING      -> RUNNING | RECOVERING | SUCCEEDED | FAILED | PREEMPTED
+    RUNNING        -> RENDEZVOUS | CHECKPOINTING | STOPPING | RECOVERING | SUCCEEDED | FAILED | PREEMPTED
+    CHECKPOINTING  -> RENDEZVOUS | RUNNING | STOPPING | RECOVERING | SUCCEEDED | FAILED | PREEMPTED
+    STOPPING       -> RENDEZVOUS | RECOVERING | SUCCEEDED | FAILED | PREEMPTED
+    RECOVERING     -> RENDEZVOUS | FAILED | PREEMPTED
 
 (`diagram()` prints this table from `TRANSITIONS`; a test holds the two equal.) What each
 edge means: RENDEZVOUS -> RECOVERING when the process group cannot form; RESTORING ->
@@ -14,11 +15,17 @@ falls back to the previous one); RESTORING -> SUCCEEDED when the restored step i
 RUNNING <-> CHECKPOINTING from a save's first receipt to its commit (training goes on);
 RUNNING/CHECKPOINTING -> RENDEZVOUS when warm spares let dp grow back at a commit;
 RECOVERING -> RENDEZVOUS with the new membership. Any state fails on an unexpected error.
+RUNNING/CHECKPOINTING -> STOPPING when the job must end its generation at a step boundary
+(a SIGTERM/SIGINT, or a node of the job being drained; orchestrator.controller.stopping):
+every rank saves the stop step and returns; then STOPPING -> PREEMPTED (a signal: exit 75)
+or -> RENDEZVOUS without the drained node. Any live state -> PREEMPTED on a second signal or
+a signal outside training (nothing trained since the last commit), leaving the last commit.
 
 Every state is a small dataclass holding what only that state needs: RECOVERING the
 `Failure` being handled; RENDEZVOUS, RESTORING and the training states the failure whose
 recovery is still open (closed when training runs again, which measures the recovery);
-CHECKPOINTING the step being saved. The controller (orchestrator.controller.machine) holds
+CHECKPOINTING the step being saved; STOPPING the stop step, why, and by when.
+The controller (orchestrator.controller.machine) holds
 one of them as its `phase`; `Controller._go` checks each transition against `TRANSITIONS`,
 and an illegal one raises `IllegalTransition`: it is a bug, never a user mistake.
 """
@@ -36,23 +43,28 @@ class State(str, Enum):
     RESTORING = "RESTORING"
     RUNNING = "RUNNING"
     CHECKPOINTING = "CHECKPOINTING"
+    STOPPING = "STOPPING"
     RECOVERING = "RECOVERING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
+    PREEMPTED = "PREEMPTED"
 
 
-TERMINAL = (State.SUCCEEDED, State.FAILED)
+TERMINAL = (State.SUCCEEDED, State.FAILED, State.PREEMPTED)
 
 _S = State
+_ENDS = {_S.FAILED, _S.PREEMPTED}  # every live state can fail, and be preempted
 TRANSITIONS: dict[State, frozenset[State]] = {
-    _S.PLACING: frozenset({_S.RENDEZVOUS, _S.FAILED}),
-    _S.RENDEZVOUS: frozenset({_S.RESTORING, _S.RECOVERING, _S.FAILED}),
-    _S.RESTORING: frozenset({_S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED}),
-    _S.RUNNING: frozenset({_S.CHECKPOINTING, _S.RECOVERING, _S.RENDEZVOUS, _S.SUCCEEDED, _S.FAILED}),
-    _S.CHECKPOINTING: frozenset({_S.RUNNING, _S.RECOVERING, _S.RENDEZVOUS, _S.SUCCEEDED, _S.FAILED}),
-    _S.RECOVERING: frozenset({_S.RENDEZVOUS, _S.FAILED}),
+    _S.PLACING: frozenset({_S.RENDEZVOUS, *_ENDS}),
+    _S.RENDEZVOUS: frozenset({_S.RESTORING, _S.RECOVERING, *_ENDS}),
+    _S.RESTORING: frozenset({_S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, *_ENDS}),
+    _S.RUNNING: frozenset({_S.CHECKPOINTING, _S.STOPPING, _S.RECOVERING, _S.RENDEZVOUS, _S.SUCCEEDED, *_ENDS}),
+    _S.CHECKPOINTING: frozenset({_S.RUNNING, _S.STOPPING, _S.RECOVERING, _S.RENDEZVOUS, _S.SUCCEEDED, *_ENDS}),
+    _S.STOPPING: frozenset({_S.RENDEZVOUS, _S.RECOVERING, _S.SUCCEEDED, *_ENDS}),
+    _S.RECOVERING: frozenset({_S.RENDEZVOUS, *_ENDS}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
+    _S.PREEMPTED: frozenset(),
 }
 
 
@@ -125,6 +137,18 @@ class Checkpointing:
 
 
 @dataclass(frozen=True)
+class Stopping:
+    """The generation ends at `step`, checkpointed: a signal (`node` None) or `node` draining."""
+
+    state: ClassVar[State] = State.STOPPING
+    run: TrainingRun
+    step: int
+    reason: str
+    deadline: float  # time.monotonic() by which the stop step must be committed
+    node: str | None = None
+
+
+@dataclass(frozen=True)
 class Recovering:
     state: ClassVar[State] = State.RECOVERING
     failure: Failure
@@ -141,4 +165,11 @@ class Failed:
     error: str
 
 
-Phase = Placing | Rendezvous | Restoring | Running | Checkpointing | Recovering | Succeeded | Failed
+@dataclass(frozen=True)
+class Preempted:
+    state: ClassVar[State] = State.PREEMPTED
+    reason: str
+
+
+Phase = (Placing | Rendezvous | Restoring | Running | Checkpointing | Stopping | Recovering | Succeeded | Failed
+         | Preempted)

@@ -4,8 +4,7 @@ Runs inside `RankActor.train` on the actor's training thread. Per step it talks 
 but its process group; to the controller it sends, through the store:
   * rank 0 only: one `step` event per step with the global (already all-reduced) loss,
     so the controller's per-step traffic does not grow with the number of ranks;
-  * every rank: a heartbeat key, at most every `monitor.heartbeat_s`, when it also picks
-    up a new checkpoint plan;
+  * every rank: a heartbeat key, at most every `monitor.heartbeat_s`;
   * every rank: a `receipt` event when its shard of a checkpoint is durable, or a
     `save_error` event when it could not be written (that save then never commits). The
     first rank of each dp replica adds the digest of the samples it consumed since the
@@ -13,6 +12,9 @@ but its process group; to the controller it sends, through the store:
     digests per commit, and the exactly-once check compares them with the data schedule;
   * rank 0: an `eval` event after each validation (`eval.every_steps`; every rank takes part,
     the evaluation is collective).
+At every step boundary each rank reads the checkpoint plan (one small store read): a stop
+step (`CheckpointPlan.stop_at`, preemption or a node drain) must reach every rank before it
+passes that step, so that all of them save it and end their `train` call there together.
 Events raised on the checkpoint writer's thread, or on its listener thread with a writer
 process (receipts, save errors, fault notices of `during_shard_write` and of storage faults),
 go through a second store client, `writer_store`: a TCPStore client is not safe to share
@@ -202,13 +204,15 @@ class RankLoop:
                 if now - last_beat >= heartbeat_s:
                     write_heartbeat(self.store, self.rank, result.step, compute / steps_in_beat)
                     compute, steps_in_beat = 0.0, 0
-                    plan = plan_from_store(self.store, plan)
                     last_beat = now
+                plan = plan_from_store(self.store, plan)
                 completed = self.engine.next_step
-                if plan.should_save(completed):
+                if plan.should_save(completed) or plan.stops(completed):
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())
                 if self.evaluator is not None and self.evaluator.due(completed, until_step):
                     self._evaluate(completed)
+                if plan.stops(completed):
+                    break
         finally:
             writer.flush()  # a save started before an error still lands; it commits only if complete
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,

@@ -55,6 +55,10 @@ class ElasticConfig(_Strict):
     crash_loop_limit: int = Field(3, ge=2)
     # Straggler policy hook: replace a rank flagged as a sustained straggler (monitor.straggler).
     evict_stragglers: bool = False
+    # After SIGTERM/SIGINT: how long the job may take to checkpoint at the next step boundary
+    # and stop (exit 75). Keep it below the platform's kill delay (Kubernetes'
+    # terminationGracePeriodSeconds, 30 s by default; Ray's RAY_JOB_STOP_WAIT_TIME_S).
+    preemption_grace_s: float = Field(25.0, gt=0.0)
 
 
 class ResourcesConfig(_Strict):

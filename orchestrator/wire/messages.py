@@ -176,7 +176,10 @@ class CheckpointPlan:
     """Which completed steps a rank checkpoints at, published by the controller under `plan`.
 
     A save happens after completed step `s` when `s > anchor` and `(s - anchor) % every == 0`,
-    and always at the final step. Ranks may pick up a new plan at slightly different steps.
+    and always at the final step. `stop_at` (preemption, a node drain) ends the generation:
+    each rank saves at that completed step and its `train` call returns there (a rank that
+    reads it late, already past it, saves and returns at once). Ranks read the plan at every
+    step boundary; otherwise they may pick up a new plan at slightly different steps.
     That is safe by construction: the controller commits a checkpoint only when every rank's
     receipt for that step is in, so a step that only some ranks saved is never committed; its
     shards are garbage. The controller sets `anchor` ahead of the fastest rank so this is rare.
@@ -190,6 +193,10 @@ class CheckpointPlan:
     # Epoch seconds at job second 0 (the goodput ledger's clock, carried across resumes), so
     # that a rank's storage faults read `at_seconds` and `duration_s` as job seconds.
     job_started_at: float | None = None
+    stop_at: int | None = None  # the generation's last step, checkpointed (None: train to the end)
+
+    def stops(self, completed: int) -> bool:
+        return self.stop_at is not None and completed >= self.stop_at
 
     def should_save(self, completed: int) -> bool:
         if self.final_step is not None and completed == self.final_step:

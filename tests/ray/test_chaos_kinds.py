@@ -131,3 +131,21 @@ def test_writer_processes_take_storage_faults_and_rank_kills_and_leave_nothing_b
     _all_verify(catalog)
     assert report["final_loss"] == reference["final_loss"]
     assert set(_writer_processes()) <= before  # every rank's writer is gone, the killed rank's too
+
+
+@pytest.mark.heavy
+def test_saves_that_keep_failing_fail_the_job_with_the_storage_error(ray_cluster, tmp_path):
+    # Rank 1 cannot write its shards of steps 10, 20 and 30: checkpoint.max_failed_saves (3) saves
+    # fail in a row, so the job stops with the storage error (exit 1) rather than train to step 40
+    # with nothing durable.
+    faults = ", ".join(f"{{kind: storage_error, rank: 1, at_step: {s}}}" for s in (10, 20, 30))
+    proc, path = run_job(ray_cluster, tmp_path, "savefail", [f"chaos.faults=[{faults}]"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-5000:]
+    report = json.loads(path.read_text())
+    assert report["status"] == "failed" and report["error"].startswith(
+        "checkpoint storage failing: 3 consecutive saves failed (steps 10, 20, 30; checkpoint.max_failed_saves=3) "
+        "and nothing was committed in this run; the last, step 30: rank 1 failed to write its shard"), report["error"]
+    assert "InjectedStorageError" in report["error"] and report["checkpoints"] == []
+    assert max(p["step"] for p in report["losses"]) < 40, "it trained on to the end"
+    assert Catalog(Storage(f"file://{tmp_path}/ckpt/savefail")).committed_steps() == []
