@@ -4,19 +4,27 @@ Called by the CLI after the spec is validated. Order matters: the cluster capaci
 runs before any actor exists (so an impossible request exits 2, naming the field), the
 store and the metrics endpoint exist before the first rank, and everything is torn down
 by PID/handle in `finally`, whatever happened.
+
+SIGTERM and SIGINT (`ray job stop`, a Kubernetes eviction, Ctrl-C) are handed to the
+controller while it runs (orchestrator.controller.stopping: the handler only records the
+signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import capacity_problems, node_problems, slots
+from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.cluster.worker_group import RayWorkerGroup
 from orchestrator.controller.machine import Controller
 from orchestrator.spec.job_spec import JobSpec
@@ -48,8 +56,9 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
         controller = Controller(spec, workers, rendezvous, catalog, metrics, fresh=fresh,
-                                printer=lambda line: print(line, flush=True))
-        report = controller.run()
+                                printer=lambda line: print(line, flush=True), drains=DrainWatcher().draining)
+        with _signals_to(controller.stops.on_signal):
+            report = controller.run()
         print(report.summary_table(), flush=True)
         if report_path:
             report.to_json(report_path)
@@ -59,6 +68,9 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
 
             plot_timeline(report, timeline_path)
             print(f"timeline written to {timeline_path}")
+        if report.status == "preempted":
+            print(f"undying: job preempted: {report.error}", file=sys.stderr)
+            return EXIT_PREEMPTED
         if report.status != "succeeded":
             print(f"undying: job failed: {report.error}", file=sys.stderr)
             return EXIT_FAILED
@@ -68,3 +80,18 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
             workers.shutdown()
         metrics.close()
         conn.close()
+
+
+@contextlib.contextmanager
+def _signals_to(handler):
+    """SIGTERM and SIGINT call `handler(signum, frame)` inside the block; the previous handlers
+    (Ray's driver handler exits at once) are put back after. Only the main thread can install
+    handlers: from another thread the block changes nothing."""
+    signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+

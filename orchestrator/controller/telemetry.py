@@ -8,13 +8,15 @@ Protocol (controller thread only):
   * `mfu(tokens, step_s)` per step record.
   * `poll(store, world_size)` from the RUNNING loop; reads every rank's heartbeat at most
     once per heartbeat period, feeds the straggler detector and exports per-rank compute and
-    straggler flags. Returns ranks newly flagged, for the log and the eviction hook.
+    straggler flags. Returns ranks newly flagged; `stragglers(...)` wraps it for the training
+    loop (record, log, the ranks to evict).
 """
 
 from __future__ import annotations
 
 import time
 
+from monitor.report import StragglerRecord
 from monitor.straggler import StragglerDetector
 from orchestrator.wire.messages import Heartbeat
 from orchestrator.wire.store import heartbeat_key
@@ -69,3 +71,14 @@ class Telemetry:
         flagged, newly = self.detector.evaluate(now)
         self.metrics.on_stragglers(flagged)
         return newly
+
+    def stragglers(self, store, world_size: int, record, log, evict: bool) -> list[int]:
+        """Each poll of training: newly flagged sustained stragglers go into the job record and
+        the log; returns the ranks to evict (`elastic.evict_stragglers`)."""
+        newly = sorted(self.poll(store, world_size))
+        for rank in newly:
+            ratio = self.detector.ratios().get(rank, float("nan"))
+            record.stragglers.append(StragglerRecord(time=record.job_seconds(), rank=rank, ratio=ratio))
+            log(f"straggler: rank {rank} computes {ratio:.2f}x its peers' median for "
+                f"{self.detector.sustain_s:.0f} s" + ("; evicting it" if evict else ""))
+        return newly if evict else []

@@ -127,9 +127,9 @@ class FakeWorkerGroup:
 
     def _train(self):
         store = self.rendezvous.generation(self.gen)
-        plan = CheckpointPlan.from_json(store.get_json(PLAN))
         world = len(self.actors)
         while self.next_step < self.until:
+            plan = CheckpointPlan.from_json(store.get_json(PLAN))  # read at every step boundary, as ranks do
             step = self.next_step
             if step in self.die_at and self.die_at[step] in self.actors:
                 dead = self.die_at[step] if self.repeat else self.die_at.pop(step)
@@ -143,7 +143,7 @@ class FakeWorkerGroup:
                 store.set_json(f"hb/{rank}", {"step": step, "time": step, "compute_s": 1.3 if rank in self.slow
                                               else 1.0})
             self.next_step += 1
-            if plan.should_save(self.next_step):
+            if plan.should_save(self.next_step) or plan.stops(self.next_step):
                 for rank in range(world):
                     if self.fail_shard.get(self.next_step) == rank:
                         store.push_event({"type": "save_error", "rank": rank, "step": self.next_step,
@@ -153,6 +153,8 @@ class FakeWorkerGroup:
                     receipt = write_shard(self.storage, self.next_step, rank, t, blocking_s=0.001)
                     extra = {"engine": {"next_step": self.next_step}} if rank == 0 else {}
                     store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+                if plan.stops(self.next_step):
+                    break  # the generation's stop step (preemption, node drain): every rank returns here
                 if self.next_step < self.until:
                     return []  # the controller sees each checkpoint before training goes on
         done = [RankOutcome(r, "done", {}) for r in sorted(self._running)]

@@ -1,0 +1,191 @@
+"""Ending a healthy generation at a step boundary: preemption, node drain, growing back.
+
+Three reasons to stop ranks that are training well, each at a checkpoint so no work is lost:
+  * preemption: SIGTERM or SIGINT reached `undying run` (`ray job stop`, a Kubernetes pod
+    eviction, Ctrl-C). The signal handler only calls `on_signal` (it sets a count; the
+    controller thread reads it on its next poll). Training stops at the next step boundary
+    every rank can still reach, that step is committed, and the job ends PREEMPTED (exit 75)
+    within `elastic.preemption_grace_s`. A second signal, a signal outside training (nothing
+    trained since the last commit) or an expired grace ends it at once: the last commit stays.
+  * node drain: Ray announced that a node holding ranks will go away (its drain table,
+    orchestrator.cluster.drain). The same stop, then the node's ranks and spares are dropped
+    and the job re-forms without it (warm spares, new actors elsewhere, or a smaller dp) and
+    resumes from the stop step. A drain whose deadline comes before the stop step could be
+    committed is a node loss (the usual recovery).
+  * growing back (`grow_at`): at a commit, when warm spares let dp grow towards its target.
+
+How a stop step reaches every rank: `Checkpoints.stop(step)` publishes it in the checkpoint
+plan (`CheckpointPlan.stop_at`), which every rank reads at every step boundary; each rank
+saves that step and its `train` call returns there. Ranks are at most one step apart (every
+step ends in collectives), and the fastest may have finished one step more than the
+controller has heard of, so the stop step is two steps ahead of the last reported one (more
+when steps are shorter than the time a plan takes to reach the ranks, `PLAN_REACH_S`).
+
+Protocol (controller thread only). Each method returns the `Move` the controller makes (a
+phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in
+RUNNING/CHECKPOINTING each poll `grow_at(step, ...)` after a commit, else `due(...)`; in
+STOPPING `overdue(phase)` each poll; `finished(phase, ...)` once every rank has returned.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.controller.states import Failed, Phase, Preempted, Rendezvous, State, Stopping, Succeeded, TrainingRun
+from orchestrator.wire.messages import NodeLost
+
+# Time for a newly published plan to be read by every rank: the controller's poll, one store
+# read per rank at its next step boundary, and scheduling noise, with room to spare.
+PLAN_REACH_S = 0.1
+TRAINING = (State.RUNNING, State.CHECKPOINTING, State.STOPPING)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A transition for the controller to make: the phase, its sentence, and the new dp if it changes."""
+
+    phase: Phase
+    sentence: str
+    dp: int | None = None
+
+
+def preempted(sentence: str) -> Move:
+    return Move(Preempted(sentence), sentence)
+
+
+def stop_lead(step_s: float | None) -> int:
+    """Steps between the last step the controller heard of and a stop step every rank reaches."""
+    return 1 + max(1, math.ceil(PLAN_REACH_S / (step_s or 0.01)))
+
+
+class Stops:
+    def __init__(self, spec, workers, checkpoints, record, ledger, recovery, intake, drains: Callable[[], dict],
+                 log: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.spec, self.workers, self.checkpoints, self.record = spec, workers, checkpoints, record
+        self.ledger, self.recovery, self.intake, self.drains = ledger, recovery, intake, drains
+        self.log, self.clock = log, clock
+        self.signals: list[str] = []  # names of the signals received, in order
+        self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
+
+    def on_signal(self, signum: int, _frame=None) -> None:
+        """The signal handler: records the signal, nothing else (the controller acts on its next poll)."""
+        self.signals.append(signal.Signals(signum).name)
+
+    def at_once(self, state: State) -> Move | None:
+        """The job ends now on a second signal, or on a signal outside training."""
+        if len(self.signals) >= 2:
+            return preempted(f"{self.signals[1]} during the grace: stopping at once, {self.last_commit()}")
+        if self.signals and state not in TRAINING:
+            return preempted(f"{self.signals[0]} in {state.value}: nothing trained since the last commit, "
+                             f"{self.last_commit()}")
+        return None
+
+    def last_commit(self) -> str:
+        latest = self.checkpoints.latest
+        return f"last committed checkpoint (step {latest}) intact" if latest is not None else "no checkpoint committed"
+
+    def due(self, run: TrainingRun, world_size: int, restored: int | None) -> Move | None:
+        """A signal, or a drained node holding ranks: publish the stop step and enter STOPPING."""
+        stop = self._stop(run, world_size, restored)
+        if stop is None:
+            return None
+        self.checkpoints.stop(stop.step)
+        return Move(stop, f"{stop.reason}: every rank saves step {stop.step} and stops there")
+
+    def _stop(self, run: TrainingRun, world_size: int, restored: int | None) -> Stopping | None:
+        # The newest step event is this generation's (after a rollback, until its first step,
+        # an older and larger one: the stop is then later than needed, never too early).
+        reached = max(self.record.completed_steps(), restored or 0)
+        stop = min(reached + stop_lead(self.record.median_step_s()), self.spec.train.steps)
+        if self.signals:
+            grace = self.spec.elastic.preemption_grace_s
+            return Stopping(run, stop, f"{self.signals[0]} at step {reached}", self.clock() + grace)
+        for node, deadline in self.drains().items():
+            if node in self.drained:
+                continue
+            ranks = [r for r in range(world_size) if self.workers.node_of(r) == node]
+            if not ranks:
+                self._drop_spares_on(node)
+                continue
+            left = None if deadline is None else deadline - time.time()  # the drain's deadline is epoch time
+            needed = (stop - reached + 1) * (self.record.median_step_s() or 0.0) + self._save_s()
+            if left is not None and left < needed:
+                self._lost(node, f"deadline in {left:.1f} s, a checkpointed stop needs {needed:.1f} s")
+                return None
+            return Stopping(run, stop, f"node {node[:12]} draining (rank(s) {ranks}"
+                            + (f", deadline in {left:.0f} s)" if left is not None else ", no deadline)"),
+                            self.clock() + (left - self._save_s() if left is not None else math.inf), node)
+        return None
+
+    def overdue(self, phase: Stopping) -> Move | None:
+        """STOPPING past its deadline: a preemption ends now; a drain becomes a node loss."""
+        if self.clock() < phase.deadline:
+            return None
+        if phase.node is None:
+            return preempted(f"no commit of step {phase.step} within elastic.preemption_grace_s="
+                             f"{self.spec.elastic.preemption_grace_s:g} s; stopping, {self.last_commit()}")
+        self._lost(phase.node, f"step {phase.step} not committed before its deadline")
+        return None
+
+    def finished(self, phase: Phase, store, gen: int, world_size: int, dp: int) -> Move | None:
+        """Every rank's `train` call returned done: the job's last step, or the generation's stop step."""
+        steps = self.spec.train.steps
+        if phase.state == State.STOPPING and phase.step < steps:
+            return self._ended(phase, store, gen, world_size, dp)
+        if self.checkpoints.latest != steps:
+            error = (f"all ranks finished but the final checkpoint (step {steps}) was not committed; "
+                     f"latest committed is {self.checkpoints.latest}")
+            return Move(Failed(error), error)
+        return Move(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
+
+    def _ended(self, phase: Stopping, store, gen: int, world_size: int, dp: int) -> Move | None:
+        """Every rank returned at the stop step: once it is committed, end the job (a signal) or
+        re-form without the drained node (no work lost: nothing was trained past the commit)."""
+        latest = self.checkpoints.latest
+        # A stop step published late is saved where the ranks read it, after the step asked for.
+        if latest is None or latest < phase.step:  # its last receipts may still be on their way
+            return self.overdue(phase)
+        if phase.node is None:
+            return preempted(f"{phase.reason}: checkpoint step {latest} committed, every rank stopped; "
+                             "rerun the job to resume from it")
+        self.drained.add(phase.node)
+        self.intake.nodes_handled.add(phase.node)  # a late node_lost report of it is not a failure
+        self.recovery.stop_generation(store, world_size)
+        membership = self.recovery.replace(self.workers.forget_node(phase.node), dp)
+        if membership.error is not None:
+            return Move(Failed(membership.error), membership.error)
+        return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: {phase.reason}; its rank(s) moved at "
+                                  f"checkpoint step {latest}, no work lost; {membership.words}", membership.dp)
+
+    def grow_at(self, step: int, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
+        """At checkpoint `step`'s commit: re-form larger when warm spares let dp grow."""
+        target = self.recovery.grow_to(dp, world_size)
+        if target is None:
+            return None
+        new_dp, ready = target
+        self.recovery.stop_generation(store, world_size)
+        # Steps trained past the commit while the generation was being stopped are redone.
+        self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
+        self.workers.grow(new_dp * self.recovery.model_parallel())
+        return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
+                                  f"checkpoint step {step} ({ready} warm spare(s) ready)", new_dp)
+
+    def _save_s(self) -> float:
+        """The last measured save's blocking time (a stop must commit one more)."""
+        return self.record.checkpoints[-1].total_s if self.record.checkpoints else 1.0
+
+    def _drop_spares_on(self, node: str) -> None:
+        self.drained.add(node)
+        self.workers.forget_node(node)
+        self.log(f"node {node[:12]} draining: its spares dropped, no rank there")
+
+    def _lost(self, node: str, why: str) -> None:
+        """Too late for a clean stop: report the node lost (the next poll starts the recovery)."""
+        self.drained.add(node)
+        self.log(f"node {node[:12]} draining, {why}: handling it as a node loss")
+        rank = next((r for r in sorted(self.workers.actors) if self.workers.node_of(r) == node), -1)
+        self.intake.lost_nodes.setdefault(node, NodeLost(node, rank, time.time()))

@@ -1,0 +1,162 @@
+"""Preemption (SIGTERM/SIGINT) and node drain in the controller, with the fake worker group.
+
+The fake ranks read the checkpoint plan at every step boundary, as real ones do, so a stop
+step the controller publishes is saved and ends their `train` call there. Signals are
+delivered by calling the controller's handler (`Stops.on_signal`) at a chosen step.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from ckpt.catalog import Catalog
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator.controller.machine import Controller
+from orchestrator.controller.states import State
+from orchestrator.controller.stopping import stop_lead
+from orchestrator.wire.store import RendezvousServer
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+
+STEPS = 100
+
+
+@pytest.fixture
+def rendezvous():
+    return RendezvousServer("127.0.0.1")
+
+
+class SignallingWorkers(FakeWorkerGroup):
+    """Calls `at[step]()` when a rank reaches `step` (a signal arriving mid-training)."""
+
+    def __init__(self, *args, at: dict | None = None, nodes: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at = dict(at or {})
+        self.nodes = dict(nodes or {})  # rank -> node (default "head")
+        self.forgotten: list[str] = []
+
+    def _train(self):
+        due = sorted(s for s in self.at if s >= self.next_step)
+        if due and due[0] < self.until:  # train up to the hook's step, fire it, go on
+            until, self.until = self.until, due[0]
+            out = super()._train()
+            self.until = until
+            if self.next_step == due[0]:
+                self.at.pop(due[0])()
+                self._running = self._running or set(self.actors)
+                return [o for o in out if o.status != "done"]
+            return out
+        return super()._train()
+
+    def node_of(self, rank):
+        return self.nodes.get(rank, "head")
+
+    def forget_node(self, node):
+        self.forgotten.append(node)
+        ranks = [r for r in sorted(self.actors) if self.node_of(r) == node]
+        for rank in ranks:
+            self.actors.pop(rank)
+            self._running.discard(rank)
+        return ranks
+
+
+def _run(tmp_path, rendezvous, spec=None, **workers_kwargs):
+    spec = spec or _spec(tmp_path, train={"steps": STEPS, "global_batch": 4, "micro_batch": 1})
+    lines: list[str] = []
+    workers = SignallingWorkers(rendezvous, Storage(spec.checkpoint_root), **workers_kwargs)
+    ctl = _controller(spec, workers, rendezvous, lines)
+    return ctl, workers, lines
+
+
+def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_redoes_nothing(tmp_path, rendezvous):
+    box = {}
+    ctl, workers, lines = _run(tmp_path, rendezvous, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
+    box["ctl"] = ctl
+    report = ctl.run()
+    stop = 23 + stop_lead(0.01)
+    assert ctl.state == State.PREEMPTED and report.status == "preempted", report.error
+    assert ctl.catalog.committed_steps()[-1] == stop and report.final_step == stop
+    assert max(p.step for p in report.losses) + 1 == stop  # nothing trained past the commit
+    assert any("RUNNING -> STOPPING: SIGTERM at step 23" in line for line in lines)
+    assert "rerun the job to resume" in report.error
+    rerun_workers = FakeWorkerGroup(rendezvous, Storage(ctl.spec.checkpoint_root))
+    rerun = _controller(ctl.spec, rerun_workers, rendezvous, [])
+    again = rerun.run()
+    assert again.status == "succeeded" and again.final_step == STEPS
+    assert min(p.step for p in again.losses) == stop and again.redone_steps == 0
+
+
+def test_a_second_signal_stops_at_once_leaving_the_last_commit(tmp_path, rendezvous):
+    box = {}
+    ctl, workers, lines = _run(tmp_path, rendezvous, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGINT)})
+    box["ctl"] = ctl
+    while ctl.state != State.STOPPING:
+        ctl.step_once()
+    ctl.stops.on_signal(signal.SIGINT)
+    assert ctl.step_once() == State.PREEMPTED
+    assert ctl.catalog.committed_steps()[-1] == 20 and "SIGINT during the grace" in ctl.error
+    assert "last committed checkpoint (step 20) intact" in ctl.error
+
+
+def test_a_signal_outside_training_stops_at_once(tmp_path, rendezvous):
+    ctl, workers, lines = _run(tmp_path, rendezvous)
+    ctl.stops.on_signal(signal.SIGTERM)
+    report = ctl.run()
+    assert report.status == "preempted" and "SIGTERM in PLACING" in report.error
+    assert workers.actors == {} and ctl.catalog.committed_steps() == []
+
+
+def test_no_commit_within_the_grace_stops_anyway(tmp_path, rendezvous):
+    spec = _spec(tmp_path, train={"steps": STEPS, "global_batch": 4, "micro_batch": 1},
+                 elastic={"max_restarts": 1, "preemption_grace_s": 0.3})
+    box = {}
+    stop = 23 + stop_lead(0.01)
+    ctl, workers, lines = _run(tmp_path, rendezvous, spec, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
+    box["ctl"] = ctl
+    workers.fail_shard[stop] = 1  # the stop step's save cannot commit
+    started = time.monotonic()
+    report = ctl.run()
+    assert report.status == "preempted" and time.monotonic() - started < 5.0
+    assert f"no commit of step {stop} within elastic.preemption_grace_s=0.3 s" in report.error
+    assert "last committed checkpoint (step 30) intact" in report.error  # the save on the way to the stop
+    assert ctl.catalog.committed_steps()[-1] == 30
+
+
+def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None):
+    """dp=2, rank 1 on node n2, one warm spare; Ray starts draining n2 once step 15 is reached."""
+    spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
+                 elastic={"spares": 1, "max_restarts": 1})
+    lines: list[str] = []
+    workers = SignallingWorkers(rendezvous, Storage(spec.checkpoint_root), nodes={1: "n2"})
+    deadline = None if deadline_in_s is None else time.time() + deadline_in_s
+
+    def drains():
+        return {"n2": deadline} if workers.next_step >= 15 else {}
+
+    ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
+                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, drains=drains)
+    return ctl.run(), workers, lines
+
+
+def test_a_drained_node_s_ranks_move_to_a_spare_with_no_work_lost(tmp_path, rendezvous):
+    report, workers, lines = _drain_run(tmp_path, rendezvous, deadline_in_s=None)
+    stop = 20 + stop_lead(0.01)  # the drain is seen at the save of step 20, when the fake reports back
+    assert report.status == "succeeded" and report.final_step == 60, report.error
+    assert workers.forgotten == ["n2"] and report.failures == []
+    assert any(f"STOPPING -> RENDEZVOUS: generation 0 -> 1: node n2 draining (rank(s) [1], no deadline); "
+               f"its rank(s) moved at checkpoint step {stop}, no work lost" in line for line in lines)
+    assert any("taken over by warm spares" in line for line in lines)
+    assert any(f"restored step {stop}" in line for line in lines)
+    assert report.goodput.badput_s.get("lost_work", 0.0) == 0.0
+    assert [p.step for p in report.losses] == list(range(60))  # every step trained once
+
+
+def test_a_drain_shorter_than_a_checkpointed_stop_is_a_node_loss(tmp_path, rendezvous):
+    report, workers, lines = _drain_run(tmp_path, rendezvous, deadline_in_s=0.01)
+    assert report.status == "succeeded" and report.final_step == 60, report.error
+    assert any("node n2 draining, deadline in" in line and "handling it as a node loss" in line for line in lines)
+    [failure] = report.failures
+    assert failure.kind == "node_lost" and workers.forgotten == ["n2"]
