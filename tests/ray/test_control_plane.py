@@ -40,10 +40,10 @@ store.check(["round-trip"])
 """
 
 
-def _bare_driver_wildcards() -> int:
+def _bare_driver_sockets() -> set[tuple[str, int]]:
     out = subprocess.run([sys.executable, "-c", BARE_DRIVER], capture_output=True, text=True, cwd=ROOT,
                          timeout=120, check=True).stdout
-    return len(wildcard({tuple(s) for s in json.loads(out.strip().splitlines()[-1])}))
+    return {tuple(s) for s in json.loads(out.strip().splitlines()[-1])}
 
 
 def _parse(text: str) -> dict[str, float]:
@@ -56,7 +56,7 @@ def _parse(text: str) -> dict[str, float]:
 
 
 def test_a_local_job_listens_on_loopback_and_a_forger_changes_nothing(tmp_path):
-    bare = _bare_driver_wildcards()
+    bare = _bare_driver_sockets()
     cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(tmp_path / "report.json"),
            "--set", "chaos.faults=[]", "--set", "parallel.dp=2", "--set", "train.steps=40",
            "--set", f"checkpoint.url=file://{tmp_path}/ckpt"]
@@ -66,7 +66,7 @@ def test_a_local_job_listens_on_loopback_and_a_forger_changes_nothing(tmp_path):
     reader.start()
     try:
         metrics_url, metrics_port = _metrics_endpoint(lines)
-        store_port = _store_port(job.pid, metrics_port)
+        store_port = _store_port(job.pid, metrics_port, len(bare) + 2)
         driver = listening_sockets(job.pid)
         subprocess.run([sys.executable, "-c", FORGER, str(store_port)], check=True, timeout=60)
         rejected = _watch_rejections(metrics_url, job)
@@ -77,7 +77,7 @@ def test_a_local_job_listens_on_loopback_and_a_forger_changes_nothing(tmp_path):
     reader.join(timeout=10)
     out = "".join(lines)
     assert ("127.0.0.1", store_port) in driver and ("127.0.0.1", metrics_port) in driver
-    assert len(wildcard(driver)) == bare == 1, (driver, bare)  # Ray's own, and nothing of ours
+    assert len(wildcard(driver)) == len(wildcard(bare)) == 1, (driver, bare)  # Ray's own, nothing of ours
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["status"] == "succeeded" and report["failures"] == [] and report["final_step"] == 40, out
     assert rejected.get("abort", 0) >= 1 and rejected.get("events", 0) >= 1, (rejected, out)
@@ -94,16 +94,18 @@ def _metrics_endpoint(lines: list[str], timeout_s: float = 120.0) -> tuple[str, 
     raise TimeoutError("the job never printed its metrics endpoint:\n" + "".join(lines))
 
 
-def _store_port(pid: int, metrics_port: int, timeout_s: float = 120.0) -> int:
-    """The driver's loopback listener that is not the metrics endpoint: the control store."""
+def _store_port(pid: int, metrics_port: int, expected: int, timeout_s: float = 120.0) -> int:
+    """The control store's port: once the driver listens on `expected` sockets (a bare driver's,
+    the metrics endpoint's and the store's), its loopback listener other than the metrics'."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ports = {port for ip, port in listening_sockets(pid) if ip == "127.0.0.1"} - {metrics_port}
-        if ports:
-            [port] = ports
-            return port
+        sockets = listening_sockets(pid)
+        if len(sockets) >= expected:
+            ports = {port for ip, port in sockets if ip == "127.0.0.1"} - {metrics_port}
+            assert len(ports) == 1, f"the store is not on loopback: the driver listens on {sorted(sockets)}"
+            return ports.pop()
         time.sleep(0.1)
-    raise TimeoutError("the driver never listened on a second loopback port")
+    raise TimeoutError(f"the driver never listened on {expected} sockets")
 
 
 def _watch_rejections(metrics_url: str, job: subprocess.Popen) -> dict[str, float]:
