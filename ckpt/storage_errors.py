@@ -92,6 +92,18 @@ def is_transient(err: BaseException) -> bool:
     return classify(err) == TRANSIENT
 
 
+def describe(err: BaseException) -> str:
+    """`err` in one line, with the S3 error code and HTTP status of the reply behind it, if any."""
+    text = f"{type(err).__name__}: {err}"
+    for e in _chain(err):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return f"{text} (S3 {code}, HTTP {status})"
+    return text
+
+
 def _chain(err: BaseException | None) -> Iterator[BaseException]:
     """`err` and its explicit causes (`raise ... from`, s3fs's translated errors). Not `__context__`:
     an error raised while another was being handled was not caused by it."""
@@ -154,8 +166,8 @@ class ReadRetry:
                 if left <= 0:
                     raise TransientStorageError(
                         f"{what}: the store kept failing for {now - first_failure:.1f} s (checkpoint.read_retry_s="
-                        f"{self.budget_s:g}): {type(err).__name__}: {err}") from err
+                        f"{self.budget_s:g}): {describe(err)}") from err
                 if attempt == 0:
-                    log.warning("%s: %s: %s; retrying for up to %.0f s", what, type(err).__name__, err, left)
+                    log.warning("%s: %s; retrying for up to %.0f s", what, describe(err), left)
                 self.sleep(min(self.backoff(attempt), left))
                 attempt += 1

@@ -95,3 +95,26 @@ def test_notify_reports_fault_id_and_mode():
     plan.judge("delete", SHARD)
     assert [(e["type"], e["fault_id"], e["op"], e["path"], e["mode"]) for e in events] == [
         ("fault", 0, "delete", SHARD, "before")]
+
+
+def test_duration_alone_opens_the_window_at_the_first_matching_call_and_fires_on_every_call_in_it():
+    now = [100.0]
+    plan = StorageFaultPlan([{"kind": "storage_throttle", "op": "read", "path": "*/shard-*", "duration_s": "10s"}],
+                            clock=lambda: now[0])
+    assert plan.judge("read", MANIFEST).clean  # not a matching call: the window stays shut
+    seen = []
+    for t in (150.0, 155.0, 159.9, 160.0, 300.0):  # the first shard read, at 150 s, opens it for 10 s
+        now[0] = t
+        seen.append(plan.judge("read", SHARD).fail)
+    assert seen == ["before", "before", "before", None, None]
+
+
+def test_a_throttle_fails_like_s3s_503_slowdown_through_s3fs():
+    from ckpt.storage_errors import TRANSIENT, classify
+
+    verdict = StorageFaultPlan([{"kind": "storage_throttle", "op": "read"}]).judge("read", SHARD)
+    err = verdict.error("read", SHARD)
+    assert verdict.fail == "before" and err.errno == 16 and "storage_throttle" in str(err)
+    assert err.__cause__.response == {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+                                      "ResponseMetadata": {"HTTPStatusCode": 503}}
+    assert classify(err) == TRANSIENT

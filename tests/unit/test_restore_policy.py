@@ -1,0 +1,155 @@
+"""Restore under a failing store, with the fake worker group: only proven corruption is quarantined
+or fallen back from; a store that keeps failing, or checkpoints that all fail, fail the job naming
+them with nothing deleted; the job never starts from step 0 on its own (`--fresh` does). Also the
+rank's side: its `op: read` storage faults act on its restore reads, which wait a short outage out."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from chaos.corrupt import corrupt_shard
+from ckpt.catalog import Catalog
+from ckpt.errors import CorruptCheckpoint, TransientStorageError
+from ckpt.manifest import step_dir
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator.controller.machine import Controller
+from orchestrator.controller.restore_policy import fresh_problem
+from orchestrator.rank.state import load_engine_state, restore_storage_setup
+from tests._checkpoints import commit_trained_engine, tiny_engine
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
+
+
+class FailingRestore(FakeWorkerGroup):
+    """A fake whose ranks' restore of a step raises what a real rank would (Ray re-raises it as is)."""
+
+    def __init__(self, *args, errors: dict[int, BaseException], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.errors = errors
+        self.restored: list[int | None] = []
+
+    def restore_all(self, step, dp, timeout_s, faults=None):
+        self.restored.append(step)
+        if step in self.errors:
+            raise self.errors[step]
+        return super().restore_all(step, dp, timeout_s, faults)
+
+
+def _finished_job(tmp_path, rendezvous, **over):
+    """Checkpoints 20 and 30 of a 30-step job; the spec of its 40-step continuation."""
+    spec = _spec(tmp_path, **over)
+    assert _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, []).run() \
+        .status == "succeeded"
+    return _spec(tmp_path, train={"steps": 40, "global_batch": 4, "micro_batch": 1}, **over)
+
+
+def _run(spec, workers, rendezvous, fresh: bool = False):
+    lines: list[str] = []
+    ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
+                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, fresh=fresh)
+    return ctl, ctl.run(), "\n".join(lines)
+
+
+def _files(spec) -> list[str]:
+    root = Storage(spec.checkpoint_root)
+    return sorted(path for path in root.fs.find(root.root))
+
+
+def test_a_store_that_keeps_failing_at_restore_fails_the_job_naming_it_and_deletes_nothing(tmp_path, rendezvous):
+    spec = _finished_job(tmp_path, rendezvous)
+    before = _files(spec)
+    down = TransientStorageError("step 30: bytes 0..64 of shard-r00000.bin: the store kept failing for 120.0 s "
+                                 "(checkpoint.read_retry_s=120): OSError: [Errno 16] Please reduce your request rate.")
+    workers = FailingRestore(rendezvous, Storage(spec.checkpoint_root), errors={30: down})
+    ctl, report, text = _run(spec, workers, rendezvous)
+    assert report.status == "failed" and workers.restored == [30]  # no fallback to 20, no step 0
+    assert "checkpoint step 30 could not be read" in report.error and "Please reduce your request rate" in report.error
+    assert "nothing was quarantined or deleted" in report.error
+    assert _files(spec) == before and ctl.catalog.committed_steps() == [20, 30]
+
+
+def test_a_verification_that_meets_transient_errors_never_moves_a_manifest(tmp_path, rendezvous):
+    # A rank proved step 30 corrupt; the controller's own verification is throttled for longer than
+    # its budget, which proves nothing: 30 stays committed, this run only skips it.
+    throttled = {"kind": "storage_throttle", "op": "read", "path": "*/shard-*", "repeat": True}
+    _finished_job(tmp_path, rendezvous)
+    spec = _spec(tmp_path, train={"steps": 40, "global_batch": 4, "micro_batch": 1}, chaos={"faults": [throttled]},
+                 checkpoint={"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2, "read_retry_s": 0.3})
+    workers = FailingRestore(rendezvous, Storage(spec.checkpoint_root),
+                             errors={30: CorruptCheckpoint("step 30: checksum mismatch in shard-r00001.bin")})
+    started = time.monotonic()
+    ctl, report, text = _run(spec, workers, rendezvous)
+    assert time.monotonic() - started >= 0.3  # the verification waited its budget out
+    assert "checkpoint step 30 is corrupt" in text and "without proving corruption" in text
+    assert "stays committed" in text and "restored step 20" in text
+    assert not list((tmp_path / "ckpt" / "unit" / step_dir(30)).glob("manifest.corrupt-*"))
+    assert (tmp_path / "ckpt" / "unit" / step_dir(30) / "manifest.json").exists()
+    assert report.status == "succeeded", report.error
+
+
+def test_every_checkpoint_corrupt_fails_the_job_naming_them_and_a_rerun_never_starts_over(tmp_path, rendezvous):
+    spec = _finished_job(tmp_path, rendezvous)
+    storage = Storage(spec.checkpoint_root)
+    for step in (20, 30):
+        corrupt_shard(storage, step)
+    shards = [p for p in _files(spec) if "/shard-" in p]
+    workers = FakeWorkerGroup(rendezvous, storage)
+    workers.verify_restore = True  # the ranks read the checkpoint whole and find the flipped bits
+    ctl, report, text = _run(spec, workers, rendezvous)
+    assert report.status == "failed"
+    assert "checkpoint step 30 is corrupt" in text and "checkpoint step 20 is corrupt" in text  # loudly, each
+    assert "no committed checkpoint can be restored (step 30: corrupt" in report.error and "step 20: corrupt" in \
+        report.error and "does not start from step 0 on its own" in report.error
+    assert [p for p in _files(spec) if "/shard-" in p] == shards  # quarantine moves manifests, deletes nothing
+    # Both manifests were moved aside: a plain rerun finds nothing committed, and still refuses step 0.
+    workers = FailingRestore(rendezvous, storage, errors={})
+    ctl, report, text = _run(spec, workers, rendezvous)
+    assert report.status == "failed" and workers.restored == []
+    assert "were quarantined as corrupt" in report.error and "[20, 30]" in report.error and "--fresh" in report.error
+    assert fresh_problem(spec) is None
+    ctl, report, text = _run(spec, FakeWorkerGroup(rendezvous, storage), rendezvous, fresh=True)
+    assert report.status == "succeeded", report.error
+    assert "fresh start (no committed checkpoint)" in text and report.final_step == 40
+
+
+def test_fresh_is_refused_while_committed_checkpoints_are_in_its_way(tmp_path, rendezvous):
+    spec = _finished_job(tmp_path, rendezvous)
+    problem = fresh_problem(spec)
+    assert "holds committed checkpoints (steps [20, 30])" in problem and "resume from step 30" in problem
+    assert "--set name=" in problem
+
+
+def _rank_spec(root: str, read_retry_s: float):
+    return SimpleNamespace(checkpoint_root=root, chaos=SimpleNamespace(seed=0),
+                           checkpoint=SimpleNamespace(storage_options={}, read_retry_s=read_retry_s))
+
+
+@pytest.mark.parametrize("kind", ["storage_error", "storage_throttle"])
+def test_a_ranks_restore_reads_wait_out_a_short_outage_and_load_the_checkpoint(tmp_path, kind):
+    stand_in, source = commit_trained_engine(f"file://{tmp_path}/job")
+    spec = _rank_spec(stand_in.checkpoint_root, read_retry_s=30.0)
+    outage = [{"kind": kind, "rank": 0, "op": "read", "duration_s": 0.4, "id": 3},
+              {"kind": kind, "rank": 1, "op": "read", "duration_s": 60}]  # another rank's: not ours
+    notices: list[dict] = []
+    engine = tiny_engine()
+    started = time.monotonic()
+    load_engine_state(spec, engine, 2, storage_setup=restore_storage_setup(spec, outage, 0, notices.append))
+    assert time.monotonic() - started >= 0.4
+    for name, tensor in source.model.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], tensor), name
+    assert notices and {(n["fault_id"], n["kind"], n["rank"], n["op"]) for n in notices} == {(3, kind, 0, "read")}
+
+
+def test_a_ranks_restore_reads_give_up_after_read_retry_s(tmp_path):
+    stand_in, _ = commit_trained_engine(f"file://{tmp_path}/job")
+    spec = _rank_spec(stand_in.checkpoint_root, read_retry_s=0.2)
+    outage = [{"kind": "storage_throttle", "rank": 0, "op": "read", "duration_s": 60}]
+    with pytest.raises(TransientStorageError, match=r"read_retry_s=0.2\): InjectedThrottle.*\(S3 SlowDown, HTTP 503\)"):
+        load_engine_state(spec, tiny_engine(), 2, storage_setup=restore_storage_setup(spec, outage, 0, print))
+    assert Catalog(Storage(stand_in.checkpoint_root)).committed_steps() == [2]
+    assert restore_storage_setup(spec, [{"kind": "storage_error", "rank": 0, "op": "write"}], 0, print) is None

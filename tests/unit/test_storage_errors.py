@@ -1,0 +1,152 @@
+"""Storage read errors: transient vs corrupt as s3fs/botocore really raise them, and the bounded,
+jittered retry of the transient ones (clock and sleep injected: no test waits)."""
+
+from __future__ import annotations
+
+import errno
+import random
+
+import pytest
+
+from chaos.storage_rules import slow_down
+from ckpt.errors import CorruptCheckpoint, TransientStorageError
+from ckpt.storage_errors import CORRUPT, TRANSIENT, ReadRetry, classify
+
+botocore = pytest.importorskip("botocore.exceptions")
+s3fs_errors = pytest.importorskip("s3fs.errors")
+
+
+def _s3(code: str, status: int) -> BaseException:
+    """An S3 error reply, translated the way s3fs translates it before raising it."""
+    response = {"Error": {"Code": code, "Message": f"{code} happened"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return s3fs_errors.translate_boto_error(botocore.ClientError(response, "GetObject"))
+
+
+@pytest.mark.parametrize(("code", "status", "verdict"), [
+    ("SlowDown", 503, TRANSIENT), ("ServiceUnavailable", 503, TRANSIENT), ("InternalError", 500, TRANSIENT),
+    ("BadGateway", 502, TRANSIENT), ("GatewayTimeout", 504, TRANSIENT), ("RequestTimeout", 400, TRANSIENT),
+    ("TooManyRequests", 429, TRANSIENT), ("NoSuchKey", 404, CORRUPT), ("InvalidRange", 416, CORRUPT),
+    ("AccessDenied", 403, None), ("InvalidArgument", 400, None),
+])
+def test_s3_replies_as_s3fs_raises_them(code, status, verdict):
+    err = _s3(code, status)
+    assert isinstance(err, OSError)  # what reaches ckpt: builtin exceptions, the reply as their cause
+    assert classify(err) == verdict
+
+
+def test_s3fs_surface_of_throttling_is_an_ebusy_oserror_that_only_the_cause_explains():
+    err = _s3("SlowDown", 503)
+    assert type(err) is OSError and err.errno == errno.EBUSY  # the errno alone would not say "throttled"
+    assert classify(err) == TRANSIENT
+    injected = slow_down("read", "injected storage_throttle")  # chaos raises the same shape
+    assert injected.errno == errno.EBUSY and injected.__cause__.response["Error"]["Code"] == "SlowDown"
+    assert classify(injected) == TRANSIENT
+
+
+@pytest.mark.parametrize("err", [
+    botocore.EndpointConnectionError(endpoint_url="http://s3:9000"),
+    botocore.ReadTimeoutError(endpoint_url="http://s3:9000"),
+    botocore.ConnectTimeoutError(endpoint_url="http://s3:9000"),
+    botocore.ResponseStreamingError(error="connection broken"),
+    ConnectionResetError(errno.ECONNRESET, "reset by peer"), TimeoutError("timed out"),
+    OSError(errno.EIO, "I/O error"), OSError(errno.ESTALE, "stale file handle"),
+])
+def test_connection_failures_and_flaky_file_systems_are_transient(err):
+    assert classify(err) == TRANSIENT
+
+
+def test_aiohttp_disconnects_are_transient():
+    aiohttp = pytest.importorskip("aiohttp")
+    assert classify(aiohttp.ServerDisconnectedError()) == TRANSIENT
+
+
+@pytest.mark.parametrize(("err", "verdict"), [
+    (FileNotFoundError(errno.ENOENT, "no such file"), CORRUPT),
+    (PermissionError(errno.EACCES, "denied"), None),
+    (ValueError("a bug"), None),
+])
+def test_missing_objects_are_proof_and_other_errors_are_neither(err, verdict):
+    assert classify(err) == verdict
+
+
+def test_only_explicit_causes_count_and_a_callers_proof_wins():
+    try:
+        try:
+            raise OSError(errno.EIO, "the write failed")
+        except OSError:  # while handling it, the read-back found a torn manifest: its own finding
+            raise CorruptCheckpoint("step 20: the manifest is not JSON") from None
+    except CorruptCheckpoint as err:
+        assert isinstance(err.__context__, OSError)
+        assert classify(err) == CORRUPT
+    wrapped = RuntimeError("while reading")
+    wrapped.__cause__ = ConnectionResetError()
+    assert classify(wrapped) == TRANSIENT
+
+
+class _Clock:
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def _retry(clock: _Clock, budget: float, seed: int = 0) -> ReadRetry:
+    return ReadRetry(budget, first_s=0.2, cap_s=10.0, clock=lambda: clock.now, sleep=clock.sleep,
+                     rng=random.Random(seed))
+
+
+def test_transient_errors_are_retried_with_growing_jittered_waits_until_the_read_succeeds():
+    clock, calls = _Clock(), []
+
+    def read():
+        calls.append(clock.now)
+        if len(calls) <= 6:
+            raise _s3("SlowDown", 503)
+        return b"bytes"
+
+    assert _retry(clock, 120.0).call(read, "step 20: shard") == b"bytes"
+    assert len(calls) == 7 and len(clock.sleeps) == 6
+    for attempt, wait in enumerate(clock.sleeps):
+        ceiling = min(10.0, 0.2 * 2 ** attempt)
+        assert ceiling / 2 <= wait <= ceiling  # exponential envelope, jittered inside it
+    other = _Clock()
+    _retry(other, 120.0, seed=1).call(_fails_then(6, b"x"), "w")
+    assert other.sleeps != clock.sleeps  # jitter: two readers do not retry in lockstep
+
+
+def _fails_then(n: int, value):
+    left = [n]
+
+    def read():
+        if left[0]:
+            left[0] -= 1
+            raise TimeoutError("read timed out")
+        return value
+
+    return read
+
+
+def test_the_retry_is_bounded_by_its_budget_and_names_the_read_and_the_cause():
+    clock = _Clock()
+
+    def never():
+        raise _s3("InternalError", 500)
+
+    with pytest.raises(TransientStorageError, match=r"step 30: bytes 0\.\.64.*read_retry_s=30.*InternalError") as info:
+        _retry(clock, 30.0).call(never, "step 30: bytes 0..64 of shard-r00000.bin")
+    assert 30.0 <= clock.now <= 30.0 + 1e-9  # the last wait is cut to the budget
+    assert max(clock.sleeps) <= 10.0 and len(clock.sleeps) > 5
+    assert isinstance(info.value, OSError) and classify(info.value.__cause__) == TRANSIENT
+
+
+def test_errors_that_are_not_transient_pass_at_once_and_budget_zero_never_waits():
+    clock = _Clock()
+    with pytest.raises(FileNotFoundError):
+        _retry(clock, 120.0).call(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), "m")
+    with pytest.raises(PermissionError):
+        _retry(clock, 120.0).call(lambda: (_ for _ in ()).throw(_s3("AccessDenied", 403)), "m")
+    with pytest.raises(TransientStorageError):
+        _retry(clock, 0.0).call(_fails_then(1, b""), "m")
+    assert clock.sleeps == []
