@@ -192,3 +192,17 @@ def test_forged_control_messages_leave_a_running_job_as_it_was(tmp_path):
     assert controller.catalog.committed_steps() == [20, 30]
     assert rendezvous.rejections.counts == {"events": 3, "abort": 1}
     assert [_metrics_count(controller.metrics, c) for c in ("events", "abort")] == [3, 1]
+
+
+def test_a_forged_plan_leaves_a_rank_on_its_current_plan():
+    from orchestrator.rank.loop import plan_from_store
+    from orchestrator.wire.messages import CheckpointPlan
+
+    server = RendezvousServer("127.0.0.1")
+    rank = connect(server.address, 0, timeout_s=10)
+    current = CheckpointPlan(every=10, version=1)
+    forger = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    forger.set(f"gen0/{PLAN}", json.dumps({"every": 1, "version": 99}))  # a save every step
+    assert plan_from_store(rank, current) is current
+    server.generation(0).set_json(PLAN, {"every": 5, "version": 2})
+    assert plan_from_store(rank, current) == CheckpointPlan(every=5, version=2)
