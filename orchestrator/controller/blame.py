@@ -76,10 +76,12 @@ class Blame:
         return Failure("node_lost", ranks[0] if ranks else None, time.time(), message, step=self.current_step())
 
     def hang(self, since: float, limit_s: float) -> Failure | None:
-        """A hang when no step came for `limit_s` since `since` (the last step or the generation's start)."""
-        if time.time() - since < limit_s:
+        """A hang when no step came for `limit_s` since `since` (time.monotonic() of the last step, or
+        of the generation's start): a watchdog on the wall clock would fire at an NTP step."""
+        quiet = time.monotonic() - since
+        if quiet < limit_s:
             return None
-        message = f"no step for {time.time() - since:.1f} s (limit {limit_s:.1f} s)"
+        message = f"no step for {quiet:.1f} s (limit {limit_s:.1f} s)"
         return self._from_fault(message, Failure("hang", None, time.time(), message, step=self.current_step()))
 
     def rendezvous_failed(self, err: BaseException) -> Failure:

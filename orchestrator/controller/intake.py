@@ -3,11 +3,12 @@
 Protocol (controller thread only): `drain(store)` takes every message queued in the
 generation's store (orchestrator.wire.store.GenerationStore.receive) and every notice of the
 controller's own chaos (ControllerFaults.drain), oldest first, and hands each to the handler
-`HANDLERS` names for its type. It returns the steps committed while draining, newest last
-(the training loop may grow the job at a commit). Called from every state that waits on
-ranks: the training loop each poll, RESTORING after a failed restore (to learn a fault
-that fired there), RECOVERING before and after the release (late receipts may still
-complete a checkpoint).
+`HANDLERS` names for its type; a rank's timestamp is first put on the controller's clock
+(orchestrator.controller.clock_skew), so no handler subtracts two hosts' clocks. It returns
+the steps committed while draining, newest last (the training loop may grow the job at a
+commit). Called from every state that waits on ranks: the training loop each poll,
+RESTORING after a failed restore (to learn a fault that fired there), RECOVERING before and
+after the release (late receipts may still complete a checkpoint).
 
 Lost nodes: every rank of a lost node reports it; the first report per node is kept in
 `lost_nodes` until the recovery takes it (`take_lost_nodes`); late reports of a node already
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from orchestrator.controller.clock_skew import ClockSkew
 from orchestrator.controller.faults import describe_fault
 from orchestrator.wire.messages import (
     EvalDone,
@@ -46,10 +48,13 @@ class EventIntake:
                          NodeLost: self._node_lost, MemoryReport: self._memory, SaveFailed: self._save_failed,
                          EvalDone: self.record.on_eval}
         self._committed: list[int] = []
+        self.clocks = ClockSkew()
 
     def drain(self, store) -> list[int]:
         self._committed = []
-        for message in [*store.receive(), *self.chaos.drain()]:
+        from_ranks = store.receive()
+        received = self.clocks.clock()
+        for message in [*(self.clocks.to_local(m, received) for m in from_ranks), *self.chaos.drain()]:
             self.HANDLERS[type(message)](message)
         return self._committed
 

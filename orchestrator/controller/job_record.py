@@ -66,8 +66,14 @@ class JobRecord:
         self.rolled_back: list[RolledBackStep] = []  # the executions that redone steps replaced
         self.in_flight_at_failure: set[int] = set()  # steps a failure interrupted: partly computed
         self._last_progress = 0.0
-        self.last_step_time = time.time()
+        self.progress_at = time.monotonic()  # the hang clock: monotonic, an NTP step never trips it
         self._awaiting_first_step: tuple[FailureRecord, float] | None = None
+
+    def on_training_started(self) -> float:
+        """A generation starts training: the hang clock restarts. Returns the wall time, the
+        controller's record of when the generation started (compared with rank timestamps)."""
+        self.progress_at = time.monotonic()
+        return time.time()
 
     def job_seconds(self, at: float | None = None) -> float:
         return (at if at is not None else time.time()) - self.started
@@ -87,7 +93,7 @@ class JobRecord:
         self.steps[rec.step] = rec
         self.last_step = rec.step
         record_step(self.history, rec.step, self.dp)
-        self.last_step_time = time.time()
+        self.progress_at = time.monotonic()
         if self._awaiting_first_step is not None:
             failure, since = self._awaiting_first_step
             failure.first_step_after_s = rec.time - since
@@ -122,7 +128,7 @@ class JobRecord:
         """A validation loss from rank 0. Its time was booked as productive (the controller was
         RUNNING); it trained nothing, so it moves to `other`, as Google's taxonomy has no bucket for it."""
         self.ledger.move(event.seconds, "productive", "other")
-        self.last_step_time = time.time()  # progress: the hang clock restarts after a validation
+        self.progress_at = time.monotonic()  # progress: the hang clock restarts after a validation
         self.evals = [e for e in self.evals if e.step != event.step]  # a re-evaluation after a rollback
         self.evals.append(EvalPoint(step=event.step, loss=event.loss, tokens=event.tokens, seconds=event.seconds,
                                     time=self.job_seconds()))

@@ -105,7 +105,7 @@ class Controller:
         self.restarts = 0
         self.restored_step: int | None = None
         self.failure_history: list = []
-        self.gen_started_at = time.time()  # when this generation's training started (the hang clock)
+        self.gen_started_at = time.time()  # when this generation's training started (wall; hangs: record.progress_at)
         self.error: str | None = None
         self._resumed_ledger = False
         self.store = None
@@ -261,7 +261,7 @@ class Controller:
         if step is not None and step >= self.spec.train.steps:
             self._go(Succeeded(), f"{what}: the job had already finished")
             return
-        self.gen_started_at = time.time()
+        self.gen_started_at = self.record.on_training_started()
         self._go(Running(TrainingRun(recovering=self.phase.recovering)),
                  f"{what} in {time.perf_counter() - started:.2f} s")
 
@@ -307,7 +307,7 @@ class Controller:
             self.fault_clock.fire_due(self.world_size)
             limit = hang_limit(self.record.median_step_s(), self.record.completed_steps(), self.spec, self.hang_min_s,
                                self.hang_factor)
-            hung = self.blame.hang(max(self.record.last_step_time, self.gen_started_at), limit)
+            hung = self.blame.hang(self.record.progress_at, limit)
             if hung is not None:
                 self._start_recovery(hung)
 
