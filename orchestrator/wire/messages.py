@@ -17,7 +17,8 @@ checkpoint plan under the `plan` key, which ranks poll. Who sends what:
 
 Events are queued; a heartbeat (`hb/<rank>`) and the plan (`plan`) are keys, the newest value
 overwriting the last. `encode(message)` gives the JSON-ready dict (with its "type"), `decode(dict)` the message;
-`MESSAGES` is the dispatch table between the two. The bytes on the wire are that JSON.
+`MESSAGES` is the dispatch table between the two. The bytes on the wire are that JSON, sealed
+with the job's secret (orchestrator.wire.auth: a value without a valid tag is dropped).
 Fault notices are built by the chaos library (chaos.injector, chaos.storage_rules), which
 sits below this module, as dicts of FaultFired's fields; the rank decodes them before
 sending, so a malformed notice fails where it is made.
