@@ -37,6 +37,7 @@ from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import Manifest, ShardReceipt
 from ckpt.reader import read_manifest
+from ckpt.storage_errors import ReadRetry
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,9 @@ class Committer:
         try:
             if not self.catalog.storage.exists(self.catalog.manifest_path(step)):
                 return
-            read_manifest(self.catalog, step)
+            # No retry budget: this runs on the controller's thread mid-training, and a store that
+            # fails transiently here proves nothing (the warning below; restores check again).
+            read_manifest(self.catalog, step, ReadRetry(0.0))
         except CorruptCheckpoint as err:
             try:
                 aside = self.catalog.quarantine(step)
