@@ -133,4 +133,4 @@ def reference(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     proc, report = run_job(ray_cluster, tmp, "ref", ["chaos.faults=[]"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(report.read_text())
+    return {**json.loads(report.read_text()), "checkpoint_dir": str(tmp / "ckpt" / "ref")}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,3 +28,28 @@ def run_job(ray_cluster: str, tmp: Path, name: str, extra: list[str], timeout: f
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return proc, report
+
+
+def start_job(address: str, tmp: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+    """Start the demo job in the background; returns (process, report path, log path)."""
+    report, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(report), "--address", address]
+    for item in [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", *extra]:
+        cmd += ["--set", item]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    return proc, report, log
+
+
+def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Until `text` shows in the job's log (the job must still be running)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, f"no {text!r} in:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def finish_job(proc: subprocess.Popen, report: Path, log: Path) -> dict:
+    """Wait for a job started with `start_job` to succeed; its report."""
+    assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
+    return json.loads(report.read_text())

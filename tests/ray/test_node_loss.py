@@ -7,47 +7,20 @@ time out; the ranks' node watchdogs report it to the controller in well under a 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
 
-from tests.ray.jobs import BASE, ROOT, UNDYING
+from tests.ray.jobs import finish_job, start_job, wait_for
 
 pytestmark = pytest.mark.ray
 NODES = 3
 
 
-def _start(address: str, tmp: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path, Path]:
-    report, log = tmp / f"{name}.json", tmp / f"{name}.log"
-    cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(report), "--address", address]
-    for item in [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", *extra]:
-        cmd += ["--set", item]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    return proc, report, log
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, f"no {text!r} in:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-
-
-def _finish(proc: subprocess.Popen, report: Path, log: Path) -> dict:
-    assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
-    return json.loads(report.read_text())
-
-
 def test_node_loss_is_detected_in_seconds_and_warm_spares_take_over(local_cluster, tmp_path, reference):
     # 4 ranks fill two nodes (PACK), the 2 spares the third; the node of ranks 0 and 1 dies.
     try:
-        proc, report, log = _start(local_cluster.address, tmp_path, "nodespare", [
+        proc, report, log = start_job(local_cluster.address, tmp_path, "nodespare", [
             "elastic.spares=2", "chaos.faults=[{kind: kill_node, rank: 1, at_step: 25}]"])
-        result = _finish(proc, report, log)
+        result = finish_job(proc, report, log)
         text = log.read_text()
         assert [f["kind"] for f in result["failures"]] == ["kill_node"], text[-4000:]
         [failure] = result["failures"]
@@ -65,13 +38,13 @@ def test_node_loss_without_spares_shrinks_then_grows_when_a_node_joins(local_clu
     # 4 at a checkpoint. Rank 0 is slowed (sleeps only) and checkpoints come every 5 steps
     # (the cadence does not change the numbers) so that commits remain by then.
     try:
-        proc, report, log = _start(local_cluster.address, tmp_path, "nodeshrink", [
+        proc, report, log = start_job(local_cluster.address, tmp_path, "nodeshrink", [
             "elastic.replace_timeout_s=2", "checkpoint.every_steps=5",
             "chaos.faults=[{kind: kill_node, rank: 3, at_step: 6},"
             " {kind: slow_rank, rank: 0, at_step: 0, factor: 4}]"])
-        _wait_for(log, "shrinking dp 4 -> 2", proc)
+        wait_for(log, "shrinking dp 4 -> 2", proc)
         local_cluster.restore(NODES)
-        result = _finish(proc, report, log)
+        result = finish_job(proc, report, log)
         text = log.read_text()
         assert "growing dp 2 -> 4" in text, text[-3000:]
         assert [w["dp"] for w in result["world_history"]] == [4, 2, 4]
