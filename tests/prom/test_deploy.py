@@ -168,3 +168,8 @@ def test_kuberay_rayjob_runs_a_valid_spec_and_exposes_its_metrics(tmp_path):
     gpus = sum(w["replicas"] * int(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
                for w in workers)
     assert gpus == spec.world_size * spec.resources.gpus_per_rank
+    # A preempted job checkpoints within elastic.preemption_grace_s: Ray and Kubernetes wait longer.
+    env = {e["name"]: e["value"] for e in container["env"]}
+    grace = spec.elastic.preemption_grace_s
+    assert grace < int(env["RAY_JOB_STOP_WAIT_TIME_S"]) < head["spec"]["terminationGracePeriodSeconds"]
+    assert all(w["template"]["spec"]["terminationGracePeriodSeconds"] > grace for w in workers)
