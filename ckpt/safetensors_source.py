@@ -93,8 +93,8 @@ def parse_header(prefix: bytes, file_size: int, file: str) -> tuple[int, dict]:
         raise BadSafetensors(f"{file}: the header is truncated")
     try:
         header = json.loads(prefix[8:8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadSafetensors(f"{file}: the header is not UTF-8 JSON ({err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise BadSafetensors(f"{file}: the header is not UTF-8 JSON ({type(err).__name__}: {err})") from None
     if not isinstance(header, dict):
         raise BadSafetensors(f"{file}: the header is not a JSON object")
     header.pop("__metadata__", None)
@@ -110,7 +110,7 @@ def _check_entry(file: str, name: str, entry, data_start: int, file_size: int) -
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise BadSafetensors(f"{file}: tensor {name!r} needs exactly dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise BadSafetensors(f"{file}: tensor {name!r} has dtype {dtype!r}, not one of {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                               for n in shape):

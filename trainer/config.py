@@ -105,7 +105,7 @@ class ModelConfig(_Strict):
     def _from_hf_config(cls, data):
         # A Hugging Face directory supplies every architecture key; explicit keys may not
         # contradict it (they would silently train another model than the weights describe).
-        if isinstance(data, dict) and data.get("from_hf"):
+        if isinstance(data, dict) and data.get("from_hf") and isinstance(data["from_hf"], str):
             from trainer.hf_config import merge_hf_architecture
 
             return merge_hf_architecture(data)

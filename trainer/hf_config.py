@@ -53,7 +53,7 @@ def read_hf_config(url: str) -> dict[str, Any]:
             config = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"model.from_hf: no config.json at {path}; give a Hugging Face model directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, ImportError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"model.from_hf: cannot read {path} ({type(err).__name__}: {err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"model.from_hf: {path} is not a JSON object")

@@ -230,10 +230,15 @@ def engine_support_problems(spec: Any) -> list[Problem]:
     return out
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
 def _dotted(loc: Sequence[str | int]) -> str:
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+        # A key that is not a plain name is quoted, so the field stays one readable line.
+        key = str(part) if _PLAIN_KEY.fullmatch(str(part)) else show(part)
+        text += f"[{part}]" if isinstance(part, int) else (f".{key}" if text else key)
     return text or "spec"
 
 
