@@ -153,3 +153,17 @@ def test_a_ranks_restore_reads_give_up_after_read_retry_s(tmp_path):
         load_engine_state(spec, tiny_engine(), 2, storage_setup=restore_storage_setup(spec, outage, 0, print))
     assert Catalog(Storage(stand_in.checkpoint_root)).committed_steps() == [2]
     assert restore_storage_setup(spec, [{"kind": "storage_error", "rank": 0, "op": "write"}], 0, print) is None
+
+
+def test_undying_run_fresh_exits_2_naming_the_committed_checkpoints_and_touches_nothing(tmp_path, rendezvous,
+                                                                                      capsys):
+    from orchestrator.cli.main import main
+    from tests.ray.jobs import ROOT
+
+    spec = _finished_job(tmp_path, rendezvous)
+    before = _files(spec)
+    code = main(["run", str(ROOT / "examples/demo.yaml"), "--set", "name=unit", "--set",
+                 f"checkpoint.url=file://{tmp_path}/ckpt", "--fresh"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--fresh:" in err and "steps [20, 30]" in err, err
+    assert _files(spec) == before
