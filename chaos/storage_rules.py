@@ -11,8 +11,8 @@ Semantics of one fault (fields of chaos.config.FaultSpec):
   directory (`step-<9 digits>`). `at_seconds` and `duration_s` make it active in that
   window of seconds after `started` (the job's start on `clock`; default: when the plan
   was built), from the start and for ever when not given; `duration_s` without `at_seconds`
-  opens the window at the first call the fault matches (a rank's restore: "its reads fail
-  for 10 s").
+  opens the window at the first call the fault matches, in each plan (a rank builds one per
+  restore, so every restore of that rank meets "its reads fail for 10 s").
   `at_point` is not evaluated here: the caller installs the plan when the point is reached.
 * Of the matching calls, which fire: `nth: k` the k-th (with `repeat`, every k-th);
   `probability: p` each with chance p from a generator seeded with (seed, fault index)
