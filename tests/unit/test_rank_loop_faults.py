@@ -26,13 +26,13 @@ def _spec(tmp_path, faults):
     })
 
 
-def _run(tmp_path, faults):
+def _run(tmp_path, faults, **plan):
     """Run rank 0 of a one-rank job to step 6 (saves after steps 2, 4, 6); returns (outcome, events)."""
     spec = _spec(tmp_path, faults)
     server = RendezvousServer("127.0.0.1")
     controller = server.generation(0)
     controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
-                               "job_started_at": time.time()})
+                               "job_started_at": time.time(), **plan})
     armed = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)]
     loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
                     writer_store=connect(server.address, 0))
@@ -60,6 +60,16 @@ def test_a_storage_fault_on_the_rank_fails_that_shard_write_only(tmp_path, kind)
     [fault] = [e for e in events if e["type"] == "fault"]
     assert fault["kind"] == kind and fault["rank"] == 0 and step_dir(4) in fault["path"]
     assert [e["receipt"]["step"] for e in events if e["type"] == "receipt"] == [2, 6]
+
+
+@pytest.mark.parametrize("stop_at", [3, 0])
+def test_a_stop_step_is_saved_and_ends_the_train_call_there(tmp_path, stop_at):
+    # 3: off the cadence; 0: already passed when read (read late), so the step reached (1) is saved.
+    outcome, events, _ = _run(tmp_path, [], stop_at=stop_at)
+    end = max(stop_at, 1)
+    assert outcome["status"] == "done" and outcome["step"] == end
+    assert [e["step"] for e in events if e["type"] == "step"] == list(range(end))
+    assert [e["receipt"]["step"] for e in events if e["type"] == "receipt"] == [s for s in (2, end) if s <= end]
 
 
 def test_a_storage_fault_for_another_rank_changes_nothing_here(tmp_path):
