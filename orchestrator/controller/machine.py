@@ -103,6 +103,7 @@ class Controller:
         self.gen = -1
         self.dp = spec.parallel.dp
         self.restarts = 0
+        self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
         self.restored_step: int | None = None
         self.failure_history: list = []
         self.gen_started_at = time.time()  # when this generation's training started (wall; hangs: record.progress_at)
@@ -169,7 +170,7 @@ class Controller:
         previous, self.phase = self.state, phase
         buckets = _BUCKETS.get(phase.state)
         if buckets is not None:
-            self.ledger.enter(buckets[1] if self.restarts > 0 else buckets[0])
+            self.ledger.enter(buckets[1] if self.restarts > 0 or self.trained else buckets[0])
         self.metrics.on_state(phase.state.value)
         arrow = f"{previous.value} -> {phase.state.value}" if previous != phase.state else phase.state.value
         self.log(f"{arrow}: {sentence}")
@@ -318,7 +319,7 @@ class Controller:
             self.checkpoints.interval_policy.on_restart(failure.record.recovered_after_s)
             run.recovering = None
         self.workers.start_training(self.spec.train.steps, self.fault_clock.armed())
-        run.started = True
+        run.started = self.trained = True
 
     def _on_receipt(self, message: ShardWritten) -> int | None:
         return self.checkpoints.on_receipt(message, self.world_size, self.layout(), self.restarts,
