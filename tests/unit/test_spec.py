@@ -109,7 +109,8 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
     tiny_data["checkpoint"]["asynch"] = True
     [problem] = problems_of(tiny_data)
     assert problem.field == "checkpoint.asynch"
-    assert "did you mean 'async'?" in problem.message and "keep, max_failed_saves, async, writer, mtbf_s" in problem.message
+    assert "did you mean 'async'?" in problem.message
+    assert "keep, max_failed_saves, async, writer, mtbf_s" in problem.message
 
 
 @pytest.mark.parametrize(
