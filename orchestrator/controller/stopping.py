@@ -69,10 +69,12 @@ class Stops:
         self.ledger, self.recovery, self.intake, self.drains = ledger, recovery, intake, drains
         self.log, self.clock = log, clock
         self.signals: list[str] = []  # names of the signals received, in order
+        self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
 
     def on_signal(self, signum: int, _frame=None) -> None:
         """The signal handler: records the signal, nothing else (the controller acts on its next poll)."""
+        self.signalled_at = self.signalled_at or self.clock()
         self.signals.append(signal.Signals(signum).name)
 
     def at_once(self, state: State) -> Move | None:
@@ -103,7 +105,7 @@ class Stops:
         stop = min(reached + stop_lead(self.record.median_step_s()), self.spec.train.steps)
         if self.signals:
             grace = self.spec.elastic.preemption_grace_s
-            return Stopping(run, stop, f"{self.signals[0]} at step {reached}", self.clock() + grace)
+            return Stopping(run, stop, f"{self.signals[0]} at step {reached}", self.signalled_at + grace)
         for node, deadline in self.drains().items():
             if node in self.drained:
                 continue
