@@ -26,7 +26,7 @@ from orchestrator.wire.messages import (
 )
 from orchestrator.wire.store import RendezvousServer
 
-RECEIPT = ShardReceipt(step=10, rank=1, file="step-000000010/shard-r1.bin", nbytes=64, tensors={},
+RECEIPT = ShardReceipt(step=10, rank=1, file="shard-r1.bin", nbytes=64, tensors={},
                        blocking_s=0.01, write_s=0.2)
 EXAMPLES = [
     StepDone(step=3, loss=2.5, tokens=512, step_s=0.1, time=1e9, compute_s=0.08, grad_norm=1.2, lr=1e-3,
