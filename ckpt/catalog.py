@@ -13,7 +13,10 @@ checkpoint is deleted manifest first, so an interrupted deletion leaves an uncom
 directory (garbage for the next run), never a manifest that names missing shards. On S3 an
 unfinished save also counts when all it left is multipart uploads pending (a writer killed
 mid-upload): deleting it aborts them (ckpt.storage.Storage.remove_tree). Deletes
-tolerate files that are already gone: the controller and `undying ckpt gc` may race.
+tolerate files that are already gone: the controller and `undying ckpt gc` may race. A
+listing or a manifest stat that fails raises before anything is deleted (Storage.exists says
+"absent" only when the store does), so GC never takes a committed step it could not see for
+an unfinished save; the caller logs it (the committer runs GC again at its next commit).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import Manifest, ShardReceipt
 from ckpt.reader import read_manifest
-from ckpt.storage_errors import ReadRetry
+from ckpt.storage_errors import ReadRetry, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,9 @@ class Committer:
         try:
             self.catalog.apply_retention(self.keep)
             self.catalog.collect_garbage(in_flight=set(self.pending))
-        except (OSError, ValueError) as err:
+        except Exception as err:  # storage errors, the HTTP stack's own connection errors among them
+            if not isinstance(err, (OSError, ValueError)) and not is_transient(err):
+                raise
             log.warning("checkpoint retention after step %d failed (%s: %s); it runs again at the next commit",
                         save.step, type(err).__name__, err)
         return Commit(step=save.step, nbytes=manifest.total_bytes, blocking_s=blocking,

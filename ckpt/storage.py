@@ -26,7 +26,9 @@ Listings: s3fs caches directory listings per filesystem instance, and a cached l
 hides files that other processes wrote since (and makes `exists` answer False for them).
 Every `listdir` and `exists` here drops the cache first, and every `Storage` builds its
 own filesystem instance (`skip_instance_cache`), because fsspec otherwise hands out one
-shared, cached instance for equal arguments.
+shared, cached instance for equal arguments. `exists` and `listdir` answer "absent" only
+for FileNotFoundError and raise any other error, so that a store that fails is never read
+as a store without checkpoints.
 
 A writer killed mid multipart upload (SIGKILL) leaves the upload pending: no object, but
 stored parts. `remove_tree` (checkpoint GC of unfinished saves) aborts the pending uploads
@@ -214,8 +216,16 @@ class Storage:
         return len(data)
 
     def exists(self, path: str) -> bool:
+        """Whether `path` exists. False only when the store says so (FileNotFoundError); any other
+        error raises. fsspec's own `exists` answers False for every exception (the local one turns
+        an EIO into "no such file"), and a committed manifest taken for absent is a step skipped at
+        restore and a directory that GC takes for an unfinished save and deletes."""
         self.invalidate()
-        return self.fs.exists(path)
+        try:
+            self.fs.info(path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) directly under `path`; empty when it does not exist."""

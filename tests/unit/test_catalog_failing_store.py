@@ -1,0 +1,98 @@
+"""The catalog and the committer under a store that fails: a stat that fails is an error, never an
+absent manifest (fsspec's `exists` says False for any exception), so no committed step is skipped
+at restore or deleted as garbage; a torn manifest found when a commit is retried is withdrawn under
+its own name and counts as no quarantined checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import random
+
+import pytest
+
+from ckpt.catalog import Catalog
+from ckpt.commit import Committer
+from ckpt.manifest import MANIFEST_NAME, step_dir
+from ckpt.shards import owned_by, write_shard
+from ckpt.storage import Storage
+from ckpt.storage_errors import ReadRetry
+from orchestrator.controller.restore_policy import RestorePolicy
+from tests._checkpoints import make_state, save_checkpoint
+
+
+@pytest.fixture
+def catalog(tmp_path) -> Catalog:
+    """Committed steps 10, 20, 30 on file://."""
+    catalog = Catalog(Storage(f"file://{tmp_path}/job"))
+    for step in (10, 20, 30):
+        save_checkpoint(catalog, step, make_state(step), world=2)
+    return catalog
+
+
+def _stat_fails(catalog: Catalog, step: int, times: int, error=None) -> list[str]:
+    """Make the local file system's `info` of step `step`'s manifest raise EIO `times` times (as a
+    flaky disk or NFS mount does); returns the log of failed calls. The real local `exists` calls
+    `info` and swallows every exception. `error`: what to raise instead of EIO."""
+    failed: list[str] = []
+    fs = catalog.storage.fs
+    real = fs.info
+    target = catalog.storage.path(step_dir(step), MANIFEST_NAME)
+
+    def info(path, **kwargs):
+        if str(path).endswith(target) and len(failed) < times:
+            failed.append(str(path))
+            raise error or OSError(errno.EIO, "Input/output error")
+        return real(path, **kwargs)
+
+    fs.info = info
+    return failed
+
+
+def _files(catalog: Catalog) -> list[str]:
+    return sorted(catalog.storage.fs.find(catalog.storage.root))
+
+
+def test_a_failing_stat_of_a_committed_manifest_raises_and_gc_deletes_nothing(catalog):
+    before = _files(catalog)
+    _stat_fails(catalog, 20, times=100)
+    assert catalog.storage.exists(catalog.manifest_path(10))
+    with pytest.raises(OSError, match="Input/output error"):
+        catalog.committed_steps()  # not [10, 30]: step 20 is not known to be absent
+    with pytest.raises(OSError):
+        catalog.collect_garbage()  # step 20 would have looked like an unfinished save older than 30
+    with pytest.raises(OSError):
+        catalog.gc_plan(keep=3)
+    assert _files(catalog) == before
+
+
+def test_the_restore_retries_a_failing_stat_instead_of_restoring_an_older_step(catalog):
+    failed = _stat_fails(catalog, 30, times=2)
+    policy = RestorePolicy(catalog, read_retry_s=30.0)
+    policy.retry = ReadRetry(30.0, sleep=lambda s: None, rng=random.Random(0))
+    assert policy.restore_point() == 30
+    assert len(failed) == 2
+    assert catalog.storage.exists(catalog.manifest_path(40)) is False  # absent is still False, not an error
+
+
+def _save(committer: Committer, step: int, world: int = 2):
+    """Every rank writes its shard of `step` and hands its receipt to `committer`; the last one's Commit."""
+    state, storage = make_state(step), committer.catalog.storage
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    done = None
+    for rank in range(world):
+        receipt = write_shard(storage, step, rank, {n: state[n] for n in owned_by(rank, world, sizes)}, blocking_s=0.0)
+        extra = {"engine": {"next_step": step}} if rank == 0 else {}
+        done = committer.on_receipt(receipt, extra, world, 0, {"dp": world}, lambda samples: {})
+    return done
+
+
+def test_gc_after_a_commit_that_meets_a_connection_error_logs_and_deletes_nothing(catalog, caplog):
+    # s3fs raises a connection failure as botocore's own exception, not an OSError.
+    botocore = pytest.importorskip("botocore.exceptions")
+    _stat_fails(catalog, 20, times=100, error=botocore.EndpointConnectionError(endpoint_url="http://s3:9000"))
+    before = _files(catalog)
+    committer = Committer(catalog, job="j", spec_hash="h", keep=1)
+    committer.reset(30)
+    assert _save(committer, 40).step == 40
+    assert "retention after step 40 failed (EndpointConnectionError" in caplog.text
+    assert set(before) <= set(_files(catalog))  # keep=1 would have deleted 10, 20 and 30 on a working store
