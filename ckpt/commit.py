@@ -13,7 +13,8 @@ exercise each case): a rank's failed shard write (`abandon`, from its `save_erro
 the step's later receipts are ignored), and a manifest create that fails. The create is
 retried once: a retry that finds the manifest already there with the same shards is our own
 first attempt that landed although its reply was lost (ckpt.catalog.Catalog.commit treats it
-as success). A manifest that is there but does not parse is a torn write of ours; it is
+as success). A manifest that is there but does not parse (found after a failed create, or
+by the create's own read-back, which raises CorruptCheckpoint) is a torn write of ours; it is
 moved aside (Catalog.quarantine) before the retry and after a failed one, so an unreadable
 manifest never stays where a reader would take the step for committed. Every save that
 will not commit is passed to `on_dropped(step, reason)` (the controller logs and counts it).
@@ -133,7 +134,7 @@ class Committer:
                 )
             except IncompleteCheckpoint:
                 raise
-            except (OSError, ValueError) as err:  # storage errors; a torn manifest read back (JSON, pydantic)
+            except (OSError, ValueError, CorruptCheckpoint) as err:  # storage errors; a torn manifest read back
                 errors.append(f"{type(err).__name__}: {err}")
                 log.warning("checkpoint step %d: manifest commit failed (%s)", save.step, errors[-1])
                 self._withdraw_torn(save.step)

@@ -96,3 +96,17 @@ def test_gc_after_a_commit_that_meets_a_connection_error_logs_and_deletes_nothin
     assert _save(committer, 40).step == 40
     assert "retention after step 40 failed (EndpointConnectionError" in caplog.text
     assert set(before) <= set(_files(catalog))  # keep=1 would have deleted 10, 20 and 30 on a working store
+
+
+def test_a_torn_manifest_found_by_the_creates_read_back_is_withdrawn_and_the_retry_commits(catalog, caplog):
+    # A torn manifest of step 40 is in place (the withdrawal after a torn write could not run): the
+    # exclusive create answers "exists", and its read-back finds bytes that are not a manifest.
+    torn = catalog.manifest_path(40)
+    catalog.storage.fs.makedirs(torn.rsplit("/", 1)[0], exist_ok=True)
+    catalog.storage.fs.pipe_file(torn, b'{"job": "j", "step": 4')
+    dropped: list[tuple[int, str]] = []
+    committer = Committer(catalog, job="j", spec_hash="h", keep=5, on_dropped=lambda s, why: dropped.append((s, why)))
+    committer.reset(30)
+    assert _save(committer, 40).step == 40 and dropped == []
+    assert "manifest commit failed (CorruptCheckpoint: step 40: the manifest is not JSON" in caplog.text
+    assert catalog.committed_steps() == [10, 20, 30, 40] and catalog.read_manifest(40).step == 40
