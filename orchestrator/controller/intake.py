@@ -10,6 +10,9 @@ commit). Called from every state that waits on ranks: the training loop each pol
 RESTORING after a failed restore (to learn a fault that fired there), RECOVERING before and
 after the release (late receipts may still complete a checkpoint).
 
+`step_at` is when the newest step record was taken off the store (on the monotonic clock):
+a stop step is estimated from it (orchestrator.controller.stopping).
+
 Lost nodes: every rank of a lost node reports it; the first report per node is kept in
 `lost_nodes` until the recovery takes it (`take_lost_nodes`); late reports of a node already
 handled (possibly drained after the recovery) are not a new failure.
@@ -17,6 +20,7 @@ handled (possibly drained after the recovery) are not a new failure.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from orchestrator.controller.clock_skew import ClockSkew
@@ -49,10 +53,18 @@ class EventIntake:
                          EvalDone: self.record.on_eval}
         self._committed: list[int] = []
         self.clocks = ClockSkew()
+        self._store = None  # the generation store drained last
+        # time.monotonic() when the newest step record was taken off the store (or, until this
+        # generation's first, of its first drain): the ranks went on from there (stopping.py).
+        self.step_at = time.monotonic()
+        self._taken_at = self.step_at
 
     def drain(self, store) -> list[int]:
         self._committed = []
+        if store is not self._store:  # a new generation: its ranks start now
+            self._store, self.step_at = store, time.monotonic()
         from_ranks = store.receive()
+        self._taken_at = time.monotonic()
         received = self.clocks.clock()
         for message in [*(self.clocks.to_local(m, received) for m in from_ranks), *self.chaos.drain()]:
             self.HANDLERS[type(message)](message)
@@ -66,6 +78,7 @@ class EventIntake:
         return nodes
 
     def _step(self, message: StepDone) -> None:
+        self.step_at = self._taken_at  # not now: handling the batch (a commit in it) may take seconds
         self.record.on_step(message)
         self.chaos.on_step(message.step)
 

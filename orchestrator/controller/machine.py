@@ -302,7 +302,7 @@ class Controller:
             self._take(self.stops.overdue(self.phase))
         elif not self._take(committed and self.stops.grow_at(committed[-1], self.store, self.gen, self.dp,
                                                              self.world_size, self.gen_started_at)
-                            or self.stops.due(run, self.world_size, self.restored_step)):
+                            or self.stops.due(run, self.store, self.world_size, self.restored_step)):
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
             self.fault_clock.fire_due(self.world_size)

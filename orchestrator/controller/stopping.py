@@ -16,10 +16,18 @@ Three reasons to stop ranks that are training well, each at a checkpoint so no w
 
 How a stop step reaches every rank: `Checkpoints.stop(step)` publishes it in the checkpoint
 plan (`CheckpointPlan.stop_at`), which every rank reads at every step boundary; each rank
-saves that step and its `train` call returns there. Ranks are at most one step apart (every
-step ends in collectives), and the fastest may have finished one step more than the
-controller has heard of, so the stop step is two steps ahead of the last reported one (more
-when steps are shorter than the time a plan takes to reach the ranks, `PLAN_REACH_S`).
+saves that step and its `train` call returns there. Where the ranks are is estimated afresh
+(`_stop_step`): the events are drained again (this poll's drain may have committed a
+checkpoint, seconds during which the ranks trained on), and to the newest step record are
+added the median steps that fit in the time since it was taken off the store
+(`EventIntake.step_at`). The stop step is `stop_lead` steps past that: one for the fastest
+rank, which may have finished a step more than the others (every step ends in collectives),
+and enough to cover the time a plan takes to reach the ranks (`PLAN_REACH_S`).
+The guarantee: when every rank reads the plan at or before the stop step, all save it and it
+commits. Otherwise (steps suddenly much faster than their median, the controller held up
+between the estimate and the publication) a rank that reads it late saves and returns at the
+step it reached while others save the stop step: neither commits, and the stop ends as one
+that missed its deadline (a preemption ends, its last commit intact; a drain is a node loss).
 
 Protocol (controller thread only). Each method returns the `Move` the controller makes (a
 phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in
@@ -90,20 +98,17 @@ class Stops:
         latest = self.checkpoints.latest
         return f"last committed checkpoint (step {latest}) intact" if latest is not None else "no checkpoint committed"
 
-    def due(self, run: TrainingRun, world_size: int, restored: int | None) -> Move | None:
+    def due(self, run: TrainingRun, store, world_size: int, restored: int | None) -> Move | None:
         """A signal, or a drained node holding ranks: publish the stop step and enter STOPPING."""
-        stop = self._stop(run, world_size, restored)
+        stop = self._stop(run, store, world_size, restored)
         if stop is None:
             return None
         self.checkpoints.stop(stop.step)
         return Move(stop, f"{stop.reason}: every rank saves step {stop.step} and stops there")
 
-    def _stop(self, run: TrainingRun, world_size: int, restored: int | None) -> Stopping | None:
-        # The newest step event is this generation's (after a rollback, until its first step,
-        # an older and larger one: the stop is then later than needed, never too early).
-        reached = max(self.record.completed_steps(), restored or 0)
-        stop = min(reached + stop_lead(self.record.median_step_s()), self.spec.train.steps)
+    def _stop(self, run: TrainingRun, store, world_size: int, restored: int | None) -> Stopping | None:
         if self.signals:
+            reached, at, stop = self._stop_step(store, restored)
             grace = self.spec.elastic.preemption_grace_s
             return Stopping(run, stop, f"{self.signals[0]} at step {reached}", self.signalled_at + grace)
         for node, deadline in self.drains().items():
@@ -113,8 +118,9 @@ class Stops:
             if not ranks:
                 self._drop_spares_on(node)
                 continue
+            reached, at, stop = self._stop_step(store, restored)
             left = None if deadline is None else deadline - time.time()  # the drain's deadline is epoch time
-            needed = (stop - reached + 1) * (self.record.median_step_s() or 0.0) + self._save_s()
+            needed = (stop - at + 1) * (self.record.median_step_s() or 0.0) + self._save_s()
             if left is not None and left < needed:
                 self._lost(node, f"deadline in {left:.1f} s, a checkpointed stop needs {needed:.1f} s")
                 return None
@@ -122,6 +128,20 @@ class Stops:
                             + (f", deadline in {left:.0f} s)" if left is not None else ", no deadline)"),
                             self.clock() + (left - self._save_s() if left is not None else math.inf), node)
         return None
+
+    def _stop_step(self, store, restored: int | None) -> tuple[int, int, int]:
+        """(reached, at, stop): the newest step a record says is done, where the ranks are by now
+        (they went on since that record came in), and the stop step every rank can still reach.
+
+        Drained afresh first: this poll's drain may have committed a checkpoint (its manifest,
+        retention, garbage collection: seconds), during which the ranks trained on."""
+        self.intake.drain(store)
+        # The newest step event is this generation's (after a rollback, until its first step,
+        # an older and larger one: the stop is then later than needed, never too early).
+        reached = max(self.record.completed_steps(), restored or 0)
+        step_s = self.record.median_step_s()
+        at = reached + (math.ceil(max(0.0, self.clock() - self.intake.step_at) / step_s) if step_s else 0)
+        return reached, at, min(at + stop_lead(step_s), self.spec.train.steps)
 
     def overdue(self, phase: Stopping) -> Move | None:
         """STOPPING past its deadline: a preemption ends now; a drain becomes a node loss."""

@@ -137,22 +137,10 @@ class FakeWorkerGroup:
                 self._running.discard(dead)
                 self.cascade = True
                 return [RankOutcome(dead, "died", {"error": "actor died"})]
-            store.push_event({"type": "step", "step": step, "loss": 10.0 / (step + 1), "tokens": 100,
-                              "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.01, "compute_s": 0.01, "time": 0.0})
-            for rank in self.actors:  # heartbeats: the rank in `slow` computes 30% longer
-                store.set_json(f"hb/{rank}", {"step": step, "time": step, "compute_s": 1.3 if rank in self.slow
-                                              else 1.0})
+            self.push_step(store, step)
             self.next_step += 1
             if plan.should_save(self.next_step) or plan.stops(self.next_step):
-                for rank in range(world):
-                    if self.fail_shard.get(self.next_step) == rank:
-                        store.push_event({"type": "save_error", "rank": rank, "step": self.next_step,
-                                          "error": "InjectedStorageError: injected storage_error"})
-                        continue
-                    t = {f"w{rank}": torch.full((2,), float(self.next_step))}
-                    receipt = write_shard(self.storage, self.next_step, rank, t, blocking_s=0.001)
-                    extra = {"engine": {"next_step": self.next_step}} if rank == 0 else {}
-                    store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
+                self.save_shards(store, self.next_step, world)
                 if plan.stops(self.next_step):
                     break  # the generation's stop step (preemption, node drain): every rank returns here
                 if self.next_step < self.until:
@@ -160,6 +148,26 @@ class FakeWorkerGroup:
         done = [RankOutcome(r, "done", {}) for r in sorted(self._running)]
         self._running.clear()
         return done
+
+    def push_step(self, store, step):
+        """Rank 0's step record and every rank's heartbeat for `step`."""
+        store.push_event({"type": "step", "step": step, "loss": 10.0 / (step + 1), "tokens": 100,
+                          "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.01, "compute_s": 0.01, "time": 0.0})
+        for rank in self.actors:  # heartbeats: the rank in `slow` computes 30% longer
+            store.set_json(f"hb/{rank}", {"step": step, "time": step, "compute_s": 1.3 if rank in self.slow
+                                          else 1.0})
+
+    def save_shards(self, store, step, world):
+        """Every rank's shard of completed step `step`, and its receipt (or its save error)."""
+        for rank in range(world):
+            if self.fail_shard.get(step) == rank:
+                store.push_event({"type": "save_error", "rank": rank, "step": step,
+                                  "error": "InjectedStorageError: injected storage_error"})
+                continue
+            t = {f"w{rank}": torch.full((2,), float(step))}
+            receipt = write_shard(self.storage, step, rank, t, blocking_s=0.001)
+            extra = {"engine": {"next_step": step}} if rank == 0 else {}
+            store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
 
     def wait_any(self, timeout_s):
         if self._running and self.gen_store.abort_requested():  # growing back: everyone stops

@@ -7,6 +7,7 @@ delivered by calling the controller's handler (`Stops.on_signal`) at a chosen st
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -15,13 +16,16 @@ import pytest
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
+from orchestrator.cluster.worker_group import RankOutcome
 from orchestrator.controller.machine import Controller
 from orchestrator.controller.states import State
 from orchestrator.controller.stopping import stop_lead
-from orchestrator.wire.store import RendezvousServer
+from orchestrator.wire.messages import CheckpointPlan
+from orchestrator.wire.store import PLAN, RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 
 STEPS = 100
+STEP_S = 0.01  # the fake ranks' step time (their step records say so too)
 
 
 @pytest.fixture
@@ -63,6 +67,41 @@ class SignallingWorkers(FakeWorkerGroup):
         return ranks
 
 
+class WallClockRanks(SignallingWorkers):
+    """Ranks that train on the wall clock, one step per STEP_S whatever the controller is doing,
+    and read the plan at every step boundary. A poll catches up on the steps due since the last
+    one; a plan published in between is taken as published just now (the worst case): only the
+    last boundary reads it. `late`: the steps at which a rank read a stop step it had passed."""
+
+    def start_training(self, until_step, faults):
+        super().start_training(until_step, faults)
+        self.t0, self.first, self.late = time.monotonic(), self.next_step, []
+        self.seen = self._plan()
+
+    def _plan(self) -> CheckpointPlan:
+        return CheckpointPlan.from_json(self.rendezvous.generation(self.gen).get_json(PLAN))
+
+    def _train(self):
+        store, newest = self.rendezvous.generation(self.gen), self._plan()
+        due = min(self.until, self.first + int((time.monotonic() - self.t0) / STEP_S))
+        stopped = False
+        while self.next_step < due and not stopped:
+            plan = newest if self.next_step + 1 == due else self.seen
+            self.push_step(store, self.next_step)
+            self.next_step += 1
+            stopped = plan.stops(self.next_step)
+            if plan.should_save(self.next_step) or stopped:
+                self.save_shards(store, self.next_step, len(self.actors))
+            if stopped and self.next_step > plan.stop_at:
+                self.late.append(self.next_step)
+        self.seen = newest
+        if not stopped and self.next_step < self.until:
+            return []
+        done = [RankOutcome(r, "done", {}) for r in sorted(self._running)]
+        self._running.clear()
+        return done
+
+
 def _run(tmp_path, rendezvous, spec=None, **workers_kwargs):
     spec = spec or _spec(tmp_path, train={"steps": STEPS, "global_batch": 4, "micro_batch": 1})
     lines: list[str] = []
@@ -76,7 +115,8 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_redoes_nothing(t
     ctl, workers, lines = _run(tmp_path, rendezvous, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
     box["ctl"] = ctl
     report = ctl.run()
-    stop = 23 + stop_lead(0.01)
+    stop = ctl.checkpoints.stop_at  # past step 23 by the lead, and by the steps a poll may have missed
+    assert stop >= 23 + stop_lead(0.01)
     assert ctl.state == State.PREEMPTED and report.status == "preempted", report.error
     assert ctl.catalog.committed_steps()[-1] == stop and report.final_step == stop
     assert max(p.step for p in report.losses) + 1 == stop  # nothing trained past the commit
@@ -87,6 +127,29 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_redoes_nothing(t
     again = rerun.run()
     assert again.status == "succeeded" and again.final_step == STEPS
     assert min(p.step for p in again.losses) == stop and again.redone_steps == 0
+
+
+def test_the_stop_step_counts_the_steps_trained_while_the_controller_was_busy(tmp_path, rendezvous):
+    """A signal comes in with a poll whose drain then takes 0.3 s more (a commit, its retention):
+    the ranks train 30 steps meanwhile. The stop step is estimated from the time since the newest
+    step record came in, so every rank reads it before it gets there and the stop commits."""
+    spec = _spec(tmp_path, train={"steps": 400, "global_batch": 4, "micro_batch": 1})
+    workers = WallClockRanks(rendezvous, Storage(spec.checkpoint_root))
+    ctl = _controller(spec, workers, rendezvous, [])
+    drain = ctl.intake.drain
+
+    def busy_drain(store):
+        committed = drain(store)
+        if ctl.record.completed_steps() >= 23 and not ctl.stops.signals:
+            ctl.stops.on_signal(signal.SIGTERM)
+            time.sleep(0.3)  # the rest of this poll's drain
+        return committed
+
+    ctl.intake.drain = busy_drain
+    report = ctl.run()
+    assert report.status == "preempted" and workers.late == [], (report.error, workers.late)
+    stop = ctl.checkpoints.stop_at
+    assert stop >= 23 + 0.3 / STEP_S and ctl.catalog.committed_steps()[-1] == stop == report.final_step
 
 
 def test_a_second_signal_stops_at_once_leaving_the_last_commit(tmp_path, rendezvous):
@@ -113,14 +176,14 @@ def test_no_commit_within_the_grace_stops_anyway(tmp_path, rendezvous):
     spec = _spec(tmp_path, train={"steps": STEPS, "global_batch": 4, "micro_batch": 1},
                  elastic={"max_restarts": 1, "preemption_grace_s": 0.3})
     box = {}
-    stop = 23 + stop_lead(0.01)
     ctl, workers, lines = _run(tmp_path, rendezvous, spec, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
     box["ctl"] = ctl
-    workers.fail_shard[stop] = 1  # the stop step's save cannot commit
+    lead = 23 + stop_lead(0.01)
+    workers.fail_shard.update({step: 1 for step in range(lead, lead + 20)})  # the stop step's save cannot commit
     started = time.monotonic()
     report = ctl.run()
     assert report.status == "preempted" and time.monotonic() - started < 5.0
-    assert f"no commit of step {stop} within elastic.preemption_grace_s=0.3 s" in report.error
+    assert f"no commit of step {ctl.checkpoints.stop_at} within elastic.preemption_grace_s=0.3 s" in report.error
     assert "last committed checkpoint (step 30) intact" in report.error  # the save on the way to the stop
     assert ctl.catalog.committed_steps()[-1] == 30
 
@@ -143,7 +206,10 @@ def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None):
 
 def test_a_drained_node_s_ranks_move_to_a_spare_with_no_work_lost(tmp_path, rendezvous):
     report, workers, lines = _drain_run(tmp_path, rendezvous, deadline_in_s=None)
-    stop = 20 + stop_lead(0.01)  # the drain is seen at the save of step 20, when the fake reports back
+    # The drain is seen at the save of step 20, when the fake reports back.
+    stop = int(next(re.search(r"no deadline\): every rank saves step (\d+)", line) for line in lines
+                    if "every rank saves step" in line)[1])
+    assert stop >= 20 + stop_lead(0.01)
     assert report.status == "succeeded" and report.final_step == 60, report.error
     assert workers.forgotten == ["n2"] and report.failures == []
     assert any(f"STOPPING -> RENDEZVOUS: generation 0 -> 1: node n2 draining (rank(s) [1], no deadline); "
