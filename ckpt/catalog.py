@@ -41,6 +41,7 @@ from ckpt.storage import AlreadyCommitted, Storage
 log = logging.getLogger(__name__)
 
 QUARANTINED_PREFIX = "manifest.corrupt-"  # a quarantined manifest's name: manifest.corrupt-<ms>-<random>.json
+TORN_PREFIX = "manifest.torn-"  # a withdrawn torn write of the committer's, never committed: not quarantined
 
 
 class Catalog:
@@ -84,9 +85,21 @@ class Catalog:
         the step is no longer committed, so the job can commit a fresh save of the same step
         (its shards carry another save tag, ckpt.shards.shard_file_name). Returns the copy's path.
         """
+        return self._move_aside(step, QUARANTINED_PREFIX)
+
+    def withdraw_torn(self, step: int) -> str:
+        """Move aside the manifest of `step` that a failed commit of ours left torn (it does not parse).
+
+        It was never committed, so it is kept as `manifest.torn-<time>-<random>.json`, which
+        `quarantined_steps` does not count: a job whose first save tore reruns without --fresh.
+        Returns the copy's path.
+        """
+        return self._move_aside(step, TORN_PREFIX)
+
+    def _move_aside(self, step: int, prefix: str) -> str:
         path = self.manifest_path(step)
-        # Time for the reader, a random part so two quarantines in one millisecond never collide.
-        name = f"{QUARANTINED_PREFIX}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
+        # Time for the reader, a random part so two moves in one millisecond never collide.
+        name = f"{prefix}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
         aside = self.storage.path(step_dir(step), name)
         self.storage.write_immutable(aside, self.storage.read(path))
         self.storage.remove(path)
@@ -94,7 +107,8 @@ class Catalog:
         return aside
 
     def quarantined_steps(self) -> list[int]:
-        """Steps without a committed manifest whose manifest was quarantined (moved aside), oldest first."""
+        """Steps without a committed manifest whose committed manifest was quarantined (moved aside as
+        corrupt), oldest first. Torn writes withdrawn by the committer (`withdraw_torn`) do not count."""
         return [s for s in self.all_steps() if not self.storage.exists(self.manifest_path(s))
                 and any(name.startswith(QUARANTINED_PREFIX) for name in self.storage.listdir(
                     self.storage.path(step_dir(s))))]

@@ -15,7 +15,7 @@ retried once: a retry that finds the manifest already there with the same shards
 first attempt that landed although its reply was lost (ckpt.catalog.Catalog.commit treats it
 as success). A manifest that is there but does not parse (found after a failed create, or
 by the create's own read-back, which raises CorruptCheckpoint) is a torn write of ours; it is
-moved aside (Catalog.quarantine) before the retry and after a failed one, so an unreadable
+moved aside (Catalog.withdraw_torn) before the retry and after a failed one, so an unreadable
 manifest never stays where a reader would take the step for committed. Every save that
 will not commit is passed to `on_dropped(step, reason)` (the controller logs and counts it).
 Retention and garbage collection after a commit are best effort: a storage error there is
@@ -154,7 +154,7 @@ class Committer:
             read_manifest(self.catalog, step, ReadRetry(0.0))
         except CorruptCheckpoint as err:
             try:
-                aside = self.catalog.quarantine(step)
+                aside = self.catalog.withdraw_torn(step)
                 log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
             except (OSError, ValueError) as again:
                 log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "

@@ -87,9 +87,22 @@ def test_a_manifest_torn_twice_never_looks_committed(tmp_path, rendezvous):
     assert report.status == "failed" and "final checkpoint (step 20) was not committed" in report.error
     assert "the manifest commit failed twice" in text
     assert _verified(ctl) == [10]  # the torn manifest is not where a reader would take it for committed
-    aside = list((tmp_path / "ckpt" / "unit" / step_dir(20)).glob("manifest.corrupt-*.json"))
+    aside = list((tmp_path / "ckpt" / "unit" / step_dir(20)).glob("manifest.torn-*.json"))
     assert len(aside) == 2  # one per attempt
     assert not (tmp_path / "ckpt" / "unit" / step_dir(20) / "manifest.json").exists()
+
+
+def test_a_job_whose_only_save_tore_reruns_without_fresh(tmp_path, rendezvous):
+    # Torn manifests were never committed: they are withdrawn, not quarantined as corrupt checkpoints,
+    # so the rerun has no progress to lose and starts from step 0 as a first run does.
+    ctl, report, text = _run(tmp_path, rendezvous, [
+        {"kind": "torn_write", "path": "*/manifest.json", "at_step": 10, "repeat": True}], steps=10)
+    assert report.status == "failed" and "final checkpoint (step 10) was not committed" in report.error
+    assert len(list((tmp_path / "ckpt" / "unit" / step_dir(10)).glob("manifest.torn-*.json"))) == 2
+    assert ctl.catalog.quarantined_steps() == []
+    ctl, report, text = _run(tmp_path, rendezvous, [], steps=10)
+    assert report.status == "succeeded", report.error
+    assert "fresh start (no committed checkpoint)" in text and _verified(ctl) == [10]
 
 
 def test_an_unreadable_manifest_found_at_restore_is_reported_and_skipped(tmp_path, rendezvous):
