@@ -98,7 +98,7 @@ class Controller:
                                  release_timeout_s=release_timeout_s, poll_s=poll_s)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
-                           drains, self.log)
+                           drains, self.log, self._hang_limit)
         self.phase: Phase = Placing()
         self.gen = -1
         self.dp = spec.parallel.dp
@@ -299,18 +299,24 @@ class Controller:
             self.intake.drain(self.store)
             self._take(self.stops.finished(self.phase, self.store, self.gen, self.world_size, self.dp))
         elif self.state == State.STOPPING:  # until every rank returned at the stop step, or too late
-            self._take(self.stops.overdue(self.phase))
+            self._take(self.stops.overdue(self.phase)) or self._watch_hang(self.stops.save_s())
         elif not self._take(committed and self.stops.grow_at(committed[-1], self.store, self.gen, self.dp,
                                                              self.world_size, self.gen_started_at)
                             or self.stops.due(run, self.store, self.world_size, self.restored_step)):
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
             self.fault_clock.fire_due(self.world_size)
-            limit = hang_limit(self.record.median_step_s(), self.record.completed_steps(), self.spec, self.hang_min_s,
-                               self.hang_factor)
-            hung = self.blame.hang(self.record.progress_at, limit)
-            if hung is not None:
-                self._start_recovery(hung)
+            self._watch_hang()
+
+    def _hang_limit(self) -> float:
+        return hang_limit(self.record.median_step_s(), self.record.completed_steps(), self.spec, self.hang_min_s,
+                          self.hang_factor)
+
+    def _watch_hang(self, saving_s: float = 0.0) -> None:
+        """The progress watchdog; `saving_s`: a save the ranks block on before their next word (a stop's)."""
+        hung = self.blame.hang(self.record.progress_at, self._hang_limit() + saving_s)
+        if hung is not None:
+            self._start_recovery(hung)
 
     def _start_training(self, run: TrainingRun) -> None:
         failure = run.recovering

@@ -11,7 +11,12 @@ Three reasons to stop ranks that are training well, each at a checkpoint so no w
     orchestrator.cluster.drain). The same stop, then the node's ranks and spares are dropped
     and the job re-forms without it (warm spares, new actors elsewhere, or a smaller dp) and
     resumes from the stop step. A drain whose deadline comes before the stop step could be
-    committed is a node loss (the usual recovery).
+    committed is a node loss (the usual recovery). Without a deadline the stop is bounded too:
+    the steps to it, its save and the hang limit (`hang_s`); the controller's progress watchdog
+    keeps running in STOPPING. A signal during a drain's stop ends the job within the grace.
+  * either: once every rank has returned and the stop step is not committed (a save failed, a
+    rank read the stop late), no commit can come: after `RECEIPTS_S` the stop ends as one that
+    missed its deadline.
   * growing back (`grow_at`): at a commit, when warm spares let dp grow towards its target.
 
 How a stop step reaches every rank: `Checkpoints.stop(step)` publishes it in the checkpoint
@@ -49,6 +54,9 @@ from orchestrator.wire.messages import NodeLost
 # Time for a newly published plan to be read by every rank: the controller's poll, one store
 # read per rank at its next step boundary, and scheduling noise, with room to spare.
 PLAN_REACH_S = 0.1
+# Every rank returned from `train` and the stop step is not committed: its ranks' last receipts
+# (queued to the store before they returned, but unacknowledged) are surely in by then.
+RECEIPTS_S = 1.0
 TRAINING = (State.RUNNING, State.CHECKPOINTING, State.STOPPING)
 
 
@@ -72,10 +80,11 @@ def stop_lead(step_s: float | None) -> int:
 
 class Stops:
     def __init__(self, spec, workers, checkpoints, record, ledger, recovery, intake, drains: Callable[[], dict],
-                 log: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+                 log: Callable[[str], None], hang_s: Callable[[], float], clock: Callable[[], float] = time.monotonic):
         self.spec, self.workers, self.checkpoints, self.record = spec, workers, checkpoints, record
         self.ledger, self.recovery, self.intake, self.drains = ledger, recovery, intake, drains
-        self.log, self.clock = log, clock
+        self.log, self.hang_s, self.clock = log, hang_s, clock  # hang_s(): the progress watchdog's limit
+        self.returned_at: float | None = None  # clock() when every rank had returned, the stop uncommitted
         self.signals: list[str] = []  # names of the signals received, in order
         self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
@@ -104,6 +113,7 @@ class Stops:
         if stop is None:
             return None
         self.checkpoints.stop(stop.step)
+        self.returned_at = None
         return Move(stop, f"{stop.reason}: every rank saves step {stop.step} and stops there")
 
     def _stop(self, run: TrainingRun, store, world_size: int, restored: int | None) -> Stopping | None:
@@ -120,13 +130,15 @@ class Stops:
                 continue
             reached, at, stop = self._stop_step(store, restored)
             left = None if deadline is None else deadline - time.time()  # the drain's deadline is epoch time
-            needed = (stop - at + 1) * (self.record.median_step_s() or 0.0) + self._save_s()
+            needed = (stop - at + 1) * (self.record.median_step_s() or 0.0) + self.save_s()
             if left is not None and left < needed:
                 self._lost(node, f"deadline in {left:.1f} s, a checkpointed stop needs {needed:.1f} s")
                 return None
+            # Bounded also without a deadline: ranks that never reach the stop step are hung.
+            budget = min(left - self.save_s() if left is not None else math.inf, needed + self.hang_s())
             return Stopping(run, stop, f"node {node[:12]} draining (rank(s) {ranks}"
                             + (f", deadline in {left:.0f} s)" if left is not None else ", no deadline)"),
-                            self.clock() + (left - self._save_s() if left is not None else math.inf), node)
+                            self.clock() + budget, node)
         return None
 
     def _stop_step(self, store, restored: int | None) -> tuple[int, int, int]:
@@ -144,13 +156,24 @@ class Stops:
         return reached, at, min(at + stop_lead(step_s), self.spec.train.steps)
 
     def overdue(self, phase: Stopping) -> Move | None:
-        """STOPPING past its deadline: a preemption ends now; a drain becomes a node loss."""
-        if self.clock() < phase.deadline:
+        """STOPPING past its deadline (a signal during a drain's stop brings it to the grace's end),
+        or every rank returned and no commit of the stop step can come any more: a preemption, or a
+        drain a signal came into, ends now; a drain becomes a node loss."""
+        grace = self.spec.elastic.preemption_grace_s
+        ends = [(phase.deadline, f"no commit of step {phase.step} within elastic.preemption_grace_s={grace:g} s"
+                 if phase.node is None else f"step {phase.step} not committed before its deadline")]
+        if self.signals and phase.node is not None:
+            ends.append((self.signalled_at + grace, f"{self.signals[0]} during the drain: no commit of step "
+                                                    f"{phase.step} within elastic.preemption_grace_s={grace:g} s"))
+        if self.returned_at is not None:
+            ends.append((self.returned_at + RECEIPTS_S, f"every rank stopped but step {phase.step} was not "
+                                                        "committed (a save failed, or a rank read the stop late)"))
+        deadline, why = min(ends)
+        if self.clock() < deadline:
             return None
-        if phase.node is None:
-            return preempted(f"no commit of step {phase.step} within elastic.preemption_grace_s="
-                             f"{self.spec.elastic.preemption_grace_s:g} s; stopping, {self.last_commit()}")
-        self._lost(phase.node, f"step {phase.step} not committed before its deadline")
+        if phase.node is None or self.signals:
+            return preempted(f"{why}; stopping, {self.last_commit()}")
+        self._lost(phase.node, why)
         return None
 
     def finished(self, phase: Phase, store, gen: int, world_size: int, dp: int) -> Move | None:
@@ -170,8 +193,9 @@ class Stops:
         latest = self.checkpoints.latest
         # A stop step published late is saved where the ranks read it, after the step asked for.
         if latest is None or latest < phase.step:  # its last receipts may still be on their way
+            self.returned_at = self.returned_at or self.clock()
             return self.overdue(phase)
-        if phase.node is None:
+        if phase.node is None or self.signals:  # a signal came into a drain's stop: the job ends here
             return preempted(f"{phase.reason}: checkpoint step {latest} committed, every rank stopped; "
                              "rerun the job to resume from it")
         self.drained.add(phase.node)
@@ -196,7 +220,7 @@ class Stops:
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
                                   f"checkpoint step {step} ({ready} warm spare(s) ready)", new_dp)
 
-    def _save_s(self) -> float:
+    def save_s(self) -> float:
         """The last measured save's blocking time (a stop must commit one more)."""
         return self.record.checkpoints[-1].total_s if self.record.checkpoints else 1.0
 

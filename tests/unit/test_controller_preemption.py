@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -41,8 +42,27 @@ class SignallingWorkers(FakeWorkerGroup):
         self.at = dict(at or {})
         self.nodes = dict(nodes or {})  # rank -> node (default "head")
         self.forgotten: list[str] = []
+        self.fail_stop_save = False  # rank 1's shard of the first stop step fails
+        self.stall_at_stop = False  # generation 0's ranks hang once a stop step is published
+        self.on_stall = lambda: None  # called at their first poll hung
+
+    def _stop_at(self, store) -> int | None:
+        return CheckpointPlan.from_json(store.get_json(PLAN)).stop_at
+
+    def save_shards(self, store, step, world):
+        if self.fail_stop_save and self._stop_at(store) == step:
+            self.fail_stop_save = False
+            self.fail_shard[step] = 1
+            super().save_shards(store, step, world)
+            del self.fail_shard[step]
+        else:
+            super().save_shards(store, step, world)
 
     def _train(self):
+        if self.stall_at_stop and self.gen == 0 and self._stop_at(self.rendezvous.generation(self.gen)) is not None:
+            self.on_stall()
+            self.on_stall = lambda: None
+            return []  # hung before the stop step
         due = sorted(s for s in self.at if s >= self.next_step)
         if due and due[0] < self.until:  # train up to the hook's step, fire it, go on
             until, self.until = self.until, due[0]
@@ -178,8 +198,7 @@ def test_no_commit_within_the_grace_stops_anyway(tmp_path, rendezvous):
     box = {}
     ctl, workers, lines = _run(tmp_path, rendezvous, spec, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
     box["ctl"] = ctl
-    lead = 23 + stop_lead(0.01)
-    workers.fail_shard.update({step: 1 for step in range(lead, lead + 20)})  # the stop step's save cannot commit
+    workers.fail_stop_save = True  # the stop step's save cannot commit
     started = time.monotonic()
     report = ctl.run()
     assert report.status == "preempted" and time.monotonic() - started < 5.0
@@ -188,10 +207,12 @@ def test_no_commit_within_the_grace_stops_anyway(tmp_path, rendezvous):
     assert ctl.catalog.committed_steps()[-1] == 30
 
 
-def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None):
-    """dp=2, rank 1 on node n2, one warm spare; Ray starts draining n2 once step 15 is reached."""
+def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None, elastic: dict | None = None,
+               hang_min_s: float = 10.0, setup=lambda workers, ctl: None, timeout_s: float = 30.0):
+    """dp=2, rank 1 on node n2, one warm spare; Ray starts draining n2 once step 15 is reached.
+    `setup(workers, ctl)` before the run; a run that does not end within `timeout_s` fails the test."""
     spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
-                 elastic={"spares": 1, "max_restarts": 1})
+                 elastic={"spares": 1, "max_restarts": 1, **(elastic or {})})
     lines: list[str] = []
     workers = SignallingWorkers(rendezvous, Storage(spec.checkpoint_root), nodes={1: "n2"})
     deadline = None if deadline_in_s is None else time.time() + deadline_in_s
@@ -200,8 +221,14 @@ def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None):
         return {"n2": deadline} if workers.next_step >= 15 else {}
 
     ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
-                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, drains=drains)
-    return ctl.run(), workers, lines
+                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, drains=drains, hang_min_s=hang_min_s)
+    setup(workers, ctl)
+    box: dict = {}
+    runner = threading.Thread(target=lambda: box.update(report=ctl.run()), daemon=True)
+    runner.start()
+    runner.join(timeout_s)
+    assert "report" in box, f"still {ctl.state.value} after {timeout_s} s:\n" + "\n".join(lines)
+    return box["report"], workers, lines
 
 
 def test_a_drained_node_s_ranks_move_to_a_spare_with_no_work_lost(tmp_path, rendezvous):
@@ -227,3 +254,36 @@ def test_a_drain_shorter_than_a_checkpointed_stop_is_a_node_loss(tmp_path, rende
     assert any("node n2 draining, deadline in" in line and "handling it as a node loss" in line for line in lines)
     [failure] = report.failures
     assert failure.kind == "node_lost" and workers.forgotten == ["n2"]
+
+
+def test_a_drain_whose_stop_cannot_commit_is_a_node_loss_once_every_rank_stopped(tmp_path, rendezvous):
+    """No deadline, and the stop step's save fails: every rank returns, no commit can come, and the
+    node is handled as lost at once (not never, as an unbounded stop would)."""
+    started = time.monotonic()
+    report, workers, lines = _drain_run(tmp_path, rendezvous, None,
+                                        setup=lambda workers, ctl: setattr(workers, "fail_stop_save", True))
+    assert report.status == "succeeded" and report.final_step == 60, report.error
+    assert any("every rank stopped but step" in line and "handling it as a node loss" in line for line in lines)
+    [failure] = report.failures
+    assert failure.kind == "node_lost" and workers.forgotten == ["n2"] and time.monotonic() - started < 10.0
+
+
+def test_ranks_hung_before_a_drain_s_stop_step_are_a_hang(tmp_path, rendezvous):
+    """No deadline, and the ranks hang before the stop step: the progress watchdog still runs."""
+    report, workers, lines = _drain_run(tmp_path, rendezvous, None, hang_min_s=0.5,
+                                        setup=lambda workers, ctl: setattr(workers, "stall_at_stop", True))
+    assert report.status == "succeeded" and report.final_step == 60, report.error
+    assert [f.kind for f in report.failures] == ["hang"]
+    assert any("STOPPING -> RECOVERING" in line and "no step for" in line for line in lines)
+
+
+def test_a_signal_during_a_drain_s_stop_ends_the_job_within_the_grace(tmp_path, rendezvous):
+    def setup(workers, ctl):
+        workers.stall_at_stop = True  # the stop is never committed: only the grace can end it
+        workers.on_stall = lambda: ctl.stops.on_signal(signal.SIGTERM)
+
+    started = time.monotonic()
+    report, workers, lines = _drain_run(tmp_path, rendezvous, None, elastic={"preemption_grace_s": 0.3}, setup=setup)
+    assert report.status == "preempted" and time.monotonic() - started < 5.0, report.error
+    assert "SIGTERM during the drain: no commit of step" in report.error
+    assert "within elastic.preemption_grace_s=0.3 s" in report.error
