@@ -153,6 +153,10 @@ class RayWorkerGroup:
                 del self.spares[bundle]
         return ranks
 
+    def spares_on(self, node: str) -> int:
+        """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""
+        return sum(self.node_of_actor.get(actor._actor_id.hex()) == node for actor, _ in self.spares.values())
+
     def start_spares(self) -> int:
         """Start a spare in every free bundle (no waiting); returns how many were started."""
         free = self.free_bundles()

@@ -225,9 +225,13 @@ class Stops:
         return self.record.checkpoints[-1].total_s if self.record.checkpoints else 1.0
 
     def _drop_spares_on(self, node: str) -> None:
-        self.drained.add(node)
-        self.workers.forget_node(node)
-        self.log(f"node {node[:12]} draining: its spares dropped, no rank there")
+        """A draining node holding no rank: drop the job's spares there, if it has any (a spare
+        still warming up has no known node yet: the next poll looks again)."""
+        spares = self.workers.spares_on(node)
+        if spares:
+            self.drained.add(node)
+            self.workers.forget_node(node)
+            self.log(f"node {node[:12]} draining: its {spares} spare(s) dropped, no rank there")
 
     def _lost(self, node: str, why: str) -> None:
         """Too late for a clean stop: report the node lost (the next poll starts the recovery)."""

@@ -45,6 +45,10 @@ class SignallingWorkers(FakeWorkerGroup):
         self.fail_stop_save = False  # rank 1's shard of the first stop step fails
         self.stall_at_stop = False  # generation 0's ranks hang once a stop step is published
         self.on_stall = lambda: None  # called at their first poll hung
+        self.spare_nodes: set[str] = set()  # nodes the warm spares run on
+
+    def spares_on(self, node):
+        return len(self.spares) if node in self.spare_nodes else 0
 
     def _stop_at(self, store) -> int | None:
         return CheckpointPlan.from_json(store.get_json(PLAN)).stop_at
@@ -208,9 +212,11 @@ def test_no_commit_within_the_grace_stops_anyway(tmp_path, rendezvous):
 
 
 def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None, elastic: dict | None = None,
-               hang_min_s: float = 10.0, setup=lambda workers, ctl: None, timeout_s: float = 30.0):
-    """dp=2, rank 1 on node n2, one warm spare; Ray starts draining n2 once step 15 is reached.
-    `setup(workers, ctl)` before the run; a run that does not end within `timeout_s` fails the test."""
+               hang_min_s: float = 10.0, setup=lambda workers, ctl: None, timeout_s: float = 30.0,
+               ranks_drained: bool = True, others: tuple[str, ...] = ()):
+    """dp=2, rank 1 on node n2, one warm spare; Ray starts draining n2 (if `ranks_drained`) and the
+    `others` once step 15 is reached. `setup(workers, ctl)` before the run; a run that does not
+    end within `timeout_s` fails the test."""
     spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
                  elastic={"spares": 1, "max_restarts": 1, **(elastic or {})})
     lines: list[str] = []
@@ -218,7 +224,8 @@ def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None, elastic: dict 
     deadline = None if deadline_in_s is None else time.time() + deadline_in_s
 
     def drains():
-        return {"n2": deadline} if workers.next_step >= 15 else {}
+        draining = {"n2": deadline} if ranks_drained else {}
+        return {**draining, **dict.fromkeys(others)} if workers.next_step >= 15 else {}
 
     ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
                      printer=lines.append, poll_s=0.001, release_timeout_s=0.5, drains=drains, hang_min_s=hang_min_s)
@@ -287,3 +294,13 @@ def test_a_signal_during_a_drain_s_stop_ends_the_job_within_the_grace(tmp_path, 
     assert report.status == "preempted" and time.monotonic() - started < 5.0, report.error
     assert "SIGTERM during the drain: no commit of step" in report.error
     assert "within elastic.preemption_grace_s=0.3 s" in report.error
+
+
+def test_a_draining_node_without_ranks_drops_the_job_s_spares_there_only(tmp_path, rendezvous):
+    """Ray drains n3 (nothing of the job's) and n4 (the job's warm spare): n3 is left alone."""
+    report, workers, lines = _drain_run(tmp_path, rendezvous, None, ranks_drained=False, others=("n3", "n4"),
+                                        setup=lambda workers, ctl: workers.spare_nodes.add("n4"))
+    assert report.status == "succeeded" and report.failures == [], report.error
+    assert workers.forgotten == ["n4"]
+    assert [line.split("] ")[1] for line in lines if "draining" in line] == [
+        "node n4 draining: its 1 spare(s) dropped, no rank there"]
