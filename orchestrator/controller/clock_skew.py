@@ -15,7 +15,9 @@ told from a slow message without a round trip; its intervals read long by the la
 negative, never reordered against receipt).
 
 Protocol (controller thread only): `EventIntake.drain` passes every message from the ranks'
-queue through `to_local` as it arrives, before any handler sees it.
+queue through `to_local` as it arrives, before any handler sees it, and calls `reset` at its
+first drain of a new generation's store (the bounds are per rank index, and an index can move
+to another host between generations).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class ClockSkew:
     def __init__(self, clock: Callable[[], float] = time.time):
         self.clock = clock
         self.ahead_s: dict[int, float] = {}  # rank -> proven lower bound of how far its clock is ahead
+
+    def reset(self) -> None:
+        """A new generation: a rank index may now be on another host (a spare, a drain, a
+        shrink), whose clock owes nothing to the old one's bound."""
+        self.ahead_s.clear()
 
     def local(self, rank: int, sent: float, received: float) -> float:
         """`sent` (rank `rank`'s clock) on the controller's clock, given the controller's `received`."""

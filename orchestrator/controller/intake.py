@@ -61,8 +61,9 @@ class EventIntake:
 
     def drain(self, store) -> list[int]:
         self._committed = []
-        if store is not self._store:  # a new generation: its ranks start now
+        if store is not self._store:  # a new generation: its ranks start now, maybe on other hosts
             self._store, self.step_at = store, time.monotonic()
+            self.clocks.reset()
         from_ranks = store.receive()
         self._taken_at = time.monotonic()
         received = self.clocks.clock()

@@ -4,11 +4,13 @@ controller's clock before an interval subtracts them."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from ckpt.storage import Storage
 from orchestrator.controller.clock_skew import ClockSkew
+from orchestrator.controller.intake import EventIntake
 from orchestrator.controller.states import State
 from orchestrator.wire.messages import FaultFired, NodeLost, ShardWritten, StepDone
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec, rendezvous  # noqa: F401
@@ -93,6 +95,36 @@ def test_messages_get_the_controllers_clock_before_any_handler():
     assert skew.to_local(untimed) is untimed
     receipt = object.__new__(ShardWritten)
     assert skew.to_local(receipt) is receipt
+
+
+class _Queue:
+    """A generation's store, holding the messages its ranks queued."""
+
+    def __init__(self, *messages):
+        self.messages = list(messages)
+
+    def receive(self):
+        out, self.messages = self.messages, []
+        return out
+
+
+def test_a_new_generation_forgets_the_bounds_learned_from_the_old_hosts():
+    """Rank 0's host runs an hour ahead; after a re-formation rank 0 is on a host with the right time."""
+    steps: list[StepDone] = []
+    chaos = SimpleNamespace(drain=list, on_step=lambda step: None)
+    record = SimpleNamespace(on_step=steps.append, on_eval=None)
+    intake = EventIntake(record, None, chaos, None, None, print, on_receipt=None)
+    intake.clocks.clock = lambda: 1000.0
+
+    def step_done(step, sent):
+        return StepDone(step=step, loss=1.0, tokens=8, step_s=0.1, time=sent)
+
+    old = _Queue()
+    for step in (1, 2):
+        old.messages.append(step_done(step, 1000.0 + HOUR))
+        intake.drain(old)
+    intake.drain(_Queue(step_done(3, 999.0)))
+    assert [s.time for s in steps] == [1000.0, 1000.0, 999.0]  # not an hour before it was sent
 
 
 @pytest.mark.parametrize("rank_ahead_s", [0.0, HOUR])
