@@ -70,8 +70,9 @@ class CheckpointConfig(BaseModel):
         default_factory=dict, description="passed to fsspec, e.g. {endpoint_url: http://minio:9000}"
     )
     read_retry_s: float = Field(
-        DEFAULT_READ_RETRY_S, ge=0.0, description="how long a restore retries reads the store fails transiently "
-        "(timeouts, 5xx, throttling), with backoff, before the job fails naming the checkpoint (0: no retry)")
+        DEFAULT_READ_RETRY_S, ge=0.0, description="how long the store's transient read failures (timeouts, 5xx, "
+        "throttling), retried with backoff, may delay one restore in all before the job fails naming the "
+        "checkpoint (0: no retry)")
 
     @field_validator("url")
     @classmethod

@@ -7,9 +7,10 @@ ranges are fetched by a pool of threads (`Storage` is safe to share), long range
 each straight into the tensor the reader then views. Every needed block is verified against
 the manifest before any byte of it is used; a missing file, a short read or a checksum
 mismatch raises `CorruptCheckpoint`. A read the store fails transiently (a timeout, a reset
-connection, a 5xx, throttling: ckpt.storage_errors.classify) is retried with backoff for the
-`retry` budget and then raises `TransientStorageError`, which proves nothing about the bytes;
-other storage errors (permission denied) pass through as they are.
+connection, a 5xx, throttling: ckpt.storage_errors.classify) is retried with backoff until the
+failures took the `retry` budget, shared by all pieces, and then raises
+`TransientStorageError`, which proves nothing about the bytes; other storage errors
+(permission denied) pass through as they are.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, thr
     concurrently; once a range's pieces are all in, the thread that brought the last one
     checks its blocks. With `keep=False` the bytes are verified and dropped (whole-checkpoint
     verification in bounded memory); the result is then empty. `retry`: how transient read
-    errors are retried (default: ReadRetry(), checkpoint.read_retry_s's default budget).
+    errors are retried, one budget for every piece and for whatever else the caller read
+    through it (default: a new ReadRetry(), checkpoint.read_retry_s's default budget).
     """
     out: Fetched = defaultdict(list)
     if not reads:

@@ -71,12 +71,14 @@ def read_slices(
     elements, and the tensors are writable. Needed ranges of a file less than `coalesce_gap` bytes apart
     are fetched as one request. Raises ValueError when a wanted tensor is not in the
     checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad,
-    TransientStorageError when the store failed a read for the whole `retry` budget.
+    TransientStorageError when the store's failures took the whole `retry` budget (one for
+    the manifest and all the pieces: ckpt.storage_errors.ReadRetry).
     """
     for w in wanted:
         if w.tensor is not None and w.tensor.dtype != w.dtype:
             raise ValueError(f"{w.name}{list(w.offsets)}: the tensor to fill is {w.tensor.dtype}, the slice says "
                              f"{w.dtype}; pass a tensor of the slice's dtype or none")
+    retry = retry if retry is not None else ReadRetry()  # one budget for the manifest and every piece
     manifest = manifest if manifest is not None else read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, wanted, coalesce_gap)
     return assemble(wanted, plan, fetch(catalog.storage, step, plan.reads, threads=threads, retry=retry))
@@ -125,6 +127,7 @@ def verify_checkpoint(catalog: Catalog, step: int, retry: ReadRetry | None = Non
     Reads the whole checkpoint but holds only the ranges in flight; raises CorruptCheckpoint
     (proof), or TransientStorageError when the store kept failing (proves nothing).
     """
+    retry = retry if retry is not None else ReadRetry()  # one budget for the manifest and every piece
     manifest = read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
     fetch(catalog.storage, step, plan.reads, keep=False, retry=retry)

@@ -24,18 +24,25 @@ then the exception types and errnos.
 
 `ReadRetry(budget_s).call(fn, what)` calls `fn` until it returns; a transient error is
 retried with exponential backoff and jitter (each wait drawn from [1/2, 1] of
-min(cap_s, first_s * 2^attempt)) until `budget_s` seconds have passed since that call's first
-failure, then raised as TransientStorageError naming `what` and the last cause. Other errors
-pass through at once. The budget is per call: concurrent reads of one restore (ckpt.fetch's
-pool) each wait out the same outage side by side. Thread-safe; tests inject `clock`, `sleep`
-and `rng`.
+min(cap_s, first_s * 2^attempt)), then raised as TransientStorageError naming `what` and the
+last cause. Other errors pass through at once. One ReadRetry is one budget, shared by every
+call made through it: a restore makes one (a rank: for its manifest read and every piece
+ckpt.fetch reads; the controller: for each listing or verification; `fresh()` copies the
+settings with an unspent budget) and the store's failures may take `budget_s` seconds of it in
+all, counted while at least one of its calls is between a transient error and its next answer
+(concurrent reads failing together count once). So a restore lasts at most its healthy reading
+time plus `budget_s`, however the store flaps, and the controller's wait for it is derived
+from the budget (orchestrator.controller.restore_policy). Thread-safe; tests inject
+`clock`, `sleep` and `rng`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -137,7 +144,8 @@ def _transient_type(e: BaseException) -> bool:
 
 @dataclass
 class ReadRetry:
-    """Retry transient read errors for up to `budget_s` seconds (see module doc)."""
+    """Retry transient read errors; the store's failures may take `budget_s` seconds of all the calls
+    made through this one instance together (see module doc)."""
 
     budget_s: float = DEFAULT_READ_RETRY_S
     first_s: float = 0.2
@@ -145,6 +153,15 @@ class ReadRetry:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     rng: random.Random = field(default_factory=random.Random)
+    # The budget spent so far: closed failing spells, and the open one (calls failing now, since when).
+    _spent: float = field(default=0.0, init=False, repr=False, compare=False)
+    _failing: int = field(default=0, init=False, repr=False, compare=False)
+    _since: float = field(default=0.0, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def fresh(self) -> ReadRetry:
+        """The same settings with an unspent budget: one per restore or verification."""
+        return dataclasses.replace(self)
 
     def backoff(self, attempt: int) -> float:
         """The wait before retry `attempt` (0-based), jittered."""
@@ -152,22 +169,42 @@ class ReadRetry:
         return ceiling * self.rng.uniform(0.5, 1.0)
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        first_failure: float | None = None
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except Exception as err:
-                if classify(err) != TRANSIENT:
-                    raise
-                now = self.clock()
-                first_failure = now if first_failure is None else first_failure
-                left = first_failure + self.budget_s - now
-                if left <= 0:
-                    raise TransientStorageError(
-                        f"{what}: the store kept failing for {now - first_failure:.1f} s (checkpoint.read_retry_s="
-                        f"{self.budget_s:g}): {describe(err)}") from err
-                if attempt == 0:
-                    log.warning("%s: %s; retrying for up to %.0f s", what, describe(err), left)
-                self.sleep(min(self.backoff(attempt), left))
-                attempt += 1
+        attempt, failing = 0, False
+        try:
+            while True:
+                try:
+                    return fn()
+                except Exception as err:
+                    if classify(err) != TRANSIENT:
+                        raise
+                    spent = self._failed(first=not failing)
+                    failing = True
+                    left = self.budget_s - spent
+                    if left <= 0:
+                        raise TransientStorageError(
+                            f"{what}: the store kept failing reads for {spent:.1f} s (checkpoint.read_retry_s="
+                            f"{self.budget_s:g}): {describe(err)}") from err
+                    if attempt == 0:
+                        log.warning("%s: %s; retrying for up to %.0f s", what, describe(err), left)
+                    self.sleep(min(self.backoff(attempt), left))
+                    attempt += 1
+        finally:
+            if failing:
+                self._answered()
+
+    def _failed(self, first: bool) -> float:
+        """A call met a transient error (`first`: its first); the budget spent so far."""
+        with self._lock:
+            now = self.clock()
+            if first:
+                if not self._failing:
+                    self._since = now
+                self._failing += 1
+            return self._spent + now - self._since
+
+    def _answered(self) -> None:
+        """A call that had failed returned or gave up: its failing spell ends."""
+        with self._lock:
+            self._failing -= 1
+            if not self._failing:
+                self._spent += self.clock() - self._since

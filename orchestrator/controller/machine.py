@@ -243,7 +243,7 @@ class Controller:
                 self._resumed_ledger = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
-                                               timeout_s=self.join_timeout_s + 120 + self.spec.checkpoint.read_retry_s)
+                                               timeout_s=self.checkpoints.restore.timeout_s(self.join_timeout_s))
         except CorruptCheckpoint as err:  # stays in RESTORING: the next handler call tries the previous one
             self.printer(self.checkpoints.on_corrupt(step, err))
             self.metrics.on_failure("corrupt_checkpoint")

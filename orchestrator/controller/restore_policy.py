@@ -37,6 +37,9 @@ class NoRestorePoint(RuntimeError):
 
 # What a restore may fail with that proves nothing about a checkpoint's bytes: the job fails.
 UNRESTORABLE = (TransientStorageError, NoRestorePoint)
+# What a rank's restore takes beyond its reads' retry budget: building its engine and reading the
+# checkpoint at the store's healthy pace (beside join_timeout_s, which bounds forming the group).
+RESTORE_MARGIN_S = 120.0
 
 
 def cause(err: BaseException) -> str:
@@ -64,15 +67,23 @@ def fresh_problem(spec) -> str | None:
 class RestorePolicy:
     def __init__(self, catalog, read_retry_s: float, fresh: bool = False):
         self.catalog = catalog
-        self.retry = ReadRetry(read_retry_s)
+        self.retry = ReadRetry(read_retry_s)  # the settings; each listing, read or verification spends a fresh() one
         self.fresh = fresh  # --fresh: an empty root (checkpoints all quarantined) may start from step 0
         self.bad: dict[int, str] = {}  # committed steps this run will not restore -> why
 
+    def timeout_s(self, join_timeout_s: float) -> float:
+        """How long the controller waits for the ranks' restore. Each rank's restore spends one retry
+        budget (ckpt.storage_errors.ReadRetry: the store's failures take at most read_retry_s of it in
+        all), so a store that keeps failing ends as the ranks' TransientStorageError (the job fails
+        naming the checkpoint) before this, not as a timeout blamed on a rank."""
+        return join_timeout_s + RESTORE_MARGIN_S + self.retry.budget_s
+
     def read_manifest(self, step: int):
-        return read_manifest(self.catalog, step, self.retry)
+        return read_manifest(self.catalog, step, self.retry.fresh())
 
     def restore_point(self) -> int | None:
-        committed = self.retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
+        retry = self.retry.fresh()
+        committed = retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
         candidates = [s for s in committed if s not in self.bad]
         if candidates:
             return candidates[-1]
@@ -84,7 +95,7 @@ class RestorePolicy:
                                  f"job does not start from step 0 on its own: {hint}")
         if self.fresh:
             return None
-        quarantined = self.retry.call(self.catalog.quarantined_steps, "listing the quarantined checkpoints")
+        quarantined = retry.call(self.catalog.quarantined_steps, "listing the quarantined checkpoints")
         if quarantined:
             raise NoRestorePoint(f"{self.catalog.storage.root} holds no committed checkpoint, but the manifests of "
                                  f"steps {quarantined} were quarantined as corrupt (moved aside, kept as evidence); "
@@ -106,7 +117,7 @@ class RestorePolicy:
         one that verifies (the rank's read was damaged in flight), or that the store keeps the
         controller from verifying, stays committed and is only skipped by this run."""
         try:
-            verify_checkpoint(self.catalog, step, self.retry)
+            verify_checkpoint(self.catalog, step, self.retry.fresh())
         except CorruptCheckpoint:
             try:
                 return f"; its manifest moved aside to {self.catalog.quarantine(step)}"

@@ -61,7 +61,8 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     are read and not yet loaded, so a fault there leaves a half-restored rank. `storage_setup(storage)`,
     if given, is run on the Storage the reads go through (chaos: this rank's `op: read` faults).
 
-    Reads the store fails transiently are retried for `checkpoint.read_retry_s`. Raises
+    Reads the store fails transiently are retried; its failures may take `checkpoint.read_retry_s`
+    of this restore in all (one budget for the manifest and every piece). Raises
     ckpt.errors.CorruptCheckpoint when the checkpoint cannot be read back intact (the controller
     then falls back to the previous committed one), TransientStorageError when the store kept
     failing (the controller then fails the job, deleting nothing).
@@ -69,7 +70,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     catalog = catalog_for(spec)
     if storage_setup is not None:
         storage_setup(catalog.storage)
-    retry = ReadRetry(spec.checkpoint.read_retry_s)
+    retry = ReadRetry(spec.checkpoint.read_retry_s)  # this restore's one budget
     manifest = read_manifest(catalog, step, retry)
     # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
     # first step has no optimizer state (fine), a missing parameter is an error it names.

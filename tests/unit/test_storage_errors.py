@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import errno
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from chaos.storage_rules import slow_down
+from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, TransientStorageError
+from ckpt.reader import read_slices
+from ckpt.storage import Storage
 from ckpt.storage_errors import CORRUPT, TRANSIENT, ReadRetry, classify
+from tests._checkpoints import make_state, save_checkpoint
+from trainer.state_slices import TensorSlice
 
 botocore = pytest.importorskip("botocore.exceptions")
 s3fs_errors = pytest.importorskip("s3fs.errors")
@@ -150,3 +158,48 @@ def test_errors_that_are_not_transient_pass_at_once_and_budget_zero_never_waits(
     with pytest.raises(TransientStorageError):
         _retry(clock, 0.0).call(_fails_then(1, b""), "m")
     assert clock.sleeps == []
+
+
+def test_one_budget_for_all_the_reads_made_through_one_retry(tmp_path):
+    # A restore whose manifest read waits out 20 s of a flapping store has 10 s left for its pieces,
+    # not another 30 s per read: the restore ends within its healthy time plus read_retry_s.
+    catalog = Catalog(Storage(f"file://{tmp_path}/job"))
+    save_checkpoint(catalog, 10, make_state(10), world=1)
+    clock, storage = _Clock(), catalog.storage
+    outage = {"manifest": (0.0, 20.0), "range": None}
+    real_read, real_range = storage.read, storage.read_range_into
+
+    def down(what: str) -> None:
+        if outage[what] is None:
+            outage[what] = (clock.now, clock.now + 20.0)  # the pieces' outage starts at their first read
+        start, end = outage[what]
+        if clock.now < end:
+            raise _s3("SlowDown", 503)
+
+    storage.read = lambda path: (down("manifest"), real_read(path))[1]
+    storage.read_range_into = lambda *args: (down("range"), real_range(*args))[1]
+    wanted = [TensorSlice("model/w", torch.float32, (8, 4), (0, 0), (8, 4))]
+    retry = _retry(clock, 30.0)
+    with pytest.raises(TransientStorageError, match=r"kept failing reads for 30\.0 s \(checkpoint.read_retry_s=30\)"):
+        read_slices(catalog, 10, wanted, threads=1, retry=retry)
+    assert outage["range"][0] >= 20.0 and clock.now == pytest.approx(30.0)  # not 20 + 30: one budget
+    # The spent one gives up at the next failure; a fresh() one (same settings, unspent budget) waits it out.
+    outage.update(manifest=(clock.now, clock.now + 5.0), range=(0.0, 0.0))
+    with pytest.raises(TransientStorageError):
+        read_slices(catalog, 10, wanted, threads=1, retry=retry)
+    again = retry.fresh()
+    assert (again.budget_s, again.clock, again.sleep) == (retry.budget_s, retry.clock, retry.sleep)
+    assert read_slices(catalog, 10, wanted, threads=1, retry=again)[0].tensor.shape == (8, 4)
+
+
+def test_reads_failing_together_spend_the_budget_once():
+    retry = ReadRetry(0.4, first_s=0.05, cap_s=0.05)
+    started = time.monotonic()
+
+    def never():
+        raise TimeoutError("read timed out")
+
+    with ThreadPoolExecutor(4) as pool:
+        errors = [f.exception() for f in [pool.submit(retry.call, never, f"piece {i}") for i in range(4)]]
+    assert all(isinstance(e, TransientStorageError) for e in errors)
+    assert 0.4 <= time.monotonic() - started < 1.0  # side by side, not 4 x 0.4 s and not 0.4 / 4
