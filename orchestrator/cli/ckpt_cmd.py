@@ -8,15 +8,17 @@ environment or `--storage-options-file PATH`, never from the command line (refus
 shows every argument).
 
     ls       committed checkpoints: step, layout, size, age (manifests only, no shard reads)
-    verify   read every chunk of every (or one, --step) committed checkpoint and check its CRC
+    verify   read every chunk of every (or one, --step) committed checkpoint and check its CRC;
+             a checkpoint the store keeps failing to read for --read-retry-s is reported NOT
+             VERIFIED (that proves nothing about its bytes) and the next one is checked
     export   the `model/...` tensors of one checkpoint: a safetensors file, prefix removed
              (--format safetensors), or a Hugging Face model directory (--format hf)
     gc       keep the newest --keep committed checkpoints (never the newest one) and delete
              unfinished saves older than the newest commit
 
-Exit codes: 0 done; 1 `verify` found damage, or storage failed mid-way; 2 the arguments
-cannot work as given (no such location, no checkpoints, no such step, bad option): one
-line naming the argument and the fix, never a traceback.
+Exit codes: 0 done; 1 `verify` found damage or could not verify a checkpoint, or storage
+failed mid-way; 2 the arguments cannot work as given (no such location, no checkpoints, no
+such step, bad option): one line naming the argument and the fix, never a traceback.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import time
 
 from ckpt.catalog import Catalog
 from ckpt.config import normalise_url as checkpoint_url
+from ckpt.errors import TransientStorageError
 from ckpt.manifest import Manifest, parse_step_dir
 from ckpt.storage import Storage
+from ckpt.storage_errors import DEFAULT_READ_RETRY_S, ReadRetry
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
@@ -49,6 +53,9 @@ def add_ckpt_parser(sub) -> None:
         add_storage_option_args(p, "fsspec storage option, e.g. endpoint_url=http://host:8333 "
                                 "(repeatable; true/false and {...} JSON values are decoded, the rest are strings)")
     parsers["verify"].add_argument("--step", type=int, help="verify only this step (default: every committed one)")
+    parsers["verify"].add_argument("--read-retry-s", type=float, default=DEFAULT_READ_RETRY_S,
+                                   help="how long the store's transient read failures may delay the check of one "
+                                   "checkpoint before it is reported NOT VERIFIED (default %(default)g)")
     parsers["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest committed)")
     parsers["export"].add_argument("--out", required=True, help="safetensors file (--format safetensors) or "
                                    "directory (--format hf) to write, a local path")
@@ -225,17 +232,24 @@ def _ls(catalog: Catalog, args: argparse.Namespace) -> int:
 def _verify(catalog: Catalog, args: argparse.Namespace) -> int:
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
 
+    if args.read_retry_s < 0:
+        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
     committed = committed_or_fail(catalog)
     steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
     bad: dict[int, str] = {}
     for step in steps:
         started = time.perf_counter()
+        retry = ReadRetry(args.read_retry_s)  # one budget for the checkpoint's manifest and all its chunks
         try:
-            manifest = read_manifest(catalog, step)
-            verify_checkpoint(catalog, step)
+            manifest = read_manifest(catalog, step, retry)
+            verify_checkpoint(catalog, step, retry)
         except CorruptCheckpoint as err:
             bad[step] = _about(step, err)
             print(f"step {step}: CORRUPT: {bad[step]}")
+            continue
+        except TransientStorageError as err:  # proves nothing about this one; the others are still checked
+            bad[step] = f"not verified, the store kept failing: {_about(step, err)}"
+            print(f"step {step}: NOT VERIFIED (transient storage errors): {_about(step, err)}")
             continue
         except UnsupportedManifest as err:  # not damage, but not verifiable by this version either
             bad[step] = _about(step, err)

@@ -4,6 +4,7 @@ The same commands against a real S3 server are in tests/s3/test_ckpt_cli_s3.py."
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -117,6 +118,26 @@ def test_verify_names_the_shard_with_a_flipped_bit(capsys, job):
     assert code == 0 and out.startswith("step 30: ok")
     code, _, err = run(capsys, "verify", url, "--step", "20")
     assert code == 1 and bad_file in err
+
+
+def test_verify_reports_a_checkpoint_the_store_keeps_failing_and_checks_the_others(capsys, job, monkeypatch):
+    url, catalog = job
+    real = Storage.read_range_into
+
+    def flaky(self, path, start, out):
+        if "/step-000000020/" in path:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, path, start, out)
+
+    monkeypatch.setattr(Storage, "read_range_into", flaky)
+    code, out, err = run(capsys, "verify", url, "--read-retry-s", "0.2")
+    assert code == 1, err
+    assert "step 10: ok" in out and "step 30: ok" in out  # the failing store stopped nothing else
+    assert "step 20: NOT VERIFIED (transient storage errors): bytes" in out and "read_retry_s=0.2" in out
+    assert "1 of 3" in err and "step 20: not verified, the store kept failing" in err and "Traceback" not in err
+    assert catalog.committed_steps() == [10, 20, 30]
+    code, _, err = run(capsys, "verify", url, "--read-retry-s", "-1")
+    assert code == 2 and "--read-retry-s -1: must be 0" in err
 
 
 def test_verify_of_a_step_that_is_not_committed(capsys, job):
