@@ -35,7 +35,6 @@ from orchestrator.controller.restore_policy import RestorePolicy
 from orchestrator.controller.step_history import sample_events
 from orchestrator.spec.job_spec import spec_hash
 from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten
-from orchestrator.wire.store import PLAN
 
 # A new checkpoint cadence starts this many steps after the fastest rank's current step.
 REPLAN_LEAD_STEPS = 3
@@ -117,7 +116,7 @@ class Checkpoints:
         plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
                               final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
                               job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at)
-        self.store.set_json(PLAN, plan.to_json())
+        self.store.set_plan(plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
                    fired: dict) -> int | None:

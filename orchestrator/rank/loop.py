@@ -12,7 +12,8 @@ but its process group; to the controller it sends, through the store:
     digests per commit, and the exactly-once check compares them with the data schedule;
   * rank 0: an `eval` event after each validation (`eval.every_steps`; every rank takes part,
     the evaluation is collective).
-At every step boundary each rank reads the checkpoint plan (one small store read): a stop
+At every step boundary each rank reads the checkpoint plan (`PlanWatch`: one store round trip
+for the plan's counter, and the plan itself only when the counter moved): a stop
 step (`CheckpointPlan.stop_at`, preemption or a node drain) must reach every rank before it
 passes that step, so that all of them save it and end their `train` call there together.
 Events raised on the checkpoint writer's thread, or on its listener thread with a writer
@@ -78,6 +79,24 @@ def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> Checkpoi
     if data is None or data.get("version", -1) <= current.version:
         return current
     return CheckpointPlan.from_json(data)
+
+
+class PlanWatch:
+    """A rank's copy of the checkpoint plan, read at every step boundary (training thread only).
+
+    `read()` costs one store round trip while the plan is unchanged: the counter of the plan's
+    publications (`GenerationStore.plan_sets`); the sealed body is read (two more) only when the
+    counter moved. A body that does not open leaves the current plan (`plan_from_store`)."""
+
+    def __init__(self, store: GenerationStore):
+        self.store, self.sets = store, -1
+        self.plan = CheckpointPlan(every=10**9, version=-1)
+
+    def read(self) -> CheckpointPlan:
+        sets = self.store.plan_sets()
+        if sets != self.sets:
+            self.sets, self.plan = sets, plan_from_store(self.store, self.plan)
+        return self.plan
 
 
 def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: float) -> None:
@@ -181,7 +200,8 @@ class RankLoop:
         self.events.push(MemoryReport(measure(self.engine, self.baseline_bytes)))
 
     def run(self, until_step: int, faults: list[ArmedFault]) -> dict:
-        plan = plan_from_store(self.store, CheckpointPlan(every=10**9, version=-1))
+        plans = PlanWatch(self.store)
+        plan = plans.read()
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
         writer = self._writer(hook, faults, plan)
@@ -205,7 +225,7 @@ class RankLoop:
                     write_heartbeat(self.store, self.rank, result.step, compute / steps_in_beat)
                     compute, steps_in_beat = 0.0, 0
                     last_beat = now
-                plan = plan_from_store(self.store, plan)
+                plan = plans.read()
                 completed = self.engine.next_step
                 if plan.should_save(completed) or plan.stops(completed):
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())

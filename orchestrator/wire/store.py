@@ -9,11 +9,13 @@ prefix and are never read again.
 Key space under `gen<g>/` (who writes -> who reads):
   pg/...         torch.distributed bootstrap (ranks -> ranks; not sealed, see wire.auth)
   abort          "1" when the controller wants every rank out (controller -> ranks)
-  plan           checkpoint plan JSON (controller -> ranks, polled at the heartbeat rate)
+  plan           checkpoint plan JSON (controller -> ranks, read when `plan_sets` moved)
+  plan_sets      how many times the plan was set: a counter a rank reads at every step
+                 boundary in one round trip (controller -> ranks; not sealed, see set_plan)
   hb/<rank>      last heartbeat JSON of a rank (rank -> controller)
   events         queue of JSON events: step records, shard receipts, fault notices (ranks -> controller)
 
-Every value but `pg/...` is sealed with the job's secret (orchestrator.wire.auth); a reader
+Every value but `pg/...` and the `plan_sets` counter is sealed with the job's secret (orchestrator.wire.auth); a reader
 drops what does not open. A rank that drops a value tells the controller with a sealed
 `control_rejected` notice on the queue, so that the controller counts every rejection, its
 own and the ranks', in one metric.
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 EVENTS = "events"
 ABORT = "abort"
 PLAN = "plan"
+PLAN_SETS = "plan_sets"
 REJECTED = "control_rejected"  # a rank's notice that it dropped a value (see module doc)
 _LISTEN_BACKLOG = 1024  # every rank opens several clients at once when a generation forms
 
@@ -154,6 +157,20 @@ class GenerationStore:
                 return default
             body = self._open(key, self.store.get(key), queued=False)
         return default if body is None else json.loads(body)
+
+    def set_plan(self, plan: dict) -> None:
+        """The controller publishes a checkpoint plan: the sealed body, then its counter, in that
+        order, so that a rank that sees the new count reads a body at least that new."""
+        self.set_json(PLAN, plan)
+        with self._lock:
+            self.store.add(PLAN_SETS, 1)
+
+    def plan_sets(self) -> int:
+        """How many times the plan was set: one round trip that never blocks (`add` of 0). Not
+        sealed (a TCPStore counter cannot be): a forged count only makes a rank re-read the
+        sealed body, which it opens before trusting."""
+        with self._lock:
+            return self.store.add(PLAN_SETS, 0)
 
     def request_abort(self) -> None:
         self.set_json(ABORT, 1)

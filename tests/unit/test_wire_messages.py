@@ -24,7 +24,7 @@ from orchestrator.wire.messages import (
     decode,
     encode,
 )
-from orchestrator.wire.store import RendezvousServer
+from orchestrator.wire.store import RendezvousServer, connect
 
 RECEIPT = ShardReceipt(step=10, rank=1, file="shard-r1.bin", nbytes=64, tensors={},
                        blocking_s=0.01, write_s=0.2)
@@ -112,3 +112,36 @@ def test_an_event_that_is_not_a_message_is_skipped_and_the_rest_received(caplog)
     with caplog.at_level("ERROR"):
         assert store.receive() == [EXAMPLES[2], EXAMPLES[4]]
     assert "not a wire message" in caplog.text
+
+
+class _Counting:
+    """A store client that records the name of every call (each is one round trip)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+
+def test_a_rank_reads_an_unchanged_plan_in_one_round_trip():
+    from orchestrator.rank.loop import PlanWatch
+
+    server = RendezvousServer("127.0.0.1")
+    controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
+    controller.set_plan(CheckpointPlan(every=10, version=1).to_json())
+    rank.store = counting = _Counting(rank.store)
+    plans = PlanWatch(rank)
+    assert plans.read() == CheckpointPlan(every=10, version=1)
+    counting.calls.clear()
+    for _ in range(100):  # step boundaries
+        plans.read()
+    assert counting.calls == ["add"] * 100
+    controller.set_plan(CheckpointPlan(every=5, version=2, stop_at=40).to_json())
+    assert plans.read() == CheckpointPlan(every=5, version=2, stop_at=40)
