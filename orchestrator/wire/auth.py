@@ -7,6 +7,12 @@ opens it before trusting a byte of it; a value that does not open is dropped and
 (`Rejections`). torch's own process-group bootstrap keys (`pg/...`) cannot be sealed: see
 docs/design.md, "The control plane's security model".
 
+Where the keys are: every generation's keys live under `key_prefix(secret, gen)`, an HMAC
+of the generation under the secret. A TCPStore cannot list its keys, so a client without the
+secret cannot name one: it can neither write torch's bootstrap keys (which cannot be sealed)
+nor delete, overwrite or pop the sealed ones. What still reaches them is someone who reads
+the store's traffic, who learns the names (and can then do all of that, but forge nothing).
+
 The secret: `new_secret()` draws 32 random bytes once per job in the controller's process
 (orchestrator.wire.store.RendezvousServer); it reaches the rank actors only as an argument
 of their `join` call, through Ray, inside a `StoreAddress` whose repr leaves it out. It is
@@ -44,6 +50,11 @@ _TAG_HEX = 64
 
 def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
+
+
+def key_prefix(secret: bytes, gen: int) -> str:
+    """Generation `gen`'s key prefix in the store: `gen<g>-` and 128 bits only the secret gives."""
+    return f"gen{gen}-" + hmac.new(secret, f"key prefix\n{gen}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

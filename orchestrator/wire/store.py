@@ -2,11 +2,12 @@
 
 The controller owns one `torch.distributed.TCPStore` server for the life of the job, so
 losing any rank never loses the store (docs/design.md section 2). Each membership generation
-uses the key prefix `gen<g>`: process-group bootstrap keys, the abort flag, the checkpoint
-plan, heartbeats and the event queue. Messages of an old generation live under an old
-prefix and are never read again.
+uses its own key prefix: process-group bootstrap keys, the abort flag, the checkpoint plan,
+heartbeats and the event queue. Messages of an old generation live under an old prefix and
+are never read again. The prefix, `gen<g>-<32 hex>`, is derived from the job's secret
+(orchestrator.wire.auth.key_prefix), so that nobody without it can name a key of the job.
 
-Key space under `gen<g>/` (who writes -> who reads):
+Key space under a generation's prefix (who writes -> who reads):
   pg/...         torch.distributed bootstrap (ranks -> ranks; not sealed, see wire.auth)
   abort          "1" when the controller wants every rank out (controller -> ranks)
   plan           checkpoint plan JSON (controller -> ranks, read when `plan_sets` moved)
@@ -15,10 +16,10 @@ Key space under `gen<g>/` (who writes -> who reads):
   hb/<rank>      last heartbeat JSON of a rank (rank -> controller)
   events         queue of JSON events: step records, shard receipts, fault notices (ranks -> controller)
 
-Every value but `pg/...` and the `plan_sets` counter is sealed with the job's secret (orchestrator.wire.auth); a reader
-drops what does not open. A rank that drops a value tells the controller with a sealed
-`control_rejected` notice on the queue, so that the controller counts every rejection, its
-own and the ranks', in one metric.
+Every value but `pg/...` and the `plan_sets` counter is sealed with the job's secret
+(orchestrator.wire.auth); a reader drops what does not open. A rank that drops a value tells
+the controller with a sealed `control_rejected` notice on the queue, so that the controller
+counts every rejection, its own and the ranks', in one metric.
 
 The server listens on the host it is given and nowhere else: torch's TCPStore binds the
 wildcard address whatever host it is passed, so the listening socket is made here, bound to
@@ -35,7 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from orchestrator.wire.auth import Rejected, Rejections, Seal, StoreAddress, channel_of, new_secret
+from orchestrator.wire.auth import Rejected, Rejections, Seal, StoreAddress, channel_of, key_prefix, new_secret
 from orchestrator.wire.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class RendezvousServer:
         return StoreAddress(self.host, self.port, self._secret)
 
     def generation(self, gen: int) -> GenerationStore:
-        return GenerationStore(dist.PrefixStore(f"gen{gen}", self._server), Seal(self._secret, gen),
+        return GenerationStore(dist.PrefixStore(key_prefix(self._secret, gen), self._server), Seal(self._secret, gen),
                                self.rejections)
 
 
@@ -204,4 +205,4 @@ def _json_object(body: str) -> dict | None:
 def connect(address: StoreAddress, gen: int, timeout_s: float = 60.0) -> GenerationStore:
     """Rank side: a client of the controller's store, scoped to generation `gen`."""
     client = dist.TCPStore(address.host, address.port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return GenerationStore(dist.PrefixStore(f"gen{gen}", client), Seal(address.secret, gen))
+    return GenerationStore(dist.PrefixStore(key_prefix(address.secret, gen), client), Seal(address.secret, gen))

@@ -1,6 +1,9 @@
 """The control plane of a real local `undying run`: its driver listens on no more wildcard
 sockets than a bare `ray.init()` driver (the store and the metrics endpoint are on loopback),
-and a process that writes to the store without the job's secret changes nothing and is counted."""
+and a process that writes to the store without the job's secret changes nothing: the keys it
+can guess are not the job's (their names derive from the secret), so nothing of it is even
+read. A writer that knows the names but not the secret is dropped and counted: see
+tests/unit/test_control_auth.py."""
 
 from __future__ import annotations
 
@@ -80,8 +83,7 @@ def test_a_local_job_listens_on_loopback_and_a_forger_changes_nothing(tmp_path):
     assert len(wildcard(driver)) == len(wildcard(bare)) == 1, (driver, bare)  # Ray's own, nothing of ours
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["status"] == "succeeded" and report["failures"] == [] and report["final_step"] == 40, out
-    assert rejected.get("abort", 0) >= 1 and rejected.get("events", 0) >= 1, (rejected, out)
-    assert "a rank dropped a message on 'abort'" in out and "the controller dropped a message on 'events'" in out
+    assert not any(rejected.values()) and "dropped a message" not in out, (rejected, out)
 
 
 def _metrics_endpoint(lines: list[str], timeout_s: float = 120.0) -> tuple[str, int]:

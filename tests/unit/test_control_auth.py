@@ -3,6 +3,7 @@ under the job's secret is dropped and counted, whoever wrote it and wherever it 
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import subprocess
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
-from orchestrator.wire.auth import Rejected, Seal, StoreAddress, new_secret
+from orchestrator.wire.auth import Rejected, Seal, StoreAddress, key_prefix, new_secret
 from orchestrator.wire.store import ABORT, EVENTS, PLAN, RendezvousServer, connect, heartbeat_key
 from tests._sockets import listening_sockets
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
@@ -96,15 +97,35 @@ import json, sys
 from datetime import timedelta
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
-store.set("gen0/abort", "1")
-store.set("gen0/hb/0", json.dumps({"step": 99, "time": 0.0, "compute_s": 50.0}))
+prefix = sys.argv[3]
+store.set(f"{prefix}/abort", "1")
+store.set(f"{prefix}/hb/0", json.dumps({"step": 99, "time": 0.0, "compute_s": 50.0}))
 for event in json.loads(sys.argv[2]):
-    store.queue_push("gen0/events", json.dumps(event))
+    store.queue_push(f"{prefix}/events", json.dumps(event))
 store.check(["round-trip"])  # pushes are not answered: wait until the server has them
 """
 
 
+def test_a_generation_s_keys_cannot_be_named_without_the_secret():
+    """A client that reaches the port but has no secret writes every key it can guess (the
+    generation's old names): nothing of it is ever read, and it finds none of the job's keys."""
+    server = RendezvousServer("127.0.0.1")
+    controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
+    controller.set_plan({"every": 10, "version": 1})
+    guesser = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    assert not any(guesser.check([f"gen{gen}/{key}"]) for gen in (0, 1) for key in (PLAN, "plan_sets"))
+    subprocess.run([sys.executable, "-c", FORGER, str(server.port), json.dumps([STEP]), "gen0"], check=True,
+                   timeout=60)
+    guesser.set("gen0/pg/0", "a forged bootstrap address")
+    assert controller.receive() == [] and not rank.abort_requested()
+    assert not rank.pg_store().check(["0"])  # the ranks' bootstrap keys are elsewhere
+    assert server.rejections.counts == {}  # nothing it wrote is read: nothing to count
+    assert key_prefix(server.address.secret, 0) != key_prefix(new_secret(), 0)
+    assert key_prefix(server.address.secret, 0) != key_prefix(server.address.secret, 1)
+
+
 def test_another_process_without_the_secret_changes_nothing_and_is_counted():
+    """A process that learned the key names (by reading the store's traffic) but has no secret."""
     metrics = JobMetrics("forged")
     server = RendezvousServer("127.0.0.1", on_reject=metrics.on_control_rejected)
     controller = server.generation(0)
@@ -113,7 +134,8 @@ def test_another_process_without_the_secret_changes_nothing_and_is_counted():
     rank.send(_step())  # one genuine step record, queued first
     forged = [{"type": "node_lost", "node": "head", "rank": 0, "time": 0.0},
               {"type": "receipt", "receipt": {"step": 10, "rank": 0}, "extra": {}}, STEP]
-    subprocess.run([sys.executable, "-c", FORGER, str(server.port), json.dumps(forged)], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", FORGER, str(server.port), json.dumps(forged),
+                    key_prefix(server.address.secret, 0)], check=True, timeout=60)
 
     assert [m.step for m in controller.receive()] == [3]  # only the genuine record
     assert controller.get_json(heartbeat_key(0)) is None  # the forged heartbeat reads as absent
@@ -138,9 +160,10 @@ def test_a_captured_event_replayed_on_the_queue_is_dropped():
     controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
     eavesdropper = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
     rank.send(_step())
-    captured = eavesdropper.queue_pop(f"gen0/{EVENTS}")  # read off the wire (waits for the push)
+    prefix = functools.partial(key_prefix, server.address.secret)  # names read off the wire
+    captured = eavesdropper.queue_pop(f"{prefix(0)}/{EVENTS}")  # (waits for the push)
     for gen in (0, 0, 1):  # put back, replayed, then replayed into the next generation
-        eavesdropper.queue_push(f"gen{gen}/{EVENTS}", captured)
+        eavesdropper.queue_push(f"{prefix(gen)}/{EVENTS}", captured)
     assert [m.step for m in controller.receive()] == [3]
     assert server.generation(1).receive() == []
     assert server.rejections.counts == {"events": 2}
@@ -170,7 +193,7 @@ class ForgedWorkerGroup(FakeWorkerGroup):
     def start_training(self, until_step, faults):
         super().start_training(until_step, faults)
         forger = dist.TCPStore("127.0.0.1", self.rendezvous.port, is_master=False, timeout=timedelta(seconds=10))
-        prefix = f"gen{self.gen}"
+        prefix = key_prefix(self.rendezvous.address.secret, self.gen)  # as read off the wire
         forger.set(f"{prefix}/{ABORT}", "1")  # every rank would stop
         for event in ({"type": "node_lost", "node": "head", "rank": 0, "time": 0.0},  # a recovery
                       {"type": "save_error", "rank": 0, "step": 10, "error": "forged"},  # a skipped save
@@ -202,7 +225,7 @@ def test_a_forged_plan_leaves_a_rank_on_its_current_plan():
     rank = connect(server.address, 0, timeout_s=10)
     current = CheckpointPlan(every=10, version=1)
     forger = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
-    forger.set(f"gen0/{PLAN}", json.dumps({"every": 1, "version": 99}))  # a save every step
+    forger.set(f"{key_prefix(server.address.secret, 0)}/{PLAN}", json.dumps({"every": 1, "version": 99}))
     assert plan_from_store(rank, current) is current
     server.generation(0).set_json(PLAN, {"every": 5, "version": 2})
     assert plan_from_store(rank, current) == CheckpointPlan(every=5, version=2)
