@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +25,13 @@ class FakeChildren:
 
     def __init__(self, spec, ends: list[str]):
         self.spec, self.ends, self.calls = spec, list(ends), []
+        self.specs, self.files = [], []  # each child's stdin, and the files of the run's directory
 
-    def __call__(self, cmd, **kwargs):
-        spec_path, report_path, pids_path = cmd[3:6]
+    def __call__(self, cmd, input=None, **kwargs):
+        report_path, pids_path = cmd[3:5]
         self.calls.append(cmd)
+        self.specs.append(input)
+        self.files.append({path.name: path.read_text() for path in Path(pids_path).parent.iterdir()})
         attempt = len(self.calls) - 1
         with open(pids_path, "w") as handle:
             json.dump({"pids": {"actor a pid": 100 + attempt}, "starts": {"actor a pid": "1"}}, handle)
@@ -72,3 +76,19 @@ def test_at_most_one_rerun_per_kill_controller_fault(monkeypatch, tmp_path, spec
     monkeypatch.setattr(chaos_child.subprocess, "run", children)
     outcome = chaos_child.run_rerunning(spec, address=None, report_path=str(tmp_path / "r.json"))
     assert len(children.calls) == 2 and outcome.code == 1 and outcome.report is None
+
+
+def test_the_spec_reaches_the_child_through_a_pipe_never_a_file(monkeypatch, tmp_path):
+    """Its storage options may hold credentials (read from a storage_options_file)."""
+    secret = "wJalrXUtnFEMI-not-a-real-key"
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_controller", "at_point": "after_manifest_commit"}]},
+                 checkpoint={"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2,
+                             "storage_options": {"secret": secret}})
+    children = FakeChildren(spec, ["killed", "ok"])
+    monkeypatch.setattr(chaos_child.subprocess, "run", children)
+    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: "report"))
+    chaos_child.run_rerunning(spec, address=None, report_path=str(tmp_path / "r.json"))
+    assert len(children.specs) == 2 and all(json.loads(s)["checkpoint"]["storage_options"] == {"secret": secret}
+                                            for s in children.specs)
+    assert not any(secret in text for files in children.files for text in files.values())
+    assert not any(secret in part for cmd in children.calls for part in cmd)

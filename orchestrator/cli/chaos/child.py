@@ -1,9 +1,13 @@
 """`undying chaos` with kill_controller: the controller runs in a child process, rerun after each kill.
 
 Protocol: orchestrator.cli.chaos.command uses `run_rerunning` as its runner when the spec holds a
-kill_controller fault (`kills_controller`). It writes the validated spec to a file and starts
+kill_controller fault (`kills_controller`). It starts
 
-    python -m orchestrator.cli.chaos.child SPEC.json REPORT.json PIDS.json [--address ADDR]
+    python -m orchestrator.cli.chaos.child REPORT.json PIDS.json [--address ADDR]
+
+with the validated spec's JSON on the child's stdin: the spec carries its storage options
+inline (credentials read from a storage_options_file included), so it goes through a pipe,
+never into a file or onto the command line.
 
 which is `undying run` (orchestrator.cli.run.run_job) with the chaos command's rank-PID recording:
 each rank PID is written to PIDS.json as soon as the rank reports it, since a controller killed
@@ -65,17 +69,16 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     pids: dict[str, int] = {}
     starts: dict[str, str] = {}
     wall, code = 0.0, EXIT_FAILED
+    spec_json = spec.model_dump_json(by_alias=True)
     with tempfile.TemporaryDirectory(prefix="undying-chaos-child-") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as handle:
-            handle.write(spec.model_dump_json(by_alias=True))
         for attempt in range(kills + 1):
             fired_before = _fired_now(spec)
             pids_path = os.path.join(tmp, f"pids-{attempt}.json")
-            cmd = [sys.executable, "-m", "orchestrator.cli.chaos.child", spec_path, report_path, pids_path]
+            cmd = [sys.executable, "-m", "orchestrator.cli.chaos.child", report_path, pids_path]
             sys.stdout.flush()
             started = time.monotonic()
-            code = subprocess.run(cmd + (["--address", address] if address else [])).returncode
+            code = subprocess.run(cmd + (["--address", address] if address else []), input=spec_json,
+                                  text=True).returncode
             wall += time.monotonic() - started
             more_pids, more_starts = _read_pids(pids_path)
             pids.update({f"run {attempt} {k}": v for k, v in more_pids.items()})
@@ -98,7 +101,6 @@ def _write_pids(path: str, pids: dict, starts: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.cli.chaos.child")
-    parser.add_argument("spec")
     parser.add_argument("report")
     parser.add_argument("pids")
     parser.add_argument("--address")
@@ -106,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.cli.run import run_job
     from orchestrator.spec.job_spec import JobSpec
 
-    with open(args.spec) as handle:
-        spec = JobSpec.model_validate_json(handle.read())
+    spec = JobSpec.model_validate_json(sys.stdin.read())  # a pipe from run_rerunning (see the module doc)
     recorder = RankPidRecorder(lambda pids, starts: _write_pids(args.pids, pids, starts))
     return run_job(spec, address=args.address, report_path=args.report, timeline_path=None,
                    worker_group=recorder.group_class)
