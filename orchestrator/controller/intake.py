@@ -50,7 +50,7 @@ class EventIntake:
         self.nodes_handled: set[str] = set()
         self.HANDLERS = {StepDone: self._step, ShardWritten: self._receipt, FaultFired: self._fault,
                          NodeLost: self._node_lost, MemoryReport: self._memory, SaveFailed: self._save_failed,
-                         EvalDone: self.record.on_eval}
+                         EvalDone: self._eval}
         self._committed: list[int] = []
         self.clocks = ClockSkew()
         self._store = None  # the generation store drained last
@@ -82,6 +82,10 @@ class EventIntake:
         self.step_at = self._taken_at  # not now: handling the batch (a commit in it) may take seconds
         self.record.on_step(message)
         self.chaos.on_step(message.step)
+
+    def _eval(self, message: EvalDone) -> None:
+        self.step_at = self._taken_at  # the ranks go on from the validation's end
+        self.record.on_eval(message)
 
     def _receipt(self, message: ShardWritten) -> None:
         step = self.on_receipt(message)

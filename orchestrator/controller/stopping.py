@@ -25,7 +25,8 @@ saves that step and its `train` call returns there. Where the ranks are is estim
 (`_stop_step`): the events are drained again (this poll's drain may have committed a
 checkpoint, seconds during which the ranks trained on), and to the newest step record are
 added the median steps that fit in the time since it was taken off the store
-(`EventIntake.step_at`). The stop step is `stop_lead` steps past that: one for the fastest
+(`EventIntake.step_at`, or since a validation's end), but never past a validation step not yet
+reported done: the ranks stand there while it runs (`_validating`). The stop step is `stop_lead` steps past that: one for the fastest
 rank, which may have finished a step more than the others (every step ends in collectives),
 and enough to cover the time a plan takes to reach the ranks (`PLAN_REACH_S`).
 The guarantee: when every rank reads the plan at or before the stop step, all save it and it
@@ -153,7 +154,20 @@ class Stops:
         reached = max(self.record.completed_steps(), restored or 0)
         step_s = self.record.median_step_s()
         at = reached + (math.ceil(max(0.0, self.clock() - self.intake.step_at) / step_s) if step_s else 0)
+        at = self._validating(reached, at)
         return reached, at, min(at + stop_lead(step_s), self.spec.train.steps)
+
+    def _validating(self, reached: int, at: int) -> int:
+        """`at`, or the first validation step from `reached` on (`eval.every_steps`) not reported
+        done: the ranks stand there while it runs, and the clock does not count their steps."""
+        every = getattr(getattr(self.spec, "eval", None), "every_steps", None)
+        if not every:
+            return at
+        done = {point.step for point in self.record.evals}
+        step = max(every, -(-reached // every) * every)  # the first multiple of `every` >= reached
+        while step < at and step in done:
+            step += every
+        return min(at, step)
 
     def overdue(self, phase: Stopping) -> Move | None:
         """STOPPING past its deadline (a signal during a drain's stop brings it to the grace's end),

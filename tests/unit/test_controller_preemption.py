@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,7 @@ from monitor.metrics import JobMetrics
 from orchestrator.cluster.worker_group import RankOutcome
 from orchestrator.controller.machine import Controller
 from orchestrator.controller.states import State
-from orchestrator.controller.stopping import stop_lead
+from orchestrator.controller.stopping import Stops, stop_lead
 from orchestrator.wire.messages import CheckpointPlan
 from orchestrator.wire.store import PLAN, RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
@@ -304,3 +305,18 @@ def test_a_draining_node_without_ranks_drops_the_job_s_spares_there_only(tmp_pat
     assert workers.forgotten == ["n4"]
     assert [line.split("] ")[1] for line in lines if "draining" in line] == [
         "node n4 draining: its 1 spare(s) dropped, no rank there"]
+
+
+def test_a_validation_holds_the_ranks_at_its_step_in_the_estimate():
+    """The time since the newest step record counts steps, except while the ranks validate
+    (eval.every_steps=30): the estimate stops at a validation step not reported done."""
+    def stops(evaluation, done=()):
+        record = SimpleNamespace(evals=[SimpleNamespace(step=step) for step in done])
+        return Stops(SimpleNamespace(eval=evaluation), None, None, record, None, None, None, dict, print, lambda: 10.0)
+
+    every_30 = SimpleNamespace(every_steps=30)
+    assert stops(every_30)._validating(28, 90) == 30
+    assert stops(every_30)._validating(30, 90) == 30  # validating after step 30
+    assert stops(every_30, done=[30])._validating(28, 90) == 60
+    assert stops(every_30, done=[30])._validating(31, 40) == 40
+    assert stops(None)._validating(28, 90) == 90
