@@ -185,7 +185,7 @@ def full_save(fork_server, tmp_path: Path, place: Place, name: str) -> tuple[str
 
 KILLS = [
     pytest.param("file", 50, id="file-50"),
-    pytest.param("s3", 20, marks=pytest.mark.s3, id="s3-20"),
+    pytest.param("s3", 8, marks=pytest.mark.s3, id="s3-8"),
     pytest.param("s3", 50, marks=[pytest.mark.s3, pytest.mark.heavy], id="s3-50"),
 ]
 
