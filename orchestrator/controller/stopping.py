@@ -26,9 +26,10 @@ saves that step and its `train` call returns there. Where the ranks are is estim
 checkpoint, seconds during which the ranks trained on), and to the newest step record are
 added the median steps that fit in the time since it was taken off the store
 (`EventIntake.step_at`, or since a validation's end), but never past a validation step not yet
-reported done: the ranks stand there while it runs (`_validating`). The stop step is `stop_lead` steps past that: one for the fastest
-rank, which may have finished a step more than the others (every step ends in collectives),
-and enough to cover the time a plan takes to reach the ranks (`PLAN_REACH_S`).
+reported done: the ranks stand there while it runs (`_validating`). The stop step is
+`stop_lead` steps past that: one for the fastest rank, which may have finished a step more
+than the others (every step ends in collectives), and enough to cover the time a plan takes
+to reach the ranks (`PLAN_REACH_S`).
 The guarantee: when every rank reads the plan at or before the stop step, all save it and it
 commits. Otherwise (steps suddenly much faster than their median, the controller held up
 between the estimate and the publication) a rank that reads it late saves and returns at the
