@@ -14,7 +14,7 @@ into timed events by chaos.schedule. Durations accept "30s", "2m", "1h" (chaos.d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -145,6 +145,13 @@ class ArmedFault(FaultSpec):
     @classmethod
     def of(cls, spec: FaultSpec, fault_id: int) -> ArmedFault:
         return cls(**spec.model_dump(), id=fault_id)
+
+
+def rank_storage_faults(faults: Iterable[ArmedFault], rank: int, *, restore: bool) -> list[ArmedFault]:
+    """Rank `rank`'s storage faults: with `restore`, those with `op: read`, which act on the reads of
+    its restores (orchestrator.rank.state); without, the others, which act on its checkpoint writer's
+    storage (orchestrator.rank.loop)."""
+    return [f for f in faults if f.kind in STORAGE_KINDS and f.rank == rank and (f.op == "read") == restore]
 
 
 def as_armed(fault: FaultSpec | Mapping, index: int) -> ArmedFault:

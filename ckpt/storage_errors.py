@@ -103,11 +103,9 @@ def describe(err: BaseException) -> str:
     """`err` in one line, with the S3 error code and HTTP status of the reply behind it, if any."""
     text = f"{type(err).__name__}: {err}"
     for e in _chain(err):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            return f"{text} (S3 {code}, HTTP {status})"
+        reply = _code_and_status(getattr(e, "response", None))
+        if reply is not None:
+            return f"{text} (S3 {reply[0]}, HTTP {reply[1]})"
     return text
 
 
@@ -121,11 +119,18 @@ def _chain(err: BaseException | None) -> Iterator[BaseException]:
         err = err.__cause__
 
 
-def _from_response(response: object) -> str | None:
+def _code_and_status(response: object) -> tuple[object, object] | None:
+    """The S3 error code and HTTP status of a botocore reply (`ClientError.response`), or None."""
     if not isinstance(response, dict):
         return None
-    code = (response.get("Error") or {}).get("Code")
-    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return (response.get("Error") or {}).get("Code"), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+
+
+def _from_response(response: object) -> str | None:
+    reply = _code_and_status(response)
+    if reply is None:
+        return None
+    code, status = reply
     if code in _CORRUPT_CODES or status in (404, 416):
         return CORRUPT
     if code in _TRANSIENT_CODES or status == 429 or (isinstance(status, int) and status >= 500):

@@ -38,7 +38,7 @@ import math
 import threading
 import time
 
-from chaos.config import STORAGE_KINDS, ArmedFault
+from chaos.config import ArmedFault, rank_storage_faults
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on
 from ckpt.writers import CheckpointWriter, make_writer
@@ -152,8 +152,7 @@ class RankLoop:
 
     def _storage_faults(self, faults: list[ArmedFault], plan: CheckpointPlan) -> functools.partial | None:
         """This rank's storage faults, as a setup to run on its writer's Storage (a fresh one per generation)."""
-        # op: read faults are the restore's (orchestrator.rank.state.restore_storage_setup).
-        mine = [f for f in faults if f.kind in STORAGE_KINDS and f.rank == self.rank and f.op != "read"]
+        mine = rank_storage_faults(faults, self.rank, restore=False)  # op: read ones are the restore's
         if not mine:
             return None
         # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.

@@ -43,11 +43,10 @@ def restore_storage_setup(spec, faults, rank: int, notify):
     """This rank's storage faults with `op: read`, as a `storage_setup` for `load_engine_state`
     (None without any): they disturb the restore's reads, and each firing is reported through
     `notify(event)` with the rank, as the writer's storage faults are."""
-    from chaos.config import STORAGE_KINDS, as_armed
+    from chaos.config import as_armed, rank_storage_faults
     from chaos.storage_faults import install
 
-    armed = [as_armed(f, i) for i, f in enumerate(faults or [])]
-    mine = [f for f in armed if f.kind in STORAGE_KINDS and f.rank == rank and f.op == "read"]
+    mine = rank_storage_faults([as_armed(f, i) for i, f in enumerate(faults or [])], rank, restore=True)
     if not mine:
         return None
     return lambda storage: install(storage, mine, seed=spec.chaos.seed,

@@ -10,11 +10,11 @@ import random
 import pytest
 from tokenizers import Tokenizer, models
 
-from orchestrator.cli.ckpt_cmd import UsageError
 from orchestrator.cli.data.records import BadRecord, _jsonl
 from orchestrator.cli.data.sources import Source, SourceFile
 from orchestrator.cli.data.units import Piece, plan_units
 from orchestrator.cli.data.vocab import load_tokenizer, resolve_eos
+from orchestrator.cli.exits import UsageError
 
 
 def src(kind: str, *sizes, atoms=None) -> Source:

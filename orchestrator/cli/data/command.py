@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from orchestrator.cli.ckpt_cmd import UsageError, error_reason, is_storage_error
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_USAGE
+from orchestrator.cli.ckpt_cmd import error_reason, is_storage_error
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_USAGE, UsageError
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 COMMAND = "undying data prepare"

@@ -20,10 +20,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from orchestrator.cli.ckpt_cmd import UsageError
 from orchestrator.cli.data.sources import Source
 from orchestrator.cli.data.units import BYTES_PER_TOKEN, Unit, plan_units
 from orchestrator.cli.data.vocab import TokenizerSpec
+from orchestrator.cli.exits import UsageError
 from trainer.tokens.format import TokenManifest, sha256_hex
 
 PLAN_NAME = "plan.json"

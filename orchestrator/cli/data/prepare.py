@@ -23,13 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckpt.storage import AlreadyCommitted, Storage
-from orchestrator.cli.ckpt_cmd import UsageError
 from orchestrator.cli.data.execute import Executor, Progress, human_count
 from orchestrator.cli.data.plan import PLAN_NAME, Decision, Plan, decide, make_plan, parse_plan
 from orchestrator.cli.data.shard_task import Job, UnitResult
 from orchestrator.cli.data.sources import options_for, resolve_sources, to_url
 from orchestrator.cli.data.vocab import load_tokenizer
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from trainer.tokens.format import MANIFEST_NAME, TokenFormatError, TokenManifest, manifest_bytes, parse_manifest
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from orchestrator.cli.ckpt_cmd import UsageError
 from orchestrator.cli.data.sources import Source, SourceFile, missing_field, open_arrow, open_fs
 from orchestrator.cli.data.units import Piece
+from orchestrator.cli.exits import UsageError
 
 
 class BadRecord(UsageError):

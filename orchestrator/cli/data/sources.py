@@ -26,7 +26,7 @@ from typing import Literal
 import fsspec
 from pydantic import BaseModel, ConfigDict
 
-from orchestrator.cli.ckpt_cmd import UsageError
+from orchestrator.cli.exits import UsageError
 
 Kind = Literal["txt", "jsonl", "parquet", "arrow"]
 EXTENSIONS: dict[str, Kind] = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}

@@ -19,8 +19,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from orchestrator.cli.ckpt_cmd import UsageError
 from orchestrator.cli.data.sources import open_fs, to_url
+from orchestrator.cli.exits import UsageError
 from trainer.tokens.format import dtype_for_vocab, sha256_hex
 
 DEFAULT_EOS = ("</s>", "<|endoftext|>", "<eos>")
