@@ -33,6 +33,39 @@ def normalise_url(url: str) -> str:
     return f"{protocol}://{path.rstrip('/') or '/'}"
 
 
+class MemoryLevelConfig(BaseModel):
+    """The memory level (docs/design.md, "Two levels"): snapshots in the ranks' host memory, each
+    rank's copied to a buddy on another node. Cadence as for storage: `every_steps`, else
+    `interval` ("young", "young-daly" or seconds) with C the measured blocking cost of a memory
+    snapshot and the job's MTBF. `max_host_bytes`: a per-rank limit on the host memory the level
+    may hold (its staging buffer, two own snapshots, two buddy copies), checked before any rank
+    starts against the spec's state size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    every_steps: int | None = Field(None, gt=0)
+    interval: Literal["young", "young-daly"] | float = "young"
+    max_host_bytes: int | None = Field(None, gt=0)
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _check_interval(cls, value: Any) -> Any:
+        return _interval(value)
+
+
+def _interval(value: Any) -> Any:
+    # Checked before the union is tried so that the user gets one message, not one per
+    # union member ("should be 'young'" and "should be a valid number").
+    if value in ("young", "young-daly"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected 'young', 'young-daly' or a number of seconds, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"must be a positive number of seconds, 'young' or 'young-daly', got {value!r}")
+    return float(value)
+
+
 class CheckpointConfig(BaseModel):
     """Checkpoint destination and cadence.
 
@@ -73,6 +106,7 @@ class CheckpointConfig(BaseModel):
         DEFAULT_READ_RETRY_S, ge=0.0, description="how long the store's transient read failures (timeouts, 5xx, "
         "throttling), retried with backoff, may delay one restore in all before the job fails naming the "
         "checkpoint (0: no retry)")
+    memory: MemoryLevelConfig = Field(default_factory=MemoryLevelConfig)
 
     @field_validator("url")
     @classmethod
@@ -82,15 +116,7 @@ class CheckpointConfig(BaseModel):
     @field_validator("interval", mode="before")
     @classmethod
     def _check_interval(cls, value: Any) -> Any:
-        # Checked before the union is tried so that the user gets one message, not one per
-        # union member ("should be 'young'" and "should be a valid number").
-        if value in ("young", "young-daly"):
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected 'young', 'young-daly' or a number of seconds, got {value!r}")
-        if value <= 0:
-            raise ValueError(f"must be a positive number of seconds, 'young' or 'young-daly', got {value!r}")
-        return float(value)
+        return _interval(value)
 
     @model_validator(mode="after")
     def _one_cadence(self) -> CheckpointConfig:
@@ -138,6 +164,12 @@ class CheckpointConfig(BaseModel):
         if self.every_seconds is not None:
             return self.every_seconds
         return None if isinstance(self.interval, str) else float(self.interval)
+
+    def memory_cadence(self) -> CheckpointConfig:
+        """This config with the memory level's cadence, for an interval policy of its own."""
+        memory = self.memory
+        return self.model_copy(update={"every_steps": memory.every_steps, "every_seconds": None,
+                                       "interval": memory.interval})
 
     def join(self, *parts: str) -> str:
         """The URL of `parts` under `url`, joined with single slashes."""

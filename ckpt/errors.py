@@ -15,6 +15,9 @@
 * `UnsupportedManifest`: the manifest was written in a schema this code does not read.
   Fatal for that checkpoint and for its older siblings alike, so it is not a
   `CorruptCheckpoint` (falling back would silently restart from an older state or scratch).
+* `SnapshotUnavailable`: a memory snapshot's shard is held by no process that answers (its
+  holders died since the controller chose it). No proof about any stored bytes: the controller
+  restores from the storage level instead.
 """
 
 from __future__ import annotations
@@ -40,3 +43,7 @@ class UnsupportedManifest(RuntimeError):
     Deliberately not a ValueError: pydantic wraps ValueErrors raised in validators into a
     generic ValidationError, and this message must reach the user as written.
     """
+
+
+class SnapshotUnavailable(RuntimeError):
+    """No live holder of a memory snapshot's shard answered: restore from storage instead."""

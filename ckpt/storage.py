@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +54,23 @@ from ckpt.write_behind import WriteBehindFile
 
 # s3fs's own default for pipe_file: bodies under twice this size go in one PUT.
 DEFAULT_MULTIPART_CHUNK = 50 * 2**20
+
+# Bytes this process read from durable storage (any protocol but memory://), through every
+# Storage: a restore reports its difference as `storage_read_bytes`, so a restore from the
+# memory level proves it read nothing durable (a counter that sees every read, not a claim).
+_durable_read = {"bytes": 0}
+_durable_lock = threading.Lock()
+
+
+def durable_bytes_read() -> int:
+    with _durable_lock:
+        return _durable_read["bytes"]
+
+
+def _count_read(storage: Storage, nbytes: int) -> None:
+    if storage.durable:
+        with _durable_lock:
+            _durable_read["bytes"] += nbytes
 
 
 class AlreadyCommitted(FileExistsError):
@@ -97,6 +115,7 @@ class Storage:
         self.root = self.root.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         self.is_s3 = bool({"s3", "s3a"} & _protocols(self.fs))
+        self.durable = "memory" not in _protocols(self.fs)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -187,10 +206,14 @@ class Storage:
     # -- reads -------------------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
-        return self.fs.cat_file(path)
+        data = self.fs.cat_file(path)
+        _count_read(self, len(data))
+        return data
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(path, start=start, end=end)
+        data = self.fs.cat_file(path, start=start, end=end)
+        _count_read(self, len(data))
+        return data
 
     def read_range_into(self, path: str, start: int, out: memoryview) -> int:
         """Read bytes [start, start + len(out)) of `path` into `out`; returns how many arrived.
@@ -209,6 +232,7 @@ class Storage:
                     if not n:
                         break
                     got += n
+                _count_read(self, got)
                 return got
         data = self.read_range(path, start, start + len(out))
         got = min(len(data), len(out))

@@ -85,6 +85,7 @@ class JobMetrics:
         self._define_training()
         self._define_checkpoint()
         self._define_resilience()
+        self._define_levels()
         self._define_layout_model()
         # Export every job-level series from the first scrape: a histogram that appears with
         # its first observation has no zero to rate() against, and a counter that is never
@@ -92,6 +93,9 @@ class JobMetrics:
         for metric in (self.step_seconds, self.ckpt_blocking, self.ckpt_total, self.ckpt_skipped,
                        self.ckpt_failures, self.detection, self.recovery):
             metric.labels(job)
+        for level in ("memory", "storage"):
+            for metric in (self.recoveries_by_level, self.restore_by_level, self.lost_by_level):
+                metric.labels(job, level)
         self.ckpt_last_commit.labels(job).set(time.time())
         self._goodput = _GoodputCollector(job)
         self.registry.register(self._goodput)
@@ -161,6 +165,31 @@ class JobMetrics:
         self.ckpt_last_commit = self._gauge(
             "undying_checkpoint_last_commit_timestamp_seconds", "Unix time of the last commit (before the "
             "job's first commit: the time the job started, so a job that never commits is seen).")
+
+    def _define_levels(self) -> None:
+        self.recoveries_by_level = self._counter(
+            "undying_recoveries", "Recoveries by the level restored from (memory or storage).", "level")
+        self.restore_by_level = self._counter(
+            "undying_recovery_restore_seconds", "Seconds of restores, by level.", "level")
+        self.lost_by_level = self._counter(
+            "undying_recovery_lost_work_seconds", "Seconds of rolled-back work, by the level restored from.", "level")
+        self.snapshot_step = self._gauge(
+            "undying_memory_snapshot_step", "Step of the newest complete memory snapshot (held twice).")
+        self.snapshot_host_bytes = self._gauge(
+            "undying_memory_snapshot_host_bytes", "Host bytes a rank's memory level holds (staging buffer, own "
+            "snapshots, buddies' copies; bounded by checkpoint.memory.max_host_bytes).", "rank")
+
+    def on_recovery_level(self, level: str, restore_s: float, lost_s: float) -> None:
+        """A recovery restored from `level` ("memory" or "storage") in `restore_s`, redoing `lost_s`."""
+        self.recoveries_by_level.labels(self.job, level).inc()
+        self.restore_by_level.labels(self.job, level).inc(max(0.0, restore_s))
+        self.lost_by_level.labels(self.job, level).inc(max(0.0, lost_s))
+
+    def on_memory_snapshot(self, step: int, host_bytes: Mapping[int, int]) -> None:
+        """A memory snapshot of `step` completed; `host_bytes`: rank -> bytes its memory level holds."""
+        self.snapshot_step.labels(self.job).set(step)
+        for rank, nbytes in host_bytes.items():
+            self.snapshot_host_bytes.labels(self.job, str(rank)).set(nbytes)
 
     def _define_resilience(self) -> None:
         self.failures = self._counter("undying_failures", "Failures seen, by kind.", "kind")

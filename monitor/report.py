@@ -72,6 +72,13 @@ class FailureRecord(BaseModel):
     message: str = ""
     # Last global step the controller had seen, so the failure can be marked on the loss curve.
     step: int | None = None
+    # The level the recovery restored from ("memory" or "storage"; None: it never restored, or a
+    # fresh start), the bytes that restore read from durable storage (all ranks), its seconds and
+    # the seconds of work it rolled back: the goodput ledger's restore and lost work, per level.
+    restore_level: Literal["memory", "storage"] | None = None
+    storage_read_bytes: int | None = None
+    restore_s: float | None = None
+    lost_work_s: float | None = None
 
 
 class CheckpointRecord(BaseModel):

@@ -94,7 +94,7 @@ class RayWorkerGroup:
                                                     placement_group_bundle_index=self.seat_bundle[seat])
         return self._remote.options(
             num_cpus=res.cpus_per_rank, num_gpus=res.gpus_per_rank, resources=res.custom or None,
-            max_concurrency=4, max_restarts=0, scheduling_strategy=strategy,
+            max_concurrency=8, max_restarts=0, scheduling_strategy=strategy,
             runtime_env={"env_vars": self.env_vars} if self.env_vars else None,
         ).remote(self.spec_json)
 
@@ -277,11 +277,21 @@ class RayWorkerGroup:
         return self._call_all("join", lambda r: (gen, r, world, address, timeout_s), timeout_s + 30)
 
     def restore_all(self, step: int | None, dp: int, timeout_s: float,
-                    faults: list[ArmedFault] | None = None) -> list[dict]:
-        return self._call_all("restore", lambda r: (step, dp, faults), timeout_s)
+                    faults: list[ArmedFault] | None = None, source=None) -> list[dict]:
+        """`source`: a memory snapshot (orchestrator.rank.snapshots.MemorySource) every rank loads
+        instead of checkpoint `step`."""
+        return self._call_all("restore", lambda r: (step, dp, faults, source), timeout_s)
 
-    def start_training(self, until_step: int, faults: list[ArmedFault]) -> None:
-        self._train_refs = {self.actors[r].train.remote(until_step, faults): r for r in sorted(self.actors)}
+    def start_training(self, until_step: int, faults: list[ArmedFault], buddies: dict | None = None) -> None:
+        """`buddies`: rank -> the rank whose actor keeps a copy of its memory snapshots."""
+        buddy = {r: self.actors[b] for r, b in (buddies or {}).items() if b is not None}
+        self._train_refs = {self.actors[r].train.remote(until_step, faults, buddy.get(r)): r
+                            for r in sorted(self.actors)}
+
+    def live_actors(self) -> dict[str, ray.actor.ActorHandle]:
+        """Actor id -> handle of every rank and spare not known dead (holders of memory snapshots)."""
+        handles = [*self.actors.values(), *(actor for actor, _ in self.spares.values())]
+        return {actor._actor_id.hex(): actor for actor in handles}
 
     def wait_any(self, timeout_s: float) -> list[RankOutcome]:
         if not self._train_refs:

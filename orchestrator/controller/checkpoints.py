@@ -5,12 +5,19 @@ Protocol (controller thread only; one per controller run):
     `on_corrupt(step, err)` when a restore of it proved it corrupt, `unreadable(step, err)` when
     it failed without proof (orchestrator.controller.restore_policy: quarantine only on proof,
     never a silent start from step 0).
-  * `begin(store, gen, anchor)` once the ranks restored: nothing is pending, and the first plan
-    of the generation is published (`CheckpointPlan` under the store's `plan` key).
+  * `restore_choice(live)` in RESTORING: the step and level to restore (a complete memory snapshot
+    whose shards all have live holders when it is at least as new as the restore point, else
+    storage; orchestrator.controller.memory_level); `expected_restore_point(live)` the same step
+    without side effects, for the lost work a recovery books.
+  * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history,
+    nothing is pending, and the first plan of the generation is published (`CheckpointPlan`
+    under the store's `plan` key, with the memory level's cadence).
   * `on_receipt(message, ...)` for each shard receipt the event intake receives: a completed
     save is committed (ckpt.commit.Committer), its blocking time booked as `checkpoint_save`,
     the interval policy fed, the job record updated, and the cadence re-planned (a new plan
     published) when the measured costs moved it. Returns the committed step, or None.
+  * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
+    blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
   * `SavesFailing` is raised out of `on_receipt` / `on_save_failed` (so out of the controller's
     event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures: the
@@ -30,11 +37,13 @@ import uuid
 from collections.abc import Callable
 
 from ckpt.commit import Committer
+from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
+from orchestrator.controller.memory_level import MemoryLevel
 from orchestrator.controller.policies import CheckpointIntervalPolicy
 from orchestrator.controller.restore_policy import RestorePolicy
 from orchestrator.controller.step_history import sample_events
 from orchestrator.spec.job_spec import spec_hash
-from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten
+from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten, SnapshotHeld
 
 # A new checkpoint cadence starts this many steps after the fastest rank's current step.
 REPLAN_LEAD_STEPS = 3
@@ -79,6 +88,8 @@ class Checkpoints:
         self.gen = -1
         self.data_provenance = data_provenance(spec.data)
         self.failed_saves: list[int] = []  # the steps of the saves failed since the last commit
+        self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
+        self.plan_memory_every: int | None = None
 
     @property
     def latest(self) -> int | None:
@@ -97,10 +108,44 @@ class Checkpoints:
     def read_manifest(self, step: int):
         return self.restore.read_manifest(step)
 
-    def begin(self, store, gen: int, anchor: int | None) -> None:
-        """A generation restored from `anchor` (None: fresh): nothing pending, first plan published."""
+    def _live(self, workers) -> dict:
+        return workers.live_actors() if self.memory.enabled else {}
+
+    def restore_choice(self, workers) -> tuple[int | None, object]:
+        """(step, memory source or None) to restore, given the worker group's live actors."""
+        step = self.restore_point()
+        source = self.memory.choose(step, self._live(workers))
+        return (source.step, source) if source is not None else (step, None)
+
+    def expected_restore_point(self, workers) -> int | None:
+        """The step `restore_choice` would pick now, without side effects (the lost work to book)."""
+        if self.memory.viable(self.latest, self._live(workers)):
+            return self.memory.newest.step
+        return self.latest
+
+    def buddies(self, workers, world_size: int) -> dict:
+        """`start_training`'s keyword for the memory level: {"buddies": rank -> buddy rank}, {} when off."""
+        if not self.memory.enabled:
+            return {}
+        nodes = [workers.node_of(rank) for rank in range(world_size)]
+        buddies = choose_buddies(nodes)
+        if world_size > 1 and not survives_any_node_loss(nodes, buddies) and not self.memory.warned_one_node:
+            self.memory.warned_one_node = True
+            self.log("memory snapshots: the ranks share one node, so a buddy's copy survives a rank's death but "
+                     "not the node's (storage checkpoints cover that)")
+        return {"buddies": dict(enumerate(buddies))}
+
+    def begin(self, store, gen: int, anchor: int | None, source=None) -> None:
+        """A generation restored from `anchor` (None: fresh; `source`: the memory snapshot it came
+        from): the restore joins the history (after the snapshot's sample reports), nothing is pending,
+        the first plan is published."""
         self.store, self.gen = store, gen
-        self.committer.reset(anchor)
+        if source is not None:
+            self.record.history.extend(sample_events(self.memory.samples_of(source.step)))
+        self.record.history.append(["restore", anchor or 0])
+        # From memory, the newest durable step stays what storage holds (retention, the report's final step).
+        self.committer.reset(self.committer.latest if source is not None else anchor)
+        self.memory.begin(anchor)
         self.stop_at = None
         self.publish(anchor or 0)
 
@@ -110,12 +155,14 @@ class Checkpoints:
         self.publish(self.plan_anchor)
 
     def publish(self, anchor: int) -> None:
-        every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
+        times = [r.step_s for r in self.record.steps.values()]
+        every, memory_every = self.interval_policy.every(times), self.memory.every(times)
         self.plan_version += 1
-        self.plan_every, self.plan_anchor = every, anchor
+        self.plan_every, self.plan_anchor, self.plan_memory_every = every, anchor, memory_every
         plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
                               final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
-                              job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at)
+                              job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at,
+                              memory_every=memory_every)
         self.store.set_plan(plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
@@ -146,6 +193,17 @@ class Checkpoints:
         self._replan()
         return commit.step
 
+    def on_snapshot(self, message: SnapshotHeld, world_size: int, layout: dict, restarts: int,
+                    fired: dict) -> None:
+        """A memory snapshot shard held twice; a completed snapshot books its blocking time (as a save's)."""
+        snap = self.memory.on_held(message, world_size, self.gen, layout, lambda samples: {})
+        if snap is None:
+            return None
+        self.ledger.move(self.memory.last_blocking_s or 0.0, "productive", "checkpoint_save")
+        self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)
+        self._replan()
+        return None
+
     def _interval_s(self) -> float | None:
         """Seconds between saves: the policy's target; for a step cadence, its steps at the median step
         time (exported, so that "no commit for 3 intervals" can be alerted on whatever the cadence)."""
@@ -160,14 +218,18 @@ class Checkpoints:
         time-based interval (young, young-daly, every_seconds) takes effect. The new anchor is
         ahead of the fastest rank, so ranks picking the plan up at slightly different steps
         still agree on every save step after it."""
-        every = self.interval_policy.every([r.step_s for r in self.record.steps.values()])
-        if abs(every - self.plan_every) <= 0.2 * self.plan_every:
+        times = [r.step_s for r in self.record.steps.values()]
+        every, memory_every = self.interval_policy.every(times), self.memory.every(times)
+        memory_moved = memory_every is not None and abs(memory_every - (self.plan_memory_every or 0)) > \
+            0.2 * (self.plan_memory_every or 0)
+        if abs(every - self.plan_every) <= 0.2 * self.plan_every and not memory_moved:
             return
         current_step = max(self.record.steps) + 1 if self.record.steps else 0
         anchor = max(self.committer.latest or 0, current_step + REPLAN_LEAD_STEPS)
         self.publish(anchor)
+        memory = f"; memory snapshots every {memory_every} steps" if memory_every is not None else ""
         self.log(f"checkpoint cadence: every {self.plan_every} steps from step {anchor} "
-                 f"(interval {self.interval_policy.interval_s() or 0:.1f} s)")
+                 f"(interval {self.interval_policy.interval_s() or 0:.1f} s){memory}")
 
     def on_save_failed(self, message: SaveFailed) -> None:
         self.committer.abandon(message.step, f"rank {message.rank} failed to write its shard ({message.error})")

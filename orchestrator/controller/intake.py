@@ -32,25 +32,26 @@ from orchestrator.wire.messages import (
     NodeLost,
     SaveFailed,
     ShardWritten,
+    SnapshotHeld,
     StepDone,
 )
 
 
 class EventIntake:
     def __init__(self, record, faults, chaos, checkpoints, metrics, log: Callable[[str], None],
-                 on_receipt: Callable[[ShardWritten], int | None]):
+                 on_receipt: Callable[[ShardWritten | SnapshotHeld], int | None]):
         self.record = record  # JobRecord: step records
         self.faults = faults  # FaultClock: fired faults
         self.chaos = chaos  # ControllerFaults: its notices, and kill_controller per finished step
         self.checkpoints = checkpoints  # Checkpoints: a rank's failed shard write
         self.metrics = metrics
         self.log = log
-        self.on_receipt = on_receipt  # the controller's commit path (it knows the layout)
+        self.on_receipt = on_receipt  # the controller's commit path (it knows the layout), for both levels
         self.lost_nodes: dict[str, NodeLost] = {}  # node id -> first report
         self.nodes_handled: set[str] = set()
         self.HANDLERS = {StepDone: self._step, ShardWritten: self._receipt, FaultFired: self._fault,
                          NodeLost: self._node_lost, MemoryReport: self._memory, SaveFailed: self._save_failed,
-                         EvalDone: self._eval}
+                         EvalDone: self._eval, SnapshotHeld: self.on_receipt}
         self._committed: list[int] = []
         self.clocks = ClockSkew()
         self._store = None  # the generation store drained last

@@ -167,6 +167,12 @@ class JobRecord:
         self._awaiting_first_step = (record, fault_time if fault_time is not None else detected_at)
         return record
 
+    def on_restored(self, record: FailureRecord, level: str, results: list[dict], seconds: float) -> None:
+        """The recovery of `record` restored from `level` in `seconds`; `results`: the ranks' answers."""
+        record.restore_level, record.restore_s = level, seconds
+        record.storage_read_bytes = sum(int(r.get("storage_read_bytes", 0)) for r in results if isinstance(r, dict))
+        self.metrics.on_recovery_level(level, seconds, record.lost_work_s or 0.0)
+
     def on_recovered(self, record: FailureRecord, detected_at: float) -> None:
         record.recovered_after_s = time.time() - detected_at
         self.metrics.on_recovery(record.detected_after_s or 0.0, record.recovered_after_s)

@@ -119,3 +119,26 @@ class LedgerSnapshots:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             log.warning("ignoring the goodput snapshot %s: %s", self.path, err)
             return None
+
+
+class LedgerCarry:
+    """Carries the goodput ledger and step history saved with a checkpoint into this controller, on
+    the first restore of this invocation only (`carry(step)`, from RESTORING): later restores load
+    checkpoints this invocation wrote itself, whose ledger is already in ours. `done` is also set
+    by a first generation that restores nothing (building its engine is start-up work)."""
+
+    def __init__(self, read_manifest, ledger, record, snapshots: LedgerSnapshots, started_at: float, fault_clock):
+        self.read_manifest, self.ledger, self.record = read_manifest, ledger, record
+        self.snapshots, self.started_at, self.fault_clock = snapshots, started_at, fault_clock
+        self.done = False
+
+    def carry(self, step: int) -> None:
+        """A torn manifest raises CorruptCheckpoint (the caller handles it as for the restore itself)."""
+        if self.done:
+            return
+        manifest = self.read_manifest(step)  # retried while the store fails transiently
+        self.done = True  # from here on, a retry must not carry (or prepend the history) again
+        carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at)
+        if carried is not None:
+            self.fault_clock.skip_before(carried)
+            self.ledger.enter("checkpoint_restore")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ckpt.errors import SnapshotUnavailable
 from monitor.goodput import GoodputLedger
 from orchestrator.cluster.placement import tp_locality
 from orchestrator.cluster.worker_group import PlacementError
@@ -31,7 +32,7 @@ from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.faults import ControllerFaults
 from orchestrator.controller.intake import EventIntake
 from orchestrator.controller.job_record import JobRecord
-from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
+from orchestrator.controller.ledger_snapshot import LedgerCarry, LedgerSnapshots
 from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy, hang_limit
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.restore_policy import UNRESTORABLE, CorruptCheckpoint
@@ -54,7 +55,7 @@ from orchestrator.controller.states import (
 )
 from orchestrator.controller.stopping import Move, Stops
 from orchestrator.controller.telemetry import Telemetry
-from orchestrator.wire.messages import ShardWritten
+from orchestrator.wire.messages import ShardWritten, SnapshotHeld
 from orchestrator.wire.store import RendezvousServer
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,8 @@ class Controller:
         self.failure_history: list = []
         self.gen_started_at = time.time()  # when this generation's training started (wall; hangs: record.progress_at)
         self.error: str | None = None
-        self._resumed_ledger = False
+        self.carry = LedgerCarry(self.checkpoints.read_manifest, self.ledger, self.record, self.snapshots,
+                                 self.created_at, self.fault_clock)
         self.store = None
         self.HANDLERS = {State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
                          State.RESTORING: self._restoring, State.RUNNING: self._training,
@@ -234,16 +236,19 @@ class Controller:
 
     def _restoring(self) -> None:
         started = time.perf_counter()
-        step = None
+        step = source = None
         try:
-            step = self.checkpoints.restore_point()
+            step, source = self.checkpoints.restore_choice(self.workers)
             if step is not None:
-                self._resume_ledger(step)
+                self.carry.carry(step)
             else:
-                self._resumed_ledger = True  # nothing to restore: building the engine is start-up work
+                self.carry.done = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
-                                               timeout_s=self.checkpoints.restore.timeout_s(self.join_timeout_s))
+                                               timeout_s=self.checkpoints.restore.timeout_s(self.join_timeout_s),
+                                               **({"source": source} if source is not None else {}))
+        except SnapshotUnavailable as err:  # a holder died since the choice: storage next
+            return self.printer(self.checkpoints.memory.discard(source.step, err))
         except CorruptCheckpoint as err:  # stays in RESTORING: the next handler call tries the previous one
             self.printer(self.checkpoints.on_corrupt(step, err))
             self.metrics.on_failure("corrupt_checkpoint")
@@ -256,30 +261,18 @@ class Controller:
             return
         self.telemetry.on_restored(results)
         self.restored_step = step
-        self.record.history.append(["restore", step or 0])
-        self.checkpoints.begin(self.store, self.gen, step)
-        what = f"restored step {step}" if step is not None else "fresh start (no committed checkpoint)"
+        if self.phase.recovering is not None and step is not None:
+            self.record.on_restored(self.phase.recovering.record, "memory" if source else "storage", results,
+                                    time.perf_counter() - started)
+        self.checkpoints.begin(self.store, self.gen, step, source)
+        what = f"restored step {step}" + (" from memory" if source else "") if step is not None \
+            else "fresh start (no committed checkpoint)"
         if step is not None and step >= self.spec.train.steps:
             self._go(Succeeded(), f"{what}: the job had already finished")
             return
         self.gen_started_at = self.record.on_training_started()
         self._go(Running(TrainingRun(recovering=self.phase.recovering)),
                  f"{what} in {time.perf_counter() - started:.2f} s")
-
-    def _resume_ledger(self, step: int) -> None:
-        """On the first restore of this invocation, carry the goodput ledger and the step history
-        saved with the checkpoint (orchestrator.controller.ledger_snapshot.carry_from_checkpoint).
-
-        Only the first: later restores load checkpoints this invocation wrote itself, whose
-        ledger is already in ours. A torn manifest raises CorruptCheckpoint (handled by the caller)."""
-        if self._resumed_ledger:
-            return
-        manifest = self.checkpoints.read_manifest(step)  # retried while the store fails transiently
-        self._resumed_ledger = True  # from here on, a retry must not carry (or prepend the history) again
-        carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.created_at)
-        if carried is not None:
-            self.fault_clock.skip_before(carried)
-            self.ledger.enter("checkpoint_restore")
 
     def _training(self) -> None:
         """One poll of a generation's training (RUNNING or CHECKPOINTING); starts it on the first."""
@@ -324,12 +317,13 @@ class Controller:
             self.record.on_recovered(failure.record, failure.detected_at)
             self.checkpoints.interval_policy.on_restart(failure.record.recovered_after_s)
             run.recovering = None
-        self.workers.start_training(self.spec.train.steps, self.fault_clock.armed())
+        self.workers.start_training(self.spec.train.steps, self.fault_clock.armed(),
+                                    **self.checkpoints.buddies(self.workers, self.world_size))
         run.started = self.trained = True
 
-    def _on_receipt(self, message: ShardWritten) -> int | None:
-        return self.checkpoints.on_receipt(message, self.world_size, self.layout(), self.restarts,
-                                           self.fault_clock.fired)
+    def _on_receipt(self, message: ShardWritten | SnapshotHeld) -> int | None:
+        take = self.checkpoints.on_snapshot if isinstance(message, SnapshotHeld) else self.checkpoints.on_receipt
+        return take(message, self.world_size, self.layout(), self.restarts, self.fault_clock.fired)
 
     def _watch_stragglers(self) -> None:
         for rank in self.telemetry.stragglers(self.store, self.world_size, self.record, self.log,
@@ -378,9 +372,9 @@ class Controller:
         self.intake.drain(self.store)
         self.failure_history.append(self.blame.attribute(failure, released.dead, released.stuck))
         self.fault_clock.sweep_fired(failure.detected_at)
-        restore_point = self.checkpoints.latest or 0
-        lost = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,
-                                               failed_at=failure.fault_time)
+        restore_point = self.checkpoints.expected_restore_point(self.workers) or 0
+        lost = failure.record.lost_work_s = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,
+                                                                            failed_at=failure.fault_time)
         self.ledger.move(lost, "productive", "lost_work")
         decision = self.failure_policy.decide(self.failure_history)
         if decision.action is FailureDecision.Action.FAIL:

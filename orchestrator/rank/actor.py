@@ -4,9 +4,11 @@ Protocol (the controller calls, in this order, once per generation):
   1. `join(gen, rank, world_size, address, timeout_s)`: connect to the controller's store
      (`address` carries the job's secret, which seals every control message: wire.auth), form
      the process group (gloo on CPU, nccl on GPU) under the generation's prefix.
-  2. `restore(step)`: build the engine for the layout and load committed checkpoint `step`
-     (None = fresh start).
-  3. `train(until_step, faults)`: run steps with no per-step round trip to the controller.
+  2. `restore(step, dp, faults, source)`: build the engine for the layout and load committed
+     checkpoint `step` (None = fresh start), or the memory snapshot `source` when the controller
+     chose the memory level (orchestrator.rank.snapshots).
+  3. `train(until_step, faults, buddy)`: run steps with no per-step round trip to the controller;
+     with the memory level on, snapshots go to this process's memory and to the `buddy` actor.
      Step records (rank 0), heartbeats and shard receipts go through the store. Returns
      `{"status": "done" | "aborted", ...}`; any error in a collective makes the rank tear
      down its process group at once, which cascades the error to peers blocked elsewhere
@@ -14,7 +16,9 @@ Protocol (the controller calls, in this order, once per generation):
   4. `leave()`: drop the process group; the process (and its imported torch) stays warm
      for the next generation, which is what makes re-forming take milliseconds.
 
-The actor runs with several concurrency slots so `ping` answers while `train` runs.
+The actor runs with several concurrency slots so `ping` answers while `train` runs, and so that
+it keeps serving its held snapshot shards to peers (`hold_copy`, `read_held`) while it trains or
+restores itself.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from datetime import timedelta
 import ray
 
 from chaos.config import ArmedFault
+from ckpt.held import HeldShards
 from orchestrator.rank.comm_abort import CommSockets
 from orchestrator.wire.auth import StoreAddress
 from orchestrator.wire.messages import NodeLost
@@ -49,6 +54,9 @@ class RankActor:
         self.store: GenerationStore | None = None
         self.watch_store: GenerationStore | None = None
         self.writer_store: GenerationStore | None = None
+        self.snapshot_store: GenerationStore | None = None
+        # Memory snapshots this process holds (its own and its buddies'); they outlive generations.
+        self.held = HeldShards(self.spec.name)
         self.engine = None
         self.writer = None
         self.gen = -1
@@ -125,6 +133,8 @@ class RankActor:
         self.watch_store = connect(address, gen, timeout_s=timeout_s)
         # And so does the checkpoint writer thread, for its receipts and fault notices.
         self.writer_store = connect(address, gen, timeout_s=timeout_s)
+        # And the memory level's writer thread, for its snapshot receipts.
+        self.snapshot_store = connect(address, gen, timeout_s=timeout_s)
         backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(
@@ -133,37 +143,69 @@ class RankActor:
             )
         return time.perf_counter() - started
 
-    def restore(self, step: int | None, dp: int, faults: list[ArmedFault] | None = None) -> dict:
+    def hold_copy(self, relpath: str, data: bytes) -> bool:
+        """Keep a buddy's memory snapshot shard (called by the owner's snapshot writer thread)."""
+        self.held.put(relpath, data)
+        return True
+
+    def read_held(self, relpath: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a held snapshot shard, for a rank restoring from memory."""
+        return self.held.read_range(relpath, start, end)
+
+    def restore(self, step: int | None, dp: int, faults: list[ArmedFault] | None = None,
+                source=None) -> dict:
         """Build the engine for data-parallel degree `dp` and load committed checkpoint `step`.
 
         `faults`: the chaos faults still armed; those of this rank at "during_restore" fire while
         the checkpoint loads, its storage faults with `op: read` disturb the loading's reads (their
-        notices go through the generation's store, as in training)."""
+        notices go through the generation's store, as in training). `source`: a memory snapshot
+        (orchestrator.rank.snapshots.MemorySource) to load instead of `step`. The answer carries
+        the bytes this restore read from durable storage (`storage_read_bytes`, counted by
+        ckpt.storage on every read of this process)."""
         from chaos.injector import FaultInjector
-        from orchestrator.rank.state import build_engine, load_engine_state, load_pretrained, restore_storage_setup
+        from ckpt.storage import durable_bytes_read
+        from orchestrator.rank.state import (
+            build_engine,
+            load_engine_state,
+            load_from_memory,
+            load_pretrained,
+            restore_storage_setup,
+        )
         from trainer.memory_probe import current_bytes
 
-        started = time.perf_counter()
+        started, read_before = time.perf_counter(), durable_bytes_read()
+        # Only the snapshot being restored stays held (peers may be reading it); older ones go.
+        self.held.keep_only(source.files if source is not None else [])
         self._drop_engine()  # drop the previous generation's engine before measuring the baseline
         device = torch_device(self.spec)
         self.baseline_bytes = current_bytes(device)
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
-        if step is not None:
+        if source is not None:
+            load_from_memory(self.engine, source, self.held)
+        elif step is not None:
             hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
             load_engine_state(self.spec, self.engine, step, fault_hook=hook,
                               storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
         elif self.spec.model.from_hf:
             load_pretrained(self.spec, self.engine)
-        out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step}
+        out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step,
+               "storage_read_bytes": durable_bytes_read() - read_before}
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)
         return out
 
-    def train(self, until_step: int, faults: list[ArmedFault]) -> dict:
+    def train(self, until_step: int, faults: list[ArmedFault], buddy=None) -> dict:
+        """`buddy`: the actor that keeps a copy of this rank's memory snapshots (None: the level is off,
+        or the job has one rank)."""
         from orchestrator.rank.loop import RankLoop
+        from orchestrator.rank.snapshots import MemorySnapshots
 
+        snapshots = None
+        if self.spec.checkpoint.memory.enabled:
+            store = self.snapshot_store
+            snapshots = lambda tag: MemorySnapshots(self.held, self.rank, tag, buddy, store.send)  # noqa: E731
         loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
-                        baseline_bytes=self.baseline_bytes, writer_store=self.writer_store)
+                        baseline_bytes=self.baseline_bytes, writer_store=self.writer_store, snapshots=snapshots)
         self._training_over.clear()
         watcher = threading.Thread(target=self._watch_abort, daemon=True, name="abort-watcher")
         watcher.start()

@@ -133,7 +133,10 @@ class Evaluator:
 
 class RankLoop:
     def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
-                 abort: threading.Event, baseline_bytes: int = 0, *, writer_store: GenerationStore):
+                 abort: threading.Event, baseline_bytes: int = 0, *, writer_store: GenerationStore,
+                 snapshots=None):
+        """`snapshots(tag)`: the generation's memory snapshot taker (orchestrator.rank.snapshots), None
+        when the memory level is off."""
         self.spec = spec
         self.engine = engine
         self.store = store
@@ -143,6 +146,7 @@ class RankLoop:
         self.baseline_bytes = baseline_bytes
         self.events = _EventSink(store, writer_store)  # built here: this is the training thread
         self.evaluator = Evaluator.for_spec(spec)
+        self.snapshots = snapshots
 
     def _on_receipt(self, receipt, extra: dict) -> None:
         self.events.push(ShardWritten(receipt, extra))
@@ -204,6 +208,7 @@ class RankLoop:
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
         writer = self._writer(hook, faults, plan)
+        snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
         heartbeat_s = self.spec.monitor.heartbeat_s
         last_beat, compute, steps_in_beat, first = 0.0, 0.0, 0, True
         try:
@@ -228,11 +233,15 @@ class RankLoop:
                 completed = self.engine.next_step
                 if plan.should_save(completed) or plan.stops(completed):
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())
+                if snapshots is not None and plan.snapshot_due(completed):
+                    snapshots.take(completed, self.engine.state_slices(copy=False), self._save_extra())
                 if self.evaluator is not None and self.evaluator.due(completed, until_step):
                     self._evaluate(completed)
                 if plan.stops(completed):
                     break
         finally:
             writer.flush()  # a save started before an error still lands; it commits only if complete
+            if snapshots is not None:
+                snapshots.flush()
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,
                 "ckpt_waits": writer.waited}

@@ -79,3 +79,20 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
         fault_hook("during_restore", step)
     engine.load_slices(slices, manifest.state["engine"])
     return manifest.state
+
+
+def load_from_memory(engine, source, held) -> dict:
+    """Load memory snapshot `source` (orchestrator.rank.snapshots.MemorySource) into `engine`: the
+    same plan, checks and assembly as a storage restore (any layout), with the bytes read from this
+    process's `held` shards where it has them and from the snapshot's live holders otherwise
+    (ckpt.peer_storage). Raises ckpt.errors.SnapshotUnavailable when no holder of some shard
+    answers; returns the snapshot's non-tensor state."""
+    from ckpt.peer_storage import PeerStorage
+    from orchestrator.rank.snapshots import read_from_holder
+
+    manifest = source.manifest()
+    storage = PeerStorage(held, source.holders, read_from_holder)
+    wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
+    slices = read_slices(Catalog(storage), source.step, wanted, manifest=manifest, retry=ReadRetry(0.0))
+    engine.load_slices(slices, manifest.state["engine"])
+    return manifest.state

@@ -7,6 +7,7 @@ checkpoint plan under the `plan` key, which ranks poll. Who sends what:
     message          type         sender                         when
     StepDone         "step"       rank 0                         after every step (global loss)
     ShardWritten     "receipt"    every rank (writer thread)     its shard of a save is durable
+    SnapshotHeld     "snapshot"   every rank (memory writer)     its memory snapshot shard is held twice
     SaveFailed       "save_error" every rank (writer thread)     its shard could not be written
     FaultFired       "fault"      a rank or the controller       an injected fault fires, before it acts
     NodeLost         "node_lost"  every rank (node watchdog)     its raylet is gone
@@ -63,6 +64,25 @@ class ShardWritten:
     @classmethod
     def from_json(cls, data: dict) -> ShardWritten:
         return cls(ShardReceipt.model_validate(data["receipt"]), dict(data.get("extra") or {}))
+
+
+@dataclass(frozen=True)
+class SnapshotHeld:
+    """A rank's shard of a memory snapshot is in its own memory and in its buddy's: `holders` are the
+    Ray actor ids of the processes holding the file (the owner first). `extra` as in ShardWritten."""
+
+    type: ClassVar[str] = "snapshot"
+    receipt: ShardReceipt
+    holders: list[str]
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"receipt": self.receipt.model_dump(), "holders": list(self.holders), "extra": self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict) -> SnapshotHeld:
+        return cls(ShardReceipt.model_validate(data["receipt"]), [str(h) for h in data["holders"]],
+                   dict(data.get("extra") or {}))
 
 
 @dataclass(frozen=True)
@@ -124,9 +144,9 @@ class MemoryReport:
     ledgers: dict | None  # measured bytes per memory ledger (trainer.memory_probe); None where unmeasurable
 
 
-Message = StepDone | ShardWritten | SaveFailed | FaultFired | NodeLost | MemoryReport | EvalDone
-MESSAGES: dict[str, type] = {m.type: m for m in (StepDone, ShardWritten, SaveFailed, FaultFired, NodeLost,
-                                                 MemoryReport, EvalDone)}
+Message = StepDone | ShardWritten | SnapshotHeld | SaveFailed | FaultFired | NodeLost | MemoryReport | EvalDone
+MESSAGES: dict[str, type] = {m.type: m for m in (StepDone, ShardWritten, SnapshotHeld, SaveFailed, FaultFired,
+                                                 NodeLost, MemoryReport, EvalDone)}
 
 
 def encode(message: Message) -> dict[str, Any]:
@@ -195,6 +215,9 @@ class CheckpointPlan:
     # that a rank's storage faults read `at_seconds` and `duration_s` as job seconds.
     job_started_at: float | None = None
     stop_at: int | None = None  # the generation's last step, checkpointed (None: train to the end)
+    # The memory level's cadence (None: off): a snapshot after completed step s when s > anchor and
+    # (s - anchor) % memory_every == 0, never at the final step (storage saves that one).
+    memory_every: int | None = None
 
     def stops(self, completed: int) -> bool:
         return self.stop_at is not None and completed >= self.stop_at
@@ -203,6 +226,11 @@ class CheckpointPlan:
         if self.final_step is not None and completed == self.final_step:
             return True
         return completed > self.anchor and (completed - self.anchor) % self.every == 0
+
+    def snapshot_due(self, completed: int) -> bool:
+        if self.memory_every is None or completed == self.final_step:
+            return False
+        return completed > self.anchor and (completed - self.anchor) % self.memory_every == 0
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,0 +1,107 @@
+"""Snapshot shards held in a process's memory: a rank's own and the copies it keeps for a buddy.
+
+The memory level of checkpointing (docs/design.md, "Two levels") writes the same shard files
+as a storage checkpoint, with the same receipts and per-block CRCs, into an fsspec
+`memory://` filesystem, which is per process: the bytes live in the rank's own memory and die
+with it. So the rank's `ShardWriter` writes into `HeldShards.storage` exactly as it writes to
+a bucket, and a load reads them back through the same planner and the same checks.
+
+Protocol (in one process; thread-safe):
+  * The rank's memory writer writes its shard under `storage` (path `step-XXXXXX/FILE`); the
+    rank then reads it (`read`) and hands it to its buddy, which stores it with `put`.
+  * Any process asks for a byte range of a file it knows the path of (`read_range`): the
+    holder answers from whichever copy it has.
+  * `prune` after each arrival bounds what is kept: per owner (the rank in the file name) the
+    newest `PER_OWNER` snapshots, the newest complete one and the one being built.
+  * `keep_only(files)` when a generation restores: what it restores from stays, the rest goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import uuid
+from collections.abc import Iterable
+
+from ckpt.manifest import parse_step_dir
+from ckpt.storage import Storage
+
+PER_OWNER = 2  # the newest complete snapshot and the one being built
+_OWNER = re.compile(r"-r(\d+)\.bin$")
+
+
+class HeldShards:
+    """Shard files of memory snapshots in this process, under one `memory://` root per instance."""
+
+    def __init__(self, job: str):
+        # A root of its own: the memory filesystem is shared by everything in the process.
+        self.storage = Storage(f"memory://undying-held/{job}-{uuid.uuid4().hex[:8]}")
+        self._lock = threading.Lock()
+        self._files: dict[str, int] = {}  # relative path -> bytes
+
+    def path(self, relpath: str) -> str:
+        return self.storage.path(relpath)
+
+    def note_written(self, relpath: str) -> None:
+        """The rank's own writer finished `relpath` (written through `storage`)."""
+        size = self.storage.fs.info(self.path(relpath))["size"]
+        with self._lock:
+            self._files[relpath] = size
+        self.prune()
+
+    def put(self, relpath: str, data: bytes) -> None:
+        """Keep a buddy's copy of `relpath`."""
+        self.storage.write_immutable(self.path(relpath), data)
+        with self._lock:
+            self._files[relpath] = len(data)
+        self.prune()
+
+    def has(self, relpath: str) -> bool:
+        with self._lock:
+            return relpath in self._files
+
+    def read(self, relpath: str) -> bytes:
+        return self.storage.read(self.path(relpath))
+
+    def read_range(self, relpath: str, start: int, end: int) -> bytes:
+        if not self.has(relpath):
+            raise FileNotFoundError(f"{relpath} is not held here")
+        return self.storage.read_range(self.path(relpath), start, end)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(self._files.values())
+
+    def files(self) -> list[str]:
+        with self._lock:
+            return sorted(self._files)
+
+    def prune(self) -> None:
+        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps."""
+        by_owner: dict[int, set[int]] = {}
+        for relpath in self.files():
+            step, owner = _step_and_owner(relpath)
+            by_owner.setdefault(owner, set()).add(step)
+        keep = {(step, owner) for owner, steps in by_owner.items() for step in sorted(steps)[-PER_OWNER:]}
+        self._drop(r for r in self.files() if _step_and_owner(r) not in keep)
+
+    def keep_only(self, files: Iterable[str]) -> None:
+        keep = set(files)
+        self._drop(r for r in self.files() if r not in keep)
+
+    def _drop(self, relpaths: Iterable[str]) -> None:
+        for relpath in list(relpaths):
+            with self._lock:
+                self._files.pop(relpath, None)
+            with contextlib.suppress(FileNotFoundError):
+                self.storage.fs.rm(self.path(relpath))
+
+
+def _step_and_owner(relpath: str) -> tuple[int, int]:
+    """(step, owner rank) of `step-XXXXXX/shard-...-rNNNNN.bin`."""
+    directory, _, name = relpath.partition("/")
+    step, owner = parse_step_dir(directory), _OWNER.search(name)
+    if step is None or owner is None:
+        raise ValueError(f"{relpath!r} is not a snapshot shard path (step-XXXXXX/shard-...-rNNNNN.bin)")
+    return step, int(owner.group(1))

@@ -1,0 +1,117 @@
+"""The controller's side of the memory level: snapshot cadence, completion, and the level a restore uses.
+
+Protocol (controller thread only; owned by orchestrator.controller.checkpoints.Checkpoints):
+  * `begin(anchor)` when a generation restored; `every(step_times)` gives the cadence the plan
+    publishes (`CheckpointPlan.memory_every`; None while the level is off).
+  * `on_held(message, world_size, gen, layout, extra_state)` for each `SnapshotHeld`: when every
+    rank's shard is in, and each is held by two processes (the owner and its buddy), the snapshot
+    is complete; the newest complete one replaces the previous (its manifest, built and checked
+    by the same committer as a storage commit, lives in this process's memory).
+  * `choose(storage_step, live)` in RESTORING: the newest complete snapshot when it is at least
+    as new as the newest committed storage checkpoint and every shard of it has a holder among
+    `live` (actor id -> handle); else None, and a snapshot that lost shards is named loudly.
+  * `discard(step, err)` when a restore from it failed (a holder died meanwhile): never chosen again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckpt.catalog import Catalog
+from ckpt.commit import Committer
+from ckpt.storage import Storage
+from orchestrator.controller.policies import CheckpointIntervalPolicy
+from orchestrator.rank.snapshots import MemorySource
+from orchestrator.spec.job_spec import spec_hash
+from orchestrator.wire.messages import SnapshotHeld
+
+
+@dataclass
+class Snapshot:
+    """A complete memory snapshot: every shard held by two processes."""
+
+    step: int
+    manifest_json: str
+    holders: dict[str, list[str]]  # shard file -> actor ids, owner first
+    samples: dict[int, list[int]] = field(default_factory=dict)  # rank -> sample digest (as in a commit)
+    completed_at: float = 0.0
+
+
+class MemoryLevel:
+    def __init__(self, spec, run_id: str, storage_policy: CheckpointIntervalPolicy, log: Callable[[str], None]):
+        self.enabled = spec.checkpoint.memory.enabled
+        self.log = log
+        # The manifests go to this process's memory: the committer checks that the shards tile
+        # every tensor exactly, as for a storage commit, and writes nothing durable.
+        self.committer = Committer(Catalog(Storage(f"memory://undying-snapshots/{spec.name}-{run_id}")),
+                                   spec.name, spec_hash(spec), keep=1)
+        self.policy = CheckpointIntervalPolicy(spec.checkpoint.memory_cadence())
+        self.policy.inputs.mtbf = storage_policy.inputs.mtbf  # one MTBF estimate: failures are counted once
+        self.newest: Snapshot | None = None
+        self.unusable: set[int] = set()
+        self._holders: dict[int, dict[str, list[str]]] = {}  # step -> file -> actor ids, while pending
+        self.held_bytes: dict[int, int] = {}  # rank -> host bytes its memory level holds (last report)
+        self.last_blocking_s: float | None = None
+        self.warned_one_node = False
+
+    def begin(self, anchor: int | None) -> None:
+        self.committer.reset(anchor)
+        self._holders.clear()
+
+    def every(self, step_times_s: list[float]) -> int | None:
+        return self.policy.every(step_times_s) if self.enabled else None
+
+    def on_held(self, message: SnapshotHeld, world_size: int, gen: int, layout: dict,
+                extra_state: Callable[[dict], dict]) -> Snapshot | None:
+        """One rank's snapshot shard; the Snapshot when it completed one."""
+        receipt, extra = message.receipt, dict(message.extra)
+        self.held_bytes[receipt.rank] = int(extra.pop("held_bytes", 0))
+        if world_size > 1 and len(set(message.holders)) < 2:
+            return None  # a shard held once is not a complete snapshot
+        self._holders.setdefault(receipt.step, {})[receipt.file] = list(message.holders)
+        commit = self.committer.on_receipt(receipt, extra, world_size, gen, layout, extra_state)
+        if commit is None:
+            return None
+        manifest = self.committer.catalog.read_manifest(commit.step)
+        self.newest = Snapshot(commit.step, manifest.model_dump_json(), self._holders.pop(commit.step),
+                               commit.samples, time.time())
+        for step in [s for s in self._holders if s < commit.step]:
+            del self._holders[step]
+        self.policy.on_save_cost(commit.blocking_s)
+        self.last_blocking_s = commit.blocking_s
+        return self.newest
+
+    def _candidate(self, storage_step: int | None) -> Snapshot | None:
+        snap = self.newest
+        if not self.enabled or snap is None or snap.step in self.unusable:
+            return None
+        return None if storage_step is not None and snap.step < storage_step else snap
+
+    def viable(self, storage_step: int | None, live: dict) -> bool:
+        """Whether `choose` would pick the newest snapshot (no side effects)."""
+        snap = self._candidate(storage_step)
+        return snap is not None and all(any(h in live for h in ids) for ids in snap.holders.values())
+
+    def samples_of(self, step: int) -> dict[int, list[int]]:
+        return self.newest.samples if self.newest is not None and self.newest.step == step else {}
+
+    def choose(self, storage_step: int | None, live: dict) -> MemorySource | None:
+        snap = self._candidate(storage_step)
+        if snap is None:
+            return None
+        holders = {file: [live[h] for h in ids if h in live] for file, ids in snap.holders.items()}
+        lost = sorted(file for file, found in holders.items() if not found)
+        if lost:
+            self.unusable.add(snap.step)
+            self.log(f"memory snapshot of step {snap.step} LOST: no live holder of {len(lost)} of its "
+                     f"{len(holders)} shards (owner and buddy both gone: {', '.join(lost[:4])}); restoring from "
+                     f"storage" + (f" step {storage_step}" if storage_step is not None else " (nothing committed)"))
+            return None
+        return MemorySource(snap.step, snap.manifest_json, holders)
+
+    def discard(self, step: int, err: BaseException) -> str:
+        self.unusable.add(step)
+        return (f"memory snapshot of step {step} could not be restored ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]}); restoring from storage instead")
