@@ -20,6 +20,7 @@ from orchestrator.wire.messages import (
     NodeLost,
     SaveFailed,
     ShardWritten,
+    SnapshotHeld,
     StepDone,
     decode,
     encode,
@@ -32,6 +33,7 @@ EXAMPLES = [
     StepDone(step=3, loss=2.5, tokens=512, step_s=0.1, time=1e9, compute_s=0.08, grad_norm=1.2, lr=1e-3,
              bubble=0.2, loss_scale=1024.0, data_wait_s=0.003),
     ShardWritten(RECEIPT, {"engine": {"next_step": 10}, "samples": [0, 10, 40, 2**64 - 1]}),
+    SnapshotHeld(RECEIPT, ["actor-a", "actor-b"], {"engine": {"next_step": 10}, "held_bytes": 4096}),
     EvalDone(step=10, loss=3.25, tokens=2048, seconds=0.4),
     SaveFailed(rank=1, step=10, error="OSError: disk full"),
     FaultFired(fault_id=2, kind="kill_rank", time=1e9, rank=1, step=25, point="after_backward"),
@@ -48,7 +50,7 @@ def test_every_message_round_trips_through_json(message):
 
 
 def test_the_dispatch_table_names_every_message_type_once():
-    assert set(MESSAGES) == {"step", "receipt", "save_error", "fault", "node_lost", "memory", "eval"}
+    assert set(MESSAGES) == {"step", "receipt", "snapshot", "save_error", "fault", "node_lost", "memory", "eval"}
     assert {type(m) for m in EXAMPLES} == set(MESSAGES.values())
 
 

@@ -1,0 +1,221 @@
+"""The memory level of checkpointing, without Ray: held shards, reading them from holders, buddies,
+and the controller's completion and choice of a snapshot.
+
+Snapshots are written by the real shard writer into per-"process" `HeldShards` (one instance per
+simulated rank process) and read back by the real reader through `PeerStorage`, into another
+layout; the values must equal the state that was saved, element for element.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckpt.catalog import Catalog
+from ckpt.errors import SnapshotUnavailable
+from ckpt.held import HeldShards
+from ckpt.manifest import Manifest, ShardReceipt, merge_receipts, step_dir
+from ckpt.peer_storage import PeerStorage
+from ckpt.reader import read_slices
+from ckpt.shards import slices_to_write, write_slices
+from ckpt.storage import Storage, durable_bytes_read
+from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
+from orchestrator.controller.memory_level import MemoryLevel
+from orchestrator.controller.policies import CheckpointIntervalPolicy
+from orchestrator.spec.job_spec import validate_spec
+from orchestrator.wire.messages import CheckpointPlan, SnapshotHeld, decode, encode
+from tests._fuzz import fuzz
+from trainer.state_slices import TensorSlice
+
+WORLD = 4
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"model/w": torch.randn(8, 6, generator=g), "model/b": torch.randn(6, generator=g),
+            "optim/w/exp_avg": torch.randn(8, 6, generator=g)}
+
+
+def _rank_slices(state: dict, rank: int) -> list[TensorSlice]:
+    """Row shards of the matrices over 4 ranks (tp-like), the vector replicated (dp-like)."""
+    out = []
+    for name, t in state.items():
+        shape = tuple(t.shape)
+        if t.dim() == 2:
+            rows = shape[0] // WORLD
+            out.append(TensorSlice(name, t.dtype, shape, (rank * rows, 0), (rows, shape[1]),
+                                   tensor=t[rank * rows:(rank + 1) * rows].clone()))
+        else:
+            out.append(TensorSlice(name, t.dtype, shape, (0,), shape, replica=rank, replicas=WORLD, tensor=t.clone()))
+    return out
+
+
+def _snapshot(step: int = 12):
+    """Each rank writes its shard into its own HeldShards and a copy into its buddy's (rank + 1)."""
+    state = _state()
+    helds = [HeldShards("job") for _ in range(WORLD)]
+    receipts, holders = [], {}
+    for rank in range(WORLD):
+        slices = _rank_slices(state, rank)
+        receipt = write_slices(helds[rank].storage, step, rank, slices_to_write(slices), 0.0,
+                               held=[s.with_tensor(None) for s in slices], tag="t")
+        relpath = f"{step_dir(step)}/{receipt.file}"
+        helds[rank].note_written(relpath)
+        buddy = (rank + 1) % WORLD
+        helds[buddy].put(relpath, helds[rank].read(relpath))
+        receipts.append(receipt)
+        holders[receipt.file] = [rank, buddy]
+    manifest = Manifest(job="job", step=step, generation=0, layout={}, spec_hash="h", created_at=0.0,
+                        tensors=merge_receipts(receipts), state={"engine": {}}, total_bytes=0)
+    return state, helds, manifest, holders
+
+
+def _read_whole(state, helds, manifest, holders, reader: int, alive: set[int], step: int = 12):
+    def remote(holder, relpath, start, end):
+        if holder not in alive:
+            raise ConnectionError(f"process {holder} is dead")
+        return helds[holder].read_range(relpath, start, end)
+
+    storage = PeerStorage(helds[reader], holders, remote)
+    wanted = [TensorSlice(n, t.dtype, tuple(t.shape), (0,) * t.dim(), tuple(t.shape)) for n, t in state.items()]
+    return read_slices(Catalog(storage), step, wanted, manifest=manifest), storage
+
+
+def test_a_snapshot_reads_back_into_another_layout_from_its_holders():
+    state, helds, manifest, holders = _snapshot()
+    read_before = durable_bytes_read()
+    # One process reads whole tensors (a layout none of the writers had) while ranks 0 and 2 are dead:
+    # their shards come from their buddies (1 and 3), so every shard has a live holder.
+    got, storage = _read_whole(state, helds, manifest, holders, reader=3, alive={1, 3})
+    for piece in got:
+        assert torch.equal(piece.tensor, state[piece.name]), piece.name
+    assert storage.remote_bytes > 0  # rank 0's shard came from its buddy, rank 1
+    assert durable_bytes_read() == read_before  # nothing read from durable storage
+
+
+def test_a_shard_with_no_live_holder_is_unavailable_not_corrupt():
+    state, helds, manifest, holders = _snapshot()
+    try:
+        _read_whole(state, helds, manifest, holders, reader=3, alive={2, 3})  # rank 0 and its buddy 1 are gone
+    except SnapshotUnavailable as err:
+        assert "shard-t-r00000.bin" in str(err)
+    else:
+        raise AssertionError("reading a shard whose holders are all dead must raise SnapshotUnavailable")
+
+
+def test_held_shards_keep_two_snapshots_per_owner_and_keep_only_what_a_restore_names():
+    held = HeldShards("job")
+    for step in (3, 6, 9):
+        for owner in (0, 1):
+            held.put(f"{step_dir(step)}/shard-t-r{owner:05d}.bin", b"x" * (step + owner))
+    assert held.files() == sorted(f"{step_dir(s)}/shard-t-r{o:05d}.bin" for s in (6, 9) for o in (0, 1))
+    assert held.nbytes() == 6 + 7 + 9 + 10
+    held.keep_only([f"{step_dir(9)}/shard-t-r00001.bin"])
+    assert held.files() == [f"{step_dir(9)}/shard-t-r00001.bin"]
+    assert held.read_range(f"{step_dir(9)}/shard-t-r00001.bin", 2, 5) == b"xxx"
+
+
+def test_durable_reads_are_counted_and_memory_reads_are_not(tmp_path):
+    durable, memory = Storage(f"file://{tmp_path}"), Storage("memory://undying-test-count")
+    for storage in (durable, memory):
+        storage.write_immutable(storage.path("f"), b"0123456789")
+    before = durable_bytes_read()
+    memory.read(memory.path("f"))
+    assert durable_bytes_read() == before
+    out = memoryview(bytearray(4))
+    durable.read_range_into(durable.path("f"), 3, out)
+    assert durable_bytes_read() == before + 4 and bytes(out) == b"3456"
+
+
+@fuzz(200)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+def test_losing_any_one_node_never_loses_both_copies(node_ids):
+    nodes = [f"n{i}" for i in node_ids]
+    buddies = choose_buddies(nodes)
+    if len(nodes) == 1:
+        assert buddies == [None]
+    elif len(set(nodes)) == 1:
+        assert buddies == [(r + 1) % len(nodes) for r in range(len(nodes))]  # another process, same node
+    else:
+        assert survives_any_node_loss(nodes, buddies)
+        for lost in set(nodes):  # every shard keeps a copy off the lost node
+            assert all(nodes[r] != lost or nodes[b] != lost for r, b in enumerate(buddies))
+
+
+def test_buddies_spread_over_the_next_node():
+    assert choose_buddies(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert choose_buddies(["a", "a", "a", "b"]) == [3, 3, 3, 0]
+
+
+def test_the_plan_marks_snapshot_steps_but_not_the_final_one():
+    plan = CheckpointPlan(every=10, anchor=4, final_step=20, memory_every=3)
+    assert [s for s in range(21) if plan.snapshot_due(s)] == [7, 10, 13, 16, 19]
+    assert not any(CheckpointPlan(every=10).snapshot_due(s) for s in range(30))
+
+
+def test_snapshot_message_round_trips():
+    receipt = ShardReceipt(step=12, rank=1, file="shard-t-r00001.bin", nbytes=0, tensors={}, blocking_s=0.0,
+                           write_s=0.0)
+    message = SnapshotHeld(receipt, ["a1", "b2"], {"held_bytes": 5})
+    assert decode(encode(message)) == message
+
+
+def _level(tmp_path, lines: list):
+    spec = validate_spec({
+        "name": "unit", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+        "train": {"steps": 30, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 4},
+        "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10,
+                       "memory": {"enabled": True, "every_steps": 3}}})
+    return MemoryLevel(spec, "run", CheckpointIntervalPolicy(spec.checkpoint), lines.append)
+
+
+def _held_messages(step: int = 12, holders=lambda rank: [f"a{rank}", f"a{(rank + 1) % WORLD}"]):
+    state = _state()
+    storage = Storage("memory://undying-test-level")
+    out = []
+    for rank in range(WORLD):
+        slices = _rank_slices(state, rank)
+        receipt = write_slices(storage, step, rank, slices_to_write(slices), 0.01,
+                               held=[s.with_tensor(None) for s in slices], tag="t")
+        extra = {"engine": {"next_step": step}} if rank == 0 else {}
+        out.append(SnapshotHeld(receipt, holders(rank), dict(extra, held_bytes=100 + rank)))
+    return out
+
+
+def test_a_snapshot_completes_only_when_every_shard_is_held_twice(tmp_path):
+    level = _level(tmp_path, [])
+    level.begin(0)
+    once = _held_messages(holders=lambda rank: [f"a{rank}"])
+    assert all(level.on_held(m, WORLD, 0, {}, lambda samples: {}) is None for m in once)
+    level.begin(0)
+    done = [level.on_held(m, WORLD, 0, {}, lambda samples: {}) for m in _held_messages()]
+    assert done[:-1] == [None] * 3 and done[-1].step == 12
+    assert level.held_bytes == {0: 100, 1: 101, 2: 102, 3: 103}
+    assert level.every([0.1] * 5) == 3
+
+
+def test_the_choice_prefers_a_surviving_snapshot_and_falls_back_loudly(tmp_path):
+    lines: list[str] = []
+    level = _level(tmp_path, lines)
+    level.begin(0)
+    for message in _held_messages():
+        level.on_held(message, WORLD, 0, {}, lambda samples: {})
+    live = {f"a{r}": f"handle{r}" for r in (1, 2, 3)}  # rank 0's process died; its buddy a1 lives
+    assert level.viable(10, live) and not level.viable(20, live)  # storage step 20 is newer
+    source = level.choose(10, live)
+    assert source.step == 12 and source.holders["shard-t-r00000.bin"] == ["handle1"]
+    assert source.manifest().step == 12
+    assert level.choose(None, {f"a{r}": r for r in (2, 3)}) is None  # a0 and its buddy a1 both gone
+    assert "memory snapshot of step 12 LOST" in lines[-1] and "shard-t-r00000.bin" in lines[-1]
+    assert level.choose(10, live) is None  # once lost, never chosen again
+
+
+def test_a_snapshot_that_failed_to_restore_is_discarded(tmp_path):
+    level = _level(tmp_path, [])
+    level.begin(0)
+    for message in _held_messages():
+        level.on_held(message, WORLD, 0, {}, lambda samples: {})
+    live = {f"a{r}": r for r in range(WORLD)}
+    assert "restoring from storage instead" in level.discard(12, SnapshotUnavailable("gone"))
+    assert level.choose(None, live) is None and not level.viable(None, live)
