@@ -7,7 +7,8 @@ The job is `examples/demo.yaml` (tiny GPT, 4 data-parallel ranks, DDP over gloo 
 checkpoint every 10 steps, 60 steps) and its chaos fault: rank 1 SIGKILLs itself after the
 backward of step 25. Each system runs it with the same engine (trainer.engine.Engine) and
 the same kill:
-  undying    `undying run examples/demo.yaml --report ...` (it injects the fault itself);
+  undying    `undying run examples/demo.yaml --report ...` (it injects the fault itself), plain,
+             with a warm spare, shrinking, and two-level (a warm spare and the memory level);
   Ray Train  TorchTrainer + FailureConfig, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.5, checkpoints
              through ray.train.report; the worker kills itself on the first attempt only;
   torchrun   --max-restarts 3, c10d rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
@@ -38,14 +39,24 @@ from bench.recovery.ray_head import ROOT, RayHead, start_head
 from bench.recovery.systems import run_raytrain, run_torchrun, run_undying
 
 # --systems key -> (table name, extra undying overrides). The recovery targets are for undying
-# with a warm spare (or a shrink); the plain run replaces the dead rank with a new actor.
-# The shrink variant gets no replacement (dp 4 -> 2 at once) and does not grow back: its layout
-# changes, so its final loss is compared within SHRINK_RTOL instead of bit for bit.
-SYSTEMS = {"undying": ("undying", []), "undying-spare": ("undying (warm spare)", ["elastic.spares=1"]),
-           "undying-shrink": ("undying (shrink)", ["elastic.replace_timeout_s=0", "elastic.grow=false"]),
+# with a warm spare (or a shrink); the plain run (no spare: elastic.spares=0, not the default
+# auto) replaces the dead rank with a new actor. The shrink variant gets no replacement (dp 4 -> 2
+# at once) and does not grow back: its layout changes, so its final loss is compared within
+# SHRINK_RTOL instead of bit for bit. The two-level variant adds the memory level (snapshots in
+# host memory, copied to a buddy rank) to the warm spare; its cadence, MEMORY_EVERY steps, is
+# justified in docs/benchmarks.md (the recovery notes).
+MEMORY_EVERY = 4
+SYSTEMS = {"undying": ("undying", ["elastic.spares=0"]),
+           "undying-spare": ("undying (warm spare)", ["elastic.spares=1"]),
+           "undying-shrink": ("undying (shrink)", ["elastic.spares=0", "elastic.replace_timeout_s=0",
+                                                   "elastic.grow=false"]),
+           "undying-memory": ("undying (two-level)", ["elastic.spares=1", "checkpoint.memory.enabled=true",
+                                                      f"checkpoint.memory.every_steps={MEMORY_EVERY}"]),
            "raytrain": ("Ray Train", None), "torchrun": ("torchrun", None)}
 SHRINK_RTOL = 1e-5
 TARGETS = {"Ray Train": 15.0, "torchrun": 7.0}  # kill-to-first-step at least this many x faster
+# Rows with the memory level: kill-to-first-step at most this, and steps redone at most one memory interval.
+MEMORY_TARGET_S = 0.5
 SECTION = "## Recovery: undying vs Ray Train vs torchrun"
 NOTES = ("<!-- recovery-notes: kept when python -m bench.recovery rewrites this section -->",
          "<!-- /recovery-notes -->")
@@ -93,7 +104,37 @@ def summarise(runs: list[dict], reference_loss: float | None) -> dict:
     out["loss_matches_reference"] = None if reference_loss is None else all(
         abs(x - reference_loss) <= rtol * abs(reference_loss) for x in losses)
     out["loss_rtol"] = rtol
+    if "restore_level" in runs[0]:  # undying: the level each recovery restored from, and what it read
+        out["restore_levels"] = [r["restore_level"] for r in runs]
+        out["storage_read_bytes"] = stats([r["storage_read_bytes"] or 0 for r in runs])
+        out["memory_every"] = runs[0]["memory_every"]
+        out["median_step_s"] = statistics.median(r["median_step_s"] for r in runs)
     return out
+
+
+def _level_cells(s: dict) -> str:
+    """The restore level(s) and the storage bytes the restore read; dashes for systems other than undying."""
+    if "restore_levels" not in s:
+        return "- | - | "
+    levels = s["restore_levels"]
+    level = " ".join(f"{name} {levels.count(name)}/{len(levels)}" for name in sorted(set(levels), key=str))
+    mb = {key: value / 1e6 for key, value in s["storage_read_bytes"].items()}
+    return f"{level if len(set(levels)) > 1 else levels[0]} | {_cell(mb, 'MB', 2)} | "
+
+
+def memory_targets(summary: dict) -> list[str]:
+    """The memory level's targets for each row that has it: kill-to-first-step and lost work."""
+    lines = []
+    for name, s in summary.items():
+        every = s.get("memory_every")
+        if not every:
+            continue
+        k2f, redone = s["kill_to_first_step_s"]["median"], s["steps_redone"]["max"]
+        lines.append(f"- {name} kill-to-first-step = {k2f:.2f} s (target at most {MEMORY_TARGET_S} s: "
+                     f"{'met' if k2f <= MEMORY_TARGET_S else 'NOT met'}); steps redone at most {redone:.0f} "
+                     f"against a memory interval of {every} steps = {every * s['median_step_s']:.2f} s (target "
+                     f"at most one interval: {'met' if redone <= every else 'NOT met'})")
+    return lines
 
 
 def _cell(s: dict, unit: str = "s", digits: int = 2) -> str:
@@ -106,13 +147,14 @@ def tables(summary: dict, reference_loss: float | None) -> str:
     """The result table with ratios against each undying variant, the target lines and the phase split."""
     anchors = [name for name in summary if name.startswith("undying")]
     rows = ["| system | detection | kill-to-first-step | " + "".join(f"/ {a} | " for a in anchors)
-            + "steps redone | total wall | final loss |", "|---" * (6 + len(anchors)) + "|"]
+            + "steps redone | restored from | storage read | total wall | final loss |",
+            "|---" * (8 + len(anchors)) + "|"]
     for name, s in summary.items():
         ratios = "".join(f"{_ratio(s, summary[a]):.1f}x | " for a in anchors)
         same = "= failure-free" if not s.get("loss_rtol") else f"= failure-free within {s['loss_rtol']:g}"
         match = {None: "not checked", True: same, False: "DIFFERS"}[s["loss_matches_reference"]]
         rows.append(f"| {name} | {_cell(s['detection_s'], digits=3)} | {_cell(s['kill_to_first_step_s'])} | {ratios}"
-                    f"{_cell(s['steps_redone'], '', 0)} | {_cell(s['wall_s'], digits=1)} "
+                    f"{_cell(s['steps_redone'], '', 0)} | {_level_cells(s)}{_cell(s['wall_s'], digits=1)} "
                     f"| {s['final_losses'][0]:.6f} {match} |")
     lines = rows + [""]
     for name, target in TARGETS.items():
@@ -121,6 +163,7 @@ def tables(summary: dict, reference_loss: float | None) -> str:
                 ratio = _ratio(summary[name], summary[anchor])
                 verdict = "met" if ratio >= target else "NOT met"
                 lines.append(f"- {name} / {anchor} kill-to-first-step = {ratio:.1f}x (target {target:.0f}x: {verdict})")
+    lines += memory_targets(summary)
     if reference_loss is not None:
         lines.append(f"- failure-free reference final loss (torchrun, no kill): {reference_loss:.6f}")
     names = list(next(iter(summary.values()))["phases"])
@@ -191,6 +234,11 @@ How each number is taken (every timestamp is `time.time()` on this machine, writ
   (undying: RENDEZVOUS -> RESTORING). restore: -> engine built and checkpoint loaded (undying:
   RESTORING -> RUNNING). first step: -> rank 0 completes the first step after the restart.
 - steps redone: steps completed before the kill minus the step the restart resumed from.
+- restored from, storage read: undying's run report (`failures[0].restore_level`, and
+  `storage_read_bytes`, the bytes the restore read from durable storage, all ranks). The two-level
+  row adds to the warm spare `checkpoint.memory: {{enabled: true, every_steps: {MEMORY_EVERY}}}`: each rank
+  snapshots into host memory and copies it to a buddy rank; a restore uses the newest complete
+  snapshot when it is at least as new as the newest storage checkpoint and every shard has a live holder.
 - total wall: launch to exit of the system's command (Ray's start is not included for undying and Ray Train).
 
 {_accounts(result)}"""
@@ -250,7 +298,7 @@ def run_system(key: str, job: dict, folder: Path, head: RayHead | None, undying_
 def run_systems(args, job: dict, work: Path) -> tuple[dict[str, list[dict]], str | None]:
     """Every system of --systems --repeats times; the runs by table name, and the Ray head's temp dir."""
     runs: dict[str, list[dict]] = {SYSTEMS[key][0]: [] for key in args.systems}
-    needs_ray = {"undying", "undying-spare", "undying-shrink", "raytrain"} & set(args.systems)
+    needs_ray = {key for key in args.systems if key.startswith("undying") or key == "raytrain"}
     head = start_head(num_cpus=max(8, job["world_size"] + 1)) if needs_ray else None
     try:
         for i in range(args.repeats):  # interleaved, so drift on the machine hits every system alike

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -197,12 +198,36 @@ def undying_points(report: dict, stdout: str) -> dict:
     after = [(t, a, b) for t, a, b in transitions if t >= failure["time"] - 1e-6]
     formed = next(t for t, a, b in after if (a, b) == ("RENDEZVOUS", "RESTORING"))
     running = next(t for t, a, b in after if (a, b) == ("RESTORING", "RUNNING"))
-    restore_point = max((c["step"] for c in report["checkpoints"] if c["committed_at"] <= failure["time"]),
-                        default=0)
+    # The step the recovery resumed from: the history's second restore (the first is the start). It
+    # may be a memory snapshot's step, which no storage checkpoint in the report records.
+    restore_point = [entry[1] for entry in report["history"] if entry[0] == "restore"][1]
     return {"kill_t": fault, "detect_t": failure["time"], "reform_t": formed, "restored_t": running,
             "first_step_t": fault + failure["first_step_after_s"], "restored_step": restore_point,
             "steps_redone": failure["step"] + 1 - restore_point, "final_loss": report["final_loss"],
-            "recovered_after_s": failure["recovered_after_s"]}
+            "recovered_after_s": failure["recovered_after_s"], "restore_level": failure["restore_level"],
+            "storage_read_bytes": failure["storage_read_bytes"], "lost_work_s": failure["lost_work_s"],
+            "median_step_s": _median_step_s(report["losses"])}
+
+
+def _median_step_s(losses: list[dict]) -> float:
+    """Median seconds between consecutive completed steps (a memory interval in seconds is k of them)."""
+    gaps = [b["time"] - a["time"] for a, b in zip(losses, losses[1:], strict=False) if b["step"] == a["step"] + 1]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def memory_every(stdout: str, job: dict, extra_sets: list[str]) -> int | None:
+    """The memory level's cadence in steps at the kill: `every_steps` when fixed, else the last cadence the
+    controller announced before the failure ("memory snapshots every N steps"); None when the level is off."""
+    from orchestrator.spec.job_spec import load_spec
+
+    memory = load_spec(job["spec"], [*job["overrides"], *extra_sets]).checkpoint.memory
+    if not memory.enabled:
+        return None
+    if memory.every_steps is not None:
+        return memory.every_steps
+    before = stdout.split("RUNNING -> RECOVERING", 1)[0]
+    found = re.findall(r"memory snapshots every (\d+) steps", before)
+    return int(found[-1]) if found else None  # None: still probing (its first snapshot after 10 steps)
 
 
 def run_undying(job: dict, workdir: Path, head: RayHead, extra_sets: list[str]) -> dict:
@@ -215,4 +240,5 @@ def run_undying(job: dict, workdir: Path, head: RayHead, extra_sets: list[str]) 
     stdout = log.read_text(errors="replace")
     points = undying_points(json.loads(report_path.read_text()), stdout)
     story = [line for line in stdout.splitlines() if re.match(r"^\[\s*[\d.]+s\] ", line)]
-    return measurement("undying", wall, log=str(log), report=str(report_path), transitions=story, **points)
+    return measurement("undying", wall, log=str(log), report=str(report_path), transitions=story,
+                       memory_every=memory_every(stdout, job, extra_sets), **points)

@@ -31,8 +31,11 @@ def test_recovery_bench_measures_every_system(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
 
-    assert set(result["summary"]) == {"undying", "undying (warm spare)", "undying (shrink)", "Ray Train",
-                                      "torchrun"}
+    assert set(result["summary"]) == {"undying", "undying (warm spare)", "undying (shrink)", "undying (two-level)",
+                                      "Ray Train", "torchrun"}
+    two_level = result["summary"]["undying (two-level)"]
+    assert two_level["restore_levels"] == ["memory"] and two_level["storage_read_bytes"]["max"] == 0, two_level
+    assert two_level["steps_redone"]["max"] <= two_level["memory_every"], two_level
     for name, summary in result["summary"].items():
         for key in ("detection_s", "kill_to_first_step_s", "wall_s"):
             assert summary[key]["median"] > 0, (name, key, summary[key])
