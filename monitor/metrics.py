@@ -91,7 +91,8 @@ class JobMetrics:
         # its first observation has no zero to rate() against, and a counter that is never
         # incremented would not exist at all.
         for metric in (self.step_seconds, self.ckpt_blocking, self.ckpt_total, self.ckpt_skipped,
-                       self.ckpt_failures, self.detection, self.recovery):
+                       self.ckpt_failures, self.detection, self.recovery, self.spares_started, self.spares_ready,
+                       self.spares_warming):
             metric.labels(job)
         for level in ("memory", "storage"):
             for metric in (self.recoveries_by_level, self.restore_by_level, self.lost_by_level):
@@ -208,6 +209,18 @@ class JobMetrics:
         self.control_rejected = self._counter(
             "undying_control_messages_rejected", "Control messages dropped for want of a valid tag "
             "(orchestrator.wire.auth), by channel: events, abort, plan, heartbeat.", "channel")
+        self.spares_ready = self._gauge("undying_spares_ready", "Warm spares ready to take over a rank.")
+        self.spares_warming = self._gauge("undying_spares_warming", "Spares started and still warming up.")
+        self.spares_started = self._counter(
+            "undying_spares_started", "Spare actors started (at placement, and to refill the pool).")
+
+    def on_spares(self, ready: int, warming: int) -> None:
+        """The spare pool now (orchestrator.controller.spare_pool)."""
+        self.spares_ready.labels(self.job).set(ready)
+        self.spares_warming.labels(self.job).set(warming)
+
+    def on_spares_started(self, count: int) -> None:
+        self.spares_started.labels(self.job).inc(count)
 
     def _define_layout_model(self) -> None:
         self.bubble_ratio = self._gauge(

@@ -23,7 +23,7 @@ from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cluster import ray_cluster
-from orchestrator.cluster.capacity import capacity_problems, node_problems, slots
+from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
 from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.cluster.worker_group import RayWorkerGroup
 from orchestrator.controller.machine import Controller
@@ -44,6 +44,9 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     metrics = JobMetrics(spec.name)
     workers = None
     try:
+        # `auto` spares become a number here, against what the cluster has free before any actor exists.
+        spares, note = resolve_spares(spec, ray.available_resources(), ray_cluster.alive_node_resources())
+        spec = spec.model_copy(update={"elastic": spec.elastic.model_copy(update={"spares": spares})})
         problems = capacity_problems(spec, ray.cluster_resources())
         problems = problems or node_problems(spec, ray_cluster.alive_node_resources())
         if problems:
@@ -51,7 +54,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
             return EXIT_USAGE
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
-              f"checkpoints in {spec.checkpoint_root}", flush=True)
+              f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
         workers = worker_group(spec, env_vars=conn.env_vars)
         rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))

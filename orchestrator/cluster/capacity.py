@@ -1,32 +1,53 @@
-"""Can the cluster ever hold this job? Checked by the CLI before any actor exists (exit 2) and
-again by the worker group before it reserves a placement group."""
+"""Can the cluster ever hold this job, and how many warm spares does it keep? Checked by the CLI
+before any actor exists (exit 2) and again by the worker group before it reserves a placement group.
+
+Spares (`elastic.spares`): an explicit number is a requirement, refused here with the field named
+when the cluster cannot hold it beside the ranks. `auto` (the default) is a wish: one spare TP
+group (tp seats) when the cluster has room for it, none otherwise, so the default never makes a
+job that fits without a spare fail or wait (`resolve_spares`, one printed sentence either way).
+"""
 
 from __future__ import annotations
 
-from orchestrator.cluster.placement import group_resources, tp_groups_that_fit
+from orchestrator.cluster.placement import group_resources, rank_resources, tp_groups_that_fit
 from orchestrator.spec.problems import Problem
 
 
+def explicit_spares(spec) -> int:
+    """The spares the spec requires: its number, or 0 for an unresolved `auto`."""
+    return 0 if spec.elastic.spares == "auto" else spec.elastic.spares
+
+
 def slots(spec) -> int:
-    """Actors the job keeps: one per rank plus the warm spares."""
-    return spec.world_size + spec.elastic.spares
+    """Actors the job may keep: one per rank plus the spares it asks for (`auto`: one TP group)."""
+    wanted = spec.parallel.tp if spec.elastic.spares == "auto" else spec.elastic.spares
+    return spec.world_size + wanted
 
 
 def capacity_problems(spec, cluster: dict[str, float]) -> list[Problem]:
-    """Resources the cluster (`ray.cluster_resources()`) can never provide for `spec` (pure)."""
-    res, world, spares = spec.resources, spec.world_size, spec.elastic.spares
+    """Resources the cluster (`ray.cluster_resources()`) can never provide for `spec` (pure).
+
+    Ranks that cannot fit name the per-rank field; ranks that fit without their explicit spares
+    but not with them name `elastic.spares`."""
+    res, world, spares = spec.resources, spec.world_size, explicit_spares(spec)
     wanted = {"CPU": ("resources.cpus_per_rank", res.cpus_per_rank),
               "GPU": ("resources.gpus_per_rank", res.gpus_per_rank)}
     wanted.update({key: (f"resources.custom.{key}", amount) for key, amount in res.custom.items()})
-    who = f"{world} ranks (dp*tp*pp)" + (f" + {spares} spares" if spares else "")
     problems = []
     for key, (field, per_rank) in wanted.items():
-        need, have = per_rank * slots(spec), cluster.get(key, 0.0)
-        if per_rank > 0 and have < need:
+        have = cluster.get(key, 0.0)
+        if per_rank <= 0 or have >= per_rank * (world + spares):
+            continue
+        if have >= per_rank * world:
+            room = int(have / per_rank + 1e-6) - world
             problems.append(Problem(
-                field, f"{who} x {per_rank:g} {key} = {need:g} {key}, but the cluster has {have:g}; lower "
-                       f"{field.split('.')[-1]}{', elastic.spares' if spares else ''} or parallel degrees, "
-                       "or add nodes"))
+                "elastic.spares", f"{world} ranks + {spares} spares x {per_rank:g} {key} = "
+                                  f"{per_rank * (world + spares):g} {key}, but the cluster has {have:g}, room for "
+                                  f"{room} spare(s); lower elastic.spares, or set it to auto (a spare when one fits)"))
+            continue
+        problems.append(Problem(
+            field, f"{world} ranks (dp*tp*pp) x {per_rank:g} {key} = {per_rank * world:g} {key}, but the cluster "
+                   f"has {have:g}; lower {field.split('.')[-1]} or parallel degrees, or add nodes"))
     return problems
 
 
@@ -34,11 +55,18 @@ def node_problems(spec, nodes: list[dict[str, float]]) -> list[Problem]:
     """TP groups that no node of the cluster (each alive node's total resources) can hold (pure).
 
     Every TP group is one placement-group bundle, and Ray never splits a bundle across nodes,
-    so a group that fits in the cluster's total but on no single node would wait forever."""
+    so a group that fits in the cluster's total but on no single node would wait forever.
+    Explicit spares come as whole TP-group bundles when their number is a multiple of tp
+    (orchestrator.cluster.placement), and must fit the nodes the same way."""
     tp, groups = spec.parallel.tp, spec.world_size // spec.parallel.tp
     need = group_resources(spec.resources, tp)
     fit = sum(tp_groups_that_fit(node, need) for node in nodes)
+    spares = explicit_spares(spec)
     if fit >= groups:
+        if spares and spares % tp == 0 and fit < groups + spares // tp:
+            return [Problem("elastic.spares", f"{spares} spares come as {spares // tp} TP group(s) of {tp}, each on "
+                                              f"one node; the cluster's nodes hold {fit} group(s), {groups} of them "
+                                              "for the ranks; lower elastic.spares, or set it to auto")]
         return []
     biggest = max(nodes, key=lambda node: tp_groups_that_fit(node, need), default={})
     offered = ", ".join(f"{biggest.get(key, 0.0):g} {key}" for key in need) or "nothing"
@@ -48,3 +76,30 @@ def node_problems(spec, nodes: list[dict[str, float]]) -> list[Problem]:
                            f"{', '.join(f'{v:g} {k}' for k, v in need.items())}; the cluster's nodes hold "
                            f"{fit} such group(s) of the {groups} needed (largest node offers {offered}); lower "
                            f"{'tp or ' if tp > 1 else ''}the per-rank resources, or add bigger nodes")]
+
+
+def resolve_spares(spec, free: dict[str, float], nodes: list[dict[str, float]]) -> tuple[int, str | None]:
+    """How many warm spares the job keeps, and for `auto` the sentence that says why (pure).
+
+    `free`: the cluster's resources not in use now (`ray.available_resources()`); `nodes`: each
+    alive node's totals. `auto` asks for one TP group of spares (tp seats: any one rank's loss,
+    or a whole TP group's, is taken over on one node) and gets it when the nodes can hold one
+    more TP-group bundle beside the ranks' and the free resources cover ranks and spares alike;
+    else 0, so a job that fits without a spare never waits for one. An explicit number is
+    returned as given (capacity_problems / node_problems refuse one that cannot fit)."""
+    if spec.elastic.spares != "auto":
+        return spec.elastic.spares, None
+    tp, groups = spec.parallel.tp, spec.world_size // spec.parallel.tp
+    seat = rank_resources(spec.resources)
+    cost = ", ".join(f"{amount * tp:g} {key}" for key, amount in seat.items() if amount > 0)
+    unit = f"one spare TP group of {tp}" if tp > 1 else "one spare"
+    short = [key for key, amount in seat.items()
+             if amount > 0 and free.get(key, 0.0) + 1e-6 < amount * (groups + 1) * tp]
+    if short:
+        return 0, (f"elastic.spares auto: no spare, the cluster's free {', '.join(short)} cannot hold {unit} "
+                   f"({cost}) beside the {spec.world_size} ranks; recovery starts new actors instead")
+    if sum(tp_groups_that_fit(node, group_resources(spec.resources, tp)) for node in nodes) < groups + 1:
+        return 0, (f"elastic.spares auto: no spare, no node has room for {unit} ({cost}) beside the ranks' "
+                   f"{groups} bundle(s); recovery starts new actors instead")
+    return tp, (f"elastic.spares auto: {unit} kept warm ({cost} and one more actor's memory), so a lost rank "
+                "is taken over in well under a second; elastic.spares: 0 for none")

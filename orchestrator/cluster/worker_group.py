@@ -157,13 +157,17 @@ class RayWorkerGroup:
         """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""
         return sum(self.node_of_actor.get(actor._actor_id.hex()) == node for actor, _ in self.spares.values())
 
-    def start_spares(self) -> int:
-        """Start a spare in every free bundle (no waiting); returns how many were started."""
+    def start_spares(self) -> list[int]:
+        """Start a spare in every free seat (no waiting: each warms up on its own); returns the seats."""
         free = self.free_bundles()
         for bundle in free:
             actor = self._new_actor(bundle)
             self.spares[bundle] = (actor, actor.warm_up.remote())
-        return len(free)
+        return free
+
+    def spare_seats(self) -> list[int]:
+        """Seats holding a spare, warm or still warming up."""
+        return sorted(self.spares)
 
     def ready_spares(self) -> list[int]:
         """Bundles whose spare has started and warmed up (non-blocking)."""

@@ -96,7 +96,7 @@ class Controller:
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log,
-                                 release_timeout_s=release_timeout_s, poll_s=poll_s)
+                                 release_timeout_s=release_timeout_s, poll_s=poll_s, metrics=metrics)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
                            drains, self.log, self._hang_limit)
@@ -200,11 +200,11 @@ class Controller:
 
     def _placing(self) -> None:
         started = time.perf_counter()
-        spares = self.spec.elastic.spares
+        spares = self.recovery.spares.target
         self.workers.place(self.world_size, spares)
         self.workers.ensure_actors(list(range(self.world_size)))
         if spares:
-            self.workers.start_spares()
+            self.recovery.spares.refill("placement")
         pings = self.workers.ping_all(timeout_s=self.join_timeout_s)
         self.checkpoints.interval_policy.on_nodes(len({p.get("node") for p in pings if isinstance(p, dict)}))
         self.fault_clock.schedule(self.world_size)
@@ -298,6 +298,7 @@ class Controller:
                             or self.stops.due(run, self.store, self.world_size, self.restored_step)):
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
+            self.recovery.spares.watch()
             self.fault_clock.fire_due(self.world_size)
             self._watch_hang()
 

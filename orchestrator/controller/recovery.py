@@ -12,7 +12,8 @@ Recovery, in order (docs/design.md section 2), as the controller's RECOVERING st
   4. Decision: the failure policy says restart or fail (budget, crash loop).
   5. Membership (`replace`): lost ranks are taken over by warm spares, else by new actors
      that must start within `elastic.replace_timeout_s`, else data parallelism shrinks to the
-     largest valid degree (the scaling policy). Survivors keep their processes.
+     largest valid degree (the scaling policy). Survivors keep their processes. The spare
+     pool is then refilled in the background (orchestrator.controller.spare_pool).
 Growing back is the same path without a failure (`grow_to`, then `stop_generation`): at a
 checkpoint commit, when warm spares could raise dp towards its target, the generation is
 stopped and re-formed larger. Controller thread only.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from orchestrator.controller.errors import collapse
 from orchestrator.controller.policies import ScalingPolicy
+from orchestrator.controller.spare_pool import SparePool
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,10 @@ class Membership:
 
 class Recovery:
     def __init__(self, spec, workers, scaling_policy: ScalingPolicy, log: Callable[[str], None], *,
-                 release_timeout_s: float, poll_s: float):
+                 release_timeout_s: float, poll_s: float, metrics):
         self.spec = spec
         self.workers = workers
+        self.spares = SparePool(spec, workers, metrics, log)
         self.scaling_policy = scaling_policy
         self.log = log
         self.release_timeout_s = release_timeout_s
@@ -84,6 +87,7 @@ class Recovery:
         """Fill the lost ranks (spares, then new actors) or shrink dp."""
         if not lost:
             return Membership(dp, f"no rank lost, dp stays {dp}")
+        self.spares.watch()  # a spare that just finished warming is said warm before it takes over
         cold = self.workers.promote_spares(lost)
         words = [f"rank(s) {sorted(set(lost) - set(cold))} taken over by warm spares"] if len(cold) < len(lost) else []
         timeout_s = self.spec.elastic.replace_timeout_s
@@ -100,8 +104,8 @@ class Recovery:
                          f"shrinking dp {dp} -> {new_dp} (grad accumulation absorbs it)")
             self.workers.renumber(self.ranks_to_keep(alive, new_dp, dp))
             dp = new_dp
-        if self.spec.elastic.spares or dp < self.spec.parallel.dp:
-            self.workers.start_spares()
+        if self.spares.target or dp < self.spec.parallel.dp:
+            self.spares.refill(f"rank(s) {sorted(lost)} replaced")
         return Membership(dp, "; ".join(words) or f"dp stays {dp}")
 
     def ranks_to_keep(self, alive: list[int], new_dp: int, dp: int) -> list[int]:
@@ -116,12 +120,15 @@ class Recovery:
         return (whole + rest)[:new_dp * group]
 
     def grow_to(self, dp: int, world_size: int) -> tuple[int, int] | None:
-        """At a checkpoint commit: (new dp, ready spares) when warm spares let dp grow, else None."""
+        """At a checkpoint commit: (new dp, ready spares) when warm spares let dp grow, else None.
+
+        Seats that were on a lost node come back when Ray re-places their bundles (the GCS declared
+        the node dead and another node has room, or a node joined): the pool refills them here, at
+        every commit, so that the job keeps its spares and a later commit can grow onto them."""
+        if self.spares.target or dp < self.spec.parallel.dp:
+            self.spares.refill(f"at a commit, seat(s) free again (dp {dp})")
         if dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
             return None
-        # Bundles that were on a lost node come back when Ray re-places them (a node joined):
-        # start spares there now, so that a later commit can grow onto them.
-        self.workers.start_spares()
         ready = len(self.workers.ready_spares())
         new_dp = self.scaling_policy.best_dp(world_size + ready)
         if new_dp is None or new_dp <= dp:

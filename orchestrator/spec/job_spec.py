@@ -45,7 +45,9 @@ class ElasticConfig(_Strict):
     """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
 
     min_dp: int = Field(1, ge=1)
-    spares: int = Field(0, ge=0)
+    # Warm standby ranks, refilled in the background when one takes over. `auto`: one spare TP
+    # group (tp seats) when the cluster has room for it, else none (orchestrator.cluster.capacity).
+    spares: int | Literal["auto"] = "auto"
     max_restarts: int = Field(10, ge=0)
     # How long a lost rank's replacement may take to start before dp shrinks instead.
     replace_timeout_s: float = Field(60.0, ge=0.0)
@@ -59,6 +61,15 @@ class ElasticConfig(_Strict):
     # and stop (exit 75). Keep it below the platform's kill delay (Kubernetes'
     # terminationGracePeriodSeconds, 30 s by default; Ray's RAY_JOB_STOP_WAIT_TIME_S).
     preemption_grace_s: float = Field(25.0, gt=0.0)
+
+    @field_validator("spares", mode="before")
+    @classmethod
+    def _spares_count_or_auto(cls, value: Any) -> Any:
+        # One message instead of the union's two (an int error and a literal error).
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"{value!r} is not a number of spares; give a whole number >= 0 (0: no spare) "
+                         "or 'auto' (one spare TP group when the cluster has room for it)")
 
 
 class ResourcesConfig(_Strict):

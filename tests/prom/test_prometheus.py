@@ -64,7 +64,7 @@ def _kill_session(sid: int) -> None:
 
 def _start_job(tmp, port: int) -> subprocess.Popen:
     sets = [f"name={JOB}", f"monitor.port={port}", "train.steps=5000", f"checkpoint.url=file://{tmp}/ckpt",
-            "checkpoint.every_steps=null", "checkpoint.interval=2",
+            "checkpoint.every_steps=null", "checkpoint.interval=2", "elastic.spares=0",
             "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 30}]"]
     cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml")]
     for item in sets:

@@ -61,7 +61,7 @@ def _parse(text: str) -> dict[str, float]:
 def test_a_local_job_listens_on_loopback_and_a_forger_changes_nothing(tmp_path):
     bare = _bare_driver_sockets()
     cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(tmp_path / "report.json"),
-           "--set", "chaos.faults=[]", "--set", "parallel.dp=2", "--set", "train.steps=40",
+           "--set", "chaos.faults=[]", "--set", "parallel.dp=2", "--set", "train.steps=40", "--set", "elastic.spares=0",
            "--set", f"checkpoint.url=file://{tmp_path}/ckpt"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines: list[str] = []

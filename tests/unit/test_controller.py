@@ -68,6 +68,7 @@ class FakeWorkerGroup:
         if self.place_error:
             raise PlacementError(self.place_error)
         self.n_spares = spares
+        self.seats = world_size + spares
 
     def ensure_actors(self, ranks):
         for r in ranks:
@@ -75,10 +76,15 @@ class FakeWorkerGroup:
             self.created.append(r)
 
     def start_spares(self):
-        self.spares.append("spare")  # resources came back: a replacement is warming up
-        return 1
+        # A spare in each free seat (the job's seats: its ranks at placement and its spares).
+        free = list(range(len(self.spares), self.seats - len(self.actors)))
+        self.spares += ["spare"] * len(free)
+        return free
 
     def ready_spares(self):
+        return list(range(len(self.spares)))
+
+    def spare_seats(self):
         return list(range(len(self.spares)))
 
     def promote_spares(self, ranks):

@@ -1,0 +1,68 @@
+"""The warm spare pool: refilled in the background when a spare takes over, watched until warm.
+
+A spare is a rank actor that has imported torch and built a first engine (RankActor.warm_up)
+and waits in its own seat of the placement group; taking over a lost rank then costs a process
+group join instead of a process start (docs/design.md, "Spares"). The pool is every seat that
+holds no rank: `elastic.spares` seats beyond the ranks at placement, plus the seats ranks left
+(a promoted spare's rank keeps the spare's seat, so the dead rank's seat is free for a new one).
+
+Protocol (controller thread only; nothing here waits on an actor):
+  * `refill(why)`: start a spare in every free seat (RayWorkerGroup.start_spares: the actor is
+    created and warms up on its own) and say so in one sentence. Called at placement, after every
+    membership change (`Recovery.replace`: a spare promoted, a cold replacement, a shrink) and at
+    every checkpoint commit (`Recovery.grow_to`: a seat that was on a lost node comes back once
+    Ray re-places its bundle on a live node, and gets its spare then).
+  * `watch()`: once per training poll, and before spares are promoted. Notes each spare a refill
+    started that has finished warming (one sentence with its warm-up time) or died meanwhile, and
+    exports the pool (`undying_spares_ready`, `undying_spares_warming`); a poll with no spare
+    warming asks Ray nothing.
+`target` is `elastic.spares` as the CLI resolved it against the cluster
+(orchestrator.cluster.capacity.resolve_spares); a controller handed an unresolved `auto` keeps none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class SparePool:
+    def __init__(self, spec, workers, metrics, log: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        spares = spec.elastic.spares
+        self.target = 0 if spares == "auto" else spares
+        self.workers, self.metrics, self.log, self.clock = workers, metrics, log, clock
+        self.warming: dict[int, float] = {}  # seat -> clock() when a refill started its spare
+
+    def refill(self, why: str) -> list[int]:
+        """Start a spare in every free seat (no waiting); returns the seats started."""
+        seats = sorted(self.workers.start_spares())
+        if not seats:
+            return []
+        now = self.clock()
+        self.warming.update(dict.fromkeys(seats, now))
+        self.metrics.on_spares_started(len(seats))
+        ready = self._export()
+        self.log(f"spare pool: {why}; {len(seats)} new spare(s) warming up in the background in seat(s) "
+                 f"{seats} ({ready} of {len(self.workers.spare_seats())} warm now)")
+        return seats
+
+    def watch(self) -> None:
+        """Note the spares that finished warming (or died) since the last call; export the pool."""
+        if not self.warming:
+            return
+        ready = set(self.workers.ready_spares())
+        held = set(self.workers.spare_seats())
+        now = self.clock()
+        for seat in sorted(self.warming):
+            if seat in ready:
+                self.log(f"spare pool: the new spare in seat {seat} is warm, {now - self.warming.pop(seat):.1f} s "
+                         f"after it was started ({len(ready)} of {len(held)} spare(s) warm)")
+            elif seat not in held:  # died while warming, dropped with a lost node, or promoted as it finished
+                del self.warming[seat]
+                self.log(f"spare pool: the new spare in seat {seat} left the pool before it was seen warm")
+        self.metrics.on_spares(len(ready), len(held) - len(ready))
+
+    def _export(self) -> int:
+        ready = len(self.workers.ready_spares())
+        self.metrics.on_spares(ready, len(self.workers.spare_seats()) - ready)
+        return ready

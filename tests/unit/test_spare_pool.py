@@ -1,0 +1,235 @@
+"""The spare pool: how many spares a job keeps (`elastic.spares`, `auto`), and how the pool refills
+itself after a spare takes over, with a seat-level fake of the worker group (pure, no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from monitor.metrics import JobMetrics
+from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
+from orchestrator.controller.policies import ScalingPolicy
+from orchestrator.controller.recovery import Recovery
+from orchestrator.controller.spare_pool import SparePool
+from orchestrator.spec.job_spec import SpecError, load_spec
+from orchestrator.wire.store import RendezvousServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(*overrides: str):
+    return load_spec(str(ROOT / "examples/demo.yaml"), ["checkpoint.url=memory://spares", *overrides])
+
+
+# ---- how many spares ----------------------------------------------------------------------------
+
+def test_spares_default_to_auto_and_bad_values_name_the_field():
+    assert _load().elastic.spares == "auto"
+    assert _load("elastic.spares=0").elastic.spares == 0
+    for bad in ("-1", "two", "true", "1.5"):
+        with pytest.raises(SpecError) as err:
+            _load(f"elastic.spares={bad}")
+        [problem] = err.value.problems
+        assert problem.field == "elastic.spares"
+        assert "whole number >= 0" in problem.message and "'auto'" in problem.message
+
+
+def test_auto_keeps_one_spare_tp_group_when_the_cluster_has_room():
+    spec = _load()  # 4 ranks x 1 CPU
+    spares, note = resolve_spares(spec, {"CPU": 5.0}, [{"CPU": 5.0}])
+    assert spares == 1 and "one spare kept warm (1 CPU and one more actor's memory)" in note
+    assert slots(spec) == 5
+    tp2 = _load("parallel.dp=2", "parallel.tp=2", "model.n_heads=4")
+    assert resolve_spares(tp2, {"CPU": 6.0}, [{"CPU": 2.0}] * 3)[0] == 2  # a whole TP group, on its own node
+
+
+def test_auto_falls_back_to_no_spare_when_it_does_not_fit():
+    spec = _load()
+    spares, note = resolve_spares(spec, {"CPU": 4.0}, [{"CPU": 8.0}])  # another job holds 4 of 8 CPUs
+    assert spares == 0 and "no spare, the cluster's free CPU cannot hold one spare (1 CPU)" in note
+    tp2 = _load("parallel.dp=2", "parallel.tp=2", "model.n_heads=4")
+    spares, note = resolve_spares(tp2, {"CPU": 7.0}, [{"CPU": 3.0}] * 2 + [{"CPU": 1.0}])  # 7 free, 2 groups fit
+    assert spares == 0 and "no node has room for one spare TP group of 2" in note
+    # The job that fits without a spare still fits: auto is never counted as a requirement.
+    assert capacity_problems(spec, {"CPU": 4.0}) == [] and node_problems(tp2, [{"CPU": 3.0}] * 2) == []
+
+
+def test_an_explicit_number_is_kept_or_refused_naming_elastic_spares():
+    assert resolve_spares(_load("elastic.spares=3"), {"CPU": 0.0}, []) == (3, None)
+    [problem] = capacity_problems(_load("elastic.spares=3"), {"CPU": 5.0})
+    assert problem.field == "elastic.spares" and "room for 1 spare(s)" in problem.message
+    [problem] = capacity_problems(_load("elastic.spares=3"), {"CPU": 2.0})  # the ranks alone do not fit
+    assert problem.field == "resources.cpus_per_rank"
+    tp2 = _load("parallel.dp=2", "parallel.tp=2", "model.n_heads=4", "elastic.spares=2")
+    [problem] = node_problems(tp2, [{"CPU": 3.0}] * 2 + [{"CPU": 1.0}])
+    assert problem.field == "elastic.spares" and "nodes hold 2 group(s), 2 of them for the ranks" in problem.message
+    assert node_problems(tp2, [{"CPU": 2.0}] * 3) == []
+
+
+# ---- refilling ----------------------------------------------------------------------------------
+
+class SeatWorkers:
+    """The worker group's spare bookkeeping, seat by seat (RayWorkerGroup's rules, no actors).
+
+    `seats` = ranks + spares at placement; `actors[rank]` is the seat a rank's actor sits in;
+    `spares[seat]` says whether that seat's spare is warm. A spare warms when a test says so."""
+
+    def __init__(self, world: int, spares: int):
+        self.seats = world + spares
+        self.actors = {rank: rank for rank in range(world)}
+        self.bundle_of = dict(self.actors)
+        self.spares: dict[int, bool] = {}
+        self.lost_seats: set[int] = set()  # seats on a lost node, not yet re-placed by Ray
+        self.polls = 0
+
+    def free_seats(self) -> list[int]:
+        used = set(self.bundle_of.values()) | set(self.spares) | self.lost_seats
+        return [seat for seat in range(self.seats) if seat not in used]
+
+    def start_spares(self) -> list[int]:
+        free = self.free_seats()
+        self.spares.update(dict.fromkeys(free, False))
+        return free
+
+    def ready_spares(self) -> list[int]:
+        self.polls += 1
+        return sorted(seat for seat, warm in self.spares.items() if warm)
+
+    def spare_seats(self) -> list[int]:
+        return sorted(self.spares)
+
+    def promote_spares(self, ranks: list[int]) -> list[int]:
+        ready, left = self.ready_spares(), []
+        for rank in ranks:
+            if not ready:
+                left.append(rank)
+                continue
+            seat = ready.pop(0)
+            del self.spares[seat]
+            self.actors[rank] = self.bundle_of[rank] = seat
+        return left
+
+    def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
+        for rank in ranks:
+            self.actors[rank] = self.bundle_of[rank]
+        return []
+
+    def kill(self, rank: int) -> None:
+        self.actors.pop(rank)
+
+    def warm_all(self) -> None:
+        self.spares = dict.fromkeys(self.spares, True)
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _recovery(spec, workers, lines):
+    policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch, spec.train.micro_batch, 1)
+    recovery = Recovery(spec, workers, policy, lines.append, release_timeout_s=1.0, poll_s=0.01,
+                        metrics=JobMetrics(spec.name))
+    recovery.spares.clock = Clock()
+    return recovery
+
+
+def _started(recovery) -> float:
+    return recovery.spares.metrics.registry.get_sample_value("undying_spares_started_total", {"job": "demo"})
+
+
+def _ready(recovery) -> float:
+    return recovery.spares.metrics.registry.get_sample_value("undying_spares_ready", {"job": "demo"})
+
+
+def test_a_consumed_spare_is_replaced_in_the_freed_seat_and_takes_the_next_failure():
+    spec, workers, lines = _load("elastic.spares=1"), SeatWorkers(4, 1), []
+    recovery = _recovery(spec, workers, lines)
+    assert recovery.spares.refill("placement") == [4]
+    workers.warm_all()
+    recovery.spares.watch()
+    assert "spare pool: the new spare in seat 4 is warm, 0.0 s after it was started (1 of 1" in lines[-1]
+
+    workers.kill(1)  # the first failure: the warm spare in seat 4 becomes rank 1
+    membership = recovery.replace([1], 4)
+    assert "rank(s) [1] taken over by warm spares" in membership.words
+    assert workers.actors[1] == 4 and workers.spare_seats() == [1]  # a new spare in the dead rank's seat
+    assert "spare pool: rank(s) [1] replaced; 1 new spare(s) warming up in the background in seat(s) [1] " \
+           "(0 of 1 warm now)" in lines[-1]
+    assert (_started(recovery), _ready(recovery)) == (2, 0)
+
+    recovery.spares.clock.now += 3.5
+    recovery.spares.watch()
+    assert not lines[-1].startswith("spare pool: the new spare in seat 1")  # still warming: nothing said
+    workers.warm_all()
+    recovery.spares.watch()
+    assert lines[-1].startswith("spare pool: the new spare in seat 1 is warm, 3.5 s after it was started")
+    assert _ready(recovery) == 1
+
+    workers.kill(2)  # the second failure: taken by the new spare, and the pool refills again
+    assert "rank(s) [2] taken over by warm spares" in recovery.replace([2], 4).words
+    assert workers.actors[2] == 1 and workers.spare_seats() == [2] and _started(recovery) == 3
+
+
+def test_a_quiet_poll_asks_nothing_and_a_spare_lost_while_warming_is_said():
+    spec, workers, lines = _load("elastic.spares=1"), SeatWorkers(4, 1), []
+    recovery = _recovery(spec, workers, lines)
+    recovery.spares.refill("placement")
+    polls = workers.polls
+    workers.spares.clear()  # its node was lost before it warmed up
+    recovery.spares.watch()
+    assert lines[-1] == "spare pool: the new spare in seat 4 left the pool before it was seen warm"
+    polls = workers.polls
+    for _ in range(10):
+        recovery.spares.watch()
+    assert workers.polls == polls  # nothing warming: no Ray call per poll
+
+
+def test_seats_on_a_lost_node_get_their_spares_back_at_a_commit_once_ray_re_places_them():
+    spec, workers, lines = _load("elastic.spares=2"), SeatWorkers(4, 2), []
+    recovery = _recovery(spec, workers, lines)
+    recovery.spares.refill("placement")
+    workers.warm_all()
+    workers.lost_seats = {0, 1}  # the node of ranks 0 and 1 is lost
+    for rank in (0, 1):
+        workers.kill(rank)
+    recovery.replace([0, 1], 4)
+    assert (workers.actors[0], workers.actors[1]) == (4, 5) and workers.spare_seats() == []  # nowhere to refill
+    assert recovery.grow_to(4, 4) is None and workers.spare_seats() == []  # a commit: still on the lost node
+    workers.lost_seats = set()  # Ray re-placed the bundles on a live node
+    assert recovery.grow_to(4, 4) is None
+    assert workers.spare_seats() == [0, 1] and "at a commit, seat(s) free again" in lines[-1]
+
+
+def test_no_spares_keeps_today_s_behaviour():
+    spec, workers, lines = _load("elastic.spares=0"), SeatWorkers(4, 0), []
+    recovery = _recovery(spec, workers, lines)
+    workers.kill(1)
+    assert recovery.replace([1], 4).words == "rank(s) [1] replaced by new actors"
+    assert workers.spare_seats() == [] and lines == [] and recovery.grow_to(4, 4) is None
+    assert SparePool(_load(), workers, None, print).target == 0  # an unresolved auto keeps none
+
+
+@pytest.fixture
+def rendezvous():
+    return RendezvousServer("127.0.0.1")
+
+
+def test_the_controller_refills_the_pool_so_a_second_kill_is_taken_by_the_new_spare(tmp_path, rendezvous):
+    from ckpt.storage import Storage
+    from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+
+    spec = _spec(tmp_path, elastic={"spares": 1, "max_restarts": 2})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={12: 0, 25: 1})
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded", report.error
+    assert workers.created == [0, 1]  # no cold actor: both failures were taken by spares
+    pool = [line.split("] ", 1)[1] for line in lines if "spare pool:" in line or "taken over" in line]
+    assert [line.split(";")[0] for line in pool if "warming up in the background" in line] == [
+        "spare pool: placement", "spare pool: rank(s) [0] replaced", "spare pool: rank(s) [1] replaced"]
+    assert sum("taken over by warm spares" in line for line in pool) == 2
+    assert sum("is warm" in line for line in pool) >= 2  # the first spare, and its replacement before the 2nd kill
