@@ -145,7 +145,7 @@ class Checkpoints:
         self.record.history.append(["restore", anchor or 0])
         # From memory, the newest durable step stays what storage holds (retention, the report's final step).
         self.committer.reset(self.committer.latest if source is not None else anchor)
-        self.memory.begin(anchor)
+        self.memory.begin(gen, anchor)
         self.stop_at = None
         self.publish(anchor or 0)
 

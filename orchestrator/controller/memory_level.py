@@ -43,10 +43,8 @@ class MemoryLevel:
     def __init__(self, spec, run_id: str, storage_policy: CheckpointIntervalPolicy, log: Callable[[str], None]):
         self.enabled = spec.checkpoint.memory.enabled
         self.log = log
-        # The manifests go to this process's memory: the committer checks that the shards tile
-        # every tensor exactly, as for a storage commit, and writes nothing durable.
-        self.committer = Committer(Catalog(Storage(f"memory://undying-snapshots/{spec.name}-{run_id}")),
-                                   spec.name, spec_hash(spec), keep=1)
+        self.job, self.hash, self.root = spec.name, spec_hash(spec), f"memory://undying-snapshots/{spec.name}-{run_id}"
+        self.committer = self._committer(0)
         self.policy = CheckpointIntervalPolicy(spec.checkpoint.memory_cadence())
         self.policy.inputs.mtbf = storage_policy.inputs.mtbf  # one MTBF estimate: failures are counted once
         self.newest: Snapshot | None = None
@@ -56,9 +54,23 @@ class MemoryLevel:
         self.last_blocking_s: float | None = None
         self.warned_one_node = False
 
-    def begin(self, anchor: int | None) -> None:
+    def _committer(self, gen: int) -> Committer:
+        # The manifests go to this process's memory: the committer checks that the shards tile
+        # every tensor exactly, as for a storage commit, and writes nothing durable. One root per
+        # generation: a restore to an older step must not find the lost steps' manifests newer than
+        # its own (retention would delete each new snapshot at once).
+        return Committer(Catalog(Storage(f"{self.root}/g{gen}")), self.job, self.hash, keep=1)
+
+    def begin(self, gen: int, anchor: int | None) -> None:
+        """A generation restored `anchor`: snapshots start afresh; a complete one survives only if it
+        is the one restored (it stays the newest state until this generation completes another)."""
+        old = self.committer.catalog.storage
+        old.remove_tree(old.root)
+        self.committer = self._committer(gen)
         self.committer.reset(anchor)
         self._holders.clear()
+        if self.newest is not None and self.newest.step != anchor:
+            self.newest = None
 
     def every(self, step_times_s: list[float]) -> int | None:
         return self.policy.every(step_times_s) if self.enabled else None

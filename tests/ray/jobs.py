@@ -54,3 +54,33 @@ def finish_job(proc: subprocess.Popen, report: Path, log: Path) -> dict:
     """Wait for a job started with `start_job` to succeed; its report."""
     assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
     return json.loads(report.read_text())
+
+
+# The chaos invariant checks `undying chaos` prints, in order (orchestrator.cli.chaos.invariants).
+CHECKS = ("checkpoints_verify", "newest_loads", "model_matches_reference", "data_exactly_once",
+          "goodput_sums_to_wall", "no_process_left", "goodput_wall_plausible")
+
+
+def chaos_job(ray_cluster: str, tmp: Path, name: str, flags: list[str], sets: list[str], timeout: float):
+    """`undying chaos` on the demo job (the failure-free reference run first, then the faulty one);
+    returns (completed process, report path)."""
+    report = tmp / f"{name}.json"
+    cmd = [UNDYING, "chaos", str(ROOT / "examples/demo.yaml"), "--address", ray_cluster, "--report", str(report),
+           *flags]
+    for item in [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", "chaos.faults=[]", *sets]:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return proc, report
+
+
+def assert_every_check_passed(proc, report_path: Path) -> dict:
+    """The chaos run succeeded and every invariant passed; its report."""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("invariants:"):]
+    for name in CHECKS:
+        assert f"PASS  {name}" in table, table
+    assert "FAIL" not in table and "every check passed" in proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["invariants"]["ok"] is True and report["status"] == "succeeded"
+    assert [c["name"] for c in report["invariants"]["checks"]] == list(CHECKS)
+    return report

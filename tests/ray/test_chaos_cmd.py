@@ -19,51 +19,25 @@ MTBF of 60 s) and UNDYING_SOAK_SEED its seed.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
 from tests._tokens import write_token_dataset
-from tests.ray.jobs import BASE, ROOT, UNDYING
+from tests.ray.jobs import assert_every_check_passed, chaos_job
 
 pytestmark = pytest.mark.ray
 
-CHECKS = ("checkpoints_verify", "newest_loads", "model_matches_reference", "data_exactly_once",
-          "goodput_sums_to_wall", "no_process_left", "goodput_wall_plausible")
-
-
-def _chaos(ray_cluster: str, tmp, name: str, flags: list[str], sets: list[str], timeout: float):
-    report = tmp / f"{name}.json"
-    cmd = [UNDYING, "chaos", str(ROOT / "examples/demo.yaml"), "--address", ray_cluster, "--report", str(report),
-           *flags]
-    for item in [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", "chaos.faults=[]", *sets]:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return proc, report
-
-
-def _assert_every_check_passed(proc, report_path) -> dict:
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    table = proc.stdout[proc.stdout.index("invariants:"):]
-    for name in CHECKS:
-        assert f"PASS  {name}" in table, table
-    assert "FAIL" not in table and "every check passed" in proc.stdout
-    report = json.loads(report_path.read_text())
-    assert report["invariants"]["ok"] is True and report["status"] == "succeeded"
-    assert [c["name"] for c in report["invariants"]["checks"]] == list(CHECKS)
-    return report
 
 
 def test_random_rank_kills_pass_every_invariant(ray_cluster, tmp_path):
     # Two random kills, due 15.5 and 16.6 s into the job (a kill due during start-up fires as soon as the
     # ranks train); 200 steps keep the job training well past that on a loaded machine.
-    proc, report_path = _chaos(ray_cluster, tmp_path, "chaos", [
+    proc, report_path = chaos_job(ray_cluster, tmp_path, "chaos", [
         "--mtbf", "8s", "--kind", "kill_rank", "--seed", "3", "--start", "12s", "--max-faults", "2"],
         ["train.steps=200", "checkpoint.every_steps=20"], timeout=420)
-    report = _assert_every_check_passed(proc, report_path)
+    report = assert_every_check_passed(proc, report_path)
     assert "reference run 'chaos.reference' (chaos off) first" in proc.stdout
     kinds = [f["kind"] for f in report["failures"]]
     assert 1 <= len(kinds) <= 2 and set(kinds) == {"kill_rank"}, report["failures"]
@@ -78,12 +52,12 @@ def test_prepared_data_kill_and_shrink_every_window_once_from_the_ranks_reports(
     tokens = np.random.default_rng(0).integers(0, 256, size=40_000)
     write_token_dataset(tmp_path / "train", tokens, vocab_size=256, shard_tokens=7_000)
     write_token_dataset(tmp_path / "val", tokens[::-1].copy(), vocab_size=256, shard_tokens=7_000)
-    proc, report_path = _chaos(ray_cluster, tmp_path, "tokens", [], [
+    proc, report_path = chaos_job(ray_cluster, tmp_path, "tokens", [], [
         "data.source=tokens", f"data.path=file://{tmp_path}/train", "data.seq_len=32",
         f"eval={{path: 'file://{tmp_path}/val', every_steps: 20, windows: 8}}",
         "elastic.replace_timeout_s=0", "elastic.grow=false",
         "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 25}]"], timeout=420)
-    report = _assert_every_check_passed(proc, report_path)
+    report = assert_every_check_passed(proc, report_path)
     assert "shrinking dp 4 -> 2" in proc.stdout, proc.stdout[-4000:]
     once = next(c for c in report["invariants"]["checks"] if c["name"] == "data_exactly_once")
     assert "as the ranks reported them" in once["detail"] and "dp sizes [2, 4]" in once["detail"], once
@@ -96,9 +70,9 @@ def test_kill_controller_before_a_manifest_commit_passes_every_invariant(ray_clu
     """The controller SIGKILLs itself with every shard of step 20 durable and its manifest not yet
     written; `undying chaos` reruns it, the rerun resumes from step 10 (step 20's leftovers are an
     unfinished save), the fault does not fire again, and the dead controller's ranks are gone."""
-    proc, report_path = _chaos(ray_cluster, tmp_path, "killctl", [], [
+    proc, report_path = chaos_job(ray_cluster, tmp_path, "killctl", [], [
         "chaos.faults=[{kind: kill_controller, at_point: before_manifest_commit, at_step: 20}]"], timeout=840)
-    report = _assert_every_check_passed(proc, report_path)
+    report = assert_every_check_passed(proc, report_path)
     out = proc.stdout
     assert out.count("chaos: kill_controller at before_manifest_commit of step 20") == 1, out[-6000:]
     assert "the controller died from kill_controller (SIGKILL); running the job again (rerun 1)" in out
@@ -117,8 +91,8 @@ def test_soak_poisson_rank_kills(ray_cluster, tmp_path):
              "--seed", os.environ.get("UNDYING_SOAK_SEED", "1"), "--start", "10s"]
     sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000",
             "parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]
-    proc, report_path = _chaos(ray_cluster, tmp_path, "soak", flags, sets, timeout=4 * duration + 900)
-    report = _assert_every_check_passed(proc, report_path)
+    proc, report_path = chaos_job(ray_cluster, tmp_path, "soak", flags, sets, timeout=4 * duration + 900)
+    report = assert_every_check_passed(proc, report_path)
     assert report["failures"], "the soak saw no failure: raise UNDYING_SOAK_S or lower UNDYING_SOAK_MTBF"
     print(f"soak: {steps} steps, {len(report['failures'])} failures, goodput {report['goodput']['ratio']:.1%}, "
           f"wall {report['goodput']['wall_s']:.0f} s")

@@ -185,10 +185,10 @@ def _held_messages(step: int = 12, holders=lambda rank: [f"a{rank}", f"a{(rank +
 
 def test_a_snapshot_completes_only_when_every_shard_is_held_twice(tmp_path):
     level = _level(tmp_path, [])
-    level.begin(0)
+    level.begin(0, 0)
     once = _held_messages(holders=lambda rank: [f"a{rank}"])
     assert all(level.on_held(m, WORLD, 0, {}, lambda samples: {}) is None for m in once)
-    level.begin(0)
+    level.begin(0, 0)
     done = [level.on_held(m, WORLD, 0, {}, lambda samples: {}) for m in _held_messages()]
     assert done[:-1] == [None] * 3 and done[-1].step == 12
     assert level.held_bytes == {0: 100, 1: 101, 2: 102, 3: 103}
@@ -198,7 +198,7 @@ def test_a_snapshot_completes_only_when_every_shard_is_held_twice(tmp_path):
 def test_the_choice_prefers_a_surviving_snapshot_and_falls_back_loudly(tmp_path):
     lines: list[str] = []
     level = _level(tmp_path, lines)
-    level.begin(0)
+    level.begin(0, 0)
     for message in _held_messages():
         level.on_held(message, WORLD, 0, {}, lambda samples: {})
     live = {f"a{r}": f"handle{r}" for r in (1, 2, 3)}  # rank 0's process died; its buddy a1 lives
@@ -213,9 +213,20 @@ def test_the_choice_prefers_a_surviving_snapshot_and_falls_back_loudly(tmp_path)
 
 def test_a_snapshot_that_failed_to_restore_is_discarded(tmp_path):
     level = _level(tmp_path, [])
-    level.begin(0)
+    level.begin(0, 0)
     for message in _held_messages():
         level.on_held(message, WORLD, 0, {}, lambda samples: {})
     live = {f"a{r}": r for r in range(WORLD)}
     assert "restoring from storage instead" in level.discard(12, SnapshotUnavailable("gone"))
     assert level.choose(None, live) is None and not level.viable(None, live)
+
+
+def test_after_a_restore_to_an_older_step_new_snapshots_complete_below_the_lost_one(tmp_path):
+    level = _level(tmp_path, [])
+    level.begin(0, 0)
+    for message in _held_messages(step=24):
+        level.on_held(message, WORLD, 0, {}, lambda samples: {})
+    level.begin(1, 20)  # restored from storage step 20: the snapshot of step 24 is gone with its holders
+    assert level.newest is None
+    done = [level.on_held(m, WORLD, 1, {}, lambda samples: {}) for m in _held_messages(step=23)]
+    assert done[-1] is not None and level.choose(20, {f"a{r}": r for r in range(WORLD)}).step == 23
