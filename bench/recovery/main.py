@@ -140,7 +140,8 @@ def memory_targets(summary: dict) -> list[str]:
 def _cell(s: dict, unit: str = "s", digits: int = 2) -> str:
     fmt = f"{{:.{digits}f}}"
     text = fmt.format(s["median"]) + (f" {unit}" if unit else "")
-    return text if s["min"] == s["max"] else f"{text} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+    low, high = fmt.format(s["min"]), fmt.format(s["max"])
+    return text if low == high else f"{text} [{low}-{high}]"
 
 
 def tables(summary: dict, reference_loss: float | None) -> str:
