@@ -30,6 +30,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
+from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
@@ -154,7 +155,7 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     `validate_spec`); a check that needs a missing section is skipped, so layout problems
     are reported in the same round as typos elsewhere in the spec."""
     model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
-    out = _layout_problems(model, train, par, spec.resources)
+    out = _layout_problems(model, train, par, spec.resources) + memory_level_problems(spec)
     if model and data and model.position == "learned" and data.seq_len > model.max_seq_len:
         out.append(Problem("data.seq_len", f"{data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}"
                            " (learned positions cannot extrapolate); lower data.seq_len or raise "

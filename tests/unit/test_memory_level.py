@@ -230,3 +230,20 @@ def test_after_a_restore_to_an_older_step_new_snapshots_complete_below_the_lost_
     assert level.newest is None
     done = [level.on_held(m, WORLD, 1, {}, lambda samples: {}) for m in _held_messages(step=23)]
     assert done[-1] is not None and level.choose(20, {f"a{r}": r for r in range(WORLD)}).step == 23
+
+
+def test_a_host_memory_limit_below_the_level_s_need_is_refused_naming_the_field(tmp_path):
+    import pytest
+
+    from orchestrator.spec.memory_check import SHARES, snapshot_share_bytes
+    from orchestrator.spec.problems import SpecError
+
+    data = {"name": "unit", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+            "train": {"steps": 30, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+            "checkpoint": {"url": f"file://{tmp_path}/ckpt", "memory": {"enabled": True}}}
+    share = snapshot_share_bytes(validate_spec(data))
+    data["checkpoint"]["memory"]["max_host_bytes"] = SHARES * share - 1
+    with pytest.raises(SpecError, match=r"checkpoint\.memory\.max_host_bytes.*raise the limit"):
+        validate_spec(data)
+    data["checkpoint"]["memory"]["max_host_bytes"] = SHARES * share
+    assert validate_spec(data).checkpoint.memory.max_host_bytes == SHARES * share
