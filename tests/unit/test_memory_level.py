@@ -247,3 +247,16 @@ def test_a_host_memory_limit_below_the_level_s_need_is_refused_naming_the_field(
         validate_spec(data)
     data["checkpoint"]["memory"]["max_host_bytes"] = SHARES * share
     assert validate_spec(data).checkpoint.memory.max_host_bytes == SHARES * share
+
+
+def test_the_report_books_restore_and_lost_work_per_level():
+    from monitor.report import FailureRecord, _by_level
+
+    failures = [FailureRecord(time=1.0, kind="kill_rank", restore_level="memory", storage_read_bytes=0, restore_s=0.25,
+                              lost_work_s=0.5),
+                FailureRecord(time=2.0, kind="kill_node", restore_level="storage", storage_read_bytes=10,
+                              restore_s=1.5, lost_work_s=2.0),
+                FailureRecord(time=3.0, kind="kill_rank", restore_level="memory", restore_s=0.25, lost_work_s=0.5),
+                FailureRecord(time=4.0, kind="hang")]
+    assert _by_level(failures) == " (memory 2: restore 0.5 s, lost 1.0 s; storage 1: restore 1.5 s, lost 2.0 s)"
+    assert _by_level(failures[3:]) == ""
