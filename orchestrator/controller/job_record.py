@@ -110,6 +110,11 @@ class JobRecord:
             self.printer(progress_line(rec.step + 1, self.total_steps, rec.loss, self.tokens_per_s(),
                                        self.ledger.goodput()))
 
+    @property
+    def awaiting_first_step(self) -> bool:
+        """A failure's recovery has not yet seen its first step after the restart."""
+        return self._awaiting_first_step is not None
+
     def completed_steps(self) -> int:
         """How many steps the newest step event says are done (0 before the first): after a
         rollback, the running generation's, not the furthest ever reached."""

@@ -298,7 +298,7 @@ class Controller:
                             or self.stops.due(run, self.store, self.world_size, self.restored_step)):
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()
-            self.recovery.spares.watch()
+            self.recovery.spares.watch(settled=not self.record.awaiting_first_step)
             self.fault_clock.fire_due(self.world_size)
             self._watch_hang()
 

@@ -13,7 +13,7 @@ Recovery, in order (docs/design.md section 2), as the controller's RECOVERING st
   5. Membership (`replace`): lost ranks are taken over by warm spares, else by new actors
      that must start within `elastic.replace_timeout_s`, else data parallelism shrinks to the
      largest valid degree (the scaling policy). Survivors keep their processes. The spare
-     pool is then refilled in the background (orchestrator.controller.spare_pool).
+     pool is refilled in the background once training runs again (orchestrator.controller.spare_pool).
 Growing back is the same path without a failure (`grow_to`, then `stop_generation`): at a
 checkpoint commit, when warm spares could raise dp towards its target, the generation is
 stopped and re-formed larger. Controller thread only.
@@ -87,7 +87,7 @@ class Recovery:
         """Fill the lost ranks (spares, then new actors) or shrink dp."""
         if not lost:
             return Membership(dp, f"no rank lost, dp stays {dp}")
-        self.spares.watch()  # a spare that just finished warming is said warm before it takes over
+        self.spares.watch(settled=False)  # a spare that just finished warming is said warm before it takes over
         cold = self.workers.promote_spares(lost)
         words = [f"rank(s) {sorted(set(lost) - set(cold))} taken over by warm spares"] if len(cold) < len(lost) else []
         timeout_s = self.spec.elastic.replace_timeout_s
@@ -105,7 +105,7 @@ class Recovery:
             self.workers.renumber(self.ranks_to_keep(alive, new_dp, dp))
             dp = new_dp
         if self.spares.target or dp < self.spec.parallel.dp:
-            self.spares.refill(f"rank(s) {sorted(lost)} replaced")
+            self.spares.refill_later(f"rank(s) {sorted(lost)} replaced")
         return Membership(dp, "; ".join(words) or f"dp stays {dp}")
 
     def ranks_to_keep(self, alive: list[int], new_dp: int, dp: int) -> list[int]:

@@ -8,14 +8,18 @@ holds no rank: `elastic.spares` seats beyond the ranks at placement, plus the se
 
 Protocol (controller thread only; nothing here waits on an actor):
   * `refill(why)`: start a spare in every free seat (RayWorkerGroup.start_spares: the actor is
-    created and warms up on its own) and say so in one sentence. Called at placement, after every
-    membership change (`Recovery.replace`: a spare promoted, a cold replacement, a shrink) and at
-    every checkpoint commit (`Recovery.grow_to`: a seat that was on a lost node comes back once
-    Ray re-places its bundle on a live node, and gets its spare then).
-  * `watch()`: once per training poll, and before spares are promoted. Notes each spare a refill
-    started that has finished warming (one sentence with its warm-up time) or died meanwhile, and
-    exports the pool (`undying_spares_ready`, `undying_spares_warming`); a poll with no spare
-    warming asks Ray nothing.
+    created and warms up on its own) and say so in one sentence. Called at placement and at every
+    checkpoint commit (`Recovery.grow_to`: a seat that was on a lost node comes back once Ray
+    re-places its bundle on a live node, and gets its spare then).
+  * `refill_later(why)`: after a membership change (`Recovery.replace`: a spare promoted, a cold
+    replacement, a shrink). The refill waits for the recovery's first step: a new actor imports
+    torch (seconds of a core) and would otherwise compete with the restore it was started beside
+    (0.49 s against 0.63 s kill-to-first-step on the 4-rank CPU demo, docs/benchmarks.md).
+  * `watch(settled)`: once per training poll (`settled`: no recovery still awaits its first
+    step), and before spares are promoted. Makes a deferred refill once settled; notes each spare
+    a refill started that has finished warming (one sentence with its warm-up time) or died
+    meanwhile, and exports the pool (`undying_spares_ready`, `undying_spares_warming`); a poll
+    with nothing to do asks Ray nothing.
 `target` is `elastic.spares` as the CLI resolved it against the cluster
 (orchestrator.cluster.capacity.resolve_spares); a controller handed an unresolved `auto` keeps none.
 """
@@ -32,9 +36,14 @@ class SparePool:
         self.target = 0 if spares == "auto" else spares
         self.workers, self.metrics, self.log, self.clock = workers, metrics, log, clock
         self.warming: dict[int, float] = {}  # seat -> clock() when a refill started its spare
+        self.deferred: list[str] = []  # why refills wait for the recovery's first step
 
     def refill(self, why: str) -> list[int]:
-        """Start a spare in every free seat (no waiting); returns the seats started."""
+        """Start a spare in every free seat (no waiting); returns the seats started. A deferred
+        refill is served by this one (a commit means training runs again), and named."""
+        if self.deferred:
+            why = ", ".join(self.deferred) + ", training again"
+            self.deferred.clear()
         seats = sorted(self.workers.start_spares())
         if not seats:
             return []
@@ -46,8 +55,15 @@ class SparePool:
                  f"{seats} ({ready} of {len(self.workers.spare_seats())} warm now)")
         return seats
 
-    def watch(self) -> None:
-        """Note the spares that finished warming (or died) since the last call; export the pool."""
+    def refill_later(self, why: str) -> None:
+        """Refill once the recovery under way has trained its first step (`watch(settled=True)`)."""
+        self.deferred.append(why)
+
+    def watch(self, settled: bool) -> None:
+        """Make a deferred refill once `settled`; note the spares that finished warming (or died)
+        since the last call; export the pool."""
+        if settled and self.deferred:
+            self.refill("deferred")
         if not self.warming:
             return
         ready = set(self.workers.ready_spares())

@@ -29,15 +29,17 @@ def test_a_consumed_spare_is_replaced_and_the_new_spare_takes_the_second_kill(ra
         assert match, f"no {pattern!r} in:\n{out[-5000:]}"
         return match.start()
 
-    # Rank 1's spare came from the placement; the refill put a new one in rank 1's old seat, which
-    # warmed up before rank 2 was killed and took it over; the pool was refilled again after that.
+    # Rank 1's spare came from the placement; once training ran again, the refill put a new one in
+    # rank 1's old seat, which warmed up before rank 2 was killed and took it over; the pool was
+    # refilled again after that.
     first = at(r"kill_rank on rank 1; rank\(s\) \[1\] taken over by warm spares")
-    refill = at(r"spare pool: rank\(s\) \[1\] replaced; 1 new spare\(s\) warming up in the background "
-                r"in seat\(s\) \[1\]")
+    refill = at(r"spare pool: rank\(s\) \[1\] replaced, training again; 1 new spare\(s\) warming up in the "
+                r"background in seat\(s\) \[1\]")
     warm = at(r"spare pool: the new spare in seat 1 is warm, [0-9.]+ s after it was started")
     second = at(r"kill_rank on rank 2; rank\(s\) \[2\] taken over by warm spares")
-    assert refill < first < warm < second  # the refill is said before the transition it belongs to
-    at(r"spare pool: rank\(s\) \[2\] replaced; 1 new spare\(s\) warming up in the background in seat\(s\) \[2\]")
+    assert first < refill < warm < second
+    at(r"spare pool: rank\(s\) \[2\] replaced, training again; 1 new spare\(s\) warming up in the background "
+       r"in seat\(s\) \[2\]")
     assert "replaced by new actors" not in out and "shrinking" not in out
     assert [(f["kind"], f["rank"]) for f in report["failures"]] == [("kill_rank", 1), ("kill_rank", 2)]
     for failure in report["failures"]:  # a warm spare: re-formed and training again within seconds
