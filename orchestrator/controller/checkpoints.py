@@ -111,10 +111,12 @@ class Checkpoints:
     def _live(self, workers) -> dict:
         return workers.live_actors() if self.memory.enabled else {}
 
-    def restore_choice(self, workers) -> tuple[int | None, object]:
-        """(step, memory source or None) to restore, given the worker group's live actors."""
+    def restore_choice(self, workers, after_failure: bool) -> tuple[int | None, object]:
+        """(step, memory source or None) to restore, given the worker group's live actors. Only a
+        failure's recovery restores from memory: a generation re-formed on purpose (growing back, a
+        drained node) ended at a commit, and restores that commit as its stop or growth assumed."""
         step = self.restore_point()
-        source = self.memory.choose(step, self._live(workers))
+        source = self.memory.choose(step, self._live(workers)) if after_failure else None
         return (source.step, source) if source is not None else (step, None)
 
     def expected_restore_point(self, workers) -> int | None:

@@ -238,7 +238,7 @@ class Controller:
         started = time.perf_counter()
         step = source = None
         try:
-            step, source = self.checkpoints.restore_choice(self.workers)
+            step, source = self.checkpoints.restore_choice(self.workers, self.phase.recovering is not None)
             if step is not None:
                 self.carry.carry(step)
             else:
