@@ -89,7 +89,7 @@ def test_soak_poisson_rank_kills(ray_cluster, tmp_path):
     steps = max(100, int(duration / float(os.environ.get("UNDYING_SOAK_STEP_S", "0.09"))))
     flags = ["--mtbf", os.environ.get("UNDYING_SOAK_MTBF", "240s"), "--kind", "kill_rank",
              "--seed", os.environ.get("UNDYING_SOAK_SEED", "1"), "--start", "10s"]
-    sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000",
+    sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000", "elastic.spares=auto",
             "parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]
     proc, report_path = chaos_job(ray_cluster, tmp_path, "soak", flags, sets, timeout=4 * duration + 900)
     report = assert_every_check_passed(proc, report_path)
