@@ -36,7 +36,8 @@ REQUIRED_SERIES = (
     "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds",
     "undying_checkpoint_skipped_total", "undying_failures_total", "undying_generation", "undying_world_size",
     "undying_parallel_degree", "undying_pipeline_bubble_ratio", "undying_memory_bytes",
-    "undying_rank_step_compute_seconds", "undying_straggler",
+    "undying_rank_step_compute_seconds", "undying_straggler", "undying_recoveries_total",
+    "undying_memory_snapshot_step", "undying_memory_snapshot_host_bytes",
     *(f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
 )
 BADPUT_CAUSES = {"startup", "checkpoint_save", "checkpoint_restore", "detection", "reformation", "lost_work",
@@ -65,6 +66,7 @@ def _kill_session(sid: int) -> None:
 def _start_job(tmp, port: int) -> subprocess.Popen:
     sets = [f"name={JOB}", f"monitor.port={port}", "train.steps=5000", f"checkpoint.url=file://{tmp}/ckpt",
             "checkpoint.every_steps=null", "checkpoint.interval=2", "elastic.spares=0",
+            "checkpoint.memory={enabled: true, every_steps: 5}",
             "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 30}]"]
     cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml")]
     for item in sets:
