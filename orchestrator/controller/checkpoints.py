@@ -5,10 +5,11 @@ Protocol (controller thread only; one per controller run):
     `on_corrupt(step, err)` when a restore of it proved it corrupt, `unreadable(step, err)` when
     it failed without proof (orchestrator.controller.restore_policy: quarantine only on proof,
     never a silent start from step 0).
-  * `restore_choice(live)` in RESTORING: the step and level to restore (a complete memory snapshot
-    whose shards all have live holders when it is at least as new as the restore point, else
-    storage; orchestrator.controller.memory_level); `expected_restore_point(live)` the same step
-    without side effects, for the lost work a recovery books.
+  * `restore_choice(workers, after_failure)` in RESTORING: the step and level to restore (after a
+    failure, a complete memory snapshot whose shards all have live holders when it is at least as
+    new as the restore point, else storage; orchestrator.controller.memory_level);
+    `expected_restore_point(workers)` the same step without side effects, for the lost work a
+    recovery books.
   * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history,
     nothing is pending, and the first plan of the generation is published (`CheckpointPlan`
     under the store's `plan` key, with the memory level's cadence).

@@ -1,8 +1,8 @@
 """The controller's side of the memory level: snapshot cadence, completion, and the level a restore uses.
 
 Protocol (controller thread only; owned by orchestrator.controller.checkpoints.Checkpoints):
-  * `begin(anchor)` when a generation restored; `every(step_times)` gives the cadence the plan
-    publishes (`CheckpointPlan.memory_every`; None while the level is off).
+  * `begin(gen, anchor)` when a generation restored (snapshots start afresh); `every(step_times)`
+    gives the cadence the plan publishes (`CheckpointPlan.memory_every`; None while the level is off).
   * `on_held(message, world_size, gen, layout, extra_state)` for each `SnapshotHeld`: when every
     rank's shard is in, and each is held by two processes (the owner and its buddy), the snapshot
     is complete; the newest complete one replaces the previous (its manifest, built and checked
