@@ -133,6 +133,35 @@ def test_sweep_runs_each_interval_under_the_same_failures_and_writes_json_and_pl
     assert "tau* = sqrt(2 C M) = 2.4 s" in capsys.readouterr().out  # sqrt(2 * 0.1 * 30)
 
 
+def test_sweep_levels_run_each_interval_with_and_without_the_memory_level(tmp_path, capsys):
+    from monitor.report import CheckpointRecord, FailureRecord
+
+    seen = []
+
+    def runner(spec, *, address, report_path) -> RunOutcome:
+        seen.append(spec)
+        memory = spec.checkpoint.memory.enabled
+        report = RunReport(
+            job=spec.name, final_step=spec.train.steps, status="succeeded",
+            checkpoints=[CheckpointRecord(step=s, committed_at=s, bytes=1, blocking_s=0.1, total_s=0.2)
+                         for s in (10, 20)],
+            failures=[FailureRecord(time=30.0, kind="kill_rank", rank=1, detected_after_s=0.05, recovered_after_s=1.0,
+                                    restore_level="memory" if memory else "storage")],
+            goodput=GoodputSummary.from_totals({"productive": 45.0 if memory else 40.0, "lost_work": 1.0}))
+        return RunOutcome(EXIT_OK, report, {}, wall_s=50.0)
+
+    args = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "120s", "--kind", "kill_rank",
+                                 "--intervals", "young", "--levels", "storage,two-level", "--step-s", "0.25",
+                                 "--set", "chaos.faults=[]", "--set", f"checkpoint.url=file://{tmp_path}/ckpt",
+                                 "--set", "train.steps=40", "--out", str(tmp_path / "sweep.json")])
+    assert chaos_main(args, runner=runner) == EXIT_OK
+    assert [s.name for s in seen] == ["demo.sweep-young", "demo.sweep-young.two-level"]
+    assert [s.checkpoint.memory.enabled for s in seen] == [False, True] and seen[0].chaos == seen[1].chaos
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["summary"]["two_level_vs_storage"]["young"] == pytest.approx(100 * (45 / 46 - 40 / 41))
+    assert "interval young: two-level +" in capsys.readouterr().out
+
+
 def test_random_node_kills_never_target_the_controllers_node(tmp_path):
     from ckpt.storage import Storage
     from orchestrator.wire.store import RendezvousServer

@@ -94,14 +94,49 @@ def test_measure_reads_goodput_interval_cost_and_restart():
     assert result["best_fixed"]["label"] == "10s"
     assert result["young"]["points_below_best"] == pytest.approx(100 * (0.75 - 55 / 80))
     text = sweep.table([row, young], inputs)
-    assert "| 10s | 25 steps | 10.0 s | 60.0% | 75.0% |" in text and "| young | adaptive steps |" in text
+    assert "| 10s | storage | 25 steps | 10.0 s | 60.0% | 75.0% |" in text
+    assert "| young | storage | adaptive steps |" in text
 
 
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     from orchestrator.cli.chaos.sweep_plot import plot_sweep
 
-    rows = [sweep.measure("5s", 5.0, 12, _report(commits=(5, 10, 15))), sweep.measure("young", None, None, _report())]
+    rows = [sweep.measure("5s", 5.0, 12, _report(commits=(5, 10, 15))), sweep.measure("young", None, None, _report()),
+            sweep.measure("5s", 5.0, 12, _report(commits=(5, 10, 15), productive=70.0), "two-level"),
+            sweep.measure("young", None, None, _report(productive=70.0), "two-level")]
     path = tmp_path / "sweep.png"
     plot_sweep(rows, inputs_from_reports([_report().model_dump(mode="json")], mtbf_s=15.0), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_levels_run_each_interval_with_and_without_the_memory_level():
+    base = _spec()
+    assert sweep.parse_levels(None, base) == ["storage"]
+    assert sweep.parse_levels(None, _spec("checkpoint.memory.enabled=true")) == ["two-level"]
+    assert sweep.parse_levels("storage, two-level", base) == ["storage", "two-level"]
+    for bad in ("memory", "storage,storage", ""):
+        with pytest.raises(SpecError) as err:
+            sweep.parse_levels(bad, base)
+        assert err.value.problems[0].field == "--levels"
+    storage = sweep.sweep_spec(base, sweep.Interval("young", None), step_s=0.4, level="storage")
+    both = sweep.sweep_spec(base, sweep.Interval("young", None), step_s=0.4, level="two-level")
+    assert not storage.checkpoint.memory.enabled and both.checkpoint.memory.enabled
+    assert storage.checkpoint.rule == both.checkpoint.rule == "young" and storage.chaos == both.chaos
+    assert storage.checkpoint_root != both.checkpoint_root
+
+
+def test_two_level_gain_is_per_interval_and_kept_out_of_the_storage_model():
+    def failure(level):
+        return FailureRecord(time=38.0, kind="kill_rank", rank=0, detected_after_s=0.1, recovered_after_s=1.0,
+                             restore_level=level)
+
+    slow = _report(productive=60.0, lost=20.0)
+    fast = _report(productive=75.0, lost=5.0).model_copy(update={"failures": [failure("memory"), failure("storage")]})
+    rows = [sweep.measure("5s", 5.0, 12, slow), sweep.measure("5s", 5.0, 12, fast, "two-level")]
+    assert rows[1].memory_recoveries == 1 and rows[0].memory_recoveries == 0
+    inputs = inputs_from_reports([slow.model_dump(mode="json")], mtbf_s=15.0)
+    result = sweep.summary(rows, inputs)
+    assert result["two_level_vs_storage"] == {"5s": pytest.approx(15.0)}  # 75% against 60%
+    assert result["best_fixed"]["steady_goodput"] == pytest.approx(0.75)  # the storage row, not the two-level one
+    assert "| 5s | two-level (1 from memory) | 12 steps |" in sweep.table(rows, inputs)

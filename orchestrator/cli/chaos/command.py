@@ -3,7 +3,7 @@
     undying chaos JOB.yaml [--mtbf 30s] [--kind kill_rank|kill_node|hang_rank] [--seed 1] [--start 10s]
                   [--max-faults N] [--set k=v ...] [--address ADDR] [--report out.json] [--no-reference] [--fresh]
     undying chaos sweep JOB.yaml --mtbf 60s --intervals 5s,10s,20s,40s,young [--seed 1] --plot sweep.png
-                  [--step-s S] [--out sweep.json]
+                  [--levels storage,two-level] [--step-s S] [--out sweep.json]
 
 `--mtbf` is `chaos.mtbf_s`: the mean time between failures of each target (each rank for the
 rank kinds, each node for kill_node), so a 4-rank job with `--mtbf 60s --kind kill_rank` sees
@@ -62,6 +62,8 @@ def add_chaos_parser(sub) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free run (no model comparison)")
     p.add_argument("--fresh", action="store_true", help="delete the runs' checkpoint roots first")
     p.add_argument("--intervals", help="sweep: checkpoint intervals, e.g. 5s,10s,20s,40s,young")
+    p.add_argument("--levels", help="sweep: run each interval at these levels: storage (durable checkpoints only), "
+                   "two-level (and the memory level), e.g. storage,two-level (default: the spec's)")
     p.add_argument("--plot", help="sweep: PNG of goodput vs interval (needs matplotlib)")
     p.add_argument("--out", help="sweep: write every run's numbers as JSON here")
     p.add_argument("--step-s", type=float, help="sweep: seconds per step (default: measured by a short run)")
@@ -77,16 +79,17 @@ def chaos_main(args, runner: Runner | None = None) -> int:
         print("undying chaos: give one job spec: `undying chaos JOB.yaml` or `undying chaos sweep JOB.yaml`",
               file=sys.stderr)
         return EXIT_USAGE
-    if not sweep and (args.intervals or args.plot or args.out or args.step_s):
-        print("undying chaos: --intervals, --plot, --out and --step-s belong to `undying chaos sweep`",
+    if not sweep and (args.intervals or args.plot or args.out or args.step_s or args.levels):
+        print("undying chaos: --intervals, --levels, --plot, --out and --step-s belong to `undying chaos sweep`",
               file=sys.stderr)
         return EXIT_USAGE
     try:
         spec = _load(words[0], args)
         if sweep:
-            from orchestrator.cli.chaos.sweep import parse_intervals
+            from orchestrator.cli.chaos.sweep import parse_intervals, parse_levels
 
             intervals = parse_intervals(args.intervals or "")
+            levels = parse_levels(args.levels, spec)
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
@@ -97,7 +100,7 @@ def chaos_main(args, runner: Runner | None = None) -> int:
 
         runner = run_rerunning if kills_controller(spec) else run_recorded
     if sweep:
-        return sweep_main(spec, intervals, args, runner)
+        return sweep_main(spec, intervals, levels, args, runner)
     return experiment_main(spec, args, runner)
 
 
@@ -156,9 +159,9 @@ def experiment_main(spec, args, runner: Runner) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def sweep_main(spec, intervals, args, runner: Runner) -> int:
-    """Calibrate the step time, run the job once per interval under the same failures, fit the model,
-    print the table, write the JSON and the plot (orchestrator.cli.chaos.sweep has the protocol)."""
+def sweep_main(spec, intervals, levels, args, runner: Runner) -> int:
+    """Calibrate the step time, run the job once per interval and level under the same failures, fit the
+    model, print the table, write the JSON and the plot (orchestrator.cli.chaos.sweep has the protocol)."""
     from orchestrator.cli.chaos import sweep
     from orchestrator.cli.chaos.goodput_model import inputs_from_reports
 
@@ -178,22 +181,13 @@ def sweep_main(spec, intervals, args, runner: Runner) -> int:
             return EXIT_FAILED
         step_s = sweep.step_seconds(outcome.report)
     print(f"undying chaos sweep: {describe_faults(spec)}; system MTBF {mtbf:.1f} s; step {step_s:.3f} s", flush=True)
-    rows, reports = [], []
-    for interval in intervals:
-        run_spec = sweep.sweep_spec(spec, interval, step_s)
-        try:
-            prepare_root(run_spec, args.fresh)
-        except SpecError as err:
-            print_problems(err.problems)
-            return EXIT_USAGE
-        print(f"undying chaos sweep: interval {interval.label} ({run_spec.name})", flush=True)
-        outcome = run_with_report(runner, run_spec, args.address)
-        if outcome.report is None:
-            print(f"undying chaos sweep: run {run_spec.name} left no report (exit {outcome.code})", file=sys.stderr)
-            return EXIT_FAILED
-        reports.append(outcome.report.model_dump(mode="json"))
-        rows.append(sweep.measure(interval.label, interval.seconds, run_spec.checkpoint.every_steps, outcome.report))
-    inputs = inputs_from_reports(reports, mtbf)
+    grid = _run_grid(spec, intervals, levels, step_s, args, runner)
+    if isinstance(grid, int):
+        return grid
+    rows, reports = grid
+    # The model is of one level: C and R come from the storage-only runs when there are any.
+    storage = [rep for rep, row in zip(reports, rows, strict=True) if row.level == "storage"]
+    inputs = inputs_from_reports(storage or reports, mtbf)
     result = sweep.summary(rows, inputs)
     print("\n" + sweep.table(rows, inputs) + "\n", flush=True)
     best = result["best_fixed"]
@@ -204,6 +198,8 @@ def sweep_main(spec, intervals, args, runner: Runner) -> int:
     for rule in sweep.RULES:
         if rule in result:
             print(f"{rule}: {result[rule]['points_below_best']:+.1f} points below the best fixed interval")
+    for label, gain in result["two_level_vs_storage"].items():
+        print(f"interval {label}: two-level {gain:+.1f} points of goodput against storage only")
     if args.out:
         write_json(args.out, {"command": shlex.join(["undying", *sys.argv[1:]]), "step_s": step_s,
                               "system_mtbf_s": mtbf, "chaos": spec.chaos.model_dump(mode="json"),
@@ -215,6 +211,29 @@ def sweep_main(spec, intervals, args, runner: Runner) -> int:
         plot_sweep(rows, inputs, args.plot, title=f"{spec.name}: {describe_faults(spec)}")
         print(f"plot written to {args.plot}")
     return EXIT_OK if all(r.status == "succeeded" for r in rows) else EXIT_FAILED
+
+
+def _run_grid(spec, intervals, levels, step_s: float, args, runner: Runner):
+    """Each interval at each level, in order: (rows, reports), or the exit code that ended the sweep."""
+    from orchestrator.cli.chaos import sweep
+
+    rows, reports = [], []
+    for interval, level in [(i, level) for i in intervals for level in levels]:
+        run_spec = sweep.sweep_spec(spec, interval, step_s, level if len(levels) > 1 else None)
+        try:
+            prepare_root(run_spec, args.fresh)
+        except SpecError as err:
+            print_problems(err.problems)
+            return EXIT_USAGE
+        print(f"undying chaos sweep: interval {interval.label}, {level} ({run_spec.name})", flush=True)
+        outcome = run_with_report(runner, run_spec, args.address)
+        if outcome.report is None:
+            print(f"undying chaos sweep: run {run_spec.name} left no report (exit {outcome.code})", file=sys.stderr)
+            return EXIT_FAILED
+        reports.append(outcome.report.model_dump(mode="json"))
+        rows.append(sweep.measure(interval.label, interval.seconds, run_spec.checkpoint.every_steps, outcome.report,
+                                  level))
+    return rows, reports
 
 
 def describe_faults(spec) -> str:

@@ -14,8 +14,14 @@ Protocol (`undying chaos sweep`, orchestrator.cli.chaos.command drives it; nothi
   4. `measure(label, target_s, report)` reads a run's report: goodput, steady goodput
      (productive / (wall - startup): the model has no start-up term), realised interval
      (median gap between commits with no failure between them), failures, C and R.
-  5. orchestrator.cli.chaos.goodput_model fits C and R over all runs; `summary` names the best fixed interval,
-     tau*, and how far the adaptive rules are from the best.
+  5. orchestrator.cli.chaos.goodput_model fits C and R over the storage-only runs (the model is of one
+     level); `summary` names the best fixed interval, tau*, how far the adaptive rules are from the
+     best, and, with `--levels storage,two-level`, how many points the memory level adds at each interval.
+
+Levels (`parse_levels`): each interval runs once per level asked for, under the same failures;
+"storage" is the durable level alone (`checkpoint.memory.enabled: false`), "two-level" adds the memory
+level at its own Young interval (docs/design.md, "Two levels"); the storage level keeps the interval
+of the row in both. Without `--levels`, each interval runs at the spec's own level.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from orchestrator.cli.chaos.goodput_model import ModelInputs
 from orchestrator.spec.problems import Problem, SpecError
 
 RULES = ("young", "young-daly")
+LEVELS = ("storage", "two-level")
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,18 @@ def parse_intervals(text: str) -> list[Interval]:
     return out
 
 
+def parse_levels(text: str | None, spec) -> list[str]:
+    """`storage,two-level` -> the levels each interval runs at; None -> the spec's own level."""
+    if text is None:
+        return ["two-level" if spec.checkpoint.memory.enabled else "storage"]
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in LEVELS]
+    if bad or not items or len(set(items)) != len(items):
+        what = f"cannot read {', '.join(map(repr, bad))}" if bad else "give each level once"
+        raise SpecError([Problem("--levels", f"{what}; give storage, two-level or storage,two-level")])
+    return items
+
+
 def system_mtbf_s(spec) -> float:
     """The job's MTBF under its random failures: chaos.mtbf_s per rank, over the ranks (docs/design.md section 1)."""
     chaos = spec.chaos
@@ -71,10 +90,13 @@ def system_mtbf_s(spec) -> float:
     return chaos.mtbf_s / spec.world_size
 
 
-def sweep_spec(base, interval: Interval, step_s: float):
-    """The run of `base` at `interval` (see module doc)."""
-    changes: dict = {"name": f"{base.name}.sweep-{interval.label}", "checkpoint.every_seconds": None,
+def sweep_spec(base, interval: Interval, step_s: float, level: str | None = None):
+    """The run of `base` at `interval`, at `level` (None: the spec's own; see module doc)."""
+    suffix = "" if level in (None, "storage") else f".{level}"
+    changes: dict = {"name": f"{base.name}.sweep-{interval.label}{suffix}", "checkpoint.every_seconds": None,
                      "checkpoint.mtbf_s": system_mtbf_s(base), "checkpoint.node_mtbf_hours": None}
+    if level is not None:
+        changes["checkpoint.memory.enabled"] = level == "two-level"
     if interval.seconds is None:
         changes.update({"checkpoint.every_steps": None, "checkpoint.interval": interval.label})
     else:
@@ -114,6 +136,8 @@ class Row:
     cost_s: float | None  # median blocking seconds per save
     restart_s: float | None  # median fault -> training again
     status: str
+    level: str = "storage"  # "storage" or "two-level"
+    memory_recoveries: int = 0  # failures restored from the memory level
 
 
 def realised_interval(report) -> float | None:
@@ -124,7 +148,7 @@ def realised_interval(report) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def measure(label: str, target_s: float | None, every_steps: int | None, report) -> Row:
+def measure(label: str, target_s: float | None, every_steps: int | None, report, level: str = "storage") -> Row:
     g = report.goodput
     startup = g.badput_s.get("startup", 0.0)
     restarts = [f.detected_after_s + f.recovered_after_s for f in report.failures
@@ -134,31 +158,42 @@ def measure(label: str, target_s: float | None, every_steps: int | None, report)
                goodput=g.ratio, steady_goodput=g.productive_s / (g.wall_s - startup) if g.wall_s > startup else 0.0,
                wall_s=g.wall_s, failures=len(report.failures), checkpoints=len(report.checkpoints),
                cost_s=statistics.median(costs) if costs else None,
-               restart_s=statistics.median(restarts) if restarts else None, status=report.status)
+               restart_s=statistics.median(restarts) if restarts else None, status=report.status, level=level,
+               memory_recoveries=sum(f.restore_level == "memory" for f in report.failures))
 
 
 def summary(rows: Sequence[Row], inputs: ModelInputs) -> dict:
     """The best fixed interval (by steady goodput), tau*, and each adaptive rule's distance from the best."""
-    fixed = [r for r in rows if r.target_s is not None and r.status == "succeeded"]
+    fixed = [r for r in rows if r.target_s is not None and r.status == "succeeded" and r.level == "storage"]
     best = max(fixed, key=lambda r: r.steady_goodput) if fixed else None
     out = {"tau_star_s": inputs.tau_star, "model": asdict(inputs),
            "best_fixed": None if best is None else {"label": best.label, "steady_goodput": best.steady_goodput,
                                                     "realised_s": best.realised_s}}
     for row in rows:
-        if row.target_s is None and best is not None:
+        if row.target_s is None and best is not None and row.level == "storage":
             out[row.label] = {"points_below_best": 100 * (best.steady_goodput - row.steady_goodput),
                               "realised_s": row.realised_s}
+    out["two_level_vs_storage"] = level_gains(rows)
     return out
+
+
+def level_gains(rows: Sequence[Row]) -> dict[str, float]:
+    """Per interval run at both levels: two-level minus storage-only, in points of goodput."""
+    by = {(r.label, r.level): r for r in rows if r.status == "succeeded"}
+    return {label: 100 * (by[label, "two-level"].goodput - by[label, "storage"].goodput)
+            for label, level in by if level == "storage" and (label, "two-level") in by}
 
 
 def table(rows: Sequence[Row], inputs: ModelInputs) -> str:
     """A markdown table of the runs with the model's prediction at each realised interval."""
-    lines = ["| interval | every | realised tau | goodput | steady goodput | model | failures | saves | C | R |"
-             " wall |", "|---" * 11 + "|"]
+    lines = ["| interval | levels | every | realised tau | goodput | steady goodput | model | failures | saves"
+             " | C | R | wall |", "|---" * 12 + "|"]
     for r in rows:
         tau = r.realised_s or r.target_s
-        model = f"{100 * inputs.goodput(tau):.1f}%" if tau else "-"
-        lines.append(f"| {r.label} | {r.every_steps or 'adaptive'} steps | {_s(r.realised_s)} | {100 * r.goodput:.1f}%"
+        model = f"{100 * inputs.goodput(tau):.1f}%" if tau and r.level == "storage" else "-"
+        level = r.level if r.level == "storage" else f"{r.level} ({r.memory_recoveries} from memory)"
+        lines.append(f"| {r.label} | {level} | {r.every_steps or 'adaptive'} steps | {_s(r.realised_s)}"
+                     f" | {100 * r.goodput:.1f}%"
                      f" | {100 * r.steady_goodput:.1f}% | {model} | {r.failures} | {r.checkpoints} | {_s(r.cost_s, 3)}"
                      f" | {_s(r.restart_s)} | {r.wall_s:.0f} s |" + ("" if r.status == "succeeded" else " FAILED"))
     return "\n".join(lines)

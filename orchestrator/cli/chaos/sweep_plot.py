@@ -2,8 +2,9 @@
 
 x: the realised interval of each run (log scale); y: steady goodput (productive / (wall -
 start-up), the quantity the model predicts). Fixed intervals are dots, adaptive rules
-(young, young-daly) are marked apart; the first-order model curve (orchestrator.cli.chaos.goodput_model,
-with C and R measured over the runs) is overlaid and Young's tau* = sqrt(2 C M) is a
+(young, young-daly) are marked apart, each level (storage only, two-level) in its own colour;
+the first-order model curve (orchestrator.cli.chaos.goodput_model, with C and R measured over the
+storage-only runs) is overlaid and Young's tau* = sqrt(2 C M) is a
 vertical line. Needs matplotlib (the `plot` extra).
 """
 
@@ -33,14 +34,18 @@ def plot_sweep(rows: Sequence[Row], inputs: ModelInputs, path: str, title: str =
                   f"M={inputs.mtbf_s:.0f} s)")
     ax.axvline(inputs.tau_star, color="tab:red", linestyle="--",
                label=f"Young tau* = sqrt(2CM) = {inputs.tau_star:.1f} s")
-    fixed = [(r, t) for r, t in placed if r.target_s is not None]
-    ax.plot([t for _, t in fixed], [100 * r.steady_goodput for r, _ in fixed], "o", color="tab:blue",
-            label="measured, fixed interval")
-    for r, t in fixed:
-        ax.annotate(r.label, (t, 100 * r.steady_goodput), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    for marker, (r, t) in zip("*^", [(r, t) for r, t in placed if r.target_s is None], strict=False):
-        ax.plot([t], [100 * r.steady_goodput], marker, markersize=12, color="tab:orange",
-                label=f"measured, interval: {r.label}")
+    for level, color in (("storage", "tab:blue"), ("two-level", "tab:green")):
+        fixed = [(r, t) for r, t in placed if r.target_s is not None and r.level == level]
+        if fixed:
+            ax.plot([t for _, t in fixed], [100 * r.steady_goodput for r, _ in fixed], "o", color=color,
+                    label=f"measured, fixed interval, {level}")
+        for r, t in fixed:
+            ax.annotate(r.label, (t, 100 * r.steady_goodput), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        adaptive = [(r, t) for r, t in placed if r.target_s is None and r.level == level]
+        for marker, (r, t) in zip("*^", adaptive, strict=False):
+            ax.plot([t], [100 * r.steady_goodput], marker, markersize=12,
+                    color="tab:orange" if level == "storage" else "tab:olive",
+                    label=f"measured, interval: {r.label}, {level}")
     ax.set_xscale("log")
     # Plain seconds on the major ticks, no labels on the minor ones (they collide on a short range).
     ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
