@@ -127,8 +127,11 @@ def optimizer_fields(optimizer: str, betas: tuple[float, float]) -> list[str]:
     return ["momentum_buffer"] if betas[0] != 0 else []
 
 
-def fresh_field(param: torch.nn.Parameter, field: str) -> torch.Tensor:
-    """An optimizer state field as the optimizer would create it (same type, placement, device)."""
+def fresh_field(param: torch.nn.Parameter, field: str, step_on_device: bool = False) -> torch.Tensor:
+    """An optimizer state field as the optimizer would create it (same type, placement, device).
+
+    AdamW keeps `step` on the CPU in fp32, except fused or capturable AdamW
+    (`trainer.optim.keeps_step_on_device`), whose kernels read it on the parameter's device."""
     if field == "step":
-        return torch.tensor(0.0, dtype=torch.float32)  # AdamW keeps `step` on the CPU, in fp32
+        return torch.zeros((), dtype=torch.float32, device=local(param).device if step_on_device else "cpu")
     return torch.zeros_like(param, memory_format=torch.preserve_format)

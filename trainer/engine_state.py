@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from trainer.dtensor_slices import fresh_field, local, optimizer_fields
-from trainer.optim import lr_at
+from trainer.optim import keeps_step_on_device, lr_at
 from trainer.state_slices import TensorSlice
 
 STATE_FORMAT = "undying.trainer/1"
@@ -152,8 +152,9 @@ class EngineState:
 
     def _restored_fields(self, layout, given: dict) -> dict:
         fields = {}
+        on_device = keeps_step_on_device(self.local_optimizer)
         for field in self._fields():
-            value = fresh_field(layout.param, field)
+            value = fresh_field(layout.param, field, on_device)
             piece = given.get(f"optim/{layout.name}/{field}")
             if piece is not None:
                 local(value).copy_(piece.tensor)

@@ -1,0 +1,141 @@
+"""bf16 training on one GPU through the engine: throughput, peak memory, compile, resume.
+
+Protocol: the main process calls these one after another on cuda:0, never concurrently (each
+reads the device's peak-memory counters, which it resets first). Every run builds a fresh
+`trainer.engine.Engine` at dp = tp = pp = 1 with `train.deterministic` left at the spec's
+default, so the default path (deterministic algorithms on, `CUBLAS_WORKSPACE_CONFIG` set by the
+engine) is the one measured. The engine's optimizer is fused AdamW on CUDA (trainer/optim.py).
+
+  train_run      warm-up steps, then timed steps: step time, tokens/s, losses, the peak of
+                 `torch.cuda.max_memory_allocated` over the engine's whole life (the first
+                 optimizer step, where the AdamW moments appear, included) beside the cost
+                 model's four ledgers (trainer.costmodel.memory) for the same workload.
+                 `compile=True` compiles each transformer block with torch.compile, through
+                 `train.compile` where the engine has that field, otherwise by compiling
+                 `engine.model.blocks` here (the engine's place for it: after recomputation,
+                 before data parallelism; at dp = 1 there is none).
+  resume_run     the same workload three ways: N steps straight; N - 1 steps, the state taken
+                 out (`state_slices`, `state_meta`); a fresh engine restored from it that runs
+                 step N. With deterministic algorithms on, every loss must be bitwise equal to
+                 the straight run's (run-to-run determinism and exact resume, fused AdamW's
+                 step counter included).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.costmodel.layout import Layout, Workload
+from trainer.costmodel.memory import ledgers
+from trainer.engine import Engine
+from trainer.model import flops_per_token
+
+ENGINE_HAS_COMPILE = "compile" in TrainConfig.model_fields
+COMPILE_VIA = "train.compile" if ENGINE_HAS_COMPILE else "torch.compile per block, applied by the check"
+
+
+def configs(preset: str, seq_len: int, micro_batch: int, steps: int, recompute: str = "none",
+            compile: bool = False) -> tuple[ModelConfig, DataConfig, TrainConfig, ParallelConfig]:
+    """One GPU, one microbatch per step, fixed-length synthetic samples, bf16; `deterministic`
+    (and every other field not named here) at its default."""
+    extra = {"compile": True} if compile and ENGINE_HAS_COMPILE else {}
+    train = TrainConfig(steps=steps, global_batch=micro_batch, micro_batch=micro_batch, precision="bf16", **extra)
+    return (ModelConfig(preset=preset), DataConfig(seq_len=seq_len, min_len_fraction=1.0), train,
+            ParallelConfig(recompute=recompute))
+
+
+def predicted_peak(model: ModelConfig, seq_len: int, micro_batch: int, recompute: str) -> dict:
+    """The cost model's ledgers for the workload `train_run` measures, as JSON."""
+    work = Workload(model=model, seq_len=seq_len, global_batch=micro_batch, precision="bf16")
+    return ledgers(work, Layout(micro_batch=micro_batch, recompute=recompute), "gpu").to_json()
+
+
+def _fresh_device(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peaks(device: str) -> tuple[int, int]:
+    """(max allocated, max reserved) bytes since the last reset; (0, 0) off CUDA (tests)."""
+    if device != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def _build(cfgs: tuple, compile: bool, device: str) -> Engine:
+    model, data, train, parallel = cfgs
+    engine = Engine(model, data, train, parallel, rank=0, world_size=1, device=device)
+    if compile and not ENGINE_HAS_COMPILE:
+        for block in engine.model.blocks:
+            block.compile()
+    return engine
+
+
+def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: int, recompute: str = "none",
+              compile: bool = False, device: str = "cuda") -> dict:
+    """`warmup` untimed steps then `steps` timed ones; see the module docstring. `device` is
+    "cuda" but for the unit tests, which run the same code on the CPU."""
+    cfgs = configs(preset, seq_len, micro_batch, warmup + steps, recompute, compile)
+    model, _, train, _ = cfgs
+    _fresh_device(device)
+    engine = _build(cfgs, compile, device)
+    losses, times, tokens, data_wait = [], [], 0, 0.0
+    for i in range(warmup + steps):
+        _sync(device)
+        started = time.perf_counter()
+        result = engine.train_step()
+        _sync(device)
+        losses.append(result.loss)
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+            tokens += result.tokens
+            data_wait += result.data_wait_s
+    allocated, reserved = _peaks(device)
+    out = {
+        "preset": preset, "seq_len": seq_len, "micro_batch": micro_batch, "recompute": recompute,
+        "compile": compile, "compile_via": COMPILE_VIA if compile else None,
+        "deterministic": train.deterministic, "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "fused_adamw": bool(engine.local_optimizer.defaults.get("fused")),
+        "step_s": sum(times) / len(times), "tokens_per_s": tokens / sum(times), "data_wait_s": data_wait / len(times),
+        "flops_per_token": flops_per_token(model, seq_len), "losses": losses,
+        "max_memory_allocated": allocated, "max_memory_reserved": reserved,
+        "predicted": predicted_peak(model, seq_len, micro_batch, recompute),
+    }
+    del engine
+    _fresh_device(device)
+    return out
+
+
+def resume_run(preset: str, seq_len: int, micro_batch: int, steps: int, device: str = "cuda") -> dict:
+    """Losses of `steps` straight steps, of `steps - 1` steps, and of the step after a restore."""
+    cfgs = configs(preset, seq_len, micro_batch, steps)
+    straight = _build(cfgs, False, device)
+    straight_losses = [straight.train_step().loss for _ in range(steps)]
+    del straight
+    first = _build(cfgs, False, device)
+    first_losses = [first.train_step().loss for _ in range(steps - 1)]
+    slices, meta = first.state_slices(), first.state_meta()
+    del first
+    restored = _build(cfgs, False, device)
+    restored.load_slices(slices, meta)
+    steps_on = {str(s["step"].device) for s in restored.local_optimizer.state.values() if "step" in s}
+    resumed_loss = restored.train_step().loss
+    fused = bool(restored.local_optimizer.defaults.get("fused"))
+    deterministic_algorithms = torch.are_deterministic_algorithms_enabled()
+    del restored
+    _fresh_device(device)
+    return {"preset": preset, "seq_len": seq_len, "micro_batch": micro_batch, "steps": steps,
+            "deterministic": cfgs[2].deterministic, "deterministic_algorithms": deterministic_algorithms,
+            "straight": straight_losses, "rerun": first_losses,
+            "resumed": resumed_loss, "fused_adamw": fused, "restored_step_devices": sorted(steps_on)}
