@@ -65,6 +65,20 @@ def layer_flops(cfg: ModelConfig, seq_len: int) -> tuple[int, int, int]:
     return 0, block, 6 * cfg.vocab_size * d
 
 
+def cut_problem(n_layers: int, n_chunks: int) -> str | None:
+    """Why `n_layers` blocks cannot be cut into `n_chunks` chunks, or None when they can.
+
+    Every chunk but the last needs a block (the last may hold only the head), so
+    1 <= n_chunks <= n_layers + 1. `partition` raises it; trainer.layout_checks refuses it.
+    """
+    if n_chunks < 1:
+        return f"need at least one chunk, got {n_chunks}"
+    if n_chunks > n_layers + 1 or (n_chunks == 1 and n_layers == 0):
+        return (f"cannot cut {n_layers} layers into {n_chunks} pipeline chunks (pp * virtual_stages): every "
+                "chunk but the last needs a layer; lower parallel.pp or parallel.virtual_stages, or add layers")
+    return None
+
+
 def partition(costs: list[int], n_chunks: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
     """Contiguous ranges of `costs` minimising the costliest chunk, then the sum of squared costs.
 
@@ -75,13 +89,9 @@ def partition(costs: list[int], n_chunks: int, first_extra: int = 0, last_extra:
     with fewer items in earlier chunks, which in 1F1B hold the most activations in flight.
     """
     n = len(costs)
-    if n_chunks < 1:
-        raise ValueError(f"need at least one chunk, got {n_chunks}")
-    if n_chunks > n + 1 or (n_chunks == 1 and n == 0):
-        raise ValueError(
-            f"cannot cut {n} layers into {n_chunks} pipeline chunks (pp * virtual_stages): every chunk "
-            "but the last needs a layer; lower parallel.pp or parallel.virtual_stages, or add layers"
-        )
+    problem = cut_problem(n, n_chunks)
+    if problem is not None:
+        raise ValueError(problem)
     prefix = [0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
@@ -128,6 +138,15 @@ def split_layers(cfg: ModelConfig, seq_len: int, n_chunks: int) -> list[Chunk]:
         flops = block * len(layers) + (embedding if first else 0) + (head if last else 0)
         chunks.append(Chunk(index=c, layers=layers, first=first, last=last, flops_per_token=flops))
     return chunks
+
+
+def default_virtual_stages(schedule: str) -> int:
+    """Chunks per pipeline rank when parallel.virtual_stages is not set.
+
+    Interleaved 1F1B runs two (the smallest number that halves the bubble); ZB-V and
+    DualPipeV are V-shaped, exactly two per rank; every other schedule one.
+    """
+    return 2 if schedule in ("interleaved", "zero-bubble") else 1
 
 
 def placement_of(schedule: str) -> Placement:

@@ -45,32 +45,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.config import ModelConfig, ParallelConfig
 from trainer.data import Batch
 from trainer.loss import IGNORE_INDEX
-
-
-def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
-    """ValueError naming the field and the fix when `model` cannot be split over parallel.tp."""
-    tp = parallel.tp
-    if tp == 1:
-        return
-    fields = [("n_heads", model.n_heads), ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)]
-    if model.n_kv_heads != model.n_heads:
-        fields.insert(1, ("n_kv_heads", model.n_kv_heads))
-    for field, value in fields:
-        if value % tp:
-            raise ValueError(
-                f"model.{field}={value} is not divisible by parallel.tp={tp}: tensor parallelism splits "
-                f"it evenly over the tp ranks; choose a tp that divides {value} or change model.{field}"
-            )
-    padded = -(-seq_len // tp) * tp
-    if parallel.sequence_parallel and padded > model.max_seq_len:
-        raise ValueError(
-            f"sequence parallelism pads data.seq_len={seq_len} to {padded} (a multiple of parallel.tp={tp}), "
-            f"beyond model.max_seq_len={model.max_seq_len}: raise max_seq_len or set "
-            "parallel.sequence_parallel=false"
-        )
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

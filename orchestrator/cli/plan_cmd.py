@@ -82,7 +82,10 @@ def plan_table(spec: JobSpec, result: Plan) -> str:
     lines += ["", f"rejected: {len(result.rejected)} layouts, {len(groups)} reasons"]
     for key, members in groups:
         first = members[0]
-        text = f"{key}; closest: {first.reason}" if first.memory else first.reason
+        if first.memory:
+            text = f"{key}; closest: {first.reason}"
+        else:  # the engine's refusal says the field and the fix
+            text = key if first.reason == key else f"{key} -- {first.reason}"
         lines.append(f"  {len(members):>5} x {text}")
     return "\n".join(line.rstrip() for line in lines)
 

@@ -33,7 +33,7 @@ def test_bad_spec_exits_2_naming_every_field():
     [
         ("parallel.dp=3", "train.global_batch"),
         ("parallel.tp=3", "parallel.tp"),
-        ("parallel.pp=3", "parallel.pp"),
+        ("parallel.pp=9", "parallel.pp"),  # more stages than the layers can fill
         ("model.n_heads=3", "model"),
         ("resources.num_ranks=8", "resources.num_ranks"),
         ("typo_key=1", "typo_key"),

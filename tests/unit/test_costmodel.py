@@ -317,7 +317,8 @@ def test_planner_rejects_with_the_right_reasons():
     result = plan(job(model=TINY, global_batch=12, micro_batch=1), H100, 8)
     keys = {key for key, _ in result.rejected_groups()}
     assert "tp=3: 4 heads not divisible by 3" in keys
-    assert "pp=3: 4 layers not divisible by 3" in keys
+    # pp need not divide the layers: the engine cuts 4 layers into 3 stages by FLOPs
+    assert any(c.layout.pp == 3 for c in plan(job(model=TINY, global_batch=12, micro_batch=1), H100, 3).valid)
     assert "tp*pp=16 exceeds 8 devices" in keys
     assert "dp=8: global_batch 12 not divisible by 8" in keys
     assert "zero>0 with dp=1: nothing to shard (same as zero=0)" in keys

@@ -175,9 +175,9 @@ def test_configuration_errors_name_the_field():
         make_engine(parallel=ParallelConfig(pp=2))
     with pytest.raises(ValueError, match="world_size=1 but parallel.dp=2"):
         make_engine(parallel=ParallelConfig(dp=2))
-    with pytest.raises(ValueError, match="train.global_batch=8 is not divisible"):
+    with pytest.raises(ValueError, match="train.global_batch: 8 is not divisible"):
         make_engine(micro_batch=3)
-    with pytest.raises(ValueError, match="data.seq_len=300 exceeds model.max_seq_len=256"):
+    with pytest.raises(ValueError, match="data.seq_len: 300 exceeds model.max_seq_len = 256"):
         make_engine(data=DataConfig(seq_len=300))
     cfgs = MODEL, DATA, TrainConfig(steps=1, global_batch=8), ParallelConfig(dp=2)
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -185,10 +185,10 @@ def test_configuration_errors_name_the_field():
 
 
 @pytest.mark.parametrize(("model", "parallel", "message"), [
-    (MODEL, ParallelConfig(tp=3), "model.n_heads=4 is not divisible by parallel.tp=3"),
-    (ModelConfig(preset="tiny", d_ff=255), ParallelConfig(tp=2), "model.d_ff=255 is not divisible by parallel.tp=2"),
-    (ModelConfig(preset="tiny", vocab_size=255), ParallelConfig(tp=2), "model.vocab_size=255 is not divisible"),
-    (ModelConfig(preset="tiny", max_seq_len=33), ParallelConfig(tp=2), "pads data.seq_len=33 to 34"),
+    (MODEL, ParallelConfig(tp=3), "model.n_heads = 4 is not divisible by tp = 3"),
+    (ModelConfig(preset="tiny", d_ff=255), ParallelConfig(tp=2), "model.d_ff = 255 is not divisible by tp = 2"),
+    (ModelConfig(preset="tiny", vocab_size=255), ParallelConfig(tp=2), "model.vocab_size = 255 is not divisible"),
+    (ModelConfig(preset="tiny", max_seq_len=33), ParallelConfig(tp=2), "pads data.seq_len = 33 to 34"),
 ])
 def test_tensor_parallel_errors_name_the_field_and_the_fix(model, parallel, message):
     # Checked before any collective, so one process sees the error every rank would.

@@ -1,7 +1,8 @@
 """What the cost model is asked about: a workload (what is trained) and a layout (how it is cut).
 
-The planner evaluates layouts the job spec or the engine may refuse (trainer.layout_checks),
-so a `Layout` is built from plain numbers, never by validating a new JobSpec.
+A `Layout` is plain numbers, never a validated JobSpec: the planner builds thousands and asks
+trainer.layout_checks.layout_refusals (the engine's own rules, which read a Layout as they
+read a ParallelConfig) which of them the engine would refuse.
 `Workload.from_spec` / `Layout.from_spec` read any object with the spec's `model`, `data`,
 `train` (and `parallel`) sections: a JobSpec or a view of one.
 
@@ -12,7 +13,8 @@ Rank mapping (the engine's, trainer.topology): TP varies fastest, then PP, then 
 A TP group is `tp` consecutive ranks (inside one node whenever tp <= GPUs per node), a PP
 group strides by `tp`, a DP group by `tp * pp`. `time.py` picks each group's link from this.
 
-Parameters per rank of pipeline rank s of p: the chunks the engine gives it. The model is cut
+Parameters per rank of pipeline rank s of p: the chunks the engine gives it, however unevenly
+the layers fall (pp need not divide n_layers; the most loaded stage bounds memory and time). The model is cut
 into p * v chunks (v virtual stages per rank, 1 without interleaving) balanced by training
 FLOPs, not by layer count (`trainer.stages.split_layers`: the LM head is several blocks' worth
 when the vocabulary is large), and chunk c sits on the rank the schedule's placement names
@@ -36,7 +38,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from trainer.config import ModelConfig
-from trainer.stages import Chunk, local_chunks, placement_of, split_layers
+from trainer.stages import Chunk, default_virtual_stages, local_chunks, placement_of, split_layers
 
 Recompute = Literal["none", "selective", "block"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "block")
@@ -114,12 +116,6 @@ class Layout:
                 "micro_batch": self.micro_batch, "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel and self.tp > 1}
-
-
-def default_virtual_stages(schedule: str) -> int:
-    # Interleaved 1F1B is run with two chunks per rank by default (the smallest v that
-    # halves the bubble); ZBV and DualPipeV are V-shaped, exactly two chunks per rank.
-    return 2 if schedule in ("interleaved", "zero-bubble") else 1
 
 
 def rank_of(layout: Layout, dp_index: int, pp_index: int, tp_index: int) -> int:

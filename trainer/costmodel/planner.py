@@ -3,16 +3,18 @@ their reason, and rank the rest by predicted step time.
 
 Pure: no processes, no devices (except measuring the CPU row, done by the caller). The spec
 is read for the workload (model, data, train) and for the schedule and DDP bucket size it
-asks for; its own `parallel` degrees are not used, since every layout is tried. Layouts the
-job spec cannot run yet are evaluated too (`Layout` is plain numbers, not a new JobSpec).
+asks for; its own `parallel` degrees are not used, since every layout is tried (each a
+`Layout` of plain numbers, not a new JobSpec).
 
 A candidate is (dp, tp, pp, zero, micro_batch) with tp <= n_heads, pp <= n_layers and
-micro_batch a divisor of global_batch / dp. Checks, in order, the first failing one being the
-reason: heads % tp, layers % (pp * virtual stages), dp * tp * pp = N, global_batch % dp,
-ZeRO needing dp > 1, the schedule's microbatch constraints (torch.distributed.pipelining:
-Schedule1F1B needs m >= pp; ScheduleInterleaved1F1B needs m to be a multiple of m // pp), and
-memory. Memory tries recomputation none, then selective, then block, and keeps the first
-that fits: less recomputation is always faster, so the kept one is the layout's best.
+micro_batch a divisor of global_batch / dp. The first failing check is the reason: what the
+engine refuses (trainer.layout_checks.layout_refusals, the one function the engine and the
+job spec call too, so a ranked layout is never one they refuse), dp * tp * pp = N, ZeRO
+needing dp > 1 (zero > 0 at dp = 1 runs as zero 0: one row is enough), then memory. pp need
+not divide n_layers: the engine cuts the layers by FLOPs (trainer.stages.split_layers) and
+the cost model prices that split, its most loaded stage bounding memory and time.
+Memory tries recomputation none, then selective, then block, and keeps the first that fits:
+less recomputation is always faster, so the kept one is the layout's best.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainer.costmodel.hardware import Hardware
-from trainer.costmodel.layout import RECOMPUTE_CHOICES, Layout, Workload, default_virtual_stages
+from trainer.costmodel.layout import RECOMPUTE_CHOICES, Layout, Workload
 from trainer.costmodel.memory import Ledgers, ledgers, runtime_reserve_bytes
 from trainer.costmodel.time import Prediction, predict
+from trainer.layout_checks import layout_refusals
+from trainer.stages import default_virtual_stages
 
 GiB = 1 << 30
 
@@ -76,32 +80,22 @@ def _divisors(n: int) -> list[int]:
 
 
 def _structural_reason(work: Workload, lay: Layout, n_gpus: int) -> tuple[str, str] | None:
-    """(key, reason) of the first shape problem of `lay`, or None."""
-    model, m = work.model, lay.microbatches(work.global_batch)
-    chunks = lay.pp * lay.virtual_stages
-    if model.n_heads % lay.tp:
-        key = f"tp={lay.tp}: {model.n_heads} heads not divisible by {lay.tp}"
-    elif model.n_kv_heads % lay.tp:
-        key = f"tp={lay.tp}: {model.n_kv_heads} key/value heads not divisible by {lay.tp}"
-    elif model.n_layers % chunks:
-        split = f"pp={lay.pp} x {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else f"{lay.pp}"
-        key = f"pp={lay.pp}: {model.n_layers} layers not divisible by {split}"
-    elif lay.world != n_gpus:
+    """(key, reason) of the first reason `lay` cannot run on `n_gpus` devices, or None.
+
+    The engine's refusals come first (trainer.layout_checks.layout_refusals, the rules the
+    engine and the job spec apply), then the device count, then the planner's own pruning.
+    """
+    refused = layout_refusals(work.model, lay, work.seq_len, work.global_batch, lay.micro_batch)
+    if refused:
+        return refused[0].key, str(refused[0])
+    if lay.world != n_gpus:
         verb = "exceeds" if lay.tp * lay.pp > n_gpus else "does not divide"
         key = f"tp*pp={lay.tp * lay.pp} {verb} {n_gpus} devices"
-    elif work.global_batch % lay.dp:
-        key = f"dp={lay.dp}: global_batch {work.global_batch} not divisible by {lay.dp}"
-    elif lay.zero and lay.dp == 1:
+        return key, key
+    if lay.zero and lay.dp == 1:
         key = "zero>0 with dp=1: nothing to shard (same as zero=0)"
-    elif lay.pp > 1 and lay.schedule == "1f1b" and m < lay.pp:
-        key = f"{lay.schedule}: fewer microbatches than pp stages"
-        return key, f"{key}, e.g. {m} < {lay.pp} at dp={lay.dp}, micro_batch={lay.micro_batch}"
-    elif lay.pp > 1 and lay.schedule == "interleaved" and m % max(1, m // lay.pp):
-        key = "interleaved: microbatches not a multiple of microbatches // pp"
-        return key, f"{key}, e.g. m={m} at pp={lay.pp}"
-    else:
-        return None
-    return key, key
+        return key, key
+    return None
 
 
 def _oom_reason(lay: Layout, memory: Ledgers, capacity: int) -> tuple[str, str]:
