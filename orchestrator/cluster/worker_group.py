@@ -274,11 +274,15 @@ class RayWorkerGroup:
             self._remember_node(self.actors[rank], pings[rank])
         return [pings[rank] for rank in ranks]
 
-    def join_all(self, gen: int, address: StoreAddress, timeout_s: float) -> list[float]:
+    def join_all(self, gen: int, address: StoreAddress, timeout_s: float,
+                 collective_timeout_s: float | None = None) -> list[float]:
         """Every rank joins generation `gen` of the store at `address` (which carries the job's
-        secret to the actors as a call argument: through Ray, never a file or a log)."""
+        secret to the actors as a call argument: through Ray, never a file or a log) within
+        `timeout_s`; its process group's collectives time out after `collective_timeout_s`
+        (default `timeout_s`)."""
         world = len(self.actors)
-        return self._call_all("join", lambda r: (gen, r, world, address, timeout_s), timeout_s + 30)
+        collective = collective_timeout_s or timeout_s
+        return self._call_all("join", lambda r: (gen, r, world, address, timeout_s, collective), timeout_s + 30)
 
     def restore_all(self, step: int | None, dp: int, timeout_s: float,
                     faults: list[ArmedFault] | None = None, source=None) -> list[dict]:

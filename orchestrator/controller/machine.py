@@ -33,7 +33,7 @@ from orchestrator.controller.faults import ControllerFaults
 from orchestrator.controller.intake import EventIntake
 from orchestrator.controller.job_record import JobRecord
 from orchestrator.controller.ledger_snapshot import LedgerCarry, LedgerSnapshots
-from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy, hang_limit
+from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.restore_policy import UNRESTORABLE, CorruptCheckpoint
 from orchestrator.controller.states import (
@@ -55,6 +55,7 @@ from orchestrator.controller.states import (
 )
 from orchestrator.controller.stopping import Move, Stops
 from orchestrator.controller.telemetry import Telemetry
+from orchestrator.controller.timeouts import Timeouts
 from orchestrator.wire.messages import ShardWritten, SnapshotHeld
 from orchestrator.wire.store import RendezvousServer
 
@@ -70,14 +71,13 @@ _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("start
 
 class Controller:
     def __init__(self, spec, workers, rendezvous: RendezvousServer, catalog, metrics, *,
-                 printer=print, poll_s: float = 0.02, release_timeout_s: float = 3.0,
-                 hang_min_s: float = 10.0, hang_factor: float = 5.0, join_timeout_s: float = 60.0,
-                 drains=dict, fresh: bool = False):
+                 printer=print, poll_s: float = 0.02, release_timeout_s: float | None = None,
+                 hang_min_s: float | None = None, join_timeout_s: float = 60.0, drains=dict, fresh: bool = False):
+        """`release_timeout_s`, `hang_min_s`: fixed release and hang-floor seconds (tests; else elastic.*)."""
         self.spec, self.workers, self.rendezvous, self.catalog = spec, workers, rendezvous, catalog
         self.metrics = metrics
         self.printer = printer
-        self.poll_s, self.hang_min_s, self.hang_factor = poll_s, hang_min_s, hang_factor
-        self.join_timeout_s = join_timeout_s
+        self.poll_s, self.join_timeout_s = poll_s, join_timeout_s
         self.ledger = GoodputLedger()
         self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
         self.snapshots = LedgerSnapshots(catalog.storage)
@@ -90,16 +90,20 @@ class Controller:
                                       printer=printer)
         self.blame = Blame(self.fault_clock, self.record)
         self.checkpoints = Checkpoints(spec, catalog, self.ledger, self.record, metrics, self.chaos, self.log, fresh)
+        fixed = {"hang_floor_s": hang_min_s, "release_s": release_timeout_s}
+        self.timeouts = Timeouts(spec, self.record, lambda: self.telemetry.peak_flops_per_rank, self.log,
+                                 join_s=join_timeout_s, retry_budget_s=self.checkpoints.restore.retry.budget_s,
+                                 **{k: v for k, v in fixed.items() if v is not None})
         self.intake = EventIntake(self.record, self.fault_clock, self.chaos, self.checkpoints, metrics, self.log,
                                   on_receipt=self._on_receipt)
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log,
-                                 release_timeout_s=release_timeout_s, poll_s=poll_s, metrics=metrics)
+                                 release_timeout_s=self.timeouts.release_s, poll_s=poll_s, metrics=metrics)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
-                           drains, self.log, self._hang_limit)
+                           drains, self.log, self.timeouts.hang_s)
         self.phase: Phase = Placing()
         self.gen = -1
         self.dp = spec.parallel.dp
@@ -225,7 +229,9 @@ class Controller:
         self.gen += 1
         self.store = self.rendezvous.generation(self.gen)
         try:
-            self.workers.join_all(self.gen, self.rendezvous.address, self.join_timeout_s)
+            limits = self.timeouts.for_generation(self.world_size)
+            self.workers.join_all(self.gen, self.rendezvous.address, self.join_timeout_s,
+                                  collective_timeout_s=limits.collective_s)
         except Exception as err:
             self._start_recovery(self.blame.rendezvous_failed(err))
             return
@@ -244,8 +250,9 @@ class Controller:
             else:
                 self.carry.done = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
+            size = self.timeouts.checkpoint_bytes(step, self.checkpoints.read_manifest)
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
-                                               timeout_s=self.checkpoints.restore.timeout_s(self.join_timeout_s),
+                                               timeout_s=self.timeouts.restore_s(self.world_size, size),
                                                **({"source": source} if source is not None else {}))
         except SnapshotUnavailable as err:  # a holder died since the choice: storage next
             return self.printer(self.checkpoints.memory.discard(source.step, err))
@@ -260,6 +267,7 @@ class Controller:
             self._start_recovery(self.blame.restore_failed(err))
             return
         self.telemetry.on_restored(results)
+        self.timeouts.on_restored(results, time.perf_counter() - started, from_storage=not source and step is not None)
         self.restored_step = step
         if self.phase.recovering is not None and step is not None:
             self.record.on_restored(self.phase.recovering.record, "memory" if source else "storage", results,
@@ -271,6 +279,7 @@ class Controller:
             self._go(Succeeded(), f"{what}: the job had already finished")
             return
         self.gen_started_at = self.record.on_training_started()
+        self.timeouts.on_training_started()
         self._go(Running(TrainingRun(recovering=self.phase.recovering)),
                  f"{what} in {time.perf_counter() - started:.2f} s")
 
@@ -302,13 +311,9 @@ class Controller:
             self.fault_clock.fire_due(self.world_size)
             self._watch_hang()
 
-    def _hang_limit(self) -> float:
-        return hang_limit(self.record.median_step_s(), self.record.completed_steps(), self.spec, self.hang_min_s,
-                          self.hang_factor)
-
     def _watch_hang(self, saving_s: float = 0.0) -> None:
         """The progress watchdog; `saving_s`: a save the ranks block on before their next word (a stop's)."""
-        hung = self.blame.hang(self.record.progress_at, self._hang_limit() + saving_s)
+        hung = self.blame.hang(self.record.progress_at, self.timeouts.hang_s() + saving_s)
         if hung is not None:
             self._start_recovery(hung)
 

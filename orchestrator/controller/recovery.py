@@ -48,14 +48,19 @@ class Membership:
 
 class Recovery:
     def __init__(self, spec, workers, scaling_policy: ScalingPolicy, log: Callable[[str], None], *,
-                 release_timeout_s: float, poll_s: float, metrics):
+                 release_timeout_s: float | Callable[[], float], poll_s: float, metrics):
         self.spec = spec
         self.workers = workers
         self.spares = SparePool(spec, workers, metrics, log)
         self.scaling_policy = scaling_policy
         self.log = log
-        self.release_timeout_s = release_timeout_s
+        # A callable: the controller's limit now (orchestrator.controller.timeouts, it follows the step time).
+        self._release_s = release_timeout_s if callable(release_timeout_s) else lambda: release_timeout_s
         self.poll_s = poll_s
+
+    @property
+    def release_timeout_s(self) -> float:
+        return self._release_s()
 
     def model_parallel(self) -> int:
         return self.spec.parallel.tp * self.spec.parallel.pp
@@ -146,9 +151,9 @@ class Recovery:
         """After the abort key is set: wait up to `release_timeout_s` for every running rank's
         `train` call, then kill the ranks still inside it (hung). Returns each finished rank's
         (outcome, seconds since the wait began) and the killed ranks."""
-        started = time.monotonic()
+        started, limit = time.monotonic(), self.release_timeout_s
         finished: dict = {}
-        while self.workers.running() and time.monotonic() - started < self.release_timeout_s:
+        while self.workers.running() and time.monotonic() - started < limit:
             for outcome in self.workers.wait_any(self.poll_s):
                 finished[outcome.rank] = (outcome, time.monotonic() - started)
         stuck = self.workers.running()

@@ -37,9 +37,6 @@ class NoRestorePoint(RuntimeError):
 
 # What a restore may fail with that proves nothing about a checkpoint's bytes: the job fails.
 UNRESTORABLE = (TransientStorageError, NoRestorePoint)
-# What a rank's restore takes beyond its reads' retry budget: building its engine and reading the
-# checkpoint at the store's healthy pace (beside join_timeout_s, which bounds forming the group).
-RESTORE_MARGIN_S = 120.0
 
 
 def cause(err: BaseException) -> str:
@@ -70,13 +67,6 @@ class RestorePolicy:
         self.retry = ReadRetry(read_retry_s)  # the settings; each listing, read or verification spends a fresh() one
         self.fresh = fresh  # --fresh: an empty root (checkpoints all quarantined) may start from step 0
         self.bad: dict[int, str] = {}  # committed steps this run will not restore -> why
-
-    def timeout_s(self, join_timeout_s: float) -> float:
-        """How long the controller waits for the ranks' restore. Each rank's restore spends one retry
-        budget (ckpt.storage_errors.ReadRetry: the store's failures take at most read_retry_s of it in
-        all), so a store that keeps failing ends as the ranks' TransientStorageError (the job fails
-        naming the checkpoint) before this, not as a timeout blamed on a rank."""
-        return join_timeout_s + RESTORE_MARGIN_S + self.retry.budget_s
 
     def read_manifest(self, step: int):
         return read_manifest(self.catalog, step, self.retry.fresh())

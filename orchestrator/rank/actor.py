@@ -1,9 +1,10 @@
 """One training rank as a Ray actor: joins a generation, restores, trains autonomously.
 
 Protocol (the controller calls, in this order, once per generation):
-  1. `join(gen, rank, world_size, address, timeout_s)`: connect to the controller's store
-     (`address` carries the job's secret, which seals every control message: wire.auth), form
-     the process group (gloo on CPU, nccl on GPU) under the generation's prefix.
+  1. `join(gen, rank, world_size, address, timeout_s, collective_timeout_s)`: connect to the
+     controller's store (`address` carries the job's secret, which seals every control message:
+     wire.auth), form the process group (gloo on CPU, nccl on GPU) under the generation's prefix,
+     its collectives timing out after `collective_timeout_s` (elastic.collective_timeout_s).
   2. `restore(step, dp, faults, source)`: build the engine for the layout and load committed
      checkpoint `step` (None = fresh start), or the memory snapshot `source` when the controller
      chose the memory level (orchestrator.rank.snapshots).
@@ -119,7 +120,8 @@ class RankActor:
 
         return self.ping()
 
-    def join(self, gen: int, rank: int, world_size: int, address: StoreAddress, timeout_s: float) -> float:
+    def join(self, gen: int, rank: int, world_size: int, address: StoreAddress, timeout_s: float,
+             collective_timeout_s: float | None = None) -> float:
         import torch.distributed as dist
 
         started = time.perf_counter()
@@ -139,7 +141,7 @@ class RankActor:
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(
                 backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
+                timeout=timedelta(seconds=collective_timeout_s or timeout_s),
             )
         return time.perf_counter() - started
 

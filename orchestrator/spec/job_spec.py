@@ -30,6 +30,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
+from orchestrator.spec.elastic import ElasticConfig
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
@@ -40,37 +41,6 @@ from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, 
 class _Strict(BaseModel):
     # Unknown keys are user mistakes (a typo silently ignored is a wasted GPU-day).
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ElasticConfig(_Strict):
-    """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
-
-    min_dp: int = Field(1, ge=1)
-    # Warm standby ranks, refilled in the background when one takes over. `auto`: one spare TP
-    # group (tp seats) when the cluster has room for it, else none (orchestrator.cluster.capacity).
-    spares: int | Literal["auto"] = "auto"
-    max_restarts: int = Field(10, ge=0)
-    # How long a lost rank's replacement may take to start before dp shrinks instead.
-    replace_timeout_s: float = Field(60.0, ge=0.0)
-    # Grow back to parallel.dp at a checkpoint boundary once replacements have started.
-    grow: bool = True
-    # The same error at the same step on the same rank this many times in a row stops the job.
-    crash_loop_limit: int = Field(3, ge=2)
-    # Straggler policy hook: replace a rank flagged as a sustained straggler (monitor.straggler).
-    evict_stragglers: bool = False
-    # After SIGTERM/SIGINT: how long the job may take to checkpoint at the next step boundary
-    # and stop (exit 75). Keep it below the platform's kill delay (Kubernetes'
-    # terminationGracePeriodSeconds, 30 s by default; Ray's RAY_JOB_STOP_WAIT_TIME_S).
-    preemption_grace_s: float = Field(25.0, gt=0.0)
-
-    @field_validator("spares", mode="before")
-    @classmethod
-    def _spares_count_or_auto(cls, value: Any) -> Any:
-        # One message instead of the union's two (an int error and a literal error).
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            return value
-        raise ValueError(f"{value!r} is not a number of spares; give a whole number >= 0 (0: no spare) "
-                         "or 'auto' (one spare TP group when the cluster has room for it)")
 
 
 class ResourcesConfig(_Strict):
@@ -86,6 +56,16 @@ class ResourcesConfig(_Strict):
         "pack", description="each TP group is one bundle on one node; pack puts the groups on few nodes, "
                             "spread puts DP replicas and PP stages on as many nodes as possible"
     )
+
+    @field_validator("gpus_per_rank", mode="after")
+    @classmethod
+    def _whole_gpus(cls, gpus: float) -> float:
+        # Ray grants fractions of a GPU, so two ranks would share one device (its memory and its
+        # compute), which the engine's memory plan and NCCL's one-rank-per-device rule do not allow.
+        if gpus != int(gpus):
+            raise ValueError(f"{gpus:g} is a fraction of a GPU: two ranks would share one GPU; give a whole "
+                             "number (1: one GPU per rank, 0: CPU ranks)")
+        return gpus
 
 
 # Fault kinds whose at_step names a checkpoint step (up to and including train.steps, the final save).
@@ -144,6 +124,10 @@ def _line_error(problem: Problem) -> InitErrorDetails:
     return InitErrorDetails(type=error, loc=loc, input=None)
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def cross_section_problems(spec: Any) -> list[Problem]:
     """Every layout and consistency problem that needs more than one section.
 
@@ -151,7 +135,11 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     `validate_spec`); a check that needs a missing section is skipped, so layout problems
     are reported in the same round as typos elsewhere in the spec."""
     model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
-    out = _layout_problems(par, spec.resources) + memory_level_problems(spec)
+    out = _layout_problems(model, train, par, spec.resources) + memory_level_problems(spec)
+    if model and data and model.position == "learned" and data.seq_len > model.max_seq_len:
+        out.append(Problem("data.seq_len", f"{data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}"
+                           " (learned positions cannot extrapolate); lower data.seq_len or raise "
+                           "model.max_seq_len"))
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
@@ -186,8 +174,24 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     return out
 
 
-def _layout_problems(par: Any, resources: Any) -> list[Problem]:
+def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[Problem]:
     out: list[Problem] = []
+    # Tensor parallelism splits heads, the MLP width and the vocabulary evenly over the tp ranks.
+    for field in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(model, field, None) if model and par else None
+        if field == "n_kv_heads" and value is not None and value == model.n_heads:
+            continue  # multi-head attention: the n_heads line says it already
+        if value is not None and value % par.tp:
+            out.append(Problem("parallel.tp", f"model.{field} = {value} is not divisible by tp = "
+                               f"{par.tp}; use a tp that divides it: {_divisors(value)}"))
+    if model and par and model.n_layers % par.pp:
+        out.append(Problem("parallel.pp", f"model.n_layers = {model.n_layers} is not divisible by pp = "
+                           f"{par.pp}; use a pp that divides it: {_divisors(model.n_layers)}"))
+    per_step = par.dp * train.micro_batch if train and par else 1
+    if train and train.global_batch % per_step:
+        nearest = -(-train.global_batch // per_step) * per_step
+        out.append(Problem("train.global_batch", f"{train.global_batch} is not divisible by parallel.dp * "
+                           f"train.micro_batch = {per_step}; use a multiple of {per_step} such as {nearest}"))
     if par and resources and resources.num_ranks not in (None, par.world_size):
         out.append(Problem("resources.num_ranks", f"{resources.num_ranks} does not match parallel.dp * "
                            f"tp * pp = {par.world_size}; set it to {par.world_size} or leave it out"))
@@ -195,19 +199,27 @@ def _layout_problems(par: Any, resources: Any) -> list[Problem]:
 
 
 def engine_support_problems(spec: Any) -> list[Problem]:
-    """What the engine refuses to run: trainer.layout_checks.layout_refusals, the one function
-    the engine and `undying plan` call too (tp splits, sequence length, batch, pipeline
-    schedule x ZeRO x chunks x microbatches), each on its field. `spec` may be a partial
-    view, as above: a refusal whose section is missing is not checked."""
-    par, data, model, train = spec.parallel, spec.data, spec.model, spec.train
-    if not (par and model):
-        return []
-    # imported here only, because it needs torch
-    from trainer.layout_checks import layout_refusals
+    """What this release's engine cannot run yet. The layout checks above cover the rest, so
+    lifting a limit means deleting its lines here and nothing else. `spec` may be a partial
+    view, as above."""
+    par, data, model, out = spec.parallel, spec.data, spec.model, []
+    if par and data and model and spec.train and (par.pp > 1 or par.schedule == "pipedream"):
+        # The engine's own pipeline checks (schedule x ZeRO x chunks x microbatches); imported
+        # here only, because they need torch.
+        from trainer.layout_checks import check_pipeline
 
-    found = layout_refusals(model, par, data.seq_len if data else None, train.global_batch if train else None,
-                            train.micro_batch if train else None)
-    return [Problem(refusal.field, refusal.message) for refusal in found]
+        try:
+            check_pipeline(model, data, spec.train, par)
+        except ValueError as err:
+            field = re.search(r"\b(parallel|train|model)\.([a-z_]+)", str(err))
+            out.append(Problem(field.group(0) if field else "parallel.pp", str(err)))
+    if par and data and model and par.tp > 1 and par.sequence_parallel:
+        padded = -(-data.seq_len // par.tp) * par.tp
+        if padded > model.max_seq_len:
+            out.append(Problem("parallel.sequence_parallel", f"pads data.seq_len = {data.seq_len} to {padded} "
+                               f"(a multiple of tp = {par.tp}), beyond model.max_seq_len = {model.max_seq_len}; "
+                               "raise max_seq_len or set sequence_parallel: false"))
+    return out
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")

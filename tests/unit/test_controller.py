@@ -114,8 +114,8 @@ class FakeWorkerGroup:
     def ping_all(self, timeout_s):
         return [{} for _ in self.actors]
 
-    def join_all(self, gen, address, timeout_s):
-        self.gen = gen
+    def join_all(self, gen, address, timeout_s, collective_timeout_s=None):
+        self.gen, self.collective_timeout_s = gen, collective_timeout_s
         return [0.0] * len(self.actors)
 
     def restore_all(self, step, dp, timeout_s, faults=None):

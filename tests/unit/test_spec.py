@@ -118,8 +118,7 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
     [
         (["parallel.tp=3"], "parallel.tp", "model.n_heads = 4 is not divisible by tp = 3; use a tp that "
                                            "divides it: 1, 2, 4"),
-        (["parallel.pp=3", "parallel.schedule=interleaved"], "parallel.pp", "cannot cut 4 layers into 6 "
-                                                                             "pipeline chunks"),
+        (["parallel.pp=3"], "parallel.pp", "model.n_layers = 4 is not divisible by pp = 3"),
         (["resources.num_ranks=3"], "resources.num_ranks", "3 does not match parallel.dp * tp * pp = 2"),
         (["model.position=learned", "data.seq_len=512"], "data.seq_len", "exceeds model.max_seq_len = 256"),
         (["data={source: text, path: a.txt}", "model.vocab_size=128"], "model.vocab_size", "at least 256"),
@@ -179,6 +178,11 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["chaos=null"], "chaos", "is empty"),
         (["resources.cpus_per_rank=0"], "resources.cpus_per_rank", "greater than 0"),
         (["resources.gpus_per_rank=-1"], "resources.gpus_per_rank", "greater than or equal to 0"),
+        (["resources.gpus_per_rank=0.5"], "resources.gpus_per_rank", "two ranks would share one GPU"),
+        (["elastic.hang_timeout_s=0"], "elastic.hang_timeout_s", "give a number of seconds > 0, or 'auto'"),
+        (["elastic.restore_timeout_s=soon"], "elastic.restore_timeout_s", "is not a timeout"),
+        (["elastic.hang_timeout_s=30", "elastic.collective_timeout_s=20"], "elastic.collective_timeout_s",
+         "is not above elastic.hang_timeout_s=30"),
         (["resources.custom={accel: -1}"], "resources.custom.accel", "greater than or equal to 0"),
         (["monitor.port=70000"], "monitor.port", "less than or equal to 65535"),
         (["checkpoint.keep=0"], "checkpoint.keep", "greater than or equal to 1"),
@@ -293,9 +297,9 @@ def test_presets_and_explicit_dimensions(tiny_data):
 def test_override_values_are_parsed_as_yaml(tiny_data):
     spec = validate_spec(apply_overrides(tiny_data, [
         "parallel.dp=4", "checkpoint.url=s3://b/p", "chaos.faults=[]", "train.lr=1e-3",
-        "checkpoint.every_steps=5", "elastic.spares=1", "resources={cpus_per_rank: 0.5, gpus_per_rank: 0.25}",
+        "checkpoint.every_steps=5", "elastic.spares=1", "resources={cpus_per_rank: 0.5, gpus_per_rank: 2}",
     ]))
-    assert (spec.resources.cpus_per_rank, spec.resources.gpus_per_rank) == (0.5, 0.25)
+    assert (spec.resources.cpus_per_rank, spec.resources.gpus_per_rank) == (0.5, 2)
     assert (spec.parallel.dp, spec.checkpoint.url, spec.chaos.faults) == (4, "s3://b/p", [])
     assert (spec.train.lr, spec.checkpoint.every_steps, spec.elastic.spares) == (1e-3, 5, 1)
     assert spec.checkpoint_root == "s3://b/p/tiny"

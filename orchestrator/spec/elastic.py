@@ -1,0 +1,82 @@
+"""The `elastic:` section of the job spec: recovery limits, warm spares and the controller's timeouts.
+
+Read by the controller (orchestrator.controller: recovery, stops, timeouts) from the validated
+JobSpec; `orchestrator.spec.job_spec` holds the cross-section checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+class _Strict(BaseModel):
+    # Unknown keys are user mistakes (a typo silently ignored is a limit never applied).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ElasticConfig(_Strict):
+    """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
+
+    min_dp: int = Field(1, ge=1)
+    # Warm standby ranks, refilled in the background when one takes over. `auto`: one spare TP
+    # group (tp seats) when the cluster has room for it, else none (orchestrator.cluster.capacity).
+    spares: int | Literal["auto"] = "auto"
+    max_restarts: int = Field(10, ge=0)
+    # How long a lost rank's replacement may take to start before dp shrinks instead.
+    replace_timeout_s: float = Field(60.0, ge=0.0)
+    # Grow back to parallel.dp at a checkpoint boundary once replacements have started.
+    grow: bool = True
+    # The same error at the same step on the same rank this many times in a row stops the job.
+    crash_loop_limit: int = Field(3, ge=2)
+    # Straggler policy hook: replace a rank flagged as a sustained straggler (monitor.straggler).
+    evict_stragglers: bool = False
+    # After SIGTERM/SIGINT: how long the job may take to checkpoint at the next step boundary
+    # and stop (exit 75). Keep it below the platform's kill delay (Kubernetes'
+    # terminationGracePeriodSeconds, 30 s by default; Ray's RAY_JOB_STOP_WAIT_TIME_S).
+    preemption_grace_s: float = Field(25.0, gt=0.0)
+    # The controller's timeouts: a number of seconds, or `auto`, derived from what the job measures
+    # (orchestrator.controller.timeouts; docs/design.md, timeouts).
+    hang_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="no step for this long is a hang; auto: max(10 s, 5 x the median step)")
+    first_step_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="a generation's first step (compilation, warm-up) may take this long; auto: 3 x the "
+                            "slowest first step measured, before any the cost model's step estimate x 20, at least "
+                            "120 s on CPU and 600 s on GPU")
+    collective_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="the process group's timeout, the last resort behind the hang watchdog; auto: 2 x the "
+                            "longer of the hang and first-step limits, at least 60 s")
+    restore_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="how long the ranks' restore may take; auto: 180 s + checkpoint.read_retry_s + 3 x the "
+                            "checkpoint's bytes over the read bandwidth (measured, else 100 MB/s per rank)")
+    release_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="after a failure, how long a survivor may take to leave its step before it is killed; "
+                            "auto: max(3 s, 2 x the median step)")
+
+    @field_validator("hang_timeout_s", "first_step_timeout_s", "collective_timeout_s", "restore_timeout_s",
+                     "release_timeout_s", mode="before")
+    @classmethod
+    def _seconds_or_auto(cls, value: Any, info: ValidationInfo) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{value!r} is not a timeout; give a number of seconds > 0, or 'auto' (derived "
+                             "from the measured step time, docs/design.md)")
+        watched = [(name, info.data.get(name)) for name in ("hang_timeout_s", "first_step_timeout_s")]
+        shorter = [f"elastic.{name}={limit:g}" for name, limit in watched
+                   if info.field_name == "collective_timeout_s" and isinstance(limit, float) and value <= limit]
+        if shorter:
+            raise ValueError(f"{value:g} s is not above {', '.join(shorter)}: a rank waiting in a collective would "
+                             "time out before the watchdog finds the hung rank, and the wrong rank would be blamed; "
+                             "raise it (or leave it auto)")
+        return float(value)
+
+    @field_validator("spares", mode="before")
+    @classmethod
+    def _spares_count_or_auto(cls, value: Any) -> Any:
+        # One message instead of the union's two (an int error and a literal error).
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"{value!r} is not a number of spares; give a whole number >= 0 (0: no spare) "
+                         "or 'auto' (one spare TP group when the cluster has room for it)")

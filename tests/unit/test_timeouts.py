@@ -1,0 +1,138 @@
+"""The controller's timeouts: derived from the measured step time, the cost model's first-step
+estimate and the checkpoint's size over the read bandwidth; a number in the spec replaces them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ckpt.storage import Storage
+from orchestrator.controller.timeouts import (
+    ASSUMED_READ_BPS_PER_RANK,
+    BUILD_S,
+    Observed,
+    Timeouts,
+    compute_bound_s,
+    derive,
+    restore_timeout_s,
+)
+from orchestrator.spec.job_spec import validate_spec
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec, rendezvous  # noqa: F401
+
+
+def _job(tmp_path, elastic=None, **over):
+    data = {"name": "t", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+            "train": {"steps": 30, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+            "checkpoint": {"url": f"file://{tmp_path}/ckpt"}, "elastic": elastic or {}}
+    data.update(over)
+    return validate_spec(data)
+
+
+def test_a_tiny_cpu_job_before_any_step_keeps_the_old_hang_floor_and_a_generous_first_step(tmp_path):
+    spec = _job(tmp_path)
+    limits = derive(spec.elastic, spec, 2, Observed())
+    assert (limits.hang_floor_s, limits.hang_factor) == (10.0, 5.0)
+    assert limits.first_step_s == 120.0  # the CPU floor: the tiny model's estimate is milliseconds
+    assert limits.collective_s == 240.0  # 2 x the first-step limit: the watchdog acts first
+    assert limits.release_s == 3.0
+
+
+def test_measured_steps_scale_the_limits(tmp_path):
+    spec = _job(tmp_path)
+    limits = derive(spec.elastic, spec, 2, Observed(median_step_s=4.0, first_step_s=50.0))
+    assert limits.first_step_s == 150.0  # 3 x the slowest first step measured
+    assert limits.release_s == 8.0  # 2 x the median step
+    assert limits.collective_s == 300.0
+    quick = derive(spec.elastic, spec, 2, Observed(median_step_s=0.05, first_step_s=0.5))
+    assert (quick.first_step_s, quick.release_s, quick.collective_s) == (10.0, 3.0, 60.0)  # the floors
+
+
+def test_a_large_gpu_model_s_five_minute_first_step_is_not_a_hang(tmp_path):
+    spec = _job(tmp_path, model={"preset": "llama3.1-8b"}, data={"seq_len": 4096},
+                train={"steps": 10, "global_batch": 256, "micro_batch": 1, "precision": "bf16"},
+                parallel={"dp": 8, "tp": 8}, resources={"gpus_per_rank": 1})
+    bound = compute_bound_s(spec, 64, None)  # the table's slowest GPU, bf16: no rank reported yet
+    assert 0.5 < bound < 5.0
+    limits = derive(spec.elastic, spec, 64, Observed())
+    assert limits.first_step_s >= 600.0 > 300.0
+    assert limits.collective_s >= 2 * limits.first_step_s
+    # The ranks' reported peak replaces the assumed one: a faster GPU, a shorter estimate.
+    assert compute_bound_s(spec, 64, 989.5e12) < bound
+    assert compute_bound_s(spec, 64, float("nan")) == bound  # an unknown GPU reports NaN
+
+
+def test_numbers_in_the_spec_replace_every_derived_value(tmp_path):
+    elastic = {"hang_timeout_s": 30, "first_step_timeout_s": 900, "collective_timeout_s": 1800,
+               "restore_timeout_s": 3600, "release_timeout_s": 20}
+    spec = _job(tmp_path, elastic)
+    limits = derive(spec.elastic, spec, 2, Observed(median_step_s=100.0, first_step_s=5.0))
+    assert (limits.hang_floor_s, limits.hang_factor, limits.first_step_s) == (30.0, 0.0, 900.0)
+    assert (limits.collective_s, limits.release_s) == (1800.0, 20.0)
+    assert restore_timeout_s(spec.elastic, 2, 10**12, 1.0, 60.0, 120.0) == 3600.0
+
+
+def test_restore_time_grows_with_the_checkpoint_over_the_read_bandwidth(tmp_path):
+    elastic = _job(tmp_path).elastic
+    base = 60.0 + BUILD_S + 120.0
+    assert restore_timeout_s(elastic, 4, None, None, 60.0, 120.0) == base
+    assumed = restore_timeout_s(elastic, 4, 40 * 10**9, None, 60.0, 120.0)
+    assert assumed == pytest.approx(base + 3 * 40e9 / (4 * ASSUMED_READ_BPS_PER_RANK))  # 300 s of reads
+    assert restore_timeout_s(elastic, 4, 40 * 10**9, 2e9, 60.0, 120.0) == pytest.approx(base + 60.0)
+
+
+class _Record:
+    """The JobRecord surface the timeouts read."""
+
+    def __init__(self):
+        self.progress_at, self.steps_s, self.checkpoints = 100.0, [], []
+
+    def median_step_s(self):
+        return sorted(self.steps_s)[len(self.steps_s) // 2] if self.steps_s else None
+
+    def completed_steps(self):
+        return len(self.steps_s)
+
+
+def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one(tmp_path):
+    spec, record, lines = _job(tmp_path), _Record(), []
+    timeouts = Timeouts(spec, record, lambda: None, lines.append, join_s=60.0, retry_budget_s=120.0)
+    timeouts.for_generation(2)
+    timeouts.on_training_started()
+    assert timeouts.hang_s() == 120.0  # nothing measured: the first step may take 120 s on CPU
+    record.progress_at, record.steps_s = 160.0, [60.0]  # the first step took 60 s
+    assert timeouts.hang_s() == 300.0 and timeouts.first_step_s == 60.0  # 5 x the median (60 s)
+    record.steps_s = [60.0, 0.1, 0.1]
+    assert timeouts.hang_s() == 10.0  # steady: the floor
+    timeouts.on_training_started()  # the next generation: 3 x the first step measured
+    assert timeouts.hang_s() == 180.0 and timeouts.release_s() == 3.0
+    assert timeouts.for_generation(2).collective_s == 360.0
+    assert len(lines) == 2 and lines[0].startswith("timeouts: hang max(10 s, 5 x median step), first step 120 s")
+
+
+def test_the_restore_measures_the_read_bandwidth_from_storage_only(tmp_path):
+    spec = _job(tmp_path)
+    timeouts = Timeouts(spec, _Record(), lambda: None, print, join_s=60.0, retry_budget_s=0.0)
+    timeouts.on_restored([{"storage_read_bytes": 10**9}, {"storage_read_bytes": 10**9}], 2.0, from_storage=False)
+    assert timeouts.read_bytes_per_s is None  # a memory snapshot's restore says nothing of the store
+    timeouts.on_restored([{"storage_read_bytes": 10**9}, {"storage_read_bytes": 10**9}], 2.0, from_storage=True)
+    assert timeouts.read_bytes_per_s == 1e9
+    assert timeouts.restore_s(2, 10**10) == pytest.approx(60.0 + BUILD_S + 30.0)
+    record = _Record()
+    record.checkpoints = [SimpleNamespace(step=10, bytes=123)]
+    sizes = Timeouts(spec, record, lambda: None, print, join_s=60.0, retry_budget_s=0.0)
+    assert sizes.checkpoint_bytes(10, lambda step: 1 / 0) == 123
+    assert sizes.checkpoint_bytes(20, lambda step: SimpleNamespace(total_bytes=456)) == 456
+    assert sizes.checkpoint_bytes(30, lambda step: 1 / 0) is None  # left for the ranks to report
+
+
+def test_the_controller_logs_its_timeouts_and_forms_the_group_with_the_collective_timeout(tmp_path, rendezvous):  # noqa: F811
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    ctl.step_once()
+    ctl.step_once()
+    [line] = [line for line in lines if "timeouts:" in line]
+    assert "process group 240 s" in line and "release 0.5 s" in line  # the test's fixed release
+    assert workers.collective_timeout_s == 240.0
