@@ -16,7 +16,10 @@ snapshot.
 Device state (CUDA tensors) is staged into pinned host memory with asynchronous copies, all
 issued first and waited for once at the end of `stage` (so the copies of many tensors run
 back to back on the copy engine, and the writer thread never reads a buffer still being
-filled); host state is copied into ordinary memory.
+filled); host state is copied into ordinary memory. The copies go on the calling thread's
+current stream, the one the step's kernels ran on, so they start only after every kernel
+already queued (the state is final) with no event to record; the wait is a device-wide
+synchronize, which between steps has nothing else to wait for.
 
 Host-to-host copies of contiguous tensors go through the C library's `memmove`, not
 `Tensor.copy_`: glibc's memmove switches to non-temporal stores above a size threshold, and

@@ -12,9 +12,17 @@ holds the group, and the same processes then form a new group under a new store 
 ~10-30 ms (python -m bench.release measures every collective the engine uses). On NCCL the
 communicator abort does the equivalent.
 
+NCCL's own watchdog must not undo this: on a collective error or timeout its default
+(`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`) kills the whole process, so a survivor whose peer died
+(a network error seen before the controller's abort key) would die too instead of joining the
+next generation. `capture()` therefore sets mode 2 where the environment does not choose one:
+the watchdog aborts the communicators only, and the error reaches the training thread as an
+exception at its next collective, handled as gloo's socket errors are.
+
 Protocol (rank side, in `RankActor`):
   1. `with CommSockets.capture() as sockets: dist.init_process_group(...)` records the
-     socket descriptors the group opened.
+     socket descriptors the group opened (and sets NCCL's error handling, read when each
+     NCCL group is constructed).
   2. `sockets.abort()` from the training thread after a collective error, or from the
      abort-watcher thread when the controller sets the abort key. Idempotent; thread-safe
      (shutdown on a socket is safe while another thread is blocked on it).
@@ -38,6 +46,14 @@ def _socket_fds() -> set[int]:
     return fds
 
 
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicators, keep the process
+
+
+def set_nccl_error_handling(env=os.environ) -> None:
+    """Abort-only NCCL error handling (module docstring), unless `env` already chooses a mode."""
+    env.setdefault(*NCCL_ERROR_HANDLING)
+
+
 class CommSockets:
     def __init__(self) -> None:
         self.fds: set[int] = set()
@@ -48,6 +64,7 @@ class CommSockets:
     @contextlib.contextmanager
     def capture(cls):
         sockets = cls()
+        set_nccl_error_handling()
         before = _socket_fds()
         yield sockets
         sockets.fds = _socket_fds() - before

@@ -3,6 +3,7 @@ every rank's verdicts, the rows (a world of one claims no collective), and the w
 on gloo (a world of one in this process; a world of two spawned, heavy)."""
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -80,3 +81,17 @@ def test_two_spawned_gloo_ranks_exchange_exact_values():
     assert got["launch_error"] is None and got["errors"] == {}
     assert all(v["ok"] for v in got["ops"].values()) and set(got["ops"]) == set(OPS)
     assert all(row.status == OK for row in collective_rows(got))
+
+
+def test_rank_processes_ask_nccl_to_abort_communicators_not_kill_the_process(monkeypatch):
+    from orchestrator.rank.comm_abort import CommSockets, set_nccl_error_handling
+
+    env = {}
+    set_nccl_error_handling(env)
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    chosen = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    set_nccl_error_handling(chosen)
+    assert chosen == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # an operator's choice stands
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    with CommSockets.capture():
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
