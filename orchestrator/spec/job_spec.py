@@ -124,10 +124,6 @@ def _line_error(problem: Problem) -> InitErrorDetails:
     return InitErrorDetails(type=error, loc=loc, input=None)
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def cross_section_problems(spec: Any) -> list[Problem]:
     """Every layout and consistency problem that needs more than one section.
 
@@ -135,11 +131,7 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     `validate_spec`); a check that needs a missing section is skipped, so layout problems
     are reported in the same round as typos elsewhere in the spec."""
     model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
-    out = _layout_problems(model, train, par, spec.resources) + memory_level_problems(spec)
-    if model and data and model.position == "learned" and data.seq_len > model.max_seq_len:
-        out.append(Problem("data.seq_len", f"{data.seq_len} exceeds model.max_seq_len = {model.max_seq_len}"
-                           " (learned positions cannot extrapolate); lower data.seq_len or raise "
-                           "model.max_seq_len"))
+    out = _layout_problems(par, spec.resources) + memory_level_problems(spec)
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
@@ -174,24 +166,8 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     return out
 
 
-def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[Problem]:
+def _layout_problems(par: Any, resources: Any) -> list[Problem]:
     out: list[Problem] = []
-    # Tensor parallelism splits heads, the MLP width and the vocabulary evenly over the tp ranks.
-    for field in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        value = getattr(model, field, None) if model and par else None
-        if field == "n_kv_heads" and value is not None and value == model.n_heads:
-            continue  # multi-head attention: the n_heads line says it already
-        if value is not None and value % par.tp:
-            out.append(Problem("parallel.tp", f"model.{field} = {value} is not divisible by tp = "
-                               f"{par.tp}; use a tp that divides it: {_divisors(value)}"))
-    if model and par and model.n_layers % par.pp:
-        out.append(Problem("parallel.pp", f"model.n_layers = {model.n_layers} is not divisible by pp = "
-                           f"{par.pp}; use a pp that divides it: {_divisors(model.n_layers)}"))
-    per_step = par.dp * train.micro_batch if train and par else 1
-    if train and train.global_batch % per_step:
-        nearest = -(-train.global_batch // per_step) * per_step
-        out.append(Problem("train.global_batch", f"{train.global_batch} is not divisible by parallel.dp * "
-                           f"train.micro_batch = {per_step}; use a multiple of {per_step} such as {nearest}"))
     if par and resources and resources.num_ranks not in (None, par.world_size):
         out.append(Problem("resources.num_ranks", f"{resources.num_ranks} does not match parallel.dp * "
                            f"tp * pp = {par.world_size}; set it to {par.world_size} or leave it out"))
@@ -199,27 +175,19 @@ def _layout_problems(model: Any, train: Any, par: Any, resources: Any) -> list[P
 
 
 def engine_support_problems(spec: Any) -> list[Problem]:
-    """What this release's engine cannot run yet. The layout checks above cover the rest, so
-    lifting a limit means deleting its lines here and nothing else. `spec` may be a partial
-    view, as above."""
-    par, data, model, out = spec.parallel, spec.data, spec.model, []
-    if par and data and model and spec.train and (par.pp > 1 or par.schedule == "pipedream"):
-        # The engine's own pipeline checks (schedule x ZeRO x chunks x microbatches); imported
-        # here only, because they need torch.
-        from trainer.layout_checks import check_pipeline
+    """What the engine refuses to run: trainer.layout_checks.layout_refusals, the one function
+    the engine and `undying plan` call too (tp splits, sequence length, batch, pipeline
+    schedule x ZeRO x chunks x microbatches), each on its field. `spec` may be a partial
+    view, as above: a refusal whose section is missing is not checked."""
+    par, data, model, train = spec.parallel, spec.data, spec.model, spec.train
+    if not (par and model):
+        return []
+    # imported here only, because it needs torch
+    from trainer.layout_checks import layout_refusals
 
-        try:
-            check_pipeline(model, data, spec.train, par)
-        except ValueError as err:
-            field = re.search(r"\b(parallel|train|model)\.([a-z_]+)", str(err))
-            out.append(Problem(field.group(0) if field else "parallel.pp", str(err)))
-    if par and data and model and par.tp > 1 and par.sequence_parallel:
-        padded = -(-data.seq_len // par.tp) * par.tp
-        if padded > model.max_seq_len:
-            out.append(Problem("parallel.sequence_parallel", f"pads data.seq_len = {data.seq_len} to {padded} "
-                               f"(a multiple of tp = {par.tp}), beyond model.max_seq_len = {model.max_seq_len}; "
-                               "raise max_seq_len or set sequence_parallel: false"))
-    return out
+    found = layout_refusals(model, par, data.seq_len if data else None, train.global_batch if train else None,
+                            train.micro_batch if train else None)
+    return [Problem(refusal.field, refusal.message) for refusal in found]
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")

@@ -118,7 +118,8 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
     [
         (["parallel.tp=3"], "parallel.tp", "model.n_heads = 4 is not divisible by tp = 3; use a tp that "
                                            "divides it: 1, 2, 4"),
-        (["parallel.pp=3"], "parallel.pp", "model.n_layers = 4 is not divisible by pp = 3"),
+        (["parallel.pp=3", "parallel.schedule=interleaved"], "parallel.pp", "cannot cut 4 layers into 6 "
+                                                                             "pipeline chunks"),
         (["resources.num_ranks=3"], "resources.num_ranks", "3 does not match parallel.dp * tp * pp = 2"),
         (["model.position=learned", "data.seq_len=512"], "data.seq_len", "exceeds model.max_seq_len = 256"),
         (["data={source: text, path: a.txt}", "model.vocab_size=128"], "model.vocab_size", "at least 256"),
