@@ -59,7 +59,9 @@ class FaultSpec(_Strict):
     crash loop or a flaky storage backend is modelled.
     """
 
-    kind: FaultKind
+    kind: FaultKind = Field(..., description="what happens: kill_rank, kill_node, kill_controller, hang_rank, "
+                            "slow_rank, raise, nan_grad, storage_error, storage_latency, storage_throttle, torn_write, "
+                            "corrupt_shard (FaultKind in chaos/config.py says what each does)")
     # validate_default: a rank-level fault with no `rank` key at all must still be reported.
     rank: int | None = Field(None, ge=0, validate_default=True, description="target rank (rank-level kinds)")
     node: str | None = Field(None, min_length=1, description="target node (Ray node id or IP)")
@@ -72,7 +74,8 @@ class FaultSpec(_Strict):
     delay_s: Seconds | None = Field(None, gt=0.0, description="storage_latency: added seconds per I/O call")
     duration_s: Seconds | None = Field(None, gt=0.0, description="how long a slow/latency/error fault lasts")
     message: str = Field("injected fault", description="raise: the injected exception's message")
-    repeat: bool = False
+    repeat: bool = Field(False, description="fire every time the trigger is met (a crash loop, a flaky store), "
+                         "not only once per job")
     # Storage kinds only (see chaos.storage_faults for the exact semantics).
     op: StorageOp | None = Field(None, description="storage faults: which calls (default: all)")
     path: str | None = Field(None, min_length=1, description="storage faults: glob on the path, e.g. */manifest.json")
@@ -179,12 +182,13 @@ class ChaosConfig(_Strict):
     so an experiment replays exactly (chaos.schedule.expand).
     """
 
-    faults: list[FaultSpec] = Field(default_factory=list)
+    faults: list[FaultSpec] = Field(default_factory=list, description="scripted faults, each with one trigger "
+                                    "(at_step, at_seconds or at_point)")
     mtbf_s: Seconds | None = Field(None, gt=0.0, description="random failures: mean time between failures per target")
     mtbf_kind: RandomKind = Field("kill_node", description="random failures: what fails")
     mtbf_start_s: Seconds = Field(0.0, ge=0.0, description="random failures: none before this many job seconds")
     mtbf_max_faults: int | None = Field(None, ge=1, description="random failures: at most this many")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the random failures' times and targets (a run replays exactly)")
 
     @field_validator(*_RANDOM_FIELDS, mode="after")
     @classmethod

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, WithJsonSchema
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
@@ -34,4 +34,7 @@ def parse_duration(value: object) -> object:
     return seconds
 
 
-Seconds = Annotated[float, BeforeValidator(parse_duration)]
+# The JSON Schema (`undying spec --schema`) admits the string forms too, so editors accept "30s".
+_SCHEMA = {"anyOf": [{"type": "number", "minimum": 0},
+                     {"type": "string", "pattern": r"^\s*(\d+(\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$"}]}
+Seconds = Annotated[float, BeforeValidator(parse_duration), WithJsonSchema(_SCHEMA)]

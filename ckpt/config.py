@@ -8,6 +8,7 @@ is probed separately by `orchestrator.spec.storage_check.check_storage`, because
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -33,6 +34,50 @@ def normalise_url(url: str) -> str:
     return f"{protocol}://{path.rstrip('/') or '/'}"
 
 
+INTERVAL_FORMS = ("'young', 'young-daly' or a number of seconds, or the unit spelled out: '500 steps', '90s', "
+                  "'10m', '1h'")
+_STEPS = re.compile(r"\s*(\d+)\s*steps?\s*")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(s|m|h)\s*")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+# JSON Schema of `interval` (`undying spec --schema`): the spelled-out forms are strings too.
+_INTERVAL_SCHEMA = {"anyOf": [{"enum": ["young", "young-daly"]}, {"type": "number", "exclusiveMinimum": 0},
+                              {"type": "string", "pattern": r"^\s*\d+\s*steps?\s*$|^\s*\d+(\.\d*)?\s*[smh]\s*$"}]}
+
+
+def _interval(value: Any) -> Any:
+    # Checked before the union is tried so that the user gets one message, not one per
+    # union member ("should be 'young'" and "should be a valid number").
+    if value in ("young", "young-daly"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected {INTERVAL_FORMS}; got {value!r}")
+    if value <= 0:
+        raise ValueError(f"must be positive: {INTERVAL_FORMS}; got {value!r}")
+    return float(value)
+
+
+def spelled_cadence(data: Any, seconds_field: str) -> Any:
+    """The section's data with `interval: 500 steps` moved to `every_steps: 500`, and `interval: 90s`
+    (or 10m, 1h) to `seconds_field` as seconds. TorchTitan's `checkpoint.interval: 500` counts
+    steps while a bare number here counts seconds, so the unit can be written out instead.
+    Called by the sections' before-validators; anything else passes on unchanged."""
+    text = data.get("interval") if isinstance(data, dict) else None
+    if not isinstance(text, str) or text in ("young", "young-daly"):
+        return data
+    steps, duration = _STEPS.fullmatch(text), _DURATION.fullmatch(text)
+    if steps is None and duration is None:
+        return data  # the field validator reports it with the accepted forms
+    field = "every_steps" if steps else seconds_field
+    value = int(steps.group(1)) if steps else float(duration.group(1)) * _UNIT_S[duration.group(2)]
+    if value <= 0:
+        raise ValueError(f"interval {text!r} must be positive: {INTERVAL_FORMS}")
+    given = [k for k in ("every_steps", "every_seconds") if data.get(k) is not None]
+    if given:
+        raise ValueError(f"interval {text!r} and {given[0]}: {data[given[0]]} both give the cadence; keep one")
+    rest = {k: v for k, v in data.items() if k != "interval"}
+    return {**rest, field: value}
+
+
 class MemoryLevelConfig(BaseModel):
     """The memory level (docs/design.md, "Two levels"): snapshots in the ranks' host memory, each
     rank's copied to a buddy on another node. Cadence as for storage: `every_steps`, else
@@ -43,27 +88,27 @@ class MemoryLevelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = False
-    every_steps: int | None = Field(None, gt=0)
-    interval: Literal["young", "young-daly"] | float = "young"
-    max_host_bytes: int | None = Field(None, gt=0)
+    enabled: bool = Field(False, description="keep in-memory snapshots (each copied to a buddy rank on another node) "
+                          "beside the storage checkpoints; a failure's recovery restores from them when it can")
+    every_steps: int | None = Field(None, gt=0, description="snapshot every this many optimizer steps (else "
+                                    "`interval`)")
+    interval: Literal["young", "young-daly"] | float = Field(
+        "young", json_schema_extra=_INTERVAL_SCHEMA, description="snapshot cadence when every_steps is unset: 'young' "
+        "or 'young-daly' (from the measured snapshot cost and the MTBF), 'N steps', a duration ('90s', '10m') or a "
+        "bare number of seconds")
+    max_host_bytes: int | None = Field(None, gt=0, description="per-rank limit on the host memory the level may "
+                                       "hold (staging buffer, two own snapshots, two buddy copies), checked before "
+                                       "any rank starts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spelled_out(cls, data: Any) -> Any:
+        return spelled_cadence(data, "interval")
 
     @field_validator("interval", mode="before")
     @classmethod
     def _check_interval(cls, value: Any) -> Any:
         return _interval(value)
-
-
-def _interval(value: Any) -> Any:
-    # Checked before the union is tried so that the user gets one message, not one per
-    # union member ("should be 'young'" and "should be a valid number").
-    if value in ("young", "young-daly"):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected 'young', 'young-daly' or a number of seconds, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"must be a positive number of seconds, 'young' or 'young-daly', got {value!r}")
-    return float(value)
 
 
 class CheckpointConfig(BaseModel):
@@ -72,7 +117,8 @@ class CheckpointConfig(BaseModel):
     Cadence, first match wins: `every_steps: k` saves every k optimizer steps; `every_seconds: t`
     about every t seconds (converted to steps with the measured step time); otherwise
     `interval`: "young" (tau = sqrt(2 C M)), "young-daly" (tau = C + sqrt(2 (M + R) C + C^2)),
-    or a number of seconds (same as every_seconds). C is the measured blocking cost of a save
+    or a number of seconds (same as every_seconds); `interval: 500 steps` and `interval: 90s` (10m,
+    1h) are every_steps and every_seconds spelled out. C is the measured blocking cost of a save
     (moving average), R the measured restart time, M the system MTBF: a prior (`mtbf_s`, or
     `node_mtbf_hours` divided by the number of nodes the job runs on) updated with the
     failures the job observes (ckpt.interval).
@@ -83,9 +129,14 @@ class CheckpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     url: str = Field(..., description="fsspec URL (file://, s3://, ...) or a local path")
-    interval: Literal["young", "young-daly"] | float = "young"
-    every_steps: int | None = Field(None, gt=0)
-    every_seconds: float | None = Field(None, gt=0.0)
+    interval: Literal["young", "young-daly"] | float = Field(
+        "young", json_schema_extra=_INTERVAL_SCHEMA, description="cadence when every_steps and every_seconds are "
+        "unset: 'young' or 'young-daly' (computed from the measured save cost and the MTBF), 'N steps' (same as "
+        "every_steps: N), a duration '90s', '10m', '1h' (same as every_seconds), or a bare number, which counts "
+        "SECONDS (TorchTitan's checkpoint.interval counts steps: write '500 steps' or every_steps: 500 for that)")
+    every_steps: int | None = Field(None, gt=0, description="save every this many optimizer steps")
+    every_seconds: float | None = Field(None, gt=0.0, description="save about every this many seconds (converted "
+                                        "to steps with the measured step time)")
     keep: int = Field(3, ge=1, description="committed checkpoints kept; older ones are deleted")
     max_failed_saves: int = Field(
         3, ge=1, description="consecutive saves that may fail (a shard write or the commit) before the job fails "
@@ -107,6 +158,11 @@ class CheckpointConfig(BaseModel):
         "throttling), retried with backoff, may delay one restore in all before the job fails naming the "
         "checkpoint (0: no retry)")
     memory: MemoryLevelConfig = Field(default_factory=MemoryLevelConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spelled_out(cls, data: Any) -> Any:
+        return spelled_cadence(data, "every_seconds")
 
     @field_validator("url")
     @classmethod

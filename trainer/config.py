@@ -29,11 +29,14 @@ class RopeScaling(_Strict):
     are stretched by `factor`, shorter than original / high_freq_factor are kept, and the band
     between is interpolated smoothly."""
 
-    rope_type: Literal["llama3"] = "llama3"
-    factor: float = Field(..., gt=0.0)
-    low_freq_factor: float = Field(1.0, gt=0.0)
-    high_freq_factor: float = Field(4.0, gt=0.0)
-    original_max_position_embeddings: int = Field(8192, gt=0)
+    rope_type: Literal["llama3"] = Field("llama3", description="the scaling rule (Llama 3.1's is the only one)")
+    factor: float = Field(..., gt=0.0, description="how much longer the longest wavelengths are stretched")
+    low_freq_factor: float = Field(1.0, gt=0.0, description="wavelengths above original / low_freq_factor are "
+                                   "stretched by `factor`")
+    high_freq_factor: float = Field(4.0, gt=0.0, description="wavelengths below original / high_freq_factor are "
+                                    "kept; between the two bounds they are interpolated")
+    original_max_position_embeddings: int = Field(8192, gt=0, description="context length the model was first "
+                                                  "trained at")
 
     @model_validator(mode="after")
     def _band(self) -> RopeScaling:
@@ -80,25 +83,27 @@ class ModelConfig(_Strict):
     `from_hf` (a Hugging Face model directory whose config.json gives the architecture and
     whose safetensors give the initial weights; see trainer/hf_config.py)."""
 
-    preset: PresetName | None = None
-    from_hf: str | None = None
-    vocab_size: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    # Grouped-query attention: key/value heads shared by n_heads / n_kv_heads query heads each
-    # (Ainslie et al. 2023, arXiv:2305.13245). None means n_heads (multi-head attention).
-    n_kv_heads: int | None = Field(None, gt=0)
-    d_model: int | None = Field(None, gt=0)
-    d_ff: int | None = Field(None, gt=0)
-    max_seq_len: int | None = Field(None, gt=0)
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    position: Literal["rope", "learned"] = "rope"
-    rope_theta: float = Field(10000.0, gt=0.0)
+    preset: PresetName | None = Field(None, description="a named shape (MODEL_PRESETS in trainer/config.py); "
+                                      "explicit dimensions override its values")
+    from_hf: str | None = Field(None, description="a Hugging Face model directory: its config.json gives the "
+                                "architecture, its safetensors the initial weights")
+    vocab_size: int | None = Field(None, gt=0, description="token ids the embedding holds (from the preset when unset)")
+    n_layers: int | None = Field(None, gt=0, description="transformer blocks")
+    n_heads: int | None = Field(None, gt=0, description="attention (query) heads; must divide d_model")
+    # Grouped-query attention: Ainslie et al. 2023, arXiv:2305.13245.
+    n_kv_heads: int | None = Field(None, gt=0, description="key/value heads, each shared by n_heads / n_kv_heads "
+                                   "query heads (grouped-query attention); unset: n_heads")
+    d_model: int | None = Field(None, gt=0, description="hidden width")
+    d_ff: int | None = Field(None, gt=0, description="MLP width; unset: 4 * d_model")
+    max_seq_len: int | None = Field(None, gt=0, description="longest sequence the positions cover; unset: 2048")
+    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (swiglu: three matrices)")
+    position: Literal["rope", "learned"] = Field("rope", description="rotary or learned absolute positions")
+    rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency")
     rope_scaling: RopeScaling | None = None
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    tie_embeddings: bool = True
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    norm_eps: float = Field(1e-5, gt=0.0)
+    norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="normalisation layer")
+    tie_embeddings: bool = Field(True, description="the output projection shares the input embedding's weights")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability (0: none)")
+    norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of the normalisation layers")
 
     @model_validator(mode="before")
     @classmethod
@@ -177,28 +182,28 @@ def _divisor_list(n: int) -> str:
 class MixturePart(_Strict):
     """One prepared dataset of a `data.mixture` and its share of the samples."""
 
-    path: str
-    weight: float = Field(..., gt=0.0)
+    path: str = Field(..., description="URL of a dataset prepared by `undying data prepare`")
+    weight: float = Field(..., gt=0.0, description="relative share of the samples drawn from it")
 
 
 class DataConfig(_Strict):
     """Where samples come from. Sample i of global step s is a pure function of (seed, s, i)."""
 
-    source: Literal["synthetic", "text", "tokens"] = "synthetic"
-    # source=text: fsspec URL or local path of a UTF-8 text file; source=tokens: a dataset prepared by
-    # `undying data prepare` (its directory URL).
-    path: str | None = None
-    # source=tokens: several prepared datasets, each sample drawn from one in proportion to its weight.
-    mixture: list[MixturePart] | None = None
-    # fsspec options for the data URLs (e.g. endpoint_url, key, secret of an S3-compatible store).
-    storage_options: dict = Field(default_factory=dict)
-    # source=tokens: steps of this rank's windows read ahead by a background thread (bounded memory).
-    prefetch_steps: int = Field(4, ge=1)
-    seq_len: int = Field(64, gt=1)
-    seed: int = 0
-    # Synthetic samples have lengths drawn in [min_len_fraction * seq_len, seq_len] so that
-    # padding and token weighting are exercised; 1.0 gives fixed-length samples.
-    min_len_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    source: Literal["synthetic", "text", "tokens"] = Field(
+        "synthetic", description="synthetic samples, a UTF-8 text file tokenized as bytes, or prepared token datasets")
+    path: str | None = Field(None, description="source text: fsspec URL or local path of a UTF-8 text file; source "
+                             "tokens: the directory URL of a dataset prepared by `undying data prepare`")
+    mixture: list[MixturePart] | None = Field(None, description="source tokens: several prepared datasets, each "
+                                              "sample drawn from one in proportion to its weight (instead of path)")
+    storage_options: dict = Field(default_factory=dict, description="fsspec options for the data URLs (e.g. "
+                                  "endpoint_url); credentials go in storage_options_file")
+    prefetch_steps: int = Field(4, ge=1, description="source tokens: steps of this rank's windows read ahead by a "
+                                "background thread (bounded memory)")
+    seq_len: int = Field(64, gt=1, description="tokens per training window")
+    seed: int = Field(0, description="sample i of global step s is a pure function of (seed, s, i)")
+    # Variable lengths exercise padding and token weighting.
+    min_len_fraction: float = Field(0.5, gt=0.0, le=1.0, description="synthetic samples have lengths drawn in "
+                                    "[min_len_fraction * seq_len, seq_len]; 1.0 gives fixed-length samples")
 
     @model_validator(mode="after")
     def _path_for_source(self) -> DataConfig:
@@ -216,44 +221,51 @@ class EvalConfig(_Strict):
     """Validation loss during training on a held-out prepared dataset (trainer/evaluation.py gives
     the semantics): every `every_steps` steps and after the last one."""
 
-    path: str  # a dataset prepared by `undying data prepare`
-    every_steps: int = Field(..., gt=0)
-    windows: int = Field(64, gt=0)
-    seq_len: int | None = Field(None, gt=0)  # default: data.seq_len
-    storage_options: dict = Field(default_factory=dict)  # default: data.storage_options when empty
+    path: str = Field(..., description="URL of a held-out dataset prepared by `undying data prepare`")
+    every_steps: int = Field(..., gt=0, description="evaluate every this many steps (and after the last one)")
+    windows: int = Field(64, gt=0, description="windows of the dataset each evaluation reads")
+    seq_len: int | None = Field(None, gt=0, description="tokens per evaluation window; unset: data.seq_len")
+    storage_options: dict = Field(default_factory=dict, description="fsspec options for path; empty: "
+                                  "data.storage_options")
 
 
 class TrainConfig(_Strict):
-    steps: int = Field(..., gt=0)
+    """Optimisation: how many steps, the batch, the optimizer and its schedule, numerics."""
+
+    steps: int = Field(..., gt=0, description="optimizer steps the job trains for")
     global_batch: int = Field(..., gt=0, description="samples per optimizer step, over all ranks")
     micro_batch: int = Field(1, gt=0, description="samples per forward/backward on one rank")
-    lr: float = Field(3e-4, gt=0.0)
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.1, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float | None = Field(1.0, gt=0.0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = 0
-    deterministic: bool = True
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate, reached after warmup")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="the cosine decay ends at lr * min_lr_ratio")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to lr")
+    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's (beta1, beta2)")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="clip the global gradient norm to this (null: no "
+                                    "clipping)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute dtype (fp16 with a loss scaler)")
+    seed: int = Field(0, description="seed of the initial weights")
+    deterministic: bool = Field(True, description="deterministic kernels: the same seed gives the same losses")
 
 
 class ParallelConfig(_Strict):
-    dp: int = Field(1, gt=0)
-    tp: int = Field(1, gt=0)
-    pp: int = Field(1, gt=0)
-    zero: Literal[0, 1, 2, 3] = 0
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"] = "1f1b"
-    # Model chunks per pipeline rank: interleaved 1F1B needs >= 2; zero-bubble (V shape) uses 2.
-    # None picks the schedule's default (trainer.costmodel.layout.default_virtual_stages).
-    virtual_stages: int | None = Field(None, gt=0)
-    ddp_bucket_mb: float = Field(25.0, gt=0.0)
-    # Activation recomputation: none, selective (keep matmul outputs, recompute the cheap
-    # element-wise ops and attention internals) or block (keep only each block's input).
-    recompute: Literal["none", "selective", "block"] = "none"
-    # Megatron sequence parallelism for norms and dropout when tp > 1 (ignored when tp = 1).
-    sequence_parallel: bool = True
+    """The 3D layout: world size = dp * tp * pp ranks."""
+
+    dp: int = Field(1, gt=0, description="data-parallel replicas")
+    tp: int = Field(1, gt=0, description="tensor-parallel ranks per replica (split heads, MLP width, vocabulary)")
+    pp: int = Field(1, gt=0, description="pipeline stages per replica")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage over dp: 1 shards optimizer state, 2 gradients "
+                                      "too, 3 parameters too")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"] = Field(
+        "1f1b", description="pipeline schedule (pp > 1)")
+    virtual_stages: int | None = Field(None, gt=0, description="model chunks per pipeline rank: interleaved needs "
+                                       ">= 2, zero-bubble (V shape) uses 2; unset: the schedule's default")
+    ddp_bucket_mb: float = Field(25.0, gt=0.0, description="gradient all-reduce bucket size (MB)")
+    recompute: Literal["none", "selective", "block"] = Field(
+        "none", description="activation recomputation: selective keeps matmul outputs and recomputes element-wise "
+        "ops and attention internals; block keeps only each block's input")
+    sequence_parallel: bool = Field(True, description="Megatron sequence parallelism for norms and dropout when "
+                                    "tp > 1 (ignored when tp = 1)")
 
     @property
     def world_size(self) -> int:

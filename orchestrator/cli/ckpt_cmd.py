@@ -16,6 +16,9 @@ shows every argument).
     gc       keep the newest --keep committed checkpoints (never the newest one) and delete
              unfinished saves older than the newest commit
 
+`ls` and `verify` take `--json`: one JSON object on stdout, failures included
+(orchestrator.cli.ckpt_listing gives the shapes).
+
 Exit codes: 0 done; 1 `verify` found damage or could not verify a checkpoint, or storage
 failed mid-way; 2 the arguments cannot work as given (no such location, no checkpoints, no
 such step, bad option): one line naming the argument and the fix, never a traceback.
@@ -27,14 +30,19 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from ckpt.catalog import Catalog
-from ckpt.config import normalise_url as checkpoint_url
-from ckpt.errors import TransientStorageError
-from ckpt.manifest import Manifest, parse_step_dir
-from ckpt.storage import Storage
-from ckpt.storage_errors import DEFAULT_READ_RETRY_S, ReadRetry
+from ckpt.storage_errors import DEFAULT_READ_RETRY_S
+from orchestrator.cli.ckpt_catalog import (
+    committed_or_fail,
+    error_reason,
+    human_bytes,
+    is_storage_error,
+    open_catalog,
+    step_or_fail,
+    steps_text,
+)
+from orchestrator.cli.ckpt_listing import list_checkpoints, verify_checkpoints
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
@@ -52,6 +60,9 @@ def add_ckpt_parser(sub) -> None:
         p.add_argument("url", metavar="URL", help="the job's checkpoint root: <checkpoint.url>/<job name>")
         add_storage_option_args(p, "fsspec storage option, e.g. endpoint_url=http://host:8333 "
                                 "(repeatable; true/false and {...} JSON values are decoded, the rest are strings)")
+    for name in ("ls", "verify"):
+        parsers[name].add_argument("--json", dest="as_json", action="store_true",
+                                   help="print one JSON object on stdout (errors too: {\"error\": ..., \"exit\": N})")
     parsers["verify"].add_argument("--step", type=int, help="verify only this step (default: every committed one)")
     parsers["verify"].add_argument("--read-retry-s", type=float, default=DEFAULT_READ_RETRY_S,
                                    help="how long the store's transient read failures may delay the check of one "
@@ -78,192 +89,21 @@ def ckpt_main(args: argparse.Namespace) -> int:
         catalog = open_catalog(args.url, parse_storage_options(args.storage_options, args.storage_options_file))
         return COMMANDS[args.ckpt_command](catalog, args)
     except UsageError as err:
-        print(f"{command}: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args, f"{command}: {err}", EXIT_USAGE)
     except Exception as err:
         if not is_storage_error(err):
             raise
         # Storage failed after the location was found: not the user's input.
-        print(f"{command}: storage error: {error_reason(err)}", file=sys.stderr)
-        return EXIT_FAILED
+        return _fail(args, f"{command}: storage error: {error_reason(err)}", EXIT_FAILED)
 
 
-# -- arguments ---------------------------------------------------------------------------
-
-def normalise_url(url: str) -> str:
-    if not url.strip():
-        raise UsageError("URL is empty; give the job's checkpoint root, e.g. file:///data/ckpt/myjob")
-    return checkpoint_url(url)
-
-
-def is_storage_error(err: BaseException) -> bool:
-    """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors)."""
-    return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
-
-
-def error_reason(err: BaseException, limit: int = 200) -> str:
-    """`Type: message` on one line, at most `limit` characters: how every command names a storage error."""
-    text = " ".join(f"{type(err).__name__}: {err}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def open_catalog(url: str, options: dict) -> Catalog:
-    url = normalise_url(url)
-    try:
-        storage = Storage(url, options)
-    except (ValueError, ImportError) as err:
-        raise UsageError(f"URL {url}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
-                         "s3:// (with s3fs installed) or a local path") from None
-    except Exception as err:  # a filesystem that rejects its options
-        raise UsageError(f"--storage-option: cannot open {url} with these options ({error_reason(err)}); "
-                         "fix or remove the offending option") from None
-    return Catalog(storage)
-
-
-# -- what is there -----------------------------------------------------------------------
-
-def committed_or_fail(catalog: Catalog) -> list[int]:
-    """Committed steps, oldest first; a UsageError that says why when there are none."""
-    url = catalog.storage.url
-    try:
-        committed = catalog.committed_steps()
-        if committed:
-            return committed
-        unfinished = catalog.all_steps()
-        exists = bool(unfinished) or catalog.storage.exists(catalog.storage.root)
-        jobs = [] if unfinished or not exists else _job_dirs(catalog.storage)
-    except PermissionError as err:
-        raise UsageError(f"URL {url}: access denied ({error_reason(err)}); check the credentials "
-                         "(the environment's AWS_* variables, or --storage-options-file)") from None
-    except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
-        if not is_storage_error(err):
-            raise
-        raise UsageError(f"URL {url}: cannot list it ({error_reason(err)}); check the URL and the endpoint "
-                         "(--storage-option endpoint_url=...)") from None
-    if jobs:
-        raise UsageError(f"URL {url} holds job directories, not checkpoints; give one job's checkpoint root, "
-                         f"e.g. {url}/{jobs[0]}")
-    if unfinished:
-        raise UsageError(f"URL {url} has no committed checkpoint, only unfinished saves (steps "
-                         f"{_steps(unfinished)}); nothing to work on until a save commits")
-    what = "does not exist" if not exists else "has no checkpoints"
-    raise UsageError(f"URL {url} {what}; give the job's checkpoint root, <checkpoint.url>/<job name> "
-                     "(the directory with step-NNNNNNNNN/ entries)")
-
-
-def _job_dirs(storage: Storage, limit: int = 10) -> list[str]:
-    """Children of the root that hold step directories (the user gave checkpoint.url itself)."""
-    found = []
-    for name in storage.listdir(storage.root)[:limit]:
-        if any(parse_step_dir(child) is not None for child in storage.listdir(storage.path(name))):
-            found.append(name)
-    return found
-
-
-def _steps(steps: list[int], shown: int = 8) -> str:
-    text = ", ".join(str(s) for s in steps[:shown])
-    return text + (f" and {len(steps) - shown} more" if len(steps) > shown else "")
-
-
-def _about(step: int, err: BaseException) -> str:
-    """The error's message without a leading "step N: " (the caller prints the step itself)."""
-    return str(err).removeprefix(f"step {step}: ")
-
-
-def step_or_fail(catalog: Catalog, step: int | None, committed: list[int]) -> int:
-    if step is None:
-        return committed[-1]
-    if step not in committed:
-        raise UsageError(f"--step {step}: no committed checkpoint at step {step} under {catalog.storage.url}; "
-                         f"committed steps: {_steps(committed)} (see `undying ckpt ls`)")
-    return step
-
-
-# -- ls ----------------------------------------------------------------------------------
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
-
-
-def layout_label(layout: dict) -> str:
-    known = [f"{k}{layout[k]}" for k in ("dp", "tp", "pp", "zero") if k in layout]
-    return " ".join(known) or json.dumps(layout, sort_keys=True)
-
-
-def _ls(catalog: Catalog, args: argparse.Namespace) -> int:
-    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
-
-    committed = committed_or_fail(catalog)
-    unfinished = sorted(set(catalog.all_steps()) - set(committed))
-    now = time.time()
-    print(f"{catalog.storage.url}: {len(committed)} committed checkpoint(s)")
-    print(f"{'step':>10}  {'layout':<22}{'size':>11}{'age':>10}{'gen':>5}{'tensors':>9}")
-    for step in committed:
-        try:
-            m: Manifest = read_manifest(catalog, step)
-        except (CorruptCheckpoint, UnsupportedManifest) as err:
-            print(f"{step:>10}  unreadable: {err}")
-            continue
-        print(f"{step:>10}  {layout_label(m.layout):<22}{human_bytes(m.total_bytes):>11}"
-              f"{human_age(now - m.created_at):>10}{m.generation:>5}{len(m.tensors):>9}")
-    stale = [s for s in unfinished if s < committed[-1]]
-    newer = [s for s in unfinished if s > committed[-1]]
-    if stale:
-        print(f"unfinished saves (no manifest): steps {_steps(stale)}; `undying ckpt gc` deletes them")
-    if newer:
-        print(f"saves in progress or abandoned (no manifest yet): steps {_steps(newer)}")
-    return EXIT_OK
-
-
-# -- verify ------------------------------------------------------------------------------
-
-def _verify(catalog: Catalog, args: argparse.Namespace) -> int:
-    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
-
-    if args.read_retry_s < 0:
-        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
-    committed = committed_or_fail(catalog)
-    steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
-    bad: dict[int, str] = {}
-    for step in steps:
-        started = time.perf_counter()
-        retry = ReadRetry(args.read_retry_s)  # one budget for the checkpoint's manifest and all its chunks
-        try:
-            manifest = read_manifest(catalog, step, retry)
-            verify_checkpoint(catalog, step, retry)
-        except CorruptCheckpoint as err:
-            bad[step] = _about(step, err)
-            print(f"step {step}: CORRUPT: {bad[step]}")
-            continue
-        except TransientStorageError as err:  # proves nothing about this one; the others are still checked
-            bad[step] = f"not verified, the store kept failing: {_about(step, err)}"
-            print(f"step {step}: NOT VERIFIED (transient storage errors): {_about(step, err)}")
-            continue
-        except UnsupportedManifest as err:  # not damage, but not verifiable by this version either
-            bad[step] = _about(step, err)
-            print(f"step {step}: NOT VERIFIED: {bad[step]}")
-            continue
-        files = {c.file for e in manifest.tensors.values() for c in e.chunks}
-        chunks = sum(len(e.chunks) for e in manifest.tensors.values())
-        print(f"step {step}: ok ({len(manifest.tensors)} tensors, {chunks} chunks in {len(files)} shard files, "
-              f"{human_bytes(manifest.total_bytes)}, {time.perf_counter() - started:.2f} s)")
-    if bad:
-        print(f"undying ckpt verify: {len(bad)} of {len(steps)} checkpoint(s) failed: "
-              + "; ".join(f"step {s}: {why}" for s, why in bad.items()), file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """The one line of a failed command: on stderr, or as JSON on stdout under --json."""
+    if getattr(args, "as_json", False):
+        print(json.dumps({"error": message, "exit": code}))
+    else:
+        print(message, file=sys.stderr)
+    return code
 
 
 # -- export ------------------------------------------------------------------------------
@@ -365,11 +205,11 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
     if not plan.expired and not plan.orphans:
         print(f"nothing to delete: {len(committed)} committed checkpoint(s), --keep {args.keep}")
     if plan.expired:
-        print(f"{verb} committed checkpoints: steps {_steps(plan.expired)}")
+        print(f"{verb} committed checkpoints: steps {steps_text(plan.expired)}")
     if plan.orphans:
-        print(f"{verb} unfinished saves: steps {_steps(plan.orphans)}")
-    print(f"kept: steps {_steps(kept)}")
+        print(f"{verb} unfinished saves: steps {steps_text(plan.orphans)}")
+    print(f"kept: steps {steps_text(kept)}")
     return EXIT_OK
 
 
-COMMANDS = {"ls": _ls, "verify": _verify, "export": _export, "gc": _gc}
+COMMANDS = {"ls": list_checkpoints, "verify": verify_checkpoints, "export": _export, "gc": _gc}

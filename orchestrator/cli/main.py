@@ -1,46 +1,107 @@
 """`undying`: the command line. `undying run JOB.yaml` is also the entry point for `ray job submit`.
 
     undying run JOB.yaml [--set key.path=value ...] [--report PATH] [--timeline PNG] [--address ADDR] [--fresh]
-    undying validate JOB.yaml [--set ...]
+    undying validate JOB.yaml [--set ...] [--offline] [--json]
     undying plan JOB.yaml --gpus N [--gpu h200] [--json]
-    undying ckpt ls|verify|export|gc URL [--storage-option KEY=VALUE ...]   (see orchestrator/cli/ckpt_cmd.py)
+    undying spec --schema | --markdown                                   (see orchestrator/cli/spec_cmd.py)
+    undying ckpt ls|verify|export|gc URL [--storage-option KEY=VALUE ...] [--json] (see orchestrator/cli/ckpt_cmd.py)
     undying chaos [sweep] JOB.yaml [--mtbf 30s] [--kind K] [--seed N] ...     (see orchestrator/cli/chaos/command.py)
     undying data prepare INPUT... --tokenizer PATH --out URL [--text-field text] [--address ADDR] ...
                                                                              (see orchestrator/cli/data/command.py)
     undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]  (see orchestrator/cli/eval_cmd.py)
+    undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
 spec or the cluster cannot run the job as written (nothing was started). User mistakes
 print one line per problem, naming the field and the fix, never a traceback.
+
+`undying --help` and `undying CMD --help` import no engine (torch, Ray): the commands whose
+options live in their own module are registered lazily (`LazyParser`), their module imported
+only when the command is the one given.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from orchestrator.cli.chaos.command import add_chaos_parser
-from orchestrator.cli.ckpt_cmd import add_ckpt_parser
-from orchestrator.cli.data.command import add_data_parser
-from orchestrator.cli.eval_cmd import add_eval_parser
 from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE, print_problems
-from orchestrator.spec.job_spec import JobSpec, Problem, SpecError, load_spec
+
+# Commands defined in their own modules, each with its own spec handling or none (they work on a
+# checkpoint root, a dataset...): name -> (help, module, parser function, main function).
+LAZY_COMMANDS = {
+    "spec": ("print the job spec's JSON Schema or its field reference (docs/spec.md)",
+             "orchestrator.cli.spec_cmd", "add_spec_parser", "spec_main"),
+    "ckpt": ("list, verify, export and garbage-collect a job's checkpoints",
+             "orchestrator.cli.ckpt_cmd", "add_ckpt_parser", "ckpt_main"),
+    "chaos": ("run a job under random failures and check the invariants; `chaos sweep` measures goodput per "
+              "checkpoint interval", "orchestrator.cli.chaos.command", "add_chaos_parser", "chaos_main"),
+    "data": ("prepare tokenized training data", "orchestrator.cli.data.command", "add_data_parser", "data_main"),
+    "eval": ("validation loss of a committed checkpoint on a prepared dataset",
+             "orchestrator.cli.eval_cmd", "add_eval_parser", "eval_main"),
+}
+SET_HELP = ("override a spec field, e.g. --set parallel.dp=4 (repeatable); quote a key part holding other "
+            "characters than letters, digits, _ and -: --set 'checkpoint.storage_options.\"client_kwargs:x\"=1'")
+
+
+class LazyParser(argparse.ArgumentParser):
+    """A subcommand's parser whose arguments are added on first use: `define(self)` runs just
+    before it parses, so a command's module is imported only when that command is given.
+    `argparse` calls `parse_known_args` on the chosen subcommand's parser only."""
+
+    define = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.define is not None:
+            define, self.define = self.define, None
+            define(self)
+        return super().parse_known_args(args, namespace)
+
+
+class _Into:
+    """Stands in for the subparsers action an `add_X_parser(sub)` function expects: its one
+    `add_parser` call returns the lazy parser already registered under that name."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        if kwargs.get("description"):
+            self.parser.description = kwargs["description"]
+        return self.parser
+
+
+def _define(module: str, function: str):
+    return lambda parser: getattr(importlib.import_module(module), function)(_Into(parser))
+
+
+def _version() -> str:
+    try:
+        return version("undying")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed; pip install -e .)"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="undying", description="Fault-tolerant training on Ray.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"undying {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     run = sub.add_parser("run", help="run (or resume) a training job")
     validate = sub.add_parser("validate", help="check a job spec without starting anything")
     plan = sub.add_parser("plan", help="rank parallel layouts for N devices by predicted step time and memory")
     for p in (run, validate, plan):
         p.add_argument("spec", help="job spec YAML")
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a spec field, e.g. --set parallel.dp=4 (repeatable)")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     run.add_argument("--report", help="write the JSON run report to this path")
     run.add_argument("--timeline", help="write a PNG timeline (needs matplotlib)")
     run.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
+    validate.add_argument("--offline", action="store_true", help="check the spec only: do not probe the "
+                          "checkpoint storage or read the datasets (for CI, or without network)")
+    validate.add_argument("--json", dest="as_json", action="store_true", help="print the result as one JSON object")
     plan.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices to plan for")
     plan.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100", "cpu"),
                       help="device kind (default h100; cpu measures this machine)")
@@ -49,64 +110,77 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fresh", action="store_true",
                      help="start from step 0 where the checkpoints were all quarantined as corrupt (refused while "
                           "committed checkpoints exist; nothing is ever deleted)")
-    add_ckpt_parser(sub)
-    add_chaos_parser(sub)
-    add_data_parser(sub)
-    add_eval_parser(sub)
+    for name, (text, module, function, _) in LAZY_COMMANDS.items():
+        sub.add_parser(name, help=text).define = _define(module, function)
     return parser
 
 
-def _load(args) -> JobSpec:
+def _load(args, probe: bool = True):
+    """The checked JobSpec; with `probe`, the checkpoint storage and the datasets are reached too."""
     from chaos.config import support_problems
-    from orchestrator.spec.data_check import require_data
-    from orchestrator.spec.storage_check import require_storage
+    from orchestrator.spec.job_spec import Problem, SpecError, load_spec
 
     spec = load_spec(args.spec, args.overrides)
     problems = [Problem(field, message) for field, message in support_problems(spec.chaos)]
     if problems:
         raise SpecError(problems)
-    require_storage(spec)
-    require_data(spec)
+    if probe:
+        from orchestrator.spec.data_check import require_data
+        from orchestrator.spec.storage_check import require_storage
+
+        require_storage(spec)
+        require_data(spec)
     return spec
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "ckpt":  # works on a checkpoint root; no spec involved
-        from orchestrator.cli.ckpt_cmd import ckpt_main
+def cadence_notes(spec) -> list[str]:
+    """What a reader may misread in a valid spec: a bare-number checkpoint.interval counts seconds,
+    where TorchTitan's checkpoint.interval counts steps."""
+    interval = spec.checkpoint.interval
+    if spec.checkpoint.rule != "seconds" or isinstance(interval, str) or spec.checkpoint.every_seconds:
+        return []
+    return [f"checkpoint.interval: {interval:g} counts seconds (a save about every {interval:g} s); to save every "
+            f"{interval:g} steps, as TorchTitan's checkpoint.interval does, write `interval: {interval:g} steps` "
+            f"or `every_steps: {interval:g}`"]
 
-        return ckpt_main(args)
-    if args.command == "eval":  # works on a checkpoint root and a prepared dataset; no spec involved
-        from orchestrator.cli.eval_cmd import eval_main
 
-        return eval_main(args)
-    if args.command == "data":  # works on data files and a tokenizer; no spec involved
-        from orchestrator.cli.data.command import data_main
+def _validate(args) -> int:
+    from orchestrator.spec.job_spec import SpecError
 
-        return data_main(args)
-    if args.command == "chaos":  # its own spec handling: reference run, overrides from its flags
-        from orchestrator.cli.chaos.command import chaos_main
-
-        return chaos_main(args)
-    if args.command == "plan":  # planning needs no storage: only the spec is checked
-        from orchestrator.cli.plan_cmd import plan_main
-
-        try:
-            spec = load_spec(args.spec, args.overrides)
-        except SpecError as err:
+    try:
+        spec = _load(args, probe=not args.offline)
+    except SpecError as err:
+        if args.as_json:
+            print(json.dumps({"spec": args.spec, "valid": False,
+                              "problems": [{"field": p.field, "message": p.message} for p in err.problems]}))
+        else:
             print_problems(err.problems)
-            return EXIT_USAGE
-        return plan_main(spec, args.gpus, args.gpu, args.as_json)
+        return EXIT_USAGE
+    probed = "skipped (--offline)" if args.offline else "ok"
+    if args.as_json:
+        print(json.dumps({"spec": args.spec, "valid": True, "name": spec.name, "ranks": spec.world_size,
+                          "steps": spec.train.steps, "checkpoint_root": spec.checkpoint_root,
+                          "storage_probe": probed, "data_probe": probed, "notes": cadence_notes(spec)}))
+        return EXIT_OK
+    print(f"{args.spec}: valid ({spec.world_size} ranks, {spec.train.steps} steps)")
+    if args.offline:
+        print(f"offline: {spec.checkpoint_root} and the datasets were not probed (--offline); `undying validate` "
+              "without it checks that they can be reached")
+    for note in cadence_notes(spec):
+        print(f"note: {note}")
+    return EXIT_OK
+
+
+def _run(args) -> int:
+    from orchestrator.spec.job_spec import Problem, SpecError
+
     try:
         spec = _load(args)
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
-    if args.command == "validate":
-        print(f"{args.spec}: valid ({spec.world_size} ranks, {spec.train.steps} steps)")
-        return EXIT_OK
+    for note in cadence_notes(spec):
+        print(f"undying: note: {note}", file=sys.stderr)
     if args.fresh:
         from orchestrator.controller.restore_policy import fresh_problem
 
@@ -118,6 +192,28 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline,
                    fresh=args.fresh)
+
+
+def _plan(args) -> int:
+    from orchestrator.cli.plan_cmd import plan_main
+    from orchestrator.spec.job_spec import SpecError, load_spec
+
+    try:  # planning needs no storage: only the spec is checked
+        spec = load_spec(args.spec, args.overrides)
+    except SpecError as err:
+        print_problems(err.problems)
+        return EXIT_USAGE
+    return plan_main(spec, args.gpus, args.gpu, args.as_json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in LAZY_COMMANDS:
+        _, module, _, function = LAZY_COMMANDS[args.command]
+        return getattr(importlib.import_module(module), function)(args)
+    return {"validate": _validate, "run": _run, "plan": _plan}[args.command](args)
 
 
 if __name__ == "__main__":

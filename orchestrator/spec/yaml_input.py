@@ -1,7 +1,11 @@
-"""Reading YAML from users: duplicate keys refused, readable parse errors, `--set` overrides.
+"""Reading YAML from users: duplicate keys refused, numbers as YAML 1.2 reads them, readable
+parse errors, `--set` overrides.
 
 `apply_overrides` is called by `orchestrator.spec.job_spec.load_spec` on the parsed YAML before
-validation; every malformed override is reported, naming itself.
+validation; every malformed override is reported, naming itself. An override's key is a dotted
+path whose parts are bare (`parallel.dp`, `chaos.faults.0.rank`) or quoted with '...' or "..."
+when they hold other characters (`checkpoint.storage_options."client_kwargs:x"=1`), the
+spelling spec errors use for such keys.
 """
 
 from __future__ import annotations
@@ -29,27 +33,72 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# PyYAML implements YAML 1.1, whose floats need a dot and a signed exponent: `1e3`, `1e-4` and
+# `1.5e4` would be strings, and `checkpoint.interval: 1e3` refused as "not a number". YAML 1.2
+# (and JSON) read them as numbers; so does this loader (numbers written with a dot were floats
+# already). Added on the subclass only: PyYAML copies the resolver table before changing it.
+UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def yaml_reason(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
     return at + " ".join(str(getattr(error, "problem", None) or error).split())
 
 
-_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*(\.(\w+))*")
+_BARE_PART = re.compile(r"[A-Za-z0-9_-]+")
+_KEY_SYNTAX = ("write key.path=value, e.g. --set parallel.dp=4; quote a key part that holds other characters "
+               "than letters, digits, '_' and '-': --set 'checkpoint.storage_options.\"client_kwargs:x\"=1'")
+
+
+def split_override(text: str) -> tuple[list[str], str]:
+    """`a.b."c:d"=v` -> (["a", "b", "c:d"], "v"): the key path's parts and the raw value text.
+
+    A part is bare (letters, digits, `_`, `-`) or quoted with '...' or "..." (any characters but
+    that quote, `.` and `=` included); parts are separated by `.`, and the key ends at the first
+    `=` outside quotes. Raises SpecError naming the override."""
+    parts, i, stripped = [], 0, text.strip()
+    while True:
+        quote = stripped[i:i + 1]
+        if quote in ("'", '"'):
+            end = stripped.find(quote, i + 1)
+            if end < 0:
+                raise SpecError([Problem("--set", f"{text!r}: the quote {quote} opened at {stripped[i:]!r} is "
+                                         f"never closed; {_KEY_SYNTAX}")])
+            parts.append(stripped[i + 1:end])
+            i = end + 1
+        else:
+            bare = _BARE_PART.match(stripped, i)
+            if bare is None:
+                raise SpecError([Problem("--set", f"{text!r} is not key.path=value; {_KEY_SYNTAX}")])
+            parts.append(bare.group(0))
+            i = bare.end()
+        if stripped[i:].lstrip().startswith("="):
+            return parts, stripped[i:].lstrip()[1:]
+        if stripped[i:i + 1] != ".":
+            raise SpecError([Problem("--set", f"{text!r} is not key.path=value; {_KEY_SYNTAX}")])
+        i += 1
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not _OVERRIDE_KEY.fullmatch(key):
-        raise SpecError([Problem("--set", f"{text!r} is not key.path=value; write e.g. --set parallel.dp=4")])
+    path, raw = split_override(text)
+    key = dotted_key(path)
     if not raw.strip():
         raise SpecError([Problem(key, f"--set {text!r} has no value; write {key}=null to clear it")])
     try:
-        return key.split("."), yaml.load(raw, Loader=UniqueKeyLoader)
+        return path, yaml.load(raw, Loader=UniqueKeyLoader)
     except yaml.YAMLError as error:
         raise SpecError([Problem(key, f"--set {text!r}: the value is not valid YAML ({yaml_reason(error)}); "
                                  "quote it, e.g. --set 'name=\"a: b\"'")]) from None
+
+
+def dotted_key(path: Sequence[str]) -> str:
+    """The override key that addresses `path`: bare parts as they are, the others quoted."""
+    return ".".join(p if _BARE_PART.fullmatch(p) else show(p) for p in path)
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
@@ -92,7 +141,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         except SpecError as error:
             problems += error.problems
         except ValueError as error:
-            problems.append(Problem(text.partition("=")[0].strip(), f"--set {text!r}: {error}"))
+            problems.append(Problem(dotted_key(path), f"--set {text!r}: {error}"))
     if problems:
         raise SpecError(problems)
     return result

@@ -1,0 +1,131 @@
+"""Finding a job's checkpoints for the `undying ckpt` and `undying eval` commands, and how they read.
+
+Each command opens the URL with `open_catalog`, then asks `committed_or_fail` (and, for one step,
+`step_or_fail`); each raises `UsageError` with one line that names the argument and the fix (no such
+location, the parent of the job's root given, only unfinished saves, no such step). Storage that
+fails after the location was found is not a usage error: callers test `is_storage_error` and print
+`error_reason`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckpt.catalog import Catalog
+from ckpt.config import normalise_url as checkpoint_url
+from ckpt.manifest import parse_step_dir
+from ckpt.storage import Storage
+from orchestrator.cli.exits import UsageError
+
+# -- arguments ---------------------------------------------------------------------------
+
+def normalise_url(url: str) -> str:
+    if not url.strip():
+        raise UsageError("URL is empty; give the job's checkpoint root, e.g. file:///data/ckpt/myjob")
+    return checkpoint_url(url)
+
+
+def is_storage_error(err: BaseException) -> bool:
+    """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors)."""
+    return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+
+
+def error_reason(err: BaseException, limit: int = 200) -> str:
+    """`Type: message` on one line, at most `limit` characters: how every command names a storage error."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def open_catalog(url: str, options: dict) -> Catalog:
+    url = normalise_url(url)
+    try:
+        storage = Storage(url, options)
+    except (ValueError, ImportError) as err:
+        raise UsageError(f"URL {url}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
+                         "s3:// (with s3fs installed) or a local path") from None
+    except Exception as err:  # a filesystem that rejects its options
+        raise UsageError(f"--storage-option: cannot open {url} with these options ({error_reason(err)}); "
+                         "fix or remove the offending option") from None
+    return Catalog(storage)
+
+
+# -- what is there -----------------------------------------------------------------------
+
+def committed_or_fail(catalog: Catalog) -> list[int]:
+    """Committed steps, oldest first; a UsageError that says why when there are none."""
+    url = catalog.storage.url
+    try:
+        committed = catalog.committed_steps()
+        if committed:
+            return committed
+        unfinished = catalog.all_steps()
+        exists = bool(unfinished) or catalog.storage.exists(catalog.storage.root)
+        jobs = [] if unfinished or not exists else _job_dirs(catalog.storage)
+    except PermissionError as err:
+        raise UsageError(f"URL {url}: access denied ({error_reason(err)}); check the credentials "
+                         "(the environment's AWS_* variables, or --storage-options-file)") from None
+    except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
+        if not is_storage_error(err):
+            raise
+        raise UsageError(f"URL {url}: cannot list it ({error_reason(err)}); check the URL and the endpoint "
+                         "(--storage-option endpoint_url=...)") from None
+    if jobs:
+        raise UsageError(f"URL {url} holds job directories, not checkpoints; give one job's checkpoint root, "
+                         f"e.g. {url}/{jobs[0]}")
+    if unfinished:
+        raise UsageError(f"URL {url} has no committed checkpoint, only unfinished saves (steps "
+                         f"{steps_text(unfinished)}); nothing to work on until a save commits")
+    what = "does not exist" if not exists else "has no checkpoints"
+    raise UsageError(f"URL {url} {what}; give the job's checkpoint root, <checkpoint.url>/<job name> "
+                     "(the directory with step-NNNNNNNNN/ entries)")
+
+
+def _job_dirs(storage: Storage, limit: int = 10) -> list[str]:
+    """Children of the root that hold step directories (the user gave checkpoint.url itself)."""
+    found = []
+    for name in storage.listdir(storage.root)[:limit]:
+        if any(parse_step_dir(child) is not None for child in storage.listdir(storage.path(name))):
+            found.append(name)
+    return found
+
+
+def steps_text(steps: list[int], shown: int = 8) -> str:
+    text = ", ".join(str(s) for s in steps[:shown])
+    return text + (f" and {len(steps) - shown} more" if len(steps) > shown else "")
+
+
+def about(step: int, err: BaseException) -> str:
+    """The error's message without a leading "step N: " (the caller prints the step itself)."""
+    return str(err).removeprefix(f"step {step}: ")
+
+
+def step_or_fail(catalog: Catalog, step: int | None, committed: list[int]) -> int:
+    if step is None:
+        return committed[-1]
+    if step not in committed:
+        raise UsageError(f"--step {step}: no committed checkpoint at step {step} under {catalog.storage.url}; "
+                         f"committed steps: {steps_text(committed)} (see `undying ckpt ls`)")
+    return step
+
+
+# -- how a listing reads ----------------------------------------------------------------
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def layout_label(layout: dict) -> str:
+    known = [f"{k}{layout[k]}" for k in ("dp", "tp", "pp", "zero") if k in layout]
+    return " ".join(known) or json.dumps(layout, sort_keys=True)

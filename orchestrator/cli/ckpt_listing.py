@@ -1,0 +1,130 @@
+"""`undying ckpt ls` and `undying ckpt verify`: what a job's checkpoint root holds, and whether its bytes are intact.
+
+Called by `orchestrator.cli.ckpt_cmd.ckpt_main` with an open catalog and the parsed arguments.
+Each gathers its result as plain data first, then prints it as a table (the default) or, with
+`--json`, as one JSON object on stdout and nothing else, so a script can read it with one
+`json.loads`:
+
+    ls      {"url", "committed": [{"step", "layout", "bytes", "created_at", "age_s", "generation",
+             "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps]}
+    verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified",
+             "error", "tensors", "chunks", "files", "bytes", "seconds"}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from ckpt.catalog import Catalog
+from ckpt.errors import TransientStorageError
+from ckpt.storage_errors import ReadRetry
+from orchestrator.cli.ckpt_catalog import (
+    about,
+    committed_or_fail,
+    human_age,
+    human_bytes,
+    layout_label,
+    step_or_fail,
+    steps_text,
+)
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, UsageError
+
+# -- ls ----------------------------------------------------------------------------------
+
+
+def _listing(catalog: Catalog) -> dict[str, Any]:
+    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
+
+    committed = committed_or_fail(catalog)
+    unfinished = sorted(set(catalog.all_steps()) - set(committed))
+    now, entries = time.time(), []
+    for step in committed:
+        try:
+            m = read_manifest(catalog, step)
+        except (CorruptCheckpoint, UnsupportedManifest) as err:
+            entries.append({"step": step, "error": str(err)})
+            continue
+        entries.append({"step": step, "layout": m.layout, "bytes": m.total_bytes, "created_at": m.created_at,
+                        "age_s": round(max(0.0, now - m.created_at), 3), "generation": m.generation,
+                        "tensors": len(m.tensors)})
+    return {"url": catalog.storage.url, "committed": entries,
+            "unfinished": [s for s in unfinished if s < committed[-1]],
+            "in_progress": [s for s in unfinished if s > committed[-1]]}
+
+
+def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
+    listing = _listing(catalog)
+    if args.as_json:
+        print(json.dumps(listing))
+        return EXIT_OK
+    print(f"{listing['url']}: {len(listing['committed'])} committed checkpoint(s)")
+    print(f"{'step':>10}  {'layout':<22}{'size':>11}{'age':>10}{'gen':>5}{'tensors':>9}")
+    for e in listing["committed"]:
+        if "error" in e:
+            print(f"{e['step']:>10}  unreadable: {e['error']}")
+            continue
+        print(f"{e['step']:>10}  {layout_label(e['layout']):<22}{human_bytes(e['bytes']):>11}"
+              f"{human_age(e['age_s']):>10}{e['generation']:>5}{e['tensors']:>9}")
+    if listing["unfinished"]:
+        print(f"unfinished saves (no manifest): steps {steps_text(listing['unfinished'])}; "
+              "`undying ckpt gc` deletes them")
+    if listing["in_progress"]:
+        print(f"saves in progress or abandoned (no manifest yet): steps {steps_text(listing['in_progress'])}")
+    return EXIT_OK
+
+
+# -- verify ------------------------------------------------------------------------------
+
+
+def _verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, Any]:
+    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
+
+    started = time.perf_counter()
+    retry = ReadRetry(read_retry_s)  # one budget for the checkpoint's manifest and all its chunks
+    try:
+        manifest = read_manifest(catalog, step, retry)
+        verify_checkpoint(catalog, step, retry)
+    except CorruptCheckpoint as err:
+        return {"step": step, "status": "corrupt", "error": about(step, err)}
+    except TransientStorageError as err:  # proves nothing about this one; the others are still checked
+        return {"step": step, "status": "not_verified", "transient": True, "error": about(step, err)}
+    except UnsupportedManifest as err:  # not damage, but not verifiable by this version either
+        return {"step": step, "status": "not_verified", "error": about(step, err)}
+    return {"step": step, "status": "ok", "error": None, "tensors": len(manifest.tensors),
+            "chunks": sum(len(e.chunks) for e in manifest.tensors.values()),
+            "files": len({c.file for e in manifest.tensors.values() for c in e.chunks}),
+            "bytes": manifest.total_bytes, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _verify_line(r: dict[str, Any]) -> str:
+    if r["status"] == "ok":
+        return (f"step {r['step']}: ok ({r['tensors']} tensors, {r['chunks']} chunks in {r['files']} shard files, "
+                f"{human_bytes(r['bytes'])}, {r['seconds']:.2f} s)")
+    if r["status"] == "corrupt":
+        return f"step {r['step']}: CORRUPT: {r['error']}"
+    why = " (transient storage errors)" if r.get("transient") else ""
+    return f"step {r['step']}: NOT VERIFIED{why}: {r['error']}"
+
+
+def verify_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
+    if args.read_retry_s < 0:
+        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
+    committed = committed_or_fail(catalog)
+    steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
+    results = []
+    for step in steps:
+        results.append(_verify_one(catalog, step, args.read_retry_s))
+        if not args.as_json:  # a line per checkpoint as it is done: a big one takes minutes
+            print(_verify_line(results[-1]), flush=True)
+    bad = [r for r in results if r["status"] != "ok"]
+    if args.as_json:
+        print(json.dumps({"url": catalog.storage.url, "ok": not bad, "checkpoints": results}))
+    elif bad:
+        reasons = "; ".join(f"step {r['step']}: " + ("not verified, the store kept failing: " if r.get("transient")
+                                                      else "") + r["error"] for r in bad)
+        print(f"undying ckpt verify: {len(bad)} of {len(steps)} checkpoint(s) failed: {reasons}", file=sys.stderr)
+    return EXIT_FAILED if bad else EXIT_OK

@@ -1,0 +1,119 @@
+"""The job spec's reference cannot drift from the code: docs/spec.md is regenerated and compared,
+every field has a description, the JSON Schema is valid and accepts the examples; and the spec's
+own spellings a user meets there (interval units, YAML 1.2 numbers, quoted `--set` keys) work."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+
+from orchestrator.cli.main import cadence_notes, main
+from orchestrator.spec.job_spec import load_spec, validate_spec
+from orchestrator.spec.problems import SpecError
+from orchestrator.spec.reference import markdown, rows, type_text
+from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MINIMAL = {"name": "t", "model": {"preset": "tiny"}, "train": {"steps": 4, "global_batch": 2},
+           "checkpoint": {"url": "file:///tmp/undying-spec-reference"}}
+
+
+def _spec(**checkpoint):
+    return validate_spec({**MINIMAL, "checkpoint": {**MINIMAL["checkpoint"], **checkpoint}})
+
+
+def test_the_reference_lists_every_field_by_its_yaml_path():
+    paths = {row.path for _, row in rows()}
+    assert {"name", "checkpoint.async", "checkpoint.memory.interval", "chaos.faults[].kind",
+            "data.mixture[].weight", "model.rope_scaling.factor"} <= paths
+    assert "checkpoint.async_" not in paths
+    interval = next(row for _, row in rows() if row.path == "checkpoint.interval")
+    assert "SECONDS" in interval.description and "steps" in interval.description
+    assert type_text(int | None) == "integer or null"
+
+
+def test_spec_schema_is_json_schema_that_takes_the_examples_and_refuses_bad_yaml(capsys):
+    assert main(["spec", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    Draft202012Validator.check_schema(schema)
+    assert "async" in schema["$defs"]["CheckpointConfig"]["properties"]
+    validator = Draft202012Validator(schema)
+    for path in glob.glob(os.path.join(ROOT, "examples", "*.yaml")):
+        with open(path, encoding="utf-8") as f:
+            errors = list(validator.iter_errors(yaml.load(f, Loader=UniqueKeyLoader)))
+        assert (errors != []) == path.endswith("bad.yaml"), (path, [e.message for e in errors])
+    spelled = {**MINIMAL, "checkpoint": {"url": "s3://b/p", "interval": "500 steps"}, "chaos": {"mtbf_s": "30s"}}
+    assert list(validator.iter_errors(spelled)) == []
+    assert list(validator.iter_errors({**spelled, "checkpoint": {"url": "s3://b/p", "interval": "often"}}))
+
+
+def test_spec_markdown_prints_the_reference(capsys):
+    assert main(["spec", "--markdown"]) == 0
+    assert capsys.readouterr().out == markdown()
+
+
+@pytest.mark.parametrize("written, rule, every_steps, every_seconds", [
+    ("500 steps", "steps", 500, None), ("1 step", "steps", 1, None), ("90s", "seconds", None, 90.0),
+    ("10m", "seconds", None, 600.0), ("young", "young", None, None)])
+def test_interval_accepts_the_unit_spelled_out(written, rule, every_steps, every_seconds):
+    checkpoint = _spec(interval=written).checkpoint
+    assert (checkpoint.rule, checkpoint.every_steps, checkpoint.every_seconds) == (rule, every_steps, every_seconds)
+    assert cadence_notes(_spec(interval=written)) == []
+
+
+def test_a_bare_number_interval_is_seconds_and_the_note_says_how_to_write_steps():
+    spec = _spec(interval=500)
+    assert (spec.checkpoint.rule, spec.checkpoint.fixed_seconds) == ("seconds", 500.0)
+    (note,) = cadence_notes(spec)
+    assert "counts seconds" in note and "interval: 500 steps" in note and "every_steps: 500" in note
+
+
+@pytest.mark.parametrize("checkpoint, fragment", [
+    ({"interval": "500 stepz"}, "the unit spelled out: '500 steps', '90s'"),
+    ({"interval": "0 steps"}, "must be positive"),
+    ({"interval": "5 steps", "every_seconds": 3}, "both give the cadence; keep one")])
+def test_a_wrong_interval_says_how_to_write_it(checkpoint, fragment):
+    with pytest.raises(SpecError) as err:
+        _spec(**checkpoint)
+    assert any(p.field.startswith("checkpoint") and fragment in p.message for p in err.value.problems), err.value
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: t\nmodel: {preset: tiny}\ntrain: {steps: 4, global_batch: 2, lr: 1e-3}\n"
+                    "checkpoint: {url: 'file:///tmp/undying-spec-reference', interval: 1e3}\n")
+    spec = load_spec(str(path), ["train.warmup_steps=1e1", "checkpoint.mtbf_s=1.5e4"])
+    assert (spec.train.lr, spec.checkpoint.interval, spec.train.warmup_steps) == (1e-3, 1000.0, 10)
+    assert spec.checkpoint.mtbf_s == 15000.0
+    assert yaml.load("a: 1e3x\nb: e3\nc: 12", Loader=UniqueKeyLoader) == {"a": "1e3x", "b": "e3", "c": 12}
+    assert yaml.safe_load("a: 1e3") == {"a": "1e3"}  # PyYAML's own loader is left as it was
+
+
+def test_set_addresses_keys_with_special_characters_when_quoted():
+    data = apply_overrides({}, ['checkpoint.storage_options."client_kwargs:x"=1',
+                                "data.storage_options.'a-b.c'.d=x=y", "parallel.dp = 2"])
+    assert data == {"checkpoint": {"storage_options": {"client_kwargs:x": 1}},
+                    "data": {"storage_options": {"a-b.c": {"d": "x=y"}}}, "parallel": {"dp": 2}}
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ('checkpoint.storage_options."client_kwargs=1', "is never closed"),
+    ("checkpoint.storage_options.client kwargs=1", "quote a key part"),
+    ("parallel..dp=1", "quote a key part")])
+def test_a_malformed_set_key_says_how_to_quote(override, fragment):
+    with pytest.raises(SpecError) as err:
+        apply_overrides({}, [override])
+    (problem,) = err.value.problems
+    assert problem.field == "--set" and fragment in problem.message
+
+
+def test_a_quoted_key_is_named_quoted_in_errors():
+    with pytest.raises(SpecError) as err:
+        apply_overrides({"a": {"b:c": 1}}, ['a."b:c".d=2'])
+    (problem,) = err.value.problems
+    assert problem.field == "a.'b:c'.d" and "a.b:c is 1, not a section" in problem.message
