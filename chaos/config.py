@@ -26,7 +26,7 @@ FaultKind = Literal[
     "kill_node",  # kill every process on a node (the named node, or the node that hosts `rank`)
     "kill_controller",  # the controller SIGKILLs itself; a rerun resumes from the last commit
     "hang_rank",  # the rank stops making progress without dying
-    "slow_rank",  # the rank's steps take `factor` times longer (a straggler)
+    "slow_rank",  # the rank's steps take `factor` times longer (a straggler), or step at_step `delay_s` longer
     "raise",  # the rank raises a Python exception in the training loop
     "nan_grad",  # the rank's gradients become NaN
     "storage_error",  # checkpoint reads/writes fail with an I/O error
@@ -71,7 +71,8 @@ class FaultSpec(_Strict):
         None, pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", description="fire at a named point, e.g. ckpt.commit"
     )
     factor: float | None = Field(None, gt=1.0, description="slow_rank: step-time multiplier")
-    delay_s: Seconds | None = Field(None, gt=0.0, description="storage_latency: added seconds per I/O call")
+    delay_s: Seconds | None = Field(None, gt=0.0, description="storage_latency: added seconds per I/O call; "
+                                    "slow_rank: added seconds in step at_step (each generation's first without it)")
     duration_s: Seconds | None = Field(None, gt=0.0, description="how long a slow/latency/error fault lasts")
     message: str = Field("injected fault", description="raise: the injected exception's message")
     repeat: bool = Field(False, description="fire every time the trigger is met (a crash loop, a flaky store), "
@@ -129,8 +130,9 @@ class FaultSpec(_Strict):
             raise ValueError("give at most one of nth, probability")
         if self.kind == "kill_node" and self.node is None and self.rank is None:
             raise ValueError("kill_node needs node: <node id or IP>, or rank: <r> to kill the node hosting r")
-        if self.kind == "slow_rank" and self.factor is None:
-            raise ValueError("slow_rank needs factor: <step-time multiplier above 1, e.g. 3.0>")
+        if self.kind == "slow_rank" and (self.factor is None) == (self.delay_s is None):
+            raise ValueError("slow_rank needs factor: <step-time multiplier above 1, e.g. 3.0> (a straggler) or "
+                             "delay_s: <seconds added to step at_step> (a slow first step), not both")
         if self.kind == "storage_latency" and self.delay_s is None:
             raise ValueError("storage_latency needs delay_s: <seconds added to each storage call>")
         return self

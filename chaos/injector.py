@@ -75,7 +75,9 @@ class FaultInjector:
                 self._last_compute = time.perf_counter() - self._step_started - self._slept
         for index, fault in enumerate(self.faults):
             at_step = fault.at_step
-            if fault.kind == "slow_rank":
+            if fault.kind == "slow_rank" and fault.delay_s is not None:
+                self._delay(index, fault, point, step)
+            elif fault.kind == "slow_rank":
                 # A straggler stays slow from then on. It sleeps before the backward, inside the
                 # compute the engine measures, as slower hardware would.
                 if point == (fault.at_point or "after_forward") and (at_step is None or step >= at_step):
@@ -88,6 +90,19 @@ class FaultInjector:
                 if not fault.repeat:
                     self._fired.add(index)
                 self._fire(fault, point, step)
+
+    def _delay(self, index: int, fault: ArmedFault, point: str, step: int) -> None:
+        """slow_rank with delay_s: step `at_step` (each generation's first when None: a warm-up such
+        as compilation) sleeps `delay_s` once, inside the measured compute; every later step too
+        with `repeat`. It sends no notice: a slow step is no failure for the controller to attribute."""
+        if point != (fault.at_point or "after_forward") or index in self._fired:
+            return
+        if fault.at_step is not None and (step < fault.at_step if fault.repeat else step != fault.at_step):
+            return
+        if not fault.repeat:
+            self._fired.add(index)
+        time.sleep(float(fault.delay_s))
+        self._slept += float(fault.delay_s)
 
     def fire_now(self, fault: ArmedFault | Mapping, step: int) -> None:
         """Fire `fault` at once, whatever its trigger (the controller's time-triggered faults)."""

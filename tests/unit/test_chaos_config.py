@@ -74,6 +74,14 @@ def test_storage_fault_checks(fault, loc, fragment):
     assert got_loc == loc and fragment in msg, msg
 
 
+def test_slow_rank_takes_a_factor_or_a_fixed_delay():
+    assert FaultSpec(kind="slow_rank", rank=0, at_step=0, delay_s="1m").delay_s == 60.0
+    assert FaultSpec(kind="slow_rank", rank=0, at_step=0, factor=2.0).factor == 2.0
+    for both_or_neither in ({"factor": 2.0, "delay_s": 60}, {}):
+        _, msg = _error(FaultSpec, {"kind": "slow_rank", "rank": 0, "at_step": 0, **both_or_neither})
+        assert "needs factor" in msg and "delay_s" in msg and "not both" in msg, msg
+
+
 def test_storage_selectors_are_a_trigger():
     fault = FaultSpec(kind="storage_error", op="write", path="*/manifest.json", when="after")
     assert (fault.op, fault.path, fault.when, fault.nth) == ("write", "*/manifest.json", "after", None)

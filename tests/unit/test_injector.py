@@ -48,3 +48,19 @@ def test_faults_fire_only_for_their_rank_step_and_point():
     with pytest.raises(InjectedFault, match="boom"):
         _step(hook, 3, 0.0)
     assert [(e["fault_id"], e["step"], e["point"]) for e in events] == [(7, 3, "after_backward")]
+
+
+@pytest.mark.parametrize(("fault", "delayed_steps"), [
+    ({"at_step": 0}, []),  # the job's first step only: an injector that starts at step 2 never delays
+    ({"at_step": 3}, [3]),  # a restored generation that starts past at_step is not delayed
+    ({"at_point": "after_forward"}, [2]),  # no at_step: each generation's first step (this one starts at 2)
+    ({"at_step": 3, "repeat": True}, [3, 4, 5]),
+])
+def test_slow_rank_with_delay_s_delays_the_steps_it_names_by_a_fixed_time(monkeypatch, fault, delayed_steps):
+    injector = FaultInjector([{"id": 0, "kind": "slow_rank", "rank": 0, "delay_s": 60, **fault}], 0,
+                             lambda e: pytest.fail("a slow step sends no notice"))
+    sleeps: list[tuple[int, float]] = []
+    for s in range(2, 6):
+        monkeypatch.setattr(time, "sleep", lambda seconds, s=s: sleeps.append((s, seconds)) if seconds else None)
+        _step(injector.hook, s, 0.0)
+    assert sleeps == [(s, 60.0) for s in delayed_steps]
