@@ -18,9 +18,11 @@ group down; the main process merges the files per op, naming the ranks that were
 Rank r contributes x_r[i] = (r + 1) * (i % 3 + 1): small integers, exact in fp32, and in bf16
 while the largest sum, 3 W (W + 1) / 2, stays within bf16's exact integers (256): up to W = 12.
 
-At a world of one every output equals its input whatever the collective does, so the check
-then proves only that NCCL initialises, launches on the device and tears down; its rows say
-so, and the point-to-point ring (a rank sending to itself) is not run.
+At a world of W > 1 the ranks then train the engine itself over the group, DDP and ZeRO-3,
+against a one-process reference (bench.gpu_check.engine_parity). At a world of one every
+output equals its input whatever the collective does, so the check then proves only that
+NCCL initialises, launches on the device and tears down; its rows say so, and neither the
+point-to-point ring (a rank sending to itself) nor the engine's layouts are run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench.gpu_check import engine_parity
 from bench.gpu_check.verdict import FAIL, NOT_TESTED, OK, Row
 
 OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast", "send_recv")
@@ -47,7 +50,11 @@ def dtypes_for(world: int) -> tuple[torch.dtype, ...]:
 
 
 def ops_for(world: int) -> tuple[str, ...]:
-    return OPS if world > 1 else tuple(op for op in OPS if op != "send_recv")
+    """What a world of `world` runs: every raw op, then the engine's layouts (bench.gpu_check.
+    engine_parity); a world of one runs neither the ring nor the engine (nothing to compare)."""
+    if world == 1:
+        return tuple(op for op in OPS if op != "send_recv")
+    return OPS + tuple(engine_parity.LAYOUTS)
 
 
 def contribution(rank: int, length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -103,26 +110,38 @@ def run_op(op: str, rank: int, world: int, n: int, dtype: torch.dtype, device: t
     return x
 
 
+def raw_problems(rank: int, world: int, device: torch.device) -> dict[str, str | None]:
+    """Every raw op of `ops_for(world)`, dtype and size on the initialised default group
+    (collective): {op: None, or the first wrong output seen}."""
+    problems: dict[str, str | None] = {}
+    for op in (op for op in ops_for(world) if op in OPS):
+        problems[op] = None
+        for dtype in dtypes_for(world):
+            for n in SIZES:
+                got = run_op(op, rank, world, n, dtype, device).cpu()
+                want = expected(op, rank, world, n, dtype)
+                if problems[op] is None and not torch.equal(got, want):
+                    wrong = int((got != want).sum())
+                    problems[op] = f"{dtype} n={n}: {wrong} of {want.numel()} elements wrong"
+    return problems
+
+
 def worker(rank: int, world: int, backend: str, init_method: str, out_dir: str) -> None:
-    """One rank (the spawn target; also callable in-process for a world of one): every op,
-    dtype and size, then `<out_dir>/rank<r>.json` with {op: problem or None} and any error."""
+    """One rank (the spawn target; also callable in-process for a world of one): the engine's
+    one-process reference (world > 1, before the group exists), the raw ops, the engine's
+    layouts, then `<out_dir>/rank<r>.json` with {check: problem or None} and any error."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     problems: dict[str, str | None] = {}
     error = None
+    ref = engine_parity.reference(world, device) if world > 1 else None
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT, device_id=device if device.type == "cuda" else None)
     try:
-        for op in ops_for(world):
-            problems[op] = None
-            for dtype in dtypes_for(world):
-                for n in SIZES:
-                    got = run_op(op, rank, world, n, dtype, device).cpu()
-                    want = expected(op, rank, world, n, dtype)
-                    if problems[op] is None and not torch.equal(got, want):
-                        wrong = int((got != want).sum())
-                        problems[op] = f"{dtype} n={n}: {wrong} of {want.numel()} elements wrong"
+        problems.update(raw_problems(rank, world, device))
+        for name in engine_parity.LAYOUTS if ref is not None else ():
+            problems[name] = engine_parity.layout_problem(name, rank, world, device, ref)
         dist.barrier()
     except Exception:  # recorded for the table; the other ranks' group timeout ends their wait
         error = traceback.format_exc(limit=3)
@@ -187,15 +206,16 @@ def collective_rows(result: dict) -> list[Row]:
     if result["launch_error"] or errors:
         rows.append(Row("  errors", "; ".join(filter(None, [result["launch_error"], *errors]))[:160], "none", FAIL))
     for op, verdict in result["ops"].items():
+        target = "all ranks exact" if op in OPS else "one-process losses, parameters"
         if not verdict["ok"]:
             detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(verdict["bad"].items()))
-            rows.append(Row(f"  {op}", detail[:160], "all ranks exact", FAIL))
+            rows.append(Row(f"  {op}", detail[:160], target, FAIL))
         elif world == 1:
             rows.append(Row(f"  {op}", "ran; at world 1 the output equals the input", "needs >= 2 GPUs", NOT_TESTED))
         else:
-            rows.append(Row(f"  {op}", f"all {world} ranks exact", "all ranks exact", OK))
-    if world == 1:
-        rows.append(Row("  send_recv", "not run: a world of one has no peer", "needs >= 2 GPUs", NOT_TESTED))
+            rows.append(Row(f"  {op}", f"all {world} ranks {'exact' if op in OPS else 'reproduce it'}", target, OK))
+    for op in (op for op in OPS + tuple(engine_parity.LAYOUTS) if op not in result["ops"]):
+        rows.append(Row(f"  {op}", "not run: a world of one has nothing to compare", "needs >= 2 GPUs", NOT_TESTED))
     return rows
 
 

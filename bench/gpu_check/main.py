@@ -2,8 +2,9 @@
 
 It proves, on this machine, in under eight minutes on one H200 (planned, not yet measured; docs/benchmarks.md):
   * NCCL: a process group of one process per visible GPU runs the collectives the engine uses
-    and every rank's values are checked (bench.gpu_check.collectives); with one GPU the group
-    is a world of one, and the table says nothing was exchanged;
+    and every rank's values are checked (bench.gpu_check.collectives), then trains the engine
+    with DDP and ZeRO-3 against one process (.engine_parity); with one GPU the group is a world
+    of one, and the table says nothing was exchanged;
   * training: bf16 steps of the `llama3.2-1b` preset through the engine with the spec's
     defaults (`train.deterministic` as the spec defaults it, fused AdamW): tokens/s and MFU against the device's
     dense bf16 peak (bench.gpu_check.peaks), at least 40 % on the default run;

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import collectives
+from bench.gpu_check import collectives, engine_parity
 from bench.gpu_check.collectives import OPS, collective_rows, expected, merge, ops_for
 from bench.gpu_check.verdict import FAIL, NOT_TESTED, OK
 
@@ -56,13 +56,14 @@ def test_world_of_two_rows_are_judged_per_op():
     status = {row.check.strip(): row.status for row in rows}
     assert status["send_recv"] == FAIL and status["nccl process group"] == FAIL
     assert all(status[op] == OK for op in OPS if op != "send_recv")
+    assert status["engine zero3"] == OK and "reproduce" in next(r for r in rows if "zero3" in r.check).measured
 
 
 def test_world_of_one_claims_no_collective():
     rows = collective_rows(merge({0: report(world=1)}, 1, "nccl"))
     assert rows[0].status == OK and "world 1" in rows[0].measured
     ops = {row.check.strip(): row for row in rows[1:]}
-    assert set(ops) == set(OPS)
+    assert set(ops) == set(OPS) | set(engine_parity.LAYOUTS)
     assert all(row.status == NOT_TESTED for row in ops.values())
     assert "equals the input" in ops["reduce_scatter"].measured
 
@@ -95,3 +96,24 @@ def test_rank_processes_ask_nccl_to_abort_communicators_not_kill_the_process(mon
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     with CommSockets.capture():
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
+def test_engine_parity_judges_losses_parameters_and_ddp_replicas():
+    ref = {"losses": [5.5, 5.4], "sum_of_squares": 100.0}
+    assert engine_parity.compare("engine ddp", [5.5, 5.4], [50.0, 50.0], ref) is None
+    assert engine_parity.compare("engine zero3", [5.5, 5.4 * (1 + 5e-5)], [30.0, 70.0], ref) is None
+    assert "step 1 loss" in engine_parity.compare("engine zero3", [5.5, 5.41], [50.0, 50.0], ref)
+    assert "sum of squares" in engine_parity.compare("engine zero3", [5.5, 5.4], [50.0, 50.01], ref)
+    assert "replicas differ" in engine_parity.compare("engine ddp", [5.5, 5.4], [49.9999, 50.0001], ref)
+
+
+def test_engine_parity_runs_in_a_world_of_one_on_gloo():
+    device = torch.device("cpu")
+    ref = engine_parity.reference(1, device)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{collectives.free_port()}",
+                                         rank=0, world_size=1)
+    try:
+        assert [engine_parity.layout_problem(name, 0, 1, device, ref) for name in engine_parity.LAYOUTS] == [None,
+                                                                                                            None]
+    finally:
+        torch.distributed.destroy_process_group()
