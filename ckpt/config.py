@@ -52,7 +52,8 @@ def _interval(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected {INTERVAL_FORMS}; got {value!r}")
     if value <= 0:
-        raise ValueError(f"must be positive: {INTERVAL_FORMS}; got {value!r}")
+        raise ValueError(f"must be a positive number of seconds, 'young' or 'young-daly', or the unit spelled out "
+                         f"('500 steps', '90s'); got {value!r}")
     return float(value)
 
 

@@ -19,23 +19,24 @@ class _Strict(BaseModel):
 class ElasticConfig(_Strict):
     """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
 
-    min_dp: int = Field(1, ge=1)
-    # Warm standby ranks, refilled in the background when one takes over. `auto`: one spare TP
-    # group (tp seats) when the cluster has room for it, else none (orchestrator.cluster.capacity).
-    spares: int | Literal["auto"] = "auto"
-    max_restarts: int = Field(10, ge=0)
-    # How long a lost rank's replacement may take to start before dp shrinks instead.
-    replace_timeout_s: float = Field(60.0, ge=0.0)
-    # Grow back to parallel.dp at a checkpoint boundary once replacements have started.
-    grow: bool = True
-    # The same error at the same step on the same rank this many times in a row stops the job.
-    crash_loop_limit: int = Field(3, ge=2)
-    # Straggler policy hook: replace a rank flagged as a sustained straggler (monitor.straggler).
-    evict_stragglers: bool = False
-    # After SIGTERM/SIGINT: how long the job may take to checkpoint at the next step boundary
-    # and stop (exit 75). Keep it below the platform's kill delay (Kubernetes'
-    # terminationGracePeriodSeconds, 30 s by default; Ray's RAY_JOB_STOP_WAIT_TIME_S).
-    preemption_grace_s: float = Field(25.0, gt=0.0)
+    min_dp: int = Field(1, ge=1, description="dp may shrink down to this many replicas while ranks are lost")
+    # Spares are refilled in the background when one takes over (orchestrator.cluster.capacity).
+    spares: int | Literal["auto"] = Field(
+        "auto", description="warm standby ranks that take over a lost rank's seat; auto: one spare TP group (tp "
+                            "seats) when the cluster has room for it, else none; 0: none")
+    max_restarts: int = Field(10, ge=0, description="recoveries the job may make before it fails")
+    replace_timeout_s: float = Field(60.0, ge=0.0, description="how long a lost rank's replacement may take to "
+                                     "start before dp shrinks instead")
+    grow: bool = Field(True, description="grow back to parallel.dp at a checkpoint boundary once replacements "
+                                         "have started")
+    crash_loop_limit: int = Field(3, ge=2, description="the same error at the same step on the same rank this many "
+                                  "times in a row stops the job")
+    evict_stragglers: bool = Field(False, description="replace a rank flagged as a sustained straggler "
+                                   "(monitor.straggler)")
+    # Ray's stop delay is RAY_JOB_STOP_WAIT_TIME_S; Kubernetes' is terminationGracePeriodSeconds (30 s by default).
+    preemption_grace_s: float = Field(25.0, gt=0.0, description="after SIGTERM/SIGINT, how long the job may take "
+                                      "to checkpoint at the next step boundary and stop (exit 75); keep it below "
+                                      "the platform's kill delay")
     # The controller's timeouts: a number of seconds, or `auto`, derived from what the job measures
     # (orchestrator.controller.timeouts; docs/design.md, timeouts).
     hang_timeout_s: float | Literal["auto"] = Field(

@@ -46,9 +46,9 @@ class _Strict(BaseModel):
 class ResourcesConfig(_Strict):
     """What one rank asks Ray for; `num_ranks`, when given, must equal dp * tp * pp."""
 
-    cpus_per_rank: float = Field(1.0, gt=0.0)
-    gpus_per_rank: float = Field(0.0, ge=0.0)
-    num_ranks: int | None = Field(None, gt=0)
+    cpus_per_rank: float = Field(1.0, gt=0.0, description="CPUs Ray reserves for each rank")
+    gpus_per_rank: float = Field(0.0, ge=0.0, description="GPUs per rank: 1 on GPU jobs, 0 on CPU (a whole number)")
+    num_ranks: int | None = Field(None, gt=0, description="a check: when given, must equal parallel.dp * tp * pp")
     custom: dict[str, Annotated[float, Field(ge=0.0)]] = Field(
         default_factory=dict, description="extra Ray resources per rank, e.g. {accelerator_type:H100: 1}"
     )
@@ -76,7 +76,8 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 class JobSpec(_Strict):
     """A whole job. Cross-section checks run when it is built, so a JobSpec is always valid."""
 
-    name: str
+    name: str = Field(..., description="the job's name: its checkpoints live under <checkpoint.url>/<name>, so "
+                      "it must be a safe directory name")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig

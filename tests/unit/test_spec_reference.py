@@ -15,7 +15,7 @@ from jsonschema import Draft202012Validator
 from orchestrator.cli.main import cadence_notes, main
 from orchestrator.spec.job_spec import load_spec, validate_spec
 from orchestrator.spec.problems import SpecError
-from orchestrator.spec.reference import markdown, rows, type_text
+from orchestrator.spec.reference import REGENERATE, markdown, rows, type_text, undocumented
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +25,16 @@ MINIMAL = {"name": "t", "model": {"preset": "tiny"}, "train": {"steps": 4, "glob
 
 def _spec(**checkpoint):
     return validate_spec({**MINIMAL, "checkpoint": {**MINIMAL["checkpoint"], **checkpoint}})
+
+
+def test_docs_spec_md_is_what_the_models_generate():
+    with open(os.path.join(ROOT, "docs", "spec.md"), encoding="utf-8") as f:
+        committed = f.read()
+    assert committed == markdown(), f"docs/spec.md is stale: regenerate it with `{REGENERATE}`"
+
+
+def test_every_field_has_a_description():
+    assert undocumented() == [], "give these fields a Field(description=...) (sections: a class docstring)"
 
 
 def test_the_reference_lists_every_field_by_its_yaml_path():
