@@ -41,6 +41,17 @@ SYNTHETIC_NOISE = 0.1
 BYTE_VOCAB = 256
 
 
+def _affine_powers(mul: int, add: int, vocab_size: int, n: int) -> torch.Tensor:
+    """[2, n] int64: row 0 a^k mod V, row 1 c (a^(k-1) + ... + 1) mod V, for k = 0..n-1 (the map
+    x -> (a x + c) mod V applied k times is x -> (row0[k] x + row1[k]) mod V). Entries stay below V,
+    so a product with a token (< V) fits int64 for any vocabulary."""
+    out = [(1, 0)]
+    for _ in range(n - 1):
+        power, offset = out[-1]
+        out.append(((power * mul) % vocab_size, (offset * mul + add) % vocab_size))
+    return torch.tensor(out, dtype=torch.long).T.contiguous()
+
+
 def read_text_bytes(path: str) -> torch.Tensor:
     """The bytes of a UTF-8 text file as a uint8 tensor (read once, through fsspec)."""
     with fsspec.open(path, "rb") as handle:
@@ -86,6 +97,7 @@ class DataCursor:
             # chain wanders over the whole vocabulary instead of collapsing into a short cycle.
             self._mul = int(torch.randint(0, vocab_size // 2, (1,), generator=rule)) * 2 + 1
             self._add = int(torch.randint(1, vocab_size, (1,), generator=rule))
+            self._powers = _affine_powers(self._mul, self._add, vocab_size, cfg.seq_len + 1)
 
     def sample(self, step: int, index: int) -> torch.Tensor:
         """Sample `index` of global step `step`: a 1-D int64 tensor of at most seq_len + 1 tokens."""
@@ -98,16 +110,20 @@ class DataCursor:
         return self._synthetic(generator(self.cfg.seed, step, index))
 
     def _synthetic(self, gen: torch.Generator) -> torch.Tensor:
+        """The chain x[t+1] = f(x[t]) = (a x[t] + c) mod V, restarted at a random token where the
+        noise hits (and at t = 0). Without a Python loop: token t is f applied k times to the last
+        restart s <= t (k = t - s), and f^k(x) = (a^k x + c (a^(k-1) + ... + 1)) mod V, whose two
+        coefficients `_powers` holds for every k. Same draws, same tokens as the loop it replaces."""
         seq_len = self.cfg.seq_len
         shortest = max(1, math.ceil(self.cfg.min_len_fraction * seq_len))
         n_tokens = int(torch.randint(shortest, seq_len + 1, (1,), generator=gen)) + 1
-        noisy = (torch.rand(n_tokens, generator=gen) < SYNTHETIC_NOISE).tolist()
-        random_tokens = torch.randint(0, self.vocab_size, (n_tokens,), generator=gen).tolist()
-        tokens = [random_tokens[0]]
-        for t in range(1, n_tokens):
-            following = (self._mul * tokens[-1] + self._add) % self.vocab_size
-            tokens.append(random_tokens[t] if noisy[t] else following)
-        return torch.tensor(tokens, dtype=torch.long)
+        restart = torch.rand(n_tokens, generator=gen) < SYNTHETIC_NOISE
+        random_tokens = torch.randint(0, self.vocab_size, (n_tokens,), generator=gen)
+        restart[0] = True
+        positions = torch.arange(n_tokens)
+        last_restart = torch.cummax(torch.where(restart, positions, 0), dim=0).values
+        mul, add = self._powers[:, positions - last_restart]
+        return (mul * random_tokens[last_restart] + add) % self.vocab_size
 
     def sample_ids(self, step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
         """The global sample indices of `step` that data-parallel rank `dp_rank` owns: a contiguous
