@@ -16,7 +16,7 @@ from orchestrator.cli.exits import EXIT_OK
 
 
 def add_spec_parser(sub) -> None:
-    p = sub.add_parser("spec", help="print the job spec's JSON Schema or its reference (docs/spec.md)")
+    p = sub.add_parser("spec", help="print the job spec's JSON Schema or its field reference (docs/spec.md)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--schema", action="store_true", help="JSON Schema of a job spec, e.g. for an editor")
     what.add_argument("--markdown", action="store_true", help="the field reference, as docs/spec.md holds it")

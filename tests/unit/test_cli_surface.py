@@ -3,6 +3,8 @@ outputs that parse, and `validate --offline`."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -11,7 +13,7 @@ from importlib.metadata import version
 
 import pytest
 
-from orchestrator.cli.main import main
+from orchestrator.cli.main import LAZY_COMMANDS, main
 from tests._checkpoints import flip_bit, shard_of
 from tests.unit.test_ckpt_cli import job  # noqa: F401  (the fixture: committed 10, 20, 30; unfinished 15, 35)
 
@@ -50,6 +52,18 @@ print(sorted(m for m in ("torch", "ray") if m in sys.modules))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert "undying ckpt verify" in result.stdout and "--json" in result.stdout
+
+
+def test_the_help_listed_for_a_lazy_command_is_its_modules_own():
+    class Recorder:
+        def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+            self.name, self.help = name, kwargs.get("help")
+            return argparse.ArgumentParser()
+
+    for name, (text, module, function, _) in LAZY_COMMANDS.items():
+        recorder = Recorder()
+        getattr(importlib.import_module(module), function)(recorder)
+        assert (recorder.name, recorder.help) == (name, text), "keep main.LAZY_COMMANDS' help equal to the module's"
 
 
 def test_validate_json_when_valid_and_offline_says_the_storage_was_not_probed(capsys, tmp_path):
