@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
-from pydantic import BaseModel
+from pydantic import BaseModel, WithJsonSchema
 from pydantic.fields import FieldInfo
 
 from orchestrator.spec.job_spec import JobSpec
@@ -62,7 +62,7 @@ def type_text(annotation: Any) -> str:
     if annotation is type(None):
         return "null"
     if origin is Annotated:
-        return type_text(args[0])
+        return type_text(args[0]) + (" or string" if any(_takes_strings(m) for m in args[1:]) else "")
     if origin is Literal:
         return " or ".join(json.dumps(a) for a in args)
     if origin in (Union, types.UnionType):
@@ -76,6 +76,20 @@ def type_text(annotation: Any) -> str:
     if section_model(annotation) is not None:
         return "section"
     return _SCALARS.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _takes_strings(extra: Any) -> bool:
+    """Whether a schema override (`WithJsonSchema`, `json_schema_extra`) admits strings besides the
+    annotated type: durations such as "30s", checkpoint intervals such as "500 steps"."""
+    schema = extra.json_schema if isinstance(extra, WithJsonSchema) else extra
+    return isinstance(schema, dict) and any(s.get("type") == "string" for s in schema.get("anyOf", ()))
+
+
+def field_type(info: FieldInfo) -> str:
+    """`type_text` of the field's annotation, with the strings its schema override admits."""
+    text = type_text(info.annotation)
+    extras = [*info.metadata, info.json_schema_extra]
+    return text + (" or string" if "string" not in text and any(map(_takes_strings, extras)) else "")
 
 
 def _constraints(info: FieldInfo) -> str:
@@ -115,7 +129,7 @@ def rows(model: type[BaseModel] = JobSpec, prefix: str = "") -> Iterator[tuple[s
     nested = []
     for name, info in model.model_fields.items():
         path = prefix + (info.alias or name)
-        yield prefix.rstrip("."), FieldRow(path, type_text(info.annotation), _default(info), _constraints(info),
+        yield prefix.rstrip("."), FieldRow(path, field_type(info), _default(info), _constraints(info),
                                            description(info))
         sub = section_model(info.annotation)
         if sub is not None:
