@@ -93,7 +93,8 @@ def test_rank_processes_ask_nccl_to_abort_communicators_not_kill_the_process(mon
     chosen = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
     set_nccl_error_handling(chosen)
     assert chosen == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # an operator's choice stands
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "")  # so that the teardown restores what was there
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     with CommSockets.capture():
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
 
