@@ -69,6 +69,16 @@ def compile_row(eager: dict, compiled: dict) -> Row:
     return judged(f"{compiled['preset']} compile on/off", text, f"losses within {COMPILE_LOSS_RTOL:.0%}", agree)
 
 
+def deterministic_cost_row(default: dict, flipped: dict) -> Row:
+    """Step time with `train.deterministic` at its default against the other setting (info: the
+    figure the default is chosen by)."""
+    on, off = (default, flipped) if default["deterministic"] else (flipped, default)
+    cost = on["step_s"] / off["step_s"] - 1
+    text = (f"on {on['step_s'] * 1e3:.0f} ms/step, off {off['step_s'] * 1e3:.0f} ms/step: deterministic "
+            f"costs {cost:+.1%} (default {'on' if default['deterministic'] else 'off'})")
+    return Row(f"{default['preset']} deterministic cost", text, "reported", INFO)
+
+
 def losses_equal(got: list[float], want: list[float], exact: bool) -> bool:
     if len(got) != len(want) or not all(math.isfinite(x) for x in got + want):
         return False

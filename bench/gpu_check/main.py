@@ -11,7 +11,8 @@ It proves, on this machine, in under eight minutes on one H200 (planned, not yet
   * memory: torch.cuda.max_memory_allocated against the cost model's predicted peak, within
     15 %, without and with recomputation;
   * compile on and off: the same run with each transformer block compiled;
-  * determinism and resume: a rerun and a resumed run give bitwise the same losses;
+  * determinism: its cost (the default run with `train.deterministic` flipped), and a rerun
+    and a resumed run giving bitwise the same losses;
   * checkpoint staging: the device -> pinned host copy rate, and both checkpoint writers'.
 It prints one table (bench.gpu_check.verdict) and writes `$OUT/gpu_check.json` (or
 `runs/gpu_check.json`). Exit status: 0 all within tolerance, 1 any check out of tolerance or
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recompute", nargs="+", default=["none", "block"], choices=["none", "selective", "block"],
                         help="recomputation modes whose peak memory is checked (the first is the default run)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled run")
+    parser.add_argument("--no-deterministic-cost", action="store_true",
+                        help="skip the run with train.deterministic flipped (its step time against the default's)")
     parser.add_argument("--resume-preset", default="small", help="model of the determinism and resume check")
     parser.add_argument("--min-mfu", type=float, default=0.40)
     parser.add_argument("--memory-tolerance", type=float, default=0.15)
@@ -97,6 +100,8 @@ class Checks:
             attempt(self.rows, f"{args.preset} compiled", lambda: self.train(default, compile=True))
         for recompute in args.recompute[1:]:
             attempt(self.rows, f"{args.preset} rc={recompute}", lambda rc=recompute: self.train(rc, compile=False))
+        if not args.no_deterministic_cost:
+            attempt(self.rows, f"{args.preset} deterministic flipped", self.deterministic_cost)
         attempt(self.rows, "determinism and resume", self.resume)
         # Last: the engine must be the first to use cuBLAS in this process. torch sizes a cuBLAS
         # workspace from CUBLAS_WORKSPACE_CONFIG (which the engine sets in deterministic mode)
@@ -142,6 +147,15 @@ class Checks:
             eager = self.runs.get((recompute, False))
             return rows + ([judge.compile_row(eager, run)] if eager else [])
         return rows + [judge.memory_row(run, args.memory_tolerance)]
+
+    def deterministic_cost(self) -> list[Row]:
+        from bench.gpu_check import judge, training
+
+        args, default = self.args, self.runs[(self.args.recompute[0], False)]
+        flipped = training.train_run(args.preset, args.seq_len, args.micro_batch, args.steps, args.warmup,
+                                     args.recompute[0], deterministic=not default["deterministic"])
+        self.result["deterministic_flipped"] = flipped
+        return [judge.deterministic_cost_row(default, flipped)]
 
     def resume(self) -> list[Row]:
         from bench.gpu_check import judge, training

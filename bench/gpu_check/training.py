@@ -39,10 +39,13 @@ COMPILE_VIA = "train.compile" if ENGINE_HAS_COMPILE else "torch.compile per bloc
 
 
 def configs(preset: str, seq_len: int, micro_batch: int, steps: int, recompute: str = "none",
-            compile: bool = False) -> tuple[ModelConfig, DataConfig, TrainConfig, ParallelConfig]:
+            compile: bool = False, deterministic: bool | None = None,
+            ) -> tuple[ModelConfig, DataConfig, TrainConfig, ParallelConfig]:
     """One GPU, one microbatch per step, fixed-length synthetic samples, bf16; `deterministic`
-    (and every other field not named here) at its default."""
+    (unless given) and every other field not named here at its default."""
     extra = {"compile": True} if compile and ENGINE_HAS_COMPILE else {}
+    if deterministic is not None:
+        extra["deterministic"] = deterministic
     train = TrainConfig(steps=steps, global_batch=micro_batch, micro_batch=micro_batch, precision="bf16", **extra)
     return (ModelConfig(preset=preset), DataConfig(seq_len=seq_len, min_len_fraction=1.0), train,
             ParallelConfig(recompute=recompute))
@@ -83,11 +86,23 @@ def _build(cfgs: tuple, compile: bool, device: str) -> Engine:
 
 
 def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: int, recompute: str = "none",
-              compile: bool = False, device: str = "cuda") -> dict:
+              compile: bool = False, device: str = "cuda", deterministic: bool | None = None) -> dict:
     """`warmup` untimed steps then `steps` timed ones; see the module docstring. `device` is
-    "cuda" but for the unit tests, which run the same code on the CPU."""
-    cfgs = configs(preset, seq_len, micro_batch, warmup + steps, recompute, compile)
-    model, _, train, _ = cfgs
+    "cuda" but for the unit tests, which run the same code on the CPU. `deterministic` set
+    (to measure what the default costs or saves) also sets torch's process-wide switch for the
+    run, which the engine only ever turns on, and puts it back afterwards."""
+    cfgs = configs(preset, seq_len, micro_batch, warmup + steps, recompute, compile, deterministic)
+    before = torch.are_deterministic_algorithms_enabled()
+    if deterministic is not None:
+        torch.use_deterministic_algorithms(deterministic)
+    try:
+        return _timed(cfgs, steps, warmup, compile, device)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _timed(cfgs: tuple, steps: int, warmup: int, compile: bool, device: str) -> dict:
+    model, data, train, parallel = cfgs
     _fresh_device(device)
     engine = _build(cfgs, compile, device)
     losses, times, tokens, data_wait = [], [], 0, 0.0
@@ -102,8 +117,9 @@ def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
             tokens += result.tokens
             data_wait += result.data_wait_s
     allocated, reserved = _peaks(device)
+    seq_len, micro_batch, recompute = data.seq_len, train.micro_batch, parallel.recompute
     out = {
-        "preset": preset, "seq_len": seq_len, "micro_batch": micro_batch, "recompute": recompute,
+        "preset": model.preset, "seq_len": seq_len, "micro_batch": micro_batch, "recompute": recompute,
         "compile": compile, "compile_via": COMPILE_VIA if compile else None,
         "deterministic": train.deterministic, "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "fused_adamw": bool(engine.local_optimizer.defaults.get("fused")),

@@ -151,3 +151,11 @@ def test_without_cuda_it_exits_3_with_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gpu-check: no CUDA device") and "nothing was checked" in err[0]
     assert "CPU-only build" in no_cuda_message(torch) or torch.version.cuda is not None
+
+
+def test_deterministic_cost_is_reported_as_on_against_off():
+    row = judge.deterministic_cost_row(run(step_s=0.44), run(step_s=0.40, deterministic=False))
+    assert row.status == INFO
+    assert "on 440 ms/step, off 400 ms/step: deterministic costs +10.0% (default on)" in row.measured
+    flipped = judge.deterministic_cost_row(run(step_s=0.40, deterministic=False), run(step_s=0.44))
+    assert "costs +10.0% (default off)" in flipped.measured

@@ -48,3 +48,11 @@ def test_a_restored_step_follows_a_fused_optimizer_onto_the_device():
     assert on_device.device.type == "meta" and on_device.dtype == torch.float32 and on_device.shape == ()
     fused = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True)  # CPU fused kernel exists
     assert keeps_step_on_device(fused)
+
+
+def test_a_flipped_deterministic_run_sets_torch_for_the_run_only():
+    before = torch.are_deterministic_algorithms_enabled()
+    flip = not TrainConfig.model_fields["deterministic"].default
+    got = training.train_run("tiny", seq_len=32, micro_batch=2, steps=1, warmup=0, device="cpu", deterministic=flip)
+    assert got["deterministic"] is flip and got["deterministic_algorithms"] is flip
+    assert torch.are_deterministic_algorithms_enabled() is before
