@@ -8,7 +8,8 @@ Each gathers its result as plain data first, then prints it as a table (the defa
     ls      {"url", "committed": [{"step", "layout", "bytes", "created_at", "age_s", "generation",
              "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps]}
     verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified",
-             "error", "tensors", "chunks", "files", "bytes", "seconds"}]}
+             "error", and for ok "tensors", "chunks", "files", "bytes", "seconds"; for a store that
+             kept failing "transient": true}]}
 """
 
 from __future__ import annotations
