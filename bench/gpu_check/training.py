@@ -3,8 +3,9 @@
 Protocol: the main process calls these one after another on cuda:0, never concurrently (each
 reads the device's peak-memory counters, which it resets first). Every run builds a fresh
 `trainer.engine.Engine` at dp = tp = pp = 1 with `train.deterministic` left at the spec's
-default, so the default path (deterministic algorithms on, `CUBLAS_WORKSPACE_CONFIG` set by the
-engine) is the one measured. The engine's optimizer is fused AdamW on CUDA (trainer/optim.py).
+default (except the one run that flips it to measure what it costs), so the default path
+(today: deterministic algorithms on, `CUBLAS_WORKSPACE_CONFIG` set by the engine) is the one
+measured. The engine's optimizer is fused AdamW on CUDA (trainer/optim.py).
 
   train_run      warm-up steps, then timed steps: step time, tokens/s, losses, the peak of
                  `torch.cuda.max_memory_allocated` over the engine's whole life (the first
