@@ -307,10 +307,16 @@ def test_prediction_is_a_consistent_bound():
 
 
 def test_pipeline_bubble_enters_the_step():
-    work = Workload(SMALL, 1024, 8)
-    gpipe = predict(work, Layout(pp=4, micro_batch=1, schedule="gpipe"), H100)
-    f = bubble_fraction("gpipe", 4, 8)
-    assert gpipe.bubble_s == pytest.approx((gpipe.compute_s + gpipe.exposed_comm_s) * f / (1 - f))
+    work, layout = Workload(SMALL, 1024, 8), Layout(pp=4, micro_batch=1, schedule="gpipe")
+    gpipe = predict(work, layout, H100)
+    # the last stage (the LM head's) sets the step: it waits for one microbatch of each stage
+    # before it, their compute plus their pipeline sends (the exposed time, equal on every stage)
+    upstream = sum(1024 * rank_flops_per_token(work, layout, stage_params(SMALL, layout, s, 1024))
+                   for s in range(3)) / H100.peak("fp32")
+    assert gpipe.bubble_s == pytest.approx(upstream + 3 * gpipe.exposed_comm_s / 8)
+    assert gpipe.step_s == pytest.approx(max(gpipe.compute_s, gpipe.hbm_s) + gpipe.exposed_comm_s + gpipe.bubble_s)
+    f = bubble_fraction("gpipe", 4, 8)  # with equal stages it is (p - 1) of them: f / (1 - f) of the step
+    assert gpipe.bubble_s <= (gpipe.compute_s + gpipe.exposed_comm_s) * f / (1 - f)
 
 
 def test_planner_rejects_with_the_right_reasons():

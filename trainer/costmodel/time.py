@@ -8,7 +8,9 @@ data-parallel traffic. Data-parallel collectives overlap with compute (DDP bucke
 backward, FSDP prefetch), so they sit inside the max. Tensor-parallel all-reduces and
 pipeline sends are on the critical path (each layer waits for its input), so they add:
 that term (`exposed_comm_s`) makes the bound tighter without making it false. The bubble
-is the pipeline's idle fraction applied to the busy time of a microbatch.
+is the time a stage must wait for the stages before it (`predict`). Every term counts only
+what the engine must do (the data-parallel collectives as trainer/data_parallel.py runs
+them, once per step where it reduces once per step), so the sum stays a lower bound.
 
 Collective costs (ring algorithms, alpha = one step's latency, B = one direction's bandwidth):
     all-reduce                       2(D-1) alpha + 2(D-1)/D * S/B
@@ -34,9 +36,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
 
     GPipe and 1F1B: (p-1)/(m+p-1) (Huang et al. 2019). Interleaved with v chunks per rank:
     the p-1 idle slots shrink to (p-1)/v (Narayanan et al. 2021, sec 2.2). Zero-bubble: the
-    ZB-H1 schedule's bound, a third of 1F1B's idle time when forward, input-gradient and
-    weight-gradient passes take equal time (Qi et al. 2024, arXiv:2401.10241, sec 3); ZB-V can
-    do better, which this bound does not assume. PipeDream (asynchronous) never flushes: 0.
+    ZB-H1 schedule's, a third of 1F1B's idle time when forward, input-gradient and
+    weight-gradient passes take equal time (Qi et al. 2024, arXiv:2401.10241, sec 3); an
+    estimate, not a bound: ZB-V can do better, so `predict` charges zero-bubble no bubble.
+    PipeDream (asynchronous) never flushes: 0.
     """
     if p <= 1 or schedule == "pipedream":
         return 0.0
@@ -110,9 +113,14 @@ def rank_flops_per_token(work: Workload, layout: Layout, params: StageParams) ->
 
 
 def _dp_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParams, m: int) -> float:
-    """Data-parallel traffic per step: ZeRO 0 all-reduces fp32 gradients once; ZeRO 1 adds the
-    all-gather of updated weights; ZeRO 2 all-gathers weights and reduce-scatters gradients
-    per microbatch; ZeRO 3 all-gathers twice (forward, backward) per microbatch."""
+    """Data-parallel traffic per step, as the engine runs it (trainer/data_parallel.py): the
+    gradients are reduced once per step, in the last microbatch's backward (`gradient_sync`;
+    torch's pipeline stages likewise), never per microbatch.
+
+    ZeRO 0 all-reduces the fp32 gradients; ZeRO 1 adds the all-gather of the updated weights.
+    ZeRO 2/3 (FSDP2) reduce-scatter the gradients in fp32 (the engine's reduce_dtype) and
+    all-gather weights in the compute dtype: `fsdp_gathers` many times per step.
+    """
     alpha, bw = group_link(hw, layout, "dp")
     d = layout.dp
     grads = 4 * params.total
@@ -120,11 +128,26 @@ def _dp_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParam
         return ring_allreduce_seconds(grads, d, alpha, bw)
     if layout.zero == 1:
         return ring_allreduce_seconds(grads, d, alpha, bw) + ring_allgather_seconds(4 * params.total, d, alpha, bw)
-    # FSDP2 gathers weights and reduce-scatters gradients in the compute dtype
-    low = LOW_PRECISION_BYTES[work.precision] * params.total
-    gathers = 1 if layout.zero == 2 else 2
-    per_micro = (gathers + 1) * ring_allgather_seconds(low, d, alpha, bw)
-    return m * per_micro
+    low = LOW_PRECISION_BYTES[work.precision]
+    block_gathers, other_gathers = fsdp_gathers(layout, m)
+    gathered = low * (block_gathers * params.block_params + other_gathers * params.other_params)
+    return ring_allgather_seconds(gathered, d, alpha, bw) + ring_allgather_seconds(grads, d, alpha, bw)
+
+
+def fsdp_gathers(layout: Layout, m: int) -> tuple[int, int]:
+    """(blocks', the rest's) weight all-gathers per step under FSDP2 with m microbatches: the
+    fewest the engine can do, so that the bound stays one.
+
+    Without a pipeline every microbatch gathers in its forward and reshards after its
+    backward; ZeRO-3 also reshards after the forward and regathers for the backward, except
+    the root unit (embedding, final norm, head), which FSDP2 never reshards after forward.
+    Inside a pipeline stage torch keeps the weights gathered between microbatches until the
+    last backward: ZeRO 2 gathers once per step; ZeRO 3 still regathers the blocks for each
+    microbatch's backward (m at least) and the root once.
+    """
+    if layout.pp > 1:
+        return (1, 1) if layout.zero == 2 else (m, 1)
+    return (m, m) if layout.zero == 2 else (2 * m, m)
 
 
 def _exposed_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParams, m: int) -> float:
@@ -145,38 +168,67 @@ def _exposed_seconds(work: Workload, layout: Layout, hw: Hardware, params: Stage
 
 
 def _hbm_bytes(work: Workload, layout: Layout, params: StageParams, m: int, device_kind: str) -> float:
-    """Lower bound of memory traffic per step: weights read three times per microbatch
-    (forward, input gradient, weight gradient), saved activations written and read once,
-    fp32 gradients accumulated, and the optimizer reading W, G, O and writing W, O."""
+    """Lower bound of memory traffic per step: the matmul weights read twice per microbatch
+    (forward, input gradient; the weight gradient reads activations, not weights) and once
+    more when the block is recomputed, saved activations written and read once, fp32
+    gradients written by the first microbatch and read and written by each later one, and
+    the optimizer reading W, G, O and writing W, O."""
     e = LOW_PRECISION_BYTES[work.precision]
     tokens = layout.micro_batch * work.seq_len
     saved = params.layers * layer_activation_bytes(work, layout, tokens, layout.recompute, device_kind)
-    per_micro = 3 * e * params.matmul_params + 2 * saved + 2 * 4 * params.total
+    reads = 3 if layout.recompute == "block" else 2
+    per_micro = reads * e * params.matmul_params + 2 * saved
+    grads = (2 * m - 1) * 4 * params.total
     optim_bytes = 8 if work.optimizer == "adamw" else 4
     opt_params = params.total / layout.dp if layout.zero >= 1 else params.total
-    return m * per_micro + opt_params * (2 * 4 + 4 + 2 * optim_bytes)
+    return m * per_micro + grads + opt_params * (2 * 4 + 4 + 2 * optim_bytes)
+
+
+def pipeline_bound(busy: list[float], work: list[float], wait: float) -> tuple[int, float]:
+    """(k, bubble) of the pipeline rank k whose busy_k + wait * sum_{i<k} work_i is largest.
+
+    `busy` is each rank's time per step, `work` the part of it a microbatch carries through
+    the pipeline (compute and pipeline sends), `wait` the share of upstream work a rank waits
+    for: 1/m for GPipe and 1F1B (`predict`).
+    """
+    best, upstream = (0, 0.0), 0.0
+    for k, (b, w) in enumerate(zip(busy, work, strict=True)):
+        if b + upstream * wait > busy[best[0]] + best[1]:
+            best = (k, upstream * wait)
+        upstream += w
+    return best
 
 
 def predict(work: Workload, layout: Layout, hw: Hardware, io_s: float = 0.0) -> Prediction:
-    """Predicted step of `layout` on `hw` (see the module docstring); the slowest stage sets it."""
+    """Predicted step of `layout` on `hw` (see the module docstring): a lower bound.
+
+    The bubble, stage by stage: pipeline rank k starts only after the first microbatch's
+    forward crossed ranks 0..k-1, and its last backward must still cross them, so a GPipe or
+    1F1B step takes at least busy_k + sum_{i<k} t_i (t_i a microbatch's compute on rank i),
+    for every k; the step is the largest. With equal stages the last one gives the familiar
+    (p-1) t; stages the engine cut unevenly give what they give (p - 1 copies of the slowest
+    stage would not be a bound). Interleaving divides the wait by v (`bubble_fraction`);
+    zero-bubble is charged none, since ZB-V can remove it when its passes balance.
+    """
     m = layout.microbatches(work.global_batch)
     tokens_per_rank = layout.micro_batch * work.seq_len * m
     # ranks of a CPU job share the host's cores (and memory bandwidth); a GPU is one rank's own
     share = hw.host_share(layout.world)
     peak, hbm_bandwidth = hw.peak(work.precision) * share, hw.hbm_bandwidth * share
-    worst = None
+    f = 0.0 if layout.schedule == "zero-bubble" else bubble_fraction(layout.schedule, layout.pp, m,
+                                                                      layout.virtual_stages)
+    # the wait for one stage's microbatch, per microbatch of compute: idle / (p - 1) / m
+    wait = f / (1 - f) / (layout.pp - 1) if layout.pp > 1 else 0.0
+    stages = []
     for stage in range(layout.pp):
         params = stage_params(work.model, layout, stage, work.seq_len)
         compute = tokens_per_rank * rank_flops_per_token(work, layout, params) / peak
         hbm = _hbm_bytes(work, layout, params, m, hw.kind) / hbm_bandwidth
         dp = _dp_seconds(work, layout, hw, params, m)
         exposed = _exposed_seconds(work, layout, hw, params, m)
-        busy = max(compute, hbm, dp) + exposed
-        if worst is None or busy > worst[0]:
-            worst = (busy, compute, hbm, dp, exposed)
-    busy, compute, hbm, dp, exposed = worst
-    f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual_stages)
-    bubble = (compute + exposed) * f / (1 - f)
+        stages.append((max(compute, hbm, dp) + exposed, compute, hbm, dp, exposed))
+    worst, bubble = pipeline_bound([s[0] for s in stages], [s[1] + s[4] for s in stages], wait)
+    busy, compute, hbm, dp, exposed = stages[worst]
     step = busy + bubble + io_s
     model_flops = flops_per_token(work.model, work.seq_len) * work.tokens_per_step
     return Prediction(step_s=step, compute_s=compute, hbm_s=hbm, comm_s=dp + exposed, exposed_comm_s=exposed,
