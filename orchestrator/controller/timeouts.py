@@ -1,6 +1,7 @@
 """The controller's five timeouts (`elastic.*_timeout_s`), derived from what the job measured.
 
-    hang           no step for this long is a hang: max(10 s, 5 x the median step)
+    hang           no step for this long is a hang: max(10 s, 5 x the median step), plus a due
+                   validation's allowance (policies.hang_limit)
     first step     a generation's first step (compilation, autotuning, communicators, cold
                    caches): 3 x the slowest first step measured so far; before any, the cost
                    model's compute bound of one step times 20, at least 120 s on CPU, 600 s on GPU
@@ -16,9 +17,10 @@ A number in the spec replaces the derived value ("auto", the default). `derive` 
 `Timeouts` object feeds it what the job measured.
 
 Protocol (controller thread only): `for_generation(world)` when a generation forms (its limits,
-logged in one line when they changed), `restore_s(world, step)` before the ranks restore,
-`on_restored(results, seconds, from_storage)` after, `on_training_started()` when the generation
-trains, `hang_s()` at every poll of the progress watchdog, `release_s()` at every release.
+logged in one line when they changed), `restore_s(world, checkpoint_bytes(step, read_manifest))`
+before the ranks restore, `on_restored(results, seconds, from_storage)` after,
+`on_training_started()` when the generation trains, `hang_s()` at every poll of the progress
+watchdog, `release_s()` at every release.
 """
 
 from __future__ import annotations
