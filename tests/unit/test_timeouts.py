@@ -136,3 +136,21 @@ def test_the_controller_logs_its_timeouts_and_forms_the_group_with_the_collectiv
     [line] = [line for line in lines if "timeouts:" in line]
     assert "process group 240 s" in line and "release 0.5 s" in line  # the test's fixed release
     assert workers.collective_timeout_s == 240.0
+
+
+class _RecordingWorkers(FakeWorkerGroup):
+    def restore_all(self, step, dp, timeout_s, faults=None):
+        self.restore_timeouts = [*getattr(self, "restore_timeouts", []), (step, timeout_s)]
+        return super().restore_all(step, dp, timeout_s, faults)
+
+
+def test_the_restore_after_a_failure_is_given_time_for_the_checkpoint_s_bytes(tmp_path, rendezvous):  # noqa: F811
+    spec = _spec(tmp_path)
+    workers = _RecordingWorkers(rendezvous, Storage(spec.checkpoint_root), die_at={25: 1})
+    report = _controller(spec, workers, rendezvous, []).run()
+    assert report.status == "succeeded"
+    (fresh, first), (step, restore) = workers.restore_timeouts
+    committed = next(c.bytes for c in report.checkpoints if c.step == 20)
+    assert fresh is None and first == 60.0 + BUILD_S + spec.checkpoint.read_retry_s
+    assert committed > 0 and step == 20
+    assert restore - first == pytest.approx(3 * committed / (2 * ASSUMED_READ_BPS_PER_RANK), rel=1e-6)
