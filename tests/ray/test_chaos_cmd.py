@@ -24,6 +24,7 @@ import os
 import numpy as np
 import pytest
 
+from chaos.durations import parse_duration
 from tests._tokens import write_token_dataset
 from tests.ray.jobs import assert_every_check_passed, chaos_job
 
@@ -87,9 +88,13 @@ def test_kill_controller_before_a_manifest_commit_passes_every_invariant(ray_clu
 def test_soak_poisson_rank_kills(ray_cluster, tmp_path):
     duration = float(os.environ.get("UNDYING_SOAK_S", "1800"))
     steps = max(100, int(duration / float(os.environ.get("UNDYING_SOAK_STEP_S", "0.09"))))
-    flags = ["--mtbf", os.environ.get("UNDYING_SOAK_MTBF", "240s"), "--kind", "kill_rank",
+    rank_mtbf = os.environ.get("UNDYING_SOAK_MTBF", "240s")
+    flags = ["--mtbf", rank_mtbf, "--kind", "kill_rank",
              "--seed", os.environ.get("UNDYING_SOAK_SEED", "1"), "--start", "10s"]
+    # Both levels on, as a user who knows the failure rate would run them: storage every 25 steps, memory
+    # at Young's interval with the job's MTBF (4 ranks) as its prior, and a warm spare that refills itself.
     sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000", "elastic.spares=auto",
+            "checkpoint.memory.enabled=true", f"checkpoint.mtbf_s={parse_duration(rank_mtbf) / 4}",
             "parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]
     proc, report_path = chaos_job(ray_cluster, tmp_path, "soak", flags, sets, timeout=4 * duration + 900)
     report = assert_every_check_passed(proc, report_path)
