@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from monitor.report import GoodputSummary, RunReport, WorldRecord
-from orchestrator.cli.chaos.command import RunOutcome, chaos_main
+from orchestrator.cli.chaos.command import chaos_main
 from orchestrator.cli.chaos.experiment import catalog_of
+from orchestrator.cli.chaos.runs import RunOutcome
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from orchestrator.cli.main import _parser
 from tests._checkpoints import save_checkpoint

@@ -34,16 +34,20 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from orchestrator.cli.chaos import experiment
-from orchestrator.cli.chaos.runs import RunOutcome, run_recorded, wait_for_exit
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.spec.problems import Problem, SpecError
 
 KINDS = ("kill_rank", "kill_node", "hang_rank")
 
 
-Runner = Callable[..., RunOutcome]  # runner(spec, address=..., report_path=...) -> RunOutcome
+if TYPE_CHECKING:
+    from orchestrator.cli.chaos.runs import RunOutcome
+
+# The experiment and its runs import torch and Ray; they are imported where used, so that
+# `undying chaos --help` (which builds this module's parser) imports neither.
+Runner = Callable[..., "RunOutcome"]  # runner(spec, address=..., report_path=...) -> RunOutcome
 
 
 def add_chaos_parser(sub) -> None:
@@ -97,6 +101,7 @@ def chaos_main(args, runner: Runner | None = None) -> int:
         # A controller that kills itself must not take this process with it: it runs in a child,
         # rerun after each kill (orchestrator.cli.chaos.child).
         from orchestrator.cli.chaos.child import kills_controller, run_rerunning
+        from orchestrator.cli.chaos.runs import run_recorded
 
         runner = run_rerunning if kills_controller(spec) else run_recorded
     if sweep:
@@ -106,6 +111,7 @@ def chaos_main(args, runner: Runner | None = None) -> int:
 
 def _load(path: str, args):
     from chaos.config import support_problems
+    from orchestrator.cli.chaos import experiment
     from orchestrator.spec.job_spec import load_spec
     from orchestrator.spec.storage_check import require_storage
 
@@ -126,6 +132,9 @@ def _load(path: str, args):
 
 
 def experiment_main(spec, args, runner: Runner) -> int:
+    from orchestrator.cli.chaos import experiment
+    from orchestrator.cli.chaos.runs import wait_for_exit
+
     reference = None
     try:
         if not args.no_reference:
@@ -250,6 +259,7 @@ def describe_faults(spec) -> str:
 def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
     """The failure-free run's final model tensors: reused when a finished reference of the same spec
     exists, else run now. None (after printing why) when the reference run failed."""
+    from orchestrator.cli.chaos import experiment
     from orchestrator.spec.job_spec import spec_hash
 
     ref = experiment.reference_spec(spec)
@@ -270,6 +280,7 @@ def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
 
 def prepare_root(spec, fresh: bool) -> None:
     """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh."""
+    from orchestrator.cli.chaos import experiment
     from orchestrator.controller.kill import MARKER_DIR
 
     catalog = experiment.catalog_of(spec)
