@@ -112,10 +112,18 @@ class RankActor:
         FaultInjector([mine], self.rank, notify).fire_now(mine, step)
 
     def warm_up(self) -> dict:
-        """A spare's first call: import the engine so that taking over a rank costs milliseconds."""
+        """A spare's first call: import what taking over a rank runs (the engine, and the restore's
+        and the training loop's modules, which the survivors imported long ago), so that the
+        takeover costs milliseconds."""
         import torch._dynamo  # noqa: F401  (the engine's first deterministic-mode call imports it: ~1.4 s)
 
-        import trainer.engine  # noqa: F401  (the import is the work)
+        import chaos.injector  # noqa: F401  (the import is the work)
+        import ckpt.peer_storage  # noqa: F401
+        import orchestrator.rank.loop  # noqa: F401
+        import orchestrator.rank.snapshots  # noqa: F401
+        import orchestrator.rank.state  # noqa: F401
+        import trainer.engine  # noqa: F401
+        import trainer.memory_probe  # noqa: F401
         import trainer.model  # noqa: F401
 
         return self.ping()
