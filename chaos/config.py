@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from chaos.durations import Seconds
+from chaos.durations import PositiveSeconds, Seconds
 
 FaultKind = Literal[
     "kill_rank",  # SIGKILL the rank's process
@@ -66,14 +66,14 @@ class FaultSpec(_Strict):
     rank: int | None = Field(None, ge=0, validate_default=True, description="target rank (rank-level kinds)")
     node: str | None = Field(None, min_length=1, description="target node (Ray node id or IP)")
     at_step: int | None = Field(None, ge=0, description="fire during this global step")
-    at_seconds: Seconds | None = Field(None, ge=0.0, description="fire this long after the job starts")
+    at_seconds: Seconds | None = Field(None, description="fire this long after the job starts")
     at_point: str | None = Field(
         None, pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", description="fire at a named point, e.g. ckpt.commit"
     )
     factor: float | None = Field(None, gt=1.0, description="slow_rank: step-time multiplier")
-    delay_s: Seconds | None = Field(None, gt=0.0, description="storage_latency: added seconds per I/O call; "
+    delay_s: PositiveSeconds | None = Field(None, description="storage_latency: added seconds per I/O call; "
                                     "slow_rank: added seconds in step at_step (each generation's first without it)")
-    duration_s: Seconds | None = Field(None, gt=0.0, description="how long a slow/latency/error fault lasts")
+    duration_s: PositiveSeconds | None = Field(None, description="how long a slow/latency/error fault lasts")
     message: str = Field("injected fault", description="raise: the injected exception's message")
     repeat: bool = Field(False, description="fire every time the trigger is met (a crash loop, a flaky store), "
                          "not only once per job")
@@ -186,9 +186,9 @@ class ChaosConfig(_Strict):
 
     faults: list[FaultSpec] = Field(default_factory=list, description="scripted faults, each with one trigger "
                                     "(at_step, at_seconds or at_point)")
-    mtbf_s: Seconds | None = Field(None, gt=0.0, description="random failures: mean time between failures per target")
+    mtbf_s: PositiveSeconds | None = Field(None, description="random failures: mean time between failures per target")
     mtbf_kind: RandomKind = Field("kill_node", description="random failures: what fails")
-    mtbf_start_s: Seconds = Field(0.0, ge=0.0, description="random failures: none before this many job seconds")
+    mtbf_start_s: Seconds = Field(0.0, description="random failures: none before this many job seconds")
     mtbf_max_faults: int | None = Field(None, ge=1, description="random failures: at most this many")
     seed: int = Field(0, description="seed of the random failures' times and targets (a run replays exactly)")
 

@@ -44,9 +44,17 @@ _INTERVAL_SCHEMA = {"anyOf": [{"enum": ["young", "young-daly"]}, {"type": "numbe
                               {"type": "string", "pattern": r"^\s*\d+\s*steps?\s*$|^\s*\d+(\.\d*)?\s*[smh]\s*$"}]}
 
 
+class _BadInterval(str):
+    """A spelled-out interval the section's before-validator refused, carrying its message: it is
+    left in the `interval` field so that the field validator raises it and the error names
+    `checkpoint.interval` (an error raised by the section's validator names only the section)."""
+
+
 def _interval(value: Any) -> Any:
     # Checked before the union is tried so that the user gets one message, not one per
     # union member ("should be 'young'" and "should be a valid number").
+    if isinstance(value, _BadInterval):
+        raise ValueError(str(value))
     if value in ("young", "young-daly"):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -61,7 +69,8 @@ def spelled_cadence(data: Any, seconds_field: str) -> Any:
     """The section's data with `interval: 500 steps` moved to `every_steps: 500`, and `interval: 90s`
     (or 10m, 1h) to `seconds_field` as seconds. TorchTitan's `checkpoint.interval: 500` counts
     steps while a bare number here counts seconds, so the unit can be written out instead.
-    Called by the sections' before-validators; anything else passes on unchanged."""
+    Called by the sections' before-validators; anything else passes on unchanged, and a spelled-out
+    interval that is wrong stays in `interval` as a `_BadInterval` for the field validator to report."""
     text = data.get("interval") if isinstance(data, dict) else None
     if not isinstance(text, str) or text in ("young", "young-daly"):
         return data
@@ -71,10 +80,11 @@ def spelled_cadence(data: Any, seconds_field: str) -> Any:
     field = "every_steps" if steps else seconds_field
     value = int(steps.group(1)) if steps else float(duration.group(1)) * _UNIT_S[duration.group(2)]
     if value <= 0:
-        raise ValueError(f"interval {text!r} must be positive: {INTERVAL_FORMS}")
+        return {**data, "interval": _BadInterval(f"{text!r} must be positive: {INTERVAL_FORMS}")}
     given = [k for k in ("every_steps", "every_seconds") if data.get(k) is not None]
     if given:
-        raise ValueError(f"interval {text!r} and {given[0]}: {data[given[0]]} both give the cadence; keep one")
+        return {**data, "interval": _BadInterval(f"{text!r} and {given[0]}: {data[given[0]]} both give the "
+                                                 "cadence; keep one")}
     rest = {k: v for k, v in data.items() if k != "interval"}
     return {**rest, field: value}
 

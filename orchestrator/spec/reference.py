@@ -98,11 +98,13 @@ def _constraints(info: FieldInfo) -> str:
         for kind, attr, text in _BOUNDS:
             if isinstance(item, kind):
                 found.append(text.format(getattr(item, attr)))
-    # Constraints on a mapping's values (`dict[str, Annotated[float, Field(ge=0)]]`) apply per value.
+    # Constraints on a mapping's values (`dict[str, Annotated[float, Field(ge=0)]]`) apply per value;
+    # those of an optional bounded type (`PositiveSeconds | None`) to the value itself.
+    each = "" if get_origin(info.annotation) in (Union, types.UnionType) else "each "
     for arg in get_args(info.annotation):
         if get_origin(arg) is Annotated:
             inner = FieldInfo.from_annotation(arg)
-            found += [f"each {c}" for c in _constraints(inner).split(", ") if c]
+            found += [f"{each}{c}" for c in _constraints(inner).split(", ") if c]
     return ", ".join(found)
 
 

@@ -62,6 +62,33 @@ def test_spec_schema_is_json_schema_that_takes_the_examples_and_refuses_bad_yaml
     assert list(validator.iter_errors({**spelled, "checkpoint": {"url": "s3://b/p", "interval": "often"}}))
 
 
+def _keywords(node) -> set[str]:
+    """Every keyword used in a schema: the keys of each schema object, not of `properties`,
+    `$defs` (names) or `default` (data)."""
+    if isinstance(node, list):
+        return set().union(*map(_keywords, node))
+    if not isinstance(node, dict):
+        return set()
+    found = set(node)
+    for key, value in node.items():
+        if key in ("properties", "$defs"):
+            found |= set().union(*map(_keywords, value.values()))
+        elif key != "default":
+            found |= _keywords(value)
+    return found
+
+
+def test_spec_schema_uses_only_json_schema_keywords(capsys):
+    # pydantic copies a Field bound it cannot place into a replaced schema as "gt" or "ge", which
+    # JSON Schema ignores: an editor would accept `mtbf_s: 0`.
+    assert main(["spec", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    known = set(Draft202012Validator.VALIDATORS) | {"$schema", "$defs", "title", "description", "default"}
+    assert _keywords(schema) - known == set()
+    mtbf = schema["$defs"]["ChaosConfig"]["properties"]["mtbf_s"]
+    assert list(Draft202012Validator(mtbf).iter_errors(0)) and not list(Draft202012Validator(mtbf).iter_errors("5s"))
+
+
 def test_spec_markdown_prints_the_reference(capsys):
     assert main(["spec", "--markdown"]) == 0
     assert capsys.readouterr().out == markdown()
@@ -86,11 +113,13 @@ def test_a_bare_number_interval_is_seconds_and_the_note_says_how_to_write_steps(
 @pytest.mark.parametrize("checkpoint, fragment", [
     ({"interval": "500 stepz"}, "the unit spelled out: '500 steps', '90s'"),
     ({"interval": "0 steps"}, "must be positive"),
-    ({"interval": "5 steps", "every_seconds": 3}, "both give the cadence; keep one")])
-def test_a_wrong_interval_says_how_to_write_it(checkpoint, fragment):
+    ({"interval": "5 steps", "every_seconds": 3}, "both give the cadence; keep one"),
+    ({"memory": {"interval": "0s"}}, "must be positive")])
+def test_a_wrong_interval_says_how_to_write_it_and_names_the_field(checkpoint, fragment):
     with pytest.raises(SpecError) as err:
         _spec(**checkpoint)
-    assert any(p.field.startswith("checkpoint") and fragment in p.message for p in err.value.problems), err.value
+    field = "checkpoint.memory.interval" if "memory" in checkpoint else "checkpoint.interval"
+    assert [(p.field, fragment in p.message) for p in err.value.problems] == [(field, True)], err.value
 
 
 def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
