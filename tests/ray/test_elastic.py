@@ -41,6 +41,9 @@ def test_warm_spare_takes_over_a_killed_rank(ray_cluster, tmp_path, reference):
     assert report["final_loss"] == reference["final_loss"]
 
 
+# Shrink and grow back stay in the default suite through node loss
+# (tests/ray/test_node_loss.py) and a rank kill that shrinks (tests/ray/test_chaos_cmd.py).
+@pytest.mark.heavy
 def test_shrink_without_replacement_then_grow_back(ray_cluster, tmp_path, reference):
     # replace_timeout_s=0: a new actor cannot be up in time, so dp shrinks 4 -> 2 (the largest
     # degree that divides 16 samples into microbatches of 2); the late replacement then warms
