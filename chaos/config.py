@@ -187,7 +187,9 @@ class ChaosConfig(_Strict):
     faults: list[FaultSpec] = Field(default_factory=list, description="scripted faults, each with one trigger "
                                     "(at_step, at_seconds or at_point)")
     mtbf_s: PositiveSeconds | None = Field(None, description="random failures: mean time between failures per target")
-    mtbf_kind: RandomKind = Field("kill_node", description="random failures: what fails")
+    mtbf_kind: RandomKind = Field("kill_node", description="random failures: what fails; when this key is "
+                                 "absent, `undying chaos` without --kind uses kill_rank on a one-node cluster "
+                                 "(a node kill there would kill the controller)")
     mtbf_start_s: Seconds = Field(0.0, description="random failures: none before this many job seconds")
     mtbf_max_faults: int | None = Field(None, ge=1, description="random failures: at most this many")
     seed: int = Field(0, description="seed of the random failures' times and targets (a run replays exactly)")

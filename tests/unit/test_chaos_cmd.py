@@ -172,3 +172,27 @@ def test_random_node_kills_never_target_the_controllers_node(tmp_path):
     spec = _spec(tmp_path, chaos={"mtbf_s": 5, "mtbf_kind": "kill_node"})  # every fake rank runs on "head"
     report = _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, []).run()
     assert report.status == "failed" and "would kill the controller" in report.error and not report.failures
+
+
+def test_without_kind_one_node_gets_rank_kills_and_several_nodes_keep_node_kills(tmp_path, capsys, monkeypatch):
+    from orchestrator.cli.chaos.default_kind import with_default_kind
+    from orchestrator.spec.job_spec import load_spec
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    kinds = []
+
+    class KindRecorder(FakeRunner):
+        def __call__(self, spec, **kw):
+            kinds.append(spec.chaos.mtbf_kind)
+            return super().__call__(spec, **kw)
+
+    args = _args(tmp_path)
+    args.kind = None
+    assert chaos_main(args, runner=KindRecorder()) == EXIT_OK  # no --address: embedded Ray, one node
+    # kinds[0] is the reference run's, chaos off
+    assert kinds[1:] == ["kill_rank"] and "random failures are kill_rank" in capsys.readouterr().out
+    spec = load_spec("examples/demo.yaml", ["chaos.mtbf_s=30s"])
+    assert with_default_kind(spec, "ray://head:10001", nodes_of=lambda _: 3).chaos.mtbf_kind == "kill_node"
+    assert with_default_kind(spec, "ray://head:10001", nodes_of=lambda _: None) is spec  # unreachable: the run says
+    given = load_spec("examples/demo.yaml", ["chaos.mtbf_s=30s", "chaos.mtbf_kind=kill_node"])
+    assert with_default_kind(given, None).chaos.mtbf_kind == "kill_node"  # asked for: kept (the controller refuses)

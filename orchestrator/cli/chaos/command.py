@@ -55,7 +55,8 @@ def add_chaos_parser(sub) -> None:
                                      "`chaos sweep` measures goodput per checkpoint interval")
     p.add_argument("words", nargs="+", metavar="[sweep] JOB.yaml", help="job spec YAML, after `sweep` for a sweep")
     p.add_argument("--mtbf", help="chaos.mtbf_s: mean time between failures of each target, e.g. 30s, 5m")
-    p.add_argument("--kind", choices=KINDS, help="chaos.mtbf_kind: what fails (default: the spec's, kill_node)")
+    p.add_argument("--kind", choices=KINDS, help="chaos.mtbf_kind: what fails (default: the spec's; "
+                   "if it names none, kill_rank on one node, as on the embedded local Ray, else kill_node)")
     p.add_argument("--seed", type=int, help="chaos.seed: the failure process's seed")
     p.add_argument("--start", help="chaos.mtbf_start_s: no random failure before this many job seconds")
     p.add_argument("--max-faults", type=int, help="chaos.mtbf_max_faults: at most this many random failures")
@@ -89,6 +90,9 @@ def chaos_main(args, runner: Runner | None = None) -> int:
         return EXIT_USAGE
     try:
         spec = _load(words[0], args)
+        from orchestrator.cli.chaos.default_kind import with_default_kind
+
+        spec = with_default_kind(spec, args.address)
         if sweep:
             from orchestrator.cli.chaos.sweep import parse_intervals, parse_levels
 
