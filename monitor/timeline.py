@@ -1,7 +1,12 @@
 """The run timeline PNG: loss over steps, the job's events over time, and where the time went.
 
-Protocol. Called once per run, after the `RunReport` is built (`undying run` at the end of a
-job, `undying chaos` per experiment); it only reads the report. matplotlib is an optional
+Protocol. Called once per run, after the `RunReport` is built (`undying run --timeline` at the
+end of a job, `undying chaos` after its faulty run, `undying report` from an event log); it only
+reads the report. `timeline_figure` draws the figure and returns it (tests inspect its artists);
+`plot_timeline` draws and saves it. Every failure is three markers on the events panel, each with
+its gid: the fault itself (`fault`, a triangle at the top, when its time is known: an injected
+fault's is), its detection (`detection`, a line) and the return to training (`recovery`, a
+triangle at the bottom, the span from detection shaded). matplotlib is an optional
 dependency (`undying[plot]`), imported inside `plot_timeline` so the core never needs it.
 The figure is drawn on an Agg canvas directly, without pyplot, so no global backend or
 figure registry is touched and it is safe beside other users of matplotlib in the process.
@@ -29,24 +34,34 @@ BUCKET_COLORS = {
     "other": "#8c564b",
 }
 _FAILURE_COLOR = "#d62728"
+_FAULT_COLOR = "#7b0000"
+_RECOVERY_COLOR = "#2ca02c"
 _CHECKPOINT_COLOR = "#1f77b4"
 
 
-def plot_timeline(report: RunReport, path: str | os.PathLike) -> None:
-    """Write the timeline of `report` as a PNG to a local `path` (parent directory created)."""
+def plot_timeline(report: RunReport, path: str | os.PathLike, title: str | None = None) -> None:
+    """Write the timeline of `report` as a PNG to a local `path` (parent directory created);
+    `title`, when given, is a first line above the job's status (`undying chaos`: the faults)."""
+    fig = timeline_figure(report, title)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, format="png", dpi=100)
+
+
+def timeline_figure(report: RunReport, title: str | None = None):
+    """The timeline of `report` as a matplotlib Figure on an Agg canvas (not saved)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 8), layout="constrained")
     FigureCanvasAgg(fig)
     loss_ax, events_ax, goodput_ax = fig.subplots(3, 1, height_ratios=[3, 2, 1])
-    fig.suptitle(f"{report.job}: {report.status}, goodput {100 * report.goodput.ratio:.1f}%")
+    status = f"{report.job}: {report.status}, goodput {100 * report.goodput.ratio:.1f}%"
+    fig.suptitle(f"{title}\n{status}" if title else status)
     _plot_loss(loss_ax, report)
     _plot_events(events_ax, report)
     _plot_goodput(goodput_ax, report)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, format="png", dpi=100)
+    return fig
 
 
 def _plot_loss(ax, report: RunReport) -> None:
@@ -79,13 +94,7 @@ def _plot_events(ax, report: RunReport) -> None:
         sizes = [w.world_size for w in report.world_history]
         ax.step(times, [*sizes, sizes[-1]], where="post", color="black", lw=1)
         ax.set_ylim(0, 1.2 * max(sizes))  # headroom so the line at the top stays visible
-    for i, failure in enumerate(report.failures):
-        ax.axvline(failure.time, color=_FAILURE_COLOR, lw=1.5, label="failure" if i == 0 else None)
-        if failure.recovered_after_s is not None:
-            end = failure.time + failure.recovered_after_s
-            ax.axvspan(
-                failure.time, end, color=_FAILURE_COLOR, alpha=0.15, label="recovery" if i == 0 else None
-            )
+    _mark_failures(ax, report)
     for i, ckpt in enumerate(report.checkpoints):
         ax.axvline(
             ckpt.committed_at, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None
@@ -99,6 +108,33 @@ def _plot_events(ax, report: RunReport) -> None:
         tput.plot([p.time for p in timed], [p.tokens_per_s for p in timed], ".", ms=2, color="#2ca02c")
         tput.set_ylabel("tokens/s", color="#2ca02c")
         tput.set_ylim(0, 1.2 * max(p.tokens_per_s for p in timed))
+
+
+def _mark_failures(ax, report: RunReport) -> None:
+    """Each failure's fault (when its time is known), detection and recovery, with gids (module doc).
+    The fault and its detection are often milliseconds apart, so they differ in shape, not only place."""
+    top_bottom = ax.get_xaxis_transform()  # x in job seconds, y in axes fractions
+    first = {"fault": True, "detection": True, "recovery": True}
+
+    def label(name: str, text: str) -> str | None:
+        shown, first[name] = first[name], False
+        return text if shown else None
+
+    for failure in report.failures:
+        if failure.detected_after_s is not None:
+            at = failure.time - failure.detected_after_s
+            ax.plot([at], [0.97], "v", ms=9, color=_FAULT_COLOR, transform=top_bottom, clip_on=False,
+                    gid="fault", label=label("fault", "fault"))
+            who = f" r{failure.rank}" if failure.rank is not None else ""
+            ax.annotate(f"{failure.kind}{who}", (at, 0.97), xycoords=top_bottom, xytext=(4, -4),
+                        textcoords="offset points", fontsize="x-small", va="top", color=_FAULT_COLOR)
+        ax.axvline(failure.time, color=_FAILURE_COLOR, lw=1.5, gid="detection",
+                   label=label("detection", "detected"))
+        if failure.recovered_after_s is not None:
+            end = failure.time + failure.recovered_after_s
+            ax.axvspan(failure.time, end, color=_FAILURE_COLOR, alpha=0.15)
+            ax.plot([end], [0.03], "^", ms=9, color=_RECOVERY_COLOR, transform=top_bottom, clip_on=False,
+                    gid="recovery", label=label("recovery", "training again"))
 
 
 def _plot_goodput(ax, report: RunReport) -> None:

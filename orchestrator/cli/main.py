@@ -172,12 +172,16 @@ def _validate(args) -> int:
 
 
 def _run(args) -> int:
+    from orchestrator.cli.extras import plot_problems
     from orchestrator.spec.job_spec import Problem, SpecError
 
     try:
         spec = _load(args)
     except SpecError as err:
         print_problems(err.problems)
+        return EXIT_USAGE
+    if problems := plot_problems({"--timeline": args.timeline}):  # before Ray, not after the run
+        print_problems(problems)
         return EXIT_USAGE
     for note in cadence_notes(spec):
         print(f"undying: note: {note}", file=sys.stderr)

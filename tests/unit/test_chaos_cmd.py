@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from monitor.report import GoodputSummary, RunReport, WorldRecord
+from monitor.report import FailureRecord, GoodputSummary, RunReport, WorldRecord
 from orchestrator.cli.chaos.command import chaos_main
 from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.cli.chaos.runs import RunOutcome
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from orchestrator.cli.main import _parser
+from orchestrator.cli.main import _parser, main
 from tests._checkpoints import save_checkpoint
 
 STEPS = 4
@@ -54,7 +54,7 @@ def _args(tmp_path, *extra: str):
     return _parser().parse_args(["chaos", "examples/demo.yaml", "--mtbf", "30s", "--kind", "kill_rank",
                                  "--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--set", f"train.steps={STEPS}",
                                  "--set", "name=unit", "--set", "chaos.faults=[]",
-                                 "--report", str(tmp_path / "out.json"), *extra])
+                                 "--report", str(tmp_path / "out.json"), "--timeline", str(tmp_path / "t.png"), *extra])
 
 
 def test_every_check_passes_and_the_report_holds_them(tmp_path, capsys):
@@ -196,3 +196,35 @@ def test_without_kind_one_node_gets_rank_kills_and_several_nodes_keep_node_kills
     assert with_default_kind(spec, "ray://head:10001", nodes_of=lambda _: None) is spec  # unreachable: the run says
     given = load_spec("examples/demo.yaml", ["chaos.mtbf_s=30s", "chaos.mtbf_kind=kill_node"])
     assert with_default_kind(given, None).chaos.mtbf_kind == "kill_node"  # asked for: kept (the controller refuses)
+
+
+def test_the_faulty_run_leaves_a_timeline_png_whose_path_is_printed(tmp_path, capsys):
+    class Failing(FakeRunner):  # the chaos run's report holds one injected, recovered failure
+        def __call__(self, spec, **kw):
+            outcome = super().__call__(spec, **kw)
+            failure = FailureRecord(time=3.0, kind="kill_rank", rank=1, detected_after_s=0.1, recovered_after_s=1.0)
+            outcome.report.failures.append(failure)
+            return outcome
+
+    assert chaos_main(_args(tmp_path), runner=Failing()) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"timeline (faults, detections, recoveries) written to {tmp_path / 't.png'}" in out
+    assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_without_matplotlib_a_given_png_flag_exits_2_before_anything_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a core install without undying[plot] has
+    runner = FakeRunner()
+    assert chaos_main(_args(tmp_path), runner=runner) == EXIT_USAGE and runner.names == []
+    assert "--timeline:" in capsys.readouterr().err  # named, with the extra: pip install 'undying[plot]'
+    sweep = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s",
+                                  "--plot", str(tmp_path / "s.png"), "--set", f"checkpoint.url=file://{tmp_path}/c"])
+    assert chaos_main(sweep, runner=runner) == EXIT_USAGE and runner.names == []
+    assert "--plot: writing" in capsys.readouterr().err
+    assert main(["run", "examples/demo.yaml", "--timeline", str(tmp_path / "r.png"),
+                 "--set", f"checkpoint.url=file://{tmp_path}/r"]) == EXIT_USAGE
+    assert "pip install 'undying[plot]'" in capsys.readouterr().err
+    args = _args(tmp_path)
+    args.timeline = None  # not asked for: the run goes ahead and says why there is no PNG
+    assert chaos_main(args, runner=runner) == EXIT_OK and runner.names == ["unit.reference", "unit"]
+    assert "no timeline PNG of this run: matplotlib is not installed" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """`undying chaos`: run a job under random failures and check the invariants; or sweep checkpoint intervals.
 
     undying chaos JOB.yaml [--mtbf 30s] [--kind kill_rank|kill_node|hang_rank] [--seed 1] [--start 10s]
-                  [--max-faults N] [--set k=v ...] [--address ADDR] [--report out.json] [--no-reference] [--fresh]
+                  [--max-faults N] [--set k=v ...] [--address ADDR] [--report out.json] [--timeline PNG]
+                  [--no-reference] [--fresh]
     undying chaos sweep JOB.yaml --mtbf 60s --intervals 5s,10s,20s,40s,young [--seed 1] --plot sweep.png
                   [--levels storage,two-level] [--step-s S] [--out sweep.json]
 
@@ -13,7 +14,8 @@ mtbf_max_faults; `--set` edits any other field.
 Protocol of one experiment (orchestrator.cli.chaos.experiment): unless --no-reference, the same job with chaos
 off runs first under the name `<name>.reference` (a finished reference with the same spec is
 reused: it is deterministic); then the job runs with its faults; then every invariant check
-runs on what it left and the pass/fail table is printed. A checkpoint root that already holds
+runs on what it left and the pass/fail table is printed, and the run's timeline PNG is written
+(orchestrator.cli.chaos.timeline). A checkpoint root that already holds
 checkpoints of another run is refused (a chaos run must start from scratch), unless --fresh,
 which deletes it first. Rank PIDs are taken from the ranks' own answers to the controller's
 pings (every actor of the run answers one before it trains) by recording them on the worker
@@ -64,6 +66,8 @@ def add_chaos_parser(sub) -> None:
                    help="override a spec field, e.g. --set train.steps=200 (repeatable)")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
     p.add_argument("--report", help="write the run report with the invariant results (JSON) here")
+    p.add_argument("--timeline", help="PNG of the faulty run, every fault, detection and recovery marked "
+                   "(default: NAME.chaos-timeline.png in this directory when matplotlib is installed)")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free run (no model comparison)")
     p.add_argument("--fresh", action="store_true", help="delete the runs' checkpoint roots first")
     p.add_argument("--intervals", help="sweep: checkpoint intervals, e.g. 5s,10s,20s,40s,young")
@@ -88,6 +92,9 @@ def chaos_main(args, runner: Runner | None = None) -> int:
         print("undying chaos: --intervals, --levels, --plot, --out and --step-s belong to `undying chaos sweep`",
               file=sys.stderr)
         return EXIT_USAGE
+    if sweep and args.timeline:
+        print("undying chaos: --timeline belongs to a single experiment; a sweep plots with --plot", file=sys.stderr)
+        return EXIT_USAGE
     try:
         spec = _load(words[0], args)
         from orchestrator.cli.chaos.default_kind import with_default_kind
@@ -98,6 +105,10 @@ def chaos_main(args, runner: Runner | None = None) -> int:
 
             intervals = parse_intervals(args.intervals or "")
             levels = parse_levels(args.levels, spec)
+        from orchestrator.cli.extras import plot_problems
+
+        if problems := plot_problems({"--plot": args.plot} if sweep else {"--timeline": args.timeline}):
+            raise SpecError(problems)
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
@@ -149,6 +160,9 @@ def experiment_main(spec, args, runner: Runner) -> int:
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
+    from orchestrator.cli.chaos.timeline import timeline_path, write_timeline
+
+    png = timeline_path(spec, args.timeline)
     print(f"undying chaos: {describe_faults(spec)}", flush=True)
     outcome = run_with_report(runner, spec, args.address)
     if outcome.code == EXIT_USAGE:
@@ -166,6 +180,8 @@ def experiment_main(spec, args, runner: Runner) -> int:
             "rank_pids": outcome.pids, "measured_wall_s": outcome.wall_s})
         write_json(args.report, data)
         print(f"report written to {args.report}")
+    if png and outcome.report is not None:
+        write_timeline(outcome.report, png, describe_faults(spec))
     ok = outcome.code == EXIT_OK and checks.ok
     verdict = "every check passed" if checks.ok else f"{len(checks.failed)} check(s) FAILED"
     print(f"undying chaos: run {'succeeded' if outcome.code == EXIT_OK else 'FAILED'}; {verdict}", flush=True)
