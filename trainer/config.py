@@ -252,6 +252,9 @@ class ParallelConfig(_Strict):
     """The 3D layout: world size = dp * tp * pp ranks."""
 
     dp: int = Field(1, gt=0, description="data-parallel replicas")
+    dp_replicate: int = Field(1, gt=0, description="HSDP: the dp ranks form this many replicas, each sharding the "
+                              "state over dp / dp_replicate ranks (zero 2 or 3; gradients all-reduced across "
+                              "replicas); 1: shard over all dp ranks")
     tp: int = Field(1, gt=0, description="tensor-parallel ranks per replica (split heads, MLP width, vocabulary)")
     pp: int = Field(1, gt=0, description="pipeline stages per replica")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage over dp: 1 shards optimizer state, 2 gradients "
@@ -270,3 +273,22 @@ class ParallelConfig(_Strict):
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one replica shards the state over (HSDP); dp when dp_replicate is 1."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def dp_unit(self) -> int:
+        """dp indices that elastic shrinking and growing drop or add together: one HSDP replica
+        (dp / dp_replicate), else 1."""
+        return self.dp_shard if self.dp_replicate > 1 else 1
+
+    def with_dp(self, dp: int) -> ParallelConfig:
+        """This layout at another (elastic) dp: an HSDP layout keeps its shard size and changes
+        its replica count, so dp must be a multiple of it (the controller's scaling policy)."""
+        if self.dp_replicate == 1:
+            return self.model_copy(update={"dp": dp})
+        assert dp % self.dp_shard == 0, f"dp={dp} is not whole replicas of {self.dp_shard} ranks"
+        return self.model_copy(update={"dp": dp, "dp_replicate": dp // self.dp_shard})

@@ -3,8 +3,11 @@
 A rank's piece of a parameter is described by the placements of its local tensor on the
 (dp, tp) grid: a TP split (DTensor on the tp mesh), an FSDP shard (DTensor on the dp mesh, or
 on the 2D dp x tp mesh, where FSDP2 shards the TP shard again with _StridedShard), or
-nothing (a plain tensor). torch's `compute_local_shape_and_global_offset` turns placements
-into (offsets, lengths) in the logical tensor, uneven shards included. Every grid dimension
+nothing (a plain tensor). Under HSDP the grid's dp splits into (dp_replicate, dp_shard), the
+dim names of FSDP2's 2-D mesh, whose placements are (Replicate(), Shard(0)): the shard is
+the same in every replica, so each replica's copy counts as one more holder.
+torch's `compute_local_shape_and_global_offset` turns placements into (offsets, lengths) in
+the logical tensor, uneven shards included. Every grid dimension
 on which the piece is *not* sharded replicates it: the ranks that differ only there hold the
 identical slice, and each reports its index among them (`replica` of `replicas`), so DDP
 replicas, TP-replicated norm gains and ZeRO-1 parameters are stored once.
@@ -62,6 +65,16 @@ class Grid:
         return replica, replicas
 
 
+def make_grid(dp_rank: int, dp_size: int, tp_rank: int, tp_size: int, dp_replicate: int = 1) -> Grid:
+    """The rank's grid: (dp, tp), or (dp_replicate, dp_shard, tp) under HSDP (module docstring)."""
+    if dp_replicate == 1:
+        return Grid(coords={"dp": dp_rank, "tp": tp_rank}, sizes={"dp": dp_size, "tp": tp_size})
+    shard_size = dp_size // dp_replicate
+    replica, shard = divmod(dp_rank, shard_size)
+    return Grid(coords={"dp_replicate": replica, "dp_shard": shard, "tp": tp_rank},
+                sizes={"dp_replicate": dp_replicate, "dp_shard": shard_size, "tp": tp_size})
+
+
 def geometry(global_shape: tuple[int, ...], spec: tuple | None, grid: Grid, replicate_over=GRID) -> Geometry:
     """Where this rank's local tensor sits in the logical one; `spec` = (mesh, placements) or None.
 
@@ -76,15 +89,20 @@ def geometry(global_shape: tuple[int, ...], spec: tuple | None, grid: Grid, repl
         lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
         names = mesh.mesh_dim_names
         sharded = {names[i] for i, p in enumerate(placements) if not isinstance(p, Replicate)}
-    dims = [dim for dim in GRID if dim in replicate_over and dim not in sharded]
+    dims = [dim for dim in grid.sizes if _counts(dim, replicate_over) and dim not in sharded]
     replica, replicas = grid.replication(dims)
     return Geometry(shape, tuple(offsets), tuple(lengths), replica, replicas)
 
 
 def scalar_geometry(grid: Grid, replicate_over=GRID) -> Geometry:
     """A per-parameter scalar (AdamW's step) that every holder of the parameter's state keeps."""
-    replica, replicas = grid.replication([dim for dim in GRID if dim in replicate_over])
+    replica, replicas = grid.replication([dim for dim in grid.sizes if _counts(dim, replicate_over)])
     return Geometry((), (), (), replica, replicas)
+
+
+def _counts(dim: str, replicate_over) -> bool:
+    # HSDP's two data-parallel dims count wherever "dp" does
+    return dim in replicate_over or (dim.startswith("dp_") and "dp" in replicate_over)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ from trainer.data_parallel import (
     localize_dtensor_params,
     wrap_ddp,
 )
-from trainer.dtensor_slices import Grid, ParamLayout, dtensor_spec, geometry, local, scalar_geometry
+from trainer.dtensor_slices import ParamLayout, dtensor_spec, geometry, local, make_grid, scalar_geometry
 from trainer.engine_pipeline import LocalChunks, build_pipeline
 from trainer.engine_state import STATE_FORMAT, EngineState
 from trainer.evaluation import padded_microbatches, shard_windows
@@ -79,7 +79,7 @@ from trainer.recompute import apply_recompute
 from trainer.scaler import LossScaler
 from trainer.seeding import derive_seed
 from trainer.tensor_parallel import apply_tensor_parallel, loss_context, pad_to_multiple
-from trainer.topology import Topology, build_mesh
+from trainer.topology import Topology, build_mesh, fsdp_mesh
 
 FAULT_POINTS = ("before_step", "after_forward", "in_allreduce", "after_backward", "after_optimizer_step")
 __all__ = ["FAULT_POINTS", "STATE_FORMAT", "Engine", "StepResult", "check_layout"]
@@ -133,7 +133,7 @@ class Engine(EngineState):
         self.model_config, self.data_config = model, data
         self.train_config, self.parallel_config = train, parallel
         self.rank, self.world_size = rank, world_size
-        self.topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp)
+        self.topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp, dp_replicate=parallel.dp_replicate)
         coords = self.topology.coords(rank)
         self.dp_rank, self.dp_size = coords.dp, parallel.dp
         self.pp_rank, self.pp_size = coords.pp, parallel.pp
@@ -178,7 +178,7 @@ class Engine(EngineState):
             apply_tensor_parallel(self.model, self.mesh["tp"], self.sequence_parallel)
         apply_recompute(self.model, pc.recompute)
         if self._fsdp:
-            apply_fsdp(self.model, self.mesh["dp"], pc.zero, self.train_config.precision)
+            apply_fsdp(self.model, fsdp_mesh(self.mesh, pc.dp_replicate), pc.zero, self.train_config.precision)
             return tp_specs
         if pc.tp > 1:
             tp_specs = localize_dtensor_params(self.model)
@@ -188,7 +188,7 @@ class Engine(EngineState):
 
     def _describe(self, tp_specs: dict) -> list[ParamLayout]:
         """Where each parameter's pieces of state sit on the (dp, tp) grid (trainer.dtensor_slices)."""
-        grid = Grid(coords={"dp": self.dp_rank, "tp": self.tp_rank}, sizes={"dp": self.dp_size, "tp": self.tp_size})
+        grid = make_grid(self.dp_rank, self.dp_size, self.tp_rank, self.tp_size, self.parallel_config.dp_replicate)
         owner = getattr(self.optimizer, "_param_to_rank", None) if self._zero1 else None
         layouts = []
         if isinstance(self.model, LocalChunks):

@@ -29,6 +29,7 @@ from trainer.pipeline import PipelineRunner, stage_examples
 from trainer.recompute import apply_recompute
 from trainer.stages import Chunk, StageModel, build_stage, local_chunks, placement_of, split_layers
 from trainer.tensor_parallel import apply_tensor_parallel
+from trainer.topology import fsdp_mesh
 
 
 def virtual_stages_of(parallel: ParallelConfig) -> int:
@@ -101,7 +102,7 @@ def build_pipeline(model: ModelConfig, data: DataConfig, train: TrainConfig, par
             stage.seq_split = parallel.tp if sp else 1
         apply_recompute(stage, parallel.recompute)
         if fsdp:
-            apply_fsdp(stage, mesh["dp"], parallel.zero, train.precision)
+            apply_fsdp(stage, fsdp_mesh(mesh, parallel.dp_replicate), parallel.zero, train.precision)
         else:
             if parallel.tp > 1:
                 tp_specs.update(localize_dtensor_params(stage))

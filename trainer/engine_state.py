@@ -201,7 +201,7 @@ class EngineState:
             # The schedule is a pure function of the step; its next value is informational.
             "lr": lr_at(self.next_step, tc),
             "scaler": None if self.scaler is None else self.scaler.state(),
-            "layout": {"dp": pc.dp, "tp": pc.tp, "pp": pc.pp, "zero": pc.zero,
+            "layout": {"dp": pc.dp, "dp_replicate": pc.dp_replicate, "tp": pc.tp, "pp": pc.pp, "zero": pc.zero,
                        "micro_batch": tc.micro_batch, "world_size": self.world_size},
         }
 

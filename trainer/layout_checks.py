@@ -17,6 +17,8 @@ Refused, and why:
   * tp not dividing the heads, the key/value heads, d_ff or the vocabulary (Megatron splits
     each evenly), or sequence parallelism padding the sequence past max_seq_len;
   * a global batch that dp * micro_batch does not divide;
+  * HSDP (dp_replicate > 1) whose replica count does not divide dp, or with ZeRO 0/1: DDP
+    replicates everything, so there is nothing for a replica to shard;
   * schedule 'pipedream' at any pp: PipeDream-2BW trains on one-step-stale weights, without
     clipping or data parallelism; it is a different training rule, run by
     trainer.pipedream.PipeDream2BW, never by the engine;
@@ -59,9 +61,9 @@ class Refusal:
 def layout_refusals(model: ModelConfig, parallel: Any, seq_len: int | None = None,
                     global_batch: int | None = None, micro_batch: int | None = None) -> list[Refusal]:
     """Every reason the engine refuses this layout (module docstring), in a fixed order: the
-    tensor-parallel split, the sequence, the batch, the pipeline. Empty when it runs."""
+    tensor-parallel split, the sequence, the batch, HSDP, the pipeline. Empty when it runs."""
     return (_tensor_parallel(model, parallel, seq_len) + _sequence(model, seq_len)
-            + _batch(parallel, global_batch, micro_batch)
+            + _batch(parallel, global_batch, micro_batch) + _hsdp(parallel)
             + _pipeline(model, parallel, global_batch, micro_batch))
 
 
@@ -112,6 +114,21 @@ def _batch(parallel: Any, global_batch: int | None, micro_batch: int | None) -> 
            f"dp={parallel.dp} micro_batch={micro_batch}: global_batch {global_batch} not divisible by {per_step}")
     return [Refusal("train.global_batch", f"{global_batch} is not divisible by parallel.dp * train.micro_batch = "
                     f"{per_step}; use a multiple of {per_step} such as {nearest}", key)]
+
+
+def _hsdp(parallel: Any) -> list[Refusal]:
+    replicas, dp, zero = parallel.dp_replicate, parallel.dp, parallel.zero
+    if replicas == 1:
+        return []
+    if dp % replicas:
+        return [Refusal("parallel.dp_replicate", f"{replicas} does not divide parallel.dp = {dp} (each replica "
+                        f"shards over dp / dp_replicate ranks); use one of {_divisors(dp)}",
+                        f"dp_replicate={replicas}: does not divide dp={dp}")]
+    if zero < 2:
+        return [Refusal("parallel.zero", f"{zero} with parallel.dp_replicate = {replicas}: HSDP shards the state "
+                        "inside each replica, and ZeRO 0/1 (DDP) shards no parameters; set parallel.zero to 2 or 3, "
+                        "or parallel.dp_replicate to 1", f"dp_replicate={replicas} with zero={zero}")]
+    return []
 
 
 def _pipeline(model: ModelConfig, parallel: Any, global_batch: int | None,

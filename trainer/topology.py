@@ -19,6 +19,14 @@ sends activations every layer and needs the fastest link), a PP group strides by
 torch DeviceMesh with dims named ("dp", "pp", "tp") in that order, whose sub-meshes
 (`mesh["tp"]`, ...) are the process groups each parallelism uses; every rank of the default
 process group must call it, in the same order, because creating sub-groups is collective.
+
+HSDP (`dp_replicate` R > 1, as TorchTitan lays it out): the dp index splits into
+(replica, shard) = divmod(dp_index, dp / R), so one replica is dp / R consecutive dp indices
+(contiguous ranks: placed on as few nodes as its bundles allow, and its shard group, which
+gathers weights every microbatch, is the group that stays close). The mesh then has dims
+("dp_replicate", "dp_shard", "pp", "tp") with the first two also flattened into "dp", so
+`mesh["dp"]` is still the whole data-parallel group (batch split, loss, DDP-free token
+counts) and FSDP2 shards over `fsdp_mesh` = mesh["dp_replicate", "dp_shard"].
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MESH_DIMS = ("dp", "pp", "tp")
+HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -40,12 +49,23 @@ class Topology:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for dim in MESH_DIMS:
+        for dim in (*MESH_DIMS, "dp_replicate"):
             value = getattr(self, dim)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{dim}={value!r}: every degree must be a positive integer")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} does not divide parallel.dp={self.dp}")
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    def replica_of(self, dp_index: int) -> tuple[int, int]:
+        """(replica, index inside the replica's shard group) of a dp index (HSDP)."""
+        return divmod(dp_index, self.dp_shard)
 
     @property
     def world_size(self) -> int:
@@ -108,5 +128,15 @@ def build_mesh(topology: Topology, device_type: str = "cpu"):
     from torch.distributed.device_mesh import DeviceMesh
 
     topology.check_world(dist.get_world_size())
-    ranks = torch.arange(topology.world_size).reshape(topology.shape)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    ranks = torch.arange(topology.world_size)
+    if topology.dp_replicate == 1:
+        return DeviceMesh(device_type, ranks.reshape(topology.shape), mesh_dim_names=MESH_DIMS)
+    shape = (topology.dp_replicate, topology.dp_shard, topology.pp, topology.tp)
+    mesh = DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=HSDP_DIMS + MESH_DIMS[1:])
+    mesh[HSDP_DIMS]._flatten("dp")
+    return mesh
+
+
+def fsdp_mesh(mesh, dp_replicate: int):
+    """The mesh FSDP2 shards over: mesh["dp"], or the 2-D (replicate, shard) mesh of HSDP."""
+    return mesh[HSDP_DIMS] if dp_replicate > 1 else mesh["dp"]

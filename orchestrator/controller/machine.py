@@ -98,7 +98,8 @@ class Controller:
                                   on_receipt=self._on_receipt)
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
-                                            spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp)
+                                            spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp,
+                                            spec.parallel.dp_unit)
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log,
                                  release_timeout_s=self.timeouts.release_s, poll_s=poll_s, metrics=metrics)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).

@@ -68,20 +68,25 @@ class ScalingPolicy:
     """Which data-parallel degree to run with when ranks are lost or come back.
 
     Tensor and pipeline degrees are fixed by the model; only dp changes. A degree is valid
-    when it is at least `min_dp` and divides the global batch into whole microbatches
+    when it is at least `min_dp`, a whole number of `dp_unit`s (HSDP: one replica's dp /
+    dp_replicate ranks, which shard the state among them and are dropped or added together;
+    1 otherwise) and divides the global batch into whole microbatches
     (`global_batch % (dp * micro_batch) == 0`): the global batch stays constant and gradient
     accumulation absorbs the difference, so the loss trajectory does not depend on failures.
     """
 
-    def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1):
+    def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1,
+                 dp_unit: int = 1):
         self.target_dp = target_dp
         self.min_dp = min_dp
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.model_parallel = model_parallel  # tp * pp ranks per data-parallel replica
+        self.dp_unit = dp_unit
 
     def valid(self, dp: int) -> bool:
-        return dp >= self.min_dp and self.global_batch % (dp * self.micro_batch) == 0
+        return (dp >= self.min_dp and dp % self.dp_unit == 0
+                and self.global_batch % (dp * self.micro_batch) == 0)
 
     def best_dp(self, ranks_available: int) -> int | None:
         """The largest valid dp that `ranks_available` ranks can hold, capped at the target."""

@@ -116,11 +116,14 @@ class Recovery:
     def ranks_to_keep(self, alive: list[int], new_dp: int, dp: int) -> list[int]:
         """The `new_dp` x tp x pp live ranks that form the smaller job, in their new rank order.
 
-        Whole model-parallel groups (the tp x pp ranks of one dp replica) come first, so that
-        TP groups stay on the node they were placed on; gaps are filled with other live ranks."""
+        Whole model-parallel groups (the tp x pp ranks of one dp replica; under HSDP the
+        dp / dp_replicate such groups of one replica, consecutive ranks) come first, so that TP
+        groups and HSDP shard groups stay on the nodes they were placed on; gaps are filled with
+        other live ranks."""
         group = self.model_parallel()
-        whole = [r for start in range(0, dp * group, group)
-                 if all(m in alive for m in range(start, start + group)) for r in range(start, start + group)]
+        unit = group * self.spec.parallel.dp_unit
+        whole = [r for start in range(0, dp * group, unit)
+                 if all(m in alive for m in range(start, start + unit)) for r in range(start, start + unit)]
         rest = [r for r in alive if r not in whole]
         return (whole + rest)[:new_dp * group]
 

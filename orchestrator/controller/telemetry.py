@@ -38,7 +38,7 @@ class Telemetry:
     def on_layout(self, spec, dp: int) -> None:
         from trainer.costmodel.metrics import predicted_bubble_ratio, predicted_ledgers
 
-        now = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp": dp})})
+        now = spec.model_copy(update={"parallel": spec.parallel.with_dp(dp)})
         self.world_size = now.world_size
         self.metrics.on_memory("predicted", predicted_ledgers(now))
         self.metrics.on_bubble(predicted_bubble_ratio(now))

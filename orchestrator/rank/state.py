@@ -24,7 +24,7 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
     from trainer.engine import Engine
 
     device = "cuda" if spec.resources.gpus_per_rank > 0 else "cpu"
-    parallel = spec.parallel.model_copy(update={"dp": dp})
+    parallel = spec.parallel.with_dp(dp)
     return Engine(
         spec.model, spec.data, spec.train, parallel,
         rank=rank, world_size=world_size, device=device, fault_hook=fault_hook,

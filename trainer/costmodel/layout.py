@@ -89,11 +89,13 @@ class Layout:
     recompute: Recompute = "none"
     sequence_parallel: bool = True
     ddp_bucket_mb: float = 25.0
+    dp_replicate: int = 1  # HSDP: replicas of dp / dp_replicate ranks, each sharding the state
 
     @classmethod
     def from_spec(cls, spec: Any) -> Layout:
         par = spec.parallel
         return cls(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero, micro_batch=spec.train.micro_batch,
+                   dp_replicate=par.dp_replicate,
                    schedule=par.schedule,
                    virtual_stages=par.virtual_stages or default_virtual_stages(par.schedule),
                    recompute=par.recompute, sequence_parallel=par.sequence_parallel,
@@ -103,16 +105,22 @@ class Layout:
     def world(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def dp_shard(self) -> int:
+        """Ranks the ZeRO 2/3 state is sharded over: dp, or one HSDP replica's dp / dp_replicate."""
+        return self.dp // self.dp_replicate
+
     def microbatches(self, global_batch: int) -> int:
         """Microbatches each pipeline (each dp replica) runs per optimizer step."""
         return max(1, global_batch // (self.dp * self.micro_batch))
 
     def label(self) -> str:
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro_batch}"
+        dp = f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp}"
+        return (f"{dp} tp{self.tp} pp{self.pp} z{self.zero} mb{self.micro_batch}"
                 + ("" if self.recompute == "none" else f" rc:{self.recompute}"))
 
     def to_json(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero,
+        return {"dp": self.dp, "dp_replicate": self.dp_replicate, "tp": self.tp, "pp": self.pp, "zero": self.zero,
                 "micro_batch": self.micro_batch, "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel and self.tp > 1}
@@ -124,8 +132,10 @@ def rank_of(layout: Layout, dp_index: int, pp_index: int, tp_index: int) -> int:
 
 
 def group_stride(layout: Layout, dim: str) -> int:
-    """Distance in ranks between neighbours of a `dim` ("tp", "pp", "dp") group."""
-    return {"tp": 1, "pp": layout.tp, "dp": layout.tp * layout.pp}[dim]
+    """Distance in ranks between neighbours of a `dim` ("tp", "pp", "dp", and HSDP's "dp_shard",
+    "dp_replicate": a replica is dp_shard consecutive dp indices) group."""
+    dp = layout.tp * layout.pp
+    return {"tp": 1, "pp": layout.tp, "dp": dp, "dp_shard": dp, "dp_replicate": dp * layout.dp_shard}[dim]
 
 
 @dataclass(frozen=True)

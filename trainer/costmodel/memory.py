@@ -8,7 +8,8 @@ CUDA context and NCCL's own buffers live outside it and are `runtime_reserve_byt
 the planner subtracts from the device's capacity instead.
 
 State (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054, with W, G, O the bytes of weights,
-gradients and optimizer state on the rank and D = dp), as the engine holds it between its
+gradients and optimizer state on the rank and D = dp, or under HSDP the ranks of one replica,
+dp / dp_replicate: each replica holds a whole sharded copy), as the engine holds it between its
 gradient reduction and its optimizer step:
     stage 0  W + G + O      stage 1  W + G + O/D      stage 2  (W + G + O)/D      stage 3  (W + G + O)/D
 Stage 2 is FSDP2 with reshard_after_forward=False (trainer/data_parallel.py): the weights are
@@ -98,7 +99,7 @@ def zero_state_bytes(weights: float, grads: float, optim: float, zero: int, dp: 
 
 def m_state(work: Workload, layout: Layout, params: StageParams) -> int:
     w, g, o = (n * params.total for n in state_bytes_per_param(work.optimizer))
-    state = zero_state_bytes(w, g, o, layout.zero, layout.dp)
+    state = zero_state_bytes(w, g, o, layout.zero, layout.dp_shard)
     if layout.schedule == "pipedream" and layout.pp > 1:
         state += w  # the stashed weight version the in-flight backwards use
     return round(state)
@@ -250,7 +251,7 @@ def m_transient(work: Workload, layout: Layout, params: StageParams, activation:
     """GEMM workspace + optimizer temporaries beyond the activations (freed before the step)
     + fragmentation. GPU AdamW runs `foreach`: one moment-sized temporary (sqrt(v)) over the
     rank's optimizer shard; CPU AdamW runs per tensor: two temporaries of the largest one."""
-    opt_params = params.total / layout.dp if layout.zero >= 1 else params.total
+    opt_params = params.total / layout.dp_shard if layout.zero >= 1 else params.total
     largest = max(work.model.vocab_size * work.model.d_model // layout.tp,
                   work.model.d_model * work.model.d_ff // layout.tp)
     if work.optimizer != "adamw":
@@ -285,5 +286,6 @@ def runtime_reserve_bytes(layout: Layout, device_kind: str) -> int:
     process itself. Estimates, like M_transient."""
     if device_kind == "cpu":
         return CPU_PROCESS_BYTES
-    communicators = sum(1 for degree in (layout.dp, layout.tp, layout.pp) if degree > 1)
+    # HSDP's replicate and shard groups are one communicator each, beside the whole dp group
+    communicators = sum(1 for degree in (layout.dp, layout.tp, layout.pp) if degree > 1) + 2 * (layout.dp_replicate > 1)
     return CUDA_CONTEXT_BYTES + communicators * NCCL_COMMUNICATOR_BYTES

@@ -131,7 +131,13 @@ def _dp_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParam
     low = LOW_PRECISION_BYTES[work.precision]
     block_gathers, other_gathers = fsdp_gathers(layout, m)
     gathered = low * (block_gathers * params.block_params + other_gathers * params.other_params)
-    return ring_allgather_seconds(gathered, d, alpha, bw) + ring_allgather_seconds(grads, d, alpha, bw)
+    if layout.dp_replicate == 1:
+        return ring_allgather_seconds(gathered, d, alpha, bw) + ring_allgather_seconds(grads, d, alpha, bw)
+    # HSDP: gathers and the reduce-scatter stay inside a replica's shard group; the replicas
+    # all-reduce only their gradient shard (1/dp_shard of it), over the replicate group's link.
+    s, (alpha, bw) = layout.dp_shard, group_link(hw, layout, "dp_shard")
+    across = ring_allreduce_seconds(grads / s, layout.dp_replicate, *group_link(hw, layout, "dp_replicate"))
+    return ring_allgather_seconds(gathered, s, alpha, bw) + ring_allgather_seconds(grads, s, alpha, bw) + across
 
 
 def fsdp_gathers(layout: Layout, m: int) -> tuple[int, int]:
@@ -180,7 +186,7 @@ def _hbm_bytes(work: Workload, layout: Layout, params: StageParams, m: int, devi
     per_micro = reads * e * params.matmul_params + 2 * saved
     grads = (2 * m - 1) * 4 * params.total
     optim_bytes = 8 if work.optimizer == "adamw" else 4
-    opt_params = params.total / layout.dp if layout.zero >= 1 else params.total
+    opt_params = params.total / layout.dp_shard if layout.zero >= 1 else params.total
     return m * per_micro + grads + opt_params * (2 * 4 + 4 + 2 * optim_bytes)
 
 

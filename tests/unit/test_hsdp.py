@@ -1,0 +1,93 @@
+"""HSDP (`parallel.dp_replicate`) without processes: what the spec and the engine refuse, the
+cost model's state per rank, the (replica, shard) grid of the checkpoint slices, and elastic
+shrinking and growing by whole replicas (the controller with a fake worker group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt.storage import Storage
+from orchestrator.controller.policies import ScalingPolicy
+from orchestrator.spec.job_spec import validate_spec
+from orchestrator.spec.problems import SpecError
+from orchestrator.wire.store import RendezvousServer
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+from trainer.config import ModelConfig, ParallelConfig
+from trainer.costmodel.layout import Layout, Workload
+from trainer.costmodel.memory import ledgers
+from trainer.dtensor_slices import geometry, make_grid, scalar_geometry
+from trainer.layout_checks import layout_refusals
+from trainer.topology import Topology
+
+TINY = ModelConfig(preset="tiny")
+
+
+def _problems(parallel: dict) -> list:
+    data = {"name": "hsdp", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+            "train": {"steps": 2, "global_batch": 8}, "parallel": parallel,
+            "checkpoint": {"url": "file:///tmp/undying-hsdp-test"}}
+    with pytest.raises(SpecError) as caught:
+        validate_spec(data)
+    return caught.value.problems
+
+
+def test_the_spec_refuses_replicas_that_do_not_divide_dp_and_hsdp_without_sharding():
+    (problem,) = _problems({"dp": 4, "dp_replicate": 3, "zero": 3})
+    assert problem.field == "parallel.dp_replicate" and "use one of 1, 2, 4" in problem.message
+    for zero in (0, 1):
+        (problem,) = _problems({"dp": 4, "dp_replicate": 2, "zero": zero})
+        assert problem.field == "parallel.zero" and "set parallel.zero to 2 or 3" in problem.message
+    # the planner's layouts are refused by the same function
+    assert [r.field for r in layout_refusals(TINY, Layout(dp=4, dp_replicate=2, zero=1))] == ["parallel.zero"]
+    assert layout_refusals(TINY, Layout(dp=4, dp_replicate=2, zero=2)) == []
+
+
+def test_an_elastic_dp_keeps_the_shard_size():
+    hsdp = ParallelConfig(dp=8, dp_replicate=4, zero=3)
+    assert (hsdp.dp_shard, hsdp.dp_unit) == (2, 2)
+    assert (hsdp.with_dp(4).dp, hsdp.with_dp(4).dp_replicate, hsdp.with_dp(4).dp_shard) == (4, 2, 2)
+    assert ParallelConfig(dp=4, zero=3).with_dp(3).dp_replicate == 1  # FSDP over all of dp: any dp
+
+
+def test_state_bytes_per_rank_divide_by_one_replica():
+    work = Workload(model=TINY, seq_len=16, global_batch=8)
+    hsdp = ledgers(work, Layout(dp=4, dp_replicate=2, zero=3)).state
+    assert hsdp == ledgers(work, Layout(dp=2, zero=3)).state
+    assert hsdp == pytest.approx(2 * ledgers(work, Layout(dp=4, zero=3)).state, abs=2)
+    assert Layout(dp=4, dp_replicate=2, zero=3).label().startswith("dp2x2 ")
+
+
+def test_the_grid_splits_dp_into_replica_and_shard():
+    topology = Topology(dp=4, tp=2, dp_replicate=2)
+    assert [topology.replica_of(topology.coords(rank).dp) for rank in range(8)] == [
+        (0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 0), (1, 1), (1, 1)]
+    grid = make_grid(dp_rank=3, dp_size=4, tp_rank=1, tp_size=2, dp_replicate=2)
+    assert grid.coords == {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    # a plain tensor is held by all 8 ranks; this rank is the last of them
+    assert (geometry((4,), None, grid).replica, geometry((4,), None, grid).replicas) == (7, 8)
+    assert (scalar_geometry(grid).replica, scalar_geometry(grid, ("tp",)).replicas) == (7, 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        Topology(dp=4, dp_replicate=3)
+
+
+def test_the_scaling_policy_counts_whole_replicas():
+    policy = ScalingPolicy(target_dp=6, min_dp=1, global_batch=12, micro_batch=1, model_parallel=1, dp_unit=2)
+    assert [policy.best_dp(ranks) for ranks in (1, 2, 3, 5, 6, 9)] == [None, 2, 2, 4, 6, 6]
+
+
+def test_a_lost_rank_drops_its_whole_replica_and_the_job_grows_back(tmp_path):
+    # dp 4 = 2 replicas x 2 shards: rank 1 (replica 0) dies without a replacement. The job
+    # shrinks to replica 1 (old ranks 2 and 3), not to 3 ranks, and grows back to 2 replicas.
+    spec = _spec(tmp_path, parallel={"dp": 4, "dp_replicate": 2, "zero": 3})
+    rendezvous = RendezvousServer("127.0.0.1")
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1}, cold_start_works=False)
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    kept: list[list[int]] = []
+    real_renumber = workers.renumber
+    workers.renumber = lambda keep: (kept.append(list(keep)), real_renumber(keep))
+    report = ctl.run()
+    assert report.status == "succeeded", report.error
+    assert kept == [[2, 3]]
+    assert workers.dp_history == [4, 2, 4]
+    assert any("shrinking dp 4 -> 2" in line for line in lines)
