@@ -6,8 +6,15 @@ at the end. Scrapes arrive on the exporter's own threads; prometheus-client's me
 are thread-safe, and the goodput totals are a snapshot taken under a lock in `on_goodput`, so
 a scrape never reads the (single-threaded) ledger itself.
 
-Every series carries a `job` label, so several jobs can share one Prometheus and dashboards
-(deploy/) can select a job.
+Every series carries an `undying_job` label (the job spec's `name`), so several jobs can share
+one Prometheus and dashboards (deploy/) can select a job. It is not `job`: Prometheus sets `job`
+to the scrape job's name, and keeping an exporter's own `job` would need `honor_labels`, which
+the Prometheus Operator may override (`overrideHonorLabels`).
+
+Names follow Prometheus' conventions (`promtool check metrics` passes on a live scrape,
+tests/prom): counters end in `_total`, nothing else does, and names carry their base unit
+(`_seconds`, `_bytes`, `_ratio`). Rates are left to PromQL: `rate(undying_tokens_total[1m])` is
+the throughput.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import time
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE, GoodputLedger
 
@@ -29,14 +36,13 @@ PARALLEL_DIMS = ("dp", "tp", "pp")
 
 
 class _GoodputCollector:
-    """Exposes the ledger totals published by `on_goodput` as `undying_*_seconds_total`.
+    """Exposes the ledger totals published by `on_goodput`.
 
-    These are gauges, not counters, although their names end in `_total` as the seconds they
-    count are cumulative: the ledger's `move` can shrink `productive` (rolled-back steps become
-    `lost_work`), and Prometheus reads any decrease of a counter as a process restart, which
-    would turn `rate()` into a spike. prometheus-client forces the `_total` suffix onto counters
-    only, so a custom collector yielding `GaugeMetricFamily` named `..._total` keeps both the
-    name and the honest type.
+    Badput is a counter, `undying_badput_seconds_total{cause}`: the ledger only ever adds to a
+    cause (time booked as it passes, `move` always takes from `productive`), so `rate()` reads
+    it. Productive time is a gauge, `undying_productive_seconds`, because `move` shrinks it when
+    rolled-back steps become `lost_work`, and Prometheus would read a counter's decrease as a
+    process restart and turn `rate()` into a spike; use `delta()` on it.
     """
 
     def __init__(self, job: str) -> None:
@@ -51,17 +57,18 @@ class _GoodputCollector:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             totals = dict(self._totals)
-        badput = GaugeMetricFamily(
-            "undying_badput_seconds_total",
+        badput = CounterMetricFamily(
+            "undying_badput_seconds",
             "Wall seconds booked to each badput cause (ml-goodput-measurement taxonomy).",
-            labels=["cause", "job"],
+            labels=["cause", "undying_job"],
         )
         for cause in BADPUT_CAUSES:
             badput.add_metric([cause, self._job], totals.get(cause, 0.0))
         productive = GaugeMetricFamily(
-            "undying_productive_seconds_total",
-            "Wall seconds of training whose effect survives in the final model.",
-            labels=["job"],
+            "undying_productive_seconds",
+            "Wall seconds of training whose effect survives in the final model (shrinks when a "
+            "recovery rolls steps back).",
+            labels=["undying_job"],
         )
         productive.add_metric([self._job], totals.get(PRODUCTIVE, 0.0))
         yield badput
@@ -90,9 +97,9 @@ class JobMetrics:
         # Export every job-level series from the first scrape: a histogram that appears with
         # its first observation has no zero to rate() against, and a counter that is never
         # incremented would not exist at all.
-        for metric in (self.step_seconds, self.ckpt_blocking, self.ckpt_total, self.ckpt_skipped,
-                       self.ckpt_failures, self.detection, self.recovery, self.spares_started, self.spares_ready,
-                       self.spares_warming):
+        for metric in (self.step_seconds, self.tokens, self.ckpt_blocking, self.ckpt_commit_latency,
+                       self.ckpt_skipped, self.ckpt_failures, self.detection, self.recovery, self.spares_started,
+                       self.spares_ready, self.spares_warming):
             metric.labels(job)
         for level in ("memory", "storage"):
             for metric in (self.recoveries_by_level, self.restore_by_level, self.lost_by_level):
@@ -102,21 +109,23 @@ class JobMetrics:
         self.registry.register(self._goodput)
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
-        return Gauge(name, doc, ["job", *labels], registry=self.registry)
+        return Gauge(name, doc, ["undying_job", *labels], registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, doc, ["job"], buckets=buckets, registry=self.registry)
+        return Histogram(name, doc, ["undying_job"], buckets=buckets, registry=self.registry)
 
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:
         # prometheus-client appends `_total` to counter names when exposing them.
-        return Counter(name, doc, ["job", *labels], registry=self.registry)
+        return Counter(name, doc, ["undying_job", *labels], registry=self.registry)
 
     def _define_training(self) -> None:
         self.step = self._gauge("undying_step", "Last completed global optimizer step.")
         self.step_seconds = self._histogram(
             "undying_step_seconds", "Wall seconds per global step.", STEP_BUCKETS
         )
-        self.tokens_per_second = self._gauge("undying_tokens_per_second", "Global training throughput.")
+        self.tokens = self._counter(
+            "undying_tokens", "Global tokens trained on, steps redone after a rollback included "
+            "(rate() of it is the throughput).")
         self.mfu_ratio = self._gauge("undying_mfu_ratio", "Model FLOPs utilisation (0..1).")
         self.loss = self._gauge("undying_loss", "Token-weighted global training loss of the last step.")
         self.grad_norm = self._gauge("undying_grad_norm", "Global gradient norm of the last step.")
@@ -138,8 +147,8 @@ class JobMetrics:
         self.ckpt_blocking = self._histogram(
             "undying_checkpoint_blocking_seconds", "Seconds training was stopped per save.", EVENT_BUCKETS
         )
-        self.ckpt_total = self._histogram(
-            "undying_checkpoint_total_seconds", "Seconds from save request to commit.", EVENT_BUCKETS
+        self.ckpt_commit_latency = self._histogram(
+            "undying_checkpoint_commit_latency_seconds", "Seconds from save request to commit.", EVENT_BUCKETS
         )
         self.ckpt_bytes = self._gauge("undying_checkpoint_bytes", "Bytes of the last committed checkpoint.")
         self.ckpt_step = self._gauge(
@@ -158,8 +167,8 @@ class JobMetrics:
             "undying_restart_seconds", "Interval input R: moving average of the time a restart costs."
         )
         self.ckpt_skipped = self._counter(
-            "undying_checkpoint_skipped", "Saves that will not be committed (a shard write or the commit failed)."
-        )
+            "undying_checkpoint_skipped", "Saves that will not be committed although nothing failed in "
+            "them: still in flight when a failure or a re-formation ended their generation.")
         self.ckpt_failures = self._counter(
             "undying_checkpoint_failures", "Failed saves: a rank's shard write, the manifest commit (twice), or "
             "shards that do not form a checkpoint (checkpoint.max_failed_saves in a row fail the job).")
@@ -276,8 +285,7 @@ class JobMetrics:
         job = self.job
         self.step.labels(job).set(step)
         self.step_seconds.labels(job).observe(step_s)
-        if step_s > 0:
-            self.tokens_per_second.labels(job).set(tokens / step_s)
+        self.tokens.labels(job).inc(max(0, tokens))
         self.loss.labels(job).set(loss)
         if grad_norm is not None:
             self.grad_norm.labels(job).set(grad_norm)
@@ -306,7 +314,7 @@ class JobMetrics:
         self.ckpt_step.labels(job).set(step)
         self.ckpt_bytes.labels(job).set(nbytes)
         self.ckpt_blocking.labels(job).observe(blocking_s)
-        self.ckpt_total.labels(job).observe(total_s)
+        self.ckpt_commit_latency.labels(job).observe(total_s)
         if interval_s is not None:
             self.ckpt_interval.labels(job).set(interval_s)
 
@@ -317,12 +325,16 @@ class JobMetrics:
             if inputs.get(key) is not None:
                 gauge.labels(job).set(inputs[key])
 
-    def on_checkpoint_skipped(self) -> None:
-        """A save will not commit (a rank's shard write failed, its shards do not tile every tensor,
-        or the manifest commit failed twice). A save requested while one is in flight is never
-        skipped: it waits (docs/design.md invariant 6). Counted as a failed save too."""
-        self.ckpt_skipped.labels(self.job).inc()
+    def on_checkpoint_failed(self) -> None:
+        """A save will not commit because it failed: a rank's shard write failed, its shards do not
+        tile every tensor, or the manifest commit failed twice."""
         self.ckpt_failures.labels(self.job).inc()
+
+    def on_checkpoint_skipped(self, count: int = 1) -> None:
+        """`count` saves will not commit although nothing failed in them: they were in flight when
+        their generation ended (a failure, a shrink or a grow). A save requested while one is in
+        flight is never skipped: it waits (docs/design.md invariant 6)."""
+        self.ckpt_skipped.labels(self.job).inc(count)
 
     def on_failure(self, kind: str) -> None:
         """A failure of `kind` (e.g. "actor_died", "hang", "nan") was detected."""

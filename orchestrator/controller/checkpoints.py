@@ -146,6 +146,8 @@ class Checkpoints:
         if source is not None:
             self.record.history.extend(sample_events(self.memory.samples_of(source.step)))
         self.record.history.append(["restore", anchor or 0])
+        if self.committer.pending:  # saves the end of the last generation interrupted: skipped, not failed
+            self.metrics.on_checkpoint_skipped(len(self.committer.pending))
         # From memory, the newest durable step stays what storage holds (retention, the report's final step).
         self.committer.reset(self.committer.latest if source is not None else anchor)
         self.memory.begin(gen, anchor)
@@ -238,7 +240,7 @@ class Checkpoints:
         self.committer.abandon(message.step, f"rank {message.rank} failed to write its shard ({message.error})")
 
     def _on_dropped(self, step: int, reason: str) -> None:
-        self.metrics.on_checkpoint_skipped()
+        self.metrics.on_checkpoint_failed()
         self.failed_saves.append(step)
         limit = self.spec.checkpoint.max_failed_saves
         if len(self.failed_saves) < limit:

@@ -53,14 +53,13 @@ class Prometheus:
 
 
 def _config(targets: list[str], scrape_interval: str) -> str:
-    # honor_labels keeps the series' own `job` label (the undying job name), as in deploy/.
+    # As in deploy/: no honor_labels, the series name their job in `undying_job`.
     return (
         "global:\n"
         f"  scrape_interval: {scrape_interval}\n"
         f"  scrape_timeout: {scrape_interval}\n"
         "scrape_configs:\n"
         "  - job_name: undying\n"
-        "    honor_labels: true\n"
         f"    static_configs: [{{targets: {json.dumps(targets)}}}]\n"
     )
 

@@ -21,15 +21,14 @@ from tests.prom._dashboard import BUILTINS, METRIC_NAME, ROOT, exported_names, e
 DEPLOY = ROOT / "deploy"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 # The metrics the controller promises to export (monitor/metrics.py; README, "Metrics are served"):
-# every one of these must be on the dashboard (undying_checkpoint_skipped_total counts the same saves as
-# undying_checkpoint_failures_total, which the dashboard shows).
+# every one of these must be on the dashboard.
 REQUIRED_METRICS = (
-    "undying_step", "undying_step_seconds", "undying_tokens_per_second", "undying_mfu_ratio", "undying_loss",
+    "undying_step", "undying_step_seconds", "undying_tokens_total", "undying_mfu_ratio", "undying_loss",
     "undying_grad_norm", "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total",
-    "undying_checkpoint_blocking_seconds", "undying_checkpoint_total_seconds", "undying_checkpoint_bytes",
-    "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
-    "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds", "undying_failures_total",
-    "undying_detection_seconds",
+    "undying_productive_seconds", "undying_checkpoint_blocking_seconds", "undying_checkpoint_commit_latency_seconds",
+    "undying_checkpoint_bytes", "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
+    "undying_checkpoint_failures_total", "undying_checkpoint_skipped_total",
+    "undying_checkpoint_last_commit_timestamp_seconds", "undying_failures_total", "undying_detection_seconds",
     "undying_recovery_seconds", "undying_generation", "undying_world_size", "undying_parallel_degree",
     "undying_pipeline_bubble_ratio", "undying_memory_bytes", "undying_rank_step_compute_seconds",
     "undying_straggler",
@@ -47,7 +46,7 @@ def test_dashboard_header_and_variables():
     assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
     job = variables["job"]
     assert job["type"] == "query" and job["datasource"] == DATASOURCE
-    assert job["definition"] == job["query"]["query"] == "label_values(undying_step, job)"
+    assert job["definition"] == job["query"]["query"] == "label_values(undying_step, undying_job)"
 
 
 def test_every_panel_is_complete_and_unique():
@@ -98,7 +97,7 @@ def test_every_variable_in_a_query_is_defined():
     for where, expr in expressions(dash):
         used = {m for groups in re.findall(r"\$\{(\w+)|\$(\w+)|\[\[(\w+)\]\]", expr) for m in groups if m}
         assert used <= defined, f"{where}: undefined variables {used - defined}"
-        assert "$job" in expr or "${job}" in expr, f"{where} does not select the dashboard's job: {expr}"
+        assert 'undying_job="$job"' in expr, f"{where} does not select the dashboard's job: {expr}"
 
 
 def _uncomment_examples(text: str) -> str:
@@ -111,10 +110,11 @@ def test_prometheus_config_and_examples_parse():
     config = yaml.safe_load(text)
     assert config["global"]["scrape_interval"] == "5s"
     [undying] = config["scrape_configs"]
-    assert undying["honor_labels"] is True and undying["static_configs"][0]["targets"]
+    # The job's name is the series' `undying_job` label: Prometheus keeps its own `job`.
+    assert "honor_labels" not in undying and undying["static_configs"][0]["targets"]
     jobs = {job["job_name"]: job for job in yaml.safe_load(_uncomment_examples(text))["scrape_configs"]}
     assert set(jobs) == {"undying", "ray", "undying-kuberay"}
-    assert jobs["undying-kuberay"]["honor_labels"] is True
+    assert "honor_labels" not in jobs["undying-kuberay"]
     keep = [r["regex"] for r in jobs["undying-kuberay"]["relabel_configs"] if r.get("action") == "keep"]
     assert keep == ["head", _kuberay()[1]["spec"]["podMetricsEndpoints"][0]["port"]]
 
@@ -160,7 +160,7 @@ def test_kuberay_rayjob_runs_a_valid_spec_and_exposes_its_metrics(tmp_path):
     endpoint = monitor["spec"]["podMetricsEndpoints"][0]
     assert len(endpoint["port"]) <= 15, "Kubernetes port names are at most 15 characters"
     assert ports[endpoint["port"]] == spec.monitor.port and spec.monitor.host == "0.0.0.0"
-    assert endpoint["honorLabels"] is True
+    assert "honorLabels" not in endpoint
     selector = dict(monitor["spec"]["selector"]["matchLabels"])
     assert selector.pop("ray.io/node-type") == "head"  # KubeRay's own label
     assert selector.items() <= head["metadata"]["labels"].items()

@@ -3,7 +3,8 @@ PromQL query of the Grafana dashboard returns data through Prometheus's HTTP API
 
 One job (4 ranks on an embedded local Ray, rank 1 killed at step 30 so failure and recovery
 series exist, a checkpoint every 2 s) runs for the whole module; the checks run while it is
-still training, since the controller stops serving metrics when the job ends."""
+still training, since the controller stops serving metrics when the job ends. Its exporter's own
+scrape passes `promtool check metrics` without a warning."""
 
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ import time
 import pytest
 
 from tests.prom._dashboard import ROOT, expressions, load, substitute, variables
+from tests.prom._promtool import lint, scrape
 
 pytestmark = [pytest.mark.prom, pytest.mark.timeout(600)]
 
 JOB = "promtest"
-SEL = f'{{job="{JOB}"}}'
+SEL = f'{{undying_job="{JOB}"}}'
 UNDYING = os.path.join(os.path.dirname(sys.executable), "undying")
 # The metrics the controller promises (tests/prom/test_deploy.py's REQUIRED_METRICS), as series names in
 # Prometheus (a histogram is its `_bucket`, `_sum`, `_count`).
-HISTOGRAMS = ("undying_step_seconds", "undying_checkpoint_blocking_seconds", "undying_checkpoint_total_seconds",
-              "undying_detection_seconds", "undying_recovery_seconds")
+HISTOGRAMS = ("undying_step_seconds", "undying_checkpoint_blocking_seconds",
+              "undying_checkpoint_commit_latency_seconds", "undying_detection_seconds", "undying_recovery_seconds")
 REQUIRED_SERIES = (
-    "undying_step", "undying_tokens_per_second", "undying_mfu_ratio", "undying_loss", "undying_grad_norm",
-    "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_checkpoint_bytes",
+    "undying_step", "undying_tokens_total", "undying_mfu_ratio", "undying_loss", "undying_grad_norm",
+    "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_productive_seconds",
+    "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
     "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds",
     "undying_checkpoint_skipped_total", "undying_failures_total", "undying_generation", "undying_world_size",
@@ -106,7 +109,7 @@ def _wait_for_history(prom, proc, log, timeout_s: float = 420.0) -> None:
 
 @pytest.fixture(scope="module")
 def scraped(start_prometheus, tmp_path_factory):
-    """(prometheus, job process) with the job still running and scraped for a while."""
+    """(prometheus, job process, the job's metrics URL) with the job still running and scraped for a while."""
     tmp = tmp_path_factory.mktemp("job")
     port = _free_port()
     prom = start_prometheus([f"127.0.0.1:{port}"])
@@ -115,7 +118,7 @@ def scraped(start_prometheus, tmp_path_factory):
         started = time.monotonic()
         _wait_for_history(prom, proc, tmp / "job.log")
         print(f"job scraped with a recovery after {time.monotonic() - started:.0f} s")
-        yield prom, proc
+        yield prom, proc, f"http://127.0.0.1:{port}/metrics"
         assert proc.poll() is None, "the job ended during the checks: raise train.steps"
     finally:
         _stop_job(proc)
@@ -126,15 +129,15 @@ def _finite(result: list[dict]) -> bool:
 
 
 def test_every_required_metric_is_scraped(scraped):
-    prom, _ = scraped
-    present = {s["metric"]["__name__"] for s in prom.query(f'count({{__name__=~"undying_.*", job="{JOB}"}}) '
+    prom, *_ = scraped
+    present = {s["metric"]["__name__"] for s in prom.query(f'count({{__name__=~"undying_.*", undying_job="{JOB}"}}) '
                                                             "by (__name__)")}
     missing = [name for name in REQUIRED_SERIES if name not in present]
     assert not missing, f"not exported by the running job: {missing}"
 
 
 def test_labelled_metrics_have_every_label_value(scraped):
-    prom, _ = scraped
+    prom, *_ = scraped
     labels = {metric: {s["metric"][label] for s in prom.query(f"{metric}{SEL}")}
               for metric, label in (("undying_badput_seconds_total", "cause"), ("undying_parallel_degree", "dim"))}
     assert labels == {"undying_badput_seconds_total": BADPUT_CAUSES, "undying_parallel_degree": {"dp", "tp", "pp"}}
@@ -144,26 +147,30 @@ def test_labelled_metrics_have_every_label_value(scraped):
 
 
 def test_values_describe_the_job(scraped):
-    prom, _ = scraped
+    prom, *_ = scraped
     assert prom.value(f"undying_world_size{SEL}") == 4
-    assert prom.value(f'undying_parallel_degree{{job="{JOB}", dim="dp"}}') == 4
+    assert prom.value(f'undying_parallel_degree{{undying_job="{JOB}", dim="dp"}}') == 4
     assert prom.value(f"undying_generation{SEL}") >= 1
-    assert prom.value(f'undying_failures_total{{job="{JOB}", kind="kill_rank"}}') >= 1
+    assert prom.value(f'undying_failures_total{{undying_job="{JOB}", kind="kill_rank"}}') >= 1
     assert prom.value(f"sum(undying_controller_state{SEL})") == 1, "exactly one state is current"
-    assert prom.value(f'undying_controller_state{{job="{JOB}", state="RECOVERING"}}') == 0
+    assert prom.value(f'undying_controller_state{{undying_job="{JOB}", state="RECOVERING"}}') == 0
     assert prom.value(f"undying_checkpoint_last_committed_step{SEL}") > 0
     assert 0 < prom.value(f"undying_goodput_ratio{SEL}") < 1
+    assert prom.value(f"undying_tokens_total{SEL}") > 0 and prom.value(f"rate(undying_tokens_total{SEL}[30s])") > 0
     assert prom.value('up{job="undying"}') == 1
+    # Without honor_labels: `job` is the scrape job's, and nothing was renamed to exported_job.
+    assert prom.value(f'count(undying_step{{undying_job="{JOB}", job="undying"}})') == 1
+    assert prom.query('{__name__=~"undying_.*", exported_job!=""}') == []
 
 
 def test_the_dashboards_job_variable_lists_the_job(scraped):
-    prom, _ = scraped
-    # label_values(undying_step, job): needs honor_labels, else the label is `exported_job`.
-    assert JOB in prom.label_values("job", "undying_step")
+    prom, *_ = scraped
+    # label_values(undying_step, undying_job)
+    assert prom.label_values("undying_job", "undying_step") == [JOB]
 
 
 def test_every_dashboard_query_returns_data(scraped):
-    prom, _ = scraped
+    prom, *_ = scraped
     dash = load()
     values = variables(dash, JOB)
     problems = []
@@ -175,3 +182,10 @@ def test_every_dashboard_query_returns_data(scraped):
         elif not _finite(result):
             problems.append(f"only NaN  {where}: {query}")
     assert not problems, f"{len(problems)} dashboard queries show nothing:\n" + "\n".join(problems)
+
+
+def test_promtool_finds_nothing_to_flag_in_the_live_scrape(scraped):
+    *_, url = scraped
+    text = scrape(url)
+    assert "undying_step_seconds_bucket{" in text and "undying_badput_seconds_total{" in text
+    assert lint(text) == ""

@@ -88,7 +88,7 @@ def test_the_store_listens_on_the_host_it_is_given_only():
 
 def _metrics_count(metrics: JobMetrics, channel: str) -> float:
     value = metrics.registry.get_sample_value(
-        "undying_control_messages_rejected_total", {"job": metrics.job, "channel": channel})
+        "undying_control_messages_rejected_total", {"undying_job": metrics.job, "channel": channel})
     return value or 0.0
 
 

@@ -27,7 +27,11 @@ def _run(tmp_path, rendezvous, faults, steps=30, checkpoint_over=None, **fake):
 
 
 def _skipped(ctl) -> float:
-    return ctl.metrics.registry.get_sample_value("undying_checkpoint_skipped_total", {"job": "unit"})
+    return ctl.metrics.registry.get_sample_value("undying_checkpoint_skipped_total", {"undying_job": "unit"})
+
+
+def _failed(ctl) -> float:
+    return ctl.metrics.registry.get_sample_value("undying_checkpoint_failures_total", {"undying_job": "unit"})
 
 
 def _verified(ctl) -> list[int]:
@@ -46,7 +50,7 @@ def test_a_failed_shard_write_drops_that_save_and_the_next_one_commits(tmp_path,
     assert "checkpoint step 20 will not be committed: rank 0 failed to write its shard" in text
     assert "step 20: shards arriving" not in text
     assert [c.step for c in report.checkpoints] == [10, 30] and report.failures == []
-    assert _skipped(ctl) == 1
+    assert (_failed(ctl), _skipped(ctl)) == (1, 0)
     assert _verified(ctl) == [10, 30]
 
 
@@ -58,7 +62,7 @@ def test_a_failed_manifest_commit_is_retried_once(tmp_path, rendezvous, when):
     assert report.status == "succeeded", report.error
     assert f"chaos: storage_error ({when}) on the controller's write of" in text
     assert [c.step for c in report.checkpoints] == [10, 20, 30] and report.failures == []
-    assert _skipped(ctl) == 0
+    assert (_failed(ctl), _skipped(ctl)) == (0, 0)
     assert _verified(ctl) == [20, 30]
 
 
@@ -68,7 +72,7 @@ def test_a_manifest_commit_failing_twice_skips_the_save_and_the_job_goes_on(tmp_
     assert report.status == "succeeded", report.error
     assert "checkpoint step 20 will not be committed: the manifest commit failed twice" in text
     assert [c.step for c in report.checkpoints] == [10, 30] and report.failures == []
-    assert _skipped(ctl) == 1
+    assert (_failed(ctl), _skipped(ctl)) == (1, 0)
     assert _verified(ctl) == [10, 30]
 
 

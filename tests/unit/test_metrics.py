@@ -20,7 +20,6 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 GAUGES = [
     "undying_step",
-    "undying_tokens_per_second",
     "undying_mfu_ratio",
     "undying_loss",
     "undying_grad_norm",
@@ -38,7 +37,7 @@ GAUGES = [
 HISTOGRAMS = [
     "undying_step_seconds",
     "undying_checkpoint_blocking_seconds",
-    "undying_checkpoint_total_seconds",
+    "undying_checkpoint_commit_latency_seconds",
     "undying_detection_seconds",
     "undying_recovery_seconds",
 ]
@@ -74,7 +73,7 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def value(text: str, name: str, **labels: str) -> float:
-    return samples(text)[(name, frozenset({"job": JOB, **labels}.items()))]
+    return samples(text)[(name, frozenset({"undying_job": JOB, **labels}.items()))]
 
 
 def feed(metrics: JobMetrics) -> GoodputLedger:
@@ -104,21 +103,53 @@ def feed(metrics: JobMetrics) -> GoodputLedger:
     return ledger
 
 
+def feed_every_event(metrics: JobMetrics) -> None:
+    """`feed`, and every other `on_*` event, so that every family has samples."""
+    feed(metrics)
+    metrics.on_eval(25, 4.5)
+    metrics.on_recovery_level("memory", restore_s=0.5, lost_s=2.0)
+    metrics.on_memory_snapshot(25, {0: 1000, 1: 1000})
+    metrics.on_control_rejected("events")
+    metrics.on_spares(ready=1, warming=1)
+    metrics.on_spares_started(2)
+    metrics.on_checkpoint_failed()
+    metrics.on_memory("measured", {"state": 90, "activation": 40, "collective": 10, "transient": 5})
+
+
+def test_names_and_labels_follow_prometheus_conventions(metrics):
+    # Counters end in _total and nothing else does; every series names its job in `undying_job`, never
+    # in `job`, which Prometheus owns (the scrape job's name).
+    feed_every_event(metrics)
+    families = list(metrics.registry.collect())
+    for family in families:
+        for sample in family.samples:
+            assert "job" not in sample.labels and sample.labels["undying_job"] == JOB, sample
+        if family.type == "counter":
+            assert {smp.name for smp in family.samples} <= {f"{family.name}_total", f"{family.name}_created"}
+        else:
+            assert not family.name.endswith("_total"), family.name
+    types = {family.name: family.type for family in families}
+    assert types["undying_badput_seconds"] == types["undying_tokens"] == "counter"
+    assert types["undying_productive_seconds"] == "gauge"  # a rollback shrinks it
+    assert types["undying_checkpoint_commit_latency_seconds"] == "histogram"
+
+
 def test_every_name_and_label_is_exposed_with_its_value(metrics):
     port = metrics.serve(HOST, 0)
     assert port > 0 and metrics.port == port
     feed(metrics)
     text = scrape(port)
     for name in GAUGES:
-        assert (name, frozenset({("job", JOB)})) in samples(text), name
+        assert (name, frozenset({("undying_job", JOB)})) in samples(text), name
     for name in HISTOGRAMS:
         assert value(text, f"{name}_count") == 1, name
     assert value(text, "undying_step") == 25
-    assert value(text, "undying_tokens_per_second") == 8192
+    assert value(text, "undying_tokens_total") == 4096
     assert value(text, "undying_loss") == 4.25
     assert value(text, "undying_loss_scale") == 1024
     assert value(text, "undying_checkpoint_last_committed_step") == 20
     assert value(text, "undying_checkpoint_skipped_total") == 1
+    assert value(text, "undying_checkpoint_failures_total") == 0
     assert value(text, "undying_failures_total", kind="actor_died") == 2
     assert value(text, "undying_failures_total", kind="hang") == 1
     assert value(text, "undying_recovery_seconds_sum") == 12.0
@@ -134,13 +165,13 @@ def test_goodput_totals_are_exposed_per_cause(metrics):
     port = metrics.serve(HOST, 0)
     feed(metrics)
     text = scrape(port)
-    assert f'undying_badput_seconds_total{{cause="startup",job="{JOB}"}} 2.0' in text
+    assert f'undying_badput_seconds_total{{cause="startup",undying_job="{JOB}"}} 2.0' in text
     for cause in BADPUT_CAUSES:
-        assert (("undying_badput_seconds_total", frozenset({"job": JOB, "cause": cause}.items()))) in samples(
+        assert (("undying_badput_seconds_total", frozenset({"undying_job": JOB, "cause": cause}.items()))) in samples(
             text
         )
     assert value(text, "undying_badput_seconds_total", cause="checkpoint_save") == 1.0
-    assert value(text, "undying_productive_seconds_total") == 7.0
+    assert value(text, "undying_productive_seconds") == 7.0
     assert value(text, "undying_goodput_ratio") == 0.7
 
 
@@ -156,7 +187,7 @@ def test_values_update_between_scrapes(metrics):
     metrics.on_goodput(ledger)
     text = scrape(port)
     assert value(text, "undying_step") == 26
-    assert value(text, "undying_tokens_per_second") == 16384
+    assert value(text, "undying_tokens_total") == 8192
     # Not reported this time: the last value is kept.
     assert value(text, "undying_mfu_ratio") == 0.4
     assert value(text, "undying_grad_norm") == 1.5
@@ -173,11 +204,11 @@ def test_values_update_between_scrapes(metrics):
     assert value(text, "undying_generation") == 3
     assert value(text, "undying_parallel_degree", dim="tp") == 1
     # Ranks of the old, larger world are gone rather than frozen at their last value.
-    assert ("undying_rank_step_compute_seconds", frozenset({"job": JOB, "rank": "3"}.items())) not in samples(
+    assert ("undying_rank_step_compute_seconds", frozenset({"undying_job": JOB, "rank": "3"}.items())) not in samples(
         text
     )
     assert value(text, "undying_rank_step_compute_seconds", rank="0") == 0.5
-    assert value(text, "undying_productive_seconds_total") == 0.0
+    assert value(text, "undying_productive_seconds") == 0.0
     assert value(text, "undying_badput_seconds_total", cause="lost_work") == 7.0
 
 
@@ -205,8 +236,8 @@ def test_two_jobs_in_one_process_do_not_collide():
     first, second = JobMetrics("a"), JobMetrics("b")
     first.on_failure("hang")
     assert first.registry is not second.registry
-    assert second.registry.get_sample_value("undying_failures_total", {"job": "b", "kind": "hang"}) is None
-    assert first.registry.get_sample_value("undying_failures_total", {"job": "a", "kind": "hang"}) == 1
+    assert second.registry.get_sample_value("undying_failures_total", {"undying_job": "b", "kind": "hang"}) is None
+    assert first.registry.get_sample_value("undying_failures_total", {"undying_job": "a", "kind": "hang"}) == 1
 
 
 def test_straggler_needs_a_sustained_ten_percent_gap():
@@ -237,14 +268,16 @@ def test_failed_saves_and_the_last_commit_time_are_exported(metrics, monkeypatch
     monkeypatch.setattr("monitor.metrics.time.time", lambda: 1000.0)
     fresh = JobMetrics("fresh")
     assert fresh.registry.get_sample_value("undying_checkpoint_last_commit_timestamp_seconds",
-                                           {"job": "fresh"}) == 1000.0
-    assert fresh.registry.get_sample_value("undying_checkpoint_failures_total", {"job": "fresh"}) == 0
+                                           {"undying_job": "fresh"}) == 1000.0
+    assert fresh.registry.get_sample_value("undying_checkpoint_failures_total", {"undying_job": "fresh"}) == 0
+    assert fresh.registry.get_sample_value("undying_checkpoint_skipped_total", {"undying_job": "fresh"}) == 0
     monkeypatch.setattr("monitor.metrics.time.time", lambda: 1234.5)
     port = metrics.serve(HOST, 0)
     metrics.on_checkpoint(20, nbytes=10, blocking_s=0.1, total_s=0.2, interval_s=60.0)
-    metrics.on_checkpoint_skipped()
-    metrics.on_checkpoint_skipped()
+    metrics.on_checkpoint_failed()
+    metrics.on_checkpoint_failed()
+    metrics.on_checkpoint_skipped(3)
     text = scrape(port)
     assert value(text, "undying_checkpoint_last_commit_timestamp_seconds") == 1234.5
     assert value(text, "undying_checkpoint_failures_total") == 2
-    assert value(text, "undying_checkpoint_skipped_total") == 2
+    assert value(text, "undying_checkpoint_skipped_total") == 3

@@ -138,11 +138,11 @@ def _recovery(spec, workers, lines):
 
 
 def _started(recovery) -> float:
-    return recovery.spares.metrics.registry.get_sample_value("undying_spares_started_total", {"job": "demo"})
+    return recovery.spares.metrics.registry.get_sample_value("undying_spares_started_total", {"undying_job": "demo"})
 
 
 def _ready(recovery) -> float:
-    return recovery.spares.metrics.registry.get_sample_value("undying_spares_ready", {"job": "demo"})
+    return recovery.spares.metrics.registry.get_sample_value("undying_spares_ready", {"undying_job": "demo"})
 
 
 def test_a_consumed_spare_is_replaced_in_the_freed_seat_and_takes_the_next_failure():
