@@ -163,7 +163,9 @@ class RunReport(BaseModel):
     redone_s: float = 0.0
     rolled_back: list[RolledBackStep] = Field(default_factory=list)
     goodput: GoodputSummary
-    status: Literal["succeeded", "failed", "preempted"]  # preempted: stopped by a signal, exit 75
+    # preempted: stopped by a signal, exit 75; unfinished: rebuilt from an event log that ends before
+    # the run did (monitor.events)
+    status: Literal["succeeded", "failed", "preempted", "unfinished"]
     error: str | None = None
     tokens_per_s: float | None = None  # mean global throughput over productive time
 

@@ -27,7 +27,6 @@ such step, bad option): one line naming the argument and the fix, never a traceb
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -43,7 +42,7 @@ from orchestrator.cli.ckpt_catalog import (
     steps_text,
 )
 from orchestrator.cli.ckpt_listing import list_checkpoints, verify_checkpoints
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, fail_line
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 
@@ -99,11 +98,7 @@ def ckpt_main(args: argparse.Namespace) -> int:
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:
     """The one line of a failed command: on stderr, or as JSON on stdout under --json."""
-    if getattr(args, "as_json", False):
-        print(json.dumps({"error": message, "exit": code}))
-    else:
-        print(message, file=sys.stderr)
-    return code
+    return fail_line(getattr(args, "as_json", False), message, code)
 
 
 # -- export ------------------------------------------------------------------------------

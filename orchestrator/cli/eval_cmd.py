@@ -12,14 +12,14 @@ loaded whole on this machine's CPU (or its GPU with --device cuda), and evaluate
 (a bf16 job's in-training numbers, taken under autocast, differ by that rounding).
 
 Exit codes: 0 printed; 1 the checkpoint is damaged; 2 the arguments cannot work (no such
-checkpoint or dataset, too few windows, a vocabulary the model cannot read).
+checkpoint or dataset, too few windows, a vocabulary the model cannot read). Under --json, one
+JSON object on stdout, errors too ({"error": ..., "exit": N}).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from orchestrator.cli.ckpt_cmd import (
     UsageError,
@@ -29,7 +29,7 @@ from orchestrator.cli.ckpt_cmd import (
     open_catalog,
     step_or_fail,
 )
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail_line
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 
@@ -40,7 +40,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--step", type=int, help="checkpoint to evaluate (default: the newest committed)")
     p.add_argument("--windows", type=int, default=64, help="windows to evaluate (default 64)")
     p.add_argument("--seq-len", type=int, help="tokens per window minus one (default: the job's training seq_len)")
-    p.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", dest="as_json", action="store_true",
+                   help="print one JSON object on stdout (errors too: {\"error\": ..., \"exit\": N})")
     p.add_argument("--device", default="cpu", help="torch device to evaluate on (default cpu)")
     add_storage_option_args(p, "fsspec storage option for both URLs, e.g. endpoint_url=http://host:8333 (repeatable)")
 
@@ -96,16 +97,13 @@ def eval_main(args: argparse.Namespace) -> int:
     try:
         out = _evaluate(args)
     except UsageError as err:
-        print(f"undying eval: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail_line(args.as_json, f"undying eval: {err}", EXIT_USAGE)
     except CorruptCheckpoint as err:
-        print(f"undying eval: the checkpoint is damaged: {err}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail_line(args.as_json, f"undying eval: the checkpoint is damaged: {err}", EXIT_FAILED)
     except Exception as err:
         if not is_storage_error(err):
             raise
-        print(f"undying eval: storage error: {error_reason(err)}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail_line(args.as_json, f"undying eval: storage error: {error_reason(err)}", EXIT_FAILED)
     if args.as_json:
         print(json.dumps(out, sort_keys=True))
     else:

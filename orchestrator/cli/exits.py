@@ -12,6 +12,7 @@ one line per problem, naming the field and the fix, never a traceback.
 
 from __future__ import annotations
 
+import json
 import sys
 
 from orchestrator.spec.problems import Problem
@@ -25,6 +26,16 @@ def print_problems(problems: list[Problem]) -> None:
     print(f"undying: the job cannot run as written ({len(problems)} problem(s)):", file=sys.stderr)
     for problem in problems:
         print(f"  - {problem}", file=sys.stderr)
+
+
+def fail_line(as_json: bool, message: str, code: int) -> int:
+    """The one line of a failed command (returns `code`): on stderr, or under --json as one JSON
+    object on stdout, `{"error": message, "exit": code}`, so a script's json.loads never meets prose."""
+    if as_json:
+        print(json.dumps({"error": message, "exit": code}))
+    else:
+        print(message, file=sys.stderr)
+    return code
 
 
 class UsageError(Exception):

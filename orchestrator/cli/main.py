@@ -9,6 +9,7 @@
     undying data prepare INPUT... --tokenizer PATH --out URL [--text-field text] [--address ADDR] ...
                                                                              (see orchestrator/cli/data/command.py)
     undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]  (see orchestrator/cli/eval_cmd.py)
+    undying report CKPT_URL [--run RUN] [--timeline PNG] [--out JSON] [--json]    (see orchestrator/cli/report_cmd.py)
     undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
@@ -43,6 +44,8 @@ LAZY_COMMANDS = {
     "data": ("prepare tokenized training data", "orchestrator.cli.data.command", "add_data_parser", "data_main"),
     "eval": ("validation loss of a committed checkpoint on a prepared dataset",
              "orchestrator.cli.eval_cmd", "add_eval_parser", "eval_main"),
+    "report": ("rebuild a run's summary table and timeline PNG from the event log under its checkpoint root",
+               "orchestrator.cli.report_cmd", "add_report_parser", "report_main"),
 }
 SET_HELP = ("override a spec field, e.g. --set parallel.dp=4 (repeatable); quote a key part holding other "
             "characters than letters, digits, _ and -: --set 'checkpoint.storage_options.\"client_kwargs:x\"=1'")
@@ -118,10 +121,13 @@ def _parser() -> argparse.ArgumentParser:
 def _load(args, probe: bool = True):
     """The checked JobSpec; with `probe`, the checkpoint storage and the datasets are reached too."""
     from chaos.config import support_problems
+    from monitor.tracking import tracking_problems
     from orchestrator.spec.job_spec import Problem, SpecError, load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    problems = [Problem(field, message) for field, message in support_problems(spec.chaos)]
+    # A tracker's missing package is found here, before the run starts, not at its end.
+    found = support_problems(spec.chaos) + tracking_problems(spec.monitor)
+    problems = [Problem(field, message) for field, message in found]
     if problems:
         raise SpecError(problems)
     if probe:

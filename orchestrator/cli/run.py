@@ -8,6 +8,10 @@ by PID/handle in `finally`, whatever happened.
 SIGTERM and SIGINT (`ray job stop`, a Kubernetes eviction, Ctrl-C) are handed to the
 controller while it runs (orchestrator.controller.stopping: the handler only records the
 signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED).
+
+The run's events go to its trackers (monitor.tracking), opened here before the controller and
+closed last: the event log under the checkpoint root always (`undying report` reads it), and
+TensorBoard and W&B where the spec's `monitor` section asks for them.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from collections.abc import Callable
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
+from monitor.tracking import NO_TRACKING, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
 from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.cluster.worker_group import RayWorkerGroup
 from orchestrator.controller.machine import Controller
-from orchestrator.spec.job_spec import JobSpec
+from orchestrator.spec.job_spec import HASH_EXCLUDED, JobSpec
 from orchestrator.wire.store import RendezvousServer
 
 
@@ -42,7 +47,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
                                slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
-    workers = None
+    workers, trackers = None, NO_TRACKING
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
         spares, note = resolve_spares(spec, ray.available_resources(), ray_cluster.alive_node_resources())
@@ -58,8 +63,11 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         workers = worker_group(spec, env_vars=conn.env_vars)
         rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+        trackers = open_trackers(spec.name, spec.train.steps, spec.monitor, catalog.storage,
+                                 spec.checkpoint.storage_options, spec.model_dump(mode="json", exclude=HASH_EXCLUDED))
         controller = Controller(spec, workers, rendezvous, catalog, metrics, fresh=fresh,
                                 printer=lambda line: print(line, flush=True), drains=DrainWatcher().draining)
+        controller.record.tracker = trackers
         with _signals_to(controller.stops.on_signal):
             report = controller.run()
         print(report.summary_table(), flush=True)
@@ -79,6 +87,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
             return EXIT_FAILED
         return EXIT_OK
     finally:
+        trackers.close()
         if workers is not None:
             workers.shutdown()
         metrics.close()

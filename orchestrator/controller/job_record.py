@@ -3,6 +3,8 @@
 Single-threaded: only the controller calls it. Step records come from rank 0's `step`
 events; a step recomputed after a rollback replaces its earlier record (the run is
 deterministic, so the values agree; the replacement keeps the report to one loss per step).
+Everything it records is also sent to the job's trackers as an event (monitor.events), the
+end included (`report`), so the event log rebuilds this report (`undying report`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from monitor.events import end_event, goodput_event, record_event, step_event
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.report import (
@@ -25,6 +28,7 @@ from monitor.report import (
     WorldRecord,
     progress_line,
 )
+from monitor.tracking import NO_TRACKING
 from orchestrator.controller.step_history import record_step
 from orchestrator.wire.messages import EvalDone, StepDone
 
@@ -41,13 +45,15 @@ class StepRecord:
 
 class JobRecord:
     def __init__(self, job: str, total_steps: int, metrics: JobMetrics, ledger: GoodputLedger,
-                 printer=print, progress_every_s: float = 2.0, mfu=lambda tokens, step_s: None):
+                 printer=print, progress_every_s: float = 2.0, mfu=lambda tokens, step_s: None,
+                 tracker=NO_TRACKING):
         self.job = job
         self.total_steps = total_steps
         self.metrics = metrics
         self.ledger = ledger
         self.printer = printer
         self.mfu = mfu
+        self.tracker = tracker  # monitor.tracking.Trackers: the event log, TensorBoard, W&B
         self.progress_every_s = progress_every_s
         self.started = time.time()
         self.steps: dict[int, StepRecord] = {}
@@ -98,15 +104,20 @@ class JobRecord:
             failure, since = self._awaiting_first_step
             failure.first_step_after_s = rec.time - since
             self._awaiting_first_step = None
+            self._failure_changed(failure)
         # fp32 and bf16 train unscaled (1.0); fp16 reports its dynamic loss scale.
         if event.bubble:  # measured idle fraction of rank 0's pipeline stage (pp > 1)
             self.metrics.on_bubble(event.bubble)
+        mfu = self.mfu(rec.tokens, rec.step_s)
         self.metrics.on_step(rec.step, rec.step_s, rec.tokens, rec.loss, event.grad_norm,
-                             mfu=self.mfu(rec.tokens, rec.step_s), loss_scale=event.loss_scale,
+                             mfu=mfu, loss_scale=event.loss_scale,
                              data_wait_s=event.data_wait_s)
+        self.tracker.emit(step_event(rec.step, rec.loss, rec.tokens, rec.step_s, self.job_seconds(rec.time), mfu,
+                                     event.grad_norm))
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
             self._last_progress = time.monotonic()
             self.metrics.on_goodput(self.ledger)
+            self.tracker.emit(goodput_event(rec.step + 1, self.ledger))
             self.printer(progress_line(rec.step + 1, self.total_steps, rec.loss, self.tokens_per_s(),
                                        self.ledger.goodput()))
 
@@ -137,6 +148,7 @@ class JobRecord:
         self.evals = [e for e in self.evals if e.step != event.step]  # a re-evaluation after a rollback
         self.evals.append(EvalPoint(step=event.step, loss=event.loss, tokens=event.tokens, seconds=event.seconds,
                                     time=self.job_seconds()))
+        self.tracker.emit(record_event("eval", event.step, self.evals[-1]))
         self.metrics.on_eval(event.step, event.loss)
         self.printer(f"eval after step {event.step}: validation loss {event.loss:.4f} over {event.tokens} tokens "
                      f"({event.seconds:.1f} s)")
@@ -157,6 +169,7 @@ class JobRecord:
                                       started_at=self.job_seconds()))
         self.dp = dp
         self.metrics.on_layout(gen, world_size, dp, tp, pp)
+        self.tracker.emit(record_event("layout", self.completed_steps(), self.world[-1]))
 
     def on_failure(self, kind: str, rank: int | None, detected_at: float, fault_time: float | None,
                    message: str, step: int | None = None) -> FailureRecord:
@@ -170,30 +183,40 @@ class JobRecord:
             self.in_flight_at_failure.add(step)
         self.metrics.on_failure(kind)
         self._awaiting_first_step = (record, fault_time if fault_time is not None else detected_at)
+        self._failure_changed(record)
         return record
+
+    def _failure_changed(self, record: FailureRecord) -> None:
+        """Send the whole record again: the event log keeps the newest version of each failure."""
+        index = next(i for i, f in enumerate(self.failures) if f is record)
+        self.tracker.emit(record_event("failure", self.completed_steps(), record, index=index))
 
     def on_restored(self, record: FailureRecord, level: str, results: list[dict], seconds: float) -> None:
         """The recovery of `record` restored from `level` in `seconds`; `results`: the ranks' answers."""
         record.restore_level, record.restore_s = level, seconds
         record.storage_read_bytes = sum(int(r.get("storage_read_bytes", 0)) for r in results if isinstance(r, dict))
         self.metrics.on_recovery_level(level, seconds, record.lost_work_s or 0.0)
+        self._failure_changed(record)
 
     def on_recovered(self, record: FailureRecord, detected_at: float) -> None:
         record.recovered_after_s = time.time() - detected_at
         self.metrics.on_recovery(record.detected_after_s or 0.0, record.recovered_after_s)
+        self._failure_changed(record)
 
     def on_checkpoint(self, step: int, committed_at: float, nbytes: int, blocking_s: float,
                       total_s: float, interval_s: float | None) -> None:
         self.checkpoints.append(CheckpointRecord(step=step, committed_at=self.job_seconds(committed_at),
                                                  bytes=nbytes, blocking_s=blocking_s, total_s=total_s))
         self.metrics.on_checkpoint(step, nbytes, blocking_s, total_s, interval_s)
+        self.tracker.emit(record_event("checkpoint", step, self.checkpoints[-1]))
 
     def report(self, status: str, final_step: int, error: str | None = None) -> RunReport:
+        """The run's report, sent to the trackers as its `end` event too (once, at the run's end)."""
         losses = [LossPoint(step=s, loss=r.loss, time=self.job_seconds(r.time),
                             tokens_per_s=r.tokens / r.step_s if r.step_s > 0 else None)
                   for s, r in sorted(self.steps.items())]
         busy = sum(r.step_s for r in self.steps.values())
-        return RunReport(
+        report = RunReport(
             job=self.job, final_step=final_step,
             final_loss=self.steps[max(self.steps)].loss if self.steps else None,
             losses=losses, evals=sorted(self.evals, key=lambda e: e.step), world_history=self.world,
@@ -204,3 +227,6 @@ class JobRecord:
             status=status, error=error,
             tokens_per_s=sum(r.tokens for r in self.steps.values()) / busy if busy > 0 else None,
         )
+        self.tracker.emit(goodput_event(self.completed_steps(), self.ledger))
+        self.tracker.emit(end_event(report))
+        return report

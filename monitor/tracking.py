@@ -1,0 +1,128 @@
+"""Experiment tracking: the run's events fanned out to the event log, TensorBoard and W&B.
+
+Protocol. The CLI's `run_job` calls `open_trackers(...)` once in the driver, before the
+controller exists, and `close()` in its `finally`. The controller's `JobRecord` calls `emit(event)`
+for every event it builds (monitor.events: one per step, validation, layout, failure update,
+commit, goodput sample, and the end), on the controller thread only. `emit` hands the event to
+each sink and flushes them every `flush_every_s`, at each commit and at the end, so what was
+learned before a pod died is already stored.
+
+Tracking is telemetry: a sink that raises is logged once and dropped; the job never stops for
+it. Which packages a configured sink needs is checked before the job starts
+(`tracking_problems`, called where the spec is loaded).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from monitor.config import MonitorConfig
+
+log = logging.getLogger(__name__)
+
+FLUSH_EVERY_S = 10.0
+_FLUSH_KINDS = ("checkpoint", "end")  # flushed at once: a commit's record survives with the commit
+
+
+class Sink(Protocol):
+    """One destination of the run's events. Called from the controller thread only."""
+
+    name: str
+
+    def emit(self, event: dict) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Trackers:
+    """The sinks of one run, fed in order; a sink that raises is dropped (logged once)."""
+
+    def __init__(self, sinks: Sequence[Sink] = (), flush_every_s: float = FLUSH_EVERY_S, clock=time.monotonic):
+        self.sinks = list(sinks)
+        self.flush_every_s = flush_every_s
+        self.clock = clock
+        self._flushed_at = clock()
+
+    def emit(self, event: dict) -> None:
+        self._each("emit", event)
+        if event["kind"] in _FLUSH_KINDS or self.clock() - self._flushed_at >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._flushed_at = self.clock()
+        self._each("flush")
+
+    def close(self) -> None:
+        """Flush and close every sink; the last writes finish before this returns."""
+        self._each("close")
+        self.sinks = []
+
+    def _each(self, method: str, *args) -> None:
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as err:  # telemetry: never a reason to stop training
+                log.warning("tracking: %s failed in %s (%s); it records nothing more for this run",
+                            sink.name, method, err)
+                self.sinks.remove(sink)
+
+
+NO_TRACKING = Trackers()
+
+
+def tracking_problems(monitor: MonitorConfig) -> list[tuple[str, str]]:
+    """(field, message) for each configured tracker this machine cannot run: a package or an
+    fsspec protocol missing. Checked before the job starts, so a run never ends without its record."""
+    problems = []
+    if monitor.tensorboard is not None:
+        if importlib.util.find_spec("tensorboard") is None:
+            problems.append(("monitor.tensorboard", "the tensorboard package is not installed: "
+                             "pip install 'undying[tensorboard]', or remove monitor.tensorboard"))
+        reason = _protocol_problem(monitor.tensorboard)
+        if reason:
+            problems.append(("monitor.tensorboard", reason))
+    if monitor.wandb is not None and importlib.util.find_spec("wandb") is None:
+        problems.append(("monitor.wandb", "the wandb package is not installed: pip install 'undying[wandb]', "
+                         "or remove monitor.wandb"))
+    return problems
+
+
+def _protocol_problem(url: str) -> str | None:
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as err:
+        return f"{url}: cannot write to {protocol}:// here ({err}); use a local directory, file:// or s3:// " \
+               "(with s3fs installed)"
+    return None
+
+
+def open_trackers(job: str, total_steps: int, monitor: MonitorConfig, storage, storage_options: dict,
+                  config: dict) -> Trackers:
+    """The trackers of one run of the controller: the event log under the checkpoint root
+    (`storage`, always), TensorBoard at `monitor.tensorboard` (opened with `storage_options`,
+    the checkpoint's) and W&B when `monitor.wandb` is set (`config`: the spec without credentials,
+    shown with the run). Emits the `start` event."""
+    from monitor.event_log import EventLog
+    from monitor.events import event
+
+    sinks: list[Sink] = [EventLog(storage)]
+    if monitor.tensorboard is not None:
+        from monitor.tensorboard_sink import TensorBoardSink
+
+        sinks.append(TensorBoardSink(monitor.tensorboard, storage_options))
+    if monitor.wandb is not None:
+        from monitor.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(monitor.wandb, job, config))
+    trackers = Trackers(sinks)
+    trackers.emit(event("start", 0, job=job, total_steps=total_steps))
+    return trackers

@@ -1,0 +1,239 @@
+"""Experiment tracking without processes: the job record's events, the event log under the checkpoint
+root, the report rebuilt from it, TensorBoard event files read back with tensorboard's own reader,
+and the trackers' failure handling."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ckpt.storage import Storage
+from monitor.config import MonitorConfig
+from monitor.event_log import EventLog, list_runs, read_run
+from monitor.events import Scalars, event, report_from_events
+from monitor.goodput import BUCKETS, GoodputLedger
+from monitor.metrics import JobMetrics
+from monitor.tensorboard_sink import TensorBoardSink
+from monitor.tracking import Trackers, tracking_problems
+from orchestrator.controller.job_record import JobRecord
+from orchestrator.wire.messages import EvalDone, StepDone
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Collect:
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.events, self.flushes, self.closed = [], 0, False
+
+    def emit(self, ev: dict) -> None:
+        self.events.append(ev)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def scripted_run(tracker, nan_at: int | None = None) -> tuple[JobRecord, object]:
+    """A run as the controller records it: a layout, 6 steps, a commit at 3, a validation, a failure at
+    step 5 rolled back to 3 (steps 3 and 4 computed again, the failure's record filled in as the
+    recovery goes), then steps to 8, and the end. Returns the record and its report."""
+    clock = Clock()
+    ledger = GoodputLedger(clock=clock)
+    tracker.emit(event("start", 0, job="tiny", total_steps=8))  # as monitor.tracking.open_trackers does
+    record = JobRecord("tiny", 8, JobMetrics("tiny"), ledger, printer=lambda line: None, progress_every_s=0.0,
+                       mfu=lambda tokens, step_s: 0.25, tracker=tracker)
+    t0 = record.started
+
+    def step(s: int, at: float) -> None:
+        clock.now = at
+        loss = float("nan") if s == nan_at else 5.0 - 0.1 * s
+        record.on_step(StepDone(step=s, loss=loss, tokens=64, step_s=0.5, time=t0 + at, grad_norm=1.5))
+
+    ledger.enter("productive")
+    record.on_layout(0, 2, 2, 1, 1)
+    for s in range(5):
+        step(s, 1.0 + s)
+        if s == 2:
+            record.on_checkpoint(3, t0 + 3.2, 4096, 0.05, 0.3, None)
+            record.on_eval(EvalDone(step=3, loss=4.6, tokens=128, seconds=0.1))
+    failure = record.on_failure("rank_died", 1, detected_at=t0 + 6.1, fault_time=t0 + 6.0, message="boom", step=5)
+    failure.lost_work_s = record.rolled_back_seconds(3, since=t0, failed_at=t0 + 6.0)
+    record.on_restored(failure, "storage", [{"storage_read_bytes": 4096}], 0.4)
+    record.on_layout(1, 2, 2, 1, 1)
+    record.on_recovered(failure, detected_at=t0 + 6.1)
+    for s in range(3, 8):
+        step(s, 8.0 + s)
+    ledger.stop()
+    return record, record.report("succeeded", 8)
+
+
+def test_the_event_log_rebuilds_the_report_the_record_built(tmp_path):
+    storage = Storage(f"file://{tmp_path}/ck/tiny")
+    log = EventLog(storage)
+    trackers = Trackers([log])
+    record, report = scripted_run(trackers, nan_at=1)
+    trackers.close()
+    assert list_runs(storage) == [log.run]
+    events = read_run(storage, log.run)
+    rebuilt = report_from_events(events)
+    assert math.isnan(rebuilt.losses[1].loss)
+    nan_free = lambda r: r.model_copy(update={"losses": [p for p in r.losses if p.step != 1]})  # noqa: E731
+    assert nan_free(rebuilt) == nan_free(report)
+    assert rebuilt.summary_table() == report.summary_table()
+    # steps 3 and 4 computed again, and 5, which the failure interrupted
+    assert [p.step for p in rebuilt.losses] == list(range(8)) and rebuilt.redone_steps == 3
+    # every line is strict JSON (jq reads it): the NaN loss is the string pydantic reads back
+    for name in storage.listdir(log.path):
+        for line in (tmp_path / "ck" / "tiny" / "events" / log.run / name).read_text().splitlines():
+            json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+
+def test_each_flush_is_a_new_segment_and_a_log_without_its_end_rebuilds_as_unfinished(tmp_path):
+    storage = Storage("memory://events-unfinished/tiny")
+    log = EventLog(storage, run="r1")
+    collect = Collect()
+    clock = Clock()
+    trackers = Trackers([log, collect], flush_every_s=5.0, clock=clock)
+    trackers.emit(event("start", 0, job="tiny", total_steps=10))
+    ledger = GoodputLedger(clock=clock)
+    for s in range(4):
+        clock.now = 2.0 * s
+        trackers.emit(event("step", s, step=s, loss=1.0, tokens=8, step_s=0.5, time=float(s)))
+    clock.now = 7.0
+    trackers.emit({**event("goodput", 4, totals=ledger.totals(), ratio=0.0, wall=7.0)})
+    log.close()
+    segments = storage.listdir(log.path)
+    # flushed at t=6 (5 s passed) and at the close: two objects, each written once
+    assert segments == ["00000000.jsonl", "00000001.jsonl"] and collect.flushes == 1
+    report = report_from_events(read_run(storage, "r1"))
+    assert report.status == "unfinished" and report.final_step == 0 and report.job == "tiny"
+    assert [p.step for p in report.losses] == [0, 1, 2, 3] and report.goodput.clock_wall_s == 7.0
+    with pytest.raises(ValueError, match="no events"):
+        report_from_events([])
+
+
+def test_a_failing_sink_is_dropped_and_the_others_go_on(caplog):
+    class Broken(Collect):
+        name = "broken"
+
+        def emit(self, ev: dict) -> None:
+            raise OSError("disk full")
+
+    good, broken = Collect(), Broken()
+    trackers = Trackers([broken, good])
+    for s in range(3):
+        trackers.emit(event("step", s, step=s, loss=1.0, tokens=8, step_s=0.5, time=0.0))
+    trackers.emit(event("checkpoint", 2, record={"step": 2, "committed_at": 1.0, "bytes": 1, "blocking_s": 0.1,
+                                                "total_s": 0.2}))
+    trackers.close()
+    assert len(good.events) == 4 and good.flushes == 1 and good.closed  # a commit is flushed at once
+    assert trackers.sinks == [] and sum("broken failed in emit" in r.message for r in caplog.records) == 1
+
+
+def test_a_segment_that_cannot_be_written_is_retried_then_dropped(tmp_path, caplog):
+    class Flaky:
+        url = "flaky://"
+
+        def __init__(self, fails: int) -> None:
+            self.fails, self.written = fails, {}
+
+        def path(self, *parts):
+            return "/".join(parts)
+
+        def write_immutable(self, path, data):
+            if self.fails:
+                self.fails -= 1
+                raise OSError("503 slow down")
+            self.written[path] = data
+
+    flaky = Flaky(fails=2)
+    log = EventLog(flaky, run="r", backoff_s=0.0)
+    log.emit(event("start", 0, job="j", total_steps=1))
+    log.close()
+    assert list(flaky.written) == ["events/r/00000000.jsonl"]
+    dead = Flaky(fails=100)
+    log = EventLog(dead, run="r", backoff_s=0.0)
+    log.emit(event("start", 0, job="j", total_steps=1))
+    log.close()
+    assert dead.written == {} and any("its 1 events are lost" in r.message for r in caplog.records)
+
+
+def test_tensorboard_has_one_loss_scalar_per_step_and_the_run_events(tmp_path):
+    sink = TensorBoardSink(str(tmp_path / "tb"))
+    trackers = Trackers([sink])
+    record, report = scripted_run(trackers)
+    trackers.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    loss = acc.Scalars("train/loss")
+    # 8 steps, 2 of them computed again after the rollback: each execution is one point
+    assert [e.step for e in loss] == [0, 1, 2, 3, 4, 3, 4, 5, 6, 7]
+    assert [e.value for e in loss] == pytest.approx([5.0 - 0.1 * s for s in (0, 1, 2, 3, 4, 3, 4, 5, 6, 7)])
+    assert {"train/tokens_per_s", "train/mfu", "train/grad_norm", "eval/loss", "goodput/ratio",
+            "checkpoint/blocking_s", "world/size", "recovery/failures", "recovery/recovered_after_s",
+            "recovery/lost_work_s"} <= tags
+    assert {f"goodput/{b}_s" for b in BUCKETS} <= tags
+    assert [e.value for e in acc.Scalars("train/mfu")] == [0.25] * 10
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(3, pytest.approx(4.6))]
+    assert [e.value for e in acc.Scalars("recovery/failures")] == [1.0]  # sent three times, counted once
+    assert len(acc.Scalars("recovery/restore_s")) == 1
+
+
+def test_tensorboard_to_a_url_is_uploaded_through_the_storage_layer(tmp_path):
+    sink = TensorBoardSink("memory://tb-upload/run")
+    for s in range(5):
+        sink.emit(event("step", s, step=s, loss=float(s), tokens=8, step_s=0.5, time=0.0))
+    sink.flush()
+    sink.close()
+    remote = Storage("memory://tb-upload/run")
+    names = remote.listdir(remote.root)
+    assert len(names) == 1 and names[0].startswith("events.out.tfevents.")
+    (tmp_path / names[0]).write_bytes(remote.read(remote.path(names[0])))
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(s, float(s)) for s in range(5)]
+    assert not os.path.exists(sink.local_dir)  # the staging directory is gone
+
+
+def test_scalars_of_a_failure_are_given_once_its_recovery_is_measured():
+    scalars = Scalars()
+    def failure(index: int = 0, **times) -> dict:
+        return event("failure", 5, index=index, record={"time": 1.0, "kind": "rank_died", **times})
+
+    assert scalars.row(failure(detected_after_s=0.1)) == (5, {"recovery/failures": 1.0})
+    assert scalars.row(failure(detected_after_s=0.1, recovered_after_s=2.0)) == (5, {})
+    x, row = scalars.row(failure(detected_after_s=0.1, recovered_after_s=2.0, first_step_after_s=2.5))
+    assert row == {"recovery/detected_after_s": 0.1, "recovery/recovered_after_s": 2.0,
+                   "recovery/first_step_after_s": 2.5}
+    assert scalars.row(failure(first_step_after_s=2.5)) == (5, {})
+    assert scalars.row(failure(index=1)) == (5, {"recovery/failures": 2.0})
+
+
+def test_a_tracker_whose_package_or_protocol_is_missing_is_a_spec_problem(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
+                        else real(name, *a))
+    cfg = MonitorConfig(tensorboard="nosuchproto://bucket/tb", wandb={"project": "p"})
+    problems = dict.fromkeys(f for f, _ in tracking_problems(cfg))
+    messages = " ".join(m for _, m in tracking_problems(cfg))
+    assert list(problems) == ["monitor.tensorboard", "monitor.wandb"]
+    assert "pip install 'undying[wandb]'" in messages and "pip install 'undying[tensorboard]'" in messages
+    assert "nosuchproto://" in messages
+    assert tracking_problems(MonitorConfig()) == []
