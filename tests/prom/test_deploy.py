@@ -1,21 +1,16 @@
-"""The files in deploy/: the Grafana dashboard's structure, and the Prometheus, Ray and KubeRay
-configs checked by the tools that read them (promtool, Ray's cluster schema, undying's own
-spec checks) and against each other (ports, labels, paths)."""
+"""The monitoring files in deploy/: the Grafana dashboard's structure, and the Prometheus config
+checked by promtool and against the KubeRay PodMonitor's port. The image, the KubeRay manifests
+and the Ray cluster config are checked by tests/unit/test_deploy_*.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
-from pathlib import Path
 
-import jsonschema
 import pytest
-import ray.autoscaler
 import yaml
 
-from orchestrator.spec.job_spec import load_spec
 from tests.prom._dashboard import BUILTINS, METRIC_NAME, ROOT, exported_names, expressions, load, panels
 
 DEPLOY = ROOT / "deploy"
@@ -116,7 +111,8 @@ def test_prometheus_config_and_examples_parse():
     assert set(jobs) == {"undying", "ray", "undying-kuberay"}
     assert "honor_labels" not in jobs["undying-kuberay"]
     keep = [r["regex"] for r in jobs["undying-kuberay"]["relabel_configs"] if r.get("action") == "keep"]
-    assert keep == ["head", _kuberay()[1]["spec"]["podMetricsEndpoints"][0]["port"]]
+    podmonitor = yaml.safe_load((DEPLOY / "kuberay/podmonitor.yaml").read_text())
+    assert keep == ["head", podmonitor["spec"]["podMetricsEndpoints"][0]["port"]]
 
 
 @pytest.mark.prom
@@ -126,50 +122,3 @@ def test_promtool_accepts_the_scrape_config():
     check = subprocess.run(["/usr/bin/promtool", "check", "config", str(DEPLOY / "prometheus/prometheus.yml")],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
-
-
-def test_ray_cluster_config_matches_rays_schema():
-    config = yaml.safe_load((DEPLOY / "ray/cluster.yaml").read_text())
-    schema_path = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
-    jsonschema.validate(config, json.loads(schema_path.read_text()))
-    types = config["available_node_types"]
-    assert types[config["head_node_type"]]["resources"]["GPU"] == 0, "ranks must not land on the head"
-    assert any(t["resources"].get("GPU", 0) > 0 for t in types.values())
-
-
-def _kuberay() -> tuple[list[dict], dict]:
-    rayjob_docs = list(yaml.safe_load_all((DEPLOY / "kuberay/rayjob.yaml").read_text()))
-    return rayjob_docs, yaml.safe_load((DEPLOY / "kuberay/podmonitor.yaml").read_text())
-
-
-def test_kuberay_rayjob_runs_a_valid_spec_and_exposes_its_metrics(tmp_path):
-    (config_map, rayjob), monitor = _kuberay()
-    assert (config_map["kind"], rayjob["kind"], monitor["kind"]) == ("ConfigMap", "RayJob", "PodMonitor")
-    assert rayjob["apiVersion"] == "ray.io/v1" and monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
-    [container] = head["spec"]["containers"]
-    [mount] = container["volumeMounts"]
-    [volume] = head["spec"]["volumes"]
-    assert volume["name"] == mount["name"] and volume["configMap"]["name"] == config_map["metadata"]["name"]
-    # The entrypoint runs the job spec the ConfigMap mounts, and that spec passes undying's checks.
-    command = rayjob["spec"]["entrypoint"].split()
-    assert command[:2] == ["undying", "run"] and command[2] == f"{mount['mountPath']}/job.yaml"
-    (tmp_path / "job.yaml").write_text(config_map["data"]["job.yaml"])
-    spec = load_spec(str(tmp_path / "job.yaml"), [a for a in command[3:] if a != "--set"])
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
-    assert len(endpoint["port"]) <= 15, "Kubernetes port names are at most 15 characters"
-    assert ports[endpoint["port"]] == spec.monitor.port and spec.monitor.host == "0.0.0.0"
-    assert "honorLabels" not in endpoint
-    selector = dict(monitor["spec"]["selector"]["matchLabels"])
-    assert selector.pop("ray.io/node-type") == "head"  # KubeRay's own label
-    assert selector.items() <= head["metadata"]["labels"].items()
-    workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    gpus = sum(w["replicas"] * int(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-               for w in workers)
-    assert gpus == spec.world_size * spec.resources.gpus_per_rank
-    # A preempted job checkpoints within elastic.preemption_grace_s: Ray and Kubernetes wait longer.
-    env = {e["name"]: e["value"] for e in container["env"]}
-    grace = spec.elastic.preemption_grace_s
-    assert grace < int(env["RAY_JOB_STOP_WAIT_TIME_S"]) < head["spec"]["terminationGracePeriodSeconds"]
-    assert all(w["template"]["spec"]["terminationGracePeriodSeconds"] > grace for w in workers)

@@ -1,0 +1,205 @@
+"""deploy/kuberay: the RayJob (and its ConfigMap) and the example Secret checked against KubeRay's
+ray.io/v1 API and Kubernetes' core/v1 objects (tests/schemas/kuberay_v1.yaml, written out field by
+field from KubeRay's CRDs), and against what they name: the image the Dockerfile builds, the
+console script and job spec the entrypoint runs, the Secret every pod takes its credentials from,
+the shared memory the pods mount, the PodMonitor's port, and the preemption grace periods."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import shlex
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from orchestrator.spec.job_spec import load_spec
+from orchestrator.spec.secrets import looks_like_credential
+from tests._deploy import (
+    DOCKERFILES,
+    ROOT,
+    build_args,
+    console_scripts,
+    gpu_image,
+    instructions,
+    kubernetes_bytes,
+    yaml_documents,
+)
+
+SCHEMA = yaml.safe_load((ROOT / "tests/schemas/kuberay_v1.yaml").read_text())
+
+
+def _problems(document: dict, kind: str | None = None) -> list[str]:
+    """Every way `document` breaks the schema of its kind, as 'path: message' lines."""
+    schema = {key: value for key, value in SCHEMA.items() if key != "oneOf"}
+    schema["$ref"] = f"#/$defs/{kind or document['kind']}"
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+            for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def _rayjob() -> tuple[dict, dict]:
+    config_map, rayjob = yaml_documents("kuberay/rayjob.yaml")
+    return config_map, rayjob
+
+
+def _secret() -> dict:
+    [secret] = yaml_documents("kuberay/secret.example.yaml")
+    return secret
+
+
+def _pods(rayjob: dict) -> list[dict]:
+    """The pod templates: the head's, then each worker group's."""
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return [cluster["headGroupSpec"]["template"], *(w["template"] for w in cluster["workerGroupSpecs"])]
+
+
+def _start_params(rayjob: dict) -> list[dict]:
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return [cluster["headGroupSpec"]["rayStartParams"], *(w["rayStartParams"] for w in cluster["workerGroupSpecs"])]
+
+
+def test_the_schema_is_valid_json_schema():
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+@pytest.mark.parametrize("path", ["kuberay/rayjob.yaml", "kuberay/secret.example.yaml"])
+def test_every_manifest_matches_kuberays_and_kubernetes_api(path):
+    for document in yaml_documents(path):
+        assert not _problems(document), f"{path} ({document['kind']}):\n" + "\n".join(_problems(document))
+        assert jsonschema.Draft202012Validator(SCHEMA).is_valid(document)
+
+
+def _set(document: dict, path: str, value) -> dict:
+    """A copy of `document` with `value` at the dotted `path` (integers index lists); None deletes."""
+    changed = copy.deepcopy(document)
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    node = changed
+    for part in parents:
+        node = node[part]
+    if value is None:
+        del node[last]
+    else:
+        node[last] = value
+    return changed
+
+
+HEAD = "spec.rayClusterSpec.headGroupSpec"
+HEAD_CONTAINER = f"{HEAD}.template.spec.containers.0"
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), [
+    ("spec.backofflimit", 3, "'backofflimit' was unexpected"),  # misspelt: the API server would drop it
+    ("spec.submitterConfig", {"backoffLimit": "3"}, "'3' is not of type 'integer'"),
+    ("spec.rayClusterSpec.headGroupSpec", None, "'headGroupSpec' is a required property"),
+    ("spec.rayClusterSpec.workerGroupSpecs.0.groupName", None, "'groupName' is a required property"),
+    (f"{HEAD_CONTAINER}.envfrom", [], "'envfrom' was unexpected"),
+    (f"{HEAD_CONTAINER}.envFrom.0.secretRef.nmae", "x", "'nmae' was unexpected"),
+    (f"{HEAD_CONTAINER}.resources.limits.memory", "32 Gi", "'32 Gi' is not valid"),
+    (f"{HEAD_CONTAINER}.ports.4.name", "undying-metrics-port", "is too long"),
+    (f"{HEAD}.template.spec.volumes.1.configMap", {"name": "x"}, "has too many properties"),
+    (f"{HEAD}.template.spec.volumes.1.emptyDir.medium", "memory", "'memory' is not one of"),
+    (f"{HEAD}.rayStartParams.num-gpus", 0, "0 is not of type 'string'"),
+    ("spec.submissionMode", "K8sJob", "'K8sJob' is not one of"),
+])
+def test_the_schema_refuses_what_kuberay_would_drop_or_refuse(path, value, expected):
+    _, rayjob = _rayjob()
+    problems = _problems(_set(rayjob, path, value))
+    assert any(expected in p for p in problems), f"{path}={value!r}: {problems}"
+
+
+def test_a_failed_job_is_retried_whole_on_a_new_cluster():
+    _, rayjob = _rayjob()
+    assert rayjob["spec"]["backoffLimit"] >= 1
+    # submitterConfig.backoffLimit retries only the pod that runs `ray job submit`.
+    assert "submitterConfig" not in rayjob["spec"]
+    assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
+
+
+def test_the_entrypoint_is_the_packages_console_script_running_the_mounted_spec(tmp_path):
+    config_map, rayjob = _rayjob()
+    command = shlex.split(rayjob["spec"]["entrypoint"])
+    # The console script the image's `pip install` puts on the PATH.
+    module, _, function = console_scripts()[command[0]].partition(":")
+    assert callable(getattr(importlib.import_module(module), function))
+    args = importlib.import_module(module)._parser().parse_args(command[1:])
+    assert args.command == "run"
+    # The spec file it names is the ConfigMap's job.yaml, mounted into the head, and it passes
+    # undying's own checks.
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mount = next(m for m in head["containers"][0]["volumeMounts"] if m["name"] == "job-spec")
+    volume = next(v for v in head["volumes"] if v["name"] == "job-spec")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert Path(args.spec).parent == Path(mount["mountPath"]) and Path(args.spec).name in config_map["data"]
+    (tmp_path / "job.yaml").write_text(config_map["data"][Path(args.spec).name])
+    spec = load_spec(str(tmp_path / "job.yaml"), args.overrides)
+    assert spec.checkpoint.url.startswith("s3://"), "the Secret's AWS_* variables are for an s3:// bucket"
+
+
+def test_every_pod_takes_its_credentials_from_the_shipped_secret():
+    _, rayjob = _rayjob()
+    secret = _secret()
+    name = secret["metadata"]["name"]
+    for pod in _pods(rayjob):
+        container = pod["spec"]["containers"][0]
+        assert {"secretRef": {"name": name}} in container.get("envFrom", []), container["name"]
+        # No credential written into the manifest itself.
+        assert not [e["name"] for e in container.get("env", []) if looks_like_credential(e["name"]) and "value" in e]
+    values = secret["stringData"]
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(values)
+    credentials = [key for key in values if looks_like_credential(key)]
+    assert credentials and all(values[key].startswith("REPLACE_ME") for key in credentials), (
+        "every credential in the example must be a marked placeholder")
+    assert "REPLACE_ME" in (ROOT / "deploy/kuberay/secret.example.yaml").read_text().split("apiVersion")[0]
+
+
+def test_every_pod_has_in_memory_shared_memory_sized_above_rays_object_store():
+    _, rayjob = _rayjob()
+    for pod, params in zip(_pods(rayjob), _start_params(rayjob), strict=True):
+        spec = pod["spec"]
+        container = spec["containers"][0]
+        [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        shm = volume["emptyDir"]
+        assert shm["medium"] == "Memory" and "sizeLimit" in shm, container["name"]
+        # The emptyDir counts against the pod's memory; Ray's object store must fit in /dev/shm.
+        assert kubernetes_bytes(shm["sizeLimit"]) < kubernetes_bytes(container["resources"]["limits"]["memory"])
+        assert int(params["object-store-memory"]) < kubernetes_bytes(shm["sizeLimit"]), container["name"]
+
+
+def test_pods_run_the_image_the_dockerfile_builds_as_its_user():
+    _, rayjob = _rayjob()
+    [user] = [i.args for i in instructions(DOCKERFILES[0]) if i.keyword == "USER"]
+    uid, gid = (int(x) for x in user.split(":"))
+    assert rayjob["spec"]["rayClusterSpec"]["rayVersion"] == build_args(DOCKERFILES[0])["RAY_VERSION"]
+    for pod in _pods(rayjob):
+        assert [c["image"] for c in pod["spec"]["containers"]] == [gpu_image()]
+        context = pod["spec"]["securityContext"]
+        assert context["runAsNonRoot"] is True and (context["runAsUser"], context["runAsGroup"]) == (uid, gid)
+
+
+def test_the_head_exposes_the_metrics_the_podmonitor_scrapes(tmp_path):
+    config_map, rayjob = _rayjob()
+    [monitor] = yaml_documents("kuberay/podmonitor.yaml")
+    assert monitor["kind"] == "PodMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    (tmp_path / "job.yaml").write_text(config_map["data"]["job.yaml"])
+    spec = load_spec(str(tmp_path / "job.yaml"), [])
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    assert ports[endpoint["port"]] == spec.monitor.port and spec.monitor.host == "0.0.0.0"
+    assert "honorLabels" not in endpoint  # the job's name is the series' own undying_job label
+    selector = dict(monitor["spec"]["selector"]["matchLabels"])
+    assert selector.pop("ray.io/node-type") == "head"  # KubeRay's own label
+    assert selector.items() <= head["metadata"]["labels"].items()
+    workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    gpus = sum(w["replicas"] * int(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+               for w in workers)
+    assert gpus == spec.world_size * spec.resources.gpus_per_rank
+    # A preempted job checkpoints within elastic.preemption_grace_s: Ray and Kubernetes wait longer.
+    env = {e["name"]: e["value"] for e in head["spec"]["containers"][0]["env"]}
+    grace = spec.elastic.preemption_grace_s
+    assert grace < int(env["RAY_JOB_STOP_WAIT_TIME_S"]) < head["spec"]["terminationGracePeriodSeconds"]
+    assert all(w["template"]["spec"]["terminationGracePeriodSeconds"] > grace for w in workers)
