@@ -129,16 +129,19 @@ def _atomic_file(out_path: str) -> Iterator[BinaryIO]:
 
 
 def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[Exported],
-                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES, on_bytes=None) -> None:
     """Write `tensors` of committed checkpoint `step` to the local file `out_path` (through a
     temporary name, renamed when complete). Reads batches of at most `batch_bytes` through the
-    verifying reader; CorruptCheckpoint when a chunk is damaged."""
+    verifying reader; CorruptCheckpoint when a chunk is damaged. `on_bytes(n)`: called after
+    each batch with the bytes it wrote (a command's progress)."""
     with _atomic_file(out_path) as f:
         f.write(safetensors_header(tensors, metadata))
         for batch in _batches(tensors, batch_bytes):
             loaded, _ = load_checkpoint(catalog, step, [t.stored for t in batch])
             for t in batch:
                 f.write(_raw(loaded.pop(t.stored).to(getattr(torch, t.dtype))))
+            if on_bytes is not None:
+                on_bytes(sum(t.nbytes for t in batch))
 
 
 def write_tensors(out_path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -153,17 +156,21 @@ def write_tensors(out_path: str, tensors: dict[str, torch.Tensor], metadata: dic
 
 def export_safetensors(
     catalog: Catalog, step: int, out_path: str, prefix: str = "model/",
-    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    batch_bytes: int = DEFAULT_BATCH_BYTES, on_bytes=None,
 ) -> dict[str, str]:
     """Write the tensors under `prefix` of committed checkpoint `step` to `out_path` (a local
     file), without the prefix; returns stored name -> exported name. Raises ValueError when
-    the checkpoint has no tensor under `prefix`, CorruptCheckpoint when a chunk is damaged."""
+    the checkpoint has no tensor under `prefix`, CorruptCheckpoint when a chunk is damaged.
+    `on_bytes(n, total)` follows the bytes written (total: the file's tensor bytes)."""
     manifest = catalog.read_manifest(step)
     names = model_tensor_names(manifest, prefix)
     if not names:
         raise ValueError(f"checkpoint step {step} has no tensors under {prefix!r}")
     metadata = {"format": "pt", "undying.job": manifest.job, "undying.step": str(step)}
-    write_safetensors(catalog, step, out_path, plan_export(manifest, names), metadata, batch_bytes)
+    tensors = plan_export(manifest, names)
+    total = sum(t.nbytes for t in tensors)
+    write_safetensors(catalog, step, out_path, tensors, metadata, batch_bytes,
+                      on_bytes=None if on_bytes is None else lambda n: on_bytes(n, total))
     return names
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -41,7 +41,8 @@ Fetched = dict[str, list[tuple[int, torch.Tensor]]]  # file -> [(start byte, uin
 
 
 def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, threads: int = READ_THREADS,
-          keep: bool = True, piece_bytes: int = PIECE_BYTES, retry: ReadRetry | None = None) -> Fetched:
+          keep: bool = True, piece_bytes: int = PIECE_BYTES, retry: ReadRetry | None = None,
+          on_bytes: Callable[[int, int], None] | None = None) -> Fetched:
     """Read and verify every range of `reads` from checkpoint `step`'s directory (`step` None: from
     the storage root, as for a Hugging Face model directory; blocks whose crc32 is None, which
     safetensors files do not carry, are read unverified).
@@ -52,6 +53,8 @@ def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, thr
     verification in bounded memory); the result is then empty. `retry`: how transient read
     errors are retried, one budget for every piece and for whatever else the caller read
     through it (default: a new ReadRetry(), checkpoint.read_retry_s's default budget).
+    `on_bytes(n, total)`: called on the caller's thread, in order, as each piece of n bytes is
+    in (`total`: the bytes of every range), so a command can show its progress.
     """
     out: Fetched = defaultdict(list)
     if not reads:
@@ -63,9 +66,12 @@ def fetch(storage: Storage, step: int | None, reads: Sequence[RangeRead], *, thr
         # Ranges in order, so a range's buffer is allocated only when its first piece is read:
         # with keep=False at most the ranges in flight are held.
         futures = [pool.submit(r.read_piece, lo, hi, keep) for r, lo, hi in pieces]
+        total = sum(hi - lo for _, lo, hi in pieces)
         try:
-            for future in futures:
+            for future, (_, lo, hi) in zip(futures, pieces, strict=True):
                 future.result()
+                if on_bytes is not None:
+                    on_bytes(hi - lo, total)
         except BaseException:
             for future in futures:
                 future.cancel()  # do not keep fetching from a checkpoint already known bad

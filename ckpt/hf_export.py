@@ -102,9 +102,10 @@ def save_hf(model: ModelConfig, weights: dict, out_dir: str, token_ids: dict | N
 
 def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_url: str | None = None,
-              token_ids: dict | None = None) -> list[str]:
+              token_ids: dict | None = None, on_bytes=None) -> list[str]:
     """Write checkpoint `step` as a Hugging Face directory at `out_dir` (which must not exist or be
-    empty); returns the files written. ValueError when the model is not a Llama architecture."""
+    empty); returns the files written. ValueError when the model is not a Llama architecture.
+    `on_bytes(n, total)` follows the weight bytes written over every shard file."""
     manifest = catalog.read_manifest(step)
     model = model_config_of(manifest)
     names = {stored: to_hf(stored[len(PREFIX):]) for stored in sorted(manifest.tensors) if stored.startswith(PREFIX)}
@@ -117,8 +118,10 @@ def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = 
     os.makedirs(tmp)
     try:
         metadata = {"format": "pt", "undying.job": manifest.job, "undying.step": str(step)}
+        total = sum(t.nbytes for t in tensors)
         for file, shard in zip(files, shards, strict=True):
-            write_safetensors(catalog, step, os.path.join(tmp, file), shard, metadata)
+            write_safetensors(catalog, step, os.path.join(tmp, file), shard, metadata,
+                              on_bytes=None if on_bytes is None else lambda n: on_bytes(n, total))
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                      "weight_map": {t.name: file for file, shard in zip(files, shards, strict=True) for t in shard}}

@@ -121,16 +121,17 @@ def load_checkpoint(
     return {piece.name: piece.tensor for piece in slices}, manifest
 
 
-def verify_checkpoint(catalog: Catalog, step: int, retry: ReadRetry | None = None) -> None:
+def verify_checkpoint(catalog: Catalog, step: int, retry: ReadRetry | None = None, on_bytes=None) -> None:
     """Check that checkpoint `step` covers every tensor and every block's CRC32 matches.
 
     Reads the whole checkpoint but holds only the ranges in flight; raises CorruptCheckpoint
     (proof), or TransientStorageError when the store kept failing (proves nothing).
+    `on_bytes(n, total)` follows the reads (ckpt.fetch.fetch).
     """
     retry = retry if retry is not None else ReadRetry()  # one budget for the manifest and every piece
     manifest = read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
-    fetch(catalog.storage, step, plan.reads, keep=False, retry=retry)
+    fetch(catalog.storage, step, plan.reads, keep=False, retry=retry, on_bytes=on_bytes)
 
 
 def newest_loadable(catalog: Catalog, on_fallback=None) -> int | None:

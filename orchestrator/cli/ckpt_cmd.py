@@ -122,15 +122,18 @@ def parse_size(text: str) -> int:
 
 def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) -> int:
     from ckpt.hf_export import export_hf
+    from orchestrator.cli.progress import Progress
 
     out = os.path.abspath(os.path.expanduser(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {args.out} exists and is not an empty directory; choose a new directory")
     tokenizer = args.tokenizer or manifest.state.get("tokenizer", {}).get("url")
     try:
-        files = export_hf(catalog, step, out, dtype=EXPORT_DTYPES.get(args.dtype),
-                          max_shard_bytes=parse_size(args.max_shard_size), tokenizer_url=tokenizer,
-                          token_ids=manifest.state.get("tokenizer", {}).get("token_ids"))
+        with Progress(f"undying ckpt export step {step}") as progress:
+            files = export_hf(catalog, step, out, dtype=EXPORT_DTYPES.get(args.dtype),
+                              max_shard_bytes=parse_size(args.max_shard_size), tokenizer_url=tokenizer,
+                              token_ids=manifest.state.get("tokenizer", {}).get("token_ids"),
+                              on_bytes=progress.advance)
     except (ValueError, KeyError) as err:
         raise UsageError(f"--format hf: {err}") from None
     print(f"wrote {out}: {', '.join(files)} (step {step})")
@@ -161,8 +164,11 @@ def _export(catalog: Catalog, args: argparse.Namespace) -> int:
         prefixes = sorted({name.split("/", 1)[0] + "/" for name in manifest.tensors if "/" in name})
         raise UsageError(f"--prefix {args.prefix!r}: checkpoint step {step} has no such tensors; "
                          f"it holds {', '.join(prefixes) or 'tensors without a prefix'}")
+    from orchestrator.cli.progress import Progress
+
     try:
-        names = export_safetensors(catalog, step, out, prefix=args.prefix)
+        with Progress(f"undying ckpt export step {step}") as progress:
+            names = export_safetensors(catalog, step, out, prefix=args.prefix, on_bytes=progress.advance)
     except CorruptCheckpoint as err:
         print(f"undying ckpt export: step {step} is damaged, nothing written: {err}", file=sys.stderr)
         return EXIT_FAILED

@@ -83,12 +83,14 @@ def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
 
 def _verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, Any]:
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
+    from orchestrator.cli.progress import Progress
 
     started = time.perf_counter()
     retry = ReadRetry(read_retry_s)  # one budget for the checkpoint's manifest and all its chunks
     try:
         manifest = read_manifest(catalog, step, retry)
-        verify_checkpoint(catalog, step, retry)
+        with Progress(f"undying ckpt verify step {step}") as progress:  # a bar, or a line every 10 s
+            verify_checkpoint(catalog, step, retry, on_bytes=progress.advance)
     except CorruptCheckpoint as err:
         return {"step": step, "status": "corrupt", "error": about(step, err)}
     except TransientStorageError as err:  # proves nothing about this one; the others are still checked

@@ -22,9 +22,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from orchestrator.cli.data.shard_task import Job, UnitResult, run_unit
+from orchestrator.cli.progress import Progress as BarProgress
 
 
 class Sink(Protocol):
@@ -81,17 +82,22 @@ class RayDataExecutor:
 
 
 class Progress:
-    """Totals of the units done so far, and a line about them every `every_s` seconds.
+    """Totals of the units done so far, shown as a bar when `stream` (stderr) is a terminal, else
+    as a line every `every_s` seconds (orchestrator.cli.progress says why).
 
     `begin` (once the workers are ready: the clock starts there, so tokens/s leaves out
     starting Ray) and `add` are called on the driver thread; the printing thread only reads
-    the totals. Use as a context manager: the thread starts on entry and stops on exit.
+    the totals. Use as a context manager: the thread (or the bar) starts on entry, stops on exit.
     """
 
-    def __init__(self, n_units: int, printer: Callable[[str], None] | None = None, every_s: float = 2.0) -> None:
+    def __init__(self, n_units: int, printer: Callable[[str], None] | None = None, every_s: float = 2.0,
+                 stream: TextIO | None = None) -> None:
         self.n_units = n_units
-        self.printer = printer or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.stream = stream if stream is not None else sys.stderr
+        self.printer = printer or (lambda line: print(line, file=self.stream, flush=True))
         self.every_s = every_s
+        self._bar: BarProgress | None = None
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.units = self.reused = self.documents = self.tokens = 0
         self.started: float | None = None
         self._stop = threading.Event()
@@ -100,12 +106,16 @@ class Progress:
     def begin(self, where: str) -> None:
         self.started = time.monotonic()
         self.printer(f"data prepare: {self.n_units} units to run on {where}")
+        if self._tty:  # after the line above: a line printed under a live bar would break it
+            self._bar = BarProgress("data prepare", self.n_units, unit="shards", stream=self.stream).__enter__()
 
     def add(self, result: UnitResult) -> None:
         self.units += 1
         self.reused += int(result.reused)
         self.documents += result.n_documents
         self.tokens += result.n_tokens
+        if self._bar is not None:
+            self._bar.advance(1, note=f"{human_count(self.tokens)} tokens")
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - (self.started or time.monotonic()), 1e-9)
@@ -120,12 +130,16 @@ class Progress:
                 self.printer(self.line())
 
     def __enter__(self) -> Progress:
-        self._thread.start()
+        if not self._tty:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
 
 
 def human_count(n: float) -> str:
