@@ -228,3 +228,11 @@ def test_without_matplotlib_a_given_png_flag_exits_2_before_anything_runs(tmp_pa
     args.timeline = None  # not asked for: the run goes ahead and says why there is no PNG
     assert chaos_main(args, runner=runner) == EXIT_OK and runner.names == ["unit.reference", "unit"]
     assert "no timeline PNG of this run: matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_a_tracker_without_its_package_stops_the_experiment_before_its_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    runner = FakeRunner()
+    args = _args(tmp_path, "--set", f"monitor.tensorboard={tmp_path}/tb")
+    assert chaos_main(args, runner=runner) == EXIT_USAGE and runner.names == []
+    assert "monitor.tensorboard: the tensorboard package is not installed" in capsys.readouterr().err

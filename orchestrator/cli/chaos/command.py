@@ -67,7 +67,7 @@ def add_chaos_parser(sub) -> None:
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
     p.add_argument("--report", help="write the run report with the invariant results (JSON) here")
     p.add_argument("--timeline", help="PNG of the faulty run, every fault, detection and recovery marked "
-                   "(default: NAME.chaos-timeline.png in this directory when matplotlib is installed)")
+                   "(default: NAME-chaos-timeline.png in this directory when matplotlib is installed)")
     p.add_argument("--no-reference", action="store_true", help="skip the failure-free run (no model comparison)")
     p.add_argument("--fresh", action="store_true", help="delete the runs' checkpoint roots first")
     p.add_argument("--intervals", help="sweep: checkpoint intervals, e.g. 5s,10s,20s,40s,young")
@@ -126,6 +126,7 @@ def chaos_main(args, runner: Runner | None = None) -> int:
 
 def _load(path: str, args):
     from chaos.config import support_problems
+    from monitor.tracking import tracking_problems
     from orchestrator.cli.chaos import experiment
     from orchestrator.spec.job_spec import load_spec
     from orchestrator.spec.storage_check import require_storage
@@ -133,7 +134,8 @@ def _load(path: str, args):
     overrides = [*args.overrides, *experiment.chaos_overrides(
         mtbf=args.mtbf, kind=args.kind, seed=args.seed, start=args.start, max_faults=args.max_faults)]
     spec = load_spec(path, overrides)
-    problems = [Problem(f, m) for f, m in support_problems(spec.chaos)]
+    # A tracker's missing package (monitor.tensorboard, monitor.wandb) stops the experiment before its runs.
+    problems = [Problem(f, m) for f, m in support_problems(spec.chaos) + tracking_problems(spec.monitor)]
     if spec.chaos.mtbf_s is None and not spec.chaos.faults:
         problems.append(Problem("chaos.mtbf_s", "no fault to inject: give --mtbf 60s (random failures) or "
                                                 "chaos.faults in the spec"))

@@ -16,7 +16,7 @@ from orchestrator.cli.extras import PLOT_EXTRA, PLOT_MODULE, install_hint, insta
 
 
 def default_path(spec) -> str:
-    return f"{spec.name}.chaos-timeline.png"
+    return f"{spec.name}-chaos-timeline.png"
 
 
 def timeline_path(spec, flag: str | None) -> str | None:
