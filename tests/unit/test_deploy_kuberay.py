@@ -1,6 +1,6 @@
-"""deploy/kuberay: the RayJob (and its ConfigMap) and the example Secret checked against KubeRay's
-ray.io/v1 API and Kubernetes' core/v1 objects (tests/schemas/kuberay_v1.yaml, written out field by
-field from KubeRay's CRDs), and against what they name: the image the Dockerfile builds, the
+"""deploy/kuberay: the RayJob (and its ConfigMap), the long-lived RayCluster and the example Secret
+checked against KubeRay's ray.io/v1 API and Kubernetes' core/v1 objects (tests/schemas/kuberay_v1.yaml,
+written out field by field from KubeRay's CRDs), and against what they name: the image the Dockerfile builds, the
 console script and job spec the entrypoint runs, the Secret every pod takes its credentials from,
 the shared memory the pods mount, the PodMonitor's port, and the preemption grace periods."""
 
@@ -50,22 +50,23 @@ def _secret() -> dict:
     return secret
 
 
-def _pods(rayjob: dict) -> list[dict]:
-    """The pod templates: the head's, then each worker group's."""
-    cluster = rayjob["spec"]["rayClusterSpec"]
-    return [cluster["headGroupSpec"]["template"], *(w["template"] for w in cluster["workerGroupSpecs"])]
+def _clusters() -> dict[str, dict]:
+    """The RayCluster specs: the RayJob's own and the long-lived RayCluster's."""
+    _, rayjob = _rayjob()
+    [raycluster] = yaml_documents("kuberay/raycluster.yaml")
+    return {"rayjob": rayjob["spec"]["rayClusterSpec"], "raycluster": raycluster["spec"]}
 
 
-def _start_params(rayjob: dict) -> list[dict]:
-    cluster = rayjob["spec"]["rayClusterSpec"]
-    return [cluster["headGroupSpec"]["rayStartParams"], *(w["rayStartParams"] for w in cluster["workerGroupSpecs"])]
+def _groups(cluster: dict) -> list[dict]:
+    """The head group, then each worker group: each has rayStartParams and a pod template."""
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
 
 
 def test_the_schema_is_valid_json_schema():
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
 
 
-@pytest.mark.parametrize("path", ["kuberay/rayjob.yaml", "kuberay/secret.example.yaml"])
+@pytest.mark.parametrize("path", ["kuberay/rayjob.yaml", "kuberay/raycluster.yaml", "kuberay/secret.example.yaml"])
 def test_every_manifest_matches_kuberays_and_kubernetes_api(path):
     for document in yaml_documents(path):
         assert not _problems(document), f"{path} ({document['kind']}):\n" + "\n".join(_problems(document))
@@ -138,12 +139,22 @@ def test_the_entrypoint_is_the_packages_console_script_running_the_mounted_spec(
     assert spec.checkpoint.url.startswith("s3://"), "the Secret's AWS_* variables are for an s3:// bucket"
 
 
-def test_every_pod_takes_its_credentials_from_the_shipped_secret():
-    _, rayjob = _rayjob()
+def test_the_long_lived_cluster_has_the_rayjobs_pods_without_its_job_spec():
+    clusters = _clusters()
+    job_pods = copy.deepcopy(clusters["rayjob"])
+    head = job_pods["headGroupSpec"]["template"]["spec"]
+    head["volumes"] = [v for v in head["volumes"] if v["name"] != "job-spec"]
+    mounts = head["containers"][0]["volumeMounts"]
+    head["containers"][0]["volumeMounts"] = [m for m in mounts if m["name"] != "job-spec"]
+    assert clusters["raycluster"] == job_pods
+
+
+@pytest.mark.parametrize("which", ["rayjob", "raycluster"])
+def test_every_pod_takes_its_credentials_from_the_shipped_secret(which):
     secret = _secret()
     name = secret["metadata"]["name"]
-    for pod in _pods(rayjob):
-        container = pod["spec"]["containers"][0]
+    for group in _groups(_clusters()[which]):
+        container = group["template"]["spec"]["containers"][0]
         assert {"secretRef": {"name": name}} in container.get("envFrom", []), container["name"]
         # No credential written into the manifest itself.
         assert not [e["name"] for e in container.get("env", []) if looks_like_credential(e["name"]) and "value" in e]
@@ -155,10 +166,10 @@ def test_every_pod_takes_its_credentials_from_the_shipped_secret():
     assert "REPLACE_ME" in (ROOT / "deploy/kuberay/secret.example.yaml").read_text().split("apiVersion")[0]
 
 
-def test_every_pod_has_in_memory_shared_memory_sized_above_rays_object_store():
-    _, rayjob = _rayjob()
-    for pod, params in zip(_pods(rayjob), _start_params(rayjob), strict=True):
-        spec = pod["spec"]
+@pytest.mark.parametrize("which", ["rayjob", "raycluster"])
+def test_every_pod_has_in_memory_shared_memory_sized_above_rays_object_store(which):
+    for group in _groups(_clusters()[which]):
+        spec, params = group["template"]["spec"], group["rayStartParams"]
         container = spec["containers"][0]
         [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
@@ -169,12 +180,13 @@ def test_every_pod_has_in_memory_shared_memory_sized_above_rays_object_store():
         assert int(params["object-store-memory"]) < kubernetes_bytes(shm["sizeLimit"]), container["name"]
 
 
-def test_pods_run_the_image_the_dockerfile_builds_as_its_user():
-    _, rayjob = _rayjob()
+@pytest.mark.parametrize("which", ["rayjob", "raycluster"])
+def test_pods_run_the_image_the_dockerfile_builds_as_its_user(which):
+    cluster = _clusters()[which]
     [user] = [i.args for i in instructions(DOCKERFILES[0]) if i.keyword == "USER"]
     uid, gid = (int(x) for x in user.split(":"))
-    assert rayjob["spec"]["rayClusterSpec"]["rayVersion"] == build_args(DOCKERFILES[0])["RAY_VERSION"]
-    for pod in _pods(rayjob):
+    assert cluster["rayVersion"] == build_args(DOCKERFILES[0])["RAY_VERSION"]
+    for pod in (group["template"] for group in _groups(cluster)):
         assert [c["image"] for c in pod["spec"]["containers"]] == [gpu_image()]
         context = pod["spec"]["securityContext"]
         assert context["runAsNonRoot"] is True and (context["runAsUser"], context["runAsGroup"]) == (uid, gid)
