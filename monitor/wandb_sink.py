@@ -36,5 +36,10 @@ class WandbSink:
         """W&B's own service process streams what was logged; nothing to push from here."""
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() may return before W&B's service process has written the run's file (offline mode
+        # showed it); teardown waits for that process, so the record is whole when the job exits.
+        wandb.teardown()
 

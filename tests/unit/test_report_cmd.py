@@ -39,7 +39,8 @@ def test_report_rebuilds_the_table_and_the_png_of_the_newest_run(tmp_path, capsy
     out = capsys.readouterr().out
     assert report.summary_table() in out and "timeline written to tiny-timeline.png" in out
     assert (tmp_path / "tiny-timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["report", url, "--json", "--timeline", str(tmp_path / "t.png"), "--out", str(tmp_path / "r.json")]) == 0
+    png, out_json = str(tmp_path / "t.png"), str(tmp_path / "r.json")
+    assert main(["report", url, "--json", "--timeline", png, "--out", out_json]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["run"] == "20261203T070000Z-bbbbbb" and len(result["runs"]) == 2  # the newest by default
     assert result["report"]["status"] == "unfinished" and len(result["report"]["losses"]) == 8

@@ -237,3 +237,50 @@ def test_a_tracker_whose_package_or_protocol_is_missing_is_a_spec_problem(monkey
     assert "pip install 'undying[wandb]'" in messages and "pip install 'undying[tensorboard]'" in messages
     assert "nosuchproto://" in messages
     assert tracking_problems(MonitorConfig()) == []
+
+
+def _wandb_records(path):
+    """The records of an offline W&B run file: LevelDB's log format (32 KiB blocks, 7-byte record
+    headers: crc, length, type full/first/middle/last) after W&B's 7-byte file header."""
+    import struct
+    from pathlib import Path
+
+    data, pos, partial = Path(path).read_bytes(), 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        partial = payload if kind in (1, 2) else partial + payload
+        if kind in (1, 4):
+            yield partial
+
+
+def test_wandb_offline_gets_every_steps_loss_against_train_step(tmp_path, monkeypatch):
+    import glob
+
+    from wandb.proto import wandb_internal_pb2
+
+    from monitor.config import WandbConfig
+    from monitor.wandb_sink import WandbSink
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink(WandbConfig(project="undying-test", mode="offline", dir=str(tmp_path)), "tiny",
+                     {"parallel": {"dp": 2}})
+    trackers = Trackers([sink])
+    scripted_run(trackers)
+    trackers.close()
+    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = []
+    for data in _wandb_records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    losses = [(row["train/step"], row["train/loss"]) for row in rows if "train/loss" in row]
+    steps = (0, 1, 2, 3, 4, 3, 4, 5, 6, 7)  # a rollback sends 3 and 4 again: logged against train/step
+    assert losses == [(s, pytest.approx(5.0 - 0.1 * s)) for s in steps]
+    assert [row["eval/loss"] for row in rows if "eval/loss" in row] == [pytest.approx(4.6)]
+    assert sum("recovery/failures" in row for row in rows) == 1 and any("goodput/ratio" in row for row in rows)
