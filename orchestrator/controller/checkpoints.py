@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 from ckpt.commit import Committer
 from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
+from orchestrator.controller.background_cost import BackgroundCost
 from orchestrator.controller.memory_level import MemoryLevel
 from orchestrator.controller.policies import CheckpointIntervalPolicy
 from orchestrator.controller.restore_policy import RestorePolicy
@@ -90,6 +91,7 @@ class Checkpoints:
         self.data_provenance = data_provenance(spec.data)
         self.failed_saves: list[int] = []  # the steps of the saves failed since the last commit
         self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
+        self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
 
     @property
@@ -151,6 +153,7 @@ class Checkpoints:
         # From memory, the newest durable step stays what storage holds (retention, the report's final step).
         self.committer.reset(self.committer.latest if source is not None else anchor)
         self.memory.begin(gen, anchor)
+        self.background.on_restored(anchor)
         self.stop_at = None
         self.publish(anchor or 0)
 
@@ -191,7 +194,9 @@ class Checkpoints:
         self.chaos.after_commit(commit.step, fired)
         # The ranks' blocking time was booked as productive; it was the save's cost.
         self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
-        self.interval_policy.on_save_cost(commit.blocking_s)
+        # Young's C is the whole cost: the blocking time and what the background write took from the
+        # steps it overlapped (orchestrator.controller.background_cost).
+        self.interval_policy.on_save_cost(commit.blocking_s + self.background.charge(commit.step, self.record.steps))
         self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
                                   commit.total_s, self._interval_s())
         self.metrics.on_interval_inputs(self.interval_policy.inputs.snapshot())
@@ -205,6 +210,8 @@ class Checkpoints:
         if snap is None:
             return None
         self.ledger.move(self.memory.last_blocking_s or 0.0, "productive", "checkpoint_save")
+        self.memory.policy.on_save_cost((self.memory.last_blocking_s or 0.0)
+                                        + self.background.charge(snap.step, self.record.steps))
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)
         self._replan()
         return None

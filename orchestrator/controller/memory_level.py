@@ -91,8 +91,7 @@ class MemoryLevel:
                                commit.samples, time.time())
         for step in [s for s in self._holders if s < commit.step]:
             del self._holders[step]
-        self.policy.on_save_cost(commit.blocking_s)
-        self.last_blocking_s = commit.blocking_s
+        self.last_blocking_s = commit.blocking_s  # the caller feeds the policy the whole cost
         return self.newest
 
     def _candidate(self, storage_step: int | None) -> Snapshot | None:

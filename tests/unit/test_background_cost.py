@@ -1,0 +1,51 @@
+"""A save's background cost: the time it took from the steps it overlapped, for Young's interval."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from orchestrator.controller.background_cost import BackgroundCost
+
+
+@dataclass
+class Step:
+    step_s: float
+
+
+def steps(times: dict[int, float]) -> dict[int, Step]:
+    return {s: Step(t) for s, t in times.items()}
+
+
+def test_steps_a_background_write_slowed_are_charged_above_the_clean_median():
+    cost = BackgroundCost()
+    # Steps 0-9 clean at 0.10 s; step 10 saved (its blocking is charged apart); 11-13 ran at 0.13 s
+    # while the write went on.
+    times = {s: 0.10 for s in range(10)} | {10: 0.5} | {s: 0.13 for s in range(11, 14)}
+    assert cost.charge(10, steps(times)) == pytest.approx(3 * 0.03)
+    # The next save's baseline leaves the overlapped steps and the saved step out.
+    times |= {s: 0.10 for s in range(14, 20)} | {20: 0.5, 21: 0.12}
+    assert cost.charge(20, steps(times)) == pytest.approx(0.02)
+
+
+def test_no_charge_until_enough_clean_steps_say_what_a_step_costs():
+    cost = BackgroundCost()
+    assert cost.charge(2, steps({0: 0.1, 1: 0.1, 2: 0.4, 3: 0.3, 4: 0.3})) == 0.0
+    assert cost.charge(0, {}) == 0.0
+
+
+def test_a_write_that_slows_nothing_costs_nothing_and_faster_steps_are_not_a_credit():
+    cost = BackgroundCost()
+    times = {s: 0.1 for s in range(10)} | {10: 0.3, 11: 0.1, 12: 0.08}
+    assert cost.charge(10, steps(times)) == 0.0
+
+
+def test_a_restore_forgets_the_marks_of_the_steps_it_will_run_again():
+    cost = BackgroundCost()
+    times = {s: 0.1 for s in range(10)} | {10: 0.3, 11: 0.2, 12: 0.2}
+    cost.charge(10, steps(times))
+    cost.on_restored(10)
+    assert 11 not in cost.overlapped and 10 in cost.overlapped
+    cost.on_restored(None)
+    assert not cost.overlapped
