@@ -29,7 +29,8 @@ RUN apt-get update \
 COPY . /tmp/undying-src
 RUN pip install --no-cache-dir "ray[default,data]==${RAY_VERSION}" "/tmp/undying-src[s3,plot,tensorboard,wandb]" \
     && rm -rf /tmp/undying-src \
-    && useradd --create-home --uid 10001 --user-group --shell /bin/bash undying
+    && groupadd --gid 10001 undying \
+    && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash undying
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it. Ray writes under /tmp/ray and
 # the home directory, both writable by it.

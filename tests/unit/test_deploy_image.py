@@ -59,7 +59,7 @@ def test_image_runs_as_a_numeric_non_root_user_with_a_home(dockerfile):
     # Numeric, or Kubernetes' runAsNonRoot cannot check it; 0 is root.
     assert uid.isdigit() and int(uid) != 0 and gid.isdigit(), f"{dockerfile.name}: USER {users[-1]}"
     created = " ".join(i.args for i in steps if i.keyword == "RUN")
-    assert f"useradd --create-home --uid {uid} " in created
+    assert f"groupadd --gid {gid} " in created and f"useradd --create-home --uid {uid} --gid {gid} " in created
     env = " ".join(i.args for i in steps if i.keyword == "ENV")
     assert "HOME=/home/" in env, "Ray's cluster launcher maps ~/ to the image's HOME"
 
