@@ -59,7 +59,7 @@ def read_manifest(catalog: Catalog, step: int, retry: ReadRetry | None = None) -
 def read_slices(
     catalog: Catalog, step: int, wanted: Sequence[TensorSlice], *,
     manifest: Manifest | None = None, threads: int = READ_THREADS, coalesce_gap: int = COALESCE_GAP,
-    retry: ReadRetry | None = None,
+    retry: ReadRetry | None = None, on_bytes=None,
 ) -> list[TensorSlice]:
     """`wanted` (geometry only) filled from committed checkpoint `step`, in the same order.
 
@@ -72,7 +72,8 @@ def read_slices(
     are fetched as one request. Raises ValueError when a wanted tensor is not in the
     checkpoint or has another global shape, CorruptCheckpoint when the bytes are bad,
     TransientStorageError when the store's failures took the whole `retry` budget (one for
-    the manifest and all the pieces: ckpt.storage_errors.ReadRetry).
+    the manifest and all the pieces: ckpt.storage_errors.ReadRetry). `on_bytes(n, total)`
+    follows the reads (ckpt.fetch.fetch).
     """
     for w in wanted:
         if w.tensor is not None and w.tensor.dtype != w.dtype:
@@ -81,7 +82,8 @@ def read_slices(
     retry = retry if retry is not None else ReadRetry()  # one budget for the manifest and every piece
     manifest = manifest if manifest is not None else read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, wanted, coalesce_gap)
-    return assemble(wanted, plan, fetch(catalog.storage, step, plan.reads, threads=threads, retry=retry))
+    return assemble(wanted, plan, fetch(catalog.storage, step, plan.reads, threads=threads, retry=retry,
+                                        on_bytes=on_bytes))
 
 
 def assemble(wanted: Sequence[TensorSlice], plan: ReadPlan, fetched: dict) -> list[TensorSlice]:

@@ -1,4 +1,4 @@
-"""Progress of a long CLI operation on stderr: a tqdm bar on a terminal, plain lines otherwise.
+"""Progress of a long operation on stderr: a tqdm bar on a terminal, plain lines otherwise.
 
 A bar redraws in place, which only a terminal shows well; in a log (CI, `kubectl logs`, a file)
 it would be one endless line of carriage returns, so there a line such as
@@ -7,10 +7,13 @@ it would be one endless line of carriage returns, so there a line such as
 
 is printed every `every_s` seconds instead (nothing for an operation shorter than that).
 
-Protocol: the command creates one `Progress` per operation and uses it as a context manager;
+Used by the CLI (`ckpt verify`, `ckpt export`, `data prepare`) and by rank 0 during a restore
+from storage (a rank's stderr is never a terminal: Ray forwards its lines to the driver's log).
+
+Protocol: the caller creates one `Progress` per operation and uses it as a context manager;
 `advance(n, total)` is called on one thread (the command's) as work is done (`total`, when the
 worker knows it only once it starts, may be given with the first call); leaving the block
-removes the bar. Stdout is never written, so `--json` output stays parseable.
+removes the bar. Stdout is never written, so a command's `--json` output stays parseable.
 """
 
 from __future__ import annotations
@@ -20,20 +23,27 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from orchestrator.cli.ckpt_catalog import human_bytes
-
 PLAIN_EVERY_S = 10.0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 class Progress:
     """Bytes (`unit="B"`) or items (any other unit, e.g. "shards") done of `total` for `label`."""
 
     def __init__(self, label: str, total: float | None = None, *, unit: str = "B", stream: TextIO | None = None,
-                 every_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+                 every_s: float | None = None, clock: Callable[[], float] = time.monotonic, enabled: bool = True):
         self.label, self.total, self.unit = label, total, unit
         self.stream = stream if stream is not None else sys.stderr
         self.every_s = PLAIN_EVERY_S if every_s is None else every_s
         self.clock = clock
+        self.enabled = enabled  # False: shows nothing (a rank other than 0)
         self.done = 0.0
         self.note = ""
         self._bar = None
@@ -41,7 +51,7 @@ class Progress:
 
     def __enter__(self) -> Progress:
         isatty = getattr(self.stream, "isatty", None)
-        if isatty is not None and isatty():
+        if self.enabled and isatty is not None and isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total, desc=self.label, unit=self.unit, unit_scale=self.unit == "B",
@@ -54,6 +64,8 @@ class Progress:
 
     def advance(self, n: float, total: float | None = None, note: str | None = None) -> None:
         """`n` more done; `total` sets the total when given; `note` is shown after the counts."""
+        if not self.enabled:
+            return
         self.done += n
         if total is not None and total != self.total:
             self.total = total

@@ -110,14 +110,6 @@ def step_or_fail(catalog: Catalog, step: int | None, committed: list[int]) -> in
 
 # -- how a listing reads ----------------------------------------------------------------
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def human_age(seconds: float) -> str:
     seconds = max(0.0, seconds)
     for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):

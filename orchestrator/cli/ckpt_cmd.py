@@ -32,10 +32,10 @@ import sys
 
 from ckpt.catalog import Catalog
 from ckpt.storage_errors import DEFAULT_READ_RETRY_S
+from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
     committed_or_fail,
     error_reason,
-    human_bytes,
     is_storage_error,
     open_catalog,
     step_or_fail,
@@ -122,7 +122,7 @@ def parse_size(text: str) -> int:
 
 def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) -> int:
     from ckpt.hf_export import export_hf
-    from orchestrator.cli.progress import Progress
+    from monitor.progress import Progress
 
     out = os.path.abspath(os.path.expanduser(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -164,7 +164,7 @@ def _export(catalog: Catalog, args: argparse.Namespace) -> int:
         prefixes = sorted({name.split("/", 1)[0] + "/" for name in manifest.tensors if "/" in name})
         raise UsageError(f"--prefix {args.prefix!r}: checkpoint step {step} has no such tensors; "
                          f"it holds {', '.join(prefixes) or 'tensors without a prefix'}")
-    from orchestrator.cli.progress import Progress
+    from monitor.progress import Progress
 
     try:
         with Progress(f"undying ckpt export step {step}") as progress:

@@ -23,11 +23,11 @@ from typing import Any
 from ckpt.catalog import Catalog
 from ckpt.errors import TransientStorageError
 from ckpt.storage_errors import ReadRetry
+from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
     about,
     committed_or_fail,
     human_age,
-    human_bytes,
     layout_label,
     step_or_fail,
     steps_text,
@@ -83,7 +83,7 @@ def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
 
 def _verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, Any]:
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
-    from orchestrator.cli.progress import Progress
+    from monitor.progress import Progress
 
     started = time.perf_counter()
     retry = ReadRetry(read_retry_s)  # one budget for the checkpoint's manifest and all its chunks

@@ -174,6 +174,7 @@ class RankActor:
         ckpt.storage on every read of this process)."""
         from chaos.injector import FaultInjector
         from ckpt.storage import durable_bytes_read
+        from monitor.progress import Progress
         from orchestrator.rank.state import (
             build_engine,
             load_engine_state,
@@ -194,8 +195,10 @@ class RankActor:
             load_from_memory(self.engine, source, self.held)
         elif step is not None:
             hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
-            load_engine_state(self.spec, self.engine, step, fault_hook=hook,
-                              storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
+            # Rank 0 says how far a long restore is, a line every 10 s in the driver's log.
+            with Progress(f"rank 0: restoring step {step}", enabled=self.rank == 0) as progress:
+                load_engine_state(self.spec, self.engine, step, fault_hook=hook, on_bytes=progress.advance,
+                                  storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
         elif self.spec.model.from_hf:
             load_pretrained(self.spec, self.engine)
         out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step,

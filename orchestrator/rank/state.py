@@ -53,12 +53,13 @@ def restore_storage_setup(spec, faults, rank: int, notify):
                                    notify=lambda event: notify(dict(event, rank=rank)))
 
 
-def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=None) -> dict:
+def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=None, on_bytes=None) -> dict:
     """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
 
     `fault_hook(point, step)`, if given, is called at the chaos point "during_restore": the slices
     are read and not yet loaded, so a fault there leaves a half-restored rank. `storage_setup(storage)`,
     if given, is run on the Storage the reads go through (chaos: this rank's `op: read` faults).
+    `on_bytes(n, total)` follows the reads (rank 0 prints its progress: monitor.progress).
 
     Reads the store fails transiently are retried; its failures may take `checkpoint.read_retry_s`
     of this restore in all (one budget for the manifest and every piece). Raises
@@ -74,7 +75,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
     # first step has no optimizer state (fine), a missing parameter is an error it names.
     wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
-    slices = read_slices(catalog, step, wanted, manifest=manifest, retry=retry)
+    slices = read_slices(catalog, step, wanted, manifest=manifest, retry=retry, on_bytes=on_bytes)
     if fault_hook is not None:
         fault_hook("during_restore", step)
     engine.load_slices(slices, manifest.state["engine"])

@@ -13,11 +13,11 @@ import torch
 
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
-from orchestrator.cli import progress as progress_mod
+from monitor import progress as progress_mod
+from monitor.progress import Progress
 from orchestrator.cli.data.execute import Progress as DataProgress
 from orchestrator.cli.data.shard_task import UnitResult
 from orchestrator.cli.main import main
-from orchestrator.cli.progress import Progress
 from tests._checkpoints import save_checkpoint
 
 
@@ -46,6 +46,13 @@ def test_a_terminal_gets_a_bar_that_is_gone_at_the_end():
     assert out.getvalue().endswith("\r") or out.getvalue().endswith("\x1b[A")  # leave=False: cleared
 
 
+def test_a_disabled_progress_shows_nothing():  # the ranks other than 0 during a restore
+    out = Terminal()
+    with Progress("rank 3: restoring step 4", stream=out, every_s=0, enabled=False) as progress:
+        progress.advance(10, total=20)
+    assert out.getvalue() == ""
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     catalog = Catalog(Storage(f"file://{tmp_path}/ckpt"))
@@ -62,6 +69,12 @@ def test_verify_and_export_report_every_byte_they_read_or_write(checkpoint):
     seen = []
     verify_checkpoint(catalog, 4, on_bytes=lambda n, total: seen.append((n, total)))
     assert seen and sum(n for n, _ in seen) == seen[0][1] >= catalog.read_manifest(4).total_bytes
+    seen.clear()  # a restore reads through the same fetch (rank 0 shows it: monitor.progress)
+    from ckpt.reader import _whole_targets, read_slices
+
+    wanted = _whole_targets(catalog.read_manifest(4), ["model/w"])
+    read_slices(catalog, 4, wanted, on_bytes=lambda n, total: seen.append((n, total)))
+    assert sum(n for n, _ in seen) == seen[0][1] >= 256 * 64 * 4
     seen.clear()
     export_safetensors(catalog, 4, str(tmp_path / "m.safetensors"), on_bytes=lambda n, total: seen.append((n, total)))
     assert sum(n for n, _ in seen) == seen[0][1] == (256 * 64 + 64) * 4

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TextIO
 
+from monitor.progress import Progress as BarProgress
 from orchestrator.cli.data.shard_task import Job, UnitResult, run_unit
-from orchestrator.cli.progress import Progress as BarProgress
 
 
 class Sink(Protocol):
@@ -83,7 +83,7 @@ class RayDataExecutor:
 
 class Progress:
     """Totals of the units done so far, shown as a bar when `stream` (stderr) is a terminal, else
-    as a line every `every_s` seconds (orchestrator.cli.progress says why).
+    as a line every `every_s` seconds (monitor.progress says why).
 
     `begin` (once the workers are ready: the clock starts there, so tokens/s leaves out
     starting Ray) and `add` are called on the driver thread; the printing thread only reads
