@@ -11,6 +11,8 @@ FROM pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 # The manifests' rayVersion names this version (KubeRay builds the job submitter's command from
 # it); undying itself accepts any Ray from 2.40.
 ARG RAY_VERSION=2.60.0
+# The base image's torch.
+ARG TORCH_VERSION=2.13.0
 
 LABEL org.opencontainers.image.title="undying" \
       org.opencontainers.image.version="0.1.0" \
@@ -25,9 +27,11 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends wget rsync openssh-client \
     && rm -rf /var/lib/apt/lists/*
 
-# The base image's torch satisfies undying's torch>=2.13.0, so pip keeps it (and its CUDA build).
+# torch==TORCH_VERSION holds the base image's torch (and its CUDA build): undying asks only for
+# torch>=2.13.0, which a newer release on PyPI would satisfy too.
 COPY . /tmp/undying-src
-RUN pip install --no-cache-dir "ray[default,data]==${RAY_VERSION}" "/tmp/undying-src[s3,plot,tensorboard,wandb]" \
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "ray[default,data]==${RAY_VERSION}" \
+        "/tmp/undying-src[s3,plot,tensorboard,wandb]" \
     && rm -rf /tmp/undying-src \
     && groupadd --gid 10001 undying \
     && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash undying
