@@ -38,6 +38,7 @@ from monitor.report import (
     CheckpointRecord,
     EvalPoint,
     FailureRecord,
+    FaultRecord,
     GoodputSummary,
     LossPoint,
     RolledBackStep,
@@ -70,7 +71,7 @@ def goodput_event(at_step: int, ledger: GoodputLedger) -> dict:
 
 
 def end_event(report: RunReport) -> dict:
-    dumped = report.model_dump(include={"goodput", "failures", "stragglers", "history", "rolled_back",
+    dumped = report.model_dump(include={"goodput", "failures", "faults", "stragglers", "history", "rolled_back",
                                         "redone_steps", "redone_s"})
     return event("end", report.final_step, job=report.job, status=report.status, error=report.error,
                  final_step=report.final_step, **dumped)
@@ -144,6 +145,7 @@ def _report(job, steps, evals, world, checkpoints, failures, goodput, end) -> Ru
             **common, status=end["status"], error=end.get("error"), final_step=end["final_step"],
             goodput=GoodputSummary.model_validate(end["goodput"]),
             failures=[FailureRecord.model_validate(f) for f in end.get("failures", [])],
+            faults=[FaultRecord.model_validate(f) for f in end.get("faults", [])],
             stragglers=[StragglerRecord.model_validate(s) for s in end.get("stragglers", [])],
             history=end.get("history", []), redone_steps=end.get("redone_steps", 0),
             redone_s=end.get("redone_s", 0.0),

@@ -81,6 +81,18 @@ class FailureRecord(BaseModel):
     lost_work_s: float | None = None
 
 
+class FaultRecord(BaseModel):
+    """An injected fault (chaos) that fired, as its notice reached the controller; whether it
+    became a failure is in `failures` (two kills in one step are one failure, a storage fault none)."""
+
+    model_config = _CONFIG
+    time: float | None = None  # job seconds when it fired (on the controller's clock); None: not sent
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    point: str | None = None  # the named point it fired at, e.g. after_backward
+
+
 class CheckpointRecord(BaseModel):
     """One committed checkpoint (a save exists only once its manifest is committed)."""
 
@@ -152,6 +164,7 @@ class RunReport(BaseModel):
     evals: list[EvalPoint] = Field(default_factory=list)
     world_history: list[WorldRecord] = Field(default_factory=list)
     failures: list[FailureRecord] = Field(default_factory=list)
+    faults: list[FaultRecord] = Field(default_factory=list)  # injected faults that fired, in order
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)
     stragglers: list[StragglerRecord] = Field(default_factory=list)
     # Runs of completed steps ["steps", first, end, dp] and ["restore", step] per restore, in

@@ -3,10 +3,11 @@
 Protocol. Called once per run, after the `RunReport` is built (`undying run --timeline` at the
 end of a job, `undying chaos` after its faulty run, `undying report` from an event log); it only
 reads the report. `timeline_figure` draws the figure and returns it (tests inspect its artists);
-`plot_timeline` draws and saves it. Every failure is three markers on the events panel, each with
-its gid: the fault itself (`fault`, a triangle at the top, when its time is known: an injected
-fault's is), its detection (`detection`, a line) and the return to training (`recovery`, a
-triangle at the bottom, the span from detection shaded). matplotlib is an optional
+`plot_timeline` draws and saves it. The events panel marks, each with its gid: every injected
+fault that fired (`fault`, a triangle at the top, labelled with its kind and rank: the report's
+`faults`, or for a report without them each failure whose fault time is known), every failure's
+detection (`detection`, a line) and its return to training (`recovery`, a triangle at the
+bottom, the span from detection shaded). matplotlib is an optional
 dependency (`undying[plot]`), imported inside `plot_timeline` so the core never needs it.
 The figure is drawn on an Agg canvas directly, without pyplot, so no global backend or
 figure registry is touched and it is safe beside other users of matplotlib in the process.
@@ -93,15 +94,15 @@ def _plot_events(ax, report: RunReport) -> None:
         times = [w.started_at for w in report.world_history] + [wall]
         sizes = [w.world_size for w in report.world_history]
         ax.step(times, [*sizes, sizes[-1]], where="post", color="black", lw=1)
-        ax.set_ylim(0, 1.2 * max(sizes))  # headroom so the line at the top stays visible
+        ax.set_ylim(0, 1.6 * max(sizes))  # headroom: the line at the top stays clear of the fault labels
     _mark_failures(ax, report)
     for i, ckpt in enumerate(report.checkpoints):
         ax.axvline(
             ckpt.committed_at, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None
         )
     ax.set_xlim(0, max(wall, 1e-9))
-    if report.failures or report.checkpoints:
-        ax.legend(loc="lower right")
+    if report.failures or report.faults or report.checkpoints:  # under the panel: never over a mark
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize="small", frameon=False)
     timed = [p for p in report.losses if p.time is not None and p.tokens_per_s is not None]
     if timed:  # throughput on its own axis: it drops to nothing while a failure is handled
         tput = ax.twinx()
@@ -110,9 +111,21 @@ def _plot_events(ax, report: RunReport) -> None:
         tput.set_ylim(0, 1.2 * max(p.tokens_per_s for p in timed))
 
 
+def fault_marks(report: RunReport) -> list[tuple[float, str]]:
+    """(job seconds, "kind rN") of each injected fault that fired: the report's `faults`; a report
+    without them (an older one) gives each failure whose fault time is known."""
+    def who(kind: str, rank: int | None) -> str:
+        return kind + (f" r{rank}" if rank is not None else "")
+
+    if report.faults:
+        return [(f.time, who(f.kind, f.rank)) for f in report.faults if f.time is not None]
+    return [(f.time - f.detected_after_s, who(f.kind, f.rank)) for f in report.failures
+            if f.detected_after_s is not None]
+
+
 def _mark_failures(ax, report: RunReport) -> None:
-    """Each failure's fault (when its time is known), detection and recovery, with gids (module doc).
-    The fault and its detection are often milliseconds apart, so they differ in shape, not only place."""
+    """Each fault, each failure's detection and recovery, with gids (module doc). A fault and its
+    detection are often milliseconds apart, so they differ in shape, not only place."""
     top_bottom = ax.get_xaxis_transform()  # x in job seconds, y in axes fractions
     first = {"fault": True, "detection": True, "recovery": True}
 
@@ -120,14 +133,18 @@ def _mark_failures(ax, report: RunReport) -> None:
         shown, first[name] = first[name], False
         return text if shown else None
 
+    wall, previous, stacked = max(report.goodput.wall_s, 1e-9), None, 0
+    for at, text in fault_marks(report):
+        ax.plot([at], [0.97], "v", ms=9, color=_FAULT_COLOR, transform=top_bottom, clip_on=False,
+                gid="fault", label=label("fault", "fault"))
+        # Faults a moment apart (two kills in one step) get their labels one under the other;
+        # a label near the right edge goes left of its mark.
+        stacked = stacked + 1 if previous is not None and at - previous < 0.03 * wall else 0
+        previous, right = at, at > 0.85 * wall
+        ax.annotate(text, (at, 0.97), xycoords=top_bottom, xytext=(-4 if right else 4, -4 - 9 * stacked),
+                    textcoords="offset points", fontsize="x-small", va="top", ha="right" if right else "left",
+                    color=_FAULT_COLOR)
     for failure in report.failures:
-        if failure.detected_after_s is not None:
-            at = failure.time - failure.detected_after_s
-            ax.plot([at], [0.97], "v", ms=9, color=_FAULT_COLOR, transform=top_bottom, clip_on=False,
-                    gid="fault", label=label("fault", "fault"))
-            who = f" r{failure.rank}" if failure.rank is not None else ""
-            ax.annotate(f"{failure.kind}{who}", (at, 0.97), xycoords=top_bottom, xytext=(4, -4),
-                        textcoords="offset points", fontsize="x-small", va="top", color=_FAULT_COLOR)
         ax.axvline(failure.time, color=_FAILURE_COLOR, lw=1.5, gid="detection",
                    label=label("detection", "detected"))
         if failure.recovered_after_s is not None:

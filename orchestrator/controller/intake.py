@@ -95,6 +95,7 @@ class EventIntake:
 
     def _fault(self, message: FaultFired) -> None:
         self.faults.on_fired(message)
+        self.record.on_fault(message)
         self.log(f"chaos: {describe_fault(message)}")
 
     def _node_lost(self, message: NodeLost) -> None:

@@ -20,6 +20,7 @@ from monitor.report import (
     CheckpointRecord,
     EvalPoint,
     FailureRecord,
+    FaultRecord,
     GoodputSummary,
     LossPoint,
     RolledBackStep,
@@ -58,6 +59,7 @@ class JobRecord:
         self.started = time.time()
         self.steps: dict[int, StepRecord] = {}
         self.failures: list[FailureRecord] = []
+        self.faults: list[FaultRecord] = []
         self.checkpoints: list[CheckpointRecord] = []
         self.world: list[WorldRecord] = []
         self.stragglers: list[StragglerRecord] = []
@@ -191,6 +193,11 @@ class JobRecord:
         index = next(i for i, f in enumerate(self.failures) if f is record)
         self.tracker.emit(record_event("failure", self.completed_steps(), record, index=index))
 
+    def on_fault(self, notice) -> None:
+        """An injected fault fired (a wire FaultFired, its time on the controller's clock)."""
+        self.faults.append(FaultRecord(time=None if notice.time is None else self.job_seconds(notice.time),
+                                       kind=notice.kind, rank=notice.rank, step=notice.step, point=notice.point))
+
     def on_restored(self, record: FailureRecord, level: str, results: list[dict], seconds: float) -> None:
         """The recovery of `record` restored from `level` in `seconds`; `results`: the ranks' answers."""
         record.restore_level, record.restore_s = level, seconds
@@ -220,7 +227,7 @@ class JobRecord:
             job=self.job, final_step=final_step,
             final_loss=self.steps[max(self.steps)].loss if self.steps else None,
             losses=losses, evals=sorted(self.evals, key=lambda e: e.step), world_history=self.world,
-            failures=self.failures, history=self.history,
+            failures=self.failures, faults=self.faults, history=self.history,
             checkpoints=self.checkpoints, stragglers=self.stragglers,
             redone_steps=self.redone_steps, redone_s=self.redone_s, rolled_back=self.rolled_back,
             goodput=GoodputSummary.from_ledger(self.ledger),
