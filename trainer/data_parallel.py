@@ -12,8 +12,8 @@ Protocol: the engine calls exactly one wrapper, last in the order TP -> recomput
 parallelism, on every rank (collective: DDP broadcasts, FSDP creates its groups):
 `wrap_ddp` (zero 0/1; after `localize_dtensor_params` when tp > 1) or `apply_fsdp` (zero 2/3),
 then builds the optimizer on the wrapped parameters (`build_zero1_optimizer` for zero 1).
-Per microbatch it enters `gradient_sync(...)`, which lets only the last microbatch's
-backward communicate (gradient accumulation without extra traffic).
+Per microbatch it enters `gradient_sync(...)`: DDP communicates only in the last microbatch's
+backward; FSDP2 reduce-scatters every microbatch, so gradients stay sharded while they accumulate.
 """
 
 from __future__ import annotations
@@ -161,9 +161,21 @@ def build_zero1_optimizer(model: nn.Module, train: TrainConfig, dp_group) -> Zer
 
 
 def gradient_sync(ddp: DistributedDataParallel | None, fsdp_root: nn.Module | None, last: bool):
-    """Context for one microbatch: gradients are reduced only in the last one's backward."""
+    """Context for one microbatch of a step without pipeline parallelism.
+
+    DDP (ZeRO 0/1) all-reduces only in the last microbatch's backward: its gradients are
+    whole on every rank anyway, so accumulating them locally costs no memory.
+    FSDP2 (ZeRO 2/3) reduce-scatters every microbatch's gradients into the sharded gradient,
+    which accumulates them: a rank never holds more than one unit's unsharded gradients, as
+    ZeRO-2 is defined. Skipping the sync would make FSDP2 keep every parameter's unsharded
+    fp32 gradient until the last microbatch (G per rank instead of G/D). The price is the
+    reduce-scatter once per microbatch instead of once per step (trainer.costmodel.time).
+    Under HSDP the all-reduce across replicas of the gradient shards still runs once, in the
+    last microbatch (FSDP2 keeps the partial sums in between).
+    """
     if ddp is not None and not last:
         return ddp.no_sync()
     if fsdp_root is not None:
-        fsdp_root.set_requires_gradient_sync(last)
+        fsdp_root.set_requires_gradient_sync(True)
+        fsdp_root.set_requires_all_reduce(last)
     return contextlib.nullcontext()

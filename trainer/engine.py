@@ -338,11 +338,12 @@ class Engine(EngineState):
         """Accumulate the gradient of loss_scale * (sum of all token losses of the step) / global_tokens.
 
         DDP and FSDP average gradients over the dp ranks, so each rank scales its loss sums by
-        dp_size / global_tokens; gradients are reduced only in the last microbatch's backward.
+        dp_size / global_tokens. DDP reduces only in the last microbatch's backward; FSDP2
+        reduce-scatters every microbatch's (trainer.data_parallel.gradient_sync).
         Returns this rank's summed token loss (over its dp replica's samples).
 
         With pp > 1 `_pipeline_forward_backward` takes this method's place, with the same
-        loss, scaling, single gradient reduction and return value.
+        loss, scaling and return value; each stage reduces its gradients once, after the schedule.
         """
         scale = loss_scale * self.dp_size / global_tokens
         module = self._ddp if self._ddp is not None else self.model

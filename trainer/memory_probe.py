@@ -19,6 +19,7 @@ collective; called from the engine's "after_backward" fault point it sees the gr
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 
 import torch
@@ -60,19 +61,51 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
     return total
 
 
+def fsdp_params(model: torch.nn.Module) -> list:
+    """FSDP2's per-parameter records (FSDPParam) of every unit in `model`."""
+    out = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            out.extend(group.fsdp_params)
+    return out
+
+
+def state_tensors(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(master parameters, gradients) of `model` wherever FSDP2 keeps them at this moment.
+
+    A unit's registered parameters are its sharded ones between uses and its gathered
+    (unsharded) ones while it runs, and inside a pipeline from a backward to the step's
+    reduction: the gathered copies are collective memory, so the sharded ones are counted
+    in their place. A unit whose backward ran without reducing (`set_requires_gradient_sync
+    (False)`, which torch's pipeline stages set for every backward before the step's
+    reduction) holds each parameter's unsharded gradient on the gathered parameter or, under
+    a low-precision policy, upcast to the reduce dtype (`unsharded_accumulated_grad`).
+    FSDP2 exposes neither, hence its private fields.
+    """
+    records = fsdp_params(model)
+    gathered = {id(r._unsharded_param) for r in records if hasattr(r, "_unsharded_param")}
+    params = [p for p in model.parameters() if id(p) not in gathered] + [r.sharded_param for r in records]
+    grads = [p.grad for p in params if p.grad is not None]
+    for record in records:
+        unsharded = getattr(record, "_unsharded_param", None)
+        grads.extend(g for g in (getattr(unsharded, "grad", None), record.unsharded_accumulated_grad) if g is not None)
+    return params, grads
+
+
 def held_state_bytes(engine) -> dict[str, int]:
     """The state ledger as this rank holds it, by kind: parameters (the fp32 master weights:
     the engine computes in low precision through autocast or FSDP2's policy, never from a
-    second stored copy), gradients (present between backward and the optimizer step),
+    second stored copy), gradients (present between backward and the optimizer step; FSDP2's
+    unsharded ones too: `state_tensors`),
     optimizer state (ZeRO-1: this rank's partition only) and the loss scaler's tensors.
 
     Local and collective-free, on every layout: pipeline ranks count their own chunks,
     the tied embedding's second copy included (trainer.engine_pipeline.LocalChunks).
     """
     seen: set[int] = set()
-    params = list(engine.model.parameters())
-    held = {"params": _storage_bytes(params, seen),
-            "grads": _storage_bytes((p.grad for p in params if p.grad is not None), seen)}
+    params, grads = state_tensors(engine.model)
+    held = {"params": _storage_bytes(params, seen), "grads": _storage_bytes(grads, seen)}
     optim_state = engine.local_optimizer.state.values()
     held["optimizer"] = _storage_bytes((v for fields in optim_state for v in fields.values()
                                         if torch.is_tensor(v)), seen)
@@ -124,12 +157,23 @@ def _bucket_bytes(engine) -> int:
     return sum(int(x) for x in sizes.split(",") if x.strip())
 
 
+def _peak_grad_bytes(engine, param_bytes: int) -> int:
+    """The gradients' bytes at their peak, between steps when none exist: as large as the
+    parameters, except in an FSDP2 pipeline stage, whose gradients accumulate unsharded
+    (`state_tensors`) in the master weights' dtype (the reduce dtype under a low-precision policy)."""
+    records = fsdp_params(engine.model) if engine.parallel_config.pp > 1 else []
+    if not records:
+        return param_bytes
+    return sum(math.prod(r._orig_size) * r.sharded_param.element_size() for r in records)
+
+
 def measure(engine, baseline_bytes: int) -> dict[str, int]:
     """The ledgers measured on this rank: all four where the probe can run alone, else the state.
 
     The state ledger is counted on every layout (`held_state_bytes`). Called between steps,
     when the engine holds no gradients, it counts them at their peak: one per parameter, of
-    the parameter's local shape (FSDP2's sharded gradients have its padded shard's size).
+    the parameter's local shape (FSDP2's sharded gradients have its padded shard's size;
+    inside a pipeline FSDP2's gradients are unsharded at their peak: `_peak_grad_bytes`).
     The activation probe runs one microbatch's forward and backward on the calling rank
     only. With tensor or pipeline parallelism, or sharded (FSDP, ZeRO-1) state, that forward
     or its optimizer has collectives the other ranks would never join, so those layouts
@@ -137,7 +181,7 @@ def measure(engine, baseline_bytes: int) -> dict[str, int]:
     """
     held = held_state_bytes(engine)
     if not getattr(engine, "whole_state", True) or engine.parallel_config.pp > 1:
-        grads = held["grads"] or held["params"]
+        grads = held["grads"] or _peak_grad_bytes(engine, held["params"])
         return {"state": held["params"] + grads + held["optimizer"] + held["scaler"]}
     activation, grads = _probe_microbatch(engine)
     state = held["params"] + grads + held["optimizer"] + held["scaler"]

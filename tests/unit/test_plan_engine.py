@@ -12,9 +12,10 @@ schedule, and plans it. Then:
     own (`build_pipeline` for pp > 1, with the pipeline runner's own checks; `Engine._parallelize`
     for pp = 1). DDP is a stand-in of its class (`MetaDDP`): it wraps the parameters without
     changing them, and its construction cannot run on meta;
-  * the bytes each rank would hold (fp32 parameters and gradients of its local shards, the
-    optimizer state of the parameters it steps), averaged over its dp group, equal the cost
-    model's state ledger of its pipeline stage; with ZeRO 0 every rank holds exactly that.
+  * the bytes each rank would hold at its peak (fp32 parameters and gradients of its local
+    shards, gradients unsharded in an FSDP2 pipeline stage, the optimizer state of the
+    parameters it steps), averaged over its dp group, equal the cost model's state ledger of
+    its pipeline stage; with ZeRO 0 every rank holds exactly that.
     FSDP2 also pads each shard to ceil(rows / dp) rows, which the average leaves out:
     tests/dist/test_state_ledger.py measures real ranks' padded storages (within 5 %).
 The default suite draws a few workloads on up to 4 devices; the heavy one many, on up to 8.
@@ -22,6 +23,7 @@ The default suite draws a few workloads on up to 4 devices; the heavy one many, 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -46,6 +48,7 @@ from trainer.dtensor_slices import local
 from trainer.engine import Engine
 from trainer.engine_pipeline import LocalChunks, build_pipeline
 from trainer.layout_checks import check_layout
+from trainer.memory_probe import fsdp_params
 from trainer.model import build_model
 from trainer.topology import Topology, build_mesh
 
@@ -134,7 +137,7 @@ def built_on_meta(model: ModelConfig, data: DataConfig, train: TrainConfig, para
         module = build_model(model, seed=train.seed, device=meta)
         fsdp = parallel.zero >= 2 and parallel.dp > 1
         Engine._parallelize(SimpleNamespace(
-            parallel_config=parallel, train_config=train, model=module, mesh=mesh, _fsdp=fsdp,
+            parallel_config=parallel, train_config=train, model=module, mesh=mesh, _fsdp=fsdp, device=meta,
             sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, _clock=SyncClock(),
             _dp_group=mesh["dp"].get_group() if mesh is not None else None))
     stepped = list(module.parameters())
@@ -144,12 +147,16 @@ def built_on_meta(model: ModelConfig, data: DataConfig, train: TrainConfig, para
     return pp_rank, module, stepped
 
 
-def held_bytes(module: torch.nn.Module, stepped: list[torch.Tensor], optimizer: str) -> int:
+def held_bytes(module: torch.nn.Module, stepped: list[torch.Tensor], optimizer: str, pipeline: bool) -> int:
     """fp32 parameters and gradients of the local shards, and the optimizer's moments (AdamW:
-    two, SGD with momentum: one) of the parameters this rank steps."""
+    two, SGD with momentum: one) of the parameters this rank steps. An FSDP2 pipeline stage
+    accumulates its gradients unsharded until the step's reduction: their peak is the
+    unsharded size (trainer.memory_probe.state_tensors)."""
     params = sum(local(p).numel() for p in module.parameters())
+    records = fsdp_params(module) if pipeline else []
+    grads = sum(math.prod(r._orig_size) for r in records) if records else params
     moments = sum(local(p).numel() for p in stepped)
-    return 4 * params + 4 * params + (8 if optimizer == "adamw" else 4) * moments
+    return 4 * params + 4 * grads + (8 if optimizer == "adamw" else 4) * moments
 
 
 def check_ranked_layouts(spec, n_gpus: int, pick: int) -> None:
@@ -168,7 +175,8 @@ def check_ranked_layouts(spec, n_gpus: int, pick: int) -> None:
     for rank in range(layout.world):
         with fake_world(rank, layout.world):
             stage, module, stepped = built_on_meta(spec.model, spec.data, train, parallel, rank)
-        held.setdefault((stage, rank % layout.tp), []).append(held_bytes(module, stepped, train.optimizer))
+        bytes_held = held_bytes(module, stepped, train.optimizer, layout.pp > 1)
+        held.setdefault((stage, rank % layout.tp), []).append(bytes_held)
     for (stage, _), per_dp_rank in held.items():
         predicted = stage_ledgers(work, layout, stage, "gpu").state
         assert len(per_dp_rank) == layout.dp

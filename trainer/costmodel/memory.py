@@ -18,8 +18,17 @@ every block's gathered weights stay from its forward to its backward, which M_co
 counts. A pipeline rank's W, G, O are those of its own chunks (layout.stage_params: the
 FLOP-balanced split, interleaved and V-shaped placements, the tied embedding's copy). FSDP2
 pads each shard to ceil(rows / D) rows, which /D leaves out (under 2 % for the layouts
-tested). Measured against the bytes every rank of every layout of the engine's parity matrix
-holds in tests/dist/test_state_ledger.py.
+tested). Gradients stay sharded while they accumulate over microbatches: the engine
+reduce-scatters every microbatch's into the sharded gradient (trainer.data_parallel.gradient_sync).
+Inside a pipeline they cannot: torch's pipeline stages turn FSDP2's gradient sync off for
+every backward and reduce once after the schedule, so until then the stage holds its whole
+unsharded fp32 gradient: stages 2 and 3 with pp > 1 hold W/D + G + O/D at their peak, and
+the weights of every block stay gathered (M_collective). A rank of several chunks
+(interleaved, zero-bubble) reduces each chunk after that chunk's last backward; with fewer
+than 2 pp microbatches one chunk can be reduced before another's first backward, and the
+rank holds less (pp 2, 2 microbatches: 8 to 14 % less state; 4 microbatches: as booked).
+Measured against the bytes every rank of every layout of the engine's parity matrix holds
+at its peak, after every microbatch's backward, in tests/dist/test_state_ledger.py.
 Weights stay fp32 in every precision: bf16/fp16 run under autocast, as the engine does, or
 FSDP2's MixedPrecisionPolicy, and both keep the fp32 parameters as the master copy and make
 low-precision copies per use (counted below). So per parameter W = 4, G = 4 (fp32 grads),
@@ -100,6 +109,8 @@ def zero_state_bytes(weights: float, grads: float, optim: float, zero: int, dp: 
 def m_state(work: Workload, layout: Layout, params: StageParams) -> int:
     w, g, o = (n * params.total for n in state_bytes_per_param(work.optimizer))
     state = zero_state_bytes(w, g, o, layout.zero, layout.dp_shard)
+    if layout.zero >= 2 and layout.dp > 1 and layout.pp > 1:
+        state += g - g / layout.dp_shard  # a pipeline stage's gradients, unsharded until the step's end
     if layout.schedule == "pipedream" and layout.pp > 1:
         state += w  # the stashed weight version the in-flight backwards use
     return round(state)
@@ -236,7 +247,8 @@ def m_collective(work: Workload, layout: Layout, params: StageParams) -> int:
     out = 0
     if layout.dp > 1 and layout.zero in (0, 1):
         out += grad_bytes
-    elif layout.dp > 1 and layout.zero == 2:
+    elif layout.dp > 1 and (layout.zero == 2 or layout.pp > 1):
+        # inside a pipeline ZeRO-3 too keeps every block gathered from its backward to the step's end
         out += e * params.total + 4 * unit
     elif layout.dp > 1 and layout.zero == 3:
         out += 2 * e * unit + 4 * unit

@@ -113,13 +113,12 @@ def rank_flops_per_token(work: Workload, layout: Layout, params: StageParams) ->
 
 
 def _dp_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParams, m: int) -> float:
-    """Data-parallel traffic per step, as the engine runs it (trainer/data_parallel.py): the
-    gradients are reduced once per step, in the last microbatch's backward (`gradient_sync`;
-    torch's pipeline stages likewise), never per microbatch.
+    """Data-parallel traffic per step, as the engine runs it (trainer/data_parallel.py).
 
-    ZeRO 0 all-reduces the fp32 gradients; ZeRO 1 adds the all-gather of the updated weights.
-    ZeRO 2/3 (FSDP2) reduce-scatter the gradients in fp32 (the engine's reduce_dtype) and
-    all-gather weights in the compute dtype: `fsdp_gathers` many times per step.
+    ZeRO 0 all-reduces the fp32 gradients once per step, in the last microbatch's backward;
+    ZeRO 1 adds the all-gather of the updated weights. ZeRO 2/3 (FSDP2) reduce-scatter the
+    gradients in fp32 (the engine's reduce_dtype) `fsdp_reductions` times per step and
+    all-gather weights in the compute dtype `fsdp_gathers` times.
     """
     alpha, bw = group_link(hw, layout, "dp")
     d = layout.dp
@@ -130,14 +129,26 @@ def _dp_seconds(work: Workload, layout: Layout, hw: Hardware, params: StageParam
         return ring_allreduce_seconds(grads, d, alpha, bw) + ring_allgather_seconds(4 * params.total, d, alpha, bw)
     low = LOW_PRECISION_BYTES[work.precision]
     block_gathers, other_gathers = fsdp_gathers(layout, m)
+    scattered = fsdp_reductions(layout, m) * grads  # each reduce-scatter takes the stage's gradients
     gathered = low * (block_gathers * params.block_params + other_gathers * params.other_params)
     if layout.dp_replicate == 1:
-        return ring_allgather_seconds(gathered, d, alpha, bw) + ring_allgather_seconds(grads, d, alpha, bw)
+        return ring_allgather_seconds(gathered, d, alpha, bw) + ring_allgather_seconds(scattered, d, alpha, bw)
     # HSDP: gathers and the reduce-scatter stay inside a replica's shard group; the replicas
     # all-reduce only their gradient shard (1/dp_shard of it), over the replicate group's link.
     s, (alpha, bw) = layout.dp_shard, group_link(hw, layout, "dp_shard")
     across = ring_allreduce_seconds(grads / s, layout.dp_replicate, *group_link(hw, layout, "dp_replicate"))
-    return ring_allgather_seconds(gathered, s, alpha, bw) + ring_allgather_seconds(grads, s, alpha, bw) + across
+    return ring_allgather_seconds(gathered, s, alpha, bw) + ring_allgather_seconds(scattered, s, alpha, bw) + across
+
+
+def fsdp_reductions(layout: Layout, m: int) -> int:
+    """Gradient reduce-scatters per step under FSDP2 with m microbatches.
+
+    Without a pipeline the engine reduce-scatters every microbatch's gradients into the
+    sharded gradient (`gradient_sync`: ZeRO-2 keeps gradients sharded while they accumulate).
+    torch's pipeline stages accumulate unsharded gradients and reduce once per step (the
+    memory cost is booked in trainer.costmodel.memory.m_state).
+    """
+    return m if layout.pp == 1 else 1
 
 
 def fsdp_gathers(layout: Layout, m: int) -> tuple[int, int]:
