@@ -4,7 +4,8 @@ Parity: ZeRO 2 and 3 over a 2 x 2 mesh train the reference's losses (1e-5) and p
 (1e-4), and every slice of the state is reported by both replicas, numbered 0 and 1, so a
 checkpoint writes it once. Resharding: a state saved mid-run from HSDP 2x2 loads bit-exact
 into FSDP dp4 ZeRO-3, dp2 and one process, which continue the reference's losses; and a
-one-process state loads into HSDP 2x2, which continues them too.
+one-process state loads into HSDP 2x2, which continues them too. Heavy: the same with tensor
+parallelism and with a pipeline on 8 ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from tests.dist import test_engine_3d as three_d
 from tests.dist._launch import run_ranks
 from tests.dist.test_engine_3d import check_restored, read_back
 from tests.dist.test_engine_parallel import DATA, MODEL, STEPS, TRAIN, par, run_parity
@@ -29,6 +31,14 @@ def test_hsdp_2x2_zero2_and_zero3_match_one_process():
     for rank_out in ranks:
         for _, slices in rank_out:
             assert {piece.replicas for piece in slices if piece.name == "model/norm.weight"} == {2}
+
+
+@pytest.mark.heavy  # 8 ranks on two cores
+def test_hsdp_with_tensor_parallel_and_with_a_pipeline_matches_one_process():
+    # 2 replicas x 2 shards x tp 2: FSDP2 shards the TP shards over the 3-D (replicate, shard, tp) mesh
+    run_parity(8, [par(dp=4, dp_replicate=2, tp=2, zero=3)])
+    # 2 replicas x 2 shards x pp 2, GPipe (one microbatch per replica) and ZeRO 2 (each stage an FSDP2 root)
+    three_d.run_parity(8, [three_d.par(dp=4, dp_replicate=2, pp=2, zero=2, schedule="gpipe")])
 
 
 def placements_and_state(rank, world_size, parallel, steps):
