@@ -72,7 +72,8 @@ from trainer.evaluation import padded_microbatches, shard_windows
 from trainer.grad_clip import clip_sharded_grads
 from trainer.layout_checks import check_layout
 from trainer.loss import all_reduce_token_loss, token_loss_sum
-from trainer.model import build_model
+from trainer.init_values import materialize
+from trainer.model import meta_model
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from trainer.pipeline import sync_tied_grads
 from trainer.recompute import apply_recompute
@@ -156,7 +157,7 @@ class Engine(EngineState):
             self.model = LocalChunks(self.pipeline.stages)
             tp_specs = self.pipeline.tp_specs
         else:
-            self.model = build_model(model, seed=train.seed, device=self.device)
+            self.model = meta_model(model)  # materialised by _parallelize, only this rank's shards
             tp_specs = self._parallelize()
         if self._zero1:
             self.optimizer = build_zero1_optimizer(self.model, train, self._dp_group)
@@ -179,7 +180,9 @@ class Engine(EngineState):
         apply_recompute(self.model, pc.recompute)
         if self._fsdp:
             apply_fsdp(self.model, fsdp_mesh(self.mesh, pc.dp_replicate), pc.zero, self.train_config.precision)
+            materialize(self.model, self.train_config.seed, self.device)  # FSDP shards only (trainer.init_values)
             return tp_specs
+        materialize(self.model, self.train_config.seed, self.device)  # DDP broadcasts, localize clones: values first
         if pc.tp > 1:
             tp_specs = localize_dtensor_params(self.model)
         if pc.dp > 1:

@@ -27,7 +27,8 @@ from trainer.costmodel.layout import default_virtual_stages
 from trainer.data_parallel import LOW_PRECISION, SyncClock, apply_fsdp, localize_dtensor_params, wrap_ddp
 from trainer.pipeline import PipelineRunner, stage_examples
 from trainer.recompute import apply_recompute
-from trainer.stages import Chunk, StageModel, build_stage, local_chunks, placement_of, split_layers
+from trainer.init_values import materialize
+from trainer.stages import Chunk, StageModel, local_chunks, meta_stage, placement_of, split_layers
 from trainer.tensor_parallel import apply_tensor_parallel
 from trainer.topology import fsdp_mesh
 
@@ -95,7 +96,7 @@ def build_pipeline(model: ModelConfig, data: DataConfig, train: TrainConfig, par
     fsdp = parallel.zero >= 2 and parallel.dp > 1
     stages, modules, tp_specs = [], [], {}
     for chunk in chunks:
-        stage = build_stage(model, train.seed, chunk, device)
+        stage = meta_stage(model, chunk)  # materialised below, only this rank's shards
         module: nn.Module = stage
         if parallel.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sp)
@@ -103,7 +104,9 @@ def build_pipeline(model: ModelConfig, data: DataConfig, train: TrainConfig, par
         apply_recompute(stage, parallel.recompute)
         if fsdp:
             apply_fsdp(stage, fsdp_mesh(mesh, parallel.dp_replicate), parallel.zero, train.precision)
+            materialize(stage, train.seed, device)
         else:
+            materialize(stage, train.seed, device)  # before DDP's broadcast and the TP-to-local clone
             if parallel.tp > 1:
                 tp_specs.update(localize_dtensor_params(stage))
             if parallel.dp > 1:

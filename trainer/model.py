@@ -31,9 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.seeding import generator
-
-INIT_STD = 0.02
+from trainer.init_values import init_parameters, materialize
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -191,48 +189,43 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """GPT-2 initialisation, each parameter drawn from its own generator seeded by (seed, name).
+        """GPT-2 initialisation (trainer.init_values.param_std), each value a pure function of
+        (seed, parameter name, element offset) (trainer.init_values).
 
-        Weights ~ N(0, 0.02); the projections that write into the residual stream (o_proj,
-        down_proj) get 0.02/sqrt(2 * n_layers) so the residual variance does not grow with
-        depth (GPT-2, Radford et al. 2019, section 2.3). Norm weights start at 1. Seeding per
-        name makes a parameter's initial value independent of which other parameters exist,
-        so a pipeline stage holding layers 4..7 initialises them exactly as the full model does.
+        So a parameter's initial value does not depend on which other parameters exist (a
+        pipeline stage holding layers 4..7 initialises them exactly as the full model does),
+        nor on how it is cut: called on a model whose parameters are DTensor shards (tensor
+        parallel, FSDP), each rank fills exactly the slice it holds.
         """
-        init_named_parameters(self, self.cfg, seed)
-        if self.pos_emb is None:
-            cos, sin = rope_tables(self.cfg)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        init_parameters(self, self.cfg, seed)
+        init_rope_buffers(self, self.cfg)
 
 
 @torch.no_grad()
-def init_named_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """The GPT-2 rule of `GPT.init_weights` for every parameter of `module`, by its name.
+def init_rope_buffers(module: nn.Module, cfg: ModelConfig) -> None:
+    """Fill `module`'s RoPE tables (rope_cos, rope_sin), if it has them and they are not on meta."""
+    if getattr(module, "rope_cos", None) is None or module.rope_cos.is_meta:
+        return
+    cos, sin = rope_tables(cfg)
+    module.rope_cos.copy_(cos)
+    module.rope_sin.copy_(sin)
 
-    Shared by the full model and pipeline stages (trainer.stages), whose parameters carry the
-    full model's names; the residual std always uses the full model's depth, cfg.n_layers.
-    """
-    residual_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
-    for name, param in module.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
-        param.copy_(torch.randn(param.shape, generator=generator(seed, "init", name)) * std)
+
+def meta_model(cfg: ModelConfig) -> GPT:
+    """The model for `cfg` on the meta device: shapes only, no memory, no values. Parallelise
+    it there, then `trainer.init_values.materialize` it (each rank allocates its shards)."""
+    with torch.device("meta"):
+        return GPT(cfg)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> GPT:
-    """The model for `cfg`, initialised deterministically from `seed`, on `device`.
+    """The whole model for `cfg`, initialised deterministically from `seed`, on `device`.
 
     Built on the meta device first so that no memory is spent on a throw-away default
-    initialisation and the global RNG is never touched.
+    initialisation and the global RNG is never touched; its values are those every sharded
+    layout holds slices of (trainer.init_values).
     """
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model
+    return materialize(meta_model(cfg), seed, device)
 
 
 def count_params(cfg: ModelConfig) -> int:

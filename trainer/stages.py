@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.model import Block, init_named_parameters, make_norm, rope_tables
+from trainer.init_values import init_parameters, materialize
+from trainer.model import Block, init_rope_buffers, make_norm
 
 Placement = Literal["loop", "v"]
 
@@ -232,21 +233,21 @@ class StageModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """`trainer.model.GPT.init_weights` restricted to this chunk: each parameter from (seed, name).
+        """`trainer.model.GPT.init_weights` restricted to this chunk: each parameter from (seed, name)
+        (and element offset, so a sharded chunk fills its slices; trainer.init_values).
 
         The residual projections' std uses the full model's depth, cfg.n_layers, not the chunk's.
         """
-        init_named_parameters(self, self.cfg, seed)
-        if hasattr(self, "rope_cos"):
-            cos, sin = rope_tables(self.cfg)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        init_parameters(self, self.cfg, seed)
+        init_rope_buffers(self, self.cfg)
+
+
+def meta_stage(cfg: ModelConfig, chunk: Chunk) -> StageModel:
+    """The StageModel of `chunk` on the meta device (see `trainer.model.meta_model`)."""
+    with torch.device("meta"):
+        return StageModel(cfg, chunk.layers, first=chunk.first, last=chunk.last)
 
 
 def build_stage(cfg: ModelConfig, seed: int, chunk: Chunk, device: str | torch.device = "cpu") -> StageModel:
     """The StageModel of `chunk`, initialised as `build_model(cfg, seed)` initialises those names."""
-    with torch.device("meta"):
-        stage = StageModel(cfg, chunk.layers, first=chunk.first, last=chunk.last)
-    stage.to_empty(device=device)
-    stage.init_weights(seed)
-    return stage
+    return materialize(meta_stage(cfg, chunk), seed, device)
