@@ -246,6 +246,8 @@ class TrainConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute dtype (fp16 with a loss scaler)")
     seed: int = Field(0, description="seed of the initial weights")
     deterministic: bool = Field(True, description="deterministic kernels: the same seed gives the same losses")
+    compile: bool = Field(False, description="torch.compile each transformer block (inductor); the first steps "
+                          "pay the compile time")
 
 
 class ParallelConfig(_Strict):

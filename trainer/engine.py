@@ -16,7 +16,7 @@ the gradient norm and the fp16 overflow flag the whole world. Parallelisms are a
 model in a fixed order, one function each:
     1. tensor parallelism      trainer.tensor_parallel.apply_tensor_parallel
     2. recomputation           trainer.recompute.apply_recompute
-    3. (torch.compile: not used; it is wrong or fails with TP in torch 2.13)
+    3. torch.compile per block trainer.compile.apply_recompute_and_compile (train.compile)
     4. data parallelism        trainer.data_parallel: FSDP2 for zero 2/3, else DDP (+ ZeRO-1)
 TP comes first because DDP and FSDP must see the final (sharded) parameters, and
 checkpointing before FSDP keeps each block one FSDP unit whose all-gathers the recomputation
@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.compile import apply_recompute_and_compile
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.data import Batch, make_cursor, microbatches_per_rank
 from trainer.data_parallel import (
@@ -70,13 +71,12 @@ from trainer.engine_pipeline import LocalChunks, build_pipeline
 from trainer.engine_state import STATE_FORMAT, EngineState
 from trainer.evaluation import padded_microbatches, shard_windows
 from trainer.grad_clip import clip_sharded_grads
+from trainer.init_values import materialize
 from trainer.layout_checks import check_layout
 from trainer.loss import all_reduce_token_loss, token_loss_sum
-from trainer.init_values import materialize
 from trainer.model import meta_model
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from trainer.pipeline import sync_tied_grads
-from trainer.recompute import apply_recompute
 from trainer.scaler import LossScaler
 from trainer.seeding import derive_seed
 from trainer.tensor_parallel import apply_tensor_parallel, loss_context, pad_to_multiple
@@ -177,7 +177,7 @@ class Engine(EngineState):
         pc, tp_specs = self.parallel_config, {}
         if pc.tp > 1:
             apply_tensor_parallel(self.model, self.mesh["tp"], self.sequence_parallel)
-        apply_recompute(self.model, pc.recompute)
+        apply_recompute_and_compile(self.model, pc.recompute, self.train_config.compile)
         if self._fsdp:
             apply_fsdp(self.model, fsdp_mesh(self.mesh, pc.dp_replicate), pc.zero, self.train_config.precision)
             materialize(self.model, self.train_config.seed, self.device)  # FSDP shards only (trainer.init_values)

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.compile import apply_recompute_and_compile
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.costmodel.layout import default_virtual_stages
 from trainer.data_parallel import LOW_PRECISION, SyncClock, apply_fsdp, localize_dtensor_params, wrap_ddp
-from trainer.pipeline import PipelineRunner, stage_examples
-from trainer.recompute import apply_recompute
 from trainer.init_values import materialize
+from trainer.pipeline import PipelineRunner, stage_examples
 from trainer.stages import Chunk, StageModel, local_chunks, meta_stage, placement_of, split_layers
 from trainer.tensor_parallel import apply_tensor_parallel
 from trainer.topology import fsdp_mesh
@@ -101,7 +101,7 @@ def build_pipeline(model: ModelConfig, data: DataConfig, train: TrainConfig, par
         if parallel.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sp)
             stage.seq_split = parallel.tp if sp else 1
-        apply_recompute(stage, parallel.recompute)
+        apply_recompute_and_compile(stage, parallel.recompute, train.compile)
         if fsdp:
             apply_fsdp(stage, fsdp_mesh(mesh, parallel.dp_replicate), parallel.zero, train.precision)
             materialize(stage, train.seed, device)

@@ -22,6 +22,9 @@ Refused, and why:
   * schedule 'pipedream' at any pp: PipeDream-2BW trains on one-step-stale weights, without
     clipping or data parallelism; it is a different training rule, run by
     trainer.pipedream.PipeDream2BW, never by the engine;
+  * train.compile with tp > 1: torch 2.13's compiled block breaks in the backward of its
+    DTensor redistributions (with or without sequence parallelism); compile runs with every
+    other layout (trainer.compile);
   * zero-bubble with dp > 1 and zero 0/1 (DDP-wrapped stages: torch 2.13 crashes in the split
     backward) or zero 3 (FSDP2 reshard_after_forward=True: silently wrong gradients). zero 2
     runs it; running zero 3 as zero 2 would hide a memory difference, so it is refused;
@@ -59,12 +62,22 @@ class Refusal:
 
 
 def layout_refusals(model: ModelConfig, parallel: Any, seq_len: int | None = None,
-                    global_batch: int | None = None, micro_batch: int | None = None) -> list[Refusal]:
+                    global_batch: int | None = None, micro_batch: int | None = None,
+                    compile: bool = False) -> list[Refusal]:
     """Every reason the engine refuses this layout (module docstring), in a fixed order: the
-    tensor-parallel split, the sequence, the batch, HSDP, the pipeline. Empty when it runs."""
+    tensor-parallel split, the sequence, the batch, HSDP, the pipeline, compile (train.compile).
+    Empty when it runs."""
     return (_tensor_parallel(model, parallel, seq_len) + _sequence(model, seq_len)
             + _batch(parallel, global_batch, micro_batch) + _hsdp(parallel)
-            + _pipeline(model, parallel, global_batch, micro_batch))
+            + _pipeline(model, parallel, global_batch, micro_batch) + _compile(parallel, compile))
+
+
+def _compile(parallel: Any, compile: bool) -> list[Refusal]:
+    if not compile or parallel.tp == 1:
+        return []
+    return [Refusal("train.compile", f"true with parallel.tp = {parallel.tp}: torch 2.13 fails in the backward of "
+                    "a compiled tensor-parallel block (a DTensor redistribution receives a plain gradient); set "
+                    "train.compile: false, or parallel.tp: 1", f"tp={parallel.tp} with train.compile")]
 
 
 def _divisors(n: int) -> str:
@@ -202,7 +215,7 @@ def check_layout(model: ModelConfig, data: DataConfig, train: TrainConfig, paral
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1}")
-    found = layout_refusals(model, parallel, data.seq_len, train.global_batch, train.micro_batch)
+    found = layout_refusals(model, parallel, data.seq_len, train.global_batch, train.micro_batch, train.compile)
     if found:
         raise ValueError(str(found[0]))
     if world_size > 1:

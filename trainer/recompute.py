@@ -17,8 +17,6 @@ the RNG state is saved with each block's input (preserve_rng_state).
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
@@ -39,7 +37,13 @@ def _save_matmuls(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _blocks(module: nn.Module) -> list[nn.Module]:
+def selective_context():
+    """The `context_fn` of selective recomputation (torch's selective activation checkpointing)."""
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT or a pipeline stage, in order."""
     blocks = getattr(module, "blocks", None)
     if blocks is None:
         return []
@@ -52,7 +56,7 @@ def apply_recompute(module: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"parallel.recompute={mode!r} is not one of {', '.join(MODES)}")
     if mode == "none":
         return module
-    context_fn = partial(create_selective_checkpoint_contexts, _save_matmuls) if mode == "selective" else None
-    for block in _blocks(module):
+    context_fn = selective_context if mode == "selective" else None
+    for block in blocks_of(module):
         checkpoint(block, context_fn=context_fn)
     return module

@@ -187,7 +187,7 @@ def engine_support_problems(spec: Any) -> list[Problem]:
     from trainer.layout_checks import layout_refusals
 
     found = layout_refusals(model, par, data.seq_len if data else None, train.global_batch if train else None,
-                            train.micro_batch if train else None)
+                            train.micro_batch if train else None, bool(train and train.compile))
     return [Problem(refusal.field, refusal.message) for refusal in found]
 
 

@@ -58,11 +58,12 @@ class Workload:
     global_batch: int
     precision: str = "fp32"  # "fp32", "bf16" or "fp16"
     optimizer: str = "adamw"  # "adamw" or "sgd"
+    compile: bool = False  # train.compile: the engine refuses some layouts with it
 
     @classmethod
     def from_spec(cls, spec: Any) -> Workload:
         return cls(model=spec.model, seq_len=spec.data.seq_len, global_batch=spec.train.global_batch,
-                   precision=spec.train.precision, optimizer=spec.train.optimizer)
+                   precision=spec.train.precision, optimizer=spec.train.optimizer, compile=spec.train.compile)
 
     @property
     def tokens_per_step(self) -> int:

@@ -85,7 +85,7 @@ def _structural_reason(work: Workload, lay: Layout, n_gpus: int) -> tuple[str, s
     The engine's refusals come first (trainer.layout_checks.layout_refusals, the rules the
     engine and the job spec apply), then the device count, then the planner's own pruning.
     """
-    refused = layout_refusals(work.model, lay, work.seq_len, work.global_batch, lay.micro_batch)
+    refused = layout_refusals(work.model, lay, work.seq_len, work.global_batch, lay.micro_batch, work.compile)
     if refused:
         return refused[0].key, str(refused[0])
     if lay.world != n_gpus:
