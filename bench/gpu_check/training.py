@@ -11,10 +11,9 @@ measured. The engine's optimizer is fused AdamW on CUDA (trainer/optim.py).
                  `torch.cuda.max_memory_allocated` over the engine's whole life (the first
                  optimizer step, where the AdamW moments appear, included) beside the cost
                  model's four ledgers (trainer.costmodel.memory) for the same workload.
-                 `compile=True` compiles each transformer block with torch.compile, through
-                 `train.compile` where the engine has that field, otherwise by compiling
-                 `engine.model.blocks` here (the engine's place for it: after recomputation,
-                 before data parallelism; at dp = 1 there is none).
+                 `compile=True` sets `train.compile`: the engine compiles each transformer
+                 block (trainer.compile, the path every compiled job takes); the compile
+                 time falls in the untimed warm-up steps.
   resume_run     the same workload three ways: N steps straight; N - 1 steps, the state taken
                  out (`state_slices`, `state_meta`); a fresh engine restored from it that runs
                  step N. With deterministic algorithms on, every loss must be bitwise equal to
@@ -35,8 +34,7 @@ from trainer.costmodel.memory import ledgers
 from trainer.engine import Engine
 from trainer.model import flops_per_token
 
-ENGINE_HAS_COMPILE = "compile" in TrainConfig.model_fields
-COMPILE_VIA = "train.compile" if ENGINE_HAS_COMPILE else "torch.compile per block, applied by the check"
+COMPILE_VIA = "train.compile"
 
 
 def configs(preset: str, seq_len: int, micro_batch: int, steps: int, recompute: str = "none",
@@ -44,10 +42,9 @@ def configs(preset: str, seq_len: int, micro_batch: int, steps: int, recompute: 
             ) -> tuple[ModelConfig, DataConfig, TrainConfig, ParallelConfig]:
     """One GPU, one microbatch per step, fixed-length synthetic samples, bf16; `deterministic`
     (unless given) and every other field not named here at its default."""
-    extra = {"compile": True} if compile and ENGINE_HAS_COMPILE else {}
-    if deterministic is not None:
-        extra["deterministic"] = deterministic
-    train = TrainConfig(steps=steps, global_batch=micro_batch, micro_batch=micro_batch, precision="bf16", **extra)
+    extra = {} if deterministic is None else {"deterministic": deterministic}
+    train = TrainConfig(steps=steps, global_batch=micro_batch, micro_batch=micro_batch, precision="bf16",
+                        compile=compile, **extra)
     return (ModelConfig(preset=preset), DataConfig(seq_len=seq_len, min_len_fraction=1.0), train,
             ParallelConfig(recompute=recompute))
 
@@ -77,13 +74,9 @@ def _peaks(device: str) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
-def _build(cfgs: tuple, compile: bool, device: str) -> Engine:
+def _build(cfgs: tuple, device: str) -> Engine:
     model, data, train, parallel = cfgs
-    engine = Engine(model, data, train, parallel, rank=0, world_size=1, device=device)
-    if compile and not ENGINE_HAS_COMPILE:
-        for block in engine.model.blocks:
-            block.compile()
-    return engine
+    return Engine(model, data, train, parallel, rank=0, world_size=1, device=device)
 
 
 def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: int, recompute: str = "none",
@@ -97,15 +90,15 @@ def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
     if deterministic is not None:
         torch.use_deterministic_algorithms(deterministic)
     try:
-        return _timed(cfgs, steps, warmup, compile, device)
+        return _timed(cfgs, steps, warmup, device)
     finally:
         torch.use_deterministic_algorithms(before)
 
 
-def _timed(cfgs: tuple, steps: int, warmup: int, compile: bool, device: str) -> dict:
+def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
     model, data, train, parallel = cfgs
     _fresh_device(device)
-    engine = _build(cfgs, compile, device)
+    engine = _build(cfgs, device)
     losses, times, tokens, data_wait = [], [], 0, 0.0
     for i in range(warmup + steps):
         _sync(device)
@@ -121,7 +114,7 @@ def _timed(cfgs: tuple, steps: int, warmup: int, compile: bool, device: str) -> 
     seq_len, micro_batch, recompute = data.seq_len, train.micro_batch, parallel.recompute
     out = {
         "preset": model.preset, "seq_len": seq_len, "micro_batch": micro_batch, "recompute": recompute,
-        "compile": compile, "compile_via": COMPILE_VIA if compile else None,
+        "compile": train.compile, "compile_via": COMPILE_VIA if train.compile else None,
         "deterministic": train.deterministic, "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "fused_adamw": bool(engine.local_optimizer.defaults.get("fused")),
         "step_s": sum(times) / len(times), "tokens_per_s": tokens / sum(times), "data_wait_s": data_wait / len(times),
@@ -137,14 +130,14 @@ def _timed(cfgs: tuple, steps: int, warmup: int, compile: bool, device: str) -> 
 def resume_run(preset: str, seq_len: int, micro_batch: int, steps: int, device: str = "cuda") -> dict:
     """Losses of `steps` straight steps, of `steps - 1` steps, and of the step after a restore."""
     cfgs = configs(preset, seq_len, micro_batch, steps)
-    straight = _build(cfgs, False, device)
+    straight = _build(cfgs, device)
     straight_losses = [straight.train_step().loss for _ in range(steps)]
     del straight
-    first = _build(cfgs, False, device)
+    first = _build(cfgs, device)
     first_losses = [first.train_step().loss for _ in range(steps - 1)]
     slices, meta = first.state_slices(), first.state_meta()
     del first
-    restored = _build(cfgs, False, device)
+    restored = _build(cfgs, device)
     restored.load_slices(slices, meta)
     steps_on = {str(s["step"].device) for s in restored.local_optimizer.state.values() if "step" in s}
     resumed_loss = restored.train_step().loss

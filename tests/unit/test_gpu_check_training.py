@@ -56,3 +56,9 @@ def test_a_flipped_deterministic_run_sets_torch_for_the_run_only():
     got = training.train_run("tiny", seq_len=32, micro_batch=2, steps=1, warmup=0, device="cpu", deterministic=flip)
     assert got["deterministic"] is flip and got["deterministic_algorithms"] is flip
     assert torch.are_deterministic_algorithms_enabled() is before
+
+
+def test_the_compiled_run_compiles_through_train_compile():
+    # The check measures the engine's own compile path (trainer.compile), the one jobs take.
+    assert training.configs("tiny", 32, 2, 3, compile=True)[2].compile is True
+    assert training.configs("tiny", 32, 2, 3)[2].compile is False
