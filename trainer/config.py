@@ -271,6 +271,19 @@ class ParallelConfig(_Strict):
         "ops and attention internals; block keeps only each block's input")
     sequence_parallel: bool = Field(True, description="Megatron sequence parallelism for norms and dropout when "
                                     "tp > 1 (ignored when tp = 1)")
+    # Parameter-server mode (paramserver/, docs/design.md): dp workers push gradients to and pull
+    # parameters from `servers` shard owners instead of all-reducing among themselves.
+    mode: Literal["collective", "ps"] = Field("collective", description="collective: the ranks all-reduce "
+                                              "gradients (DDP / ZeRO); ps: parameter server, dp workers push "
+                                              "gradients to and pull parameters from server actors")
+    servers: int = Field(1, gt=0, description="ps: server actors the model's state is partitioned over, "
+                         "balanced by bytes")
+    consistency: Literal["bsp", "ssp", "asp"] = Field("bsp", description="ps: bsp waits for every worker's "
+                                                      "gradient each step (equals collective dp), ssp lets a "
+                                                      "worker run at most `staleness` steps ahead of the "
+                                                      "slowest, asp has no bound")
+    staleness: int | None = Field(None, ge=0, description="ps with consistency ssp: how many steps a worker may "
+                                  "run ahead of the slowest one")
 
     @property
     def world_size(self) -> int:

@@ -198,6 +198,10 @@ def _run(args) -> int:
         if problem is not None:
             print_problems([Problem("--fresh", problem)])
             return EXIT_USAGE
+    if spec.parallel.mode == "ps":
+        from orchestrator.cli.ps_run import run_ps_job
+
+        return run_ps_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline)
     from orchestrator.cli.run import run_job
 
     return run_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline,

@@ -33,6 +33,7 @@ from monitor.config import MonitorConfig
 from orchestrator.spec.elastic import ElasticConfig
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
+from orchestrator.spec.ps_check import ps_problems
 from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -132,7 +133,7 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     `validate_spec`); a check that needs a missing section is skipped, so layout problems
     are reported in the same round as typos elsewhere in the spec."""
     model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
-    out = _layout_problems(par, spec.resources) + memory_level_problems(spec)
+    out = _layout_problems(par, spec.resources) + memory_level_problems(spec) + ps_problems(spec)
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))

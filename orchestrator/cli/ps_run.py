@@ -1,0 +1,50 @@
+"""`undying run` for a parameter-server job (`parallel.mode: ps`, paramserver/).
+
+Called by the CLI after the spec is validated, instead of `orchestrator.cli.run.run_job`: no
+controller, rank actors or checkpoints yet (docs/design.md, parameter-server mode: what is not
+built yet). Connects to Ray (or starts the embedded local one) with a logical CPU for each of
+the dp workers and the servers, runs `paramserver.job.run_ps`, prints the report (losses, bytes
+per step, the staleness histogram) and writes it as JSON with `--report`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cluster import ray_cluster
+from orchestrator.spec.job_spec import JobSpec
+from orchestrator.spec.problems import Problem
+
+
+def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
+    if timeline_path:
+        print_problems([Problem("--timeline", "parameter-server jobs do not draw a timeline yet; leave it out")])
+        return EXIT_USAGE
+    from paramserver.clocks import staleness_histogram
+    from paramserver.job import run_ps
+
+    par = spec.parallel
+    conn = ray_cluster.connect(address, par.dp + par.servers, 0)
+    try:
+        print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
+              f"{par.servers} servers; no checkpoints in this mode yet", flush=True)
+        try:
+            report = run_ps(spec.model, spec.data, spec.train, par)
+        except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
+            print(f"undying: job failed: {type(err).__name__}: {err}", file=sys.stderr)
+            return EXIT_FAILED
+        print(report.summary(), flush=True)
+        if report_path:
+            total, per_server = report.bytes_per_step()
+            with open(report_path, "w") as out:
+                json.dump({"name": spec.name, "status": "succeeded", "mode": "ps", "consistency": par.consistency,
+                           "losses": report.losses, "wall_s": report.wall_s,
+                           "staleness_histogram": {str(k): v for k, v in staleness_histogram(report.records).items()},
+                           "bytes_per_step": total, "bytes_per_step_per_server": per_server,
+                           "state_bytes": report.state_bytes}, out, indent=1)
+            print(f"report written to {report_path}")
+        return EXIT_OK
+    finally:
+        conn.close()

@@ -1,0 +1,51 @@
+"""The job spec's checks of parameter-server mode (`parallel.mode: ps`, paramserver/).
+
+Called by `orchestrator.spec.job_spec.cross_section_problems` with a JobSpec or a partial view
+of one (a section that failed its own validation is None, and the checks that need it are
+skipped). Each problem names the field to change and why the mode refuses it today.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.spec.problems import Problem
+
+# Fields of `parallel:` that only parameter-server mode reads, with their defaults. A default is
+# accepted in collective mode (a spec's canonical JSON names every field); another value is not.
+PS_DEFAULTS = {"servers": 1, "consistency": "bsp", "staleness": None}
+
+
+def ps_problems(spec: Any) -> list[Problem]:
+    par, train = spec.parallel, spec.train
+    if not par:
+        return []
+    if par.mode != "ps":
+        return [Problem(f"parallel.{name}", f"is read only with parallel.mode ps (this job's mode is "
+                        f"{par.mode}); remove it or set parallel.mode: ps")
+                for name, default in PS_DEFAULTS.items() if getattr(par, name) != default]
+    out = []
+    if par.consistency == "ssp" and par.staleness is None:
+        out.append(Problem("parallel.staleness", "consistency ssp needs a bound: set parallel.staleness to the "
+                           "steps a worker may run ahead of the slowest (0 waits like bsp)"))
+    if par.consistency != "ssp" and par.staleness is not None:
+        out.append(Problem("parallel.staleness", f"is read only with consistency ssp (this job's is "
+                           f"{par.consistency}); remove it or set parallel.consistency: ssp"))
+    # Each refusal: the server shards are whole-model slices and each worker runs one whole
+    # model in one process, so no layout inside a worker exists yet.
+    for name, allowed, why in (("tp", 1, "a worker is one process holding the whole model"),
+                               ("pp", 1, "a worker is one process holding the whole model"),
+                               ("zero", 0, "the servers already own the optimizer state, sharded"),
+                               ("dp_replicate", 1, "workers form no replicas")):
+        value = getattr(par, name)
+        if value != allowed:
+            out.append(Problem(f"parallel.{name}", f"{value} is not supported with parallel.mode ps ({why}); "
+                               f"set parallel.{name}: {allowed}"))
+    if train and train.grad_clip is not None:
+        out.append(Problem("train.grad_clip", f"{train.grad_clip}: clipping by the global gradient norm needs "
+                           "every shard's gradient in one place, which parallel.mode ps does not have yet; "
+                           "set train.grad_clip: null"))
+    if train and train.precision != "fp32":
+        out.append(Problem("train.precision", f"{train.precision} is not supported with parallel.mode ps yet "
+                           "(workers compute and servers update in fp32); set train.precision: fp32"))
+    return out

@@ -1,0 +1,127 @@
+"""One server's shard: its slices of the parameters, their optimizer state, the consistency rule.
+
+Protocol (a server actor, paramserver.actors, drives one `ShardServer` from one event loop;
+nothing here blocks or is thread-safe):
+  1. `may_read(step)` until true, then `pull(worker, step, rows)`: the shard's values now.
+  2. `push(push)` once per (worker, step), in each worker's step order. bsp keeps the step's
+     pushes until all `workers` are in, then applies their token-weighted mean as one update
+     (equal to collective dp's); ssp and asp apply each push at once, as that worker's mean.
+Every applied push leaves an `UpdateRecord` (version pulled, version applied).
+
+The dense slices are updated by the engine's own optimizer (trainer.optim.build_optimizer, lr
+from trainer.optim.lr_at at the pushing step), over a ParameterList of the slices: AdamW's
+arithmetic is per element, so a slice of a tensor updates exactly as the whole tensor would.
+Sparse slices (the untied embedding under ssp / asp) use lazy updates (paramserver.sparse).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paramserver.clocks import Clocks, UpdateRecord, ahead_limit
+from paramserver.messages import Pulled, Push
+from paramserver.partition import param_name
+from paramserver.sparse import RowState, lazy_update_
+from trainer.config import ModelConfig, TrainConfig
+from trainer.init_values import fill_slice, param_std
+from trainer.optim import build_optimizer, lr_at, set_lr
+from trainer.state_slices import TensorSlice
+
+
+def initial_values(piece: TensorSlice, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The slice's initial values, bit-identical to the same elements of trainer.model.build_model."""
+    out = torch.empty(piece.lengths, dtype=piece.dtype)
+    name = param_name(piece)
+    std = param_std(cfg, name)
+    if std is None:
+        return out.fill_(1.0)
+    fill_slice(out, seed, name, std, piece.global_shape, piece.offsets)
+    return out
+
+
+class ShardServer:
+    def __init__(self, index: int, slices: list[TensorSlice], model: ModelConfig, train: TrainConfig,
+                 workers: int, consistency: str, staleness: int | None = None,
+                 sparse_names: frozenset[str] = frozenset()):
+        self.index, self.slices, self.train, self.workers = index, slices, train, workers
+        self.limit, self.aggregate = ahead_limit(consistency, staleness), consistency == "bsp"
+        self.params = [nn.Parameter(initial_values(s, model, train.seed)) for s in slices]
+        self.sparse = {i for i, s in enumerate(slices) if param_name(s) in sparse_names}
+        self.dense = [i for i in range(len(slices)) if i not in self.sparse]
+        dense_params = nn.ParameterList([self.params[i] for i in self.dense])
+        self.optimizer = build_optimizer(dense_params, train) if self.dense else None
+        self.row_state = {i: RowState() for i in self.sparse}
+        self.clocks = Clocks(workers)
+        self.version = 0
+        self.pending: dict[int, dict[int, Push]] = {}
+        self.records: list[UpdateRecord] = []
+        self.bytes_in = self.bytes_out = 0
+
+    def may_read(self, step: int) -> bool:
+        return self.clocks.may_read(step, self.limit)
+
+    @torch.no_grad()
+    def pull(self, worker: int, step: int, rows: torch.Tensor | None = None) -> Pulled:
+        """The shard's values; for sparse slices only `rows` (global row ids; None: all rows)."""
+        assert self.may_read(step), f"worker {worker} pulled step {step} before the bound allowed it"
+        out = Pulled(self.index, self.version, self.clocks.slowest)
+        for i, (piece, param) in enumerate(zip(self.slices, self.params, strict=True)):
+            if i in self.sparse and rows is not None:
+                mine = _rows_in(rows, piece)
+                out.sparse[i] = (mine, param[mine - piece.offsets[0]].clone())
+            else:
+                out.dense[i] = param.detach().clone()
+        self.bytes_out += out.nbytes
+        return out
+
+    def push(self, push: Push) -> None:
+        self.clocks.tick(push.worker, push.step)
+        self.bytes_in += push.nbytes
+        if not self.aggregate:
+            self._apply([push], push.step)
+            return
+        # bsp: the step's update waits for every worker's gradient.
+        waiting = self.pending.setdefault(push.step, {})
+        waiting[push.worker] = push
+        if len(waiting) == self.workers:
+            del self.pending[push.step]
+            self._apply([waiting[w] for w in sorted(waiting)], push.step)
+
+    @torch.no_grad()
+    def _apply(self, pushes: list[Push], step: int) -> None:
+        tokens = sum(p.tokens for p in pushes)
+        lr = lr_at(step, self.train)
+        if self.optimizer is not None:
+            for i in self.dense:
+                # Summed in worker order: the same sum whatever order the pushes arrived in.
+                total = pushes[0].dense[i].clone()
+                for other in pushes[1:]:
+                    total.add_(other.dense[i])
+                self.params[i].grad = total.div_(tokens)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            for i in self.dense:
+                self.params[i].grad = None
+        for i in self.sparse:
+            for p in pushes:
+                rows, values = p.sparse.get(i, (torch.empty(0, dtype=torch.long), None))
+                decay = self.train.weight_decay if self.params[i].ndim >= 2 else 0.0
+                lazy_update_(self.params[i].data, rows - self.slices[i].offsets[0],
+                             values / p.tokens if values is not None else None, self.row_state[i],
+                             self.train, lr, decay)
+        for p in pushes:
+            self.records.append(UpdateRecord(self.index, p.worker, p.step, p.pulled_version, self.version,
+                                             p.slowest_at_pull))
+        self.version += 1
+
+    def state_slices(self) -> list[TensorSlice]:
+        """The shard's parameters as slices of the logical `model/<name>` tensors (CPU copies):
+        the checkpoint library's slice model, the same names and geometry a collective job saves."""
+        return [piece.with_tensor(param.detach().clone()) for piece, param in zip(self.slices, self.params,
+                                                                                 strict=True)]
+
+
+def _rows_in(rows: torch.Tensor, piece: TensorSlice) -> torch.Tensor:
+    start = piece.offsets[0]
+    return rows[(rows >= start) & (rows < start + piece.lengths[0])]
