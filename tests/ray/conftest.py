@@ -131,6 +131,8 @@ def reference(ray_cluster, tmp_path_factory):
     import json
 
     tmp = tmp_path_factory.mktemp("reference")
-    proc, report = run_job(ray_cluster, tmp, "ref", ["chaos.faults=[]"])
+    # TensorBoard on: tests/ray/test_tracking_run.py reads its event files (telemetry only: the run is the same)
+    proc, report = run_job(ray_cluster, tmp, "ref", ["chaos.faults=[]", f"monitor.tensorboard={tmp}/tb"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {**json.loads(report.read_text()), "checkpoint_dir": str(tmp / "ckpt" / "ref")}
+    return {**json.loads(report.read_text()), "checkpoint_dir": str(tmp / "ckpt" / "ref"),
+            "tensorboard_dir": str(tmp / "tb")}
