@@ -43,7 +43,7 @@ from trainer.config import ModelConfig
 
 INIT_STD = 0.02
 BLOCK = 1 << 16  # elements per independently drawn block of a logical tensor
-SPAN = 1 << 22  # elements of the logical tensor covered per band (bounds the temporaries)
+SPAN = 1 << 20  # elements of the logical tensor covered per band (bounds the temporaries)
 RESIDUAL = ("o_proj.weight", "down_proj.weight")
 
 
@@ -92,7 +92,7 @@ def standard_normal_slice(seed: int, name: str, shape: tuple[int, ...], offsets:
         end = start + math.prod(lengths)
         first, last = start // BLOCK, (end - 1) // BLOCK
         drawn = _draw_blocks(key, torch.arange(first, last + 1), end - last * BLOCK).view(-1)
-        return drawn[start - first * BLOCK:end - first * BLOCK].clone().view(lengths)
+        return drawn[start - first * BLOCK:end - first * BLOCK].view(lengths)  # a view of a fresh buffer
     flat = torch.zeros((), dtype=torch.int64)
     for d, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
         index = (torch.arange(length, dtype=torch.int64) + offset) * strides[d]

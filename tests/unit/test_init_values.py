@@ -66,7 +66,6 @@ LAYOUTS = {
     "zero3_dp3_uneven": dict(dp=3, zero=3),
     "zero3_dp2_tp2": dict(dp=2, tp=2, zero=3),
     "tp4": dict(tp=4),
-    "zero1_dp2_tp2": dict(dp=2, tp=2, zero=1),
     "pp2_tp2_zero3_dp2": dict(pp=2, tp=2, dp=2, zero=3),
 }
 
