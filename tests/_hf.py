@@ -3,13 +3,15 @@ checkpoint: the fixtures of the Hugging Face import/export and eval tests."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ckpt.catalog import Catalog
-from ckpt.hf_import import read_hf_slices
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
+from orchestrator.rank.state import load_pretrained
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.engine import Engine
 
@@ -31,8 +33,7 @@ def engine_from_hf(path) -> Engine:
     cfg = ModelConfig(from_hf=str(path))
     train = TrainConfig(steps=3, global_batch=2, micro_batch=1, lr=1e-2)
     engine = Engine(cfg, DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
-    wanted = [p for p in engine.wanted_slices() if p.name.startswith("model/")]
-    engine.load_weights(read_hf_slices(str(path), wanted, cfg))
+    load_pretrained(SimpleNamespace(model=cfg), engine)  # as a rank does: into its live tensors
     return engine
 
 

@@ -32,10 +32,16 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
 
 
 def load_pretrained(spec, engine) -> None:
-    """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet)."""
+    """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet).
+
+    Straight into the shards: each wanted slice carries the rank's own live tensor, which the
+    reader fills in place (cast to fp32), so no second copy of the rank's share is made; only
+    the fetched bytes of its slices are held beside it while they are copied in."""
     from ckpt.hf_import import read_hf_slices
 
-    wanted = [piece for piece in engine.wanted_slices() if piece.name.startswith("model/")]
+    live = {piece.name: piece.tensor for piece in engine.state_slices(copy=False)}
+    wanted = [piece.with_tensor(live.get(piece.name)) for piece in engine.wanted_slices()
+              if piece.name.startswith("model/")]
     engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model))
 
 
