@@ -11,9 +11,9 @@ comments dropped, spaces normalised). Every command must be in exactly one of th
 
 A command added to or edited in the README is in no table, and the unit test fails until it is
 classified. Both runners use a scratch directory holding `job.yaml` (examples/tiny.yaml with its
-checkpoint URL moved into the scratch directory) and symbolic links to the repository's `.venv`,
-`Makefile`, `pyproject.toml`, `examples/finetune` and the package, so `$PWD`-relative paths
-and `make` targets behave as in a checkout; `examples/*.yaml` are copies whose checkpoint URLs
+checkpoint URL moved into the scratch directory), symbolic links to the repository's `.venv`,
+`Makefile` and `examples/finetune`, and an old copy of `pyproject.toml` (so `make` never reinstalls),
+so `$PWD`-relative paths and `make` targets behave as in a checkout; `examples/*.yaml` are copies whose checkpoint URLs
 point into the scratch directory instead of the shared /tmp/undying.
 """
 
@@ -118,8 +118,12 @@ def readme_commands(text: str | None = None) -> list[str]:
 def scratch(where: Path) -> Path:
     """A directory that behaves like a checkout for the README's commands (see the module doc)."""
     where.mkdir(parents=True, exist_ok=True)
-    for name in (".venv", "Makefile", "pyproject.toml"):
+    for name in (".venv", "Makefile"):
         (where / name).symlink_to(ROOT / name)
+    # An old pyproject.toml: `make` there must never reinstall (an editable install from the scratch
+    # directory would point the package at it); the tests run in the environment they are given.
+    (where / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    os.utime(where / "pyproject.toml", (0, 0))
     examples = where / "examples"
     examples.mkdir()
     (examples / "finetune").symlink_to(ROOT / "examples" / "finetune")
@@ -145,9 +149,3 @@ def check(command: str, proc: subprocess.CompletedProcess, expect: Expect) -> No
     for text in expect.says:
         assert text in output, f"{command}: {text!r} not in its output\n{output[-4000:]}"
 
-
-def setup_is_current() -> bool:
-    """Whether `make` in a scratch directory would skip the install (it must: an install there
-    would point the editable package at the scratch directory)."""
-    stamp = ROOT / ".venv" / ".installed-stamp"
-    return stamp.exists() and stamp.stat().st_mtime >= (ROOT / "pyproject.toml").stat().st_mtime

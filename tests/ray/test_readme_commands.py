@@ -13,13 +13,13 @@ import os
 
 import pytest
 
-from tests._readme import END_TO_END, check, readme_commands, run_command, scratch, setup_is_current
+from tests._readme import END_TO_END, ROOT, check, readme_commands, run_command, scratch
 
 pytestmark = [pytest.mark.ray, pytest.mark.heavy, pytest.mark.timeout(3600)]
 
 
 def test_readme_commands_run_in_order(tmp_path, monkeypatch):
-    assert setup_is_current(), "run `make setup` first: `make` in the scratch directory must not reinstall"
+    assert (ROOT / ".venv" / ".installed-stamp").exists(), "run `make setup` first"
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cwd = scratch(tmp_path / "checkout")
     ordered = [c for c in readme_commands() if c in END_TO_END]
