@@ -17,11 +17,11 @@ a PNG asked for without matplotlib). Under --json, one JSON object on stdout, er
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
 from orchestrator.cli.ckpt_catalog import error_reason, is_storage_error, open_catalog
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, fail_line
+from orchestrator.cli.extras import PLOT_EXTRA, PLOT_MODULE, install_hint, installed
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 HELP = "rebuild a run's summary table and timeline PNG from the event log under its checkpoint root"
@@ -64,10 +64,10 @@ def _timeline_path(args: argparse.Namespace, job: str) -> tuple[str | None, str 
     """(where to write the PNG or None, a note to print when it is skipped)."""
     if args.no_timeline:
         return None, None
-    if importlib.util.find_spec("matplotlib") is None:
+    if not installed(PLOT_MODULE):
         if args.timeline:
-            raise UsageError("--timeline needs matplotlib: pip install 'undying[plot]', or leave --timeline out")
-        return None, "no timeline PNG: matplotlib is not installed (pip install 'undying[plot]')"
+            raise UsageError(f"--timeline needs matplotlib: {install_hint(PLOT_EXTRA)}, or leave --timeline out")
+        return None, f"no timeline PNG: matplotlib is not installed ({install_hint(PLOT_EXTRA)})"
     return args.timeline or f"{job}-timeline.png", None
 
 

@@ -80,3 +80,14 @@ def test_validate_refuses_a_tracker_whose_package_is_missing(capsys, monkeypatch
     assert result["valid"] is False
     assert result["problems"][0]["field"] == "monitor.wandb"
     assert "pip install 'undying[wandb]'" in result["problems"][0]["message"]
+
+
+def test_report_without_matplotlib_skips_the_default_png_and_refuses_an_asked_one(tmp_path, capsys, monkeypatch):
+    url, _ = _logged(tmp_path, "r1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # the standard way to block an import
+    assert main(["report", url]) == 0
+    assert "no timeline PNG: matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "tiny-timeline.png").exists()
+    assert main(["report", url, "--timeline", "x.png"]) == 2
+    assert "--timeline needs matplotlib: pip install 'undying[plot]'" in capsys.readouterr().err
