@@ -22,9 +22,10 @@ Refused, and why:
   * schedule 'pipedream' at any pp: PipeDream-2BW trains on one-step-stale weights, without
     clipping or data parallelism; it is a different training rule, run by
     trainer.pipedream.PipeDream2BW, never by the engine;
-  * train.compile with tp > 1: torch 2.13's compiled block breaks in the backward of its
-    DTensor redistributions (with or without sequence parallelism); compile runs with every
-    other layout (trainer.compile);
+  * train.compile with tp > 1 (torch 2.13's compiled block breaks in the backward of its
+    DTensor redistributions, with or without sequence parallelism) or with the zero-bubble
+    schedule (it cannot split a compiled block's backward into input and weight halves);
+    compile runs with every other layout (trainer.compile);
   * zero-bubble with dp > 1 and zero 0/1 (DDP-wrapped stages: torch 2.13 crashes in the split
     backward) or zero 3 (FSDP2 reshard_after_forward=True: silently wrong gradients). zero 2
     runs it; running zero 3 as zero 2 would hide a memory difference, so it is refused;
@@ -73,11 +74,17 @@ def layout_refusals(model: ModelConfig, parallel: Any, seq_len: int | None = Non
 
 
 def _compile(parallel: Any, compile: bool) -> list[Refusal]:
-    if not compile or parallel.tp == 1:
-        return []
-    return [Refusal("train.compile", f"true with parallel.tp = {parallel.tp}: torch 2.13 fails in the backward of "
-                    "a compiled tensor-parallel block (a DTensor redistribution receives a plain gradient); set "
-                    "train.compile: false, or parallel.tp: 1", f"tp={parallel.tp} with train.compile")]
+    out: list[Refusal] = []
+    if compile and parallel.tp > 1:
+        out.append(Refusal("train.compile", f"true with parallel.tp = {parallel.tp}: torch 2.13 fails in the backward "
+                           "of a compiled tensor-parallel block (a DTensor redistribution receives a plain gradient); "
+                           "set train.compile: false, or parallel.tp: 1", f"tp={parallel.tp} with train.compile"))
+    if compile and parallel.pp > 1 and parallel.schedule == "zero-bubble":
+        out.append(Refusal("train.compile", "true with schedule 'zero-bubble': torch 2.13's schedule cannot split a "
+                           "compiled block's backward into its input and weight halves (the input backward fails); "
+                           "set train.compile: false, or schedule '1f1b', 'gpipe' or 'interleaved'",
+                           "zero-bubble with train.compile"))
+    return out
 
 
 def _divisors(n: int) -> str:

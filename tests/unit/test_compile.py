@@ -57,8 +57,17 @@ def test_compile_with_tensor_parallelism_is_refused_with_the_reason():
                             "compiled tensor-parallel block (a DTensor redistribution receives a plain gradient); "
                             "set train.compile: false, or parallel.tp: 1")
     assert layout_refusals(MODEL, ParallelConfig(tp=2)) == []
-    for offered in (ParallelConfig(dp=2, zero=3, recompute="selective"), ParallelConfig(pp=2, schedule="gpipe")):
-        assert layout_refusals(MODEL, offered, compile=True) == []
+    for offered in (ParallelConfig(dp=2, zero=3, recompute="selective"), ParallelConfig(pp=2, schedule="gpipe"),
+                    ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2)):
+        assert layout_refusals(MODEL.model_copy(update={"n_layers": 4}), offered, compile=True) == []
+
+
+def test_compile_with_the_zero_bubble_schedule_is_refused_with_the_reason():
+    zero_bubble = ParallelConfig(pp=2, schedule="zero-bubble")
+    (refusal,) = layout_refusals(MODEL.model_copy(update={"n_layers": 4}), zero_bubble, compile=True)
+    assert (refusal.field, refusal.key) == ("train.compile", "zero-bubble with train.compile")
+    assert "cannot split a compiled block's backward into its input and weight halves" in refusal.message
+    assert "schedule '1f1b', 'gpipe' or 'interleaved'" in refusal.message
 
 
 def test_the_engine_the_spec_and_the_planner_refuse_it_alike():
