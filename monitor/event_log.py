@@ -55,6 +55,10 @@ class EventLog:
     def path(self) -> str:
         return self.storage.path(EVENTS_DIR, self.run)
 
+    @property
+    def where(self) -> str:
+        return f"{self.storage.url.rstrip('/')}/{EVENTS_DIR}/{self.run}"
+
     def emit(self, event: dict) -> None:
         self._lines.append(json.dumps(to_json_safe(event), allow_nan=False, separators=(",", ":")))
 

@@ -45,6 +45,7 @@ class TensorBoardSink:
     def __init__(self, url: str, storage_options: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.where = url
         protocol, path = fsspec.core.split_protocol(url)
         self.remote = None
         self._uploads: ThreadPoolExecutor | None = None

@@ -9,7 +9,9 @@ learned before a pod died is already stored.
 
 Tracking is telemetry: a sink that raises is logged once and dropped; the job never stops for
 it. Which packages a configured sink needs is checked before the job starts
-(`tracking_problems`, called where the spec is loaded).
+(`tracking_problems`, called where the spec is loaded); a configured sink that cannot start (a
+directory it cannot create, W&B without credentials) raises `TrackerUnavailable` from
+`open_trackers`, before any rank exists, naming its field.
 """
 
 from __future__ import annotations
@@ -28,10 +30,19 @@ FLUSH_EVERY_S = 10.0
 _FLUSH_KINDS = ("checkpoint", "end")  # flushed at once: a commit's record survives with the commit
 
 
+class TrackerUnavailable(Exception):
+    """A configured tracker could not start; `field` names the spec field (`monitor.wandb`...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
 class Sink(Protocol):
     """One destination of the run's events. Called from the controller thread only."""
 
     name: str
+    where: str  # where its records go, for the job's start-up line
 
     def emit(self, event: dict) -> None: ...
 
@@ -57,6 +68,9 @@ class Trackers:
     def flush(self) -> None:
         self._flushed_at = self.clock()
         self._each("flush")
+
+    def where(self) -> str:
+        return "; ".join(f"{sink.name} {sink.where}" for sink in self.sinks)
 
     def close(self) -> None:
         """Flush and close every sink; the last writes finish before this returns."""
@@ -110,19 +124,28 @@ def open_trackers(job: str, total_steps: int, monitor: MonitorConfig, storage, s
     """The trackers of one run of the controller: the event log under the checkpoint root
     (`storage`, always), TensorBoard at `monitor.tensorboard` (opened with `storage_options`,
     the checkpoint's) and W&B when `monitor.wandb` is set (`config`: the spec without credentials,
-    shown with the run). Emits the `start` event."""
+    shown with the run). Emits the `start` event. Raises TrackerUnavailable when one cannot start
+    (the ones already started are closed)."""
     from monitor.event_log import EventLog
     from monitor.events import event
 
-    sinks: list[Sink] = [EventLog(storage)]
+    trackers = Trackers([EventLog(storage)])
     if monitor.tensorboard is not None:
         from monitor.tensorboard_sink import TensorBoardSink
 
-        sinks.append(TensorBoardSink(monitor.tensorboard, storage_options))
+        _start(trackers, "monitor.tensorboard", lambda: TensorBoardSink(monitor.tensorboard, storage_options))
     if monitor.wandb is not None:
         from monitor.wandb_sink import WandbSink
 
-        sinks.append(WandbSink(monitor.wandb, job, config))
-    trackers = Trackers(sinks)
+        _start(trackers, "monitor.wandb", lambda: WandbSink(monitor.wandb, job, config))
     trackers.emit(event("start", 0, job=job, total_steps=total_steps))
     return trackers
+
+
+def _start(trackers: Trackers, field: str, build) -> None:
+    try:
+        trackers.sinks.append(build())
+    except Exception as err:
+        trackers.close()
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        raise TrackerUnavailable(field, f"cannot start ({reason}); fix it or remove {field}") from err

@@ -23,6 +23,7 @@ class WandbSink:
 
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=list(cfg.tags),
                               name=cfg.name or job, mode=cfg.mode, dir=cfg.dir, config=config)
+        self.where = f"project {cfg.project}, run {self.run.name} ({cfg.mode or 'WANDB_MODE or online'})"
         self.run.define_metric(STEP)
         self.run.define_metric("*", step_metric=STEP)
         self.scalars = Scalars()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
-from monitor.tracking import NO_TRACKING, open_trackers
+from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
@@ -33,6 +33,7 @@ from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.cluster.worker_group import RayWorkerGroup
 from orchestrator.controller.machine import Controller
 from orchestrator.spec.job_spec import HASH_EXCLUDED, JobSpec
+from orchestrator.spec.problems import Problem
 from orchestrator.wire.store import RendezvousServer
 
 
@@ -60,11 +61,12 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
+        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+        trackers = _trackers(spec, catalog.storage) or NO_TRACKING
+        if trackers is NO_TRACKING:
+            return EXIT_USAGE
         workers = worker_group(spec, env_vars=conn.env_vars)
         rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
-        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
-        trackers = open_trackers(spec.name, spec.train.steps, spec.monitor, catalog.storage,
-                                 spec.checkpoint.storage_options, spec.model_dump(mode="json", exclude=HASH_EXCLUDED))
         controller = Controller(spec, workers, rendezvous, catalog, metrics, fresh=fresh,
                                 printer=lambda line: print(line, flush=True), drains=DrainWatcher().draining)
         controller.record.tracker = trackers
@@ -92,6 +94,19 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
             workers.shutdown()
         metrics.close()
         conn.close()
+
+
+def _trackers(spec: JobSpec, storage: Storage):
+    """The run's trackers (monitor.tracking), opened before any rank exists; None, with the problem
+    printed, when a configured one cannot start."""
+    try:
+        trackers = open_trackers(spec.name, spec.train.steps, spec.monitor, storage, spec.checkpoint.storage_options,
+                                 spec.model_dump(mode="json", exclude=HASH_EXCLUDED))
+    except TrackerUnavailable as err:
+        print_problems([Problem(err.field, err.message)])
+        return None
+    print(f"undying: tracking to {trackers.where()}", flush=True)
+    return trackers
 
 
 @contextlib.contextmanager

@@ -284,3 +284,20 @@ def test_wandb_offline_gets_every_steps_loss_against_train_step(tmp_path, monkey
     assert losses == [(s, pytest.approx(5.0 - 0.1 * s)) for s in steps]
     assert [row["eval/loss"] for row in rows if "eval/loss" in row] == [pytest.approx(4.6)]
     assert sum("recovery/failures" in row for row in rows) == 1 and any("goodput/ratio" in row for row in rows)
+
+
+def test_a_tracker_that_cannot_start_names_its_field_and_the_rest_start_with_the_start_event(tmp_path):
+    from monitor.tracking import TrackerUnavailable, open_trackers
+
+    storage = Storage(f"file://{tmp_path}/ck/tiny")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(TrackerUnavailable) as refused:
+        open_trackers("tiny", 8, MonitorConfig(tensorboard=str(blocked / "tb")), storage, {}, {})
+    assert refused.value.field == "monitor.tensorboard" and "remove monitor.tensorboard" in refused.value.message
+    trackers = open_trackers("tiny", 8, MonitorConfig(tensorboard=str(tmp_path / "tb")), storage, {}, {})
+    assert trackers.where().startswith(f"event log file://{tmp_path}/ck/tiny/events/")
+    assert trackers.where().endswith(f"tensorboard {tmp_path / 'tb'}")
+    trackers.close()
+    (run,) = list_runs(storage)
+    assert [e["kind"] for e in read_run(storage, run)] == ["start"]
