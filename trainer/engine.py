@@ -21,6 +21,7 @@ model in a fixed order, one function each:
 TP comes first because DDP and FSDP must see the final (sharded) parameters, and
 checkpointing before FSDP keeps each block one FSDP unit whose all-gathers the recomputation
 reuses. With dp = 1 nothing is replicated, so `zero` changes nothing and is not applied.
+Built on the meta device; trainer.init_values materialises only this rank's shards.
 
 Precision: fp32; bf16 and fp16 with fp32 master weights (autocast for DDP, FSDP2's
 MixedPrecisionPolicy for zero 2/3); fp16 adds a dynamic loss scaler (trainer.scaler).
