@@ -19,6 +19,7 @@ from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
 from paramserver.clocks import UpdateRecord, format_histogram, staleness_histogram
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
 from paramserver.worker import sparse_names
+from trainer.batch import microbatches_per_rank
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.model import meta_model
 
@@ -74,6 +75,7 @@ def step_losses(logs: list[StepLog]) -> list[float]:
 def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: ParallelConfig,
            *, slow: dict[int, float] | None = None, max_piece_bytes: int | None = None) -> PSReport:
     """Train `train.steps` steps in parameter-server mode; `slow`: {worker: seconds slept per step}."""
+    microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
     sparse = sparse_names(model, parallel.consistency)
