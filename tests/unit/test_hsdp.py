@@ -4,6 +4,8 @@ shrinking and growing by whole replicas (the controller with a fake worker group
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ckpt.storage import Storage
@@ -12,7 +14,8 @@ from orchestrator.spec.job_spec import validate_spec
 from orchestrator.spec.problems import SpecError
 from orchestrator.wire.store import RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
-from trainer.config import ModelConfig, ParallelConfig
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.costmodel import hardware, plan
 from trainer.costmodel.layout import Layout, Workload
 from trainer.costmodel.memory import ledgers
 from trainer.dtensor_slices import geometry, make_grid, scalar_geometry
@@ -55,6 +58,16 @@ def test_state_bytes_per_rank_divide_by_one_replica():
     assert hsdp == ledgers(work, Layout(dp=2, zero=3)).state
     assert hsdp == pytest.approx(2 * ledgers(work, Layout(dp=4, zero=3)).state, abs=2)
     assert Layout(dp=4, dp_replicate=2, zero=3).label().startswith("dp2x2 ")
+
+
+def test_the_planner_ranks_hsdp_layouts_and_none_the_engine_refuses():
+    spec = SimpleNamespace(model=TINY, data=DataConfig(seq_len=16), train=TrainConfig(steps=1, global_batch=16),
+                           parallel=ParallelConfig())
+    ranked = [c.layout for c in plan(spec, hardware("h100"), 16).valid]
+    hsdp = [layout for layout in ranked if layout.dp_replicate > 1]
+    assert hsdp and {layout.zero for layout in hsdp} == {2, 3}
+    assert all(layout_refusals(TINY, layout, 16, 16, layout.micro_batch) == [] for layout in hsdp)
+    assert all(layout.dp_shard >= 2 for layout in hsdp)
 
 
 def test_the_grid_splits_dp_into_replica_and_shard():

@@ -73,6 +73,7 @@ def workloads(draw, devices: list[int], schedules: tuple[str, ...] = SCHEDULES):
 
 def parallel_of(layout: Layout) -> ParallelConfig:
     return ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero, schedule=layout.schedule,
+                          dp_replicate=layout.dp_replicate,
                           virtual_stages=layout.virtual_stages if layout.pp > 1 else None,
                           recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
 
@@ -125,7 +126,7 @@ def built_on_meta(model: ModelConfig, data: DataConfig, train: TrainConfig, para
                   rank: int) -> tuple[int, torch.nn.Module, list[torch.Tensor]]:
     """(pipeline rank, the rank's model, the parameters its optimizer steps), built as the
     engine builds them (module docstring), on the meta device, inside a fake world."""
-    topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp)
+    topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp, dp_replicate=parallel.dp_replicate)
     pp_rank, meta = topology.coords(rank).pp, torch.device("meta")
     mesh = build_mesh(topology, "cpu") if parallel.world_size > 1 else None
     if parallel.pp > 1:
@@ -166,7 +167,8 @@ def check_ranked_layouts(spec, n_gpus: int, pick: int) -> None:
     if not result.valid:
         return
     # one layout of a drawn kind (degrees > 1 or not, ZeRO stage), so that every kind is built
-    kinds = {(c.layout.dp > 1, c.layout.tp > 1, c.layout.pp > 1, c.layout.zero): c.layout for c in result.valid}
+    kinds = {(c.layout.dp > 1, c.layout.tp > 1, c.layout.pp > 1, c.layout.zero, c.layout.dp_replicate > 1): c.layout
+             for c in result.valid}
     layout = list(kinds.values())[pick % len(kinds)]
     parallel = parallel_of(layout)
     train = spec.train.model_copy(update={"micro_batch": layout.micro_batch})

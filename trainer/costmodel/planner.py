@@ -7,7 +7,8 @@ asks for; its own `parallel` degrees are not used, since every layout is tried (
 `Layout` of plain numbers, not a new JobSpec).
 
 A candidate is (dp, tp, pp, zero, micro_batch) with tp <= n_heads, pp <= n_layers and
-micro_batch a divisor of global_batch / dp. The first failing check is the reason: what the
+micro_batch a divisor of global_batch / dp, and with ZeRO 2/3 each HSDP replica count
+(dp_replicate: replicas of at least two ranks). The first failing check is the reason: what the
 engine refuses (trainer.layout_checks.layout_refusals, the one function the engine and the
 job spec call too, so a ranked layout is never one they refuse), dp * tp * pp = N, ZeRO
 needing dp > 1 (zero > 0 at dp = 1 runs as zero 0: one row is enough), then memory. pp need
@@ -128,10 +129,20 @@ def enumerate_layouts(work: Workload, n_gpus: int, schedule: str, ddp_bucket_mb:
             dp = max(1, n_gpus // (tp * pp))
             per_replica = work.global_batch // dp if work.global_batch % dp == 0 else 1
             for zero in range(4):
-                for mb in _divisors(per_replica):
-                    out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, schedule=schedule,
-                                      virtual_stages=v if pp > 1 else 1, ddp_bucket_mb=ddp_bucket_mb))
+                for replicas in _replica_counts(dp, zero):
+                    for mb in _divisors(per_replica):
+                        out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, schedule=schedule,
+                                          virtual_stages=v if pp > 1 else 1, ddp_bucket_mb=ddp_bucket_mb,
+                                          dp_replicate=replicas))
     return out
+
+
+def _replica_counts(dp: int, zero: int) -> list[int]:
+    """1 (shard over all of dp), and under ZeRO 2/3 every HSDP split of dp into replicas of at
+    least two ranks: fewer ranks to gather from and reduce over, more state per rank."""
+    if zero < 2:
+        return [1]
+    return [r for r in _divisors(dp) if r == 1 or dp // r >= 2]
 
 
 def plan(spec_like: Any, hw: Hardware, n_gpus: int,
