@@ -115,3 +115,13 @@ def test_a_valid_ps_spec_and_the_collective_default():
                                          "staleness": 1}))
     assert (spec.parallel.mode, spec.parallel.servers, spec.parallel.staleness) == ("ps", 2, 1)
     assert validate_spec(_spec({"dp": 2})).parallel.mode == "collective"
+
+
+def test_undying_run_refuses_a_ps_job_it_cannot_run_before_starting_ray(capsys):
+    from orchestrator.cli.main import main
+
+    assert main(["run", "examples/ps.yaml", "--set", "parallel.pp=2", "--set", "train.grad_clip=0.5"]) == 2
+    err = capsys.readouterr()
+    assert "parallel.pp" in err.out + err.err and "train.grad_clip" in err.out + err.err
+    assert main(["run", "examples/ps.yaml", "--timeline", "/tmp/undying-ps-timeline.png"]) == 2
+    assert "--timeline" in "".join(capsys.readouterr())
