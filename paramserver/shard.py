@@ -16,6 +16,8 @@ Sparse slices (the untied embedding under ssp / asp) use lazy updates (paramserv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -116,10 +118,26 @@ class ShardServer:
         self.version += 1
 
     def state_slices(self) -> list[TensorSlice]:
-        """The shard's parameters as slices of the logical `model/<name>` tensors (CPU copies):
-        the checkpoint library's slice model, the same names and geometry a collective job saves."""
-        return [piece.with_tensor(param.detach().clone()) for piece, param in zip(self.slices, self.params,
-                                                                                 strict=True)]
+        """The shard's state as slices of the logical tensors a collective job saves (CPU copies):
+        `model/<name>` and `optim/<name>/<field>` (trainer.state_slices). A row band's optimizer
+        fields have its geometry; the scalar `step` is reported by the band at row 0 only (every
+        server counts the same updates)."""
+        out = []
+        for i, (piece, param) in enumerate(zip(self.slices, self.params, strict=True)):
+            out.append(piece.with_tensor(param.detach().clone()))
+            if i in self.sparse:
+                fields, step = self.row_state[i].fields, self.row_state[i].step
+            else:
+                state = self.optimizer.state.get(param, {})
+                fields = {k: v for k, v in state.items() if k != "step"}
+                step = state.get("step")
+            name = param_name(piece)
+            for field, value in sorted(fields.items()):
+                out.append(replace(piece, name=f"optim/{name}/{field}", tensor=value.detach().clone()))
+            if step is not None and not any(piece.offsets):
+                value = torch.as_tensor(step, dtype=torch.float32).detach().clone()
+                out.append(TensorSlice(f"optim/{name}/step", value.dtype, (), (), (), tensor=value))
+        return out
 
 
 def _rows_in(rows: torch.Tensor, piece: TensorSlice) -> torch.Tensor:
