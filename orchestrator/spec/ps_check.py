@@ -45,6 +45,13 @@ def ps_problems(spec: Any) -> list[Problem]:
         out.append(Problem("train.grad_clip", f"{train.grad_clip}: clipping by the global gradient norm needs "
                            "every shard's gradient in one place, which parallel.mode ps does not have yet; "
                            "set train.grad_clip: null"))
+    chaos, evaluation = getattr(spec, "chaos", None), getattr(spec, "eval", None)
+    if chaos and chaos.faults:
+        out.append(Problem("chaos.faults", "parallel.mode ps injects no faults yet (its server and worker actors "
+                           "are not under the controller); remove the faults or use parallel.mode collective"))
+    if evaluation:
+        out.append(Problem("eval", "parallel.mode ps does not evaluate during training yet; remove the eval "
+                           "section (or evaluate a collective job's checkpoint with `undying eval`)"))
     if train and train.precision != "fp32":
         out.append(Problem("train.precision", f"{train.precision} is not supported with parallel.mode ps yet "
                            "(workers compute and servers update in fp32); set train.precision: fp32"))
