@@ -17,8 +17,9 @@ Refused, and why:
   * tp not dividing the heads, the key/value heads, d_ff or the vocabulary (Megatron splits
     each evenly), or sequence parallelism padding the sequence past max_seq_len;
   * a global batch that dp * micro_batch does not divide;
-  * HSDP (dp_replicate > 1) whose replica count does not divide dp, or with ZeRO 0/1: DDP
-    replicates everything, so there is nothing for a replica to shard;
+  * HSDP (dp_replicate > 1) whose replica count does not divide dp, with ZeRO 0/1 (DDP
+    replicates everything, so there is nothing for a replica to shard), or with one rank per
+    replica (again nothing sharded);
   * schedule 'pipedream' at any pp: PipeDream-2BW trains on one-step-stale weights, without
     clipping or data parallelism; it is a different training rule, run by
     trainer.pipedream.PipeDream2BW, never by the engine;
@@ -148,6 +149,11 @@ def _hsdp(parallel: Any) -> list[Refusal]:
         return [Refusal("parallel.zero", f"{zero} with parallel.dp_replicate = {replicas}: HSDP shards the state "
                         "inside each replica, and ZeRO 0/1 (DDP) shards no parameters; set parallel.zero to 2 or 3, "
                         "or parallel.dp_replicate to 1", f"dp_replicate={replicas} with zero={zero}")]
+    if replicas == dp:
+        return [Refusal("parallel.dp_replicate", f"{replicas} = parallel.dp leaves one rank per replica, which "
+                        "shards nothing; use a dp_replicate that leaves at least two ranks per replica, or "
+                        "parallel.zero 0 (DDP) to replicate everything",
+                        f"dp_replicate={replicas}: one rank per replica")]
     return []
 
 

@@ -40,6 +40,8 @@ def test_the_spec_refuses_replicas_that_do_not_divide_dp_and_hsdp_without_shardi
     for zero in (0, 1):
         (problem,) = _problems({"dp": 4, "dp_replicate": 2, "zero": zero})
         assert problem.field == "parallel.zero" and "set parallel.zero to 2 or 3" in problem.message
+    (problem,) = _problems({"dp": 2, "dp_replicate": 2, "zero": 3})
+    assert problem.field == "parallel.dp_replicate" and "one rank per replica" in problem.message
     # the planner's layouts are refused by the same function
     assert [r.field for r in layout_refusals(TINY, Layout(dp=4, dp_replicate=2, zero=1))] == ["parallel.zero"]
     assert layout_refusals(TINY, Layout(dp=4, dp_replicate=2, zero=2)) == []
