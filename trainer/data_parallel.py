@@ -61,29 +61,44 @@ def _timed_allreduce(clock, bucket):
 
 
 def wrap_ddp(module: nn.Module, dp_group, bucket_mb: float, clock: SyncClock) -> DistributedDataParallel:
-    """DDP over `dp_group` with a fixed bucket layout and the timing comm hook."""
-    # find_unused_parameters=True fixes the gradient bucket layout for the engine's life.
-    # By default DDP reduces everything in one bucket in its first iteration, then rebuilds
-    # its buckets in the order gradients became ready. A ring all-reduce over more than two
-    # ranks sums an element in an order that depends on its offset in the bucket, so a fresh
-    # DDP built after a restore (one bucket again) rounds differently from the run it
-    # resumes. Measured with torch 2.13, gloo, 4 ranks, tiny model: 3 resumed steps left
-    # 93 of 136 state tensors different from the uninterrupted run; with the flag, none.
-    # (2 ranks are immune: a + b == b + a.) With find_unused_parameters DDP never rebuilds,
-    # so every engine, fresh or not, reduces with the same layout at every step. The price
-    # is one autograd-graph traversal per step, small next to the backward, and a warning
-    # DDP logs once per process that no unused parameters were found: expected here.
-    # forward_sync_buffers=False: the only buffers (RoPE tables) are constants.
-    ddp = DistributedDataParallel(
-        module,
-        process_group=dp_group,
-        bucket_cap_mb=bucket_mb,
-        forward_sync_buffers=False,
-        find_unused_parameters=True,
-    )
+    """DDP over `dp_group` with a fixed bucket layout and the timing comm hook (collective:
+    every rank of `dp_group` calls it, as DDP's construction requires)."""
+    # forward_sync_buffers=False: the only buffers (RoPE tables) are constants. Every
+    # parameter is used in every step, so DDP needs no search for unused ones
+    # (find_unused_parameters would cost an autograd-graph traversal per step).
+    ddp = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_mb, forward_sync_buffers=False)
+    fix_bucket_layout(ddp)
     clock.group = dp_group
     ddp.register_comm_hook(clock, _timed_allreduce)
     return ddp
+
+
+def fix_bucket_layout(ddp: DistributedDataParallel) -> None:
+    """Give DDP its final gradient buckets now, so that every engine, fresh or resumed,
+    reduces with the same layout at every step. Collective over DDP's group; called once,
+    right after construction, before the comm hook is registered.
+
+    By default DDP reduces everything in one bucket in its first iteration, then rebuilds its
+    buckets in the order gradients became ready. A ring all-reduce over more than two ranks
+    sums an element in an order that depends on its offset in the bucket, so a fresh DDP
+    built after a restore (one bucket again) would round differently from the run it resumes
+    (torch 2.13, gloo, 4 ranks, tiny model: 3 resumed steps left 93 of 136 state tensors
+    different; 2 ranks are immune, a + b == b + a). Here DDP records the gradients' order
+    from one backward of a graph that makes every parameter's gradient ready in reverse
+    registration order (the order a forward-ordered model's backward produces them, DDP's
+    own assumption for its first buckets), with zero gradients, and rebuilds its buckets
+    from it at once; DDP rebuilds only once, so the layout holds for the engine's life.
+    """
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    ddp.reducer.prepare_for_backward([])
+    total = torch.zeros((), device=params[0].device)
+    for param in params:  # autograd runs the most recently recorded node first: the last parameter's
+        total = total + param.reshape(-1)[:1].sum() * 0
+    total.backward()
+    ddp._has_rebuilt_buckets = ddp.reducer._rebuild_buckets()
+    assert ddp._has_rebuilt_buckets, "DDP did not take the fixed bucket layout"
+    for param in params:
+        param.grad = None
 
 
 def localize_dtensor_params(root: nn.Module) -> dict[str, tuple]:

@@ -88,3 +88,25 @@ def test_resume_on_four_ranks_is_bit_exact():
         assert state.keys() == straight_state.keys()
         for name, value in straight_state.items():
             assert torch.equal(state[name], value), name
+
+
+def bucket_layouts(rank: int, world_size: int):
+    """DDP's bucket layout (parameter names per bucket, in reduction order) after construction and after 3 steps."""
+    engine = Engine(ModelConfig(preset="tiny"), DATA, TRAIN.model_copy(update={"global_batch": 4}),
+                    ParallelConfig(dp=world_size, ddp_bucket_mb=0.05), rank=rank, world_size=world_size)
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+
+    def layout():
+        return [[names[id(p)] for p in b.parameters()] for b in engine._ddp.reducer._get_zeros_like_grad_buckets()]
+
+    built = layout()
+    for _ in range(3):
+        engine.train_step()
+    return built, layout(), list(names.values())
+
+
+def test_bucket_layout_is_fixed_at_construction_in_reverse_registration_order():
+    # A rebuild after the first step would give a restored engine other buckets than the run it resumes.
+    for built, trained, registered in run_ranks(bucket_layouts, 2):
+        assert len(built) > 1 and trained == built
+        assert [name for bucket in built for name in bucket] == registered[::-1]

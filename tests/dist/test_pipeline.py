@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.dist._launch import run_ranks
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.data import DataCursor, microbatches_per_rank
+from trainer.data_parallel import SyncClock, wrap_ddp
 from trainer.engine import Engine
 from trainer.loss import all_reduce_token_loss, token_loss_sum
 from trainer.model import build_model
@@ -46,8 +47,8 @@ def wrap_for_dp(stage: nn.Module, dp: int, mesh, wrap: str) -> nn.Module:
     if dp == 1:
         return stage
     if wrap == "ddp":
-        # find_unused_parameters=True as trainer.data_parallel.wrap_ddp sets it (fixed bucket layout)
-        return DistributedDataParallel(stage, process_group=mesh["dp"].get_group(), find_unused_parameters=True)
+        # the engine's DDP (fixed bucket layout, timing hook)
+        return wrap_ddp(stage, mesh["dp"].get_group(), ParallelConfig().ddp_bucket_mb, SyncClock())
     reshard = wrap == "fsdp3"
     for block in stage.blocks.values():  # one FSDP2 unit per block, the rest at the root
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
