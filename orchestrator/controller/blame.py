@@ -112,4 +112,5 @@ class Blame:
             failure.kind, failure.rank = kind, culprit
             failure.record.kind, failure.record.rank = kind, culprit
         error = failure.errors.get(failure.rank, failure.message)
-        return FailureSummary(failure.kind, failure.rank, failure.step, normalise(error))
+        return FailureSummary(failure.kind, failure.rank, failure.step, normalise(error),
+                              injected=failure.fault_time is not None)

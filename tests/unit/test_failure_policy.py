@@ -1,0 +1,25 @@
+"""The failure policy: restart until the budget is spent; a crash loop stops at once, unless injected."""
+
+from __future__ import annotations
+
+from orchestrator.controller.policies import FailureDecision, FailurePolicy, FailureSummary
+
+DIED = "The actor died unexpectedly before finishing this task."
+
+
+def test_the_same_error_at_the_same_step_three_times_is_a_crash_loop():
+    policy = FailurePolicy(max_restarts=10)
+    history = [FailureSummary("rank_died", 3, 0, DIED)] * 3
+    decision = policy.decide(history)
+    assert decision.action is FailureDecision.Action.FAIL and decision.reason.startswith("crash loop: rank 3")
+
+
+def test_injected_kills_at_the_same_step_spend_the_budget_instead():
+    # A chaos experiment whose kills land faster than the job recovers kills the same rank at step 0
+    # again and again: that is the experiment, not a bug in the job.
+    policy = FailurePolicy(max_restarts=4)
+    kill = FailureSummary("kill_rank", 3, 0, DIED, injected=True)
+    assert policy.decide([kill] * 3).action is FailureDecision.Action.RESTART
+    decision = policy.decide([kill] * 5)
+    assert decision.action is FailureDecision.Action.FAIL
+    assert decision.reason == "4 restarts used, elastic.max_restarts=4"
