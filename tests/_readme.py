@@ -57,6 +57,9 @@ END_TO_END: dict[str, Expect] = {
     f".venv/bin/undying ckpt export {DEMO_CKPT} --out model.safetensors": Expect(),
     f".venv/bin/undying ckpt gc {DEMO_CKPT} --keep 2": Expect(),
     f".venv/bin/undying report {DEMO_CKPT} --json --no-timeline": Expect(says=('"status": "succeeded"',)),
+    # A second preparation over the first one's output is refused (its inputs were made anew), so the
+    # pasted path starts over as `make finetune` does.
+    "rm -rf runs/finetune": Expect(),
     ".venv/bin/python examples/finetune/make_assets.py runs/finetune": Expect(),
     f".venv/bin/undying data prepare runs/finetune/corpus/train-*.jsonl --tokenizer runs/finetune/tokenizer "
     f"--out file://{FT}/tokens/train": Expect(),
