@@ -17,12 +17,17 @@ deaths are `straggler_evicted`, not `rank_died`.
 from __future__ import annotations
 
 import time
+from typing import get_args
 
+from chaos.config import RandomKind
 from orchestrator.controller.errors import normalise
 from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.policies import FailureSummary
 from orchestrator.controller.states import Failure
 from orchestrator.wire.messages import NodeLost
+
+# The machine failures chaos injects (the random kinds): never a crash loop (FailurePolicy).
+MACHINE_FAULTS = frozenset(get_args(RandomKind))
 
 
 class Blame:
@@ -112,5 +117,6 @@ class Blame:
             failure.kind, failure.rank = kind, culprit
             failure.record.kind, failure.record.rank = kind, culprit
         error = failure.errors.get(failure.rank, failure.message)
+        machine = failure.fault_time is not None and failure.kind in MACHINE_FAULTS
         return FailureSummary(failure.kind, failure.rank, failure.step, normalise(error),
-                              injected=failure.fault_time is not None)
+                              injected_machine_fault=machine)

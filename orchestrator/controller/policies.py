@@ -32,7 +32,7 @@ class FailureSummary:
     rank: int | None
     step: int | None  # the step the job was computing when it failed
     error: str  # normalised exception text (see orchestrator.controller.errors.normalise)
-    injected: bool = False  # caused by a chaos fault the controller knows it injected
+    injected_machine_fault: bool = False  # a process, node or hang chaos injected (not a simulated bug)
 
 
 class FailurePolicy:
@@ -41,9 +41,10 @@ class FailurePolicy:
     A crash loop, the same error on the same rank at the same step `crash_loop_limit` times
     in a row, fails the job at once: restarting deterministic training on the same data
     would only fail again, and the user needs the step, rank and exception, not a spent budget.
-    Injected faults are never a crash loop: a chaos experiment whose kills land faster than the
-    job recovers (the same rank killed at the same step again and again) spends its restarts,
-    and the message says that budget, not a bug in the job.
+    Injected machine faults (a killed process or node, a stopped rank) are never a crash loop: a
+    chaos experiment whose kills land faster than the job recovers (the same rank killed at the
+    same step again and again) spends its restarts, and the message says that budget, not a bug
+    in the job. An injected exception or NaN stands for a bug, and is one.
     """
 
     def __init__(self, max_restarts: int, crash_loop_limit: int = 3):
@@ -58,7 +59,7 @@ class FailurePolicy:
             if (failure.rank, failure.step, failure.error) != (last.rank, last.step, last.error):
                 break
             same += 1
-        if last.step is not None and not last.injected and same >= self.crash_loop_limit:
+        if last.step is not None and not last.injected_machine_fault and same >= self.crash_loop_limit:
             return FailureDecision(FailureDecision.Action.FAIL,
                                    f"crash loop: rank {last.rank} failed at step {last.step} "
                                    f"{same} times in a row with {last.error}")

@@ -1,4 +1,5 @@
-"""The failure policy: restart until the budget is spent; a crash loop stops at once, unless injected."""
+"""The failure policy: restart until the budget is spent; a crash loop stops at once, unless it is
+injected machine faults (an injected exception stands for a bug and is a crash loop: tests/ray/test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ def test_injected_kills_at_the_same_step_spend_the_budget_instead():
     # A chaos experiment whose kills land faster than the job recovers kills the same rank at step 0
     # again and again: that is the experiment, not a bug in the job.
     policy = FailurePolicy(max_restarts=4)
-    kill = FailureSummary("kill_rank", 3, 0, DIED, injected=True)
+    kill = FailureSummary("kill_rank", 3, 0, DIED, injected_machine_fault=True)
     assert policy.decide([kill] * 3).action is FailureDecision.Action.RESTART
     decision = policy.decide([kill] * 5)
     assert decision.action is FailureDecision.Action.FAIL
     assert decision.reason == "4 restarts used, elastic.max_restarts=4"
+
+
+def test_only_the_random_machine_kinds_are_exempt():
+    from orchestrator.controller.blame import MACHINE_FAULTS
+
+    assert {"kill_rank", "kill_node", "hang_rank"} == MACHINE_FAULTS
