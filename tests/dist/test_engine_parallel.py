@@ -161,6 +161,8 @@ def resume_from(rank, world_size, parallel, saved_slices, meta, steps):
     return loaded, losses, engine.state_slices()
 
 
+# The default suite's sharded resume is tests/s3/test_ckpt_round_trip.py (dp2 tp2 pp2 ZeRO-3, three backends).
+@pytest.mark.heavy
 def test_sharded_resume_is_bit_exact_and_loads_into_other_layouts():
     sharded = par(dp=2, tp=2, zero=3)
     straight = run_ranks(train_with_snapshot, 4, (sharded, STEPS, 5), timeout_s=600)

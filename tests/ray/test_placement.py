@@ -46,6 +46,20 @@ def test_a_tp_group_larger_than_any_node_is_refused_at_once(ray_cluster, tmp_pat
     assert time.monotonic() - started < 60
 
 
+def _kill(ray, actor) -> None:
+    """Kill `actor` and wait until Ray says it is dead: ray.kill is asynchronous, and a call sent at
+    once can still run before the kill lands (seen on a loaded machine)."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers after 60 s")
+
+
 def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
     # Ray's memory monitor kills actors while a node is short of memory, and a process can crash
     # in its start-up; no rank holds state yet, so placement starts that seat's actor again.
@@ -62,11 +76,11 @@ def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
         workers.place(4)
         workers.ensure_actors([0, 1, 2, 3])
         doomed = workers.actors[2]
-        ray.kill(doomed, no_restart=True)
+        _kill(ray, doomed)
         pings = workers.ping_all(timeout_s=120)
         assert len(pings) == 4 and all(p.get("node") for p in pings)
         assert workers.actors[2] is not doomed
-        ray.kill(workers.actors[1], no_restart=True)
+        _kill(ray, workers.actors[1])
         with pytest.raises(ray.exceptions.RayActorError):
             workers.ping_all(timeout_s=120, restarts=0)  # no restart allowed: the death is an error
     finally:

@@ -16,7 +16,9 @@ import pytest
 from tests.ray.jobs import run_job
 
 # Two 300-step runs: minutes on a loaded 2-core machine, more than the default per-test limit.
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
+# Heavy (about 2 minutes): the default suite checks detection and eviction with the controller's fakes
+# (tests/unit/test_controller.py); this is the same on real ranks.
+pytestmark = [pytest.mark.ray, pytest.mark.heavy, pytest.mark.timeout(1200)]
 
 # Long enough that the slow rank is flagged well before the end on a quiet machine. The
 # detector needs 3 heartbeats and then 10 s of sustained slowness: measured 11.2 s after the
