@@ -209,9 +209,9 @@ class Checkpoints:
         snap = self.memory.on_held(message, world_size, self.gen, layout, lambda samples: {})
         if snap is None:
             return None
-        self.ledger.move(self.memory.last_blocking_s or 0.0, "productive", "checkpoint_save")
-        self.memory.policy.on_save_cost((self.memory.last_blocking_s or 0.0)
-                                        + self.background.charge(snap.step, self.record.steps))
+        blocking = self.memory.last_blocking_s or 0.0
+        self.ledger.move(blocking, "productive", "checkpoint_save")
+        self.memory.policy.on_save_cost(blocking + self.background.charge(snap.step, self.record.steps))
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)
         self._replan()
         return None
