@@ -54,7 +54,7 @@ from orchestrator.controller.states import (
     TrainingRun,
 )
 from orchestrator.controller.stopping import Move, Stops
-from orchestrator.controller.telemetry import Telemetry
+from orchestrator.controller.telemetry import Telemetry, slowest_restore
 from orchestrator.controller.timeouts import Timeouts
 from orchestrator.wire.messages import ShardWritten, SnapshotHeld
 from orchestrator.wire.store import RendezvousServer
@@ -282,7 +282,7 @@ class Controller:
         self.gen_started_at = self.record.on_training_started()
         self.timeouts.on_training_started()
         self._go(Running(TrainingRun(recovering=self.phase.recovering)),
-                 f"{what} in {time.perf_counter() - started:.2f} s")
+                 f"{what} in {time.perf_counter() - started:.2f} s{slowest_restore(results)}")
 
     def _training(self) -> None:
         """One poll of a generation's training (RUNNING or CHECKPOINTING); starts it on the first."""

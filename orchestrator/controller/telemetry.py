@@ -22,6 +22,16 @@ from orchestrator.wire.messages import Heartbeat
 from orchestrator.wire.store import heartbeat_key
 
 
+def slowest_restore(results: list) -> str:
+    """", slowest rank R: engine A s, load B s" for the rank whose restore took longest (the ranks'
+    `restore` answers), for the controller's RESTORING -> RUNNING line; "" when they carry no times."""
+    timed = [r for r in results if isinstance(r, dict) and "build_s" in r]
+    if not timed:
+        return ""
+    worst = max(timed, key=lambda r: r["seconds"])
+    return f" (slowest rank {worst['rank']}: engine {worst['build_s']:.2f} s, load {worst['load_s']:.2f} s)"
+
+
 class Telemetry:
     def __init__(self, spec, metrics, heartbeat_s: float):
         from trainer.model import flops_per_token

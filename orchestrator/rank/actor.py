@@ -126,6 +126,9 @@ class RankActor:
         import trainer.memory_probe  # noqa: F401
         import trainer.model  # noqa: F401
 
+        # Measured once per process, at its first restore otherwise: on a spare that takes over
+        # rank 0, a CPU's 0.3 s matmul probe would sit inside the recovery.
+        peak_flops_per_rank(self.spec, torch_device(self.spec))
         return self.ping()
 
     def join(self, gen: int, rank: int, world_size: int, address: StoreAddress, timeout_s: float,
@@ -191,6 +194,7 @@ class RankActor:
         device = torch_device(self.spec)
         self.baseline_bytes = current_bytes(device)
         self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
+        built = time.perf_counter()
         if source is not None:
             load_from_memory(self.engine, source, self.held)
         elif step is not None:
@@ -201,7 +205,9 @@ class RankActor:
                                   storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
         elif self.spec.model.from_hf:
             load_pretrained(self.spec, self.engine)
-        out = {"seconds": time.perf_counter() - started, "next_step": self.engine.next_step,
+        done = time.perf_counter()
+        out = {"seconds": done - started, "build_s": built - started, "load_s": done - built,
+               "rank": self.rank, "next_step": self.engine.next_step,
                "storage_read_bytes": durable_bytes_read() - read_before}
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)
