@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -73,8 +74,11 @@ def step_losses(logs: list[StepLog]) -> list[float]:
 
 
 def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: ParallelConfig,
-           *, slow: dict[int, float] | None = None, max_piece_bytes: int | None = None) -> PSReport:
-    """Train `train.steps` steps in parameter-server mode; `slow`: {worker: seconds slept per step}."""
+           *, slow: dict[int, float] | None = None, max_piece_bytes: int | None = None,
+           on_stats: Callable[[list[ServerStats]], None] | None = None, stats_every_s: float = 1.0) -> PSReport:
+    """Train `train.steps` steps in parameter-server mode; `slow`: {worker: seconds slept per step}.
+    `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's cumulative stats
+    about every `stats_every_s` while the workers run, and once at the end."""
     microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
@@ -88,6 +92,10 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     try:
         runs = [worker.run.remote(servers, 0, train.steps, (slow or {}).get(w, 0.0))
                 for w, worker in enumerate(workers)]
+        pending = list(runs)
+        while on_stats is not None and pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=stats_every_s)
+            on_stats(ray.get([server.stats.remote() for server in servers]))
         logs = [log for run in ray.get(runs) for log in run]
         stats = ray.get([server.stats.remote() for server in servers])
     finally:

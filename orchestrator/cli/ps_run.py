@@ -3,8 +3,10 @@
 Called by the CLI after the spec is validated, instead of `orchestrator.cli.run.run_job`: no
 controller, rank actors or checkpoints yet (docs/design.md, parameter-server mode: what is not
 built yet). Connects to Ray (or starts the embedded local one) with a logical CPU for each of
-the dp workers and the servers, runs `paramserver.job.run_ps`, prints the report (losses, bytes
-per step, the staleness histogram) and writes it as JSON with `--report`.
+the dp workers and the servers, serves the job's Prometheus metrics on `monitor.host` /
+`monitor.port` as a collective job does (monitor.ps_metrics: the staleness of every update, the
+servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, prints the report
+(losses, bytes per step, the staleness histogram) and writes it as JSON with `--report`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
+from monitor.metrics import JobMetrics
+from monitor.ps_metrics import PSMetrics
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.cluster import ray_cluster
 from orchestrator.spec.job_spec import JobSpec
@@ -27,11 +31,16 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
 
     par = spec.parallel
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
+    metrics = JobMetrics(spec.name)
+    ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     try:
+        port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
-              f"{par.servers} servers; no checkpoints in this mode yet", flush=True)
+              f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; no checkpoints in "
+              "this mode yet", flush=True)
         try:
-            report = run_ps(spec.model, spec.data, spec.train, par)
+            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=ps_metrics.on_server_stats)
+            ps_metrics.on_steps(report.steps)
         except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
             print(f"undying: job failed: {type(err).__name__}: {err}", file=sys.stderr)
             return EXIT_FAILED
@@ -47,4 +56,5 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             print(f"report written to {report_path}")
         return EXIT_OK
     finally:
+        metrics.close()
         conn.close()

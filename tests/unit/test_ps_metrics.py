@@ -1,0 +1,86 @@
+"""PSMetrics: the staleness histogram and byte counters of a parameter-server job, read back from
+the exposition text Prometheus would scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from monitor.metrics import JobMetrics
+from monitor.ps_metrics import PSMetrics
+from paramserver.actors import ServerStats, StepLog
+from paramserver.clocks import UpdateRecord
+
+JOB = "ps-demo"
+
+
+def _stats(server: int, stalenesses: list[int], bytes_in: int = 0, bytes_out: int = 0) -> ServerStats:
+    records = [UpdateRecord(server, worker=i % 2, step=i, pulled_version=i, applied_version=i + s, slowest_at_pull=i)
+               for i, s in enumerate(stalenesses)]
+    return ServerStats(server, len(records), bytes_in, bytes_out, records)
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without undying_job): value} from the exposition text."""
+    text = generate_latest(registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("undying_job") == JOB
+            out[sample.name, tuple(sorted(labels.items()))] = sample.value
+    return out
+
+
+def _bucket(server: int, le: str) -> tuple[str, tuple]:
+    return "undying_ps_update_staleness_bucket", (("consistency", "ssp"), ("le", le), ("server", str(server)))
+
+
+def _series(name: str, server: int) -> tuple[str, tuple]:
+    return name, (("consistency", "ssp"), ("server", str(server)))
+
+
+def test_histogram_counts_each_update_once_across_repeated_snapshots():
+    registry = CollectorRegistry()
+    metrics = PSMetrics(JOB, "ssp", servers=2, registry=registry)
+    before = _samples(registry)
+    # Every series exists before the first update, at zero.
+    assert before[_series("undying_ps_update_staleness_count", 1)] == 0
+    assert before[_series("undying_ps_pushed_bytes_total", 1)] == 0
+    assert metrics.on_server_stats([_stats(0, [0, 0, 1]), _stats(1, [2])]) == 4
+    assert metrics.on_server_stats([_stats(0, [0, 0, 1]), _stats(1, [2])]) == 0  # the same snapshot again
+    assert metrics.on_server_stats([_stats(0, [0, 0, 1, 3, 5], 700, 900), _stats(1, [2, 0], 300, 100)]) == 3
+    samples = _samples(registry)
+    assert samples[_series("undying_ps_update_staleness_count", 0)] == 5
+    assert samples[_series("undying_ps_update_staleness_sum", 0)] == 9
+    cumulative = [samples[_bucket(0, le)] for le in ("0.0", "1.0", "2.0", "3.0", "4.0", "6.0", "+Inf")]
+    assert cumulative == [2, 3, 3, 4, 4, 5, 5]
+    assert samples[_series("undying_ps_update_staleness_count", 1)] == 2
+    assert samples[_bucket(1, "0.0")] == 1 and samples[_bucket(1, "2.0")] == 2
+    assert samples[_series("undying_ps_pushed_bytes_total", 0)] == 700
+    assert samples[_series("undying_ps_pulled_bytes_total", 1)] == 100
+    assert samples[_series("undying_ps_server_version", 0)] == 5
+
+
+def test_a_server_that_started_again_is_counted_from_its_new_records():
+    registry = CollectorRegistry()
+    metrics = PSMetrics(JOB, "ssp", servers=1, registry=registry)
+    metrics.on_server_stats([_stats(0, [0, 1, 1, 2], 400, 400)])
+    # Replaced: its records and counters begin anew, so all of them are new updates and bytes.
+    assert metrics.on_server_stats([_stats(0, [0, 0], 100, 50)]) == 2
+    samples = _samples(registry)
+    assert samples[_series("undying_ps_update_staleness_count", 0)] == 6
+    assert samples[_series("undying_ps_pushed_bytes_total", 0)] == 500
+    assert samples[_series("undying_ps_pulled_bytes_total", 0)] == 450
+
+
+def test_pull_waits_and_the_job_series_share_one_registry():
+    job = JobMetrics(JOB)
+    metrics = PSMetrics(JOB, "ssp", servers=1, registry=job.registry)
+    metrics.on_steps([StepLog(w, 0, 1.0, 4, wait, 0.01, 0.01, 0.0) for w, wait in enumerate((0.004, 0.2, 3.0))])
+    samples = _samples(job.registry)
+    wait = (("consistency", "ssp"),)
+    assert samples["undying_ps_pull_wait_seconds_count", wait] == 3
+    assert samples["undying_ps_pull_wait_seconds_bucket", (*wait, ("le", "0.01"))] == 1
+    assert samples["undying_ps_pull_wait_seconds_bucket", (*wait, ("le", "0.25"))] == 2
+    assert ("undying_step_seconds_count", ()) in samples  # the collective job's families are served beside them
