@@ -65,8 +65,9 @@ def chaos_job(ray_cluster: str, tmp: Path, name: str, flags: list[str], sets: li
     """`undying chaos` on the demo job (the failure-free reference run first, then the faulty one);
     returns (completed process, report path)."""
     report = tmp / f"{name}.json"
+    # The timeline goes beside the report: its default is the working directory, here the checkout.
     cmd = [UNDYING, "chaos", str(ROOT / "examples/demo.yaml"), "--address", ray_cluster, "--report", str(report),
-           *flags]
+           "--timeline", str(tmp / f"{name}-timeline.png"), *flags]
     for item in [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", "chaos.faults=[]", *sets]:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

@@ -53,6 +53,8 @@ def _undying(command: str, ray_cluster: str, name: str, url: str, sets: list[str
     cmd = [UNDYING, command, str(ROOT / "examples/demo.yaml"), "--address", ray_cluster, *flags]
     if report is not None:
         cmd += ["--report", str(report)]
+        if command == "chaos":  # beside the report: the timeline's default is the working directory, the checkout
+            cmd += ["--timeline", str(report.with_suffix(".png"))]
     for item in [*BASE, f"name={name}", f"checkpoint.url={url}", "chaos.faults=[]", *sets]:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
