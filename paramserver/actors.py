@@ -9,7 +9,8 @@ the acknowledgements before the next pull (so a server sees each worker's pushes
 
 Who calls what: the driver (paramserver.job) creates the servers, then the workers with the
 servers' handles, calls every worker's `run` and waits for all of them, then each server's
-`stats`.
+`stats`. Between segments it saves (`save_shard` on every server, through
+paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load_shard`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from ckpt.config import DEFAULT_READ_RETRY_S
+from ckpt.manifest import ShardReceipt
+from paramserver import checkpoint
 from paramserver.clocks import UpdateRecord
 from paramserver.messages import Pulled, Push
 from paramserver.shard import ShardServer
@@ -74,6 +78,26 @@ class ServerActor:
         async with changed:
             self.shard.push(push)
             changed.notify_all()
+
+    async def save_shard(self, root: str, step: int, storage_options: dict | None = None,
+                         tag: str = "") -> ShardReceipt:
+        """Write this shard's state at cut `step` as rank `index`'s shard file (paramserver.checkpoint;
+        the driver commits). The copy is taken on the event loop, between pushes; the write runs
+        off it, so the server keeps answering while its bytes go out."""
+        slices = checkpoint.snapshot_shard(self.shard, step)
+        return await asyncio.to_thread(checkpoint.write_shard, self.shard.index, slices, root, step,
+                                       storage_options, tag)
+
+    async def load_shard(self, root: str, step: int, storage_options: dict | None = None, *,
+                         clock: int | None = None, read_retry_s: float = DEFAULT_READ_RETRY_S) -> int:
+        """Restore this shard from committed checkpoint `step` (any PS or collective job of the model);
+        the server's version. Called before any worker pulls from it again."""
+        changed = self._condition()
+        async with changed:
+            version = checkpoint.load_shard(self.shard, root, step, storage_options, clock=clock,
+                                            read_retry_s=read_retry_s)
+            changed.notify_all()
+        return version
 
     async def stats(self) -> ServerStats:
         shard = self.shard

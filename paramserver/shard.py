@@ -26,6 +26,7 @@ from paramserver.messages import Pulled, Push
 from paramserver.partition import param_name
 from paramserver.sparse import RowState, lazy_update_
 from trainer.config import ModelConfig, TrainConfig
+from trainer.dtensor_slices import optimizer_fields
 from trainer.init_values import fill_slice, param_std
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.state_slices import TensorSlice
@@ -121,12 +122,20 @@ class ShardServer:
         """The shard's state as slices of the logical tensors a collective job saves (CPU copies):
         `model/<name>` and `optim/<name>/<field>` (trainer.state_slices). A row band's optimizer
         fields have its geometry; the scalar `step` is reported by the band at row 0 only (every
-        server counts the same updates)."""
+        server counts the same dense updates). A sparse band reports its moments once the server
+        has updated anything (zeros where no row was touched yet, as lazy Adam would create them),
+        and its own update count per row as `optim/<name>/lazy_step` (bands count their own sparse
+        updates; the scalar `step` is the row-0 band's, what a dense optimizer loads)."""
         out = []
         for i, (piece, param) in enumerate(zip(self.slices, self.params, strict=True)):
             out.append(piece.with_tensor(param.detach().clone()))
             if i in self.sparse:
-                fields, step = self.row_state[i].fields, self.row_state[i].step
+                fields = self._sparse_fields(i)
+                step = self.row_state[i].step if fields else None
+                if fields:
+                    steps = torch.full(piece.lengths[:1], step, dtype=torch.int64)
+                    out.append(TensorSlice(lazy_step_name(param_name(piece)), torch.int64, piece.global_shape[:1],
+                                           piece.offsets[:1], piece.lengths[:1], tensor=steps))
             else:
                 state = self.optimizer.state.get(param, {})
                 fields = {k: v for k, v in state.items() if k != "step"}
@@ -138,6 +147,58 @@ class ShardServer:
                 value = torch.as_tensor(step, dtype=torch.float32).detach().clone()
                 out.append(TensorSlice(f"optim/{name}/step", value.dtype, (), (), (), tensor=value))
         return out
+
+
+    def _sparse_fields(self, i: int) -> dict[str, torch.Tensor]:
+        """Sparse slice `i`'s optimizer fields, none before the server's first update (so a
+        checkpoint of version 0 holds no optimizer state, as the engine's before its first step)."""
+        state = self.row_state[i]
+        if self.version == 0 and state.step == 0:
+            return {}
+        names = [f for f in optimizer_fields(self.train.optimizer, self.train.betas) if f != "step"]
+        return {f: state.fields.get(f, torch.zeros_like(self.params[i])) for f in names}
+
+    def check_cut(self, step: int) -> None:
+        """Raise unless the shard holds the state of step `step` exactly: every worker has pushed
+        `step` steps here and no bsp step waits for pushes (a consistent cut, docs/design.md)."""
+        if self.clocks.pushed != [step] * self.workers or self.pending:
+            raise ValueError(f"server {self.index} is not at step {step}: its workers have pushed "
+                             f"{self.clocks.pushed} steps and steps {sorted(self.pending)} wait for pushes; save "
+                             "between segments, once every worker has pushed exactly that many steps")
+
+    @torch.no_grad()
+    def restore(self, given: dict[tuple, TensorSlice], step: int, clock: int | None = None) -> int:
+        """Load this shard's state at checkpointed step `step` from `given` ((name, offsets) -> slice in
+        this shard's geometry, read by paramserver.checkpoint); the parameters already hold their values
+        (filled in place). The optimizer state is that of `given`, reset when it holds none; the
+        worker clocks restart at `clock` (default `step`); the version becomes the one the server had
+        at that cut (bsp: one update per step; ssp and asp: one per push). Returns the version."""
+        fields = [f for f in optimizer_fields(self.train.optimizer, self.train.betas) if f != "step"]
+        with_optim = any(name.startswith("optim/") for name, _ in given)
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        for i, (piece, param) in enumerate(zip(self.slices, self.params, strict=True)):
+            name = param_name(piece)
+            at = piece.offsets
+            values = {f: given[f"optim/{name}/{f}", at].tensor.clone() for f in fields} if with_optim else {}
+            scalar = given.get((f"optim/{name}/step", ()))
+            if i in self.sparse:
+                lazy = given.get((lazy_step_name(name), at[:1]))
+                count = lazy.tensor.max() if lazy is not None else scalar.tensor if scalar is not None else step
+                self.row_state[i] = RowState(values, int(count) if values else 0)
+            elif with_optim:
+                if scalar is not None:
+                    values["step"] = scalar.tensor.clone().to(torch.float32)
+                self.optimizer.state[param] = values
+        self.clocks.pushed = [step if clock is None else clock] * self.workers
+        self.pending.clear()
+        self.version = step if self.aggregate else step * self.workers
+        return self.version
+
+
+def lazy_step_name(name: str) -> str:
+    """The logical tensor of a sparse parameter's per-row update counts (ps checkpoints only)."""
+    return f"optim/{name}/lazy_step"
 
 
 def _rows_in(rows: torch.Tensor, piece: TensorSlice) -> torch.Tensor:

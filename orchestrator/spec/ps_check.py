@@ -55,4 +55,24 @@ def ps_problems(spec: Any) -> list[Problem]:
     if train and train.precision != "fp32":
         out.append(Problem("train.precision", f"{train.precision} is not supported with parallel.mode ps yet "
                            "(workers compute and servers update in fp32); set train.precision: fp32"))
+    return out + _checkpoint_problems(getattr(spec, "checkpoint", None))
+
+
+def _checkpoint_problems(ckpt: Any) -> list[Problem]:
+    """A PS job saves at its supervisor's segment boundaries, every checkpoint.every_steps steps, and
+    waits for the commit (paramserver.checkpoint); what it does not run is refused."""
+    if not ckpt:
+        return []
+    out = []
+    if ckpt.every_steps is None:
+        out.append(Problem("checkpoint.every_steps", "parallel.mode ps checkpoints between segments of a fixed "
+                           "number of steps, not at a measured interval (interval, every_seconds); set "
+                           "checkpoint.every_steps: N"))
+    if ckpt.async_:
+        out.append(Problem("checkpoint.async", "parallel.mode ps waits at the segment boundary until every server's "
+                           "shard is written and the checkpoint committed (no background save); set "
+                           "checkpoint.async: false"))
+    if ckpt.memory.enabled:
+        out.append(Problem("checkpoint.memory.enabled", "parallel.mode ps keeps no in-memory snapshots (its servers "
+                           "restore from storage checkpoints); set checkpoint.memory.enabled: false"))
     return out

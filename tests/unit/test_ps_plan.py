@@ -90,7 +90,7 @@ def test_staleness_is_the_version_gap_and_the_histogram_counts_it():
 def _spec(parallel: dict, train: dict | None = None):
     return dict(name="ps", model={"preset": "tiny"}, data={"seq_len": 16},
                 train={"steps": 2, "global_batch": 4, "grad_clip": None, **(train or {})}, parallel=parallel,
-                checkpoint={"url": "file:///tmp/undying-test-ps"})
+                checkpoint={"url": "file:///tmp/undying-test-ps", "every_steps": 1, "async": False})
 
 
 def _fields(raw) -> dict[str, str]:

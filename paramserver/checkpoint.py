@@ -1,0 +1,199 @@
+"""Checkpoints of a parameter-server job: each server writes its shard as a rank would, the driver commits.
+
+A server's shard is a list of slices of the same logical tensors a collective job saves
+(`model/<name>`, `optim/<name>/<field>`: `ShardServer.state_slices`), so server k writes them
+with the checkpoint library's rank writer (`ckpt.shards.write_slices`: one immutable shard file,
+the same format, rank k's file name) and the driver commits the manifest with the library's
+committer (`ckpt.commit.Committer`: every shard durable and tiling every tensor, then the
+manifest created last and exclusively, then retention). Any loader sees server k as rank k: a
+PS checkpoint loads into a collective job of the same model, and a collective job's into servers.
+
+Protocol (the driver: paramserver.job's supervisor, or tests with in-process `ShardServer`s):
+  * save: at a segment boundary, when every worker has pushed exactly `step` steps (a consistent
+    cut: every server holds the state of step `step`), `save_ps_checkpoint(servers, root, step,
+    ...)` asks every server at once (`ServerActor.save_shard`), then commits. A server that is
+    not at the cut refuses, and nothing is committed.
+  * restore: `latest_committed_step(root)`, then `restore_servers(servers, root, step)` (every
+    given server at once: `ServerActor.load_shard`, each reading only its own slices' byte ranges
+    through the reshard planner), before any worker pulls again.
+`root` is the job's checkpoint root (`<checkpoint.url>/<job name>`, the spec's `checkpoint_root`).
+
+Each save writes its shard files under a fresh tag (ckpt.shards.shard_file_name), so a save of a
+step that is retried, or tears before its commit, never overwrites a file a committed manifest names.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.commit import Commit, Committer
+from ckpt.config import DEFAULT_READ_RETRY_S
+from ckpt.manifest import ShardReceipt
+from ckpt.reader import read_manifest, read_slices
+from ckpt.shards import write_slices
+from ckpt.storage import Storage
+from ckpt.storage_errors import ReadRetry
+from paramserver.partition import param_name
+from paramserver.shard import ShardServer, lazy_step_name
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.dtensor_slices import optimizer_fields
+from trainer.engine_state import STATE_FORMAT
+from trainer.optim import lr_at
+from trainer.state_slices import TensorSlice
+
+PS_STATE = "ps"  # the manifest's state key of what only a PS job records
+
+
+class PSCheckpointError(RuntimeError):
+    """A PS save did not commit (a server could not write its shard, or the commit failed twice)."""
+
+
+@dataclass(frozen=True)
+class PSJob:
+    """What the manifest records beyond the shards: the job and its configs (from the spec)."""
+
+    job: str
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    spec_hash: str = ""
+    keep: int = 3  # checkpoint.keep
+
+
+def catalog(root: str, storage_options: dict | None = None) -> Catalog:
+    return Catalog(Storage(root, dict(storage_options or {})))
+
+
+def latest_committed_step(root: str, storage_options: dict | None = None) -> int | None:
+    """The newest step with a committed manifest under `root` (a save that tore before its commit
+    is not one), or None."""
+    return catalog(root, storage_options).latest()
+
+
+# ---- one server (called inside its actor, or on an in-process ShardServer) -------------------
+
+
+def snapshot_shard(server: ShardServer, step: int) -> list[TensorSlice]:
+    """The server's state at cut `step` (CPU copies): raises ValueError when it is not at that cut."""
+    server.check_cut(step)
+    return server.state_slices()
+
+
+def write_shard(server_index: int, slices: list[TensorSlice], root: str, step: int,
+                storage_options: dict | None = None, tag: str = "") -> ShardReceipt:
+    """Write one server's slices as rank `server_index`'s shard file of `step`; its receipt."""
+    storage = Storage(root, dict(storage_options or {}))
+    return write_slices(storage, step, server_index, slices, 0.0, tag=tag)
+
+
+def load_shard(server: ShardServer, root: str, step: int, storage_options: dict | None = None, *,
+               clock: int | None = None, read_retry_s: float = DEFAULT_READ_RETRY_S) -> int:
+    """Load committed checkpoint `step` (of a PS job or a collective job of the same model) into
+    `server`: its parameters (filled in place, only once every block is read and verified), its
+    optimizer state and lazy sparse state; returns the version (ShardServer.restore)."""
+    cat = catalog(root, storage_options)
+    retry = ReadRetry(read_retry_s)
+    manifest = read_manifest(cat, step, retry)
+    wanted = [w for w in wanted_slices(server) if w.name in manifest.tensors]
+    _check_complete(server, wanted, manifest.tensors.keys(), step)
+    read = read_slices(cat, step, wanted, manifest=manifest, retry=retry)
+    return server.restore({(piece.name, piece.offsets): piece for piece in read}, step, clock)
+
+
+def wanted_slices(server: ShardServer) -> list[TensorSlice]:
+    """Every slice this server's state could be loaded from (each once: the bands of a tensor all
+    want its scalar step); the parameters' carry the live tensors (the reader fills them in place)."""
+    tc = server.train
+    fields = optimizer_fields(tc.optimizer, tc.betas)
+    out: list[TensorSlice] = []
+    for i, (piece, param) in enumerate(zip(server.slices, server.params, strict=True)):
+        name = param_name(piece)
+        out.append(piece.with_tensor(param.data))
+        out.extend(TensorSlice(f"optim/{name}/{f}", piece.dtype, piece.global_shape, piece.offsets, piece.lengths)
+                   for f in fields if f != "step")
+        out.append(TensorSlice(f"optim/{name}/step", torch.float32, (), (), ()))
+        if i in server.sparse:
+            out.append(TensorSlice(lazy_step_name(name), torch.int64, piece.global_shape[:1], piece.offsets[:1],
+                                   piece.lengths[:1]))
+    return list({piece.key: piece for piece in out}.values())
+
+
+def _check_complete(server: ShardServer, wanted: list[TensorSlice], stored, step: int) -> None:
+    """Every parameter stored; optimizer state all or nothing (a save before the first step has none)."""
+    missing = sorted(piece.name for piece in server.slices if piece.name not in stored)
+    names = {w.name for w in wanted}
+    if any(name.startswith("optim/") for name in names):
+        tc = server.train
+        missing += sorted({f"optim/{param_name(p)}/{f}" for p in server.slices
+                           for f in optimizer_fields(tc.optimizer, tc.betas)} - names)
+    if missing:
+        raise ValueError(f"checkpoint step {step} does not hold server {server.index}'s state: missing "
+                         f"{missing[:5]}{' and more' if len(missing) > 5 else ''}; is it a checkpoint of this model "
+                         "and optimizer?")
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+def _call(servers: list, method: str, *args, **kwargs) -> list:
+    """`method` on every server at once: ServerActor handles through Ray, in-process ShardServers
+    (tests, paramserver.lockstep) one after the other through this module's functions."""
+    if all(isinstance(s, ShardServer) for s in servers):
+        local = {"save_shard": _save_local, "load_shard": load_shard}[method]
+        return [local(s, *args, **kwargs) for s in servers]
+    return ray.get([getattr(s, method).remote(*args, **kwargs) for s in servers])
+
+
+def _save_local(server: ShardServer, root: str, step: int, storage_options: dict | None = None,
+                tag: str = "") -> ShardReceipt:
+    return write_shard(server.index, snapshot_shard(server, step), root, step, storage_options, tag)
+
+
+def engine_meta(step: int, job: PSJob) -> dict:
+    """The manifest's `engine` state in the collective engine's format (trainer.engine_state): the
+    cursor (next step) and what a collective load checks (data seed, global batch, optimizer)."""
+    tc, par = job.train, job.parallel
+    return {"format": STATE_FORMAT, "next_step": step, "data_seed": job.data.seed, "train_seed": tc.seed,
+            "global_batch": tc.global_batch, "optimizer": tc.optimizer, "lr": lr_at(step, tc), "scaler": None,
+            "layout": {"dp": par.dp, "dp_replicate": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batch": tc.micro_batch,
+                       "world_size": par.servers}}
+
+
+def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
+                       fault_point=None) -> Commit | None:
+    """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
+    None when `step` is committed already (nothing is written). Raises ValueError when a server is
+    not at the cut, PSCheckpointError when the save did not commit (an earlier checkpoint is never
+    touched). `fault_point(point, step)`: the committer's chaos points ("before_manifest_commit",
+    "after_manifest_commit")."""
+    cat = catalog(root, storage_options)
+    if step in cat.committed_steps():
+        return None
+    tag = f"ps{secrets.token_hex(4)}"
+    receipts = _call(servers, "save_shard", root, step, storage_options, tag)
+    dropped: list[str] = []
+    committer = Committer(cat, job.job, job.spec_hash, job.keep, fault_point=fault_point,
+                          on_dropped=lambda s, reason: dropped.append(reason))
+    par = job.parallel
+    layout = {"mode": "ps", "servers": len(servers), "dp": par.dp, "world_size": len(servers)}
+    ps = {"servers": len(servers), "workers": par.dp, "consistency": par.consistency, "staleness": par.staleness}
+    extra = {"model": job.model.architecture(), "seq_len": job.data.seq_len, PS_STATE: ps}
+    commit = None
+    for receipt in receipts:
+        commit = committer.on_receipt(receipt, {"engine": engine_meta(step, job)}, len(servers), 0, layout,
+                                      lambda samples: extra)
+    if commit is None:
+        raise PSCheckpointError(f"checkpoint step {step} was not committed: {'; '.join(dropped) or 'unknown'}")
+    return commit
+
+
+def restore_servers(servers: list, root: str, step: int, *, storage_options: dict | None = None,
+                    clock: int | None = None, read_retry_s: float = DEFAULT_READ_RETRY_S) -> list[int]:
+    """Load committed checkpoint `step` into every given server at once; their versions."""
+    return _call(servers, "load_shard", root, step, storage_options, clock=clock, read_retry_s=read_retry_s)

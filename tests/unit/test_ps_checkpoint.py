@@ -1,0 +1,182 @@
+"""Checkpoints of parameter-server jobs, in one process (in-process ShardServers, a file store): a
+PS checkpoint loads into the collective engine and back, restores servers bit for bit, and a save
+that tears before its commit leaves no trace a reader would take and no damage."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.commit import Committer
+from ckpt.reader import read_manifest, read_slices
+from ckpt.shards import write_slices
+from ckpt.storage import Storage
+from orchestrator.spec.job_spec import SpecError, validate_spec
+from paramserver.checkpoint import PSJob, latest_committed_step, restore_servers, save_ps_checkpoint
+from paramserver.lockstep import PSSetup, build_in_process, run_lockstep
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.engine import Engine
+from trainer.state_slices import assemble
+
+MODEL = ModelConfig(preset="tiny", n_layers=2, d_model=32, d_ff=64, n_heads=2, vocab_size=64, max_seq_len=32)
+# Untied, with a vocabulary wide enough that a step's tokens leave some embedding bands untouched:
+# bands count different lazy updates.
+UNTIED = MODEL.model_copy(update={"tie_embeddings": False, "vocab_size": 512})
+DATA = DataConfig(seq_len=16)
+TRAIN = TrainConfig(steps=20, global_batch=8, micro_batch=2, grad_clip=None, lr=3e-3)
+SMALL_PIECES = 2000  # bytes: cuts the embedding and the MLP matrices into row bands over the servers
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _ps(consistency: str, dp: int = 2, servers: int = 3) -> ParallelConfig:
+    return ParallelConfig(dp=dp, mode="ps", servers=servers, consistency=consistency,
+                          staleness=1 if consistency == "ssp" else None)
+
+
+def _job(model: ModelConfig, parallel: ParallelConfig) -> PSJob:
+    return PSJob("ps-ckpt", model, DATA, TRAIN, parallel, spec_hash="h", keep=3)
+
+
+def _step(setup: PSSetup, step: int) -> None:
+    """One more step of every worker, round-robin (paramserver.lockstep's order), from any step."""
+    for w, worker in enumerate(setup.workers):
+        pulled = [server.pull(w, step, worker.rows_needed(step)) for server in setup.servers]
+        for answer in pulled:
+            worker.load(answer)
+        _, tokens = worker.compute(step)
+        for server, push in zip(setup.servers, worker.pushes(step, pulled, tokens), strict=True):
+            server.push(push)
+
+
+def _state(setup: PSSetup) -> dict[str, torch.Tensor]:
+    return assemble([piece for server in setup.servers for piece in server.state_slices()])
+
+
+def _load_engine(root: str, step: int) -> Engine:
+    """A dp1 collective engine restored from `root`'s checkpoint `step`, as a rank restores
+    (orchestrator.rank.state.load_engine_state)."""
+    engine = Engine(MODEL, DATA, TRAIN, ParallelConfig(), rank=0, world_size=1)
+    catalog = Catalog(Storage(root))
+    manifest = read_manifest(catalog, step)
+    wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
+    engine.load_slices(read_slices(catalog, step, wanted, manifest=manifest), manifest.state["engine"])
+    return engine
+
+
+def test_a_bsp_ps_checkpoint_loads_into_the_collective_engine_exactly(tmp_path):
+    root = str(tmp_path / "ps")
+    setup = build_in_process(MODEL, DATA, TRAIN, _ps("bsp"), SMALL_PIECES)
+    run_lockstep(setup, 3)
+    commit = save_ps_checkpoint(setup.servers, root, 3, job=_job(MODEL, _ps("bsp")))
+    assert commit is not None and commit.step == 3 and latest_committed_step(root) == 3
+    manifest = read_manifest(Catalog(Storage(root)), 3)
+    assert manifest.state["ps"]["servers"] == 3 and manifest.layout["mode"] == "ps"
+    engine = _load_engine(root, 3)
+    assert engine.next_step == 3
+    loaded, shards = assemble(engine.state_slices()), _state(setup)
+    assert sorted(loaded) == sorted(shards) and any(name.endswith("/exp_avg_sq") for name in loaded)
+    for name, value in loaded.items():
+        assert torch.equal(value, shards[name]), name
+
+
+def test_a_collective_checkpoint_loads_into_servers_and_their_next_update_is_the_engines(tmp_path):
+    root = str(tmp_path / "collective")
+    engine = Engine(MODEL, DATA, TRAIN, ParallelConfig(), rank=0, world_size=1)
+    for _ in range(3):
+        engine.train_step()
+    catalog = Catalog(Storage(root))
+    receipt = write_slices(catalog.storage, 3, 0, engine.state_slices(), 0.0)
+    committer = Committer(catalog, "collective", "h", keep=2)
+    assert committer.on_receipt(receipt, {"engine": engine.state_meta()}, 1, 0, {"dp": 1},
+                                lambda samples: {}) is not None
+    setup = build_in_process(MODEL, DATA, TRAIN, _ps("bsp"), SMALL_PIECES)
+    assert restore_servers(setup.servers, root, 3) == [3, 3, 3]
+    engine.train_step()
+    _step(setup, 3)
+    after, shards = assemble(engine.state_slices()), _state(setup)
+    assert sorted(after) == sorted(shards)
+    for name, value in after.items():
+        torch.testing.assert_close(shards[name], value, rtol=0, atol=1e-6, msg=name)
+    assert all(server.version == 4 for server in setup.servers)
+
+
+def test_servers_restore_bit_for_bit_with_their_lazy_sparse_state(tmp_path):
+    root, parallel = str(tmp_path / "asp"), _ps("asp", servers=2)
+    first = build_in_process(UNTIED, DATA, TRAIN, parallel, SMALL_PIECES)
+    run_lockstep(first, 3)
+    save_ps_checkpoint(first.servers, root, 3, job=_job(UNTIED, parallel))
+    second = build_in_process(UNTIED, DATA, TRAIN, parallel, SMALL_PIECES)
+    assert restore_servers(second.servers, root, 3) == [6, 6]  # asp: one update per push, 2 workers x 3 steps
+    saved = [piece for server in first.servers for piece in server.state_slices()]
+    assert len({int(p.tensor[0]) for p in saved if p.name.endswith("/lazy_step")}) > 1
+    for a, b in zip(saved, [piece for server in second.servers for piece in server.state_slices()], strict=True):
+        assert a.key == b.key and torch.equal(a.tensor, b.tensor), a.name
+    for server_a, server_b in zip(first.servers, second.servers, strict=True):
+        assert {i: s.step for i, s in server_a.row_state.items()} == {i: s.step for i, s in server_b.row_state.items()}
+        assert server_b.clocks.pushed == [3, 3]
+    # The next step from the restored servers (with fresh workers) is the uninterrupted one.
+    _step(first, 3)
+    _step(second, 3)
+    for name, value in _state(first).items():
+        assert torch.equal(value, _state(second)[name]), name
+
+
+def _files(root: str) -> dict[str, bytes]:
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as handle:
+                out[os.path.relpath(os.path.join(folder, name), root)] = handle.read()
+    return out
+
+
+def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_path):
+    root, parallel = str(tmp_path / "torn"), _ps("bsp")
+    job = _job(MODEL, parallel)
+    setup = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
+    run_lockstep(setup, 2)
+    save_ps_checkpoint(setup.servers, root, 2, job=job)
+    at_two, files_at_two = _state(setup), _files(root)
+    assert save_ps_checkpoint(setup.servers, root, 2, job=job) is None  # committed already: nothing written
+    for step in (2, 3):
+        _step(setup, step)
+
+    def crash(point: str, step: int) -> None:
+        if point == "before_manifest_commit":
+            raise RuntimeError("driver killed")
+
+    with pytest.raises(RuntimeError, match="driver killed"):
+        save_ps_checkpoint(setup.servers, root, 4, job=job, fault_point=crash)
+    assert any(name.startswith("step-000000004/shard-") for name in _files(root))
+    assert latest_committed_step(root) == 2
+    assert all(_files(root)[name] == data for name, data in files_at_two.items())
+    fresh = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
+    restore_servers(fresh.servers, root, 2)
+    assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
+    # A server short of the cut refuses, and nothing is committed.
+    with pytest.raises(ValueError, match="not at step 5"):
+        save_ps_checkpoint(setup.servers, root, 5, job=job)
+    assert save_ps_checkpoint(setup.servers, root, 4, job=job).step == latest_committed_step(root) == 4
+
+
+def _ps_spec(checkpoint: dict) -> dict:
+    return dict(name="ps", model={"preset": "tiny"}, data={"seq_len": 16},
+                train={"steps": 2, "global_batch": 4, "grad_clip": None},
+                parallel={"dp": 2, "mode": "ps", "servers": 2}, checkpoint={"url": "file:///tmp/x", **checkpoint})
+
+
+def test_the_spec_refuses_checkpoint_options_ps_mode_does_not_run():
+    with pytest.raises(SpecError) as err:
+        validate_spec(_ps_spec({"every_seconds": 30, "memory": {"enabled": True}}))
+    problems = {p.field: p.message for p in err.value.problems}
+    assert set(problems) == {"checkpoint.every_steps", "checkpoint.async", "checkpoint.memory.enabled"}
+    assert "set checkpoint.async: false" in problems["checkpoint.async"]
+    spec = validate_spec(_ps_spec({"every_steps": 5, "async": False}))
+    assert spec.checkpoint.every_steps == 5
