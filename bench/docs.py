@@ -27,6 +27,14 @@ def replace_section(path: Path, heading: str, text_of_section: str, notes: tuple
     path.write_text(text)
 
 
+def write_section(path: Path, heading: str, text_of_section: str, notes: tuple[str, str]) -> None:
+    """`replace_section`, and an empty notes block the first time, so that hand-written notes
+    have a place that survives the next run."""
+    if notes[0] not in (path.read_text() if path.exists() else ""):
+        text_of_section = text_of_section.rstrip("\n") + f"\n\n{notes[0]}\n{notes[1]}\n"
+    replace_section(path, heading, text_of_section, notes)
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
 

@@ -1,0 +1,5 @@
+import sys
+
+from bench.ps.main import main
+
+sys.exit(main())
