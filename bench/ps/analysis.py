@@ -35,23 +35,26 @@ def sparse_state_bytes(dense_bytes: float, rows: float, row_bytes: int) -> float
 class Event:
     """A loss that became known: one worker's step (ps) or one global step (collective)."""
 
-    t: float  # seconds since the run's first step began
+    t: float  # seconds since every worker (rank) finished its first step
     loss_sum: float  # token-summed loss
     tokens: int
 
 
+# Time 0 of a run is when every worker (rank) has finished its first step: actors and processes
+# start one after another on a small machine, and a first step also waits for the servers' start-up
+# (ps) or the first connection of the group (gloo), which is not what the runs compare.
+
 def ps_events(logs: Iterable) -> list[Event]:
-    """Events of a ps run's worker step logs (paramserver.actors.StepLog), in finishing order; time 0
-    is when the first worker began its first step (actor start-up is not counted)."""
+    """Events of a ps run's worker step logs (paramserver.actors.StepLog), in finishing order."""
     logs = list(logs)
-    t0 = min(log.finished_at - log.pull_wait_s - log.compute_s - log.push_s for log in logs if log.step == 0)
+    t0 = max(log.finished_at for log in logs if log.step == 0)
     return sorted((Event(log.finished_at - t0, log.loss_sum, log.tokens) for log in logs), key=lambda e: e.t)
 
 
 def collective_events(ranks: list[list[dict]]) -> list[Event]:
-    """Events of a collective run: per rank a list of steps {began, ended, loss, tokens} (time.time()),
-    the global loss of a step known when its last rank ended it."""
-    t0 = min(steps[0]["began"] for steps in ranks)
+    """Events of a collective run: per rank a list of steps {ended, loss, tokens} (time.time()), the
+    global loss of a step known when its last rank ended it."""
+    t0 = max(steps[0]["ended"] for steps in ranks)
     out = []
     for i, step in enumerate(ranks[0]):
         ended = max(steps[i]["ended"] for steps in ranks)
@@ -106,7 +109,7 @@ def rows(runs: list[Run], target: float) -> list[dict]:
     for run in runs:
         reached = time_to_loss(run.points, target)
         out.append({"mode": run.mode, "straggler": run.straggler, "wall_s": run.wall_s,
-                    "step_s": run.wall_s / run.steps,
+                    "step_s": run.wall_s / max(1, run.steps - 1),
                     "vs_collective": run.wall_s / anchor[run.straggler] if run.straggler in anchor else None,
                     "final_loss": run.final_loss, "to_target_s": reached,
                     "staleness_mean": sum(run.staleness) / len(run.staleness) if run.staleness else None,
@@ -115,7 +118,7 @@ def rows(runs: list[Run], target: float) -> list[dict]:
 
 
 def run_table(table_rows: list[dict], straggler_text: str, target: float) -> str:
-    lines = ["| run | straggler | wall, all steps | mean step | vs collective dp | loss at the end | "
+    lines = ["| run | straggler | wall, steps 2..N | mean step | vs collective dp | loss at the end | "
              f"time to bsp's final loss ({target:.3f}) | staleness mean / max |", "|---|---|---|---|---|---|---|---|"]
     for r in table_rows:
         cells = [r["mode"], straggler_text if r["straggler"] else "none", f"{r['wall_s']:.1f} s",

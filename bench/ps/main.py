@@ -14,11 +14,12 @@ It reports (bench/ps/analysis.py):
     S is the dense parameters plus the rows the step's tokens touched with their ids (counted from
     the data, not from the counters); ring all-reduce's 2(D-1)/D S per rank is computed (the
     collective run has no byte counter);
-  * per run: wall time of all steps from the first step's start (actor and process start-up left
-    out), against the collective run of the same straggler setting; the loss at the end (the
-    token-weighted mean of the last 5 steps' losses, over every worker); the staleness of the
-    applied updates; and the wall time at which the run's smoothed loss first reaches bsp's final
-    loss (bsp's arithmetic does not depend on timing, so it is one target for both settings).
+  * per run: wall time of steps 2..N, from when every worker (rank) finished its first step (the
+    start-up of actors and processes, and the first step's waits on it, left out), and that over
+    N - 1 as the mean step, against the collective run of the same straggler setting; the loss at
+    the end (token-weighted over the last 5 steps of every worker, in finishing order); the
+    staleness of the applied updates; and the wall time at which that smoothed loss first reaches
+    bsp's final loss (bsp's arithmetic does not depend on timing: one target for both settings).
 It prints the tables, writes --json, draws --plot and rewrites its section of --docs (notes
 between the NOTES markers are kept). --quick: 2 workers, 1 server, 8 steps, straggler runs only,
 nothing written unless asked: a smoke test of about a minute.

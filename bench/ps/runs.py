@@ -43,9 +43,8 @@ def _collective_rank(rank: int, world: int, job: dict, slow: dict[int, float]) -
     engine = Engine(model, data, train, ParallelConfig(dp=world), rank=rank, world_size=world, fault_hook=hook)
     out = []
     for _ in range(train.steps):
-        began = time.time()
         result = engine.train_step()
-        out.append({"began": began, "ended": time.time(), "loss": result.loss, "tokens": result.tokens})
+        out.append({"ended": time.time(), "loss": result.loss, "tokens": result.tokens})
     return out
 
 

@@ -61,21 +61,18 @@ def _log(worker: int, step: int, finished: float, loss: float, tokens: int = 10)
                    finished_at=finished)
 
 
-def test_ps_events_start_at_the_first_step_and_come_in_finishing_order():
+def test_ps_events_start_when_every_worker_finished_its_first_step_and_come_in_finishing_order():
     logs = [_log(1, 0, 1000.5, 4.0), _log(0, 0, 1000.4, 5.0), _log(0, 1, 1001.0, 3.0)]
     events = analysis.ps_events(logs)
-    # t0: worker 0 began step 0 at 1000.4 - 0.4 = 1000.0.
-    assert [round(e.t, 6) for e in events] == [0.4, 0.5, 1.0]
+    assert [round(e.t, 6) for e in events] == [-0.1, 0.0, 0.5]
     assert [e.loss_sum for e in events] == [50.0, 40.0, 30.0]
 
 
 def test_collective_events_take_the_last_rank_of_each_step():
-    ranks = [[{"began": 10.0, "ended": 11.0, "loss": 2.0, "tokens": 8}, {"began": 11, "ended": 12.0, "loss": 1.5,
-                                                                          "tokens": 8}],
-             [{"began": 10.2, "ended": 11.5, "loss": 2.0, "tokens": 8}, {"began": 11.5, "ended": 11.9, "loss": 1.5,
-                                                                          "tokens": 8}]]
+    ranks = [[{"ended": 11.0, "loss": 2.0, "tokens": 8}, {"ended": 12.0, "loss": 1.5, "tokens": 8}],
+             [{"ended": 11.5, "loss": 2.0, "tokens": 8}, {"ended": 11.9, "loss": 1.5, "tokens": 8}]]
     events = analysis.collective_events(ranks)
-    assert [(e.t, e.loss_sum, e.tokens) for e in events] == [(1.5, 16.0, 8), (2.0, 12.0, 8)]
+    assert [(e.t, e.loss_sum, e.tokens) for e in events] == [(0.0, 16.0, 8), (0.5, 12.0, 8)]
 
 
 def test_curve_smooths_over_a_window_weighted_by_tokens_and_finds_the_first_crossing():
@@ -101,7 +98,7 @@ def test_rows_and_table_show_ratios_time_to_target_and_not_reached():
     text = analysis.run_table(rows, "worker 1 sleeps 0.2 s per step", 1.5)
     lines = text.splitlines()
     assert len(lines) == 2 + 4 and "time to bsp's final loss (1.500)" in lines[0]
-    assert lines[4] == ("| ps ssp s=3 | worker 1 sleeps 0.2 s per step | 4.5 s | 1500 ms | 1.50x | 1.200 | 3.0 s "
+    assert lines[4] == ("| ps ssp s=3 | worker 1 sleeps 0.2 s per step | 4.5 s | 2250 ms | 1.50x | 1.200 | 3.0 s "
                         "| 3.00 / 6 |")
     assert lines[5].split(" | ")[6] == "not reached"
 
