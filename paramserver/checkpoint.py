@@ -50,7 +50,8 @@ PS_STATE = "ps"  # the manifest's state key of what only a PS job records
 
 
 class PSCheckpointError(RuntimeError):
-    """A PS save did not commit (a server could not write its shard, or the commit failed twice)."""
+    """A PS save whose shards were written did not commit: not every server's shard is there, they
+    do not tile every tensor, or the manifest create failed twice (ckpt.commit.Committer)."""
 
 
 @dataclass(frozen=True)
@@ -168,15 +169,19 @@ def engine_meta(step: int, job: PSJob) -> dict:
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
                        fault_point=None) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
-    None when `step` is committed already (nothing is written). Raises ValueError when a server is
-    not at the cut, PSCheckpointError when the save did not commit (an earlier checkpoint is never
-    touched). `fault_point(point, step)`: the committer's chaos points ("before_manifest_commit",
-    "after_manifest_commit")."""
+    None when `step` is committed already (nothing is written). A server's error is raised as it
+    came (ValueError: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
+    written shards did not commit; either way no earlier checkpoint is touched and what was
+    written is garbage the next commit collects. `fault_point(point, step)`: the committer's chaos
+    points ("before_manifest_commit", "after_manifest_commit")."""
     cat = catalog(root, storage_options)
     if step in cat.committed_steps():
         return None
     tag = f"ps{secrets.token_hex(4)}"
     receipts = _call(servers, "save_shard", root, step, storage_options, tag)
+    if sorted(r.rank for r in receipts) != list(range(job.parallel.servers)):
+        raise PSCheckpointError(f"checkpoint step {step} was not committed: it has the shards of servers "
+                                f"{sorted(r.rank for r in receipts)}, the job has {job.parallel.servers}")
     dropped: list[str] = []
     committer = Committer(cat, job.job, job.spec_hash, job.keep, fault_point=fault_point,
                           on_dropped=lambda s, reason: dropped.append(reason))

@@ -15,7 +15,13 @@ from ckpt.reader import read_manifest, read_slices
 from ckpt.shards import write_slices
 from ckpt.storage import Storage
 from orchestrator.spec.job_spec import SpecError, validate_spec
-from paramserver.checkpoint import PSJob, latest_committed_step, restore_servers, save_ps_checkpoint
+from paramserver.checkpoint import (
+    PSCheckpointError,
+    PSJob,
+    latest_committed_step,
+    restore_servers,
+    save_ps_checkpoint,
+)
 from paramserver.lockstep import PSSetup, build_in_process, run_lockstep
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.engine import Engine
@@ -160,9 +166,12 @@ def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_
     fresh = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
     restore_servers(fresh.servers, root, 2)
     assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
-    # A server short of the cut refuses, and nothing is committed.
+    # A server short of the cut refuses; shards that do not cover the model are not committed.
     with pytest.raises(ValueError, match="not at step 5"):
         save_ps_checkpoint(setup.servers, root, 5, job=job)
+    with pytest.raises(PSCheckpointError, match="not committed"):
+        save_ps_checkpoint(setup.servers[:2], root, 4, job=job)
+    assert latest_committed_step(root) == 2
     assert save_ps_checkpoint(setup.servers, root, 4, job=job).step == latest_committed_step(root) == 4
 
 
