@@ -5,15 +5,17 @@ that tears before its commit leaves no trace a reader would take and no damage."
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ckpt.catalog import Catalog
 from ckpt.commit import Committer
-from ckpt.reader import read_manifest, read_slices
+from ckpt.reader import read_manifest
 from ckpt.shards import write_slices
 from ckpt.storage import Storage
+from orchestrator.rank.state import load_engine_state
 from orchestrator.spec.job_spec import SpecError, validate_spec
 from paramserver.checkpoint import (
     PSCheckpointError,
@@ -66,13 +68,10 @@ def _state(setup: PSSetup) -> dict[str, torch.Tensor]:
 
 
 def _load_engine(root: str, step: int) -> Engine:
-    """A dp1 collective engine restored from `root`'s checkpoint `step`, as a rank restores
-    (orchestrator.rank.state.load_engine_state)."""
+    """A dp1 collective engine restored from `root`'s checkpoint `step` by a rank's own restore."""
     engine = Engine(MODEL, DATA, TRAIN, ParallelConfig(), rank=0, world_size=1)
-    catalog = Catalog(Storage(root))
-    manifest = read_manifest(catalog, step)
-    wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
-    engine.load_slices(read_slices(catalog, step, wanted, manifest=manifest), manifest.state["engine"])
+    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.0))
+    load_engine_state(spec, engine, step)
     return engine
 
 
