@@ -91,6 +91,18 @@ def test_a_bsp_ps_checkpoint_loads_into_the_collective_engine_exactly(tmp_path):
         assert torch.equal(value, shards[name]), name
 
 
+def test_a_ps_checkpoint_loads_into_another_number_of_servers(tmp_path):
+    root = str(tmp_path / "resharded")
+    setup = build_in_process(MODEL, DATA, TRAIN, _ps("bsp"), SMALL_PIECES)
+    run_lockstep(setup, 2)
+    save_ps_checkpoint(setup.servers, root, 2, job=_job(MODEL, _ps("bsp")))
+    fewer = build_in_process(MODEL, DATA, TRAIN, _ps("bsp", servers=2))  # other servers, other row bands
+    assert restore_servers(fewer.servers, root, 2) == [2, 2]
+    saved, loaded = _state(setup), _state(fewer)
+    assert sorted(saved) == sorted(loaded)
+    assert all(torch.equal(value, saved[name]) for name, value in loaded.items())
+
+
 def test_a_collective_checkpoint_loads_into_servers_and_their_next_update_is_the_engines(tmp_path):
     root = str(tmp_path / "collective")
     engine = Engine(MODEL, DATA, TRAIN, ParallelConfig(), rank=0, world_size=1)
