@@ -34,6 +34,7 @@ FaultKind = Literal[
     "storage_throttle",  # checkpoint reads/writes are refused with S3's 503 SlowDown, as s3fs raises it
     "torn_write",  # a shard write stops half-way (the process dies mid-write)
     "corrupt_shard",  # a committed shard's bytes are flipped after the commit
+    "kill_server",  # parallel.mode ps: the supervisor kills parameter server `server` (paramserver.supervisor)
 ]
 
 # Kinds that act inside one training rank, so they need to know which one.
@@ -61,10 +62,12 @@ class FaultSpec(_Strict):
 
     kind: FaultKind = Field(..., description="what happens: kill_rank, kill_node, kill_controller, hang_rank, "
                             "slow_rank, raise, nan_grad, storage_error, storage_latency, storage_throttle, torn_write, "
-                            "corrupt_shard (FaultKind in chaos/config.py says what each does)")
+                            "corrupt_shard, kill_server (FaultKind in chaos/config.py says what each does)")
     # validate_default: a rank-level fault with no `rank` key at all must still be reported.
     rank: int | None = Field(None, ge=0, validate_default=True, description="target rank (rank-level kinds)")
     node: str | None = Field(None, min_length=1, description="target node (Ray node id or IP)")
+    server: int | None = Field(None, ge=0, validate_default=True, description="kill_server: the parameter server "
+                               "to kill (0..parallel.servers-1), when every worker has pushed at_step steps to it")
     at_step: int | None = Field(None, ge=0, description="fire during this global step")
     at_seconds: Seconds | None = Field(None, description="fire this long after the job starts")
     at_point: str | None = Field(
@@ -96,6 +99,16 @@ class FaultSpec(_Strict):
         if kind == "kill_controller" and rank is not None:
             raise ValueError("kill_controller targets the controller, not a rank; remove rank")
         return rank
+
+    @field_validator("server", mode="after")
+    @classmethod
+    def _server_for_kind(cls, server: int | None, info: ValidationInfo) -> int | None:
+        kind = info.data.get("kind")
+        if kind == "kill_server" and server is None:
+            raise ValueError("kill_server acts on one parameter server; add server: <0..parallel.servers-1>")
+        if kind is not None and kind != "kill_server" and server is not None:
+            raise ValueError(f"server names the target of kill_server only; remove it from this {kind} fault")
+        return server
 
     @field_validator(*STORAGE_FIELDS, mode="after")
     @classmethod
@@ -212,10 +225,11 @@ class ChaosConfig(_Strict):
 # or none) or on the one its restore reads through (op: read), without `rank` on the controller's
 # catalog Storage (manifest commits, listings, deletes, its manifest reads and verifications);
 # corrupt_shard is fired by the controller right after a commit (chaos.corrupt);
-# kill_controller by the controller on itself (orchestrator.controller.kill).
+# kill_controller by the controller on itself (orchestrator.controller.kill); kill_server by the
+# parameter-server supervisor (paramserver.supervisor; the job spec refuses it outside parallel.mode ps).
 INJECTABLE_KINDS: frozenset[str] = frozenset({
     "kill_rank", "kill_node", "kill_controller", "hang_rank", "slow_rank", "raise", "nan_grad",
-    "storage_error", "storage_latency", "storage_throttle", "torn_write", "corrupt_shard"})
+    "storage_error", "storage_latency", "storage_throttle", "torn_write", "corrupt_shard", "kill_server"})
 # What the chaos library itself can inject (chaos.injector, chaos.storage_faults, chaos.corrupt).
 LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS
 # Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures). Storage

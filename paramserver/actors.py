@@ -16,6 +16,7 @@ paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.manifest import ShardReceipt
 from paramserver import checkpoint
 from paramserver.clocks import UpdateRecord
+from paramserver.gate import PullGate, SegmentStopped
 from paramserver.messages import Pulled, Push
 from paramserver.shard import ShardServer
 from paramserver.worker import PSWorker
@@ -43,6 +45,7 @@ class StepLog:
     compute_s: float
     push_s: float
     finished_at: float  # time.time() when the step's pushes were acknowledged
+    pid: int = -1  # the worker actor's process (a replaced worker's steps show its successor's)
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,24 @@ class ServerStats:
     records: list[UpdateRecord]
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What the supervisor polls from a server (paramserver.supervisor)."""
+
+    server: int
+    pid: int
+    version: int
+    clocks: list[int]  # per worker: steps pushed here
+
+
 @ray.remote
 class ServerActor:
     def __init__(self, *args, **kwargs):
         torch.set_num_threads(1)
         self.shard = ShardServer(*args, **kwargs)
         self._changed: asyncio.Condition | None = None
+        self.gate = PullGate()
+        self.stopped = False  # set by `abort`, until `reopen`
 
     def _condition(self) -> asyncio.Condition:
         # Made on first use, inside the actor's event loop.
@@ -68,16 +83,54 @@ class ServerActor:
         return self._changed
 
     async def pull(self, worker: int, step: int, rows: torch.Tensor | None) -> Pulled:
+        await self.gate.wait(worker, step)
         changed = self._condition()
         async with changed:
-            await changed.wait_for(lambda: self.shard.may_read(step))
+            await changed.wait_for(lambda: self.stopped or self.shard.may_read(step))
+            self._check_open()
             return self.shard.pull(worker, step, rows)
 
     async def push(self, push: Push) -> None:
         changed = self._condition()
         async with changed:
+            self._check_open()
             self.shard.push(push)
             changed.notify_all()
+
+    def _check_open(self) -> None:
+        if self.stopped:
+            raise SegmentStopped(f"server {self.shard.index} stopped the segment: every server is being restored")
+
+    # ---- the supervisor's calls (paramserver.supervisor, paramserver.gate) ----
+
+    async def progress(self) -> Progress:
+        return Progress(self.shard.index, os.getpid(), self.shard.version, list(self.shard.clocks.pushed))
+
+    async def hold(self, worker: int, step: int) -> None:
+        self.gate.hold(worker, step)
+
+    async def held(self) -> list[tuple[int, int]]:
+        return self.gate.held()
+
+    async def drop_held(self, worker: int) -> None:
+        self.gate.drop(worker)
+
+    async def abort(self) -> None:
+        """Stop the segment: waiting and later pulls and pushes raise SegmentStopped until `reopen`."""
+        changed = self._condition()
+        async with changed:
+            self.stopped = True
+            self.gate.drop()
+            changed.notify_all()
+
+    async def reopen(self, step: int, records: list[UpdateRecord] | None = None) -> None:
+        """After a restore to `step`: keep the update records of the steps before it (`records`: a
+        replaced server's, as the supervisor kept them at that commit), and take calls again."""
+        shard = self.shard
+        kept = shard.records if records is None else records
+        shard.records = [r for r in kept if r.step < step]
+        shard.pending.clear()
+        self.stopped = False
 
     async def save_shard(self, root: str, step: int, storage_options: dict | None = None,
                          tag: str = "") -> ShardReceipt:
@@ -110,14 +163,19 @@ class WorkerActor:
         torch.set_num_threads(1)
         self.worker = PSWorker(*args, **kwargs)
 
-    def run(self, servers: list, start: int, steps: int, slow_s: float = 0.0) -> list[StepLog]:
-        """Steps start..steps-1 against `servers` (handles in shard order). `slow_s`: sleep this
-        long per step after computing (a straggler, for the consistency comparison)."""
-        worker, logs = self.worker, []
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, servers: list, start: int, steps: int, slow_s: float = 0.0):
+        """Steps start..steps-1 against `servers` (handles in shard order), yielding each step's
+        StepLog once its pushes are acknowledged: a streaming generator, so the driver has every
+        finished step's log even when this actor dies later. `slow_s`: sleep this long per step
+        after computing (a straggler, for the consistency comparison)."""
+        worker = self.worker
         for step in range(start, steps):
             began = time.perf_counter()
             rows = worker.rows_needed(step)
-            pulled = ray.get([server.pull.remote(worker.index, step, rows) for server in servers])
+            pulled = _settled([server.pull.remote(worker.index, step, rows) for server in servers])
             pulled_at = time.perf_counter()
             for answer in pulled:
                 worker.load(answer)
@@ -126,7 +184,13 @@ class WorkerActor:
                 time.sleep(slow_s)
             computed_at = time.perf_counter()
             pushes = worker.pushes(step, pulled, tokens)
-            ray.get([server.push.remote(push) for server, push in zip(servers, pushes, strict=True)])
-            logs.append(StepLog(worker.index, step, loss_sum, tokens, pulled_at - began, computed_at - pulled_at,
-                                time.perf_counter() - computed_at, time.time()))
-        return logs
+            _settled([server.push.remote(push) for server, push in zip(servers, pushes, strict=True)])
+            yield StepLog(worker.index, step, loss_sum, tokens, pulled_at - began, computed_at - pulled_at,
+                          time.perf_counter() - computed_at, time.time(), os.getpid())
+
+
+def _settled(refs: list) -> list:
+    """ray.get once every call has finished, answered or failed: a worker whose step fails leaves
+    no call in flight, so a server restored after its run ended sees nothing from before."""
+    ray.wait(refs, num_returns=len(refs))
+    return ray.get(refs)

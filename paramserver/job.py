@@ -1,24 +1,24 @@
 """Run a parameter-server job on the Ray cluster the caller connected to, and report it.
 
-Called by the driver (`undying run` with parallel.mode ps, orchestrator/cli/ps_run.py; tests)
-after `ray.init`. Builds the plan (paramserver.partition), K `ServerActor`s and D
-`WorkerActor`s (one logical CPU each), runs every worker's loop to `train.steps`, collects the
-servers' records and byte counters, and removes the actors. Not fault tolerant yet: an actor
-that dies fails the job (docs/design.md, what is not built yet).
+Called by the driver (`undying run` with parallel.mode ps, orchestrator/cli/ps_run.py; tests;
+bench/ps) after `ray.init`. Builds the plan (paramserver.partition) and hands the job to the
+supervisor (paramserver.supervisor): K `ServerActor`s and D `WorkerActor`s (one logical CPU
+each), run in segments between checkpoints, a dead worker replaced without a global restart, a
+dead server restored with every other from the last checkpoint. Then collects the servers'
+records and byte counters, removes the actors and stops the goodput ledger.
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import ray
-
 from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
 from paramserver.clocks import UpdateRecord, format_histogram, staleness_histogram
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
+from paramserver.recovery import Failure, Fault, Ledger, NullLedger
+from paramserver.supervisor import Actors, Checkpoints, Supervisor
 from paramserver.worker import sparse_names
 from trainer.batch import microbatches_per_rank
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -34,8 +34,14 @@ class PSReport:
     shard_bytes: list[int]
     losses: list[float]  # per step: the token-weighted loss over every worker's share of that step
     wall_s: float
-    steps: list[StepLog] = field(default_factory=list)
+    steps: list[StepLog] = field(default_factory=list)  # the surviving execution of each (worker, step)
     stats: list[ServerStats] = field(default_factory=list)
+    first_step: int = 0  # > 0 when the job resumed from its checkpoint
+    failures: list[Failure] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)  # steps this run committed
+    redone: int = 0  # step executions thrown away by rollbacks
+    goodput: dict[str, float] = field(default_factory=dict)  # ledger bucket -> seconds (they sum to wall_s)
+    pids: dict[str, int] = field(default_factory=dict)  # every actor process the job started
 
     @property
     def records(self) -> list[UpdateRecord]:
@@ -52,17 +58,31 @@ class PSReport:
         formula = 2 * self.workers * self.state_bytes
         hist = staleness_histogram(self.records)
         waits = sum(s.pull_wait_s for s in self.steps) / max(1, len(self.steps))
+        resumed = f" (resumed at step {self.first_step})" if self.first_step else ""
         lines = [
             f"parameter server: {self.consistency}, {self.workers} workers, {self.servers} servers, "
-            f"{len(self.losses)} steps in {self.wall_s:.1f} s",
-            f"loss: first {self.losses[0]:.4f}, last {self.losses[-1]:.4f}",
+            f"{len(self.losses)} steps{resumed} in {self.wall_s:.1f} s",
+            f"loss: first {self.losses[0]:.4f}, last {self.losses[-1]:.4f}" if self.losses else "loss: no step run",
             f"bytes per step: {total / 1e6:.2f} MB moved (dense formula 2DS = {formula / 1e6:.2f} MB); "
             "per server " + ", ".join(f"{b / 1e6:.2f}" for b in per_server) + " MB",
             f"mean pull wait per step: {1e3 * waits:.1f} ms",
             f"staleness of {len(self.records)} updates (server version at apply - version pulled):",
             format_histogram(hist),
+            f"checkpoints committed at steps {self.checkpoints}" if self.checkpoints else "no checkpoint committed",
+            *[f"failure: {f.line()}" for f in self.failures],
         ]
+        if self.goodput:
+            productive = self.goodput.get("productive", 0.0)
+            lines.append(f"goodput {productive / self.wall_s:.1%} of {self.wall_s:.1f} s: " + ", ".join(
+                f"{bucket} {seconds:.2f} s" for bucket, seconds in self.goodput.items() if seconds > 0))
         return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The report's JSON fields beside the losses (failures, pauses, ledger, checkpoints)."""
+        return {"first_step": self.first_step, "failures": [f.to_dict() for f in self.failures],
+                "pauses_s": [f.pause_s for f in self.failures if f.action == "replaced"],
+                "steps_redone": sum(f.steps_redone for f in self.failures), "checkpoints": self.checkpoints,
+                "goodput": {**self.goodput, "clock_wall_s": self.wall_s}, "pids": self.pids}
 
 
 def step_losses(logs: list[StepLog]) -> list[float]:
@@ -75,32 +95,37 @@ def step_losses(logs: list[StepLog]) -> list[float]:
 
 def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: ParallelConfig,
            *, slow: dict[int, float] | None = None, max_piece_bytes: int | None = None,
-           on_stats: Callable[[list[ServerStats]], None] | None = None, stats_every_s: float = 1.0) -> PSReport:
-    """Train `train.steps` steps in parameter-server mode; `slow`: {worker: seconds slept per step}.
+           on_stats: Callable[[list[ServerStats]], None] | None = None, stats_every_s: float = 1.0,
+           checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
+           ledger: Ledger | None = None) -> PSReport:
+    """Train to `train.steps` in parameter-server mode; `slow`: {worker: seconds slept per step}.
     `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's cumulative stats
-    about every `stats_every_s` while the workers run, and once at the end."""
+    about every `stats_every_s` while the workers run, at each checkpoint, and once at the end.
+    `checkpoints`: save every `every_steps` and restore from there (else one segment, and a dead
+    server restarts the job's servers from the initial values); `faults`: injected kills;
+    `ledger` (monitor.goodput.GoodputLedger, created when the job starts): booked, then stopped."""
     microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
     sparse = sparse_names(model, parallel.consistency)
-    started = time.perf_counter()
-    servers = [ServerActor.options(num_cpus=1).remote(k, shard, model, train, parallel.dp, parallel.consistency,
-                                                      parallel.staleness, sparse)
-               for k, shard in enumerate(shards)]
-    workers = [WorkerActor.options(num_cpus=1).remote(w, parallel.dp, model, data, train, shards, sparse)
-               for w in range(parallel.dp)]
+    ledger = ledger or NullLedger()
+    actors = Actors(
+        lambda k: ServerActor.options(num_cpus=1).remote(k, shards[k], model, train, parallel.dp, parallel.consistency,
+                                                         parallel.staleness, sparse),
+        lambda w: WorkerActor.options(num_cpus=1).remote(w, parallel.dp, model, data, train, shards, sparse),
+        dict(slow or {}))
+    supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
+                            faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s)
     try:
-        runs = [worker.run.remote(servers, 0, train.steps, (slow or {}).get(w, 0.0))
-                for w, worker in enumerate(workers)]
-        pending = list(runs)
-        while on_stats is not None and pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=stats_every_s)
-            on_stats(ray.get([server.stats.remote() for server in servers]))
-        logs = [log for run in ray.get(runs) for log in run]
-        stats = ray.get([server.stats.remote() for server in servers])
+        supervisor.run()
+        stats = supervisor.final_stats()
+        if on_stats is not None:
+            on_stats(stats)
     finally:
-        for actor in workers + servers:
-            ray.kill(actor)
+        supervisor.teardown()
+        ledger.stop()
+    logs = [supervisor.logs[key] for key in sorted(supervisor.logs)]
     return PSReport(parallel.consistency, parallel.dp, parallel.servers, sum(p.nbytes for p in params),
-                    [shard_bytes(s) for s in shards], step_losses(logs), time.perf_counter() - started,
-                    logs, stats)
+                    [shard_bytes(s) for s in shards], step_losses(logs), ledger.wall(), logs, stats,
+                    supervisor.start_step, supervisor.failures, supervisor.saved, supervisor.redone,
+                    ledger.totals(), supervisor.pids)

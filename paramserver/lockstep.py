@@ -35,11 +35,11 @@ def build_in_process(model: ModelConfig, data: DataConfig, train: TrainConfig, p
     return PSSetup(servers, workers)
 
 
-def run_lockstep(setup: PSSetup, steps: int) -> tuple[list[float], list[UpdateRecord]]:
-    """Train `steps` steps; returns the token-weighted loss of each step over all workers and
-    every server's update records."""
+def run_lockstep(setup: PSSetup, steps: int, start: int = 0) -> tuple[list[float], list[UpdateRecord]]:
+    """Train steps start..steps-1; returns the token-weighted loss of each step over all workers
+    and every server's update records."""
     losses = []
-    for step in range(steps):
+    for step in range(start, steps):
         loss_sum, tokens = 0.0, 0
         for w, worker in enumerate(setup.workers):
             rows = worker.rows_needed(step)

@@ -1,12 +1,16 @@
 """`undying run` for a parameter-server job (`parallel.mode: ps`, paramserver/).
 
 Called by the CLI after the spec is validated, instead of `orchestrator.cli.run.run_job`: no
-controller, rank actors or checkpoints yet (docs/design.md, parameter-server mode: what is not
-built yet). Connects to Ray (or starts the embedded local one) with a logical CPU for each of
-the dp workers and the servers, serves the job's Prometheus metrics on `monitor.host` /
+controller or rank actors; the supervisor (paramserver.supervisor) checkpoints every
+`checkpoint.every_steps` under the job's checkpoint root, resumes from its newest commit, replaces
+a dead worker and restores the servers after a dead server, firing the spec's kill_rank /
+kill_server faults, and books the wall into the goodput ledger (monitor.goodput). Connects to
+Ray (or starts the embedded local one) with a logical CPU for each of the dp workers and the
+servers, serves the job's Prometheus metrics on `monitor.host` /
 `monitor.port` as a collective job does (monitor.ps_metrics: the staleness of every update, the
 servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, prints the report
-(losses, bytes per step, the staleness histogram) and writes it as JSON with `--report`.
+(losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
+`--report`.
 """
 
 from __future__ import annotations
@@ -14,12 +18,27 @@ from __future__ import annotations
 import json
 import sys
 
+from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.cluster import ray_cluster
-from orchestrator.spec.job_spec import JobSpec
+from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
+
+
+def supervision(spec: JobSpec) -> tuple:
+    """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them."""
+    from paramserver.checkpoint import PSJob
+    from paramserver.recovery import Fault
+    from paramserver.supervisor import Checkpoints
+
+    ckpt = spec.checkpoint
+    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep)
+    checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options))
+    faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)
+              for f in spec.chaos.faults]
+    return checkpoints, faults
 
 
 def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
@@ -30,16 +49,19 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     from paramserver.job import run_ps
 
     par = spec.parallel
+    ledger = GoodputLedger()  # start-up from here: Ray, the actors
+    checkpoints, faults = supervision(spec)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     metrics = JobMetrics(spec.name)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     try:
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
-              f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; no checkpoints in "
-              "this mode yet", flush=True)
+              f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
+              f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)
         try:
-            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=ps_metrics.on_server_stats)
+            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=ps_metrics.on_server_stats,
+                            checkpoints=checkpoints, faults=faults, ledger=ledger)
             ps_metrics.on_steps(report.steps)
         except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
             print(f"undying: job failed: {type(err).__name__}: {err}", file=sys.stderr)
@@ -52,7 +74,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
                            "losses": report.losses, "wall_s": report.wall_s,
                            "staleness_histogram": {str(k): v for k, v in staleness_histogram(report.records).items()},
                            "bytes_per_step": total, "bytes_per_step_per_server": per_server,
-                           "state_bytes": report.state_bytes}, out, indent=1)
+                           "state_bytes": report.state_bytes, **report.to_dict()}, out, indent=1)
             print(f"report written to {report_path}")
         return EXIT_OK
     finally:

@@ -21,9 +21,13 @@ def ps_problems(spec: Any) -> list[Problem]:
     if not par:
         return []
     if par.mode != "ps":
+        kills = [i for i, f in enumerate(getattr(getattr(spec, "chaos", None), "faults", None) or ())
+                 if f.kind == "kill_server"]
         return [Problem(f"parallel.{name}", f"is read only with parallel.mode ps (this job's mode is "
                         f"{par.mode}); remove it or set parallel.mode: ps")
-                for name, default in PS_DEFAULTS.items() if getattr(par, name) != default]
+                for name, default in PS_DEFAULTS.items() if getattr(par, name) != default] + [
+                Problem(f"chaos.faults[{i}].kind", "kill_server kills a parameter server, which only parallel.mode "
+                        "ps has; use kill_rank, or set parallel.mode: ps") for i in kills]
     out = []
     if par.consistency == "ssp" and par.staleness is None:
         out.append(Problem("parallel.staleness", "consistency ssp needs a bound: set parallel.staleness to the "
@@ -46,9 +50,8 @@ def ps_problems(spec: Any) -> list[Problem]:
                            "every shard's gradient in one place, which parallel.mode ps does not have yet; "
                            "set train.grad_clip: null"))
     chaos, evaluation = getattr(spec, "chaos", None), getattr(spec, "eval", None)
-    if chaos and chaos.faults:
-        out.append(Problem("chaos.faults", "parallel.mode ps injects no faults yet (its server and worker actors "
-                           "are not under the controller); remove the faults or use parallel.mode collective"))
+    if chaos:
+        out += chaos_problems(chaos, par.servers)
     if evaluation:
         out.append(Problem("eval", "parallel.mode ps does not evaluate during training yet; remove the eval "
                            "section (or evaluate a collective job's checkpoint with `undying eval`)"))
@@ -75,4 +78,37 @@ def _checkpoint_problems(ckpt: Any) -> list[Problem]:
     if ckpt.memory.enabled:
         out.append(Problem("checkpoint.memory.enabled", "parallel.mode ps keeps no in-memory snapshots (its servers "
                            "restore from storage checkpoints); set checkpoint.memory.enabled: false"))
+    return out
+
+
+# What the parameter-server supervisor (paramserver.supervisor) injects: a worker's or a server's
+# death at a step. The rest acts inside the controller's rank actors or on their checkpoint writes.
+PS_FAULT_KINDS = ("kill_rank", "kill_server")
+
+
+def chaos_problems(chaos: Any, servers: int) -> list[Problem]:
+    """The faults a ps job can inject: kill_rank (rank = worker index) and kill_server, each at_step
+    only and once; random failures (mtbf_s) are refused."""
+    out = []
+    if chaos.mtbf_s is not None:
+        out.append(Problem("chaos.mtbf_s", "parallel.mode ps injects scripted faults only (kill_rank, kill_server at "
+                           "a step); remove mtbf_s"))
+    for i, fault in enumerate(chaos.faults):
+        where = f"chaos.faults[{i}]"
+        if fault.kind not in PS_FAULT_KINDS:
+            out.append(Problem(f"{where}.kind", f"{fault.kind} is not injected in parallel.mode ps; use kill_rank "
+                               "(rank: the worker) or kill_server (server: the shard), or parallel.mode collective"))
+            continue
+        if fault.kind == "kill_server" and fault.server >= servers:
+            out.append(Problem(f"{where}.server", f"{fault.server} is not a server of this job (parallel.servers = "
+                               f"{servers}); use a server in 0..{servers - 1}"))
+        for name in ("at_point", "at_seconds", "node", "rank" if fault.kind == "kill_server" else None):
+            if name and getattr(fault, name) is not None:
+                out.append(Problem(f"{where}.{name}", f"{fault.kind} in parallel.mode ps is fired by the supervisor "
+                                   f"at a step; remove {name} and give at_step: <k>"))
+        if fault.at_step is None:
+            out.append(Problem(f"{where}.at_step", f"{fault.kind} in parallel.mode ps needs at_step: <k> (the step "
+                               "the worker is about to pull, or the step every worker has pushed to the server)"))
+        if fault.repeat:
+            out.append(Problem(f"{where}.repeat", f"{fault.kind} in parallel.mode ps fires once; remove repeat"))
     return out

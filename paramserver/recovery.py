@@ -1,0 +1,151 @@
+"""The supervisor's decisions, without Ray: segments, where a replaced worker resumes, which faults fire, what failed.
+
+Pure functions and records that paramserver.supervisor calls from its loop (and unit tests call
+with plain values):
+  * `segment_end(step, steps, every)`: where the segment starting at `step` ends (the next
+    checkpoint cut);
+  * `resume_step(clocks, worker)`: the step a replacement of `worker` starts at, from every
+    server's clocks, or None when the servers disagree (a torn push);
+  * `FaultPlan`: the injected faults (kill_rank as `Fault("worker", w, step)`, kill_server as
+    `Fault("server", k, step)`), the pull holds that place them, each fired at most once per job;
+  * `Failure`: one failure and what the supervisor did about it, as the report shows it;
+  * `Ledger`: the goodput ledger's interface (monitor.goodput.GoodputLedger, which the caller
+    passes in: this layer does not import monitor) and `NullLedger` when none is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+# The goodput ledger's buckets this package books into (monitor.goodput.BUCKETS).
+PRODUCTIVE, STARTUP, SAVE, RESTORE = "productive", "startup", "checkpoint_save", "checkpoint_restore"
+DETECTION, REFORMATION, LOST, OTHER = "detection", "reformation", "lost_work", "other"
+
+
+def segment_end(step: int, steps: int, every: int | None) -> int:
+    """The end (exclusive) of the segment that starts at `step`: the next multiple of `every`
+    (the checkpoint cadence), or `steps`; one segment when `every` is None."""
+    if every is None:
+        return steps
+    return min(steps, (step // every + 1) * every)
+
+
+def resume_step(clocks: list[list[int]], worker: int) -> int | None:
+    """The step `worker`'s replacement starts at: its clock on every server (each server counts
+    the steps it pushed there), or None when they differ: the worker died between its pushes of
+    one step to two servers, which no replay can complete exactly (a server that has the push may
+    already have applied it)."""
+    seen = {server_clocks[worker] for server_clocks in clocks}
+    return seen.pop() if len(seen) == 1 else None
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault: kill worker `target` as it is about to pull `at_step`, or kill server
+    `target` once every worker has pushed `at_step` steps to it."""
+
+    kind: str  # "worker" | "server"
+    target: int
+    at_step: int
+
+    def __post_init__(self):
+        if self.kind not in ("worker", "server"):
+            raise ValueError(f"fault kind {self.kind!r}: expected 'worker' or 'server'")
+
+
+class FaultPlan:
+    """The job's injected faults; each fires once (a rolled-back segment that passes its step
+    again does not fire it again). They land at exact points through pull holds (paramserver.gate):
+    a worker kill holds that worker's pull of at_step on server 0 (it has pushed every earlier step
+    everywhere and nothing of at_step); a server kill holds every worker's pull of at_step on that
+    server (every worker has pushed at_step steps to it, and no more)."""
+
+    def __init__(self, faults: list[Fault] | tuple[Fault, ...] = ()):
+        self.faults = list(faults)
+        self.fired: set[int] = set()
+
+    def pending(self, start: int, end: int) -> list[tuple[int, Fault]]:
+        """(id, fault) not fired yet whose step lies in the segment [start, end)."""
+        return [(i, f) for i, f in enumerate(self.faults) if i not in self.fired and start <= f.at_step < end]
+
+    def holds(self, start: int, end: int, workers: int) -> list[tuple[int, int, int]]:
+        """(server, worker, step): the pulls to hold for this segment's faults."""
+        out = []
+        for _, fault in self.pending(start, end):
+            if fault.kind == "worker":
+                out.append((0, fault.target, fault.at_step))
+            else:
+                out += [(fault.target, w, fault.at_step) for w in range(workers)]
+        return out
+
+    def due(self, server: int, held: list[tuple[int, int]], start: int, end: int, workers: int) -> list[int]:
+        """Ids of the faults due now that `server` holds the pulls `held` [(worker, step)]."""
+        waiting = set(held)
+        return [i for i, f in self.pending(start, end)
+                if (f.kind == "worker" and server == 0 and (f.target, f.at_step) in waiting)
+                or (f.kind == "server" and server == f.target and all((w, f.at_step) in waiting
+                                                                       for w in range(workers)))]
+
+    def fire(self, fault_id: int) -> Fault:
+        self.fired.add(fault_id)
+        return self.faults[fault_id]
+
+
+@dataclass
+class Failure:
+    """One failure and the repair. kind: "worker" (its actor died), "server" (its actor died) or
+    "torn_push" (a worker died between two servers' pushes of one step). action: "replaced" (a new
+    worker resumed where the servers had it, no other actor touched) or "restored" (every server
+    restored from checkpoint `restored_step`, or reset to the initial values when
+    `from_checkpoint` is false, and the segment redone)."""
+
+    kind: str
+    target: int
+    detected_at: float  # time.time()
+    action: str
+    injected_at: float | None = None  # when the supervisor killed it (injected faults)
+    resumed_at: int | None = None  # replaced: the replacement's first step; restored: the restored step
+    pause_s: float | None = None  # replaced: detection -> the replacement's first acknowledged push
+    steps_redone: int = 0  # restored: steps finished since the restored step, executed again
+    from_checkpoint: bool = True
+    reason: str = ""  # restored: what stopped the segment
+    pids: dict[str, int] = field(default_factory=dict)  # "old" / "new" process of the replaced worker
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        what = f"{self.kind} {self.target}" if self.kind != "torn_push" else f"worker {self.target} (torn push)"
+        if self.action == "replaced":
+            pause = f"{self.pause_s:.2f} s" if self.pause_s is not None else "not measured"
+            return f"{what} died: replaced, resumed at step {self.resumed_at}, pause {pause}, no global restart"
+        source = f"checkpoint step {self.resumed_at}" if self.from_checkpoint else "the initial values (step 0)"
+        return f"{what} died: every server restored from {source}, {self.steps_redone} steps redone"
+
+
+class Ledger(Protocol):
+    def enter(self, bucket: str) -> None: ...
+    def move(self, seconds: float, src: str, dst: str) -> float: ...
+    def totals(self) -> dict[str, float]: ...
+    def stop(self) -> None: ...
+    def wall(self) -> float: ...
+
+
+class NullLedger:
+    """No goodput kept (a caller that passed no ledger)."""
+
+    def enter(self, bucket: str) -> None:
+        pass
+
+    def move(self, seconds: float, src: str, dst: str) -> float:
+        return 0.0
+
+    def totals(self) -> dict[str, float]:
+        return {}
+
+    def stop(self) -> None:
+        pass
+
+    def wall(self) -> float:
+        return 0.0

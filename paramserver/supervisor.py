@@ -1,0 +1,380 @@
+"""The supervisor of a parameter-server job: runs it in segments between checkpoints and repairs it the PS way.
+
+Called by paramserver.job.run_ps on the driver (after ray.init): `Supervisor(...).run()`, then
+`final_stats()` and `teardown()`. It owns the actors (started through `Actors`, which binds the
+shard plan and the configs). Per segment [a, b) (b: the next multiple of checkpoint every_steps,
+or train.steps; paramserver.recovery.segment_end):
+  1. arm the injected worker kills of the segment as holds on server 0's pulls (paramserver.gate);
+  2. start every worker's `run(servers, a, b)`, a stream of StepLogs, and watch the streams, the
+     servers' progress (version, clocks) and the holds every POLL_S until every stream ends:
+     * a worker's actor dies: a new WorkerActor of the same index resumes at the clock every
+       server records for it (each push is acknowledged before the next pull, so it is exact) and
+       runs to b; the other workers keep running: no global restart. In bsp the final model is bit
+       for bit the failure-free run's (the replacement computes the same gradients on the same
+       version). When the servers disagree on that clock (it died between one step's pushes to two
+       servers) the step cannot be replayed exactly, and the segment is rolled back as below;
+     * a server dies (its progress call fails; an injected kill_server fires once every worker has
+       pushed at_step steps to it) or a worker's run fails: the segment stops (every live server is
+       aborted, so waiting pulls fail; every stream ends), a new ServerActor takes the dead shard,
+       and EVERY server is restored from the last committed checkpoint, or to the initial values
+       when none is committed; the segment reruns from there with the same workers;
+  3. with checkpoints: save a PS checkpoint at b (paramserver.checkpoint; every server at the cut b).
+The goodput ledger books the wall (paramserver.recovery's buckets); `failures` says what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from paramserver import checkpoint
+from paramserver import recovery as book  # the goodput buckets
+from paramserver.actors import ServerStats, StepLog
+from paramserver.recovery import Failure, Fault, FaultPlan, Ledger, NullLedger, resume_step, segment_end
+from paramserver.streams import actor_died, brief, take
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
+STOP_S = 120.0  # a worker that has not stopped this long after the servers were aborted is killed
+MAX_ROLLBACKS = 3  # one segment rolled back this often in a row fails the job (a crash loop)
+
+
+@dataclass
+class Actors:
+    """How the supervisor starts a server (index k) or a worker (index w); the test of a stopped
+    worker's speed: `slow` {worker: seconds slept per step}."""
+
+    start_server: Callable[[int], object]
+    start_worker: Callable[[int], object]
+    slow: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Checkpoints:
+    root: str  # the job's checkpoint root (<checkpoint.url>/<name>)
+    every_steps: int | None
+    job: checkpoint.PSJob
+    storage_options: dict | None = None
+
+
+class Supervisor:
+    def __init__(self, actors: Actors, servers: int, workers: int, steps: int, *,
+                 checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
+                 ledger: Ledger | None = None, on_stats: Callable[[list[ServerStats]], None] | None = None,
+                 stats_every_s: float = 1.0):
+        self.actors, self.steps, self.ckpt = actors, steps, checkpoints
+        self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
+        self.on_stats, self.stats_every_s = on_stats, stats_every_s
+        self.servers = [actors.start_server(k) for k in range(servers)]
+        self.workers = [actors.start_worker(w) for w in range(workers)]
+        self.logs: dict[tuple[int, int], StepLog] = {}  # (worker, step) -> the surviving execution's log
+        self.failures: list[Failure] = []
+        self.saved: list[int] = []  # checkpoint steps committed by this run
+        self.pids: dict[str, int] = {}  # every actor process this job started, by label
+        self.start_step = 0
+        self.redone = 0  # step executions thrown away by rollbacks
+        self._committed_records: dict[int, list] = {}  # server -> its update records at the last commit
+        self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
+        self._pauses: dict[int, Failure] = {}  # worker -> its replacement, until the first push lands
+        self._dead_workers: set[int] = set()
+        self._held: dict[int, object] = {}  # server -> its outstanding `held` call
+        self._productive_at_start = 0.0
+        self._pid_of: dict[tuple[str, int], int] = {}  # the live process of each server and worker
+
+    # ---- the job ----
+
+    def run(self) -> None:
+        for answer in ray.get([s.progress.remote() for s in self.servers]):
+            self._note_pid("server", answer.server, answer.pid)
+        for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
+            self._note_pid("worker", w, pid)
+        step = self.start_step = self._resume()
+        rollbacks = 0
+        while step < self.steps:
+            end = segment_end(step, self.steps, self.ckpt.every_steps if self.ckpt else None)
+            restored = self._segment(step, end)
+            if restored is None:
+                restored = self._save(step, end)
+            if restored is not None:
+                rollbacks += 1
+                if rollbacks > MAX_ROLLBACKS:
+                    raise RuntimeError(f"the segment from step {step} was rolled back {rollbacks} times in a row; "
+                                       f"last: {self.failures[-1].line()}")
+                step = restored
+                continue
+            rollbacks, step = 0, end
+        self.ledger.enter(book.OTHER)
+
+    def _resume(self) -> int:
+        """Start from the newest committed checkpoint, if this job has one."""
+        latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None
+        if latest is None:
+            return 0
+        self.ledger.enter(book.RESTORE)
+        checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
+        log.info("parameter-server job resumes from its checkpoint at step %d", latest)
+        return latest
+
+    def _save(self, start: int, end: int) -> int | None:
+        """Commit the cut `end`; a server that dies meanwhile rolls the segment back (its step)."""
+        stats = None
+        if self.ckpt is not None:
+            self.ledger.enter(book.SAVE)
+            try:
+                checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
+                                              storage_options=self.ckpt.storage_options)
+                stats = ray.get([s.stats.remote() for s in self.servers])
+                self._committed_records = {s.server: s.records for s in stats}
+                self.saved.append(end)
+            except RayActorError:
+                return self._rollback(start, {}, set(), "a server died during the checkpoint save",
+                                      self._productive_at_start)
+            except checkpoint.PSCheckpointError as err:  # the job goes on; a rollback goes to an older commit
+                log.warning("checkpoint step %d was not committed (%s); training goes on", end, err)
+        if self.on_stats is not None:
+            self.on_stats(stats or ray.get([s.stats.remote() for s in self.servers]))
+        return None
+
+    def final_stats(self) -> list[ServerStats]:
+        return ray.get([s.stats.remote() for s in self.servers])
+
+    def teardown(self) -> None:
+        for actor in self.workers + self.servers:
+            ray.kill(actor, no_restart=True)
+
+    # ---- one segment ----
+
+    def _segment(self, start: int, end: int) -> int | None:
+        """Run [start, end); None once every worker finished it, else the step it was rolled back to."""
+        self.ledger.enter(book.PRODUCTIVE)
+        productive_at_start = self._productive_at_start = self.ledger.totals().get(book.PRODUCTIVE, 0.0)
+        self._arm(start, end)
+        streams = {w: self._launch(w, start, end) for w in range(len(self.workers))}
+        progress = {k: s.progress.remote() for k, s in enumerate(self.servers)}
+        stats_due = time.time() + self.stats_every_s
+        while streams:
+            ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
+            trouble = self._take_streams(streams, start, end)
+            dead = self._poll_servers(progress, start, end)
+            if trouble or dead:
+                return self._rollback(start, streams, dead, trouble or "a server died", productive_at_start)
+            if self.on_stats is not None and time.time() >= stats_due:
+                stats_due = time.time() + self.stats_every_s
+                with contextlib.suppress(RayActorError, GetTimeoutError):  # a dead server: found by its progress
+                    self.on_stats(ray.get([s.stats.remote() for s in self.servers], timeout=10))
+        return None
+
+    def _launch(self, w: int, start: int, end: int):
+        return self.workers[w].run.remote(self.servers, start, end, self.actors.slow.get(w, 0.0))
+
+    def _arm(self, start: int, end: int) -> None:
+        for server, worker, step in self.plan.holds(start, end, len(self.workers)):
+            self.servers[server].hold.remote(worker, step)
+
+    def _take_streams(self, streams: dict, start: int, end: int) -> str | None:
+        """Take every finished step's log; replace a dead worker. A reason to roll back, or None."""
+        for w, stream in list(streams.items()):
+            logs, error, ended = take(stream)
+            for entry in logs:
+                self._on_log(entry)
+            if not ended:
+                continue
+            del streams[w]
+            self._close_pause(w, time.time())
+            if error is None:
+                continue
+            if not actor_died(error):
+                return f"worker {w}'s run failed: {brief(error)}"
+            self._dead_workers.add(w)
+            stream = self._replace_worker(w, start, end)
+            if stream is None:
+                return f"worker {w} died and could not resume alone"
+            streams[w] = stream
+        return None
+
+    def _on_log(self, entry: StepLog) -> None:
+        self.logs[(entry.worker, entry.step)] = entry
+        self._note_pid("worker", entry.worker, entry.pid)
+        failure = self._pauses.pop(entry.worker, None)
+        if failure is not None:
+            failure.pids["new"] = entry.pid
+            self._book_pause(failure, entry.finished_at)
+
+    def _note_pid(self, kind: str, index: int, pid: int) -> None:
+        self._pid_of[(kind, index)] = pid
+        if pid not in self.pids.values():
+            name = f"{kind} {index}"
+            same = sum(label == name or label.startswith(f"{name} #") for label in self.pids)
+            self.pids[name + (f" #{same + 1}" if same else "")] = pid
+
+    def _close_pause(self, w: int, now: float) -> None:
+        failure = self._pauses.pop(w, None)
+        if failure is not None:  # the replacement had no step left to run, or the segment stopped
+            self._book_pause(failure, now)
+
+    def _book_pause(self, failure: Failure, resumed: float) -> None:
+        failure.pause_s = max(0.0, resumed - failure.detected_at)
+        self.ledger.move(failure.pause_s, book.PRODUCTIVE, book.REFORMATION)
+
+    def _replace_worker(self, w: int, start: int, end: int):
+        """A new actor for dead worker `w`, resumed where the servers have it; None when it cannot be."""
+        detected, injected = time.time(), self._kills.pop(("worker", w), None)
+        try:
+            clocks = [p.clocks for p in ray.get([s.progress.remote() for s in self.servers], timeout=30)]
+        except (RayActorError, GetTimeoutError):
+            return None  # a server is gone too: the rollback finds which
+        step = resume_step(clocks, w)
+        if step is None:
+            self.failures.append(Failure("torn_push", w, detected, "pending", injected))
+            return None
+        if injected is not None:
+            self.ledger.move(detected - injected, book.PRODUCTIVE, book.DETECTION)
+        ray.kill(self.workers[w], no_restart=True)
+        for server in self.servers:
+            server.drop_held.remote(w)  # the dead worker's held pull, never to be answered
+        self._arm(start, end)  # the replacement's holds of the segment's other faults
+        self.workers[w] = self.actors.start_worker(w)
+        self._dead_workers.discard(w)
+        failure = Failure("worker", w, detected, "replaced", injected, resumed_at=step,
+                          pids={"old": self._pid_of.get(("worker", w), -1)})
+        self.failures.append(failure)
+        self._pauses[w] = failure
+        log.warning("worker %d died at step %d; replaced, resuming there (the other workers go on)", w, step)
+        return self._launch(w, step, end)
+
+    def _poll_servers(self, progress: dict, start: int, end: int) -> set[int]:
+        """Servers found dead, or killed now by an injected kill_server."""
+        dead = set()
+        for k, ref in list(progress.items()):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                self._note_pid("server", k, ray.get(ref).pid)
+                progress[k] = self.servers[k].progress.remote()
+            except RayActorError:
+                dead.add(k)
+        return dead | self._fire(start, end)
+
+    def _fire(self, start: int, end: int) -> set[int]:
+        """Fire the faults whose pulls are held now: kill the worker, or the server; the servers killed."""
+        killed: set[int] = set()
+        for k in sorted({server for server, _, _ in self.plan.holds(start, end, len(self.workers))}):
+            ref = self._held.get(k) or self.servers[k].held.remote()
+            self._held[k] = ref
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            del self._held[k]
+            try:
+                held = ray.get(ref)
+            except RayActorError:
+                continue  # its progress poll reports it
+            for fault_id in self.plan.due(k, held, start, end, len(self.workers)):
+                fault = self.plan.fire(fault_id)
+                kind, index = fault.kind, fault.target
+                ray.kill((self.workers if kind == "worker" else self.servers)[index], no_restart=True)
+                self._kills[(kind, index)] = time.time()
+                if kind == "server":
+                    killed.add(index)
+        return killed
+
+    # ---- a rollback ----
+
+    def _rollback(self, start: int, streams: dict, dead: set[int], reason: str, productive_at_start: float) -> int:
+        """Stop the segment, replace the dead actors, restore EVERY server; the step to rerun from.
+
+        Every server, not only the dead one's shard: a parameter version is a cut across all
+        shards, and a restored shard beside live ones at a later version would mix versions (the
+        workers would compute on parameters no run ever had), breaking bsp's equality with
+        collective dp and every consistency model's bound."""
+        detected = time.time()
+        self.ledger.enter(book.REFORMATION)
+        for w in list(self._pauses):
+            self._close_pause(w, detected)
+        injected = [self._kills.pop(("server", k)) for k in dead if ("server", k) in self._kills]
+        if injected:
+            self.ledger.move(detected - min(injected), book.PRODUCTIVE, book.DETECTION)
+        lost = self.ledger.totals().get(book.PRODUCTIVE, 0.0) - productive_at_start  # since the last commit
+        self.ledger.move(max(0.0, lost), book.PRODUCTIVE, book.LOST)
+        for k, server in enumerate(self.servers):
+            if k not in dead:
+                server.abort.remote()
+        self._stop(streams)
+        dead |= self._ping_dead()
+        for k in sorted(dead):
+            ray.kill(self.servers[k], no_restart=True)
+            self.servers[k] = self.actors.start_server(k)
+        for w in sorted(self._dead_workers):
+            ray.kill(self.workers[w], no_restart=True)
+            self.workers[w] = self.actors.start_worker(w)
+        self._dead_workers.clear()
+        self.ledger.enter(book.RESTORE)
+        step, from_checkpoint = self._restore(dead)
+        self._record_rollback(dead, reason, detected, min(injected) if injected else None, step, from_checkpoint)
+        self._held.clear()
+        return step
+
+    def _stop(self, streams: dict) -> None:
+        """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
+        deadline = time.time() + STOP_S
+        while streams:
+            ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
+            for w, stream in list(streams.items()):
+                logs, error, ended = take(stream)
+                for entry in logs:
+                    self._on_log(entry)
+                if ended:
+                    del streams[w]
+                    if error is not None and actor_died(error):
+                        self._dead_workers.add(w)
+            if time.time() > deadline:
+                for w in streams:
+                    log.warning("worker %d did not stop %.0f s after the servers were aborted; killing it", w, STOP_S)
+                    ray.kill(self.workers[w], no_restart=True)
+                deadline = math.inf
+
+    def _ping_dead(self) -> set[int]:
+        dead = set()
+        for k, server in enumerate(self.servers):
+            try:
+                ray.get(server.progress.remote(), timeout=30)
+            except (RayActorError, GetTimeoutError):
+                dead.add(k)
+        return dead
+
+    def _restore(self, replaced: set[int]) -> tuple[int, bool]:
+        latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None
+        if latest is None:
+            log.warning("NO COMMITTED CHECKPOINT: every parameter server restarts from the initial values (step 0); "
+                        "every step so far is redone")
+            for k, server in enumerate(self.servers):
+                ray.kill(server, no_restart=True)
+                self.servers[k] = self.actors.start_server(k)
+            return 0, False
+        checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
+        ray.get([s.reopen.remote(latest, self._committed_records.get(k, []) if k in replaced else None)
+                 for k, s in enumerate(self.servers)])
+        return latest, True
+
+    def _record_rollback(self, dead: set[int], reason: str, detected: float, injected: float | None, step: int,
+                         from_checkpoint: bool) -> None:
+        lost = [key for key in self.logs if key[1] >= step]
+        redone = max((s for _, s in lost), default=step - 1) + 1 - step
+        for key in lost:
+            del self.logs[key]
+        self.redone += len(lost)
+        torn = [f for f in self.failures if f.action == "pending"]
+        entries = torn + [Failure("server", k, detected, "restored", injected) for k in sorted(dead)]
+        for failure in entries or [Failure("run_error", -1, detected, "restored")]:
+            failure.action, failure.resumed_at, failure.steps_redone = "restored", step, redone
+            failure.from_checkpoint, failure.reason = from_checkpoint, reason
+            if not any(f is failure for f in self.failures):
+                self.failures.append(failure)
+        log.warning("%s: every server restored to step %d (%s), %d steps redone", reason, step,
+                    "checkpoint" if from_checkpoint else "initial values", redone)
