@@ -113,8 +113,8 @@ class RankActor:
 
     def warm_up(self) -> dict:
         """A spare's first call: import what taking over a rank runs (the engine, and the restore's
-        and the training loop's modules, which the survivors imported long ago), so that the
-        takeover costs milliseconds."""
+        and the training loop's modules, which the survivors imported long ago) and pay a first
+        engine build and step (orchestrator.rank.warmup), so that the takeover costs milliseconds."""
         import torch._dynamo  # noqa: F401  (the engine's first deterministic-mode call imports it: ~1.4 s)
 
         import chaos.injector  # noqa: F401  (the import is the work)
@@ -125,10 +125,12 @@ class RankActor:
         import trainer.engine  # noqa: F401
         import trainer.memory_probe  # noqa: F401
         import trainer.model  # noqa: F401
+        from orchestrator.rank.warmup import warm_first_step
 
         # Measured once per process, at its first restore otherwise: on a spare that takes over
         # rank 0, a CPU's 0.3 s matmul probe would sit inside the recovery.
         peak_flops_per_rank(self.spec, torch_device(self.spec))
+        warm_first_step(self.spec, torch_device(self.spec))
         return self.ping()
 
     def join(self, gen: int, rank: int, world_size: int, address: StoreAddress, timeout_s: float,
