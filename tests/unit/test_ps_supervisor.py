@@ -1,0 +1,337 @@
+"""The parameter-server supervisor's loop (paramserver.supervisor) against an in-process fake of Ray.
+
+The fake keeps the protocol's real arithmetic (ShardServer and PSWorker of a tiny model) and Ray's
+shape as the supervisor sees it: actor handles whose `.remote` calls answer at once, workers' runs
+as streams of step logs, `ray.kill`, and a clock that moves one poll per `ray.wait` with a timeout
+(each live worker does at most one step per poll, in bsp the others wait for the slowest). So the
+supervisor's decisions run exactly, fast: which actor it replaces, where a worker resumes, what it
+restores, what the ledger books. The real actors and Ray are tested in tests/ray/test_ps_faults.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections import Counter, deque
+
+import pytest
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+
+from monitor.goodput import GoodputLedger
+from paramserver import supervisor as sup
+from paramserver.actors import Progress, ServerStats, StepLog
+from paramserver.lockstep import build_in_process, run_lockstep
+from paramserver.recovery import Fault
+from paramserver.shard import ShardServer
+from paramserver.worker import PSWorker
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+
+MODEL = ModelConfig(preset="tiny", n_layers=1, d_model=16, d_ff=32, n_heads=2, vocab_size=32, max_seq_len=16)
+DATA = DataConfig(seq_len=8)
+TRAIN = TrainConfig(steps=8, global_batch=4, micro_batch=1, grad_clip=None, lr=3e-3)
+PAR = ParallelConfig(dp=2, mode="ps", servers=2)
+PIECES = 400
+
+
+class Died(RayActorError):
+    def __init__(self, what: str = "actor died"):
+        Exception.__init__(self, what)
+
+
+class CallFailed(RayTaskError):
+    def __init__(self, what: str = "a call of the run failed"):
+        Exception.__init__(self, what)
+
+
+class Ref:
+    def __init__(self, value=None, error=None, ready=None):
+        self.value, self.error, self._ready = value, error, ready
+
+    def ready(self) -> bool:
+        return True if self._ready is None else self._ready()
+
+
+class Stream:
+    def __init__(self):
+        self.items: deque[StepLog] = deque()
+        self.error: BaseException | None = None
+        self.ended = self.delivered = False
+
+    def completed(self) -> Ref:
+        return Ref(ready=lambda: self.ended)
+
+    def ready(self) -> bool:
+        return bool(self.items) or self.ended
+
+    def end(self, error: BaseException | None = None) -> None:
+        if not self.ended:
+            self.ended, self.error = True, error
+
+    def __next__(self) -> Ref:
+        if self.items:
+            return Ref(self.items.popleft())
+        assert self.ended, "the supervisor would block on a running stream"
+        if self.error is not None and not self.delivered:
+            self.delivered = True
+            return Ref(error=self.error)
+        raise StopIteration
+
+
+class Method:
+    def __init__(self, actor, fn):
+        self.actor, self.fn = actor, fn
+
+    def remote(self, *args, **kwargs) -> Ref:
+        if self.actor.dead:
+            return Ref(error=Died())
+        try:
+            return Ref(self.fn(*args, **kwargs))
+        except Exception as err:  # noqa: BLE001 (delivered through the ref, as Ray does)
+            return Ref(error=err)
+
+
+class FakeServer:
+    def __init__(self, world, k: int):
+        setup = world.setup
+        self.shard = ShardServer(k, setup.servers[k].slices, MODEL, TRAIN, PAR.dp, PAR.consistency)
+        self.pid, self.dead, self.stopped = world.new_pid(), False, False
+        self.holds: set[tuple[int, int]] = set()
+        self.waiting: set[tuple[int, int]] = set()
+        for name in ("progress", "stats", "hold", "held", "drop_held", "abort", "reopen"):
+            setattr(self, name, Method(self, getattr(self, "_" + name)))
+
+    def _progress(self):
+        return Progress(self.shard.index, self.pid, self.shard.version, list(self.shard.clocks.pushed))
+
+    def _stats(self):
+        s = self.shard
+        return ServerStats(s.index, s.version, s.bytes_in, s.bytes_out, list(s.records))
+
+    def _hold(self, worker, step):
+        self.holds.add((worker, step))
+
+    def _held(self):
+        return sorted(self.waiting)
+
+    def _drop_held(self, worker):
+        self.holds = {h for h in self.holds if h[0] != worker}
+        self.waiting = {h for h in self.waiting if h[0] != worker}
+
+    def _abort(self):
+        self.stopped, self.holds, self.waiting = True, set(), set()
+
+    def _reopen(self, step, records=None):
+        kept = self.shard.records if records is None else records
+        self.shard.records = [r for r in kept if r.step < step]
+        self.shard.pending.clear()
+        self.stopped = False
+
+    def kill(self):
+        self.dead = True
+
+
+class FakeWorker:
+    def __init__(self, world, w: int):
+        self.dead, self.proc = False, world.new_pid()
+        self.worker = PSWorker(w, PAR.dp, MODEL, DATA, TRAIN, [s.slices for s in world.setup.servers])
+        self.stream: Stream | None = None
+        self.pid = Method(self, lambda: self.proc)
+        self.run = types.SimpleNamespace(remote=self._run)  # a generator's call gives its stream itself
+
+    def _run(self, servers, start, end, slow_s=0.0):
+        self.servers, self.next, self.end, self.stream = list(servers), start, end, Stream()
+        return self.stream
+
+    def kill(self):
+        self.dead = True
+        if self.stream is not None:
+            self.stream.end(Died("worker actor died"))
+
+    def advance(self, now: float) -> None:
+        stream, step, w = self.stream, self.next, self.worker.index
+        if self.dead or stream is None or stream.ended:
+            return
+        if step >= self.end:
+            return stream.end()
+        if any(s.dead or s.stopped for s in self.servers):
+            return stream.end(CallFailed())
+        for server in self.servers:
+            if (w, step) in server.holds:
+                server.waiting.add((w, step))
+                return
+            if not server.shard.may_read(step):
+                return
+        rows = self.worker.rows_needed(step)
+        pulled = [s.shard.pull(w, step, rows) for s in self.servers]
+        for answer in pulled:
+            self.worker.load(answer)
+        loss, tokens = self.worker.compute(step)
+        for server, push in zip(self.servers, self.worker.pushes(step, pulled, tokens), strict=True):
+            server.shard.push(push)
+        stream.items.append(StepLog(w, step, loss, tokens, 0.0, 0.0, 0.0, now, self.proc))
+        self.next += 1
+
+
+class World:
+    """The fake cluster: actors, the clock, the committed checkpoints."""
+
+    def __init__(self):
+        self.setup = build_in_process(MODEL, DATA, TRAIN, PAR, PIECES)
+        self.now, self.pids, self.workers = 1000.0, 0, []
+        self.commits: dict[int, list[ShardServer]] = {}
+
+    def new_pid(self) -> int:
+        self.pids += 1
+        return 100 + self.pids
+
+    def start_worker(self, w: int) -> FakeWorker:
+        worker = FakeWorker(self, w)
+        self.workers.append(worker)
+        return worker
+
+    def tick(self) -> None:
+        self.now += sup.POLL_S
+        for worker in self.workers:
+            worker.advance(self.now)
+
+    # ---- ray ----
+
+    def get(self, refs, timeout=None):
+        if isinstance(refs, list):
+            return [self.get(r) for r in refs]
+        if refs.error is not None:
+            raise refs.error
+        return refs.value
+
+    def wait(self, items, num_returns=1, timeout=None, fetch_local=True):
+        if timeout:
+            self.tick()
+        ready = [i for i in items if i.ready()]
+        return ready, [i for i in items if not i.ready()]
+
+    def kill(self, actor, no_restart=True):
+        actor.kill()
+
+    # ---- paramserver.checkpoint ----
+
+    def save(self, servers, root, step, *, job, storage_options=None):
+        for s in servers:
+            assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
+        self.commits[step] = [copy.deepcopy(s.shard) for s in servers]
+
+    def latest(self, root, storage_options=None):
+        return max(self.commits, default=None)
+
+    def restore(self, servers, root, step, *, storage_options=None):
+        for server, saved in zip(servers, self.commits[step], strict=True):
+            server.shard = copy.deepcopy(saved)
+
+
+@pytest.fixture
+def world(monkeypatch):
+    torch.set_num_threads(1)
+    fake = World()
+    ray = types.SimpleNamespace(get=fake.get, wait=fake.wait, kill=fake.kill)
+    monkeypatch.setattr(sup, "ray", ray)
+    monkeypatch.setattr("paramserver.streams.ray", ray)
+    monkeypatch.setattr(sup, "time", types.SimpleNamespace(time=lambda: fake.now))
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", fake.save)
+    monkeypatch.setattr(sup.checkpoint, "latest_committed_step", fake.latest)
+    monkeypatch.setattr(sup.checkpoint, "restore_servers", fake.restore)
+    return fake
+
+
+@pytest.fixture(scope="module")
+def expected():
+    torch.set_num_threads(1)  # as every fake actor computes (the actors set it too)
+    losses, _ = run_lockstep(build_in_process(MODEL, DATA, TRAIN, PAR, PIECES), TRAIN.steps)
+    return losses
+
+
+def _run(world: World, faults=(), every: int | None = 4):
+    from paramserver.job import step_losses
+
+    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    checkpoints = sup.Checkpoints("fake://ckpt", every, job=None) if every else None
+    ledger = GoodputLedger(clock=lambda: world.now)
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
+                                faults=list(faults), ledger=ledger)
+    supervisor.run()
+    ledger.stop()
+    logs = [supervisor.logs[key] for key in sorted(supervisor.logs)]
+    return supervisor, step_losses(logs), ledger
+
+
+def _applied_once(supervisor) -> bool:
+    applied = Counter((r.server, r.worker, r.step) for s in supervisor.servers for r in s.shard.records)
+    return applied == Counter({(k, w, s): 1 for k in range(PAR.servers) for w in range(PAR.dp)
+                               for s in range(TRAIN.steps)})
+
+
+def test_without_faults_every_segment_is_saved_and_the_wall_is_productive(world, expected):
+    supervisor, losses, ledger = _run(world)
+    assert losses == expected and supervisor.saved == [4, 8] and supervisor.failures == []
+    totals = ledger.totals()
+    assert totals["productive"] > 0 and totals["reformation"] == totals["lost_work"] == 0
+    assert sum(totals.values()) == pytest.approx(ledger.wall())
+
+
+def test_a_dead_worker_is_replaced_where_the_servers_have_it_and_nobody_else_restarts(world, expected):
+    supervisor, losses, ledger = _run(world, [Fault("worker", 1, 5)])
+    [failure] = supervisor.failures
+    assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("worker", 1, "replaced", 5)
+    assert losses == expected and _applied_once(supervisor) and supervisor.redone == 0
+    # Two servers and two workers, then one replacement: worker 0 and the servers never restarted.
+    assert len(world.workers) == 3 and [s.pid for s in supervisor.servers] == [101, 102]
+    first = {log.pid for log in supervisor.logs.values() if log.worker == 0}
+    assert first == {world.workers[0].proc}
+    assert failure.pids == {"old": world.workers[1].proc, "new": world.workers[2].proc}
+    totals = ledger.totals()
+    assert failure.pause_s > 0 and totals["reformation"] == pytest.approx(failure.pause_s)
+    assert failure.detected_at > failure.injected_at
+    assert totals["detection"] == pytest.approx(failure.detected_at - failure.injected_at)
+    assert sum(totals.values()) == pytest.approx(ledger.wall())
+
+
+def test_a_dead_server_rolls_every_server_back_to_the_last_commit(world, expected):
+    supervisor, losses, ledger = _run(world, [Fault("server", 0, 6)])
+    [failure] = supervisor.failures
+    assert (failure.kind, failure.target, failure.resumed_at, failure.steps_redone) == ("server", 0, 4, 2)
+    assert losses == expected and _applied_once(supervisor) and supervisor.redone == 2 * PAR.dp
+    assert supervisor.servers[0].pid not in (101, 102) and supervisor.servers[1].pid == 102
+    assert world.workers[:2] == supervisor.workers  # the same worker actors
+    totals = ledger.totals()
+    assert totals["lost_work"] > 0 and totals["checkpoint_restore"] >= 0 and totals["detection"] >= 0
+    assert sum(totals.values()) == pytest.approx(ledger.wall())
+
+
+def test_without_a_commit_a_dead_server_restarts_every_server_from_the_initial_values(world, expected):
+    supervisor, losses, _ = _run(world, [Fault("server", 1, 3)], every=None)
+    [failure] = supervisor.failures
+    assert (failure.resumed_at, failure.from_checkpoint, failure.steps_redone) == (0, False, 3)
+    assert losses == expected and _applied_once(supervisor)
+    assert "the initial values (step 0)" in failure.line()
+
+
+def test_a_torn_push_rolls_back_instead_of_replaying(world, expected, monkeypatch):
+    # Worker 1 dies after pushing step 2 to server 0 only: server 0 may already apply it, so no
+    # replacement can push it to server 1 alone, computed on the same version.
+    original = FakeWorker.advance
+
+    def tearing(self, now):
+        if self.worker.index == 1 and self.next == 2 and not self.dead and len(world.workers) == 2:
+            second = self.servers[1]
+            self.servers[1] = types.SimpleNamespace(shard=types.SimpleNamespace(
+                may_read=second.shard.may_read, pull=second.shard.pull, push=lambda push: None),
+                dead=False, stopped=False, holds=set())
+            original(self, now)
+            self.servers[1] = second
+            return self.kill()
+        return original(self, now)
+
+    monkeypatch.setattr(FakeWorker, "advance", tearing)
+    supervisor, losses, _ = _run(world)
+    [failure] = supervisor.failures
+    assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("torn_push", 1, "restored", 0)
+    assert losses == expected and _applied_once(supervisor)
