@@ -266,8 +266,9 @@ class Supervisor:
         """Fire the faults whose pulls are held now: kill the worker, or the server; the servers killed."""
         killed: set[int] = set()
         for k in sorted({server for server, _, _ in self.plan.holds(start, end, len(self.workers))}):
-            ref = self._held.get(k) or self.servers[k].held.remote()
-            self._held[k] = ref
+            if k not in self._held:
+                self._held[k] = self.servers[k].held.remote()
+            ref = self._held[k]
             if not ray.wait([ref], timeout=0)[0]:
                 continue
             del self._held[k]
