@@ -3,13 +3,16 @@
 Transport: Ray actor method calls; tensors travel pickled, through the object store when they
 are large. A server is an asyncio actor, so a pull that the consistency bound holds back
 (`ShardServer.may_read`) waits on a condition while the same actor keeps taking pushes; every
-push wakes the waiting pulls. A worker actor runs its whole loop in one call (`run`): per step
-it pulls from every server at once, computes, and pushes to every server at once, waiting for
-the acknowledgements before the next pull (so a server sees each worker's pushes in order).
+push wakes the waiting pulls. A worker actor runs a segment's loop in one call (`run`, a
+streaming generator of step logs): per step it pulls from every server at once, computes, and
+pushes to every server at once, waiting for the acknowledgements before the next pull (so a
+server sees each worker's pushes in order, and its clock of a worker is that worker's next step).
 
-Who calls what: the driver (paramserver.job) creates the servers, then the workers with the
-servers' handles, calls every worker's `run` and waits for all of them, then each server's
-`stats`. Between segments it saves (`save_shard` on every server, through
+Who calls what: the supervisor on the driver (paramserver.supervisor) creates the servers, then
+the workers, calls every worker's `run` for a segment and reads the streams, polls each server's
+`progress`, places injected kills with `hold` / `held` / `drop_held` (paramserver.gate), stops a
+segment with `abort` and takes calls again after a restore with `reopen`, and reads `stats`.
+Between segments it saves (`save_shard` on every server, through
 paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load_shard`).
 """
 
