@@ -116,12 +116,13 @@ class Failure:
         return asdict(self)
 
     def line(self) -> str:
-        what = f"{self.kind} {self.target}" if self.kind != "torn_push" else f"worker {self.target} (torn push)"
+        what = {"torn_push": f"worker {self.target} died between its pushes of one step to two servers",
+                "run_error": self.reason or "a worker's run failed"}.get(self.kind, f"{self.kind} {self.target} died")
         if self.action == "replaced":
             pause = f"{self.pause_s:.2f} s" if self.pause_s is not None else "not measured"
-            return f"{what} died: replaced, resumed at step {self.resumed_at}, pause {pause}, no global restart"
+            return f"{what}: replaced, resumed at step {self.resumed_at}, pause {pause}, no global restart"
         source = f"checkpoint step {self.resumed_at}" if self.from_checkpoint else "the initial values (step 0)"
-        return f"{what} died: every server restored from {source}, {self.steps_redone} steps redone"
+        return f"{what}: every server restored from {source}, {self.steps_redone} steps redone"
 
 
 class Ledger(Protocol):

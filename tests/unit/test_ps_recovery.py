@@ -58,6 +58,8 @@ def test_a_failure_says_what_was_done():
     reset = Failure("server", 0, 100.0, "restored", resumed_at=0, from_checkpoint=False)
     assert "the initial values (step 0)" in reset.line()
     assert replaced.to_dict()["pause_s"] == 2.25
+    torn = Failure("torn_push", 1, 100.0, "restored", resumed_at=4, steps_redone=1)
+    assert torn.line().startswith("worker 1 died between its pushes of one step to two servers: every server")
 
 
 def test_the_gate_holds_one_workers_pull_until_it_is_dropped():
