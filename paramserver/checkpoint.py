@@ -101,6 +101,7 @@ def load_shard(server: ShardServer, root: str, step: int, storage_options: dict 
     cat = catalog(root, storage_options)
     retry = ReadRetry(read_retry_s)
     manifest = read_manifest(cat, step, retry)
+    _check_meta(server, manifest.state.get("engine") or {}, step)
     wanted = [w for w in wanted_slices(server) if w.name in manifest.tensors]
     _check_complete(server, wanted, manifest.tensors.keys(), step)
     read = read_slices(cat, step, wanted, manifest=manifest, retry=retry)
@@ -109,7 +110,7 @@ def load_shard(server: ShardServer, root: str, step: int, storage_options: dict 
 
 def wanted_slices(server: ShardServer) -> list[TensorSlice]:
     """Every slice this server's state could be loaded from (each once: the bands of a tensor all
-    want its scalar step); the parameters' carry the live tensors (the reader fills them in place)."""
+    want its scalar step); the parameters' slices carry the live tensors (the reader fills them in place)."""
     tc = server.train
     fields = optimizer_fields(tc.optimizer, tc.betas)
     out: list[TensorSlice] = []
@@ -123,6 +124,17 @@ def wanted_slices(server: ShardServer) -> list[TensorSlice]:
             out.append(TensorSlice(lazy_step_name(name), torch.int64, piece.global_shape[:1], piece.offsets[:1],
                                    piece.lengths[:1]))
     return list({piece.key: piece for piece in out}.values())
+
+
+def _check_meta(server: ShardServer, meta: dict, step: int) -> None:
+    """What the collective engine checks too (trainer.engine_state): the state format, and the
+    settings a resume must not change."""
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"checkpoint step {step} has state format {meta.get('format')!r}, not {STATE_FORMAT!r}")
+    for key in ("global_batch", "optimizer"):
+        if meta.get(key) != getattr(server.train, key):
+            raise ValueError(f"checkpoint step {step} has {key}={meta.get(key)!r} but this job has "
+                             f"{getattr(server.train, key)!r}: resuming would change the training trajectory")
 
 
 def _check_complete(server: ShardServer, wanted: list[TensorSlice], stored, step: int) -> None:

@@ -101,6 +101,10 @@ def test_a_ps_checkpoint_loads_into_another_number_of_servers(tmp_path):
     saved, loaded = _state(setup), _state(fewer)
     assert sorted(saved) == sorted(loaded)
     assert all(torch.equal(value, saved[name]) for name, value in loaded.items())
+    other = TRAIN.model_copy(update={"global_batch": 16})
+    servers = build_in_process(MODEL, DATA, other, _ps("bsp", servers=2)).servers
+    with pytest.raises(ValueError, match="global_batch=8 but this job has 16"):
+        restore_servers(servers, root, 2)
 
 
 def test_a_collective_checkpoint_loads_into_servers_and_their_next_update_is_the_engines(tmp_path):
