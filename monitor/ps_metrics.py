@@ -11,9 +11,11 @@ prometheus-client objects, which are thread-safe.
 
 Server stats are cumulative (a server's records and byte counters only grow), so a snapshot
 may be passed any number of times: only what is new since the previous snapshot of the same
-server is observed, and the histogram's count is the number of updates applied. A snapshot
-smaller than the previous one of its server means the server started again (replaced, its
-records and counters begun anew): everything in it is new.
+server is observed, and the histogram's count is the number of updates applied. A rollback to
+the last commit (paramserver.supervisor) cuts every server's records back to those of the steps
+before it, a prefix already observed: the records after it are the redone updates, observed as
+they come, so updates a rollback undid stay counted (they were applied). Byte counters smaller
+than before belong to a new server actor (a replaced shard): all of its bytes are new.
 
 This module reads the stats by attribute (`server`, `version`, `bytes_in`, `bytes_out`,
 `records` with `staleness`; `pull_wait_s`), so monitor does not import paramserver (one layer).
@@ -92,9 +94,9 @@ class PSMetrics:
         observed = 0
         for snapshot in stats:
             seen = self._seen.setdefault(snapshot.server, _Seen())
-            if (len(snapshot.records) < seen.records or snapshot.bytes_in < seen.bytes_in
-                    or snapshot.bytes_out < seen.bytes_out):
-                seen = self._seen[snapshot.server] = _Seen()  # the server started again
+            seen.records = min(seen.records, len(snapshot.records))  # a rollback: the kept prefix is observed
+            if snapshot.bytes_in < seen.bytes_in or snapshot.bytes_out < seen.bytes_out:
+                seen.bytes_in = seen.bytes_out = 0  # a new actor's counters
             labels = self._labels(snapshot.server)
             histogram = self.staleness.labels(*labels)
             for record in snapshot.records[seen.records:]:

@@ -62,16 +62,19 @@ def test_histogram_counts_each_update_once_across_repeated_snapshots():
     assert samples[_series("undying_ps_server_version", 0)] == 5
 
 
-def test_a_server_that_started_again_is_counted_from_its_new_records():
+def test_a_rollback_counts_the_redone_updates_and_a_new_actor_its_bytes():
     registry = CollectorRegistry()
     metrics = PSMetrics(JOB, "ssp", servers=1, registry=registry)
     metrics.on_server_stats([_stats(0, [0, 1, 1, 2], 400, 400)])
-    # Replaced: its records and counters begin anew, so all of them are new updates and bytes.
-    assert metrics.on_server_stats([_stats(0, [0, 0], 100, 50)]) == 2
+    # Rolled back to a commit after its first two updates, by a new actor (counters from zero).
+    assert metrics.on_server_stats([_stats(0, [0, 1], 100, 50)]) == 0
+    # The redone updates arrive after the kept prefix.
+    assert metrics.on_server_stats([_stats(0, [0, 1, 3, 3, 1], 300, 250)]) == 3
     samples = _samples(registry)
-    assert samples[_series("undying_ps_update_staleness_count", 0)] == 6
-    assert samples[_series("undying_ps_pushed_bytes_total", 0)] == 500
-    assert samples[_series("undying_ps_pulled_bytes_total", 0)] == 450
+    assert samples[_series("undying_ps_update_staleness_count", 0)] == 7  # every update applied
+    assert samples[_series("undying_ps_update_staleness_sum", 0)] == 4 + 7
+    assert samples[_series("undying_ps_pushed_bytes_total", 0)] == 700
+    assert samples[_series("undying_ps_pulled_bytes_total", 0)] == 650
 
 
 def test_pull_waits_and_the_job_series_share_one_registry():
