@@ -7,6 +7,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 INDEX_BYTES = 8  # a sparse row travels with its int64 row id
+# bsp equals collective dp to this on loss (summation order): a run this close to bsp's final loss
+# has reached it.
+PARITY = 1e-5
 
 
 # Traffic per training step for D workers (ranks), K servers and S bytes of state.
@@ -72,9 +75,9 @@ def curve(events: list[Event], window: int) -> list[tuple[float, float]]:
     return out
 
 
-def time_to_loss(points: list[tuple[float, float]], target: float) -> float | None:
-    """The first time the curve is at or below `target`; None when it never is."""
-    return next((t for t, loss in points if loss <= target), None)
+def time_to_loss(points: list[tuple[float, float]], target: float, tolerance: float = PARITY) -> float | None:
+    """The first time the curve is at or below `target` (within `tolerance`); None when it never is."""
+    return next((t for t, loss in points if loss <= target + tolerance), None)
 
 
 @dataclass

@@ -19,7 +19,8 @@ It reports (bench/ps/analysis.py):
     N - 1 as the mean step, against the collective run of the same straggler setting; the loss at
     the end (token-weighted over the last 5 steps of every worker, in finishing order); the
     staleness of the applied updates; and the wall time at which that smoothed loss first reaches
-    bsp's final loss (bsp's arithmetic does not depend on timing: one target for both settings).
+    bsp's final loss, within 1e-5 (bsp's arithmetic does not depend on timing: one target for both
+    settings; collective dp equals it to summation order).
 It prints the tables, writes --json, draws --plot and rewrites its section of --docs (notes
 between the NOTES markers are kept). --quick: 2 workers, 1 server, 8 steps, straggler runs only,
 nothing written unless asked: a smoke test of about a minute.
