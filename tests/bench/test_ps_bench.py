@@ -23,8 +23,9 @@ def test_quick_run_measures_every_mode_and_writes_its_section(tmp_path):
     for row in rows.values():
         assert row["straggler"] and row["wall_s"] > 0 and math.isfinite(row["final_loss"])
         assert row["final_loss"] < math.log(2048)  # trained: below the uniform guess
-    # bsp reaches its own final loss; its updates are never stale; bsp equals collective dp numerically.
-    assert rows["ps bsp"]["to_target_s"] == pytest.approx(rows["ps bsp"]["wall_s"])
+    # bsp reaches its own final loss (by its last step: the smoothed curve may touch it before);
+    # its updates are never stale; bsp equals collective dp numerically.
+    assert 0 < rows["ps bsp"]["to_target_s"] <= rows["ps bsp"]["wall_s"]
     assert rows["ps bsp"]["staleness_max"] == 0
     assert rows["ps bsp"]["final_loss"] == pytest.approx(rows["collective dp"]["final_loss"], abs=1e-4)
     # Dense bsp moves 2DS, to the byte.
