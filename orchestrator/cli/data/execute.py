@@ -48,6 +48,26 @@ def _map_row(row: dict, job: Job) -> dict:
     return run_unit(job, int(row["unit"])).as_row()
 
 
+def _warm_worker(tokenizer_json: str, tokenizer_sha256: str) -> None:
+    """A Ray task run once per CPU before the units: imports what a unit task runs (Ray Data's
+    operator code, this module's) and builds the tokenizer (cached per process), while the driver
+    imports Ray Data itself. Otherwise each worker pays these, about 2 s of a core, only once its
+    first unit has been handed to it, after the driver's own import."""
+    import ray.data  # noqa: F401  (the import is the work)
+
+    from orchestrator.cli.data.vocab import build_tokenizer
+
+    build_tokenizer(tokenizer_json, tokenizer_sha256)
+
+
+def warm_workers(job: Job, tasks: int) -> list:
+    """Start `tasks` warm-ups (one CPU each); their refs, to be waited on or dropped."""
+    import ray
+
+    remote = ray.remote(num_cpus=1)(_warm_worker)
+    return [remote.remote(job.tokenizer_json, job.plan.tokenizer_sha256) for _ in range(tasks)]
+
+
 class RayDataExecutor:
     """Runs the units as Ray Data tasks on the cluster at `address` (None: embedded local Ray)."""
 
@@ -61,11 +81,14 @@ class RayDataExecutor:
 
         conn = ray_cluster.connect(self.address, cpus_needed=1, gpus_needed=0)
         try:
-            import ray.data
-
             address = self.address or os.environ.get("RAY_ADDRESS")
             where = "the embedded local Ray" if conn.embedded else f"the Ray cluster at {address}"
-            sink.started(f"{where} ({ray.cluster_resources().get('CPU', 0):.0f} CPUs)")
+            cpus = int(ray.cluster_resources().get("CPU", 0))
+            sink.started(f"{where} ({cpus} CPUs)")
+            # Not waited on: the units queue behind them for the CPUs, and a warm-up's error is
+            # the units' error too, reported by them.
+            warm_workers(job, max(1, min(cpus, len(indices))))
+            import ray.data  # while the workers warm up
 
             context = ray.data.DataContext.get_current()
             context.enable_progress_bars = False  # the driver prints its own progress line
