@@ -62,6 +62,9 @@ class Checkpoints:
     every_steps: int | None
     job: checkpoint.PSJob
     storage_options: dict | None = None
+    # Called with each Commit this run makes (the job's Prometheus exporter: the last commit's time
+    # and size, which the "no checkpoint lately" alert reads).
+    on_commit: Callable[[object], None] | None = None
 
 
 class Supervisor:
@@ -128,8 +131,10 @@ class Supervisor:
         if self.ckpt is not None:
             self.ledger.enter(book.SAVE)
             try:
-                checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
-                                              storage_options=self.ckpt.storage_options)
+                commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
+                                                       storage_options=self.ckpt.storage_options)
+                if commit is not None and self.ckpt.on_commit is not None:
+                    self.ckpt.on_commit(commit)
                 stats = ray.get([s.stats.remote() for s in self.servers])
                 self._committed_records = {s.server: s.records for s in stats}
                 self.saved.append(end)

@@ -27,15 +27,17 @@ from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
 
 
-def supervision(spec: JobSpec) -> tuple:
-    """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them."""
+def supervision(spec: JobSpec, on_commit=None) -> tuple:
+    """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them; `on_commit(Commit)`
+    after each checkpoint the job commits."""
     from paramserver.checkpoint import PSJob
     from paramserver.recovery import Fault
     from paramserver.supervisor import Checkpoints
 
     ckpt = spec.checkpoint
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep)
-    checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options))
+    checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
+                              on_commit=on_commit)
     faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)
               for f in spec.chaos.faults]
     return checkpoints, faults
@@ -50,9 +52,11 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
 
     par = spec.parallel
     ledger = GoodputLedger()  # start-up from here: Ray, the actors
-    checkpoints, faults = supervision(spec)
-    conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     metrics = JobMetrics(spec.name)
+    # A PS save blocks every worker until it commits: its whole time is what it cost training.
+    checkpoints, faults = supervision(spec, on_commit=lambda c: metrics.on_checkpoint(
+        c.step, c.nbytes, c.total_s, c.total_s, None))
+    conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     try:
         port = metrics.serve(spec.monitor.host, spec.monitor.port)

@@ -219,6 +219,7 @@ class World:
         for s in servers:
             assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
         self.commits[step] = [copy.deepcopy(s.shard) for s in servers]
+        return types.SimpleNamespace(step=step)  # what the supervisor reads of a ckpt.commit.Commit
 
     def latest(self, root, storage_options=None):
         return max(self.commits, default=None)
@@ -249,11 +250,11 @@ def expected():
     return losses
 
 
-def _run(world: World, faults=(), every: int | None = 4):
+def _run(world: World, faults=(), every: int | None = 4, on_commit=None):
     from paramserver.job import step_losses
 
     actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
-    checkpoints = sup.Checkpoints("fake://ckpt", every, job=None) if every else None
+    checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit) if every else None
     ledger = GoodputLedger(clock=lambda: world.now)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
                                 faults=list(faults), ledger=ledger)
@@ -270,8 +271,9 @@ def _applied_once(supervisor) -> bool:
 
 
 def test_without_faults_every_segment_is_saved_and_the_wall_is_productive(world, expected):
-    supervisor, losses, ledger = _run(world)
-    assert losses == expected and supervisor.saved == [4, 8] and supervisor.failures == []
+    commits = []
+    supervisor, losses, ledger = _run(world, on_commit=lambda commit: commits.append(commit.step))
+    assert losses == expected and supervisor.saved == [4, 8] == commits and supervisor.failures == []
     totals = ledger.totals()
     assert totals["productive"] > 0 and totals["reformation"] == totals["lost_work"] == 0
     assert sum(totals.values()) == pytest.approx(ledger.wall())
