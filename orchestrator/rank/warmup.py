@@ -15,8 +15,10 @@ synthetic data in this process alone (one rank, no process group), then is dropp
 
 from __future__ import annotations
 
+import logging
 import time
 
+log = logging.getLogger(__name__)
 TWIN_DIMS = {"vocab_size": 256, "n_layers": 1, "d_model": 32, "d_ff": 64, "n_heads": 2, "max_seq_len": 16,
              "from_hf": None, "preset": None}
 TWIN_SEQ_LEN = 8
@@ -33,15 +35,22 @@ def tiny_twin(model, train):
     return twin, data, steps, ParallelConfig()
 
 
-def warm_first_step(spec, device) -> float:
-    """Build the twin on `device` and train it one step; returns the seconds it took."""
+def warm_first_step(spec, device) -> float | None:
+    """Build the twin on `device` and train it one step; returns the seconds it took, or None when
+    the twin failed (logged: the spare stays a spare, warm to its imports; a takeover then pays the
+    first build itself, as before)."""
     from trainer.engine import Engine
 
     started = time.perf_counter()
-    model, data, train, parallel = tiny_twin(spec.model, spec.train)
-    engine = Engine(model, data, train, parallel, rank=0, world_size=1, device=device.type)
     try:
-        engine.train_step()
-    finally:
-        engine.data.close(wait=False)
+        model, data, train, parallel = tiny_twin(spec.model, spec.train)
+        engine = Engine(model, data, train, parallel, rank=0, world_size=1, device=device.type)
+        try:
+            engine.train_step()
+        finally:
+            engine.data.close(wait=False)
+    except Exception as err:  # an optimisation only: never the reason a spare is lost
+        log.warning("spare warm-up: the tiny twin of the model failed (%s: %s); the first engine build "
+                    "will be paid at takeover", type(err).__name__, err)
+        return None
     return time.perf_counter() - started

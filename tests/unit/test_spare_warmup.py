@@ -49,3 +49,12 @@ def test_warming_a_70b_job_takes_a_moment_and_leaves_training_unchanged():
     warm_first_step(_spec(preset="llama3.1-70b"), torch.device("cpu"))
     assert time.perf_counter() - started < 10  # a full 70B build would not end, nor fit
     assert losses() == before  # the twin leaves no state (seeds, RNG) the job's engine sees
+
+
+def test_a_twin_that_fails_leaves_the_spare_a_spare(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr("trainer.engine.Engine", broken)
+    assert warm_first_step(_spec(), torch.device("cpu")) is None
+    assert "spare warm-up: the tiny twin of the model failed (RuntimeError: no such kernel)" in caplog.text
