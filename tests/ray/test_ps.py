@@ -6,10 +6,9 @@ arithmetic is covered fast in tests/unit/test_ps_protocol.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests._ray_local import embedded_ray
 from tests.dist._launch import run_ranks
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.engine import Engine
@@ -25,14 +24,8 @@ ASP_THRESHOLD = 3.5  # ln(64) = 4.16 at the start; the synthetic chain's floor i
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private cluster inside this process
-    ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level="ERROR")
-    try:
+    with embedded_ray(num_cpus=6):
         yield
-    finally:
-        ray.shutdown()
 
 
 def _collective_losses(rank: int, world_size: int) -> list[float]:
