@@ -79,6 +79,9 @@ class FailureRecord(BaseModel):
     storage_read_bytes: int | None = None
     restore_s: float | None = None
     lost_work_s: float | None = None
+    # Survivors killed because they were not out of the broken generation within the release
+    # timeout (hung in a collective); each costs a replacement of its own.
+    killed_at_release: list[int] = []
 
 
 class FaultRecord(BaseModel):

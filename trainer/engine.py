@@ -110,7 +110,8 @@ class Engine(EngineState):
     forward (before the backward that syncs gradients; with pp > 1 after the whole schedule,
     see the module docstring), while the backward's gradient all-reduce is in flight (DDP only:
     on the first bucket DDP hands to the all-reduce, after it was launched; dp = 1 and FSDP never
-    reach it), after that backward, and after the optimizer step.
+    reach it), after that backward, and after the optimizer step. `mesh`: this layout's DeviceMesh
+    (`build_mesh`) when the caller built it, to record the sockets its groups open; else built here.
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class Engine(EngineState):
         world_size: int,
         device: str | torch.device = "cpu",
         fault_hook: Callable[[str, int], None] | None = None,
+        mesh=None,
     ):
         check_layout(model, data, train, parallel, world_size, rank)
         self.device = torch.device(device)
@@ -135,7 +137,7 @@ class Engine(EngineState):
         self.model_config, self.data_config = model, data
         self.train_config, self.parallel_config = train, parallel
         self.rank, self.world_size = rank, world_size
-        self.topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp, dp_replicate=parallel.dp_replicate)
+        self.topology = Topology.of(parallel)
         coords = self.topology.coords(rank)
         self.dp_rank, self.dp_size = coords.dp, parallel.dp
         self.pp_rank, self.pp_size = coords.pp, parallel.pp
@@ -146,7 +148,7 @@ class Engine(EngineState):
         self.fault_hook = fault_hook
         self.n_micro = microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)
         self.data = make_cursor(data, model.vocab_size)
-        self.mesh = build_mesh(self.topology, self.device.type) if world_size > 1 else None
+        self.mesh = mesh if mesh is not None or world_size == 1 else build_mesh(self.topology, self.device.type)
         self._dp_group = self.mesh["dp"].get_group() if self.mesh is not None else None
         self._ddp = None
         self._fsdp = parallel.zero >= 2 and parallel.dp > 1
@@ -345,7 +347,6 @@ class Engine(EngineState):
         dp_size / global_tokens. DDP reduces only in the last microbatch's backward; FSDP2
         reduce-scatters every microbatch's (trainer.data_parallel.gradient_sync).
         Returns this rank's summed token loss (over its dp replica's samples).
-
         With pp > 1 `_pipeline_forward_backward` takes this method's place, with the same
         loss, scaling and return value; each stage reduces its gradients once, after the schedule.
         """
@@ -368,7 +369,6 @@ class Engine(EngineState):
     def _pipeline_forward_backward(self, step: int, batches: list[Batch], global_tokens: int,
                                    loss_scale: float) -> float:
         """`_forward_backward` through the pipeline schedule (collective over pp).
-
         The runner applies the same loss and scale (under `loss_context(tp)`), and each stage's
         DDP / FSDP reduces its gradients once, in its last backward. Then the tied embedding's
         two copies sum their gradients. Returns the pipeline's loss sum on every stage.

@@ -51,6 +51,11 @@ class Topology:
     tp: int = 1
     dp_replicate: int = 1
 
+    @classmethod
+    def of(cls, parallel) -> Topology:
+        """The topology of a `ParallelConfig`."""
+        return cls(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp, dp_replicate=parallel.dp_replicate)
+
     def __post_init__(self) -> None:
         for dim in (*MESH_DIMS, "dp_replicate"):
             value = getattr(self, dim)

@@ -63,6 +63,7 @@ COLLECTIVES = {
     "send_recv": "send/recv ring, 1 MB (pipeline-style)",
     "barrier": "barrier",
     "ddp": "DDP backward, 1 MB of grads in 4 buckets",
+    "mesh": "dp x pp=2 DeviceMesh: 1 MB send/recv on the pp sub-group, then all_reduce on the dp sub-group",
 }
 
 
@@ -103,7 +104,29 @@ def make_step(collective: str, rank: int, world_size: int):
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.25)
         batch = torch.randn(8, 256)
         return lambda: model(batch).sum().backward()
+    if collective == "mesh":
+        return _mesh_step(rank, world_size, one_mb)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+def _mesh_step(rank: int, world_size: int, one_mb):
+    """A pipeline step on sub-groups (the engine's pattern at pp = 2): stage 0 sends its
+    activations to stage 1 over the pp group, then both all-reduce gradients over their dp group.
+    The sub-groups are process groups of their own, with sockets opened after init."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.arange(world_size).reshape(world_size // 2, 2), mesh_dim_names=("dp", "pp"))
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    stage, peer = rank % 2, rank ^ 1  # pp group: (2k, 2k + 1)
+
+    def step():
+        if stage == 0:
+            dist.send(one_mb, peer, group=pp_group)
+        else:
+            dist.recv(one_mb, peer, group=pp_group)
+        dist.all_reduce(one_mb, group=dp_group)
+    step.mesh = mesh  # keep the groups alive
+    return step
 
 
 def join_group(store, prefix: str, rank: int, world_size: int) -> CommSockets:
@@ -138,7 +161,8 @@ def _rank(rank: int, world_size: int, port: int, collective: str, mode: str) -> 
     survivors = [r for r in range(world_size) if r != VICTIM]
     try:
         sockets = join_group(store, "gen0", rank, world_size)
-        step = make_step(collective, rank, world_size)  # keep it (and DDP's reference to the group) alive
+        with sockets.adding():  # the sub-groups a step may create (comm_abort's step 1)
+            step = make_step(collective, rank, world_size)  # keep it (and DDP's reference to the group) alive
         for _ in range(WARMUP):
             step()
         if rank == VICTIM:

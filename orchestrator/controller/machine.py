@@ -346,14 +346,13 @@ class Controller:
             self._go(Checkpointing(run, step), f"step {step}: shards arriving "
                                                f"({len(pending[step].receipts)}/{self.world_size})")
         elif self.state == State.CHECKPOINTING and not pending:
-            saving = self.phase.step
             last = self.record.checkpoints[-1] if self.record.checkpoints else None
-            if last is not None and last.step >= saving:
+            if last is not None and last.step >= self.phase.step:
                 self._go(Running(run), f"step {last.step} committed: {last.bytes / 1e6:.2f} MB, blocking "
                                        f"{last.blocking_s * 1e3:.0f} ms, total {last.total_s * 1e3:.0f} ms")
                 self.snapshots.save(self.ledger)
             else:
-                self._go(Running(run), f"save of step {saving} dropped (incomplete)")
+                self._go(Running(run), f"save of step {self.phase.step} dropped (incomplete)")
 
     # ---- failure, recovery, growth ------------------------------------------------------------
 
@@ -378,6 +377,7 @@ class Controller:
         released = self.recovery.release(self.store, self.world_size, failure.errors, self.intake.take_lost_nodes())
         self.intake.drain(self.store)
         self.failure_history.append(self.blame.attribute(failure, released.dead, released.stuck))
+        failure.record.killed_at_release = released.stuck
         self.fault_clock.sweep_fired(failure.detected_at)
         restore_point = self.checkpoints.expected_restore_point(self.workers) or 0
         lost = failure.record.lost_work_s = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,

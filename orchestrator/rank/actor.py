@@ -195,7 +195,8 @@ class RankActor:
         self._drop_engine()  # drop the previous generation's engine before measuring the baseline
         device = torch_device(self.spec)
         self.baseline_bytes = current_bytes(device)
-        self.engine = build_engine(self.spec, self.rank, self.world_size, dp)
+        self.engine = build_engine(self.spec, self.rank, self.world_size, dp,
+                                   recording_groups=self.sockets.adding)
         built = time.perf_counter()
         if source is not None:
             load_from_memory(self.engine, source, self.held)

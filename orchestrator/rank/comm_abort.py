@@ -22,7 +22,11 @@ exception at its next collective, handled as gloo's socket errors are.
 Protocol (rank side, in `RankActor`):
   1. `with CommSockets.capture() as sockets: dist.init_process_group(...)` records the
      socket descriptors the group opened (and sets NCCL's error handling, read when each
-     NCCL group is constructed).
+     NCCL group is constructed). Every process group created later (a DeviceMesh's pp, tp and
+     dp sub-groups) has sockets of its own: build them inside `with sockets.adding():`.
+     Missing one is not harmless: a survivor blocked on a sub-group whose peer is alive but
+     already out (a pipeline stage waiting on the dp neighbour of the dead rank) is released by
+     nobody (python -m bench.release, collective `mesh`).
   2. `sockets.abort()` from the training thread after a collective error, or from the
      abort-watcher thread when the controller sets the abort key. Idempotent; thread-safe
      (shutdown on a socket is safe while another thread is blocked on it).
@@ -65,9 +69,17 @@ class CommSockets:
     def capture(cls):
         sockets = cls()
         set_nccl_error_handling()
+        with sockets.adding():
+            yield sockets
+
+    @contextlib.contextmanager
+    def adding(self):
+        """Also record the sockets opened inside this block (process groups created after init).
+
+        Any thread's new socket counts, so keep the block to group creation alone."""
         before = _socket_fds()
-        yield sockets
-        sockets.fds = _socket_fds() - before
+        yield self
+        self.fds |= _socket_fds() - before
 
     def abort(self) -> int:
         """Shut down the group's connected sockets (gloo) or abort the communicator (nccl).

@@ -9,6 +9,8 @@ collectives, no other rank involved.
 
 from __future__ import annotations
 
+import contextlib
+
 from ckpt.catalog import Catalog
 from ckpt.reader import read_manifest, read_slices
 from ckpt.storage import Storage
@@ -19,15 +21,24 @@ def catalog_for(spec) -> Catalog:
     return Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
 
 
-def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None):
-    """The engine for this generation's layout: the spec's, with the current (elastic) dp."""
+def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
+                 recording_groups=contextlib.nullcontext):
+    """The engine for this generation's layout: the spec's, with the current (elastic) dp.
+
+    Its process groups (the DeviceMesh) are created inside `recording_groups()`, the rank's
+    `CommSockets.adding`, so that an abort reaches their sockets too."""
     from trainer.engine import Engine
+    from trainer.topology import Topology, build_mesh
 
     device = "cuda" if spec.resources.gpus_per_rank > 0 else "cpu"
     parallel = spec.parallel.with_dp(dp)
+    mesh = None
+    if world_size > 1:
+        with recording_groups():
+            mesh = build_mesh(Topology.of(parallel), device)
     return Engine(
         spec.model, spec.data, spec.train, parallel,
-        rank=rank, world_size=world_size, device=device, fault_hook=fault_hook,
+        rank=rank, world_size=world_size, device=device, fault_hook=fault_hook, mesh=mesh,
     )
 
 

@@ -36,7 +36,7 @@ def test_abort_on_error_releases_every_survivor(collective):
     assert_reformed(report)
 
 
-@pytest.mark.parametrize("collective", ["all_reduce_1mb", "ddp"])
+@pytest.mark.parametrize("collective", ["all_reduce_1mb", "ddp", "mesh"])
 def test_watcher_releases_a_survivor_nobody_else_releases(collective):
     """Survivors that see an error do nothing; a survivor whose own collective never errors
     (not a neighbour of the dead rank) stays blocked until the controller sets the abort key,

@@ -65,4 +65,7 @@ def test_pipeline_job_recovers_and_agrees_with_the_sharded_layout(ray_cluster, t
     report = _ok(proc, path)
     assert [(w["dp"], w["pp"]) for w in report["world_history"]] == [(2, 2), (2, 2)]
     assert [f["kind"] for f in report["failures"]] == ["kill_rank"]
+    # Rank 2 (stage 0 of replica 1) errors out first; rank 0 waits for it in the stage-0 dp group, a
+    # sub-group of the mesh: the abort must reach that group's sockets, or rank 0 hangs and is killed.
+    assert report["failures"][0]["killed_at_release"] == []
     assert report["final_loss"] == pytest.approx(sharded_reference["final_loss"], rel=1e-4)
