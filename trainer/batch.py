@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from trainer.loss import IGNORE_INDEX
 
@@ -60,13 +61,10 @@ def microbatches_per_rank(global_batch: int, micro_batch: int, dp_size: int) -> 
 
 def collate(samples: list[torch.Tensor]) -> Batch:
     """Shift each sample into (inputs, labels) and right-pad them to the longest one."""
-    width = max(len(sample) for sample in samples) - 1
-    input_ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        input_ids[row, : len(sample) - 1] = sample[:-1]
-        labels[row, : len(sample) - 1] = sample[1:]
-    return Batch(input_ids, labels)
+    # One padding call per tensor instead of two copies per row: this runs every step.
+    input_ids = pad_sequence([sample[:-1] for sample in samples], batch_first=True, padding_value=0)
+    labels = pad_sequence([sample[1:] for sample in samples], batch_first=True, padding_value=IGNORE_INDEX)
+    return Batch(input_ids.long(), labels.long())
 
 
 def owned_indices(global_batch: int, dp_rank: int, dp_size: int) -> range:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 
 import fsspec
+import numpy as np
 import torch
 
 from trainer.batch import Batch, SampleDigest, collate, microbatches_per_rank, owned_indices
@@ -41,7 +42,7 @@ SYNTHETIC_NOISE = 0.1
 BYTE_VOCAB = 256
 
 
-def _affine_powers(mul: int, add: int, vocab_size: int, n: int) -> torch.Tensor:
+def _affine_powers(mul: int, add: int, vocab_size: int, n: int) -> np.ndarray:
     """[2, n] int64: row 0 a^k mod V, row 1 c (a^(k-1) + ... + 1) mod V, for k = 0..n-1 (the map
     x -> (a x + c) mod V applied k times is x -> (row0[k] x + row1[k]) mod V). Entries stay below V,
     so a product with a token (< V) fits int64 for any vocabulary."""
@@ -49,7 +50,7 @@ def _affine_powers(mul: int, add: int, vocab_size: int, n: int) -> torch.Tensor:
     for _ in range(n - 1):
         power, offset = out[-1]
         out.append(((power * mul) % vocab_size, (offset * mul + add) % vocab_size))
-    return torch.tensor(out, dtype=torch.long).T.contiguous()
+    return np.ascontiguousarray(np.array(out, dtype=np.int64).T)
 
 
 def read_text_bytes(path: str) -> torch.Tensor:
@@ -117,13 +118,15 @@ class DataCursor:
         seq_len = self.cfg.seq_len
         shortest = max(1, math.ceil(self.cfg.min_len_fraction * seq_len))
         n_tokens = int(torch.randint(shortest, seq_len + 1, (1,), generator=gen)) + 1
-        restart = torch.rand(n_tokens, generator=gen) < SYNTHETIC_NOISE
-        random_tokens = torch.randint(0, self.vocab_size, (n_tokens,), generator=gen)
+        restart = torch.rand(n_tokens, generator=gen).numpy() < SYNTHETIC_NOISE
+        random_tokens = torch.randint(0, self.vocab_size, (n_tokens,), generator=gen).numpy()
+        # The arithmetic in numpy: the same int64 values, at a fraction of torch's per-op cost
+        # on arrays this small (this runs on the training thread, every step).
         restart[0] = True
-        positions = torch.arange(n_tokens)
-        last_restart = torch.cummax(torch.where(restart, positions, 0), dim=0).values
+        positions = np.arange(n_tokens)
+        last_restart = np.maximum.accumulate(np.where(restart, positions, 0))
         mul, add = self._powers[:, positions - last_restart]
-        return (mul * random_tokens[last_restart] + add) % self.vocab_size
+        return torch.from_numpy((mul * random_tokens[last_restart] + add) % self.vocab_size)
 
     def sample_ids(self, step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
         """The global sample indices of `step` that data-parallel rank `dp_rank` owns: a contiguous

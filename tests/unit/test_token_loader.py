@@ -86,11 +86,11 @@ def test_every_layout_sees_the_same_global_batch_and_each_rank_reads_only_its_ow
 def test_prefetch_serves_the_next_steps_and_a_restore_drops_them(tmp_path):
     cursor = make(tmp_path, prefetch_steps=3)
     cursor.microbatches(0, 4, 2, 0, 1)
-    assert sorted(k[0] for k in cursor._ahead) == [1, 2, 3]
+    assert sorted(k[0] for k in cursor.prefetcher.ahead()) == [1, 2, 3]
     cursor.microbatches(1, 4, 2, 0, 1)
-    assert sorted(k[0] for k in cursor._ahead) == [2, 3, 4]
+    assert sorted(k[0] for k in cursor.prefetcher.ahead()) == [2, 3, 4]
     cursor.microbatches(0, 4, 2, 0, 1)  # a rollback: the steps ahead of it are recomputed
-    assert sorted(k[0] for k in cursor._ahead) == [1, 2, 3]
+    assert sorted(k[0] for k in cursor.prefetcher.ahead()) == [1, 2, 3]
     cursor.close()
 
 

@@ -4,10 +4,9 @@ Protocol: the engine builds one `TokenCursor` per rank (through `trainer.data.ma
 and calls `microbatches(step, global_batch, micro_batch, dp_rank, dp_size)` once per step on
 its training thread, as with the synthetic cursor. Sample i of step s is the window
 `WindowSchedule.window(s, i)` (trainer/tokens/windows.py), a pure function of (seed, s, i), so
-a resume in any layout neither skips nor repeats one. The cursor then asks its background
-thread for the next `prefetch_steps` steps of the same place in the layout; a request for
-another step or layout (a restore, an elastic change) drops what was prefetched. At most
-`prefetch_steps` steps of this rank's windows are held: the loader's memory is bounded by
+a resume in any layout neither skips nor repeats one. The reads go through a
+trainer.prefetch.StepPrefetcher: the next `prefetch_steps` steps of the same place in the
+layout are read ahead, and the loader's memory is bounded by
 prefetch_steps x (global_batch / dp) x (seq_len + 1) x 8 bytes, whatever the dataset's size.
 
 `last_wait_s` is how long the last call waited for data (the read, or the rest of a prefetch
@@ -18,15 +17,14 @@ exactly-once check.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from trainer.batch import SampleDigest, collate, microbatches_per_rank, owned_indices
+from trainer.prefetch import StepPrefetcher
 from trainer.tokens.reader import TokenDataset
 from trainer.tokens.windows import Source, WindowSchedule
 
@@ -45,9 +43,7 @@ class TokenCursor:
                                  f" + 1 = {self.span}: use a larger dataset or a shorter seq_len")
         self.sources = [Source(len(ds) // self.span, w) for ds, w in zip(self.datasets, self.weights, strict=True)]
         self._schedules: dict[int, WindowSchedule] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
-        self._ahead: dict[tuple, Future] = {}
-        self._lock = threading.Lock()
+        self.prefetcher = StepPrefetcher(self._load, prefetch_steps)
         self.last_wait_s = 0.0
         self.consumed = SampleDigest()
 
@@ -93,31 +89,11 @@ class TokenCursor:
         if not record:
             return self._load(key)[0]
         started = time.perf_counter()
-        with self._lock:
-            future = self._ahead.pop(key, None)
-            if future is None:  # not the step we prefetched for: a restore or a new layout
-                for other in self._ahead.values():
-                    other.cancel()
-                self._ahead.clear()
-        batches, ids = future.result() if future is not None else self._load(key)
+        batches, ids = self.prefetcher.get(key)
         self.last_wait_s = time.perf_counter() - started
         self.consumed.add(step, ids)
-        self._prefetch_after(key)
         return batches
 
-    def _prefetch_after(self, key: tuple) -> None:
-        step, rest = key[0], key[1:]
-        with self._lock:
-            for ahead in range(step + 1, step + 1 + self.prefetch_steps):
-                nxt = (ahead, *rest)
-                if nxt not in self._ahead:
-                    self._ahead[nxt] = self._pool.submit(self._load, nxt)
-
     def close(self, wait: bool = True) -> None:
-        """Cancel the reads ahead; `wait` for the one in flight (a rank dropping its engine does not:
-        a read stuck on a failing store must not hold up the restore)."""
-        with self._lock:
-            for future in self._ahead.values():
-                future.cancel()
-            self._ahead.clear()
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        """Stop reading ahead (trainer.prefetch.StepPrefetcher.close)."""
+        self.prefetcher.close(wait)

@@ -1,0 +1,68 @@
+"""Steps of data loaded ahead by a background thread, for every data cursor.
+
+Protocol: a cursor builds one `StepPrefetcher(load, steps)` and, on the training thread, calls
+`get(key)` once per step, where `key = (step, *place)` (`place`: the rest of what `load`
+needs, e.g. the batch sizes and this rank's place in the layout) and `load(key)` is a pure
+function of the key. `get` returns the prefetched result for `key` (waiting for it if still
+in flight) or loads it on the spot; then it asks the thread for steps step+1 .. step+`steps`
+of the same place. A `get` for anything else (a restore, an elastic change of layout) drops
+what was prefetched. At most `steps` results are held, so memory stays bounded whatever the
+dataset's size. `close` cancels what is ahead; a cursor calls it when its engine is dropped.
+
+Why a thread: the training thread's data wait is booked as `data` badput, and a read from
+object storage (the token loader's) mostly waits on the network, which then overlaps the
+step before. CPU-bound Python work gains nothing here on a busy CPU and holds the GIL the
+training thread needs: making the synthetic samples ahead left the 4-rank CPU chaos job's steps
+slower (0.130 against 0.113 s, one run each) for 2% less data wait, so that cursor makes its
+samples on the spot, cheaply.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class StepPrefetcher(Generic[T]):
+    def __init__(self, load: Callable[[tuple], T], steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"data.prefetch_steps must be >= 1, got {steps}")
+        self.load, self.steps = load, steps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
+        self._ahead: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+
+    def ahead(self) -> list[tuple]:
+        """The keys prefetched or in flight (for tests and diagnostics)."""
+        with self._lock:
+            return list(self._ahead)
+
+    def get(self, key: tuple) -> T:
+        """`load(key)`, prefetched if it was; then prefetch the steps after it (module docstring)."""
+        with self._lock:
+            future = self._ahead.pop(key, None)
+            if future is None:  # not the step we prefetched for: a restore or a new layout
+                for other in self._ahead.values():
+                    other.cancel()
+                self._ahead.clear()
+        result = future.result() if future is not None else self.load(key)
+        step, place = key[0], key[1:]
+        with self._lock:
+            for ahead in range(step + 1, step + 1 + self.steps):
+                nxt = (ahead, *place)
+                if nxt not in self._ahead:
+                    self._ahead[nxt] = self._pool.submit(self.load, nxt)
+        return result
+
+    def close(self, wait: bool = True) -> None:
+        """Cancel the loads ahead; `wait` for the one in flight (a rank dropping its engine does not:
+        a read stuck on a failing store must not hold up the restore)."""
+        with self._lock:
+            for future in self._ahead.values():
+                future.cancel()
+            self._ahead.clear()
+        self._pool.shutdown(wait=wait, cancel_futures=True)
