@@ -37,14 +37,27 @@ class BackgroundCost:
         """Seconds the steps after `saved_step`, up to the newest reported, ran above a clean step."""
         if not steps:
             return 0.0
-        window = [s for s in range(saved_step + 1, max(steps) + 1) if s in steps]
+        newest = max(steps)
+        window = [s for s in range(saved_step + 1, newest + 1) if s in steps]
         self.overlapped.update(window)
         self.overlapped.add(saved_step)  # it holds the blocking time: not a clean step either
-        clean = [steps[s].step_s for s in sorted(steps) if s not in self.overlapped][-BASELINE_WINDOW:]
+        clean = self._newest_clean(steps, newest)
         if len(clean) < MIN_CLEAN_STEPS:
             return 0.0
         baseline = statistics.median(clean)
         return sum(max(0.0, steps[s].step_s - baseline) for s in window)
+
+    def _newest_clean(self, steps: Mapping[int, _Step], newest: int) -> list[float]:
+        """The times of the newest BASELINE_WINDOW clean steps, walking back from `newest`: a
+        save's cost must not grow with the job's age (a sort of every step was, at 20,000 steps,
+        a good part of the controller's core)."""
+        clean: list[float] = []
+        for step in range(newest, -1, -1):
+            if len(clean) == BASELINE_WINDOW:
+                break
+            if step in steps and step not in self.overlapped:
+                clean.append(steps[step].step_s)
+        return clean
 
     def on_restored(self, anchor: int | None) -> None:
         """A generation resumed after step `anchor`: the steps after it will be run (and timed) again."""

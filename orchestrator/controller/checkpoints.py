@@ -163,7 +163,7 @@ class Checkpoints:
         self.publish(self.plan_anchor)
 
     def publish(self, anchor: int) -> None:
-        times = [r.step_s for r in self.record.steps.values()]
+        times = self.record.recent_step_times()
         every, memory_every = self.interval_policy.every(times), self.memory.every(times)
         self.plan_version += 1
         self.plan_every, self.plan_anchor, self.plan_memory_every = every, anchor, memory_every
@@ -230,7 +230,7 @@ class Checkpoints:
         time-based interval (young, young-daly, every_seconds) takes effect. The new anchor is
         ahead of the fastest rank, so ranks picking the plan up at slightly different steps
         still agree on every save step after it."""
-        times = [r.step_s for r in self.record.steps.values()]
+        times = self.record.recent_step_times()
         every, memory_every = self.interval_policy.every(times), self.memory.every(times)
         memory_moved = memory_every is not None and abs(memory_every - (self.plan_memory_every or 0)) > \
             0.2 * (self.plan_memory_every or 0)

@@ -9,8 +9,10 @@ end included (`report`), so the event log rebuilds this report (`undying report`
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from monitor.events import end_event, goodput_event, record_event, step_event
@@ -32,6 +34,8 @@ from monitor.report import (
 from monitor.tracking import NO_TRACKING
 from orchestrator.controller.step_history import record_step
 from orchestrator.wire.messages import EvalDone, StepDone
+
+RECENT_STEPS = 200  # step executions kept in `JobRecord.recent`
 
 
 @dataclass
@@ -58,6 +62,9 @@ class JobRecord:
         self.progress_every_s = progress_every_s
         self.started = time.time()
         self.steps: dict[int, StepRecord] = {}
+        # The newest step executions, in arrival order: what "the step time now" is measured on.
+        # Bounded, so that the watchdog asking every poll costs the same at step 10 and 10 million.
+        self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self.failures: list[FailureRecord] = []
         self.faults: list[FaultRecord] = []
         self.checkpoints: list[CheckpointRecord] = []
@@ -99,6 +106,7 @@ class JobRecord:
             self.redone_steps += 1
             self.redone_s += rec.step_s
         self.steps[rec.step] = rec
+        self.recent.append(rec)
         self.last_step = rec.step
         record_step(self.history, rec.step, self.dp)
         self.progress_at = time.monotonic()
@@ -134,11 +142,15 @@ class JobRecord:
         return self.last_step + 1
 
     def median_step_s(self, last: int = 20) -> float | None:
-        recent = [r.step_s for r in sorted(self.steps.values(), key=lambda r: r.time)[-last:]]
+        recent = [r.step_s for r in itertools.islice(reversed(self.recent), last)]
         return statistics.median(recent) if recent else None
 
+    def recent_step_times(self) -> list[float]:
+        """The newest RECENT_STEPS step executions' times (the checkpoint cadence's step time)."""
+        return [r.step_s for r in self.recent]
+
     def tokens_per_s(self, last: int = 20) -> float | None:
-        recent = sorted(self.steps.values(), key=lambda r: r.time)[-last:]
+        recent = list(itertools.islice(reversed(self.recent), last))
         busy = sum(r.step_s for r in recent)
         return sum(r.tokens for r in recent) / busy if busy > 0 else None
 

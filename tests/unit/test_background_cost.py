@@ -49,3 +49,24 @@ def test_a_restore_forgets_the_marks_of_the_steps_it_will_run_again():
     assert 11 not in cost.overlapped and 10 in cost.overlapped
     cost.on_restored(None)
     assert not cost.overlapped
+
+
+def test_the_baseline_is_the_newest_clean_steps_whatever_the_job_s_age():
+    """Walking back from the newest step gives the median a sort of every step gave, with saves,
+    gaps (a rollback's missing steps) and more clean steps than the window."""
+    import random
+    import statistics
+
+    from orchestrator.controller.background_cost import BASELINE_WINDOW
+
+    rng = random.Random(0)
+    cost, times = BackgroundCost(), {}
+    for step in range(3000):
+        if rng.random() < 0.02:
+            continue  # never reported
+        times[step] = rng.uniform(0.08, 0.12)
+        if step % 25 == 0 and step:
+            cost.charge(step, steps(times))
+            clean = [times[s] for s in sorted(times) if s not in cost.overlapped][-BASELINE_WINDOW:]
+            newest = cost._newest_clean(steps(times), max(times))
+            assert len(newest) == len(clean) and statistics.median(newest) == statistics.median(clean)

@@ -219,3 +219,16 @@ def test_carry_adds_a_predecessors_totals_to_buckets_and_wall_alike():
     assert ledger.wall() == 20 == sum(totals.values()) and ledger.current == "productive"
     with pytest.raises(ValueError, match="need >= 0"):
         ledger.carry({"productive": -1.0})
+
+
+def test_the_step_time_now_is_measured_on_the_newest_executions_only():
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import RECENT_STEPS, JobRecord
+    from orchestrator.wire.messages import StepDone
+
+    record = JobRecord("unit", 10_000, JobMetrics("unit"), GoodputLedger(clock=FakeClock()), printer=lambda _: None)
+    for step in range(3 * RECENT_STEPS):
+        step_s = 1.0 if step < 2 * RECENT_STEPS else 0.25  # the job got faster
+        record.on_step(StepDone(step=step, loss=1.0, tokens=10, step_s=step_s, time=float(step)))
+    assert len(record.recent) == RECENT_STEPS  # bounded, however long the job
+    assert record.median_step_s() == 0.25 and record.recent_step_times() == [0.25] * RECENT_STEPS
