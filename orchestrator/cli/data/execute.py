@@ -68,10 +68,6 @@ def warm_workers(job: Job, tasks: int) -> list:
     return [remote.remote(job.tokenizer_json, job.plan.tokenizer_sha256) for _ in range(tasks)]
 
 
-def _import_ray_data() -> None:
-    import ray.data  # noqa: F401  (the import is the work)
-
-
 class RayDataExecutor:
     """Runs the units as Ray Data tasks on the cluster at `address` (None: embedded local Ray)."""
 
@@ -83,14 +79,7 @@ class RayDataExecutor:
 
         from orchestrator.cluster import ray_cluster
 
-        # Importing Ray Data costs the driver about 2 s; most of connecting (an embedded Ray's
-        # start above all) is waiting on other processes, so the two overlap.
-        importing = threading.Thread(target=_import_ray_data, name="import-ray-data", daemon=True)
-        importing.start()
-        try:
-            conn = ray_cluster.connect(self.address, cpus_needed=1, gpus_needed=0)
-        finally:
-            importing.join()  # never leave an import running into an exit
+        conn = ray_cluster.connect(self.address, cpus_needed=1, gpus_needed=0)
         try:
             address = self.address or os.environ.get("RAY_ADDRESS")
             where = "the embedded local Ray" if conn.embedded else f"the Ray cluster at {address}"
@@ -99,7 +88,7 @@ class RayDataExecutor:
             # Not waited on: the units queue behind them for the CPUs, and a warm-up's error is
             # the units' error too, reported by them.
             warm_workers(job, max(1, min(cpus, len(indices))))
-            import ray.data  # imported above, while connecting
+            import ray.data  # while the workers warm up
 
             context = ray.data.DataContext.get_current()
             context.enable_progress_bars = False  # the driver prints its own progress line
