@@ -126,7 +126,7 @@ def built_on_meta(model: ModelConfig, data: DataConfig, train: TrainConfig, para
                   rank: int) -> tuple[int, torch.nn.Module, list[torch.Tensor]]:
     """(pipeline rank, the rank's model, the parameters its optimizer steps), built as the
     engine builds them (module docstring), on the meta device, inside a fake world."""
-    topology = Topology(dp=parallel.dp, pp=parallel.pp, tp=parallel.tp, dp_replicate=parallel.dp_replicate)
+    topology = Topology.of(parallel)
     pp_rank, meta = topology.coords(rank).pp, torch.device("meta")
     mesh = build_mesh(topology, "cpu") if parallel.world_size > 1 else None
     if parallel.pp > 1:
