@@ -99,8 +99,9 @@ class MemoryLevelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(False, description="keep in-memory snapshots (each copied to a buddy rank on another node) "
-                          "beside the storage checkpoints; a failure's recovery restores from them when it can")
+    enabled: bool = Field(True, description="keep in-memory snapshots (each copied to a buddy rank on another node) "
+                          "beside the storage checkpoints; a failure's recovery restores from them when it can "
+                          "(default on; off by default with parallel.mode ps, which keeps none)")
     every_steps: int | None = Field(None, gt=0, description="snapshot every this many optimizer steps (else "
                                     "`interval`)")
     interval: Literal["young", "young-daly"] | float = Field(

@@ -46,10 +46,12 @@ from bench.recovery.systems import run_raytrain, run_torchrun, run_undying
 # host memory, copied to a buddy rank) to the warm spare; its cadence, MEMORY_EVERY steps, is
 # justified in docs/benchmarks.md (the recovery notes).
 MEMORY_EVERY = 4
-SYSTEMS = {"undying": ("undying", ["elastic.spares=0"]),
-           "undying-spare": ("undying (warm spare)", ["elastic.spares=1"]),
+# The first three rows are storage only (the memory level is on by default, so they switch it off).
+STORAGE_ONLY = "checkpoint.memory.enabled=false"
+SYSTEMS = {"undying": ("undying", ["elastic.spares=0", STORAGE_ONLY]),
+           "undying-spare": ("undying (warm spare)", ["elastic.spares=1", STORAGE_ONLY]),
            "undying-shrink": ("undying (shrink)", ["elastic.spares=0", "elastic.replace_timeout_s=0",
-                                                   "elastic.grow=false"]),
+                                                   "elastic.grow=false", STORAGE_ONLY]),
            "undying-memory": ("undying (two-level)", ["elastic.spares=1", "checkpoint.memory.enabled=true",
                                                       f"checkpoint.memory.every_steps={MEMORY_EVERY}"]),
            "raytrain": ("Ray Train", None), "torchrun": ("torchrun", None)}

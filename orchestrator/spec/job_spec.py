@@ -33,7 +33,7 @@ from monitor.config import MonitorConfig
 from orchestrator.spec.elastic import ElasticConfig
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
-from orchestrator.spec.ps_check import ps_problems
+from orchestrator.spec.ps_check import ps_defaults, ps_problems
 from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -99,6 +99,11 @@ class JobSpec(_Strict):
             raise ValueError(f"{name!r} is not a safe directory name; use letters, digits, '.', '_' "
                              "and '-' only, e.g. 'llama-1b.run3'")
         return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_defaults(cls, data: Any) -> Any:
+        return ps_defaults(data)
 
     @model_validator(mode="after")
     def _cross_section(self) -> JobSpec:
@@ -260,6 +265,7 @@ def problems_from_validation_error(error: ValidationError) -> list[Problem]:
 def _valid_sections(data: Mapping[str, Any]) -> SimpleNamespace:
     """Each section of `data` that passes its own checks; None for the others."""
     view: dict[str, Any] = {}
+    data = ps_defaults(data)
     for key, info in JobSpec.model_fields.items():
         model, view[key] = _model_in(info.annotation), None
         if model is None or (key not in data and info.is_required()):

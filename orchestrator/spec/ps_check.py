@@ -7,6 +7,7 @@ skipped). Each problem names the field to change and why the mode refuses it tod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.spec.problems import Problem
@@ -14,6 +15,28 @@ from orchestrator.spec.problems import Problem
 # Fields of `parallel:` that only parameter-server mode reads, with their defaults. A default is
 # accepted in collective mode (a spec's canonical JSON names every field); another value is not.
 PS_DEFAULTS = {"servers": 1, "consistency": "bsp", "staleness": None}
+
+
+def ps_defaults(data: Any) -> Any:
+    """Raw spec data (before validation) with parameter-server mode's own defaults filled in where
+    a `parallel.mode: ps` spec leaves them unset: its supervisor waits at each segment boundary for
+    the commit (`checkpoint.async: false`) and keeps no memory snapshots (`checkpoint.memory.enabled:
+    false`), where the collective defaults are a background save and the memory level on. A value
+    the spec sets is kept, and refused by `ps_problems` when the mode cannot run it."""
+    if not isinstance(data, Mapping) or _mode(data.get("parallel")) != "ps":
+        return data
+    ckpt = data.get("checkpoint")
+    if not isinstance(ckpt, Mapping):
+        return data
+    memory = ckpt.get("memory", {})
+    filled = {**ckpt} if "async" in ckpt or "async_" in ckpt else {**ckpt, "async": False}
+    if isinstance(memory, Mapping) and "enabled" not in memory:
+        filled["memory"] = {**memory, "enabled": False}
+    return {**data, "checkpoint": filled}
+
+
+def _mode(parallel: Any) -> Any:
+    return parallel.get("mode") if isinstance(parallel, Mapping) else getattr(parallel, "mode", None)
 
 
 def ps_problems(spec: Any) -> list[Problem]:

@@ -13,10 +13,13 @@ UNDYING = str(Path(sys.executable).parent / "undying")
 
 # The tiny job every ray test runs: 4 ranks, 40 steps, a checkpoint every 10. Each rank asks
 # for one of the custom `undying_slot` resources the test cluster's worker nodes offer. No warm
-# spare unless a test asks for one (the default, auto, would start a fifth actor in every job).
+# spare unless a test asks for one (the default, auto, would start a fifth actor in every job),
+# and no memory level unless a test asks for it: a failure here rolls back to the newest storage
+# checkpoint, the path these tests pin down (the memory level's own tests switch it on).
 BASE = [
     "train.steps=40", "checkpoint.every_steps=10", "checkpoint.keep=2", "parallel.dp=4",
     "train.global_batch=16", "train.micro_batch=2", "resources.custom={undying_slot: 1}", "elastic.spares=0",
+    "checkpoint.memory.enabled=false",
 ]
 
 

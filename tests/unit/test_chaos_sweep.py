@@ -112,8 +112,8 @@ def test_plot_is_written(tmp_path):
 
 def test_levels_run_each_interval_with_and_without_the_memory_level():
     base = _spec()
-    assert sweep.parse_levels(None, base) == ["storage"]
-    assert sweep.parse_levels(None, _spec("checkpoint.memory.enabled=true")) == ["two-level"]
+    assert sweep.parse_levels(None, base) == ["two-level"]  # the memory level is on by default
+    assert sweep.parse_levels(None, _spec("checkpoint.memory.enabled=false")) == ["storage"]
     assert sweep.parse_levels("storage, two-level", base) == ["storage", "two-level"]
     for bad in ("memory", "storage,storage", ""):
         with pytest.raises(SpecError) as err:

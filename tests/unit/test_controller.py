@@ -213,6 +213,9 @@ def _spec(tmp_path, **over):
         "elastic": {"max_restarts": 1},
     }
     data.update(over)
+    # The fake group keeps no memory level (it sends no snapshot receipts): a failure rolls back to
+    # the newest storage checkpoint, unless a test switches the level on itself.
+    data["checkpoint"] = {"memory": {"enabled": False}, **data["checkpoint"]}
     return validate_spec(data)
 
 

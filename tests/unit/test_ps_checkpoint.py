@@ -198,9 +198,18 @@ def _ps_spec(checkpoint: dict) -> dict:
 
 def test_the_spec_refuses_checkpoint_options_ps_mode_does_not_run():
     with pytest.raises(SpecError) as err:
-        validate_spec(_ps_spec({"every_seconds": 30, "memory": {"enabled": True}}))
+        validate_spec(_ps_spec({"every_seconds": 30, "async": True, "memory": {"enabled": True}}))
     problems = {p.field: p.message for p in err.value.problems}
     assert set(problems) == {"checkpoint.every_steps", "checkpoint.async", "checkpoint.memory.enabled"}
     assert "set checkpoint.async: false" in problems["checkpoint.async"]
     spec = validate_spec(_ps_spec({"every_steps": 5, "async": False}))
     assert spec.checkpoint.every_steps == 5
+
+
+def test_ps_mode_defaults_to_a_waited_save_and_no_memory_level_where_collective_keeps_both():
+    # Left unset, the checkpoint options ps mode cannot run take the values it runs.
+    ps = validate_spec(_ps_spec({"every_steps": 5, "memory": {"every_steps": 2}}))
+    assert not ps.checkpoint.async_ and not ps.checkpoint.memory.enabled and ps.checkpoint.memory.every_steps == 2
+    collective = {**_ps_spec({"every_steps": 5}), "parallel": {"dp": 2}, "train": {"steps": 2, "global_batch": 4}}
+    spec = validate_spec(collective)
+    assert spec.checkpoint.async_ and spec.checkpoint.memory.enabled

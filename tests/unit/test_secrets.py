@@ -23,7 +23,8 @@ SECRET, KEY = "s3cr3t-VALUE-never-logged", "AKIA-never-logged"
 
 
 def _spec_data(tmp_path, options_file: str | None = None) -> dict:
-    checkpoint = {"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2}
+    # No memory level: the fake worker group sends no snapshot receipts.
+    checkpoint = {"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2, "memory": {"enabled": False}}
     if options_file:
         checkpoint["storage_options_file"] = options_file
     return {"name": "unit", "model": {"preset": "tiny"}, "data": {"seq_len": 16},

@@ -163,14 +163,16 @@ def measure(label: str, target_s: float | None, every_steps: int | None, report,
 
 
 def summary(rows: Sequence[Row], inputs: ModelInputs) -> dict:
-    """The best fixed interval (by steady goodput), tau*, and each adaptive rule's distance from the best."""
-    fixed = [r for r in rows if r.target_s is not None and r.status == "succeeded" and r.level == "storage"]
+    """The best fixed interval (by steady goodput), tau*, and each adaptive rule's distance from the best,
+    among the storage-only runs (the level tau* models), else among the two-level ones."""
+    level = "storage" if any(r.level == "storage" for r in rows) else "two-level"
+    fixed = [r for r in rows if r.target_s is not None and r.status == "succeeded" and r.level == level]
     best = max(fixed, key=lambda r: r.steady_goodput) if fixed else None
     out = {"tau_star_s": inputs.tau_star, "model": asdict(inputs),
            "best_fixed": None if best is None else {"label": best.label, "steady_goodput": best.steady_goodput,
                                                     "realised_s": best.realised_s}}
     for row in rows:
-        if row.target_s is None and best is not None and row.level == "storage":
+        if row.target_s is None and best is not None and row.level == level:
             out[row.label] = {"points_below_best": 100 * (best.steady_goodput - row.steady_goodput),
                               "realised_s": row.realised_s}
     out["two_level_vs_storage"] = level_gains(rows)
