@@ -94,8 +94,9 @@ def test_soak_poisson_rank_kills(ray_cluster, tmp_path):
     rank_mtbf = os.environ.get("UNDYING_SOAK_MTBF", "240s")
     flags = ["--mtbf", rank_mtbf, "--kind", "kill_rank",
              "--seed", os.environ.get("UNDYING_SOAK_SEED", "1"), "--start", "10s"]
-    # Both levels on, as a user who knows the failure rate would run them: storage every 25 steps, memory
-    # at Young's interval with the job's MTBF (4 ranks) as its prior, and a warm spare that refills itself.
+    # The job's defaults, which BASE pins off for the other tests: the memory level at Young's interval
+    # and a warm spare that refills itself; storage every 25 steps, and the job's MTBF (4 ranks) as the
+    # prior, as a user who knows the failure rate would set them.
     sets = [f"train.steps={steps}", "checkpoint.every_steps=25", "elastic.max_restarts=100000", "elastic.spares=auto",
             "checkpoint.memory.enabled=true", f"checkpoint.mtbf_s={parse_duration(rank_mtbf) / 4}",
             "parallel.dp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]
