@@ -2,7 +2,8 @@
 
 Called by `orchestrator.spec.job_spec.cross_section_problems` with a JobSpec or a partial view
 of one (a section that failed its own validation is None, and the checks that need it are
-skipped). Each problem names the field to change and why the mode refuses it today.
+skipped). Each problem names the field to change and why the mode refuses it today. Before that,
+`ps_defaults` fills in the mode's own defaults (JobSpec's before-validator, on the raw data).
 """
 
 from __future__ import annotations
