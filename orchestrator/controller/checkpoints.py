@@ -93,6 +93,7 @@ class Checkpoints:
         self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
+        self.plan_memory_anchor = 0
 
     @property
     def latest(self) -> int | None:
@@ -155,22 +156,30 @@ class Checkpoints:
         self.memory.begin(gen, anchor)
         self.background.on_restored(anchor)
         self.stop_at = None
-        self.publish(anchor or 0)
+        if source is not None and self.plan_version:
+            # From memory: the storage saves keep their steps; only the memory cadence restarts here.
+            self.publish(self.plan_anchor, memory_anchor=anchor or 0, every=self.plan_every)
+        else:
+            self.publish(anchor or 0)
 
     def stop(self, step: int) -> None:
         """End the generation at completed step `step`, saved (every later plan keeps it)."""
         self.stop_at = step
-        self.publish(self.plan_anchor)
+        self.publish(self.plan_anchor, memory_anchor=self.plan_memory_anchor, every=self.plan_every)
 
-    def publish(self, anchor: int) -> None:
+    def publish(self, anchor: int, memory_anchor: int | None = None, every: int | None = None) -> None:
+        """Publish a plan: storage saves every `every` steps (None: the policy's now) after `anchor`,
+        memory snapshots at the policy's cadence after `memory_anchor` (None: `anchor`)."""
         times = self.record.recent_step_times()
-        every, memory_every = self.interval_policy.every(times), self.memory.every(times)
+        every, memory_every = every or self.interval_policy.every(times), self.memory.every(times)
+        memory_anchor = anchor if memory_anchor is None else memory_anchor
         self.plan_version += 1
         self.plan_every, self.plan_anchor, self.plan_memory_every = every, anchor, memory_every
+        self.plan_memory_anchor = memory_anchor
         plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
                               final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
                               job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at,
-                              memory_every=memory_every)
+                              memory_every=memory_every, memory_anchor=memory_anchor)
         self.store.set_plan(plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
@@ -234,13 +243,17 @@ class Checkpoints:
         every, memory_every = self.interval_policy.every(times), self.memory.every(times)
         memory_moved = memory_every is not None and abs(memory_every - (self.plan_memory_every or 0)) > \
             0.2 * (self.plan_memory_every or 0)
-        if abs(every - self.plan_every) <= 0.2 * self.plan_every and not memory_moved:
+        storage_moved = abs(every - self.plan_every) > 0.2 * self.plan_every
+        if not storage_moved and not memory_moved:
             return
         current_step = max(self.record.steps) + 1 if self.record.steps else 0
-        anchor = max(self.committer.latest or 0, current_step + REPLAN_LEAD_STEPS)
-        self.publish(anchor)
-        memory = f"; memory snapshots every {memory_every} steps" if memory_every is not None else ""
-        self.log(f"checkpoint cadence: every {self.plan_every} steps from step {anchor} "
+        ahead = max(self.committer.latest or 0, current_step + REPLAN_LEAD_STEPS)
+        if storage_moved:
+            self.publish(ahead)
+        else:  # a new memory cadence alone: the storage saves stay on their steps
+            self.publish(self.plan_anchor, memory_anchor=ahead, every=self.plan_every)
+        memory = f"; memory snapshots every {memory_every} steps from step {ahead}" if memory_every else ""
+        self.log(f"checkpoint cadence: every {self.plan_every} steps from step {self.plan_anchor} "
                  f"(interval {self.interval_policy.interval_s() or 0:.1f} s){memory}")
 
     def on_save_failed(self, message: SaveFailed) -> None:

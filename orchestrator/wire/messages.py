@@ -215,9 +215,12 @@ class CheckpointPlan:
     # that a rank's storage faults read `at_seconds` and `duration_s` as job seconds.
     job_started_at: float | None = None
     stop_at: int | None = None  # the generation's last step, checkpointed (None: train to the end)
-    # The memory level's cadence (None: off): a snapshot after completed step s when s > anchor and
-    # (s - anchor) % memory_every == 0, never at the final step (storage saves that one).
+    # The memory level's cadence (None: off): a snapshot after completed step s when s > m and
+    # (s - m) % memory_every == 0, with m = memory_anchor (None: anchor), never at the final step
+    # (storage saves that one). An anchor of its own lets the memory cadence move while the storage
+    # saves stay on their steps (every_steps: 10 saves at 10, 20, 30, ...).
     memory_every: int | None = None
+    memory_anchor: int | None = None
 
     def stops(self, completed: int) -> bool:
         return self.stop_at is not None and completed >= self.stop_at
@@ -230,7 +233,8 @@ class CheckpointPlan:
     def snapshot_due(self, completed: int) -> bool:
         if self.memory_every is None or completed == self.final_step:
             return False
-        return completed > self.anchor and (completed - self.anchor) % self.memory_every == 0
+        anchor = self.anchor if self.memory_anchor is None else self.memory_anchor
+        return completed > anchor and (completed - anchor) % self.memory_every == 0
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -21,7 +21,7 @@ from ckpt.reader import read_slices
 from ckpt.shards import slices_to_write, write_slices
 from ckpt.storage import Storage, durable_bytes_read
 from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
-from orchestrator.controller.memory_level import MemoryLevel
+from orchestrator.controller.memory_level import MemoryLevel, Snapshot
 from orchestrator.controller.policies import CheckpointIntervalPolicy
 from orchestrator.spec.job_spec import validate_spec
 from orchestrator.wire.messages import CheckpointPlan, SnapshotHeld, decode, encode
@@ -260,3 +260,53 @@ def test_the_report_books_restore_and_lost_work_per_level():
                 FailureRecord(time=4.0, kind="hang")]
     assert _by_level(failures) == " (memory 2: restore 0.5 s, lost 1.0 s; storage 1: restore 1.5 s, lost 2.0 s)"
     assert _by_level(failures[3:]) == ""
+
+
+def test_a_memory_anchor_of_its_own_moves_the_snapshots_and_not_the_saves():
+    plan = CheckpointPlan(every=10, anchor=0, final_step=40, memory_every=7, memory_anchor=23)
+    assert [s for s in range(41) if plan.should_save(s)] == [10, 20, 30, 40]
+    assert [s for s in range(41) if plan.snapshot_due(s)] == [30, 37]
+
+
+class _PlanStore:
+    def __init__(self):
+        self.plans: list[CheckpointPlan] = []
+
+    def set_plan(self, data: dict) -> None:
+        self.plans.append(CheckpointPlan.from_json(data))
+
+
+def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restores(tmp_path):
+    """every_steps: 10 saves at 10, 20, 30 however the memory cadence moves and whichever level restores."""
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.checkpoints import Checkpoints
+    from orchestrator.controller.faults import ControllerFaults
+    from orchestrator.controller.job_record import JobRecord
+
+    spec = validate_spec({"name": "grid", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": 40, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10}})
+    assert spec.checkpoint.memory.enabled  # the default
+    ledger, metrics = GoodputLedger(), JobMetrics("grid")
+    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    chaos = ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None)
+    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics, chaos, log=lambda line: None)
+    store = _PlanStore()
+    checkpoints.begin(store, 0, None)
+    record.steps.update({s: None for s in range(13)})  # the controller is at step 13
+    checkpoints.memory.every = lambda times: 4
+    checkpoints._replan()
+    moved = store.plans[-1]
+    assert (moved.every, moved.anchor, moved.memory_every) == (10, 0, 4) and moved.memory_anchor > 13
+    assert [s for s in range(41) if moved.should_save(s)] == [10, 20, 30, 40]
+    # A restore from a memory snapshot of step 23: the snapshots start there, the saves stay at 30, 40.
+    checkpoints.memory.samples_of = lambda step: {}
+    checkpoints.begin(store, 1, 23, source=Snapshot(step=23, manifest_json="", holders={}))
+    restored = store.plans[-1]
+    assert [s for s in range(24, 41) if restored.should_save(s)] == [30, 40]
+    assert [s for s in range(24, 41) if restored.snapshot_due(s)] == [27, 31, 35, 39]
+    # A restore from storage anchors both at the restored step, as before.
+    checkpoints.begin(store, 2, 20)
+    assert store.plans[-1].anchor == 20 and store.plans[-1].memory_anchor == 20
