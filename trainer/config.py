@@ -197,7 +197,7 @@ class DataConfig(_Strict):
                                               "sample drawn from one in proportion to its weight (instead of path)")
     storage_options: dict = Field(default_factory=dict, description="fsspec options for the data URLs (e.g. "
                                   "endpoint_url); credentials go in storage_options_file")
-    prefetch_steps: int = Field(4, ge=1, description="source tokens: steps of this rank's windows read ahead by a "
+    prefetch_steps: int = Field(4, ge=1, description="steps of this rank's samples made or read ahead by a "
                                 "background thread (bounded memory)")
     seq_len: int = Field(64, gt=1, description="tokens per training window")
     seed: int = Field(0, description="sample i of global step s is a pure function of (seed, s, i)")
