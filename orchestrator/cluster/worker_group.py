@@ -187,6 +187,13 @@ class RayWorkerGroup:
             ready.append(bundle)
         return ready
 
+    def await_spares(self, seats: list[int], count: int, timeout_s: float) -> None:
+        """Block until `count` of the spares in `seats` have finished warming up (or died), or
+        `timeout_s` has passed; `promote_spares` then takes the ready ones."""
+        refs = [self.spares[seat][1] for seat in seats if seat in self.spares]
+        if refs and timeout_s > 0:
+            ray.wait(refs, num_returns=min(count, len(refs)), timeout=timeout_s)
+
     def promote_spares(self, ranks: list[int]) -> list[int]:
         """Give ready spares to `ranks`; returns the ranks no spare was ready for."""
         # In seat order: a bundle's seats are consecutive and so are a TP group's ranks, so

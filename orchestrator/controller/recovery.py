@@ -96,6 +96,8 @@ class Recovery:
         cold = self.workers.promote_spares(lost)
         words = [f"rank(s) {sorted(set(lost) - set(cold))} taken over by warm spares"] if len(cold) < len(lost) else []
         timeout_s = self.spec.elastic.replace_timeout_s
+        if cold:
+            cold = self._await_warming_spares(cold, timeout_s, words)
         late = self.workers.replace_cold(cold, timeout_s) if cold else []
         if cold and len(late) < len(cold):
             words.append(f"rank(s) {sorted(set(cold) - set(late))} replaced by new actors")
@@ -112,6 +114,21 @@ class Recovery:
         if self.spares.target or dp < self.spec.parallel.dp:
             self.spares.refill_later(f"rank(s) {sorted(lost)} replaced")
         return Membership(dp, "; ".join(words) or f"dp stays {dp}")
+
+    def _await_warming_spares(self, cold: list[int], timeout_s: float, words: list[str]) -> list[int]:
+        """Give `cold` ranks the spares still warming up, waiting for them (SparePool.wait_for_warming_s)
+        rather than starting new actors beside them; returns the ranks still without one."""
+        wait_s = self.spares.wait_for_warming_s(timeout_s)
+        if wait_s <= 0:
+            return cold
+        started = time.monotonic()
+        self.workers.await_spares(sorted(self.spares.warming), len(cold), wait_s)
+        self.spares.watch(settled=False)
+        left = self.workers.promote_spares(cold)
+        if len(left) < len(cold):
+            words.append(f"rank(s) {sorted(set(cold) - set(left))} taken over by a spare that finished warming "
+                         f"up {time.monotonic() - started:.1f} s into the recovery")
+        return left
 
     def ranks_to_keep(self, alive: list[int], new_dp: int, dp: int) -> list[int]:
         """The `new_dp` x tp x pp live ranks that form the smaller job, in their new rank order.

@@ -15,6 +15,9 @@ Protocol (controller thread only; nothing here waits on an actor):
     replacement, a shrink). The refill waits for the recovery's first step: a new actor imports
     torch (seconds of a core) and would otherwise compete with the restore it was started beside
     (0.49 s against 0.63 s kill-to-first-step on the 4-rank CPU demo, docs/benchmarks.md).
+  * `wait_for_warming_s(limit_s)`: at a recovery that found no warm spare, how long to wait for
+    one still warming (Recovery.replace): it started earlier than any new actor could, and a new
+    actor beside it would halve the CPU each gets on a busy host.
   * `watch(settled)`: once per training poll (`settled`: no recovery still awaits its first
     step), and before spares are promoted. Makes a deferred refill once settled; notes each spare
     a refill started that has finished warming (one sentence with its warm-up time) or died
@@ -36,6 +39,7 @@ class SparePool:
         self.target = 0 if spares == "auto" else spares
         self.workers, self.metrics, self.log, self.clock = workers, metrics, log, clock
         self.warming: dict[int, float] = {}  # seat -> clock() when a refill started its spare
+        self.longest_warm_s = 0.0  # the longest warm-up seen so far (bounds a recovery's wait for one)
         self.deferred: list[str] = []  # why refills wait for the recovery's first step
 
     def refill(self, why: str) -> list[int]:
@@ -71,12 +75,26 @@ class SparePool:
         now = self.clock()
         for seat in sorted(self.warming):
             if seat in ready:
-                self.log(f"spare pool: the new spare in seat {seat} is warm, {now - self.warming.pop(seat):.1f} s "
+                took = now - self.warming.pop(seat)
+                self.longest_warm_s = max(self.longest_warm_s, took)
+                self.log(f"spare pool: the new spare in seat {seat} is warm, {took:.1f} s "
                          f"after it was started ({len(ready)} of {len(held)} spare(s) warm)")
             elif seat not in held:  # died while warming, dropped with a lost node, or promoted as it finished
                 del self.warming[seat]
                 self.log(f"spare pool: the new spare in seat {seat} left the pool before it was seen warm")
         self.metrics.on_spares(len(ready), len(held) - len(ready))
+
+    def wait_for_warming_s(self, limit_s: float) -> float:
+        """How long a recovery that found no warm spare may wait for one still warming up (0: none is):
+        until twice the longest warm-up seen so far has passed since the oldest was started, at most
+        `limit_s` (elastic.replace_timeout_s, also the bound before any warm-up was seen). The bound
+        keeps a spare that cannot start (its seat's resources gone) from delaying the cold path long."""
+        if not self.warming:
+            return 0.0
+        if not self.longest_warm_s:
+            return limit_s
+        elapsed = self.clock() - min(self.warming.values())
+        return max(0.0, min(limit_s, 2 * self.longest_warm_s - elapsed))
 
     def _export(self) -> int:
         ready = len(self.workers.ready_spares())

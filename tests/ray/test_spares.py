@@ -47,3 +47,21 @@ def test_a_consumed_spare_is_replaced_and_the_new_spare_takes_the_second_kill(ra
     # The same layout throughout: the model is the failure-free run's, bit for bit.
     assert report["final_loss"] == reference["final_loss"]
     assert [(s["step"], s["loss"]) for s in report["losses"]] == [(s["step"], s["loss"]) for s in reference["losses"]]
+
+
+@pytest.mark.heavy
+def test_a_kill_while_the_new_spare_warms_up_waits_for_it(ray_cluster, tmp_path, reference):
+    # The second kill comes two steps after the first recovery, while the refilled spare is still
+    # warming up: the recovery waits for it instead of starting a new actor beside it.
+    faults = "[{kind: kill_rank, rank: 1, at_step: 12}, {kind: kill_rank, rank: 2, at_step: 14}]"
+    proc, path = run_job(ray_cluster, tmp_path, "warming", ["elastic.spares=1", f"chaos.faults={faults}"])
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    out, report = proc.stdout, json.loads(path.read_text())
+    print("\n".join(line for line in out.splitlines() if "spare pool" in line or "taken over" in line))
+    assert re.search(r"kill_rank on rank 1; rank\(s\) \[1\] taken over by warm spares", out), out[-5000:]
+    assert re.search(r"kill_rank on rank 2; rank\(s\) \[2\] taken over by a spare that finished warming up "
+                     r"[0-9.]+ s into the recovery", out), out[-5000:]
+    assert "replaced by new actors" not in out and "shrinking" not in out
+    assert [(f["kind"], f["rank"]) for f in report["failures"]] == [("kill_rank", 1), ("kill_rank", 2)]
+    assert report["final_loss"] == reference["final_loss"]
+    assert [(s["step"], s["loss"]) for s in report["losses"]] == [(s["step"], s["loss"]) for s in reference["losses"]]

@@ -96,6 +96,9 @@ class FakeWorkerGroup:
                 left.append(r)
         return left
 
+    def await_spares(self, seats, count, timeout_s):
+        pass  # every spare here is warm as soon as it is started
+
     def replace_cold(self, ranks, timeout_s):
         if not self.cold_start_works:
             return list(ranks)

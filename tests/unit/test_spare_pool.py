@@ -82,6 +82,9 @@ class SeatWorkers:
         self.spares: dict[int, bool] = {}
         self.lost_seats: set[int] = set()  # seats on a lost node, not yet re-placed by Ray
         self.polls = 0
+        self.awaited: list[tuple[list[int], int, float]] = []  # each await_spares call
+        self.warms_while_awaited = False  # does a spare still warming finish during an await?
+        self.cold: list[int] = []  # ranks given new actors
 
     def free_seats(self) -> list[int]:
         used = set(self.bundle_of.values()) | set(self.spares) | self.lost_seats
@@ -110,9 +113,15 @@ class SeatWorkers:
             self.actors[rank] = self.bundle_of[rank] = seat
         return left
 
+    def await_spares(self, seats: list[int], count: int, timeout_s: float) -> None:
+        self.awaited.append((seats, count, timeout_s))
+        if self.warms_while_awaited:
+            self.warm_all()
+
     def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
         for rank in ranks:
             self.actors[rank] = self.bundle_of[rank]
+            self.cold.append(rank)
         return []
 
     def kill(self, rank: int) -> None:
@@ -177,6 +186,33 @@ def test_a_consumed_spare_is_replaced_in_the_freed_seat_and_takes_the_next_failu
     assert "rank(s) [2] taken over by warm spares" in recovery.replace([2], 4).words
     recovery.spares.watch(settled=True)
     assert workers.actors[2] == 1 and workers.spare_seats() == [2] and _started(recovery) == 3
+
+
+def test_a_kill_while_the_new_spare_warms_waits_for_it_instead_of_starting_a_second_actor():
+    spec, workers, lines = _load("elastic.spares=1"), SeatWorkers(4, 1), []
+    recovery = _recovery(spec, workers, lines)
+    recovery.spares.refill("placement")
+    recovery.spares.clock.now += 12.0
+    workers.warm_all()
+    recovery.spares.watch(settled=True)  # the first warm-up took 12 s: waits are bounded by 24 s from now on
+    workers.kill(1)
+    recovery.replace([1], 4)
+    recovery.spares.watch(settled=True)  # a new spare in seat 1, warming
+    recovery.spares.clock.now += 4.0
+    workers.kill(2)  # 4 s into its warm-up: it is waited for (at most 24 - 4 s), no new actor is started
+    workers.warms_while_awaited = True
+    membership = recovery.replace([2], 4)
+    assert workers.awaited == [([1], 1, 20.0)] and workers.cold == []
+    assert workers.actors[2] == 1 and "rank(s) [2] taken over by a spare that finished warming up" in membership.words
+    assert any(line.startswith("spare pool: the new spare in seat 1 is warm, 4.0 s") for line in lines)
+
+    recovery.spares.watch(settled=True)  # the next spare, in seat 2, never warms (its resources are gone)
+    workers.warms_while_awaited = False
+    recovery.spares.clock.now += 30.0
+    workers.kill(3)  # past twice the longest warm-up: not waited for, a new actor at once
+    assert "rank(s) [3] replaced by new actors" in recovery.replace([3], 4).words
+    assert len(workers.awaited) == 1 and workers.cold == [3]
+    assert recovery.spares.wait_for_warming_s(60.0) == 0.0
 
 
 def test_a_quiet_poll_asks_nothing_and_a_spare_lost_while_warming_is_said():
