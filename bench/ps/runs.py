@@ -89,7 +89,8 @@ def touched_rows(job: dict) -> list[int]:
     out = []
     for step in range(train.steps):
         for worker in range(job["workers"]):
-            batches = cursor.microbatches(step, train.global_batch, train.micro_batch, worker, job["workers"])
+            batches = cursor.microbatches(step, train.global_batch, train.micro_batch, worker, job["workers"],
+                                          record=False)  # a look: made on the spot, no read-ahead
             out.append(int(torch.unique(torch.cat([b.input_ids.flatten() for b in batches])).numel()))
     cursor.close()
     return out
