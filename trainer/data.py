@@ -26,7 +26,6 @@ served (`consumed`, a trainer.batch.SampleDigest) and times each call's wait (`l
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 
 import fsspec
@@ -35,7 +34,7 @@ import torch
 
 from trainer.batch import Batch, SampleDigest, collate, microbatches_per_rank, owned_indices
 from trainer.config import DataConfig, MixturePart
-from trainer.prefetch import StepPrefetcher
+from trainer.prefetch import ReadAheadCursor
 from trainer.seeding import derive_seed, generator
 
 __all__ = ["Batch", "DataCursor", "collate", "make_cursor", "microbatches_per_rank", "read_text_bytes"]
@@ -66,10 +65,10 @@ def read_text_bytes(path: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-class DataCursor:
+class DataCursor(ReadAheadCursor):
     """Deterministic samples of the synthetic or text source. `sample` is safe to call from any
-    thread (no state: the prefetch thread calls it); `microbatches` also counts what it served,
-    for the training thread only.
+    thread (no state: the prefetch thread calls it); `microbatches` (trainer.prefetch.ReadAheadCursor)
+    also counts what it served, for the training thread only.
 
     Every rank builds its own cursor from the same DataConfig and calls `microbatches` once
     per step with its place in the layout; no communication is needed.
@@ -80,7 +79,7 @@ class DataCursor:
         self.vocab_size = vocab_size
         self.consumed = SampleDigest()  # the samples this cursor served (trainer.batch)
         self.last_wait_s = 0.0  # how long the last `microbatches` call waited for its batches
-        self._prefetcher: StepPrefetcher | None = None
+        self.prefetch_steps = cfg.prefetch_steps
         self._text: torch.Tensor | None = None
         if cfg.source == "text":
             if vocab_size < BYTE_VOCAB:
@@ -142,37 +141,15 @@ class DataCursor:
         indices = range(global_batch) if indices is None else indices
         return [(0, step * global_batch + i) for i in indices]
 
-    def microbatches(
-        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, record: bool = True
-    ) -> list[Batch]:
-        """This rank's samples of `step`, in index order, cut into microbatches of `micro_batch`;
-        counted as consumed (and timed) unless `record` is False (a look that trains nothing: made
-        on the spot, prefetch untouched). A recorded call takes the batches a background thread
-        made ahead (trainer.prefetch.StepPrefetcher) and starts on the next steps'."""
-        key = (step, global_batch, micro_batch, dp_rank, dp_size)
-        if not record:
-            return self._load(key)
-        started = time.perf_counter()
-        if self._prefetcher is None:  # made on first use: a cursor that only serves `sample` starts no thread
-            self._prefetcher = StepPrefetcher(self._load, self.cfg.prefetch_steps)
-        batches = self._prefetcher.get(key)
-        owned = self.sample_ids(step, global_batch, dp_rank, dp_size)
-        self.consumed.add(step, self.sample_keys(step, global_batch, owned))
-        self.last_wait_s = time.perf_counter() - started
-        return batches
-
-    def _load(self, key: tuple) -> list[Batch]:
-        """The microbatches of `key` = (step, global_batch, micro_batch, dp_rank, dp_size); a pure function."""
+    def _load(self, key: tuple) -> tuple[list[Batch], list[tuple[int, int]]]:
+        """(microbatches, sample ids) of `key` = (step, global_batch, micro_batch, dp_rank, dp_size): this
+        rank's samples in index order, cut into microbatches; a pure function (the prefetch thread calls it)."""
         step, global_batch, micro_batch, dp_rank, dp_size = key
         count = microbatches_per_rank(global_batch, micro_batch, dp_size)
-        samples = [self.sample(step, i) for i in self.sample_ids(step, global_batch, dp_rank, dp_size)]
-        return [collate(samples[k * micro_batch : (k + 1) * micro_batch]) for k in range(count)]
-
-    def close(self, wait: bool = True) -> None:
-        """Stop making batches ahead (trainer.prefetch.StepPrefetcher.close); the engine's owner calls
-        it when it drops the engine."""
-        if self._prefetcher is not None:
-            self._prefetcher.close(wait)
+        owned = self.sample_ids(step, global_batch, dp_rank, dp_size)
+        samples = [self.sample(step, i) for i in owned]
+        batches = [collate(samples[k * micro_batch : (k + 1) * micro_batch]) for k in range(count)]
+        return batches, self.sample_keys(step, global_batch, owned)
 
 
 def make_cursor(cfg: DataConfig, vocab_size: int):

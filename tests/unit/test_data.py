@@ -95,16 +95,16 @@ def test_batches_made_ahead_equal_batches_made_on_the_spot():
     ahead, spot = DataCursor(DataConfig(seed=2, prefetch_steps=2), VOCAB), DataCursor(DataConfig(seed=2), VOCAB)
     for step, dp_rank, dp_size in [(0, 0, 2), (1, 0, 2), (2, 0, 2), (1, 0, 2), (2, 1, 4), (3, 1, 4)]:
         got = ahead.microbatches(step, GLOBAL_BATCH, 2, dp_rank, dp_size)
-        assert sorted(ahead._prefetcher.ahead()) == [(step + k, GLOBAL_BATCH, 2, dp_rank, dp_size) for k in (1, 2)]
+        assert sorted(ahead.prefetcher.ahead()) == [(step + k, GLOBAL_BATCH, 2, dp_rank, dp_size) for k in (1, 2)]
         want = spot.microbatches(step, GLOBAL_BATCH, 2, dp_rank, dp_size, record=False)
         assert digest(unpad(got)) == digest(unpad(want))
         assert ahead.last_wait_s >= 0.0
-    assert spot._prefetcher is None  # looks start no thread
+    assert spot.prefetcher is None  # looks start no thread
     owned = [spot.sample_keys(s, GLOBAL_BATCH, spot.sample_ids(s, GLOBAL_BATCH, r, n)) for s, r, n in
              [(1, 0, 2), (2, 1, 4), (3, 1, 4)]]
     assert ahead.consumed == SampleDigest.of(1, owned)  # counted on the training thread, from the rollback on
     ahead.close()
-    assert ahead._prefetcher.ahead() == []
+    assert ahead.prefetcher.ahead() == []
 
 
 def test_samples_are_ragged_within_bounds():

@@ -17,19 +17,18 @@ exactly-once check.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from trainer.batch import SampleDigest, collate, microbatches_per_rank, owned_indices
-from trainer.prefetch import StepPrefetcher
+from trainer.prefetch import ReadAheadCursor, StepPrefetcher
 from trainer.tokens.reader import TokenDataset
 from trainer.tokens.windows import Source, WindowSchedule
 
 
-class TokenCursor:
+class TokenCursor(ReadAheadCursor):
     """Windows of one or more prepared datasets, as the engine's data cursor (see module docstring)."""
 
     def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float], seq_len: int, seed: int,
@@ -80,20 +79,3 @@ class TokenCursor:
         ids = self.windows(step, global_batch, dp_rank, dp_size)
         samples = [self._read(s, w) for s, w in ids]
         return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
-
-    def microbatches(self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                     record: bool = True) -> list:
-        """This rank's windows of `step` as microbatches; starts prefetching the steps after it.
-        `record` False: a look that trains nothing (read directly, not counted, prefetch untouched)."""
-        key = (step, global_batch, micro_batch, dp_rank, dp_size)
-        if not record:
-            return self._load(key)[0]
-        started = time.perf_counter()
-        batches, ids = self.prefetcher.get(key)
-        self.last_wait_s = time.perf_counter() - started
-        self.consumed.add(step, ids)
-        return batches
-
-    def close(self, wait: bool = True) -> None:
-        """Stop reading ahead (trainer.prefetch.StepPrefetcher.close)."""
-        self.prefetcher.close(wait)
