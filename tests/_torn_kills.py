@@ -139,14 +139,18 @@ def digest(catalog: Catalog, step: int, name: str) -> str:
     return hashlib.sha256(catalog.storage.read(catalog.storage.path(step_dir(step), name))).hexdigest()
 
 
-def plans(count: int, save_s: float, rng: random.Random) -> list[Plan]:
-    """`count` kill points over a save that takes about `save_s` seconds, in random order."""
+def plans(count: int, save_s: float, rng: random.Random, multipart: bool = False) -> list[Plan]:
+    """`count` kill points over a save that takes about `save_s` seconds, in random order.
+    With `multipart` (S3) one exact kill lands once the big shard's first part is uploaded,
+    so a pending multipart upload is surely left behind for GC to abort."""
     exact = [
         Plan("hold_before_shard", "save_begin", 0.0, hold="save_begin"),
         Plan("hold_mid_big_shard", f"wrote {BIG_SHARD} 1", 0.0, hold=f"wrote {BIG_SHARD} 1"),
         Plan("hold_before_manifest", f"manifest_begin {step_dir(NEW)}", 0.0, hold=f"manifest_begin {step_dir(NEW)}"),
         Plan("after_done", "done", 0.0),
     ]
+    if multipart:
+        exact.append(Plan("hold_mid_multipart", f"part {BIG_SHARD} 1", 0.0, hold=f"part {BIG_SHARD} 1"))
     chosen = exact * max(1, count // 25)
     while len(chosen) < count:
         if rng.random() < 0.25:  # the last receipt is in: the manifest create is racing the kill

@@ -115,9 +115,9 @@ class _Probe:
     def write(self, data) -> int:
         n = self.f.write(data)
         parts = len(getattr(self.f, "parts", None) or ())
-        if parts != self.parts:
-            self.parts = parts
-            self.emit(f"part {self.name} {parts}")
+        while self.parts < parts:  # one event per part, even when a write uploads several
+            self.parts += 1
+            self.emit(f"part {self.name} {self.parts}")
         if len(data):
             self.chunks += 1
             self.emit(f"wrote {self.name} {self.chunks}")

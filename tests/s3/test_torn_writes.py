@@ -8,7 +8,8 @@ fresh checkpoint root, so kills are independent. Kill points are seeded: most fa
 random time over the whole step-20 save (measured first), some right after the last shard
 receipt (racing the manifest create), and a few are exact (the writer stops at a named
 event: before the first shard, mid-way through the big shard, just before the manifest
-create) so that every stage is surely hit.
+create, and on S3 once the big shard's first part is uploaded) so that every stage, and a
+kill mid multipart upload, is surely hit.
 
 On s3:// (real SeaweedFS) the big shard goes multipart (5 MiB parts); every shard object
 that is visible after a kill must have exactly its final bytes, and a multipart upload left
@@ -204,7 +205,7 @@ def test_a_writer_killed_anywhere_never_leaves_a_checkpoint_that_does_not_verify
 
     rng = random.Random(f"{SEED}-{kind}-{kills}")
     tally = Tally()
-    for i, plan in enumerate(plans(kills, full.done_at, rng)):
+    for i, plan in enumerate(plans(kills, full.done_at, rng, multipart=kind == "s3")):
         url = place.url(f"k{i:02d}")
         out = run_writer(fork_server, tmp_path, url, place.options, plan)
         tally.kinds[plan.kind] += 1
