@@ -75,8 +75,7 @@ class Controller:
                  hang_min_s: float | None = None, join_timeout_s: float = 60.0, drains=dict, fresh: bool = False):
         """`release_timeout_s`, `hang_min_s`: fixed release and hang-floor seconds (tests; else elastic.*)."""
         self.spec, self.workers, self.rendezvous, self.catalog = spec, workers, rendezvous, catalog
-        self.metrics = metrics
-        self.printer = printer
+        self.metrics, self.printer = metrics, printer
         self.poll_s, self.join_timeout_s = poll_s, join_timeout_s
         self.ledger = GoodputLedger()
         self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
@@ -106,9 +105,8 @@ class Controller:
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
                            drains, self.log, self.timeouts.hang_s)
         self.phase: Phase = Placing()
-        self.gen = -1
+        self.gen, self.restarts = -1, 0
         self.dp = spec.parallel.dp
-        self.restarts = 0
         self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
         self.restored_step: int | None = None
         self.failure_history: list = []
@@ -375,6 +373,7 @@ class Controller:
         failure = self.phase.failure
         self.intake.drain(self.store)  # late receipts may still complete a checkpoint
         released = self.recovery.release(self.store, self.world_size, failure.errors, self.intake.take_lost_nodes())
+        release_s = time.perf_counter() - started
         self.intake.drain(self.store)
         self.failure_history.append(self.blame.attribute(failure, released.dead, released.stuck))
         failure.record.killed_at_release = released.stuck
@@ -389,6 +388,7 @@ class Controller:
             return
         self.restarts += 1
         membership = self.recovery.replace(released.lost, self.dp)
+        replace_s = time.perf_counter() - started - release_s  # a cold start, or a wait for a warming spare
         if membership.error is not None:
             self._fail(membership.error)
             return
@@ -397,4 +397,4 @@ class Controller:
         self._go(Rendezvous(recovering=failure),
                  f"generation {self.gen} -> {self.gen + 1}: {cause}; {membership.words}; "
                  f"{lost:.2f} s of work after step {restore_point} to redo; "
-                 f"{decision.reason}; released in {time.perf_counter() - started:.2f} s")
+                 f"{decision.reason}; released in {release_s:.2f} s, replaced in {replace_s:.2f} s")
