@@ -2,17 +2,18 @@
 
 The soak test is `heavy` (left out of the default suite). Run it with, e.g.:
 
-    .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py -k soak -s              # ~66 minutes
+    .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py -k soak -s              # ~110 minutes
     UNDYING_SOAK_S=300 .venv/bin/python -m pytest -m heavy tests/ray/test_chaos_cmd.py -k soak -s
 
 `undying chaos` first runs the failure-free reference (same steps), then the faulty run, so
-the whole test takes about twice UNDYING_SOAK_S.
+the whole test takes two to four times UNDYING_SOAK_S.
 
 The soak job is 3D-parallel on 4 ranks: dp 2 x pp 2 (1F1B) with ZeRO-1, so every recovery restores
 sharded optimizer state into a pipeline. UNDYING_SOAK_S sizes the job (train.steps =
 UNDYING_SOAK_S / UNDYING_SOAK_STEP_S, the wall seconds per step of the faulty run, failures
-included: 0.09 by default, as measured on a 2-core machine, where 20000 steps took 2079 s with
-30 failures (34.6 minutes of faults); with heavy work beside it the same job took 0.19 s per step); UNDYING_SOAK_MTBF is
+included: 0.09 by default, so 20000 steps, the soak's length in docs/benchmarks.md; measured on a
+2-core machine with storage checkpoints only, 20000 steps took 2079 s with 30 failures, and at
+today's defaults (a warm spare, the memory level) 3902 s with 61 failures); UNDYING_SOAK_MTBF is
 chaos.mtbf_s per rank (default 240s: the 4-rank job sees a failure every 60 s on average, a job
 MTBF of 60 s) and UNDYING_SOAK_SEED its seed.
 """
