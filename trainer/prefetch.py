@@ -76,7 +76,7 @@ class ReadAheadCursor:
     A subclass holds `prefetch_steps`, `consumed` (a trainer.batch.SampleDigest) and `last_wait_s`,
     and defines `_load(key) -> (microbatches, sample ids)`, a pure function of key = (step,
     global_batch, micro_batch, dp_rank, dp_size). The prefetcher (and its thread) is made on the
-    first recorded call unless the subclass made it already.
+    first recorded call, so a cursor used only for looks (`record=False`) starts none.
     """
 
     prefetcher: StepPrefetcher | None = None

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from trainer.batch import SampleDigest, collate, microbatches_per_rank, owned_indices
-from trainer.prefetch import ReadAheadCursor, StepPrefetcher
+from trainer.prefetch import ReadAheadCursor
 from trainer.tokens.reader import TokenDataset
 from trainer.tokens.windows import Source, WindowSchedule
 
@@ -42,7 +42,6 @@ class TokenCursor(ReadAheadCursor):
                                  f" + 1 = {self.span}: use a larger dataset or a shorter seq_len")
         self.sources = [Source(len(ds) // self.span, w) for ds, w in zip(self.datasets, self.weights, strict=True)]
         self._schedules: dict[int, WindowSchedule] = {}
-        self.prefetcher = StepPrefetcher(self._load, prefetch_steps)
         self.last_wait_s = 0.0
         self.consumed = SampleDigest()
 
