@@ -1,6 +1,7 @@
 """Tokenizing throughput: `undying data prepare` on Ray Data against one-process `tokenizers` loops.
 
-Protocol: `main` calls `make_corpus(dir, mib)` once, then `measure_prepare(...)`. Three ways over
+Protocol: `main` calls `measure_prepare(work, mib, ...)` once; it makes the corpus and the tokenizer,
+then runs the ways below over
 the same .jsonl corpus and tokenizer, each producing the same token stream (checked):
   * loop         a single-process loop, `tokenizer.encode(doc, add_special_tokens=False)` per
                  document, EOS appended, the ids collected into one uint16 array: how a script
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -100,22 +102,34 @@ def ours(paths: list[Path], tokenizer_path: Path, out: Path, address: str | None
     return ended - started, ended - (workers_up or started), ds.read(0, len(ds))
 
 
-def measure_prepare(work: Path, mib: int, start_cluster=None) -> dict:
-    """The three ways on one corpus; with `start_cluster` (a context manager yielding the address of
-    a Ray cluster of this machine's cores, started only for that run so it idles beside nothing
-    else) `undying data prepare --address` too, as a user of a standing cluster runs it."""
+def measure_prepare(work: Path, mib: int, start_cluster=None, rounds: int = 3) -> dict:
+    """The ways on one corpus; with `start_cluster` (a context manager yielding the address of a Ray
+    cluster of this machine's cores, started only for that run so it idles beside nothing else)
+    `undying data prepare --address` too, as a user of a standing cluster runs it.
+
+    The loop and ours run `rounds` times, alternately, and each is reported by its median: a shared
+    2-core host drifts by 10-40% over minutes, so one run of each compares two moments of the host
+    as much as two programs; alternating keeps each round's pair side by side, and each round's own
+    ratios (`rounds`) show the spread. The two batch rows, which explain rather than decide, run once."""
     paths = make_corpus(work / "corpus", mib)
     tokenizer = train_tokenizer(paths, work / "tokenizer")
-    loop_s, reference = loop(paths, tokenizer, batch=None)
     batch_s, batched = loop(paths, tokenizer, batch="encode_batch")
     fast_s, fast = loop(paths, tokenizer, batch="encode_batch_fast")
-    ours_s, ours_up_s, stream = ours(paths, tokenizer, work / "prepared")
-    same = all(np.array_equal(reference, other) for other in (batched, fast, stream))
-    out = {"corpus_mib": sum(p.stat().st_size for p in paths) / 2**20, "tokens": int(len(reference)),
-           "documents": sum(1 for p in paths for _ in p.open()), "loop_s": loop_s, "batch_s": batch_s,
-           "fast_s": fast_s, "ours_s": ours_s, "ours_after_startup_s": ours_up_s}
-    if start_cluster is not None:
-        with start_cluster() as address:
-            out["ours_cluster_s"], _, on_cluster = ours(paths, tokenizer, work / "prepared-cluster", address)
-        same = same and bool(np.array_equal(reference, on_cluster))
-    return {**out, "same_stream": same}
+    same, reference, per_round = bool(np.array_equal(batched, fast)), batched, []
+    del fast
+    for i in range(rounds):
+        row = {}
+        row["loop_s"], stream = loop(paths, tokenizer, batch=None)
+        same = same and bool(np.array_equal(reference, stream))
+        row["ours_s"], row["ours_after_startup_s"], stream = ours(paths, tokenizer, work / f"prepared-{i}")
+        same = same and bool(np.array_equal(reference, stream))
+        if start_cluster is not None:
+            with start_cluster() as address:
+                row["ours_cluster_s"], _, stream = ours(paths, tokenizer, work / f"prepared-cluster-{i}", address)
+            same = same and bool(np.array_equal(reference, stream))
+        per_round.append(row)
+        print(f"round {i + 1}/{rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    medians = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+    return {"corpus_mib": sum(p.stat().st_size for p in paths) / 2**20, "tokens": int(len(reference)),
+            "documents": sum(1 for p in paths for _ in p.open()), "batch_s": batch_s, "fast_s": fast_s,
+            **medians, "rounds": per_round, "same_stream": same}
