@@ -3,10 +3,10 @@
     results = run_ranks(fn, world_size=4, args=(...,))
 
 `fn(rank, world_size, *args)` runs in a fresh process with one intra-op thread (so eight
-ranks fit on two cores), forked from a server process that has imported torch and the engine
-once for the whole session (a spawned rank spent about 4 s of a core importing them, as much as
-many tests' training) after `init_process_group("gloo")` on 127.0.0.1 and a free
-port; its return value is pickled back through a file. `fn` must be importable (defined at
+ranks fit on two cores) after `init_process_group("gloo")` on 127.0.0.1 and a free port; its
+return value is pickled back through a file. Each rank is forked from a server process that
+imported torch and the engine once for the whole session (`PRELOAD`): a spawned rank spent
+about 4 s of a core importing them, as much as many tests' training. `fn` must be importable (defined at
 module level). A failing rank fails the call with its traceback; a hang fails it at the
 timeout, after the ranks are killed.
 """
