@@ -1,8 +1,7 @@
 """Tokenizing throughput: `undying data prepare` on Ray Data against one-process `tokenizers` loops.
 
-Protocol: `main` calls `measure_prepare(work, mib, ...)` once; it makes the corpus and the tokenizer,
-then runs the ways below over
-the same .jsonl corpus and tokenizer, each producing the same token stream (checked):
+Protocol: `main` calls `measure_prepare(work, mib, ...)` once; it makes the .jsonl corpus and the
+tokenizer, then runs the ways below over them, each producing the same token stream (checked):
   * loop         a single-process loop, `tokenizer.encode(doc, add_special_tokens=False)` per
                  document, EOS appended, the ids collected into one uint16 array: how a script
                  tokenizes (the issue's anchor);
