@@ -45,7 +45,8 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 60.0) ->
     )
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, payload: bytes, world_size: int, port: int, out_dir: str) -> None:
+    fn, args = pickle.loads(payload)
     # A rank that dies in native code (SIGSEGV, SIGABRT) prints every thread's Python stack.
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
@@ -66,8 +67,11 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float 
     """[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)], each in its own process."""
     mp.set_forkserver_preload(PRELOAD)  # read when the server starts, on the first call
     with tempfile.TemporaryDirectory() as out_dir:
+        # Pickled here, by value: torch's own pickler would hand each tensor in `args` over as a
+        # shared-memory file descriptor, and a fork server takes at most 256 per process.
+        payload = pickle.dumps((fn, args))
         context = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+            _entry, args=(payload, world_size, free_port(), out_dir), nprocs=world_size,
             join=False, start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
