@@ -128,7 +128,11 @@ def measure_prepare(work: Path, mib: int, start_cluster=None, rounds: int = 3) -
             same = same and bool(np.array_equal(reference, stream))
         per_round.append(row)
         print(f"round {i + 1}/{rounds}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
-    medians = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
     return {"corpus_mib": sum(p.stat().st_size for p in paths) / 2**20, "tokens": int(len(reference)),
             "documents": sum(1 for p in paths for _ in p.open()), "batch_s": batch_s, "fast_s": fast_s,
-            **medians, "rounds": per_round, "same_stream": same}
+            **medians(per_round), "rounds": per_round, "same_stream": same}
+
+
+def medians(per_round: list[dict]) -> dict:
+    """Each timing's median over the rounds (the rounds themselves are reported beside them)."""
+    return {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from bench.data.main import table
+from bench.data.prepare import medians
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _result(rounds: list[dict]) -> dict:
-    medians = {key: sorted(r[key] for r in rounds)[len(rounds) // 2] for key in rounds[0]}
     prepare = {"corpus_mib": 2.0, "tokens": 1_000_000, "documents": 100, "batch_s": 5.0, "fast_s": 4.0,
-               **medians, "rounds": rounds, "same_stream": True}
+               **medians(rounds), "rounds": rounds, "same_stream": True}
     return {"prepare": prepare, "loader": {}}
 
 

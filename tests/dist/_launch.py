@@ -6,9 +6,9 @@
 ranks fit on two cores) after `init_process_group("gloo")` on 127.0.0.1 and a free port; its
 return value is pickled back through a file. Each rank is forked from a server process that
 imported torch and the engine once for the whole session (`PRELOAD`): a spawned rank spent
-about 4 s of a core importing them, as much as many tests' training. `fn` must be importable (defined at
-module level). A failing rank fails the call with its traceback; a hang fails it at the
-timeout, after the ranks are killed.
+about 4 s of a core importing them, as much as many tests' training. `fn` must be importable
+(defined at module level). A failing rank fails the call with its traceback; a hang fails it
+at the timeout, after the ranks are killed.
 """
 
 from __future__ import annotations
