@@ -285,6 +285,7 @@ def tp_checks(rank, world_size):
             token_loss_sum(logits, ids)
         comms[sp] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
         logits_local[sp] = (tuple(logits.placements), tuple(logits.to_local().shape))
+    embedding_grads = {sp: embedding_grad(mesh["tp"], ids, sp) for sp in (False, True)}
     stage_errors = {}
     cfg = VARIANT.model_copy(update={"position": "rope"})
     hidden = torch.randn(2, 16, cfg.d_model, generator=torch.Generator().manual_seed(1))
@@ -310,11 +311,25 @@ def tp_checks(rank, world_size):
             with pytest.raises(ValueError) as refused:
                 call()
             refusals.append(str(refused.value))
-    return comms, logits_local, stage_errors, refusals
+    return comms, logits_local, stage_errors, refusals, embedding_grads
+
+
+def embedding_grad(tp_mesh, ids, sequence_parallel):
+    """The untied vocab-parallel embedding's own gradient after one backward, against the
+    unsplit model's: (placements, bytes of the local gradient's storage, max error)."""
+    cfg = MODEL.model_copy(update={"tie_embeddings": False})
+    whole = build_model(cfg, seed=0)
+    split = apply_tensor_parallel(build_model(cfg, seed=0), tp_mesh, sequence_parallel)
+    token_loss_sum(whole(ids), ids)[0].backward()
+    with loss_context(tp_mesh.size()):
+        token_loss_sum(split(ids), ids)[0].backward()
+    grad = split.tok_emb.weight.grad
+    error = float((grad.full_tensor() - whole.tok_emb.weight.grad).abs().max())
+    return tuple(grad.placements), local(grad).untyped_storage().nbytes(), error
 
 
 def test_tensor_parallel_never_gathers_logits_splits_a_stage_and_refuses_whole_state():
-    for comms, logits_local, stage_errors, refusals in run_ranks(tp_checks, 2, timeout_s=600):
+    for comms, logits_local, stage_errors, refusals, embedding_grads in run_ranks(tp_checks, 2, timeout_s=600):
         # Whole-tensor state is refused where ranks hold pieces (TP shards, ZeRO-1 optimizer state).
         assert len(refusals) == 4 and all("use state_slices() / load_slices()" in r for r in refusals)
         # Without SP the forward's only collectives are all-reduces (embedding, row-parallel
@@ -324,3 +339,8 @@ def test_tensor_parallel_never_gathers_logits_splits_a_stage_and_refuses_whole_s
         for sp in (False, True):
             assert logits_local[sp] == ((Shard(2),), (2, 16, MODEL.vocab_size // 2))
             assert stage_errors[sp] < 1e-5
+            # The embedding's gradient is computed on this rank's vocabulary rows only (as
+            # Megatron's VocabParallelEmbedding): never a whole-vocabulary tensor per rank.
+            placements, storage_bytes, error = embedding_grads[sp]
+            assert placements == (Shard(0),) and storage_bytes == 4 * MODEL.vocab_size // 2 * MODEL.d_model
+            assert error < 1e-5
