@@ -70,7 +70,8 @@ class FailureRecord(BaseModel):
     # failure (the fault itself when known, else its detection) -> first step completed afterwards
     first_step_after_s: float | None = None
     message: str = ""
-    # Last global step the controller had seen, so the failure can be marked on the loss curve.
+    # The running generation's newest step the controller had seen (after a rollback, not the furthest
+    # ever reached), so the failure can be marked on the loss curve.
     step: int | None = None
     # The level the recovery restored from ("memory" or "storage"; None: it never restored, or a
     # fresh start), the bytes that restore read from durable storage (all ranks), its seconds and

@@ -7,10 +7,13 @@ C of a save: with the blocking time alone, a level whose background work slows e
 free and is planned too often (measured: the memory level's steps ran 14% slower on a 2-core host).
 
 Protocol (controller thread; owned by orchestrator.controller.checkpoints.Checkpoints): when a
-save of step s completes (a storage commit, or a memory snapshot held twice) while the ranks have
-reported steps up to d, `charge(s, steps)` marks steps s+1..d as overlapped by background work and
-returns their time above the median of the steps no save overlapped (0 until enough of those
-exist to say what a clean step costs). Step s itself holds the blocking time, charged apart.
+save of step s completes (a storage commit, or a memory snapshot held twice) while the running
+generation has reported steps up to d, `charge(s, steps, d)` marks steps s+1..d as overlapped by
+background work and returns their time above the median of the steps no save overlapped (0 until
+enough of those exist to say what a clean step costs). Step s itself holds the blocking time,
+charged apart. d is the running generation's newest step, not the furthest ever reported: after a
+rollback the lost generation's records past d are work already booked as lost, not steps this save
+overlapped.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ class BackgroundCost:
     def __init__(self) -> None:
         self.overlapped: set[int] = set()
 
-    def charge(self, saved_step: int, steps: Mapping[int, _Step]) -> float:
-        """Seconds the steps after `saved_step`, up to the newest reported, ran above a clean step."""
+    def charge(self, saved_step: int, steps: Mapping[int, _Step], newest: int) -> float:
+        """Seconds the steps after `saved_step`, up to `newest` (the running generation's newest
+        reported step), ran above a clean step."""
         if not steps:
             return 0.0
-        newest = max(steps)
         window = [s for s in range(saved_step + 1, newest + 1) if s in steps]
         self.overlapped.update(window)
         self.overlapped.add(saved_step)  # it holds the blocking time: not a clean step either

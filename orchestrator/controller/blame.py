@@ -37,7 +37,8 @@ class Blame:
         self.evicting: set[int] = set()  # stragglers this controller killed on purpose
 
     def current_step(self) -> int | None:
-        return max(self.record.steps) + 1 if self.record.steps else None
+        """The step the running generation was on: after a rollback, not past the furthest ever reached."""
+        return self.record.completed_steps() if self.record.last_step >= 0 else None
 
     def _from_fault(self, message: str, default: Failure) -> Failure:
         fault = self.faults.take_fired()

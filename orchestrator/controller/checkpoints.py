@@ -205,7 +205,8 @@ class Checkpoints:
         self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
         # Young's C is the whole cost: the blocking time and what the background write took from the
         # steps it overlapped (orchestrator.controller.background_cost).
-        self.interval_policy.on_save_cost(commit.blocking_s + self.background.charge(commit.step, self.record.steps))
+        background = self.background.charge(commit.step, self.record.steps, self.record.last_step)
+        self.interval_policy.on_save_cost(commit.blocking_s + background)
         self.record.on_checkpoint(commit.step, commit.committed_at, commit.nbytes, commit.blocking_s,
                                   commit.total_s, self._interval_s())
         self.metrics.on_interval_inputs(self.interval_policy.inputs.snapshot())
@@ -220,7 +221,8 @@ class Checkpoints:
             return None
         blocking = self.memory.last_blocking_s or 0.0
         self.ledger.move(blocking, "productive", "checkpoint_save")
-        self.memory.policy.on_save_cost(blocking + self.background.charge(snap.step, self.record.steps))
+        background = self.background.charge(snap.step, self.record.steps, self.record.last_step)
+        self.memory.policy.on_save_cost(blocking + background)
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)
         self._replan()
         return None
@@ -246,7 +248,7 @@ class Checkpoints:
         storage_moved = abs(every - self.plan_every) > 0.2 * self.plan_every
         if not storage_moved and not memory_moved:
             return
-        current_step = max(self.record.steps) + 1 if self.record.steps else 0
+        current_step = self.record.completed_steps()  # the running generation's, after a rollback too
         ahead = max(self.committer.latest or 0, current_step + REPLAN_LEAD_STEPS)
         if storage_moved:
             self.publish(ahead)

@@ -190,7 +190,7 @@ class JobRecord:
         record = FailureRecord(
             time=self.job_seconds(detected_at), kind=kind, rank=rank,
             detected_after_s=None if fault_time is None else max(0.0, detected_at - fault_time),
-            message=message, step=max(self.steps) if self.steps else None,
+            message=message, step=self.last_step if self.last_step >= 0 else None,
         )
         self.failures.append(record)
         if step is not None and step not in self.steps:

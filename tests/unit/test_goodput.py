@@ -206,6 +206,29 @@ def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
     assert _lost_from_report(report) == pytest.approx(lost, abs=1e-6)
 
 
+def test_a_failure_after_a_rollback_is_marked_at_the_running_generation_s_step():
+    """Generation 1 restored step 10 and redid 10 and 11 when it failed: the failure is at step 11
+    on the loss curve, not at step 12, the furthest generation 0 had reached."""
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.blame import Blame
+    from orchestrator.controller.job_record import JobRecord
+
+    record = JobRecord("unit", 20, JobMetrics("unit"), GoodputLedger(clock=FakeClock()), printer=lambda _: None)
+    assert record.on_failure("kill_rank", 0, detected_at=record.started + 1, fault_time=None, message="x").step is None
+    t = record.started + 1
+    for step in range(13):
+        t = _step(record, step, 0.5, t + 0.5)
+    first = record.on_failure("kill_rank", 1, detected_at=t + 0.1, fault_time=t, message="killed", step=13)
+    t += 5.0
+    for step in (10, 11):
+        t = _step(record, step, 0.5, t + 0.5)
+    # The step a failure interrupts is the running generation's next one (else a step generation 1
+    # never began would count as in flight, and its first execution as redone).
+    assert Blame(None, record).current_step() == 12
+    second = record.on_failure("kill_rank", 2, detected_at=t + 0.1, fault_time=t, message="killed", step=12)
+    assert (first.step, second.step) == (12, 11)
+
+
 def test_carry_adds_a_predecessors_totals_to_buckets_and_wall_alike():
     clock = FakeClock()
     ledger = GoodputLedger(clock=clock)

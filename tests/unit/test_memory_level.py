@@ -296,6 +296,7 @@ def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restor
     store = _PlanStore()
     checkpoints.begin(store, 0, None)
     record.steps.update({s: None for s in range(13)})  # the controller is at step 13
+    record.last_step = 12
     checkpoints.memory.every = lambda times: 4
     checkpoints._replan()
     moved = store.plans[-1]
