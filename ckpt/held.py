@@ -91,11 +91,19 @@ class HeldShards:
         self._drop(r for r in self.files() if r not in keep)
 
     def _drop(self, relpaths: Iterable[str]) -> None:
+        directories = set()
         for relpath in list(relpaths):
             with self._lock:
                 self._files.pop(relpath, None)
             with contextlib.suppress(FileNotFoundError):
                 self.storage.fs.rm(self.path(relpath))
+            directories.add(relpath.partition("/")[0])
+        # The memory filesystem keeps a directory until it is removed and scans all of them on
+        # every lookup: a rank snapshotting every few steps for days would slow each snapshot.
+        # A directory still in use (a file held, or one being written) refuses, and stays.
+        for directory in directories:
+            with contextlib.suppress(OSError):
+                self.storage.fs.rmdir(self.path(directory))
 
 
 def _step_and_owner(relpath: str) -> tuple[int, int]:

@@ -116,6 +116,27 @@ def test_held_shards_keep_two_snapshots_per_owner_and_keep_only_what_a_restore_n
     assert held.read_range(f"{step_dir(9)}/shard-t-r00001.bin", 2, 5) == b"xxx"
 
 
+def test_a_long_lived_rank_s_memory_filesystem_holds_only_what_it_keeps():
+    """A snapshot every few steps for days: the dropped snapshots' directories go with their files
+    (fsspec's memory filesystem keeps a directory until it is removed, and scans its directories on
+    every lookup), so the rank's own writes and its buddy copies leave no trail."""
+    held = HeldShards("job")
+    for step in range(1, 301):
+        for owner in (0, 1):
+            relpath = f"{step_dir(step)}/shard-t-r{owner:05d}.bin"
+            if owner == 0:  # the rank's own writer, through the storage, then noted
+                with held.storage.atomic_writer(held.path(relpath)) as out:
+                    out.write(b"x" * 4)
+                held.note_written(relpath)
+            else:  # a buddy's copy
+                held.put(relpath, b"y" * 4)
+    fs, root = held.storage.fs, held.storage.path("").rstrip("/")
+    ours = [d for d in fs.pseudo_dirs if d.startswith(fs._strip_protocol(root))]
+    assert sorted(ours) == sorted({fs._strip_protocol(root)} | {fs._strip_protocol(held.path(step_dir(s))) for s in (299, 300)})
+    assert [p for p in fs.store if p.startswith(fs._strip_protocol(root))] == [
+        fs._strip_protocol(held.path(r)) for r in held.files()]
+
+
 def test_durable_reads_are_counted_and_memory_reads_are_not(tmp_path):
     durable, memory = Storage(f"file://{tmp_path}"), Storage("memory://undying-test-count")
     for storage in (durable, memory):
