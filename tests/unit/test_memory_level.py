@@ -130,11 +130,11 @@ def test_a_long_lived_rank_s_memory_filesystem_holds_only_what_it_keeps():
                 held.note_written(relpath)
             else:  # a buddy's copy
                 held.put(relpath, b"y" * 4)
-    fs, root = held.storage.fs, held.storage.path("").rstrip("/")
-    ours = [d for d in fs.pseudo_dirs if d.startswith(fs._strip_protocol(root))]
-    assert sorted(ours) == sorted({fs._strip_protocol(root)} | {fs._strip_protocol(held.path(step_dir(s))) for s in (299, 300)})
-    assert [p for p in fs.store if p.startswith(fs._strip_protocol(root))] == [
-        fs._strip_protocol(held.path(r)) for r in held.files()]
+    fs = held.storage.fs
+    root = fs._strip_protocol(held.storage.root)
+    directories = [d for d in fs.pseudo_dirs if d.startswith(root)]
+    assert sorted(directories) == [root] + [fs._strip_protocol(held.path(step_dir(s))) for s in (299, 300)]
+    assert [p for p in fs.store if p.startswith(root)] == [fs._strip_protocol(held.path(r)) for r in held.files()]
 
 
 def test_durable_reads_are_counted_and_memory_reads_are_not(tmp_path):
