@@ -35,6 +35,7 @@ import ray
 from chaos.config import ArmedFault
 from ckpt.held import HeldShards
 from orchestrator.rank.comm_abort import CommSockets
+from orchestrator.rank.reclaim import reclaim_generation
 from orchestrator.wire.auth import StoreAddress
 from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
@@ -131,6 +132,7 @@ class RankActor:
         # rank 0, a CPU's 0.3 s matmul probe would sit inside the recovery.
         peak_flops_per_rank(self.spec, torch_device(self.spec))
         warm_first_step(self.spec, torch_device(self.spec))
+        reclaim_generation()  # the twin's engine; and a takeover's first collection scans little
         return self.ping()
 
     def join(self, gen: int, rank: int, world_size: int, address: StoreAddress, timeout_s: float,
@@ -263,10 +265,14 @@ class RankActor:
         return self.node_alive()
 
     def _drop_engine(self) -> None:
-        """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself."""
+        """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself,
+        and everything the engine held, now (orchestrator.rank.reclaim). Also with no engine: a
+        rank's first call (at its first join) pays the one full collection at start-up, so that
+        no recovery does."""
         if self.engine is not None:
             self.engine.data.close(wait=False)
         self.engine = None
+        reclaim_generation()
 
     def _teardown(self) -> None:
         import torch.distributed as dist
