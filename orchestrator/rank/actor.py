@@ -60,6 +60,7 @@ class RankActor:
         # Memory snapshots this process holds (its own and its buddies'); they outlive generations.
         self.held = HeldShards(self.spec.name)
         self.engine = None
+        self._reclaiming: threading.Thread | None = None  # a dropped engine's collection (_drop_engine)
         self.writer = None
         self.gen = -1
         self.rank = -1
@@ -239,10 +240,17 @@ class RankActor:
             # Release the peers first (they may be blocked in a collective with us), then clean up.
             self.sockets.abort()
             self._teardown()
-            return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
-                    "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            out = {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
+                   "error": f"{type(err).__name__}: {str(err)[:300]}"}
         finally:
             self._training_over.set()
+        # The next generation builds an engine of its own: reclaim this one on a thread of its own
+        # while the controller detects and places, rather than inside the re-formation; the next
+        # `_drop_engine` waits for it. The loop and the error's traceback (frames that hold the
+        # engine) are gone by now.
+        del loop
+        self._drop_engine(background=True)
+        return out
 
     def _watch_abort(self) -> None:
         """Watcher thread: on the controller's abort key, break our own blocked collective."""
@@ -264,15 +272,22 @@ class RankActor:
         self._drop_engine()
         return self.node_alive()
 
-    def _drop_engine(self) -> None:
+    def _drop_engine(self, background: bool = False) -> None:
         """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself,
-        and everything the engine held, now (orchestrator.rank.reclaim). Also with no engine: a
-        rank's first call (at its first join) pays the one full collection at start-up, so that
-        no recovery does."""
+        and everything the engine held (orchestrator.rank.reclaim): now, or with `background` on a
+        thread that the next call waits for. Also with no engine: a rank's first call (at its
+        first join) pays the one full collection at start-up, so that no recovery does."""
+        if self._reclaiming is not None:
+            self._reclaiming.join()
+            self._reclaiming = None
         if self.engine is not None:
             self.engine.data.close(wait=False)
         self.engine = None
-        reclaim_generation()
+        if background:
+            self._reclaiming = threading.Thread(target=reclaim_generation, daemon=True, name="reclaim")
+            self._reclaiming.start()
+        else:
+            reclaim_generation()
 
     def _teardown(self) -> None:
         import torch.distributed as dist

@@ -15,10 +15,11 @@ them: 0.25-0.47 s per collection on a loaded 2-core host, too long for a recover
 of the collector's sight with `gc.freeze()` after each collection, and the next collection scans
 only what one generation created: 4-21 ms on the same host.
 
-Protocol: the rank actor calls `reclaim_generation()` with no engine alive: after dropping the
-engine when a generation ends (`leave`, and `restore` before it builds the next), and at the
-end of a spare's warm-up (its throwaway engine). Never with an engine alive: a frozen engine
-would never be collected.
+Protocol: the rank actor calls `reclaim_generation()` with no engine alive: on a thread of its
+own when its generation aborts (it returns from `train` at once, and the collection overlaps the
+controller's detection and placement), when it leaves a generation and before `restore` builds
+the next engine (each waiting for that thread first), and at the end of a spare's warm-up (its
+throwaway engine). Never with an engine alive: a frozen engine would never be collected.
 """
 
 from __future__ import annotations
