@@ -94,7 +94,7 @@ class VocabParallelEmbedding(RowwiseParallel):
     ids outside the rank's rows are masked to row 0 and their outputs zeroed, the result is a
     Partial DTensor that the output layout reduces (all-reduce, or reduce-scatter under
     sequence parallelism), and autograd's gradient for the weight is the local rows' only,
-    a Shard(0) DTensor. The same sums in the same order as the Replicate path.
+    a Shard(0) DTensor (equal to the unsplit model's gradient: tests/dist/test_engine_parallel.py).
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
