@@ -25,12 +25,9 @@ throwaway engine). Never with an engine alive: a frozen engine would never be co
 from __future__ import annotations
 
 import gc
-import time
 
 
-def reclaim_generation() -> float:
-    """Collect what the dropped engine left in cycles, then freeze the survivors; returns seconds."""
-    started = time.perf_counter()
+def reclaim_generation() -> None:
+    """Collect what the dropped engine left in cycles, then freeze what is still alive."""
     gc.collect()
     gc.freeze()
-    return time.perf_counter() - started
