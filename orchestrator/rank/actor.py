@@ -73,7 +73,6 @@ class RankActor:
         self._rendezvous: tuple[StoreAddress, int] | None = None  # (address, gen) of the current store
         threading.Thread(target=self._watch_node, daemon=True, name="node-watchdog").start()
         self._abort = threading.Event()  # the controller asked this generation to stop
-        self._training_over = threading.Event()  # stops the abort watcher
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "node": self.node_id, "gen": self.gen, "node_alive": self.node_alive()}
@@ -231,8 +230,11 @@ class RankActor:
             snapshots = lambda tag: MemorySnapshots(self.held, self.rank, tag, buddy, store.send)  # noqa: E731
         loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
                         baseline_bytes=self.baseline_bytes, writer_store=self.writer_store, snapshots=snapshots)
-        self._training_over.clear()
-        watcher = threading.Thread(target=self._watch_abort, daemon=True, name="abort-watcher")
+        # One event per generation: a watcher still in a store round trip when its generation ends
+        # must not find the event cleared again by the next `train` and poll on into it.
+        training_over = threading.Event()
+        watcher = threading.Thread(target=self._watch_abort, args=(training_over,), daemon=True,
+                                   name="abort-watcher")
         watcher.start()
         try:
             return loop.run(until_step, faults)
@@ -243,7 +245,7 @@ class RankActor:
             out = {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
                    "error": f"{type(err).__name__}: {str(err)[:300]}"}
         finally:
-            self._training_over.set()
+            training_over.set()
         # The next generation builds an engine of its own: reclaim this one on a thread of its own
         # while the controller detects and places, rather than inside the re-formation; the next
         # `_drop_engine` waits for it. The loop and the error's traceback (frames that hold the
@@ -252,9 +254,10 @@ class RankActor:
         self._drop_engine(background=True)
         return out
 
-    def _watch_abort(self) -> None:
-        """Watcher thread: on the controller's abort key, break our own blocked collective."""
-        while not self._training_over.wait(0.05):
+    def _watch_abort(self, training_over: threading.Event) -> None:
+        """Watcher thread: on the controller's abort key, break our own blocked collective; ends
+        with its generation's `train` (`training_over`)."""
+        while not training_over.wait(0.05):
             try:
                 requested = self.watch_store.abort_requested()
             except Exception:
