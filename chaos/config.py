@@ -53,7 +53,9 @@ class _Strict(BaseModel):
 
 
 class FaultSpec(_Strict):
-    """One fault. The chaos injector fires it when its single trigger is met.
+    """One fault. The chaos injector fires it when its trigger is met: a time (at_step or at_seconds,
+    at most one), a place (at_point), or both; a storage fault's selectors (op, path, nth,
+    probability) are a trigger of their own.
 
     `repeat=False` fires once per job (a restarted generation that passes the same step again
     does not re-fire it); `repeat=True` fires every time the trigger is met, which is how a
@@ -65,13 +67,16 @@ class FaultSpec(_Strict):
                             "corrupt_shard, kill_server (FaultKind in chaos/config.py says what each does)")
     # validate_default: a rank-level fault with no `rank` key at all must still be reported.
     rank: int | None = Field(None, ge=0, validate_default=True, description="target rank (rank-level kinds)")
-    node: str | None = Field(None, min_length=1, description="target node (Ray node id or IP)")
+    node: str | None = Field(None, min_length=1, description="target node (Ray node id) of a random kill_node; a "
+                             "scripted kill_node names the node by a rank it hosts (rank)")
     server: int | None = Field(None, ge=0, validate_default=True, description="kill_server: the parameter server "
                                "to kill (0..parallel.servers-1), when every worker has pushed at_step steps to it")
     at_step: int | None = Field(None, ge=0, description="fire during this global step")
     at_seconds: Seconds | None = Field(None, description="fire this long after the job starts")
     at_point: str | None = Field(
-        None, pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", description="fire at a named point, e.g. ckpt.commit"
+        None, pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", description="fire at a named point: a rank's (before_step, "
+        "after_forward, after_backward, in_allreduce, after_optimizer_step, during_stage, during_shard_write, "
+        "during_restore) or, for kill_controller, before_manifest_commit or after_manifest_commit"
     )
     factor: float | None = Field(None, gt=1.0, description="slow_rank: step-time multiplier")
     delay_s: PositiveSeconds | None = Field(None, description="storage_latency: added seconds per I/O call; "
@@ -142,7 +147,7 @@ class FaultSpec(_Strict):
         if self.nth is not None and self.probability is not None:
             raise ValueError("give at most one of nth, probability")
         if self.kind == "kill_node" and self.node is None and self.rank is None:
-            raise ValueError("kill_node needs node: <node id or IP>, or rank: <r> to kill the node hosting r")
+            raise ValueError("kill_node needs rank: <r>, to kill the node that hosts rank r")
         if self.kind == "slow_rank" and (self.factor is None) == (self.delay_s is None):
             raise ValueError("slow_rank needs factor: <step-time multiplier above 1, e.g. 3.0> (a straggler) or "
                              "delay_s: <seconds added to step at_step> (a slow first step), not both")
@@ -197,8 +202,8 @@ class ChaosConfig(_Strict):
     so an experiment replays exactly (chaos.schedule.expand).
     """
 
-    faults: list[FaultSpec] = Field(default_factory=list, description="scripted faults, each with one trigger "
-                                    "(at_step, at_seconds or at_point)")
+    faults: list[FaultSpec] = Field(default_factory=list, description="scripted faults, each with a trigger "
+                                    "(at_step or at_seconds, and/or at_point; storage faults: their selectors)")
     mtbf_s: PositiveSeconds | None = Field(None, description="random failures: mean time between failures per target")
     mtbf_kind: RandomKind = Field("kill_node", description="random failures: what fails; when this key is "
                                  "absent, `undying chaos` without --kind uses kill_rank on a one-node cluster "
@@ -307,8 +312,9 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
     if kind == "nan_grad" and fault.at_point not in (None, "after_backward"):
         return "at_point", ("nan_grad poisons gradients, which exist only after the backward; use at_point: "
                             "after_backward or remove at_point")
-    if kind == "kill_node" and fault.rank is None:
-        return "node", "kill_node is injected by a rank on the node: give rank: <r> to kill the node that hosts rank r"
+    if kind == "kill_node" and (fault.rank is None or fault.node is not None):
+        return "node", ("kill_node is injected by a rank on the node: give rank: <r> to kill the node that hosts "
+                        "rank r" + (", and remove node" if fault.node is not None else ""))
     if fault.at_seconds is not None and kind not in TIMED_KINDS:
         return "at_seconds", (f"time-triggered {kind} is not supported; use at_step, or one of "
                               f"{', '.join(sorted(TIMED_KINDS))}")

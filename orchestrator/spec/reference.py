@@ -22,10 +22,16 @@ from pydantic import BaseModel, WithJsonSchema
 from pydantic.fields import FieldInfo
 
 from orchestrator.spec.job_spec import JobSpec
+from orchestrator.spec.secrets import FILE_KEY, STORAGE_SECTIONS
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 REGENERATE = "undying spec --markdown > docs/spec.md"
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "mapping", Any: "any"}
+# Read and removed before validation (orchestrator.spec.secrets), so no model has it: the
+# reference and the schema add it to each section that takes it.
+FILE_DESCRIPTION = ("path of a YAML or JSON file of storage options (credentials, endpoint), relative to the "
+                    "spec's directory; read into storage_options when the spec is loaded, so the secrets stay "
+                    "out of the spec. A key may not be set both here and in storage_options")
 _BOUNDS = ((at.Gt, "gt", "> {}"), (at.Ge, "ge", ">= {}"), (at.Lt, "lt", "< {}"), (at.Le, "le", "<= {}"),
            (at.MultipleOf, "multiple_of", "multiple of {}"), (at.MinLen, "min_length", "length >= {}"),
            (at.MaxLen, "max_length", "length <= {}"))
@@ -35,6 +41,10 @@ def json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a job spec, keys as YAML spells them, for editors
     (e.g. `# yaml-language-server: $schema=spec.schema.json` at the top of a job YAML)."""
     schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
+    for section in STORAGE_SECTIONS:
+        model = section_model(JobSpec.model_fields[section].annotation)
+        schema["$defs"][model.__name__]["properties"][FILE_KEY] = {
+            "type": "string", "minLength": 1, "title": "Storage Options File", "description": FILE_DESCRIPTION}
     return {"$schema": SCHEMA_DIALECT, **schema}
 
 
@@ -138,6 +148,9 @@ def rows(model: type[BaseModel] = JobSpec, prefix: str = "") -> Iterator[tuple[s
             is_list = get_origin(info.annotation) is list or any(get_origin(a) is list
                                                                  for a in get_args(info.annotation))
             nested.append((sub, path + ("[]." if is_list else ".")))
+    if prefix.rstrip(".") in STORAGE_SECTIONS:
+        yield prefix.rstrip("."), FieldRow(prefix + FILE_KEY, "string", "(none)", "length >= 1",
+                                           FILE_DESCRIPTION)
     for sub, sub_prefix in nested:
         yield from rows(sub, sub_prefix)
 

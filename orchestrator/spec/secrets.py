@@ -3,7 +3,7 @@
 Credentials reach fsspec in one of three ways: the environment (s3fs and botocore read
 `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_PROFILE` themselves),
 a file of storage options (`storage_options_file` in the `checkpoint`, `data` and `eval`
-sections, `--storage-options-file` for the `undying ckpt`, `eval` and `data` commands), or
+sections, `--storage-options-file` for the `undying ckpt`, `eval`, `report` and `data` commands), or
 the `storage_options` mapping of the YAML spec itself. Never the command line: an argument
 shows in `ps`, in the shell's history and in Ray's job list, so `--set` and
 `--storage-option` refuse a credential-looking key (exit 2, naming the flag and the fix).

@@ -134,6 +134,10 @@ def test_every_library_kind_is_injectable():
         ({"kind": "kill_controller", "at_seconds": 5}, "at_seconds", "remove at_seconds"),
         ({"kind": "kill_controller", "node": "n1", "at_step": 5}, "node", "remove node"),
         ({"kind": "kill_controller", "at_step": 5, "repeat": True}, "repeat", "fires once per job"),
+        # A scripted kill_node names its node by a rank it hosts; only the random schedule uses node.
+        ({"kind": "kill_node", "rank": 1, "at_step": 5}, None, ""),
+        ({"kind": "kill_node", "node": "10.0.0.7", "at_step": 5}, "node", "give rank: <r>"),
+        ({"kind": "kill_node", "rank": 1, "node": "10.0.0.7", "at_step": 5}, "node", "and remove node"),
     ],
 )
 def test_support_problems_name_the_trigger_a_kind_does_not_take(fault, field, fragment):

@@ -156,3 +156,19 @@ def test_a_quoted_key_is_named_quoted_in_errors():
         apply_overrides({"a": {"b:c": 1}}, ['a."b:c".d=2'])
     (problem,) = err.value.problems
     assert problem.field == "a.'b:c'.d" and "a.b:c is 1, not a section" in problem.message
+
+
+def test_the_schema_and_the_reference_take_storage_options_file_as_the_loader_does(capsys, tmp_path):
+    # The loader reads the key before validation, so no model has it; an editor must still accept it.
+    assert main(["spec", "--schema"]) == 0
+    validator = Draft202012Validator(json.loads(capsys.readouterr().out))
+    (tmp_path / "s3.yaml").write_text("{key: k, secret: s}\n")
+    section = {"url": "s3://bucket/ckpt", "storage_options": {"endpoint_url": "http://127.0.0.1:9"},
+               "storage_options_file": "s3.yaml"}
+    spec = {**MINIMAL, "checkpoint": section, "data": {"storage_options_file": "s3.yaml"},
+            "eval": {"path": "s3://bucket/val.jsonl", "every_steps": 2, "storage_options_file": "s3.yaml"}}
+    assert [e.message for e in validator.iter_errors(spec)] == []
+    assert validate_spec(spec, str(tmp_path)).checkpoint.storage_options["secret"] == "s"
+    assert list(validator.iter_errors({**spec, "checkpoint": {**section, "storage_options_file": 3}}))
+    paths = {row.path for _, row in rows()}
+    assert {"checkpoint.storage_options_file", "data.storage_options_file", "eval.storage_options_file"} <= paths
