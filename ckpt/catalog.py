@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ckpt.errors import IncompleteCheckpoint
 from ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -55,9 +56,14 @@ class Catalog:
 
     def commit(
         self, *, job: str, step: int, generation: int, layout: dict, spec_hash: str,
-        receipts: list[ShardReceipt], state: dict,
+        receipts: list[ShardReceipt], state: dict, files_here: bool = True,
     ) -> Manifest:
+        """Create step's manifest from the ranks' receipts. `files_here`: the shard files are under
+        this catalog's root, and are checked to be there (False for the memory level, whose shards
+        live in the ranks' memory and whose manifests only prove the shards tile every tensor)."""
         tensors = merge_receipts(receipts)
+        if files_here:
+            self._require_files(step, receipts)
         manifest = Manifest(
             job=job, step=step, generation=generation, layout=layout, spec_hash=spec_hash,
             created_at=time.time(), tensors=tensors, state=state,
@@ -77,6 +83,16 @@ class Catalog:
                 ) from None
             return existing
         return manifest
+
+    def _require_files(self, step: int, receipts: list[ShardReceipt]) -> None:
+        """Every shard file the receipts name is in the step's directory: a manifest naming a file
+        that is not there (deleted under a writer, or never landed) would be a committed checkpoint
+        that cannot load. One listing, not a request per shard."""
+        present = set(self.storage.listdir(self.storage.path(step_dir(step))))
+        missing = sorted({r.file for r in receipts} - present)
+        if missing:
+            raise IncompleteCheckpoint(f"{len(missing)} shard file(s) of step {step} are not in storage: "
+                                       f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
 
     def quarantine(self, step: int) -> str:
         """Withdraw committed checkpoint `step`, found corrupt: its manifest moves aside.
@@ -158,11 +174,15 @@ class Catalog:
         self.apply_gc(plan)
         return plan.expired
 
-    def collect_garbage(self, in_flight: Iterable[int] = ()) -> list[int]:
-        """Remove step directories without a manifest that are older than the newest commit."""
+    def collect_garbage(self, in_flight: Iterable[int] = (), before: int | None = None) -> list[int]:
+        """Remove step directories without a manifest that are older than the newest commit and,
+        when given, than `before`: the newest step the running job committed or resumed from.
+        Its saves in progress are all newer than that, also when it resumed from a step older
+        than the newest commit (which it skipped: unreadable to a rank, or proven bad)."""
         all_steps = self.gc_candidates()
         committed = [s for s in self.all_steps() if self.storage.exists(self.manifest_path(s))]
-        plan = GcPlan(expired=[], orphans=plan_gc(all_steps, committed, len(committed) or 1, in_flight).orphans)
+        orphans = plan_gc(all_steps, committed, len(committed) or 1, in_flight).orphans
+        plan = GcPlan(expired=[], orphans=[s for s in orphans if before is None or s < before])
         self.apply_gc(plan)
         return plan.orphans
 

@@ -65,8 +65,9 @@ class Commit:
 class Committer:
     def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int,
                  on_dropped: Callable[[int, str], None] = lambda step, reason: None,
-                 fault_point: Callable[[str, int], None] | None = None):
+                 fault_point: Callable[[str, int], None] | None = None, files_here: bool = True):
         self.catalog = catalog
+        self.files_here = files_here  # ckpt.catalog.Catalog.commit
         self.fault_point = fault_point
         self.on_dropped = on_dropped
         self.job = job
@@ -130,7 +131,7 @@ class Committer:
                 return self.catalog.commit(
                     job=self.job, step=save.step, generation=generation, layout=layout,
                     spec_hash=self.spec_hash, receipts=list(save.receipts.values()),
-                    state={"engine": save.engine_state, **extra},
+                    state={"engine": save.engine_state, **extra}, files_here=self.files_here,
                 )
             except IncompleteCheckpoint:
                 raise
@@ -179,7 +180,7 @@ class Committer:
             del self.pending[step]
         try:
             self.catalog.apply_retention(self.keep)
-            self.catalog.collect_garbage(in_flight=set(self.pending))
+            self.catalog.collect_garbage(in_flight=set(self.pending), before=self.latest)
         except Exception as err:  # storage errors, the HTTP stack's own connection errors among them
             if not isinstance(err, (OSError, ValueError)) and not is_transient(err):
                 raise

@@ -56,10 +56,11 @@ class MemoryLevel:
 
     def _committer(self, gen: int) -> Committer:
         # The manifests go to this process's memory: the committer checks that the shards tile
-        # every tensor exactly, as for a storage commit, and writes nothing durable. One root per
+        # every tensor exactly, as for a storage commit, and writes nothing durable (the shards are in
+        # the ranks' memory, not under this root: files_here=False). One root per
         # generation: a restore to an older step must not find the lost steps' manifests newer than
         # its own (retention would delete each new snapshot at once).
-        return Committer(Catalog(Storage(f"{self.root}/g{gen}")), self.job, self.hash, keep=1)
+        return Committer(Catalog(Storage(f"{self.root}/g{gen}")), self.job, self.hash, keep=1, files_here=False)
 
     def begin(self, gen: int, anchor: int | None) -> None:
         """A generation restored `anchor`: snapshots start afresh; a complete one survives only if it
