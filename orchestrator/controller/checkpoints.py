@@ -2,7 +2,8 @@
 
 Protocol (controller thread only; one per controller run):
   * `restore_point()` in RESTORING: the newest committed step not found corrupt by this run;
-    `on_corrupt(step, err)` when a restore of it proved it corrupt, `unreadable(step, err)` when
+    `on_unloadable(step, source, err)` when a restore of it (or of the memory snapshot `source`)
+    found it corrupt or gone, `unreadable(step, err)` when
     it failed without proof (orchestrator.controller.restore_policy: quarantine only on proof,
     never a silent start from step 0).
   * `restore_choice(workers, after_failure)` in RESTORING: the step and level to restore (after a
@@ -102,8 +103,13 @@ class Checkpoints:
     def restore_point(self) -> int | None:
         return self.restore.restore_point()
 
-    def on_corrupt(self, step: int, err: BaseException) -> str:
-        """Checkpoint `step` proved corrupt: never restore it again in this run; the line to print."""
+    def on_unloadable(self, step: int, source, err: BaseException) -> str:
+        """The restore of `step` failed with SnapshotUnavailable or CorruptCheckpoint; the line to print.
+        From a memory snapshot (`source`): that snapshot is never chosen again, and the stored
+        checkpoints are not suspected (their bytes were not read). From storage: checkpoint `step`
+        is checked, moved aside when proven corrupt, and never restored again in this run."""
+        if source is not None:
+            return self.memory.discard(source.step, err)
         return self.restore.on_corrupt(step, err)
 
     def unreadable(self, step: int | None, err: BaseException) -> str:

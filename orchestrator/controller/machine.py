@@ -253,11 +253,10 @@ class Controller:
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
                                                timeout_s=self.timeouts.restore_s(self.world_size, size),
                                                **({"source": source} if source is not None else {}))
-        except SnapshotUnavailable as err:  # a holder died since the choice: storage next
-            return self.printer(self.checkpoints.memory.discard(source.step, err))
-        except CorruptCheckpoint as err:  # stays in RESTORING: the next handler call tries the previous one
-            self.printer(self.checkpoints.on_corrupt(step, err))
-            self.metrics.on_failure("corrupt_checkpoint")
+        except (SnapshotUnavailable, CorruptCheckpoint) as err:  # stays in RESTORING: the next call tries
+            self.printer(self.checkpoints.on_unloadable(step, source, err))  # storage, or the previous one
+            if source is None:
+                self.metrics.on_failure("corrupt_checkpoint")
             return
         except UNRESTORABLE as err:  # no proof of corruption (the store kept failing): fail, delete nothing
             return self._fail(self.checkpoints.unreadable(step, err))

@@ -332,3 +332,37 @@ def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restor
     # A restore from storage anchors both at the restored step, as before.
     checkpoints.begin(store, 2, 20)
     assert store.plans[-1].anchor == 20 and store.plans[-1].memory_anchor == 20
+
+
+def test_a_corrupt_memory_snapshot_is_discarded_and_the_stored_checkpoint_not_suspected(tmp_path):
+    """A snapshot whose held copy fails its checksum at restore: the next choice is storage, and the
+    stored step (never read) is neither quarantined nor skipped."""
+    from ckpt.errors import CorruptCheckpoint
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.checkpoints import Checkpoints
+    from orchestrator.controller.faults import ControllerFaults
+    from orchestrator.controller.job_record import JobRecord
+
+    spec = validate_spec({"name": "snap", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": 40, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10}})
+    ledger, metrics = GoodputLedger(), JobMetrics("snap")
+    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
+                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
+                              log=lambda line: None)
+    checkpoints.restore.restore_point = lambda: 10  # storage's newest commit
+    checkpoints.memory.newest = Snapshot(step=12, manifest_json="{}", holders={"shard-r00000.bin": ["a"]})
+
+    class Workers:
+        def live_actors(self):
+            return {"a": object()}
+
+    step, source = checkpoints.restore_choice(Workers(), after_failure=True)
+    assert (step, source.step) == (12, 12)
+    line = checkpoints.on_unloadable(step, source, CorruptCheckpoint("block 3 of shard-r00000.bin: crc mismatch"))
+    assert "memory snapshot of step 12 could not be restored" in line and "restoring from storage" in line
+    assert checkpoints.restore_choice(Workers(), after_failure=True) == (10, None)
+    assert checkpoints.restore.bad == {}
