@@ -141,31 +141,24 @@ def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) 
 
 
 def _export(catalog: Catalog, args: argparse.Namespace) -> int:
-    from ckpt.export import export_safetensors
-    from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
-
-    if args.format == "hf":
-        return _export_checked(catalog, args, _export_hf)
     out = os.path.abspath(os.path.expanduser(args.out))
-    if not os.path.isdir(os.path.dirname(out)):
-        raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} does not exist; create it first")
-    if os.path.isdir(out):
+    if args.format != "hf" and os.path.isdir(out):
         raise UsageError(f"--out {args.out} is a directory; give a file name, e.g. {args.out}/model.safetensors")
-    committed = committed_or_fail(catalog)
-    step = step_or_fail(catalog, args.step, committed)
-    try:
-        manifest = read_manifest(catalog, step)
-    except UnsupportedManifest as err:
-        raise UsageError(f"--step {step}: {err}") from None
-    except CorruptCheckpoint as err:
-        print(f"undying ckpt export: step {step} is damaged, nothing written: {err}", file=sys.stderr)
-        return EXIT_FAILED
+    if args.format != "hf" and os.path.lexists(out):
+        raise UsageError(f"--out {args.out} exists; give a new file name (an export never replaces a file)")
+    return _export_checked(catalog, args, _export_hf if args.format == "hf" else _export_safetensors)
+
+
+def _export_safetensors(catalog: Catalog, step: int, args: argparse.Namespace, manifest) -> int:
+    from ckpt.export import export_safetensors
+    from ckpt.reader import CorruptCheckpoint
+    from monitor.progress import Progress
+
     if not any(name.startswith(args.prefix) for name in manifest.tensors):
         prefixes = sorted({name.split("/", 1)[0] + "/" for name in manifest.tensors if "/" in name})
         raise UsageError(f"--prefix {args.prefix!r}: checkpoint step {step} has no such tensors; "
                          f"it holds {', '.join(prefixes) or 'tensors without a prefix'}")
-    from monitor.progress import Progress
-
+    out = os.path.abspath(os.path.expanduser(args.out))
     try:
         with Progress(f"undying ckpt export step {step}") as progress:
             names = export_safetensors(catalog, step, out, prefix=args.prefix, on_bytes=progress.advance)
@@ -177,11 +170,18 @@ def _export(catalog: Catalog, args: argparse.Namespace) -> int:
 
 
 def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
-    """`action(catalog, step, args, manifest)` on the chosen committed step; damage exits 1."""
+    """`action(catalog, step, args, manifest)` on the chosen committed step; damage exits 1. The
+    output goes to an existing directory outside a local checkpoint root: retention and garbage
+    collection own everything under it, and an export there could replace a checkpoint's file."""
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
 
-    if not os.path.isdir(os.path.dirname(os.path.abspath(os.path.expanduser(args.out)))):
-        raise UsageError(f"--out {args.out}: its parent directory does not exist; create it first")
+    out = os.path.realpath(os.path.expanduser(args.out))
+    if not os.path.isdir(os.path.dirname(out)):
+        raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} does not exist; create it first")
+    root = os.path.realpath(catalog.storage.root) if catalog.storage.is_local else None
+    if root is not None and os.path.commonpath([out, root]) == root:
+        raise UsageError(f"--out {args.out} is inside the checkpoint folder {root}, whose files retention and "
+                         "garbage collection own; write the export outside it")
     step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
     try:
         return action(catalog, step, args, read_manifest(catalog, step))

@@ -199,6 +199,27 @@ def test_export_bad_arguments(capsys, job, tmp_path):
     _one_line_error(err, "--step 25")
 
 
+def test_export_never_replaces_a_file_nor_writes_inside_the_checkpoint_folder(capsys, job, tmp_path):
+    url, catalog = job
+    mine = tmp_path / "model.safetensors"
+    mine.write_bytes(b"an earlier export")
+    code, _, err = run(capsys, "export", url, "--out", str(mine))
+    assert code == 2 and mine.read_bytes() == b"an earlier export"
+    _one_line_error(err, f"--out {mine} exists", "new file name")
+    manifest = catalog.manifest_path(30)
+    before = catalog.storage.read(manifest)
+    code, _, err = run(capsys, "export", url, "--out", manifest)
+    assert code == 2
+    _one_line_error(err, "exists", "never replaces a file")
+    for out, fmt in ((os.path.join(catalog.storage.root, "m.safetensors"), "safetensors"),
+                     (os.path.join(catalog.storage.root, "step-000000030", "m.safetensors"), "safetensors"),
+                     (os.path.join(catalog.storage.root, "hf"), "hf")):
+        code, _, err = run(capsys, "export", url, "--out", out, "--format", fmt)
+        assert code == 2, (out, fmt)
+        _one_line_error(err, "inside the checkpoint folder", "outside it")
+    assert catalog.storage.read(manifest) == before and catalog.committed_steps() == [10, 20, 30]
+
+
 def test_gc_keeps_the_newest_and_deletes_stale_unfinished_saves(capsys, job):
     url, catalog = job
     code, out, _ = run(capsys, "gc", url, "--keep", "2", "--dry-run")
