@@ -153,7 +153,15 @@ class Catalog:
 
     def gc_plan(self, keep: int, in_flight: Iterable[int] = ()) -> GcPlan:
         """What `apply_gc` would delete now (see `plan_gc`); reads listings only."""
-        return plan_gc(self.gc_candidates(), self.committed_steps(), keep, in_flight)
+        plan = plan_gc(self.gc_candidates(), self.committed_steps(), keep, in_flight)
+        return GcPlan(expired=plan.expired, orphans=self._without_evidence(plan.orphans))
+
+    def _without_evidence(self, orphans: list[int]) -> list[int]:
+        """`orphans` less the steps that hold a quarantined manifest: a checkpoint proven corrupt keeps
+        its files as evidence (its manifest moved aside, its shards as they were) until someone who
+        has examined them deletes them; GC takes it for an unfinished save otherwise."""
+        return [s for s in orphans if not any(name.startswith(QUARANTINED_PREFIX) for name in
+                                              self.storage.listdir(self.storage.path(step_dir(s))))]
 
     def apply_gc(self, plan: GcPlan) -> None:
         """Delete what `plan` names: expired checkpoints first, then orphaned directories."""
@@ -182,7 +190,7 @@ class Catalog:
         all_steps = self.gc_candidates()
         committed = [s for s in self.all_steps() if self.storage.exists(self.manifest_path(s))]
         orphans = plan_gc(all_steps, committed, len(committed) or 1, in_flight).orphans
-        plan = GcPlan(expired=[], orphans=[s for s in orphans if before is None or s < before])
+        plan = GcPlan(expired=[], orphans=self._without_evidence([s for s in orphans if before is None or s < before]))
         self.apply_gc(plan)
         return plan.orphans
 

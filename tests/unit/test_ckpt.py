@@ -132,6 +132,17 @@ def test_a_quarantined_checkpoint_can_be_saved_again_without_touching_its_files(
     assert all(torch.equal(loaded[n], t) for n, t in state.items())
 
 
+def test_gc_keeps_a_quarantined_checkpoint_s_files_as_evidence(catalog):
+    for step in (10, 20, 30):
+        _save(catalog, step, _state(step))
+    aside = catalog.quarantine(20)
+    write_shard(catalog.storage, 25, 0, _state(), blocking_s=0.0)  # an unfinished save: garbage
+    assert catalog.gc_plan(keep=5).orphans == [25]
+    assert catalog.collect_garbage() == [25]
+    assert catalog.all_steps() == [10, 20, 30] and catalog.storage.exists(aside)
+    assert catalog.quarantined_steps() == [20]
+
+
 def test_missing_shard_is_corrupt(catalog):
     _save(catalog, 10, _state())
     os.remove(os.path.join(catalog.storage.root, step_dir(10), "shard-r00001.bin"))
