@@ -127,7 +127,7 @@ class Manifest(BaseModel):
 def parse_manifest(data: bytes, step: int) -> Manifest:
     """The manifest in `data`, read from step `step`'s directory. Raises CorruptCheckpoint, with
     a one-line message, for bytes that are not UTF-8 JSON of this schema or that name another
-    step; UnsupportedManifest for another schema version."""
+    step; UnsupportedManifest for another schema version, or for this one plus unknown fields."""
     try:
         raw = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -140,6 +140,7 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as err:
+        _refuse_unknown_fields(err, step)
         first = err.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the top level"
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
@@ -148,6 +149,18 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
     if manifest.step != step:
         raise CorruptCheckpoint(f"step {step}: the manifest is that of step {manifest.step}")
     return manifest
+
+
+def _refuse_unknown_fields(err: ValidationError, step: int) -> None:
+    """A manifest that is this schema plus fields only: a newer writer's, not damage (a damaged key
+    also leaves a required field missing, or a value of the wrong type). Corruption would move it
+    aside; an unsupported manifest is refused with the version to read it with, and kept."""
+    errors = err.errors()
+    if errors and all(e["type"] == "extra_forbidden" for e in errors):
+        names = sorted({".".join(str(p) for p in e["loc"]) for e in errors})
+        raise UnsupportedManifest(f"step {step}: the manifest has fields this undying does not know "
+                                  f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); it was written by a "
+                                  "newer undying: read it with that version") from None
 
 
 def step_dir(step: int) -> str:

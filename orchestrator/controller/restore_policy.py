@@ -12,7 +12,8 @@ drives it through Checkpoints):
     ckpt.catalog.Catalog.quarantine) only when the controller's own full verification proves
     the corruption too. Returns the line to print: a fallback is always loud.
   * `unreadable(step, err)` when a restore failed with TransientStorageError (the store kept
-    failing past `checkpoint.read_retry_s`) or NoRestorePoint: the words the job fails with.
+    failing past `checkpoint.read_retry_s`), NoRestorePoint or UnsupportedManifest (another
+    undying version's checkpoint): the words the job fails with.
 
 A verification that itself meets transient errors proves nothing: it is retried for the same
 budget, and if the store still fails, the manifest stays where it is. Nothing here deletes.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 
-from ckpt.errors import CorruptCheckpoint, TransientStorageError
+from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
 from ckpt.reader import read_manifest, verify_checkpoint
 from ckpt.storage_errors import ReadRetry
 
@@ -36,7 +37,8 @@ class NoRestorePoint(RuntimeError):
 
 
 # What a restore may fail with that proves nothing about a checkpoint's bytes: the job fails.
-UNRESTORABLE = (TransientStorageError, NoRestorePoint)
+# A manifest another undying version wrote is not damage either: the job fails naming the version.
+UNRESTORABLE = (TransientStorageError, NoRestorePoint, UnsupportedManifest)
 
 
 def cause(err: BaseException) -> str:
@@ -121,6 +123,8 @@ class RestorePolicy:
     def unreadable(self, step: int | None, err: BaseException) -> str:
         if isinstance(err, NoRestorePoint):
             return str(err)
+        if isinstance(err, UnsupportedManifest):
+            return f"{err}; nothing was quarantined or deleted"
         what = f"checkpoint step {step}" if step is not None else "the committed checkpoints"
         return (f"{what} could not be read ({cause(err)}); that proves nothing about the bytes, so nothing was "
                 "quarantined or deleted: rerun once the store answers")

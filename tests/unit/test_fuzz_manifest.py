@@ -81,3 +81,12 @@ def test_another_schema_version_is_refused_by_name(version):
     document = dict(json.loads(VALID), schema_version=version)
     with pytest.raises((UnsupportedManifest, CorruptCheckpoint)):
         parse_manifest(json.dumps(document).encode(), STEP)
+
+
+def test_unknown_fields_alone_are_a_newer_writer_s_and_a_damaged_key_is_corruption():
+    document = json.loads(VALID)
+    with pytest.raises(UnsupportedManifest, match=r"does not know \(compression\).*newer undying"):
+        parse_manifest(json.dumps(dict(document, compression="zstd")).encode(), STEP)
+    damaged = {("spec_hasj" if key == "spec_hash" else key): value for key, value in document.items()}
+    with pytest.raises(CorruptCheckpoint):
+        parse_manifest(json.dumps(damaged).encode(), STEP)

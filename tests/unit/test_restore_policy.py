@@ -73,6 +73,25 @@ def test_a_store_that_keeps_failing_at_restore_fails_the_job_naming_it_and_delet
     assert _files(spec) == before and ctl.catalog.committed_steps() == [20, 30]
 
 
+def test_a_newer_undying_s_manifest_fails_the_job_naming_it_and_moves_nothing(tmp_path, rendezvous):
+    # Step 30's manifest is this schema plus a field a newer release added: not damage.
+    import json
+
+    spec = _finished_job(tmp_path, rendezvous)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    path = catalog.manifest_path(30)
+    newer = json.dumps(dict(json.loads(catalog.storage.read(path)), compression="zstd")).encode()
+    catalog.storage.remove(path)
+    catalog.storage.write_immutable(path, newer)
+    before = _files(spec)
+    workers = FailingRestore(rendezvous, Storage(spec.checkpoint_root), errors={})
+    ctl, report, text = _run(spec, workers, rendezvous)
+    assert report.status == "failed" and workers.restored == []  # refused before any rank read
+    assert "fields this undying does not know (compression)" in report.error
+    assert "newer undying" in report.error and "nothing was quarantined or deleted" in report.error
+    assert _files(spec) == before and catalog.storage.read(path) == newer
+
+
 def test_a_verification_that_meets_transient_errors_never_moves_a_manifest(tmp_path, rendezvous):
     # A rank proved step 30 corrupt; the controller's own verification is throttled for longer than
     # its budget, which proves nothing: 30 stays committed, this run only skips it.
