@@ -45,6 +45,7 @@ from monitor.report import (
     RunReport,
     StragglerRecord,
     WorldRecord,
+    loss_curve_steps,
 )
 
 KINDS = ("start", "step", "eval", "layout", "failure", "checkpoint", "goodput", "end")
@@ -131,8 +132,8 @@ def report_from_events(events: Iterable[dict], job: str | None = None) -> RunRep
 
 
 def _report(job, steps, evals, world, checkpoints, failures, goodput, end) -> RunReport:
-    losses = [LossPoint(step=s, loss=ev["loss"], time=ev["time"], tokens_per_s=ev.get("tokens_per_s"))
-              for s, ev in sorted(steps.items())]
+    losses = [LossPoint(step=s, loss=steps[s]["loss"], time=steps[s]["time"],
+                        tokens_per_s=steps[s].get("tokens_per_s")) for s in loss_curve_steps(sorted(steps))]
     busy = sum(float(ev["step_s"]) for ev in steps.values())
     tokens = sum(int(ev["tokens"]) for ev in steps.values())
     common = {

@@ -29,6 +29,20 @@ from monitor.goodput import BADPUT_CAUSES, BUCKETS, PRODUCTIVE, GoodputLedger
 _CONFIG = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
 
+# The report's loss curve holds every step of a run up to this many steps; a longer run's holds
+# every k-th (k the smallest stride that fits) and its last, so that the report of a 10^6-step
+# job stays a few MB. The event log, TensorBoard and W&B get every step.
+LOSS_POINTS = 20_000
+
+
+def loss_curve_steps(steps: list[int]) -> list[int]:
+    """Which of the recorded `steps` (in step order) the report's loss curve holds."""
+    if len(steps) <= LOSS_POINTS:
+        return steps
+    kept = steps[::-(-len(steps) // LOSS_POINTS)]
+    return kept if kept[-1] == steps[-1] else [*kept, steps[-1]]
+
+
 class LossPoint(BaseModel):
     model_config = _CONFIG
     step: int
@@ -164,7 +178,7 @@ class RunReport(BaseModel):
     job: str
     final_step: int
     final_loss: float | None = None
-    losses: list[LossPoint] = Field(default_factory=list)
+    losses: list[LossPoint] = Field(default_factory=list)  # thinned past LOSS_POINTS steps
     evals: list[EvalPoint] = Field(default_factory=list)
     world_history: list[WorldRecord] = Field(default_factory=list)
     failures: list[FailureRecord] = Field(default_factory=list)

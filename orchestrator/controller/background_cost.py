@@ -26,6 +26,10 @@ from typing import Protocol
 MIN_CLEAN_STEPS = 5
 # The clean steps whose median is the baseline: the newest ones, as the step time drifts.
 BASELINE_WINDOW = 200
+# How far back a baseline is looked for, and what `overlapped` remembers: with saves overlapping
+# nearly every step (both levels, frequent snapshots) clean steps are rare, and an unbounded walk
+# and set grow with the job (a walk to step 0 took 66 ms at 10^6 steps, per save).
+LOOKBACK_STEPS = 20 * BASELINE_WINDOW
 
 
 class _Step(Protocol):
@@ -44,6 +48,8 @@ class BackgroundCost:
         window = [s for s in range(saved_step + 1, newest + 1) if s in steps]
         self.overlapped.update(window)
         self.overlapped.add(saved_step)  # it holds the blocking time: not a clean step either
+        if len(self.overlapped) > 2 * LOOKBACK_STEPS:  # forget what no walk reaches any more
+            self.overlapped = {s for s in self.overlapped if s > newest - LOOKBACK_STEPS}
         clean = self._newest_clean(steps, newest)
         if len(clean) < MIN_CLEAN_STEPS:
             return 0.0
@@ -51,11 +57,11 @@ class BackgroundCost:
         return sum(max(0.0, steps[s].step_s - baseline) for s in window)
 
     def _newest_clean(self, steps: Mapping[int, _Step], newest: int) -> list[float]:
-        """The times of the newest BASELINE_WINDOW clean steps, walking back from `newest`: a
-        save's cost must not grow with the job's age (a sort of every step was, at 20,000 steps,
-        a good part of the controller's core)."""
+        """The times of the newest BASELINE_WINDOW clean steps among the LOOKBACK_STEPS before
+        `newest`: a save's cost must not grow with the job's age (a sort of every step was, at
+        20,000 steps, a good part of the controller's core)."""
         clean: list[float] = []
-        for step in range(newest, -1, -1):
+        for step in range(newest, max(-1, newest - LOOKBACK_STEPS), -1):
             if len(clean) == BASELINE_WINDOW:
                 break
             if step in steps and step not in self.overlapped:

@@ -13,7 +13,6 @@ import itertools
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from monitor.events import end_event, goodput_event, record_event, step_event
 from monitor.goodput import GoodputLedger
@@ -29,23 +28,15 @@ from monitor.report import (
     RunReport,
     StragglerRecord,
     WorldRecord,
+    loss_curve_steps,
     progress_line,
 )
 from monitor.tracking import NO_TRACKING
 from orchestrator.controller.step_history import record_step
+from orchestrator.controller.step_log import StepLog, StepRecord
 from orchestrator.wire.messages import EvalDone, StepDone
 
 RECENT_STEPS = 200  # step executions kept in `JobRecord.recent`
-
-
-@dataclass
-class StepRecord:
-    step: int
-    loss: float
-    tokens: int
-    step_s: float
-    time: float  # wall-clock time (time.time()) the step finished on rank 0
-    data_wait_s: float = 0.0  # part of step_s rank 0 waited for its samples (booked as `data` badput)
 
 
 class JobRecord:
@@ -61,7 +52,7 @@ class JobRecord:
         self.tracker = tracker  # monitor.tracking.Trackers: the event log, TensorBoard, W&B
         self.progress_every_s = progress_every_s
         self.started = time.time()
-        self.steps: dict[int, StepRecord] = {}
+        self.steps = StepLog()  # every step's newest record, by step number
         # The newest step executions, in arrival order: what "the step time now" is measured on.
         # Bounded, so that the watchdog asking every poll costs the same at step 10 and 10 million.
         self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
@@ -72,6 +63,7 @@ class JobRecord:
         self.stragglers: list[StragglerRecord] = []
         self.evals: list[EvalPoint] = []
         self.last_step = -1  # the newest step event's step
+        self._generation_first: int | None = None  # the running generation's first step event's step
         # In event order: runs of completed steps ["steps", first, end, dp], ["restore", step]
         # per restore: which steps survive into the final model and with which layout
         # (orchestrator.controller.step_history).
@@ -88,6 +80,7 @@ class JobRecord:
         """A generation starts training: the hang clock restarts. Returns the wall time, the
         controller's record of when the generation started (compared with rank timestamps)."""
         self.progress_at = time.monotonic()
+        self._generation_first = None
         return time.time()
 
     def job_seconds(self, at: float | None = None) -> float:
@@ -105,7 +98,9 @@ class JobRecord:
                                                        finished_at=self.job_seconds(old.time)))
             self.redone_steps += 1
             self.redone_s += rec.step_s
-        self.steps[rec.step] = rec
+        self.steps.put(rec)
+        if self._generation_first is None:
+            self._generation_first = rec.step
         self.recent.append(rec)
         self.last_step = rec.step
         record_step(self.history, rec.step, self.dp)
@@ -170,11 +165,17 @@ class JobRecord:
     def rolled_back_seconds(self, restored_step: int, since: float, failed_at: float | None = None) -> float:
         """Compute time of steps >= `restored_step` finished after `since` (they must be redone),
         plus the step that was in flight at `failed_at`, when the failure time is known: the
-        `lost_work` of a rollback to `restored_step` (monitor.goodput defines it)."""
-        done = [r for r in self.steps.values() if r.step >= restored_step and r.time >= since]
+        `lost_work` of a rollback to `restored_step` (monitor.goodput defines it). `since` is the
+        running generation's start (`on_training_started`), so only its steps can qualify: it reads
+        those from `restored_step` on, and a recovery costs the same at step 100 and step 10^6."""
+        first = self._generation_first
+        if first is None:  # the generation reported no step
+            return max(0.0, failed_at - since) if failed_at is not None else 0.0
+        done = [r for r in self.steps.records(max(restored_step, first)) if r.time >= since]
         lost = sum(r.step_s - r.data_wait_s for r in done)  # the data wait stays in `data`
         if failed_at is not None:
-            last_end = max((r.time for r in self.steps.values() if r.time >= since), default=since)
+            newest = self.steps.get(self.last_step)  # the generation's newest step ended last
+            last_end = newest.time if newest is not None and newest.time >= since else since
             lost += max(0.0, failed_at - last_end)
         return lost
 
@@ -231,20 +232,20 @@ class JobRecord:
 
     def report(self, status: str, final_step: int, error: str | None = None) -> RunReport:
         """The run's report, sent to the trackers as its `end` event too (once, at the run's end)."""
-        losses = [LossPoint(step=s, loss=r.loss, time=self.job_seconds(r.time),
+        losses = [LossPoint(step=r.step, loss=r.loss, time=self.job_seconds(r.time),
                             tokens_per_s=r.tokens / r.step_s if r.step_s > 0 else None)
-                  for s, r in sorted(self.steps.items())]
-        busy = sum(r.step_s for r in self.steps.values())
+                  for r in map(self.steps.__getitem__, loss_curve_steps(list(self.steps)))]
+        busy, tokens = self.steps.totals()
         report = RunReport(
             job=self.job, final_step=final_step,
-            final_loss=self.steps[max(self.steps)].loss if self.steps else None,
+            final_loss=losses[-1].loss if losses else None,
             losses=losses, evals=sorted(self.evals, key=lambda e: e.step), world_history=self.world,
             failures=self.failures, faults=self.faults, history=self.history,
             checkpoints=self.checkpoints, stragglers=self.stragglers,
             redone_steps=self.redone_steps, redone_s=self.redone_s, rolled_back=self.rolled_back,
             goodput=GoodputSummary.from_ledger(self.ledger),
             status=status, error=error,
-            tokens_per_s=sum(r.tokens for r in self.steps.values()) / busy if busy > 0 else None,
+            tokens_per_s=tokens / busy if busy > 0 else None,
         )
         self.tracker.emit(goodput_event(self.completed_steps(), self.ledger))
         self.tracker.emit(end_event(report))

@@ -83,3 +83,24 @@ def test_the_baseline_is_the_newest_clean_steps_whatever_the_job_s_age():
             clean = [times[s] for s in sorted(times) if s not in cost.overlapped][-BASELINE_WINDOW:]
             newest = cost._newest_clean(steps(times), max(times))
             assert len(newest) == len(clean) and statistics.median(newest) == statistics.median(clean)
+
+
+def test_a_job_whose_saves_overlap_every_step_costs_the_same_at_any_age():
+    """With every step overlapped the baseline walk stops at LOOKBACK_STEPS, and `overlapped`
+    forgets what it cannot reach: both stay bounded however long the job runs."""
+    from orchestrator.controller.background_cost import LOOKBACK_STEPS
+
+    visited = []
+
+    class Watched(dict):
+        def __contains__(self, step):
+            visited.append(step)
+            return super().__contains__(step)
+
+    cost, records = BackgroundCost(), Watched()
+    for saved in range(0, 3 * LOOKBACK_STEPS, 4):  # a save every 4 steps, each overlapping the next 3
+        records.update(steps({s: 0.1 for s in range(saved, saved + 4)}))
+        visited.clear()
+        assert cost.charge(saved, records, saved + 3) == 0.0  # never 5 clean steps: no baseline
+        assert len(cost.overlapped) <= 2 * LOOKBACK_STEPS + 4
+        assert len(visited) <= LOOKBACK_STEPS + 4

@@ -62,12 +62,19 @@ def test_accumulated_gradient_is_the_gradient_of_the_token_mean():
 @pytest.mark.parametrize("micro_batch", [1, 4])
 def test_microbatch_size_does_not_change_the_step(micro_batch):
     whole, split = make_engine(micro_batch=8), make_engine(micro_batch=micro_batch)
+    initial = {n: t.clone() for n, t in whole.state_tensors().items() if n.startswith("model/")}
     for _ in range(3):
+        ours, reference = split.train_step(), whole.train_step()
         # fp32: the two splits sum the same terms in another order, a few ulps of a loss near 5.
-        assert split.train_step().loss == pytest.approx(whole.train_step().loss, rel=1e-6)
+        assert ours.loss == pytest.approx(reference.loss, rel=1e-6)
+        assert ours.grad_norm == pytest.approx(reference.grad_norm, rel=1e-5)  # a scale Adam's update would hide
+    # Adam divides each gradient element by its own running RMS, so where a gradient is near 0 the
+    # reordering's last-bit difference becomes a visible one (2e-6 of a 3e-3 update, measured on an
+    # AVX-512 host): each tensor's update is compared as a whole.
     whole_state, split_state = whole.state_tensors(), split.state_tensors()
-    for name, value in whole_state.items():
-        torch.testing.assert_close(split_state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    for name, before in initial.items():
+        update = whole_state[name] - before
+        assert (split_state[name] - before - update).norm() <= 1e-4 * update.norm(), name
 
 
 def run_and_snapshot(engine: Engine, steps: int, snapshot_at: int):

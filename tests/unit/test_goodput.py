@@ -206,6 +206,26 @@ def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
     assert _lost_from_report(report) == pytest.approx(lost, abs=1e-6)
 
 
+def test_a_second_failure_loses_the_running_generation_s_redone_steps_only():
+    """Generation 0 reached step 18 and lost 10..18; generation 1 redid 10..14 and failed in 15: its
+    lost work is 10..14 and the part of 15 it ran, not generation 0's records of 15..18."""
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import JobRecord
+
+    record = JobRecord("unit", 40, JobMetrics("unit"), GoodputLedger(clock=FakeClock()), printer=lambda _: None)
+    t = record.started
+    for step in range(19):
+        t = _step(record, step, 0.5, t + 0.5)
+    record.on_training_started()
+    since = t = t + 1.0  # the steps' clock is this test's: generation 1 starts after generation 0's last step
+    for step in range(10, 15):
+        t = _step(record, step, 0.7, t + 0.7)
+    assert record.rolled_back_seconds(10, since=since, failed_at=t + 0.2) == pytest.approx(5 * 0.7 + 0.2)
+    assert record.rolled_back_seconds(13, since=since) == pytest.approx(2 * 0.7)
+    assert record.on_training_started() and record.rolled_back_seconds(10, since=t + 1, failed_at=t + 1.5) == \
+        pytest.approx(0.5)  # a generation that reported no step lost the time since its start
+
+
 def test_a_failure_after_a_rollback_is_marked_at_the_running_generation_s_step():
     """Generation 1 restored step 10 and redid 10 and 11 when it failed: the failure is at step 11
     on the loss curve, not at step 12, the furthest generation 0 had reached."""

@@ -23,6 +23,7 @@ from ckpt.storage import Storage, durable_bytes_read
 from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
 from orchestrator.controller.memory_level import MemoryLevel, Snapshot
 from orchestrator.controller.policies import CheckpointIntervalPolicy
+from orchestrator.controller.step_log import StepRecord
 from orchestrator.spec.job_spec import validate_spec
 from orchestrator.wire.messages import CheckpointPlan, SnapshotHeld, decode, encode
 from tests._fuzz import fuzz
@@ -316,7 +317,8 @@ def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restor
     checkpoints = Checkpoints(spec, catalog, ledger, record, metrics, chaos, log=lambda line: None)
     store = _PlanStore()
     checkpoints.begin(store, 0, None)
-    record.steps.update({s: None for s in range(13)})  # the controller is at step 13
+    for s in range(13):  # the controller is at step 13
+        record.steps.put(StepRecord(s, 1.0, 100, 0.1, 0.0))
     record.last_step = 12
     checkpoints.memory.every = lambda times: 4
     checkpoints._replan()

@@ -169,3 +169,14 @@ def test_timeline_of_an_empty_failed_run(tmp_path):
     plot_timeline(report, path)
     assert path.stat().st_size > 0
     assert "failed (bad spec)" in report.summary_table()
+
+
+def test_a_long_run_s_loss_curve_is_thinned_to_a_bounded_size_keeping_its_ends():
+    from monitor.report import LOSS_POINTS, loss_curve_steps
+
+    short = list(range(LOSS_POINTS))
+    assert loss_curve_steps(short) == short
+    long = list(range(5, 5 + 2 * LOSS_POINTS + 3))  # a resumed run: its first step is 5
+    kept = loss_curve_steps(long)
+    assert kept[0] == 5 and kept[-1] == long[-1] and len(kept) <= LOSS_POINTS + 1
+    assert len({b - a for a, b in zip(kept[:-2], kept[1:-1], strict=True)}) == 1  # one stride, the last aside

@@ -217,7 +217,7 @@ def test_name_must_be_a_safe_path_component(tiny_data, name):
         ({"kind": "kill_rank", "at_step": 1}, "chaos.faults[0].rank", "add rank"),
         ({"kind": "kill_controller", "rank": 0, "at_step": 1}, "chaos.faults[0].rank", "remove rank"),
         ({"kind": "slow_rank", "rank": 0, "at_step": 1}, "chaos.faults[0]", "needs factor"),
-        ({"kind": "kill_node", "at_seconds": 5}, "chaos.faults[0]", "needs node"),
+        ({"kind": "kill_node", "at_seconds": 5}, "chaos.faults[0]", "kill_node needs rank: <r>"),
         ({"kind": "storage_latency", "at_point": "ckpt.commit"}, "chaos.faults[0]", "needs delay_s"),
         ({"kind": "explode", "at_step": 1}, "chaos.faults[0].kind", "'kill_rank'"),
     ],
