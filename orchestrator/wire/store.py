@@ -75,6 +75,17 @@ class RendezvousServer:
         return GenerationStore(dist.PrefixStore(key_prefix(self._secret, gen), self._server), Seal(self._secret, gen),
                                self.rejections)
 
+    def drop_generation(self, gen: int) -> int:
+        """Delete every key of generation `gen` (its process-group bootstrap, heartbeats, plan, abort
+        flag, event queue); returns how many. The controller calls it for the previous generation
+        once the next one trains: every survivor has left it by then (they joined the next one),
+        and a job with a thousand failures would otherwise keep a thousand generations' keys."""
+        prefix = key_prefix(self._secret, gen) + "/"
+        keys = [key for key in self._server.list_keys() if key.startswith(prefix)]
+        for key in keys:
+            self._server.delete_key(key)
+        return len(keys)
+
 
 def _listening_store(host: str, port: int) -> dist.TCPStore:
     """A TCPStore server that listens on `host` only (TCPStore itself would bind every interface)."""

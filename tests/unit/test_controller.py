@@ -266,6 +266,11 @@ def test_dead_rank_is_replaced_and_job_resumes_from_last_commit(tmp_path, rendez
     assert [p.step for p in report.losses] == list(range(30))
     totals = report.goodput
     assert abs(totals.productive_s + sum(totals.badput_s.values()) - totals.wall_s) < 1e-9
+    # Once generation 1 trained, the store forgot generation 0: only the last generation's keys stay.
+    from orchestrator.wire.auth import key_prefix
+
+    keys = rendezvous._server.list_keys()
+    assert keys and all(k.startswith(key_prefix(rendezvous._secret, 1) + "/") for k in keys), keys
 
 
 def test_restart_budget_exhausted_fails_with_checkpoints_intact(tmp_path, rendezvous):
