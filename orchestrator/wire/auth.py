@@ -8,10 +8,11 @@ opens it before trusting a byte of it; a value that does not open is dropped and
 docs/design.md, "The control plane's security model".
 
 Where the keys are: every generation's keys live under `key_prefix(secret, gen)`, an HMAC
-of the generation under the secret. A TCPStore cannot list its keys, so a client without the
-secret cannot name one: it can neither write torch's bootstrap keys (which cannot be sealed)
-nor delete, overwrite or pop the sealed ones. What still reaches them is someone who reads
-the store's traffic, who learns the names (and can then do all of that, but forge nothing).
+of the generation under the secret, so a client without the secret cannot guess one. It can
+still learn them: torch 2.13's TCPStore answers `list_keys` to any client. So whoever reaches
+the port can write torch's bootstrap keys (which cannot be sealed) and delete, overwrite or
+pop the sealed ones (a denial of service), but forge nothing: docs/design.md, "The control
+plane's security model".
 
 The secret: `new_secret()` draws 32 random bytes once per job in the controller's process
 (orchestrator.wire.store.RendezvousServer); it reaches the rank actors only as an argument
