@@ -47,6 +47,12 @@ PLAN = "plan"
 PLAN_SETS = "plan_sets"
 REJECTED = "control_rejected"  # a rank's notice that it dropped a value (see module doc)
 _LISTEN_BACKLOG = 1024  # every rank opens several clients at once when a generation forms
+# TCP keepalive on every connection the store accepts: the store only ever answers, so without
+# it a rank whose node vanished without closing its connections (power loss, a reclaimed VM)
+# would hold its sockets open on the controller for the rest of the job, a few per rank per
+# lost node, until the controller ran out of descriptors. With it such a connection fails after
+# about IDLE + COUNT x INTERVAL = 60 s of silence from its peer.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
 
 
 def heartbeat_key(rank: int) -> str:
@@ -91,6 +97,7 @@ def _listening_store(host: str, port: int) -> dist.TCPStore:
     """A TCPStore server that listens on `host` only (TCPStore itself would bind every interface)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=_LISTEN_BACKLOG)
+    _keep_alive(sock)  # Linux: the accepted sockets inherit the listener's keepalive settings
     port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the socket from here on (libuv closes it)
     try:
@@ -99,6 +106,14 @@ def _listening_store(host: str, port: int) -> dist.TCPStore:
     except BaseException:
         socket.socket(fileno=fd).close()
         raise
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing applies
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class GenerationStore:

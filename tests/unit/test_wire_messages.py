@@ -4,6 +4,7 @@ ones are refused naming the type or field, and the chaos library's notices decod
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,19 @@ def test_dropping_a_generation_deletes_its_keys_and_no_other_s():
     assert not old.store.check(["plan"]) and old.get_json("hb/0") is None
     assert new.get_json("hb/0") == {"step": 3} and new.plan_sets() == 1 and new.pg_store().get("0") == b"bootstrap"
     assert len(new.drain_events()) == 1
+
+
+def _timers_of_connections_to(port: int) -> list[str]:
+    """The `tr` (timer) field of every established IPv4 connection whose local port is `port`
+    (/proc/net/tcp: 02 is the keepalive timer)."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [row[5].split(":")[0] for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01"]
+
+
+def test_every_connection_the_store_accepts_has_tcp_keepalive():
+    """So a rank whose node vanished without closing its sockets does not hold them open for good."""
+    server = RendezvousServer("127.0.0.1")
+    rank = connect(server.address, 0, timeout_s=10)
+    rank.set_json("hb/0", {"step": 1})
+    timers = _timers_of_connections_to(server.port)
+    assert timers and all(timer == "02" for timer in timers), timers
