@@ -85,11 +85,16 @@ class RendezvousServer:
         """Delete every key of generation `gen` (its process-group bootstrap, heartbeats, plan, abort
         flag, event queue); returns how many. The controller calls it for the previous generation
         once the next one trains: every survivor has left it by then (they joined the next one),
-        and a job with a thousand failures would otherwise keep a thousand generations' keys."""
+        and a job with a thousand failures would otherwise keep a thousand generations' keys.
+        Housekeeping: a store error here is logged and the keys stay, the job goes on."""
         prefix = key_prefix(self._secret, gen) + "/"
-        keys = [key for key in self._server.list_keys() if key.startswith(prefix)]
-        for key in keys:
-            self._server.delete_key(key)
+        try:
+            keys = [key for key in self._server.list_keys() if key.startswith(prefix)]
+            for key in keys:
+                self._server.delete_key(key)
+        except (RuntimeError, OSError) as err:  # torch raises DistStoreError, a RuntimeError
+            log.warning("could not delete generation %d's store keys (%s); they stay", gen, err)
+            return 0
         return len(keys)
 
 
