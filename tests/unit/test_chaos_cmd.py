@@ -15,6 +15,7 @@ from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.cli.chaos.runs import RunOutcome
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from orchestrator.cli.main import _parser, main
+from orchestrator.spec.job_spec import load_spec
 from tests._checkpoints import save_checkpoint
 
 STEPS = 4
@@ -73,6 +74,18 @@ def test_every_check_passes_and_the_report_holds_them(tmp_path, capsys):
     assert chaos_main(_args(tmp_path), runner=again) == EXIT_USAGE and again.names == []
     assert "already holds checkpoints" in capsys.readouterr().err
     assert chaos_main(_args(tmp_path, "--fresh"), runner=again) == EXIT_OK and again.names == ["unit.reference", "unit"]
+
+
+def test_fresh_never_deletes_checkpoints_no_experiment_made(tmp_path, capsys):
+    """`undying chaos --fresh` pointed at a job that `undying run` trained (no experiment's marker)."""
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])
+    catalog = catalog_of(spec)
+    save_checkpoint(catalog, 2, {"model/w": torch.ones(3, 2)}, world=1)
+    runner = FakeRunner()
+    assert chaos_main(_args(tmp_path, "--fresh", "--no-reference"), runner=runner) == EXIT_USAGE
+    assert runner.names == [] and catalog.committed_steps() == [2]
+    err = capsys.readouterr().err
+    assert "no `undying chaos` experiment made" in err and "--fresh leaves them" in err
 
 
 @pytest.mark.parametrize("spoil, failing", [
@@ -176,7 +189,6 @@ def test_random_node_kills_never_target_the_controllers_node(tmp_path):
 
 def test_without_kind_one_node_gets_rank_kills_and_several_nodes_keep_node_kills(tmp_path, capsys, monkeypatch):
     from orchestrator.cli.chaos.default_kind import with_default_kind
-    from orchestrator.spec.job_spec import load_spec
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     kinds = []

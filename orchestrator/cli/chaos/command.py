@@ -11,17 +11,18 @@ rank kinds, each node for kill_node), so a 4-rank job with `--mtbf 60s --kind ki
 a failure every 15 s on average. The other flags set chaos.mtbf_kind, seed, mtbf_start_s and
 mtbf_max_faults; `--set` edits any other field.
 
-Protocol of one experiment (orchestrator.cli.chaos.experiment): unless --no-reference, the same job with chaos
-off runs first under the name `<name>.reference` (a finished reference with the same spec is
-reused: it is deterministic); then the job runs with its faults; then every invariant check
-runs on what it left and the pass/fail table is printed, and the run's timeline PNG is written
-(orchestrator.cli.chaos.timeline). A checkpoint root that already holds
-checkpoints of another run is refused (a chaos run must start from scratch), unless --fresh,
-which deletes it first. Rank PIDs are taken from the ranks' own answers to the controller's
-pings (every actor of the run answers one before it trains) by recording them on the worker
-group; `run_job` has no hook for it, hence the subclass swapped in for the run. A spec with a
-kill_controller fault runs each job in a child process instead, rerun after the controller
-killed itself (orchestrator.cli.chaos.child), so the checks see the job's whole life.
+Protocol of one experiment (orchestrator.cli.chaos.experiment): unless --no-reference, the same job
+with chaos off runs first under the name `<name>.reference` (a finished reference with the same spec
+is reused: it is deterministic); then the job runs with its faults; then every invariant check runs
+on what it left and the pass/fail table is printed, and the run's timeline PNG is written
+(orchestrator.cli.chaos.timeline). A checkpoint root that already holds checkpoints of another run
+is refused (a chaos run must start from scratch), unless --fresh, which deletes it first, and only
+when an earlier experiment made it (it holds CHAOS_MARKER): a production job's checkpoints are never
+deleted by pointing the harness at its spec. Rank PIDs are taken from the ranks' own answers to the
+controller's pings (every actor of the run answers one before it trains) by recording them on the
+worker group; `run_job` has no hook for it, hence the subclass swapped in for the run. A spec with a
+kill_controller fault runs each job in a child process instead, rerun after the controller killed
+itself (orchestrator.cli.chaos.child), so the checks see the job's whole life.
 
 Exit codes: 0 the run succeeded and every check passed; 1 the run failed or a check failed;
 2 the spec, the flags or the cluster cannot run the experiment (nothing was started).
@@ -300,22 +301,34 @@ def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
     return experiment.final_model(catalog)[1]
 
 
+# Written into every root an experiment runs in: --fresh deletes only roots that carry it, so
+# pointing `undying chaos --fresh` at a production job's spec cannot delete that job's checkpoints.
+CHAOS_MARKER = "chaos-experiment.json"
+
+
 def prepare_root(spec, fresh: bool) -> None:
-    """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh."""
+    """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh
+    when an earlier experiment made it (CHAOS_MARKER); then mark it as this experiment's."""
     from orchestrator.cli.chaos import experiment
     from orchestrator.controller.kill import MARKER_DIR
 
     catalog = experiment.catalog_of(spec)
+    storage = catalog.storage
     # A kill_controller marker alone (the controller died before its first commit) is state too:
     # it would keep that fault from firing in this run.
-    if not catalog.all_steps() and not catalog.storage.exists(catalog.storage.path(MARKER_DIR)):
-        return
-    if fresh:
-        catalog.storage.remove_tree(catalog.storage.root)
-        return
-    raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
-                             f"records) of an earlier run, which this run would resume from; pass --fresh to "
-                             f"delete them, or choose another name with --set name=...")])
+    if catalog.all_steps() or storage.exists(storage.path(MARKER_DIR)):
+        if not fresh:
+            raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
+                                     f"records) of an earlier run, which this run would resume from; pass --fresh to "
+                                     f"delete them, or choose another name with --set name=...")])
+        if not storage.exists(storage.path(CHAOS_MARKER)):
+            raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} holds checkpoints that no `undying "
+                                     f"chaos` experiment made (it has no {CHAOS_MARKER}), so --fresh leaves them: "
+                                     "choose another name with --set name=..., or delete them yourself if they "
+                                     "should go")])
+        storage.remove_tree(storage.root)
+    with storage.atomic_writer(storage.path(CHAOS_MARKER)) as out:
+        out.write(json.dumps({"job": spec.name}).encode())
 
 
 def run_with_report(runner: Runner, spec, address: str | None) -> RunOutcome:
