@@ -41,3 +41,16 @@ def test_a_hundred_thousand_steps_take_under_60_bytes_each():
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     assert held / 100_000 < 60, held
+
+
+def test_a_job_resumed_at_a_high_step_holds_no_columns_for_the_steps_before():
+    log = StepLog()
+    log.put(StepRecord(900_000, 2.0, 1, 0.1, 5.0))
+    log.put(StepRecord(900_002, 1.9, 1, 0.1, 6.0))
+    assert list(log) == [900_000, 900_002] and 900_001 not in log and 0 not in log
+    assert len(log._present) == 3  # columns from the first step recorded on
+    # A fallback to a checkpoint older than the one this controller resumed from: steps before it.
+    log.put(StepRecord(899_998, 2.1, 1, 0.1, 7.0))
+    assert list(log) == [899_998, 900_000, 900_002] and log[900_000].time == 5.0 and log[899_998].loss == 2.1
+    assert [r.step for r in log.records(899_999)] == [900_000, 900_002] and log.newest() == 900_002
+    assert log.totals() == (pytest.approx(0.3), 3)
