@@ -14,7 +14,8 @@ shows every argument).
     export   the `model/...` tensors of one checkpoint: a safetensors file, prefix removed
              (--format safetensors), or a Hugging Face model directory (--format hf)
     gc       keep the newest --keep committed checkpoints (never the newest one) and delete
-             unfinished saves older than the newest commit
+             unfinished saves older than the newest commit; refused while a job seems to be
+             writing to the folder (its goodput snapshot under 30 s old), unless --force
 
 `ls` and `verify` take `--json`: one JSON object on stdout, failures included
 (orchestrator.cli.ckpt_listing gives the shapes).
@@ -80,6 +81,8 @@ def add_ckpt_parser(sub) -> None:
                                    "(default: the one the job trained with, when the checkpoint records it)")
     parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
     parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    parsers["gc"].add_argument("--force", action="store_true",
+                               help="collect even while a job seems to be writing to the folder")
 
 
 def ckpt_main(args: argparse.Namespace) -> int:
@@ -198,6 +201,10 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
     committed = committed_or_fail(catalog)
+    live = None if args.force or args.dry_run else live_job(catalog)
+    if live is not None:
+        raise UsageError(f"{live}; a job that resumed behind its newest commit writes its saves below it, where "
+                         "gc would take them for unfinished ones: run gc once it has stopped, or pass --force")
     plan = catalog.gc_plan(args.keep)
     verb = "would delete" if args.dry_run else "deleted"
     if not args.dry_run:
@@ -211,6 +218,24 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
         print(f"{verb} unfinished saves: steps {steps_text(plan.orphans)}")
     print(f"kept: steps {steps_text(kept)}")
     return EXIT_OK
+
+
+# A running controller rewrites the folder's goodput snapshot every few seconds (RUNNING) and at each
+# commit (orchestrator.controller.ledger_snapshot); one this fresh, not marked ended, is a live job.
+LIVE_WITHIN_S = 30.0
+
+
+def live_job(catalog: Catalog) -> str | None:
+    """Why a job seems to be writing to `catalog`'s folder now, or None."""
+    import time
+
+    from orchestrator.controller.ledger_snapshot import LedgerSnapshots
+
+    snapshot = LedgerSnapshots(catalog.storage).load()
+    age = time.time() - snapshot["time"] if snapshot is not None else None
+    if age is None or snapshot["ended"] or age > LIVE_WITHIN_S:
+        return None
+    return f"a job is writing to {catalog.storage.root}: its goodput snapshot is {age:.0f} s old and not marked ended"
 
 
 COMMANDS = {"ls": list_checkpoints, "verify": verify_checkpoints, "export": _export, "gc": _gc}

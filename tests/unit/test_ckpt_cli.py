@@ -220,6 +220,32 @@ def test_export_never_replaces_a_file_nor_writes_inside_the_checkpoint_folder(ca
     assert catalog.storage.read(manifest) == before and catalog.committed_steps() == [10, 20, 30]
 
 
+def test_gc_waits_for_a_live_job_unless_forced(capsys, job):
+    import json
+    import time
+
+    from orchestrator.controller.ledger_snapshot import SNAPSHOT_FILE
+
+    url, catalog = job
+    path = catalog.storage.path(SNAPSHOT_FILE)
+
+    def snapshot(age_s: float, ended: bool) -> None:
+        with catalog.storage.atomic_writer(path) as out:
+            out.write(json.dumps({"time": time.time() - age_s, "totals": {}, "ended": ended}).encode())
+
+    snapshot(2.0, ended=False)  # a controller rewrote it 2 s ago: the job runs
+    code, _, err = run(capsys, "gc", url, "--keep", "1")
+    assert code == 2 and catalog.all_steps() == [10, 15, 20, 30, 35]
+    _one_line_error(err, "a job is writing to", "2 s old", "--force")
+    assert run(capsys, "gc", url, "--keep", "1", "--dry-run")[0] == 0  # looking deletes nothing
+    snapshot(2.0, ended=True)  # it stopped on its own
+    assert run(capsys, "gc", url, "--keep", "2")[0] == 0 and catalog.committed_steps() == [20, 30]
+    snapshot(1.0, ended=False)
+    assert run(capsys, "gc", url, "--keep", "1", "--force")[0] == 0 and catalog.committed_steps() == [30]
+    snapshot(120.0, ended=False)  # its controller died two minutes ago
+    assert run(capsys, "gc", url, "--keep", "1")[0] == 0
+
+
 def test_gc_keeps_the_newest_and_deletes_stale_unfinished_saves(capsys, job):
     url, catalog = job
     code, out, _ = run(capsys, "gc", url, "--keep", "2", "--dry-run")
