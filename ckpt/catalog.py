@@ -187,9 +187,8 @@ class Catalog:
         when given, than `before`: the newest step the running job committed or resumed from.
         Its saves in progress are all newer than that, also when it resumed from a step older
         than the newest commit (which it skipped: unreadable to a rank, or proven bad)."""
-        all_steps = self.gc_candidates()
-        committed = [s for s in self.all_steps() if self.storage.exists(self.manifest_path(s))]
-        orphans = plan_gc(all_steps, committed, len(committed) or 1, in_flight).orphans
+        committed = self.committed_steps()
+        orphans = plan_gc(self.gc_candidates(), committed, len(committed) or 1, in_flight).orphans
         plan = GcPlan(expired=[], orphans=self._without_evidence([s for s in orphans if before is None or s < before]))
         self.apply_gc(plan)
         return plan.orphans

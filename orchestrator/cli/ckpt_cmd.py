@@ -154,7 +154,6 @@ def _export(catalog: Catalog, args: argparse.Namespace) -> int:
 
 def _export_safetensors(catalog: Catalog, step: int, args: argparse.Namespace, manifest) -> int:
     from ckpt.export import export_safetensors
-    from ckpt.reader import CorruptCheckpoint
     from monitor.progress import Progress
 
     if not any(name.startswith(args.prefix) for name in manifest.tensors):
@@ -162,12 +161,8 @@ def _export_safetensors(catalog: Catalog, step: int, args: argparse.Namespace, m
         raise UsageError(f"--prefix {args.prefix!r}: checkpoint step {step} has no such tensors; "
                          f"it holds {', '.join(prefixes) or 'tensors without a prefix'}")
     out = os.path.abspath(os.path.expanduser(args.out))
-    try:
-        with Progress(f"undying ckpt export step {step}") as progress:
-            names = export_safetensors(catalog, step, out, prefix=args.prefix, on_bytes=progress.advance)
-    except CorruptCheckpoint as err:
-        print(f"undying ckpt export: step {step} is damaged, nothing written: {err}", file=sys.stderr)
-        return EXIT_FAILED
+    with Progress(f"undying ckpt export step {step}") as progress:  # damage: _export_checked reports it
+        names = export_safetensors(catalog, step, out, prefix=args.prefix, on_bytes=progress.advance)
     print(f"wrote {out}: {len(names)} tensors of step {step} ({human_bytes(os.path.getsize(out))})")
     return EXIT_OK
 

@@ -35,12 +35,15 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _save(catalog: Catalog, step: int, state: dict, world: int = 3) -> None:
+def _shard_receipts(catalog: Catalog, step: int, state: dict, world: int = 2) -> list:
+    """Every rank's shard of `state` written for `step` (each tensor by one rank), and their receipts."""
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    receipts = []
-    for rank in range(world):
-        mine = {n: state[n] for n in owned_by(rank, world, sizes)}
-        receipts.append(write_shard(catalog.storage, step, rank, mine, blocking_s=0.0))
+    return [write_shard(catalog.storage, step, rank, {n: state[n] for n in owned_by(rank, world, sizes)},
+                        blocking_s=0.0) for rank in range(world)]
+
+
+def _save(catalog: Catalog, step: int, state: dict, world: int = 3) -> None:
+    receipts = _shard_receipts(catalog, step, state, world)
     catalog.commit(job="j", step=step, generation=0, layout={"dp": world}, spec_hash="h",
                    receipts=receipts, state={"engine": {"next_step": step}})
 
@@ -508,12 +511,6 @@ def test_committer_drops_an_incomplete_save_loudly(catalog, caplog):
         assert committer.on_receipt(receipts[1], extras[1], 2, 0, {}, lambda samples: {}) is None
     assert "written twice" in committer.rejected[4] and "step 4 NOT committed" in caplog.text
     assert committer.latest is None and not committer.pending and catalog.committed_steps() == []
-
-
-def _shard_receipts(catalog: Catalog, step: int, state: dict, world: int = 2) -> list:
-    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    return [write_shard(catalog.storage, step, rank, {n: state[n] for n in owned_by(rank, world, sizes)},
-                        blocking_s=0.0) for rank in range(world)]
 
 
 def _feed(committer: Committer, receipts: list):
