@@ -49,7 +49,9 @@ def generations(rank, world_size, port, reclaim):
         weight = weakref.ref(next(iter(engine.model.parameters())))
         sockets.abort()
         dist.destroy_process_group()
-        engine.data.close(wait=False)
+        # wait: a prefetch load still finishing would be counted as this generation's thread (the actor
+        # does not wait; the thread ends with its load, so it does not pile up either way)
+        engine.data.close(wait=True)
         del engine, mesh
         if reclaim:
             reclaim_generation()
