@@ -20,6 +20,7 @@ import pickle
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -64,7 +65,23 @@ def _entry(rank: int, payload: bytes, world_size: int, port: int, out_dir: str) 
 
 
 def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list:
-    """[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)], each in its own process."""
+    """[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)], each in its own process.
+
+    A rank killed by SIGSEGV runs the whole call once more, with a warning that carries the crash:
+    torch 2.13's gloo functional collectives (`wait_tensor` under loss_parallel) segfault, rarely
+    and not reproducibly, in native code this project does not own. A second crash fails the call,
+    so a crash that repeats still fails the test."""
+    try:
+        return _run_ranks_once(fn, world_size, args, timeout_s)
+    except mp.ProcessExitedException as err:
+        if err.signal_name != "SIGSEGV":
+            raise
+        warnings.warn(f"a rank died by SIGSEGV in native code ({err}); running the {world_size} ranks once more",
+                      stacklevel=2)
+        return _run_ranks_once(fn, world_size, args, timeout_s)
+
+
+def _run_ranks_once(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> list:
     mp.set_forkserver_preload(PRELOAD)  # read when the server starts, on the first call
     with tempfile.TemporaryDirectory() as out_dir:
         # Pickled here, by value: torch's own pickler would hand each tensor in `args` over as a
