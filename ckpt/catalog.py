@@ -37,6 +37,7 @@ from ckpt.manifest import (
     parse_step_dir,
     step_dir,
 )
+from ckpt.ownership import OwnerLease
 from ckpt.storage import AlreadyCommitted, Storage
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,20 @@ TORN_PREFIX = "manifest.torn-"  # a withdrawn torn write of the committer's, nev
 
 
 class Catalog:
-    """The checkpoints of one job under `<checkpoint.url>/<job name>`."""
+    """The checkpoints of one job under `<checkpoint.url>/<job name>`.
 
-    def __init__(self, storage: Storage):
+    `owner`: the driver's lease on the root (ckpt.ownership), checked before every change this
+    catalog makes to storage (a commit, moving a manifest aside, a deletion), which raises
+    OwnershipLost once another claimed the root; None for readers and tools, which change nothing
+    or ask `live_owner` first."""
+
+    def __init__(self, storage: Storage, owner: OwnerLease | None = None):
         self.storage = storage
+        self.owner = owner
+
+    def fence(self) -> None:
+        if self.owner is not None:
+            self.owner.check()
 
     def manifest_path(self, step: int) -> str:
         return self.storage.path(step_dir(step), MANIFEST_NAME)
@@ -71,6 +82,7 @@ class Catalog:
         )
         data = manifest.model_dump_json().encode()
         path = self.manifest_path(step)
+        self.fence()
         try:
             self.storage.create_exclusive(path, data)
         except AlreadyCommitted:
@@ -113,6 +125,7 @@ class Catalog:
         return self._move_aside(step, TORN_PREFIX)
 
     def _move_aside(self, step: int, prefix: str) -> str:
+        self.fence()
         path = self.manifest_path(step)
         # Time for the reader, a random part so two moves in one millisecond never collide.
         name = f"{prefix}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
@@ -165,6 +178,8 @@ class Catalog:
 
     def apply_gc(self, plan: GcPlan) -> None:
         """Delete what `plan` names: expired checkpoints first, then orphaned directories."""
+        if plan.expired or plan.orphans:
+            self.fence()
         for step in plan.expired:
             # Manifest first: from that moment the checkpoint no longer exists for readers,
             # so a crash in the middle leaves only garbage, never a half-deleted checkpoint.

@@ -169,6 +169,10 @@ class CheckpointConfig(BaseModel):
         DEFAULT_READ_RETRY_S, ge=0.0, description="how long the store's transient read failures (timeouts, 5xx, "
         "throttling), retried with backoff, may delay one restore in all before the job fails naming the "
         "checkpoint (0: no retry)")
+    owner_lease_s: float = Field(
+        60.0, ge=1.0, description="the driver's lease on the checkpoint root (renewed every sixth of it), so that "
+        "two drivers never run one job: a second `undying run` of a live job is refused; one whose driver died "
+        "takes over at once on the same host, else after watching the dead driver's heartbeat for this long")
     memory: MemoryLevelConfig = Field(default_factory=MemoryLevelConfig)
 
     @model_validator(mode="before")

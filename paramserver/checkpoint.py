@@ -34,6 +34,7 @@ from ckpt.catalog import Catalog
 from ckpt.commit import Commit, Committer
 from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.manifest import ShardReceipt
+from ckpt.ownership import OwnerLease
 from ckpt.reader import read_manifest, read_slices
 from ckpt.shards import write_slices
 from ckpt.storage import Storage
@@ -67,8 +68,8 @@ class PSJob:
     keep: int = 3  # checkpoint.keep
 
 
-def catalog(root: str, storage_options: dict | None = None) -> Catalog:
-    return Catalog(Storage(root, dict(storage_options or {})))
+def catalog(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None) -> Catalog:
+    return Catalog(Storage(root, dict(storage_options or {})), owner=owner)
 
 
 def latest_committed_step(root: str, storage_options: dict | None = None) -> int | None:
@@ -179,14 +180,15 @@ def engine_meta(step: int, job: PSJob) -> dict:
 
 
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
-                       fault_point=None) -> Commit | None:
+                       fault_point=None, owner: OwnerLease | None = None) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
     None when `step` is committed already (nothing is written). A server's error is raised as it
     came (ValueError: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
     written shards did not commit; either way no earlier checkpoint is touched and what was
     written is garbage the next commit collects. `fault_point(point, step)`: the committer's chaos
-    points ("before_manifest_commit", "after_manifest_commit")."""
-    cat = catalog(root, storage_options)
+    points ("before_manifest_commit", "after_manifest_commit"). `owner`: the driver's lease on `root`
+    (ckpt.ownership), checked before the commit and before retention (OwnershipLost)."""
+    cat = catalog(root, storage_options, owner)
     if step in cat.committed_steps():
         return None
     tag = f"ps{secrets.token_hex(4)}"

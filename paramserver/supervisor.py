@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from ckpt.ownership import OwnerLease
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
@@ -65,6 +66,7 @@ class Checkpoints:
     # Called with each Commit this run makes (the job's Prometheus exporter: the last commit's time
     # and size, which the "no checkpoint lately" alert reads).
     on_commit: Callable[[object], None] | None = None
+    owner: OwnerLease | None = None  # the driver's lease on `root` (ckpt.ownership): every commit is fenced by it
 
 
 class Supervisor:
@@ -132,7 +134,8 @@ class Supervisor:
             self.ledger.enter(book.SAVE)
             try:
                 commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
-                                                       storage_options=self.ckpt.storage_options)
+                                                       storage_options=self.ckpt.storage_options,
+                                                       owner=self.ckpt.owner)
                 if commit is not None and self.ckpt.on_commit is not None:
                     self.ckpt.on_commit(commit)
                 stats = ray.get([s.stats.remote() for s in self.servers])

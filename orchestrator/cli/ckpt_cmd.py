@@ -196,14 +196,10 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
     committed = committed_or_fail(catalog)
-    live = None if args.force or args.dry_run else live_job(catalog)
-    if live is not None:
-        raise UsageError(f"{live}; a job that resumed behind its newest commit writes its saves below it, where "
-                         "gc would take them for unfinished ones: run gc once it has stopped, or pass --force")
     plan = catalog.gc_plan(args.keep)
     verb = "would delete" if args.dry_run else "deleted"
     if not args.dry_run:
-        catalog.apply_gc(plan)
+        _apply_owning(catalog, plan, args.force)
     kept = [s for s in committed if s not in plan.expired]
     if not plan.expired and not plan.orphans:
         print(f"nothing to delete: {len(committed)} committed checkpoint(s), --keep {args.keep}")
@@ -215,22 +211,30 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# A running controller rewrites the folder's goodput snapshot every few seconds (RUNNING) and at each
-# commit (orchestrator.controller.ledger_snapshot); one this fresh, not marked ended, is a live job.
-LIVE_WITHIN_S = 30.0
+def _apply_owning(catalog: Catalog, plan, force: bool) -> None:
+    """Apply `plan` holding the folder's owner lease (ckpt.ownership), so no job starts meanwhile; a
+    running job owns it: refused, since one that resumed behind its newest commit writes its saves
+    below it, where gc would take them for unfinished ones. --force deletes without the lease."""
+    from ckpt.ownership import OwnerAlive, OwnerLease, live_owner
+
+    if force:
+        catalog.apply_gc(plan)
+        return
+    try:
+        owner = live_owner(catalog.storage)
+        if owner is not None:
+            raise OwnerAlive(f"a job is running in {catalog.storage.root}: {owner}")
+        lease = OwnerLease.claim(catalog.storage, "undying ckpt gc", GC_LEASE_S)  # a job that claimed since: watched
+    except OwnerAlive as err:
+        raise UsageError(f"{err}; its saves in flight would look unfinished to gc: run gc once it has stopped, "
+                         "or pass --force") from None
+    try:
+        Catalog(catalog.storage, owner=lease).apply_gc(plan)
+    finally:
+        lease.release()
 
 
-def live_job(catalog: Catalog) -> str | None:
-    """Why a job seems to be writing to `catalog`'s folder now, or None."""
-    import time
-
-    from orchestrator.controller.ledger_snapshot import LedgerSnapshots
-
-    snapshot = LedgerSnapshots(catalog.storage).load()
-    age = time.time() - snapshot["time"] if snapshot is not None else None
-    if age is None or snapshot["ended"] or age > LIVE_WITHIN_S:
-        return None
-    return f"a job is writing to {catalog.storage.root}: its goodput snapshot is {age:.0f} s old and not marked ended"
+GC_LEASE_S = 60.0  # what a job that starts during a gc waits for at most, should gc die holding it
 
 
 COMMANDS = {"ls": list_checkpoints, "verify": verify_checkpoints, "export": _export, "gc": _gc}

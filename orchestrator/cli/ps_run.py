@@ -22,6 +22,7 @@ from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cli.root_lease import claim_root
 from orchestrator.cluster import ray_cluster
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
@@ -59,6 +60,9 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     try:
+        checkpoints.owner = claim_root(spec)
+        if checkpoints.owner is None:
+            return EXIT_USAGE
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
@@ -84,3 +88,5 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     finally:
         metrics.close()
         conn.close()
+        if checkpoints.owner is not None:
+            checkpoints.owner.release()

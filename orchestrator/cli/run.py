@@ -9,6 +9,9 @@ SIGTERM and SIGINT (`ray job stop`, a Kubernetes eviction, Ctrl-C) are handed to
 controller while it runs (orchestrator.controller.stopping: the handler only records the
 signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED).
 
+Before anything writes to the checkpoint root the driver takes its owner lease (ckpt.ownership):
+a second driver of a live job exits 2 naming the first; the lease is released last.
+
 The run's events go to its trackers (monitor.tracking), opened here before the controller and
 closed last: the event log under the checkpoint root always (`undying report` reads it), and
 TensorBoard and W&B where the spec's `monitor` section asks for them.
@@ -27,6 +30,7 @@ from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
+from orchestrator.cli.root_lease import claim_root
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
 from orchestrator.cluster.drain import DrainWatcher
@@ -48,7 +52,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
                                slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
-    workers, trackers = None, NO_TRACKING
+    workers, trackers, lease = None, NO_TRACKING, None
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
         spares, note = resolve_spares(spec, ray.available_resources(), ray_cluster.alive_node_resources())
@@ -61,7 +65,10 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
-        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+        lease = claim_root(spec)
+        if lease is None:
+            return EXIT_USAGE
+        catalog = Catalog(lease.storage, owner=lease)
         trackers = _trackers(spec, catalog.storage) or NO_TRACKING
         if trackers is NO_TRACKING:
             return EXIT_USAGE
@@ -72,28 +79,35 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         controller.record.tracker = trackers
         with _signals_to(controller.stops.on_signal):
             report = controller.run()
-        print(report.summary_table(), flush=True)
-        if report_path:
-            report.to_json(report_path)
-            print(f"report written to {report_path}")
-        if timeline_path:
-            from monitor.timeline import plot_timeline
-
-            plot_timeline(report, timeline_path)
-            print(f"timeline written to {timeline_path}")
-        if report.status == "preempted":
-            print(f"undying: job preempted: {report.error}", file=sys.stderr)
-            return EXIT_PREEMPTED
-        if report.status != "succeeded":
-            print(f"undying: job failed: {report.error}", file=sys.stderr)
-            return EXIT_FAILED
-        return EXIT_OK
+        return _outcome(report, report_path, timeline_path)
     finally:
         trackers.close()
         if workers is not None:
             workers.shutdown()
         metrics.close()
         conn.close()
+        if lease is not None:
+            lease.release()
+
+
+def _outcome(report, report_path: str | None, timeline_path: str | None) -> int:
+    """Print the job's report, write its files, and say how it ended: the exit code."""
+    print(report.summary_table(), flush=True)
+    if report_path:
+        report.to_json(report_path)
+        print(f"report written to {report_path}")
+    if timeline_path:
+        from monitor.timeline import plot_timeline
+
+        plot_timeline(report, timeline_path)
+        print(f"timeline written to {timeline_path}")
+    if report.status == "preempted":
+        print(f"undying: job preempted: {report.error}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    if report.status != "succeeded":
+        print(f"undying: job failed: {report.error}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _trackers(spec: JobSpec, storage: Storage):

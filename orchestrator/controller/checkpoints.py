@@ -21,6 +21,8 @@ Protocol (controller thread only; one per controller run):
   * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
     blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
+  * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None;
+    a change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
   * `SavesFailing` is raised out of `on_receipt` / `on_save_failed` (so out of the controller's
     event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures: the
     controller fails the job with its words.
@@ -39,6 +41,7 @@ import uuid
 from collections.abc import Callable
 
 from ckpt.commit import Committer
+from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
 from orchestrator.controller.background_cost import BackgroundCost
 from orchestrator.controller.memory_level import MemoryLevel
@@ -70,6 +73,11 @@ class SavesFailing(Exception):
     durable, so the job fails (not a storage error of one request: fatal, never retried)."""
 
 
+# What ends the job with its own words, without a traceback: the saves keep failing, or another
+# driver claimed the checkpoint root (raised by the catalog's fence before any change).
+JOB_ENDING = (SavesFailing, OwnershipLost)
+
+
 class Checkpoints:
     def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None], fresh: bool = False):
         self.spec = spec
@@ -95,6 +103,11 @@ class Checkpoints:
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
         self.plan_memory_anchor = 0
+
+    def ownership_lost(self) -> str | None:
+        """Why this driver no longer owns the checkpoint root (its lease saw a newer claim), or None."""
+        owner = self.catalog.owner
+        return owner.lost if owner is not None else None
 
     @property
     def latest(self) -> int | None:

@@ -26,7 +26,7 @@ from monitor.goodput import GoodputLedger
 from orchestrator.cluster.placement import tp_locality
 from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.controller.blame import Blame
-from orchestrator.controller.checkpoints import Checkpoints, SavesFailing
+from orchestrator.controller.checkpoints import JOB_ENDING, Checkpoints
 from orchestrator.controller.errors import normalise
 from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.faults import ControllerFaults
@@ -159,7 +159,7 @@ class Controller:
             try:
                 if not self._take(self.stops.at_once(self.state)):
                     self.HANDLERS[self.state]()
-            except (PlacementError, SavesFailing) as err:
+            except (PlacementError, *JOB_ENDING) as err:
                 self._fail_unless_ended(str(err))
             except Exception as err:  # a bug or an unexpected platform error
                 log.exception("controller error in %s", self.state.value)

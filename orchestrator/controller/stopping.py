@@ -1,5 +1,7 @@
 """Ending a healthy generation at a step boundary: preemption, node drain, growing back.
 
+(`at_once` also ends the job when its owner lease on the checkpoint root was lost: ckpt.ownership.)
+
 Three reasons to stop ranks that are training well, each at a checkpoint so no work is lost:
   * preemption: SIGTERM or SIGINT reached `undying run` (`ray job stop`, a Kubernetes pod
     eviction, Ctrl-C). The signal handler only calls `on_signal` (it sets a count; the
@@ -97,7 +99,11 @@ class Stops:
         self.signals.append(signal.Signals(signum).name)
 
     def at_once(self, state: State) -> Move | None:
-        """The job ends now on a second signal, or on a signal outside training."""
+        """The job ends now on a second signal, on a signal outside training, or when another driver
+        claimed the checkpoint root (ckpt.ownership): it fails, changing nothing more there."""
+        lost = self.checkpoints.ownership_lost()
+        if lost is not None:
+            return Move(Failed(lost), lost)
         if len(self.signals) >= 2:
             return preempted(f"{self.signals[1]} during the grace: stopping at once, {self.last_commit()}")
         if self.signals and state not in TRAINING:

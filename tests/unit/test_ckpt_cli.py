@@ -221,29 +221,22 @@ def test_export_never_replaces_a_file_nor_writes_inside_the_checkpoint_folder(ca
 
 
 def test_gc_waits_for_a_live_job_unless_forced(capsys, job):
-    import json
-    import time
-
-    from orchestrator.controller.ledger_snapshot import SNAPSHOT_FILE
+    from ckpt.ownership import OwnerLease, epochs, newest_claim
 
     url, catalog = job
-    path = catalog.storage.path(SNAPSHOT_FILE)
-
-    def snapshot(age_s: float, ended: bool) -> None:
-        with catalog.storage.atomic_writer(path) as out:
-            out.write(json.dumps({"time": time.time() - age_s, "totals": {}, "ended": ended}).encode())
-
-    snapshot(2.0, ended=False)  # a controller rewrote it 2 s ago: the job runs
+    running = OwnerLease.claim(catalog.storage, "undying run of job 'j'", 60.0)  # a job runs here
     code, _, err = run(capsys, "gc", url, "--keep", "1")
     assert code == 2 and catalog.all_steps() == [10, 15, 20, 30, 35]
-    _one_line_error(err, "a job is writing to", "2 s old", "--force")
+    _one_line_error(err, "a job is running in", "undying run of job 'j' on host", "pid", "--force")
     assert run(capsys, "gc", url, "--keep", "1", "--dry-run")[0] == 0  # looking deletes nothing
-    snapshot(2.0, ended=True)  # it stopped on its own
+    running.release()  # it stopped
     assert run(capsys, "gc", url, "--keep", "2")[0] == 0 and catalog.committed_steps() == [20, 30]
-    snapshot(1.0, ended=False)
+    gc_claim = newest_claim(catalog.storage)  # gc held the folder while it deleted, and let it go
+    assert gc_claim.record["holder"] == "undying ckpt gc" and gc_claim.beat["ended"]
+    running = OwnerLease.claim(catalog.storage, "undying run of job 'j'", 60.0)
     assert run(capsys, "gc", url, "--keep", "1", "--force")[0] == 0 and catalog.committed_steps() == [30]
-    snapshot(120.0, ended=False)  # its controller died two minutes ago
-    assert run(capsys, "gc", url, "--keep", "1")[0] == 0
+    assert epochs(catalog.storage)[-1] == running.epoch and running.lost is None  # --force claims nothing
+    running.release()
 
 
 def test_gc_keeps_the_newest_and_deletes_stale_unfinished_saves(capsys, job):

@@ -215,7 +215,7 @@ class World:
 
     # ---- paramserver.checkpoint ----
 
-    def save(self, servers, root, step, *, job, storage_options=None):
+    def save(self, servers, root, step, *, job, storage_options=None, owner=None):
         for s in servers:
             assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
         self.commits[step] = [copy.deepcopy(s.shard) for s in servers]

@@ -309,6 +309,7 @@ CHAOS_MARKER = "chaos-experiment.json"
 def prepare_root(spec, fresh: bool) -> None:
     """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh
     when an earlier experiment made it (CHAOS_MARKER); then mark it as this experiment's."""
+    from ckpt.ownership import live_owner
     from orchestrator.cli.chaos import experiment
     from orchestrator.controller.kill import MARKER_DIR
 
@@ -326,6 +327,11 @@ def prepare_root(spec, fresh: bool) -> None:
                                      f"chaos` experiment made (it has no {CHAOS_MARKER}), so --fresh leaves them: "
                                      "choose another name with --set name=..., or delete them yourself if they "
                                      "should go")])
+        owner = live_owner(storage)
+        if owner is not None:
+            raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} belongs to a running job: {owner}; "
+                                     "--fresh deletes nothing while it runs: stop it, or choose another name with "
+                                     "--set name=...")])
         storage.remove_tree(storage.root)
     with storage.atomic_writer(storage.path(CHAOS_MARKER)) as out:
         out.write(json.dumps({"job": spec.name}).encode())

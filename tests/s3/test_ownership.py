@@ -1,0 +1,211 @@
+"""The owner lease on a checkpoint root (ckpt.ownership), on a local folder and on a real S3 server:
+who may claim it when, how fast a dead owner is replaced, and that a replaced owner changes
+nothing more. (Not memory://, whose create is check-then-write within one process.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ckpt import process_identity
+from ckpt.catalog import Catalog, GcPlan
+from ckpt.ownership import (
+    KEEP_CLAIMS,
+    OWNER_DIR,
+    STALE_LEASES,
+    OwnerAlive,
+    OwnerLease,
+    OwnershipLost,
+    epochs,
+    live_owner,
+    newest_claim,
+)
+from ckpt.storage import Storage
+from tests._checkpoints import make_state, save_checkpoint
+
+LEASE_S = 0.6  # a beat every 0.1 s
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def storage(request, tmp_path):
+    if request.param == "file":
+        return Storage(f"file://{tmp_path}/job")
+    backend = request.getfixturevalue("s3_backend")
+    return Storage(backend.url, backend.storage_options)
+
+
+def _foreign_claim(storage: Storage, epoch: int, beat_age_s: float = 0.0) -> None:
+    """A claim written by a process on another host, with one beat `beat_age_s` old."""
+    record = {"holder": "undying run of job 'elsewhere'", "lease_s": LEASE_S, "claimed_at": time.time(),
+              "process": {"host": "node-7/boot/pid:[1]", "pid": 4242, "started": "1"}}
+    storage.create_exclusive(storage.path(OWNER_DIR, f"claim-{epoch:010d}.json"), json.dumps(record).encode())
+    _foreign_beat(storage, epoch, 1, time.time() - beat_age_s)
+
+
+def _foreign_beat(storage: Storage, epoch: int, n: int, at: float) -> None:
+    beat = {"beat": n, "time": at, "ended": False}
+    storage.write_immutable(storage.path(OWNER_DIR, f"beat-{epoch:010d}.json"), json.dumps(beat).encode())
+
+
+def test_a_held_root_is_refused_while_its_owner_beats_and_taken_at_once_once_released(storage):
+    first = OwnerLease.claim(storage, "first", LEASE_S)
+    assert first.epoch == 0 and epochs(storage) == [0]
+    beats = newest_claim(storage).beat["beat"]
+    time.sleep(3 * LEASE_S / 6)
+    assert newest_claim(storage).beat["beat"] > beats  # the heartbeat thread renews it
+    started = time.monotonic()
+    with pytest.raises(OwnerAlive, match=f"owned by a running job: first on host .*, pid {os.getpid()}"):
+        OwnerLease.claim(storage, "second", LEASE_S)
+    assert time.monotonic() - started < LEASE_S  # refused as soon as a beat advanced
+    assert epochs(storage) == [0]  # nothing written
+    assert live_owner(storage).startswith("first on host")
+    first.release()
+    assert live_owner(storage) is None
+    started = time.monotonic()
+    second = OwnerLease.claim(storage, "second", LEASE_S)
+    assert time.monotonic() - started < LEASE_S / 2 and second.epoch == 1
+    assert "released it" in newest_claim(storage).record["taken_because"]
+    second.release()
+
+
+def test_an_owner_killed_on_this_host_is_replaced_at_once(storage):
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import json, sys, time\nfrom ckpt.storage import Storage\nfrom ckpt.ownership import "
+         "OwnerLease\nOwnerLease.claim(Storage(sys.argv[1], json.loads(sys.argv[2])), 'child', 60.0)\n"
+         "print('claimed', flush=True)\ntime.sleep(600)", storage.url, json.dumps(storage.storage_options)],
+        stdout=subprocess.PIPE, text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        assert child.stdout.readline().strip() == "claimed"
+        assert live_owner(storage) is not None
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert newest_claim(storage).record["process"]["pid"] == child.pid
+    started = time.monotonic()
+    lease = OwnerLease.claim(storage, "rerun", 60.0)  # a 60 s lease, yet no wait
+    assert time.monotonic() - started < 5.0 and lease.epoch == 1
+    assert "is no longer running" in newest_claim(storage).record["taken_because"]
+    lease.release()
+
+
+def test_process_identity_tells_a_reused_pid_from_its_first_process():
+    me = process_identity.this_process()
+    assert not process_identity.gone(me)
+    assert process_identity.gone({**me, "started": "1"})  # this PID, started at another time: reused
+    assert not process_identity.gone({**me, "host": "elsewhere"})  # another host: not known
+
+
+def test_a_silent_owner_elsewhere_is_watched_for_a_lease_and_a_beating_one_refused(storage):
+    _foreign_claim(storage, 0)
+    said = []
+    started = time.monotonic()
+    lease = OwnerLease.claim(storage, "here", LEASE_S, say=said.append)
+    waited = time.monotonic() - started
+    assert LEASE_S <= waited < LEASE_S + 1.0 and lease.epoch == 1
+    assert "watching its heartbeat" in said[0] and "node-7" in said[0]
+    assert "sent no heartbeat" in newest_claim(storage).record["taken_because"]
+    lease.release()
+
+    _foreign_claim(storage, 2)
+    stop = threading.Event()
+
+    def beat():
+        n = 1
+        while not stop.wait(LEASE_S / 6):
+            n += 1
+            _foreign_beat(storage, 2, n, time.time())
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(OwnerAlive, match="node-7, pid 4242"):
+            OwnerLease.claim(storage, "here", LEASE_S)
+    finally:
+        stop.set()
+        beating.join()
+    assert epochs(storage) == [0, 1, 2]
+
+
+def test_an_owner_silent_for_many_leases_is_taken_without_watching(storage):
+    _foreign_claim(storage, 0, beat_age_s=STALE_LEASES * LEASE_S + 1)
+    started = time.monotonic()
+    lease = OwnerLease.claim(storage, "here", LEASE_S)
+    assert time.monotonic() - started < LEASE_S / 2
+    assert "was last seen" in newest_claim(storage).record["taken_because"]
+    lease.release()
+
+
+def test_a_replaced_owner_changes_nothing_more(storage):
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    catalog = Catalog(storage, owner=lease)
+    save_checkpoint(catalog, 10, make_state())
+    save_checkpoint(catalog, 20, make_state())
+    lease.check()  # still the owner
+    _foreign_claim(storage, lease.epoch + 1)  # another driver judged it dead and claimed
+    with pytest.raises(OwnershipLost, match="claimed by undying run of job 'elsewhere' on host node-7"):
+        save_checkpoint(catalog, 30, make_state())
+    with pytest.raises(OwnershipLost):
+        catalog.apply_gc(GcPlan(expired=[10], orphans=[]))
+    with pytest.raises(OwnershipLost):
+        catalog.quarantine(20)
+    assert catalog.committed_steps() == [10, 20]  # no manifest of step 30; 10 and 20 untouched
+    deadline = time.monotonic() + 2.0
+    while lease.lost is None and time.monotonic() < deadline:  # the heartbeat sees it on its own
+        time.sleep(0.05)
+    assert "no longer owns it" in lease.lost
+    lease.release()  # a replaced owner does not mark the newer claim ended
+    assert not (newest_claim(storage).beat or {}).get("ended")
+
+
+def test_two_claimants_of_a_dead_root_leave_exactly_one_owner(storage):
+    _foreign_claim(storage, 0, beat_age_s=STALE_LEASES * LEASE_S + 1)
+    outcomes: list = []
+    barrier = threading.Barrier(2)
+
+    def claim(name):
+        barrier.wait()
+        try:
+            outcomes.append(OwnerLease.claim(storage, name, LEASE_S))
+        except OwnerAlive as err:
+            outcomes.append(err)
+
+    threads = [threading.Thread(target=claim, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    owners = [o for o in outcomes if isinstance(o, OwnerLease)]
+    assert len(owners) == 1 and len(outcomes) == 2 and epochs(storage) == [0, 1]
+    owners[0].release()
+
+
+def test_release_keeps_only_the_recent_claims(storage):
+    for _ in range(KEEP_CLAIMS + 3):
+        OwnerLease.claim(storage, "run", LEASE_S).release()
+    assert epochs(storage) == list(range(3, KEEP_CLAIMS + 3))
+    names = storage.listdir(storage.path(OWNER_DIR))
+    assert sorted(n for n in names if n.startswith("beat-")) == [f"beat-{e:010d}.json" for e in range(3, 11)]
+
+
+def test_an_owner_whose_claim_was_deleted_stops_changing_the_root(storage):
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    lease.check()
+    storage.remove_tree(storage.path(OWNER_DIR))  # someone cleaned the folder up
+    other = OwnerLease.claim(storage, "new", LEASE_S)  # counts from scratch: epoch 0 again
+    assert other.epoch == lease.epoch == 0
+    with pytest.raises(OwnershipLost, match="was claimed by new on host"):
+        lease.check()
+    lease.release()
+    other.check()
+    storage.remove_tree(storage.path(OWNER_DIR))
+    with pytest.raises(OwnershipLost, match="lost its claim claim-0000000000.json"):
+        other.check()
+    other.release()
