@@ -73,6 +73,15 @@ def test_every_check_passes_and_the_report_holds_them(tmp_path, capsys):
     again = FakeRunner()
     assert chaos_main(_args(tmp_path), runner=again) == EXIT_USAGE and again.names == []
     assert "already holds checkpoints" in capsys.readouterr().err
+    # --fresh deletes nothing while a job runs in the experiment's folder.
+    from ckpt.ownership import OwnerLease
+
+    catalog = catalog_of(load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"]))
+    running, before = OwnerLease.claim(catalog.storage, "a run", 60.0), catalog.all_steps()
+    assert chaos_main(_args(tmp_path, "--fresh"), runner=again) == EXIT_USAGE and "unit" not in again.names
+    assert "belongs to a running job: a run on host" in capsys.readouterr().err and catalog.all_steps() == before
+    running.release()
+    again = FakeRunner()
     assert chaos_main(_args(tmp_path, "--fresh"), runner=again) == EXIT_OK and again.names == ["unit.reference", "unit"]
 
 
