@@ -79,8 +79,12 @@ def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnap
 
 
 class LedgerSnapshots:
-    def __init__(self, storage, every_s: float = SAVE_EVERY_S, clock=time.monotonic):
+    """`owner`: the driver's lease on the root (ckpt.ownership); once it is lost, nothing is saved
+    (the snapshot belongs to the driver that claimed the root since)."""
+
+    def __init__(self, storage, every_s: float = SAVE_EVERY_S, clock=time.monotonic, owner=None):
         self.storage = storage
+        self.owner = owner
         self.every_s = every_s
         self.clock = clock
         self.path = storage.path(SNAPSHOT_FILE)
@@ -95,6 +99,8 @@ class LedgerSnapshots:
     def save(self, ledger, ended: bool = False) -> None:
         """Write the ledger's totals now; `ended` when the controller stops on its own (run's end)."""
         self._last = self.clock()
+        if self.owner is not None and self.owner.lost is not None:
+            return
         data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended}).encode()
         try:
             with self.storage.atomic_writer(self.path) as handle:

@@ -79,7 +79,7 @@ class Controller:
         self.poll_s, self.join_timeout_s = poll_s, join_timeout_s
         self.ledger = GoodputLedger()
         self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
-        self.snapshots = LedgerSnapshots(catalog.storage)
+        self.snapshots = LedgerSnapshots(catalog.storage, owner=catalog.owner)
         self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)

@@ -98,3 +98,16 @@ def test_a_checkpoints_ledger_is_carried_once_and_unknown_buckets_are_dropped(tm
     assert carried == 35.0 and history == [["restore", 0], ["restore", 20]]
     totals = ledger.totals()
     assert totals["productive"] == 30.0 and totals["startup"] >= 5.0 and "from_a_newer_release" not in totals
+
+
+def test_a_driver_that_lost_the_root_saves_no_snapshot(tmp_path):
+    from types import SimpleNamespace
+
+    storage = Storage(f"file://{tmp_path}/job")
+    lease = SimpleNamespace(lost=None)  # ckpt.ownership.OwnerLease's flag, set by its heartbeat
+    snapshots = LedgerSnapshots(storage, every_s=0.0, owner=lease)
+    snapshots.save(GoodputLedger())
+    saved = storage.read(storage.path(SNAPSHOT_FILE))
+    lease.lost = "claimed by another driver"
+    snapshots.save(GoodputLedger(), ended=True)
+    assert storage.read(storage.path(SNAPSHOT_FILE)) == saved  # unchanged: the new owner writes it now
