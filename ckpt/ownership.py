@@ -105,18 +105,39 @@ def newest_claim(storage: Storage) -> Claim | None:
     return read_claim(storage, found[-1]) if found else None
 
 
+def standing(claim: Claim, now: float, gone: Callable[[dict], bool] = process_identity.gone) -> str:
+    """"released", "gone" (its process certainly ended), "stale" (its last beat STALE_LEASES leases
+    old by the wall clock) or "running" (not known to have stopped: its beat must be watched)."""
+    if (claim.beat or {}).get("ended"):
+        return "released"
+    if gone(claim.record.get("process", {})):
+        return "gone"
+    if now - claim.last_seen() > STALE_LEASES * float(claim.record.get("lease_s", 0.0)):
+        return "stale"
+    return "running"
+
+
 def judge(claim: Claim | None, now: float, gone: Callable[[dict], bool] = process_identity.gone) -> str | None:
     """Why `claim` may be taken at once, or None when its beat must be watched first."""
     if claim is None:
         return "no owner"
-    if (claim.beat or {}).get("ended"):
-        return f"its last owner ({claim.describe()}) released it"
-    if gone(claim.record.get("process", {})):
-        return f"its last owner ({claim.describe()}) is no longer running"
-    age = now - claim.last_seen()
-    if age > STALE_LEASES * float(claim.record.get("lease_s", 0.0)):
-        return f"its last owner ({claim.describe()}) was last seen {age:.0f} s ago"
-    return None
+    state = standing(claim, now, gone)
+    return {"released": f"its last owner ({claim.describe()}) released it",
+            "gone": f"its last owner ({claim.describe()}) is no longer running",
+            "stale": f"its last owner ({claim.describe()}) was last seen {now - claim.last_seen():.0f} s ago",
+            }.get(state)
+
+
+def owner_status(storage: Storage) -> dict | None:
+    """The newest claim on `storage`'s root as plain data (`undying ckpt ls`), None when never claimed:
+    holder, host, pid, epoch, seconds since its last beat and its `standing`."""
+    claim = newest_claim(storage)
+    if claim is None:
+        return None
+    process, now = claim.record.get("process", {}), time.time()
+    return {"holder": claim.record.get("holder"), "host": str(process.get("host", "")).split("/")[0],
+            "pid": process.get("pid"), "epoch": claim.epoch, "last_beat_age_s": round(now - claim.last_seen(), 3),
+            "standing": standing(claim, now)}
 
 
 def live_owner(storage: Storage) -> str | None:

@@ -6,7 +6,9 @@ Each gathers its result as plain data first, then prints it as a table (the defa
 `json.loads`:
 
     ls      {"url", "committed": [{"step", "layout", "bytes", "created_at", "age_s", "generation",
-             "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps]}
+             "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps],
+             "owner": null or {"holder", "host", "pid", "epoch", "last_beat_age_s", "standing":
+             "running" | "released" | "gone" | "stale"}}
     verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified",
              "error", and for ok "tensors", "chunks", "files", "bytes", "seconds"; for a store that
              kept failing "transient": true}]}
@@ -22,6 +24,7 @@ from typing import Any
 
 from ckpt.catalog import Catalog
 from ckpt.errors import TransientStorageError
+from ckpt.ownership import owner_status
 from ckpt.storage_errors import ReadRetry
 from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
@@ -54,7 +57,8 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
                         "tensors": len(m.tensors)})
     return {"url": catalog.storage.url, "committed": entries,
             "unfinished": [s for s in unfinished if s < committed[-1]],
-            "in_progress": [s for s in unfinished if s > committed[-1]]}
+            "in_progress": [s for s in unfinished if s > committed[-1]],
+            "owner": owner_status(catalog.storage)}
 
 
 def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
@@ -75,7 +79,21 @@ def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
               "`undying ckpt gc` deletes them")
     if listing["in_progress"]:
         print(f"saves in progress or abandoned (no manifest yet): steps {steps_text(listing['in_progress'])}")
+    if listing["owner"] is not None:
+        print(_owner_line(listing["owner"]))
     return EXIT_OK
+
+
+_STANDING = {"running": "running", "released": "released the folder", "gone": "no longer running",
+             "stale": "silent for many leases"}
+
+
+def _owner_line(owner: dict) -> str:
+    """Who drives (or last drove) the job: the folder's newest owner claim (ckpt.ownership)."""
+    who = f"{owner['holder']} on host {owner['host']}, pid {owner['pid']}"
+    beat = f"last heartbeat {human_age(owner['last_beat_age_s'])} ago"
+    label = "owner" if owner["standing"] == "running" else "last owner"
+    return f"{label}: {who}, {_STANDING[owner['standing']]} ({beat})"
 
 
 # -- verify ------------------------------------------------------------------------------

@@ -58,7 +58,23 @@ def test_ls_lists_committed_checkpoints_as_a_table(capsys, job):
     assert all(" ".join(r[1:5]) == "dp3 tp1 pp1 zero0" for r in rows)
     assert "KiB" in out or " B" in out
     assert "unfinished saves (no manifest): steps 15" in out
-    assert "steps 35" in out
+    assert "steps 35" in out and "owner" not in out
+
+
+def test_ls_says_who_drives_the_job(capsys, job):
+    import json
+    import os
+
+    from ckpt.ownership import OwnerLease
+
+    url, catalog = job
+    lease = OwnerLease.claim(catalog.storage, "undying run of job 'j'", 60.0)
+    out = run(capsys, "ls", url)[1]
+    assert "owner: undying run of job 'j' on host" in out and f"pid {os.getpid()}, running (last heartbeat" in out
+    lease.release()
+    owner = json.loads(run(capsys, "ls", url, "--json")[1])["owner"]
+    assert owner["standing"] == "released" and owner["pid"] == os.getpid() and owner["epoch"] == 0
+    assert "last owner: undying run of job 'j'" in run(capsys, "ls", url)[1]
 
 
 def test_ls_accepts_a_plain_path(capsys, job, tmp_path):

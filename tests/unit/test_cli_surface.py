@@ -97,6 +97,7 @@ def test_ckpt_ls_json(capsys, job):  # noqa: F811
     assert [c["step"] for c in listing["committed"]] == [10, 20, 30]
     assert (listing["unfinished"], listing["in_progress"]) == ([15], [35])
     assert all(c["bytes"] > 0 and c["tensors"] > 0 for c in listing["committed"])
+    assert listing["owner"] is None  # no driver ever claimed the folder
 
 
 def test_ckpt_verify_json_reports_each_checkpoint_and_the_damage(capsys, job):  # noqa: F811
