@@ -70,8 +70,8 @@ class Telemetry:
         if now - self._last_poll < self.heartbeat_s:
             return set()
         self._last_poll = now
-        for rank in range(world_size):
-            data = store.get_json(heartbeat_key(rank))
+        beats = store.get_many_json([heartbeat_key(rank) for rank in range(world_size)])
+        for rank, data in enumerate(beats):
             beat = Heartbeat.from_json(data) if data is not None else None
             if beat is None or self._seen.get(rank) == beat.time:
                 continue

@@ -190,6 +190,18 @@ class GenerationStore:
             body = self._open(key, self.store.get(key), queued=False)
         return default if body is None else json.loads(body)
 
+    def get_many_json(self, keys: list[str], default=None) -> list:
+        """The values of `keys`, in order, each `default` when absent or when it does not open. Two
+        round trips once every key exists (`check`, then `multi_get`, which like `get` would block on
+        a missing key), key by key before that: the controller reads every rank's heartbeat each
+        period: key by key that took 0.25 s at 1024 ranks, batched 7 ms (bench/store_reads.py)."""
+        with self._lock:
+            if not keys or not self.store.check(keys):
+                return [self.get_json(key, default) for key in keys]
+            raws = self.store.multi_get(keys)
+            bodies = [self._open(key, raw, queued=False) for key, raw in zip(keys, raws, strict=True)]
+        return [default if body is None else json.loads(body) for body in bodies]
+
     def set_plan(self, plan: dict) -> None:
         """The controller publishes a checkpoint plan: the sealed body, then its counter, in that
         order, so that a rank that sees the new count reads a body at least that new."""

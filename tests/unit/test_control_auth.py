@@ -232,3 +232,37 @@ def test_a_forged_plan_leaves_a_rank_on_its_current_plan():
     assert plan_from_store(rank, current) is current
     server.generation(0).set_json(PLAN, {"every": 5, "version": 2})
     assert plan_from_store(rank, current) == CheckpointPlan(every=5, version=2)
+
+
+def test_many_heartbeats_read_in_one_batch_open_like_single_reads():
+    """GenerationStore.get_many_json: absent keys, forged values and the batched path agree with get_json."""
+    server = RendezvousServer("127.0.0.1")
+    controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
+    keys = [heartbeat_key(r) for r in range(4)]
+    for r in (0, 2):
+        rank.set_json(keys[r], {"step": r})
+    # Not every key exists yet (a rank that has not beaten): read key by key, absent ones as None.
+    assert controller.get_many_json(keys) == [{"step": 0}, None, {"step": 2}, None]
+    forger = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    prefix = key_prefix(server.address.secret, 0)
+    forger.set(f"{prefix}/{keys[1]}", json.dumps({"step": 99}))
+    rank.set_json(keys[3], {"step": 3})
+    # Every key exists: one batch, the forged value dropped and counted once however often it is read.
+    controller.store = _Calls(controller.store)
+    assert controller.get_many_json(keys) == [{"step": 0}, None, {"step": 2}, {"step": 3}]
+    assert controller.store.calls == ["check", "multi_get"]  # two round trips for every rank
+    assert controller.get_many_json(keys, default={}) == [{"step": 0}, {}, {"step": 2}, {"step": 3}]
+    assert [controller.get_json(k) for k in keys] == controller.get_many_json(keys)
+    assert server.rejections.counts == {"heartbeat": 1}
+    assert controller.get_many_json([]) == []
+
+
+class _Calls:
+    """A store that records which of its methods were called."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.store, name)
