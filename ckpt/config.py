@@ -172,7 +172,8 @@ class CheckpointConfig(BaseModel):
     owner_lease_s: float = Field(
         60.0, ge=1.0, description="the driver's lease on the checkpoint root (renewed every sixth of it), so that "
         "two drivers never run one job: a second `undying run` of a live job is refused; one whose driver died "
-        "takes over at once on the same host, else after watching the dead driver's heartbeat for this long")
+        "takes over at once on the same host, else after watching the dead driver's heartbeat for this long and "
+        "one beat more")
     memory: MemoryLevelConfig = Field(default_factory=MemoryLevelConfig)
 
     @model_validator(mode="before")

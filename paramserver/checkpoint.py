@@ -191,6 +191,7 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     cat = catalog(root, storage_options, owner)
     if step in cat.committed_steps():
         return None
+    cat.fence()  # no shard of a driver that lost the root lands in it
     tag = f"ps{secrets.token_hex(4)}"
     receipts = _call(servers, "save_shard", root, step, storage_options, tag)
     if sorted(r.rank for r in receipts) != list(range(job.parallel.servers)):

@@ -19,6 +19,9 @@ or train.steps; paramserver.recovery.segment_end):
        and EVERY server is restored from the last committed checkpoint, or to the initial values
        when none is committed; the segment reruns from there with the same workers;
   3. with checkpoints: save a PS checkpoint at b (paramserver.checkpoint; every server at the cut b).
+When the driver's owner lease on the checkpoint root is lost (`Checkpoints.owner`, ckpt.ownership:
+another driver claimed the root) the job ends at the next poll with OwnershipLost, and no shard or
+manifest of it is written there after.
 The goodput ledger books the wall (paramserver.recovery's buckets); `failures` says what happened.
 """
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from ckpt.ownership import OwnerLease
+from ckpt.ownership import OwnerLease, OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
@@ -169,6 +172,8 @@ class Supervisor:
         stats_due = time.time() + self.stats_every_s
         while streams:
             ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
+            if self.ckpt is not None and self.ckpt.owner is not None and self.ckpt.owner.lost is not None:
+                raise OwnershipLost(self.ckpt.owner.lost)  # another driver took the root: train no further
             trouble = self._take_streams(streams, start, end)
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:

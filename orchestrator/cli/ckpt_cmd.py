@@ -196,10 +196,15 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
     committed = committed_or_fail(catalog)
-    plan = catalog.gc_plan(args.keep)
+    lease = None if args.dry_run or args.force else _hold(catalog)
+    try:
+        plan = catalog.gc_plan(args.keep)  # planned while holding the folder: no job starts meanwhile
+        if not args.dry_run:
+            Catalog(catalog.storage, owner=lease).apply_gc(plan)
+    finally:
+        if lease is not None:
+            lease.release()
     verb = "would delete" if args.dry_run else "deleted"
-    if not args.dry_run:
-        _apply_owning(catalog, plan, args.force)
     kept = [s for s in committed if s not in plan.expired]
     if not plan.expired and not plan.orphans:
         print(f"nothing to delete: {len(committed)} committed checkpoint(s), --keep {args.keep}")
@@ -211,27 +216,22 @@ def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _apply_owning(catalog: Catalog, plan, force: bool) -> None:
-    """Apply `plan` holding the folder's owner lease (ckpt.ownership), so no job starts meanwhile; a
-    running job owns it: refused, since one that resumed behind its newest commit writes its saves
-    below it, where gc would take them for unfinished ones. --force deletes without the lease."""
-    from ckpt.ownership import OwnerAlive, OwnerLease, live_owner
+def _hold(catalog: Catalog):
+    """The folder's owner lease for gc (ckpt.ownership), so no job starts while it plans and deletes.
+    A job that holds it is refused (one that resumed behind its newest commit writes its saves below
+    it, where gc would take them for unfinished ones), after watching its heartbeat when its holder
+    is not known to have stopped; --force deletes without the lease."""
+    from ckpt.ownership import OwnerAlive, OwnerLease
 
-    if force:
-        catalog.apply_gc(plan)
-        return
     try:
-        owner = live_owner(catalog.storage)
-        if owner is not None:
-            raise OwnerAlive(f"a job is running in {catalog.storage.root}: {owner}")
-        lease = OwnerLease.claim(catalog.storage, "undying ckpt gc", GC_LEASE_S)  # a job that claimed since: watched
+        return OwnerLease.claim(catalog.storage, "undying ckpt gc", GC_LEASE_S,
+                                say=lambda line: print(f"undying ckpt gc: {line}", file=sys.stderr, flush=True))
     except OwnerAlive as err:
         raise UsageError(f"{err}; its saves in flight would look unfinished to gc: run gc once it has stopped, "
                          "or pass --force") from None
-    try:
-        Catalog(catalog.storage, owner=lease).apply_gc(plan)
-    finally:
-        lease.release()
+    except (ValueError, KeyError) as err:  # a claim file that does not parse: who holds the folder is unknown
+        raise UsageError(f"{catalog.storage.root}/owner: {error_reason(err)}; a person must look (no job may run "
+                         "there while one is moved aside), or pass --force") from None
 
 
 GC_LEASE_S = 60.0  # what a job that starts during a gc waits for at most, should gc die holding it

@@ -7,8 +7,8 @@ Each gathers its result as plain data first, then prints it as a table (the defa
 
     ls      {"url", "committed": [{"step", "layout", "bytes", "created_at", "age_s", "generation",
              "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps],
-             "owner": null or {"holder", "host", "pid", "epoch", "last_beat_age_s", "standing":
-             "running" | "released" | "gone" | "stale"}}
+             "owner": null or {"holder", "host", "pid", "epoch", "lease_s", "last_beat_age_s", "standing":
+             "running" | "released" | "gone" | "stale"} or {"error"}}
     verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified",
              "error", and for ok "tensors", "chunks", "files", "bytes", "seconds"; for a store that
              kept failing "transient": true}]}
@@ -24,12 +24,13 @@ from typing import Any
 
 from ckpt.catalog import Catalog
 from ckpt.errors import TransientStorageError
-from ckpt.ownership import owner_status
+from ckpt.owner_claims import owner_status
 from ckpt.storage_errors import ReadRetry
 from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
     about,
     committed_or_fail,
+    error_reason,
     human_age,
     layout_label,
     step_or_fail,
@@ -58,7 +59,14 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
     return {"url": catalog.storage.url, "committed": entries,
             "unfinished": [s for s in unfinished if s < committed[-1]],
             "in_progress": [s for s in unfinished if s > committed[-1]],
-            "owner": owner_status(catalog.storage)}
+            "owner": _owner(catalog)}
+
+
+def _owner(catalog: Catalog) -> dict | None:
+    try:
+        return owner_status(catalog.storage)
+    except (ValueError, KeyError) as err:  # a claim that does not parse: say so, list the rest
+        return {"error": f"the owner folder does not parse ({error_reason(err)})"}
 
 
 def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
@@ -89,10 +97,15 @@ _STANDING = {"running": "running", "released": "released the folder", "gone": "n
 
 
 def _owner_line(owner: dict) -> str:
-    """Who drives (or last drove) the job: the folder's newest owner claim (ckpt.ownership)."""
+    """Who drives (or last drove) the job: the folder's newest owner claim (ckpt.owner_claims)."""
+    if "error" in owner:
+        return f"owner: unknown: {owner['error']}"
     who = f"{owner['holder']} on host {owner['host']}, pid {owner['pid']}"
-    beat = f"last heartbeat {human_age(owner['last_beat_age_s'])} ago"
+    age = owner["last_beat_age_s"]
+    beat = f"last heartbeat {human_age(age)} ago"
     label = "owner" if owner["standing"] == "running" else "last owner"
+    if owner["standing"] == "running" and age > owner["lease_s"] * 7 / 6:  # a run would take it over now
+        return f"{label}: {who}, silent for longer than its {owner['lease_s']:.0f} s lease: probably stopped ({beat})"
     return f"{label}: {who}, {_STANDING[owner['standing']]} ({beat})"
 
 

@@ -1,7 +1,9 @@
 """The driver's owner lease on its job's checkpoint root (ckpt.ownership), for `undying run`.
 
 Called by orchestrator.cli.run and orchestrator.cli.ps_run after Ray is up and before anything
-writes to the root; the caller releases the lease last, however the job ends.
+writes to the root; the caller releases the lease last, however the job ends. A root that another
+job holds, a store that cannot be read, an owner folder that does not parse and Ctrl-C during the
+watch are each one line on stderr, never a traceback; the caller exits 2 (nothing was started).
 """
 
 from __future__ import annotations
@@ -10,15 +12,23 @@ import sys
 
 from ckpt.ownership import OwnerAlive, OwnerLease
 from ckpt.storage import Storage
+from orchestrator.cli.ckpt_catalog import error_reason, is_storage_error
 
 
 def claim_root(spec) -> OwnerLease | None:
-    """The lease on `spec`'s checkpoint root; None, with the reason printed, while another job owns it
-    (the caller exits 2: nothing was started)."""
+    """The lease on `spec`'s checkpoint root, on a Storage of its own; None, with the reason printed."""
     storage = Storage(spec.checkpoint_root, spec.checkpoint.storage_options)
     try:
         return OwnerLease.claim(storage, f"undying run of job {spec.name!r}", spec.checkpoint.owner_lease_s,
                                 say=lambda line: print(f"undying: {line}", flush=True))
     except OwnerAlive as err:
         print(f"undying: the job cannot start: {err}", file=sys.stderr)
-        return None
+    except KeyboardInterrupt:
+        print("undying: interrupted while claiming the checkpoint root; nothing was started", file=sys.stderr)
+    except Exception as err:  # the store, or an owner folder a person must look at
+        if not (is_storage_error(err) or isinstance(err, (ValueError, KeyError))):
+            raise
+        print(f"undying: the job cannot start: could not claim {storage.root}/owner ({error_reason(err)}); check "
+              "the store, or, if a file there does not parse, move it aside after making sure no job runs",
+              file=sys.stderr)
+    return None

@@ -68,7 +68,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         lease = claim_root(spec)
         if lease is None:
             return EXIT_USAGE
-        catalog = Catalog(lease.storage, owner=lease)
+        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
         trackers = _trackers(spec, catalog.storage) or NO_TRACKING
         if trackers is NO_TRACKING:
             return EXIT_USAGE

@@ -16,21 +16,12 @@ import pytest
 
 from ckpt import process_identity
 from ckpt.catalog import Catalog, GcPlan
-from ckpt.ownership import (
-    KEEP_CLAIMS,
-    OWNER_DIR,
-    STALE_LEASES,
-    OwnerAlive,
-    OwnerLease,
-    OwnershipLost,
-    epochs,
-    live_owner,
-    newest_claim,
-)
+from ckpt.owner_claims import OWNER_DIR, STALE_FLOOR_S, epochs, live_owner, newest_claim
+from ckpt.ownership import KEEP_CLAIMS, OwnerAlive, OwnerLease, OwnershipLost
 from ckpt.storage import Storage
 from tests._checkpoints import make_state, save_checkpoint
 
-LEASE_S = 0.6  # a beat every 0.1 s
+LEASE_S = 1.2  # a beat every 0.2 s
 
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
@@ -61,7 +52,7 @@ def test_a_held_root_is_refused_while_its_owner_beats_and_taken_at_once_once_rel
     time.sleep(3 * LEASE_S / 6)
     assert newest_claim(storage).beat["beat"] > beats  # the heartbeat thread renews it
     started = time.monotonic()
-    with pytest.raises(OwnerAlive, match=f"owned by a running job: first on host .*, pid {os.getpid()}"):
+    with pytest.raises(OwnerAlive, match=f"held by first on host .*, pid {os.getpid()}, whose heartbeat advanced"):
         OwnerLease.claim(storage, "second", LEASE_S)
     assert time.monotonic() - started < LEASE_S  # refused as soon as a beat advanced
     assert epochs(storage) == [0]  # nothing written
@@ -109,7 +100,7 @@ def test_a_silent_owner_elsewhere_is_watched_for_a_lease_and_a_beating_one_refus
     started = time.monotonic()
     lease = OwnerLease.claim(storage, "here", LEASE_S, say=said.append)
     waited = time.monotonic() - started
-    assert LEASE_S <= waited < LEASE_S + 1.0 and lease.epoch == 1
+    assert LEASE_S * 7 / 6 <= waited < LEASE_S * 7 / 6 + 1.0 and lease.epoch == 1
     assert "watching its heartbeat" in said[0] and "node-7" in said[0]
     assert "sent no heartbeat" in newest_claim(storage).record["taken_because"]
     lease.release()
@@ -135,7 +126,7 @@ def test_a_silent_owner_elsewhere_is_watched_for_a_lease_and_a_beating_one_refus
 
 
 def test_an_owner_silent_for_many_leases_is_taken_without_watching(storage):
-    _foreign_claim(storage, 0, beat_age_s=STALE_LEASES * LEASE_S + 1)
+    _foreign_claim(storage, 0, beat_age_s=STALE_FLOOR_S + 1)
     started = time.monotonic()
     lease = OwnerLease.claim(storage, "here", LEASE_S)
     assert time.monotonic() - started < LEASE_S / 2
@@ -157,16 +148,33 @@ def test_a_replaced_owner_changes_nothing_more(storage):
     with pytest.raises(OwnershipLost):
         catalog.quarantine(20)
     assert catalog.committed_steps() == [10, 20]  # no manifest of step 30; 10 and 20 untouched
-    deadline = time.monotonic() + 2.0
-    while lease.lost is None and time.monotonic() < deadline:  # the heartbeat sees it on its own
-        time.sleep(0.05)
-    assert "no longer owns it" in lease.lost
     lease.release()  # a replaced owner does not mark the newer claim ended
     assert not (newest_claim(storage).beat or {}).get("ended")
 
 
+def test_the_heartbeat_finds_a_newer_claim_without_being_asked(storage):
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    _foreign_claim(storage, lease.epoch + 1)
+    deadline = time.monotonic() + 3 * LEASE_S
+    while lease.lost is None and time.monotonic() < deadline:  # nothing calls check(): the heartbeat looks
+        time.sleep(0.05)
+    assert lease.lost is not None and "claimed by undying run of job 'elsewhere'" in lease.lost
+    lease.release()
+
+
+def test_a_torn_beat_file_is_no_beat_and_the_next_beat_mends_it(storage):
+    lease = OwnerLease.claim(storage, "first", LEASE_S)
+    storage.write_immutable(storage.path(OWNER_DIR, "beat-0000000000.json"), b'{"beat": 3, "ti')  # a torn write
+    assert newest_claim(storage).beat is None
+    lease.check()  # the lease still works
+    with pytest.raises(OwnerAlive, match="heartbeat advanced"):  # and a claimant still sees it beat
+        OwnerLease.claim(storage, "second", LEASE_S)
+    assert newest_claim(storage).beat["beat"] > 1 and lease.lost is None
+    lease.release()
+
+
 def test_two_claimants_of_a_dead_root_leave_exactly_one_owner(storage):
-    _foreign_claim(storage, 0, beat_age_s=STALE_LEASES * LEASE_S + 1)
+    _foreign_claim(storage, 0, beat_age_s=STALE_FLOOR_S + 1)
     outcomes: list = []
     barrier = threading.Barrier(2)
 
@@ -190,6 +198,8 @@ def test_two_claimants_of_a_dead_root_leave_exactly_one_owner(storage):
 def test_release_keeps_only_the_recent_claims(storage):
     for _ in range(KEEP_CLAIMS + 3):
         OwnerLease.claim(storage, "run", LEASE_S).release()
+        if storage.is_local and epochs(storage)[-1] == 0:  # a beat write killed half-way leaves its temp file
+            storage.write_immutable(storage.path(OWNER_DIR, "beat-0000000000.json.tmp-0123"), b"{")
     assert epochs(storage) == list(range(3, KEEP_CLAIMS + 3))
     names = storage.listdir(storage.path(OWNER_DIR))
     assert sorted(n for n in names if n.startswith("beat-")) == [f"beat-{e:010d}.json" for e in range(3, 11)]
@@ -201,7 +211,8 @@ def test_an_owner_whose_claim_was_deleted_stops_changing_the_root(storage):
     storage.remove_tree(storage.path(OWNER_DIR))  # someone cleaned the folder up
     other = OwnerLease.claim(storage, "new", LEASE_S)  # counts from scratch: epoch 0 again
     assert other.epoch == lease.epoch == 0
-    with pytest.raises(OwnershipLost, match="was claimed by new on host"):
+    # The old holder's heartbeat may have looked between the wipe and the new claim.
+    with pytest.raises(OwnershipLost, match="was claimed by new on host|lost its claim claim-0000000000.json"):
         lease.check()
     lease.release()
     other.check()

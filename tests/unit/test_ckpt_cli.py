@@ -77,6 +77,21 @@ def test_ls_says_who_drives_the_job(capsys, job):
     assert "last owner: undying run of job 'j'" in run(capsys, "ls", url)[1]
 
 
+def test_ls_says_when_a_running_owner_has_gone_silent(capsys, job):
+    import json
+    import time
+
+    url, catalog = job
+    record = {"holder": "undying run of job 'j'", "lease_s": 2.0, "claimed_at": time.time() - 60,
+              "process": {"host": "node-3/boot/pid:[1]", "pid": 11, "started": "1"}}
+    catalog.storage.create_exclusive(catalog.storage.path("owner", "claim-0000000000.json"),
+                                     json.dumps(record).encode())
+    out = run(capsys, "ls", url)[1]  # on another host, no beat for 60 s: not known dead, but past its lease
+    assert "owner: undying run of job 'j' on host node-3, pid 11, silent for longer than its 2 s lease" in out
+    catalog.storage.write_immutable(catalog.storage.path("owner", "claim-0000000001.json"), b'{"holder": ')
+    assert "owner: unknown: the owner folder does not parse" in run(capsys, "ls", url)[1]
+
+
 def test_ls_accepts_a_plain_path(capsys, job, tmp_path):
     code, out, _ = run(capsys, "ls", str(tmp_path / "ckpt" / "myjob"))
     assert code == 0 and "3 committed checkpoint(s)" in out
@@ -237,13 +252,15 @@ def test_export_never_replaces_a_file_nor_writes_inside_the_checkpoint_folder(ca
 
 
 def test_gc_waits_for_a_live_job_unless_forced(capsys, job):
-    from ckpt.ownership import OwnerLease, epochs, newest_claim
+    from ckpt.owner_claims import epochs, newest_claim
+    from ckpt.ownership import OwnerLease
 
     url, catalog = job
-    running = OwnerLease.claim(catalog.storage, "undying run of job 'j'", 60.0)  # a job runs here
-    code, _, err = run(capsys, "gc", url, "--keep", "1")
+    running = OwnerLease.claim(catalog.storage, "undying run of job 'j'", 1.2)  # a job runs here, beating
+    code, _, err = run(capsys, "gc", url, "--keep", "1")  # watches its heartbeat, which advances
     assert code == 2 and catalog.all_steps() == [10, 15, 20, 30, 35]
-    _one_line_error(err, "a job is running in", "undying run of job 'j' on host", "pid", "--force")
+    assert "watching its heartbeat" in err.splitlines()[0] and len(err.strip().splitlines()) == 2
+    _one_line_error(err.splitlines()[1], "held by undying run of job 'j' on host", "pid", "--force")
     assert run(capsys, "gc", url, "--keep", "1", "--dry-run")[0] == 0  # looking deletes nothing
     running.release()  # it stopped
     assert run(capsys, "gc", url, "--keep", "2")[0] == 0 and catalog.committed_steps() == [20, 30]

@@ -309,7 +309,7 @@ CHAOS_MARKER = "chaos-experiment.json"
 def prepare_root(spec, fresh: bool) -> None:
     """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh
     when an earlier experiment made it (CHAOS_MARKER); then mark it as this experiment's."""
-    from ckpt.ownership import live_owner
+    from ckpt.owner_claims import live_owner
     from orchestrator.cli.chaos import experiment
     from orchestrator.controller.kill import MARKER_DIR
 
@@ -327,7 +327,10 @@ def prepare_root(spec, fresh: bool) -> None:
                                      f"chaos` experiment made (it has no {CHAOS_MARKER}), so --fresh leaves them: "
                                      "choose another name with --set name=..., or delete them yourself if they "
                                      "should go")])
-        owner = live_owner(storage)
+        try:
+            owner = live_owner(storage)
+        except (ValueError, KeyError) as err:  # a claim that does not parse: who holds it is unknown
+            owner = f"unknown, since {storage.path('owner')} does not parse ({err})"
         if owner is not None:
             raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} belongs to a running job: {owner}; "
                                      "--fresh deletes nothing while it runs: stop it, or choose another name with "
