@@ -26,9 +26,12 @@ A sealed value (ASCII, as a TCPStore value):
 
 `gen` and `key` are signed but not sent: a value captured in one generation or under one key
 (hb/0) does not open in another (generation 4, hb/1). `sender` is a random id per sealing
-`Seal` (one per store client) and `seq` counts that sender's values, so a reader refuses a
-queued value it has already taken (seq must grow) and a key value older than one it has read
-(seq must not shrink): a captured message cannot be replayed.
+`Seal` (one per store client) and `seq` counts that sender's values of that key from 0, so a
+reader refuses a queued value it has already taken (seq must grow) and a key value older than
+one it has read (seq must not shrink): a captured message cannot be replayed. On a queue the
+seqs of a sender are consecutive, so one that jumps says how many of that sender's messages
+before it never arrived (popped by someone else, or never pushed): `Seal.open` reports them
+through `missing`, and the store counts them as rejected on that channel.
 """
 
 from __future__ import annotations
@@ -85,16 +88,18 @@ class Seal:
     def __init__(self, secret: bytes, gen: int):
         self._secret, self._gen = secret, gen
         self.sender = secrets.token_hex(8)
-        self._seq = itertools.count()
+        self._seqs: dict[str, itertools.count] = {}  # key -> this sender's next seq for it
         self._floors: dict[tuple[str, str], int] = {}  # (key, sender) -> newest seq opened
         self._lock = threading.Lock()
+        self.missing = 0  # queued values skipped over (seq gaps), since the last `take_missing`
 
     def _tag(self, key: str, sender: str, seq: str, body: str) -> str:
         signed = f"{self._gen}\n{key}\n{sender}\n{seq}\n{body}".encode()
         return hmac.new(self._secret, signed, hashlib.sha256).hexdigest()
 
     def seal(self, key: str, body: str) -> str:
-        seq = str(next(self._seq))
+        with self._lock:
+            seq = str(next(self._seqs.setdefault(key, itertools.count())))
         return f"{self._tag(key, self.sender, seq, body)}:{self.sender}:{seq}:{body}"
 
     def open(self, key: str, raw: bytes | str, *, queued: bool) -> str:
@@ -112,8 +117,16 @@ class Seal:
             floor = self._floors.get((key, sender), -1)
             if number < floor or (queued and number == floor):
                 raise Rejected("replayed")
+            if queued:
+                self.missing += number - floor - 1
             self._floors[(key, sender)] = number
         return body
+
+    def take_missing(self) -> int:
+        """Queued values found missing (seq gaps) since the last call."""
+        with self._lock:
+            missing, self.missing = self.missing, 0
+        return missing
 
 
 class Rejections:

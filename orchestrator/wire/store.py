@@ -163,8 +163,9 @@ class GenerationStore:
         return out
 
     def drain_events(self, limit: int = 10_000) -> list[dict]:
-        """Every queued event that opens, oldest first, without blocking; the others are counted
-        (and so are the ranks' rejection notices, which are taken here)."""
+        """Every queued event that opens, oldest first, without blocking; the others are counted, and
+        so are events a sender's sequence skips (another client popped them: wire.auth), and the
+        ranks' rejection notices, which are taken here."""
         out: list[dict] = []
         with self._lock:
             pending = self.store.queue_len(EVENTS)
@@ -175,6 +176,9 @@ class GenerationStore:
                     self._rejections.count(str(event.get("channel")), str(event.get("reason")), "a rank")
                 elif event is not None:
                     out.append(event)
+            for _ in range(self._seal.take_missing()):
+                self._rejections.count(channel_of(EVENTS), "missing: taken off the queue by another client, "
+                                       "or never pushed")
         return out
 
     def set_json(self, key: str, value) -> None:

@@ -152,10 +152,10 @@ def test_another_process_without_the_secret_changes_nothing_and_is_counted():
     assert rank.abort_requested()
 
 
-def _step():
+def _step(step: int = 3):
     from orchestrator.wire.messages import StepDone
 
-    return StepDone(step=3, loss=1.0, tokens=8, step_s=0.1, time=0.0)
+    return StepDone(step=step, loss=1.0, tokens=8, step_s=0.1, time=0.0)
 
 
 def test_a_captured_event_replayed_on_the_queue_is_dropped():
@@ -266,3 +266,21 @@ class _Calls:
     def __getattr__(self, name):
         self.calls.append(name)
         return getattr(self.store, name)
+
+
+def test_an_event_another_client_pops_off_the_queue_is_counted_as_missing():
+    server = RendezvousServer("127.0.0.1")
+    controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
+    thief = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    queue = f"{key_prefix(server.address.secret, 0)}/{EVENTS}"
+    rank.set_json(heartbeat_key(0), {"step": 1})  # a key value between events: its own sequence
+    for step in (1, 2, 3, 4):
+        rank.send(_step(step))
+    thief.queue_pop(queue)  # step 1's record: the first of this sender's, gone before the controller looked
+    assert [m.step for m in controller.receive()] == [2, 3, 4]
+    assert server.rejections.counts == {"events": 1}
+    rank.send(_step(5))
+    rank.send(_step(6))
+    thief.queue_pop(queue)
+    assert [m.step for m in controller.receive()] == [6] and server.rejections.counts == {"events": 2}
+    assert controller.receive() == [] and server.rejections.counts == {"events": 2}  # counted once
