@@ -218,6 +218,9 @@ class JobMetrics:
         self.control_rejected = self._counter(
             "undying_control_messages_rejected", "Control messages dropped for want of a valid tag "
             "(orchestrator.wire.auth), by channel: events, abort, plan, heartbeat.", "channel")
+        self.control_missing = self._counter(
+            "undying_control_messages_missing", "Queued control messages a rank sent that never reached the "
+            "controller (a gap in its sequence: taken off the queue by another client, or a failed push).", "channel")
         self.spares_ready = self._gauge("undying_spares_ready", "Warm spares ready to take over a rank.")
         self.spares_warming = self._gauge("undying_spares_warming", "Spares started and still warming up.")
         self.spares_started = self._counter(
@@ -344,6 +347,10 @@ class JobMetrics:
         """The controller or a rank dropped a control message on `channel`: someone without the
         job's secret wrote to the store. Called from the controller's thread."""
         self.control_rejected.labels(self.job, channel).inc()
+
+    def on_control_missing(self, channel: str, n: int) -> None:
+        """`n` queued messages on `channel` never arrived (orchestrator.wire.auth). Controller's thread."""
+        self.control_missing.labels(self.job, channel).inc(n)
 
     def on_recovery(self, detection_s: float, recovery_s: float) -> None:
         """Training resumed after a failure detected `detection_s` after it happened."""

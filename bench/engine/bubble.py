@@ -116,7 +116,10 @@ def instant_transfer_bubble(ranks_events: list[list]) -> float:
 
 
 def _input_of(event, last_chunk: int) -> tuple[str, int, int] | None:
-    """The action whose output `event` consumes from another chunk (None: from its own rank only)."""
+    """The action whose output `event` consumes from another chunk (None: from its own rank only).
+    Schedules of F, L and B only: a split backward's I and W have other inputs, not modelled."""
+    if event.kind not in ("F", "L", "B"):
+        raise ValueError(f"action {event.kind!r}: the replay models F, L and B (GPipe, 1F1B), not split backwards")
     if event.kind == "F" and event.chunk > 0:
         return ("F", event.chunk - 1, event.micro)
     if event.kind == "B" and event.chunk < last_chunk:
@@ -184,8 +187,9 @@ The 1-minute load average was {min(loads):.1f} to {max(loads):.1f} (sampled befo
   over steps. It counts every wait, so activation sends and a peer slowed by a shared core add to it.
 - with instant transfers: the same step replayed from its trace (each rank's actions in its order and for
   their measured durations, each started as soon as its input exists): the bubble of the schedule and this
-  run's stage times alone. Above the formula: stages of unequal speed; between it and the measured bubble:
-  the transfers and the time between actions.
+  run's action times alone. Away from the formula: stages of unequal speed, and durations stretched or
+  shrunk by ranks sharing cores; between it and the measured bubble: the transfers and the time between
+  actions.
 - most in flight: the most activations any rank held at once; GPipe holds every microbatch, 1F1B at most p.
 """
 

@@ -73,7 +73,8 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         if trackers is NO_TRACKING:
             return EXIT_USAGE
         workers = worker_group(spec, env_vars=conn.env_vars)
-        rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected)
+        rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected,
+                                      on_missing=metrics.on_control_missing)
         controller = Controller(spec, workers, rendezvous, catalog, metrics, fresh=fresh,
                                 printer=lambda line: print(line, flush=True), drains=DrainWatcher().draining)
         controller.record.tracker = trackers

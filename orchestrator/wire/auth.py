@@ -28,17 +28,18 @@ A sealed value (ASCII, as a TCPStore value):
 (hb/0) does not open in another (generation 4, hb/1). `sender` is a random id per sealing
 `Seal` (one per store client) and `seq` counts that sender's values of that key from 0, so a
 reader refuses a queued value it has already taken (seq must grow) and a key value older than
-one it has read (seq must not shrink): a captured message cannot be replayed. On a queue the
-seqs of a sender are consecutive, so one that jumps says how many of that sender's messages
-before it never arrived (popped by someone else, or never pushed): `Seal.open` reports them
-through `missing`, and the store counts them as rejected on that channel.
+one it has read (seq must not shrink): a captured message cannot be replayed. On a queue a
+sender's seqs are consecutive, so one that jumps says how many of that sender's messages before
+it never arrived: taken off the queue by another client, or sealed for a push that failed.
+`Seal.open` adds them up (`take_missing`) and the store counts them as missing
+(`Rejections.count_missing`), apart from rejected ones. A gap shows only when a later message
+of the same sender arrives: a sender's last message taken away is not seen.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
 import logging
 import secrets
 import threading
@@ -88,7 +89,7 @@ class Seal:
     def __init__(self, secret: bytes, gen: int):
         self._secret, self._gen = secret, gen
         self.sender = secrets.token_hex(8)
-        self._seqs: dict[str, itertools.count] = {}  # key -> this sender's next seq for it
+        self._next: dict[str, int] = {}  # key -> this sender's next seq for it
         self._floors: dict[tuple[str, str], int] = {}  # (key, sender) -> newest seq opened
         self._lock = threading.Lock()
         self.missing = 0  # queued values skipped over (seq gaps), since the last `take_missing`
@@ -98,8 +99,12 @@ class Seal:
         return hmac.new(self._secret, signed, hashlib.sha256).hexdigest()
 
     def seal(self, key: str, body: str) -> str:
+        """`body` sealed for `key`, with this sender's next seq for the key. A queued value sealed here
+        and never pushed leaves a gap the reader counts as missing: seal right before the push."""
         with self._lock:
-            seq = str(next(self._seqs.setdefault(key, itertools.count())))
+            number = self._next.get(key, 0)
+            self._next[key] = number + 1
+        seq = str(number)
         return f"{self._tag(key, self.sender, seq, body)}:{self.sender}:{seq}:{body}"
 
     def open(self, key: str, raw: bytes | str, *, queued: bool) -> str:
@@ -134,12 +139,28 @@ class Rejections:
     channel once (the reason, never the contents: nothing of it is trusted).
 
     `on_reject(channel)` is called for each (the controller passes its metrics'
-    `on_control_rejected`); `counts` keeps the totals. Thread-safe."""
+    `on_control_rejected`); `counts` keeps the totals; `missing` those of `count_missing`.
+    Thread-safe."""
 
-    def __init__(self, on_reject: Callable[[str], None] | None = None):
-        self.on_reject = on_reject
+    def __init__(self, on_reject: Callable[[str], None] | None = None,
+                 on_missing: Callable[[str, int], None] | None = None):
+        self.on_reject, self.on_missing = on_reject, on_missing
         self.counts: Counter[str] = Counter()
+        self.missing: Counter[str] = Counter()
         self._lock = threading.Lock()
+
+    def count_missing(self, channel: str, n: int) -> None:
+        """`n` queued messages on `channel` never arrived (seq gaps: taken off the queue by another
+        client, or a push that failed); `on_missing(channel, n)` is called, the first logged."""
+        with self._lock:
+            first = not self.missing[channel]
+            self.missing[channel] += n
+        if first:
+            log.warning("control store: %d message(s) on %r never reached the controller (taken off the queue by "
+                        "another client, or a push that failed). Further ones are counted in "
+                        "undying_control_messages_missing_total.", n, channel)
+        if self.on_missing is not None:
+            self.on_missing(channel, n)
 
     def count(self, channel: str, reason: str, where: str = "the controller") -> None:
         with self._lock:

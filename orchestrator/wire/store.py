@@ -64,12 +64,13 @@ class RendezvousServer:
     `address` what ranks need to join it (the secret included).
 
     `on_reject(channel)` is called for every control message dropped, by the controller or a
-    rank (run.py passes the metrics' `on_control_rejected`); `rejections.counts` keeps the totals."""
+    rank (run.py passes the metrics' `on_control_rejected`), `on_missing(channel, n)` for queued
+    ones that never arrived (`on_control_missing`); `rejections` keeps the totals."""
 
-    def __init__(self, host: str, port: int = 0, on_reject=None):
+    def __init__(self, host: str, port: int = 0, on_reject=None, on_missing=None):
         self.host = host
         self._secret = new_secret()
-        self.rejections = Rejections(on_reject)
+        self.rejections = Rejections(on_reject, on_missing)
         self._server = _listening_store(host, port)
         self.port = self._server.port
 
@@ -137,11 +138,14 @@ class GenerationStore:
         self._on_rank = rejections is None
         self._lock = threading.RLock()  # a sealed value's seq and its place in the queue must agree
         self._dropped: dict[str, bytes] = {}  # key -> the last value dropped (counted once)
+        self._present: set[str] = set()  # keys get_many_json found: batched from then on
 
     def pg_store(self) -> dist.Store:
         return dist.PrefixStore("pg", self.store)
 
     def push_event(self, event: dict) -> None:
+        """Queue `event` for the controller: sealed and pushed under one lock, so this client's
+        queued seqs stay in push order (a push that fails leaves a gap the controller counts)."""
         with self._lock:
             self.store.queue_push(EVENTS, self._seal.seal(EVENTS, json.dumps(event)))
 
@@ -164,8 +168,8 @@ class GenerationStore:
 
     def drain_events(self, limit: int = 10_000) -> list[dict]:
         """Every queued event that opens, oldest first, without blocking; the others are counted, and
-        so are events a sender's sequence skips (another client popped them: wire.auth), and the
-        ranks' rejection notices, which are taken here."""
+        so, as missing, are events a sender's sequence skips (wire.auth), and the ranks' rejection
+        notices, which are taken here."""
         out: list[dict] = []
         with self._lock:
             pending = self.store.queue_len(EVENTS)
@@ -176,9 +180,9 @@ class GenerationStore:
                     self._rejections.count(str(event.get("channel")), str(event.get("reason")), "a rank")
                 elif event is not None:
                     out.append(event)
-            for _ in range(self._seal.take_missing()):
-                self._rejections.count(channel_of(EVENTS), "missing: taken off the queue by another client, "
-                                       "or never pushed")
+            missing = self._seal.take_missing()
+            if missing:
+                self._rejections.count_missing(channel_of(EVENTS), missing)
         return out
 
     def set_json(self, key: str, value) -> None:
@@ -195,16 +199,33 @@ class GenerationStore:
         return default if body is None else json.loads(body)
 
     def get_many_json(self, keys: list[str], default=None) -> list:
-        """The values of `keys`, in order, each `default` when absent or when it does not open. Two
-        round trips once every key exists (`check`, then `multi_get`, which like `get` would block on
-        a missing key), key by key before that: the controller reads every rank's heartbeat each
-        period: key by key that took 0.25 s at 1024 ranks, batched 7 ms (bench/store_reads.py)."""
+        """The values of `keys`, in order, each `default` when absent or when it does not open.
+
+        The keys seen before in this generation (none is deleted within one) are read in one batch,
+        `check` then `multi_get`; the others key by key, so a rank that never beat costs one round
+        trip, not the batch. The controller reads every rank's heartbeat each period: key by key
+        that took 0.25 s at 1024 ranks, batched 7 ms (bench/store_reads.py). `multi_get` blocks on
+        a missing key like `get` does: a key deleted between the check and the read (only a client
+        that reaches the port can) stalls it for the store's timeout, then it is read key by key."""
         with self._lock:
-            if not keys or not self.store.check(keys):
-                return [self.get_json(key, default) for key in keys]
-            raws = self.store.multi_get(keys)
-            bodies = [self._open(key, raw, queued=False) for key, raw in zip(keys, raws, strict=True)]
+            raws = self._read_present([k for k in keys if k in self._present])
+            for key in keys:
+                if key not in raws and self.store.check([key]):
+                    raws[key] = self.store.get(key)
+                    self._present.add(key)
+            bodies = [self._open(key, raws[key], queued=False) if key in raws else None for key in keys]
         return [default if body is None else json.loads(body) for body in bodies]
+
+    def _read_present(self, keys: list[str]) -> dict[str, bytes]:
+        """{key: raw value} of `keys`, which existed before, in two round trips; {} (and forgotten) when
+        one is gone."""
+        try:
+            if keys and self.store.check(keys):
+                return dict(zip(keys, self.store.multi_get(keys), strict=True))
+        except dist.DistStoreError as err:
+            log.warning("a store key vanished while the controller read it (%s); reading key by key", err)
+        self._present.difference_update(keys)
+        return {}
 
     def set_plan(self, plan: dict) -> None:
         """The controller publishes a checkpoint plan: the sealed body, then its counter, in that

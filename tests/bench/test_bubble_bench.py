@@ -64,3 +64,10 @@ def test_rows_take_the_median_of_the_ranks_mean_and_drop_the_first_step():
 def test_a_malformed_case_is_refused_with_its_form(text):
     with pytest.raises(argparse.ArgumentTypeError, match="PxMxD|P >= 2"):
         parse_case(text)
+
+
+def test_the_replay_refuses_split_backwards_it_does_not_model():
+    events = _gpipe(2, 2, [1.0, 1.0], [2.0, 2.0])
+    events[1].append(ActionEvent("W", 1, 0, 9.0, 10.0))
+    with pytest.raises(ValueError, match="split backwards"):
+        instant_transfer_bubble(events)

@@ -247,14 +247,20 @@ def test_many_heartbeats_read_in_one_batch_open_like_single_reads():
     prefix = key_prefix(server.address.secret, 0)
     forger.set(f"{prefix}/{keys[1]}", json.dumps({"step": 99}))
     rank.set_json(keys[3], {"step": 3})
-    # Every key exists: one batch, the forged value dropped and counted once however often it is read.
+    # The keys seen before are batched, the new ones read one by one; then every key is batched.
     controller.store = _Calls(controller.store)
     assert controller.get_many_json(keys) == [{"step": 0}, None, {"step": 2}, {"step": 3}]
+    assert controller.store.calls == ["check", "multi_get", "check", "get", "check", "get"]
+    controller.store.calls.clear()
+    assert controller.get_many_json(keys) == [{"step": 0}, None, {"step": 2}, {"step": 3}]
     assert controller.store.calls == ["check", "multi_get"]  # two round trips for every rank
+    # The forged value is dropped and counted once however often it is read.
     assert controller.get_many_json(keys, default={}) == [{"step": 0}, {}, {"step": 2}, {"step": 3}]
     assert [controller.get_json(k) for k in keys] == controller.get_many_json(keys)
     assert server.rejections.counts == {"heartbeat": 1}
     assert controller.get_many_json([]) == []
+    forger.delete_key(f"{prefix}/{keys[2]}")  # a key gone (only a client on the port can): read again one by one
+    assert controller.get_many_json(keys) == [{"step": 0}, None, None, {"step": 3}]
 
 
 class _Calls:
@@ -269,7 +275,9 @@ class _Calls:
 
 
 def test_an_event_another_client_pops_off_the_queue_is_counted_as_missing():
-    server = RendezvousServer("127.0.0.1")
+    """Apart from rejected ones: a pop proves no forgery (a push that failed leaves the same gap)."""
+    metrics = JobMetrics("popped")
+    server = RendezvousServer("127.0.0.1", on_missing=metrics.on_control_missing)
     controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
     thief = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
     queue = f"{key_prefix(server.address.secret, 0)}/{EVENTS}"
@@ -278,9 +286,11 @@ def test_an_event_another_client_pops_off_the_queue_is_counted_as_missing():
         rank.send(_step(step))
     thief.queue_pop(queue)  # step 1's record: the first of this sender's, gone before the controller looked
     assert [m.step for m in controller.receive()] == [2, 3, 4]
-    assert server.rejections.counts == {"events": 1}
+    assert server.rejections.missing == {"events": 1} and not server.rejections.counts
     rank.send(_step(5))
     rank.send(_step(6))
     thief.queue_pop(queue)
-    assert [m.step for m in controller.receive()] == [6] and server.rejections.counts == {"events": 2}
-    assert controller.receive() == [] and server.rejections.counts == {"events": 2}  # counted once
+    assert [m.step for m in controller.receive()] == [6] and server.rejections.missing == {"events": 2}
+    assert controller.receive() == [] and server.rejections.missing == {"events": 2}  # counted once
+    assert metrics.registry.get_sample_value("undying_control_messages_missing_total",
+                                             {"undying_job": "popped", "channel": "events"}) == 2.0
