@@ -104,6 +104,9 @@ class JobMetrics:
         for level in ("memory", "storage"):
             for metric in (self.recoveries_by_level, self.restore_by_level, self.lost_by_level):
                 metric.labels(job, level)
+        for channel in ("events", "abort", "plan", "heartbeat"):  # so a first tampering is an increase()
+            self.control_rejected.labels(job, channel)
+        self.control_missing.labels(job, "events")
         self.ckpt_last_commit.labels(job).set(time.time())
         self._goodput = _GoodputCollector(job)
         self.registry.register(self._goodput)

@@ -16,7 +16,7 @@ PROMTOOL = "/usr/bin/promtool"
 RULES = ROOT / "deploy/prometheus/alerts.yml"
 CASES = ROOT / "deploy/prometheus/alerts_test.yml"
 ALERTS = {"UndyingNoCheckpointCommit", "UndyingCheckpointSaveFailures", "UndyingLowGoodput", "UndyingRestartStorm",
-          "UndyingStraggler"}
+          "UndyingStraggler", "UndyingControlMessagesRejected", "UndyingControlMessagesMissing"}
 
 
 def _promtool(*args: str) -> str:
