@@ -49,16 +49,17 @@ TORN_PREFIX = "manifest.torn-"  # a withdrawn torn write of the committer's, nev
 class Catalog:
     """The checkpoints of one job under `<checkpoint.url>/<job name>`.
 
-    `owner`: the driver's lease on the root (ckpt.ownership), checked before every change this
-    catalog makes to storage (a commit, moving a manifest aside, a deletion), which raises
-    OwnershipLost once another claimed the root; None for readers and tools, which change nothing
-    or ask `live_owner` first."""
+    `owner`: the lease on the root (ckpt.ownership) of the driver, or of `undying ckpt gc`, checked
+    before each change this catalog makes to storage (a commit, moving a manifest aside, a GC or
+    retention pass), which raises OwnershipLost once another claimed the root; None for readers,
+    which change nothing, and for `gc --force`."""
 
     def __init__(self, storage: Storage, owner: OwnerLease | None = None):
         self.storage = storage
         self.owner = owner
 
     def fence(self) -> None:
+        """Raise OwnershipLost unless this catalog's holder still owns the root (a no-op without one)."""
         if self.owner is not None:
             self.owner.check()
 

@@ -16,7 +16,7 @@ retention or GC pass, a quarantine); the controller, and the parameter-server su
 `lease.lost` at each poll (a reason once a newer claim was seen: the job ends); the driver calls
 `lease.release()` when the job ends, however it ends. The lease has its own Storage: faults
 injected into the catalog's never reach it. `undying ckpt gc` holds a lease while it deletes;
-`undying chaos --fresh` asks `live_owner` first.
+`undying chaos --fresh` asks `owner_claims.live_owner` first.
 
 Claiming judges the newest claim (owner_claims.standing): none, released (its beat says ended),
 its process certainly gone (same host: ckpt.process_identity), or its last beat older than ten
