@@ -8,7 +8,7 @@ Written by ckpt.ownership.OwnerLease (the only writer); read by it, by `undying 
 
 A beat that does not parse (a write torn by a crash or a faulty store) reads as no beat: the
 holder's next beat replaces it, and a claimant then watches for one. A claim that does not parse
-raises: nobody can tell who owns the root, and a person must look.
+raises UnreadableClaim: nobody can tell who owns the root, and a person must look.
 """
 
 from __future__ import annotations
@@ -22,8 +22,18 @@ from ckpt import process_identity
 from ckpt.storage import Storage
 
 OWNER_DIR = "owner"
+BEATS_PER_LEASE = 6  # the holder beats every lease / 6
 STALE_LEASES = 10  # a beat this many leases old by the wall clock is a dead holder's, without watching
 STALE_FLOOR_S = 600.0  # ... and at least this old, so that hosts' clocks may differ by minutes
+
+
+class UnreadableClaim(ValueError):
+    """A claim file that does not parse as a claim: who holds the root is unknown."""
+
+
+def watch_s(lease_s: float) -> float:
+    """How long a claimant watches a holder's beat before it takes it for dead: a lease and one beat."""
+    return lease_s * (1 + 1 / BEATS_PER_LEASE)
 
 
 @dataclass
@@ -66,7 +76,13 @@ def epochs(storage: Storage) -> list[int]:
 
 
 def read_claim(storage: Storage, epoch: int, with_beat: bool = True) -> Claim:
-    record = json.loads(storage.read(storage.path(OWNER_DIR, file_name("claim", epoch))))
+    path = storage.path(OWNER_DIR, file_name("claim", epoch))
+    try:
+        record = json.loads(storage.read(path))
+    except ValueError as err:
+        raise UnreadableClaim(f"{path} does not parse ({err})") from None
+    if not isinstance(record, dict):
+        raise UnreadableClaim(f"{path} holds a {type(record).__name__}, not a claim")
     return Claim(epoch, record, read_beat(storage, epoch) if with_beat else None)
 
 

@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 from ckpt import process_identity
 from ckpt.owner_claims import (
+    BEATS_PER_LEASE,
     OWNER_DIR,
     Claim,
     epochs,
@@ -53,12 +54,12 @@ from ckpt.owner_claims import (
     read_claim,
     standing,
     taken_because,
+    watch_s,
 )
 from ckpt.storage import AlreadyCommitted, Storage
 
 log = logging.getLogger(__name__)
 
-BEATS_PER_LEASE = 6
 KEEP_CLAIMS = 8  # older claims are deleted at release: the recent owners stay as a record
 
 
@@ -85,7 +86,7 @@ class OwnerLease:
     def claim(cls, storage: Storage, holder: str, lease_s: float,
               say: Callable[[str], None] = lambda line: None) -> OwnerLease:
         """Own `storage`'s root (module doc), or raise OwnerAlive; `say` hears why a claim waits.
-        Storage errors and a claim file that does not parse are raised as they come."""
+        Storage errors and UnreadableClaim (a claim file that does not parse) are raised as they come."""
         for _ in range(5):  # each turn loses a race to another claimant, or watches a holder that vanished
             newest = newest_claim(storage)
             reason = "no owner" if newest is None else _reason_to_take(storage, newest, say)
@@ -174,7 +175,7 @@ def _reason_to_take(storage: Storage, newest: Claim, say: Callable[[str], None])
     state = standing(newest, time.time())
     if state == "running":
         say(f"the checkpoint root is held by {newest.describe()}; watching its heartbeat for up to "
-            f"{newest.lease_s * (1 + 1 / BEATS_PER_LEASE):.0f} s to tell whether it still runs")
+            f"{watch_s(newest.lease_s):.0f} s to tell whether it still runs")
         try:
             state = _watch(storage, newest)
         except FileNotFoundError:
@@ -185,7 +186,7 @@ def _reason_to_take(storage: Storage, newest: Claim, say: Callable[[str], None])
 def _watch(storage: Storage, claim: Claim) -> str:
     """Watch `claim`'s beat for one of its leases and one beat interval: "released" or "silent", or OwnerAlive."""
     first = (claim.beat or {}).get("beat")
-    deadline = time.monotonic() + claim.lease_s * (1 + 1 / BEATS_PER_LEASE)
+    deadline = time.monotonic() + watch_s(claim.lease_s)
     while time.monotonic() < deadline:
         time.sleep(claim.lease_s / BEATS_PER_LEASE / 2)
         storage.read(storage.path(OWNER_DIR, file_name("claim", claim.epoch)))  # FileNotFoundError: it vanished

@@ -14,8 +14,8 @@ shows every argument).
     export   the `model/...` tensors of one checkpoint: a safetensors file, prefix removed
              (--format safetensors), or a Hugging Face model directory (--format hf)
     gc       keep the newest --keep committed checkpoints (never the newest one) and delete
-             unfinished saves older than the newest commit; refused while a job seems to be
-             writing to the folder (its goodput snapshot under 30 s old), unless --force
+             unfinished saves older than the newest commit, holding the folder's owner lease
+             (ckpt.ownership): refused while a job holds it, unless --force
 
 `ls` and `verify` take `--json`: one JSON object on stdout, failures included
 (orchestrator.cli.ckpt_listing gives the shapes).
@@ -82,7 +82,7 @@ def add_ckpt_parser(sub) -> None:
     parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
     parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     parsers["gc"].add_argument("--force", action="store_true",
-                               help="collect even while a job seems to be writing to the folder")
+                               help="delete without the folder's owner lease, even while a job holds it")
 
 
 def ckpt_main(args: argparse.Namespace) -> int:
@@ -221,6 +221,7 @@ def _hold(catalog: Catalog):
     A job that holds it is refused (one that resumed behind its newest commit writes its saves below
     it, where gc would take them for unfinished ones), after watching its heartbeat when its holder
     is not known to have stopped; --force deletes without the lease."""
+    from ckpt.owner_claims import UnreadableClaim
     from ckpt.ownership import OwnerAlive, OwnerLease
 
     try:
@@ -229,7 +230,7 @@ def _hold(catalog: Catalog):
     except OwnerAlive as err:
         raise UsageError(f"{err}; its saves in flight would look unfinished to gc: run gc once it has stopped, "
                          "or pass --force") from None
-    except (ValueError, KeyError) as err:  # a claim file that does not parse: who holds the folder is unknown
+    except UnreadableClaim as err:  # who holds the folder is unknown
         raise UsageError(f"{catalog.storage.root}/owner: {error_reason(err)}; a person must look (no job may run "
                          "there while one is moved aside), or pass --force") from None
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpt.catalog import Catalog
 from ckpt.errors import TransientStorageError
-from ckpt.owner_claims import owner_status
+from ckpt.owner_claims import UnreadableClaim, owner_status, watch_s
 from ckpt.storage_errors import ReadRetry
 from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
@@ -65,7 +65,7 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
 def _owner(catalog: Catalog) -> dict | None:
     try:
         return owner_status(catalog.storage)
-    except (ValueError, KeyError) as err:  # a claim that does not parse: say so, list the rest
+    except UnreadableClaim as err:  # say so, list the rest
         return {"error": f"the owner folder does not parse ({error_reason(err)})"}
 
 
@@ -104,7 +104,7 @@ def _owner_line(owner: dict) -> str:
     age = owner["last_beat_age_s"]
     beat = f"last heartbeat {human_age(age)} ago"
     label = "owner" if owner["standing"] == "running" else "last owner"
-    if owner["standing"] == "running" and age > owner["lease_s"] * 7 / 6:  # a run would take it over now
+    if owner["standing"] == "running" and age > watch_s(owner["lease_s"]):  # a run would take it over now
         return f"{label}: {who}, silent for longer than its {owner['lease_s']:.0f} s lease: probably stopped ({beat})"
     return f"{label}: {who}, {_STANDING[owner['standing']]} ({beat})"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from ckpt.owner_claims import UnreadableClaim
 from ckpt.ownership import OwnerAlive, OwnerLease
 from ckpt.storage import Storage
 from orchestrator.cli.ckpt_catalog import error_reason, is_storage_error
@@ -26,7 +27,7 @@ def claim_root(spec) -> OwnerLease | None:
     except KeyboardInterrupt:
         print("undying: interrupted while claiming the checkpoint root; nothing was started", file=sys.stderr)
     except Exception as err:  # the store, or an owner folder a person must look at
-        if not (is_storage_error(err) or isinstance(err, (ValueError, KeyError))):
+        if not (is_storage_error(err) or isinstance(err, UnreadableClaim)):
             raise
         print(f"undying: the job cannot start: could not claim {storage.root}/owner ({error_reason(err)}); check "
               "the store, or, if a file there does not parse, move it aside after making sure no job runs",

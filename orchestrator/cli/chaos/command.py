@@ -309,7 +309,7 @@ CHAOS_MARKER = "chaos-experiment.json"
 def prepare_root(spec, fresh: bool) -> None:
     """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh
     when an earlier experiment made it (CHAOS_MARKER); then mark it as this experiment's."""
-    from ckpt.owner_claims import live_owner
+    from ckpt.owner_claims import UnreadableClaim, live_owner
     from orchestrator.cli.chaos import experiment
     from orchestrator.controller.kill import MARKER_DIR
 
@@ -329,8 +329,8 @@ def prepare_root(spec, fresh: bool) -> None:
                                      "should go")])
         try:
             owner = live_owner(storage)
-        except (ValueError, KeyError) as err:  # a claim that does not parse: who holds it is unknown
-            owner = f"unknown, since {storage.path('owner')} does not parse ({err})"
+        except UnreadableClaim as err:  # who holds it is unknown
+            owner = f"unknown, since {err}"
         if owner is not None:
             raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} belongs to a running job: {owner}; "
                                      "--fresh deletes nothing while it runs: stop it, or choose another name with "
