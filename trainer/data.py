@@ -26,6 +26,7 @@ served (`consumed`, a trainer.batch.SampleDigest) and times each call's wait (`l
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable
 
 import fsspec
@@ -88,6 +89,7 @@ class DataCursor(ReadAheadCursor):
                     f"{BYTE_VOCAB}, got {vocab_size}"
                 )
             self._text = read_text_bytes(cfg.path)
+            self._text_crc = zlib.crc32(memoryview(self._text.numpy()))
             if len(self._text) < cfg.seq_len + 1:
                 raise ValueError(
                     f"data.path={cfg.path!r} has {len(self._text)} bytes, fewer than "
@@ -102,6 +104,13 @@ class DataCursor(ReadAheadCursor):
             self._mul = int(torch.randint(0, vocab_size // 2, (1,), generator=rule)) * 2 + 1
             self._add = int(torch.randint(1, vocab_size, (1,), generator=rule))
             self._powers = _affine_powers(self._mul, self._add, vocab_size, cfg.seq_len + 1)
+
+    def identity(self) -> dict:
+        """What decides the tokens of each (step, index) besides data.seed: a checkpoint carries it,
+        and a restore under another is refused (trainer.engine_state)."""
+        if self._text is not None:
+            return {"source": "text", "seq_len": self.cfg.seq_len, "bytes": len(self._text), "crc32": self._text_crc}
+        return {"source": "synthetic", "seq_len": self.cfg.seq_len, "min_len_fraction": self.cfg.min_len_fraction}
 
     def sample(self, step: int, index: int) -> torch.Tensor:
         """Sample `index` of global step `step`: a 1-D int64 tensor of at most seq_len + 1 tokens."""

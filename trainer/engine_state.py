@@ -20,6 +20,8 @@ degrees (and into pp = 1) unchanged.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from trainer.dtensor_slices import fresh_field, local, optimizer_fields
@@ -198,6 +200,7 @@ class EngineState:
             "train_seed": tc.seed,
             "global_batch": tc.global_batch,
             "optimizer": tc.optimizer,
+            "data": self.data.identity(),  # which tokens each step's samples are (with data_seed)
             # The schedule is a pure function of the step; its next value is informational.
             "lr": lr_at(self.next_step, tc),
             "scaler": None if self.scaler is None else self.scaler.state(),
@@ -216,6 +219,14 @@ class EngineState:
                     f"checkpoint has {key}={meta.get(key)!r} but this run has {value!r}: "
                     "resuming would change the training trajectory"
                 )
+        saved, here = meta.get("data"), self.data.identity()  # absent from checkpoints of older releases
+        if saved is not None and saved != here:
+            raise ValueError(
+                f"checkpoint was trained on data {json.dumps(saved)} but this run's data section gives "
+                f"{json.dumps(here)}: resuming would repeat some samples and skip others; resume with the "
+                "checkpoint's data section (source, path or mixture and its weights, seq_len, the same prepared "
+                "datasets), or start the new data under another job name"
+            )
         if int(meta.get("next_step", -1)) < 0:
             raise ValueError(f"checkpoint next_step={meta.get('next_step')!r} is not a step number")
 

@@ -17,6 +17,7 @@ exactly-once check.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -49,6 +50,13 @@ class TokenCursor(ReadAheadCursor):
     def vocab_size(self) -> int:
         return max(ds.vocab_size for ds in self.datasets)
 
+    def identity(self) -> dict:
+        """What decides the window of each (step, index) besides data.seed: the window length and each
+        dataset's weight and content (its shards' hashes, not its URL: a copied dataset is the same)."""
+        parts = [{"weight": w, "tokens": ds.manifest.n_tokens, "shards": _content_hash(ds)}
+                 for ds, w in zip(self.datasets, self.weights, strict=True)]
+        return {"source": "tokens", "seq_len": self.seq_len, "datasets": parts}
+
     def schedule(self, global_batch: int) -> WindowSchedule:
         sched = self._schedules.get(global_batch)
         if sched is None:
@@ -78,3 +86,8 @@ class TokenCursor(ReadAheadCursor):
         ids = self.windows(step, global_batch, dp_rank, dp_size)
         samples = [self._read(s, w) for s, w in ids]
         return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
+
+
+def _content_hash(ds: TokenDataset) -> str:
+    """A short hash of a prepared dataset's token shards' SHA-256s, in order."""
+    return hashlib.sha256("".join(s.tokens_sha256 for s in ds.manifest.shards).encode()).hexdigest()[:16]
