@@ -6,7 +6,8 @@ reads, and a cold disk or a store gives its bandwidth only to many requests in f
 ranges are fetched by a pool of threads (`Storage` is safe to share), long ranges in pieces,
 each straight into the tensor the reader then views. Every needed block is verified against
 the manifest before any byte of it is used; a missing file, a short read or a checksum
-mismatch raises `CorruptCheckpoint`. A read the store fails transiently (a timeout, a reset
+mismatch raises `CorruptCheckpoint` (a block that mismatches is read once more first: one
+damaged read proves nothing about the stored bytes). A read the store fails transiently (a timeout, a reset
 connection, a 5xx, throttling: ckpt.storage_errors.classify) is retried with backoff until the
 failures took the `retry` budget, shared by all pieces, and then raises
 `TransientStorageError`, which proves nothing about the bytes; other storage errors
@@ -104,6 +105,32 @@ class _Range:
                 self.buffer = torch.empty(read.end - read.start, dtype=torch.uint8)
             buffer = self.buffer
         view = memoryview(buffer.numpy())
+        self._read_into(view, lo, hi)
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        # The last piece is in: check every block of the range. crc32 releases the GIL on large
+        # buffers, so other threads go on reading meanwhile.
+        for block in read.blocks:
+            if block.crc32 is None:
+                continue
+            lo, hi = block.start - read.start, block.end - read.start
+            if crc32(view[lo:hi]) == block.crc32:
+                continue
+            # One bad read proves nothing about the stored bytes (a proxy, a NIC, a ranged GET has
+            # no end-to-end checksum): the block is read again, and only a second mismatch is proof.
+            self._read_into(view, lo, hi)
+            if crc32(view[lo:hi]) != block.crc32:
+                raise CorruptCheckpoint(f"{self.where}: checksum mismatch in {read.file}, "
+                                        f"block at bytes {block.start}..{block.end} (read twice)")
+        if not keep:
+            self.buffer = None
+
+    def _read_into(self, view: memoryview, lo: int, hi: int) -> None:
+        """Bytes lo..hi of the range into `view[lo:hi]`, one request (retried when the store fails
+        transiently); a missing or short file is CorruptCheckpoint."""
+        read = self.read
         path = self.storage.path(step_dir(self.step), read.file) if self.step is not None \
             else self.storage.path(read.file)
         what = f"{self.where}: bytes {read.start + lo}..{read.start + hi} of {read.file}"
@@ -119,17 +146,3 @@ class _Range:
         if got != hi - lo:
             raise CorruptCheckpoint(f"{self.where}: {read.file} is truncated: got {got} of the "
                                     f"{hi - lo} bytes at {read.start + lo}")
-        with self._lock:
-            self._left -= 1
-            if self._left:
-                return
-        # The last piece is in: check every block of the range. crc32 releases the GIL on large
-        # buffers, so other threads go on reading meanwhile.
-        for block in read.blocks:
-            if block.crc32 is None:
-                continue
-            if crc32(view[block.start - read.start:block.end - read.start]) != block.crc32:
-                raise CorruptCheckpoint(f"{self.where}: checksum mismatch in {read.file}, "
-                                        f"block at bytes {block.start}..{block.end}")
-        if not keep:
-            self.buffer = None
