@@ -8,7 +8,9 @@ unfinished save, invisible to readers and removed by `collect_garbage`.
 
 Retention and garbage collection (`plan_gc`, then `apply_gc`; `apply_retention` and
 `collect_garbage` are its two halves) keep the newest K committed checkpoints, never the
-newest committed one, and delete unfinished saves older than the newest commit. A
+newest committed one, and delete unfinished saves older than the newest commit. The
+committer's retention counts only steps up to the job's own newest commit: steps above it
+belong to a history the job left at its restore and are kept as they are. A
 checkpoint is deleted manifest first, so an interrupted deletion leaves an uncommitted
 directory (garbage for the next run), never a manifest that names missing shards. On S3 an
 unfinished save also counts when all it left is multipart uploads pending (a writer killed
@@ -50,16 +52,18 @@ class Catalog:
     """The checkpoints of one job under `<checkpoint.url>/<job name>`.
 
     `owner`: the lease on the root (ckpt.ownership) of the driver, or of `undying ckpt gc`, checked
-    before each change this catalog makes to storage (a commit, moving a manifest aside, a GC or
-    retention pass), which raises OwnershipLost once another claimed the root; None for readers,
-    which change nothing, and for `gc --force`."""
+    before each change this catalog makes to storage (a commit, moving a manifest aside, each step
+    a GC or retention pass deletes), which raises OwnershipLost once another claimed the root and
+    OwnershipUncertain while the holder's beats do not land; None for readers, which change
+    nothing, and for `gc --force`."""
 
     def __init__(self, storage: Storage, owner: OwnerLease | None = None):
         self.storage = storage
         self.owner = owner
 
     def fence(self) -> None:
-        """Raise OwnershipLost unless this catalog's holder still owns the root (a no-op without one)."""
+        """Raise OwnershipLost unless this catalog's holder still owns the root, OwnershipUncertain while
+        its beats have not landed for a lease (ckpt.ownership.OwnerLease.check); a no-op without one."""
         if self.owner is not None:
             self.owner.check()
 
@@ -178,22 +182,30 @@ class Catalog:
                                               self.storage.listdir(self.storage.path(step_dir(s))))]
 
     def apply_gc(self, plan: GcPlan) -> None:
-        """Delete what `plan` names: expired checkpoints first, then orphaned directories."""
-        if plan.expired or plan.orphans:
-            self.fence()
+        """Delete what `plan` names: expired checkpoints first, then orphaned directories. The lease
+        is checked before each step's deletion, not once for the pass: a long pass on an object
+        store must not go on for a holder replaced while it ran."""
         for step in plan.expired:
+            self.fence()
             # Manifest first: from that moment the checkpoint no longer exists for readers,
             # so a crash in the middle leaves only garbage, never a half-deleted checkpoint.
             self.storage.remove(self.manifest_path(step))
             self.storage.remove_tree(self.storage.path(step_dir(step)))
         for step in plan.orphans:
+            self.fence()
             self.storage.remove_tree(self.storage.path(step_dir(step)))
         if plan.expired or plan.orphans:
             log.info("checkpoint gc deleted committed steps %s and unfinished saves %s", plan.expired, plan.orphans)
 
-    def apply_retention(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed checkpoints; return the deleted steps."""
-        committed = self.committed_steps()
+    def apply_retention(self, keep: int, newest: int | None = None, left_behind: Iterable[int] = ()) -> list[int]:
+        """Delete all but the newest `keep` committed checkpoints; return the deleted steps.
+
+        `newest`: the running job's newest commit; `left_behind`: committed steps it skipped at its
+        restore (unreadable then, not proven bad). Both those and the steps above `newest` are left
+        out, kept and not counted: they belong to the history the job left, and counted as the
+        newest `keep` they would have retention delete the job's own commits."""
+        left = set(left_behind)
+        committed = [s for s in self.committed_steps() if (newest is None or s <= newest) and s not in left]
         plan = GcPlan(expired=plan_gc(committed, committed, keep).expired, orphans=[])
         self.apply_gc(plan)
         return plan.expired

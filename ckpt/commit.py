@@ -31,16 +31,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import Manifest, ShardReceipt
 from ckpt.reader import read_manifest
+from ckpt.storage import AlreadyCommitted
 from ckpt.storage_errors import ReadRetry, is_transient
 
 log = logging.getLogger(__name__)
+
+
+def storage_failure(err: BaseException) -> bool:
+    """Whether `err` is a store's failure, not a bug: OSError and ValueError (fsspec's, s3fs's
+    translations), and the HTTP stack's own connection errors (botocore's, aiohttp's), which are
+    not OSErrors (ckpt.storage_errors.is_transient)."""
+    return isinstance(err, (OSError, ValueError)) or is_transient(err)
 
 
 @dataclass
@@ -77,12 +85,20 @@ class Committer:
         self.latest: int | None = None
         self.rejected: dict[int, str] = {}  # step -> why its shards could not be committed
         self.abandoned: set[int] = set()  # steps of this generation a rank failed to write
+        # Committed steps this run skipped at its restores (unreadable then, not proven bad): retention
+        # neither counts nor deletes them, and a save reaching one of their step numbers finds it
+        # committed by the history the job left; that step is kept as it is, the save skipped, not failed.
+        self.left_behind: set[int] = set()
+        self.on_skipped: Callable[[int, str], None] = lambda step, reason: log.warning(
+            "checkpoint step %d not committed: %s", step, reason)
 
-    def reset(self, latest: int | None) -> None:
-        """Start of a generation: nothing is pending; `latest` is the restore point."""
+    def reset(self, latest: int | None, left_behind: Iterable[int] = ()) -> None:
+        """Start of a generation: nothing is pending; `latest` is the restore point; `left_behind`:
+        the committed steps this run's restores skipped."""
         self.pending.clear()
         self.abandoned.clear()  # a new generation may save those steps again
         self.latest = latest
+        self.left_behind = set(left_behind)
 
     def abandon(self, step: int, reason: str) -> None:
         """A rank could not write its shard of `step`: the save cannot commit; drop it now,
@@ -124,7 +140,8 @@ class Committer:
             return None
 
     def _create(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Manifest | None:
-        """Create the manifest, retrying once (see module doc); None when both attempts failed."""
+        """Create the manifest, retrying once (see module doc); None when both attempts failed, or
+        when the step is one of `left_behind` (skipped, not failed)."""
         errors = []
         for _ in range(2):
             try:
@@ -135,7 +152,13 @@ class Committer:
                 )
             except IncompleteCheckpoint:
                 raise
-            except (OSError, ValueError, CorruptCheckpoint) as err:  # storage errors; a torn manifest read back
+            except Exception as err:  # storage errors (the HTTP stack's own among them); a torn manifest read back
+                if isinstance(err, AlreadyCommitted) and save.step in self.left_behind:
+                    self.on_skipped(save.step, f"step {save.step} is committed already, by the history this run "
+                                               "left when its restore skipped that step; it is kept as it is")
+                    return None
+                if not isinstance(err, CorruptCheckpoint) and not storage_failure(err):
+                    raise
                 errors.append(f"{type(err).__name__}: {err}")
                 log.warning("checkpoint step %d: manifest commit failed (%s)", save.step, errors[-1])
                 self._withdraw_torn(save.step)
@@ -160,7 +183,9 @@ class Committer:
             except (OSError, ValueError) as again:
                 log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "
                           "will report and skip it", step, again)
-        except (OSError, ValueError, UnsupportedManifest) as err:
+        except Exception as err:
+            if not isinstance(err, UnsupportedManifest) and not storage_failure(err):
+                raise
             log.warning("checkpoint step %d: could not check the manifest after a failed commit (%s)", step, err)
 
     def _commit(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Commit | None:
@@ -175,14 +200,15 @@ class Committer:
         committed_at = time.time()
         blocking = max(r.blocking_s for r in receipts)
         self.latest = save.step
+        self.left_behind.discard(save.step)  # a quarantined step saved and committed again is this run's own
         for step in [s for s in self.pending if s < save.step]:
             log.info("dropping incomplete save of step %d, overtaken by step %d", step, save.step)
             del self.pending[step]
         try:
-            self.catalog.apply_retention(self.keep)
+            self.catalog.apply_retention(self.keep, newest=self.latest, left_behind=self.left_behind)
             self.catalog.collect_garbage(in_flight=set(self.pending), before=self.latest)
-        except Exception as err:  # storage errors, the HTTP stack's own connection errors among them
-            if not isinstance(err, (OSError, ValueError)) and not is_transient(err):
+        except Exception as err:
+            if not storage_failure(err):
                 raise
             log.warning("checkpoint retention after step %d failed (%s: %s); it runs again at the next commit",
                         save.step, type(err).__name__, err)

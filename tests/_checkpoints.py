@@ -8,7 +8,8 @@ import torch
 
 from ckpt.catalog import Catalog
 from ckpt.manifest import step_dir
-from ckpt.shards import owned_by, write_shard
+from ckpt.shards import owned_by, write_shard, write_slices
+from trainer.state_slices import whole
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -33,6 +34,25 @@ def save_checkpoint(catalog: Catalog, step: int, state: dict[str, torch.Tensor],
         receipts.append(write_shard(catalog.storage, step, rank, mine, blocking_s=0.0))
     catalog.commit(job="j", step=step, generation=0, layout={"dp": world, "tp": 1, "pp": 1, "zero": 0},
                    spec_hash="h", receipts=receipts, state={"engine": {"next_step": step}})
+
+
+def shard_receipts(catalog: Catalog, step: int, state: dict[str, torch.Tensor], world: int = 2, tag: str = "") -> list:
+    """Every rank's shard of `state` written for `step` (each tensor by one rank), and their
+    receipts; `tag` names the files as a save attempt's own (ranks name theirs with the run and
+    generation, so a save never overwrites a committed step's files)."""
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    return [write_slices(catalog.storage, step, rank, [whole(n, state[n]) for n in owned_by(rank, world, sizes)],
+                         0.0, tag=tag) for rank in range(world)]
+
+
+def feed(committer, receipts: list):
+    """Hand `receipts` to `committer` as the controller does (rank 0's with the engine state); the
+    Commit the last one completed, or None."""
+    out = None
+    for r in receipts:
+        extra = {"engine": {"next_step": r.step}} if r.rank == 0 else {}
+        out = committer.on_receipt(r, extra, len(receipts), 1, {}, lambda samples: {}) or out
+    return out
 
 
 def shard_path(catalog: Catalog, step: int, file: str) -> str:

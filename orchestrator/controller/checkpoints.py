@@ -90,6 +90,7 @@ class Checkpoints:
         self.interval_policy = CheckpointIntervalPolicy(spec.checkpoint)
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
                                    on_dropped=self._on_dropped, fault_point=chaos.at_point)
+        self.committer.on_skipped = self._on_skipped
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
         self.plan_version = 0
@@ -171,8 +172,8 @@ class Checkpoints:
         if self.committer.pending:  # saves the end of the last generation interrupted: skipped, not failed
             self.metrics.on_checkpoint_skipped(len(self.committer.pending))
         # From memory, the newest durable step stays what storage holds (retention, the report's final step).
-        self.committer.reset(self.committer.latest if source is not None else anchor)
-        self.memory.begin(gen, anchor)
+        self.committer.reset(self.committer.latest if source is not None else anchor, left_behind=self.restore.bad)
+        self.memory.begin(gen, anchor, from_memory=source is not None)
         self.background.on_restored(anchor)
         self.stop_at = None
         if source is not None and self.plan_version:
@@ -279,6 +280,12 @@ class Checkpoints:
 
     def on_save_failed(self, message: SaveFailed) -> None:
         self.committer.abandon(message.step, f"rank {message.rank} failed to write its shard ({message.error})")
+
+    def _on_skipped(self, step: int, reason: str) -> None:
+        """A save that could not commit through no failure (its step is kept from the history the
+        restore left): not counted against checkpoint.max_failed_saves."""
+        self.metrics.on_checkpoint_skipped(1)
+        self.log(f"checkpoint step {step} is not committed: {reason}; the next save commits")
 
     def _on_dropped(self, step: int, reason: str) -> None:
         self.metrics.on_checkpoint_failed()

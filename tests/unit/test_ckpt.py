@@ -21,6 +21,7 @@ from ckpt.reader import CorruptCheckpoint, load_checkpoint, newest_loadable, rea
 from ckpt.shards import _ChunkBytes, owned_by, slices_to_write, write_shard, write_slices
 from ckpt.storage import AlreadyCommitted, Storage
 from ckpt.writer import WRITER_NICE, ShardWriter
+from tests._checkpoints import feed, shard_receipts
 from trainer.state_slices import TensorSlice, assemble, whole
 
 
@@ -35,15 +36,8 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _shard_receipts(catalog: Catalog, step: int, state: dict, world: int = 2) -> list:
-    """Every rank's shard of `state` written for `step` (each tensor by one rank), and their receipts."""
-    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    return [write_shard(catalog.storage, step, rank, {n: state[n] for n in owned_by(rank, world, sizes)},
-                        blocking_s=0.0) for rank in range(world)]
-
-
 def _save(catalog: Catalog, step: int, state: dict, world: int = 3) -> None:
-    receipts = _shard_receipts(catalog, step, state, world)
+    receipts = shard_receipts(catalog, step, state, world)
     catalog.commit(job="j", step=step, generation=0, layout={"dp": world}, spec_hash="h",
                    receipts=receipts, state={"engine": {"next_step": step}})
 
@@ -513,14 +507,6 @@ def test_committer_drops_an_incomplete_save_loudly(catalog, caplog):
     assert committer.latest is None and not committer.pending and catalog.committed_steps() == []
 
 
-def _feed(committer: Committer, receipts: list):
-    out = None
-    for r in receipts:
-        extra = {"engine": {"next_step": r.step}} if r.rank == 0 else {}
-        out = committer.on_receipt(r, extra, len(receipts), 1, {}, lambda samples: {}) or out
-    return out
-
-
 def test_a_job_resumed_behind_the_newest_commit_keeps_its_saves_in_progress(catalog):
     # Step 30 is committed but this run skipped it (a rank could not read it) and resumed from 10.
     # Its save of 20 commits while its save of 25 is still being written (no receipt yet): 25 is
@@ -529,25 +515,25 @@ def test_a_job_resumed_behind_the_newest_commit_keeps_its_saves_in_progress(cata
         _save(catalog, step, _state(step))
     committer = Committer(catalog, "j", "h", keep=3)
     committer.reset(10)
-    twenty = _shard_receipts(catalog, 20, _state(20))
-    in_progress = _shard_receipts(catalog, 25, _state(25))
-    assert _feed(committer, twenty).step == 20
+    twenty = shard_receipts(catalog, 20, _state(20))
+    in_progress = shard_receipts(catalog, 25, _state(25))
+    assert feed(committer, twenty).step == 20
     assert catalog.all_steps() == [10, 20, 25, 30] and catalog.committed_steps() == [10, 20, 30]
-    assert _feed(committer, in_progress).step == 25
+    assert feed(committer, in_progress).step == 25
     load_checkpoint(catalog, 25)
     # Once the run commits past the stale save, that one is garbage like any other.
     write_shard(catalog.storage, 27, 0, _state(27), blocking_s=0.0)
     committer.reset(30)
-    assert _feed(committer, _shard_receipts(catalog, 40, _state(40))).step == 40
+    assert feed(committer, shard_receipts(catalog, 40, _state(40))).step == 40
     assert 27 not in catalog.all_steps()
 
 
 def test_a_manifest_is_never_committed_over_a_missing_shard_file(catalog, caplog):
-    receipts = _shard_receipts(catalog, 20, _state(20), world=3)
+    receipts = shard_receipts(catalog, 20, _state(20), world=3)
     os.remove(os.path.join(catalog.storage.root, step_dir(20), receipts[1].file))
     committer = Committer(catalog, "j", "h", keep=2)
     with caplog.at_level(logging.ERROR, logger="ckpt.commit"):
-        assert _feed(committer, receipts) is None
+        assert feed(committer, receipts) is None
     assert f"{receipts[1].file}" in committer.rejected[20] and "not in storage" in committer.rejected[20]
     assert catalog.committed_steps() == [] and "step 20 NOT committed" in caplog.text
 

@@ -1,0 +1,110 @@
+"""The committer against the history a restore left: a job that resumed from an older step than
+the newest committed one (it skipped that one: unreadable then, not proven bad) keeps its own
+commits through retention, leaves the skipped steps as they are, and skips (does not fail) a save
+that reaches one of their step numbers; a store's connection error that is no OSError fails a save,
+never the controller."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.commit import Committer
+from ckpt.reader import load_checkpoint
+from ckpt.storage import Storage
+from tests._checkpoints import feed, make_state, save_checkpoint, shard_receipts
+
+
+@pytest.fixture
+def catalog(tmp_path) -> Catalog:
+    return Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+
+
+def test_retention_counts_only_the_history_the_job_resumed(catalog):
+    # Steps 100 and 200 are committed; this run skipped 200 (a rank could not read it; not proven
+    # bad) and resumed from 100. Its commit of 150 must survive keep=1, and so must 200.
+    for step in (100, 200):
+        save_checkpoint(catalog, step, make_state(step))
+    committer = Committer(catalog, "j", "h", keep=1)
+    committer.reset(100, left_behind={200})
+    assert feed(committer, shard_receipts(catalog, 150, make_state(150), tag="r2g1")).step == 150
+    assert catalog.committed_steps() == [150, 200]
+    torch.testing.assert_close(load_checkpoint(catalog, 150)[0]["model/w"], make_state(150)["model/w"])
+
+
+def test_a_save_at_a_step_the_restore_left_behind_is_skipped_kept_and_not_failed(catalog):
+    for step in (10, 30):
+        save_checkpoint(catalog, step, make_state(step))
+    dropped, skipped = [], []
+    committer = Committer(catalog, "j", "h", keep=3, on_dropped=lambda s, why: dropped.append(s))
+    committer.on_skipped = lambda s, why: skipped.append((s, why))
+    committer.reset(10, left_behind={30})
+    assert feed(committer, shard_receipts(catalog, 30, make_state(99), tag="r2g1")) is None
+    assert dropped == [] and skipped[0][0] == 30 and "committed already" in skipped[0][1]
+    torch.testing.assert_close(load_checkpoint(catalog, 30)[0]["model/w"], make_state(30)["model/w"])  # kept as it was
+    assert feed(committer, shard_receipts(catalog, 40, make_state(40), tag="r2g1")).step == 40
+    # A collision at a step nobody skipped is a failed save, as before.
+    committer.reset(40)
+    assert feed(committer, shard_receipts(catalog, 50, make_state(50), tag="r2g2")).step == 50
+    committer.reset(10)
+    assert feed(committer, shard_receipts(catalog, 40, make_state(41), tag="r2g3")) is None and dropped == [40]
+
+
+def test_a_commit_meeting_a_connection_error_that_is_no_oserror_is_a_failed_save_not_a_crash(catalog, caplog):
+    botocore = pytest.importorskip("botocore.exceptions")
+    dropped = []
+    committer = Committer(catalog, "j", "h", keep=3, on_dropped=lambda s, why: dropped.append((s, why)))
+    real = catalog.storage.create_exclusive
+
+    def create_exclusive(path, data):
+        raise botocore.EndpointConnectionError(endpoint_url="http://s3:9000")
+
+    catalog.storage.create_exclusive = create_exclusive
+    assert feed(committer, shard_receipts(catalog, 20, make_state(20))) is None
+    assert dropped and dropped[0][0] == 20 and "EndpointConnectionError" in dropped[0][1]
+    catalog.storage.create_exclusive = real
+    assert feed(committer, shard_receipts(catalog, 30, make_state(30), tag="retry")).step == 30
+
+
+def test_a_skipped_step_the_job_has_passed_is_neither_counted_nor_deleted(catalog):
+    # Resumed at 300 past a skipped 500; with keep=2 the job's 400 and 600 are its two newest.
+    for step in (300, 500):
+        save_checkpoint(catalog, step, make_state(step))
+    committer = Committer(catalog, "j", "h", keep=2)
+    committer.reset(300, left_behind={500})
+    for step in (400, 600):
+        assert feed(committer, shard_receipts(catalog, step, make_state(step), tag="r2g1")).step == step
+    assert catalog.committed_steps() == [400, 500, 600]
+
+
+def test_the_controller_hands_the_steps_its_restore_skipped_to_the_committer(tmp_path):
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.checkpoints import Checkpoints
+    from orchestrator.controller.faults import ControllerFaults
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.spec.job_spec import validate_spec
+
+    spec = validate_spec({"name": "left", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": 300, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 50, "keep": 1}})
+    ledger, metrics, lines = GoodputLedger(), JobMetrics("left"), []
+    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    for step in (100, 200):
+        save_checkpoint(catalog, step, make_state(step))
+    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
+                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
+                              log=lines.append)
+    checkpoints.restore.bad[200] = "unreadable to rank 1 (not proven bad)"
+
+    class Plans:
+        def set_plan(self, data: dict) -> None:
+            pass
+
+    checkpoints.begin(Plans(), 1, 100)
+    assert checkpoints.committer.left_behind == {200}
+    assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
+    assert catalog.committed_steps() == [100, 200] and checkpoints.failed_saves == []
+    assert "checkpoint step 200 is not committed: step 200 is committed already" in lines[-1]
