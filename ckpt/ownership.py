@@ -35,6 +35,7 @@ in the store that the next check would see.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -61,6 +62,7 @@ from ckpt.storage import AlreadyCommitted, Storage
 log = logging.getLogger(__name__)
 
 KEEP_CLAIMS = 8  # older claims are deleted at release: the recent owners stay as a record
+RELEASE_WAIT_S = 5.0  # how long a release waits for a heartbeat in flight
 
 
 class OwnerAlive(RuntimeError):
@@ -71,6 +73,12 @@ class OwnershipLost(RuntimeError):
     """A newer claim took the root: this holder must change nothing more."""
 
 
+class OwnershipUncertain(OSError):
+    """This holder's beats have not reached the store for a lease: a claimant may be about to take the
+    root, so nothing is changed there until a beat lands. A store failure in effect (the save fails,
+    GC waits for the next commit), not a loss."""
+
+
 class OwnerLease:
     """This process's claim on a checkpoint root, kept alive by a heartbeat thread."""
 
@@ -79,6 +87,7 @@ class OwnerLease:
         self.lost: str | None = None
         self.token = uuid.uuid4().hex  # tells our claim from one of the same epoch made after a wipe
         self._beats = 0
+        self._beat_at = time.monotonic()  # when a beat last landed (monotonic: a paused process sees the gap)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="undying-owner-lease", daemon=True)
 
@@ -105,24 +114,36 @@ class OwnerLease:
                                           json.dumps(record).encode())
         except AlreadyCommitted:
             return False
-        self._beat()
+        try:
+            self._beat()
+        except BaseException:  # the store, or Ctrl-C: the caller gives up, so end the claim it made
+            with contextlib.suppress(Exception):  # (best effort) that the next claimant need not wait for it
+                self._beat(ended=True)
+            raise
         self._thread.start()
         log.info("owner of %s (epoch %d): %s", self.storage.root, self.epoch, reason)
         return True
 
     def check(self) -> None:
-        """Raise OwnershipLost unless this holder still owns the root (lists the claims now)."""
+        """Raise OwnershipLost unless this holder still owns the root (lists the claims now), and
+        OwnershipUncertain when its last beat landed over a lease ago: a claimant takes the root
+        after watching the beat stand still for `watch_s` (a lease and a beat), so this holder stops
+        changing anything a beat before that can happen (a store that refuses its beats, a pause)."""
         if self.lost is None:
             self._look_for_newer()
         if self.lost is not None:
             raise OwnershipLost(self.lost)
+        quiet = time.monotonic() - self._beat_at
+        if quiet > self.lease_s:
+            raise OwnershipUncertain(f"the owner heartbeat of {self.storage.root} has not landed for {quiet:.0f} s "
+                                     f"(lease {self.lease_s:g} s): nothing is changed there until one does")
 
     def release(self) -> None:
         """Stop the heartbeat and mark the claim ended, so the next claimant need not wait; prune old
-        claims. A heartbeat stuck in the store for a whole lease is left behind: the claim then expires."""
+        claims. A heartbeat stuck in the store for RELEASE_WAIT_S is left behind: the claim then expires."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.lease_s)
+        if self._thread.is_alive():  # not for a beat stuck in the store: a release must fit in a pod's grace
+            self._thread.join(timeout=min(self.lease_s, RELEASE_WAIT_S))
         if self.lost is not None or self._thread.is_alive():
             return
         try:
@@ -145,6 +166,7 @@ class OwnerLease:
         beat = {"beat": self._beats, "time": time.time(), "ended": ended}
         self.storage.write_immutable(self.storage.path(OWNER_DIR, file_name("beat", self.epoch)),
                                      json.dumps(beat).encode())
+        self._beat_at = time.monotonic()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.lease_s / BEATS_PER_LEASE):

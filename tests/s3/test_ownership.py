@@ -17,7 +17,7 @@ import pytest
 from ckpt import process_identity
 from ckpt.catalog import Catalog, GcPlan
 from ckpt.owner_claims import OWNER_DIR, STALE_FLOOR_S, epochs, live_owner, newest_claim
-from ckpt.ownership import KEEP_CLAIMS, OwnerAlive, OwnerLease, OwnershipLost
+from ckpt.ownership import KEEP_CLAIMS, OwnerAlive, OwnerLease, OwnershipLost, OwnershipUncertain
 from ckpt.storage import Storage
 from tests._checkpoints import make_state, save_checkpoint
 
@@ -152,6 +152,32 @@ def test_a_replaced_owner_changes_nothing_more(storage):
     assert not (newest_claim(storage).beat or {}).get("ended")
 
 
+def test_a_holder_whose_beats_do_not_land_for_a_lease_changes_nothing_until_one_does(storage, monkeypatch):
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    catalog = Catalog(storage, owner=lease)
+    save_checkpoint(catalog, 10, make_state())
+    save_checkpoint(catalog, 20, make_state())
+    real = storage.write_immutable
+
+    def refuses_beats(path, data):
+        if "/beat-" in str(path):
+            raise OSError(5, "the store refuses the owner's writes")
+        return real(path, data)
+
+    monkeypatch.setattr(storage, "write_immutable", refuses_beats)
+    time.sleep(LEASE_S * 1.3)  # a claimant watching would take the root at 7/6 of a lease
+    with pytest.raises(OwnershipUncertain, match="has not landed for"):
+        catalog.apply_gc(GcPlan(expired=[10], orphans=[]))
+    with pytest.raises(OwnershipUncertain):
+        save_checkpoint(catalog, 30, make_state())
+    assert catalog.committed_steps() == [10, 20] and lease.lost is None  # not lost: unsure
+    monkeypatch.setattr(storage, "write_immutable", real)
+    time.sleep(2 * LEASE_S / 6)  # the next beat lands
+    catalog.apply_gc(GcPlan(expired=[10], orphans=[]))
+    assert catalog.committed_steps() == [20]
+    lease.release()
+
+
 def test_the_heartbeat_finds_a_newer_claim_without_being_asked(storage):
     lease = OwnerLease.claim(storage, "old", LEASE_S)
     _foreign_claim(storage, lease.epoch + 1)
@@ -220,3 +246,22 @@ def test_an_owner_whose_claim_was_deleted_stops_changing_the_root(storage):
     with pytest.raises(OwnershipLost, match="lost its claim claim-0000000000.json"):
         other.check()
     other.release()
+
+
+def test_a_claim_interrupted_before_its_first_beat_is_ended_for_the_next_claimant(storage, monkeypatch):
+    real = OwnerLease._beat
+
+    def interrupted(self, ended: bool = False):
+        if not ended:
+            raise KeyboardInterrupt  # Ctrl-C while the first beat is on its way
+        real(self, ended=True)
+
+    monkeypatch.setattr(OwnerLease, "_beat", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        OwnerLease.claim(storage, "first", LEASE_S)
+    monkeypatch.setattr(OwnerLease, "_beat", real)
+    assert epochs(storage) == [0] and live_owner(storage) is None  # the claim stands, ended
+    started = time.monotonic()
+    second = OwnerLease.claim(storage, "second", LEASE_S)
+    assert time.monotonic() - started < LEASE_S / 2 and second.epoch == 1  # taken at once, not after a lease
+    second.release()
