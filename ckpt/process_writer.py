@@ -15,7 +15,8 @@ driven by one thread, which must also be the one that calls `flush`):
      buffer (the only work training waits for), calls `fault_hook("during_stage", step)`,
      sends the geometry to the child and returns the blocking seconds.
   2. The child runs `ckpt.shards.write_slices` on views of that buffer (the very function the
-     writer thread runs) and answers with the receipt. The parent's listener thread then calls
+     writer thread runs), tells the bytes the store took as it goes (`written_bytes`), and
+     answers with the receipt. The parent's listener thread then calls
      `on_receipt(receipt, extra)`, or `on_error(step, error)` when the write failed.
   3. `wait()` waits for the save in flight; `flush()` waits, then stops the child.
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import signal
@@ -172,10 +174,15 @@ def _serve(conn: Connection, parent_pid: int) -> None:
             staged = [piece.with_tensor(_view(buffer.tensor, offset, piece))
                       for piece, offset in zip(job["pieces"], job["offsets"], strict=True)]
             receipt = write_slices(storage, step, config["rank"], staged, job["blocking_s"], held=job["held"],
-                                   block_bytes=config["block_bytes"], tag=config["tag"])
+                                   block_bytes=config["block_bytes"], tag=config["tag"],
+                                   on_progress=functools.partial(_progress, send, step))
             send(("ok", receipt.model_dump_json(), step))
         except BaseException as err:  # reported to the parent, never lost with the child
             send(("error", f"{type(err).__name__}: {err}", step))
+
+
+def _progress(send: Callable[[tuple], None], step: int, nbytes: int) -> None:
+    send(("progress", nbytes, step))
 
 
 class _Child:
@@ -303,6 +310,9 @@ class ProcessShardWriter(OneSaveInFlight):
             if self.notify is not None:
                 self.notify(payload)
             return
+        if kind == "progress":
+            self._count(payload)
+            return
         if kind == "writing":
             if self.fault_hook is not None:
                 try:
@@ -343,7 +353,7 @@ class ProcessShardWriter(OneSaveInFlight):
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """`wait`, then stop the child and free the staging buffer (a later save starts a new child)."""
-        self._idle.wait()
+        self._wait_idle()
         with self._lock:
             child, listener = self._child, self._listener
             self._child = self._listener = None

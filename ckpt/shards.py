@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 import zlib
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -34,6 +34,9 @@ SPLIT_BYTES = 4 * BLOCK_BYTES  # replicated slices at least this large are writt
 # columns 2, 4 or 8 ways then read only their own tiles.
 COLUMN_TILES = 8
 MIN_TILE_BYTES = 64 << 10  # smaller tiles would turn a same-layout load into many small reads
+# A chunk is handed to the store in pieces of at most this many bytes, each reported to `on_progress`:
+# the controller tells a long save from a hang by these bytes moving (orchestrator.controller.telemetry).
+PROGRESS_BYTES = 64 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -185,13 +188,15 @@ class _ChunkBytes:
 def write_slices(
     storage: Storage, step: int, rank: int, written: Sequence[TensorSlice], blocking_s: float,
     held: Iterable[TensorSlice] = (), block_bytes: int = BLOCK_BYTES, tag: str = "",
-    min_tile_bytes: int = MIN_TILE_BYTES,
+    min_tile_bytes: int = MIN_TILE_BYTES, on_progress: Callable[[int], None] | None = None,
 ) -> ShardReceipt:
     """Write the `written` slices (with data) as this rank's immutable shard file for `step`.
 
     `held`: every slice the rank holds, written or not; their tensors are named in the
     receipt (without chunks) so the commit can check that somebody wrote them. Wide slices
     are stored as column tiles (`column_tiles`, at least `min_tile_bytes` each).
+    `on_progress(nbytes)` is called after each piece of data (at most PROGRESS_BYTES) the
+    store took, from the calling thread.
 
     Contiguous host chunks are written from their own memory; column tiles are gathered into
     one reused scratch buffer (`_ChunkBytes`).
@@ -217,12 +222,23 @@ def write_slices(
                 offsets=list(piece.offsets), lengths=list(piece.lengths), file=file, byte_offset=offset,
                 nbytes=len(data), block_bytes=block_bytes, block_crc32=block_crcs(data, block_bytes),
             ))
-            out.write(data)
+            _write_in_pieces(out, data, on_progress)
             offset += len(data)
     return ShardReceipt(
         step=step, rank=rank, file=file, nbytes=offset, tensors=entries,
         blocking_s=blocking_s, write_s=time.perf_counter() - started,
     )
+
+
+def _write_in_pieces(out, data, on_progress: Callable[[int], None] | None) -> None:
+    if on_progress is None:
+        out.write(data)
+        return
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), PROGRESS_BYTES):
+        piece = view[start:start + PROGRESS_BYTES]
+        out.write(piece)
+        on_progress(len(piece))
 
 
 def write_shard(

@@ -6,7 +6,7 @@ Protocol (one instance per rank, driven by the rank's training thread only):
      writes (each replicated slice by one replica, bytes spread evenly); the training loop
      is blocked only while those are copied to host memory (the "staging"); the shard is
      then written by a background thread. With `async_save` False nothing is staged: the
-     shard is written inline from the rank's own tensors while training waits.
+     thread writes the shard from the rank's own tensors while training waits for it.
   2. When the shard is durable, `on_receipt(receipt, extra)` is called (from the writer
      thread) so the rank can hand the receipt to the controller, which commits.
   3. `flush()` before the rank leaves, so a final save is never lost (`wait()` waits for the
@@ -56,27 +56,46 @@ def yield_cpu_to_training() -> None:
 
 
 class OneSaveInFlight:
-    """What every rank writer shares: at most one save in flight (docs/design.md invariant 6).
+    """What every rank writer shares: at most one save in flight (docs/design.md invariant 6),
+    and the signs of life of a save that the rank's caller is blocked on.
 
     `_take_turn(slices)` at the start of a save waits for the previous one (counted in `waited`)
     and splits `slices` into the geometry this rank holds and the slices it writes; the writer
     clears `_idle` when it hands a save over and sets it when that save is done.
+
+    `written_bytes` counts the shard bytes the store has taken, over every save (whichever
+    thread or process writes them). `on_wait`, when set, is called on the caller's thread about
+    every `wait_tick_s` while that thread is blocked on a save: waiting for the one in flight
+    (`_take_turn`, `wait`, `flush`, and a synchronous save's own write). The rank uses it to
+    keep beating with these bytes, so that the controller tells a long save from a hang.
     """
+
+    wait_tick_s = 1.0
 
     def __init__(self) -> None:
         self.waited = 0
+        self.written_bytes = 0
+        self.on_wait: Callable[[], None] | None = None
         self._idle = threading.Event()  # set while no save is being written
         self._idle.set()
+
+    def _count(self, nbytes: int) -> None:
+        """`nbytes` more taken by the store (from the thread or process that writes)."""
+        self.written_bytes += nbytes
+
+    def _wait_idle(self) -> None:
+        while not self._idle.wait(self.wait_tick_s if self.on_wait is not None else None):
+            self.on_wait()
 
     def _take_turn(self, slices: Sequence[TensorSlice]) -> tuple[list[TensorSlice], list[TensorSlice]]:
         if not self._idle.is_set():
             self.waited += 1
-            self._idle.wait()
+            self._wait_idle()
         return [piece.with_tensor(None) for piece in slices], slices_to_write(slices)
 
     def wait(self) -> None:
         """Block until the save in flight, if any, has been written and its receipt handed over."""
-        self._idle.wait()
+        self._wait_idle()
 
 
 class ShardWriter(OneSaveInFlight):
@@ -119,19 +138,20 @@ class ShardWriter(OneSaveInFlight):
         if self.fault_hook is not None:
             self.fault_hook("during_stage", step)
         blocking_s = time.perf_counter() - started
-        if not self.async_save:
-            self._write(step, staged, held, extra, blocking_s, started)
-            return time.perf_counter() - started
         self._idle.clear()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=f"ckpt-writer-r{self.rank}", daemon=True)
             self._thread.start()
         self._jobs.put((step, staged, held, extra, blocking_s, started))
+        if not self.async_save:  # written by the writer thread too, while training waits (and ticks)
+            self._wait_idle()
+            return time.perf_counter() - started
         return blocking_s
 
     def _serve(self) -> None:
         """The writer thread: one save at a time, until `flush` sends None."""
-        yield_cpu_to_training()
+        if self.async_save:  # a synchronous save is what training waits for: not below it
+            yield_cpu_to_training()
         while (job := self._jobs.get()) is not None:
             try:
                 self._write(*job)
@@ -143,7 +163,8 @@ class ShardWriter(OneSaveInFlight):
             if self.fault_hook is not None:
                 self.fault_hook("during_shard_write", step)
             receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
-                                   block_bytes=self.block_bytes, tag=self.tag)
+                                   block_bytes=self.block_bytes, tag=self.tag,
+                                   on_progress=self._count)
             if not self.async_save:
                 receipt.blocking_s = time.perf_counter() - started
             self.on_receipt(receipt, extra)
@@ -152,7 +173,7 @@ class ShardWriter(OneSaveInFlight):
 
     def flush(self) -> None:
         """`wait`, then stop the writer thread (a later save starts a new one). Before the rank leaves."""
-        self._idle.wait()
+        self._wait_idle()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()

@@ -14,7 +14,9 @@ Protocol (one writer per rank and generation, driven by the rank's training thre
   3. `wait()` blocks until the save in flight is durable; `flush()` does that and stops
      the writer, before the rank leaves the generation.
 `waited` counts the saves that had to wait for the previous one (bounded memory: one
-snapshot staged per rank).
+snapshot staged per rank). `written_bytes` counts the shard bytes the store has taken, and
+`on_wait` (with `wait_tick_s`) is called while the driving thread is blocked on a save, so
+that it can show the controller it is alive (ckpt.writer.OneSaveInFlight).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ StorageSetup = Callable[[Storage, Callable[[dict], None]], None]
 class CheckpointWriter(Protocol):
     rank: int
     waited: int
+    written_bytes: int
+    on_wait: Callable[[], None] | None
+    wait_tick_s: float
 
     def save(self, step: int, slices: Sequence[TensorSlice], extra: dict) -> float: ...
 

@@ -338,7 +338,8 @@ class JobMetrics:
 
     def on_checkpoint_skipped(self, count: int = 1) -> None:
         """`count` saves will not commit although nothing failed in them: they were in flight when
-        their generation ended (a failure, a shrink or a grow). A save requested while one is in
+        their generation ended (a failure, a shrink or a grow), or their step is committed already
+        by the history a restore skipped (ckpt.commit.Committer.left_behind). A save requested while one is in
         flight is never skipped: it waits (docs/design.md invariant 6)."""
         self.ckpt_skipped.labels(self.job).inc(count)
 

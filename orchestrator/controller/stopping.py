@@ -13,9 +13,10 @@ Three reasons to stop ranks that are training well, each at a checkpoint so no w
     orchestrator.cluster.drain). The same stop, then the node's ranks and spares are dropped
     and the job re-forms without it (warm spares, new actors elsewhere, or a smaller dp) and
     resumes from the stop step. A drain whose deadline comes before the stop step could be
-    committed is a node loss (the usual recovery). Without a deadline the stop is bounded too:
-    the steps to it, its save and the hang limit (`hang_s`); the controller's progress watchdog
-    keeps running in STOPPING. A signal during a drain's stop ends the job within the grace.
+    committed is a node loss (the usual recovery). Without a deadline the stop is bounded by the
+    controller's progress watchdog, which keeps running in STOPPING (the hang limit, and a
+    save's time while it writes: orchestrator.controller.save_watch). A signal during a
+    drain's stop ends the job within the grace.
   * either: once every rank has returned and the stop step is not committed (a save failed, a
     rank read the stop late), no commit can come: after `RECEIPTS_S` the stop ends as one that
     missed its deadline.
@@ -84,14 +85,17 @@ def stop_lead(step_s: float | None) -> int:
 
 class Stops:
     def __init__(self, spec, workers, checkpoints, record, ledger, recovery, intake, drains: Callable[[], dict],
-                 log: Callable[[str], None], hang_s: Callable[[], float], clock: Callable[[], float] = time.monotonic):
+                 log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 state: Callable[[], State | None] = lambda: None):
         self.spec, self.workers, self.checkpoints, self.record = spec, workers, checkpoints, record
         self.ledger, self.recovery, self.intake, self.drains = ledger, recovery, intake, drains
-        self.log, self.hang_s, self.clock = log, hang_s, clock  # hang_s(): the progress watchdog's limit
+        self.log, self.clock, self.state = log, clock, state  # state(): the controller's state now
         self.returned_at: float | None = None  # clock() when every rank had returned, the stop uncommitted
         self.signals: list[str] = []  # names of the signals received, in order
         self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
+        if workers is not None:
+            workers.interrupted = self.ending
 
     def on_signal(self, signum: int, _frame=None) -> None:
         """The signal handler: records the signal, nothing else (the controller acts on its next poll)."""
@@ -100,7 +104,8 @@ class Stops:
 
     def at_once(self, state: State) -> Move | None:
         """The job ends now on a second signal, on a signal outside training, or when another driver
-        claimed the checkpoint root (ckpt.ownership): it fails, changing nothing more there."""
+        claimed the checkpoint root (ckpt.ownership): it fails, changing nothing more there. Called
+        before each state handler; `ending()` asks the same during the handler."""
         lost = self.checkpoints.ownership_lost()
         if lost is not None:
             return Move(Failed(lost), lost)
@@ -110,6 +115,12 @@ class Stops:
             return preempted(f"{self.signals[0]} in {state.value}: nothing trained since the last commit, "
                              f"{self.last_commit()}")
         return None
+
+    def ending(self) -> bool:
+        """Whether the job would end now (`at_once`), asked by the worker group's long waits
+        (orchestrator.cluster.interruptible): a handler that waits minutes gives up at a signal."""
+        state = self.state()
+        return state is not None and self.at_once(state) is not None
 
     def last_commit(self) -> str:
         latest = self.checkpoints.latest
@@ -142,8 +153,10 @@ class Stops:
             if left is not None and left < needed:
                 self._lost(node, f"deadline in {left:.1f} s, a checkpointed stop needs {needed:.1f} s")
                 return None
-            # Bounded also without a deadline: ranks that never reach the stop step are hung.
-            budget = min(left - self.save_s() if left is not None else math.inf, needed + self.hang_s())
+            # Only the deadline bounds the stop: ranks that never reach the stop step are hung, and the
+            # stop's save gets the time it takes while it writes (the hang watchdog, save_watch); an
+            # estimate here would cut a first save of a run (1 s when none was measured) short.
+            budget = left - self.save_s() if left is not None else math.inf
             return Stopping(run, stop, f"node {node[:12]} draining (rank(s) {ranks}"
                             + (f", deadline in {left:.0f} s)" if left is not None else ", no deadline)"),
                             self.clock() + budget, node)
@@ -205,6 +218,8 @@ class Stops:
         if self.checkpoints.latest != steps:
             error = (f"all ranks finished but the final checkpoint (step {steps}) was not committed; "
                      f"latest committed is {self.checkpoints.latest}")
+            if self.signals:  # stopping for a signal (its stop step was the last one): a preemption all the same
+                return preempted(f"{self.signals[0]}: {error}; rerun the job to resume from it")
             return Move(Failed(error), error)
         return Move(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
 
@@ -221,8 +236,8 @@ class Stops:
                              "rerun the job to resume from it")
         self.drained.add(phase.node)
         self.intake.nodes_handled.add(phase.node)  # a late node_lost report of it is not a failure
-        self.recovery.stop_generation(store, world_size)
-        membership = self.recovery.replace(self.workers.forget_node(phase.node), dp)
+        gone = self.recovery.stop_generation(store, world_size)  # a rank may die while it stops, too
+        membership = self.recovery.replace(sorted(set(self.workers.forget_node(phase.node)) | set(gone)), dp)
         if membership.error is not None:
             return Move(Failed(membership.error), membership.error)
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: {phase.reason}; its rank(s) moved at "
@@ -234,9 +249,15 @@ class Stops:
         if target is None:
             return None
         new_dp, ready = target
-        self.recovery.stop_generation(store, world_size)
+        gone = self.recovery.stop_generation(store, world_size)
         # Steps trained past the commit while the generation was being stopped are redone.
         self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
+        if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
+            membership = self.recovery.replace(gone, dp)
+            if membership.error is not None:
+                return Move(Failed(membership.error), membership.error)
+            return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: rank(s) {gone} lost while stopping to grow "
+                                      f"at checkpoint step {step}; {membership.words}", membership.dp)
         self.workers.grow(new_dp * self.recovery.model_parallel())
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
                                   f"checkpoint step {step} ({ready} warm spare(s) ready)", new_dp)

@@ -6,9 +6,10 @@ Protocol (controller thread only):
   * `on_restored(results)` with the ranks' `restore` results: rank 0 reports its device's
     peak FLOP/s (table value on GPUs, measured matmul peak on CPUs) for MFU.
   * `mfu(tokens, step_s)` per step record.
-  * `poll(store, world_size)` from the RUNNING loop; reads every rank's heartbeat at most
-    once per heartbeat period, feeds the straggler detector and exports per-rank compute and
-    straggler flags. Returns ranks newly flagged; `stragglers(...)` wraps it for the training
+  * `poll(store, world_size)` from the RUNNING and STOPPING loops; reads every rank's heartbeat
+    at most once per heartbeat period, feeds the straggler detector and exports per-rank compute
+    and straggler flags, and feeds `saves` (orchestrator.controller.save_watch: ranks blocked on a
+    checkpoint save, for the hang watchdog). Returns ranks newly flagged; `stragglers(...)` wraps it for the training
     loop (record, log, the ranks to evict).
 """
 
@@ -18,6 +19,7 @@ import time
 
 from monitor.report import StragglerRecord
 from monitor.straggler import StragglerDetector
+from orchestrator.controller.save_watch import SaveWatch
 from orchestrator.wire.messages import Heartbeat
 from orchestrator.wire.store import heartbeat_key
 
@@ -42,6 +44,7 @@ class Telemetry:
         self.peak_flops_per_rank: float | None = None
         self.world_size = spec.world_size
         self.detector = StragglerDetector()
+        self.saves = SaveWatch()
         self._last_poll = 0.0
         self._seen: dict[int, float] = {}
 
@@ -53,6 +56,9 @@ class Telemetry:
         self.metrics.on_memory("predicted", predicted_ledgers(now))
         self.metrics.on_bubble(predicted_bubble_ratio(now))
         self.detector.reset()
+        tp, pp = spec.parallel.tp, spec.parallel.pp
+        self.detector.peer_group = lambda rank: (rank // tp) % pp  # its pipeline stage (trainer.topology)
+        self.saves.reset()
         self._seen.clear()
 
     def on_restored(self, results: list[dict]) -> None:
@@ -73,7 +79,10 @@ class Telemetry:
         beats = store.get_many_json([heartbeat_key(rank) for rank in range(world_size)])
         for rank, data in enumerate(beats):
             beat = Heartbeat.from_json(data) if data is not None else None
-            if beat is None or self._seen.get(rank) == beat.time:
+            if beat is not None:
+                self.saves.observe(rank, beat, now)
+            # A beat while blocked on a save repeats the last step's compute time: not a new sample.
+            if beat is None or beat.saving is not None or self._seen.get(rank) == beat.time:
                 continue
             self._seen[rank] = beat.time
             self.detector.observe(rank, beat.compute_s)

@@ -4,7 +4,8 @@ Runs inside `RankActor.train` on the actor's training thread. Per step it talks 
 but its process group; to the controller it sends, through the store:
   * rank 0 only: one `step` event per step with the global (already all-reduced) loss,
     so the controller's per-step traffic does not grow with the number of ranks;
-  * every rank: a heartbeat key, at most every `monitor.heartbeat_s`;
+  * every rank: a heartbeat key, at most every `monitor.heartbeat_s`, also while it waits on a
+    checkpoint save (orchestrator.rank.beats);
   * every rank: a `receipt` event when its shard of a checkpoint is durable, or a
     `save_error` event when it could not be written (that save then never commits). The
     first rank of each dp replica adds the digest of the samples it consumed since the
@@ -42,17 +43,17 @@ from chaos.config import ArmedFault, rank_storage_faults
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on
 from ckpt.writers import CheckpointWriter, make_writer
+from orchestrator.rank.beats import Beats
 from orchestrator.wire.messages import (
     CheckpointPlan,
     EvalDone,
-    Heartbeat,
     MemoryReport,
     Message,
     SaveFailed,
     ShardWritten,
     StepDone,
 )
-from orchestrator.wire.store import PLAN, GenerationStore, heartbeat_key
+from orchestrator.wire.store import PLAN, GenerationStore
 
 
 class NonFiniteGradient(RuntimeError):
@@ -97,11 +98,6 @@ class PlanWatch:
         if sets != self.sets:
             self.sets, self.plan = sets, plan_from_store(self.store, self.plan)
         return self.plan
-
-
-def write_heartbeat(store: GenerationStore, rank: int, step: int, compute_s: float) -> None:
-    """`compute_s`: the rank's mean step compute time since its previous heartbeat."""
-    store.set_json(heartbeat_key(rank), Heartbeat(step, time.time(), compute_s).to_json())
 
 
 class Evaluator:
@@ -172,6 +168,16 @@ class RankLoop:
                            self._on_save_error, fault_hook=hook, tag=plan.tag,
                            storage_setup=self._storage_faults(faults, plan), notify=self._notify_storage_fault)
 
+    def _beats(self, writer: CheckpointWriter, snapshots) -> Beats:
+        """This call's heartbeats; the writers beat through them while training waits on a save."""
+        writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
+        beats = Beats(self.store, self.rank, self.spec.monitor.heartbeat_s,
+                      lambda: sum(w.written_bytes for w in writers))
+        for w in writers:
+            w.on_wait = beats.while_blocked
+            w.wait_tick_s = min(w.wait_tick_s, self.spec.monitor.heartbeat_s)
+        return beats
+
     def _check_finite(self, result) -> None:
         if not result.skipped and not math.isfinite(result.grad_norm):
             raise NonFiniteGradient(f"non-finite gradient norm at step {result.step} on rank {self.rank} "
@@ -209,8 +215,8 @@ class RankLoop:
         self.engine.fault_hook = hook
         writer = self._writer(hook, faults, plan)
         snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
-        heartbeat_s = self.spec.monitor.heartbeat_s
-        last_beat, compute, steps_in_beat, first = 0.0, 0.0, 0, True
+        beats = self._beats(writer, snapshots)
+        first = True
         try:
             while self.engine.next_step < until_step:
                 if self.abort.is_set():
@@ -223,17 +229,14 @@ class RankLoop:
                     if first:
                         self._report_memory()
                 first = False
-                compute, steps_in_beat = compute + result.compute_s, steps_in_beat + 1
-                now = time.monotonic()
-                if now - last_beat >= heartbeat_s:
-                    write_heartbeat(self.store, self.rank, result.step, compute / steps_in_beat)
-                    compute, steps_in_beat = 0.0, 0
-                    last_beat = now
+                beats.after_step(result.step, result.compute_s)
                 plan = plans.read()
                 completed = self.engine.next_step
                 if plan.should_save(completed) or plan.stops(completed):
+                    beats.saving(completed)  # before: a synchronous save is written inside `save`
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())
                 if snapshots is not None and plan.snapshot_due(completed):
+                    beats.saving(completed)
                     snapshots.take(completed, self.engine.state_slices(copy=False), self._save_extra())
                 if self.evaluator is not None and self.evaluator.due(completed, until_step):
                     self._evaluate(completed)

@@ -178,18 +178,29 @@ def _build(cls: type, body: dict[str, Any]) -> Message:
 @dataclass(frozen=True)
 class Heartbeat:
     """A rank's latest heartbeat: the step it finished, when, and its mean compute time per step
-    since its previous heartbeat (the straggler detector's input)."""
+    since its previous heartbeat (the straggler detector's input).
+
+    While the rank's training thread is blocked on a checkpoint save (waiting for the one in
+    flight, or at a stop or the final step until its shard is written) it keeps beating: `saving`
+    is the step of the newest save it asked for (None while training; it may be waiting behind the
+    one before) and `saved_bytes` the bytes its writers have
+    handed to the store so far, over the generation. The controller's hang watchdog counts such a
+    rank as busy while it beats and its bytes move (orchestrator.controller.telemetry)."""
 
     step: int
     time: float
     compute_s: float
+    saving: int | None = None
+    saved_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> Heartbeat:
-        return cls(int(data["step"]), float(data["time"]), float(data["compute_s"]))
+        saving = data.get("saving")
+        return cls(int(data["step"]), float(data["time"]), float(data["compute_s"]),
+                   None if saving is None else int(saving), int(data.get("saved_bytes", 0)))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,16 @@
-"""make_writer: the config's writer choice, each writer implementing CheckpointWriter, storage setup applied."""
+"""make_writer: the config's writer choice, each writer implementing CheckpointWriter, storage setup applied; a
+caller blocked on a save keeps its signs of life (on_wait ticks, written bytes) with either writer."""
 
 from __future__ import annotations
 
+import functools
+import time
+
+import pytest
 import torch
 
+from chaos.config import ArmedFault
+from chaos.storage_faults import install_on
 from ckpt.config import CheckpointConfig
 from ckpt.process_writer import ProcessShardWriter
 from ckpt.storage import Storage
@@ -45,3 +52,36 @@ def test_storage_setup_runs_on_the_thread_writers_storage(tmp_path):
     make_writer(CheckpointConfig(url=url, writer="thread"), url, 0, lambda r, e: None, lambda s, e: None,
                 storage_setup=setup, notify=notices.append).flush()
     assert seen == [Storage(url).url] and notices == [{"type": "fault"}]
+
+
+def _latency(delay_s: float) -> functools.partial:
+    """A storage setup that delays every shard write by `delay_s` (chaos storage_latency, as a rank installs it)."""
+    fault = ArmedFault(kind="storage_latency", op="write", path="*/shard-*", delay_s=delay_s, id=0)
+    return functools.partial(install_on, faults=[fault], seed=0, started=time.time())
+
+
+@pytest.mark.parametrize("choice,async_save", [("thread", True), ("thread", False), ("process", True)])
+def test_a_caller_blocked_on_a_slow_save_keeps_ticking_and_the_bytes_are_counted(tmp_path, choice, async_save):
+    url = f"file://{tmp_path}"
+    config = CheckpointConfig(url=url, writer=choice, **{"async": async_save})
+    writer = make_writer(config, url, 0, lambda r, e: None, lambda step, err: None, tag=choice,
+                         storage_setup=_latency(1.5))
+    ticks: list[tuple[float, int]] = []
+    writer.on_wait = lambda: ticks.append((time.monotonic(), writer.written_bytes))
+    writer.wait_tick_s = 0.2
+    state = torch.arange(6000, dtype=torch.float32)
+    writer.save(5, [whole("w", state)], {})
+    writer.flush()
+    assert writer.written_bytes == state.numel() * 4  # every byte the store took, once
+    # The caller waited (in flush, or in a synchronous save) through the 1.5 s delay, ticking every 0.2 s.
+    assert len(ticks) >= 4 and ticks[-1][0] - ticks[0][0] >= 0.8
+
+
+def test_write_slices_reports_each_piece_the_store_took(tmp_path, monkeypatch):
+    import ckpt.shards
+
+    monkeypatch.setattr(ckpt.shards, "PROGRESS_BYTES", 1000)
+    storage, pieces = Storage(f"file://{tmp_path}"), []
+    state = [whole("a", torch.arange(600, dtype=torch.float32)), whole("b", torch.arange(10, dtype=torch.int64))]
+    receipt = ckpt.shards.write_slices(storage, 3, 0, state, 0.0, on_progress=pieces.append)
+    assert pieces == [1000, 1000, 400, 80] and sum(pieces) == 2480 <= receipt.nbytes  # the file pads between chunks

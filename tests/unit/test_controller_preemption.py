@@ -18,11 +18,12 @@ import pytest
 from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
+from orchestrator.cluster.interruptible import Interrupted
 from orchestrator.cluster.worker_group import RankOutcome
 from orchestrator.controller.machine import Controller
 from orchestrator.controller.states import State
 from orchestrator.controller.stopping import Stops, stop_lead
-from orchestrator.wire.messages import CheckpointPlan
+from orchestrator.wire.messages import CheckpointPlan, NodeLost
 from orchestrator.wire.store import PLAN, RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 
@@ -154,6 +155,20 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_redoes_nothing(t
     assert min(p.step for p in again.losses) == stop and again.redone_steps == 0
 
 
+def test_a_signal_at_the_end_whose_final_save_fails_is_still_a_preemption(tmp_path, rendezvous):
+    """The stop step is the last one (clamped to train.steps) and its save fails: exit 75, so a
+    scheduler that retries preempted jobs resumes it, not exit 1 as a failed job."""
+    box = {}
+    ctl, workers, lines = _run(tmp_path, rendezvous, at={STEPS - 2: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
+    box["ctl"] = ctl
+    workers.fail_stop_save = True
+    report = ctl.run()
+    assert ctl.checkpoints.stop_at == STEPS
+    assert ctl.state == State.PREEMPTED and report.status == "preempted", report.error
+    assert "SIGTERM: all ranks finished but the final checkpoint" in report.error
+    assert ctl.catalog.committed_steps()[-1] < STEPS
+
+
 def test_the_stop_step_counts_the_steps_trained_while_the_controller_was_busy(tmp_path, rendezvous):
     """A signal comes in with a poll whose drain then takes 0.3 s more (a commit, its retention):
     the ranks train 30 steps meanwhile. The stop step is estimated from the time since the newest
@@ -195,6 +210,30 @@ def test_a_signal_outside_training_stops_at_once(tmp_path, rendezvous):
     report = ctl.run()
     assert report.status == "preempted" and "SIGTERM in PLACING" in report.error
     assert workers.actors == {} and ctl.catalog.committed_steps() == []
+
+
+class SlowRestore(SignallingWorkers):
+    """A restore that takes minutes, waiting as the real group does (cluster.interruptible: in slices
+    that ask `interrupted()`); 0.3 s into it, a SIGTERM arrives."""
+
+    def restore_all(self, step, dp, timeout_s, faults=None):
+        threading.Timer(0.3, lambda: self.stops.on_signal(signal.SIGTERM)).start()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.interrupted():
+                raise Interrupted("the job is ending")
+            time.sleep(0.05)
+        return super().restore_all(step, dp, timeout_s, faults)
+
+
+def test_a_signal_during_a_long_restore_ends_the_job_at_once(tmp_path, rendezvous):
+    ctl, workers, lines = _run(tmp_path, rendezvous)
+    workers.__class__ = SlowRestore
+    workers.stops = ctl.stops
+    started = time.monotonic()
+    report = ctl.run()
+    assert time.monotonic() - started < 10  # not the 300 s restore: the wait gave up at the signal
+    assert report.status == "preempted" and "SIGTERM in RESTORING" in report.error, report.error
 
 
 def test_no_commit_within_the_grace_stops_anyway(tmp_path, rendezvous):
@@ -276,6 +315,30 @@ def test_a_drain_whose_stop_cannot_commit_is_a_node_loss_once_every_rank_stopped
     assert failure.kind == "node_lost" and workers.forgotten == ["n2"] and time.monotonic() - started < 10.0
 
 
+class LateNodeLoss(SignallingWorkers):
+    """Node n2 (rank 1's) is reported lost while the release of another failure waits for the ranks."""
+
+    reported = False
+
+    def wait_any(self, timeout_s):
+        store = self.rendezvous.generation(self.gen)
+        if not self.reported and self.gen == 0 and store.abort_requested():
+            self.reported = True
+            store.send(NodeLost(node="n2", rank=1, time=time.time()))
+        return super().wait_any(timeout_s)
+
+
+def test_a_node_lost_during_a_release_is_dropped_by_that_recovery_not_the_next_generation(tmp_path, rendezvous):
+    spec = _spec(tmp_path, train={"steps": 30, "global_batch": 4, "micro_batch": 1},
+                 elastic={"max_restarts": 3, "spares": 0})
+    workers = LateNodeLoss(rendezvous, Storage(spec.checkpoint_root), die_at={15: 0}, nodes={1: "n2"})
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert workers.reported and report.status == "succeeded", report.error
+    assert workers.forgotten == ["n2"]
+    assert [f.kind for f in report.failures] == ["rank_died"]  # no second recovery of a healthy generation
+
+
 def test_ranks_hung_before_a_drain_s_stop_step_are_a_hang(tmp_path, rendezvous):
     """No deadline, and the ranks hang before the stop step: the progress watchdog still runs."""
     report, workers, lines = _drain_run(tmp_path, rendezvous, None, hang_min_s=0.5,
@@ -312,7 +375,7 @@ def test_a_validation_holds_the_ranks_at_its_step_in_the_estimate():
     (eval.every_steps=30): the estimate stops at a validation step not reported done."""
     def stops(evaluation, done=()):
         record = SimpleNamespace(evals=[SimpleNamespace(step=step) for step in done])
-        return Stops(SimpleNamespace(eval=evaluation), None, None, record, None, None, None, dict, print, lambda: 10.0)
+        return Stops(SimpleNamespace(eval=evaluation), None, None, record, None, None, None, dict, print)
 
     every_30 = SimpleNamespace(every_steps=30)
     assert stops(every_30)._validating(28, 90) == 30

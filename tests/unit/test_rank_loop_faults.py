@@ -17,19 +17,20 @@ from orchestrator.wire.messages import SaveFailed
 from orchestrator.wire.store import PLAN, RendezvousServer, connect
 
 
-def _spec(tmp_path, faults):
+def _spec(tmp_path, faults, **sections):
     # Two ranks in the spec, so that faults may name rank 1; the loop under test plays rank 0 alone.
     return validate_spec({
         "name": "loop", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
         "train": {"steps": 6, "global_batch": 2, "micro_batch": 1}, "parallel": {"dp": 2},
         "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2}, "chaos": {"faults": faults},
+        **sections,
     })
 
 
-def _run(tmp_path, faults, **plan):
+def _run(tmp_path, faults, sections=None, **plan):
     """Run rank 0 of a one-rank job to step 6 (saves after steps 2, 4, 6); returns (outcome, events)."""
-    spec = _spec(tmp_path, faults)
-    server = RendezvousServer("127.0.0.1")
+    spec = _spec(tmp_path, faults, **(sections or {}))
+    server = plan.pop("_server", None) or RendezvousServer("127.0.0.1")
     controller = server.generation(0)
     controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
                                "job_started_at": time.time(), **plan})
@@ -78,6 +79,40 @@ def test_a_storage_fault_for_another_rank_changes_nothing_here(tmp_path):
     assert outcome["status"] == "done"
     assert [e["receipt"]["step"] for e in events if e["type"] == "receipt"] == [2, 4, 6]
     assert not [e for e in events if e["type"] in ("fault", "save_error")]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_rank_blocked_on_its_first_save_beats_with_the_bytes_written(tmp_path, async_save):
+    """The save of step 2 (the first of the call) takes 1.5 s in the store: the rank beats meanwhile
+    with `saving` 2 and its bytes (a synchronous save waits inside the save, an async one behind it
+    at the next save or at the end)."""
+    from orchestrator.wire.messages import Heartbeat
+    from orchestrator.wire.store import heartbeat_key
+
+    server, seen, done = RendezvousServer("127.0.0.1"), [], threading.Event()
+    reader = connect(server.address, 0)
+
+    def watch() -> None:
+        while not done.is_set():
+            beat = reader.get_json(heartbeat_key(0))
+            if beat is not None:
+                seen.append(Heartbeat.from_json(beat))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    slow = {"kind": "storage_latency", "op": "write", "path": "*/shard-*", "rank": 0, "at_step": 2, "delay_s": 1.5}
+    sections = {"monitor": {"heartbeat_s": 0.1, "port": 0},
+                "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2, "async": async_save}}
+    try:
+        outcome, events, _ = _run(tmp_path, [slow], sections, _server=server)
+    finally:
+        done.set()
+        watcher.join()
+    assert outcome["status"] == "done"
+    blocked = [b for b in seen if b.saving is not None]
+    # Synchronous: blocked in the save of 2 itself; async: at the save of 4, behind the one of 2.
+    assert blocked and blocked[0].saving == (4 if async_save else 2) and max(b.saved_bytes for b in blocked) > 0
 
 
 class _ListStore:

@@ -91,8 +91,11 @@ def test_messages_travel_through_the_generation_store():
 
 
 def test_a_heartbeat_round_trips_as_its_key_value():
-    beat = Heartbeat(step=7, time=1e9, compute_s=0.25)
-    assert Heartbeat.from_json(json.loads(json.dumps(beat.to_json()))) == beat
+    for beat in (Heartbeat(step=7, time=1e9, compute_s=0.25),
+                 Heartbeat(step=7, time=1e9, compute_s=0.25, saving=8, saved_bytes=123)):
+        assert Heartbeat.from_json(json.loads(json.dumps(beat.to_json()))) == beat
+    # A rank of a release before save progress existed: training, nothing written.
+    assert Heartbeat.from_json({"step": 3, "time": 1.0, "compute_s": 0.5}) == Heartbeat(3, 1.0, 0.5, None, 0)
 
 
 def test_checkpoint_plan_round_trips_and_saves_on_its_cadence():
