@@ -6,7 +6,9 @@ forward+backward time before the collectives that would hide it (the engine's `c
 and sends it with its heartbeat.
 
 Rule: a rank is a straggler when the median of its recent compute times exceeds
-`threshold` (1.10 = 10% slower) times the median of its peers' medians, at every
+`threshold` (1.10 = 10% slower) times the median of its peers' medians (peers: the ranks of
+its `peer_group`; with pipeline parallelism the ranks of its stage, since stages of whole layers
+and a head differ in work by design), at every
 evaluation for `sustain_s` seconds. Medians and a sustain window keep a noisy machine (here:
 many ranks sharing two cores) from flagging anyone in a clean run.
 
@@ -19,13 +21,16 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 
 class StragglerDetector:
-    def __init__(self, threshold: float = 1.10, window: int = 20, sustain_s: float = 10.0):
+    def __init__(self, threshold: float = 1.10, window: int = 20, sustain_s: float = 10.0,
+                 peer_group: Callable[[int], int] = lambda rank: 0):
         self.threshold = threshold
         self.window = window
         self.sustain_s = sustain_s
+        self.peer_group = peer_group  # rank -> its group: compared only with the ranks of the same
         self.samples: dict[int, deque[float]] = {}
         self.slow_since: dict[int, float] = {}
         self.flagged: set[int] = set()
@@ -44,7 +49,8 @@ class StragglerDetector:
         medians = {r: statistics.median(s) for r, s in self.samples.items() if len(s) >= 3}
         out = {}
         for rank, own in medians.items():
-            peers = [m for r, m in medians.items() if r != rank]
+            group = self.peer_group(rank)
+            peers = [m for r, m in medians.items() if r != rank and self.peer_group(r) == group]
             if peers and statistics.median(peers) > 0:
                 out[rank] = own / statistics.median(peers)
         return out

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chaos.config import ArmedFault
 from ckpt.staging import staging_env
+from orchestrator.cluster import interruptible
 from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.placement import plan_placement
 from orchestrator.cluster.ray_cluster import alive_node_resources
@@ -62,6 +63,8 @@ class RayWorkerGroup:
         # plus glibc's streaming-copy threshold for checkpoint staging (ckpt.staging.staging_env).
         self.env_vars = {**staging_env(os.environ), **(env_vars or {})}
         self.placement_timeout_s = placement_timeout_s
+        # The controller's "is the job ending?": long waits give up when it says yes (cluster.interruptible).
+        self.interrupted = interruptible.never
         self.pg = None
         # seat -> Ray bundle index; every `bundle` index below (bundle_of, spares) is a seat index
         self.seat_bundle: list[int] = []
@@ -82,7 +85,7 @@ class RayWorkerGroup:
                               self.spec.resources.placement)
         self.pg = placement_group(plan.bundles, strategy=plan.strategy)
         self.seat_bundle = plan.seat_bundle
-        ready, _ = ray.wait([self.pg.ready()], timeout=self.placement_timeout_s)
+        ready, _ = interruptible.wait([self.pg.ready()], 1, self.placement_timeout_s, self.interrupted)
         if not ready:
             raise PlacementError(f"{len(plan.bundles)} bundles ({plan.bundles[0]} for each TP group) could not be "
                                  f"placed within {self.placement_timeout_s:.0f} s")
@@ -192,13 +195,29 @@ class RayWorkerGroup:
         `timeout_s` has passed; `promote_spares` then takes the ready ones."""
         refs = [self.spares[seat][1] for seat in seats if seat in self.spares]
         if refs and timeout_s > 0:
-            ray.wait(refs, num_returns=min(count, len(refs)), timeout=timeout_s)
+            interruptible.wait(refs, min(count, len(refs)), timeout_s, self.interrupted)
+
+    def live_ready_spares(self, timeout_s: float = 2.0) -> list[int]:
+        """`ready_spares`, each asked once more whether it is alive: a spare that warmed up and then
+        died idle (Ray's memory monitor, a crash, its node lost) still shows its warm-up answer, which
+        Ray keeps. One round trip for all; a spare that does not answer in `timeout_s` is dropped."""
+        ready = self.ready_spares()
+        pings = {self.spares[bundle][0].ping.remote(): bundle for bundle in ready}
+        answered, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted) if pings else ([], [])
+        alive = []
+        for ref in answered:
+            try:
+                ray.get(ref)
+                alive.append(pings[ref])
+            except RANK_GONE:
+                del self.spares[pings[ref]]  # died while idle; its bundle is free again
+        return sorted(alive)
 
     def promote_spares(self, ranks: list[int]) -> list[int]:
-        """Give ready spares to `ranks`; returns the ranks no spare was ready for."""
+        """Give ready spares (alive now) to `ranks`; returns the ranks no spare was ready for."""
         # In seat order: a bundle's seats are consecutive and so are a TP group's ranks, so
         # consecutive new ranks fill one bundle (one node) before the next.
-        ready = sorted(self.ready_spares())
+        ready = self.live_ready_spares()
         left = []
         for rank in ranks:
             if not ready:
@@ -210,14 +229,16 @@ class RayWorkerGroup:
         return left
 
     def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
-        """New actors for `ranks`, each in a free bundle; returns ranks not up within `timeout_s`."""
-        free = self.free_bundles()
+        """New actors for `ranks`, each in its own seat when that is on a live node (beside its TP
+        group), else in a free seat; returns ranks not up within `timeout_s`."""
+        free, on_lost = self.free_bundles(), set(self._bundles_on(self.lost_nodes))
         for rank in ranks:
-            if rank not in self.bundle_of or self.bundle_of[rank] not in free:
-                self.bundle_of[rank] = free.pop(0) if free else self.bundle_of.get(rank, rank)
+            own = self.bundle_of.get(rank)
+            if own is None or own in on_lost:
+                self.bundle_of[rank] = free.pop(0) if free else (rank if own is None else own)
             self.actors[rank] = self._new_actor(self.bundle_of[rank])
         pings = {self.actors[r].ping.remote(): r for r in ranks}
-        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        ready, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted)
         up = set()
         for ref in ready:
             rank = pings[ref]
@@ -252,7 +273,7 @@ class RayWorkerGroup:
 
     def _call_all(self, method: str, args_of, timeout_s: float) -> list:
         refs = [getattr(self.actors[r], method).remote(*args_of(r)) for r in sorted(self.actors)]
-        return ray.get(refs, timeout=timeout_s)
+        return interruptible.get(refs, timeout_s, self.interrupted)
 
     def ping_all(self, timeout_s: float, restarts: int = 1) -> list[dict]:
         """Wait until every rank actor has started; returns their pings in rank order.
@@ -267,7 +288,7 @@ class RayWorkerGroup:
             deadline = time.monotonic() + timeout_s
             for rank, ref in list(refs.items()):
                 try:
-                    pings[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                    pings[rank] = interruptible.get([ref], deadline - time.monotonic(), self.interrupted)[0]
                 except RANK_GONE:
                     if attempt == restarts:
                         raise
@@ -349,7 +370,7 @@ class RayWorkerGroup:
         lost = []
         for ref, rank in refs.items():
             try:
-                if not ray.get(ref, timeout=max(0.0, deadline - time.monotonic())):
+                if not interruptible.get([ref], deadline - time.monotonic(), self.interrupted)[0]:
                     lost.append(rank)
             except (GetTimeoutError, *RANK_GONE):
                 lost.append(rank)

@@ -20,7 +20,7 @@ import time
 from typing import get_args
 
 from chaos.config import RandomKind
-from orchestrator.controller.errors import normalise
+from orchestrator.controller.errors import is_peer_failure, normalise
 from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.policies import FailureSummary
 from orchestrator.controller.states import Failure
@@ -50,7 +50,9 @@ class Blame:
     def from_outcomes(self, outcomes) -> Failure:
         """The failure behind the first bad outcomes (orchestrator.cluster.worker_group.RankOutcome)."""
         died = [o for o in outcomes if o.status == "died"]
-        culprit = died[0] if died else outcomes[0]
+        # A rank's own error before the peers' collective errors it caused, whichever came back first.
+        own = [o for o in outcomes if not is_peer_failure(str(o.info.get("error", "")))]
+        culprit = died[0] if died else (own or outcomes)[0]
         errors = {o.rank: o.info.get("error", o.status) for o in outcomes}
         evicted = self.take_evicted({o.rank for o in died})
         if evicted:
@@ -81,13 +83,14 @@ class Blame:
                            step=self.current_step())
         return Failure("node_lost", ranks[0] if ranks else None, time.time(), message, step=self.current_step())
 
-    def hang(self, since: float, limit_s: float) -> Failure | None:
+    def hang(self, since: float, limit_s: float, why: str | None = None) -> Failure | None:
         """A hang when no step came for `limit_s` since `since` (time.monotonic() of the last step, or
-        of the generation's start): a watchdog on the wall clock would fire at an NTP step."""
+        of the generation's start): a watchdog on the wall clock would fire at an NTP step. `why`:
+        what else the message should say (a stalled save)."""
         quiet = time.monotonic() - since
         if quiet < limit_s:
             return None
-        message = f"no step for {quiet:.1f} s (limit {limit_s:.1f} s)"
+        message = f"no step for {quiet:.1f} s (limit {limit_s:.1f} s)" + (f": {why}" if why else "")
         return self._from_fault(message, Failure("hang", None, time.time(), message, step=self.current_step()))
 
     def rendezvous_failed(self, err: BaseException) -> Failure:
@@ -112,6 +115,10 @@ class Blame:
             culprit, kind = evicted[0], "straggler_evicted"
         elif failure.kind == "rank_error" and dead:
             culprit, kind = dead[0], "rank_died"
+        elif failure.kind == "rank_error" and is_peer_failure(failure.errors.get(failure.rank, "")):
+            # Every outcome is in now: the first rank whose error is its own, not a peer's failure.
+            own = sorted(r for r, error in failure.errors.items() if not is_peer_failure(error))
+            culprit, kind = (own[0], "rank_error") if own else (None, None)
         elif failure.kind == "hang" and stuck:
             culprit, kind = stuck[0], "hang"
         if culprit is not None:

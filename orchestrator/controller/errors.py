@@ -44,3 +44,15 @@ def collapse(errors: dict[int, str]) -> str:
     return "; ".join(
         f"[rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}]: {error}" for error, ranks in ordered
     )
+
+
+# How a rank's collective fails when a peer failed first (its socket closed, the controller's abort,
+# a communicator torn down): these ranks are victims, not the cause (orchestrator.controller.blame).
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport/",
+                        "DistBackendError", "DistNetworkError", "abort requested by the controller",
+                        "NCCL communicator was aborted")
+
+
+def is_peer_failure(error: str) -> bool:
+    """Whether a rank's error says only that a peer failed (see PEER_FAILURE_MARKERS)."""
+    return any(marker in error for marker in PEER_FAILURE_MARKERS)

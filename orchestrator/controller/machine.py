@@ -23,6 +23,7 @@ import time
 
 from ckpt.errors import SnapshotUnavailable
 from monitor.goodput import GoodputLedger
+from orchestrator.cluster.interruptible import Interrupted
 from orchestrator.cluster.placement import tp_locality
 from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.controller.blame import Blame
@@ -75,8 +76,7 @@ class Controller:
                  hang_min_s: float | None = None, join_timeout_s: float = 60.0, drains=dict, fresh: bool = False):
         """`release_timeout_s`, `hang_min_s`: fixed release and hang-floor seconds (tests; else elastic.*)."""
         self.spec, self.workers, self.rendezvous, self.catalog = spec, workers, rendezvous, catalog
-        self.metrics, self.printer = metrics, printer
-        self.poll_s, self.join_timeout_s = poll_s, join_timeout_s
+        self.metrics, self.printer, self.poll_s, self.join_timeout_s = metrics, printer, poll_s, join_timeout_s
         self.ledger = GoodputLedger()
         self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
         self.snapshots = LedgerSnapshots(catalog.storage, owner=catalog.owner)
@@ -103,7 +103,7 @@ class Controller:
                                  release_timeout_s=self.timeouts.release_s, poll_s=poll_s, metrics=metrics)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
-                           drains, self.log, self.timeouts.hang_s)
+                           drains, self.log, state=lambda: self.state)
         self.phase: Phase = Placing()
         self.gen, self.restarts = -1, 0
         self.dp = spec.parallel.dp
@@ -151,14 +151,15 @@ class Controller:
         return self.record.report(status, final, self.error)
 
     def step_once(self) -> State:
-        """Run the current state's handler until the state changes: one transition (tests drive the
-        machine with it). An error fails the job loudly; its checkpoints are kept. A signal may
-        end the job before a handler runs (Stops.at_once)."""
+        """Run the current state's handler until the state changes: one transition (tests drive the machine
+        with it). An error fails the job loudly, its checkpoints kept; a signal may end it first (Stops.at_once)."""
         before = self.state
         while self.state == before and self.state not in TERMINAL:
             try:
                 if not self._take(self.stops.at_once(self.state)):
                     self.HANDLERS[self.state]()
+            except Interrupted:  # a long wait given up: the job is ending, as at_once says next
+                continue
             except (PlacementError, *JOB_ENDING) as err:
                 self._fail_unless_ended(str(err))
             except Exception as err:  # a bug or an unexpected platform error
@@ -213,9 +214,8 @@ class Controller:
         self.fault_clock.schedule(self.world_size)
         unsafe = self.fault_clock.node_kills_on(self.workers.controller_node())
         if unsafe:
-            self._fail(f"chaos.faults: kill_node on rank(s) {unsafe} would kill the node the controller runs on; "
-                       "run on a multi-node cluster and target ranks on other nodes")
-            return
+            return self._fail(f"chaos.faults: kill_node on rank(s) {unsafe} would kill the node the controller runs "
+                              "on; run on a multi-node cluster and target ranks on other nodes")
         nodes = len({self.workers.node_of(r) for r in range(self.world_size)})
         self._go(Rendezvous(), f"{self.world_size} rank actors up on {nodes} node(s) in "
                                f"{time.perf_counter() - started:.2f} s"
@@ -299,6 +299,7 @@ class Controller:
             self.intake.drain(self.store)
             self._take(self.stops.finished(self.phase, self.store, self.gen, self.world_size, self.dp))
         elif self.state == State.STOPPING:  # until every rank returned at the stop step, or too late
+            self.telemetry.poll(self.store, self.world_size)  # the ranks saving the stop step still beat
             self._take(self.stops.overdue(self.phase)) or self._watch_hang(self.stops.save_s())
         elif not self._take(committed and self.stops.grow_at(committed[-1], self.store, self.gen, self.dp,
                                                              self.world_size, self.gen_started_at)
@@ -310,8 +311,9 @@ class Controller:
             self._watch_hang()
 
     def _watch_hang(self, saving_s: float = 0.0) -> None:
-        """The progress watchdog; `saving_s`: a save the ranks block on before their next word (a stop's)."""
-        hung = self.blame.hang(self.record.progress_at, self.timeouts.hang_s() + saving_s)
+        """The progress watchdog; `saving_s`: a stop's save the ranks block on. A save writing is no hang."""
+        limit, saves = self.timeouts.hang_s() + saving_s, self.telemetry.saves
+        hung = None if saves.busy(limit) else self.blame.hang(self.record.progress_at, limit, saves.stalled(limit))
         if hung is not None:
             self._start_recovery(hung)
 
@@ -372,9 +374,8 @@ class Controller:
         started = time.perf_counter()
         failure = self.phase.failure
         self.intake.drain(self.store)  # late receipts may still complete a checkpoint
-        released = self.recovery.release(self.store, self.world_size, failure.errors, self.intake.take_lost_nodes())
+        released = self.recovery.release(self.store, self.world_size, failure.errors, self.intake)
         release_s = time.perf_counter() - started
-        self.intake.drain(self.store)
         self.failure_history.append(self.blame.attribute(failure, released.dead, released.stuck))
         failure.record.killed_at_release = released.stuck
         self.fault_clock.sweep_fired(failure.detected_at)
@@ -384,14 +385,12 @@ class Controller:
         self.ledger.move(lost, "productive", "lost_work")
         decision = self.failure_policy.decide(self.failure_history)
         if decision.action is FailureDecision.Action.FAIL:
-            self._fail(f"{failure.kind} on rank {failure.rank}: {decision.reason}")
-            return
+            return self._fail(f"{failure.kind} on rank {failure.rank}: {decision.reason}")
         self.restarts += 1
         membership = self.recovery.replace(released.lost, self.dp)
         replace_s = time.perf_counter() - started - release_s  # a cold start, or a wait for a warming spare
         if membership.error is not None:
-            self._fail(membership.error)
-            return
+            return self._fail(membership.error)
         self.dp = membership.dp
         cause = f"{failure.kind} on rank {failure.rank}" if failure.rank is not None else failure.kind
         self._go(Rendezvous(recovering=failure),

@@ -62,15 +62,16 @@ class MemoryLevel:
         # its own (retention would delete each new snapshot at once).
         return Committer(Catalog(Storage(f"{self.root}/g{gen}")), self.job, self.hash, keep=1, files_here=False)
 
-    def begin(self, gen: int, anchor: int | None) -> None:
+    def begin(self, gen: int, anchor: int | None, from_memory: bool = False) -> None:
         """A generation restored `anchor`: snapshots start afresh; a complete one survives only if it
-        is the one restored (it stays the newest state until this generation completes another)."""
+        is the one restored (it stays the newest state until this generation completes another). A
+        restore from storage keeps none, even of the same step: the ranks dropped what they held."""
         old = self.committer.catalog.storage
         old.remove_tree(old.root)
         self.committer = self._committer(gen)
         self.committer.reset(anchor)
         self._holders.clear()
-        if self.newest is not None and self.newest.step != anchor:
+        if self.newest is not None and (self.newest.step != anchor or not from_memory):
             self.newest = None
 
     def every(self, step_times_s: list[float]) -> int | None:
@@ -87,6 +88,7 @@ class MemoryLevel:
         commit = self.committer.on_receipt(receipt, extra, world_size, gen, layout, extra_state)
         if commit is None:
             return None
+        self.unusable.discard(commit.step)  # a new snapshot of a step whose earlier one was lost
         manifest = self.committer.catalog.read_manifest(commit.step)
         self.newest = Snapshot(commit.step, manifest.model_dump_json(), self._holders.pop(commit.step),
                                commit.samples, time.time())

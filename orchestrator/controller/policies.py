@@ -6,6 +6,7 @@ unit tests can drive one transition at a time and swap a policy for a fake.
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 from enum import Enum
@@ -56,7 +57,7 @@ class FailurePolicy:
         last = history[-1]
         same = 0
         for failure in reversed(history):
-            if (failure.rank, failure.step, failure.error) != (last.rank, last.step, last.error):
+            if (failure.rank, failure.step, _shape(failure.error)) != (last.rank, last.step, _shape(last.error)):
                 break
             same += 1
         if last.step is not None and not last.injected_machine_fault and same >= self.crash_loop_limit:
@@ -67,6 +68,15 @@ class FailurePolicy:
             return FailureDecision(FailureDecision.Action.FAIL,
                                    f"{restarts_so_far} restarts used, elastic.max_restarts={self.max_restarts}")
         return FailureDecision(FailureDecision.Action.RESTART, f"restart {restarts_so_far + 1} of {self.max_restarts}")
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _shape(error: str) -> str:
+    """The error without its numbers: a hang's message says how long it waited ("no step for 61.3 s"),
+    which differs at every repeat of the same hang and must not hide a crash loop."""
+    return _NUMBER.sub("#", error or "")
 
 
 class ScalingPolicy:

@@ -65,14 +65,16 @@ class Recovery:
     def model_parallel(self) -> int:
         return self.spec.parallel.tp * self.spec.parallel.pp
 
-    def release(self, store, world_size: int, errors: dict[int, str], lost_nodes: list[str]) -> Released:
+    def release(self, store, world_size: int, errors: dict[int, str], intake) -> Released:
         """Get every rank out of the old generation. `errors` (rank -> error) gains what the
-        release learns: the ranks of lost nodes, and the outcome of every rank that finished."""
+        release learns: the ranks of lost nodes, and the outcome of every rank that finished.
+        `intake` (the controller's EventIntake) is drained after the wait: a node whose loss is
+        reported meanwhile is dropped here too, not left to fail the next generation."""
         store.request_abort()
-        for node in lost_nodes:  # dropped without waiting for Ray to notice (it takes 12-15 s)
-            for rank in self.workers.forget_node(node):
-                errors.setdefault(rank, f"node {node[:12]} lost")
+        self._forget(intake.take_lost_nodes(), errors)
         finished, stuck = self.wait_out()
+        intake.drain(store)  # late receipts may still complete a checkpoint; late node losses
+        self._forget(intake.take_lost_nodes(), errors)
         for rank, (outcome, _) in finished.items():
             errors.setdefault(rank, outcome.info.get("error", outcome.status))
         # Died in the trigger or while we waited: their actors are gone (stuck ones never finished).
@@ -87,6 +89,11 @@ class Recovery:
                  + (f"; killed {stuck_all} (not out within {self.release_timeout_s:.0f} s)" if stuck_all else "")
                  + (f"; errors {collapse(errors)}" if errors else ""))
         return Released(sorted(set(dead)), stuck_all, [r for r in range(world_size) if r not in self.workers.actors])
+
+    def _forget(self, nodes: list[str], errors: dict[int, str]) -> None:
+        for node in nodes:  # dropped without waiting for Ray to notice (it takes 12-15 s)
+            for rank in self.workers.forget_node(node):
+                errors.setdefault(rank, f"node {node[:12]} lost")
 
     def replace(self, lost: list[int], dp: int) -> Membership:
         """Fill the lost ranks (spares, then new actors) or shrink dp."""
@@ -154,18 +161,21 @@ class Recovery:
             self.spares.refill(f"at a commit, seat(s) free again (dp {dp})")
         if dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
             return None
-        ready = len(self.workers.ready_spares())
+        ready = len(self.workers.live_ready_spares())  # a grow stops the generation: count only live ones
         new_dp = self.scaling_policy.best_dp(world_size + ready)
         if new_dp is None or new_dp <= dp:
             return None
         return new_dp, ready
 
-    def stop_generation(self, store, world_size: int) -> None:
-        """Every rank out of a healthy generation (growing back), its actors kept."""
+    def stop_generation(self, store, world_size: int) -> list[int]:
+        """Every rank out of a healthy generation (growing back, a drain), its actors kept; returns the
+        ranks gone meanwhile (died, or killed for not leaving), whose seats must be filled first."""
         store.request_abort()
         self.wait_out()
         survivors = [r for r in range(world_size) if r in self.workers.actors]
-        self.workers.leave_all(survivors, timeout_s=self.release_timeout_s)
+        for rank in self.workers.leave_all(survivors, timeout_s=self.release_timeout_s):
+            self.workers.kill(rank)
+        return [r for r in range(world_size) if r not in self.workers.actors]
 
     def wait_out(self) -> tuple[dict, list[int]]:
         """After the abort key is set: wait up to `release_timeout_s` for every running rank's

@@ -40,7 +40,8 @@ class ElasticConfig(_Strict):
     # The controller's timeouts: a number of seconds, or `auto`, derived from what the job measures
     # (orchestrator.controller.timeouts; docs/design.md, timeouts).
     hang_timeout_s: float | Literal["auto"] = Field(
-        "auto", description="no step for this long is a hang; auto: max(10 s, 5 x the median step)")
+        "auto", description="no step for this long is a hang (ranks blocked on a checkpoint save that is "
+        "writing are not); auto: max(10 s, 5 x the median step)")
     first_step_timeout_s: float | Literal["auto"] = Field(
         "auto", description="a generation's first step (compilation, warm-up) may take this long; auto: 3 x the "
                             "slowest first step measured, before any the cost model's step estimate x 20, at least "

@@ -7,6 +7,7 @@ refused before anything is reserved, naming `parallel.tp` (never an endless wait
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -60,19 +61,29 @@ def _kill(ray, actor) -> None:
     raise AssertionError("the killed actor still answers after 60 s")
 
 
-def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
-    # Ray's memory monitor kills actors while a node is short of memory, and a process can crash
-    # in its start-up; no rank holds state yet, so placement starts that seat's actor again.
+@contextlib.contextmanager
+def _worker_group(ray_cluster: str, name: str):
+    """(ray, a RayWorkerGroup of the demo job) connected to the test cluster; shut down after."""
     import ray
 
     from orchestrator.cluster.worker_group import RayWorkerGroup
     from orchestrator.spec.job_spec import load_spec
     from tests.ray.jobs import BASE, ROOT
 
-    spec = load_spec(str(ROOT / "examples/demo.yaml"), [*BASE, "checkpoint.url=memory://restart-ping"])
+    spec = load_spec(str(ROOT / "examples/demo.yaml"), [*BASE, f"checkpoint.url=memory://{name}"])
     ray.init(address=ray_cluster, logging_level="ERROR")
     workers = RayWorkerGroup(spec)
     try:
+        yield ray, workers
+    finally:
+        workers.shutdown()
+        ray.shutdown()
+
+
+def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
+    # Ray's memory monitor kills actors while a node is short of memory, and a process can crash
+    # in its start-up; no rank holds state yet, so placement starts that seat's actor again.
+    with _worker_group(ray_cluster, "restart-ping") as (ray, workers):
         workers.place(4)
         workers.ensure_actors([0, 1, 2, 3])
         doomed = workers.actors[2]
@@ -83,6 +94,31 @@ def test_an_actor_that_dies_while_starting_is_started_again(ray_cluster):
         _kill(ray, workers.actors[1])
         with pytest.raises(ray.exceptions.RayActorError):
             workers.ping_all(timeout_s=120, restarts=0)  # no restart allowed: the death is an error
-    finally:
-        workers.shutdown()
-        ray.shutdown()
+
+
+def test_a_warm_spare_that_died_idle_is_not_promoted(ray_cluster):
+    # Ray keeps a finished call's answer: a spare that warmed up and then died (its memory monitor, a
+    # crash) still looks warm by its warm-up call; promotion asks it once more.
+    with _worker_group(ray_cluster, "dead-spare") as (ray, workers):
+        workers.place(2, spares=2)
+        workers.ensure_actors([0, 1])
+        workers.start_spares()
+        deadline = time.monotonic() + 120
+        while len(workers.ready_spares()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first, second = workers.ready_spares()
+        _kill(ray, workers.spares[first][0])
+        assert workers.ready_spares() == [first, second]  # the stale answer: still "warm"
+        assert workers.live_ready_spares() == [second]
+        assert workers.promote_spares([5]) == [] and workers.bundle_of[5] == second
+
+
+def test_a_cold_replacement_keeps_its_own_seat_beside_its_tp_group(ray_cluster):
+    with _worker_group(ray_cluster, "own-seat") as (ray, workers):
+        workers.place(2, spares=1)  # seat 2 stays free: no spare is started in it
+        workers.ensure_actors([0, 1])
+        workers.ping_all(timeout_s=120)
+        _kill(ray, workers.actors[1])
+        assert workers.free_bundles() == [2]
+        assert workers.replace_cold([1], timeout_s=120) == []
+        assert workers.bundle_of[1] == 1  # its own healthy seat, not the free one

@@ -84,6 +84,9 @@ class FakeWorkerGroup:
     def ready_spares(self):
         return list(range(len(self.spares)))
 
+    def live_ready_spares(self):
+        return self.ready_spares()
+
     def spare_seats(self):
         return list(range(len(self.spares)))
 
@@ -311,6 +314,37 @@ def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
     assert any("shrinking dp 2 -> 1" in line for line in lines)
     assert any("growing dp 1 -> 2 at checkpoint step 20" in line for line in lines)
     assert len(report.failures) == 1  # growing is not a failure
+
+
+class DiesWhileStoppingToGrow(FakeWorkerGroup):
+    """Rank 0 of the shrunken generation dies while that generation stops to grow back."""
+
+    def wait_any(self, timeout_s):
+        if self.gen == 1 and self._running and self.gen_store.abort_requested() and 0 in self.actors:
+            self.actors.pop(0)
+            self._running.discard(0)
+            return [RankOutcome(0, "died", {"error": "The actor died unexpectedly"})]
+        return super().wait_any(timeout_s)
+
+    def promote_spares(self, ranks):  # the spares the grow counted on are warm: one takes the hole
+        left = []
+        for r in ranks:
+            if self.spares:
+                self.actors[r] = self.spares.pop()
+            else:
+                left.append(r)
+        return left
+
+
+def test_a_rank_lost_while_stopping_to_grow_is_replaced_first_and_the_grow_waits(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = DiesWhileStoppingToGrow(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                      cold_start_works=False)
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert any("rank(s) [0] lost while stopping to grow at checkpoint step 20" in line for line in lines), lines
+    assert workers.dp_history == [2, 1, 1]  # the hole filled at dp 1, not a grow with rank 0 missing
 
 
 def test_tensor_parallel_job_shrinks_and_grows_by_whole_tp_groups(tmp_path, rendezvous):

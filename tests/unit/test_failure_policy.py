@@ -15,6 +15,15 @@ def test_the_same_error_at_the_same_step_three_times_is_a_crash_loop():
     assert decision.action is FailureDecision.Action.FAIL and decision.reason.startswith("crash loop: rank 3")
 
 
+def test_a_hang_at_the_same_step_is_a_crash_loop_however_long_each_waited():
+    policy = FailurePolicy(max_restarts=10)
+    hangs = [FailureSummary("hang", None, 25, f"no step for {quiet} s (limit 60.0 s)") for quiet in (61.3, 60.2, 64.9)]
+    assert policy.decide(hangs[:2]).action is FailureDecision.Action.RESTART
+    assert policy.decide(hangs).reason.startswith("crash loop: rank None failed at step 25 3 times")
+    other = FailureSummary("rank_error", 1, 25, "ValueError: shape 4 vs 8")
+    assert policy.decide([*hangs[:2], other]).action is FailureDecision.Action.RESTART
+
+
 def test_injected_kills_at_the_same_step_spend_the_budget_instead():
     # A chaos experiment whose kills land faster than the job recovers kills the same rank at step 0
     # again and again: that is the experiment, not a bug in the job.

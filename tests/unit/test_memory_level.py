@@ -254,6 +254,21 @@ def test_after_a_restore_to_an_older_step_new_snapshots_complete_below_the_lost_
     assert done[-1] is not None and level.choose(20, {f"a{r}": r for r in range(WORLD)}).step == 23
 
 
+def test_a_lost_step_snapshotted_again_is_chosen_and_a_storage_restore_of_its_step_keeps_none(tmp_path):
+    level = _level(tmp_path, [])
+    level.begin(0, 0)
+    for message in _held_messages(step=12):
+        level.on_held(message, WORLD, 0, {}, lambda samples: {})
+    assert level.choose(None, {}) is None  # every holder gone: step 12 lost
+    level.begin(1, 10)  # restored storage step 10; the snapshot cadence brings step 12 round again
+    for message in _held_messages(step=12):
+        level.on_held(message, WORLD, 1, {}, lambda samples: {})
+    live = {f"a{r}": r for r in range(WORLD)}
+    assert level.choose(10, live).step == 12  # the new snapshot of 12, not the lost one's verdict
+    level.begin(2, 12)  # restored from storage at the same step 12: the ranks dropped what they held
+    assert level.newest is None and level.choose(None, live) is None
+
+
 def test_a_host_memory_limit_below_the_level_s_need_is_refused_naming_the_field(tmp_path):
     import pytest
 

@@ -54,6 +54,17 @@ def test_a_short_slow_spell_is_not_flagged_and_a_recovered_rank_is_unflagged():
     assert flagged == set()
 
 
+def test_pipeline_stages_of_unequal_work_are_compared_within_their_stage():
+    # tp 1, pp 2, dp 2: ranks 0 and 2 are stage 0 (2 blocks), 1 and 3 stage 1 (2 blocks and the head).
+    stage = {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}
+    everyone = StragglerDetector(sustain_s=0.0)
+    assert _feed(everyone, stage, beats=5)[0] == {1, 3}  # the heavier stage, all of it, against the median
+    by_stage = StragglerDetector(sustain_s=0.0, peer_group=lambda rank: rank % 2)
+    assert _feed(by_stage, stage, beats=5)[0] == set()
+    slow_in_stage = StragglerDetector(sustain_s=0.0, peer_group=lambda rank: rank % 2)
+    assert _feed(slow_in_stage, {**stage, 3: 1.8}, beats=5)[0] == {3}  # slow for its own stage
+
+
 def test_reset_forgets_history_for_a_new_generation():
     detector = StragglerDetector(sustain_s=0.0)
     flagged, _ = _feed(detector, {0: 1.0, 1: 2.0, 2: 1.0}, beats=5)
@@ -111,3 +122,14 @@ def test_eviction_disarms_the_slow_rank_fault_so_the_replacement_runs_at_full_sp
     assert workers.evicted == [1] and [s.rank for s in report.stragglers] == [1]
     assert [(f.kind, f.rank) for f in report.failures] == [("straggler_evicted", 1)]
     assert ctl.fault_clock.armed() == []
+
+
+def test_the_controller_compares_each_rank_with_its_pipeline_stage(tmp_path):
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.telemetry import Telemetry
+
+    spec = _spec(tmp_path, model={"preset": "tiny", "n_layers": 4}, parallel={"dp": 2, "tp": 2, "pp": 2})
+    telemetry = Telemetry(spec, JobMetrics("pp"), heartbeat_s=0.5)
+    telemetry.on_layout(spec, 2)
+    # rank = (dp * pp + pp_index) * tp + tp_index: stage 0 holds ranks 0, 1, 4, 5.
+    assert [telemetry.detector.peer_group(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]

@@ -1,0 +1,38 @@
+"""Which rank a failure is blamed on: the rank whose error is its own, not the peers whose collectives
+failed because of it, whichever outcome the controller saw first (orchestrator.controller.blame)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from orchestrator.cluster.worker_group import RankOutcome
+from orchestrator.controller.blame import Blame
+from orchestrator.controller.errors import is_peer_failure
+
+GLOO_PEER = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+             "[127.0.0.1]:45738. This is typically caused by a remote worker crashing.")
+OWN = "ValueError: expected a batch of 4 rows, got 3"
+
+
+def _blame() -> Blame:
+    faults = SimpleNamespace(take_fired=lambda: None, disarm_slow=lambda ranks: None)
+    return Blame(faults, SimpleNamespace(last_step=12, completed_steps=lambda: 12))
+
+
+def test_the_rank_with_its_own_error_is_blamed_not_the_first_peer_to_report():
+    outcomes = [RankOutcome(0, "aborted", {"error": GLOO_PEER, "step": 12}),
+                RankOutcome(5, "aborted", {"error": OWN, "step": 12}),
+                RankOutcome(1, "aborted", {"error": "DistBackendError: NCCL communicator was aborted", "step": 12})]
+    failure = _blame().from_outcomes(outcomes)
+    assert (failure.kind, failure.rank, failure.message) == ("rank_error", 5, OWN)
+
+
+def test_once_every_outcome_is_in_a_peer_blamed_first_gives_way_to_the_cause():
+    blame = _blame()
+    failure = blame.from_outcomes([RankOutcome(0, "aborted", {"error": GLOO_PEER, "step": 12})])
+    assert failure.rank == 0  # all it knows so far
+    failure.errors.update({5: OWN, 3: GLOO_PEER})  # the release collects the others' outcomes
+    failure.record = SimpleNamespace(kind=None, rank=None)
+    summary = blame.attribute(failure, dead=[], stuck=[])
+    assert (summary.rank, summary.error) == (5, OWN) and failure.record.rank == 5
+    assert is_peer_failure(GLOO_PEER) and not is_peer_failure(OWN)
