@@ -10,7 +10,8 @@ servers, serves the job's Prometheus metrics on `monitor.host` /
 `monitor.port` as a collective job does (monitor.ps_metrics: the staleness of every update, the
 servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, prints the report
 (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
-`--report`.
+`--report`. SIGTERM and SIGINT stop the job at its next segment end or where it is
+(paramserver.preemption): exit 75, the last commit intact.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import sys
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cli.root_lease import claim_root
+from orchestrator.cli.teardown import route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
+from paramserver.preemption import Preempted, Preemption
 
 
 def supervision(spec: JobSpec, on_commit=None) -> tuple:
@@ -54,11 +57,17 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     par = spec.parallel
     ledger = GoodputLedger()  # start-up from here: Ray, the actors
     metrics = JobMetrics(spec.name)
-    # A PS save blocks every worker until it commits: its whole time is what it cost training.
-    checkpoints, faults = supervision(spec, on_commit=lambda c: metrics.on_checkpoint(
-        c.step, c.nbytes, c.total_s, c.total_s, None))
+    preemption = Preemption(spec.elastic.preemption_grace_s)
+
+    def on_commit(commit) -> None:
+        # A PS save blocks every worker until it commits: its whole time is what it cost training.
+        metrics.on_checkpoint(commit.step, commit.nbytes, commit.total_s, commit.total_s, None)
+        preemption.on_commit(commit)
+
+    checkpoints, faults = supervision(spec, on_commit=on_commit)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
+    restore_signals = lambda: None  # noqa: E731 (replaced once the signals are routed)
     try:
         checkpoints.owner = claim_root(spec)
         if checkpoints.owner is None:
@@ -67,10 +76,15 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
               f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)
+        checkpoints.preemption = preemption
+        restore_signals = route_signals(preemption.on_signal)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=ps_metrics.on_server_stats,
                             checkpoints=checkpoints, faults=faults, ledger=ledger)
             ps_metrics.on_steps(report.steps)
+        except Preempted as stop:
+            print(f"undying: job preempted: {stop}", file=sys.stderr)
+            return EXIT_PREEMPTED
         except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
             print(f"undying: job failed: {type(err).__name__}: {err}", file=sys.stderr)
             return EXIT_FAILED
@@ -86,7 +100,5 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             print(f"report written to {report_path}")
         return EXIT_OK
     finally:
-        metrics.close()
-        conn.close()
-        if checkpoints.owner is not None:
-            checkpoints.owner.release()
+        teardown([checkpoints.owner.release if checkpoints.owner is not None else None, metrics.close, conn.close])
+        restore_signals()

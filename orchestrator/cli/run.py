@@ -10,7 +10,9 @@ controller while it runs (orchestrator.controller.stopping: the handler only rec
 signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED).
 
 Before anything writes to the checkpoint root the driver takes its owner lease (ckpt.ownership):
-a second driver of a live job exits 2 naming the first; the lease is released last.
+a second driver of a live job exits 2 naming the first; the lease is released once the ranks
+and the trackers are closed. Each teardown step runs whatever the others raised, and a signal
+during the report or the teardown is recorded, never raised into them.
 
 The run's events go to its trackers (monitor.tracking), opened here before the controller and
 closed last: the event log under the checkpoint root always (`undying report` reads it), and
@@ -19,10 +21,7 @@ TensorBoard and W&B where the spec's `monitor` section asks for them.
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
 from collections.abc import Callable
 
 from ckpt.catalog import Catalog
@@ -31,6 +30,7 @@ from monitor.metrics import JobMetrics
 from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cli.root_lease import claim_root
+from orchestrator.cli.teardown import route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
 from orchestrator.cluster.drain import DrainWatcher
@@ -52,7 +52,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
                                slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
-    workers, trackers, lease = None, NO_TRACKING, None
+    workers, trackers, lease, restore_signals = None, NO_TRACKING, None, lambda: None
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
         spares, note = resolve_spares(spec, ray.available_resources(), ray_cluster.alive_node_resources())
@@ -78,17 +78,15 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         controller = Controller(spec, workers, rendezvous, catalog, metrics, fresh=fresh,
                                 printer=lambda line: print(line, flush=True), drains=DrainWatcher().draining)
         controller.record.tracker = trackers
-        with _signals_to(controller.stops.on_signal):
-            report = controller.run()
+        # From here to the end of the teardown a signal is the controller's to record: never an
+        # exception that cuts the report or the teardown short (the lease release among them).
+        restore_signals = route_signals(controller.stops.on_signal)
+        report = controller.run()
         return _outcome(report, report_path, timeline_path)
     finally:
-        trackers.close()
-        if workers is not None:
-            workers.shutdown()
-        metrics.close()
-        conn.close()
-        if lease is not None:
-            lease.release()
+        teardown([workers.shutdown if workers is not None else None, trackers.close,
+                   lease.release if lease is not None else None, metrics.close, conn.close])
+        restore_signals()
 
 
 def _outcome(report, report_path: str | None, timeline_path: str | None) -> int:
@@ -122,18 +120,3 @@ def _trackers(spec: JobSpec, storage: Storage):
         return None
     print(f"undying: tracking to {trackers.where()}", flush=True)
     return trackers
-
-
-@contextlib.contextmanager
-def _signals_to(handler):
-    """SIGTERM and SIGINT call `handler(signum, frame)` inside the block; the previous handlers
-    (Ray's driver handler exits at once) are put back after. Only the main thread can install
-    handlers: from another thread the block changes nothing."""
-    signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
-

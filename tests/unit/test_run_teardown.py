@@ -1,0 +1,37 @@
+"""`undying run`'s teardown: every step runs whatever another raised (the owner lease release among
+them), and from the controller's start to the teardown's end SIGINT/SIGTERM only reach the
+controller's handler, never as an exception that would cut the teardown short."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from orchestrator.cli.teardown import route_signals, teardown
+
+
+def test_every_teardown_step_runs_whatever_the_others_raise(capsys):
+    ran = []
+
+    def closes(name):
+        return lambda: ran.append(name)
+
+    def fails():
+        ran.append("trackers")
+        raise RuntimeError("W&B unreachable")
+
+    teardown([closes("workers"), fails, None, closes("lease"), closes("metrics"), closes("ray")])
+    assert ran == ["workers", "trackers", "lease", "metrics", "ray"]
+    err = capsys.readouterr().err
+    assert "teardown" in err and "RuntimeError: W&B unreachable" in err
+
+
+def test_signals_go_to_the_handler_until_restored():
+    seen = []
+    before = signal.getsignal(signal.SIGINT)
+    restore = route_signals(lambda signum, frame: seen.append(signum))
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: recorded, no KeyboardInterrupt
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert seen == [signal.SIGINT, signal.SIGTERM]
+    restore()
+    assert signal.getsignal(signal.SIGINT) is before
