@@ -15,8 +15,11 @@ with plain values):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 # The goodput ledger's buckets this package books into (monitor.goodput.BUCKETS).
 PRODUCTIVE, STARTUP, SAVE, RESTORE = "productive", "startup", "checkpoint_save", "checkpoint_restore"
@@ -150,3 +153,24 @@ class NullLedger:
 
     def wall(self) -> float:
         return 0.0
+
+
+def record_rollback(failures: list[Failure], logs: dict, dead: set[int], reason: str, detected: float,
+                    injected: float | None, step: int, from_checkpoint: bool) -> int:
+    """Book a rollback to `step` (paramserver.supervisor): drop the logs of the steps it threw away,
+    mark the torn pushes pending and each dead server restored in `failures`; returns the step
+    executions thrown away."""
+    lost = [key for key in logs if key[1] >= step]
+    redone = max((s for _, s in lost), default=step - 1) + 1 - step
+    for key in lost:
+        del logs[key]
+    torn = [f for f in failures if f.action == "pending"]
+    entries = torn + [Failure("server", k, detected, "restored", injected) for k in sorted(dead)]
+    for failure in entries or [Failure("run_error", -1, detected, "restored")]:
+        failure.action, failure.resumed_at, failure.steps_redone = "restored", step, redone
+        failure.from_checkpoint, failure.reason = from_checkpoint, reason
+        if not any(f is failure for f in failures):
+            failures.append(failure)
+    log.warning("%s: every server restored to step %d (%s), %d steps redone", reason, step,
+                "checkpoint" if from_checkpoint else "initial values", redone)
+    return len(lost)

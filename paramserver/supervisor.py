@@ -19,9 +19,9 @@ or train.steps; paramserver.recovery.segment_end):
        and EVERY server is restored from the last committed checkpoint, or to the initial values
        when none is committed; the segment reruns from there with the same workers;
   3. with checkpoints: save a PS checkpoint at b (paramserver.checkpoint; every server at the cut b).
-When the driver's owner lease on the checkpoint root is lost (`Checkpoints.owner`, ckpt.ownership:
-another driver claimed the root) the job ends at the next poll with OwnershipLost, and no shard or
-manifest of it is written there after.
+When the driver's owner lease on the root is lost (`Checkpoints.owner`, ckpt.ownership) the job ends
+at the next poll with OwnershipLost, writing nothing there after; a signal (`Checkpoints.preemption`)
+ends it with Preempted at a segment's saved end, or where it is (paramserver.preemption).
 The goodput ledger books the wall (paramserver.recovery's buckets); `failures` says what happened.
 """
 
@@ -41,7 +41,17 @@ from ckpt.ownership import OwnerLease, OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
-from paramserver.recovery import Failure, Fault, FaultPlan, Ledger, NullLedger, resume_step, segment_end
+from paramserver.preemption import Preemption
+from paramserver.recovery import (
+    Failure,
+    Fault,
+    FaultPlan,
+    Ledger,
+    NullLedger,
+    record_rollback,
+    resume_step,
+    segment_end,
+)
 from paramserver.streams import actor_died, brief, take
 
 log = logging.getLogger(__name__)
@@ -70,6 +80,7 @@ class Checkpoints:
     # and size, which the "no checkpoint lately" alert reads).
     on_commit: Callable[[object], None] | None = None
     owner: OwnerLease | None = None  # the driver's lease on `root` (ckpt.ownership): every commit is fenced by it
+    preemption: Preemption | None = None  # `undying run`'s signals (paramserver.preemption)
 
 
 class Supervisor:
@@ -118,6 +129,8 @@ class Supervisor:
                 step = restored
                 continue
             rollbacks, step = 0, end
+            if self.ckpt and self.ckpt.preemption and self.ckpt.preemption.signals and end < self.steps:
+                raise self.ckpt.preemption.preempted(self._last_commit(), saved_now=end in self.saved)
         self.ledger.enter(book.OTHER)
 
     def _resume(self) -> int:
@@ -153,6 +166,9 @@ class Supervisor:
             self.on_stats(stats or ray.get([s.stats.remote() for s in self.servers]))
         return None
 
+    def _last_commit(self) -> int | None:
+        return self.saved[-1] if self.saved else (self.start_step or None)  # this run's, or the one resumed
+
     def final_stats(self) -> list[ServerStats]:
         return ray.get([s.stats.remote() for s in self.servers])
 
@@ -174,6 +190,11 @@ class Supervisor:
             ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
             if self.ckpt is not None and self.ckpt.owner is not None and self.ckpt.owner.lost is not None:
                 raise OwnershipLost(self.ckpt.owner.lost)  # another driver took the root: train no further
+            if self.ckpt is not None and self.ckpt.preemption is not None and self.ckpt.preemption.cut_now():
+                for server in self.servers:
+                    server.abort.remote()  # its waiting pulls fail, so every worker's run ends
+                self._stop(streams, within_s=self.ckpt.preemption.left_s())
+                raise self.ckpt.preemption.preempted(self._last_commit(), saved_now=False)
             trouble = self._take_streams(streams, start, end)
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:
@@ -330,13 +351,14 @@ class Supervisor:
         self._dead_workers.clear()
         self.ledger.enter(book.RESTORE)
         step, from_checkpoint = self._restore(dead)
-        self._record_rollback(dead, reason, detected, min(injected) if injected else None, step, from_checkpoint)
+        self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
+                                       min(injected) if injected else None, step, from_checkpoint)
         self._held.clear()
         return step
 
-    def _stop(self, streams: dict) -> None:
+    def _stop(self, streams: dict, within_s: float = STOP_S) -> None:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
-        deadline = time.time() + STOP_S
+        deadline = time.time() + within_s
         while streams:
             ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
             for w, stream in list(streams.items()):
@@ -349,7 +371,7 @@ class Supervisor:
                         self._dead_workers.add(w)
             if time.time() > deadline:
                 for w in streams:
-                    log.warning("worker %d did not stop %.0f s after the servers were aborted; killing it", w, STOP_S)
+                    log.warning("worker %d did not stop %.0f s after the servers were aborted; killing it", w, within_s)
                     ray.kill(self.workers[w], no_restart=True)
                 deadline = math.inf
 
@@ -375,20 +397,3 @@ class Supervisor:
         ray.get([s.reopen.remote(latest, self._committed_records.get(k, []) if k in replaced else None)
                  for k, s in enumerate(self.servers)])
         return latest, True
-
-    def _record_rollback(self, dead: set[int], reason: str, detected: float, injected: float | None, step: int,
-                         from_checkpoint: bool) -> None:
-        lost = [key for key in self.logs if key[1] >= step]
-        redone = max((s for _, s in lost), default=step - 1) + 1 - step
-        for key in lost:
-            del self.logs[key]
-        self.redone += len(lost)
-        torn = [f for f in self.failures if f.action == "pending"]
-        entries = torn + [Failure("server", k, detected, "restored", injected) for k in sorted(dead)]
-        for failure in entries or [Failure("run_error", -1, detected, "restored")]:
-            failure.action, failure.resumed_at, failure.steps_redone = "restored", step, redone
-            failure.from_checkpoint, failure.reason = from_checkpoint, reason
-            if not any(f is failure for f in self.failures):
-                self.failures.append(failure)
-        log.warning("%s: every server restored to step %d (%s), %d steps redone", reason, step,
-                    "checkpoint" if from_checkpoint else "initial values", redone)

@@ -337,3 +337,55 @@ def test_a_torn_push_rolls_back_instead_of_replaying(world, expected, monkeypatc
     [failure] = supervisor.failures
     assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("torn_push", 1, "restored", 0)
     assert losses == expected and _applied_once(supervisor)
+
+
+def _preempted(world: World, grace_s: float, signals=(15,)):
+    from paramserver.preemption import Preempted, Preemption
+
+    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    preemption = Preemption(grace_s, clock=lambda: world.now)
+    for signum in signals:  # arrived before the first step
+        preemption.on_signal(signum)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption)
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints)
+    with pytest.raises(Preempted) as stop:
+        supervisor.run()
+    return supervisor, str(stop.value)
+
+
+def test_a_signal_lets_the_segment_end_within_half_the_grace_and_stops_at_its_commit(world):
+    supervisor, why = _preempted(world, grace_s=1e6)
+    assert supervisor.saved == [4] and "SIGTERM: stopped at checkpoint step 4, just committed" in why
+    assert max(step for _, step in supervisor.logs) == 3  # nothing trained past the commit
+
+
+def test_a_segment_that_cannot_end_in_time_stops_where_it_is(world):
+    supervisor, why = _preempted(world, grace_s=0.0)
+    assert supervisor.saved == [] and "SIGTERM: the segment under way stopped before any checkpoint" in why
+    assert max((step for _, step in supervisor.logs), default=-1) < 3  # stopped before the segment's end
+
+
+def test_a_second_signal_stops_at_once_and_a_save_that_would_not_fit_cuts_the_segment(world):
+    from paramserver.preemption import Preempted, Preemption
+
+    clock = [0.0]
+    preemption = Preemption(25.0, clock=lambda: clock[0])
+    preemption.on_signal(15)
+    assert not preemption.cut_now() and preemption.left_s() == 25.0
+    preemption.on_commit(types.SimpleNamespace(total_s=8.0))  # a save takes 8 s: 16 s must be left
+    clock[0] = 9.5
+    assert preemption.cut_now() and preemption.left_s() == 15.5
+    with pytest.raises(Preempted, match="SIGINT during the grace: stopped at once"):
+        preemption.on_signal(2)  # raised by the handler, wherever the driver is
+
+
+def test_a_signal_during_the_last_segment_lets_the_job_finish(world):
+    from paramserver.preemption import Preemption
+
+    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    preemption = Preemption(1e6, clock=lambda: world.now)
+    checkpoints = sup.Checkpoints("fake://ckpt", 8, job=None, preemption=preemption)  # one segment: the last
+    preemption.on_signal(15)
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints)
+    supervisor.run()  # no Preempted: the job is done, its final checkpoint committed
+    assert supervisor.saved == [8]

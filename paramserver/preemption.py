@@ -1,0 +1,63 @@
+"""SIGTERM and SIGINT for a parameter-server job (`undying run` with `parallel.mode: ps`).
+
+A PS job checkpoints at the ends of its segments (every `checkpoint.every_steps` steps, every
+server at one cut), not at any step. So a signal lets the segment under way run on while its end
+can still be saved within `elastic.preemption_grace_s`: until the grace has left half of itself,
+or twice the last save's time if that is more. When the segment ends in that time its end is
+saved and the job stops there with nothing lost; otherwise the segment is stopped where it is:
+the last commit stays intact and the steps since it are redone by the rerun. Either way the job
+ends PREEMPTED (exit 75), its actors killed and its owner lease released by the caller. A second
+signal stops it at once, wherever the driver is (the handler raises): the way out of a driver
+stuck in a save or a restore.
+
+Protocol: `undying run` routes the signals to `on_signal` and each commit to `on_commit`; the
+supervisor (paramserver.supervisor) asks `cut_now()` at each poll of a segment, and when it says
+yes stops the segment (within `left_s()`) and raises `preempted(last commit)`; after a segment
+that is not the job's last it raises `preempted(...)` too if a signal came.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+
+class Preempted(Exception):
+    """The job stopped for a signal; the message says at which commit."""
+
+
+class Preemption:
+    def __init__(self, grace_s: float, clock: Callable[[], float] = time.monotonic):
+        self.grace_s, self.clock = grace_s, clock
+        self.signals: list[str] = []
+        self.signalled_at: float | None = None
+        self.save_s = 0.0  # the last commit's time, first staging to manifest
+
+    def on_signal(self, signum: int, _frame=None) -> None:
+        self.signalled_at = self.signalled_at or self.clock()
+        self.signals.append(signal.Signals(signum).name)
+        if len(self.signals) > 1:
+            raise Preempted(f"{self.signals[1]} during the grace: stopped at once; the last commit is intact, "
+                            "rerun the job to resume")
+
+    def on_commit(self, commit) -> None:
+        self.save_s = commit.total_s
+
+    def left_s(self) -> float:
+        """The grace left (all of it before a signal)."""
+        return self.grace_s if self.signalled_at is None else self.signalled_at + self.grace_s - self.clock()
+
+    def cut_now(self) -> bool:
+        """Whether the segment under way must stop where it is (its end could not be saved in time)."""
+        return bool(self.signals) and self.left_s() <= max(self.grace_s / 2, 2 * self.save_s)
+
+    def preempted(self, committed: int | None, saved_now: bool) -> Preempted:
+        if saved_now:
+            how = f"stopped at checkpoint step {committed}, just committed"
+        elif committed is not None:
+            how = (f"the segment under way stopped; checkpoint step {committed} intact, the steps since "
+                   "redone by the rerun")
+        else:
+            how = "the segment under way stopped before any checkpoint; the rerun starts from step 0"
+        return Preempted(f"{self.signals[0]}: {how}; rerun the job to resume")

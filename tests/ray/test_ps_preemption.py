@@ -1,0 +1,51 @@
+"""SIGTERM to `undying run` of a parameter-server job: it stops at its next segment end (saved) or
+where it is, exits 75 and releases its owner lease, and a rerun resumes from the last commit."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ckpt.catalog import Catalog
+from ckpt.storage import Storage
+from tests.ray.jobs import ROOT, UNDYING
+
+pytestmark = pytest.mark.ray
+
+
+def _cmd(tmp_path, report, steps: int) -> list[str]:
+    cmd = [UNDYING, "run", str(ROOT / "examples/ps.yaml"), "--report", str(report)]
+    for item in [f"train.steps={steps}", "checkpoint.every_steps=10", f"checkpoint.url=file://{tmp_path}/ckpt"]:
+        cmd += ["--set", item]
+    return cmd
+
+
+def test_sigterm_stops_a_ps_job_with_exit_75_and_the_rerun_resumes(tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/ps-tiny"))
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_cmd(tmp_path, tmp_path / "first.json", 400), stdout=out, stderr=subprocess.STDOUT,
+                                text=True, cwd=ROOT)
+    deadline = time.monotonic() + 240
+    while not (catalog.storage.exists(catalog.storage.root) and catalog.committed_steps()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 75, text[-3000:]
+    assert time.monotonic() - sent < 25.0  # elastic.preemption_grace_s's default
+    assert "job preempted: SIGTERM" in text and "rerun the job to resume" in text
+    committed = catalog.committed_steps()[-1]
+    assert committed >= 10
+    # The lease was released: the rerun claims at once and resumes from the last commit.
+    again = subprocess.run(_cmd(tmp_path, tmp_path / "again.json", committed + 10), capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    report = json.loads((tmp_path / "again.json").read_text())
+    assert report["first_step"] == committed and "watching" not in again.stdout
