@@ -66,8 +66,10 @@ def check_directory(entries: dict[str, SafetensorsEntry], cfg: ModelConfig, url:
 
 
 def read_hf_slices(url: str, wanted: Sequence[TensorSlice], cfg: ModelConfig, *,
-                   storage_options: dict | None = None, threads: int = READ_THREADS) -> list[TensorSlice]:
-    """`wanted` ("model/<name>" slices of any layout) filled from the Hugging Face directory `url`."""
+                   storage_options: dict | None = None, threads: int = READ_THREADS,
+                   on_bytes=None) -> list[TensorSlice]:
+    """`wanted` ("model/<name>" slices of any layout) filled from the Hugging Face directory `url`;
+    `on_bytes(n, total)` follows the reads (ckpt.fetch.fetch)."""
     storage = Storage(url.rstrip("/"), storage_options or {})
     entries = directory_entries(storage)
     check_directory(entries, cfg, url)
@@ -77,5 +79,5 @@ def read_hf_slices(url: str, wanted: Sequence[TensorSlice], cfg: ModelConfig, *,
             raise ValueError(f"{piece.name}: only model parameters load from a Hugging Face directory")
         targets.append(replace(piece, name=to_hf(piece.name.removeprefix(PREFIX))))
     plan = plan_reads(entries, targets)
-    filled = assemble(targets, plan, fetch(storage, None, plan.reads, threads=threads))
+    filled = assemble(targets, plan, fetch(storage, None, plan.reads, threads=threads, on_bytes=on_bytes))
     return [replace(got, name=piece.name) for piece, got in zip(wanted, filled, strict=True)]

@@ -28,6 +28,7 @@ import contextlib
 import os
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 import ray
@@ -36,6 +37,7 @@ from chaos.config import ArmedFault
 from ckpt.held import HeldShards
 from orchestrator.rank.comm_abort import CommSockets
 from orchestrator.rank.reclaim import reclaim_generation
+from orchestrator.rank.restore_turns import RestoreTurns
 from orchestrator.wire.auth import StoreAddress
 from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
@@ -60,6 +62,7 @@ class RankActor:
         # Memory snapshots this process holds (its own and its buddies'); they outlive generations.
         self.held = HeldShards(self.spec.name)
         self.engine = None
+        self.restores = RestoreTurns()  # one restore at a time, the latest winning
         self._reclaiming: threading.Thread | None = None  # a dropped engine's collection (_drop_engine)
         self.writer = None
         self.gen = -1
@@ -179,37 +182,31 @@ class RankActor:
         (orchestrator.rank.snapshots.MemorySource) to load instead of `step`. The answer carries
         the bytes this restore read from durable storage (`storage_read_bytes`, counted by
         ckpt.storage on every read of this process)."""
-        from chaos.injector import FaultInjector
         from ckpt.storage import durable_bytes_read
-        from monitor.progress import Progress
-        from orchestrator.rank.state import (
-            build_engine,
-            load_engine_state,
-            load_from_memory,
-            load_pretrained,
-            restore_storage_setup,
-        )
+        from orchestrator.rank.state import build_engine
         from trainer.memory_probe import current_bytes
 
-        started, read_before = time.perf_counter(), durable_bytes_read()
-        # Only the snapshot being restored stays held (peers may be reading it); older ones go.
-        self.held.keep_only(source.files if source is not None else [])
-        self._drop_engine()  # drop the previous generation's engine before measuring the baseline
-        device = torch_device(self.spec)
-        self.baseline_bytes = current_bytes(device)
-        self.engine = build_engine(self.spec, self.rank, self.world_size, dp,
-                                   recording_groups=self.sockets.adding)
-        built = time.perf_counter()
-        if source is not None:
-            load_from_memory(self.engine, source, self.held)
-        elif step is not None:
-            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
-            # Rank 0 says how far a long restore is, a line every 10 s in the driver's log.
-            with Progress(f"rank 0: restoring step {step}", enabled=self.rank == 0) as progress:
-                load_engine_state(self.spec, self.engine, step, fault_hook=hook, on_bytes=progress.advance,
-                                  storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
-        elif self.spec.model.from_hf:
-            load_pretrained(self.spec, self.engine)
+        ticket = self.restores.begin()  # a restore of this rank still running is stale from now on
+        with self.restores.turn(ticket):  # and this one waits for it to give up: one engine at a time
+            started, read_before = time.perf_counter(), durable_bytes_read()
+            # Only the snapshot being restored stays held (peers may be reading it); older ones go.
+            self.held.keep_only(source.files if source is not None else [])
+            self._drop_engine()  # drop the previous generation's engine before measuring the baseline
+            device = torch_device(self.spec)
+            self.baseline_bytes = current_bytes(device)
+            engine = build_engine(self.spec, self.rank, self.world_size, dp, recording_groups=self.sockets.adding)
+            built = time.perf_counter()
+            try:
+                self._load(engine, step, faults, source, check=lambda: self.restores.check(ticket))
+                self.restores.check(ticket)
+            except BaseException as err:
+                # Dropped before the turn passes: the next restore's collection must find this engine
+                # unreferenced, as the frozen survivors of a collection are never freed (rank.reclaim).
+                engine.data.close(wait=False)
+                engine = None
+                traceback.clear_frames(err.__traceback__)  # the loading frames' references to it
+                raise
+            self.engine = engine  # published only by the latest restore, once loaded
         done = time.perf_counter()
         out = {"seconds": done - started, "build_s": built - started, "load_s": done - built,
                "rank": self.rank, "next_step": self.engine.next_step,
@@ -217,6 +214,28 @@ class RankActor:
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)
         return out
+
+    def _load(self, engine, step: int | None, faults: list[ArmedFault] | None, source, check) -> None:
+        """Fill a new engine for `restore`: from the memory snapshot `source`, from checkpoint `step`,
+        from `model.from_hf`, or not at all (a fresh start). `check()` runs as each piece is read:
+        it raises when this restore has gone stale (orchestrator.rank.restore_turns)."""
+        from chaos.injector import FaultInjector
+        from monitor.progress import Progress
+        from orchestrator.rank.state import load_engine_state, load_from_memory, load_pretrained, restore_storage_setup
+
+        def checked(advance=lambda n, total: None):
+            return lambda n, total: (check(), advance(n, total))
+
+        if source is not None:
+            load_from_memory(engine, source, self.held, on_bytes=checked())
+        elif step is not None:
+            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
+            # Rank 0 says how far a long restore is, a line every 10 s in the driver's log.
+            with Progress(f"rank 0: restoring step {step}", enabled=self.rank == 0) as progress:
+                load_engine_state(self.spec, engine, step, fault_hook=hook, on_bytes=checked(progress.advance),
+                                  storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
+        elif self.spec.model.from_hf:
+            load_pretrained(self.spec, engine, on_bytes=checked())
 
     def train(self, until_step: int, faults: list[ArmedFault], buddy=None) -> dict:
         """`buddy`: the actor that keeps a copy of this rank's memory snapshots (None: the level is off,
@@ -271,6 +290,7 @@ class RankActor:
 
     def leave(self) -> bool:
         """Drop the process group; returns whether this rank's node is still alive."""
+        self.restores.supersede()  # a restore of the generation left is stale: it stops at its next piece
         self._teardown()
         self._drop_engine()
         return self.node_alive()

@@ -42,7 +42,7 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
     )
 
 
-def load_pretrained(spec, engine) -> None:
+def load_pretrained(spec, engine, on_bytes=None) -> None:
     """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet).
 
     Straight into the shards: each wanted slice carries the rank's own live tensor, which the
@@ -53,7 +53,7 @@ def load_pretrained(spec, engine) -> None:
     live = {piece.name: piece.tensor for piece in engine.state_slices(copy=False)}
     wanted = [piece.with_tensor(live.get(piece.name)) for piece in engine.wanted_slices()
               if piece.name.startswith("model/")]
-    engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model))
+    engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model, on_bytes=on_bytes))
 
 
 def restore_storage_setup(spec, faults, rank: int, notify):
@@ -99,7 +99,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     return manifest.state
 
 
-def load_from_memory(engine, source, held) -> dict:
+def load_from_memory(engine, source, held, on_bytes=None) -> dict:
     """Load memory snapshot `source` (orchestrator.rank.snapshots.MemorySource) into `engine`: the
     same plan, checks and assembly as a storage restore (any layout), with the bytes read from this
     process's `held` shards where it has them and from the snapshot's live holders otherwise
@@ -111,6 +111,7 @@ def load_from_memory(engine, source, held) -> dict:
     manifest = source.manifest()
     storage = PeerStorage(held, source.holders, read_from_holder)
     wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
-    slices = read_slices(Catalog(storage), source.step, wanted, manifest=manifest, retry=ReadRetry(0.0))
+    slices = read_slices(Catalog(storage), source.step, wanted, manifest=manifest, retry=ReadRetry(0.0),
+                         on_bytes=on_bytes)
     engine.load_slices(slices, manifest.state["engine"])
     return manifest.state

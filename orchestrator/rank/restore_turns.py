@@ -1,0 +1,58 @@
+"""One restore at a time in a rank's process, the latest call winning.
+
+Why: the controller stops waiting for a restore as soon as one rank's call fails (a damaged
+checkpoint, a rank that died), and then either calls `restore` again at once with another
+source (the previous checkpoint, storage instead of memory) or forms a new generation, whose
+`join` and `restore` follow. The other ranks' first calls are still loading meanwhile: the actor
+runs calls on several threads (so `ping` answers), and nothing would stop a second restore from
+building a second engine beside the first, which on a GPU is two copies of the rank's share of the
+model and its optimizer state; and the slower of the two could publish its engine last.
+
+Protocol (orchestrator.rank.actor.RankActor): `restore` takes a ticket with `begin()` and does its
+work inside `turn(ticket)`, which waits for any earlier restore to end; it calls `check(ticket)`
+between pieces of work (after building the engine, as each piece of the checkpoint is read, before
+publishing the engine). `join` calls `supersede()`: a new generation makes every restore still
+running stale. A stale restore raises RestoreSuperseded at its next check, dropping its engine,
+and the controller, which no longer waits for that call, never sees it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class RestoreSuperseded(Exception):
+    """A restore given up because a later restore call, or a new generation, came to this rank."""
+
+
+class RestoreTurns:
+    def __init__(self) -> None:
+        self._turn = threading.Lock()  # held by the one restore working
+        self._latest = 0  # the ticket of the latest restore call (or supersede)
+        self._tickets = threading.Lock()
+
+    def begin(self) -> int:
+        """A new restore call's ticket; every earlier restore is stale from now on."""
+        return self.supersede()
+
+    def supersede(self) -> int:
+        """Make every restore running now stale (a new generation is joining)."""
+        with self._tickets:
+            self._latest += 1
+            return self._latest
+
+    def check(self, ticket: int) -> None:
+        """Raise RestoreSuperseded when a later call has come since `ticket` was taken."""
+        latest = self._latest
+        if ticket != latest:
+            raise RestoreSuperseded(f"restore call {ticket} superseded by a later one ({latest}) on this rank")
+
+    @contextmanager
+    def turn(self, ticket: int) -> Iterator[None]:
+        """Run the restore of `ticket` alone: waits until an earlier restore has given up (at its
+        next check) or ended; raises RestoreSuperseded when `ticket` went stale meanwhile."""
+        with self._turn:
+            self.check(ticket)
+            yield

@@ -1,0 +1,177 @@
+"""A rank restores one engine at a time, the latest call winning (orchestrator.rank.restore_turns).
+
+The controller gives up on a restore as soon as one rank's call fails and calls `restore` again
+(another checkpoint, or storage instead of memory) or forms a new generation; the other ranks'
+first calls are still loading. These tests drive the actor's real `restore` on threads, as Ray
+runs its calls, with the engine and the loading replaced by fakes that report each piece read
+the way ckpt.fetch does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import threading
+import time
+import weakref
+from types import SimpleNamespace
+
+import pytest
+
+import orchestrator.rank.actor as actor_module
+import orchestrator.rank.state as rank_state
+from orchestrator.rank.actor import RankActor
+from orchestrator.rank.restore_turns import RestoreSuperseded, RestoreTurns
+
+PIECES = 100  # a long load: 100 pieces, 10 ms each
+
+
+class FakeData:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self, wait: bool = True) -> None:
+        self.closed = True
+
+
+class FakeEngine:
+    def __init__(self, dp: int) -> None:
+        self.dp, self.data, self.next_step = dp, FakeData(), 0
+
+
+class Loads:
+    """The fakes of build_engine and load_engine_state, and what they saw."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        self.alive_at_build: list[int] = []  # engines alive when each new one was built
+        self.loading: dict[int, threading.Event] = {}
+        self.data: list[FakeData] = []  # each built engine's data cursor
+        self.fail_at = fail_at
+
+    def build(self, spec, rank, world_size, dp, recording_groups=None):
+        gc.collect()
+        self.alive_at_build.append(len(self.live))
+        engine = FakeEngine(dp)
+        self.live.add(engine)
+        self.data.append(engine.data)
+        return engine
+
+    def load(self, spec, engine, step, fault_hook=None, storage_setup=None, on_bytes=None):
+        self.loading.setdefault(step, threading.Event()).set()
+        for piece in range(PIECES):
+            if piece == 3 and step == self.fail_at:
+                raise OSError(f"step {step}: a piece does not read")
+            time.sleep(0.01)
+            on_bytes(1, PIECES)
+        engine.next_step = step + 1
+        return {}
+
+    def wait_loading(self, step: int) -> None:
+        deadline = time.monotonic() + 10
+        while not self.loading.get(step, threading.Event()).is_set():
+            assert time.monotonic() < deadline, f"the restore of step {step} never started loading"
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def loads(monkeypatch) -> Loads:
+    fakes = Loads()
+    monkeypatch.setattr(rank_state, "build_engine", fakes.build)
+    monkeypatch.setattr(rank_state, "load_engine_state", fakes.load)
+    # The real one freezes what survives the collection, for the life of this test process.
+    monkeypatch.setattr(actor_module, "reclaim_generation", gc.collect)
+    return fakes
+
+
+def rank_actor() -> RankActor:
+    """A RankActor with what `restore` and `leave` use, without Ray or a process group."""
+    actor = RankActor.__new__(RankActor)
+    actor.spec = SimpleNamespace(resources=SimpleNamespace(gpus_per_rank=0), model=SimpleNamespace(from_hf=None))
+    actor.held = SimpleNamespace(keep_only=lambda files: None)
+    actor.engine, actor._reclaiming, actor.restores = None, None, RestoreTurns()
+    actor.rank, actor.world_size, actor.raylet_pid = 1, 2, os.getppid()
+    actor.sockets = SimpleNamespace(adding=contextlib.nullcontext, abort=lambda: None)
+    actor.store = SimpleNamespace(send=lambda message: None)
+    return actor
+
+
+def in_thread(call) -> tuple[threading.Thread, dict]:
+    """Run `call` on a thread, as Ray runs an actor's concurrent calls; keep its result or error's text."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = call()
+        except Exception as err:
+            out["error"] = (type(err), str(err))  # not the error itself: its traceback holds frames
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_later_restore_supersedes_one_still_loading(loads):
+    actor = rank_actor()
+    first, first_out = in_thread(lambda: actor.restore(7, dp=2))
+    loads.wait_loading(7)
+    second, second_out = in_thread(lambda: actor.restore(3, dp=1))
+    first.join(10)
+    second.join(10)
+    assert first_out["error"][0] is RestoreSuperseded, first_out
+    assert second_out["result"]["next_step"] == 4
+    assert actor.engine.next_step == 4 and actor.engine.dp == 1  # the latest call's engine, not the slower one's
+    assert loads.alive_at_build == [0, 0]  # never two engines in the process
+    assert loads.data[0].closed and not loads.data[1].closed
+
+
+def test_a_new_generation_makes_a_running_restore_stale(loads):
+    actor = rank_actor()
+    first, first_out = in_thread(lambda: actor.restore(7, dp=2))
+    loads.wait_loading(7)
+    started = time.monotonic()
+    assert actor.leave()
+    first.join(10)
+    assert first_out["error"][0] is RestoreSuperseded
+    assert time.monotonic() - started < 1.0  # it gave up at its next piece, not at the end of the load
+    assert actor.engine is None  # it published nothing
+    actor.sockets = rank_actor().sockets  # the new generation's process group (join)
+    assert actor.restore(5, dp=2)["next_step"] == 6
+    assert loads.alive_at_build == [0, 0]
+
+
+def test_a_failed_restore_publishes_nothing_and_leaves_no_engine_behind(loads):
+    loads.fail_at = 7
+    actor = rank_actor()
+    with pytest.raises(OSError, match="does not read"):
+        actor.restore(7, dp=2)
+    assert actor.engine is None and loads.data[0].closed
+    assert actor.restore(5, dp=2)["next_step"] == 6
+    assert loads.alive_at_build == [0, 0]
+
+
+def test_a_restore_alone_runs_to_the_end(loads):
+    actor = rank_actor()
+    assert actor.restore(2, dp=2)["next_step"] == 3
+    assert actor.engine.data is loads.data[0] and not actor.engine.data.closed
+
+
+def test_a_call_gone_stale_while_waiting_for_its_turn_does_not_run():
+    turns = RestoreTurns()
+    ran: list[int] = []
+
+    def restore(ticket: int) -> None:
+        with turns.turn(ticket):
+            ran.append(ticket)
+
+    first = turns.begin()
+    with turns.turn(first):
+        waiting, out = in_thread(lambda: restore(turns.begin()))
+        time.sleep(0.05)  # the second call waits for the first's turn
+        third = turns.begin()  # and goes stale before its turn comes
+    waiting.join(5)
+    assert out["error"][0] is RestoreSuperseded and ran == []
+    with pytest.raises(RestoreSuperseded, match="superseded by a later one"):
+        turns.check(first)
+    turns.check(third)
