@@ -25,14 +25,18 @@ then the exception types and errnos.
 `ReadRetry(budget_s).call(fn, what)` calls `fn` until it returns; a transient error is
 retried with exponential backoff and jitter (each wait drawn from [1/2, 1] of
 min(cap_s, first_s * 2^attempt)), then raised as TransientStorageError naming `what` and the
-last cause. Other errors pass through at once. One ReadRetry is one budget, shared by every
+last cause (and the spec field `setting` the budget came from). Other errors pass through at
+once. One ReadRetry is one budget, shared by every
 call made through it: a restore makes one (a rank: for its manifest read and every piece
 ckpt.fetch reads; the controller: for each listing or verification; `fresh()` copies the
 settings with an unspent budget) and the store's failures may take `budget_s` seconds of it in
 all, counted while at least one of its calls is between a transient error and its next answer
 (concurrent reads failing together count once). So a restore lasts at most its healthy reading
 time plus `budget_s`, however the store flaps, and the controller's wait for it is derived
-from the budget (orchestrator.controller.restore_policy). Thread-safe; tests inject
+from the budget (orchestrator.controller.restore_policy). With `renews` the budget is per
+failing spell instead: a training data reader (trainer.tokens.reader) lives for days, and each
+outage of its store may take `budget_s`, counted from its first error to the first answer that
+leaves no call failing. Thread-safe; tests inject
 `clock`, `sleep` and `rng`.
 """
 
@@ -153,6 +157,10 @@ class ReadRetry:
     made through this one instance together (see module doc)."""
 
     budget_s: float = DEFAULT_READ_RETRY_S
+    setting: str = "checkpoint.read_retry_s"  # the spec field `budget_s` came from, for the error
+    # False: one budget for the instance's life (a restore). True: each failing spell gets the whole
+    # budget, renewed once every call has answered (a training data reader, which lives for days).
+    renews: bool = False
     first_s: float = 0.2
     cap_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
@@ -187,7 +195,7 @@ class ReadRetry:
                     left = self.budget_s - spent
                     if left <= 0:
                         raise TransientStorageError(
-                            f"{what}: the store kept failing reads for {spent:.1f} s (checkpoint.read_retry_s="
+                            f"{what}: the store kept failing reads for {spent:.1f} s ({self.setting}="
                             f"{self.budget_s:g}): {describe(err)}") from err
                     if attempt == 0:
                         log.warning("%s: %s; retrying for up to %.0f s", what, describe(err), left)
@@ -212,4 +220,4 @@ class ReadRetry:
         with self._lock:
             self._failing -= 1
             if not self._failing:
-                self._spent += self.clock() - self._since
+                self._spent = 0.0 if self.renews else self._spent + self.clock() - self._since

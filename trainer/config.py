@@ -199,6 +199,9 @@ class DataConfig(_Strict):
                                   "endpoint_url); credentials go in storage_options_file")
     prefetch_steps: int = Field(4, ge=1, description="steps of this rank's samples made or read ahead by a "
                                 "background thread (bounded memory)")
+    read_retry_s: float = Field(120.0, ge=0.0, description="how long a remote data read may keep failing "
+                                "transiently (throttling, 5xx, timeouts) before the rank gives up; the budget "
+                                "renews after each outage; 0: no retry")
     seq_len: int = Field(64, gt=1, description="tokens per training window")
     seed: int = Field(0, description="sample i of global step s is a pure function of (seed, s, i)")
     # Variable lengths exercise padding and token weighting.

@@ -161,16 +161,17 @@ class DataCursor(ReadAheadCursor):
         return batches, self.sample_keys(step, global_batch, owned)
 
 
-def make_cursor(cfg: DataConfig, vocab_size: int):
+def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
     """The data cursor of `cfg`: `DataCursor` for synthetic and text, the streaming `TokenCursor`
-    for prepared datasets (trainer/tokens/loader.py). Both serve `microbatches(...)` the same way."""
+    for prepared datasets (trainer/tokens/loader.py). Both serve `microbatches(...)` the same way.
+    `read_retry`: how the datasets' remote reads are retried (trainer.tokens.reader)."""
     if cfg.source != "tokens":
         return DataCursor(cfg, vocab_size)
     from trainer.tokens.loader import TokenCursor
     from trainer.tokens.reader import TokenDataset
 
     parts = cfg.mixture or [MixturePart(path=cfg.path, weight=1.0)]
-    datasets = [TokenDataset(part.path, cfg.storage_options) for part in parts]
+    datasets = [TokenDataset(part.path, cfg.storage_options, retry=read_retry) for part in parts]
     for part, ds in zip(parts, datasets, strict=True):
         if ds.vocab_size > vocab_size:
             raise ValueError(f"data path {part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "

@@ -112,7 +112,7 @@ class Engine(EngineState):
     on the first bucket DDP hands to the all-reduce, after it was launched; dp = 1 and FSDP never
     reach it), after that backward, and after the optimizer step. `mesh`: this layout's DeviceMesh
     (`build_mesh`) when the caller built it, to record the sockets its groups open; else built here.
-    """
+    `read_retry`: how the data cursor's remote reads are retried (trainer.tokens.reader; None: not)."""
 
     def __init__(
         self,
@@ -125,7 +125,7 @@ class Engine(EngineState):
         world_size: int,
         device: str | torch.device = "cpu",
         fault_hook: Callable[[str, int], None] | None = None,
-        mesh=None,
+        mesh=None, read_retry=None,
     ):
         check_layout(model, data, train, parallel, world_size, rank)
         self.device = torch.device(device)
@@ -147,7 +147,7 @@ class Engine(EngineState):
         self._allreduce_step: int | None = None  # step whose first all-reduced bucket is still to come
         self.fault_hook = fault_hook
         self.n_micro = microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)
-        self.data = make_cursor(data, model.vocab_size)
+        self.data = make_cursor(data, model.vocab_size, read_retry)
         self.mesh = mesh if mesh is not None or world_size == 1 else build_mesh(self.topology, self.device.type)
         self._dp_group = self.mesh["dp"].get_group() if self.mesh is not None else None
         self._ddp = None

@@ -8,6 +8,10 @@ in flight) or loads it on the spot; then it asks the thread for steps step+1 .. 
 of the same place. A `get` for anything else (a restore, an elastic change of layout) drops
 what was prefetched. At most `steps` results are held, so memory stays bounded whatever the
 dataset's size. `close` cancels what is ahead; a cursor calls it when its engine is dropped.
+While `get` waits for a step in flight it calls `on_wait(waited_s)` every `wait_tick_s` (when
+set): a rank beats from there (orchestrator.rank.beats), so that the controller's hang watchdog
+does not take an outage of the data store, which the reads wait out (trainer.tokens.reader), for a
+hung rank.
 
 Why a thread: the training thread's data wait is booked as `data` badput. A read from object
 storage (the token loader's) mostly waits on the network, which then overlaps the step before;
@@ -24,9 +28,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+WAIT_TICK_S = 1.0
 
 
 class StepPrefetcher(Generic[T]):
@@ -34,6 +42,8 @@ class StepPrefetcher(Generic[T]):
         if steps < 1:
             raise ValueError(f"data.prefetch_steps must be >= 1, got {steps}")
         self.load, self.steps = load, steps
+        self.on_wait: Callable[[float], None] | None = None
+        self.wait_tick_s = WAIT_TICK_S
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
         self._ahead: dict[tuple, Future] = {}
         self._lock = threading.Lock()
@@ -51,7 +61,7 @@ class StepPrefetcher(Generic[T]):
                 for other in self._ahead.values():
                     other.cancel()
                 self._ahead.clear()
-        result = future.result() if future is not None else self.load(key)
+        result = self._wait(future) if future is not None else self.load(key)
         step, place = key[0], key[1:]
         with self._lock:
             for ahead in range(step + 1, step + 1 + self.steps):
@@ -59,6 +69,15 @@ class StepPrefetcher(Generic[T]):
                 if nxt not in self._ahead:
                     self._ahead[nxt] = self._pool.submit(self.load, nxt)
         return result
+
+    def _wait(self, future: Future) -> T:
+        started = time.monotonic()
+        while self.on_wait is not None:
+            try:
+                return future.result(timeout=self.wait_tick_s)
+            except FuturesTimeout:
+                self.on_wait(time.monotonic() - started)
+        return future.result()
 
     def close(self, wait: bool = True) -> None:
         """Cancel the loads ahead; `wait` for the one in flight (a rank dropping its engine does not:
@@ -80,6 +99,9 @@ class ReadAheadCursor:
     """
 
     prefetcher: StepPrefetcher | None = None
+    # Set by the cursor's owner: `on_wait(waited_s)` while the training thread waits for a step in
+    # flight (StepPrefetcher).
+    on_wait: Callable[[float], None] | None = None
 
     def microbatches(self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                      record: bool = True) -> list:
@@ -91,6 +113,7 @@ class ReadAheadCursor:
         started = time.perf_counter()
         if self.prefetcher is None:
             self.prefetcher = StepPrefetcher(self._load, self.prefetch_steps)
+        self.prefetcher.on_wait = self.on_wait
         batches, ids = self.prefetcher.get(key)
         self.last_wait_s = time.perf_counter() - started
         self.consumed.add(step, ids)

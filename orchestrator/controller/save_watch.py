@@ -1,5 +1,5 @@
-"""Which ranks are blocked on a checkpoint save, and whether that save is moving: the hang
-watchdog's exception for long saves.
+"""Which ranks are blocked on storage (a checkpoint save, a data read their store fails), and
+whether that is moving: the hang watchdog's exceptions.
 
 A rank's training thread blocks on a save at a stop step and at the final step (until its
 shard is written), and behind a save still in flight when the next one is due (a slow store).
@@ -16,6 +16,12 @@ call may take). Then it is a save, not a hang. Otherwise `stalled(limit_s)` says
 savers are no excuse, for the hang's message. A save that stops moving is thus found after
 `stall_s`, a SIGSTOPped rank as before (its beats stop), and a rank hung beside a saving peer
 once that save ends.
+
+A rank waiting for its next step's data beats with `data_wait_s`, the wait so far: its store may
+be failing the reads, which wait an outage out for up to `data.read_retry_s` (trainer.tokens.reader,
+after the client's own retries) and then fail the rank naming the store. Such a rank keeps the job
+busy while it beats and its wait is within `data_outage_s(spec)` plus the limit; a read stuck past
+that is a hang like any other.
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ def stall_s(limit_s: float) -> float:
     return max(SAVE_STALL_FLOOR_S, limit_s)
 
 
+def data_outage_s(spec) -> float:
+    """How long one rank may wait out its data store's outage (data.read_retry_s; prepared datasets
+    only, the reads that are retried), its peers meanwhile in a collective."""
+    data = getattr(spec, "data", None)
+    return float(data.read_retry_s) if data is not None and data.source == "tokens" else 0.0
+
+
 @dataclass
 class _Seen:
     beat: Heartbeat
@@ -42,8 +55,9 @@ class _Seen:
 
 
 class SaveWatch:
-    def __init__(self) -> None:
+    def __init__(self, data_outage_s: float = 0.0) -> None:
         self._seen: dict[int, _Seen] = {}
+        self.data_outage_s = data_outage_s
 
     def reset(self) -> None:
         self._seen.clear()
@@ -64,12 +78,25 @@ class SaveWatch:
 
     def busy(self, limit_s: float, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        return any(now - seen.moved_at < stall_s(limit_s) for seen in self._savers(now, limit_s).values())
+        return bool(self.reading(limit_s, now)) or \
+            any(now - seen.moved_at < stall_s(limit_s) for seen in self._savers(now, limit_s).values())
+
+    def reading(self, limit_s: float, now: float | None = None) -> dict[int, float]:
+        """Ranks waiting for a step's data within an outage's allowance (rank -> for how long), by
+        beats within the limit."""
+        now = time.monotonic() if now is None else now
+        return {rank: seen.beat.data_wait_s for rank, seen in self._seen.items()
+                if 0 < seen.beat.data_wait_s <= self.data_outage_s + limit_s and now - seen.changed_at < limit_s}
 
     def stalled(self, limit_s: float, now: float | None = None) -> str | None:
-        """Why the ranks blocked on a save are no excuse (their save wrote nothing for `stall_s`), or
-        None when no rank is blocked on a save."""
+        """Why the ranks blocked on storage are no excuse (a data wait past its allowance, a save that
+        wrote nothing for `stall_s`), or None when no rank is blocked on storage."""
         now = time.monotonic() if now is None else now
+        late = {rank: seen.beat.data_wait_s for rank, seen in self._seen.items()
+                if seen.beat.data_wait_s > self.data_outage_s + limit_s and now - seen.changed_at < limit_s}
+        if late:
+            return (f"rank(s) {sorted(late)} waited {max(late.values()):.0f} s for a step's data, past the "
+                    f"data store's outage allowance (data.read_retry_s={self.data_outage_s:g} s) and the limit")
         savers = self._savers(now, limit_s)
         if not savers:
             return None

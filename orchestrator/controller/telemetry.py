@@ -9,8 +9,8 @@ Protocol (controller thread only):
   * `poll(store, world_size)` from the RUNNING and STOPPING loops; reads every rank's heartbeat
     at most once per heartbeat period, feeds the straggler detector and exports per-rank compute
     and straggler flags, and feeds `saves` (orchestrator.controller.save_watch: ranks blocked on a
-    checkpoint save, for the hang watchdog). Returns ranks newly flagged; `stragglers(...)` wraps it for the training
-    loop (record, log, the ranks to evict).
+    checkpoint save or waiting out their data store, for the hang watchdog). Returns ranks newly
+    flagged; `stragglers(...)` wraps it for the training loop (record, log, the ranks to evict).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 from monitor.report import StragglerRecord
 from monitor.straggler import StragglerDetector
-from orchestrator.controller.save_watch import SaveWatch
+from orchestrator.controller.save_watch import SaveWatch, data_outage_s
 from orchestrator.wire.messages import Heartbeat
 from orchestrator.wire.store import heartbeat_key
 
@@ -44,7 +44,7 @@ class Telemetry:
         self.peak_flops_per_rank: float | None = None
         self.world_size = spec.world_size
         self.detector = StragglerDetector()
-        self.saves = SaveWatch()
+        self.saves = SaveWatch(data_outage_s(spec))
         self._last_poll = 0.0
         self._seen: dict[int, float] = {}
 

@@ -6,7 +6,9 @@
                    caches): 3 x the slowest first step measured so far; before any, the cost
                    model's compute bound of one step times 20, at least 120 s on CPU, 600 s on GPU
     process group  a collective's timeout, the last resort behind the watchdog: 2 x the longer
-                   of the two above (fixed when a generation forms), at least 60 s
+                   of the two above (fixed when a generation forms), at least 60 s, and at
+                   least a data outage (data.read_retry_s) plus the hang limit for prepared
+                   datasets, whose peers wait in a collective while one rank's reads are retried
     restore        forming + building the engine (join + 120 s) + the read-retry budget + 3 x the
                    checkpoint's bytes over the read bandwidth (measured by the last restore from
                    storage, else 100 MB/s per rank)
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from orchestrator.controller.policies import hang_limit
+from orchestrator.controller.save_watch import data_outage_s
 from trainer.costmodel.hardware import GPUS
 from trainer.costmodel.layout import Workload
 from trainer.model import flops_per_token
@@ -104,8 +107,10 @@ def derive(elastic, spec, world: int, seen: Observed) -> Limits:
     steady = max(limits.hang_floor_s, limits.hang_factor * (median or 0.0))
     collective = elastic.collective_timeout_s
     if not isinstance(collective, float | int):
-        collective = max(COLLECTIVE_FLOOR_S, COLLECTIVE_FACTOR * max(steady, limits.first_step_s))
+        collective = max(COLLECTIVE_FLOOR_S, COLLECTIVE_FACTOR * max(steady, limits.first_step_s),
+                         data_outage_s(spec) + steady)
     return replace(limits, collective_s=float(collective))
+
 
 
 def restore_timeout_s(elastic, world: int, checkpoint_bytes: int | None, read_bytes_per_s: float | None,

@@ -11,6 +11,10 @@ Protocol (one instance per `RankLoop.run`, on the training thread):
      repeats the last beat with a fresh time, `saving` set and the bytes the writers have handed
      to the store. Without these beats a rank blocked on a long save (at a stop, at the final
      step, or behind a slow one still in flight) would look hung: no step for the hang limit.
+  4. `while_reading(waited_s)` is the data cursor's `on_wait` (trainer.prefetch): called about
+     once a second while the training thread waits for a step's data; it repeats the last beat
+     with a fresh time and `data_wait_s`, so that an outage of the data store, which the reads
+     wait out for up to `data.read_retry_s` (trainer.tokens.reader), is not taken for a hang.
 """
 
 from __future__ import annotations
@@ -49,9 +53,18 @@ class Beats:
             return  # nothing trained yet in this call, or nothing saved: no save to wait on
         try:
             self._write(dataclasses.replace(self.last, time=time.time(), saving=self._saving,
-                                            saved_bytes=self.saved_bytes()))
+                                            saved_bytes=self.saved_bytes(), data_wait_s=0.0))
         except Exception as err:  # a missed beat is no reason to leave the wait (the writer reads on)
             log.warning("rank %d: a heartbeat while waiting on a save failed (%s: %s)", self.rank,
+                        type(err).__name__, err)
+
+    def while_reading(self, waited_s: float) -> None:
+        if self.last is None:
+            return  # nothing trained in this call yet: the first-step limit judges the wait
+        try:
+            self._write(dataclasses.replace(self.last, time=time.time(), data_wait_s=waited_s))
+        except Exception as err:  # a missed beat is no reason to leave the wait
+            log.warning("rank %d: a heartbeat while waiting on a data read failed (%s: %s)", self.rank,
                         type(err).__name__, err)
 
     def _write(self, beat: Heartbeat) -> None:

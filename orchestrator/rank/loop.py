@@ -115,11 +115,12 @@ class Evaluator:
     @property
     def windows(self) -> list:
         if self._windows is None:
+            from orchestrator.rank.state import data_read_retry
             from trainer.evaluation import eval_windows
             from trainer.tokens.reader import TokenDataset
 
             ev, data = self.spec.eval, self.spec.data
-            dataset = TokenDataset(ev.path, ev.storage_options or data.storage_options)
+            dataset = TokenDataset(ev.path, ev.storage_options or data.storage_options, retry=data_read_retry(data))
             self._windows = eval_windows(dataset, ev.seq_len or data.seq_len, ev.windows)
         return self._windows
 
@@ -169,13 +170,15 @@ class RankLoop:
                            storage_setup=self._storage_faults(faults, plan), notify=self._notify_storage_fault)
 
     def _beats(self, writer: CheckpointWriter, snapshots) -> Beats:
-        """This call's heartbeats; the writers beat through them while training waits on a save."""
+        """This call's heartbeats; the writers beat through them while training waits on a save, the
+        data cursor while it waits for a step's data."""
         writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
         beats = Beats(self.store, self.rank, self.spec.monitor.heartbeat_s,
                       lambda: sum(w.written_bytes for w in writers))
         for w in writers:
             w.on_wait = beats.while_blocked
             w.wait_tick_s = min(w.wait_tick_s, self.spec.monitor.heartbeat_s)
+        self.engine.data.on_wait = beats.while_reading
         return beats
 
     def _check_finite(self, result) -> None:

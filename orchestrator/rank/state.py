@@ -39,7 +39,13 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
     return Engine(
         spec.model, spec.data, spec.train, parallel,
         rank=rank, world_size=world_size, device=device, fault_hook=fault_hook, mesh=mesh,
+        read_retry=data_read_retry(spec.data),
     )
+
+
+def data_read_retry(data) -> ReadRetry:
+    """How a rank's data reads are retried: `data.read_retry_s` per outage (trainer.tokens.reader)."""
+    return ReadRetry(data.read_retry_s, setting="data.read_retry_s", renews=True)
 
 
 def load_pretrained(spec, engine, on_bytes=None) -> None:

@@ -41,14 +41,15 @@ class ElasticConfig(_Strict):
     # (orchestrator.controller.timeouts; docs/design.md, timeouts).
     hang_timeout_s: float | Literal["auto"] = Field(
         "auto", description="no step for this long is a hang (ranks blocked on a checkpoint save that is "
-        "writing are not); auto: max(10 s, 5 x the median step)")
+        "writing, or on data reads their store fails, are not); auto: max(10 s, 5 x the median step)")
     first_step_timeout_s: float | Literal["auto"] = Field(
         "auto", description="a generation's first step (compilation, warm-up) may take this long; auto: 3 x the "
                             "slowest first step measured, before any the cost model's step estimate x 20, at least "
                             "120 s on CPU and 600 s on GPU")
     collective_timeout_s: float | Literal["auto"] = Field(
         "auto", description="the process group's timeout, the last resort behind the hang watchdog; auto: 2 x the "
-                            "longer of the hang and first-step limits, at least 60 s")
+                            "longer of the hang and first-step limits, at least 60 s, and for prepared datasets at "
+                            "least data.read_retry_s + the hang limit")
     restore_timeout_s: float | Literal["auto"] = Field(
         "auto", description="how long the ranks' restore may take; auto: 180 s + checkpoint.read_retry_s + 3 x the "
                             "checkpoint's bytes over the read bandwidth (measured, else 100 MB/s per rank)")

@@ -185,13 +185,16 @@ class Heartbeat:
     is the step of the newest save it asked for (None while training; it may be waiting behind the
     one before) and `saved_bytes` the bytes its writers have
     handed to the store so far, over the generation. The controller's hang watchdog counts such a
-    rank as busy while it beats and its bytes move (orchestrator.controller.telemetry)."""
+    rank as busy while it beats and its bytes move (orchestrator.controller.telemetry). Likewise
+    while it waits for a step's data (reads its store may be failing, retried for up to
+    `data.read_retry_s`): `data_wait_s` is how long that wait has lasted (0 otherwise)."""
 
     step: int
     time: float
     compute_s: float
     saving: int | None = None
     saved_bytes: int = 0
+    data_wait_s: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -200,7 +203,8 @@ class Heartbeat:
     def from_json(cls, data: dict) -> Heartbeat:
         saving = data.get("saving")
         return cls(int(data["step"]), float(data["time"]), float(data["compute_s"]),
-                   None if saving is None else int(saving), int(data.get("saved_bytes", 0)))
+                   None if saving is None else int(saving), int(data.get("saved_bytes", 0)),
+                   float(data.get("data_wait_s", 0.0)))
 
 
 @dataclass(frozen=True)

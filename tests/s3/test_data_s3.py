@@ -5,12 +5,21 @@ ranges, shards and the manifest written there (the manifest by conditional creat
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from orchestrator.cli.data import execute
 from orchestrator.cli.main import main
+from orchestrator.rank.state import data_read_retry
 from tests._corpus import documents, expected_stream, train_tokenizer, write_corpus
+from tests._tokens import counting_tokens, write_token_dataset
+from trainer.config import DataConfig
 from trainer.tokens import TokenDataset
 
 pytestmark = pytest.mark.s3
@@ -38,3 +47,30 @@ def test_prepare_to_s3_and_read_back(capsys, monkeypatch, s3_backend, tmp_path):
 
     assert main(["data", "prepare", *args]) == 0
     assert capsys.readouterr().out.startswith(f"already prepared: {s3_backend.url}/tokens")
+
+
+def test_a_data_store_that_stops_answering_is_waited_out_and_read_intact(caplog, monkeypatch, s3_backend):
+    """The server is frozen (SIGSTOP: connections open, no answer) for 4 s; the client's 1 s read
+    timeout turns that into transient errors, which the rank's data retry waits out."""
+    url = f"{s3_backend.url}/tokens"
+    write_token_dataset(url, counting_tokens(3000, 97), 97, storage_options=s3_backend.storage_options)
+    impatient = {**s3_backend.storage_options,
+                 "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
+    retry = data_read_retry(DataConfig(source="tokens", path=url, read_retry_s=60.0))
+    ds = TokenDataset(url, impatient, retry=retry)
+    monkeypatch.setattr(ds.fs, "retries", 1)  # s3fs's own retries (5 by default) would hide the outage
+    pid = s3_backend.server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(4.0, os.kill, (pid, signal.SIGCONT))
+    try:
+        started = time.monotonic()
+        resume.start()
+        with caplog.at_level(logging.WARNING, logger="ckpt.storage_errors"):
+            got = ds.read(1500, 700)
+        waited = time.monotonic() - started
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+    assert np.array_equal(got, counting_tokens(3000, 97)[1500:2200])
+    assert waited >= 3.5, waited
+    assert "data.read_retry_s" not in caplog.text and "retrying for up to 60 s" in caplog.text

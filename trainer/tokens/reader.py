@@ -7,12 +7,20 @@ prefetching data loader calls it from its own thread while the training thread r
 read-only memory map per shard (opened on first use, under a lock), elsewhere as one
 ranged read per shard touched (`cat_file(path, start=, end=)`, one ranged GET on S3).
 The format is described in `trainer/tokens/format.py`.
+
+Remote reads go through `retry.call(read, what)` when a `retry` is given: a rank passes a
+ckpt.storage_errors.ReadRetry of `data.read_retry_s` (orchestrator.rank.state), which retries
+what the store fails transiently (throttling, 5xx, timeouts) and renews its budget after each
+outage, so a store's bad minute costs a multi-day job a wait rather than a rollback to its last
+checkpoint. A short read is not retried: it is a damaged shard.
 """
 
 from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import fsspec
 import numpy as np
@@ -29,12 +37,24 @@ from trainer.tokens.format import (
     parse_manifest,
 )
 
+T = TypeVar("T")
+
+
+class Retry(Protocol):
+    def call(self, fn: Callable[[], T], what: str) -> T: ...
+
+
+class _Once:
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        return fn()
+
 
 class TokenDataset:
     """A committed dataset at `url` (any fsspec URL; a plain path is a local directory)."""
 
-    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict | None = None, retry: Retry | None = None) -> None:
         self.url = url.rstrip("/")
+        self.retry = retry if retry is not None else _Once()
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
@@ -52,7 +72,7 @@ class TokenDataset:
     def _read_manifest(self) -> TokenManifest:
         where = f"{self.url}/{MANIFEST_NAME}"
         try:
-            data = self.fs.cat_file(f"{self.root}/{MANIFEST_NAME}")
+            data = self.retry.call(lambda: self.fs.cat_file(f"{self.root}/{MANIFEST_NAME}"), f"reading {where}")
         except FileNotFoundError:
             raise NoManifest(f"no {MANIFEST_NAME} at {self.url}: run `undying data prepare` first "
                              "(or wait for a running one to finish)") from None
@@ -109,7 +129,8 @@ class TokenDataset:
             return self._map(shard)[local:local + count]
         size = self.dtype.itemsize
         path = self._path(shard, TOKENS_SUFFIX)
-        data = self.fs.cat_file(path, start=local * size, end=(local + count) * size)
+        data = self.retry.call(lambda: self.fs.cat_file(path, start=local * size, end=(local + count) * size),
+                               f"reading tokens [{local}, {local + count}) of {path}")
         if len(data) != count * size:
             raise TokenFormatError(f"{path}: {len(data)} bytes where {count * size} were expected at byte "
                                    f"{local * size}; the shard is truncated, prepare the data again")
@@ -146,7 +167,7 @@ class TokenDataset:
                     if not entry.n_documents:
                         continue
                     path = self._path(i, DOCS_SUFFIX)
-                    data = self.fs.cat_file(path)
+                    data = self.retry.call(lambda path=path: self.fs.cat_file(path), f"reading {path}")
                     if len(data) != entry.n_documents * DOCS_DTYPE.itemsize:
                         raise TokenFormatError(f"{path}: {len(data)} bytes for {entry.n_documents} documents; "
                                                "the shard is damaged, prepare the data again")

@@ -1,0 +1,183 @@
+"""A data store's outage costs a wait, not a rollback: remote token reads are retried per outage
+(`data.read_retry_s`), the training thread beats while it waits for them, and the hang watchdog
+and the collective timeout leave such a rank alone for the budget.
+
+The store here is fsspec's in-memory file system (remote to the reader: no memory maps) whose
+`cat_file` fails transiently as the S3 client surfaces throttling (OSError EBUSY)."""
+
+from __future__ import annotations
+
+import errno
+import time
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt.errors import TransientStorageError
+from ckpt.storage_errors import ReadRetry
+from orchestrator.controller.save_watch import SaveWatch, data_outage_s
+from orchestrator.controller.timeouts import Observed, derive
+from orchestrator.rank.beats import Beats
+from orchestrator.rank.state import data_read_retry
+from orchestrator.spec.job_spec import validate_spec
+from orchestrator.wire.messages import Heartbeat
+from tests._tokens import counting_tokens, write_token_dataset
+from trainer.config import DataConfig
+from trainer.data import make_cursor
+from trainer.prefetch import StepPrefetcher
+from trainer.tokens.format import TokenFormatError
+from trainer.tokens.reader import TokenDataset
+
+VOCAB = 97
+
+
+class Clock:
+    """time.monotonic and time.sleep for a ReadRetry, with no waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Outage:
+    """Wraps a file system's `cat_file` (fsspec's instances are shared: through `monkeypatch`, so
+    the next test gets it back): reads fail with EBUSY while `down()` says so."""
+
+    def __init__(self, monkeypatch, fs, down) -> None:
+        self.real, self.down, self.failures = fs.cat_file, down, 0
+        monkeypatch.setattr(fs, "cat_file", self)
+
+    def __call__(self, *args, **kwargs):
+        if self.down():
+            self.failures += 1
+            raise OSError(errno.EBUSY, "Please reduce your request rate (SlowDown)")
+        return self.real(*args, **kwargs)
+
+
+@pytest.fixture
+def remote_dataset() -> str:
+    url = f"memory://data-{uuid.uuid4().hex}"
+    write_token_dataset(url, counting_tokens(4000, VOCAB), VOCAB, shard_tokens=1000)
+    return url
+
+
+def test_a_read_the_store_fails_for_a_while_is_retried_and_returns_the_tokens(monkeypatch, remote_dataset):
+    clock = Clock()
+    retry = ReadRetry(60.0, setting="data.read_retry_s", renews=True, clock=lambda: clock.now, sleep=clock.sleep)
+    ds = TokenDataset(remote_dataset, retry=retry)
+    outage = Outage(monkeypatch, ds.fs, lambda: clock.now < 20.0)  # down for 20 s of the retry's clock
+    assert np.array_equal(ds.read(950, 100), counting_tokens(4000, VOCAB)[950:1050])  # across two shards
+    assert outage.failures > 3 and clock.now >= 20.0
+
+
+def test_each_outage_gets_the_whole_budget_and_one_past_it_fails_naming_the_field(monkeypatch, remote_dataset):
+    clock = Clock()
+    retry = ReadRetry(30.0, setting="data.read_retry_s", renews=True, clock=lambda: clock.now, sleep=clock.sleep)
+    ds = TokenDataset(remote_dataset, retry=retry)
+    start = {"at": 0.0, "for": 25.0}
+    Outage(monkeypatch, ds.fs, lambda: start["at"] <= clock.now < start["at"] + start["for"])
+    for _ in range(3):  # three outages of 25 s each: 75 s in all, each within the 30 s budget
+        start["at"] = clock.now
+        assert len(ds.read(10, 5)) == 5
+    start["at"], start["for"] = clock.now, 45.0
+    with pytest.raises(TransientStorageError, match=r"reading tokens \[10, 15\) of .*data.read_retry_s=30"):
+        ds.read(10, 5)
+
+
+def test_without_a_retry_or_on_a_short_read_nothing_is_retried(monkeypatch, remote_dataset):
+    clock = Clock()
+    ds = TokenDataset(remote_dataset)
+    retried = TokenDataset(remote_dataset, retry=ReadRetry(60.0, renews=True, clock=lambda: clock.now,
+                                                             sleep=clock.sleep))
+    with monkeypatch.context() as patch:
+        outage = Outage(patch, ds.fs, lambda: True)
+        with pytest.raises(OSError, match="SlowDown"):
+            ds.read(0, 10)
+    assert outage.failures == 1
+    monkeypatch.setattr(retried.fs, "cat_file", lambda *args, **kwargs: b"\x00")  # a truncated shard: proof
+    with pytest.raises(TokenFormatError, match="truncated"):
+        retried.read(0, 10)
+    assert clock.now == 0.0
+
+
+def test_the_prefetcher_calls_on_wait_with_the_wait_so_far_while_a_step_is_in_flight():
+    waits: list[float] = []
+    prefetcher = StepPrefetcher(lambda key: (time.sleep(0.4 if key[0] == 1 else 0), key)[1], steps=1)
+    prefetcher.on_wait, prefetcher.wait_tick_s = waits.append, 0.05
+    assert prefetcher.get((0,)) == (0,)  # loaded on the spot; step 1 goes ahead, slowly
+    assert prefetcher.get((1,)) == (1,)
+    assert len(waits) >= 4 and waits == sorted(waits) and 0.04 < waits[0] < waits[-1] < 0.45
+    time.sleep(0.1)  # step 2 is ready by now: no wait
+    count = len(waits)
+    assert prefetcher.get((2,)) == (2,) and len(waits) == count
+    prefetcher.close()
+
+
+def test_a_rank_waiting_for_its_data_beats_with_how_long_it_has_waited():
+    written = []
+    beats = Beats(SimpleNamespace(set_json=lambda key, value: written.append(Heartbeat.from_json(value))), rank=3,
+                  heartbeat_s=1.0, saved_bytes=lambda: 0)
+    beats.while_reading(2.0)
+    assert written == []  # nothing trained in this call yet: the first-step limit judges
+    beats.after_step(5, 0.2)
+    beats.while_reading(7.5)
+    assert written[-1].step == 5 and written[-1].data_wait_s == 7.5 and written[-1].time >= written[0].time
+    beats.saving(6)
+    beats.while_blocked()  # a later wait on a save does not carry the data wait
+    assert written[-1].data_wait_s == 0.0 and written[-1].saving == 6
+
+
+def test_a_cursor_waiting_out_its_data_stores_outage_reports_the_wait_and_returns_the_samples(
+        monkeypatch, remote_dataset):
+    cfg = DataConfig(source="tokens", path=remote_dataset, seq_len=16, prefetch_steps=1)
+    reference = make_cursor(cfg, VOCAB)
+    want = [reference.microbatches(step, 4, 2, 0, 1, record=False) for step in (0, 2)]
+    retry = ReadRetry(30.0, setting="data.read_retry_s", renews=True, first_s=0.02, cap_s=0.05)
+    cursor = make_cursor(cfg, VOCAB, read_retry=retry)
+    seen: list[float] = []
+    cursor.on_wait = seen.append
+    first = cursor.microbatches(0, 4, 2, 0, 1)
+    cursor.prefetcher.wait_tick_s = 0.02
+    cursor.prefetcher.get((1, 4, 2, 0, 1))  # step 1 was in flight; step 2 goes ahead
+    down_until = time.monotonic() + 0.6
+    outage = Outage(monkeypatch, cursor.datasets[0].fs, lambda: time.monotonic() < down_until)
+    second = cursor.microbatches(2, 4, 2, 0, 1)  # read during the outage, retried, returned intact
+    assert outage.failures > 0 and max(seen) > 0.3
+    for got, expected in zip([first, second], want, strict=True):
+        assert [(torch.equal(a.input_ids, b.input_ids), torch.equal(a.labels, b.labels))
+                for a, b in zip(got, expected, strict=True)] == [(True, True)] * len(expected)
+    cursor.close()
+
+
+def test_the_watchdog_counts_a_rank_waiting_for_its_data_as_busy_within_the_outage_allowance():
+    watch, limit = SaveWatch(data_outage_s=60.0), 10.0
+    watch.observe(0, Heartbeat(10, 100.0, 0.2), now=0.0)
+    watch.observe(1, Heartbeat(10, 100.0, 0.2), now=0.0)
+    assert not watch.busy(limit, now=5.0) and watch.stalled(limit, now=5.0) is None
+    watch.observe(1, Heartbeat(10, 130.0, 0.2, data_wait_s=30.0), now=30.0)
+    assert watch.busy(limit, now=35.0) and watch.reading(limit, now=35.0) == {1: 30.0}
+    assert not watch.busy(limit, now=41.0)  # it stopped beating: its wait is judged like any other
+    watch.observe(1, Heartbeat(10, 175.0, 0.2, data_wait_s=75.0), now=75.0)
+    assert not watch.busy(limit, now=76.0)  # past the store's allowance and the limit: a hang
+    assert "rank(s) [1] waited 75 s for a step's data" in watch.stalled(limit, now=76.0)
+    watch.observe(1, Heartbeat(11, 180.0, 0.2), now=80.0)
+    assert not watch.reading(limit, now=81.0) and watch.stalled(limit, now=81.0) is None  # the step came
+    assert not SaveWatch().busy(limit, now=0.0)
+
+
+def test_the_collective_timeout_outlasts_a_data_outage_for_prepared_datasets():
+    base = {"name": "t", "model": {"preset": "tiny"}, "train": {"steps": 4, "global_batch": 2},
+            "checkpoint": {"url": "file:///tmp/undying-data-retry"}}
+    synthetic = validate_spec(base)
+    tokens = validate_spec({**base, "data": {"source": "tokens", "path": "s3://bucket/tokens", "read_retry_s": 300}})
+    seen = Observed(median_step_s=1.0, first_step_s=5.0, peak_flops_per_rank=1e12)
+    assert derive(synthetic.elastic, synthetic, 2, seen).collective_s == 60.0
+    limits = derive(tokens.elastic, tokens, 2, seen)
+    assert limits.collective_s == 300.0 + 10.0  # the outage, and the hang limit after it
+    assert data_read_retry(tokens.data).budget_s == 300.0 and data_read_retry(tokens.data).renews
+    assert data_outage_s(tokens) == 300.0 and data_outage_s(synthetic) == 0.0
