@@ -117,6 +117,11 @@ class Checkpoints:
     def restore_point(self) -> int | None:
         return self.restore.restore_point()
 
+    def kept_intact(self, step: int) -> bool:
+        """Whether `step` is committed by the history this run left (its restore read it damaged, the
+        controller's verification intact), so that a save of it was skipped, not failed."""
+        return step in self.restore.intact and step in self.committer.left_behind
+
     def on_unloadable(self, step: int, source, err: BaseException) -> str:
         """The restore of `step` failed with SnapshotUnavailable or CorruptCheckpoint; the line to print.
         From a memory snapshot (`source`): that snapshot is never chosen again, and the stored

@@ -69,6 +69,7 @@ class RestorePolicy:
         self.retry = ReadRetry(read_retry_s)  # the settings; each listing, read or verification spends a fresh() one
         self.fresh = fresh  # --fresh: an empty root (checkpoints all quarantined) may start from step 0
         self.bad: dict[int, str] = {}  # committed steps this run will not restore -> why
+        self.intact: set[int] = set()  # those of them the controller's own verification read intact
 
     def read_manifest(self, step: int):
         return read_manifest(self.catalog, step, self.retry.fresh())
@@ -96,6 +97,7 @@ class RestorePolicy:
 
     def on_committed(self, step: int) -> None:
         self.bad.pop(step, None)  # a quarantined step saved and committed again is good
+        self.intact.discard(step)
 
     def on_corrupt(self, step: int, err: BaseException) -> str:
         why = cause(err)
@@ -118,6 +120,7 @@ class RestorePolicy:
         except Exception as err:  # TransientStorageError or another storage error: no proof
             return (f"; its verification here failed without proving corruption ({type(err).__name__}: {err}), so it "
                     "stays committed (skipped by this run)")
+        self.intact.add(step)
         return "; it verifies here, so it stays committed (skipped by this run)"
 
     def unreadable(self, step: int | None, err: BaseException) -> str:

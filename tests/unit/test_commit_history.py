@@ -108,3 +108,53 @@ def test_the_controller_hands_the_steps_its_restore_skipped_to_the_committer(tmp
     assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
     assert catalog.committed_steps() == [100, 200] and checkpoints.failed_saves == []
     assert "checkpoint step 200 is not committed: step 200 is committed already" in lines[-1]
+
+
+def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succeeds(tmp_path):
+    """The final step 200 is committed; a rank read it damaged, the controller's verification read it
+    intact, so it stays committed and the job resumed from 100. Training to 200 again, the save is
+    skipped (the step is kept as it is): the job has its final checkpoint and succeeds. Had the
+    verification failed without proof, the job fails naming the step it could not commit."""
+    from types import SimpleNamespace
+
+    from ckpt.errors import CorruptCheckpoint
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.checkpoints import Checkpoints
+    from orchestrator.controller.faults import ControllerFaults
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.controller.states import State, Succeeded
+    from orchestrator.controller.stopping import Stops
+    from orchestrator.spec.job_spec import validate_spec
+
+    spec = validate_spec({"name": "final", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": 200, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 50, "keep": 2}})
+    ledger, metrics, lines = GoodputLedger(), JobMetrics("final"), []
+    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    for step in (100, 200):
+        save_checkpoint(catalog, step, make_state(step))
+    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
+                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
+                              log=lines.append)
+    assert "it verifies here" in checkpoints.on_unloadable(200, None, CorruptCheckpoint("crc mismatch on rank 1"))
+    assert checkpoints.restore_point() == 100
+
+    class Plans:
+        def set_plan(self, data: dict) -> None:
+            pass
+
+    checkpoints.begin(Plans(), 1, 100)
+    assert feed(checkpoints.committer, shard_receipts(catalog, 150, make_state(150), tag="r1g1")).step == 150
+    assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
+    stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append)
+    running = SimpleNamespace(state=State.RUNNING)
+    move = stops.finished(running, None, 1, 2, 2)
+    assert isinstance(move.phase, Succeeded), move
+    assert "final checkpoint is step 200 as committed before" in move.sentence
+    torch.testing.assert_close(load_checkpoint(catalog, 200)[0]["model/w"], make_state(200)["model/w"])
+
+    checkpoints.restore.intact.clear()  # not verified: no proof either way
+    move = stops.finished(running, None, 1, 2, 2)
+    assert not isinstance(move.phase, Succeeded) and "final checkpoint (step 200) was not committed" in move.sentence
