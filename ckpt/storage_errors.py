@@ -57,6 +57,7 @@ from ckpt.errors import CorruptCheckpoint, TransientStorageError
 log = logging.getLogger(__name__)
 
 DEFAULT_READ_RETRY_S = 120.0
+INTERRUPT_TICK_S = 0.5
 TRANSIENT, CORRUPT = "transient", "corrupt"
 _NEITHER = "neither"  # the store answered with an error that is neither (403, 400): decided, not retried
 
@@ -161,6 +162,9 @@ class ReadRetry:
     # False: one budget for the instance's life (a restore). True: each failing spell gets the whole
     # budget, renewed once every call has answered (a training data reader, which lives for days).
     renews: bool = False
+    # Called between a failing call's retries (and during each wait, every INTERRUPT_TICK_S): it may
+    # raise to give the read up, as a rank's stale restore does (orchestrator.rank.restore_turns).
+    interrupt: Callable[[], None] | None = None
     first_s: float = 0.2
     cap_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
@@ -199,11 +203,21 @@ class ReadRetry:
                             f"{self.budget_s:g}): {describe(err)}") from err
                     if attempt == 0:
                         log.warning("%s: %s; retrying for up to %.0f s", what, describe(err), left)
-                    self.sleep(min(self.backoff(attempt), left))
+                    self._wait(min(self.backoff(attempt), left))
                     attempt += 1
         finally:
             if failing:
                 self._answered()
+
+    def _wait(self, seconds: float) -> None:
+        if self.interrupt is None:
+            self.sleep(seconds)
+            return
+        while seconds > 0:
+            self.interrupt()
+            self.sleep(min(seconds, INTERRUPT_TICK_S))
+            seconds -= INTERRUPT_TICK_S
+        self.interrupt()
 
     def _failed(self, first: bool) -> float:
         """A call met a transient error (`first`: its first); the budget spent so far."""
@@ -221,3 +235,9 @@ class ReadRetry:
             self._failing -= 1
             if not self._failing:
                 self._spent = 0.0 if self.renews else self._spent + self.clock() - self._since
+
+
+def data_read_retry(data) -> ReadRetry:
+    """How a training data reader's remote reads are retried (trainer.tokens.reader): `data.read_retry_s`
+    (a DataConfig's) per outage of the store."""
+    return ReadRetry(data.read_retry_s, setting="data.read_retry_s", renews=True)

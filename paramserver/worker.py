@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ckpt.storage_errors import data_read_retry
 from paramserver.messages import Pulled, Push
 from paramserver.partition import param_name
 from trainer.batch import Batch
@@ -45,7 +46,7 @@ class PSWorker:
         self.index, self.workers, self.train, self.shards, self.sparse = index, workers, train, shards, sparse
         self.model = build_model(model, train.seed)
         self.params = dict(self.model.named_parameters())
-        self.cursor = make_cursor(data, model.vocab_size)
+        self.cursor = make_cursor(data, model.vocab_size, data_read_retry(data))
         self._batches: tuple[int, list[Batch]] | None = None
 
     def batches(self, step: int) -> list[Batch]:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import wait as futures_wait
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -61,6 +61,8 @@ class StepPrefetcher(Generic[T]):
                 for other in self._ahead.values():
                     other.cancel()
                 self._ahead.clear()
+                if self.on_wait is not None:  # loaded by the thread too, so that the wait is reported
+                    future = self._pool.submit(self.load, key)
         result = self._wait(future) if future is not None else self.load(key)
         step, place = key[0], key[1:]
         with self._lock:
@@ -72,11 +74,9 @@ class StepPrefetcher(Generic[T]):
 
     def _wait(self, future: Future) -> T:
         started = time.monotonic()
-        while self.on_wait is not None:
-            try:
-                return future.result(timeout=self.wait_tick_s)
-            except FuturesTimeout:
-                self.on_wait(time.monotonic() - started)
+        # Not `result(timeout=)`: a load that raises TimeoutError itself would read as one more tick.
+        while self.on_wait is not None and not futures_wait([future], timeout=self.wait_tick_s).done:
+            self.on_wait(time.monotonic() - started)
         return future.result()
 
     def close(self, wait: bool = True) -> None:

@@ -81,8 +81,9 @@ class Telemetry:
             beat = Heartbeat.from_json(data) if data is not None else None
             if beat is not None:
                 self.saves.observe(rank, beat, now)
-            # A beat while blocked on a save repeats the last step's compute time: not a new sample.
-            if beat is None or beat.saving is not None or self._seen.get(rank) == beat.time:
+            # A beat while blocked on a save, or waiting for data, repeats the last step's compute time
+            # (none before a first step): not a new sample.
+            if beat is None or beat.saving is not None or beat.data_wait_s > 0 or self._seen.get(rank) == beat.time:
                 continue
             self._seen[rank] = beat.time
             self.detector.observe(rank, beat.compute_s)

@@ -44,6 +44,9 @@ from orchestrator.wire.store import GenerationStore, connect
 
 # How often a rank checks that its node's raylet is alive, and the exit code when it is not.
 NODE_WATCH_S = 0.2
+# How long `leave` waits for a stale restore to give up (at its next piece or retry) before it drops
+# the engine anyway, without freezing: a read that does not answer must not hold up the next join.
+LEAVE_WAIT_S = 10.0
 EXIT_NODE_LOST = 75
 
 
@@ -194,6 +197,7 @@ class RankActor:
             self._drop_engine()  # drop the previous generation's engine before measuring the baseline
             device = torch_device(self.spec)
             self.baseline_bytes = current_bytes(device)
+            self.restores.check(ticket)  # the build is collective: not on a group a new generation formed
             engine = build_engine(self.spec, self.rank, self.world_size, dp, recording_groups=self.sockets.adding)
             built = time.perf_counter()
             try:
@@ -202,14 +206,15 @@ class RankActor:
             except BaseException as err:
                 # Dropped before the turn passes: the next restore's collection must find this engine
                 # unreferenced, as the frozen survivors of a collection are never freed (rank.reclaim).
-                engine.data.close(wait=False)
+                with contextlib.suppress(Exception):  # the restore's own error is the one to report
+                    engine.data.close(wait=False)
                 engine = None
                 traceback.clear_frames(err.__traceback__)  # the loading frames' references to it
                 raise
             self.engine = engine  # published only by the latest restore, once loaded
         done = time.perf_counter()
         out = {"seconds": done - started, "build_s": built - started, "load_s": done - built,
-               "rank": self.rank, "next_step": self.engine.next_step,
+               "rank": self.rank, "next_step": engine.next_step,
                "storage_read_bytes": durable_bytes_read() - read_before}
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)
@@ -233,7 +238,8 @@ class RankActor:
             # Rank 0 says how far a long restore is, a line every 10 s in the driver's log.
             with Progress(f"rank 0: restoring step {step}", enabled=self.rank == 0) as progress:
                 load_engine_state(self.spec, engine, step, fault_hook=hook, on_bytes=checked(progress.advance),
-                                  storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send))
+                                  storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send),
+                                  interrupt=check)
         elif self.spec.model.from_hf:
             load_pretrained(self.spec, engine, on_bytes=checked())
 
@@ -289,13 +295,15 @@ class RankActor:
                 return
 
     def leave(self) -> bool:
-        """Drop the process group; returns whether this rank's node is still alive."""
-        self.restores.supersede()  # a restore of the generation left is stale: it stops at its next piece
-        self._teardown()
-        self._drop_engine()
+        """Drop the process group and the engine; returns whether this rank's node is still alive."""
+        self.restores.supersede()  # a restore of the generation left is stale: it stops at its next check
+        self._teardown()  # and one inside a collective (its engine's build) fails at once
+        with self.restores.quiet(LEAVE_WAIT_S) as quiet:
+            # Without the turn a stale restore still holds its engine: collect, but freeze nothing.
+            self._drop_engine(freeze=quiet)
         return self.node_alive()
 
-    def _drop_engine(self, background: bool = False) -> None:
+    def _drop_engine(self, background: bool = False, freeze: bool = True) -> None:
         """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself,
         and everything the engine held (orchestrator.rank.reclaim): now, or with `background` on a
         thread that the next call waits for. Also with no engine: a rank's first call (at its
@@ -310,7 +318,7 @@ class RankActor:
             self._reclaiming = threading.Thread(target=reclaim_generation, daemon=True, name="reclaim")
             self._reclaiming.start()
         else:
-            reclaim_generation()
+            reclaim_generation(freeze)
 
     def _teardown(self) -> None:
         import torch.distributed as dist

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class Beats:
-    def __init__(self, store: GenerationStore, rank: int, heartbeat_s: float, saved_bytes: Callable[[], int]):
+    def __init__(self, store: GenerationStore, rank: int, heartbeat_s: float, saved_bytes: Callable[[], int],
+                 done_step: Callable[[], int] = lambda: -1):
         self.store, self.rank, self.heartbeat_s, self.saved_bytes = store, rank, heartbeat_s, saved_bytes
+        self.done_step = done_step  # the last step this rank completed (before its first beat of the call)
         self.last: Heartbeat | None = None
         self._saving: int | None = None  # the step of this rank's newest save
         self._beat_at = -float("inf")  # time.monotonic() of the last beat
@@ -59,10 +61,9 @@ class Beats:
                         type(err).__name__, err)
 
     def while_reading(self, waited_s: float) -> None:
-        if self.last is None:
-            return  # nothing trained in this call yet: the first-step limit judges the wait
+        last = self.last or Heartbeat(self.done_step(), 0.0, 0.0)  # the call's first step waits too
         try:
-            self._write(dataclasses.replace(self.last, time=time.time(), data_wait_s=waited_s))
+            self._write(dataclasses.replace(last, time=time.time(), data_wait_s=waited_s))
         except Exception as err:  # a missed beat is no reason to leave the wait
             log.warning("rank %d: a heartbeat while waiting on a data read failed (%s: %s)", self.rank,
                         type(err).__name__, err)

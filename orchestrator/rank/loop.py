@@ -60,6 +60,10 @@ class NonFiniteGradient(RuntimeError):
     """A training step produced a NaN or infinite gradient norm: the rank's weights are poisoned."""
 
 
+class AbortedWhileWaiting(Exception):
+    """The controller asked the generation to stop while this rank waited for a step's data."""
+
+
 class _EventSink:
     """push_event from the training thread on its client, from any other thread on the writer's.
 
@@ -115,7 +119,7 @@ class Evaluator:
     @property
     def windows(self) -> list:
         if self._windows is None:
-            from orchestrator.rank.state import data_read_retry
+            from ckpt.storage_errors import data_read_retry
             from trainer.evaluation import eval_windows
             from trainer.tokens.reader import TokenDataset
 
@@ -174,11 +178,17 @@ class RankLoop:
         data cursor while it waits for a step's data."""
         writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
         beats = Beats(self.store, self.rank, self.spec.monitor.heartbeat_s,
-                      lambda: sum(w.written_bytes for w in writers))
+                      lambda: sum(w.written_bytes for w in writers), done_step=lambda: self.engine.next_step - 1)
         for w in writers:
             w.on_wait = beats.while_blocked
             w.wait_tick_s = min(w.wait_tick_s, self.spec.monitor.heartbeat_s)
-        self.engine.data.on_wait = beats.while_reading
+
+        def waiting_for_data(waited_s: float) -> None:
+            if self.abort.is_set():  # the release must not wait out the data store's outage
+                raise AbortedWhileWaiting("abort requested by the controller")
+            beats.while_reading(waited_s)
+
+        self.engine.data.on_wait = waiting_for_data
         return beats
 
     def _check_finite(self, result) -> None:
@@ -211,6 +221,10 @@ class RankLoop:
 
         self.events.push(MemoryReport(measure(self.engine, self.baseline_bytes)))
 
+    def _aborted(self) -> dict:
+        return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
+                "error": "abort requested by the controller"}
+
     def run(self, until_step: int, faults: list[ArmedFault]) -> dict:
         plans = PlanWatch(self.store)
         plan = plans.read()
@@ -223,9 +237,11 @@ class RankLoop:
         try:
             while self.engine.next_step < until_step:
                 if self.abort.is_set():
-                    return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
-                            "error": "abort requested by the controller"}
-                result = self.engine.train_step()
+                    return self._aborted()
+                try:
+                    result = self.engine.train_step()
+                except AbortedWhileWaiting:  # for the step's data, before any collective of it
+                    return self._aborted()
                 self._check_finite(result)
                 if self.rank == 0:
                     self.events.push(self._step_event(result))

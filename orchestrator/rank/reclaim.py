@@ -27,7 +27,9 @@ from __future__ import annotations
 import gc
 
 
-def reclaim_generation() -> None:
-    """Collect what the dropped engine left in cycles, then freeze what is still alive."""
+def reclaim_generation(freeze: bool = True) -> None:
+    """Collect what the dropped engine left in cycles, then freeze what is still alive; `freeze`
+    False when an engine may still be alive (a stale restore that has not given up yet)."""
     gc.collect()
-    gc.freeze()
+    if freeze:
+        gc.freeze()

@@ -10,10 +10,12 @@ model and its optimizer state; and the slower of the two could publish its engin
 
 Protocol (orchestrator.rank.actor.RankActor): `restore` takes a ticket with `begin()` and does its
 work inside `turn(ticket)`, which waits for any earlier restore to end; it calls `check(ticket)`
-between pieces of work (after building the engine, as each piece of the checkpoint is read, before
-publishing the engine). `join` calls `supersede()`: a new generation makes every restore still
-running stale. A stale restore raises RestoreSuperseded at its next check, dropping its engine,
-and the controller, which no longer waits for that call, never sees it.
+between pieces of work (before building the engine, as each piece of the checkpoint is read and
+between a read's retries, before publishing the engine). `leave` (a new generation's `join`)
+calls `supersede()`, breaks the process group (a stale restore's collective fails at once), then
+waits for the turn in `quiet(timeout_s)` before it drops and freezes what is left. A stale restore
+raises RestoreSuperseded at its next check, dropping its engine, and the controller, which no
+longer waits for that call, never sees it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class RestoreTurns:
         latest = self._latest
         if ticket != latest:
             raise RestoreSuperseded(f"restore call {ticket} superseded by a later one ({latest}) on this rank")
+
+    @contextmanager
+    def quiet(self, timeout_s: float) -> Iterator[bool]:
+        """No restore running: waits up to `timeout_s` for the turn and holds it; yields whether it did
+        (False: a stale restore is still inside, e.g. a read that has not answered)."""
+        held = self._turn.acquire(timeout=timeout_s)
+        try:
+            yield held
+        finally:
+            if held:
+                self._turn.release()
 
     @contextmanager
     def turn(self, ticket: int) -> Iterator[None]:

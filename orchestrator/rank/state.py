@@ -14,7 +14,7 @@ import contextlib
 from ckpt.catalog import Catalog
 from ckpt.reader import read_manifest, read_slices
 from ckpt.storage import Storage
-from ckpt.storage_errors import ReadRetry
+from ckpt.storage_errors import ReadRetry, data_read_retry
 
 
 def catalog_for(spec) -> Catalog:
@@ -42,10 +42,6 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
         read_retry=data_read_retry(spec.data),
     )
 
-
-def data_read_retry(data) -> ReadRetry:
-    """How a rank's data reads are retried: `data.read_retry_s` per outage (trainer.tokens.reader)."""
-    return ReadRetry(data.read_retry_s, setting="data.read_retry_s", renews=True)
 
 
 def load_pretrained(spec, engine, on_bytes=None) -> None:
@@ -76,13 +72,15 @@ def restore_storage_setup(spec, faults, rank: int, notify):
                                    notify=lambda event: notify(dict(event, rank=rank)))
 
 
-def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=None, on_bytes=None) -> dict:
+def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=None, on_bytes=None,
+                      interrupt=None) -> dict:
     """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
 
     `fault_hook(point, step)`, if given, is called at the chaos point "during_restore": the slices
     are read and not yet loaded, so a fault there leaves a half-restored rank. `storage_setup(storage)`,
     if given, is run on the Storage the reads go through (chaos: this rank's `op: read` faults).
-    `on_bytes(n, total)` follows the reads (rank 0 prints its progress: monitor.progress).
+    `on_bytes(n, total)` follows the reads (rank 0 prints its progress: monitor.progress);
+    `interrupt()`, called between a failing read's retries, may raise to give the restore up.
 
     Reads the store fails transiently are retried; its failures may take `checkpoint.read_retry_s`
     of this restore in all (one budget for the manifest and every piece). Raises
@@ -93,7 +91,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     catalog = catalog_for(spec)
     if storage_setup is not None:
         storage_setup(catalog.storage)
-    retry = ReadRetry(spec.checkpoint.read_retry_s)  # this restore's one budget
+    retry = ReadRetry(spec.checkpoint.read_retry_s, interrupt=interrupt)  # this restore's one budget
     manifest = read_manifest(catalog, step, retry)
     # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
     # first step has no optimizer state (fine), a missing parameter is an error it names.

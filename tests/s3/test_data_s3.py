@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
+from ckpt.storage_errors import data_read_retry
 from orchestrator.cli.data import execute
 from orchestrator.cli.main import main
-from orchestrator.rank.state import data_read_retry
 from tests._corpus import documents, expected_stream, train_tokenizer, write_corpus
 from tests._tokens import counting_tokens, write_token_dataset
 from trainer.config import DataConfig

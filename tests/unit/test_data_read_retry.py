@@ -8,6 +8,7 @@ The store here is fsspec's in-memory file system (remote to the reader: no memor
 from __future__ import annotations
 
 import errno
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -17,13 +18,15 @@ import pytest
 import torch
 
 from ckpt.errors import TransientStorageError
-from ckpt.storage_errors import ReadRetry
+from ckpt.storage_errors import ReadRetry, data_read_retry
 from orchestrator.controller.save_watch import SaveWatch, data_outage_s
 from orchestrator.controller.timeouts import Observed, derive
 from orchestrator.rank.beats import Beats
-from orchestrator.rank.state import data_read_retry
+from orchestrator.rank.loop import RankLoop
+from orchestrator.rank.state import build_engine
 from orchestrator.spec.job_spec import validate_spec
 from orchestrator.wire.messages import Heartbeat
+from orchestrator.wire.store import PLAN, RendezvousServer, connect, heartbeat_key
 from tests._tokens import counting_tokens, write_token_dataset
 from trainer.config import DataConfig
 from trainer.data import make_cursor
@@ -107,26 +110,42 @@ def test_without_a_retry_or_on_a_short_read_nothing_is_retried(monkeypatch, remo
 
 def test_the_prefetcher_calls_on_wait_with_the_wait_so_far_while_a_step_is_in_flight():
     waits: list[float] = []
-    prefetcher = StepPrefetcher(lambda key: (time.sleep(0.4 if key[0] == 1 else 0), key)[1], steps=1)
+    ready = threading.Event()
+
+    def load(key: tuple) -> tuple:
+        time.sleep(0.4 if key[0] == 1 else 0)
+        if key[0] == 2:
+            ready.set()
+        return key
+
+    prefetcher = StepPrefetcher(load, steps=1)
     prefetcher.on_wait, prefetcher.wait_tick_s = waits.append, 0.05
-    assert prefetcher.get((0,)) == (0,)  # loaded on the spot; step 1 goes ahead, slowly
+    assert prefetcher.get((0,)) == (0,)  # not prefetched: loaded by the thread too; step 1 goes ahead, slowly
     assert prefetcher.get((1,)) == (1,)
-    assert len(waits) >= 4 and waits == sorted(waits) and 0.04 < waits[0] < waits[-1] < 0.45
-    time.sleep(0.1)  # step 2 is ready by now: no wait
+    assert len(waits) >= 3 and waits == sorted(waits) and 0.04 < waits[0] < waits[-1] < 3.0
+    assert ready.wait(10)  # step 2 is in: no wait
     count = len(waits)
     assert prefetcher.get((2,)) == (2,) and len(waits) == count
+    prefetcher.close()
+
+
+def test_a_load_that_raises_timeout_error_is_raised_not_waited_on_forever():
+    prefetcher = StepPrefetcher(lambda key: (_ for _ in ()).throw(TimeoutError("read timed out")), steps=1)
+    prefetcher.on_wait, prefetcher.wait_tick_s = lambda waited: None, 0.01
+    with pytest.raises(TimeoutError, match="read timed out"):
+        prefetcher.get((0,))
     prefetcher.close()
 
 
 def test_a_rank_waiting_for_its_data_beats_with_how_long_it_has_waited():
     written = []
     beats = Beats(SimpleNamespace(set_json=lambda key, value: written.append(Heartbeat.from_json(value))), rank=3,
-                  heartbeat_s=1.0, saved_bytes=lambda: 0)
-    beats.while_reading(2.0)
-    assert written == []  # nothing trained in this call yet: the first-step limit judges
+                  heartbeat_s=1.0, saved_bytes=lambda: 0, done_step=lambda: 4)
+    beats.while_reading(2.0)  # the call's first step waits too
+    assert written[-1].step == 4 and written[-1].data_wait_s == 2.0
     beats.after_step(5, 0.2)
     beats.while_reading(7.5)
-    assert written[-1].step == 5 and written[-1].data_wait_s == 7.5 and written[-1].time >= written[0].time
+    assert written[-1].step == 5 and written[-1].data_wait_s == 7.5 and written[-1].compute_s == 0.2
     beats.saving(6)
     beats.while_blocked()  # a later wait on a save does not carry the data wait
     assert written[-1].data_wait_s == 0.0 and written[-1].saving == 6
@@ -143,15 +162,46 @@ def test_a_cursor_waiting_out_its_data_stores_outage_reports_the_wait_and_return
     cursor.on_wait = seen.append
     first = cursor.microbatches(0, 4, 2, 0, 1)
     cursor.prefetcher.wait_tick_s = 0.02
-    cursor.prefetcher.get((1, 4, 2, 0, 1))  # step 1 was in flight; step 2 goes ahead
     down_until = time.monotonic() + 0.6
     outage = Outage(monkeypatch, cursor.datasets[0].fs, lambda: time.monotonic() < down_until)
-    second = cursor.microbatches(2, 4, 2, 0, 1)  # read during the outage, retried, returned intact
+    cursor.microbatches(1, 4, 2, 0, 1)  # step 2 goes ahead into the outage
+    second = cursor.microbatches(2, 4, 2, 0, 1)  # retried, returned intact
     assert outage.failures > 0 and max(seen) > 0.3
     for got, expected in zip([first, second], want, strict=True):
         assert [(torch.equal(a.input_ids, b.input_ids), torch.equal(a.labels, b.labels))
                 for a, b in zip(got, expected, strict=True)] == [(True, True)] * len(expected)
     cursor.close()
+
+
+def test_a_rank_loop_waiting_out_its_data_store_beats_and_leaves_at_an_abort(monkeypatch, remote_dataset, tmp_path):
+    spec = validate_spec({
+        "name": "wait", "model": {"preset": "tiny"}, "train": {"steps": 50, "global_batch": 2, "micro_batch": 1},
+        "data": {"source": "tokens", "path": remote_dataset, "seq_len": 16, "prefetch_steps": 1, "read_retry_s": 5},
+        "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 100}})
+    server = RendezvousServer("127.0.0.1")
+    controller = server.generation(0)
+    controller.set_json(PLAN, {"every": 100, "anchor": 0, "version": 1, "final_step": 50, "tag": "t",
+                               "job_started_at": time.time()})
+    engine = build_engine(spec, 0, 1, 1)
+    down = threading.Event()
+    Outage(monkeypatch, engine.data.datasets[0].fs, down.is_set)
+    abort, outcome = threading.Event(), {}
+    loop = RankLoop(spec, engine, connect(server.address, 0), 0, 1, abort, writer_store=connect(server.address, 0))
+    trainer = threading.Thread(target=lambda: outcome.update(loop.run(50, [])), daemon=True)
+    trainer.start()
+    deadline = time.monotonic() + 60
+    while (controller.get_json(heartbeat_key(0)) or {}).get("step", -1) < 2:
+        assert time.monotonic() < deadline and trainer.is_alive(), "the rank never trained 3 steps"
+        time.sleep(0.05)
+    down.set()  # the store stops answering: the rank waits for its next step's data, and beats
+    while (controller.get_json(heartbeat_key(0)) or {}).get("data_wait_s", 0.0) < 1.0:
+        assert time.monotonic() < deadline and trainer.is_alive(), f"no data-wait beat: {outcome}"
+        time.sleep(0.05)
+    abort.set()
+    trainer.join(5)
+    assert outcome["status"] == "aborted" and outcome["error"] == "abort requested by the controller", outcome
+    down.clear()
+    engine.data.close(wait=True)
 
 
 def test_the_watchdog_counts_a_rank_waiting_for_its_data_as_busy_within_the_outage_allowance():

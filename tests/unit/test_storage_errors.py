@@ -3,6 +3,7 @@ jittered retry of the transient ones (clock and sleep injected: no test waits)."
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import random
 import time
@@ -203,3 +204,32 @@ def test_reads_failing_together_spend_the_budget_once():
         errors = [f.exception() for f in [pool.submit(retry.call, never, f"piece {i}") for i in range(4)]]
     assert all(isinstance(e, TransientStorageError) for e in errors)
     assert 0.4 <= time.monotonic() - started < 1.0  # side by side, not 4 x 0.4 s and not 0.4 / 4
+
+
+def test_an_interrupt_gives_a_retried_read_up_within_half_a_second_of_its_waits():
+    clock, asked = _Clock(), []
+
+    class GivenUp(Exception):
+        pass
+
+    def interrupt() -> None:
+        asked.append(clock.now)
+        if clock.now >= 3.0:  # a later restore came to the rank 3 s into the retries
+            raise GivenUp
+
+    retry = dataclasses.replace(_retry(clock, 120.0), interrupt=interrupt)
+    with pytest.raises(GivenUp):
+        retry.call(_fails_then(1000, b""), "step 40: shard")
+    assert 3.0 <= clock.now <= 3.5 and max(clock.sleeps) <= 0.5
+    assert not retry.renews and retry.setting == "checkpoint.read_retry_s"
+
+
+def test_a_renewing_budget_gives_each_failing_spell_the_whole_budget():
+    clock = _Clock()
+    retry = dataclasses.replace(_retry(clock, 30.0), renews=True, setting="data.read_retry_s")
+    for _ in range(4):  # four outages of about 20 s each, 80 s in all
+        ends = clock.now + 20.0
+        read = _fails_then(1000, b"ok")
+        assert retry.call(lambda read=read, ends=ends: read() if clock.now < ends else b"ok", "tokens") == b"ok"
+    with pytest.raises(TransientStorageError, match=r"data.read_retry_s=30"):
+        retry.call(_fails_then(1000, b""), "tokens")
