@@ -1,0 +1,58 @@
+"""An outage of the data store costs the job a wait, not a rollback, end to end on the local Ray
+cluster with the training data on a real S3 server (SeaweedFS).
+
+The server is frozen (SIGSTOP: its connections stay open and nothing answers) for 12 s, three
+times the 4 s hang limit, while the job trains from it. The ranks' reads time out (1 s client
+timeouts), are retried by the client and then by the rank (`data.read_retry_s`), and the ranks
+beat while they wait for their data (`data_wait_s`), so the controller's watchdog declares no
+hang; the job ends with no failure and the wait booked as the data bucket of its ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from tests._tokens import write_token_dataset
+from tests.ray.jobs import start_job, wait_for
+from tests.s3._seaweed import BUCKET
+from tests.s3.conftest import s3_server as s3_server  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.ray, pytest.mark.s3]
+
+HANG_S = 4
+OUTAGE_S = 12
+
+
+def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failure(ray_cluster, s3_server,
+                                                                                   tmp_path):
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}/tokens"
+    tokens = np.random.default_rng(0).integers(0, 256, size=40_000)
+    write_token_dataset(url, tokens, vocab_size=256, shard_tokens=7_000, storage_options=s3_server.storage_options)
+    options = tmp_path / "s3-options.json"
+    options.write_text(json.dumps({**s3_server.storage_options, "config_kwargs": {
+        "connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}))
+    os.chmod(options, 0o600)
+    proc, report, log = start_job(ray_cluster, tmp_path, "dataoutage", [
+        "data.source=tokens", f"data.path={url}", f"data.storage_options_file={options}", "data.seq_len=32",
+        "data.read_retry_s=60", f"elastic.hang_timeout_s={HANG_S}", "train.steps=60", "chaos.faults=[]"])
+    pid = s3_server.proc.pid
+    try:
+        wait_for(log, "step 10 committed:", proc)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(OUTAGE_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    code = proc.wait(timeout=300)
+    text = log.read_text()
+    assert code == 0, text[-5000:]
+    result = json.loads(report.read_text())
+    assert result["failures"] == [] and "no step for" not in text, text[-5000:]
+    assert result["final_step"] == 60
+    assert result["goodput"]["badput_s"]["data"] >= OUTAGE_S - HANG_S, result["goodput"]
