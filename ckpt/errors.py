@@ -24,7 +24,19 @@ from __future__ import annotations
 
 
 class CorruptCheckpoint(RuntimeError):
-    """A committed checkpoint cannot be read back intact (missing shard, bad checksum)."""
+    """A committed checkpoint cannot be read back intact (missing shard, bad checksum).
+
+    `location`: (file, start, end), the bytes of the step's shard file whose read proved it, when
+    a read did (ckpt.fetch); None for proof found elsewhere (the manifest, the coverage). An
+    attribute, so it survives pickling (Ray hands a rank's error to the controller with it)."""
+
+    location: tuple[str, int, int] | None = None
+
+
+def corrupt_at(message: str, file: str, start: int, end: int) -> CorruptCheckpoint:
+    err = CorruptCheckpoint(message)
+    err.location = (file, start, end)
+    return err
 
 
 class TransientStorageError(OSError):

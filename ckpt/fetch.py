@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ckpt.blocks import crc32
-from ckpt.errors import CorruptCheckpoint, TransientStorageError
+from ckpt.errors import TransientStorageError, corrupt_at
 from ckpt.manifest import step_dir
 from ckpt.reshard import RangeRead
 from ckpt.storage import Storage
@@ -122,8 +122,8 @@ class _Range:
             # no end-to-end checksum): the block is read again, and only a second mismatch is proof.
             self._read_into(view, lo, hi)
             if crc32(view[lo:hi]) != block.crc32:
-                raise CorruptCheckpoint(f"{self.where}: checksum mismatch in {read.file}, "
-                                        f"block at bytes {block.start}..{block.end} (read twice)")
+                raise corrupt_at(f"{self.where}: checksum mismatch in {read.file}, block at bytes "
+                                 f"{block.start}..{block.end} (read twice)", read.file, block.start, block.end)
         if not keep:
             self.buffer = None
 
@@ -142,7 +142,8 @@ class _Range:
             if classify(err) != CORRUPT:  # not proof: the caller must not take the checkpoint for bad
                 raise
             # A shard the committed manifest names is gone, or shorter than the range (S3 416).
-            raise CorruptCheckpoint(f"{what} cannot be read: {type(err).__name__}: {err}") from err
+            raise corrupt_at(f"{what} cannot be read: {type(err).__name__}: {err}", read.file, read.start + lo,
+                             read.start + hi) from err
         if got != hi - lo:
-            raise CorruptCheckpoint(f"{self.where}: {read.file} is truncated: got {got} of the "
-                                    f"{hi - lo} bytes at {read.start + lo}")
+            raise corrupt_at(f"{self.where}: {read.file} is truncated: got {got} of the {hi - lo} bytes at "
+                             f"{read.start + lo}", read.file, read.start + lo, read.start + hi)

@@ -31,7 +31,7 @@ from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
 from ckpt.fetch import READ_THREADS, fetch
 from ckpt.manifest import Manifest
-from ckpt.reshard import COALESCE_GAP, Copy, CoverageError, ReadPlan, plan_reads
+from ckpt.reshard import COALESCE_GAP, Copy, CoverageError, RangeRead, ReadPlan, plan_reads
 from ckpt.shards import dtype_from_name, itemsize
 from ckpt.storage_errors import CORRUPT, ReadRetry, classify
 from trainer.state_slices import TensorSlice
@@ -134,6 +134,27 @@ def verify_checkpoint(catalog: Catalog, step: int, retry: ReadRetry | None = Non
     manifest = read_manifest(catalog, step, retry)
     plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
     fetch(catalog.storage, step, plan.reads, keep=False, retry=retry, on_bytes=on_bytes)
+
+
+def verify_location(catalog: Catalog, step: int, location: tuple[str, int, int], retry: ReadRetry | None = None) -> int:
+    """Check the blocks of checkpoint `step` that hold bytes [start, end) of its shard `file`
+    (`location`, as CorruptCheckpoint carries it): what a rank's failed read proved, checked in
+    milliseconds instead of reading the whole checkpoint (verify_checkpoint). Returns the bytes
+    checked; raises CorruptCheckpoint (proof, also when the manifest names no such bytes) or
+    TransientStorageError, as verify_checkpoint does."""
+    file, start, end = location
+    retry = retry if retry is not None else ReadRetry()
+    manifest = read_manifest(catalog, step, retry)
+    plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
+    reads = []
+    for read in plan.reads:
+        blocks = tuple(b for b in read.blocks if read.file == file and b.start < end and b.end > start)
+        if blocks:
+            reads.append(RangeRead(file, blocks[0].start, blocks[-1].end, blocks))
+    if not reads:
+        raise CorruptCheckpoint(f"step {step}: the manifest names no bytes {start}..{end} of {file}")
+    fetch(catalog.storage, step, reads, keep=False, retry=retry)
+    return sum(r.end - r.start for r in reads)
 
 
 def newest_loadable(catalog: Catalog, on_fallback=None) -> int | None:

@@ -118,9 +118,12 @@ class Checkpoints:
         return self.restore.restore_point()
 
     def kept_intact(self, step: int) -> bool:
-        """Whether `step` is committed by the history this run left (its restore read it damaged, the
-        controller's verification intact), so that a save of it was skipped, not failed."""
-        return step in self.restore.intact and step in self.committer.left_behind
+        """Whether `step` is committed by the history this run left (its restore read it damaged) and
+        verifies whole here (checked now when only the damaged bytes were), so that a save of it was
+        skipped, not failed, and the job has it."""
+        if step not in self.committer.left_behind:
+            return False
+        return step in self.restore.intact or self.restore.verify_fully(step)
 
     def on_unloadable(self, step: int, source, err: BaseException) -> str:
         """The restore of `step` failed with SnapshotUnavailable or CorruptCheckpoint; the line to print.

@@ -9,8 +9,12 @@ drives it through Checkpoints):
   * `on_corrupt(step, err)` when a rank or the controller proved checkpoint `step` corrupt (a
     checksum mismatch, a shard the manifest names is missing, a short read, a manifest that does
     not parse): the step is skipped by this run, and quarantined (its manifest moved aside,
-    ckpt.catalog.Catalog.quarantine) only when the controller's own full verification proves
-    the corruption too. Returns the line to print: a fallback is always loud.
+    ckpt.catalog.Catalog.quarantine) only when the controller's own verification proves the
+    corruption too: of the bytes the rank's error names (`CorruptCheckpoint.location`:
+    milliseconds, where reading a large checkpoint whole would hold the recovery for minutes),
+    else of the whole checkpoint. Returns the line to print: a fallback is always loud.
+  * `verify_fully(step)`: a whole verification, for a step skipped that way which the job
+    needs as its final checkpoint (orchestrator.controller.stopping).
   * `unreadable(step, err)` when a restore failed with TransientStorageError (the store kept
     failing past `checkpoint.read_retry_s`), NoRestorePoint or UnsupportedManifest (another
     undying version's checkpoint): the words the job fails with.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
-from ckpt.reader import read_manifest, verify_checkpoint
+from ckpt.reader import read_manifest, verify_checkpoint, verify_location
 from ckpt.storage_errors import ReadRetry
 
 log = logging.getLogger(__name__)
@@ -102,9 +106,40 @@ class RestorePolicy:
     def on_corrupt(self, step: int, err: BaseException) -> str:
         why = cause(err)
         log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, why)
-        words = self._quarantine(step)
+        location = getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
+        words = self._quarantine(step) if location is None else self._quarantine_at(step, location)
         self.bad[step] = f"corrupt ({why}){words}"
         return f"checkpoint step {step} is corrupt ({why}); falling back to the previous committed one{words}"
+
+    def _quarantine_at(self, step: int, location: tuple[str, int, int]) -> str:
+        """As `_quarantine`, checking only the bytes whose read proved the rank's error: a large
+        checkpoint's full verification would hold the recovery for as long as reading all of it."""
+        file, start, end = location
+        try:
+            verify_location(self.catalog, step, location, self.retry.fresh())
+        except CorruptCheckpoint:
+            return self._withdraw(step)
+        except Exception as err:  # TransientStorageError or another storage error: no proof
+            return (f"; its check here failed without proving corruption ({type(err).__name__}: {err}), so it "
+                    "stays committed (skipped by this run)")
+        return (f"; bytes {start}..{end} of {file} read intact here (the rank's read was damaged), so it stays "
+                "committed (skipped by this run)")
+
+    def verify_fully(self, step: int) -> bool:
+        """Whether committed checkpoint `step` verifies whole here (then it joins `intact`)."""
+        try:
+            verify_checkpoint(self.catalog, step, self.retry.fresh())
+        except Exception as err:  # corrupt, or a store that kept failing: not intact either way
+            log.warning("checkpoint step %s does not verify whole: %s", step, cause(err))
+            return False
+        self.intact.add(step)
+        return True
+
+    def _withdraw(self, step: int) -> str:
+        try:
+            return f"; its manifest moved aside to {self.catalog.quarantine(step)}"
+        except Exception as err:  # the storage failed the move: the step stays committed, skipped
+            return f"; it could not be moved aside ({type(err).__name__}: {err}), skipped by this run"
 
     def _quarantine(self, step: int) -> str:
         """Withdraw a checkpoint only when the controller's own full verification proves it corrupt;
@@ -113,10 +148,7 @@ class RestorePolicy:
         try:
             verify_checkpoint(self.catalog, step, self.retry.fresh())
         except CorruptCheckpoint:
-            try:
-                return f"; its manifest moved aside to {self.catalog.quarantine(step)}"
-            except Exception as err:  # the storage failed the move: the step stays committed, skipped
-                return f"; it could not be moved aside ({type(err).__name__}: {err}), skipped by this run"
+            return self._withdraw(step)
         except Exception as err:  # TransientStorageError or another storage error: no proof
             return (f"; its verification here failed without proving corruption ({type(err).__name__}: {err}), so it "
                     "stays committed (skipped by this run)")

@@ -217,7 +217,7 @@ class Stops:
             return self._ended(phase, store, gen, world_size, dp)
         if self.checkpoints.latest != steps and self.checkpoints.kept_intact(steps):
             return Move(Succeeded(), f"{steps} steps done; the final checkpoint is step {steps} as committed before "
-                                     "(this run's restore read it damaged, the controller's verification intact), "
+                                     "(this run's restore read it damaged, it verifies whole here), "
                                      f"goodput {self.ledger.goodput():.1%}")
         if self.checkpoints.latest != steps:
             error = (f"all ranks finished but the final checkpoint (step {steps}) was not committed; "

@@ -13,7 +13,7 @@ from ckpt.catalog import Catalog
 from ckpt.commit import Committer
 from ckpt.reader import load_checkpoint
 from ckpt.storage import Storage
-from tests._checkpoints import feed, make_state, save_checkpoint, shard_receipts
+from tests._checkpoints import feed, flip_bit, make_state, save_checkpoint, shard_of, shard_receipts
 
 
 @pytest.fixture
@@ -113,8 +113,8 @@ def test_the_controller_hands_the_steps_its_restore_skipped_to_the_committer(tmp
 def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succeeds(tmp_path):
     """The final step 200 is committed; a rank read it damaged, the controller's verification read it
     intact, so it stays committed and the job resumed from 100. Training to 200 again, the save is
-    skipped (the step is kept as it is): the job has its final checkpoint and succeeds. Had the
-    verification failed without proof, the job fails naming the step it could not commit."""
+    skipped (the step is kept as it is): the job has its final checkpoint and succeeds. A step not
+    verified whole yet is verified then; one that does not verify fails the job naming the step."""
     from types import SimpleNamespace
 
     from ckpt.errors import CorruptCheckpoint
@@ -155,6 +155,7 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     assert "final checkpoint is step 200 as committed before" in move.sentence
     torch.testing.assert_close(load_checkpoint(catalog, 200)[0]["model/w"], make_state(200)["model/w"])
 
-    checkpoints.restore.intact.clear()  # not verified: no proof either way
+    checkpoints.restore.intact.clear()  # not verified whole yet: it is now, and a damaged one fails the job
+    flip_bit(catalog, 200, shard_of(catalog, 200, "model/w"))
     move = stops.finished(running, None, 1, 2, 2)
     assert not isinstance(move.phase, Succeeded) and "final checkpoint (step 200) was not committed" in move.sentence
