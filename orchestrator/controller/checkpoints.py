@@ -121,9 +121,22 @@ class Checkpoints:
         """Whether `step` is committed by the history this run left (its restore read it damaged) and
         verifies whole here (checked now when only the damaged bytes were), so that a save of it was
         skipped, not failed, and the job has it."""
-        if step not in self.committer.left_behind:
+        if step not in self.committer.left_behind or not self._same_spec(step):
             return False
         return step in self.restore.intact or self.restore.verify_fully(step)
+
+    def _same_spec(self, step: int) -> bool:
+        """Whether committed `step` was saved by a run of this very spec (the restore's own checks of
+        its state never ran: its read failed first)."""
+        try:
+            saved = self.read_manifest(step).spec_hash
+        except Exception as err:  # unreadable now: not this job's final checkpoint as far as we know
+            self.log(f"checkpoint step {step}: its manifest does not read ({type(err).__name__}: {err})")
+            return False
+        if saved != self.committer.spec_hash:
+            self.log(f"checkpoint step {step} was committed by a run of another spec (spec hash {saved[:12]}, "
+                     f"this run's {self.committer.spec_hash[:12]}): not taken as this job's final checkpoint")
+        return saved == self.committer.spec_hash
 
     def on_unloadable(self, step: int, source, err: BaseException) -> str:
         """The restore of `step` failed with SnapshotUnavailable or CorruptCheckpoint; the line to print.

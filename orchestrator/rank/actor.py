@@ -44,9 +44,6 @@ from orchestrator.wire.store import GenerationStore, connect
 
 # How often a rank checks that its node's raylet is alive, and the exit code when it is not.
 NODE_WATCH_S = 0.2
-# How long `leave` waits for a stale restore to give up (at its next piece or retry) before it drops
-# the engine anyway, without freezing: a read that does not answer must not hold up the next join.
-LEAVE_WAIT_S = 10.0
 EXIT_NODE_LOST = 75
 
 
@@ -211,10 +208,12 @@ class RankActor:
                 engine = None
                 traceback.clear_frames(err.__traceback__)  # the loading frames' references to it
                 raise
-            self.engine = engine  # published only by the latest restore, once loaded
+            # Published only by the latest restore, once loaded; no reference left here when the turn
+            # passes, as the next holder's collection may freeze what is alive then.
+            self.engine, next_step, engine = engine, engine.next_step, None
         done = time.perf_counter()
         out = {"seconds": done - started, "build_s": built - started, "load_s": done - built,
-               "rank": self.rank, "next_step": engine.next_step,
+               "rank": self.rank, "next_step": next_step,
                "storage_read_bytes": durable_bytes_read() - read_before}
         if self.rank == 0:
             out["peak_flops"] = peak_flops_per_rank(self.spec, device)
@@ -298,8 +297,10 @@ class RankActor:
         """Drop the process group and the engine; returns whether this rank's node is still alive."""
         self.restores.supersede()  # a restore of the generation left is stale: it stops at its next check
         self._teardown()  # and one inside a collective (its engine's build) fails at once
-        with self.restores.quiet(LEAVE_WAIT_S) as quiet:
-            # Without the turn a stale restore still holds its engine: collect, but freeze nothing.
+        # No waiting for it (the controller's release gives `leave` seconds): while a stale restore
+        # holds the turn it holds an engine, so collect but freeze nothing; the next restore's
+        # collection, inside the turn once the stale one gave up, freezes.
+        with self.restores.quiet() as quiet:
             self._drop_engine(freeze=quiet)
         return self.node_alive()
 
@@ -308,9 +309,9 @@ class RankActor:
         and everything the engine held (orchestrator.rank.reclaim): now, or with `background` on a
         thread that the next call waits for. Also with no engine: a rank's first call (at its
         first join) pays the one full collection at start-up, so that no recovery does."""
-        if self._reclaiming is not None:
-            self._reclaiming.join()
-            self._reclaiming = None
+        reclaiming, self._reclaiming = self._reclaiming, None  # read once: a stale restore may drop too
+        if reclaiming is not None:
+            reclaiming.join()
         if self.engine is not None:
             self.engine.data.close(wait=False)
         self.engine = None

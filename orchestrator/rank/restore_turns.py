@@ -13,9 +13,10 @@ work inside `turn(ticket)`, which waits for any earlier restore to end; it calls
 between pieces of work (before building the engine, as each piece of the checkpoint is read and
 between a read's retries, before publishing the engine). `leave` (a new generation's `join`)
 calls `supersede()`, breaks the process group (a stale restore's collective fails at once), then
-waits for the turn in `quiet(timeout_s)` before it drops and freezes what is left. A stale restore
-raises RestoreSuperseded at its next check, dropping its engine, and the controller, which no
-longer waits for that call, never sees it.
+drops the engine and collects, freezing only when `quiet()` finds no restore running (one that
+is still inside holds an engine; the next restore's collection, in its turn, freezes). A stale
+restore raises RestoreSuperseded at its next check, dropping its engine, and the controller,
+which no longer waits for that call, never sees it.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ class RestoreTurns:
             raise RestoreSuperseded(f"restore call {ticket} superseded by a later one ({latest}) on this rank")
 
     @contextmanager
-    def quiet(self, timeout_s: float) -> Iterator[bool]:
-        """No restore running: waits up to `timeout_s` for the turn and holds it; yields whether it did
-        (False: a stale restore is still inside, e.g. a read that has not answered)."""
-        held = self._turn.acquire(timeout=timeout_s)
+    def quiet(self) -> Iterator[bool]:
+        """Holds the turn when no restore runs, without waiting; yields whether it did (False: a
+        restore is inside, e.g. a stale one whose read has not answered yet)."""
+        held = self._turn.acquire(blocking=False)
         try:
             yield held
         finally:

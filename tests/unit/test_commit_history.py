@@ -125,7 +125,7 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     from orchestrator.controller.job_record import JobRecord
     from orchestrator.controller.states import State, Succeeded
     from orchestrator.controller.stopping import Stops
-    from orchestrator.spec.job_spec import validate_spec
+    from orchestrator.spec.job_spec import spec_hash, validate_spec
 
     spec = validate_spec({"name": "final", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
                           "train": {"steps": 200, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
@@ -133,8 +133,10 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     ledger, metrics, lines = GoodputLedger(), JobMetrics("final"), []
     record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
     catalog = Catalog(Storage(spec.checkpoint_root))
-    for step in (100, 200):
-        save_checkpoint(catalog, step, make_state(step))
+    for step in (100, 200):  # an earlier run of this spec
+        catalog.commit(job=spec.name, step=step, generation=0, layout={"dp": 2, "tp": 1, "pp": 1, "zero": 0},
+                       spec_hash=spec_hash(spec), receipts=shard_receipts(catalog, step, make_state(step), tag="old"),
+                       state={"engine": {"next_step": step}})
     checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
                               ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
                               log=lines.append)
@@ -155,6 +157,10 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     assert "final checkpoint is step 200 as committed before" in move.sentence
     torch.testing.assert_close(load_checkpoint(catalog, 200)[0]["model/w"], make_state(200)["model/w"])
 
+    checkpoints.committer.spec_hash = "another"  # a run of another spec must not take it as its own
+    move = stops.finished(running, None, 1, 2, 2)
+    assert not isinstance(move.phase, Succeeded) and "committed by a run of another spec" in lines[-1]
+    checkpoints.committer.spec_hash = spec_hash(spec)
     checkpoints.restore.intact.clear()  # not verified whole yet: it is now, and a damaged one fails the job
     flip_bit(catalog, 200, shard_of(catalog, 200, "model/w"))
     move = stops.finished(running, None, 1, 2, 2)

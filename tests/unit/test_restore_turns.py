@@ -50,6 +50,7 @@ class Loads:
         self.loading: dict[int, threading.Event] = {}
         self.data: list[FakeData] = []  # each built engine's data cursor
         self.fail_at = fail_at
+        self.retrying: int | None = None
 
     def build(self, spec, rank, world_size, dp, recording_groups=None):
         gc.collect()
@@ -61,6 +62,10 @@ class Loads:
 
     def load(self, spec, engine, step, fault_hook=None, storage_setup=None, on_bytes=None, interrupt=None):
         self.loading.setdefault(step, threading.Event()).set()
+        if step == self.retrying:  # a read the store keeps failing: only its retries' interrupt runs
+            for _ in range(500):
+                interrupt()
+                time.sleep(0.01)
         pieces = PIECES.get(step, 30)
         for piece in range(pieces):
             if piece == 3 and step == self.fail_at:
@@ -179,3 +184,14 @@ def test_a_call_gone_stale_while_waiting_for_its_turn_does_not_run():
     with pytest.raises(RestoreSuperseded, match="superseded by a later one"):
         turns.check(first)
     turns.check(third)
+
+
+def test_a_restore_stuck_in_a_reads_retries_gives_up_at_a_later_call(loads):
+    loads.retrying = 7
+    actor = rank_actor()
+    first, first_out = in_thread(lambda: actor.restore(7, dp=2))
+    loads.wait_loading(7)
+    assert actor.restore(3, dp=1)["next_step"] == 4  # waited for the stale one's next retry, not its 5 s
+    first.join(10)
+    assert first_out["error"][0] is RestoreSuperseded and loads.alive_at_build == [0, 0]
+
