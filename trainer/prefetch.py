@@ -72,6 +72,13 @@ class StepPrefetcher(Generic[T]):
                     self._ahead[nxt] = self._pool.submit(self.load, nxt)
         return result
 
+    def peek(self, key: tuple) -> T | None:
+        """The result for `key` when it is ahead (waited for as `get` waits), left there for `get`;
+        None when it is not ahead."""
+        with self._lock:
+            future = self._ahead.get(key)
+        return None if future is None else self._wait(future)
+
     def _wait(self, future: Future) -> T:
         started = time.monotonic()
         # Not `result(timeout=)`: a load that raises TimeoutError itself would read as one more tick.
@@ -106,10 +113,12 @@ class ReadAheadCursor:
     def microbatches(self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                      record: bool = True) -> list:
         """This rank's samples of `step` as microbatches, made ahead; starts on the steps after it.
-        `record` False: a look that trains nothing (made on the spot, not counted, prefetch untouched)."""
+        `record` False: a look that trains nothing (not counted, prefetch untouched: the step's
+        result when it is ahead, else made on the spot)."""
         key = (step, global_batch, micro_batch, dp_rank, dp_size)
-        if not record:
-            return self._load(key)[0]
+        if not record:  # a step ahead is looked at where it is: no second read, and its wait reported
+            ahead = self.prefetcher.peek(key) if self.prefetcher is not None else None
+            return (ahead if ahead is not None else self._load(key))[0]
         started = time.perf_counter()
         if self.prefetcher is None:
             self.prefetcher = StepPrefetcher(self._load, self.prefetch_steps)

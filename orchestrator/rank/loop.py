@@ -238,10 +238,7 @@ class RankLoop:
             while self.engine.next_step < until_step:
                 if self.abort.is_set():
                     return self._aborted()
-                try:
-                    result = self.engine.train_step()
-                except AbortedWhileWaiting:  # for the step's data, before any collective of it
-                    return self._aborted()
+                result = self.engine.train_step()
                 self._check_finite(result)
                 if self.rank == 0:
                     self.events.push(self._step_event(result))
@@ -261,6 +258,8 @@ class RankLoop:
                     self._evaluate(completed)
                 if plan.stops(completed):
                     break
+        except AbortedWhileWaiting:  # for a step's data (a step's, or the memory probe's look at the next)
+            return self._aborted()
         finally:
             writer.flush()  # a save started before an error still lands; it commits only if complete
             if snapshots is not None:

@@ -176,23 +176,23 @@ def test_a_cursor_waiting_out_its_data_stores_outage_reports_the_wait_and_return
 
 def test_a_rank_loop_waiting_out_its_data_store_beats_and_leaves_at_an_abort(monkeypatch, remote_dataset, tmp_path):
     spec = validate_spec({
-        "name": "wait", "model": {"preset": "tiny"}, "train": {"steps": 50, "global_batch": 2, "micro_batch": 1},
+        "name": "wait", "model": {"preset": "tiny"}, "train": {"steps": 10**6, "global_batch": 2, "micro_batch": 1},
         "data": {"source": "tokens", "path": remote_dataset, "seq_len": 16, "prefetch_steps": 1, "read_retry_s": 60},
-        "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 100}})
+        "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10**6}})
     server = RendezvousServer("127.0.0.1")
     controller = server.generation(0)
-    controller.set_json(PLAN, {"every": 100, "anchor": 0, "version": 1, "final_step": 50, "tag": "t",
+    controller.set_json(PLAN, {"every": 10**6, "anchor": 0, "version": 1, "final_step": 10**6, "tag": "t",
                                "job_started_at": time.time()})
     engine = build_engine(spec, 0, 1, 1)
     down = threading.Event()
     Outage(monkeypatch, engine.data.datasets[0].fs, down.is_set)
     abort, outcome = threading.Event(), {}
     loop = RankLoop(spec, engine, connect(server.address, 0), 0, 1, abort, writer_store=connect(server.address, 0))
-    trainer = threading.Thread(target=lambda: outcome.update(loop.run(50, [])), daemon=True)
+    trainer = threading.Thread(target=lambda: outcome.update(loop.run(10**6, [])), daemon=True)
     trainer.start()
     deadline = time.monotonic() + 60
     while (controller.get_json(heartbeat_key(0)) or {}).get("step", -1) < 2:
-        assert time.monotonic() < deadline and trainer.is_alive(), "the rank never trained 3 steps"
+        assert time.monotonic() < deadline and trainer.is_alive(), f"the rank never trained 3 steps: {outcome}"
         time.sleep(0.05)
     down.set()  # the store stops answering: the rank waits for its next step's data, and beats
     while (controller.get_json(heartbeat_key(0)) or {}).get("data_wait_s", 0.0) < 1.0:
@@ -232,3 +232,14 @@ def test_the_collective_timeout_outlasts_a_data_outage_for_prepared_datasets():
     assert limits.collective_s == 300.0 + 10.0  # the outage, and the hang limit after it
     assert data_read_retry(tokens.data).budget_s == 300.0 and data_read_retry(tokens.data).renews
     assert data_outage_s(tokens) == 300.0 and data_outage_s(synthetic) == 0.0
+
+
+def test_a_look_at_a_step_ahead_waits_for_it_there_and_reads_nothing_twice():
+    loads: list[tuple] = []
+    prefetcher = StepPrefetcher(lambda key: loads.append(key) or key, steps=2)
+    prefetcher.on_wait = lambda waited: None
+    assert prefetcher.get((0,)) == (0,)
+    assert prefetcher.peek((1,)) == (1,) and prefetcher.peek((9,)) is None
+    assert prefetcher.get((1,)) == (1,) and prefetcher.get((2,)) == (2,)
+    assert sorted(set(loads)) == sorted(loads)  # every step read once
+    prefetcher.close()
