@@ -37,6 +37,16 @@ T = TypeVar("T")
 WAIT_TICK_S = 1.0
 
 
+def wait_reporting(future: Future, on_wait: Callable[[float], None] | None, tick_s: float = WAIT_TICK_S):
+    """`future.result()`, calling `on_wait(waited_s)` every `tick_s` meanwhile (when given; it may
+    raise to stop waiting). Not `result(timeout=)`: a load that raises TimeoutError itself would
+    read as one more tick."""
+    started = time.monotonic()
+    while on_wait is not None and not futures_wait([future], timeout=tick_s).done:
+        on_wait(time.monotonic() - started)
+    return future.result()
+
+
 class StepPrefetcher(Generic[T]):
     def __init__(self, load: Callable[[tuple], T], steps: int) -> None:
         if steps < 1:
@@ -80,11 +90,7 @@ class StepPrefetcher(Generic[T]):
         return None if future is None else self._wait(future)
 
     def _wait(self, future: Future) -> T:
-        started = time.monotonic()
-        # Not `result(timeout=)`: a load that raises TimeoutError itself would read as one more tick.
-        while self.on_wait is not None and not futures_wait([future], timeout=self.wait_tick_s).done:
-            self.on_wait(time.monotonic() - started)
-        return future.result()
+        return wait_reporting(future, self.on_wait, self.wait_tick_s)
 
     def close(self, wait: bool = True) -> None:
         """Cancel the loads ahead; `wait` for the one in flight (a rank dropping its engine does not:

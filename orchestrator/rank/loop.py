@@ -107,7 +107,9 @@ class PlanWatch:
 class Evaluator:
     """The validation windows of `spec.eval`, and when to evaluate. The windows are read at the
     first evaluation of a generation (inside the training loop, so a storage error there is a
-    rank failure like any other) and kept for the rest of it."""
+    rank failure like any other) and kept for the rest of it. They are read on a thread of their
+    own while the training thread waits reporting (`on_wait`, the data cursor's: the rank beats
+    through an outage of the store, and an abort ends the wait)."""
 
     def __init__(self, spec):
         self.spec, self.every_steps, self._windows = spec, spec.eval.every_steps, None
@@ -116,17 +118,27 @@ class Evaluator:
     def for_spec(cls, spec) -> Evaluator | None:
         return None if spec.eval is None else cls(spec)
 
-    @property
-    def windows(self) -> list:
+    def windows(self, on_wait=None) -> list:
         if self._windows is None:
-            from ckpt.storage_errors import data_read_retry
-            from trainer.evaluation import eval_windows
-            from trainer.tokens.reader import TokenDataset
+            from concurrent.futures import ThreadPoolExecutor
 
-            ev, data = self.spec.eval, self.spec.data
-            dataset = TokenDataset(ev.path, ev.storage_options or data.storage_options, retry=data_read_retry(data))
-            self._windows = eval_windows(dataset, ev.seq_len or data.seq_len, ev.windows)
+            from trainer.prefetch import wait_reporting
+
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-read")
+            try:
+                self._windows = wait_reporting(pool.submit(self._read), on_wait)
+            finally:
+                pool.shutdown(wait=False)  # an abort does not wait for the read
         return self._windows
+
+    def _read(self) -> list:
+        from ckpt.storage_errors import data_read_retry
+        from trainer.evaluation import eval_windows
+        from trainer.tokens.reader import TokenDataset
+
+        ev, data = self.spec.eval, self.spec.data
+        dataset = TokenDataset(ev.path, ev.storage_options or data.storage_options, retry=data_read_retry(data))
+        return eval_windows(dataset, ev.seq_len or data.seq_len, ev.windows)
 
     def due(self, completed: int, until_step: int) -> bool:
         return completed % self.every_steps == 0 or completed == until_step
@@ -210,7 +222,7 @@ class RankLoop:
 
     def _evaluate(self, completed: int) -> None:
         started = time.perf_counter()
-        loss_sum, tokens = self.engine.evaluate(self.evaluator.windows)
+        loss_sum, tokens = self.engine.evaluate(self.evaluator.windows(self.engine.data.on_wait))
         if self.rank == 0:
             self.events.push(EvalDone(step=completed, loss=loss_sum / tokens, tokens=tokens,
                                       seconds=time.perf_counter() - started))

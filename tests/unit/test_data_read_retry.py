@@ -61,6 +61,9 @@ class Outage:
             raise OSError(errno.EBUSY, "Please reduce your request rate (SlowDown)")
         return self.real(*args, **kwargs)
 
+    def __get__(self, instance, owner):  # installed on a class: bound like the method it replaces
+        return self if instance is None else (lambda *args, **kwargs: self(instance, *args, **kwargs))
+
 
 @pytest.fixture
 def remote_dataset() -> str:
@@ -243,3 +246,30 @@ def test_a_look_at_a_step_ahead_waits_for_it_there_and_reads_nothing_twice():
     assert prefetcher.get((1,)) == (1,) and prefetcher.get((2,)) == (2,)
     assert sorted(set(loads)) == sorted(loads)  # every step read once
     prefetcher.close()
+
+
+def test_the_validation_windows_are_read_waiting_reporting_and_an_abort_ends_the_wait(monkeypatch, remote_dataset):
+    from orchestrator.rank.loop import AbortedWhileWaiting, Evaluator
+
+    spec = validate_spec({"name": "ev", "model": {"preset": "tiny"}, "train": {"steps": 4, "global_batch": 2},
+                          "data": {"seq_len": 16}, "checkpoint": {"url": "file:///tmp/undying-eval-wait"},
+                          "eval": {"path": remote_dataset, "every_steps": 2, "windows": 4}})
+    reference = Evaluator(spec).windows()
+    # The windows are read on a thread of their own, where fsspec makes a file system instance of
+    # its own (its cache is per thread): the outage is the class's.
+    cls = type(TokenDataset(remote_dataset).fs)
+    down_until = time.monotonic() + 2.5
+    outage = Outage(monkeypatch, cls, lambda: time.monotonic() < down_until)
+    waits: list[float] = []
+    windows = Evaluator(spec).windows(waits.append)
+    assert outage.failures > 0 and len(waits) >= 1 and [w.tolist() for w in windows] == [w.tolist() for w in reference]
+
+    def abort(waited: float) -> None:
+        raise AbortedWhileWaiting("abort requested by the controller")
+
+    down_until = time.monotonic() + 30
+    started = time.monotonic()
+    with pytest.raises(AbortedWhileWaiting):
+        Evaluator(spec).windows(abort)
+    assert time.monotonic() - started < 5
+    down_until = 0.0
