@@ -42,7 +42,7 @@ RANK_KINDS: frozenset[str] = frozenset({"kill_rank", "hang_rank", "slow_rank", "
 TRIGGERS: tuple[str, ...] = ("at_step", "at_seconds", "at_point")
 # Kinds that act on checkpoint storage calls (chaos.storage_faults), and the fields only they take.
 STORAGE_KINDS: frozenset[str] = frozenset({"storage_error", "storage_latency", "storage_throttle", "torn_write"})
-STORAGE_FIELDS: tuple[str, ...] = ("op", "path", "nth", "probability", "when", "keep_fraction")
+STORAGE_FIELDS: tuple[str, ...] = ("op", "path", "nth", "probability", "when", "keep_fraction", "target")
 StorageOp = Literal["write", "read", "list", "delete"]
 RandomKind = Literal["kill_node", "kill_rank", "hang_rank"]
 
@@ -93,6 +93,9 @@ class FaultSpec(_Strict):
     when: Literal["before", "after"] | None = Field(
         None, description="storage_error: fail before the call runs, or after it succeeded (a lost reply)")
     keep_fraction: float | None = Field(None, ge=0.0, lt=1.0, description="torn_write: share of the bytes that land")
+    target: Literal["checkpoint", "data"] | None = Field(
+        None, description="storage faults: the checkpoint store (default) or data: the ranks' reads of their "
+        "prepared training dataset (every rank's, or rank's), which wait an outage out for data.read_retry_s")
 
     @field_validator("rank", mode="after")
     @classmethod
@@ -130,6 +133,8 @@ class FaultSpec(_Strict):
             raise ValueError(f"keep_fraction applies to torn_write only; remove it from this {kind} fault")
         if info.field_name == "op" and kind == "torn_write" and value != "write":
             raise ValueError(f"torn_write tears writes; use op: write, or remove op (got {value!r})")
+        if info.field_name == "target" and value == "data" and kind == "torn_write":
+            raise ValueError("torn_write tears checkpoint writes; training data is only read: remove target")
         return value
 
     @model_validator(mode="after")
@@ -153,6 +158,11 @@ class FaultSpec(_Strict):
                              "delay_s: <seconds added to step at_step> (a slow first step), not both")
         if self.kind == "storage_latency" and self.delay_s is None:
             raise ValueError("storage_latency needs delay_s: <seconds added to each storage call>")
+        if self.target == "data" and (self.at_step is not None or self.at_point is not None
+                                      or self.op not in (None, "read") or self.when is not None):
+            raise ValueError("a data fault acts on the ranks' data reads in a window of job seconds: give "
+                             "at_seconds (and duration_s), not at_step or at_point, and no op other than read "
+                             "nor when")
         return self
 
 
@@ -171,10 +181,16 @@ class ArmedFault(FaultSpec):
 
 
 def rank_storage_faults(faults: Iterable[ArmedFault], rank: int, *, restore: bool) -> list[ArmedFault]:
-    """Rank `rank`'s storage faults: with `restore`, those with `op: read`, which act on the reads of
-    its restores (orchestrator.rank.state); without, the others, which act on its checkpoint writer's
-    storage (orchestrator.rank.loop)."""
-    return [f for f in faults if f.kind in STORAGE_KINDS and f.rank == rank and (f.op == "read") == restore]
+    """Rank `rank`'s checkpoint storage faults: with `restore`, those with `op: read`, which act on the
+    reads of its restores (orchestrator.rank.state); without, the others, which act on its checkpoint
+    writer's storage (orchestrator.rank.loop)."""
+    return [f for f in faults if f.kind in STORAGE_KINDS and f.target != "data" and f.rank == rank
+            and (f.op == "read") == restore]
+
+
+def rank_data_faults(faults: Iterable[ArmedFault], rank: int) -> list[ArmedFault]:
+    """The faults on rank `rank`'s training data reads: `target: data`, with its rank or none (every rank)."""
+    return [f for f in faults if f.kind in STORAGE_KINDS and f.target == "data" and f.rank in (None, rank)]
 
 
 def as_armed(fault: FaultSpec | Mapping, index: int) -> ArmedFault:
@@ -267,7 +283,8 @@ def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
       storage kinds          at_step (that checkpoint's directory), at_seconds + duration_s (a window of
                              job seconds; duration_s alone: from the first call it matches), op / path /
                              nth / probability; with rank, op: write (its shard writes) or op: read (its
-                             restore reads, not at_seconds: a restore's time is not known in advance)
+                             restore reads, not at_seconds: a restore's time is not known in advance);
+                             with target: data, the ranks' training data reads (at_seconds, duration_s)
       corrupt_shard          at_step only: the first checkpoint committed at or after that step, once
       kill_controller        at_step (the controller learns that step finished), at_point (a CONTROLLER_POINT,
                              optionally with at_step: the first commit at or after it); once per job
@@ -290,6 +307,8 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
     if kind == "kill_controller":
         return _kill_controller_problem(fault)
     if kind in STORAGE_KINDS:
+        if fault.target == "data":  # checked whole by FaultSpec: the ranks' data reads in a job-second window
+            return None
         if fault.at_point is not None:
             return "at_point", (f"{kind} is selected by op, path, nth, probability, at_step or at_seconds, not by a "
                                 "fault point; remove at_point")

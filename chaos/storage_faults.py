@@ -30,7 +30,9 @@ Note for readers of faults: an injected read error (EIO) or throttle (503 SlowDo
 transient to ckpt.storage_errors.classify, so a restore retries it for
 `checkpoint.read_retry_s` and, when it lasts longer, the job fails naming the checkpoint;
 it never makes the controller fall back (only corrupt_shard and torn_write damage bytes).
-A rank's faults with `op: read` act on its restore reads (orchestrator.rank.state).
+A rank's faults with `op: read` act on its restore reads (orchestrator.rank.state). Faults with
+`target: data` act on the ranks' training data reads instead (`install_on_data`, from the rank
+loop); the reads wait them out for `data.read_retry_s` (trainer.tokens.reader).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from fsspec.spec import AbstractFileSystem
 from chaos.config import ArmedFault, FaultSpec
 from chaos.storage_rules import InjectedStorageError, InjectedThrottle, StorageFaultPlan, Verdict
 
-__all__ = ["FaultyFileSystem", "InjectedStorageError", "InjectedThrottle", "Installed", "StorageFaultPlan", "install"]
+__all__ = ["FaultyFileSystem", "InjectedStorageError", "InjectedThrottle", "Installed", "StorageFaultPlan", "install",
+           "install_on_data"]
 
 # method -> (operation, index of the path argument, its keyword name)
 _OPS: dict[str, tuple[str, int, str]] = {
@@ -265,6 +268,28 @@ def install_on(storage, notify: Callable[[dict], None], *, faults: list[ArmedFau
     of job second 0, which the faults' `at_seconds` count from.
     """
     install(storage, faults, seed=seed, notify=notify, clock=time.time, started=started)
+
+
+def install_on_data(datasets, notify: Callable[[dict], None], *, faults: list[ArmedFault], seed: int,
+                    started: float) -> StorageFaultPlan:
+    """Make a rank's training datasets (trainer.tokens.reader.TokenDataset) suffer `faults`, its
+    `target: data` ones (chaos.config.rank_data_faults), through one plan on the job clock
+    (`started`: the wall time of job second 0). Each dataset then reads through the wrapped file
+    system's calls, local files too (which it would otherwise map: a fault could not reach those
+    reads). Installing again wraps the original file system, not the wrapper. `notify` hears the
+    first firing of each fault only: an outage retried for a minute is one notice, not hundreds."""
+    first: set[int] = set()
+
+    def once(event: dict) -> None:
+        if event["fault_id"] not in first:
+            first.add(event["fault_id"])
+            notify(event)
+
+    plan = StorageFaultPlan(faults, seed=seed, notify=once, clock=time.time, started=started)
+    for dataset in datasets:
+        original = dataset.fs.fs if isinstance(dataset.fs, FaultyFileSystem) else dataset.fs
+        dataset.read_through(FaultyFileSystem(original, plan))
+    return plan
 
 
 def _local_write(plan: StorageFaultPlan, fs: AbstractFileSystem, original: Callable[[str, bytes], None]):

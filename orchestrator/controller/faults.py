@@ -44,7 +44,7 @@ class ControllerFaults:
         self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
         self.seed = seed
         self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
-        ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None]
+        ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None and f.target != "data"]
         self._undo = install(catalog.storage, ours, seed=seed, notify=self._on_storage_fault,
                              clock=job_seconds, started=0.0) if ours else None
         self.corruptions = [f for f in faults if f.kind == "corrupt_shard"]

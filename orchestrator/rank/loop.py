@@ -39,9 +39,9 @@ import math
 import threading
 import time
 
-from chaos.config import ArmedFault, rank_storage_faults
+from chaos.config import ArmedFault, rank_data_faults, rank_storage_faults
 from chaos.injector import FaultInjector
-from chaos.storage_faults import install_on
+from chaos.storage_faults import install_on, install_on_data
 from ckpt.writers import CheckpointWriter, make_writer
 from orchestrator.rank.beats import Beats
 from orchestrator.wire.messages import (
@@ -176,6 +176,14 @@ class RankLoop:
         started = plan.job_started_at if plan.job_started_at is not None else time.time()
         return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=started)
 
+    def _data_faults(self, faults: list[ArmedFault], plan: CheckpointPlan) -> None:
+        """This rank's faults on its training data reads (`target: data`), on its data cursor's datasets."""
+        mine, datasets = rank_data_faults(faults, self.rank), getattr(self.engine.data, "datasets", [])
+        if mine and datasets:
+            started = plan.job_started_at if plan.job_started_at is not None else time.time()
+            install_on_data(datasets, self._notify_storage_fault, faults=mine, seed=self.spec.chaos.seed,
+                            started=started)
+
     def _notify_storage_fault(self, event: dict) -> None:
         self.events.push(dict(event, rank=self.rank))
 
@@ -242,6 +250,7 @@ class RankLoop:
         plan = plans.read()
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
+        self._data_faults(faults, plan)
         writer = self._writer(hook, faults, plan)
         snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
         beats = self._beats(writer, snapshots)

@@ -164,6 +164,10 @@ def cross_section_problems(spec: Any) -> list[Problem]:
             out.append(Problem(f"chaos.faults[{i}].at_step", f"{fault.at_step} is not before train.steps "
                                f"= {train.steps}" + (" (nor that final checkpoint)" if last == train.steps else "")
                                + f", so it never fires; use a step in 0..{last}"))
+        if data and fault.target == "data" and data.source != "tokens":
+            out.append(Problem(f"chaos.faults[{i}].target", f"data faults act on the reads of a prepared dataset "
+                               f"(data.source: tokens); this job's data.source is {data.source!r}, so it would "
+                               "never fire: remove the fault or train from a prepared dataset"))
         # in_allreduce fires in DDP's gradient all-reduce (trainer.data_parallel), which only dp > 1
         # with ZeRO 0/1 runs; elsewhere the point is never reached and the fault would never fire.
         if par and fault.at_point == "in_allreduce" and (par.dp == 1 or par.zero >= 2):

@@ -67,6 +67,11 @@ def test_random_failure_fields():
         ({"kind": "storage_error", "nth": 0}, ("nth",), "greater than or equal to 1"),
         ({"kind": "storage_error", "probability": 1.5}, ("probability",), "less than or equal to 1"),
         ({"kind": "storage_error"}, (), "give a trigger"),
+        ({"kind": "torn_write", "target": "data"}, ("target",), "training data is only read"),
+        ({"kind": "storage_throttle", "target": "data", "at_step": 5}, (), "not at_step or at_point"),
+        ({"kind": "storage_error", "target": "data", "op": "write"}, (), "no op other than read"),
+        ({"kind": "kill_rank", "rank": 0, "at_step": 1, "target": "data"}, ("target",), "storage faults"),
+        ({"kind": "storage_error", "target": "disk"}, ("target",), "'checkpoint' or 'data'"),
     ],
 )
 def test_storage_fault_checks(fault, loc, fragment):
@@ -111,6 +116,8 @@ def test_every_library_kind_is_injectable():
         ({"kind": "torn_write", "rank": 1, "at_step": 10}, None, ""),
         ({"kind": "storage_error", "rank": 1, "op": "read"}, None, ""),
         ({"kind": "storage_throttle", "rank": 1, "op": "read", "duration_s": 10}, None, ""),
+        ({"kind": "storage_throttle", "target": "data", "at_seconds": 20, "duration_s": 15}, None, ""),
+        ({"kind": "storage_error", "target": "data", "rank": 1, "op": "read", "at_seconds": 5}, None, ""),
         ({"kind": "storage_error", "rank": 1, "op": "list"}, "op", "restore reads (op: read)"),
         ({"kind": "storage_error", "rank": 1, "op": "read", "at_seconds": 5}, "at_seconds", "remove at_seconds"),
         ({"kind": "storage_error", "at_point": "during_shard_write"}, "at_point", "not by a fault point"),

@@ -99,6 +99,12 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.n_tokens
 
+    def read_through(self, fs) -> None:
+        """Read through `fs` from now on, with its calls also for local files (no memory maps): chaos
+        wraps a dataset's file system this way (chaos.storage_faults.install_on_data)."""
+        with self._lock:
+            self.fs, self._local, self._maps = fs, False, {}
+
     def _path(self, shard: int, suffix: str) -> str:
         return f"{self.root}/{self.manifest.shards[shard].name}{suffix}"
 

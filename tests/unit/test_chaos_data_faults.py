@@ -1,0 +1,65 @@
+"""Chaos on the training data store (`target: data`): storage faults on the ranks' reads of their
+prepared dataset, in a window of job seconds, also on local files (read through the faulty file
+system instead of memory maps); the reads wait them out (`data.read_retry_s`)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from chaos.config import ArmedFault, FaultSpec, rank_data_faults, rank_storage_faults
+from chaos.storage_faults import FaultyFileSystem, install_on_data
+from ckpt.errors import TransientStorageError
+from ckpt.storage_errors import ReadRetry
+from orchestrator.spec.job_spec import validate_spec
+from orchestrator.spec.problems import SpecError
+from tests._tokens import counting_tokens, write_token_dataset
+from trainer.tokens.reader import TokenDataset
+
+VOCAB = 97
+
+
+def armed(**fault) -> ArmedFault:
+    return ArmedFault.of(FaultSpec(**fault), 0)
+
+
+def test_data_faults_go_to_every_rank_or_theirs_and_never_to_the_checkpoint_store():
+    every = armed(kind="storage_throttle", target="data", at_seconds=5, duration_s=10)
+    one = ArmedFault.of(FaultSpec(kind="storage_error", target="data", rank=1, at_seconds=5), 1)
+    ckpt = ArmedFault.of(FaultSpec(kind="storage_error", rank=1, op="read"), 2)
+    faults = [every, one, ckpt]
+    assert rank_data_faults(faults, 0) == [every] and rank_data_faults(faults, 1) == [every, one]
+    assert rank_storage_faults(faults, 1, restore=True) == [ckpt]
+
+
+def test_a_data_fault_on_a_job_without_a_prepared_dataset_is_refused_naming_the_field():
+    with pytest.raises(SpecError, match=r"chaos.faults\[0\].target.*data.source is 'synthetic'"):
+        validate_spec({"name": "t", "model": {"preset": "tiny"}, "train": {"steps": 4, "global_batch": 2},
+                       "checkpoint": {"url": "file:///tmp/undying-data-faults"},
+                       "chaos": {"faults": [{"kind": "storage_throttle", "target": "data", "at_seconds": 1}]}})
+
+
+def test_a_throttled_window_on_local_data_is_waited_out_and_notified_once(tmp_path):
+    write_token_dataset(tmp_path / "data", counting_tokens(3000, VOCAB), VOCAB, shard_tokens=1000)
+    retry = ReadRetry(30.0, setting="data.read_retry_s", renews=True, first_s=0.05, cap_s=0.1)
+    ds = TokenDataset(str(tmp_path / "data"), retry=retry)
+    notices: list[dict] = []
+    # The window: job seconds [0, 1.0) of a job that started now.
+    plan = install_on_data([ds], notices.append, faults=[armed(kind="storage_throttle", target="data", at_seconds=0,
+                                                                duration_s=1.0)], seed=0, started=time.time())
+    assert isinstance(ds.fs, FaultyFileSystem)
+    started = time.monotonic()
+    assert np.array_equal(ds.read(990, 20), counting_tokens(3000, VOCAB)[990:1010])  # no memory map: through fs
+    assert time.monotonic() - started >= 0.8  # it waited the window out
+    assert len(plan.fired) > 1 and len(notices) == 1 and notices[0]["kind"] == "storage_throttle"
+    # Installed again (a new generation's loop): the original file system is wrapped, not the wrapper.
+    install_on_data([ds], notices.append, faults=[armed(kind="storage_error", target="data", at_seconds=0,
+                                                        duration_s=60)], seed=0, started=time.time())
+    assert not isinstance(ds.fs.fs, FaultyFileSystem)
+    quick = TokenDataset(str(tmp_path / "data"), retry=ReadRetry(0.3, setting="data.read_retry_s", renews=True))
+    install_on_data([quick], notices.append, faults=[armed(kind="storage_error", target="data", at_seconds=0,
+                                                           duration_s=60)], seed=0, started=time.time())
+    with pytest.raises(TransientStorageError, match="data.read_retry_s=0.3"):
+        quick.read(0, 10)
