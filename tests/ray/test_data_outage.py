@@ -1,11 +1,15 @@
 """An outage of the data store costs the job a wait, not a rollback, end to end on the local Ray
-cluster with the training data on a real S3 server (SeaweedFS).
+cluster: with the training data on a real S3 server (SeaweedFS), and under `undying chaos` with a
+data fault on local data.
 
 The server is frozen (SIGSTOP: its connections stay open and nothing answers) for 12 s, three
 times the 4 s hang limit, while the job trains from it. The ranks' reads time out (1 s client
 timeouts), are retried by the client and then by the rank (`data.read_retry_s`), and the ranks
 beat while they wait for their data (`data_wait_s`), so the controller's watchdog declares no
-hang; the job ends with no failure and the wait booked as the data bucket of its ledger.
+hang; the job ends with no failure and the wait booked as the data bucket of its ledger. Under
+`undying chaos`, every rank's data reads are refused with S3's 503 SlowDown for 12 s (a storage
+fault with `target: data`): the run ends bit-identical to its failure-free reference, every
+invariant passing.
 """
 
 from __future__ import annotations
@@ -20,16 +24,17 @@ import numpy as np
 import pytest
 
 from tests._tokens import write_token_dataset
-from tests.ray.jobs import start_job, wait_for
+from tests.ray.jobs import assert_every_check_passed, chaos_job, start_job, wait_for
 from tests.s3._seaweed import BUCKET
 from tests.s3.conftest import s3_server as s3_server  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.ray, pytest.mark.s3]
+pytestmark = pytest.mark.ray
 
 HANG_S = 4
 OUTAGE_S = 12
 
 
+@pytest.mark.s3
 def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failure(ray_cluster, s3_server,
                                                                                    tmp_path):
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}/tokens"
@@ -56,3 +61,18 @@ def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failu
     assert result["failures"] == [] and "no step for" not in text, text[-5000:]
     assert result["final_step"] == 60
     assert result["goodput"]["badput_s"]["data"] >= OUTAGE_S - HANG_S, result["goodput"]
+
+
+@pytest.mark.timeout(600)  # two runs of the job: the reference and the throttled one
+def test_a_chaos_run_whose_data_store_throttles_every_read_for_12_s_matches_its_reference(ray_cluster, tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 256, size=40_000)
+    write_token_dataset(tmp_path / "train", tokens, vocab_size=256, shard_tokens=7_000)
+    outage = f"{{kind: storage_throttle, target: data, at_seconds: 12, duration_s: {OUTAGE_S}}}"
+    proc, report_path = chaos_job(ray_cluster, tmp_path, "datathrottle", [], [
+        "data.source=tokens", f"data.path=file://{tmp_path}/train", "data.seq_len=32", "train.steps=200",
+        "checkpoint.every_steps=20", f"elastic.hang_timeout_s={HANG_S}", f"chaos.faults=[{outage}]"], timeout=540)
+    report = assert_every_check_passed(proc, report_path)
+    assert report["failures"] == [] and "no step for" not in proc.stdout, proc.stdout[-4000:]
+    assert "chaos: storage_throttle (before) on rank" in proc.stdout  # it fired, on the ranks' data reads
+    assert report["goodput"]["badput_s"]["data"] >= OUTAGE_S - HANG_S, report["goodput"]
+
