@@ -1,10 +1,11 @@
 """Check, before any rank starts, that the prepared datasets a spec names can be read and fit the model.
 
 Protocol: the driver (`undying run`, `undying validate`) calls `require_data(spec)` once, after
-the spec validated and beside `require_storage`. It reads each dataset's manifest only (no
-token is read): a missing or damaged dataset, a vocabulary larger than the model's, or a
-dataset too small for one training window (or for the validation windows asked) is a
-`SpecError` naming the field and the fix, exit 2, instead of a rank failing after placement.
+the spec validated and beside `require_storage`. It reads each dataset's manifest and lists its
+shards (no token is read): a missing or damaged dataset (a shard missing, or not the size its
+manifest says), a vocabulary larger than the model's, or a dataset too small for one training
+window (or for the validation windows asked) is a `SpecError` naming the field and the fix, exit
+2, instead of a rank failing after placement, or hours into the run at its first read of a shard.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
     return None
 
 
+def _check_shards(ds, url: str, field: str, problems: list[Problem]) -> None:
+    try:
+        damaged = ds.damaged_shards()
+    except (OSError, ValueError) as err:
+        problems.append(Problem(field, f"{url} cannot be listed ({type(err).__name__}: {err}); check the URL and "
+                                       "data.storage_options"))
+        return
+    if damaged:
+        shown = "; ".join(damaged[:3]) + (f"; and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        problems.append(Problem(field, f"{url} is damaged: {shown}; prepare it again (`undying data prepare`)"))
+
+
 def data_problems(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
     data, model = spec.data, spec.model
@@ -38,6 +51,7 @@ def data_problems(spec: JobSpec) -> list[Problem]:
             if ds is None:
                 continue
             tokenizers.append((field, ds.manifest.tokenizer_sha256))
+            _check_shards(ds, url, field, problems)
             if ds.vocab_size > model.vocab_size:
                 problems.append(Problem(field, f"{url} holds token ids up to {ds.vocab_size - 1}, beyond model."
                                         f"vocab_size = {model.vocab_size}; prepare it with the model's tokenizer"))

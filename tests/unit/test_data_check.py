@@ -55,3 +55,16 @@ def test_the_hang_limit_allows_for_a_validation_where_one_is_due(tmp_path):
     assert hang_limit(1.0, 5, job, 10.0, 5.0) == 10.0 + 10.0 + 5.0 * 10
     assert hang_limit(1.0, 10, job, 10.0, 5.0) > 10.0  # the last step
     assert hang_limit(1.0, 5, spec(tmp_path), 10.0, 5.0) == 10.0  # no eval section
+
+
+def test_a_dataset_with_a_shard_missing_or_cut_short_is_refused_before_any_rank_starts(tmp_path):
+    write_token_dataset(tmp_path / "d", TOKENS, 256, shard_tokens=1000)
+    data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "d")}
+    assert data_problems(spec(tmp_path, data=data)) == []
+    shards = sorted((tmp_path / "d").glob("*.tokens"))
+    shards[1].write_bytes(shards[1].read_bytes()[:-2])  # a copy cut short
+    shards[3].unlink()
+    [problem] = data_problems(spec(tmp_path, data=data))
+    assert problem.field == "data.path" and "is damaged" in problem.message and "prepare it again" in problem.message
+    assert f"{shards[1].name} is 1998 bytes where the manifest says 2000" in problem.message
+    assert f"{shards[3].name} is missing" in problem.message

@@ -99,6 +99,26 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.n_tokens
 
+    def damaged_shards(self) -> list[str]:
+        """Each shard file missing, or not the size its manifest entry says, from one listing of the
+        dataset's directory: what a rank would meet when it first reads that shard, hours into a
+        run, found before any rank starts (orchestrator.spec.data_check)."""
+        self.fs.invalidate_cache(self.root)  # the store's listing now, not one an object store client kept
+        listing = self.retry.call(lambda: self.fs.ls(self.root, detail=True), f"listing {self.url}")
+        sizes = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry.get("size") for entry in listing}
+        out = []
+        for shard in self.manifest.shards:
+            wanted = [(TOKENS_SUFFIX, shard.n_tokens * self.dtype.itemsize)]
+            if shard.n_documents:
+                wanted.append((DOCS_SUFFIX, shard.n_documents * DOCS_DTYPE.itemsize))
+            for suffix, expected in wanted:
+                name, size = f"{shard.name}{suffix}", sizes.get(f"{shard.name}{suffix}")
+                if size is None:
+                    out.append(f"{name} is missing")
+                elif size != expected:
+                    out.append(f"{name} is {size} bytes where the manifest says {expected}")
+        return out
+
     def read_through(self, fs) -> None:
         """Read through `fs` from now on, with its calls also for local files (no memory maps): chaos
         wraps a dataset's file system this way (chaos.storage_faults.install_on_data)."""
