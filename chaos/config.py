@@ -95,7 +95,8 @@ class FaultSpec(_Strict):
     keep_fraction: float | None = Field(None, ge=0.0, lt=1.0, description="torn_write: share of the bytes that land")
     target: Literal["checkpoint", "data"] | None = Field(
         None, description="storage faults: the checkpoint store (default) or data: the ranks' reads of their "
-        "prepared training dataset (every rank's, or rank's), which wait an outage out for data.read_retry_s")
+        "prepared training dataset (every rank's, or rank's; from at_seconds, or from the first read after "
+        "step at_step, for duration_s), which wait an outage out for data.read_retry_s")
 
     @field_validator("rank", mode="after")
     @classmethod
@@ -158,11 +159,10 @@ class FaultSpec(_Strict):
                              "delay_s: <seconds added to step at_step> (a slow first step), not both")
         if self.kind == "storage_latency" and self.delay_s is None:
             raise ValueError("storage_latency needs delay_s: <seconds added to each storage call>")
-        if self.target == "data" and (self.at_step is not None or self.at_point is not None
-                                      or self.op not in (None, "read") or self.when is not None):
-            raise ValueError("a data fault acts on the ranks' data reads in a window of job seconds: give "
-                             "at_seconds (and duration_s), not at_step or at_point, and no op other than read "
-                             "nor when")
+        if self.target == "data" and (self.at_point is not None or self.op not in (None, "read")
+                                      or self.when is not None):
+            raise ValueError("a data fault acts on the ranks' data reads from a job second (at_seconds) or a "
+                             "step (at_step), for duration_s: remove at_point, when, and any op other than read")
         return self
 
 
@@ -284,7 +284,8 @@ def support_problems(chaos: ChaosConfig) -> list[tuple[str, str]]:
                              job seconds; duration_s alone: from the first call it matches), op / path /
                              nth / probability; with rank, op: write (its shard writes) or op: read (its
                              restore reads, not at_seconds: a restore's time is not known in advance);
-                             with target: data, the ranks' training data reads (at_seconds, duration_s)
+                             with target: data, the ranks' training data reads (at_seconds or at_step,
+                             duration_s)
       corrupt_shard          at_step only: the first checkpoint committed at or after that step, once
       kill_controller        at_step (the controller learns that step finished), at_point (a CONTROLLER_POINT,
                              optionally with at_step: the first commit at or after it); once per job

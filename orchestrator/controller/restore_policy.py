@@ -107,7 +107,10 @@ class RestorePolicy:
         why = cause(err)
         log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, why)
         location = getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
-        words = self._quarantine(step) if location is None else self._quarantine_at(step, location)
+        if step is None:  # model.from_hf's weights: nothing of ours to check or move aside
+            words = ""
+        else:
+            words = self._quarantine(step) if location is None else self._quarantine_at(step, location)
         self.bad[step] = f"corrupt ({why}){words}"
         return f"checkpoint step {step} is corrupt ({why}); falling back to the previous committed one{words}"
 

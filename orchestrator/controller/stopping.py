@@ -221,7 +221,9 @@ class Stops:
                                      f"goodput {self.ledger.goodput():.1%}")
         if self.checkpoints.latest != steps:
             error = (f"all ranks finished but the final checkpoint (step {steps}) was not committed; "
-                     f"latest committed is {self.checkpoints.latest}")
+                     f"latest committed is {self.checkpoints.latest}"
+                     + ("; its save was skipped: an earlier run committed that step, and it is not taken as this "
+                        "job's (see the line above)" if steps in self.checkpoints.committer.left_behind else ""))
             if self.signals:  # stopping for a signal (its stop step was the last one): a preemption all the same
                 return preempted(f"{self.signals[0]}: {error}; rerun the job to resume from it")
             return Move(Failed(error), error)

@@ -199,7 +199,8 @@ class RankActor:
             built = time.perf_counter()
             try:
                 self._load(engine, step, faults, source, check=lambda: self.restores.check(ticket))
-                self.restores.check(ticket)
+                # Published only by the latest restore, once loaded (not after a `leave` made it stale).
+                self.restores.publish(ticket, lambda: setattr(self, "engine", engine))
             except BaseException as err:
                 # Dropped before the turn passes: the next restore's collection must find this engine
                 # unreferenced, as the frozen survivors of a collection are never freed (rank.reclaim).
@@ -208,9 +209,8 @@ class RankActor:
                 engine = None
                 traceback.clear_frames(err.__traceback__)  # the loading frames' references to it
                 raise
-            # Published only by the latest restore, once loaded; no reference left here when the turn
-            # passes, as the next holder's collection may freeze what is alive then.
-            self.engine, next_step, engine = engine, engine.next_step, None
+            # No reference left here when the turn passes: the next holder's collection may freeze it.
+            next_step, engine = engine.next_step, None
         done = time.perf_counter()
         out = {"seconds": done - started, "build_s": built - started, "load_s": done - built,
                "rank": self.rank, "next_step": next_step,

@@ -159,6 +159,7 @@ class RankLoop:
         self.baseline_bytes = baseline_bytes
         self.events = _EventSink(store, writer_store)  # built here: this is the training thread
         self.evaluator = Evaluator.for_spec(spec)
+        self._data_faults_due = 0  # how many data faults are installed on the cursor (_data_faults)
         self.snapshots = snapshots
 
     def _on_receipt(self, receipt, extra: dict) -> None:
@@ -176,13 +177,19 @@ class RankLoop:
         started = plan.job_started_at if plan.job_started_at is not None else time.time()
         return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=started)
 
-    def _data_faults(self, faults: list[ArmedFault], plan: CheckpointPlan) -> None:
-        """This rank's faults on its training data reads (`target: data`), on its data cursor's datasets."""
-        mine, datasets = rank_data_faults(faults, self.rank), getattr(self.engine.data, "datasets", [])
-        if mine and datasets:
+    def _data_faults(self, faults: list[ArmedFault], plan: CheckpointPlan, completed: int) -> None:
+        """This rank's faults on its training data reads (`target: data`) whose time has come, on its
+        data cursor's datasets: at once, or once step `at_step` is done (its window then opens at the
+        next read). Installed again, with all that are due, each time one more comes due."""
+        due = [f.model_copy(update={"at_step": None}) for f in rank_data_faults(faults, self.rank)
+               if f.at_step is None or f.at_step <= completed]
+        datasets = getattr(self.engine.data, "datasets", [])
+        if due and datasets and len(due) != self._data_faults_due:
+            self._data_faults_due = len(due)
             started = plan.job_started_at if plan.job_started_at is not None else time.time()
-            install_on_data(datasets, self._notify_storage_fault, faults=mine, seed=self.spec.chaos.seed,
-                            started=started)
+            # Seeded per rank: a `probability` fault on every rank draws independently on each.
+            install_on_data(datasets, self._notify_storage_fault, faults=due,
+                            seed=self.spec.chaos.seed * 100_003 + self.rank, started=started)
 
     def _notify_storage_fault(self, event: dict) -> None:
         self.events.push(dict(event, rank=self.rank))
@@ -250,7 +257,7 @@ class RankLoop:
         plan = plans.read()
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
-        self._data_faults(faults, plan)
+        self._data_faults(faults, plan, self.engine.next_step)
         writer = self._writer(hook, faults, plan)
         snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
         beats = self._beats(writer, snapshots)
@@ -269,6 +276,7 @@ class RankLoop:
                 beats.after_step(result.step, result.compute_s)
                 plan = plans.read()
                 completed = self.engine.next_step
+                self._data_faults(faults, plan, completed)
                 if plan.should_save(completed) or plan.stops(completed):
                     beats.saving(completed)  # before: a synchronous save is written inside `save`
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())

@@ -11,18 +11,18 @@ model and its optimizer state; and the slower of the two could publish its engin
 Protocol (orchestrator.rank.actor.RankActor): `restore` takes a ticket with `begin()` and does its
 work inside `turn(ticket)`, which waits for any earlier restore to end; it calls `check(ticket)`
 between pieces of work (before building the engine, as each piece of the checkpoint is read and
-between a read's retries, before publishing the engine). `leave` (a new generation's `join`)
-calls `supersede()`, breaks the process group (a stale restore's collective fails at once), then
-drops the engine and collects, freezing only when `quiet()` finds no restore running (one that
-is still inside holds an engine; the next restore's collection, in its turn, freezes). A stale
-restore raises RestoreSuperseded at its next check, dropping its engine, and the controller,
-which no longer waits for that call, never sees it.
+between a read's retries) and publishes its engine with `publish(ticket, ...)`, atomic with
+`supersede`. `leave` (a new generation's `join`) calls `supersede()`, breaks the process group (a
+stale restore's collective fails at once), then drops the engine and collects, freezing only when
+`quiet()` finds no restore running (one still inside holds an engine; the next restore's
+collection, in its turn, freezes). A stale restore raises RestoreSuperseded at its next check,
+dropping its engine, and the controller, which no longer waits for that call, never sees it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -51,6 +51,13 @@ class RestoreTurns:
         latest = self._latest
         if ticket != latest:
             raise RestoreSuperseded(f"restore call {ticket} superseded by a later one ({latest}) on this rank")
+
+    def publish(self, ticket: int, publish: Callable[[], None]) -> None:
+        """`publish()` unless `ticket` is stale (then RestoreSuperseded), atomically with `supersede`:
+        a restore that a `leave` made stale never publishes after that `leave` dropped the engine."""
+        with self._tickets:
+            self.check(ticket)
+            publish()
 
     @contextmanager
     def quiet(self) -> Iterator[bool]:

@@ -158,7 +158,8 @@ def cross_section_problems(spec: Any) -> list[Problem]:
             out.append(Problem(f"chaos.faults[{i}].rank", f"{fault.rank} is not a rank of this job (dp * tp"
                                f" * pp = {par.world_size} ranks); use a rank in 0..{par.world_size - 1}"))
         # A storage fault's or corrupt_shard's at_step names a checkpoint, and the last one is train.steps.
-        names_checkpoint = fault.kind in CHECKPOINT_STEP_KINDS or fault.at_point in CHECKPOINT_POINTS
+        names_checkpoint = (fault.kind in CHECKPOINT_STEP_KINDS and fault.target != "data") \
+            or fault.at_point in CHECKPOINT_POINTS
         last = train.steps if train and names_checkpoint else (train.steps - 1 if train else 0)
         if train and fault.at_step is not None and fault.at_step > last:
             out.append(Problem(f"chaos.faults[{i}].at_step", f"{fault.at_step} is not before train.steps "

@@ -67,7 +67,7 @@ def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failu
 def test_a_chaos_run_whose_data_store_throttles_every_read_for_12_s_matches_its_reference(ray_cluster, tmp_path):
     tokens = np.random.default_rng(0).integers(0, 256, size=40_000)
     write_token_dataset(tmp_path / "train", tokens, vocab_size=256, shard_tokens=7_000)
-    outage = f"{{kind: storage_throttle, target: data, at_seconds: 12, duration_s: {OUTAGE_S}}}"
+    outage = f"{{kind: storage_throttle, target: data, at_step: 60, duration_s: {OUTAGE_S}}}"  # mid-training
     proc, report_path = chaos_job(ray_cluster, tmp_path, "datathrottle", [], [
         "data.source=tokens", f"data.path=file://{tmp_path}/train", "data.seq_len=32", "train.steps=200",
         "checkpoint.every_steps=20", f"elastic.hang_timeout_s={HANG_S}", f"chaos.faults=[{outage}]"], timeout=540)

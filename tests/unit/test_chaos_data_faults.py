@@ -63,3 +63,32 @@ def test_a_throttled_window_on_local_data_is_waited_out_and_notified_once(tmp_pa
                                                            duration_s=60)], seed=0, started=time.time())
     with pytest.raises(TransientStorageError, match="data.read_retry_s=0.3"):
         quick.read(0, 10)
+
+
+def test_a_data_fault_at_a_step_opens_its_window_at_the_next_read_and_the_rank_waits_it_out(tmp_path):
+    import threading
+
+    from orchestrator.rank.loop import RankLoop
+    from orchestrator.rank.state import build_engine
+    from orchestrator.wire.store import PLAN, RendezvousServer, connect
+
+    write_token_dataset(tmp_path / "data", counting_tokens(3000, VOCAB), VOCAB, shard_tokens=1000)
+    spec = validate_spec({
+        "name": "df", "model": {"preset": "tiny"}, "train": {"steps": 8, "global_batch": 2, "micro_batch": 1},
+        "data": {"source": "tokens", "path": str(tmp_path / "data"), "seq_len": 16, "prefetch_steps": 1},
+        "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 100},
+        "chaos": {"faults": [{"kind": "storage_throttle", "target": "data", "at_step": 3, "duration_s": 1.0}]}})
+    server = RendezvousServer("127.0.0.1")
+    controller = server.generation(0)
+    controller.set_json(PLAN, {"every": 100, "anchor": 0, "version": 1, "final_step": 8, "tag": "t",
+                               "job_started_at": time.time()})
+    armed_faults = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)]
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
+                    writer_store=connect(server.address, 0))
+    outcome = loop.run(8, armed_faults)
+    events = controller.drain_events()
+    assert outcome["status"] == "done" and outcome["step"] == 8
+    steps = {e["step"]: e for e in events if e["type"] == "step"}
+    [fault] = [e for e in events if e["type"] == "fault"]  # one notice for the whole window
+    assert fault["kind"] == "storage_throttle" and fault["rank"] == 0 and fault["time"] > steps[2]["time"]
+    assert sum(e["data_wait_s"] for e in steps.values()) >= 0.8  # the window was waited out

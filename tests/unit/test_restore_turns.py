@@ -191,7 +191,19 @@ def test_a_restore_stuck_in_a_reads_retries_gives_up_at_a_later_call(loads):
     actor = rank_actor()
     first, first_out = in_thread(lambda: actor.restore(7, dp=2))
     loads.wait_loading(7)
-    assert actor.restore(3, dp=1)["next_step"] == 4  # waited for the stale one's next retry, not its 5 s
+    started = time.monotonic()
+    assert actor.restore(3, dp=1)["next_step"] == 4
+    assert time.monotonic() - started < 3.0  # it waited for the stale one's next retry, not its 5 s
     first.join(10)
     assert first_out["error"][0] is RestoreSuperseded and loads.alive_at_build == [0, 0]
+
+
+def test_a_restore_made_stale_publishes_nothing_and_the_current_one_publishes():
+    turns, published = RestoreTurns(), []
+    ticket = turns.begin()
+    turns.publish(ticket, lambda: published.append(ticket))
+    stale, _ = ticket, turns.supersede()  # a leave came after the restore's last piece
+    with pytest.raises(RestoreSuperseded):
+        turns.publish(stale, lambda: published.append(stale))
+    assert published == [ticket]
 
