@@ -44,6 +44,8 @@ def test_prepare_to_s3_and_read_back(capsys, monkeypatch, s3_backend, tmp_path):
     assert np.array_equal(ds.read(0, ds.n_tokens), tokens)
     assert np.array_equal(ds.read(37, 101), tokens[37:138])
     assert np.array_equal(ds.document_bounds(), ends)
+    spans = [(0, 100), (37, 101), (ds.n_tokens - 5, 5)]  # a step's windows, one across shards: one batch of GETs
+    assert all(np.array_equal(got, tokens[s:s + n]) for got, (s, n) in zip(ds.read_many(spans), spans, strict=True))
     assert ds.damaged_shards() == []  # the driver's check lists the shards' sizes on S3 too
     fs.pipe_file(f"{s3_backend.url}/tokens/{ds.manifest.shards[0].name}.tokens", b"\x00" * 6)
     assert ds.damaged_shards() == [f"{ds.manifest.shards[0].name}.tokens is 6 bytes where the manifest says "

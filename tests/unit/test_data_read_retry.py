@@ -275,3 +275,15 @@ def test_the_validation_windows_are_read_waiting_reporting_and_an_abort_ends_the
         assert time.monotonic() - started < 5
     finally:
         down_until = 0.0  # the read left behind ends at its next retry
+
+
+def test_a_steps_windows_are_read_as_one_batch_retried_whole(monkeypatch, remote_dataset):
+    clock = Clock()
+    ds = TokenDataset(remote_dataset, retry=ReadRetry(60.0, renews=True, clock=lambda: clock.now, sleep=clock.sleep))
+    spans = [(0, 17), (990, 20), (3980, 20)]  # the second across two shards
+    outage = Outage(monkeypatch, ds.fs, lambda: clock.now < 5.0)
+    got = ds.read_many(spans)
+    assert outage.failures >= 1 and clock.now >= 5.0
+    assert all(np.array_equal(g, counting_tokens(4000, VOCAB)[s:s + n]) for g, (s, n) in zip(got, spans, strict=True))
+    with pytest.raises(IndexError, match=r"tokens \[3990, 4010\) are outside"):
+        ds.read_many([(0, 5), (3990, 20)])

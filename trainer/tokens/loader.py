@@ -76,15 +76,16 @@ class TokenCursor(ReadAheadCursor):
         """(dataset, window) of each sample this rank consumes at `step`, in index order."""
         return self.sample_keys(step, global_batch, self.sample_ids(step, global_batch, dp_rank, dp_size))
 
-    def _read(self, source: int, window: int) -> torch.Tensor:
-        tokens = self.datasets[source].read(window * self.span, self.span)
-        return torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
-
     def _load(self, key: tuple) -> tuple[list, list[tuple[int, int]]]:
         step, global_batch, micro_batch, dp_rank, dp_size = key
         count = microbatches_per_rank(global_batch, micro_batch, dp_size)
         ids = self.windows(step, global_batch, dp_rank, dp_size)
-        samples = [self._read(s, w) for s, w in ids]
+        samples: list = [None] * len(ids)
+        for source in sorted({s for s, _ in ids}):  # each dataset's windows of the step in one batch of reads
+            mine = [i for i, (s, _) in enumerate(ids) if s == source]
+            got = self.datasets[source].read_many([(ids[i][1] * self.span, self.span) for i in mine])
+            for i, tokens in zip(mine, got, strict=True):
+                samples[i] = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
         return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
 
 

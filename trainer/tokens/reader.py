@@ -5,7 +5,8 @@ once; nothing else is trusted), then call `read(start, length)` from any thread:
 prefetching data loader calls it from its own thread while the training thread reads too.
 `read` fetches only the bytes of the requested range: on local files through one
 read-only memory map per shard (opened on first use, under a lock), elsewhere as one
-ranged read per shard touched (`cat_file(path, start=, end=)`, one ranged GET on S3).
+ranged read per shard touched (`cat_file(path, start=, end=)`, one ranged GET on S3);
+`read_many` reads a step's windows remotely as one concurrent batch of such reads.
 The format is described in `trainer/tokens/format.py`.
 
 Remote reads go through `retry.call(read, what)` when a `retry` is given: a rank passes a
@@ -136,19 +137,45 @@ class TokenDataset:
         Thread-safe. Raises IndexError for a range outside [0, n_tokens) and TokenFormatError
         when a shard file is shorter than its manifest entry says.
         """
+        out = np.empty(length, dtype=np.int64)
+        for shard, local, take, at in self._pieces(start, length):
+            out[at:at + take] = self._read_shard(shard, local, take)
+        return out
+
+    def read_many(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+        """`read(start, length)` of each span; remotely as one batch of ranged reads that the file
+        system runs concurrently (fsspec's `cat_ranges`: on S3, concurrent GETs instead of one
+        round trip per window), retried as a whole while the store fails transiently."""
+        if self._local:
+            return [self.read(start, length) for start, length in spans]
+        outs, jobs = [], []
+        for start, length in spans:
+            outs.append(np.empty(length, dtype=np.int64))
+            jobs += [(outs[-1], at, shard, local, take) for shard, local, take, at in self._pieces(start, length)]
+        size = self.dtype.itemsize
+        paths = [self._path(shard, TOKENS_SUFFIX) for _, _, shard, _, _ in jobs]
+        starts = [local * size for _, _, _, local, _ in jobs]
+        ends = [(local + take) * size for _, _, _, local, take in jobs]
+        blobs = self.retry.call(lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"),
+                                f"reading {len(jobs)} token ranges of {self.url}")
+        for (out, at, _, local, take), path, data in zip(jobs, paths, blobs, strict=True):
+            out[at:at + take] = self._tokens_of(path, data, local, take)
+        return outs
+
+    def _pieces(self, start: int, length: int) -> list[tuple[int, int, int, int]]:
+        """(shard, first token in the shard, tokens, offset in the range) of each shard [start, start +
+        length) touches; IndexError for a range outside the dataset."""
         if start < 0 or length < 0 or start + length > self.n_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) are outside [0, {self.n_tokens}) of {self.url}")
-        out = np.empty(length, dtype=np.int64)
+        pieces, done = [], 0
         shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        done = 0
         while done < length:
-            local = start + done - int(self.offsets[shard])
             take = min(length - done, int(self.offsets[shard + 1]) - (start + done))
             if take > 0:
-                out[done:done + take] = self._read_shard(shard, local, take)
+                pieces.append((shard, start + done - int(self.offsets[shard]), take, done))
                 done += take
             shard += 1
-        return out
+        return pieces
 
     def _read_shard(self, shard: int, local: int, count: int) -> np.ndarray:
         if self._local:
@@ -157,7 +184,11 @@ class TokenDataset:
         path = self._path(shard, TOKENS_SUFFIX)
         data = self.retry.call(lambda: self.fs.cat_file(path, start=local * size, end=(local + count) * size),
                                f"reading tokens [{local}, {local + count}) of {path}")
-        if len(data) != count * size:
+        return self._tokens_of(path, data, local, count)
+
+    def _tokens_of(self, path: str, data: bytes, local: int, count: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        if len(data) != count * size:  # short: the shard is damaged, and reading again will not mend it
             raise TokenFormatError(f"{path}: {len(data)} bytes where {count * size} were expected at byte "
                                    f"{local * size}; the shard is truncated, prepare the data again")
         return np.frombuffer(data, dtype=self.dtype)
