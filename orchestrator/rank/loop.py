@@ -60,6 +60,12 @@ class NonFiniteGradient(RuntimeError):
     """A training step produced a NaN or infinite gradient norm: the rank's weights are poisoned."""
 
 
+def _job_started(plan: CheckpointPlan) -> float:
+    """The wall time of job second 0, which storage faults' at_seconds and duration_s count from: the
+    controller publishes it with the plan."""
+    return plan.job_started_at if plan.job_started_at is not None else time.time()
+
+
 class AbortedWhileWaiting(Exception):
     """The controller asked the generation to stop while this rank waited for a step's data."""
 
@@ -173,9 +179,7 @@ class RankLoop:
         mine = rank_storage_faults(faults, self.rank, restore=False)  # op: read ones are the restore's
         if not mine:
             return None
-        # at_seconds / duration_s are job seconds: the controller publishes when job second 0 was.
-        started = plan.job_started_at if plan.job_started_at is not None else time.time()
-        return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=started)
+        return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=_job_started(plan))
 
     def _data_faults(self, faults: list[ArmedFault], plan: CheckpointPlan, completed: int) -> None:
         """This rank's faults on its training data reads (`target: data`) whose time has come, on its
@@ -186,10 +190,9 @@ class RankLoop:
         datasets = getattr(self.engine.data, "datasets", [])
         if due and datasets and len(due) != self._data_faults_due:
             self._data_faults_due = len(due)
-            started = plan.job_started_at if plan.job_started_at is not None else time.time()
             # Seeded per rank: a `probability` fault on every rank draws independently on each.
             install_on_data(datasets, self._notify_storage_fault, faults=due,
-                            seed=self.spec.chaos.seed * 100_003 + self.rank, started=started)
+                            seed=self.spec.chaos.seed * 100_003 + self.rank, started=_job_started(plan))
 
     def _notify_storage_fault(self, event: dict) -> None:
         self.events.push(dict(event, rank=self.rank))
