@@ -52,15 +52,28 @@ class Backend:
         return cli_options(self.storage_options)
 
 
+_OPTION_FILES: list[str] = []  # written by cli_options, removed when the session ends
+
+
 def cli_options(options: dict) -> list[str]:
     """`--storage-options-file` naming a new private file of `options` (credentials are refused as
-    `--storage-option` flags), or nothing when there are no options."""
+    `--storage-option` flags), or nothing when there are no options. The file holds the test
+    server's keys: it is removed when the test session ends."""
     if not options:
         return []
     fd, path = tempfile.mkstemp(prefix="undying-s3-options-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(options, f)
+    _OPTION_FILES.append(path)
     return ["--storage-options-file", path]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_option_files() -> Iterator[None]:
+    yield
+    for path in _OPTION_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _s3_backend(server: SeaweedS3) -> Backend:
