@@ -95,8 +95,8 @@ class FaultSpec(_Strict):
     keep_fraction: float | None = Field(None, ge=0.0, lt=1.0, description="torn_write: share of the bytes that land")
     target: Literal["checkpoint", "data"] | None = Field(
         None, description="storage faults: the checkpoint store (default) or data: the ranks' reads of their "
-        "prepared training dataset (every rank's, or rank's; from at_seconds, or from the first read after "
-        "step at_step, for duration_s), which wait an outage out for data.read_retry_s")
+        "prepared training dataset (every rank's, or rank's; from at_seconds, or from the first read once "
+        "step at_step begins, for duration_s), which wait an outage out for data.read_retry_s")
 
     @field_validator("rank", mode="after")
     @classmethod

@@ -271,13 +271,14 @@ def install_on(storage, notify: Callable[[dict], None], *, faults: list[ArmedFau
 
 
 def install_on_data(datasets, notify: Callable[[dict], None], *, faults: list[ArmedFault], seed: int,
-                    started: float) -> StorageFaultPlan:
+                    started: float, gate: Callable[[ArmedFault], bool] | None = None) -> StorageFaultPlan:
     """Make a rank's training datasets (trainer.tokens.reader.TokenDataset) suffer `faults`, its
     `target: data` ones (chaos.config.rank_data_faults), through one plan on the job clock
     (`started`: the wall time of job second 0). Each dataset then reads through the wrapped file
     system's calls, local files too (which it would otherwise map: a fault could not reach those
     reads). Installing again wraps the original file system, not the wrapper. `notify` hears the
-    first firing of each fault only: an outage retried for a minute is one notice, not hundreds."""
+    first firing of each fault only: an outage retried for a minute is one notice, not hundreds.
+    `gate(fault)`: whether a fault may act yet (StorageFaultPlan)."""
     first: set[int] = set()
 
     def once(event: dict) -> None:
@@ -285,7 +286,7 @@ def install_on_data(datasets, notify: Callable[[dict], None], *, faults: list[Ar
             first.add(event["fault_id"])
             notify(event)
 
-    plan = StorageFaultPlan(faults, seed=seed, notify=once, clock=time.time, started=started)
+    plan = StorageFaultPlan(faults, seed=seed, notify=once, clock=time.time, started=started, gate=gate)
     for dataset in datasets:
         original = dataset.fs.fs if isinstance(dataset.fs, FaultyFileSystem) else dataset.fs
         dataset.read_through(FaultyFileSystem(original, plan))

@@ -154,8 +154,12 @@ class StorageFaultPlan:
         self, faults: Iterable[FaultSpec | Mapping], *, seed: int = 0,
         notify: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
         started: float | None = None, sleep: Callable[[float], None] = time.sleep,
+        gate: Callable[[ArmedFault], bool] | None = None,
     ):
         armed = [as_armed(f, i) for i, f in enumerate(faults)]
+        # gate(fault): whether the fault may act yet (a rank's data fault from its step on); until it
+        # may, its calls are not counted and a window that opens at its first call stays closed.
+        self._gate = gate
         self.rules = [_Rule.build(i, f, seed) for i, f in enumerate(armed) if f.kind in STORAGE_KINDS]
         self.notify = notify
         self.sleep = sleep
@@ -175,6 +179,8 @@ class StorageFaultPlan:
         with self._lock:
             elapsed = self._clock() - self._started
             for rule in self.rules:
+                if self._gate is not None and not self._gate(rule.fault):
+                    continue
                 if not rule.matches(op, path, elapsed) or not rule.triggers():
                     continue
                 kind = rule.fault.kind

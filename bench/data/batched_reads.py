@@ -6,8 +6,9 @@ concurrent ranged reads (`TokenDataset.read_many`, what the loader does), side b
 On a SeaweedFS server this script starts on 127.0.0.1 (tests/s3/_seaweed.py), one prepared dataset
 of random ids (bench/data/loader.py); one rank of dp 4 of the loader bench's batch (8 windows of
 257 tokens a step). Each round reads `--steps` steps cold both ways, alternately; each way is
-reported by its median round. A local server answers in about a millisecond: a cloud store's
-ranged GET takes tens, so the anchor's cost per step grows with the latency and the batch's does not.
+reported by its median round. A local server answers a ranged GET in a few milliseconds, a cloud
+store in tens: the anchor's cost per step grows with the latency times the windows, the batch's
+with the latency times the windows over the client's connections (10 by default).
 """
 
 from __future__ import annotations

@@ -90,9 +90,10 @@ class FaultClock:
             self.workers.inject(rank, event.fault.model_copy(update={"rank": rank}))
 
     def armed(self) -> list[ArmedFault]:
-        """The faults ranks arm: not fired yet, or repeating; a storage fault's window reaches late joiners."""
+        """The faults ranks arm: not fired yet, or repeating; a storage fault's window reaches late
+        joiners, except a data fault's from a step, which a later generation would open again."""
         return [f for f in self.faults if f.id not in self.fired or f.repeat
-                or (f.kind in STORAGE_KINDS and f.duration_s)]
+                or (f.kind in STORAGE_KINDS and f.duration_s and not (f.target == "data" and f.at_step is not None))]
 
     def on_fired(self, notice: FaultFired) -> None:
         if notice.kind in STORAGE_KINDS:

@@ -85,7 +85,8 @@ class RestorePolicy:
         if candidates:
             return candidates[-1]
         if self.bad:
-            tried = "; ".join(f"step {s}: {why}" for s, why in sorted(self.bad.items(), reverse=True))
+            tried = "; ".join(why if s is None else f"step {s}: {why}"
+                              for s, why in sorted(self.bad.items(), key=lambda item: item[0] or -1, reverse=True))
             hint = FRESH_HINT if not committed else "rerun to try them again, or start over under another name " \
                                                     "(--set name=...)"
             raise NoRestorePoint(f"no committed checkpoint can be restored ({tried}); nothing was deleted and the "
@@ -107,10 +108,10 @@ class RestorePolicy:
         why = cause(err)
         log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, why)
         location = getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
-        if step is None:  # model.from_hf's weights: nothing of ours to check or move aside
-            words = ""
-        else:
-            words = self._quarantine(step) if location is None else self._quarantine_at(step, location)
+        if step is None:  # model.from_hf's weights: nothing of ours to check, move aside or fall back to
+            self.bad[step] = f"model.from_hf's weights do not read intact ({why})"
+            return f"model.from_hf's weights do not read intact ({why}); nothing is committed to fall back to"
+        words = self._quarantine(step) if location is None else self._quarantine_at(step, location)
         self.bad[step] = f"corrupt ({why}){words}"
         return f"checkpoint step {step} is corrupt ({why}); falling back to the previous committed one{words}"
 

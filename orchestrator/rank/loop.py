@@ -165,7 +165,7 @@ class RankLoop:
         self.baseline_bytes = baseline_bytes
         self.events = _EventSink(store, writer_store)  # built here: this is the training thread
         self.evaluator = Evaluator.for_spec(spec)
-        self._data_faults_due = 0  # how many data faults are installed on the cursor (_data_faults)
+        self._data_step = 0  # steps done, for the data faults' gate (_data_faults; read by the prefetch thread)
         self.snapshots = snapshots
 
     def _on_receipt(self, receipt, extra: dict) -> None:
@@ -181,18 +181,19 @@ class RankLoop:
             return None
         return functools.partial(install_on, faults=mine, seed=self.spec.chaos.seed, started=_job_started(plan))
 
-    def _data_faults(self, faults: list[ArmedFault], plan: CheckpointPlan, completed: int) -> None:
-        """This rank's faults on its training data reads (`target: data`) whose time has come, on its
-        data cursor's datasets: at once, or once step `at_step` is done (its window then opens at the
-        next read). Installed again, with all that are due, each time one more comes due."""
-        due = [f.model_copy(update={"at_step": None}) for f in rank_data_faults(faults, self.rank)
-               if f.at_step is None or f.at_step <= completed]
-        datasets = getattr(self.engine.data, "datasets", [])
-        if due and datasets and len(due) != self._data_faults_due:
-            self._data_faults_due = len(due)
-            # Seeded per rank: a `probability` fault on every rank draws independently on each.
-            install_on_data(datasets, self._notify_storage_fault, faults=due,
-                            seed=self.spec.chaos.seed * 100_003 + self.rank, started=_job_started(plan))
+    def _data_faults(self, faults: list[ArmedFault], plan: CheckpointPlan) -> None:
+        """This rank's faults on its training data reads (`target: data`), on its data cursor's datasets,
+        one plan for the call: a fault with `at_step` acts from that step on (the loop keeps
+        `_data_step`, the steps done, which the plan's gate reads)."""
+        mine, datasets = rank_data_faults(faults, self.rank), getattr(self.engine.data, "datasets", [])
+        if not (mine and datasets):
+            return
+        opens = {f.id: f.at_step for f in mine}  # at_step means a checkpoint's directory to the plan: kept here
+        # Seeded per rank: a `probability` fault on every rank draws independently on each.
+        install_on_data(datasets, self._notify_storage_fault, faults=[f.model_copy(update={"at_step": None})
+                                                                      for f in mine],
+                        seed=self.spec.chaos.seed * 100_003 + self.rank, started=_job_started(plan),
+                        gate=lambda fault: opens[fault.id] is None or opens[fault.id] <= self._data_step)
 
     def _notify_storage_fault(self, event: dict) -> None:
         self.events.push(dict(event, rank=self.rank))
@@ -260,7 +261,8 @@ class RankLoop:
         plan = plans.read()
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
         self.engine.fault_hook = hook
-        self._data_faults(faults, plan, self.engine.next_step)
+        self._data_step = self.engine.next_step
+        self._data_faults(faults, plan)
         writer = self._writer(hook, faults, plan)
         snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
         beats = self._beats(writer, snapshots)
@@ -278,8 +280,7 @@ class RankLoop:
                 first = False
                 beats.after_step(result.step, result.compute_s)
                 plan = plans.read()
-                completed = self.engine.next_step
-                self._data_faults(faults, plan, completed)
+                completed = self._data_step = self.engine.next_step
                 if plan.should_save(completed) or plan.stops(completed):
                     beats.saving(completed)  # before: a synchronous save is written inside `save`
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())

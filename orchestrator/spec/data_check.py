@@ -60,6 +60,8 @@ def data_problems(spec: JobSpec) -> list[Problem]:
                                         f"+ 1 = {data.seq_len + 1}; use more data or a shorter seq_len"))
     if spec.eval is not None:
         ds = _dataset(spec.eval.path, spec.eval.storage_options or data.storage_options, "eval.path", problems)
+        if ds is not None:
+            _check_shards(ds, spec.eval.path, "eval.path", problems)
         span = (spec.eval.seq_len or data.seq_len) + 1
         if ds is not None and len(ds) // span < spec.eval.windows:
             problems.append(Problem("eval.windows", f"{spec.eval.windows} windows of {span} tokens need "

@@ -92,3 +92,41 @@ def test_a_data_fault_at_a_step_opens_its_window_at_the_next_read_and_the_rank_w
     [fault] = [e for e in events if e["type"] == "fault"]  # one notice for the whole window
     assert fault["kind"] == "storage_throttle" and fault["rank"] == 0 and fault["time"] > steps[2]["time"]
     assert sum(e["data_wait_s"] for e in steps.values()) >= 0.8  # the window was waited out
+
+
+def test_a_gated_fault_opens_its_window_once_when_its_step_comes_and_another_fault_does_not_reopen_it(tmp_path):
+    write_token_dataset(tmp_path / "data", counting_tokens(3000, VOCAB), VOCAB, shard_tokens=1000)
+    ds = TokenDataset(str(tmp_path / "data"))  # no retry: each refused read raises
+    step = {"done": 0}
+    opens = {0: 3, 1: 5}
+    faults = [ArmedFault.of(FaultSpec(kind="storage_throttle", target="data", duration_s=0.3), 0),
+              ArmedFault.of(FaultSpec(kind="storage_error", target="data", nth=1), 1)]
+    notices: list[dict] = []
+    install_on_data([ds], notices.append, faults=faults, seed=0, started=time.time(),
+                    gate=lambda fault: opens[fault.id] <= step["done"])
+    assert len(ds.read(0, 10)) == 10  # before step 3: nothing acts, nothing is counted
+    step["done"] = 3
+    with pytest.raises(OSError, match="injected storage_throttle"):
+        ds.read(0, 10)  # the throttle's window opens at this read
+    time.sleep(0.35)
+    assert len(ds.read(0, 10)) == 10  # and closes 0.3 s later
+    step["done"] = 5  # the second fault comes due: its first read fails, the first fault stays closed
+    with pytest.raises(OSError, match="injected storage_error"):
+        ds.read(0, 10)
+    assert len(ds.read(0, 10)) == 10
+    assert [n["kind"] for n in notices] == ["storage_throttle", "storage_error"]
+
+
+def test_a_fired_data_fault_from_a_step_is_not_armed_again_but_one_in_job_seconds_is():
+    from types import SimpleNamespace
+
+    from orchestrator.controller.fault_clock import FaultClock
+    from orchestrator.wire.messages import FaultFired
+
+    spec = SimpleNamespace(chaos=SimpleNamespace(faults=[
+        FaultSpec(kind="storage_throttle", target="data", at_step=60, duration_s=12),
+        FaultSpec(kind="storage_throttle", target="data", at_seconds=30, duration_s=12)]))
+    clock = FaultClock(spec, workers=None, clock=lambda: 0.0, log=lambda line: None)
+    for fault_id in (0, 1):
+        clock.on_fired(FaultFired(fault_id=fault_id, kind="storage_throttle", rank=0, time=1.0))
+    assert [f.id for f in clock.armed()] == [1]  # a recovery past step 60 must not meet the outage again

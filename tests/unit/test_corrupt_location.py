@@ -98,3 +98,16 @@ def test_an_error_without_a_location_is_checked_whole_as_before(catalog):
     policy = RestorePolicy(catalog, read_retry_s=0.0)
     assert "moved aside" in policy.on_corrupt(20, CorruptCheckpoint("step 20: the manifest does not parse"))
     assert catalog.committed_steps() == [10]
+
+
+def test_damaged_hugging_face_weights_fail_the_start_naming_them_not_a_step(tmp_path):
+    from orchestrator.controller.restore_policy import NoRestorePoint
+
+    policy = RestorePolicy(Catalog(Storage(f"file://{tmp_path}/empty/job")), read_retry_s=0.0)
+    err = CorruptCheckpoint("model-00001.safetensors: checksum mismatch")
+    err.location = ("model-00001.safetensors", 0, 64)
+    line = policy.on_corrupt(None, err)
+    assert line.startswith("model.from_hf's weights do not read intact") and "step None" not in line
+    with pytest.raises(NoRestorePoint, match=r"model.from_hf's weights do not read intact") as caught:
+        policy.restore_point()
+    assert "step None" not in str(caught.value)

@@ -68,3 +68,26 @@ def test_a_dataset_with_a_shard_missing_or_cut_short_is_refused_before_any_rank_
     assert problem.field == "data.path" and "is damaged" in problem.message and "prepare it again" in problem.message
     assert f"{shards[1].name} is 1998 bytes where the manifest says 2000" in problem.message
     assert f"{shards[3].name} is missing" in problem.message
+
+
+def test_shards_are_sized_one_by_one_when_the_listing_is_denied_or_has_no_sizes(tmp_path, monkeypatch):
+    from trainer.tokens.reader import TokenDataset
+
+    write_token_dataset(tmp_path / "d", TOKENS, 256, shard_tokens=1000)
+    ds = TokenDataset(str(tmp_path / "d"))
+    shards = sorted((tmp_path / "d").glob("*.tokens"))
+    shards[0].write_bytes(shards[0].read_bytes()[:-2])
+    monkeypatch.setattr(ds.fs, "ls", lambda path, detail=True: [{"name": f"{path}/{p.name}", "size": None}
+                                                                 for p in (tmp_path / "d").iterdir()])
+    assert ds.damaged_shards() == [f"{shards[0].name} is 1998 bytes where the manifest says 2000"]
+
+    def denied(path, detail=True):
+        raise PermissionError("s3:ListBucket denied")
+
+    monkeypatch.setattr(ds.fs, "ls", denied)
+    shards[1].unlink()
+    assert ds.damaged_shards() == [f"{shards[0].name} is 1998 bytes where the manifest says 2000",
+                                   f"{shards[1].name} is missing"]
+    data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "d")}
+    problems = data_problems(spec(tmp_path, data=data, eval={"path": str(tmp_path / "d"), "every_steps": 5}))
+    assert {p.field for p in problems} == {"data.path", "eval.path"}  # the validation set is checked too

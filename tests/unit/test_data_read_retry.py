@@ -287,3 +287,22 @@ def test_a_steps_windows_are_read_as_one_batch_retried_whole(monkeypatch, remote
     assert all(np.array_equal(g, counting_tokens(4000, VOCAB)[s:s + n]) for g, (s, n) in zip(got, spans, strict=True))
     with pytest.raises(IndexError, match=r"tokens \[3990, 4010\) are outside"):
         ds.read_many([(0, 5), (3990, 20)])
+
+
+def test_a_batch_reads_again_only_the_ranges_that_failed(monkeypatch, remote_dataset):
+    clock = Clock()
+    ds = TokenDataset(remote_dataset, retry=ReadRetry(60.0, renews=True, clock=lambda: clock.now, sleep=clock.sleep))
+    calls: list[tuple] = []
+    real = ds.fs.cat_file
+
+    def flaky(path, start=None, end=None, **kwargs):
+        calls.append((path, start))
+        if len(calls) == 2:  # the batch's second range fails once
+            raise OSError(errno.EBUSY, "Please reduce your request rate (SlowDown)")
+        return real(path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(ds.fs, "cat_file", flaky)
+    spans = [(0, 10), (100, 10), (2500, 10)]
+    got = ds.read_many(spans)
+    assert len(calls) == 4 and calls[3] == calls[1]  # three ranges, and the failed one once more
+    assert all(np.array_equal(g, counting_tokens(4000, VOCAB)[s:s + n]) for g, (s, n) in zip(got, spans, strict=True))

@@ -105,7 +105,10 @@ class TokenDataset:
         dataset's directory: what a rank would meet when it first reads that shard, hours into a
         run, found before any rank starts (orchestrator.spec.data_check)."""
         self.fs.invalidate_cache(self.root)  # the store's listing now, not one an object store client kept
-        listing = self.retry.call(lambda: self.fs.ls(self.root, detail=True), f"listing {self.url}")
+        try:
+            listing = self.retry.call(lambda: self.fs.ls(self.root, detail=True), f"listing {self.url}")
+        except PermissionError:  # a role that may read the objects but not list them: ask each one
+            listing = []
         sizes = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry.get("size") for entry in listing}
         out = []
         for shard in self.manifest.shards:
@@ -114,11 +117,19 @@ class TokenDataset:
                 wanted.append((DOCS_SUFFIX, shard.n_documents * DOCS_DTYPE.itemsize))
             for suffix, expected in wanted:
                 name, size = f"{shard.name}{suffix}", sizes.get(f"{shard.name}{suffix}")
+                if size is None:  # not listed, or listed without a size (HTTP): its own answer decides
+                    size = self._size_or_none(f"{self.root}/{name}")
                 if size is None:
                     out.append(f"{name} is missing")
                 elif size != expected:
                     out.append(f"{name} is {size} bytes where the manifest says {expected}")
         return out
+
+    def _size_or_none(self, path: str) -> int | None:
+        try:
+            return self.retry.call(lambda: self.fs.size(path), f"sizing {path}")
+        except FileNotFoundError:
+            return None
 
     def read_through(self, fs) -> None:
         """Read through `fs` from now on, with its calls also for local files (no memory maps): chaos
@@ -145,7 +156,8 @@ class TokenDataset:
     def read_many(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
         """`read(start, length)` of each span; remotely as one batch of ranged reads that the file
         system runs concurrently (fsspec's `cat_ranges`: on S3, concurrent GETs instead of one
-        round trip per window), retried as a whole while the store fails transiently."""
+        round trip per window); while the store fails transiently the ranges that failed are read
+        again, with the retry's budget."""
         if self._local:
             return [self.read(start, length) for start, length in spans]
         outs, jobs = [], []
@@ -154,10 +166,23 @@ class TokenDataset:
             jobs += [(outs[-1], at, shard, local, take) for shard, local, take, at in self._pieces(start, length)]
         size = self.dtype.itemsize
         paths = [self._path(shard, TOKENS_SUFFIX) for _, _, shard, _, _ in jobs]
-        starts = [local * size for _, _, _, local, _ in jobs]
-        ends = [(local + take) * size for _, _, _, local, take in jobs]
-        blobs = self.retry.call(lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"),
-                                f"reading {len(jobs)} token ranges of {self.url}")
+        blobs: list = [None] * len(jobs)
+        pending = list(range(len(jobs)))
+
+        def fetch() -> None:  # the ranges still missing: a retry reads again only those that failed
+            got = self.fs.cat_ranges([paths[i] for i in pending], [jobs[i][3] * size for i in pending],
+                                     [(jobs[i][3] + jobs[i][4]) * size for i in pending], on_error="return")
+            failed = []
+            for i, data in zip(list(pending), got, strict=True):
+                if isinstance(data, BaseException):
+                    failed.append((i, data))
+                else:
+                    blobs[i] = data
+            pending[:] = [i for i, _ in failed]
+            if failed:
+                raise failed[0][1]
+
+        self.retry.call(fetch, f"reading {len(jobs)} token ranges of {self.url}")
         for (out, at, _, local, take), path, data in zip(jobs, paths, blobs, strict=True):
             out[at:at + take] = self._tokens_of(path, data, local, take)
         return outs
