@@ -46,10 +46,11 @@ def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failu
     os.chmod(options, 0o600)
     proc, report, log = start_job(ray_cluster, tmp_path, "dataoutage", [
         "data.source=tokens", f"data.path={url}", f"data.storage_options_file={options}", "data.seq_len=32",
-        "data.read_retry_s=60", f"elastic.hang_timeout_s={HANG_S}", "train.steps=60", "chaos.faults=[]"])
+        "data.read_retry_s=60", f"elastic.hang_timeout_s={HANG_S}", "train.steps=200", "chaos.faults=[]"])
     pid = s3_server.proc.pid
     try:
-        wait_for(log, "step 10 committed:", proc)
+        wait_for(log, "-> RUNNING", proc)
+        time.sleep(1.0)  # some steps in: the outage meets training, not its first step
         os.kill(pid, signal.SIGSTOP)
         time.sleep(OUTAGE_S)
     finally:
@@ -59,7 +60,7 @@ def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failu
     assert code == 0, text[-5000:]
     result = json.loads(report.read_text())
     assert result["failures"] == [] and "no step for" not in text, text[-5000:]
-    assert result["final_step"] == 60
+    assert result["final_step"] == 200
     assert result["goodput"]["badput_s"]["data"] >= OUTAGE_S - HANG_S, result["goodput"]
 
 
