@@ -111,23 +111,9 @@ class RestorePolicy:
         if step is None:  # model.from_hf's weights: nothing of ours to check, move aside or fall back to
             self.bad[step] = f"model.from_hf's weights do not read intact ({why})"
             return f"model.from_hf's weights do not read intact ({why}); nothing is committed to fall back to"
-        words = self._quarantine(step) if location is None else self._quarantine_at(step, location)
+        words = self._quarantine(step, location)
         self.bad[step] = f"corrupt ({why}){words}"
         return f"checkpoint step {step} is corrupt ({why}); falling back to the previous committed one{words}"
-
-    def _quarantine_at(self, step: int, location: tuple[str, int, int]) -> str:
-        """As `_quarantine`, checking only the bytes whose read proved the rank's error: a large
-        checkpoint's full verification would hold the recovery for as long as reading all of it."""
-        file, start, end = location
-        try:
-            verify_location(self.catalog, step, location, self.retry.fresh())
-        except CorruptCheckpoint:
-            return self._withdraw(step)
-        except Exception as err:  # TransientStorageError or another storage error: no proof
-            return (f"; its check here failed without proving corruption ({type(err).__name__}: {err}), so it "
-                    "stays committed (skipped by this run)")
-        return (f"; bytes {start}..{end} of {file} read intact here (the rank's read was damaged), so it stays "
-                "committed (skipped by this run)")
 
     def verify_fully(self, step: int) -> bool:
         """Whether committed checkpoint `step` verifies whole here (then it joins `intact`)."""
@@ -145,16 +131,26 @@ class RestorePolicy:
         except Exception as err:  # the storage failed the move: the step stays committed, skipped
             return f"; it could not be moved aside ({type(err).__name__}: {err}), skipped by this run"
 
-    def _quarantine(self, step: int) -> str:
-        """Withdraw a checkpoint only when the controller's own full verification proves it corrupt;
-        one that verifies (the rank's read was damaged in flight), or that the store keeps the
-        controller from verifying, stays committed and is only skipped by this run."""
+    def _quarantine(self, step: int, location: tuple[str, int, int] | None) -> str:
+        """Withdraw a checkpoint only when the controller's own verification proves it corrupt: of the
+        bytes the rank's error names (`location`: a large checkpoint's full verification would hold
+        the recovery for as long as reading all of it), else of the whole checkpoint. One that
+        verifies (the rank's read was damaged in flight), or that the store keeps the controller from
+        verifying, stays committed and is only skipped by this run."""
+        what = "verification" if location is None else "check"
         try:
-            verify_checkpoint(self.catalog, step, self.retry.fresh())
+            if location is None:
+                verify_checkpoint(self.catalog, step, self.retry.fresh())
+            else:
+                verify_location(self.catalog, step, location, self.retry.fresh())
         except CorruptCheckpoint:
             return self._withdraw(step)
         except Exception as err:  # TransientStorageError or another storage error: no proof
-            return (f"; its verification here failed without proving corruption ({type(err).__name__}: {err}), so it "
+            return (f"; its {what} here failed without proving corruption ({type(err).__name__}: {err}), so it "
+                    "stays committed (skipped by this run)")
+        if location is not None:
+            file, start, end = location
+            return (f"; bytes {start}..{end} of {file} read intact here (the rank's read was damaged), so it "
                     "stays committed (skipped by this run)")
         self.intact.add(step)
         return "; it verifies here, so it stays committed (skipped by this run)"
