@@ -21,6 +21,33 @@ def catalog(tmp_path) -> Catalog:
     return Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
 
 
+class _Plans:
+    def set_plan(self, data: dict) -> None:
+        pass
+
+
+def _controller_checkpoints(tmp_path, name: str, steps: int, keep: int):
+    """The controller's Checkpoints of a 2-rank job `name` training `steps` steps (a save every 50,
+    `keep` kept), with its catalog, its log lines and its ledger and record."""
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.checkpoints import Checkpoints
+    from orchestrator.controller.faults import ControllerFaults
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.spec.job_spec import validate_spec
+
+    spec = validate_spec({"name": name, "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": steps, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
+                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 50, "keep": keep}})
+    ledger, metrics, lines = GoodputLedger(), JobMetrics(name), []
+    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
+                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
+                              log=lines.append)
+    return spec, catalog, checkpoints, lines, ledger, record
+
+
 def test_retention_counts_only_the_history_the_job_resumed(catalog):
     # Steps 100 and 200 are committed; this run skipped 200 (a rank could not read it; not proven
     # bad) and resumed from 100. Its commit of 150 must survive keep=1, and so must 200.
@@ -79,31 +106,12 @@ def test_a_skipped_step_the_job_has_passed_is_neither_counted_nor_deleted(catalo
 
 
 def test_the_controller_hands_the_steps_its_restore_skipped_to_the_committer(tmp_path):
-    from monitor.goodput import GoodputLedger
-    from monitor.metrics import JobMetrics
-    from orchestrator.controller.checkpoints import Checkpoints
-    from orchestrator.controller.faults import ControllerFaults
-    from orchestrator.controller.job_record import JobRecord
-    from orchestrator.spec.job_spec import validate_spec
-
-    spec = validate_spec({"name": "left", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
-                          "train": {"steps": 300, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
-                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 50, "keep": 1}})
-    ledger, metrics, lines = GoodputLedger(), JobMetrics("left"), []
-    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
-    catalog = Catalog(Storage(spec.checkpoint_root))
+    spec, catalog, checkpoints, lines, _, _ = _controller_checkpoints(tmp_path, "left", steps=300, keep=1)
     for step in (100, 200):
         save_checkpoint(catalog, step, make_state(step))
-    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
-                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
-                              log=lines.append)
     checkpoints.restore.bad[200] = "unreadable to rank 1 (not proven bad)"
 
-    class Plans:
-        def set_plan(self, data: dict) -> None:
-            pass
-
-    checkpoints.begin(Plans(), 1, 100)
+    checkpoints.begin(_Plans(), 1, 100)
     assert checkpoints.committer.left_behind == {200}
     assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
     assert catalog.committed_steps() == [100, 200] and checkpoints.failed_saves == []
@@ -118,36 +126,19 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     from types import SimpleNamespace
 
     from ckpt.errors import CorruptCheckpoint
-    from monitor.goodput import GoodputLedger
-    from monitor.metrics import JobMetrics
-    from orchestrator.controller.checkpoints import Checkpoints
-    from orchestrator.controller.faults import ControllerFaults
-    from orchestrator.controller.job_record import JobRecord
     from orchestrator.controller.states import State, Succeeded
     from orchestrator.controller.stopping import Stops
-    from orchestrator.spec.job_spec import spec_hash, validate_spec
+    from orchestrator.spec.job_spec import spec_hash
 
-    spec = validate_spec({"name": "final", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
-                          "train": {"steps": 200, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
-                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 50, "keep": 2}})
-    ledger, metrics, lines = GoodputLedger(), JobMetrics("final"), []
-    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
-    catalog = Catalog(Storage(spec.checkpoint_root))
+    spec, catalog, checkpoints, lines, ledger, record = _controller_checkpoints(tmp_path, "final", steps=200, keep=2)
     for step in (100, 200):  # an earlier run of this spec
         catalog.commit(job=spec.name, step=step, generation=0, layout={"dp": 2, "tp": 1, "pp": 1, "zero": 0},
                        spec_hash=spec_hash(spec), receipts=shard_receipts(catalog, step, make_state(step), tag="old"),
                        state={"engine": {"next_step": step}})
-    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
-                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
-                              log=lines.append)
     assert "it verifies here" in checkpoints.on_unloadable(200, None, CorruptCheckpoint("crc mismatch on rank 1"))
     assert checkpoints.restore_point() == 100
 
-    class Plans:
-        def set_plan(self, data: dict) -> None:
-            pass
-
-    checkpoints.begin(Plans(), 1, 100)
+    checkpoints.begin(_Plans(), 1, 100)
     assert feed(checkpoints.committer, shard_receipts(catalog, 150, make_state(150), tag="r1g1")).step == 150
     assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
     stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append)
