@@ -85,15 +85,20 @@ class SaveWatch:
         """Ranks waiting for a step's data within an outage's allowance (rank -> for how long), by
         beats within the limit."""
         now = time.monotonic() if now is None else now
+        return {rank: wait for rank, wait in self._data_waits(now, limit_s).items()
+                if wait <= self.data_outage_s + limit_s}
+
+    def _data_waits(self, now: float, limit_s: float) -> dict[int, float]:
+        """Ranks whose latest beat, within the limit, says they wait for a step's data: rank -> the wait."""
         return {rank: seen.beat.data_wait_s for rank, seen in self._seen.items()
-                if 0 < seen.beat.data_wait_s <= self.data_outage_s + limit_s and now - seen.changed_at < limit_s}
+                if seen.beat.data_wait_s > 0 and now - seen.changed_at < limit_s}
 
     def stalled(self, limit_s: float, now: float | None = None) -> str | None:
         """Why the ranks blocked on storage are no excuse (a data wait past its allowance, a save that
         wrote nothing for `stall_s`), or None when no rank is blocked on storage."""
         now = time.monotonic() if now is None else now
-        late = {rank: seen.beat.data_wait_s for rank, seen in self._seen.items()
-                if seen.beat.data_wait_s > self.data_outage_s + limit_s and now - seen.changed_at < limit_s}
+        late = {rank: wait for rank, wait in self._data_waits(now, limit_s).items()
+                if wait > self.data_outage_s + limit_s}
         if late:
             return (f"rank(s) {sorted(late)} waited {max(late.values()):.0f} s for a step's data, past the "
                     f"data store's outage allowance (data.read_retry_s={self.data_outage_s:g} s) and the limit")
