@@ -84,3 +84,37 @@ def tp_locality(spec, world_size: int, node_of) -> str:
     if not split:
         return f"; each TP group on one node, {spread}"
     return f"; WARNING: TP group(s) {split} span nodes, {spread}"
+
+
+@dataclass(frozen=True)
+class SeatChoice:
+    """Where `RayWorkerGroup.replace_cold` puts each lost rank's new actor (`choose_seats`)."""
+
+    seats: dict[int, int]  # rank -> seat
+    waiting: list[int]  # ranks whose seat is on a node Ray starts nothing on now: they wait for it
+    stranded: list[int]  # of `waiting`, those on a draining node: theirs comes back only once it has gone
+
+
+def choose_seats(ranks: list[int], own: dict[int, int], free: list[int], on_lost: set[int],
+                 on_draining: set[int]) -> SeatChoice:
+    """Seats for new actors of `ranks`: each rank's own seat (`own`: beside its TP group) when
+    that is on a live node, else the first `free` seat (holding no rank or spare) on a live node,
+    else its own seat all the same (pure: the worker group reads the seats' nodes from Ray).
+
+    Seats on a lost node (`on_lost`) come back when the GCS declares the node dead and Ray
+    re-places their bundle where there is room: an actor there waits for that. Seats on a node
+    being drained (`on_draining`) stay where they are, and Ray starts no new actor on a draining
+    node, until the node has gone: such a rank is `stranded`, and the caller may rather shrink
+    than wait (Recovery.replace)."""
+    usable = [seat for seat in free if seat not in on_lost and seat not in on_draining]
+    seats, waiting = {}, []
+    for rank in ranks:
+        mine = own.get(rank)
+        if mine is not None and mine not in on_lost and mine not in on_draining:
+            seats[rank] = mine
+        elif usable:
+            seats[rank] = usable.pop(0)
+        else:  # a rank without a seat of its own (none in the records) takes the seat of its number
+            seats[rank] = rank if mine is None else mine
+            waiting.append(rank)
+    return SeatChoice(seats, waiting, [rank for rank in waiting if seats[rank] in on_draining])

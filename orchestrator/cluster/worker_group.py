@@ -24,7 +24,7 @@ from chaos.config import ArmedFault
 from ckpt.staging import staging_env
 from orchestrator.cluster import interruptible
 from orchestrator.cluster.capacity import capacity_problems, node_problems
-from orchestrator.cluster.placement import plan_placement
+from orchestrator.cluster.placement import SeatChoice, choose_seats, plan_placement
 from orchestrator.cluster.ray_cluster import alive_node_resources
 from orchestrator.rank.actor import RankActor
 from orchestrator.wire.auth import StoreAddress
@@ -228,15 +228,23 @@ class RayWorkerGroup:
             self.actors[rank], self.bundle_of[rank] = actor, bundle
         return left
 
-    def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
-        """New actors for `ranks`, each in its own seat when that is on a live node (beside its TP
-        group), else in a free seat; returns ranks not up within `timeout_s`."""
-        free, on_lost = self.free_bundles(), set(self._bundles_on(self.lost_nodes))
+    def stranded(self, ranks: list[int], draining: set[str]) -> list[int]:
+        """Of `ranks` about to get new actors, those `replace_cold` could seat only on a node
+        in `draining` (placement.choose_seats): Ray starts nothing there until the node has gone."""
+        return self._seat_choice(ranks, draining).stranded
+
+    def _seat_choice(self, ranks: list[int], draining: set[str]) -> SeatChoice:
+        return choose_seats(ranks, self.bundle_of, self.free_bundles(), set(self._bundles_on(self.lost_nodes)),
+                            set(self._bundles_on(draining)))
+
+    def replace_cold(self, ranks: list[int], timeout_s: float, draining: set[str] = frozenset()) -> list[int]:
+        """New actors for `ranks`, each in its own seat when that is on a live node not being drained
+        (beside its TP group), else in a free seat (placement.choose_seats); returns ranks not up
+        within `timeout_s`."""
+        seats = self._seat_choice(ranks, draining).seats
         for rank in ranks:
-            own = self.bundle_of.get(rank)
-            if own is None or own in on_lost:
-                self.bundle_of[rank] = free.pop(0) if free else (rank if own is None else own)
-            self.actors[rank] = self._new_actor(self.bundle_of[rank])
+            self.bundle_of[rank] = seats[rank]
+            self.actors[rank] = self._new_actor(seats[rank])
         pings = {self.actors[r].ping.remote(): r for r in ranks}
         ready, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted)
         up = set()

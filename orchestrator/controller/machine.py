@@ -99,9 +99,9 @@ class Controller:
         self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
                                             spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp,
                                             spec.parallel.dp_unit)
-        self.recovery = Recovery(spec, workers, self.scaling_policy, self.log,
-                                 release_timeout_s=self.timeouts.release_s, poll_s=poll_s, metrics=metrics)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
+        self.recovery = Recovery(spec, workers, self.scaling_policy, self.log, poll_s=poll_s, metrics=metrics,
+                                 release_timeout_s=self.timeouts.release_s, draining=drains)
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
                            drains, self.log, state=lambda: self.state)
         self.phase: Phase = Placing()

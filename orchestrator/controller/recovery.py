@@ -22,7 +22,7 @@ stopped and re-formed larger. Controller thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from orchestrator.controller.errors import collapse
@@ -48,7 +48,8 @@ class Membership:
 
 class Recovery:
     def __init__(self, spec, workers, scaling_policy: ScalingPolicy, log: Callable[[str], None], *,
-                 release_timeout_s: float | Callable[[], float], poll_s: float, metrics):
+                 release_timeout_s: float | Callable[[], float], poll_s: float, metrics,
+                 draining: Callable[[], Iterable[str]] = tuple):
         self.spec = spec
         self.workers = workers
         self.spares = SparePool(spec, workers, metrics, log)
@@ -57,6 +58,7 @@ class Recovery:
         # A callable: the controller's limit now (orchestrator.controller.timeouts, it follows the step time).
         self._release_s = release_timeout_s if callable(release_timeout_s) else lambda: release_timeout_s
         self.poll_s = poll_s
+        self.draining = draining  # the nodes Ray is draining now (orchestrator.cluster.drain)
 
     @property
     def release_timeout_s(self) -> float:
@@ -105,22 +107,41 @@ class Recovery:
         timeout_s = self.spec.elastic.replace_timeout_s
         if cold:
             cold = self._await_warming_spares(cold, timeout_s, words)
-        late = self.workers.replace_cold(cold, timeout_s) if cold else []
-        if cold and len(late) < len(cold):
-            words.append(f"rank(s) {sorted(set(cold) - set(late))} replaced by new actors")
-        if late:
+        draining = set(self.draining()) if cold else set()
+        stranded = self._stranded(cold, draining, words) if draining else []
+        cold = [r for r in cold if r not in stranded]
+        waited = self.workers.replace_cold(cold, timeout_s, draining) if cold else []
+        if cold and len(waited) < len(cold):
+            words.append(f"rank(s) {sorted(set(cold) - set(waited))} replaced by new actors")
+        if stranded or waited:
             alive = sorted(self.workers.actors)
             new_dp = self.scaling_policy.best_dp(len(alive))
             if new_dp is None:
                 return Membership(dp, "", f"{len(alive)} rank(s) left and no replacement within {timeout_s:.0f} s; "
                                           f"cannot shrink below elastic.min_dp={self.spec.elastic.min_dp}")
-            words.append(f"no replacement for rank(s) {late} within {timeout_s:.0f} s, "
-                         f"shrinking dp {dp} -> {new_dp} (grad accumulation absorbs it)")
+            words.append((f"no replacement for rank(s) {waited} within {timeout_s:.0f} s, " if waited else "")
+                         + f"shrinking dp {dp} -> {new_dp} (grad accumulation absorbs it)")
             self.workers.renumber(self.ranks_to_keep(alive, new_dp, dp))
             dp = new_dp
         if self.spares.target or dp < self.spec.parallel.dp:
             self.spares.refill_later(f"rank(s) {sorted(lost)} replaced")
         return Membership(dp, "; ".join(words) or f"dp stays {dp}")
+
+    def _stranded(self, cold: list[int], draining: set[str], words: list[str]) -> list[int]:
+        """Of the `cold` ranks, those left without a new actor: the only seats for them are on a node
+        Ray is draining, which starts no actor until it has gone (a wait of up to its deadline, or
+        without end), so dp shrinks now instead, when it may; the seats come back once Ray re-places
+        them, and `grow_to` grows onto them. When dp may not shrink, they wait for their seats."""
+        stranded = self.workers.stranded(cold, draining)
+        if not stranded:
+            return []
+        if self.scaling_policy.best_dp(len(self.workers.actors) + len(cold) - len(stranded)) is None:
+            words.append(f"rank(s) {stranded} wait for a seat: theirs are on a draining node and no other is free "
+                         f"(dp cannot shrink below elastic.min_dp={self.spec.elastic.min_dp})")
+            return []
+        words.append(f"rank(s) {stranded} not replaced: their seats are on a draining node, where Ray starts no "
+                     "actor until it has gone, and no other seat is free")
+        return stranded
 
     def _await_warming_spares(self, cold: list[int], timeout_s: float, words: list[str]) -> list[int]:
         """Give `cold` ranks the spares still warming up, waiting for them (SparePool.wait_for_warming_s)

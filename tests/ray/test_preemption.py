@@ -151,22 +151,30 @@ def _node_of_bundle(address: str, bundle: int) -> str:
     return table[str(bundle)]
 
 
+def _drain_bundle_node_once_its_ranks_moved(local_cluster, proc, log, deadline_s: int) -> str:
+    """Once the job runs, drain the node of bundle 1 with a deadline, as a spot reclaim notice does;
+    once its ranks have moved (no work lost), the node leaves. Returns its id."""
+    wait_for(log, "-> RUNNING", proc)
+    node_id = _node_of_bundle(local_cluster.address, 1)
+    drain = subprocess.run([RAY, "drain-node", "--address", local_cluster.address, "--node-id", node_id,
+                            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+                            "--deadline-remaining-seconds", str(deadline_s)], capture_output=True, text=True,
+                           timeout=120)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    wait_for(log, "no work lost", proc)
+    [node] = [n for n in local_cluster.nodes if n.node_id == node_id]
+    local_cluster.cluster.remove_node(node, allow_graceful=False)
+    local_cluster.nodes.remove(node)
+    return node_id
+
+
 def test_a_drained_node_s_ranks_move_to_spares_before_it_leaves(local_cluster, tmp_path, reference):
     # 4 ranks fill two nodes (PACK), the 2 spares the third. The node of rank 1 is drained with a
     # deadline, as a spot reclaim notice does; once its ranks have moved it is taken away.
     try:
         proc, report, log = start_job(local_cluster.address, tmp_path, "drain", ["elastic.spares=2",
                                                                                  "chaos.faults=[]"])
-        wait_for(log, "-> RUNNING", proc)
-        node_id = _node_of_bundle(local_cluster.address, 1)
-        drain = subprocess.run([RAY, "drain-node", "--address", local_cluster.address, "--node-id", node_id,
-                                "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                                "--deadline-remaining-seconds", "120"], capture_output=True, text=True, timeout=120)
-        assert drain.returncode == 0, drain.stdout + drain.stderr
-        wait_for(log, "no work lost", proc)
-        [node] = [n for n in local_cluster.nodes if n.node_id == node_id]
-        local_cluster.cluster.remove_node(node, allow_graceful=False)  # the node leaves after its ranks moved
-        local_cluster.nodes.remove(node)
+        node_id = _drain_bundle_node_once_its_ranks_moved(local_cluster, proc, log, deadline_s=120)
         result = finish_job(proc, report, log)
         text = log.read_text()
         moved = re.search(rf"node {node_id[:12]} draining \(rank\(s\) \[([\d, ]+)\], deadline in \d+ s\)", text)
@@ -175,5 +183,29 @@ def test_a_drained_node_s_ranks_move_to_spares_before_it_leaves(local_cluster, t
         assert result["goodput"]["badput_s"].get("lost_work", 0.0) == 0.0
         assert [w["dp"] for w in result["world_history"]] == [4, 4]
         assert result["redone_steps"] == 0 and result["final_loss"] == reference["final_loss"]
+    finally:
+        local_cluster.restore(3)
+
+
+def test_a_drained_node_s_ranks_with_no_seat_elsewhere_shrink_at_once_and_grow_back_once_it_has_gone(
+        local_cluster, tmp_path):
+    # No spare: the 4 ranks fill two nodes (PACK), the third node is empty and outside the job's
+    # placement group. Ray starts no actor in a draining node's seats, so the drained ranks are not
+    # replaced and dp shrinks to 2 at once; once the node has gone, Ray re-places its seats on the
+    # third node, spares warm up there and dp grows back. Rank 0 sleeps (numbers unchanged) so
+    # commits remain after the seats come back.
+    try:
+        proc, report, log = start_job(local_cluster.address, tmp_path, "drain0", [
+            "train.steps=80", "elastic.min_dp=2",
+            "chaos.faults=[{kind: slow_rank, rank: 0, at_step: 0, factor: 4}]"])
+        _drain_bundle_node_once_its_ranks_moved(local_cluster, proc, log, deadline_s=300)
+        result = finish_job(proc, report, log)
+        text = log.read_text()
+        moved = re.search(r"rank\(s\) \[([\d, ]+)\] not replaced: their seats are on a draining node.*"
+                          r"shrinking dp 4 -> 2", text)
+        assert moved and 1 in [int(r) for r in moved.group(1).split(",")], text[-4000:]
+        assert "replaced by new actors" not in text and "no replacement for" not in text
+        assert [w["dp"] for w in result["world_history"]] == [4, 2, 4], text[-4000:]
+        assert result["failures"] == [] and result["goodput"]["badput_s"].get("lost_work", 0.0) == 0.0
     finally:
         local_cluster.restore(3)

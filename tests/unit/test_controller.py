@@ -102,7 +102,11 @@ class FakeWorkerGroup:
     def await_spares(self, seats, count, timeout_s):
         pass  # every spare here is warm as soon as it is started
 
-    def replace_cold(self, ranks, timeout_s):
+    def stranded(self, ranks, draining):
+        # Every rank's seat is on its node, and no seat is free elsewhere.
+        return [r for r in ranks if self.node_of(r) in draining]
+
+    def replace_cold(self, ranks, timeout_s, draining=frozenset()):
         if not self.cold_start_works:
             return list(ranks)
         self.ensure_actors(ranks)

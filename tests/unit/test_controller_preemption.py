@@ -295,6 +295,17 @@ def test_a_drained_node_s_ranks_move_to_a_spare_with_no_work_lost(tmp_path, rend
     assert [p.step for p in report.losses] == list(range(60))  # every step trained once
 
 
+def test_a_drained_node_s_ranks_with_no_seat_elsewhere_shrink_dp_at_the_stop_without_waiting(tmp_path, rendezvous):
+    """No spare and no free seat: Ray starts no actor on a draining node, so rather than wait
+    elastic.replace_timeout_s (60 s) for a seat there, the job goes on smaller at once."""
+    report, workers, lines = _drain_run(tmp_path, rendezvous, deadline_in_s=None, elastic={"spares": 0, "min_dp": 1})
+    assert report.status == "succeeded" and report.final_step == 60, report.error
+    assert workers.dp_history[:2] == [2, 1] and 1 not in workers.created[2:], workers.created
+    assert any("rank(s) [1] not replaced: their seats are on a draining node" in line
+               and "shrinking dp 2 -> 1" in line for line in lines), lines
+    assert report.failures == [] and report.goodput.badput_s.get("lost_work", 0.0) == 0.0
+
+
 def test_a_drain_shorter_than_a_checkpointed_stop_is_a_node_loss(tmp_path, rendezvous):
     report, workers, lines = _drain_run(tmp_path, rendezvous, deadline_in_s=0.01)
     assert report.status == "succeeded" and report.final_step == 60, report.error

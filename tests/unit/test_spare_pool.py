@@ -9,6 +9,7 @@ import pytest
 
 from monitor.metrics import JobMetrics
 from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
+from orchestrator.cluster.placement import choose_seats
 from orchestrator.controller.policies import ScalingPolicy
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.spare_pool import SparePool
@@ -81,6 +82,7 @@ class SeatWorkers:
         self.bundle_of = dict(self.actors)
         self.spares: dict[int, bool] = {}
         self.lost_seats: set[int] = set()  # seats on a lost node, not yet re-placed by Ray
+        self.draining_seats: set[int] = set()  # seats on the nodes Ray drains (whichever a test names)
         self.polls = 0
         self.awaited: list[tuple[list[int], int, float]] = []  # each await_spares call
         self.warms_while_awaited = False  # does a spare still warming finish during an await?
@@ -102,6 +104,9 @@ class SeatWorkers:
     def spare_seats(self) -> list[int]:
         return sorted(self.spares)
 
+    def live_ready_spares(self) -> list[int]:
+        return self.ready_spares()
+
     def promote_spares(self, ranks: list[int]) -> list[int]:
         ready, left = self.ready_spares(), []
         for rank in ranks:
@@ -118,11 +123,27 @@ class SeatWorkers:
         if self.warms_while_awaited:
             self.warm_all()
 
-    def replace_cold(self, ranks: list[int], timeout_s: float) -> list[int]:
+    def _choice(self, ranks: list[int], draining: set[str]):
+        return choose_seats(ranks, self.bundle_of, self.free_seats(), self.lost_seats,
+                            self.draining_seats if draining else set())
+
+    def stranded(self, ranks: list[int], draining: set[str]) -> list[int]:
+        return self._choice(ranks, draining).stranded
+
+    def replace_cold(self, ranks: list[int], timeout_s: float, draining: set[str] = frozenset()) -> list[int]:
+        choice = self._choice(ranks, draining)
         for rank in ranks:
-            self.actors[rank] = self.bundle_of[rank]
             self.cold.append(rank)
-        return []
+            if rank in choice.waiting:  # Ray starts nothing in its seat within the timeout
+                self.bundle_of.pop(rank)
+                self.spares[choice.seats[rank]] = False
+            else:
+                self.actors[rank] = self.bundle_of[rank] = choice.seats[rank]
+        return choice.waiting
+
+    def renumber(self, keep: list[int]) -> None:
+        self.actors = {new: self.actors[old] for new, old in enumerate(keep)}
+        self.bundle_of = {new: self.bundle_of[old] for new, old in enumerate(keep)}
 
     def kill(self, rank: int) -> None:
         self.actors.pop(rank)
@@ -138,10 +159,10 @@ class Clock:
         return self.now
 
 
-def _recovery(spec, workers, lines):
+def _recovery(spec, workers, lines, draining=tuple):
     policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch, spec.train.micro_batch, 1)
     recovery = Recovery(spec, workers, policy, lines.append, release_timeout_s=1.0, poll_s=0.01,
-                        metrics=JobMetrics(spec.name))
+                        metrics=JobMetrics(spec.name), draining=draining)
     recovery.spares.clock = Clock()
     return recovery
 
@@ -244,6 +265,59 @@ def test_seats_on_a_lost_node_get_their_spares_back_at_a_commit_once_ray_re_plac
     workers.lost_seats = set()  # Ray re-placed the bundles on a live node
     assert recovery.grow_to(4, 4) is None
     assert workers.spare_seats() == [0, 1] and "at a commit, seat(s) free again" in lines[-1]
+
+
+def _drained(spec, world: int, seats: set[int]):
+    """A job whose ranks in `seats` sat on a node Ray drains (forgotten, as Stops does at the stop step)."""
+    workers, lines, nodes = SeatWorkers(world, spec.elastic.spares), [], {"n2"}
+    recovery = _recovery(spec, workers, lines, draining=lambda: nodes)
+    workers.lost_seats, workers.draining_seats = set(seats), set(seats)
+    for rank in seats:
+        workers.kill(rank)
+    return recovery, workers, lines, nodes
+
+
+def test_a_drained_node_s_ranks_with_no_free_seat_shrink_dp_at_once_and_grow_back_when_it_has_gone():
+    spec = _load("elastic.spares=0", "elastic.min_dp=1")
+    recovery, workers, lines, nodes = _drained(spec, 4, {0, 1})
+    membership = recovery.replace([0, 1], 4)
+    # No new actor waits replace_timeout_s for a seat Ray starts nothing in until the node has gone.
+    assert membership.dp == 2 and workers.cold == [], membership.words
+    assert "rank(s) [0, 1] not replaced: their seats are on a draining node" in membership.words
+    assert membership.words.endswith("shrinking dp 4 -> 2 (grad accumulation absorbs it)")
+    assert sorted(workers.actors.values()) == [2, 3]  # the survivors, renumbered 0 and 1
+    recovery.spares.watch(settled=True)
+    assert recovery.grow_to(2, 2) is None and workers.spare_seats() == []  # a commit: the node still drains
+    nodes.clear()  # the node has gone and Ray re-placed its bundles on a live node
+    workers.lost_seats = workers.draining_seats = set()
+    assert recovery.grow_to(2, 2) is None and workers.spare_seats() == [0, 1]  # spares warming there
+    workers.warm_all()
+    assert recovery.grow_to(2, 2) == (4, 2)
+
+
+def test_a_drained_node_s_ranks_wait_for_their_seats_when_dp_may_not_shrink():
+    spec = _load("elastic.spares=0", "elastic.min_dp=4")
+    recovery, workers, lines, _ = _drained(spec, 4, {1})
+    membership = recovery.replace([1], 4)
+    assert workers.cold == [1] and membership.error is not None  # waited, then could not shrink
+    assert "cannot shrink below elastic.min_dp=4" in membership.error
+
+
+def test_a_drained_node_s_rank_takes_a_free_seat_elsewhere_before_any_shrink():
+    spec = _load("elastic.spares=1", "elastic.min_dp=1")
+    recovery, workers, lines, _ = _drained(spec, 4, {1})
+    membership = recovery.replace([1], 4)  # the spare seat 4 is free (its spare not started yet)
+    assert membership.dp == 4 and workers.cold == [1] and workers.actors[1] == 4, membership.words
+
+
+def test_seats_for_new_actors_prefer_their_own_then_a_free_one_on_a_node_that_stays():
+    own = {0: 0, 1: 1, 2: 2}
+    choice = choose_seats([0, 1, 2], own, free=[5, 6, 7], on_lost={0, 6}, on_draining={1, 5})
+    assert choice.seats == {0: 7, 1: 1, 2: 2} and choice.waiting == [1] and choice.stranded == [1]
+    choice = choose_seats([0, 2], own, free=[], on_lost={0}, on_draining=set())
+    assert choice.seats == {0: 0, 2: 2} and choice.waiting == [0] and choice.stranded == []
+    assert choose_seats([3], own, free=[4], on_lost=set(), on_draining=set()).seats == {3: 4}  # no seat of its own
+    assert choose_seats([3], own, free=[], on_lost=set(), on_draining=set()).seats == {3: 3}
 
 
 def test_no_spares_keeps_today_s_behaviour():
