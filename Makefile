@@ -11,7 +11,7 @@ DEMO_DIR := runs/demo
 FT_DIR := runs/finetune
 FT := $(CURDIR)/$(FT_DIR)
 
-.PHONY: setup servers demo finetune test test-all lint clean gpu-check image image-cpu
+.PHONY: setup servers demo finetune test test-all lint clean gpu-check gpu-wheels image image-cpu
 
 setup: $(STAMP)
 
@@ -81,8 +81,23 @@ image-cpu:
 # bf16 llama3.2-1b steps with MFU, predicted vs measured peak memory, compile, determinism and
 # resume, checkpoint staging. Fails on any check out of tolerance; "Error 3" means no CUDA.
 # Options: make gpu-check GPU_CHECK_ARGS="--steps 4" (python -m bench.gpu_check --help).
-gpu-check: setup
-	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+# A python3 whose torch sees CUDA (a GPU image's own build) runs it as it is, with the wheels of
+# `make gpu-wheels` for what it lacks; otherwise .venv does (scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# The pure-Python packages the GPU check imports beyond torch and numpy, at .venv's versions, as
+# wheels for the GPU machine's Python (GPU_PYTHON_VERSION), into .whl/: carried to a machine with
+# no package index, they are installed there by `make gpu-check`.
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions zlib-ng fsspec pyyaml
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels: setup
+	rm -rf .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl \
+		$$($(PY) -c "import sys, importlib.metadata as m; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

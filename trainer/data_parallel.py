@@ -19,6 +19,7 @@ backward; FSDP2 reduce-scatters every microbatch, so gradients stay sharded whil
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable
 
@@ -60,13 +61,21 @@ def _timed_allreduce(clock, bucket):
     return future
 
 
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for the buffer broadcast before each forward: `forward_sync_buffers` from torch
+    2.13 on (which deprecates the older name), `broadcast_buffers` before it: a GPU image brings the
+    torch built for its driver, which may be older than the CPU set-up's."""
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+
+
 def wrap_ddp(module: nn.Module, dp_group, bucket_mb: float, clock: SyncClock) -> DistributedDataParallel:
     """DDP over `dp_group` with a fixed bucket layout and the timing comm hook (collective:
     every rank of `dp_group` calls it, as DDP's construction requires)."""
-    # forward_sync_buffers=False: the only buffers (RoPE tables) are constants. Every
+    # No buffer broadcast before each forward: the only buffers (RoPE tables) are constants. Every
     # parameter is used in every step, so DDP needs no search for unused ones
     # (find_unused_parameters would cost an autograd-graph traversal per step).
-    ddp = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_mb, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(module, process_group=dp_group, bucket_cap_mb=bucket_mb, **_no_forward_buffer_sync())
     fix_bucket_layout(ddp)
     clock.group = dp_group
     ddp.register_comm_hook(clock, _timed_allreduce)

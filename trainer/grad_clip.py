@@ -35,7 +35,8 @@ def clip_sharded_grads(layouts: list[ParamLayout], max_norm: float | None, group
             continue
         parts.append(grad.double().square().sum() / layout.geometry.replicas)
     # On the gradients' device: NCCL reduces device tensors only.
-    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+    device = layouts[0].param.device if layouts else None
+    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
     norm = math.sqrt(float(total))

@@ -8,7 +8,8 @@ The four ledgers of docs/design.md section 1, measured rather than predicted:
   * transient: the rest of the process's peak memory growth since the engine was built
     (workspaces, allocator slack): peak RSS on CPU, peak allocated on CUDA.
 
-Protocol: a rank calls `measure(engine, baseline_bytes)` once per generation, after its first
+Protocol: a rank takes `current_bytes()` and calls `reset_peak_bytes()` before it builds an engine,
+then `measure(engine, baseline_bytes)` once per generation, after its first
 training step (so gradients and optimizer state exist); `baseline_bytes` is `current_bytes()`
 taken before the engine was built. The probe runs one extra forward and backward of one
 microbatch under `no_sync` and drops the gradients it made, so training state is unchanged.
@@ -33,6 +34,13 @@ def current_bytes(device: torch.device) -> int:
         return torch.cuda.memory_allocated(device)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak_bytes(device: torch.device) -> None:
+    """Start the peak `measure` reads afresh (CUDA's allocator keeps one since its last reset; a
+    process's peak RSS cannot be reset, so on the CPU it stays the process's)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _peak_bytes(device: torch.device) -> int:

@@ -376,7 +376,8 @@ def clip_grad_norm_pp(stage_models: Sequence[StageModel], max_norm: float | None
             every.append(param)
             if name not in model.replica_names:
                 owned.append(param.grad)
-    local = torch.nn.utils.get_total_norm(owned, norm_type=2.0) if owned else torch.zeros(())
+    device = next((p.device for m in stage_models for p in m.parameters()), None)  # NCCL reduces device tensors
+    local = torch.nn.utils.get_total_norm(owned, norm_type=2.0) if owned else torch.zeros((), device=device)
     if isinstance(local, DTensor):
         local = local.full_tensor()
     squared = (local.double() ** 2).reshape(1)

@@ -50,11 +50,14 @@ def throughput_row(run: dict, peak: float | None, device: str, min_mfu: float, j
 
 
 def memory_row(run: dict, tolerance: float) -> Row:
-    """The cost model's predicted peak against the measured allocated peak of one `train_run`."""
-    measured, predicted = run["max_memory_allocated"], run["predicted"]["total"]
+    """The cost model's predicted peak against the measured allocated peak of one `train_run`, less
+    what was allocated before its engine was built (an earlier run's leftovers are not this run's)."""
+    before = run.get("allocated_before", 0)
+    measured, predicted = run["max_memory_allocated"] - before, run["predicted"]["total"]
     ratio = predicted / measured if measured > 0 else math.inf
-    text = (f"measured {gib(measured)} (reserved {gib(run['max_memory_reserved'])}), predicted {gib(predicted)}"
-            f" = {ratio:.2f}x")
+    text = (f"measured {gib(measured)} (reserved {gib(run['max_memory_reserved'])}"
+            + (f"; {gib(before)} held before the build, not counted" if before else "")
+            + f"), predicted {gib(predicted)} = {ratio:.2f}x")
     return judged(f"{run['preset']} peak memory rc={run['recompute']}", text,
                   f"predicted within {tolerance:.0%}", within_relative(predicted, measured, tolerance))
 

@@ -67,6 +67,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _allocated(device: str) -> int:
+    """Bytes allocated now on the device (0 off CUDA): what an earlier run left is not this run's."""
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
 def _peaks(device: str) -> tuple[int, int]:
     """(max allocated, max reserved) bytes since the last reset; (0, 0) off CUDA (tests)."""
     if device != "cuda":
@@ -98,6 +103,7 @@ def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
 def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
     model, data, train, parallel = cfgs
     _fresh_device(device)
+    before = _allocated(device)
     engine = _build(cfgs, device)
     losses, times, tokens, data_wait = [], [], 0, 0.0
     for i in range(warmup + steps):
@@ -119,7 +125,7 @@ def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
         "fused_adamw": bool(engine.local_optimizer.defaults.get("fused")),
         "step_s": sum(times) / len(times), "tokens_per_s": tokens / sum(times), "data_wait_s": data_wait / len(times),
         "flops_per_token": flops_per_token(model, seq_len), "losses": losses,
-        "max_memory_allocated": allocated, "max_memory_reserved": reserved,
+        "max_memory_allocated": allocated, "max_memory_reserved": reserved, "allocated_before": before,
         "predicted": predicted_peak(model, seq_len, micro_batch, recompute),
     }
     del engine

@@ -156,6 +156,12 @@ class RankActor:
         # And the memory level's writer thread, for its snapshot receipts.
         self.snapshot_store = connect(address, gen, timeout_s=timeout_s)
         backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
+        if backend == "nccl":
+            import torch
+
+            # Ray shows a rank its one GPU as device 0. Bound before the group forms, so that NCCL's
+            # communicators and a barrier use it rather than guess (torch warns when it must).
+            torch.cuda.set_device(0)
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(
                 backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
@@ -184,7 +190,7 @@ class RankActor:
         ckpt.storage on every read of this process)."""
         from ckpt.storage import durable_bytes_read
         from orchestrator.rank.state import build_engine
-        from trainer.memory_probe import current_bytes
+        from trainer.memory_probe import current_bytes, reset_peak_bytes
 
         ticket = self.restores.begin()  # a restore of this rank still running is stale from now on
         with self.restores.turn(ticket):  # and this one waits for it to give up: one engine at a time
@@ -194,6 +200,7 @@ class RankActor:
             self._drop_engine()  # drop the previous generation's engine before measuring the baseline
             device = torch_device(self.spec)
             self.baseline_bytes = current_bytes(device)
+            reset_peak_bytes(device)  # this generation's peak, not an earlier engine's (CUDA; RSS cannot)
             self.restores.check(ticket)  # the build is collective: not on a group a new generation formed
             engine = build_engine(self.spec, self.rank, self.world_size, dp, recording_groups=self.sockets.adding)
             built = time.perf_counter()

@@ -96,6 +96,9 @@ def test_memory_mismatch_beyond_15_percent_fails_the_check():
     assert over.status == FAIL and "1.29x" in over.measured
     under = judge.memory_row(run(predicted={"total": 50 * 2**30}), 0.15)
     assert under.status == FAIL and exit_code([under]) == 1
+    # What an earlier run left allocated is not this run's: 70 - 10 GiB measured against 74 is 1.23x.
+    leftovers = judge.memory_row(run(allocated_before=10 * 2**30), 0.15)
+    assert leftovers.status == FAIL and "1.23x" in leftovers.measured and "10.00 GiB held before" in leftovers.measured
 
 
 def test_compile_row_compares_first_losses_and_reports_the_speedup():
