@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from collections.abc import Callable
 
 import torch
@@ -32,20 +31,32 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import TrainConfig
+from trainer.device_clock import DeviceClock
 from trainer.optim import param_groups
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class SyncClock:
-    """When DDP handed the last gradient bucket to the all-reduce: the end of backward compute.
+    """A step's compute time: from `start_compute` to when DDP handed the last gradient bucket to
+    the all-reduce (the end of backward compute: what follows inside backward() is waiting for the
+    slowest rank), or to `compute_seconds` without DDP. Marks come from `device`
+    (trainer.device_clock: CUDA events on a GPU, whose launches return before the work is done).
 
     `in_flight`, when set (the engine sets it while a chaos fault hook is armed), is called after
     each bucket's all-reduce is launched: the fault point "in_allreduce" (trainer.engine)."""
 
-    def __init__(self) -> None:
-        self.last_ready = 0.0
+    def __init__(self, device: DeviceClock | None = None) -> None:
+        self.device = device or DeviceClock()
+        self.started = self.last_ready = None
         self.in_flight: Callable[[], None] | None = None
+
+    def start_compute(self) -> None:
+        self.started, self.last_ready = self.device.mark(), None
+
+    def compute_seconds(self, ddp: bool) -> float:
+        end = self.last_ready if ddp and self.last_ready is not None else self.device.mark()
+        return self.device.seconds(self.started, end)
 
 
 def _timed_allreduce(clock, bucket):
@@ -54,7 +65,7 @@ def _timed_allreduce(clock, bucket):
     # touching no tensor, so an unfired point leaves every gradient bit-identical.
     # No annotations: DDP compares them with dist.GradBucket, and postponed (string)
     # annotations would fail that check.
-    clock.last_ready = time.perf_counter()
+    clock.last_ready = clock.device.mark()
     future = default_hooks.allreduce_hook(clock.group, bucket)
     if clock.in_flight is not None:
         clock.in_flight()

@@ -67,6 +67,7 @@ from trainer.data_parallel import (
     localize_dtensor_params,
     wrap_ddp,
 )
+from trainer.device_clock import DeviceClock
 from trainer.dtensor_slices import ParamLayout, dtensor_spec, geometry, local, make_grid, scalar_geometry
 from trainer.engine_pipeline import LocalChunks, build_pipeline
 from trainer.engine_state import STATE_FORMAT, EngineState
@@ -143,7 +144,7 @@ class Engine(EngineState):
         self.pp_rank, self.pp_size = coords.pp, parallel.pp
         self.tp_rank, self.tp_size = coords.tp, parallel.tp
         self.sequence_parallel = parallel.sequence_parallel and parallel.tp > 1
-        self._clock = SyncClock()
+        self._clock = SyncClock(DeviceClock(self.device))
         self._allreduce_step: int | None = None  # step whose first all-reduced bucket is still to come
         self.fault_hook = fault_hook
         self.n_micro = microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)
@@ -271,14 +272,14 @@ class Engine(EngineState):
         local_tokens = sum(batch.n_tokens for batch in batches)
         global_tokens = self._sum_over_dp(local_tokens)
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
-        compute_started = time.perf_counter()
+        self._clock.start_compute()
         self._trace = None
         if self.pipeline is not None:
             loss_sum = self._pipeline_forward_backward(step, batches, global_tokens, loss_scale)
             compute_s = self._trace.busy_s
         else:
             loss_sum = self._forward_backward(step, batches, global_tokens, loss_scale)
-            compute_s = self._compute_seconds(compute_started)
+            compute_s = self._clock.compute_seconds(self._ddp is not None)
         self._fault("after_backward", step)
         skipped, grad_norm = self._finish_gradients(step)
         lr = lr_at(step, tc)
@@ -391,10 +392,3 @@ class Engine(EngineState):
         if self.whole_state:
             return False, clip_grad_norm(self.model.parameters(), clip)
         return False, clip_sharded_grads(self.layouts, clip)
-
-    def _compute_seconds(self, compute_started: float) -> float:
-        # On DDP the last bucket's hand-off marks the end of backward compute; what follows
-        # inside backward() is waiting for the all-reduce, i.e. for the slowest rank.
-        if self._ddp is not None and self._clock.last_ready > compute_started:
-            return self._clock.last_ready - compute_started
-        return time.perf_counter() - compute_started

@@ -35,17 +35,17 @@ and FSDP averages over dp, hence the dp_size), and grads are not rescaled by the
 end changes no real token's causal attention, and its labels are IGNORE_INDEX).
 
 Measurement: every forward (F), backward (B; zero-bubble: input I and weight W) and loss
-(L) action is timed on this rank. The step window runs from a barrier of the pp group
-before the schedule to the loss all-reduce after it, so every rank's window is the same
-wall-clock span and `StepTrace.idle_fraction` is that rank's share of the bubble.
+(L) action is timed on this rank, as the device ran it (trainer.device_clock: CUDA events on a
+GPU). The step window runs from a barrier of the pp group before the schedule to the loss
+all-reduce after it, so every rank's window is the same wall-clock span and
+`StepTrace.idle_fraction` is that rank's share of the bubble.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import ModelConfig
 from trainer.data import Batch
+from trainer.device_clock import DeviceClock
 from trainer.loss import IGNORE_INDEX, token_loss_sum
 from trainer.stages import Chunk, StageModel, chunk_ranks, placement_of
 from trainer.tensor_parallel import loss_context
@@ -121,7 +122,7 @@ class ActionEvent:
     kind: str  # F forward, B full backward, I input-gradient backward, W weight backward, L loss
     chunk: int
     micro: int
-    start: float  # time.perf_counter() seconds
+    start: float  # seconds since the step's window opened (a DeviceClock mark until the step settles it)
     end: float
 
 
@@ -141,6 +142,12 @@ class StepTrace:
         """1 - busy / window: waiting for neighbours, communication and the fill/drain bubble."""
         window = self.window_end - self.window_start
         return max(0.0, 1.0 - self.busy_s / window) if window > 0 else 0.0
+
+    def settle(self, clock: DeviceClock, opened, closed) -> None:
+        """The actions' marks as seconds since `opened` (the window's start), once `closed` is recorded."""
+        self.events = [replace(e, start=clock.seconds(opened, e.start), end=clock.seconds(opened, e.end))
+                       for e in self.events]
+        self.window_start, self.window_end = 0.0, clock.seconds(opened, closed)
 
     def max_in_flight(self) -> int:
         """Most (chunk, microbatch) pairs whose forward was done and whose backward was not.
@@ -203,6 +210,7 @@ class PipelineRunner:
         self._check_layout(schedule)
         self.dp_size, self.amp_dtype, self.tp_size = dp_size, amp_dtype, tp_size
         self.device = torch.device(device)
+        self.clock = DeviceClock(self.device)
         self._scale = 0.0
         self._parts: list[torch.Tensor] = []
         self.trace = StepTrace()
@@ -254,23 +262,23 @@ class PipelineRunner:
             original = getattr(stage, name)
 
             def timed(micro, *args, _run=original, _kind=kind, _chunk=stage.stage_index, **kwargs):
-                start = time.perf_counter()
+                start = self.clock.mark()
                 out = _run(micro, *args, **kwargs)
                 split = _kind == "B" and kwargs.get("full_backward", True) is False
                 self.trace.events.append(ActionEvent("I" if split else _kind, _chunk, micro, start,
-                                                     time.perf_counter()))
+                                                     self.clock.mark()))
                 return out
 
             setattr(stage, name, timed)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self.clock.mark()
         part, _ = token_loss_sum(logits, labels)
         # under loss_parallel a Replicate DTensor: every tp rank holds the whole sum
         self._parts.append(part.detach().to_local() if isinstance(part, DTensor) else part.detach())
         scaled = part * self._scale
         self.trace.events.append(ActionEvent("L", self.chunks[-1].index, len(self._parts) - 1, start,
-                                             time.perf_counter()))
+                                             self.clock.mark()))
         return scaled
 
     def step(self, batches: Sequence[Batch], global_tokens: int, loss_scale: float = 1.0,
@@ -297,7 +305,7 @@ class PipelineRunner:
         self._scale, self._parts = loss_scale * self.dp_size / max(global_tokens, 1), []
         self.trace = StepTrace()
         dist.barrier(group=self.group)
-        self.trace.window_start = time.perf_counter()
+        opened = self.clock.mark()
         amp = torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
         with amp, loss_context(self.tp_size), torch.set_grad_enabled(not forward_only):
             run = self.schedule.eval if forward_only else self.schedule.step
@@ -306,8 +314,10 @@ class PipelineRunner:
         total = local.reshape(1).to(self.device)
         # only the last chunk's rank contributes: x + 0 is exact, so every rank gets its sum
         dist.all_reduce(total, group=self.group)
-        self.trace.window_end = time.perf_counter()
-        return StepOutput(loss_sum=float(total), trace=self.trace)
+        closed = self.clock.mark()
+        loss_sum = float(total)  # waits for the step's work: the marks before are all recorded by now
+        self.trace.settle(self.clock, opened, closed)
+        return StepOutput(loss_sum=loss_sum, trace=self.trace)
 
 
 def _tied_weight(stage: StageModel) -> nn.Parameter:
