@@ -13,9 +13,10 @@ shows every argument).
              VERIFIED (that proves nothing about its bytes) and the next one is checked
     export   the `model/...` tensors of one checkpoint: a safetensors file, prefix removed
              (--format safetensors), or a Hugging Face model directory (--format hf)
-    gc       keep the newest --keep committed checkpoints (never the newest one) and delete
-             unfinished saves older than the newest commit, holding the folder's owner lease
-             (ckpt.ownership): refused while a job holds it, unless --force
+    gc       keep the newest --keep committed checkpoints and every one down to the newest that
+             verifies (orchestrator.cli.ckpt_gc), and delete unfinished saves older than the
+             newest commit, holding the folder's owner lease (ckpt.ownership): refused while a
+             job holds it, unless --force
 
 `ls` and `verify` take `--json`: one JSON object on stdout, failures included
 (orchestrator.cli.ckpt_listing gives the shapes).
@@ -40,8 +41,8 @@ from orchestrator.cli.ckpt_catalog import (
     is_storage_error,
     open_catalog,
     step_or_fail,
-    steps_text,
 )
+from orchestrator.cli.ckpt_gc import collect_garbage
 from orchestrator.cli.ckpt_listing import list_checkpoints, verify_checkpoints
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, fail_line
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
@@ -64,7 +65,8 @@ def add_ckpt_parser(sub) -> None:
         parsers[name].add_argument("--json", dest="as_json", action="store_true",
                                    help="print one JSON object on stdout (errors too: {\"error\": ..., \"exit\": N})")
     parsers["verify"].add_argument("--step", type=int, help="verify only this step (default: every committed one)")
-    parsers["verify"].add_argument("--read-retry-s", type=float, default=DEFAULT_READ_RETRY_S,
+    for name in ("verify", "gc"):
+        parsers[name].add_argument("--read-retry-s", type=float, default=DEFAULT_READ_RETRY_S,
                                    help="how long the store's transient read failures may delay the check of one "
                                    "checkpoint before it is reported NOT VERIFIED (default %(default)g)")
     parsers["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest committed)")
@@ -81,6 +83,9 @@ def add_ckpt_parser(sub) -> None:
                                    "(default: the one the job trained with, when the checkpoint records it)")
     parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
     parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    parsers["gc"].add_argument("--no-verify", action="store_true",
+                               help="keep the newest --keep by age alone, without reading them (by default a "
+                               "committed checkpoint is deleted only below the newest one that verifies)")
     parsers["gc"].add_argument("--force", action="store_true",
                                help="delete without the folder's owner lease, even while a job holds it")
 
@@ -190,52 +195,4 @@ def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
         return EXIT_FAILED
 
 
-# -- gc ----------------------------------------------------------------------------------
-
-def _gc(catalog: Catalog, args: argparse.Namespace) -> int:
-    if args.keep < 1:
-        raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
-    committed = committed_or_fail(catalog)
-    lease = None if args.dry_run or args.force else _hold(catalog)
-    try:
-        plan = catalog.gc_plan(args.keep)  # planned while holding the folder: no job starts meanwhile
-        if not args.dry_run:
-            Catalog(catalog.storage, owner=lease).apply_gc(plan)
-    finally:
-        if lease is not None:
-            lease.release()
-    verb = "would delete" if args.dry_run else "deleted"
-    kept = [s for s in committed if s not in plan.expired]
-    if not plan.expired and not plan.orphans:
-        print(f"nothing to delete: {len(committed)} committed checkpoint(s), --keep {args.keep}")
-    if plan.expired:
-        print(f"{verb} committed checkpoints: steps {steps_text(plan.expired)}")
-    if plan.orphans:
-        print(f"{verb} unfinished saves: steps {steps_text(plan.orphans)}")
-    print(f"kept: steps {steps_text(kept)}")
-    return EXIT_OK
-
-
-def _hold(catalog: Catalog):
-    """The folder's owner lease for gc (ckpt.ownership), so no job starts while it plans and deletes.
-    A job that holds it is refused (one that resumed behind its newest commit writes its saves below
-    it, where gc would take them for unfinished ones), after watching its heartbeat when its holder
-    is not known to have stopped; --force deletes without the lease."""
-    from ckpt.owner_claims import UnreadableClaim
-    from ckpt.ownership import OwnerAlive, OwnerLease
-
-    try:
-        return OwnerLease.claim(catalog.storage, "undying ckpt gc", GC_LEASE_S,
-                                say=lambda line: print(f"undying ckpt gc: {line}", file=sys.stderr, flush=True))
-    except OwnerAlive as err:
-        raise UsageError(f"{err}; its saves in flight would look unfinished to gc: run gc once it has stopped, "
-                         "or pass --force") from None
-    except UnreadableClaim as err:  # who holds the folder is unknown
-        raise UsageError(f"{catalog.storage.root}/owner: {error_reason(err)}; a person must look (no job may run "
-                         "there while one is moved aside), or pass --force") from None
-
-
-GC_LEASE_S = 60.0  # what a job that starts during a gc waits for at most, should gc die holding it
-
-
-COMMANDS = {"ls": list_checkpoints, "verify": verify_checkpoints, "export": _export, "gc": _gc}
+COMMANDS = {"ls": list_checkpoints, "verify": verify_checkpoints, "export": _export, "gc": collect_garbage}

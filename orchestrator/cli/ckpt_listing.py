@@ -112,7 +112,7 @@ def _owner_line(owner: dict) -> str:
 # -- verify ------------------------------------------------------------------------------
 
 
-def _verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, Any]:
+def verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, Any]:
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest, verify_checkpoint
     from monitor.progress import Progress
 
@@ -134,7 +134,7 @@ def _verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, A
             "bytes": manifest.total_bytes, "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _verify_line(r: dict[str, Any]) -> str:
+def verify_line(r: dict[str, Any]) -> str:
     if r["status"] == "ok":
         return (f"step {r['step']}: ok ({r['tensors']} tensors, {r['chunks']} chunks in {r['files']} shard files, "
                 f"{human_bytes(r['bytes'])}, {r['seconds']:.2f} s)")
@@ -151,9 +151,9 @@ def verify_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
     steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
     results = []
     for step in steps:
-        results.append(_verify_one(catalog, step, args.read_retry_s))
+        results.append(verify_one(catalog, step, args.read_retry_s))
         if not args.as_json:  # a line per checkpoint as it is done: a big one takes minutes
-            print(_verify_line(results[-1]), flush=True)
+            print(verify_line(results[-1]), flush=True)
     bad = [r for r in results if r["status"] != "ok"]
     if args.as_json:
         print(json.dumps({"url": catalog.storage.url, "ok": not bad, "checkpoints": results}))

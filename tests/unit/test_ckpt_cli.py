@@ -291,6 +291,37 @@ def test_gc_keeps_the_newest_and_deletes_stale_unfinished_saves(capsys, job):
     assert catalog.committed_steps() == [30]
 
 
+def test_gc_never_deletes_the_newest_checkpoint_that_verifies(capsys, job):
+    """The two newest are damaged (a flipped bit, a torn manifest): --keep 1 by age alone would leave
+    nothing a job could resume from. Step 10, the newest that verifies, is kept, and so are the
+    damaged ones (evidence); the exit status says damage was found."""
+    url, catalog = job
+    save_checkpoint(catalog, 40, make_state(40))
+    flip_bit(catalog, 30, shard_of(catalog, 30, "model/w"))
+    with open(catalog.manifest_path(20), "wb") as torn:  # a file:// root: paths are local
+        torn.write(b'{"torn')
+    code, out, err = run(capsys, "gc", url, "--keep", "1")
+    assert code == 0 and "step 40: ok" in out and catalog.committed_steps() == [40]  # the newest verifies
+    flip_bit(catalog, 40, shard_of(catalog, 40, "model/w"))
+    save_checkpoint(catalog, 50, make_state(50))
+    flip_bit(catalog, 50, shard_of(catalog, 50, "model/w"))
+    code, out, err = run(capsys, "gc", url, "--keep", "1")
+    assert code == 1 and "step 50: CORRUPT" in out and "step 40: CORRUPT" in out
+    assert "no committed checkpoint verifies, so none was deleted" in err and catalog.committed_steps() == [40, 50]
+    assert run(capsys, "gc", url, "--keep", "1", "--no-verify")[0] == 0 and catalog.committed_steps() == [50]
+
+
+def test_gc_keeps_every_checkpoint_down_to_the_newest_intact_one(capsys, job):
+    url, catalog = job
+    flip_bit(catalog, 30, shard_of(catalog, 30, "model/w"))
+    code, out, err = run(capsys, "gc", url, "--keep", "1", "--dry-run")
+    assert code == 1 and "step 30: CORRUPT" in out and "step 20: ok" in out
+    assert "would delete committed checkpoints: steps 10" in out and "kept: steps 20, 30" in out
+    assert "step(s) 30 do not verify" in err and "step 20, the newest that verifies" in err
+    code, out, _ = run(capsys, "gc", url, "--keep", "1")
+    assert code == 1 and catalog.committed_steps() == [20, 30]
+
+
 def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "ckpt", "ls", str(tmp_path / "missing")],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
