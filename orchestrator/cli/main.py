@@ -31,6 +31,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cluster.address import RayAddressError
 
 # Commands defined in their own modules, each with its own spec handling or none (they work on a
 # checkpoint root, a dataset...): name -> (help, module, parser function, main function).
@@ -224,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command in LAZY_COMMANDS:
-        _, module, _, function = LAZY_COMMANDS[args.command]
-        return getattr(importlib.import_module(module), function)(args)
-    return {"validate": _validate, "run": _run, "plan": _plan}[args.command](args)
+    try:
+        if args.command in LAZY_COMMANDS:
+            _, module, _, function = LAZY_COMMANDS[args.command]
+            return getattr(importlib.import_module(module), function)(args)
+        return {"validate": _validate, "run": _run, "plan": _plan}[args.command](args)
+    except RayAddressError as err:  # before any work: one line, the fix in it
+        print(f"undying {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import ray
 
+from orchestrator.cluster.address import check_address, unreachable
+
 
 @dataclass
 class RayConnection:
@@ -26,9 +28,16 @@ class RayConnection:
 
 
 def connect(address: str | None, cpus_needed: float, gpus_needed: float) -> RayConnection:
+    """Join the cluster at `address` (else $RAY_ADDRESS), else start an embedded one; an address that
+    cannot reach a cluster raises RayAddressError (orchestrator.cluster.address), before any wait."""
+    source = "--address" if address else "RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+        check_address(address, source)
+        try:
+            ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise unreachable(address, source, err) from err
         return RayConnection(False, ray.util.get_node_ip_address(), {})
     cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))
     # address="local": never join a cluster some `ray start` left recorded in /tmp/ray.
