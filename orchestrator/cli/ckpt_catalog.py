@@ -15,6 +15,7 @@ from ckpt.catalog import Catalog
 from ckpt.config import normalise_url as checkpoint_url
 from ckpt.manifest import parse_step_dir
 from ckpt.storage import Storage
+from ckpt.storage_options import explain, open_now
 from orchestrator.cli.exits import UsageError
 
 # -- arguments ---------------------------------------------------------------------------
@@ -46,6 +47,12 @@ def open_catalog(url: str, options: dict) -> Catalog:
     except Exception as err:  # a filesystem that rejects its options
         raise UsageError(f"--storage-option: cannot open {url} with these options ({error_reason(err)}); "
                          "fix or remove the offending option") from None
+    try:
+        open_now(storage)  # an option the store's client refuses fails here, named, not in the first call
+    except Exception as err:
+        words = explain(err, "--storage-option", type(storage.fs))
+        raise UsageError(words or f"--storage-option: cannot open {url} with these options "
+                         f"({error_reason(err)}); fix or remove the offending option") from None
     return Catalog(storage)
 
 
@@ -67,8 +74,9 @@ def committed_or_fail(catalog: Catalog) -> list[int]:
     except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
         if not is_storage_error(err):
             raise
-        raise UsageError(f"URL {url}: cannot list it ({error_reason(err)}); check the URL and the endpoint "
-                         "(--storage-option endpoint_url=...)") from None
+        raise UsageError(f"URL {url}: cannot list it ({error_reason(err)}); "
+                         + (explain(err, "--storage-option") or "check the URL and the endpoint "
+                            "(--storage-option endpoint_url=...)")) from None
     if jobs:
         raise UsageError(f"URL {url} holds job directories, not checkpoints; give one job's checkpoint root, "
                          f"e.g. {url}/{jobs[0]}")

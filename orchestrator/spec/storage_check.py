@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ckpt.storage_options import explain
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
 
 FIELD = "checkpoint.url"
@@ -40,7 +41,9 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _write_problem(url: str, error: BaseException) -> Problem:
+def _write_problem(url: str, error: BaseException, fs_class=None) -> Problem:
+    if words := explain(error, "checkpoint.storage_options", fs_class):
+        return Problem("checkpoint.storage_options", f"cannot write a probe file under {url}: {words}")
     if isinstance(error, PermissionError):
         fix = "choose a writable location, or fix the credentials in checkpoint.storage_options"
     elif isinstance(error, (NotADirectoryError, FileExistsError)):
@@ -73,7 +76,7 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
             fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"undying storage probe\n")
     except Exception as error:  # every failure to write is reported; none is fatal to the caller
-        return [_write_problem(url, error)]
+        return [_write_problem(url, error, type(fs))]
     try:
         fs.rm_file(probe)
     except Exception as error:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ckpt.storage_options import explain
 from orchestrator.cli.ckpt_cmd import error_reason, is_storage_error
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_USAGE, UsageError
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
@@ -67,7 +68,8 @@ def data_main(args: argparse.Namespace, executor=None) -> int:
     except Exception as err:
         if not is_storage_error(err):
             raise
-        print(f"{COMMAND}: storage error: {error_reason(err, limit=300)}; run the same command again (finished "
-              "shards are kept)",
-              file=sys.stderr)
-        return EXIT_FAILED
+        words = explain(err, "--storage-option")  # missing credentials: no rerun helps until they are set
+        print(f"{COMMAND}: storage error: {error_reason(err, limit=300)}; "
+              + (f"{words}, then run the same command again" if words else
+                 "run the same command again (finished shards are kept)"), file=sys.stderr)
+        return EXIT_USAGE if words else EXIT_FAILED
