@@ -7,31 +7,16 @@ is probed separately by `orchestrator.spec.storage_check.check_storage`, because
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ckpt.storage_errors import DEFAULT_READ_RETRY_S
+from trainer.urls import absolute_url
 
 # fsspec protocols of object stores, whose Python clients hold the GIL for much of an upload.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
-
-
-def normalise_url(url: str) -> str:
-    """An fsspec URL with an absolute path and no trailing slash; ValueError when empty."""
-    url = url.strip()
-    if not url:
-        raise ValueError("is empty; give an fsspec URL such as file:///data/ckpt or s3://bucket/prefix")
-    if "://" not in url:
-        # A plain path: make it absolute now, so every rank and the controller agree on it
-        # whatever their working directory.
-        url = "file://" + os.path.abspath(os.path.expanduser(url))
-    protocol, _, path = url.partition("://")
-    # A trailing slash would give "a//job" when the job name is appended; a bare root
-    # ("file:///") keeps its slash because there is nothing else left of the path.
-    return f"{protocol}://{path.rstrip('/') or '/'}"
 
 
 INTERVAL_FORMS = ("'young', 'young-daly' or a number of seconds, or the unit spelled out: '500 steps', '90s', "
@@ -184,7 +169,7 @@ class CheckpointConfig(BaseModel):
     @field_validator("url")
     @classmethod
     def _normalise_url(cls, url: str) -> str:
-        return normalise_url(url)
+        return absolute_url(url)
 
     @field_validator("interval", mode="before")
     @classmethod

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.urls import absolute_url
 
 
 class _Strict(BaseModel):
@@ -179,11 +181,19 @@ def _divisor_list(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _absolute_path(cls, path: str | None) -> str | None:
+    """A data path as every process reads it: ranks open it in their own working directories, so a
+    plain path is made absolute at spec load (trainer.urls)."""
+    return None if path is None else absolute_url(path)
+
+
 class MixturePart(_Strict):
     """One prepared dataset of a `data.mixture` and its share of the samples."""
 
     path: str = Field(..., description="URL of a dataset prepared by `undying data prepare`")
     weight: float = Field(..., gt=0.0, description="relative share of the samples drawn from it")
+
+    _absolute = field_validator("path")(_absolute_path)
 
 
 class DataConfig(_Strict):
@@ -208,6 +218,8 @@ class DataConfig(_Strict):
     min_len_fraction: float = Field(0.5, gt=0.0, le=1.0, description="synthetic samples have lengths drawn in "
                                     "[min_len_fraction * seq_len, seq_len]; 1.0 gives fixed-length samples")
 
+    _absolute = field_validator("path")(_absolute_path)
+
     @model_validator(mode="after")
     def _path_for_source(self) -> DataConfig:
         if self.source == "text" and not self.path:
@@ -230,6 +242,8 @@ class EvalConfig(_Strict):
     seq_len: int | None = Field(None, gt=0, description="tokens per evaluation window; unset: data.seq_len")
     storage_options: dict = Field(default_factory=dict, description="fsspec options for path; empty: "
                                   "data.storage_options")
+
+    _absolute = field_validator("path")(_absolute_path)
 
 
 class TrainConfig(_Strict):

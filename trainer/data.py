@@ -55,9 +55,9 @@ def _affine_powers(mul: int, add: int, vocab_size: int, n: int) -> np.ndarray:
     return np.ascontiguousarray(np.array(out, dtype=np.int64).T)
 
 
-def read_text_bytes(path: str) -> torch.Tensor:
+def read_text_bytes(path: str, storage_options: dict | None = None) -> torch.Tensor:
     """The bytes of a UTF-8 text file as a uint8 tensor (read once, through fsspec)."""
-    with fsspec.open(path, "rb") as handle:
+    with fsspec.open(path, "rb", **(storage_options or {})) as handle:
         raw = handle.read()
     try:
         raw.decode("utf-8")
@@ -88,7 +88,7 @@ class DataCursor(ReadAheadCursor):
                     f"data.source='text' uses one token per byte and needs model.vocab_size >= "
                     f"{BYTE_VOCAB}, got {vocab_size}"
                 )
-            self._text = read_text_bytes(cfg.path)
+            self._text = read_text_bytes(cfg.path, cfg.storage_options)
             self._text_crc = zlib.crc32(memoryview(self._text.numpy()))
             if len(self._text) < cfg.seq_len + 1:
                 raise ValueError(

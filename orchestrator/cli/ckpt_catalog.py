@@ -12,18 +12,21 @@ from __future__ import annotations
 import json
 
 from ckpt.catalog import Catalog
-from ckpt.config import normalise_url as checkpoint_url
 from ckpt.manifest import parse_step_dir
 from ckpt.storage import Storage
 from ckpt.storage_options import explain, open_now
 from orchestrator.cli.exits import UsageError
+from trainer.urls import absolute_url
 
 # -- arguments ---------------------------------------------------------------------------
 
 def normalise_url(url: str) -> str:
     if not url.strip():
         raise UsageError("URL is empty; give the job's checkpoint root, e.g. file:///data/ckpt/myjob")
-    return checkpoint_url(url)
+    try:
+        return absolute_url(url)
+    except ValueError as err:  # a URL mistyped into a relative path
+        raise UsageError(f"URL {err}") from None
 
 
 def is_storage_error(err: BaseException) -> bool:

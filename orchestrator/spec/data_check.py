@@ -1,8 +1,9 @@
 """Check, before any rank starts, that the prepared datasets a spec names can be read and fit the model.
 
 Protocol: the driver (`undying run`, `undying validate`) calls `require_data(spec)` once, after
-the spec validated and beside `require_storage`. It reads each dataset's manifest and lists its
-shards (no token is read): a missing or damaged dataset (a shard missing, or not the size its
+the spec validated and beside `require_storage`. A text source's file is read (it is small: every
+rank holds it whole). Of a prepared dataset it reads the manifest and lists the shards (no token is
+read): a missing or damaged dataset (a shard missing, or not the size its
 manifest says), a vocabulary larger than the model's, or a dataset too small for one training
 window (or for the validation windows asked) is a `SpecError` naming the field and the fix, exit
 2, instead of a rank failing after placement, or hours into the run at its first read of a shard.
@@ -39,8 +40,32 @@ def _check_shards(ds, url: str, field: str, problems: list[Problem]) -> None:
         problems.append(Problem(field, f"{url} is damaged: {shown}; prepare it again (`undying data prepare`)"))
 
 
+def _text_problems(spec: JobSpec) -> list[Problem]:
+    """`data.source: text`: the file every rank reads whole (small by design), read here once."""
+    from trainer.data import read_text_bytes
+
+    data, url = spec.data, spec.data.path
+    try:
+        size = len(read_text_bytes(url, data.storage_options))
+    except IsADirectoryError:
+        return [Problem("data.path", f"{url} is a directory; source 'text' reads one UTF-8 text file (a dataset "
+                                     "prepared by `undying data prepare` is source 'tokens')")]
+    except FileNotFoundError:
+        return [Problem("data.path", f"{url} does not exist; fix the path (a plain path is taken from the "
+                                     "directory `undying` runs in)")]
+    except UnicodeError as err:
+        return [Problem("data.path", f"{url} is not UTF-8 text ({err}); give a text file")]
+    except (OSError, ValueError) as err:  # ValueError: read_text_bytes' "not UTF-8 text"
+        return [Problem("data.path", f"{url} cannot be read as text ({type(err).__name__}: {err}); check the "
+                                     "path and data.storage_options")]
+    if size < data.seq_len + 1:  # (its byte vocabulary against model.vocab_size: the spec's own check)
+        return [Problem("data.path", f"{url} has {size} bytes, fewer than one window of data.seq_len + 1 = "
+                                     f"{data.seq_len + 1}; use a longer file or a shorter seq_len")]
+    return []
+
+
 def data_problems(spec: JobSpec) -> list[Problem]:
-    problems: list[Problem] = []
+    problems: list[Problem] = _text_problems(spec) if spec.data.source == "text" else []
     data, model = spec.data, spec.model
     tokenizers: list[tuple[str, str]] = []  # (field, tokenizer sha256) of every dataset read
     if data.source == "tokens":

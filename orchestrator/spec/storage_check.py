@@ -91,6 +91,10 @@ def check_storage(url: str, storage_options: dict[str, Any], timeout_s: float = 
 
     Blocks for at most `timeout_s`: the probe runs in a daemon thread, so a request that
     hangs below the configured timeouts (a DNS lookup, say) is abandoned, not waited for."""
+    if url.startswith("memory://"):
+        return [Problem(FIELD, f"{url}: memory:// lives inside one process, and the ranks and the controller are "
+                        "separate processes that would never see each other's files; use a shared filesystem "
+                        "(file:///...) or an object store (s3://...)")]
     found: list[list[Problem]] = []
     worker = threading.Thread(target=lambda: found.append(_probe(url, storage_options)),
                               name="undying-storage-probe", daemon=True)

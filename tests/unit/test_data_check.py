@@ -41,6 +41,24 @@ def test_missing_small_or_too_wide_datasets_name_their_field(tmp_path):
     assert "run `undying data prepare` first" in fields["eval.path"]
 
 
+@pytest.mark.parametrize(("make", "field", "words"), [
+    (lambda d: d / "missing.txt", "data.path", "does not exist"),
+    (lambda d: d, "data.path", "is a directory; source 'text' reads one UTF-8 text file"),
+    (lambda d: (d / "short.txt").write_text("twelve bytes") and d / "short.txt", "data.path",
+     "has 12 bytes, fewer than one window of data.seq_len + 1 = 17"),
+    (lambda d: (d / "bin.txt").write_bytes(b"\xff\xfe" * 40) and d / "bin.txt", "data.path", "not UTF-8 text"),
+])
+def test_a_text_source_that_cannot_train_is_refused_before_any_rank_starts(tmp_path, make, field, words):
+    data = {"source": "text", "seq_len": 16, "path": str(make(tmp_path))}
+    [problem] = data_problems(spec(tmp_path, data=data))
+    assert problem.field == field and words in problem.message, problem
+
+
+def test_a_readable_text_source_passes(tmp_path):
+    (tmp_path / "ok.txt").write_text("a long enough line of text for one window\n" * 3)
+    assert data_problems(spec(tmp_path, data={"source": "text", "seq_len": 16, "path": str(tmp_path / "ok.txt")})) == []
+
+
 def test_pipeline_validation_windows_must_fit_the_stages(tmp_path):
     with pytest.raises(SpecError) as err:
         spec(tmp_path, data={"seq_len": 16}, parallel={"pp": 2},

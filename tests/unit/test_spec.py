@@ -278,6 +278,24 @@ def test_checkpoint_url_normalisation(tmp_path, monkeypatch):
         CheckpointConfig(url="  ")
 
 
+@pytest.mark.parametrize(("url", "words"), [
+    ("file:/data/ckpt", "did you mean 'file:///data/ckpt'?"),
+    ("s3:/bucket/ck", "did you mean 's3://bucket/ck'?"),
+    ("file://data/ckpt", "file:// takes an absolute path"),
+])
+def test_a_url_mistyped_into_a_relative_path_is_refused(url, words, tmp_path, monkeypatch):
+    # Taken as written, each would put the checkpoints in a folder under the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValidationError, match=re.escape(words)):
+        CheckpointConfig(url=url)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_urls_are_refused_for_a_job_s_checkpoints():
+    [problem] = check_storage("memory://ckpt", {})
+    assert problem.field == "checkpoint.url" and "lives inside one process" in problem.message
+
+
 def test_checkpoint_async_alias_and_options():
     by_alias = CheckpointConfig.model_validate({"url": "s3://b/p", "async": False, "interval": 600,
                                                 "storage_options": {"endpoint_url": "http://minio:9000"}})

@@ -1,0 +1,38 @@
+"""URLs of checkpoints and datasets, as every process of a job must read them.
+
+A plain path becomes an absolute `file://` URL at spec load, in the driver: ranks and the
+controller run elsewhere, in other working directories, so a relative path would name another
+folder on each (or none). A URL mistyped into a relative path is refused for the same reason.
+Called by the spec's validators (ckpt.config, trainer.config) and the CLI's URL arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")
+
+
+def absolute_url(url: str) -> str:
+    """An fsspec URL with an absolute path and no trailing slash; ValueError when empty, or when it
+    is a URL mistyped into a relative path (`file:/data`, `s3:/bucket`, `file://data`): taken as
+    written, it would name a folder under the working directory."""
+    url = url.strip()
+    if not url:
+        raise ValueError("is empty; give an fsspec URL such as file:///data/ckpt or s3://bucket/prefix")
+    if one_slash := _ONE_SLASH.match(url):
+        scheme, rest = one_slash.group(1), url[one_slash.end():]
+        meant = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
+        raise ValueError(f"{url!r} has one slash after '{scheme}:'; did you mean {meant!r}?")
+    if url.startswith("file://") and not url.startswith("file:///"):
+        raise ValueError(f"{url!r}: file:// takes an absolute path (file:///data/ckpt, three slashes); for a "
+                         "folder under the working directory give the plain path")
+    if "://" not in url:
+        # A plain path: make it absolute now, so every rank and the controller agree on it
+        # whatever their working directory.
+        url = "file://" + os.path.abspath(os.path.expanduser(url))
+    protocol, _, path = url.partition("://")
+    # A trailing slash would give "a//job" when the job name is appended; a bare root
+    # ("file:///") keeps its slash because there is nothing else left of the path.
+    return f"{protocol}://{path.rstrip('/') or '/'}"
