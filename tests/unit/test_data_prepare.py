@@ -163,9 +163,13 @@ def test_a_bad_record_in_a_task_fails_with_one_line_and_no_manifest(capsys, exec
     bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     code, _, err = prepare(capsys, str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
     assert code == 2 and "Traceback" not in err
-    # After the progress lines, the error: one line.
-    assert err.splitlines()[-1].startswith(f"undying data prepare: INPUT {bad}: the line at byte 17 is not valid UTF-8")
-    assert not (tmp_path / "out" / "manifest.json").exists()
+    # After the progress lines, the error: one line, and what to do.
+    assert err.splitlines()[-2].startswith(f"undying data prepare: INPUT {bad}: the line at byte 17 is not valid UTF-8")
+    assert "nothing was kept" in err.splitlines()[-1] and "run the same command again" in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "cafe"}\n')  # fixed: the same command now prepares it
+    code, out, _ = prepare(capsys, str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
+    assert code == 0 and "prepared" in out and (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus, tmp_path):

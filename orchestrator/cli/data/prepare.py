@@ -7,7 +7,9 @@ Protocol, in this order, on the driver:
      dataset of the same inputs and tokenizer) prints "already prepared" and exits 0;
      another dataset, or another plan's unfinished run, exits 2; FRESH creates
      `OUT/plan.json` exclusively, RESUME reuses it;
-  3. run every unit (`execute.py`: Ray Data tasks, each writing its own shard and `.done`);
+  3. run every unit (`execute.py`: Ray Data tasks, each writing its own shard and `.done`); a
+     fresh run stopped by a record the user must fix removes what it wrote, so that the same
+     command runs again once the input is fixed;
   4. once every unit has succeeded, create `OUT/manifest.json` exclusively (`ckpt/storage.py`:
      POSIX link(), S3 If-None-Match). Its bytes depend only on the plan, so two runs racing
      to commit the same dataset both succeed, and a run of another plan cannot replace it.
@@ -65,8 +67,19 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
     job = Job(storage.url, request.storage_options, plan, plan.sha256(), tokenizer.json_text)
     results = _run(job, executor)
     if isinstance(results, int):
+        if results == EXIT_USAGE and decision is Decision.FRESH:
+            _withdraw(storage)
         return results
     return _commit(storage, plan, results, printer)
+
+
+def _withdraw(storage: Storage) -> None:
+    """A fresh run stopped at a record the user must fix: its plan names this version of the input,
+    so the fixed input's rerun would find `--out` holding another preparation and be refused. The
+    location was empty before this run (FRESH), so all it holds is this run's: removed."""
+    storage.remove_tree(storage.root)
+    print(f"undying data prepare: nothing was kept at {storage.url}: fix the input and run the same command again",
+          file=sys.stderr)
 
 
 def open_output(out: str, storage_options: dict) -> Storage:
