@@ -63,11 +63,29 @@ def _load_model(catalog, step: int, device: str):
     return model, cfg, manifest
 
 
+def _check_device(device: str) -> None:
+    """`--device` names a device this machine has: checked before anything is read."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as err:
+        raise UsageError(f"--device {device!r}: not a torch device ({err}); use cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device!r}: this machine has no CUDA device torch can use; use --device cpu")
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: evaluation runs on cpu or cuda")
+
+
 def _evaluate(args: argparse.Namespace) -> dict:
     from trainer.evaluation import eval_windows, loss_of_model
     from trainer.tokens.format import NoManifest, TokenFormatError
     from trainer.tokens.reader import TokenDataset
 
+    _check_device(args.device)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: must be a positive number of tokens (or left out: the "
+                         "checkpoint's data.seq_len)")
     options = parse_storage_options(args.storage_options, args.storage_options_file)
     catalog = open_catalog(args.url, options)
     step = step_or_fail(catalog, args.step, committed_or_fail(catalog))

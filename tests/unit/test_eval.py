@@ -70,6 +70,14 @@ def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
     wide = write_token_dataset(tmp_path / "wide", np.arange(3000) % 500, vocab_size=500)
     assert main(["eval", url, "--data", str(wide), "--seq-len", str(T)]) == 2
     assert "beyond the model's vocabulary of 96" in capsys.readouterr().err
+    for argv, words in ((["--device", "bogus"], "--device 'bogus': not a torch device"),
+                        (["--device", "cuda"], "no CUDA device"), (["--seq-len", "-5"], "--seq-len -5: must be"),
+                        (["--seq-len", "0"], "--seq-len 0: must be")):
+        if argv[-1] == "cuda" and torch.cuda.is_available():
+            continue
+        assert main(["eval", url, "--data", str(dataset), "--json", *argv]) == 2
+        out = json.loads(capsys.readouterr().out)
+        assert words in out["error"], out
 
 
 def test_the_engines_evaluation_equals_the_one_process_loss(tmp_path, dataset):
