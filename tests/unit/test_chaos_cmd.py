@@ -91,6 +91,9 @@ def test_fresh_never_deletes_checkpoints_no_experiment_made(tmp_path, capsys):
     catalog = catalog_of(spec)
     save_checkpoint(catalog, 2, {"model/w": torch.ones(3, 2)}, world=1)
     runner = FakeRunner()
+    assert chaos_main(_args(tmp_path, "--no-reference"), runner=runner) == EXIT_USAGE
+    err = capsys.readouterr().err  # --fresh would not delete them: it is not offered
+    assert "already holds checkpoints" in err and "--fresh" not in err and "--set name=" in err
     assert chaos_main(_args(tmp_path, "--fresh", "--no-reference"), runner=runner) == EXIT_USAGE
     assert runner.names == [] and catalog.committed_steps() == [2]
     err = capsys.readouterr().err
@@ -119,6 +122,10 @@ def test_usage_mistakes_exit_2_before_anything_runs(tmp_path, capsys):
     bad = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s,soon"])
     assert chaos_main(bad, runner=runner) == EXIT_USAGE
     assert "'soon'" in capsys.readouterr().err and runner.names == []
+    for argv in (["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s", "--step-s", "0"],
+                 ["chaos", "examples/demo.yaml", "--step-s", "0"]):
+        assert chaos_main(_parser().parse_args(argv), runner=runner) == EXIT_USAGE
+        assert "--step-s" in capsys.readouterr().err and runner.names == []
 
 
 def test_sweep_runs_each_interval_under_the_same_failures_and_writes_json_and_plot(tmp_path, capsys):

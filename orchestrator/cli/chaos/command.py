@@ -89,9 +89,13 @@ def chaos_main(args, runner: Runner | None = None) -> int:
         print("undying chaos: give one job spec: `undying chaos JOB.yaml` or `undying chaos sweep JOB.yaml`",
               file=sys.stderr)
         return EXIT_USAGE
-    if not sweep and (args.intervals or args.plot or args.out or args.step_s or args.levels):
+    if not sweep and (args.intervals or args.plot or args.out or args.step_s is not None or args.levels):
         print("undying chaos: --intervals, --levels, --plot, --out and --step-s belong to `undying chaos sweep`",
               file=sys.stderr)
+        return EXIT_USAGE
+    if args.step_s is not None and not args.step_s > 0:
+        print(f"undying chaos sweep: --step-s {args.step_s:g}: must be a positive number of seconds (or left out: a "
+              "short run measures it)", file=sys.stderr)
         return EXIT_USAGE
     if sweep and args.timeline:
         print("undying chaos: --timeline belongs to a single experiment; a sweep plots with --plot", file=sys.stderr)
@@ -318,11 +322,13 @@ def prepare_root(spec, fresh: bool) -> None:
     # A kill_controller marker alone (the controller died before its first commit) is state too:
     # it would keep that fault from firing in this run.
     if catalog.all_steps() or storage.exists(storage.path(MARKER_DIR)):
-        if not fresh:
+        ours = storage.exists(storage.path(CHAOS_MARKER))
+        if not fresh:  # --fresh is offered only where it would act: the roots an experiment made
             raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
-                                     f"records) of an earlier run, which this run would resume from; pass --fresh to "
-                                     f"delete them, or choose another name with --set name=...")])
-        if not storage.exists(storage.path(CHAOS_MARKER)):
+                                     "records) of an earlier run, which this run would resume from; "
+                                     + ("pass --fresh to delete them, or " if ours else "")
+                                     + "choose another name with --set name=...")])
+        if not ours:
             raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} holds checkpoints that no `undying "
                                      f"chaos` experiment made (it has no {CHAOS_MARKER}), so --fresh leaves them: "
                                      "choose another name with --set name=..., or delete them yourself if they "
