@@ -20,16 +20,21 @@ import yaml
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.secrets import FIX, command_line_credentials
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        keys = [self.construct_object(key_node, deep=deep) for key_node, _ in node.value]
+        # The keys written here; a merge (`<<: *defaults`) is not one, and the keys it brings may be
+        # overridden by written ones, as YAML means (the base class merges them).
+        written = [key_node for key_node, _ in node.value if key_node.tag != MERGE_TAG]
+        keys = [self.construct_object(key_node, deep=deep) for key_node in written]
         for i, key in enumerate(keys):
             if isinstance(key, Hashable) and key in keys[:i]:  # unhashable: the base class reports it
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice", node.value[i][0].start_mark)
+                    None, None, f"key {key!r} is given twice", written[i].start_mark)
         return super().construct_mapping(node, deep=deep)
 
 

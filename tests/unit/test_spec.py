@@ -358,6 +358,18 @@ def test_unreadable_files(tmp_path, text, fragment):
     assert problem.field == path and fragment in problem.message, problem
 
 
+def test_yaml_merge_keys_fill_a_mapping_and_written_keys_override_them(tmp_path):
+    # Anchors and `<<` merges, as specs with many similar faults write them; a key given twice is
+    # still refused, but one a merge brings may be written over.
+    faults = ("chaos:\n  faults:\n    - &kill {kind: kill_rank, rank: 1, at_step: 3}\n"
+              "    - <<: *kill\n      rank: 0\n      at_step: 5\n")
+    text = TINY_YAML.replace("chaos: {faults: [{kind: kill_rank, rank: 1, at_step: 25}]}\n", faults)
+    spec = load_spec(write(tmp_path, text))
+    assert [(f.kind, f.rank, f.at_step) for f in spec.chaos.faults] == [("kill_rank", 1, 3), ("kill_rank", 0, 5)]
+    with pytest.raises(SpecError, match="key 'rank' is given twice"):
+        load_spec(write(tmp_path, text.replace("      rank: 0\n", "      rank: 0\n      rank: 2\n")))
+
+
 @pytest.mark.parametrize(("name", "fragment"), [("nope.yaml", "No such file"), ("", "Is a directory")])
 def test_missing_file_and_directory(tmp_path, name, fragment):
     with pytest.raises(SpecError, match=f"^{re.escape(str(tmp_path / name))}: .*{fragment}"):
