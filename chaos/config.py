@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from chaos.durations import PositiveSeconds, Seconds
+from trainer.spec_section import SpecSection
 
 FaultKind = Literal[
     "kill_rank",  # SIGKILL the rank's process
@@ -47,9 +48,8 @@ StorageOp = Literal["write", "read", "list", "delete"]
 RandomKind = Literal["kill_node", "kill_rank", "hang_rank"]
 
 
-class _Strict(BaseModel):
-    # Unknown keys are user mistakes (a typo silently ignored is a fault never injected).
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
+    pass
 
 
 class FaultSpec(_Strict):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ckpt.storage_errors import DEFAULT_READ_RETRY_S
+from trainer.spec_section import SpecSection
 from trainer.urls import absolute_url
 
 # fsspec protocols of object stores, whose Python clients hold the GIL for much of an upload.
@@ -74,15 +75,13 @@ def spelled_cadence(data: Any, seconds_field: str) -> Any:
     return {**rest, field: value}
 
 
-class MemoryLevelConfig(BaseModel):
+class MemoryLevelConfig(SpecSection):
     """The memory level (docs/design.md, "Two levels"): snapshots in the ranks' host memory, each
     rank's copied to a buddy on another node. Cadence as for storage: `every_steps`, else
     `interval` ("young", "young-daly" or seconds) with C the measured blocking cost of a memory
     snapshot and the job's MTBF. `max_host_bytes`: a per-rank limit on the host memory the level
     may hold (its staging buffer, two own snapshots, two buddy copies), checked before any rank
     starts against the spec's state size."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(True, description="keep in-memory snapshots (each copied to a buddy rank on another node) "
                           "beside the storage checkpoints; a failure's recovery restores from them when it can "
@@ -108,7 +107,7 @@ class MemoryLevelConfig(BaseModel):
         return _interval(value)
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(SpecSection):
     """Checkpoint destination and cadence.
 
     Cadence, first match wins: `every_steps: k` saves every k optimizer steps; `every_seconds: t`
@@ -123,7 +122,7 @@ class CheckpointConfig(BaseModel):
 
     # `async` is a Python keyword, so the field is `async_` and YAML uses the alias; both
     # spellings are accepted when building the object.
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)  # with SpecSection's: unknown keys refused, frozen
 
     url: str = Field(..., description="fsspec URL (file://, s3://, ...) or a local path")
     interval: Literal["young", "young-daly"] | float = Field(

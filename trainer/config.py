@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from trainer.spec_section import SpecSection
 from trainer.urls import absolute_url
 
 
-class _Strict(BaseModel):
-    # Unknown keys are user mistakes (a typo silently ignored is a wasted GPU-day).
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
     def __hash__(self) -> int:
         # By value, through the canonical JSON: a section may hold lists and mappings (a data
         # mixture, storage options), which pydantic's field-tuple hash cannot hash.
@@ -256,7 +254,7 @@ class TrainConfig(_Strict):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="the cosine decay ends at lr * min_lr_ratio")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to lr")
     weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW)")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's (beta1, beta2)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's (beta1, beta2), each in [0, 1)")
     grad_clip: float | None = Field(1.0, gt=0.0, description="clip the global gradient norm to this (null: no "
                                     "clipping)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
@@ -265,6 +263,14 @@ class TrainConfig(_Strict):
     deterministic: bool = Field(True, description="deterministic kernels: the same seed gives the same losses")
     compile: bool = Field(False, description="torch.compile each transformer block (inductor); the first steps "
                           "pay the compile time")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        # What torch's Adam refuses, refused here, before a rank builds its optimizer.
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"{list(betas)}: each of (beta1, beta2) must be in [0, 1), e.g. [0.9, 0.95]")
+        return betas
 
 
 class ParallelConfig(_Strict):

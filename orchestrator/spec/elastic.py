@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
+
+from trainer.spec_section import SpecSection
 
 
-class _Strict(BaseModel):
-    # Unknown keys are user mistakes (a typo silently ignored is a limit never applied).
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
+    pass
 
 
 class ElasticConfig(_Strict):

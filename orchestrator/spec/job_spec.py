@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
@@ -37,11 +37,11 @@ from orchestrator.spec.ps_check import ps_defaults, ps_problems
 from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.spec_section import SpecSection
 
 
-class _Strict(BaseModel):
-    # Unknown keys are user mistakes (a typo silently ignored is a wasted GPU-day).
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
+    pass
 
 
 class ResourcesConfig(_Strict):

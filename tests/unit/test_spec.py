@@ -470,3 +470,24 @@ def test_require_storage_raises_spec_error(tmp_path, tiny_data):
     with pytest.raises(SpecError) as caught:
         require_storage(bad)
     assert [p.field for p in caught.value.problems] == ["checkpoint.url"]
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.steps=true", "train.steps"), ("parallel.dp=true", "parallel.dp"),
+    ("checkpoint.keep=false", "checkpoint.keep"), ("elastic.min_dp=true", "elastic.min_dp"),
+    ("train.lr=true", "train.lr"),
+    ("chaos.faults=[{kind: kill_rank, rank: true, at_step: 3}]", "chaos.faults[0].rank"),
+])
+def test_a_yes_no_is_not_taken_for_a_number(override, field):
+    # YAML reads `true` as a boolean, which pydantic alone would take as 1 (one step, one rank).
+    with pytest.raises(SpecError) as caught:
+        load_spec(str(EXAMPLES / "tiny.yaml"), [override])
+    [problem] = caught.value.problems
+    assert problem.field == field and "is a yes/no, not a number" in problem.message, problem
+
+
+def test_yes_no_fields_still_take_yes_no_and_adam_betas_must_be_below_one():
+    spec = load_spec(str(EXAMPLES / "tiny.yaml"), ["checkpoint.async=false", "train.deterministic=false"])
+    assert spec.checkpoint.async_ is False and spec.train.deterministic is False
+    with pytest.raises(SpecError, match=r"train\.betas.*must be in \[0, 1\)"):
+        load_spec(str(EXAMPLES / "tiny.yaml"), ["train.betas=[0.9, 1.5]"])

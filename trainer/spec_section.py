@@ -1,0 +1,42 @@
+"""The base of every section of a job spec: strict about what a user writes.
+
+A key the section does not have is refused (a typo silently ignored is a wasted GPU-day, a fault
+never injected, a limit never applied). A section is frozen: the validated spec is shared by the
+controller and every rank and must not drift. And a yes/no is not a number: YAML reads `true` as
+a boolean, which pydantic would take as the integer 1 (`train.steps: true` would train one step,
+`parallel.dp: true` run one rank).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+
+def _kinds(annotation) -> set:
+    """The plain types an annotation admits (through unions, Optional, Annotated and Literal)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return set().union(*(_kinds(arg) for arg in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return {type(value) for value in typing.get_args(annotation)}
+    return {origin or annotation}
+
+
+def takes_a_number_not_a_yes_no(annotation) -> bool:
+    kinds = _kinds(annotation)
+    return bool(kinds & {int, float}) and not kinds & {bool, Any, object}
+
+
+class SpecSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_yes_no_is_not_a_number(cls, value, info: ValidationInfo):
+        if isinstance(value, bool) and takes_a_number_not_a_yes_no(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{str(value).lower()} is a yes/no, not a number; write a number")
+        return value
