@@ -180,6 +180,7 @@ def _validate(args) -> int:
 
 def _run(args) -> int:
     from orchestrator.cli.extras import plot_problems
+    from orchestrator.cli.output_paths import output_problems
     from orchestrator.spec.job_spec import Problem, SpecError
 
     try:
@@ -187,7 +188,8 @@ def _run(args) -> int:
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
-    if problems := plot_problems({"--timeline": args.timeline}):  # before Ray, not after the run
+    outputs = {"--report": args.report, "--timeline": args.timeline}
+    if problems := plot_problems({"--timeline": args.timeline}) + output_problems(outputs):  # before Ray
         print_problems(problems)
         return EXIT_USAGE
     for note in cadence_notes(spec):

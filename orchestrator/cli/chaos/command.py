@@ -111,8 +111,10 @@ def chaos_main(args, runner: Runner | None = None) -> int:
             intervals = parse_intervals(args.intervals or "")
             levels = parse_levels(args.levels, spec)
         from orchestrator.cli.extras import plot_problems
+        from orchestrator.cli.output_paths import output_problems
 
-        if problems := plot_problems({"--plot": args.plot} if sweep else {"--timeline": args.timeline}):
+        pngs = {"--plot": args.plot} if sweep else {"--timeline": args.timeline}
+        if problems := plot_problems(pngs) + output_problems({**pngs, "--out": args.out, "--report": args.report}):
             raise SpecError(problems)
     except SpecError as err:
         print_problems(err.problems)
