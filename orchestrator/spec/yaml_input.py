@@ -84,6 +84,9 @@ def split_override(text: str) -> tuple[list[str], str]:
             i = bare.end()
         if stripped[i:].lstrip().startswith("="):
             return parts, stripped[i:].lstrip()[1:]
+        if stripped[i:i + 1] == "[":
+            raise SpecError([Problem("--set", f"{text!r}: a list item is a key part of its own: write "
+                                     f"{stripped[:i]}.0 for item 0, not {stripped[:i]}[0]")])
         if stripped[i:i + 1] != ".":
             raise SpecError([Problem("--set", f"{text!r} is not key.path=value; {_KEY_SYNTAX}")])
         i += 1
@@ -118,6 +121,9 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
         elif isinstance(node, dict):
             index = part
             if not last and node.get(part) is None:
+                if path[depth + 1].isdigit():  # an item of a list the spec does not have
+                    raise ValueError(f"{here} is not in the spec, so it has no item {path[depth + 1]}: set the "
+                                     f"whole list, e.g. --set '{here}=[{{...}}]'")
                 node[part] = {}  # a section missing from the YAML, or written as an empty key
         else:
             raise ValueError(f"{'.'.join(path[:depth])} is {show(node)}, not a section; "

@@ -341,6 +341,15 @@ def test_malformed_overrides_name_themselves(tiny_data):
                                            "model.preset.x", "--set"]
 
 
+def test_list_items_are_addressed_by_index_and_a_missing_list_says_to_set_it_whole(tiny_data):
+    with pytest.raises(SpecError, match=r"write chaos\.faults\.0 for item 0, not chaos\.faults\[0\]"):
+        apply_overrides(tiny_data, ["chaos.faults[0].rank=1"])
+    data = {**tiny_data, "chaos": {}}
+    with pytest.raises(SpecError, match=r"chaos\.faults is not in the spec, so it has no item 0: set the whole list"):
+        apply_overrides(data, ["chaos.faults.0.rank=1"])
+    assert apply_overrides(tiny_data, ["chaos.faults.0.rank=0"])["chaos"]["faults"][0]["rank"] == 0
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
