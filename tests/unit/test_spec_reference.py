@@ -108,6 +108,8 @@ def test_a_bare_number_interval_is_seconds_and_the_note_says_how_to_write_steps(
     assert (spec.checkpoint.rule, spec.checkpoint.fixed_seconds) == ("seconds", 500.0)
     (note,) = cadence_notes(spec)
     assert "counts seconds" in note and "interval: 500 steps" in note and "every_steps: 500" in note
+    (note,) = cadence_notes(_spec(interval=0.5))  # half a second: no step count was meant, none suggested
+    assert "counts seconds" in note and "every_steps" not in note
 
 
 @pytest.mark.parametrize("checkpoint, fragment", [
