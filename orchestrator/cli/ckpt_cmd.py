@@ -72,12 +72,12 @@ def add_ckpt_parser(sub) -> None:
     parsers["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest committed)")
     parsers["export"].add_argument("--out", required=True, help="safetensors file (--format safetensors) or "
                                    "directory (--format hf) to write, a local path")
-    parsers["export"].add_argument("--prefix", default="model/", help="tensors to export (default: model/)")
+    parsers["export"].add_argument("--prefix", help="--format safetensors: tensors to export (default: model/)")
     parsers["export"].add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                                    help="safetensors: one file, undying's names; hf: a directory transformers loads")
     parsers["export"].add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="--format hf: cast the weights "
                                    "(default: the dtype the checkpoint holds)")
-    parsers["export"].add_argument("--max-shard-size", default="5GB", help="--format hf: split the weights into "
+    parsers["export"].add_argument("--max-shard-size", help="--format hf: split the weights into "
                                    "files of at most this size, with an index (default 5GB)")
     parsers["export"].add_argument("--tokenizer", help="--format hf: tokenizer.json (or its directory) to ship "
                                    "(default: the one the job trained with, when the checkpoint records it)")
@@ -148,7 +148,20 @@ def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) 
     return EXIT_OK
 
 
+# Options of one format only: given with the other, they would be ignored without a word.
+_FORMAT_ONLY = {"hf": {"dtype": "--dtype", "max_shard_size": "--max-shard-size", "tokenizer": "--tokenizer"},
+                "safetensors": {"prefix": "--prefix"}}
+
+
 def _export(catalog: Catalog, args: argparse.Namespace) -> int:
+    for fmt, options in _FORMAT_ONLY.items():
+        given = [flag for attr, flag in options.items() if getattr(args, attr) is not None]
+        if given and args.format != fmt:
+            raise UsageError(f"{', '.join(given)}: for --format {fmt} only (this export is --format {args.format}); "
+                             f"drop it, or pass --format {fmt}")
+    if "://" in args.out:
+        raise UsageError(f"--out {args.out}: an export is written to a local path; write it here, then copy it")
+    args.prefix, args.max_shard_size = args.prefix or "model/", args.max_shard_size or "5GB"
     out = os.path.abspath(os.path.expanduser(args.out))
     if args.format != "hf" and os.path.isdir(out):
         raise UsageError(f"--out {args.out} is a directory; give a file name, e.g. {args.out}/model.safetensors")

@@ -228,6 +228,16 @@ def test_export_bad_arguments(capsys, job, tmp_path):
     code, _, err = run(capsys, "export", url, "--step", "25", "--out", str(tmp_path / "m.safetensors"))
     assert code == 2
     _one_line_error(err, "--step 25")
+    # An option of the other format would be ignored: refused, by name.
+    code, _, err = run(capsys, "export", url, "--out", str(tmp_path / "m.safetensors"), "--dtype", "bf16")
+    assert code == 2
+    _one_line_error(err, "--dtype: for --format hf only", "this export is --format safetensors")
+    code, _, err = run(capsys, "export", url, "--format", "hf", "--out", str(tmp_path / "hf"), "--prefix", "optim/")
+    assert code == 2
+    _one_line_error(err, "--prefix: for --format safetensors only")
+    code, _, err = run(capsys, "export", url, "--out", "s3://bucket/m.safetensors")
+    assert code == 2
+    _one_line_error(err, "written to a local path")
 
 
 def test_export_never_replaces_a_file_nor_writes_inside_the_checkpoint_folder(capsys, job, tmp_path):
