@@ -25,9 +25,10 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def plan_main(spec: JobSpec, gpus: int, gpu: str, as_json: bool) -> int:
     """Plan `spec` on `gpus` devices of kind `gpu` (h100, h200, a100, cpu); print a table or JSON."""
-    if gpus < 1 or gpu.lower() not in DEVICE_NAMES:
-        print(f"undying plan: --gpus must be at least 1 (got {gpus}) and --gpu one of "
-              f"{', '.join(DEVICE_NAMES)} (got {gpu!r})", file=sys.stderr)
+    wrong = ([f"--gpus {gpus}: must be at least 1"] if gpus < 1 else []) + (
+        [f"--gpu {gpu!r}: one of {', '.join(DEVICE_NAMES)}"] if gpu.lower() not in DEVICE_NAMES else [])
+    if wrong:
+        print(f"undying plan: {'; '.join(wrong)}", file=sys.stderr)
         return EXIT_USAGE
     result = plan(spec, hardware(gpu, precisions=(spec.train.precision,)), gpus)
     if as_json:

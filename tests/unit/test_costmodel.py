@@ -381,5 +381,7 @@ def test_plan_command_prints_a_table_and_json(capsys):
     assert data["valid"][0]["prediction"]["step_s"] <= data["valid"][-1]["prediction"]["step_s"]
     assert sum(group["count"] for group in data["rejected"]) + len(data["valid"]) > 100
     assert plan_main(spec, 0, "h100", as_json=False) == 2
+    assert capsys.readouterr().err.strip() == "undying plan: --gpus 0: must be at least 1"  # --gpu is fine
     assert plan_main(spec, 8, "tpu", as_json=False) == 2
+    assert "--gpu 'tpu': one of" in capsys.readouterr().err
     assert not math.isnan(data["valid"][0]["prediction"]["mfu"])
