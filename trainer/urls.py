@@ -33,6 +33,8 @@ def absolute_url(url: str) -> str:
         # whatever their working directory.
         url = "file://" + os.path.abspath(os.path.expanduser(url))
     protocol, _, path = url.partition("://")
+    if protocol != "file" and not path.strip("/"):
+        raise ValueError(f"{url!r} names no location; write the bucket and a prefix, e.g. {protocol}://bucket/ckpt")
     # A trailing slash would give "a//job" when the job name is appended; a bare root
     # ("file:///") keeps its slash because there is nothing else left of the path.
     return f"{protocol}://{path.rstrip('/') or '/'}"

@@ -47,16 +47,21 @@ def open_catalog(url: str, options: dict) -> Catalog:
     except (ValueError, ImportError) as err:
         raise UsageError(f"URL {url}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
                          "s3:// (with s3fs installed) or a local path") from None
-    except Exception as err:  # a filesystem that rejects its options
-        raise UsageError(f"--storage-option: cannot open {url} with these options ({error_reason(err)}); "
-                         "fix or remove the offending option") from None
+    except Exception as err:  # a filesystem that rejects its options, or cannot start at all
+        raise UsageError(_cannot_open(url, options, err)) from None
     try:
         open_now(storage)  # an option the store's client refuses fails here, named, not in the first call
     except Exception as err:
         words = explain(err, "--storage-option", type(storage.fs))
-        raise UsageError(words or f"--storage-option: cannot open {url} with these options "
-                         f"({error_reason(err)}); fix or remove the offending option") from None
+        raise UsageError(words or _cannot_open(url, options, err)) from None
     return Catalog(storage)
+
+
+def _cannot_open(url: str, options: dict, err: Exception) -> str:
+    if options:
+        return (f"--storage-option: cannot open {url} with these options ({error_reason(err)}); fix or remove "
+                "the offending option")
+    return f"URL {url}: its filesystem did not start ({error_reason(err)}); check its client libraries and setup"
 
 
 # -- what is there -----------------------------------------------------------------------

@@ -65,7 +65,10 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
     except (ValueError, ImportError) as error:
         return [Problem(FIELD, f"{url}: unknown or unavailable protocol ({_reason(error)}); use file://, "
                         "s3:// (with s3fs installed), another installed fsspec protocol, or a local path")]
-    except Exception as error:  # a filesystem that rejects its options is a configuration mistake
+    except Exception as error:  # a filesystem that rejects its options, or cannot start at all
+        if not storage_options:
+            return [Problem(FIELD, f"{url}: its filesystem did not start ({_reason(error)}); check its client "
+                            "libraries and setup")]
         return [Problem("checkpoint.storage_options", f"cannot open {url} with these options "
                         f"({_reason(error)}); fix or remove the offending option")]
     if hasattr(fs, "retries"):
