@@ -204,6 +204,9 @@ def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith(f"undying data prepare: {argument}") and message in err, err
     assert not (tmp_path / "out").exists() and not executor["executor"].results
+    for where, message in (("", "is empty"), ("file:/tmp/x", "did you mean 'file:///tmp/x'?")):
+        code, _, err = prepare(capsys, parquet, *tok, "--out", where)
+        assert code == 2 and err.startswith(f"undying data prepare: --out {where!r}: ") and message in err, err
 
 
 def test_large_vocabularies_store_uint32_ids(capsys, executor, tmp_path):

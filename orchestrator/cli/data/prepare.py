@@ -83,7 +83,7 @@ def _withdraw(storage: Storage) -> None:
 
 
 def open_output(out: str, storage_options: dict) -> Storage:
-    url = to_url(out)
+    url = to_url(out, "--out")
     try:
         return Storage(url, options_for(url, storage_options))
     except (ValueError, ImportError) as err:

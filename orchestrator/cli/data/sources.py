@@ -27,6 +27,7 @@ import fsspec
 from pydantic import BaseModel, ConfigDict
 
 from orchestrator.cli.exits import UsageError
+from trainer.urls import absolute_url
 
 Kind = Literal["txt", "jsonl", "parquet", "arrow"]
 EXTENSIONS: dict[str, Kind] = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -58,11 +59,13 @@ class Source(BaseModel):
     files: tuple[SourceFile, ...]
 
 
-def to_url(arg: str) -> str:
-    """An fsspec URL for a command-line location: URLs stay, paths become absolute file:// URLs."""
-    if "://" in arg:
-        return arg.rstrip("/")
-    return "file://" + os.path.abspath(os.path.expanduser(arg))
+def to_url(arg: str, flag: str) -> str:
+    """An fsspec URL for a command-line location (`flag` names it in an error): URLs stay, paths
+    become absolute file:// URLs; an empty one, or a URL mistyped into a path, is a UsageError."""
+    try:
+        return absolute_url(arg)
+    except ValueError as err:
+        raise UsageError(f"{flag} {arg!r}: {err}") from None
 
 
 def options_for(url: str, storage_options: dict) -> dict:
@@ -93,7 +96,7 @@ def resolve_sources(args: list[str], text_field: str, storage_options: dict) -> 
 
 
 def _resolve(arg: str, text_field: str, storage_options: dict) -> Source:
-    url = to_url(arg)
+    url = to_url(arg, "INPUT")
     try:
         fs, path = open_fs(url, storage_options)
         info = fs.info(path)

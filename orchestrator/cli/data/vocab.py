@@ -71,7 +71,7 @@ def build_tokenizer(json_text: str, sha256: str):
 
 def load_tokenizer(arg: str, eos_token: str | None, storage_options: dict) -> TokenizerSpec:
     """Read, check and identify the tokenizer at `arg`; UsageError naming the flag and the fix."""
-    url = to_url(arg)
+    url = to_url(arg, "--tokenizer")
     try:
         fs, path = open_fs(url, storage_options)
     except (ValueError, ImportError) as err:
