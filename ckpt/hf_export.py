@@ -40,8 +40,8 @@ def model_config_of(manifest: Manifest) -> ModelConfig:
     """The model architecture a checkpoint was trained with; ValueError when it does not say."""
     raw = manifest.state.get("model")
     if raw is None:
-        raise ValueError("this checkpoint does not record its model config (written by an older release); export it "
-                         "with --format safetensors")
+        raise ValueError("this checkpoint does not record its model config (written by an older release), which "
+                         "this needs; its weights can still be exported with --format safetensors")
     return ModelConfig.model_validate(raw)
 
 
