@@ -103,3 +103,22 @@ def resolve_spares(spec, free: dict[str, float], nodes: list[dict[str, float]]) 
                    f"{groups} bundle(s); recovery starts new actors instead")
     return tp, (f"elastic.spares auto: {unit} kept warm ({cost} and one more actor's memory), so a lost rank "
                 "is taken over in well under a second; elastic.spares: 0 for none")
+
+
+def device_memory_note(spec, cluster: dict[str, float]) -> str | None:
+    """A warning when the cost model finds the spec's layout too big for the cluster's GPUs (Ray's
+    `accelerator_type:<NAME>` resources, for the GPUs the cost model's table knows; the smallest
+    when there are several), naming the planner that proposes layouts which fit; None otherwise.
+    A warning, not a refusal: the model's peak is checked on CPUs, not yet on a GPU."""
+    from trainer.costmodel.hardware import GPUS
+    from trainer.costmodel.planner import out_of_memory
+
+    if not spec.resources.gpus_per_rank:
+        return None
+    kinds = {key.split(":", 1)[1].lower().split("-")[0] for key in cluster if key.startswith("accelerator_type:")}
+    known = sorted((k for k in kinds if k in GPUS), key=lambda k: GPUS[k].hbm_bytes)
+    why = out_of_memory(spec, GPUS[known[0]]) if known else None
+    if why is None:
+        return None
+    return (f"the cost model finds this layout too big for one {GPUS[known[0]].name}: {why}; `undying plan "
+            f"JOB.yaml --gpus {spec.world_size} --gpu {known[0]}` lists layouts that fit")

@@ -385,3 +385,21 @@ def test_plan_command_prints_a_table_and_json(capsys):
     assert plan_main(spec, 8, "tpu", as_json=False) == 2
     assert "--gpu 'tpu': one of" in capsys.readouterr().err
     assert not math.isnan(data["valid"][0]["prediction"]["mfu"])
+
+
+def test_the_driver_warns_when_the_cost_model_finds_the_layout_too_big_for_the_cluster_s_gpus():
+    from orchestrator.cluster.capacity import device_memory_note
+    from trainer.costmodel.hardware import GPUS
+    from trainer.costmodel.planner import out_of_memory
+
+    big = load_spec(DEMO, ["model.preset=llama3.1-8b", "resources.gpus_per_rank=1", "parallel.dp=1",
+                           "train.global_batch=8", "train.micro_batch=8", "data.seq_len=4096",
+                           "checkpoint.memory.enabled=false", "chaos.faults=[]"])
+    note = device_memory_note(big, {"GPU": 8.0, "accelerator_type:H200": 1.0, "accelerator_type:H100": 1.0})
+    assert note.startswith("the cost model finds this layout too big for one H100 SXM 80GB: needs ")  # the smaller
+    assert "`undying plan JOB.yaml --gpus 1 --gpu h100`" in note
+    assert out_of_memory(big, GPUS["h100"]) in note
+    small = load_spec(DEMO, ["resources.gpus_per_rank=1"])
+    assert device_memory_note(small, {"GPU": 8.0, "accelerator_type:H100": 1.0}) is None
+    assert device_memory_note(big, {"GPU": 8.0}) is None  # a GPU the table does not know: no guess
+    assert device_memory_note(load_spec(DEMO), {"accelerator_type:H100": 1.0}) is None  # CPU ranks

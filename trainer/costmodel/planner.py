@@ -171,3 +171,12 @@ def plan(spec_like: Any, hw: Hardware, n_gpus: int,
     result.valid.sort(key=lambda c: (c.prediction.step_s, c.prediction.comm_s, c.prediction.memory.total,
                                      c.layout.label()))
     return result
+
+
+def out_of_memory(spec: Any, hw: Hardware) -> str | None:
+    """Why the spec's own layout does not fit one device of `hw` by the cost model (the planner's
+    words, with the ledgers), or None when it fits. The driver asks before it places any rank."""
+    work, lay = Workload.from_spec(spec), Layout.from_spec(spec)
+    memory, capacity = ledgers(work, lay, hw.kind), capacity_bytes(hw, lay)
+    return None if memory.total <= capacity else _oom_reason(lay, memory, capacity)[1]
+
