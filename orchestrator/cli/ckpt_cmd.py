@@ -82,7 +82,8 @@ def add_ckpt_parser(sub) -> None:
     parsers["export"].add_argument("--tokenizer", help="--format hf: tokenizer.json (or its directory) to ship "
                                    "(default: the one the job trained with, when the checkpoint records it)")
     parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
-    parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted (reading the "
+                               "checkpoints it verifies, as a real run does); delete nothing")
     parsers["gc"].add_argument("--no-verify", action="store_true",
                                help="keep the newest --keep by age alone, without reading them (by default a "
                                "committed checkpoint is deleted only below the newest one that verifies)")

@@ -1,10 +1,12 @@
 """`undying ckpt gc URL`: delete old committed checkpoints and unfinished saves, never the newest
 checkpoint that is intact.
 
-Protocol (one process): hold the folder's owner lease (ckpt.ownership; not for --dry-run or
---force), plan (`Catalog.gc_plan`: the newest --keep committed checkpoints kept, unfinished saves
-older than the newest commit deleted), then find the anchor: committed checkpoints are verified
-newest first, every chunk's checksum as `ckpt verify` reads it, until one verifies. A committed
+Protocol (one process): find the anchor first, without the lease (a large checkpoint reads for
+minutes, and a job starting meanwhile must not find its folder held): committed checkpoints are
+verified newest first, every chunk's checksum as `ckpt verify` reads it, until one verifies. Then
+hold the folder's owner lease (ckpt.ownership; not for --dry-run or --force) and plan
+(`Catalog.gc_plan`: the newest --keep committed checkpoints kept, unfinished saves older than the
+newest commit deleted), deleting committed ones only below the anchor, still committed. A committed
 checkpoint is deleted only when it is older than the anchor: were the newest --keep all damaged
 (a torn upload, a bad disk, a bucket lifecycle rule), keeping them by age alone would delete the
 only one a job could resume from. Without an anchor no committed checkpoint is deleted. The
@@ -32,33 +34,35 @@ def collect_garbage(catalog: Catalog, args: argparse.Namespace) -> int:
     if args.read_retry_s < 0:
         raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
     committed = committed_or_fail(catalog)
+    # Verified before the lease is taken: reading a large checkpoint takes minutes, and a job that
+    # starts meanwhile must not find the folder held. Committed bytes do not change under it.
+    anchor, unverified = (None, []) if args.no_verify else _newest_intact(catalog, committed, args.read_retry_s)
     lease = None if args.dry_run or args.force else _hold(catalog)
     try:
         plan = catalog.gc_plan(args.keep)  # planned while holding the folder: no job starts meanwhile
-        damaged: list[int] = []
-        if not args.no_verify:
-            plan, damaged = _spare_newest_intact(catalog, plan, committed, args.read_retry_s)
+        if not args.no_verify:  # only below the anchor, which must still be committed
+            still = anchor is not None and anchor in catalog.committed_steps()
+            plan = GcPlan(expired=[s for s in plan.expired if still and s < anchor], orphans=plan.orphans)
         if not args.dry_run:
             Catalog(catalog.storage, owner=lease).apply_gc(plan)
     finally:
         if lease is not None:
             lease.release()
-    _report(plan, committed, damaged, args)
-    return EXIT_FAILED if damaged else EXIT_OK
+    _report(plan, committed, unverified, args)
+    return EXIT_FAILED if unverified else EXIT_OK
 
 
-def _spare_newest_intact(catalog: Catalog, plan: GcPlan, committed: list[int],
-                         read_retry_s: float) -> tuple[GcPlan, list[int]]:
-    """`plan` less the committed checkpoints that are not older than the newest one that verifies,
-    and the steps found damaged or unverifiable on the way there (newest first)."""
-    damaged = []
+def _newest_intact(catalog: Catalog, committed: list[int], read_retry_s: float) -> tuple[int | None, list[int]]:
+    """The newest committed step that verifies whole (None: none does), and the newer ones that did
+    not (damaged, or a store that kept failing), verified newest first."""
+    unverified = []
     for step in sorted(committed, reverse=True):
         result = verify_one(catalog, step, read_retry_s)
         print(verify_line(result), flush=True)
         if result["status"] == "ok":
-            return GcPlan(expired=[s for s in plan.expired if s < step], orphans=plan.orphans), damaged
-        damaged.append(step)
-    return GcPlan(expired=[], orphans=plan.orphans), damaged
+            return step, unverified
+        unverified.append(step)
+    return None, unverified
 
 
 def _report(plan: GcPlan, committed: list[int], damaged: list[int], args: argparse.Namespace) -> None:
@@ -75,8 +79,9 @@ def _report(plan: GcPlan, committed: list[int], damaged: list[int], args: argpar
         anchor = max((s for s in kept if s not in damaged), default=None)
         where = (f"step {anchor}, the newest that verifies, and every newer one are kept" if anchor is not None
                  else "no committed checkpoint verifies, so none was deleted")
-        print(f"undying ckpt gc: step(s) {steps_text(sorted(damaged))} do not verify (see above); {where}; "
-              "look with `undying ckpt verify` before deleting them by hand", file=sys.stderr)
+        print(f"undying ckpt gc: step(s) {steps_text(sorted(damaged))} did not verify (damaged, or the store "
+              f"kept failing: see above); {where}; look with `undying ckpt verify` before deleting them by hand",
+              file=sys.stderr)
 
 
 def _hold(catalog: Catalog):

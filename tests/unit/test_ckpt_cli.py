@@ -321,13 +321,31 @@ def test_gc_never_deletes_the_newest_checkpoint_that_verifies(capsys, job):
     assert run(capsys, "gc", url, "--keep", "1", "--no-verify")[0] == 0 and catalog.committed_steps() == [50]
 
 
+def test_gc_reads_before_it_holds_the_folder(capsys, job, monkeypatch):
+    """Verifying a large checkpoint takes minutes: a job starting meanwhile must not find its folder held."""
+    from ckpt.owner_claims import live_owner
+    from orchestrator.cli import ckpt_gc
+
+    url, catalog = job
+    held_while_reading = []
+
+    def verify(catalog, step, read_retry_s):
+        held_while_reading.append(live_owner(catalog.storage))
+        return real(catalog, step, read_retry_s)
+
+    real = ckpt_gc.verify_one
+    monkeypatch.setattr(ckpt_gc, "verify_one", verify)
+    assert run(capsys, "gc", url, "--keep", "1")[0] == 0 and catalog.committed_steps() == [30]
+    assert held_while_reading == [None]
+
+
 def test_gc_keeps_every_checkpoint_down_to_the_newest_intact_one(capsys, job):
     url, catalog = job
     flip_bit(catalog, 30, shard_of(catalog, 30, "model/w"))
     code, out, err = run(capsys, "gc", url, "--keep", "1", "--dry-run")
     assert code == 1 and "step 30: CORRUPT" in out and "step 20: ok" in out
     assert "would delete committed checkpoints: steps 10" in out and "kept: steps 20, 30" in out
-    assert "step(s) 30 do not verify" in err and "step 20, the newest that verifies" in err
+    assert "step(s) 30 did not verify" in err and "step 20, the newest that verifies" in err
     code, out, _ = run(capsys, "gc", url, "--keep", "1")
     assert code == 1 and catalog.committed_steps() == [20, 30]
 
