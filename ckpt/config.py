@@ -7,6 +7,7 @@ is probed separately by `orchestrator.spec.storage_check.check_storage`, because
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -45,7 +46,7 @@ def _interval(value: Any) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected {INTERVAL_FORMS}; got {value!r}")
-    if value <= 0:
+    if not 0 < value < math.inf:  # nan fails this too
         raise ValueError(f"must be a positive number of seconds, 'young' or 'young-daly', or the unit spelled out "
                          f"('500 steps', '90s'); got {value!r}")
     return float(value)

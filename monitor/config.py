@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from trainer.spec_section import SpecSection
 
 
-class WandbConfig(BaseModel):
+class WandbConfig(SpecSection):
     """`monitor.wandb`: the Weights & Biases run the controller logs to (monitor.wandb_sink)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     project: str = Field(min_length=1, description="W&B project to log the run to")
     entity: str | None = Field(None, min_length=1, description="W&B team or user; unset: your default entity")
@@ -27,14 +27,12 @@ class WandbConfig(BaseModel):
     dir: str | None = Field(None, min_length=1, description="local directory for W&B's files; unset: ./wandb")
 
 
-class MonitorConfig(BaseModel):
+class MonitorConfig(SpecSection):
     """Metrics endpoint and heartbeat period.
 
     `port: 0` asks the operating system for a free port when the controller starts; the
     chosen port is logged, so several jobs can share a machine without colliding.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 picks a free one")
     host: str = Field("127.0.0.1", min_length=1, description="interface to bind; 0.0.0.0 for all")

@@ -4,7 +4,7 @@ A key the section does not have is refused (a typo silently ignored is a wasted 
 never injected, a limit never applied). A section is frozen: the validated spec is shared by the
 controller and every rank and must not drift. And a yes/no is not a number: YAML reads `true` as
 a boolean, which pydantic would take as the integer 1 (`train.steps: true` would train one step,
-`parallel.dp: true` run one rank).
+`parallel.dp: true` run one rank). Nor are YAML's `.inf` and `.nan`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 def _kinds(annotation) -> set:
     """The plain types an annotation admits (through unions, Optional, Annotated and Literal)."""
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType, typing.Annotated):
+    if origin is typing.Annotated:  # the type, not its metadata
+        return _kinds(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
         return set().union(*(_kinds(arg) for arg in typing.get_args(annotation)))
     if origin is typing.Literal:
         return {type(value) for value in typing.get_args(annotation)}
@@ -32,7 +34,8 @@ def takes_a_number_not_a_yes_no(annotation) -> bool:
 
 
 class SpecSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: YAML's .inf and .nan are floats too, and no field means "forever" by infinity.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

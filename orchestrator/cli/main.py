@@ -27,6 +27,7 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -146,7 +147,7 @@ def cadence_notes(spec) -> list[str]:
     interval = spec.checkpoint.interval
     if spec.checkpoint.rule != "seconds" or isinstance(interval, str) or spec.checkpoint.every_seconds:
         return []
-    if interval != int(interval):  # a fraction of a second: no step count was meant
+    if not math.isfinite(interval) or interval != int(interval):  # no step count was meant
         return [f"checkpoint.interval: {interval:g} counts seconds (a save about every {interval:g} s)"]
     return [f"checkpoint.interval: {interval:g} counts seconds (a save about every {interval:g} s); to save every "
             f"{interval:g} steps, as TorchTitan's checkpoint.interval does, write `interval: {interval:g} steps` "

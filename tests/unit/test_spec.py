@@ -485,7 +485,7 @@ def test_require_storage_raises_spec_error(tmp_path, tiny_data):
 @pytest.mark.parametrize("override, field", [
     ("train.steps=true", "train.steps"), ("parallel.dp=true", "parallel.dp"),
     ("checkpoint.keep=false", "checkpoint.keep"), ("elastic.min_dp=true", "elastic.min_dp"),
-    ("train.lr=true", "train.lr"),
+    ("train.lr=true", "train.lr"), ("monitor.port=true", "monitor.port"),
     ("chaos.faults=[{kind: kill_rank, rank: true, at_step: 3}]", "chaos.faults[0].rank"),
 ])
 def test_a_yes_no_is_not_taken_for_a_number(override, field):
@@ -501,3 +501,12 @@ def test_yes_no_fields_still_take_yes_no_and_adam_betas_must_be_below_one():
     assert spec.checkpoint.async_ is False and spec.train.deterministic is False
     with pytest.raises(SpecError, match=r"train\.betas.*must be in \[0, 1\)"):
         load_spec(str(EXAMPLES / "tiny.yaml"), ["train.betas=[0.9, 1.5]"])
+
+
+@pytest.mark.parametrize("override", ["checkpoint.interval=.inf", "checkpoint.interval=.nan", "train.lr=.inf",
+                                      "elastic.hang_timeout_s=.nan"])
+def test_yaml_infinities_and_nans_are_not_numbers_a_spec_takes(override):
+    with pytest.raises(SpecError) as caught:
+        load_spec(str(EXAMPLES / "tiny.yaml"), [override])
+    assert caught.value.problems[0].field == override.split("=")[0]
+
