@@ -22,10 +22,10 @@ class RayAddressError(ValueError):
 
 
 def check_address(address: str, source: str, timeout_s: float = 5.0) -> None:
-    """Raise RayAddressError unless `address` is `auto` or a `host:port` that accepts a connection
-    within `timeout_s`; `source` names where it came from (`--address` or `RAY_ADDRESS`)."""
+    """Raise RayAddressError unless `address` is `auto`, `local` or a `host:port` that accepts a
+    connection within `timeout_s`; `source` names where it came from (`--address` or `RAY_ADDRESS`)."""
     said = f"{source} {address!r}"
-    if address == "auto":
+    if address in ("auto", "local"):  # this node's cluster; a new local one (what Ray means by them)
         return
     if address.startswith(("http://", "https://")):
         raise RayAddressError(f"{said}: a dashboard URL, for `ray job submit`; `undying run` joins the cluster "

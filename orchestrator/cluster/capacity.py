@@ -105,6 +105,9 @@ def resolve_spares(spec, free: dict[str, float], nodes: list[dict[str, float]]) 
                 "is taken over in well under a second; elastic.spares: 0 for none")
 
 
+_TABLE_ROWS = {"a100-80g": "a100", "a100": None}  # Ray's bare A100 says nothing of its memory
+
+
 def device_memory_note(spec, cluster: dict[str, float]) -> str | None:
     """A warning when the cost model finds the spec's layout too big for the cluster's GPUs (Ray's
     `accelerator_type:<NAME>` resources, for the GPUs the cost model's table knows; the smallest
@@ -115,8 +118,11 @@ def device_memory_note(spec, cluster: dict[str, float]) -> str | None:
 
     if not spec.resources.gpus_per_rank:
         return None
-    kinds = {key.split(":", 1)[1].lower().split("-")[0] for key in cluster if key.startswith("accelerator_type:")}
-    known = sorted((k for k in kinds if k in GPUS), key=lambda k: GPUS[k].hbm_bytes)
+    kinds = {key.split(":", 1)[1].lower() for key in cluster if key.startswith("accelerator_type:")}
+    # Ray's names (H100, H200, A100-80G, A100-40G...) as the table's rows; a variant the table lacks
+    # (the 40 GB A100) gets no guess rather than another card's memory.
+    known = sorted((_TABLE_ROWS.get(k, k) for k in kinds if _TABLE_ROWS.get(k, k) in GPUS),
+                   key=lambda k: GPUS[k].hbm_bytes)
     why = out_of_memory(spec, GPUS[known[0]]) if known else None
     if why is None:
         return None

@@ -36,7 +36,7 @@ def connect(address: str | None, cpus_needed: float, gpus_needed: float) -> RayC
         check_address(address, source)
         try:
             ray.init(address=address, log_to_driver=True, logging_level="WARNING")
-        except (ConnectionError, ValueError, RuntimeError) as err:
+        except (ConnectionError, ValueError) as err:
             raise unreachable(address, source, err) from err
         return RayConnection(False, ray.util.get_node_ip_address(), {})
     cpus = max(os.cpu_count() or 1, int(cpus_needed + 0.999))

@@ -402,4 +402,6 @@ def test_the_driver_warns_when_the_cost_model_finds_the_layout_too_big_for_the_c
     small = load_spec(DEMO, ["resources.gpus_per_rank=1"])
     assert device_memory_note(small, {"GPU": 8.0, "accelerator_type:H100": 1.0}) is None
     assert device_memory_note(big, {"GPU": 8.0}) is None  # a GPU the table does not know: no guess
+    assert device_memory_note(big, {"accelerator_type:A100-40G": 1.0}) is None  # a variant it lacks either
+    assert "too big for one A100 SXM 80GB" in device_memory_note(big, {"accelerator_type:A100-80G": 1.0})
     assert device_memory_note(load_spec(DEMO), {"accelerator_type:H100": 1.0}) is None  # CPU ranks

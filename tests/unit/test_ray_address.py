@@ -31,6 +31,7 @@ def _closed_port() -> int:
 def test_a_host_port_that_answers_and_auto_pass(listening):
     check_address(listening, "--address")
     check_address("auto", "RAY_ADDRESS")  # Ray itself finds this node's cluster (ray_cluster.connect)
+    check_address("local", "--address")  # a new local cluster, as ray.init means it
 
 
 @pytest.mark.parametrize("address, words", [
