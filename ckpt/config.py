@@ -15,11 +15,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ckpt.storage_errors import DEFAULT_READ_RETRY_S
 from trainer.spec_section import SpecSection
-from trainer.urls import absolute_url
-
-# fsspec protocols of object stores, whose Python clients hold the GIL for much of an upload.
-OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
-
+from trainer.urls import OBJECT_STORES, absolute_url
 
 INTERVAL_FORMS = ("'young', 'young-daly' or a number of seconds, or the unit spelled out: '500 steps', '90s', "
                   "'10m', '1h'")
@@ -206,6 +202,7 @@ class CheckpointConfig(SpecSection):
         """"thread" or "process": `writer`, with auto resolved (a process for object stores, when async)."""
         if self.writer != "auto":
             return self.writer
+        # An object store's Python client holds the GIL for much of an upload: in a process of its own.
         return "process" if self.async_ and self.protocol in OBJECT_STORES else "thread"
 
     @property

@@ -179,10 +179,14 @@ def _divisor_list(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _absolute_path(cls, path: str | None) -> str | None:
+def _absolute_path(cls, path: str) -> str:
     """A data path as every process reads it: ranks open it in their own working directories, so a
     plain path is made absolute at spec load (trainer.urls)."""
-    return None if path is None else absolute_url(path)
+    return absolute_url(path)
+
+
+def _absolute_path_if_set(cls, path: str | None) -> str | None:
+    return None if not path else absolute_url(path)  # "" as unset: the synthetic source names no file
 
 
 class MixturePart(_Strict):
@@ -216,7 +220,7 @@ class DataConfig(_Strict):
     min_len_fraction: float = Field(0.5, gt=0.0, le=1.0, description="synthetic samples have lengths drawn in "
                                     "[min_len_fraction * seq_len, seq_len]; 1.0 gives fixed-length samples")
 
-    _absolute = field_validator("path")(_absolute_path)
+    _absolute = field_validator("path")(_absolute_path_if_set)
 
     @model_validator(mode="after")
     def _path_for_source(self) -> DataConfig:

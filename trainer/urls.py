@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+# fsspec protocols of object stores, whose locations start with a bucket (or container).
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 _ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")
 
 
@@ -23,6 +25,8 @@ def absolute_url(url: str) -> str:
         raise ValueError("is empty; give an fsspec URL such as file:///data/ckpt or s3://bucket/prefix")
     if one_slash := _ONE_SLASH.match(url):
         scheme, rest = one_slash.group(1), url[one_slash.end():]
+        if len(scheme) == 1:  # a drive letter: the processes of a job run on Linux
+            raise ValueError(f"{url!r} is a Windows path; give a path or URL of the machines the job runs on")
         meant = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
         raise ValueError(f"{url!r} has one slash after '{scheme}:'; did you mean {meant!r}?")
     if url.startswith("file://") and not url.startswith("file:///"):
@@ -34,7 +38,8 @@ def absolute_url(url: str) -> str:
         url = "file://" + os.path.abspath(os.path.expanduser(url))
     protocol, _, path = url.partition("://")
     if protocol != "file" and not path.strip("/"):
-        raise ValueError(f"{url!r} names no location; write the bucket and a prefix, e.g. {protocol}://bucket/ckpt")
+        raise ValueError(f"{url!r} names no location; write one after '{protocol}://'"
+                         + (f", e.g. {protocol}://bucket/prefix" if protocol in OBJECT_STORES else ""))
     # A trailing slash would give "a//job" when the job name is appended; a bare root
     # ("file:///") keeps its slash because there is nothing else left of the path.
     return f"{protocol}://{path.rstrip('/') or '/'}"

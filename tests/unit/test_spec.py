@@ -282,7 +282,8 @@ def test_checkpoint_url_normalisation(tmp_path, monkeypatch):
     ("file:/data/ckpt", "did you mean 'file:///data/ckpt'?"),
     ("s3:/bucket/ck", "did you mean 's3://bucket/ck'?"),
     ("file://data/ckpt", "file:// takes an absolute path"),
-    ("s3://", "names no location; write the bucket and a prefix"),
+    ("s3://", "names no location; write one after 's3://', e.g. s3://bucket/prefix"),
+    ("C:/data/ckpt", "is a Windows path"),
 ])
 def test_a_url_mistyped_into_a_relative_path_is_refused(url, words, tmp_path, monkeypatch):
     # Taken as written, each would put the checkpoints in a folder under the working directory.
