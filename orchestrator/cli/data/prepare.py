@@ -8,8 +8,9 @@ Protocol, in this order, on the driver:
      another dataset, or another plan's unfinished run, exits 2; FRESH creates
      `OUT/plan.json` exclusively, RESUME reuses it;
   3. run every unit (`execute.py`: Ray Data tasks, each writing its own shard and `.done`); a
-     fresh run stopped by a record the user must fix removes what it wrote, so that the same
-     command runs again once the input is fixed;
+     fresh run stopped by a record the user must fix marks what it wrote withdrawn and removes
+     it, and the next run clears a withdrawn folder, so that the same command runs again once the
+     input is fixed;
   4. once every unit has succeeded, create `OUT/manifest.json` exclusively (`ckpt/storage.py`:
      POSIX link(), S3 If-None-Match). Its bytes depend only on the plan, so two runs racing
      to commit the same dataset both succeed, and a run of another plan cannot replace it.
@@ -73,13 +74,27 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
     return _commit(storage, plan, results, printer)
 
 
+# Left by a fresh run that stopped at a record the user must fix (`_withdraw`): what the folder
+# holds beside it is that run's, and the next run clears it before it starts.
+WITHDRAWN_NAME = "withdrawn.json"
+
+
 def _withdraw(storage: Storage) -> None:
     """A fresh run stopped at a record the user must fix: its plan names this version of the input,
     so the fixed input's rerun would find `--out` holding another preparation and be refused. The
-    location was empty before this run (FRESH), so all it holds is this run's: removed."""
-    storage.remove_tree(storage.root)
+    location held nothing before this run (FRESH), so what it holds is this run's: marked withdrawn
+    (a task still finishing elsewhere may write a shard after this), then emptied."""
+    storage.write_immutable(storage.path(WITHDRAWN_NAME), b"{}")
+    _clear(storage, keep=WITHDRAWN_NAME)
     print(f"undying data prepare: nothing was kept at {storage.url}: fix the input and run the same command again",
           file=sys.stderr)
+
+
+def _clear(storage: Storage, keep: str | None = None) -> None:
+    """Remove the entries of the output folder (not the folder: it may be a mount the user made)."""
+    for name in storage.listdir(storage.root):
+        if name != keep:
+            storage.remove_tree(storage.path(name))
 
 
 def open_output(out: str, storage_options: dict) -> Storage:
@@ -95,6 +110,9 @@ def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:
     """The plan to run and what to do: step 2 of the module docstring."""
     for _ in range(2):  # a second look when another run created plan.json meanwhile
         manifest, old_plan, others = _what_is_there(storage)
+        if WITHDRAWN_NAME in others and manifest is None and old_plan is None:
+            _clear(storage)  # a withdrawn run's leftovers (`_withdraw`)
+            others = []
         decision = decide(storage.url, plan, manifest, old_plan, others)
         if decision is Decision.RESUME:
             return old_plan, decision  # the same identity; how inputs and tokenizer were spelled may differ
