@@ -10,6 +10,7 @@
                                                                              (see orchestrator/cli/data/command.py)
     undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]  (see orchestrator/cli/eval_cmd.py)
     undying report CKPT_URL [--run RUN] [--timeline PNG] [--out JSON] [--json]    (see orchestrator/cli/report_cmd.py)
+    undying stop-jobs [--address URL] [--wait S]           (a head pod's preStop: orchestrator/cli/stop_jobs.py)
     undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
@@ -48,6 +49,8 @@ LAZY_COMMANDS = {
              "orchestrator.cli.eval_cmd", "add_eval_parser", "eval_main"),
     "report": ("rebuild a run's summary table and timeline PNG from the event log under its checkpoint root",
                "orchestrator.cli.report_cmd", "add_report_parser", "report_main"),
+    "stop-jobs": ("stop this Ray cluster's jobs and wait for them to end (a head pod's preStop hook)",
+                  "orchestrator.cli.stop_jobs", "add_stop_jobs_parser", "stop_jobs_main"),
 }
 SET_HELP = ("override a spec field, e.g. --set parallel.dp=4 (repeatable); quote a key part holding other "
             "characters than letters, digits, _ and -: --set 'checkpoint.storage_options.\"client_kwargs:x\"=1'")

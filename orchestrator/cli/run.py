@@ -5,7 +5,7 @@ runs before any actor exists (so an impossible request exits 2, naming the field
 store and the metrics endpoint exist before the first rank, and everything is torn down
 by PID/handle in `finally`, whatever happened.
 
-SIGTERM and SIGINT (`ray job stop`, a Kubernetes eviction, Ctrl-C) are handed to the
+SIGTERM and SIGINT (`ray job stop`, a head pod's eviction through its preStop hook, Ctrl-C) are handed to the
 controller while it runs (orchestrator.controller.stopping: the handler only records the
 signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED).
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,24 @@ def test_ray_job_submit_runs_the_job(ray_head, tmp_path):
     result = json.loads(report.read_text())
     assert result["status"] == "succeeded" and result["final_step"] == 20
     assert [f["kind"] for f in result["failures"]] == ["kill_rank"]
+
+
+def test_stop_jobs_gives_a_running_job_s_driver_sigterm_and_waits_for_it(ray_head, tmp_path):
+    """A head pod's preStop hook (deploy/kuberay): the job's driver gets SIGTERM through Ray's job
+    API, as at a `ray job stop`, and the command returns once the job has ended."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from orchestrator.cli.main import main
+
+    marker = tmp_path / "got-sigterm"
+    driver = (f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: "
+              f"(open({str(marker)!r}, 'w').write('x'), sys.exit(75))); print('up', flush=True); time.sleep(600)")
+    client = JobSubmissionClient(os.environ["UNDYING_TEST_DASHBOARD"])
+    job = client.submit_job(entrypoint=f"{sys.executable} -c \"{driver}\"")
+    deadline = time.monotonic() + 120
+    while "up" not in client.get_job_logs(job):
+        assert time.monotonic() < deadline and client.get_job_status(job) in (JobStatus.PENDING, JobStatus.RUNNING)
+        time.sleep(0.5)
+    assert main(["stop-jobs", "--address", os.environ["UNDYING_TEST_DASHBOARD"], "--wait", "60"]) == 0
+    assert marker.exists() and client.get_job_status(job) in (JobStatus.STOPPED, JobStatus.FAILED)
+    assert main(["stop-jobs", "--address", os.environ["UNDYING_TEST_DASHBOARD"], "--wait", "1"]) == 0  # none left

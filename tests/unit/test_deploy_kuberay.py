@@ -215,3 +215,12 @@ def test_the_head_exposes_the_metrics_the_podmonitor_scrapes(tmp_path):
     grace = spec.elastic.preemption_grace_s
     assert grace < int(env["RAY_JOB_STOP_WAIT_TIME_S"]) < head["spec"]["terminationGracePeriodSeconds"]
     assert all(w["template"]["spec"]["terminationGracePeriodSeconds"] > grace for w in workers)
+    # A head pod ended by Kubernetes stops its jobs first (SIGTERM reaches `ray start`, not a driver):
+    # the hook is the CLI's own command, and it waits past Ray's SIGKILL but within the pod's grace.
+    from orchestrator.cli.main import _parser
+
+    hook = head["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[0] == "undying"
+    parsed = _parser().parse_args(hook[1:])
+    assert parsed.command == "stop-jobs" and parsed.address == "http://127.0.0.1:8265"
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) < parsed.wait < head["spec"]["terminationGracePeriodSeconds"]
