@@ -104,6 +104,8 @@ HEAD_CONTAINER = f"{HEAD}.template.spec.containers.0"
     (f"{HEAD}.template.spec.volumes.1.emptyDir.medium", "memory", "'memory' is not one of"),
     (f"{HEAD}.rayStartParams.num-gpus", 0, "0 is not of type 'string'"),
     ("spec.submissionMode", "K8sJob", "'K8sJob' is not one of"),
+    ("metadata.name", "undying.llama", "does not match"),  # a DNS-1123 subdomain, not the DNS-1035 label
+    ("metadata.name", "l" * 48, "is too long"),  # its cluster's name appends 6 characters to it
 ])
 def test_the_schema_refuses_what_kuberay_would_drop_or_refuse(path, value, expected):
     _, rayjob = _rayjob()
