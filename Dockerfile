@@ -27,14 +27,18 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends wget rsync openssh-client \
     && rm -rf /var/lib/apt/lists/*
 
-# torch==TORCH_VERSION holds the base image's torch (and its CUDA build): undying asks only for
-# torch>=2.13.0, which a newer release on PyPI would satisfy too.
-COPY . /tmp/undying-src
+# The pinned heavy dependencies in a layer of their own, before any source: an edit of the
+# checkout rebuilds only the layer below. torch==TORCH_VERSION holds the base image's torch (and
+# its CUDA build): undying asks only for torch>=2.13.0, which a newer release on PyPI would satisfy.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "ray[default,data]==${RAY_VERSION}" \
-        "/tmp/undying-src[s3,plot,tensorboard,wandb]" \
-    && rm -rf /tmp/undying-src \
     && groupadd --gid 10001 undying \
     && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash undying
+
+# The checkout is bind-mounted for its install (BuildKit), so that no layer keeps its files; the
+# pins again, so that pip resolves undying's ranges against them.
+RUN --mount=type=bind,source=.,target=/tmp/undying-src,rw \
+    pip install --no-cache-dir "torch==${TORCH_VERSION}" "ray[default,data]==${RAY_VERSION}" \
+        "/tmp/undying-src[s3,plot,tensorboard,wandb]"
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it. Ray writes under /tmp/ray and
 # the home directory, both writable by it.

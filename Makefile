@@ -72,10 +72,10 @@ lint: setup
 IMAGE ?= ghcr.io/undying-project/undying
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 image:
-	docker build -t $(IMAGE):$(VERSION)-gpu .
+	DOCKER_BUILDKIT=1 docker build -t $(IMAGE):$(VERSION)-gpu .
 
 image-cpu:
-	docker build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
+	DOCKER_BUILDKIT=1 docker build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
 # For a machine with NVIDIA GPUs (docs/benchmarks.md): NCCL collectives checked on every rank,
 # bf16 llama3.2-1b steps with MFU, predicted vs measured peak memory, compile, determinism and

@@ -97,7 +97,13 @@ def test_images_install_this_checkout_with_every_runtime_extra_and_a_pinned_ray(
     assert '"torch==${TORCH_VERSION}" "ray[default,data]==${RAY_VERSION}"' in installs[0]
     for arg in ("RAY_VERSION", "TORCH_VERSION"):
         assert build_args(dockerfile)[arg] == build_args(DOCKERFILES[0])[arg], arg
-    assert any(i.keyword == "COPY" and i.args == ". /tmp/undying-src" for i in instructions(dockerfile))
+    # The checkout bind-mounted for its install, after the pinned dependencies' own layer: no layer
+    # keeps the sources, and a source edit does not reinstall Ray and torch.
+    assert installs[0].startswith("--mount=type=bind,source=.,target=/tmp/undying-src,rw pip install")
+    runs = [i for i in instructions(dockerfile) if i.keyword == "RUN"]
+    heavy = [i for i in runs if '"ray[default,data]==${RAY_VERSION}"' in i.args and "/tmp/undying-src" not in i.args]
+    assert heavy and heavy[0].line < next(i.line for i in runs if "/tmp/undying-src[" in i.args)
+    assert not any(i.keyword in ("COPY", "ADD") for i in instructions(dockerfile)), "no layer holds the checkout"
     labels = " ".join(i.args for i in instructions(dockerfile) if i.keyword == "LABEL")
     assert f'org.opencontainers.image.version="{version()}"' in labels
 
