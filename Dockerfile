@@ -1,3 +1,4 @@
+# syntax=docker/dockerfile:1
 # The undying image for GPU nodes: CUDA PyTorch, a pinned Ray, and undying with its runtime
 # extras, installed from this checkout. KubeRay (deploy/kuberay) and Ray's cluster launcher
 # (deploy/ray) run it; deploy/README.md says how to build, push and use it. The CPU variant,

@@ -49,7 +49,7 @@ LAZY_COMMANDS = {
              "orchestrator.cli.eval_cmd", "add_eval_parser", "eval_main"),
     "report": ("rebuild a run's summary table and timeline PNG from the event log under its checkpoint root",
                "orchestrator.cli.report_cmd", "add_report_parser", "report_main"),
-    "stop-jobs": ("stop this Ray cluster's jobs and wait for them to end (a head pod's preStop hook)",
+    "stop-jobs": ("SIGTERM this Ray cluster's job drivers and wait for them to end (a head pod's preStop hook)",
                   "orchestrator.cli.stop_jobs", "add_stop_jobs_parser", "stop_jobs_main"),
 }
 SET_HELP = ("override a spec field, e.g. --set parallel.dp=4 (repeatable); quote a key part holding other "

@@ -1,15 +1,21 @@
-"""`undying stop-jobs [--address URL] [--wait S]`: stop the Ray jobs of this cluster and wait for
-them to end; a Ray head pod's preStop hook (deploy/kuberay).
+"""`undying stop-jobs [--address URL] [--wait S]`: SIGTERM the drivers of this Ray cluster's jobs
+and wait for them to end; a Ray head pod's preStop hook (deploy/kuberay).
 
-Kubernetes ends a pod (an eviction, a node drain, a spot reclaim, `kubectl delete pod`) with
-SIGTERM to its container's first process, which on a KubeRay head is the shell around `ray start
---block`: it neither handles nor forwards it, so `undying run`, a Ray job on that head, would never
-hear of it and die with the pod at the grace's end, SIGKILLed, with no checkpoint. Run before that
-SIGTERM, this command stops every job through Ray's job API, as `ray job stop` does: Ray's job
-supervisor sends the driver SIGTERM (the preemption path: a checkpoint at the next step
-boundary, exit 75; docs/design.md) and SIGKILLs it after RAY_JOB_STOP_WAIT_TIME_S. It returns once
-no job runs, or after `--wait` seconds, which the pod's terminationGracePeriodSeconds must exceed.
-A stopped job is then retried by the RayJob's backoffLimit and resumes from that checkpoint.
+Kubernetes ends a pod (an eviction, a node drain, a spot reclaim where the node's shutdown grace
+allows, `kubectl delete pod`) with SIGTERM to its container's first process, which on a KubeRay
+head is the shell around `ray start --block`: it neither handles nor forwards it, so `undying run`,
+a Ray job on that head, would never hear of it and die with the pod at the grace's end, SIGKILLed,
+with no checkpoint. Run before that SIGTERM, this command sends SIGTERM to each running job's
+driver process itself (the preemption path: a checkpoint at the next step boundary, exit 75;
+docs/design.md) and waits for the jobs to end, for at most `--wait` seconds, which the pod's
+terminationGracePeriodSeconds must exceed. Not through Ray's `stop_job`: a stopped job ends
+STOPPED, which KubeRay takes for a completed RayJob, where a driver that exits 75 fails the job and
+the RayJob's backoffLimit resumes it from that checkpoint on a new cluster. A job whose driver has
+not registered yet (no pid known) is stopped through the job API instead. Each request to the API
+times out after a few seconds: a hung dashboard must not hold the hook past the grace.
+
+Protocol: the hook runs in the head's container (the drivers of jobs submitted to the cluster run
+there, as the container's user), once, before the container's SIGTERM.
 
 Exit codes: 0 every job ended (or none ran); 1 some still ran after --wait, or the job API did not
 answer (the pod ends either way: a preStop hook's failure only delays it).
@@ -18,15 +24,19 @@ answer (the pod ends either way: a preStop hook's failure only delays it).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import socket
 import sys
 import time
 
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK
 
 LIVE = ("PENDING", "RUNNING")
+REQUEST_TIMEOUT_S = 5.0
 
 
-HELP = "stop this Ray cluster's jobs and wait for them to end (a head pod's preStop hook)"
+HELP = "SIGTERM this Ray cluster's job drivers and wait for them to end (a head pod's preStop hook)"
 
 
 def add_stop_jobs_parser(sub) -> None:
@@ -41,21 +51,35 @@ def stop_jobs_main(args: argparse.Namespace) -> int:
     from ray.job_submission import JobSubmissionClient
 
     started = time.monotonic()
+    socket.setdefaulttimeout(REQUEST_TIMEOUT_S)  # the job API's client sets none of its own
     try:
         client = JobSubmissionClient(args.address)
-        live = [job.submission_id for job in client.list_jobs() if str(job.status) in LIVE and job.submission_id]
+        live = [job for job in client.list_jobs() if str(job.status) in LIVE and job.submission_id]
         for job in live:
-            client.stop_job(job)
-            print(f"undying stop-jobs: asked job {job} to stop (its driver gets SIGTERM)", flush=True)
-        while live and time.monotonic() - started < args.wait:
+            print(f"undying stop-jobs: job {job.submission_id}: {_stop(client, job)}", flush=True)
+        waiting = [job.submission_id for job in live]
+        while waiting and time.monotonic() - started < args.wait:
             time.sleep(0.5)
-            live = [job for job in live if str(client.get_job_status(job)) in LIVE]
-    except Exception as err:  # the dashboard is down: nothing to stop through it
+            waiting = [job for job in waiting if str(client.get_job_status(job)) in LIVE]
+    except Exception as err:  # the dashboard is down or hung: nothing to stop through it
         print(f"undying stop-jobs: Ray's job API at {args.address} did not answer ({type(err).__name__}: {err})",
               file=sys.stderr)
         return EXIT_FAILED
-    if live:
-        print(f"undying stop-jobs: job(s) {live} still running after {args.wait:g} s", file=sys.stderr)
+    if waiting:
+        print(f"undying stop-jobs: job(s) {waiting} still running after {args.wait:g} s", file=sys.stderr)
         return EXIT_FAILED
     print(f"undying stop-jobs: no job running ({time.monotonic() - started:.1f} s)", flush=True)
     return EXIT_OK
+
+
+def _stop(client, job) -> str:
+    """SIGTERM to the job's driver process (its own exit code then ends the job), else Ray's stop."""
+    pid = job.driver_info.pid if job.driver_info is not None else None
+    if pid:
+        try:
+            os.kill(int(pid), signal.SIGTERM)
+            return f"SIGTERM sent to its driver (pid {pid})"
+        except ProcessLookupError:  # ended meanwhile
+            return f"its driver (pid {pid}) has already ended"
+    client.stop_job(job.submission_id)
+    return "no driver pid known yet: stopped through Ray's job API"

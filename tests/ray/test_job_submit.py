@@ -36,21 +36,23 @@ def test_ray_job_submit_runs_the_job(ray_head, tmp_path):
 
 
 def test_stop_jobs_gives_a_running_job_s_driver_sigterm_and_waits_for_it(ray_head, tmp_path):
-    """A head pod's preStop hook (deploy/kuberay): the job's driver gets SIGTERM through Ray's job
-    API, as at a `ray job stop`, and the command returns once the job has ended."""
+    """A head pod's preStop hook (deploy/kuberay): each job's driver gets SIGTERM itself and the
+    command returns once the job has ended. The driver's exit 75 fails the job (a RayJob's
+    backoffLimit retries it), where Ray's own stop would have ended it STOPPED (a completed RayJob)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from orchestrator.cli.main import main
 
     marker = tmp_path / "got-sigterm"
-    driver = (f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: "
+    driver = (f"import ray, signal, sys, time; ray.init(); signal.signal(signal.SIGTERM, lambda *_: "
               f"(open({str(marker)!r}, 'w').write('x'), sys.exit(75))); print('up', flush=True); time.sleep(600)")
     client = JobSubmissionClient(os.environ["UNDYING_TEST_DASHBOARD"])
     job = client.submit_job(entrypoint=f"{sys.executable} -c \"{driver}\"")
     deadline = time.monotonic() + 120
-    while "up" not in client.get_job_logs(job):
+    while "up" not in client.get_job_logs(job) or client.get_job_info(job).driver_info is None:
         assert time.monotonic() < deadline and client.get_job_status(job) in (JobStatus.PENDING, JobStatus.RUNNING)
         time.sleep(0.5)
     assert main(["stop-jobs", "--address", os.environ["UNDYING_TEST_DASHBOARD"], "--wait", "60"]) == 0
-    assert marker.exists() and client.get_job_status(job) in (JobStatus.STOPPED, JobStatus.FAILED)
+    assert marker.exists() and client.get_job_status(job) == JobStatus.FAILED
+    assert client.get_job_info(job).driver_exit_code == 75
     assert main(["stop-jobs", "--address", os.environ["UNDYING_TEST_DASHBOARD"], "--wait", "1"]) == 0  # none left

@@ -165,10 +165,14 @@ def test_a_bad_record_in_a_task_fails_with_one_line_and_no_manifest(capsys, exec
     assert code == 2 and "Traceback" not in err
     # After the progress lines, the error: one line, and what to do.
     assert err.splitlines()[-2].startswith(f"undying data prepare: INPUT {bad}: the line at byte 17 is not valid UTF-8")
-    assert "nothing was kept" in err.splitlines()[-1] and "run the same command again" in err.splitlines()[-1]
+    assert "nothing of this run was kept" in err.splitlines()[-1] and "same command again" in err.splitlines()[-1]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["withdrawn.json"]
-    (tmp_path / "out" / "shard-00000.bin").write_bytes(b"late")  # a task elsewhere wrote after the failure
+    (tmp_path / "out" / "shard-000000.tokens").write_bytes(b"late")  # a task elsewhere wrote after the failure
     bad.write_bytes(b'{"text": "fine"}\n{"text": "cafe"}\n')  # fixed: the same command now prepares it
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # ...but not over a file of the user's
+    code, _, err = prepare(capsys, str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
+    assert code == 2 and "is not empty" in err and (tmp_path / "out" / "notes.txt").exists()
+    (tmp_path / "out" / "notes.txt").unlink()
     code, out, _ = prepare(capsys, str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
     assert code == 0 and "prepared" in out and (tmp_path / "out" / "manifest.json").exists()
 

@@ -20,6 +20,7 @@ Ray starts only in step 3, so the checks and "already prepared" cost no cluster.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -74,27 +75,35 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
     return _commit(storage, plan, results, printer)
 
 
-# Left by a fresh run that stopped at a record the user must fix (`_withdraw`): what the folder
-# holds beside it is that run's, and the next run clears it before it starts.
+# Left by a fresh run that stopped at a record the user must fix (`_withdraw`): the run's own files
+# beside it (its plan, its shards and their temporary copies) go before the next run starts.
 WITHDRAWN_NAME = "withdrawn.json"
+_RUN_FILE = re.compile(rf"^({re.escape(PLAN_NAME)}|shard-\d+\.\w+)(\.tmp-[0-9a-f]+)?$")
 
 
 def _withdraw(storage: Storage) -> None:
     """A fresh run stopped at a record the user must fix: its plan names this version of the input,
     so the fixed input's rerun would find `--out` holding another preparation and be refused. The
-    location held nothing before this run (FRESH), so what it holds is this run's: marked withdrawn
-    (a task still finishing elsewhere may write a shard after this), then emptied."""
+    location held nothing before this run (FRESH), so its files are this run's: the folder is marked
+    withdrawn first (a task still finishing elsewhere may write a shard after this), then they go."""
     storage.write_immutable(storage.path(WITHDRAWN_NAME), b"{}")
-    _clear(storage, keep=WITHDRAWN_NAME)
-    print(f"undying data prepare: nothing was kept at {storage.url}: fix the input and run the same command again",
-          file=sys.stderr)
+    _remove(storage, [n for n in storage.listdir(storage.root) if _RUN_FILE.match(n)])
+    print(f"undying data prepare: nothing of this run was kept at {storage.url} (marked withdrawn): fix the input "
+          "and run the same command again", file=sys.stderr)
 
 
-def _clear(storage: Storage, keep: str | None = None) -> None:
-    """Remove the entries of the output folder (not the folder: it may be a mount the user made)."""
-    for name in storage.listdir(storage.root):
-        if name != keep:
-            storage.remove_tree(storage.path(name))
+def _leftovers(storage: Storage, names: list[str]) -> list[str] | None:
+    """A withdrawn run's files among `names` (what the folder held when looked at), to remove before
+    a new run; None when it holds anything else too (a user's files: the folder is not empty)."""
+    if WITHDRAWN_NAME not in names or not all(n == WITHDRAWN_NAME or _RUN_FILE.match(n) for n in names):
+        return None
+    return [n for n in names if n != WITHDRAWN_NAME] + [WITHDRAWN_NAME]  # the mark last
+
+
+def _remove(storage: Storage, names: list[str]) -> None:
+    """Remove these entries of the output folder (never the folder: it may be a mount the user made)."""
+    for name in names:
+        storage.remove_tree(storage.path(name))
 
 
 def open_output(out: str, storage_options: dict) -> Storage:
@@ -110,8 +119,9 @@ def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:
     """The plan to run and what to do: step 2 of the module docstring."""
     for _ in range(2):  # a second look when another run created plan.json meanwhile
         manifest, old_plan, others = _what_is_there(storage)
-        if WITHDRAWN_NAME in others and manifest is None and old_plan is None:
-            _clear(storage)  # a withdrawn run's leftovers (`_withdraw`)
+        leftovers = _leftovers(storage, others) if manifest is None and old_plan is None else None
+        if leftovers:  # only what was there when looked at: a concurrent rerun's new files stay
+            _remove(storage, leftovers)
             others = []
         decision = decide(storage.url, plan, manifest, old_plan, others)
         if decision is Decision.RESUME:
