@@ -73,8 +73,12 @@ def stop_jobs_main(args: argparse.Namespace) -> int:
 
 
 def _stop(client, job) -> str:
-    """SIGTERM to the job's driver process (its own exit code then ends the job), else Ray's stop."""
-    pid = job.driver_info.pid if job.driver_info is not None else None
+    """SIGTERM to the job's driver process (its own exit code then ends the job) when it runs here,
+    on this node (a pid names a process of this node only), else Ray's stop."""
+    from ray._private.services import get_node_ip_address
+
+    driver = job.driver_info
+    pid = driver.pid if driver is not None and driver.node_ip_address == get_node_ip_address() else None
     if pid:
         try:
             os.kill(int(pid), signal.SIGTERM)
@@ -82,4 +86,4 @@ def _stop(client, job) -> str:
         except ProcessLookupError:  # ended meanwhile
             return f"its driver (pid {pid}) has already ended"
     client.stop_job(job.submission_id)
-    return "no driver pid known yet: stopped through Ray's job API"
+    return "its driver is not a known process of this node: stopped through Ray's job API"
