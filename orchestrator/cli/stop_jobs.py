@@ -48,10 +48,20 @@ def add_stop_jobs_parser(sub) -> None:
 
 
 def stop_jobs_main(args: argparse.Namespace) -> int:
+    # The job API's client sets no timeout of its own: the process's default bounds each request,
+    # put back afterwards (a caller in the same process keeps its sockets as they were).
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(REQUEST_TIMEOUT_S)
+    try:
+        return _stop_all(args)
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _stop_all(args: argparse.Namespace) -> int:
     from ray.job_submission import JobSubmissionClient
 
     started = time.monotonic()
-    socket.setdefaulttimeout(REQUEST_TIMEOUT_S)  # the job API's client sets none of its own
     try:
         client = JobSubmissionClient(args.address)
         live = [job for job in client.list_jobs() if str(job.status) in LIVE and job.submission_id]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -56,3 +57,4 @@ def test_stop_jobs_gives_a_running_job_s_driver_sigterm_and_waits_for_it(ray_hea
     assert marker.exists() and client.get_job_status(job) == JobStatus.FAILED
     assert client.get_job_info(job).driver_exit_code == 75
     assert main(["stop-jobs", "--address", os.environ["UNDYING_TEST_DASHBOARD"], "--wait", "1"]) == 0  # none left
+    assert socket.getdefaulttimeout() is None  # its request timeout is not left on this process's sockets
