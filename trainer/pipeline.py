@@ -122,7 +122,7 @@ class ActionEvent:
     kind: str  # F forward, B full backward, I input-gradient backward, W weight backward, L loss
     chunk: int
     micro: int
-    start: float  # seconds since the step's window opened (a DeviceClock mark until the step settles it)
+    start: float  # time.perf_counter() seconds (a DeviceClock mark until the step settles it)
     end: float
 
 
@@ -143,11 +143,13 @@ class StepTrace:
         window = self.window_end - self.window_start
         return max(0.0, 1.0 - self.busy_s / window) if window > 0 else 0.0
 
-    def settle(self, clock: DeviceClock, opened, closed) -> None:
-        """The actions' marks as seconds since `opened` (the window's start), once `closed` is recorded."""
-        self.events = [replace(e, start=clock.seconds(opened, e.start), end=clock.seconds(opened, e.end))
-                       for e in self.events]
-        self.window_start, self.window_end = 0.0, clock.seconds(opened, closed)
+    def settle(self, clock: DeviceClock, opened, opened_host: float, closed) -> None:
+        """The actions' marks as times of the host's clock (one clock across the ranks' processes,
+        so their events compare), anchored at the window's opening (`opened`, taken at host time
+        `opened_host`), once `closed` is recorded."""
+        at = lambda mark: clock.host_time(mark, opened, opened_host)  # noqa: E731
+        self.events = [replace(e, start=at(e.start), end=at(e.end)) for e in self.events]
+        self.window_start, self.window_end = opened_host, at(closed)
 
     def max_in_flight(self) -> int:
         """Most (chunk, microbatch) pairs whose forward was done and whose backward was not.
@@ -305,7 +307,7 @@ class PipelineRunner:
         self._scale, self._parts = loss_scale * self.dp_size / max(global_tokens, 1), []
         self.trace = StepTrace()
         dist.barrier(group=self.group)
-        opened = self.clock.mark()
+        opened, opened_host = self.clock.opening()
         amp = torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
         with amp, loss_context(self.tp_size), torch.set_grad_enabled(not forward_only):
             run = self.schedule.eval if forward_only else self.schedule.step
@@ -316,7 +318,7 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.group)
         closed = self.clock.mark()
         loss_sum = float(total)  # waits for the step's work: the marks before are all recorded by now
-        self.trace.settle(self.clock, opened, closed)
+        self.trace.settle(self.clock, opened, opened_host, closed)
         return StepOutput(loss_sum=loss_sum, trace=self.trace)
 
 

@@ -68,7 +68,8 @@ def test_ddp_compute_ends_at_the_last_bucket_hand_off_on_the_device(gpu):
     assert clock.last_ready is None and clock.compute_seconds(ddp=True) == pytest.approx(0.0)
 
 
-def test_a_pipeline_trace_settles_into_seconds_of_its_window(gpu):
+def test_a_pipeline_trace_settles_onto_the_host_clock_anchored_at_its_window(gpu):
+    # Host times, so that the events of the ranks' processes compare (one clock on a machine).
     clock = DeviceClock("cuda")
     opened = clock.mark()
     marks = []
@@ -77,6 +78,10 @@ def test_a_pipeline_trace_settles_into_seconds_of_its_window(gpu):
         marks.append(clock.mark())
     gpu.now = 10.0
     trace = StepTrace(events=[ActionEvent("F", 0, 0, marks[0], marks[1]), ActionEvent("B", 0, 0, marks[2], marks[3])])
-    trace.settle(clock, opened, clock.mark())
-    assert (trace.window_start, trace.window_end, trace.busy_s) == (0.0, 10.0, 6.0)
+    trace.settle(clock, opened, 500.0, clock.mark())  # the window opened at host time 500 s
+    assert (trace.window_start, trace.window_end, trace.busy_s) == (500.0, 510.0, 6.0)
+    assert [(e.start, e.end) for e in trace.events] == [(501.0, 503.0), (504.0, 508.0)]
     assert trace.idle_fraction() == pytest.approx(0.4) and trace.max_in_flight() == 1
+    cpu = DeviceClock("cpu")
+    mark, host = cpu.opening()
+    assert mark == host and cpu.host_time(mark + 2.0, mark, host) == mark + 2.0  # the host clock itself
