@@ -48,11 +48,7 @@ StorageOp = Literal["write", "read", "list", "delete"]
 RandomKind = Literal["kill_node", "kill_rank", "hang_rank"]
 
 
-class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
-    pass
-
-
-class FaultSpec(_Strict):
+class FaultSpec(SpecSection):
     """One fault. The chaos injector fires it when its trigger is met: a time (at_step or at_seconds,
     at most one), a place (at_point), or both; a storage fault's selectors (op, path, nth,
     probability) are a trigger of their own.
@@ -208,7 +204,7 @@ def as_armed(fault: FaultSpec | Mapping, index: int) -> ArmedFault:
 _RANDOM_FIELDS = ("mtbf_kind", "mtbf_start_s", "mtbf_max_faults")
 
 
-class ChaosConfig(_Strict):
+class ChaosConfig(SpecSection):
     """Faults to inject: a scripted list, plus optional random failures.
 
     With `mtbf_s` set, every target (each node for `mtbf_kind: kill_node`, each rank for the

@@ -65,7 +65,7 @@ def _newest_intact(catalog: Catalog, committed: list[int], read_retry_s: float) 
     return None, unverified
 
 
-def _report(plan: GcPlan, committed: list[int], damaged: list[int], args: argparse.Namespace) -> None:
+def _report(plan: GcPlan, committed: list[int], unverified: list[int], args: argparse.Namespace) -> None:
     verb = "would delete" if args.dry_run else "deleted"
     kept = [s for s in committed if s not in plan.expired]
     if not plan.expired and not plan.orphans:
@@ -75,11 +75,11 @@ def _report(plan: GcPlan, committed: list[int], damaged: list[int], args: argpar
     if plan.orphans:
         print(f"{verb} unfinished saves: steps {steps_text(plan.orphans)}")
     print(f"kept: steps {steps_text(kept)}" + (" (not verified: --no-verify)" if args.no_verify else ""))
-    if damaged:
-        anchor = max((s for s in kept if s not in damaged), default=None)
+    if unverified:
+        anchor = max((s for s in kept if s not in unverified), default=None)
         where = (f"step {anchor}, the newest that verifies, and every newer one are kept" if anchor is not None
                  else "no committed checkpoint verifies, so none was deleted")
-        print(f"undying ckpt gc: step(s) {steps_text(sorted(damaged))} did not verify (damaged, or the store "
+        print(f"undying ckpt gc: step(s) {steps_text(sorted(unverified))} did not verify (damaged, or the store "
               f"kept failing: see above); {where}; look with `undying ckpt verify` before deleting them by hand",
               file=sys.stderr)
 

@@ -13,11 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from trainer.spec_section import SpecSection
 
 
-class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
-    pass
-
-
-class ElasticConfig(_Strict):
+class ElasticConfig(SpecSection):
     """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
 
     min_dp: int = Field(1, ge=1, description="dp may shrink down to this many replicas while ranks are lost")

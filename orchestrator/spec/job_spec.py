@@ -40,11 +40,7 @@ from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, 
 from trainer.spec_section import SpecSection
 
 
-class _Strict(SpecSection):  # unknown keys refused, frozen, no yes/no for a number (trainer.spec_section)
-    pass
-
-
-class ResourcesConfig(_Strict):
+class ResourcesConfig(SpecSection):
     """What one rank asks Ray for; `num_ranks`, when given, must equal dp * tp * pp."""
 
     cpus_per_rank: float = Field(1.0, gt=0.0, description="CPUs Ray reserves for each rank")
@@ -74,7 +70,7 @@ CHECKPOINT_STEP_KINDS = STORAGE_KINDS | {"corrupt_shard"}
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-class JobSpec(_Strict):
+class JobSpec(SpecSection):
     """A whole job. Cross-section checks run when it is built, so a JobSpec is always valid."""
 
     name: str = Field(..., description="the job's name: its checkpoints live under <checkpoint.url>/<name>, so "

@@ -92,7 +92,7 @@ def _withdraw(storage: Storage) -> None:
           "and run the same command again", file=sys.stderr)
 
 
-def _leftovers(storage: Storage, names: list[str]) -> list[str] | None:
+def _leftovers(names: list[str]) -> list[str] | None:
     """A withdrawn run's files among `names` (what the folder held when looked at), to remove before
     a new run; None when it holds anything else too (a user's files: the folder is not empty)."""
     if WITHDRAWN_NAME not in names or not all(n == WITHDRAWN_NAME or _RUN_FILE.match(n) for n in names):
@@ -119,7 +119,7 @@ def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:
     """The plan to run and what to do: step 2 of the module docstring."""
     for _ in range(2):  # a second look when another run created plan.json meanwhile
         manifest, old_plan, others = _what_is_there(storage)
-        leftovers = _leftovers(storage, others) if manifest is None and old_plan is None else None
+        leftovers = _leftovers(others) if manifest is None and old_plan is None else None
         if leftovers:  # only what was there when looked at: a concurrent rerun's new files stay
             _remove(storage, leftovers)
             others = []
