@@ -11,6 +11,7 @@
     undying eval CKPT_URL --data URL [--step N] [--windows K] [--seq-len T] [--json]  (see orchestrator/cli/eval_cmd.py)
     undying report CKPT_URL [--run RUN] [--timeline PNG] [--out JSON] [--json]    (see orchestrator/cli/report_cmd.py)
     undying stop-jobs [--address URL] [--wait S]           (a head pod's preStop: orchestrator/cli/stop_jobs.py)
+    undying drain-node [--node-id HEX] [--wait S]       (a worker pod's preStop: orchestrator/cli/drain_node.py)
     undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
@@ -51,6 +52,8 @@ LAZY_COMMANDS = {
                "orchestrator.cli.report_cmd", "add_report_parser", "report_main"),
     "stop-jobs": ("SIGTERM this Ray cluster's job drivers and wait for them to end (a head pod's preStop hook)",
                   "orchestrator.cli.stop_jobs", "add_stop_jobs_parser", "stop_jobs_main"),
+    "drain-node": ("drain this Ray node for preemption and wait until its ranks have moved off (a worker pod's "
+                   "preStop hook)", "orchestrator.cli.drain_node", "add_drain_node_parser", "drain_node_main"),
 }
 SET_HELP = ("override a spec field, e.g. --set parallel.dp=4 (repeatable); quote a key part holding other "
             "characters than letters, digits, _ and -: --set 'checkpoint.storage_options.\"client_kwargs:x\"=1'")

@@ -3,15 +3,16 @@ and wait for them to end; a Ray head pod's preStop hook (deploy/kuberay).
 
 Kubernetes ends a pod (an eviction, a node drain, a spot reclaim where the node's shutdown grace
 allows, `kubectl delete pod`) with SIGTERM to its container's first process, which on a KubeRay
-head is the shell around `ray start --block`: it neither handles nor forwards it, so `undying run`,
-a Ray job on that head, would never hear of it and die with the pod at the grace's end, SIGKILLed,
-with no checkpoint. Run before that SIGTERM, this command sends SIGTERM to each running job's
-driver process itself (the preemption path: a checkpoint at the next step boundary, exit 75;
-docs/design.md) and waits for the jobs to end, for at most `--wait` seconds, which the pod's
-terminationGracePeriodSeconds must exceed. Not through Ray's `stop_job`: a stopped job ends
-STOPPED, which KubeRay takes for a completed RayJob, where a driver that exits 75 fails the job and
-the RayJob's backoffLimit resumes it from that checkpoint on a new cluster. A job whose driver has
-not registered yet (no pid known) is stopped through the job API instead. Each request to the API
+head is `ray start --block` or the shell around it: neither passes it on to the jobs' drivers, so
+`undying run`, a Ray job on that head, would never hear of it and die with the pod (Ray stops its
+processes, or the grace's SIGKILL does) with no checkpoint. Run before that SIGTERM, this
+command sends SIGTERM to each running job's driver process itself (the preemption path: a
+checkpoint at the next step boundary, exit 75; docs/design.md) and waits for the jobs to end, for
+at most `--wait` seconds, which the pod's terminationGracePeriodSeconds must exceed. Not through
+Ray's `stop_job`: a stopped job ends STOPPED, which KubeRay takes for a completed RayJob, where a
+driver that exits 75 fails the job and the RayJob's backoffLimit resumes it from that checkpoint on
+a new cluster. A job whose driver has not registered yet (no pid known) is stopped through the job
+API instead. Each request to the API
 times out after a few seconds: a hung dashboard must not hold the hook past the grace.
 
 Protocol: the hook runs in the head's container (the drivers of jobs submitted to the cluster run

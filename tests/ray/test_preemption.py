@@ -4,8 +4,9 @@ SIGTERM to `undying run` at a random moment of training (what Kubernetes sends a
 evicts): the job checkpoints at the next step boundary and exits 75 within the grace; the
 rerun redoes no step and ends with the failure-free run's model, bit for bit. The same
 through `ray job stop` against a `ray start --head` cluster. A node drained through Ray's
-drain API (`ray drain-node`, as the autoscaler and spot-termination handlers do): its ranks
-move to warm spares at a checkpointed step boundary before the node leaves, no work lost.
+drain API (by `undying drain-node`, a worker pod's preStop hook; the autoscaler and
+spot-termination handlers drain the same way): its ranks move to warm spares at a checkpointed
+step boundary, or dp shrinks past them, before the node leaves, no work lost.
 
 Heavy: each runs two or three real jobs (about a minute apiece on two cores).
 """
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.heavy]
 EXIT_PREEMPTED = 75
 GRACE_S = 25.0  # elastic.preemption_grace_s's default
 RAY = str(Path(sys.executable).parent / "ray")
+UNDYING = str(Path(sys.executable).parent / "undying")
 
 
 def _model(checkpoint_dir: str, step: int) -> dict[str, torch.Tensor]:
@@ -152,17 +154,19 @@ def _node_of_bundle(address: str, bundle: int) -> str:
 
 
 def _drain_bundle_node_once_its_ranks_moved(local_cluster, proc, log, deadline_s: int) -> str:
-    """Once the job runs, drain the node of bundle 1 with a deadline, as a spot reclaim notice does;
-    once its ranks have moved (no work lost), the node leaves. Returns its id."""
+    """Once the job runs, drain the node of bundle 1 as a worker pod's preStop hook does (`undying
+    drain-node`: Ray's drain with a deadline, as a spot reclaim notice gives, then a wait for the
+    node's ranks to leave); once it returns, no rank is left there and the node is taken away, as
+    Kubernetes ends the pod. Returns its id."""
     wait_for(log, "-> RUNNING", proc)
     node_id = _node_of_bundle(local_cluster.address, 1)
-    drain = subprocess.run([RAY, "drain-node", "--address", local_cluster.address, "--node-id", node_id,
-                            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                            "--deadline-remaining-seconds", str(deadline_s)], capture_output=True, text=True,
-                           timeout=120)
-    assert drain.returncode == 0, drain.stdout + drain.stderr
-    wait_for(log, "no work lost", proc)
     [node] = [n for n in local_cluster.nodes if n.node_id == node_id]
+    drain = subprocess.run([UNDYING, "drain-node", "--address", local_cluster.address, "--node-id", node_id,
+                            "--wait", str(deadline_s), "--reason", "spot reclaim"], capture_output=True, text=True,
+                           timeout=deadline_s + 60)
+    assert drain.returncode == 0, drain.stdout + drain.stderr + log.read_text()[-4000:]
+    assert f"no rank on node {node_id[:12]}" in drain.stdout
+    assert "no work lost" in log.read_text() and local_cluster.rank_pids(node) == []
     local_cluster.cluster.remove_node(node, allow_graceful=False)
     local_cluster.nodes.remove(node)
     return node_id

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 # Every command but `chaos`, whose module imports its experiment runner (torch, Ray) at the top.
 HELP_COMMANDS = [[], ["run"], ["validate"], ["plan"], ["spec"], ["ckpt"], ["ckpt", "ls"], ["ckpt", "verify"],
-                 ["ckpt", "export"], ["data"], ["data", "prepare"], ["eval"], ["report"], ["chaos"], ["stop-jobs"]]
+                 ["ckpt", "export"], ["data"], ["data", "prepare"], ["eval"], ["report"], ["chaos"], ["stop-jobs"],
+                 ["drain-node"]]
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -226,3 +226,22 @@ def test_the_head_exposes_the_metrics_the_podmonitor_scrapes(tmp_path):
     parsed = _parser().parse_args(hook[1:])
     assert parsed.command == "stop-jobs" and parsed.address == "http://127.0.0.1:8265"
     assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) < parsed.wait < head["spec"]["terminationGracePeriodSeconds"]
+
+
+@pytest.mark.parametrize("which", ["rayjob", "raycluster"])
+def test_a_gpu_pod_drains_its_node_before_it_ends_and_tolerates_the_gpu_taint(which):
+    # A worker pod ended by Kubernetes becomes a Ray drain (its ranks move at a checkpoint, no work
+    # lost): the hook is the CLI's own command, its deadline long enough for a checkpointed stop
+    # (the preemption grace) and inside the pod's grace, so the pod's SIGKILL never cuts it short.
+    from orchestrator.cli.main import _parser
+    from orchestrator.spec.elastic import ElasticConfig
+
+    for group in _clusters()[which]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        container = pod["containers"][0]
+        hook = container["lifecycle"]["preStop"]["exec"]["command"]
+        parsed = _parser().parse_args(hook[1:])
+        assert hook[0] == "undying" and parsed.command == "drain-node" and parsed.node_id is None
+        assert ElasticConfig().preemption_grace_s < parsed.wait < pod["terminationGracePeriodSeconds"]
+        if "nvidia.com/gpu" in container["resources"]["limits"]:
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
