@@ -7,7 +7,9 @@ neither says which field to fix, and retrying cannot help either.
 
 Protocol: a command that opens a store for the user calls `open_now(storage)` before its first call
 (the client is made at once, without a request; a refused option raises there), and whoever
-catches a storage error asks `explain(error, field)` for the sentence, None when it is neither.
+catches a storage error asks `explain(error, field)` for the sentence, None when it is neither. A
+filesystem that does not start at all is described by `cannot_start`, every error named in one
+line by `error_reason`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def explain(error: BaseException, field: str, fs_class=None) -> str | None:
         return (f"no credentials for the object store: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a "
                 f"profile) in the environment, or key and secret in {field} through a storage options file")
     return None
+
+
+def error_reason(err: BaseException, limit: int = 200) -> str:
+    """`Type: message` on one line, at most `limit` characters: how every command names a storage error."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def cannot_start(url: str, with_options: bool, err: BaseException) -> str:
+    """Why the filesystem of `url` did not start, and the fix: its options when it was given some
+    (the caller names their field), else its client libraries and set-up (the URL's field)."""
+    if with_options:
+        return f"cannot open {url} with these options ({error_reason(err)}); fix or remove the offending option"
+    return f"{url}: its filesystem did not start ({error_reason(err)}); check its client libraries and setup"
 
 
 def open_now(storage) -> None:

@@ -4,7 +4,7 @@ Each command opens the URL with `open_catalog`, then asks `committed_or_fail` (a
 `step_or_fail`); each raises `UsageError` with one line that names the argument and the fix (no such
 location, the parent of the job's root given, only unfinished saves, no such step). Storage that
 fails after the location was found is not a usage error: callers test `is_storage_error` and print
-`error_reason`.
+`error_reason` (ckpt.storage_options, imported here with the rest).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from ckpt.catalog import Catalog
 from ckpt.manifest import parse_step_dir
 from ckpt.storage import Storage
-from ckpt.storage_options import explain, open_now
+from ckpt.storage_options import cannot_start, error_reason, explain, open_now
 from orchestrator.cli.exits import UsageError
 from trainer.urls import absolute_url
 
@@ -32,12 +32,6 @@ def normalise_url(url: str) -> str:
 def is_storage_error(err: BaseException) -> bool:
     """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors)."""
     return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
-
-
-def error_reason(err: BaseException, limit: int = 200) -> str:
-    """`Type: message` on one line, at most `limit` characters: how every command names a storage error."""
-    text = " ".join(f"{type(err).__name__}: {err}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def open_catalog(url: str, options: dict) -> Catalog:
@@ -58,10 +52,7 @@ def open_catalog(url: str, options: dict) -> Catalog:
 
 
 def _cannot_open(url: str, options: dict, err: Exception) -> str:
-    if options:
-        return (f"--storage-option: cannot open {url} with these options ({error_reason(err)}); fix or remove "
-                "the offending option")
-    return f"URL {url}: its filesystem did not start ({error_reason(err)}); check its client libraries and setup"
+    return ("--storage-option: " if options else "URL ") + cannot_start(url, bool(options), err)
 
 
 # -- what is there -----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ckpt.storage_options import explain
+from ckpt.storage_options import cannot_start, error_reason, explain
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
 
 FIELD = "checkpoint.url"
@@ -36,11 +36,6 @@ def _probe_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _reason(error: BaseException) -> str:
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def _write_problem(url: str, error: BaseException, fs_class=None) -> Problem:
     if words := explain(error, "checkpoint.storage_options", fs_class):
         return Problem("checkpoint.storage_options", f"cannot write a probe file under {url}: {words}")
@@ -53,7 +48,7 @@ def _write_problem(url: str, error: BaseException, fs_class=None) -> Problem:
     else:
         fix = ("check that the endpoint is reachable (checkpoint.storage_options.endpoint_url) "
                "and that the credentials are valid")
-    return Problem(FIELD, f"cannot write a probe file under {url} ({_reason(error)}); {fix}")
+    return Problem(FIELD, f"cannot write a probe file under {url} ({error_reason(error)}); {fix}")
 
 
 def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
@@ -63,14 +58,11 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
         options = _probe_options(url, storage_options)
         fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
     except (ValueError, ImportError) as error:
-        return [Problem(FIELD, f"{url}: unknown or unavailable protocol ({_reason(error)}); use file://, "
+        return [Problem(FIELD, f"{url}: unknown or unavailable protocol ({error_reason(error)}); use file://, "
                         "s3:// (with s3fs installed), another installed fsspec protocol, or a local path")]
     except Exception as error:  # a filesystem that rejects its options, or cannot start at all
-        if not storage_options:
-            return [Problem(FIELD, f"{url}: its filesystem did not start ({_reason(error)}); check its client "
-                            "libraries and setup")]
-        return [Problem("checkpoint.storage_options", f"cannot open {url} with these options "
-                        f"({_reason(error)}); fix or remove the offending option")]
+        field = "checkpoint.storage_options" if storage_options else FIELD
+        return [Problem(field, cannot_start(url, bool(storage_options), error))]
     if hasattr(fs, "retries"):
         fs.retries = 1  # s3fs retries connection errors itself, on top of botocore's retries
     probe = f"{root.rstrip('/')}/.undying-probe-{uuid.uuid4().hex}"
@@ -83,7 +75,7 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
     try:
         fs.rm_file(probe)
     except Exception as error:
-        return [Problem(FIELD, f"{url} accepts writes but not deletes ({_reason(error)}); checkpoint "
+        return [Problem(FIELD, f"{url} accepts writes but not deletes ({error_reason(error)}); checkpoint "
                         "retention (checkpoint.keep) deletes old checkpoints, so grant delete "
                         f"permission and remove {probe}")]
     return []

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import sys
+
+import fsspec
+import pytest
 import s3fs
 
 from ckpt.storage_options import explain
@@ -37,3 +41,34 @@ def test_ckpt_commands_refuse_a_misspelt_option_before_any_request(capsys):
 def test_validate_names_the_misspelt_option_in_checkpoint_storage_options():
     [problem] = check_storage("s3://bucket/ck", {"endpointurl": "http://127.0.0.1:9"})
     assert problem.field == "checkpoint.storage_options" and "did you mean 'endpoint_url'?" in problem.message
+
+
+class _BrokenFileSystem(fsspec.AbstractFileSystem):
+    """A filesystem whose client cannot start (a library missing a piece, a broken set-up)."""
+
+    protocol = "brokenfs"
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("the client library is missing a piece")
+
+
+@pytest.fixture
+def broken_protocol():
+    fsspec.register_implementation("brokenfs", _BrokenFileSystem, clobber=True)
+    yield "brokenfs://bucket/job"
+    sys.modules["fsspec.registry"]._registry.pop("brokenfs", None)  # the public registry is read-only
+
+
+def test_a_filesystem_that_does_not_start_is_named_with_its_field_and_fix(broken_protocol, capsys):
+    url = broken_protocol
+    [problem] = check_storage(url, {})
+    assert problem.field == "checkpoint.url" and problem.message == (
+        f"{url}: its filesystem did not start (RuntimeError: the client library is missing a piece); check its "
+        "client libraries and setup")
+    [problem] = check_storage(url, {"region": "x"})
+    assert problem.field == "checkpoint.storage_options"
+    assert problem.message.startswith(f"cannot open {url} with these options (RuntimeError:")
+    assert main(["ckpt", "ls", url]) == 2
+    assert f"URL {url}: its filesystem did not start" in capsys.readouterr().err
+    assert main(["ckpt", "ls", url, "--storage-option", "region=x"]) == 2
+    assert f"--storage-option: cannot open {url} with these options" in capsys.readouterr().err

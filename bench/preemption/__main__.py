@@ -1,0 +1,5 @@
+import sys
+
+from bench.preemption.main import main
+
+sys.exit(main())
