@@ -16,9 +16,10 @@ training the node of rank 1 ends:
 A failure-free run of the same job comes first in each round. Every figure comes from the
 job's own report (its goodput ledger: monitor.goodput): the badput after start-up (wall time
 less productive time and start-up), its excess over the failure-free run's (the cost of the
-node's end), the detection and lost-work buckets, the steps redone, and whether the final loss
-equals the failure-free run's. It prints the table (medians over --repeats), writes
-runs/bench/preemption/ (each run's log and report, result.json) and rewrites its section of docs/benchmarks.md.
+node's end), the buckets it goes to (release and re-forming, checkpoint saves and restores, lost
+work), the steps redone, and whether the final loss equals the failure-free run's. It prints the
+table (medians over --repeats), writes runs/bench/preemption/ (each run's log and report,
+result.json) and rewrites its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def run_one(cluster, tmp: Path, way: str, steps: int, every: int, after_s: float
     badput = goodput["badput_s"]
     return {"way": way, "wall_s": goodput["wall_s"], "productive_s": goodput["productive_s"],
             "after_start_s": goodput["wall_s"] - goodput["productive_s"] - badput["startup"],
-            "detection_s": badput["detection"], "lost_work_s": badput["lost_work"],
+            "lost_work_s": badput["lost_work"],
             "redone_steps": result["redone_steps"], "final_loss": result["final_loss"], "hook_s": hook_s,
             "dp": [w["dp"] for w in result["world_history"]], "badput_s": badput}
 
@@ -150,16 +151,23 @@ def _median(rounds: list[dict], way: str, key: str) -> float:
 
 def table(result: dict) -> str:
     rounds = result["rounds"]
-    rows = ["| the node of rank 1 | badput after start-up, s | cost of the node's end, s | detection, s | "
-            "lost work, s | steps redone | preStop hook, s | final loss = failure-free |",
-            "|---|---|---|---|---|---|---|---|"]
+    for runs in rounds:  # the ledger's buckets the node's end adds to
+        for way in WAYS:
+            badput = runs[way]["badput_s"]
+            runs[way]["reformation_s"] = badput["reformation"] + badput["detection"]
+            runs[way]["checkpoints_s"] = badput["checkpoint_save"] + badput["checkpoint_restore"]
+    rows = ["| the node of rank 1 | badput after start-up, s | cost of the node's end, s | release and re-forming, s | "
+            "checkpoint saves and restore, s | lost work, s | steps redone | preStop hook, s | "
+            "final loss = failure-free |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for way in WAYS:
         cost = "-" if way == "failure-free" else f"**{_median(rounds, way, 'cost_s'):.2f}**"
         same = "-" if way == "failure-free" else f"{sum(r[way]['same_loss'] for r in rounds)}/{len(rounds)}"
         hook = f"{_median(rounds, way, 'hook_s'):.2f}" if way == "drained" else "-"
         rows.append(f"| {way} | {_median(rounds, way, 'after_start_s'):.2f} | {cost} | "
-                    f"{_median(rounds, way, 'detection_s'):.2f} | {_median(rounds, way, 'lost_work_s'):.2f} | "
-                    f"{_median(rounds, way, 'redone_steps'):.0f} | {hook} | {same} |")
+                    f"{_median(rounds, way, 'reformation_s'):.2f} | {_median(rounds, way, 'checkpoints_s'):.2f} | "
+                    f"{_median(rounds, way, 'lost_work_s'):.2f} | {_median(rounds, way, 'redone_steps'):.0f} | "
+                    f"{hook} | {same} |")
     ratio = _median(rounds, "lost", "cost_s") / max(_median(rounds, "drained", "cost_s"), 1e-3)
     rows += ["", f"Medians of {len(rounds)} round(s); a lost node costs **{ratio:.1f}x** what a drained one does."]
     return "\n".join(rows)
