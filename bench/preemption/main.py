@@ -12,14 +12,19 @@ training the node of rank 1 ends:
   drained  `undying drain-node --node-id <it> --wait 60`, as its pod's preStop hook runs it;
            once the command returns, the node's processes are killed (the pod ends);
   lost     its rank processes and then its Ray processes are SIGKILLed at once (a pod whose
-           node vanished, or one ended without the hook), the anchor.
-A failure-free run of the same job comes first in each round. Every figure comes from the
-job's own report (its goodput ledger: monitor.goodput): the badput after start-up (wall time
-less productive time and start-up), its excess over the failure-free run's (the cost of the
-node's end), the buckets it goes to (release and re-forming, checkpoint saves and restores, lost
-work), the steps redone, and whether the final loss equals the failure-free run's. It prints the
-table (medians over --repeats), writes runs/bench/preemption/ (each run's log and report,
-result.json) and rewrites its section of docs/benchmarks.md.
+           node vanished, or one ended without the hook), the anchor. A best case for a loss:
+           the survivors' sockets to the dead ranks reset at once, where a node that vanishes
+           (power, network) is found by health checks and timeouts, seconds later.
+Either way a new node then joins, as KubeRay recreates a worker pod (and Ray's GCS, which spins
+while the gone node's placement-group bundles have nowhere to go, finds room for them). Each round
+runs the failure-free job and the two ways, in an order rotated from round to round.
+Every figure comes from the job's own report (its goodput ledger: monitor.goodput): the badput
+after start-up (wall time less productive time and start-up), its excess over the failure-free
+run's (the cost of the node's end), the wall time against the failure-free run's, the buckets the
+cost goes to (release and re-forming, checkpoint saves and restores, lost work), the steps redone,
+and whether the final loss equals the failure-free run's. It prints the table (medians over
+--repeats), writes runs/bench/preemption/ (each run's log and report, result.json) and rewrites
+its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ def _end_node(cluster, node, way: str) -> float:
         os.kill(pid, signal.SIGKILL)
     cluster.cluster.remove_node(node, allow_graceful=False)
     cluster.nodes.remove(node)
+    cluster.nodes.append(cluster.add_node())  # the pod's replacement joins
     return hook_s
 
 
@@ -132,9 +138,11 @@ def run(args) -> dict:
         for round_ in range(args.repeats):
             work = WORK / f"round-{round_ + 1}"  # the runs' logs and reports stay there to be read
             work.mkdir(parents=True)
-            runs = {way: run_one(cluster, work, way, args.steps, args.every_steps, args.after) for way in WAYS}
+            order = WAYS[round_ % len(WAYS):] + WAYS[:round_ % len(WAYS)]
+            runs = {way: run_one(cluster, work, way, args.steps, args.every_steps, args.after) for way in order}
             for way in ("drained", "lost"):
                 runs[way]["cost_s"] = runs[way]["after_start_s"] - runs["failure-free"]["after_start_s"]
+                runs[way]["wall_delta_s"] = runs[way]["wall_s"] - runs["failure-free"]["wall_s"]
                 runs[way]["same_loss"] = runs[way]["final_loss"] == runs["failure-free"]["final_loss"]
             rounds.append(runs)
             print(f"round {round_ + 1}/{args.repeats}: " + ", ".join(
@@ -156,15 +164,17 @@ def table(result: dict) -> str:
             badput = runs[way]["badput_s"]
             runs[way]["reformation_s"] = badput["reformation"] + badput["detection"]
             runs[way]["checkpoints_s"] = badput["checkpoint_save"] + badput["checkpoint_restore"]
-    rows = ["| the node of rank 1 | badput after start-up, s | cost of the node's end, s | release and re-forming, s | "
-            "checkpoint saves and restore, s | lost work, s | steps redone | preStop hook, s | "
-            "final loss = failure-free |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| the node of rank 1 | badput after start-up, s | cost of the node's end, s | wall, s (vs failure-free) | "
+            "release and re-forming, s | checkpoint saves and restore, s | lost work, s | steps redone | "
+            "preStop hook, s | final loss = failure-free |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for way in WAYS:
         cost = "-" if way == "failure-free" else f"**{_median(rounds, way, 'cost_s'):.2f}**"
+        wall = f"{_median(rounds, way, 'wall_s'):.1f}" + (
+            "" if way == "failure-free" else f" ({_median(rounds, way, 'wall_delta_s'):+.1f})")
         same = "-" if way == "failure-free" else f"{sum(r[way]['same_loss'] for r in rounds)}/{len(rounds)}"
         hook = f"{_median(rounds, way, 'hook_s'):.2f}" if way == "drained" else "-"
-        rows.append(f"| {way} | {_median(rounds, way, 'after_start_s'):.2f} | {cost} | "
+        rows.append(f"| {way} | {_median(rounds, way, 'after_start_s'):.2f} | {cost} | {wall} | "
                     f"{_median(rounds, way, 'reformation_s'):.2f} | {_median(rounds, way, 'checkpoints_s'):.2f} | "
                     f"{_median(rounds, way, 'lost_work_s'):.2f} | {_median(rounds, way, 'redone_steps'):.0f} | "
                     f"{hook} | {same} |")

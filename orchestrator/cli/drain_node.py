@@ -8,24 +8,33 @@ draining is another matter: the controller sees it in the GCS's drain table
 (orchestrator.cluster.drain), stops every rank at a step boundary, saves that step, and moves the
 ranks to spares or shrinks past the node (orchestrator.controller.stopping): no work lost. This
 command turns the pod's end into such a drain whatever the container's first process does with
-SIGTERM (a shell that swallows it, an init process, a sidecar): it asks Ray's GCS to drain the
-node for preemption with a deadline `--wait` seconds away (the controller sizes its stop to it),
-then waits until no rank actor is alive on the node, and no longer: a pod without ranks, or
-whose ranks have moved, ends at once. Like `ray drain-node`, with the wait for the ranks added.
+SIGTERM (Ray 2.60's `ray start --block` drains its node on SIGTERM itself, for
+RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s by default; a shell, an init process or an older Ray in
+front of it does not): it asks Ray's GCS to drain the node for preemption with a deadline `--wait`
+seconds away (the controller sizes its stop to it), then waits until no rank actor is alive on
+the node, and no longer. Like `ray drain-node`, with the wait for the ranks added.
 
-Protocol: the hook runs once in the worker's container, before the container's SIGTERM; `--wait`
-must stay under the pod's terminationGracePeriodSeconds. `--node-id` drains another node (an
-operator's use, and the tests'); by default it is the node of the Ray this process connects to.
+Protocol: the hook runs once in the worker's container, before the container's SIGTERM. The whole
+command, Ray's start-up and every request included, ends within `--wait` seconds (and FINISH_S for
+its last answer), which must stay under the pod's terminationGracePeriodSeconds: a request Ray
+leaves hanging is abandoned at the deadline, so that the container still gets its SIGTERM before
+the grace ends. That SIGTERM then starts `ray start`'s own drain of a node with no rank left, which
+ends when its raylet has gone idle, or after RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, or at the
+grace's SIGKILL. `--node-id` drains another node (an operator's use, and the tests'); by default
+it is the node of the Ray this process connects to.
 
 Exit codes: 0 no rank is left on the node; 1 ranks were still there at the deadline, or Ray did
-not answer (the pod ends either way: a preStop hook's failure only delays it); 2 bad input (a
-node id that names no live node, a negative wait).
+not answer (the pod ends either way); 2 bad input (a node id that names no live node, a wait that
+is not a number of seconds from 0 to 3600).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import threading
 import time
 
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -33,6 +42,8 @@ from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 # Actor classes that hold a job's ranks: the controller moves them off a draining node.
 RANK_CLASSES = ("RankActor",)
 POLL_S = 0.5
+FINISH_S = 3.0  # past the deadline: the last poll's answer and Ray's shutdown
+MAX_WAIT_S = 3600.0  # no pod grace is longer in practice; a typo of minutes for seconds is refused
 HELP = "drain this Ray node for preemption and wait until its ranks have moved off (a worker pod's preStop hook)"
 
 
@@ -43,16 +54,37 @@ def add_drain_node_parser(sub) -> None:
     p.add_argument("--node-id", default=None,
                    help="hex id of the node to drain (default: this node; `ray list nodes` lists them)")
     p.add_argument("--wait", type=float, default=50.0,
-                   help="seconds until the node goes, the drain's deadline (default %(default)g: under the "
-                        "pod's terminationGracePeriodSeconds)")
+                   help="seconds until the node goes: the drain's deadline and the command's limit (default "
+                        "%(default)g: under the pod's terminationGracePeriodSeconds)")
     p.add_argument("--reason", default="the pod is terminating",
-                   help="why, as Ray's drain table and the job's log show it (default: %(default)s)")
+                   help="why, as Ray records the drain (default: %(default)s)")
 
 
 def drain_node_main(args: argparse.Namespace) -> int:
-    if not args.wait >= 0:
-        print(f"undying drain-node: --wait must be 0 or more seconds, not {args.wait:g}", file=sys.stderr)
+    if not (math.isfinite(args.wait) and 0 <= args.wait <= MAX_WAIT_S):
+        print(f"undying drain-node: --wait must be a number of seconds from 0 to {MAX_WAIT_S:g}, not {args.wait:g}",
+              file=sys.stderr)
         return EXIT_USAGE
+    deadline = time.time() + args.wait  # the pod goes then, however long Ray takes to answer
+    outcome: list[int] = []
+    worker = threading.Thread(target=lambda: outcome.append(_drain(args, deadline)), name="undying-drain-node",
+                              daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.time()) + FINISH_S)
+    if outcome:
+        return outcome[0]
+    print(f"undying drain-node: Ray did not answer within --wait {args.wait:g} s; giving up so that the pod's "
+          "SIGTERM comes before its grace ends", file=sys.stderr, flush=True)
+    return abandon(EXIT_FAILED)
+
+
+def abandon(code: int) -> int:
+    """Exit now, past the thread stuck inside Ray (an orderly exit would wait on Ray's own shutdown)."""
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _drain(args: argparse.Namespace, deadline: float) -> int:
     import ray
 
     started = time.monotonic()
@@ -63,24 +95,28 @@ def drain_node_main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     try:
-        node = args.node_id or ray.get_runtime_context().get_node_id()
+        node = (args.node_id or ray.get_runtime_context().get_node_id()).lower()  # Ray's ids are lower-case hex
         if node not in live_nodes():
-            print(f"undying drain-node: --node-id {node} names no live node of this cluster; `ray list nodes` "
-                  "shows their ids", file=sys.stderr)
+            named = f"--node-id {node} names" if args.node_id else f"this process's node {node} is"
+            print(f"undying drain-node: {named} no live node of this cluster; `ray list nodes` shows their ids",
+                  file=sys.stderr)
             return EXIT_USAGE
-        deadline = time.time() + args.wait
         accepted, why = request_drain(node, args.reason, deadline)
         if not accepted:
             print(f"undying drain-node: Ray refused to drain node {node}: {why}", file=sys.stderr)
             return EXIT_FAILED
-        print(f"undying drain-node: node {node[:12]} draining, deadline in {args.wait:g} s", flush=True)
+        print(f"undying drain-node: node {node[:12]} draining, deadline in {deadline - time.time():.0f} s",
+              flush=True)
         left = wait_for_ranks_to_leave(node, deadline, ranks_on)
-    except Exception as err:  # the GCS went away meanwhile: the pod ends anyway
-        print(f"undying drain-node: Ray stopped answering ({type(err).__name__}: {err})", file=sys.stderr)
+    except Exception as err:  # the GCS failed or went away meanwhile: the pod ends anyway
+        print(f"undying drain-node: the drain failed ({type(err).__name__}: {err})", file=sys.stderr)
         return EXIT_FAILED
     finally:
         ray.shutdown()
-    took = time.monotonic() - started
+    return _report_outcome(node, left, time.monotonic() - started)
+
+
+def _report_outcome(node: str, left: int, took: float) -> int:
     if left:
         print(f"undying drain-node: {left} rank(s) still on node {node[:12]} after {took:.1f} s: they are lost "
               "with it, and the job recovers from its last checkpoint", file=sys.stderr)
@@ -97,14 +133,15 @@ def live_nodes() -> set[str]:
 
 def request_drain(node: str, reason: str, deadline: float) -> tuple[bool, str]:
     """Ask the GCS to drain `node` for preemption (a request Ray does not refuse) by `deadline`
-    (epoch seconds); (accepted, Ray's reason when not)."""
+    (epoch seconds), waiting for its answer no later than the deadline; (accepted, Ray's reason
+    when not)."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
     gcs = ray._private.worker.global_worker.gcs_client
     accepted, why = gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   reason, int(deadline * 1000))
-    return bool(accepted), str(why)
+                                   reason, int(deadline * 1000), timeout=max(1.0, deadline - time.time()))
+    return bool(accepted), why.decode(errors="replace") if isinstance(why, bytes) else str(why)
 
 
 def ranks_on(node: str) -> int:

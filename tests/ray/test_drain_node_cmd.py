@@ -1,7 +1,8 @@
 """`undying drain-node` against the local Ray cluster: the node is drained in Ray's GCS with the
 hook's deadline (what the controller reads, orchestrator.cluster.drain), and the command returns
-as soon as no rank actor is left there, whatever else still runs on it. A node id that names no
-node is refused. The whole path with a real job: tests/ray/test_preemption.py (heavy)."""
+as soon as no rank actor is left there, whatever else still runs on it, or at its deadline with
+the rank still there (exit 1). A node id that names no node is refused. The whole path with a
+real job: tests/ray/test_preemption.py (heavy)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,12 @@ def test_the_node_is_drained_and_the_command_returns_once_its_ranks_have_gone(lo
         rank = ray.remote(num_cpus=0)(RankActor).options(scheduling_strategy=on_node).remote()
         bystander = ray.remote(num_cpus=0)(Bystander).options(scheduling_strategy=on_node).remote()
         ray.get([rank.pid.remote(), bystander.pid.remote()], timeout=120)
+        # A rank that never leaves: the command ends at its deadline, saying the rank is lost.
+        short = subprocess.run([UNDYING, "drain-node", "--address", local_cluster.address, "--node-id",
+                                node.node_id.upper(), "--wait", "8"], capture_output=True, text=True, timeout=120)
+        assert short.returncode == 1 and f"1 rank(s) still on node {node.node_id[:12]}" in short.stderr, short
         proc = _drain(local_cluster.address, node.node_id, 120)
-        _wait_for_line(proc, f"node {node.node_id[:12]} draining, deadline in 120 s")
+        _wait_for_line(proc, f"node {node.node_id[:12]} draining, deadline in ")
         deadline_s = ray._private.state.state.get_draining_nodes()[node.node_id] / 1000 - time.time()
         assert 100 < deadline_s <= 120  # the hook's wait is the drain's deadline
         time.sleep(1.0)

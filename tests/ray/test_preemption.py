@@ -166,7 +166,8 @@ def _drain_bundle_node_once_its_ranks_moved(local_cluster, proc, log, deadline_s
                            timeout=deadline_s + 60)
     assert drain.returncode == 0, drain.stdout + drain.stderr + log.read_text()[-4000:]
     assert f"no rank on node {node_id[:12]}" in drain.stdout
-    assert "no work lost" in log.read_text() and local_cluster.rank_pids(node) == []
+    assert local_cluster.rank_pids(node) == []
+    wait_for(log, "no work lost", proc, timeout_s=30)  # logged once the moved ranks' seats are settled
     local_cluster.cluster.remove_node(node, allow_graceful=False)
     local_cluster.nodes.remove(node)
     return node_id

@@ -233,6 +233,7 @@ def test_a_gpu_pod_drains_its_node_before_it_ends_and_tolerates_the_gpu_taint(wh
     # A worker pod ended by Kubernetes becomes a Ray drain (its ranks move at a checkpoint, no work
     # lost): the hook is the CLI's own command, its deadline long enough for a checkpointed stop
     # (the preemption grace) and inside the pod's grace, so the pod's SIGKILL never cuts it short.
+    from orchestrator.cli.drain_node import FINISH_S
     from orchestrator.cli.main import _parser
     from orchestrator.spec.elastic import ElasticConfig
 
@@ -242,6 +243,7 @@ def test_a_gpu_pod_drains_its_node_before_it_ends_and_tolerates_the_gpu_taint(wh
         hook = container["lifecycle"]["preStop"]["exec"]["command"]
         parsed = _parser().parse_args(hook[1:])
         assert hook[0] == "undying" and parsed.command == "drain-node" and parsed.node_id is None
-        assert ElasticConfig().preemption_grace_s < parsed.wait < pod["terminationGracePeriodSeconds"]
+        assert ElasticConfig().preemption_grace_s < parsed.wait
+        assert parsed.wait + FINISH_S < pod["terminationGracePeriodSeconds"]  # the command's own limit
         if "nvidia.com/gpu" in container["resources"]["limits"]:
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]

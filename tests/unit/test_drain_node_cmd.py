@@ -4,6 +4,9 @@ cluster: tests/ray/test_drain_node_cmd.py)."""
 from __future__ import annotations
 
 import sys
+import time
+
+import pytest
 
 from orchestrator.cli.drain_node import POLL_S, RANK_CLASSES, wait_for_ranks_to_leave
 from orchestrator.cli.main import main
@@ -39,10 +42,39 @@ def test_a_node_without_ranks_is_not_waited_for():
     assert clock.now == 1000.0
 
 
-def test_a_negative_wait_is_refused_before_ray_is_reached(capsys, monkeypatch):
+@pytest.mark.parametrize("wait", ["-5", "inf", "nan", "7200"])
+def test_a_wait_that_is_not_a_number_of_seconds_up_to_an_hour_is_refused_before_ray_is_reached(wait, capsys,
+                                                                                              monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # an import of Ray would raise
-    assert main(["drain-node", "--wait", "-5"]) == 2
-    assert "--wait must be 0 or more seconds, not -5" in capsys.readouterr().err
+    assert main(["drain-node", "--wait", wait]) == 2
+    assert f"--wait must be a number of seconds from 0 to 3600, not {float(wait):g}" in capsys.readouterr().err
+
+
+def test_no_ray_to_reach_is_said_in_one_line(capsys, monkeypatch):
+    import ray
+
+    def refuse(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    assert main(["drain-node", "--wait", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("undying drain-node: no Ray cluster at 'auto' (ConnectionError: Could not find") and (
+        "Traceback" not in err)
+
+
+def test_ray_that_never_answers_is_left_behind_at_the_deadline(capsys, monkeypatch):
+    # A request Ray leaves hanging must not hold the hook past the pod's grace: the command gives
+    # up at its deadline (and the last answer's allowance), leaving the stuck thread behind.
+    import orchestrator.cli.drain_node as drain_node
+
+    monkeypatch.setattr(drain_node, "_drain", lambda args, deadline: time.sleep(60))
+    monkeypatch.setattr(drain_node, "abandon", lambda code: code)  # not os._exit in a test process
+    monkeypatch.setattr(drain_node, "FINISH_S", 0.2)
+    started = time.monotonic()
+    assert main(["drain-node", "--wait", "0.5"]) == 1
+    assert time.monotonic() - started < 5
+    assert "Ray did not answer within --wait 0.5 s" in capsys.readouterr().err
 
 
 def test_the_rank_class_waited_for_is_the_one_ray_records_for_a_rank():
