@@ -65,15 +65,21 @@ def drain_node_main(args: argparse.Namespace) -> int:
         print(f"undying drain-node: --wait must be a number of seconds from 0 to {MAX_WAIT_S:g}, not {args.wait:g}",
               file=sys.stderr)
         return EXIT_USAGE
-    deadline = time.time() + args.wait  # the pod goes then, however long Ray takes to answer
+    return drain_until(args.address, args.node_id, args.reason, time.time() + args.wait)
+
+
+def drain_until(address: str, node_id: str | None, reason: str, deadline: float) -> int:
+    """Drain `node_id` (None: this process's node) by `deadline` (epoch seconds: the node goes then)
+    and wait for its ranks to leave; returns the exit code. Ends by the deadline and FINISH_S
+    however long Ray takes to answer (also `undying spot-watch`'s drain)."""
     outcome: list[int] = []
-    worker = threading.Thread(target=lambda: outcome.append(_drain(args, deadline)), name="undying-drain-node",
-                              daemon=True)
+    worker = threading.Thread(target=lambda: outcome.append(_drain(address, node_id, reason, deadline)),
+                              name="undying-drain-node", daemon=True)
     worker.start()
     worker.join(max(0.0, deadline - time.time()) + FINISH_S)
     if outcome:
         return outcome[0]
-    print(f"undying drain-node: Ray did not answer within --wait {args.wait:g} s; giving up so that the pod's "
+    print("undying drain-node: Ray did not answer by the drain's deadline; giving up so that the pod's "
           "SIGTERM comes before its grace ends", file=sys.stderr, flush=True)
     return abandon(EXIT_FAILED)
 
@@ -84,24 +90,23 @@ def abandon(code: int) -> int:
     os._exit(code)
 
 
-def _drain(args: argparse.Namespace, deadline: float) -> int:
+def _drain(address: str, node_id: str | None, reason: str, deadline: float) -> int:
     import ray
 
     started = time.monotonic()
     try:
-        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except Exception as err:  # no Ray here: nothing to drain
-        print(f"undying drain-node: no Ray cluster at {args.address!r} ({type(err).__name__}: {err})",
-              file=sys.stderr)
+        print(f"undying drain-node: no Ray cluster at {address!r} ({type(err).__name__}: {err})", file=sys.stderr)
         return EXIT_FAILED
     try:
-        node = (args.node_id or ray.get_runtime_context().get_node_id()).lower()  # Ray's ids are lower-case hex
+        node = (node_id or ray.get_runtime_context().get_node_id()).lower()  # Ray's ids are lower-case hex
         if node not in live_nodes():
-            named = f"--node-id {node} names" if args.node_id else f"this process's node {node} is"
+            named = f"--node-id {node} names" if node_id else f"this process's node {node} is"
             print(f"undying drain-node: {named} no live node of this cluster; `ray list nodes` shows their ids",
                   file=sys.stderr)
             return EXIT_USAGE
-        accepted, why = request_drain(node, args.reason, deadline)
+        accepted, why = request_drain(node, reason, deadline)
         if not accepted:
             print(f"undying drain-node: Ray refused to drain node {node}: {why}", file=sys.stderr)
             return EXIT_FAILED

@@ -12,6 +12,7 @@
     undying report CKPT_URL [--run RUN] [--timeline PNG] [--out JSON] [--json]    (see orchestrator/cli/report_cmd.py)
     undying stop-jobs [--address URL] [--wait S]           (a head pod's preStop: orchestrator/cli/stop_jobs.py)
     undying drain-node [--node-id HEX] [--wait S]       (a worker pod's preStop: orchestrator/cli/drain_node.py)
+    undying spot-watch [--cloud aws|gcp] [--poll S]     (on each spot VM worker: orchestrator/cli/spot_watch.py)
     undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
@@ -54,6 +55,8 @@ LAZY_COMMANDS = {
                   "orchestrator.cli.stop_jobs", "add_stop_jobs_parser", "stop_jobs_main"),
     "drain-node": ("drain this Ray node for preemption and wait until its ranks have moved off (a worker pod's "
                    "preStop hook)", "orchestrator.cli.drain_node", "add_drain_node_parser", "drain_node_main"),
+    "spot-watch": ("watch this VM's metadata for a spot preemption notice and drain this Ray node by its deadline",
+                   "orchestrator.cli.spot_watch", "add_spot_watch_parser", "spot_watch_main"),
 }
 SET_HELP = ("override a spec field, e.g. --set parallel.dp=4 (repeatable); quote a key part holding other "
             "characters than letters, digits, _ and -: --set 'checkpoint.storage_options.\"client_kwargs:x\"=1'")

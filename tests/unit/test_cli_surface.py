@@ -22,7 +22,7 @@ TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 # Every command but `chaos`, whose module imports its experiment runner (torch, Ray) at the top.
 HELP_COMMANDS = [[], ["run"], ["validate"], ["plan"], ["spec"], ["ckpt"], ["ckpt", "ls"], ["ckpt", "verify"],
                  ["ckpt", "export"], ["data"], ["data", "prepare"], ["eval"], ["report"], ["chaos"], ["stop-jobs"],
-                 ["drain-node"]]
+                 ["drain-node"], ["spot-watch"]]
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -70,3 +70,19 @@ def test_sizes_match_the_kuberay_pods():
         [shm] = [_flag(o, "shm-size") for o in config["docker"][f"{role}_run_options"]]
         [volume] = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm"]
         assert docker_bytes(shm) == kubernetes_bytes(volume["emptyDir"]["sizeLimit"]), role
+
+
+def test_every_worker_watches_for_a_spot_notice_on_its_provider():
+    # A spot VM's two-minute notice becomes a Ray drain: the command is the CLI's own, for the
+    # provider's cloud, one watcher per node (flock), in the background after `ray start`.
+    from orchestrator.cli.main import _parser
+
+    config = _config()
+    commands = config["worker_start_ray_commands"]
+    [watch] = [c for c in commands if "spot-watch" in c]
+    assert commands.index(watch) > max(i for i, c in enumerate(commands) if "ray start" in c)
+    words = watch.split()
+    assert words[:4] == ["nohup", "flock", "-n", "/tmp/undying-spot-watch.lock"] and watch.rstrip().endswith("&")
+    parsed = _parser().parse_args(words[5:words.index(">")])
+    assert words[4] == "undying" and parsed.command == "spot-watch"
+    assert parsed.cloud == config["provider"]["type"] and parsed.address == "auto"
