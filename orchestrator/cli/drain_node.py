@@ -79,8 +79,8 @@ def drain_until(address: str, node_id: str | None, reason: str, deadline: float)
     worker.join(max(0.0, deadline - time.time()) + FINISH_S)
     if outcome:
         return outcome[0]
-    print("undying drain-node: Ray did not answer by the drain's deadline; giving up so that the pod's "
-          "SIGTERM comes before its grace ends", file=sys.stderr, flush=True)
+    print("undying drain-node: Ray did not answer by the drain's deadline; giving up (a preStop hook must end "
+          "within its pod's grace, a spot VM's watcher before its VM)", file=sys.stderr, flush=True)
     return abandon(EXIT_FAILED)
 
 

@@ -12,7 +12,8 @@
     undying report CKPT_URL [--run RUN] [--timeline PNG] [--out JSON] [--json]    (see orchestrator/cli/report_cmd.py)
     undying stop-jobs [--address URL] [--wait S]           (a head pod's preStop: orchestrator/cli/stop_jobs.py)
     undying drain-node [--node-id HEX] [--wait S]       (a worker pod's preStop: orchestrator/cli/drain_node.py)
-    undying spot-watch [--cloud aws|gcp] [--poll S]     (on each spot VM worker: orchestrator/cli/spot_watch.py)
+    undying spot-watch [--cloud aws|gcp] [--poll S] [--margin S] [--metadata URL] [--address ADDR]
+                                                        (on each spot VM worker: orchestrator/cli/spot_watch.py)
     undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the

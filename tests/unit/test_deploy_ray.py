@@ -83,6 +83,6 @@ def test_every_worker_watches_for_a_spot_notice_on_its_provider():
     assert commands.index(watch) > max(i for i, c in enumerate(commands) if "ray start" in c)
     words = watch.split()
     assert words[:4] == ["nohup", "flock", "-n", "/tmp/undying-spot-watch.lock"] and watch.rstrip().endswith("&")
-    parsed = _parser().parse_args(words[5:words.index(">")])
+    parsed = _parser().parse_args(words[5:words.index(">>")])  # appended: a restart keeps the log
     assert words[4] == "undying" and parsed.command == "spot-watch"
     assert parsed.cloud == config["provider"]["type"] and parsed.address == "auto"

@@ -1,11 +1,14 @@
 """`undying spot-watch` against fake EC2 and GCE metadata services on 127.0.0.1 (real HTTP, the
 requests the clouds document): no drain while nothing is announced, a drain by the announced
-time less the margin once it is, the IMDSv2 token on every read, and one clear line when there is
-no metadata service. The drain itself is drain-node's (tests/ray/test_drain_node_cmd.py)."""
+time less the margin once it is (by the time itself when the margin no longer fits, none once it
+has passed), a notice without a time dated from the last quiet poll, the IMDSv2 token on every
+read, and one clear line when there is no metadata service. The drain itself is drain-node's
+(tests/ray/test_drain_node_cmd.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import http.server
 import json
 import threading
@@ -17,12 +20,16 @@ import orchestrator.cli.spot_watch as spot_watch
 from orchestrator.cli.main import main
 
 
+def utc(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
 class FakeMetadata(http.server.BaseHTTPRequestHandler):
     """EC2's IMDSv2 (a token, then spot/instance-action: 404 until announced) and GCE's
     instance/preempted, announcing after `quiet_polls` reads."""
 
     quiet_polls = 2
-    announced_at = "2030-01-01T00:02:00Z"
+    announced_at = None  # set by each test (EC2's format, UTC)
     reads: list[str] = []
 
     def log_message(self, *args):  # keep the test's output quiet
@@ -80,31 +87,49 @@ def drains(monkeypatch):
     return calls
 
 
-def test_an_ec2_spot_notice_drains_this_node_by_its_time_less_the_margin(drains, capsys):
+def test_an_ec2_spot_notice_drains_this_node_by_its_time_less_the_margin(drains, capsys, monkeypatch):
+    announced = float(int(time.time()) + 120)
+    monkeypatch.setattr(FakeMetadata, "announced_at", utc(announced))
     with metadata_service() as url:
         code = main(["spot-watch", "--cloud", "aws", "--metadata", url, "--poll", "0.05", "--margin", "7"])
     assert code == 0 and FakeMetadata.reads == ["/latest/meta-data/spot/instance-action"] * 3
     [(address, node, reason, deadline)] = drains
     assert address == "auto" and node is None and reason == "spot preemption notice"
-    assert deadline == 1893456120.0 - 7  # 2030-01-01T00:02:00Z, epoch seconds, less the margin
-    assert "preemption announced for 00:02:00 UTC" in capsys.readouterr().out
+    assert deadline == announced - 7
+    assert f"preemption announced for {utc(announced)[11:19]} UTC" in capsys.readouterr().out
 
 
-def test_a_gce_preemption_drains_within_its_30_s_notice(drains):
+def test_a_gce_preemption_is_dated_from_the_last_poll_that_saw_none(drains):
     with metadata_service() as url:
         before = time.time()
         assert main(["spot-watch", "--cloud", "gcp", "--metadata", url, "--poll", "0.05"]) == 0
+        after = time.time()
     [(_, _, _, deadline)] = drains
-    assert before + 30 - 5 <= deadline <= time.time() + 30 - 5
+    assert before + 30 - 5 <= deadline <= after - 0.05 + 30 - 5  # the last FALSE came a poll before the TRUE
 
 
-def test_a_notice_already_past_still_drains_with_a_moment_to_go(drains, monkeypatch):
+def test_a_notice_too_near_for_the_margin_drains_by_its_time_and_one_past_drains_nothing(drains, monkeypatch,
+                                                                                          capsys):
     monkeypatch.setattr(FakeMetadata, "quiet_polls", 0)
-    monkeypatch.setattr(FakeMetadata, "announced_at", "2020-01-01T00:00:00Z")
+    near = float(int(time.time()) + 8)  # 8 s left: a 5 s margin would leave 3 s for the drain
+    monkeypatch.setattr(FakeMetadata, "announced_at", utc(near))
     with metadata_service() as url:
+        assert main(["spot-watch", "--metadata", url]) == 0
+    assert [deadline for *_, deadline in drains] == [near]
+    monkeypatch.setattr(FakeMetadata, "announced_at", utc(time.time() - 30))
+    with metadata_service() as url:
+        assert main(["spot-watch", "--metadata", url]) == 1
+    assert len(drains) == 1 and "too late to drain" in capsys.readouterr().err
+
+
+def test_an_ec2_notice_whose_time_does_not_parse_is_still_a_notice(drains, monkeypatch, capsys):
+    monkeypatch.setattr(FakeMetadata, "announced_at", "soon")
+    with metadata_service() as url:
+        before = time.time()
         assert main(["spot-watch", "--metadata", url, "--poll", "0.05"]) == 0
     [(_, _, _, deadline)] = drains
-    assert deadline > time.time()
+    assert before + 120 - 5 <= deadline <= time.time() + 120 - 5
+    assert "an interruption notice whose time does not parse" in capsys.readouterr().err
 
 
 def test_no_metadata_service_is_one_line_naming_the_flags(drains, capsys):
@@ -115,21 +140,16 @@ def test_no_metadata_service_is_one_line_naming_the_flags(drains, capsys):
     assert f"no aws instance metadata at {url}" in err and "--cloud and --metadata" in err and not drains
 
 
-@pytest.mark.parametrize("flag, value", [("--poll", "0"), ("--margin", "-1"), ("--poll", "inf"), ("--poll", "nan")])
-def test_a_poll_or_margin_that_is_not_a_sane_number_of_seconds_is_refused(flag, value, capsys):
-    assert main(["spot-watch", flag, value]) == 2
-    assert f"{flag} must be a number of seconds above 0 and up to 600" in capsys.readouterr().err
-
-
-def test_a_malformed_notice_is_an_error_not_a_drain(monkeypatch):
-    monkeypatch.setattr(FakeMetadata, "quiet_polls", 0)
-    monkeypatch.setattr(FakeMetadata, "announced_at", None)
-    with metadata_service() as url, pytest.raises(ValueError, match="without a time"):
-        spot_watch.aws_notice(url)
+@pytest.mark.parametrize("cloud, flag, value, most", [
+    ("aws", "--poll", "0", "up to 30"), ("aws", "--margin", "-1", "below 60"), ("aws", "--poll", "inf", "up to 30"),
+    ("aws", "--poll", "nan", "up to 30"), ("gcp", "--poll", "10", "up to 7.5"), ("gcp", "--margin", "15", "below 15")])
+def test_a_poll_or_margin_that_the_clouds_notice_cannot_hold_is_refused(cloud, flag, value, most, capsys):
+    assert main(["spot-watch", "--cloud", cloud, flag, value]) == 2
+    assert f"{flag} must be a number of seconds above 0 and {most} on {cloud}" in capsys.readouterr().err
 
 
 def test_a_poll_that_fails_midway_is_said_once_and_retried(capsys):
-    answers = iter([OSError("timed out"), OSError("timed out"), None, 1234.0])
+    answers = iter([OSError("timed out"), http.client.IncompleteRead(b""), None, 1234.0])
 
     def check(base):
         answer = next(answers)
@@ -137,5 +157,6 @@ def test_a_poll_that_fails_midway_is_said_once_and_retried(capsys):
             raise answer
         return answer
 
-    assert spot_watch._watch(check, "http://x", 0.01, None) == 1234.0
-    assert capsys.readouterr().err.count("a poll failed (OSError: timed out); retrying") == 1
+    assert spot_watch._watch(check, "http://x", 0.01, None, 0.0, 120.0) == 1234.0
+    err = capsys.readouterr().err
+    assert err.count("a poll failed") == 1 and "(OSError: timed out); retrying" in err
