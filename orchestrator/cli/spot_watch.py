@@ -101,8 +101,8 @@ def _drain_before(announced: float, args: argparse.Namespace) -> int:
     left = announced - time.time()
     when = time.strftime("%H:%M:%S", time.gmtime(announced))
     if left <= 1.0:
-        print(f"undying spot-watch: preemption announced for {when} UTC, {-left:.0f} s ago: too late to drain; "
-              "the node's ranks are lost with it", file=sys.stderr, flush=True)
+        print(f"undying spot-watch: preemption announced for {when} UTC ({left:+.0f} s from now): too late to "
+              "drain; the node's ranks are lost with it", file=sys.stderr, flush=True)
         return EXIT_FAILED
     deadline = announced - args.margin if left - args.margin >= MIN_DRAIN_S else announced
     print(f"undying spot-watch: preemption announced for {when} UTC, in {left:.0f} s; draining this node",
