@@ -166,8 +166,12 @@ def _drain_bundle_node_once_its_ranks_moved(local_cluster, proc, log, deadline_s
                            timeout=deadline_s + 60)
     assert drain.returncode == 0, drain.stdout + drain.stderr + log.read_text()[-4000:]
     assert f"no rank on node {node_id[:12]}" in drain.stdout
-    assert local_cluster.rank_pids(node) == []
     wait_for(log, "no work lost", proc, timeout_s=30)  # logged once the moved ranks' seats are settled
+    # Ray has the node's ranks dead; their processes are on their way out.
+    deadline = time.monotonic() + 30
+    while local_cluster.rank_pids(node) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert local_cluster.rank_pids(node) == []
     local_cluster.cluster.remove_node(node, allow_graceful=False)
     local_cluster.nodes.remove(node)
     return node_id
