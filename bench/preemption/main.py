@@ -43,9 +43,8 @@ import time
 from pathlib import Path
 
 from bench.docs import write_section
+from tests.ray.jobs import ROOT, UNDYING, start_job, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-UNDYING = str(Path(sys.executable).parent / "undying")
 SECTION = "## Preemption: a drained node against a lost one"
 NOTES = ("<!-- preemption-notes: kept when python -m bench.preemption rewrites this section -->",
          "<!-- /preemption-notes -->")
@@ -54,24 +53,11 @@ WORK = ROOT / "runs/bench/preemption"
 
 
 def _job(cluster, tmp: Path, name: str, steps: int, every: int) -> tuple[subprocess.Popen, Path, Path]:
-    report, log = tmp / f"{name}.json", tmp / f"{name}.log"
-    sets = [f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", f"train.steps={steps}",
-            f"checkpoint.every_steps={every}", "parallel.dp=4", "resources.custom={undying_slot: 1}",
-            "elastic.spares=2", "chaos.faults=[]"]
-    cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(report), "--address", cluster.address]
-    for item in sets:
-        cmd += ["--set", item]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    return proc, report, log
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"no {text!r} in the job's log:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
+    """The ray tests' job (tests/ray/jobs.py), put back to the product's memory level and keep, with
+    2 warm spares and no scripted fault."""
+    return start_job(cluster.address, tmp, name, [
+        f"train.steps={steps}", f"checkpoint.every_steps={every}", "checkpoint.keep=3",
+        "checkpoint.memory.enabled=true", "elastic.spares=2", "chaos.faults=[]"])
 
 
 def _node_of_rank_1(cluster):
@@ -104,7 +90,7 @@ def run_one(cluster, tmp: Path, way: str, steps: int, every: int, after_s: float
     proc, report, log = _job(cluster, tmp, way.replace("-", ""), steps, every)
     hook_s = 0.0
     try:
-        _wait_for(log, "-> RUNNING", proc)
+        wait_for(log, "-> RUNNING", proc, timeout_s=300.0)
         if way != "failure-free":
             time.sleep(after_s)
             hook_s = _end_node(cluster, _node_of_rank_1(cluster), way)

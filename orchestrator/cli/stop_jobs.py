@@ -12,8 +12,8 @@ at most `--wait` seconds, which the pod's terminationGracePeriodSeconds must exc
 Ray's `stop_job`: a stopped job ends STOPPED, which KubeRay takes for a completed RayJob, where a
 driver that exits 75 fails the job and the RayJob's backoffLimit resumes it from that checkpoint on
 a new cluster. A job whose driver has not registered yet (no pid known) is stopped through the job
-API instead. Each request to the API
-times out after a few seconds: a hung dashboard must not hold the hook past the grace.
+API instead. Each request to the API times out after a few seconds: a hung dashboard must not hold
+the hook past the grace.
 
 Protocol: the hook runs in the head's container (the drivers of jobs submitted to the cluster run
 there, as the container's user), once, before the container's SIGTERM.
