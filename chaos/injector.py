@@ -23,6 +23,7 @@ all-reduce) carry it to every rank (tests/dist/test_chaos_nan_grad_ddp.py). A fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -32,9 +33,6 @@ from chaos.config import ArmedFault, as_armed
 
 DEFAULT_POINT = "after_backward"
 RANK_FAULTS = ("kill_rank", "kill_node", "hang_rank", "slow_rank", "raise", "nan_grad")
-# After killing its node's raylet, the firing rank waits here for its node watchdog
-# (orchestrator.rank.actor) to report the loss and end the process, as for every rank there.
-NODE_KILL_GRACE_S = 10.0
 
 
 class InjectedFault(RuntimeError):
@@ -116,10 +114,7 @@ class FaultInjector:
         if kind == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "kill_node":
-            # Ray forks rank processes from the node's raylet: killing it is losing the node as
-            # Ray sees it (the GCS declares the node dead after its health checks time out).
-            os.kill(os.getppid(), signal.SIGKILL)
-            time.sleep(NODE_KILL_GRACE_S)
+            crash_node()
         elif kind == "hang_rank":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
@@ -137,3 +132,32 @@ class FaultInjector:
                 return
         raise RuntimeError(f"nan_grad on rank {self.rank} at step {step}: no parameter has a gradient at "
                            f"{point}; use at_point: after_backward")
+
+
+def crash_node() -> None:
+    """End every process Ray runs on this node at once, as a machine crash does: the raylet (frozen
+    first, so that it starts nothing meanwhile), every process it started (rank actors, spares, Ray's
+    agents), this one last. No rank is left to report the loss: the controller's probe finds the node
+    gone (orchestrator.cluster.node_probe), and Ray's GCS declares it dead after its health checks."""
+    raylet = os.getppid()  # Ray forks worker processes from the node's raylet
+    os.kill(raylet, signal.SIGSTOP)
+    for pid in children_of(raylet) - {os.getpid()}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.kill(raylet, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def children_of(parent: int) -> set[int]:
+    """The PIDs whose parent is `parent` (Linux: read from /proc)."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    # The command name (in parentheses) may hold spaces: the fields after it are fixed.
+                    if int(handle.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        children.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return children

@@ -1,12 +1,12 @@
 """The ranks of a job as Ray actors in a placement group: create, call, watch, replace.
 
-Protocol: the controller is the only caller, from one thread. `place` reserves the bundles
-of the placement plan (orchestrator/cluster/placement.py: one bundle per TP group, so a group always
-shares a node; one seat per rank or spare), failing fast when the cluster can never satisfy
-it; `ensure_actors` creates the actors of the given ranks in their seats; the `*_all` methods fan a call out and wait;
-`start_training` launches every rank's `train` call and `wait_any` reports finished or dead
-ranks. A SIGKILLed actor is seen through its pending `train` call: Ray raises
-`ActorDiedError` within milliseconds, so no polling of the dead process is needed.
+Protocol: the controller is the only caller, from one thread. `place` reserves the bundles of
+the placement plan (orchestrator/cluster/placement.py: one bundle per TP group, so a group
+always shares a node; one seat per rank or spare), failing fast when the cluster can never
+satisfy it; `ensure_actors` creates the actors of the given ranks in their seats; the `*_all`
+methods fan a call out and wait; `start_training` launches every rank's `train` call and
+`wait_any` reports finished or dead ranks. A SIGKILLed actor is seen through its pending
+`train` call (Ray raises `ActorDiedError` within milliseconds): nothing polls the processes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, NodeDiedError, OutOfMemoryError, RayActorError, WorkerCrashedError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -24,16 +24,11 @@ from chaos.config import ArmedFault
 from ckpt.staging import staging_env
 from orchestrator.cluster import interruptible
 from orchestrator.cluster.capacity import capacity_problems, node_problems
+from orchestrator.cluster.new_actors import RANK_GONE, pings_within
 from orchestrator.cluster.placement import SeatChoice, choose_seats, plan_placement
 from orchestrator.cluster.ray_cluster import alive_node_resources
 from orchestrator.rank.actor import RankActor
 from orchestrator.wire.auth import StoreAddress
-
-# What a call on a rank actor raises when its process is gone: killed (ActorDiedError), killed by
-# Ray's memory monitor when the node runs low on memory (OutOfMemoryError: not a RayActorError,
-# but the rank is just as dead, and host OOM is a common failure at scale), crashed or lost with
-# its node. Each is a rank failure to recover from, never a controller error.
-RANK_GONE = (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError)
 
 
 class PlacementError(RuntimeError):
@@ -160,6 +155,11 @@ class RayWorkerGroup:
         """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""
         return sum(self.node_of_actor.get(actor._actor_id.hex()) == node for actor, _ in self.spares.values())
 
+    def nodes_in_use(self) -> set[str]:
+        """The nodes known to hold a rank or a spare, lost ones aside."""
+        held = [*self.actors.values(), *(actor for actor, _ in self.spares.values())]
+        return {self.node_of_actor.get(actor._actor_id.hex()) for actor in held} - self.lost_nodes - {None}
+
     def start_spares(self) -> list[int]:
         """Start a spare in every free seat (no waiting: each warms up on its own); returns the seats."""
         free = self.free_bundles()
@@ -240,22 +240,14 @@ class RayWorkerGroup:
     def replace_cold(self, ranks: list[int], timeout_s: float, draining: set[str] = frozenset()) -> list[int]:
         """New actors for `ranks`, each in its own seat when that is on a live node not being drained
         (beside its TP group), else in a free seat (placement.choose_seats); returns ranks not up
-        within `timeout_s`."""
+        within `timeout_s` (new_actors.pings_within: one that dies starting is created again)."""
         seats = self._seat_choice(ranks, draining).seats
         for rank in ranks:
             self.bundle_of[rank] = seats[rank]
             self.actors[rank] = self._new_actor(seats[rank])
-        pings = {self.actors[r].ping.remote(): r for r in ranks}
-        ready, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted)
-        up = set()
-        for ref in ready:
-            rank = pings[ref]
-            try:
-                self._remember_node(self.actors[rank], ray.get(ref))
-                up.add(rank)
-            except RANK_GONE:
-                # Started and died (e.g. placed on a node that was being lost): try again later.
-                self.actors[rank] = self._new_actor(self.bundle_of[rank])
+        up = pings_within(ranks, self.actors.__getitem__, self._recreate, timeout_s, self.interrupted)
+        for rank, ping in up.items():
+            self._remember_node(self.actors[rank], ping)
         late = [r for r in ranks if r not in up]
         for rank in late:
             # Keep the pending actor as a spare-to-be: when resources return it starts, and
@@ -263,6 +255,9 @@ class RayWorkerGroup:
             actor = self.actors.pop(rank)
             self.spares[self.bundle_of.pop(rank)] = (actor, actor.warm_up.remote())
         return late
+
+    def _recreate(self, rank: int) -> None:
+        self.actors[rank] = self._new_actor(self.bundle_of[rank])
 
     def renumber(self, keep: list[int]) -> None:
         """Shrink: old rank keep[i] becomes rank i; any other live rank becomes a spare."""
@@ -300,7 +295,7 @@ class RayWorkerGroup:
                 except RANK_GONE:
                     if attempt == restarts:
                         raise
-                    self.actors[rank] = self._new_actor(self.bundle_of[rank])
+                    self._recreate(rank)
                     refs[rank] = self.actors[rank].ping.remote()
                     continue
                 del refs[rank]

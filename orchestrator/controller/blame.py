@@ -8,7 +8,8 @@ RENDEZVOUS and RESTORING build theirs with `rendezvous_failed` and `restore_fail
 fault that fired is the cause even when a peer's collective error is reported first, and
 taking it marks it blamed, so it is never blamed for a later failure. Once every rank is out
 (RECOVERING), `attribute` names the real culprit from what the release learned (who was
-dead, who was stuck) and returns what the failure policy needs to know of it.
+dead, who was stuck, which nodes its probe found gone: a crashed machine leaves no watchdog to
+report it) and returns what the failure policy needs to know of it.
 
 Evictions: the straggler watch records the ranks it kills on purpose (`evicting`); their
 deaths are `straggler_evicted`, not `rank_died`.
@@ -105,14 +106,21 @@ class Blame:
             return Failure(fault.kind, fault.rank, time.time(), message, fault_time=fault.time, step=fault.step)
         return Failure("restore", None, time.time(), message)
 
-    def attribute(self, failure: Failure, dead: list[int], stuck: list[int]) -> FailureSummary:
-        """Name the real culprit once every rank's outcome is known; updates `failure` and its record."""
+    def attribute(self, failure: Failure, dead: list[int], stuck: list[int],
+                  crashed: dict[str, list[int]] | None = None) -> FailureSummary:
+        """Name the real culprit once every rank's outcome is known (`crashed`: the nodes the release's
+        probe found gone, with their ranks); updates `failure` and its record."""
         culprit = None
         # A peer's collective error can be seen before the evicted rank's death. An eviction
         # that coincided with another failure is still forgotten (and its slowness disarmed).
         evicted = self.take_evicted(set(dead))
+        on_crashed = [(node, ranks[0]) for node, ranks in (crashed or {}).items() if ranks]
         if evicted and failure.kind == "rank_error":
             culprit, kind = evicted[0], "straggler_evicted"
+        elif on_crashed and failure.kind in ("rank_error", "rank_died", "hang"):
+            # A crashed machine: its ranks looked dead or hung, and their peers' collectives failed.
+            (node, culprit), kind = on_crashed[0], "node_lost"
+            failure.message = failure.record.message = f"node {node[:12]} lost (its raylet does not answer)"
         elif failure.kind == "rank_error" and dead:
             culprit, kind = dead[0], "rank_died"
         elif failure.kind == "rank_error" and is_peer_failure(failure.errors.get(failure.rank, "")):

@@ -376,7 +376,8 @@ class Controller:
         self.intake.drain(self.store)  # late receipts may still complete a checkpoint
         released = self.recovery.release(self.store, self.world_size, failure.errors, self.intake)
         release_s = time.perf_counter() - started
-        self.failure_history.append(self.blame.attribute(failure, released.dead, released.stuck))
+        self.failure_history.append(self.blame.attribute(failure, released.dead, released.stuck,
+                                                                  released.crashed))
         failure.record.killed_at_release = released.stuck
         self.fault_clock.sweep_fired(failure.detected_at)
         restore_point = self.checkpoints.expected_restore_point(self.workers) or 0

@@ -7,6 +7,8 @@ Recovery, in order (docs/design.md section 2), as the controller's RECOVERING st
   2. Release (`release`): the abort key is set in the generation's store; every live rank's
      watcher breaks its own collectives (orchestrator.rank.comm_abort), so survivors are out
      within milliseconds; a rank not out within `release_timeout_s` (a hung process) is killed.
+     The job's nodes are probed first (orchestrator.cluster.node_probe): a crashed machine's
+     ranks and spares are dropped at once, as a reported node loss's are, not waited on.
   3. Accounting (the controller): time from the fault to its detection is `detection`;
      compute of steps after the restore point is `lost_work` (it will be redone).
   4. Decision: the failure policy says restart or fail (budget, crash loop).
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from orchestrator.cluster import node_probe
 from orchestrator.controller.errors import collapse
 from orchestrator.controller.policies import ScalingPolicy
 from orchestrator.controller.spare_pool import SparePool
@@ -35,6 +38,7 @@ class Released:
     dead: list[int]  # ranks whose actors died (in the failure or while waiting)
     stuck: list[int]  # ranks killed because they did not leave in time (hung)
     lost: list[int]  # ranks that need a new actor
+    crashed: dict[str, list[int]] = field(default_factory=dict)  # nodes the probe found gone -> their ranks
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ class Membership:
 class Recovery:
     def __init__(self, spec, workers, scaling_policy: ScalingPolicy, log: Callable[[str], None], *,
                  release_timeout_s: float | Callable[[], float], poll_s: float, metrics,
-                 draining: Callable[[], Iterable[str]] = tuple):
+                 draining: Callable[[], Iterable[str]] = tuple,
+                 probe: Callable[[Iterable[str]], list[str]] = node_probe.lost_nodes):
         self.spec = spec
         self.workers = workers
         self.spares = SparePool(spec, workers, metrics, log)
@@ -59,6 +64,7 @@ class Recovery:
         self._release_s = release_timeout_s if callable(release_timeout_s) else lambda: release_timeout_s
         self.poll_s = poll_s
         self.draining = draining  # the nodes Ray is draining now (orchestrator.cluster.drain)
+        self.probe = probe  # of the nodes given, those whose raylet is gone (orchestrator.cluster.node_probe)
 
     @property
     def release_timeout_s(self) -> float:
@@ -71,9 +77,13 @@ class Recovery:
         """Get every rank out of the old generation. `errors` (rank -> error) gains what the
         release learns: the ranks of lost nodes, and the outcome of every rank that finished.
         `intake` (the controller's EventIntake) is drained after the wait: a node whose loss is
-        reported meanwhile is dropped here too, not left to fail the next generation."""
+        reported meanwhile is dropped here too, not left to fail the next generation. A node the
+        probe finds gone is dropped like a reported one (its late report ignored) and returned in
+        `Released.crashed`."""
         store.request_abort()
         self._forget(intake.take_lost_nodes(), errors)
+        crashed = self._forget(self.probe(self.workers.nodes_in_use()), errors, "its raylet does not answer")
+        intake.nodes_handled.update(crashed)
         finished, stuck = self.wait_out()
         intake.drain(store)  # late receipts may still complete a checkpoint; late node losses
         self._forget(intake.take_lost_nodes(), errors)
@@ -90,12 +100,19 @@ class Recovery:
         self.log(f"release: {len(finished)} rank(s) out within {slowest * 1000:.0f} ms"
                  + (f"; killed {stuck_all} (not out within {self.release_timeout_s:.0f} s)" if stuck_all else "")
                  + (f"; errors {collapse(errors)}" if errors else ""))
-        return Released(sorted(set(dead)), stuck_all, [r for r in range(world_size) if r not in self.workers.actors])
+        return Released(sorted(set(dead)), stuck_all, [r for r in range(world_size) if r not in self.workers.actors],
+                        crashed)
 
-    def _forget(self, nodes: list[str], errors: dict[int, str]) -> None:
-        for node in nodes:  # dropped without waiting for Ray to notice (it takes 12-15 s)
-            for rank in self.workers.forget_node(node):
-                errors.setdefault(rank, f"node {node[:12]} lost")
+    def _forget(self, nodes: list[str], errors: dict[int, str], why: str = "reported") -> dict[str, list[int]]:
+        """Drop every rank and spare on `nodes` without waiting for Ray to notice (it takes 12-15 s);
+        returns each node's ranks."""
+        dropped = {}
+        for node in nodes:
+            ranks = dropped[node] = self.workers.forget_node(node)
+            for rank in ranks:
+                errors[rank] = f"node {node[:12]} lost"  # the cause, over what its death looked like
+            self.log(f"node {node[:12]} lost ({why}): rank(s) {ranks} and its spares dropped")
+        return dropped
 
     def replace(self, lost: list[int], dp: int) -> Membership:
         """Fill the lost ranks (spares, then new actors) or shrink dp."""

@@ -1,11 +1,15 @@
 """Losing a whole node on a local multi-node Ray cluster (head + 3 worker nodes of 2 slots).
 
-The `kill_node` fault kills the raylet of the node hosting the target rank, as a crashed
-machine would look to Ray. Ray itself declares such a node dead only after its health checks
-time out; the ranks' node watchdogs report it to the controller in well under a second.
+The `kill_node` fault ends every process Ray runs on the node hosting the target rank at once,
+as a machine crash does: no rank is left to report it, and Ray declares the node dead only after
+its health checks time out; the controller's probe of its nodes' raylets finds it at once. A
+raylet that dies alone (its ranks live on) is reported by the ranks' node watchdogs.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 
@@ -25,6 +29,8 @@ def test_node_loss_is_detected_in_seconds_and_warm_spares_take_over(local_cluste
         assert [f["kind"] for f in result["failures"]] == ["kill_node"], text[-4000:]
         [failure] = result["failures"]
         assert failure["detected_after_s"] < 3.0  # node loss seen within 3 s, not after Ray's 12-15 s health checks
+        assert "lost (its raylet does not answer): rank(s) [0, 1]" in text  # the probe found it, nobody waited
+        assert "killed [" not in text
         assert "taken over by warm spares" in text
         assert [w["dp"] for w in result["world_history"]] == [4, 4]
         assert result["final_loss"] == reference["final_loss"]  # same layout: bit for bit
@@ -52,5 +58,28 @@ def test_node_loss_without_spares_shrinks_then_grows_when_a_node_joins(local_clu
         assert result["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5)
         for ours, ref in zip(result["losses"], reference["losses"], strict=True):
             assert ours["step"] == ref["step"] and ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    finally:
+        local_cluster.restore(NODES)
+
+
+def test_a_raylet_that_dies_alone_is_reported_by_its_ranks_watchdogs(local_cluster, tmp_path, reference):
+    # No spare: ranks 0-3 fill two nodes, the third is free. The raylet of a node with ranks is
+    # killed from outside; its rank processes live on and report the loss (orchestrator.rank.actor),
+    # the job keeps dp 4 with new actors in the seats Ray re-places on the free node.
+    try:
+        proc, report, log = start_job(local_cluster.address, tmp_path, "rayletdies", [
+            "elastic.spares=0", "chaos.faults=[{kind: slow_rank, rank: 0, at_step: 0, factor: 3}]"])
+        wait_for(log, "step 10 committed", proc)
+        node = next(n for n in local_cluster.nodes if local_cluster.rank_pids(n))
+        ranks_there = local_cluster.rank_pids(node)
+        os.kill(node.all_processes["raylet"][0].process.pid, signal.SIGKILL)
+        result = finish_job(proc, report, log)
+        text = log.read_text()
+        [failure] = result["failures"]
+        assert failure["kind"] == "node_lost" and "reported by rank" in failure["message"], text[-4000:]
+        assert "lost (reported): rank(s)" in text
+        assert [w["dp"] for w in result["world_history"]] == [4, 4]
+        assert result["final_loss"] == reference["final_loss"]
+        assert not [pid for pid in ranks_there if os.path.exists(f"/proc/{pid}")]  # they exited on their own
     finally:
         local_cluster.restore(NODES)

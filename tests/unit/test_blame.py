@@ -36,3 +36,23 @@ def test_once_every_outcome_is_in_a_peer_blamed_first_gives_way_to_the_cause():
     summary = blame.attribute(failure, dead=[], stuck=[])
     assert (summary.rank, summary.error) == (5, OWN) and failure.record.rank == 5
     assert is_peer_failure(GLOO_PEER) and not is_peer_failure(OWN)
+
+
+def test_a_node_the_release_found_gone_is_the_cause_of_its_ranks_deaths_and_peers_errors():
+    # A crashed machine: no watchdog reported it; its rank 2 looked dead, rank 0's collective failed first.
+    blame = _blame()
+    failure = blame.from_outcomes([RankOutcome(0, "aborted", {"error": GLOO_PEER, "step": 12})])
+    failure.errors.update({2: "node 0a1b2c3d4e5f lost", 3: "node 0a1b2c3d4e5f lost"})
+    failure.record = SimpleNamespace(kind=None, rank=None, message=None)
+    summary = blame.attribute(failure, dead=[], stuck=[], crashed={"0a1b2c3d4e5f" + "9" * 44: [2, 3]})
+    assert (summary.kind, summary.rank) == ("node_lost", 2)
+    assert (failure.record.kind, failure.record.rank) == ("node_lost", 2)
+    assert failure.record.message == "node 0a1b2c3d4e5f lost (its raylet does not answer)"
+
+
+def test_a_gone_node_that_held_only_spares_takes_no_blame_from_the_ranks_own_error():
+    blame = _blame()
+    failure = blame.from_outcomes([RankOutcome(5, "aborted", {"error": OWN, "step": 12})])
+    failure.record = SimpleNamespace(kind=None, rank=None, message=None)
+    summary = blame.attribute(failure, dead=[], stuck=[], crashed={"f" * 56: []})
+    assert (summary.kind, summary.rank, summary.error) == ("rank_error", 5, OWN)

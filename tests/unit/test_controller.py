@@ -211,6 +211,9 @@ class FakeWorkerGroup:
     def leave_all(self, ranks, timeout_s):
         return []
 
+    def nodes_in_use(self):
+        return set()  # no Ray node here for the release's probe to ask (tests/unit/test_release_probe.py)
+
     def shutdown(self):
         self.actors.clear()
 
