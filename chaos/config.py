@@ -24,7 +24,7 @@ from trainer.spec_section import SpecSection
 
 FaultKind = Literal[
     "kill_rank",  # SIGKILL the rank's process
-    "kill_node",  # a machine crash: every process Ray runs on a node ends at once (the named node, or `rank`'s)
+    "kill_node",  # every process Ray runs on a node is SIGKILLed at once (the named node, or `rank`'s)
     "kill_controller",  # the controller SIGKILLs itself; a rerun resumes from the last commit
     "hang_rank",  # the rank stops making progress without dying
     "slow_rank",  # the rank's steps take `factor` times longer (a straggler), or step at_step `delay_s` longer

@@ -135,11 +135,17 @@ class FaultInjector:
 
 
 def crash_node() -> None:
-    """End every process Ray runs on this node at once, as a machine crash does: the raylet (frozen
-    first, so that it starts nothing meanwhile), every process it started (rank actors, spares, Ray's
-    agents), this one last. No rank is left to report the loss: the controller's probe finds the node
-    gone (orchestrator.cluster.node_probe), and Ray's GCS declares it dead after its health checks."""
+    """End every process Ray runs on this node at once (a killed container or pod, a raylet crash
+    that takes its workers along): the raylet (frozen first, so that it starts nothing meanwhile),
+    every process it started (rank actors, spares, Ray's agents), this one last. No rank is left to
+    report the loss: the controller's probe finds the raylet's port refusing connections
+    (orchestrator.cluster.node_probe), and Ray's GCS declares the node dead after its health checks."""
     raylet = os.getppid()  # Ray forks worker processes from the node's raylet
+    with open(f"/proc/{raylet}/comm") as handle:
+        parent = handle.read().strip()
+    if not parent.startswith("raylet"):  # a wrapper in between, or the raylet already gone
+        raise RuntimeError(f"kill_node: this rank's parent process {raylet} is {parent!r}, not the node's raylet; "
+                           "nothing was killed")
     os.kill(raylet, signal.SIGSTOP)
     for pid in children_of(raylet) - {os.getpid()}:
         with contextlib.suppress(ProcessLookupError):

@@ -11,8 +11,8 @@ worker nodes of 2 CPUs (4 ranks fill two nodes, the spares the third). `--after`
 training the node of rank 1 ends:
   drained  `undying drain-node --node-id <it> --wait 60`, as its pod's preStop hook runs it;
            once the command returns, the node's processes are killed (the pod ends);
-  lost     its rank processes and then its Ray processes are SIGKILLed at once (a pod whose
-           node vanished, or one ended without the hook), the anchor. A best case for a loss:
+  lost     its raylet and rank processes, then its other Ray processes, are SIGKILLed at once (a
+           pod whose node vanished, or one ended without the hook), the anchor. A best case for a loss:
            the survivors' sockets to the dead ranks reset at once, where a node that vanishes
            (power, network) is found by health checks and timeouts, seconds later.
 Either way a new node then joins, as KubeRay recreates a worker pod (and Ray's GCS, which spins
@@ -78,7 +78,8 @@ def _end_node(cluster, node, way: str) -> float:
         if hook.returncode != 0:
             raise RuntimeError(f"drain-node exited {hook.returncode}: {hook.stdout}{hook.stderr}")
     hook_s = time.monotonic() - started if way == "drained" else 0.0
-    for pid in cluster.rank_pids(node):
+    ranks = cluster.rank_pids(node)  # found as the raylet's children, so before it goes
+    for pid in [node.all_processes["raylet"][0].process.pid, *ranks]:
         os.kill(pid, signal.SIGKILL)
     cluster.cluster.remove_node(node, allow_graceful=False)
     cluster.nodes.remove(node)

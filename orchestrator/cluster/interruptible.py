@@ -59,11 +59,3 @@ def get(refs: list, timeout_s: float, interrupted: Callable[[], bool] = never) -
             raise Interrupted("the job is ending")
     return ray.get(list(refs))
 
-
-def sleep(seconds: float, interrupted: Callable[[], bool] = never) -> None:
-    """`time.sleep(seconds)`, raising Interrupted between slices."""
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        if interrupted():
-            raise Interrupted("the job is ending")
-        time.sleep(min(SLICE_S, left))

@@ -20,35 +20,34 @@ from orchestrator.cluster import interruptible
 # its node. Each is a rank failure to recover from, never a controller error.
 RANK_GONE = (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError)
 
-# The least time between two starts of one seat's actor: one that fails at once (its constructor
-# raising) must not become a loop of process starts.
-RETRY_S = 1.0
+# How often one seat's actor is started within one replacement: a death while starting is
+# retried (its node was being lost, and Ray re-places the seat), but one whose constructor
+# fails every time must not hold the recovery for the whole replace timeout.
+STARTS = 3
 
 
 def pings_within(ranks: Iterable[int], actor_of: Callable[[int], object], recreate: Callable[[int], None],
                  timeout_s: float, interrupted: Callable[[], bool] = interruptible.never) -> dict[int, dict]:
     """The first ping of each of `ranks`' new actors (`actor_of(rank)`), waiting up to `timeout_s`
-    in all. An actor that dies while starting is created again (`recreate(rank)`) and waited for
-    within the same limit: one placed in a seat whose node was being lost is failed by Ray once
-    the GCS declares the node dead, and the seat is re-placed on a live node where one has room,
-    so the next one starts there. One dead at the limit is still re-created (the caller keeps it
-    as a spare-to-be). Returns the pings of the ranks that came up; the rest are late."""
+    in all. An actor that dies while starting is created again (`recreate(rank)`) and, up to
+    `STARTS` starts of its seat, waited for within the same limit: one placed in a seat whose node
+    was being lost is failed by Ray once the GCS declares the node dead, and the seat is re-placed
+    on a live node where one has room, so the next one starts there. The last one created is left
+    alive for the caller (a spare-to-be). Returns the pings of the ranks that came up; the rest
+    are late."""
     deadline = time.monotonic() + timeout_s
+    starts = dict.fromkeys(ranks, 1)
+    pings = {actor_of(rank).ping.remote(): rank for rank in starts}
     up: dict[int, dict] = {}
-    waiting = list(ranks)
-    while waiting:
-        pings = {actor_of(rank).ping.remote(): rank for rank in waiting}
-        ready, _ = interruptible.wait(list(pings), len(pings), max(0.0, deadline - time.monotonic()), interrupted)
-        died = []
+    while pings and (left := deadline - time.monotonic()) > 0:
+        ready, _ = interruptible.wait(list(pings), 1, left, interrupted)
         for ref in ready:
+            rank = pings.pop(ref)
             try:
-                up[pings[ref]] = ray.get(ref)
+                up[rank] = ray.get(ref)
             except RANK_GONE:
-                died.append(pings[ref])
-        for rank in died:
-            recreate(rank)
-        waiting = [rank for rank in waiting if rank not in up]
-        if not died or deadline - time.monotonic() <= RETRY_S:
-            break  # every one up, or the limit reached with some still starting, or no time to retry
-        interruptible.sleep(RETRY_S, interrupted)
+                recreate(rank)
+                if starts[rank] < STARTS:
+                    starts[rank] += 1
+                    pings[actor_of(rank).ping.remote()] = rank
     return up

@@ -106,6 +106,16 @@ class Blame:
             return Failure(fault.kind, fault.rank, time.time(), message, fault_time=fault.time, step=fault.step)
         return Failure("restore", None, time.time(), message)
 
+    @staticmethod
+    def _crash_explains(failure: Failure, crashed: dict[str, list[int]]) -> bool:
+        """Whether a gone node explains `failure`: a death or a hang, or an error of a rank there or of
+        a peer's collective (a rank's own error on a live node is a cause of its own)."""
+        if failure.kind in ("rank_died", "hang"):
+            return True
+        there = {rank for ranks in crashed.values() for rank in ranks}
+        return failure.kind == "rank_error" and (failure.rank in there
+                                                 or is_peer_failure(failure.errors.get(failure.rank, "")))
+
     def attribute(self, failure: Failure, dead: list[int], stuck: list[int],
                   crashed: dict[str, list[int]] | None = None) -> FailureSummary:
         """Name the real culprit once every rank's outcome is known (`crashed`: the nodes the release's
@@ -117,8 +127,8 @@ class Blame:
         on_crashed = [(node, ranks[0]) for node, ranks in (crashed or {}).items() if ranks]
         if evicted and failure.kind == "rank_error":
             culprit, kind = evicted[0], "straggler_evicted"
-        elif on_crashed and failure.kind in ("rank_error", "rank_died", "hang"):
-            # A crashed machine: its ranks looked dead or hung, and their peers' collectives failed.
+        elif on_crashed and self._crash_explains(failure, crashed):
+            # A gone node: its ranks looked dead or hung, and their peers' collectives failed.
             (node, culprit), kind = on_crashed[0], "node_lost"
             failure.message = failure.record.message = f"node {node[:12]} lost (its raylet does not answer)"
         elif failure.kind == "rank_error" and dead:

@@ -56,3 +56,12 @@ def test_a_gone_node_that_held_only_spares_takes_no_blame_from_the_ranks_own_err
     failure.record = SimpleNamespace(kind=None, rank=None, message=None)
     summary = blame.attribute(failure, dead=[], stuck=[], crashed={"f" * 56: []})
     assert (summary.kind, summary.rank, summary.error) == ("rank_error", 5, OWN)
+
+
+def test_a_rank_s_own_error_on_a_live_node_stays_its_own_cause_when_a_node_is_gone_too():
+    blame = _blame()
+    failure = blame.from_outcomes([RankOutcome(5, "aborted", {"error": OWN, "step": 12})])
+    failure.errors[2] = "node 0a1b2c3d4e5f lost"
+    failure.record = SimpleNamespace(kind=None, rank=None, message=None)
+    summary = blame.attribute(failure, dead=[], stuck=[], crashed={"0a1b2c3d4e5f" + "9" * 44: [2]})
+    assert (summary.kind, summary.rank, summary.error) == ("rank_error", 5, OWN)

@@ -1,13 +1,14 @@
 """The controller's probe of its nodes' raylets (orchestrator.cluster.node_probe), against sockets on
-loopback: a listening port is a live raylet, a closed one a gone raylet, a listener whose accept queue
-is full never completes a handshake (as a host that is down or cut off)."""
+loopback: a listening port is a live raylet, a closed one a gone raylet (proof), a listener whose
+accept queue is full never completes a handshake (a host that is down, cut off, or just dropped a
+SYN: no proof either way)."""
 
 from __future__ import annotations
 
 import socket
 import time
 
-from orchestrator.cluster.node_probe import lost_nodes, unreachable
+from orchestrator.cluster.node_probe import lost_nodes, refusing
 
 
 def _listener(backlog: int = 16) -> socket.socket:
@@ -22,13 +23,22 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_a_listening_raylet_is_reachable_and_a_closed_port_is_not():
+def test_a_closed_port_is_proof_and_a_listening_raylet_is_not():
     with _listener() as live:
-        addresses = {"live": live.getsockname(), "gone": ("127.0.0.1", _closed_port())}
-        assert unreachable(addresses, timeout_s=2.0) == {"gone"}
+        addresses = {"live": live.getsockname(), "gone": ("127.0.0.1", _closed_port()),
+                     "by name": ("localhost", _closed_port())}
+        assert refusing(addresses, timeout_s=2.0) == {"gone", "by name"}
 
 
-def test_a_host_that_never_answers_is_unreachable_after_the_timeout_not_before():
+def test_trouble_on_this_side_proves_nothing(monkeypatch):
+    def no_resolver(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_resolver)
+    assert refusing({"gone": ("127.0.0.1", _closed_port())}, timeout_s=0.5) == set()
+
+
+def test_a_host_that_never_answers_proves_nothing_and_is_given_up_at_the_timeout():
     # Linux drops a SYN when the listener's accept queue is full: the handshake never completes.
     with _listener(backlog=0) as full:
         fillers = []
@@ -40,7 +50,7 @@ def test_a_host_that_never_answers_is_unreachable_after_the_timeout_not_before()
                 fillers.append(client)
             time.sleep(0.2)
             started = time.monotonic()
-            assert unreachable({"silent": full.getsockname()}, timeout_s=0.5) == {"silent"}
+            assert refusing({"silent": full.getsockname()}, timeout_s=0.5) == set()
             assert 0.45 <= time.monotonic() - started < 2.0
         finally:
             for client in fillers:
