@@ -11,7 +11,9 @@ server sees each worker's pushes in order, and its clock of a worker is that wor
 Who calls what: the supervisor on the driver (paramserver.supervisor) creates the servers, then
 the workers, calls every worker's `run` for a segment and reads the streams, polls each server's
 `progress`, places injected kills with `hold` / `held` / `drop_held` (paramserver.gate), stops a
-segment with `abort` and takes calls again after a restore with `reopen`, and reads `stats`.
+segment with `abort` and takes calls again after a restore with `reopen`, cuts a segment short at
+an exact step with `freeze`, `cut` and `uncut` (paramserver.cut), asks where an actor runs with
+`node`, and reads `stats`.
 Between segments it saves (`save_shard` on every server, through
 paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load_shard`).
 """
@@ -30,7 +32,7 @@ from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.manifest import ShardReceipt
 from paramserver import checkpoint
 from paramserver.clocks import UpdateRecord
-from paramserver.gate import PullGate, SegmentStopped
+from paramserver.gate import PullDropped, PullGate, SegmentCut, SegmentStopped
 from paramserver.messages import Pulled, Push
 from paramserver.shard import ShardServer
 from paramserver.worker import PSWorker
@@ -78,6 +80,9 @@ class ServerActor:
         self._changed: asyncio.Condition | None = None
         self.gate = PullGate()
         self.stopped = False  # set by `abort`, until `reopen`
+        self.frozen = False  # set by `freeze`, until `cut`: new pulls wait while the cut is chosen
+        self.cut_at: int | None = None  # set by `cut`, until `uncut`: pulls of this step or later end the run
+        self.answered = -1  # the highest step a pull was answered for
 
     def _condition(self) -> asyncio.Condition:
         # Made on first use, inside the actor's event loop.
@@ -86,11 +91,17 @@ class ServerActor:
         return self._changed
 
     async def pull(self, worker: int, step: int, rows: torch.Tensor | None) -> Pulled:
-        await self.gate.wait(worker, step)
+        try:
+            await self.gate.wait(worker, step)
+        except PullDropped:
+            self._check_cut(step)  # dropped by the cut: the run ends cleanly; else the worker is dead
+            raise
         changed = self._condition()
         async with changed:
-            await changed.wait_for(lambda: self.stopped or self.shard.may_read(step))
+            await changed.wait_for(lambda: self.stopped or (not self.frozen and self.shard.may_read(step)))
             self._check_open()
+            self._check_cut(step)
+            self.answered = max(self.answered, step)
             return self.shard.pull(worker, step, rows)
 
     async def push(self, push: Push) -> None:
@@ -104,7 +115,14 @@ class ServerActor:
         if self.stopped:
             raise SegmentStopped(f"server {self.shard.index} stopped the segment: every server is being restored")
 
+    def _check_cut(self, step: int) -> None:
+        if self.cut_at is not None and step >= self.cut_at:
+            raise SegmentCut(f"server {self.shard.index}: the segment was cut at step {self.cut_at}")
+
     # ---- the supervisor's calls (paramserver.supervisor, paramserver.gate) ----
+
+    async def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     async def progress(self) -> Progress:
         return Progress(self.shard.index, os.getpid(), self.shard.version, list(self.shard.clocks.pushed))
@@ -126,6 +144,25 @@ class ServerActor:
             self.gate.drop()
             changed.notify_all()
 
+    async def freeze(self) -> int:
+        """Hold every pull not answered yet (the supervisor is choosing a cut); the highest step answered."""
+        async with self._condition():
+            self.frozen = True
+            return self.answered
+
+    async def cut(self, step: int) -> None:
+        """End the segment at `step`: pulls of earlier steps are answered, pulls of `step` and later
+        (held, waiting or to come) raise SegmentCut, so every worker stops with `step` pushed."""
+        changed = self._condition()
+        async with changed:
+            self.cut_at, self.frozen = step, False
+            self.gate.drop_from(step)
+            changed.notify_all()
+
+    async def uncut(self) -> None:
+        """Take every pull again (the next segment starts at the cut)."""
+        self.cut_at = None
+
     async def reopen(self, step: int, records: list[UpdateRecord] | None = None) -> None:
         """After a restore to `step`: keep the update records of the steps before it (`records`: a
         replaced server's, as the supervisor kept them at that commit), and take calls again."""
@@ -133,7 +170,7 @@ class ServerActor:
         kept = shard.records if records is None else records
         shard.records = [r for r in kept if r.step < step]
         shard.pending.clear()
-        self.stopped = False
+        self.stopped, self.frozen, self.cut_at, self.answered = False, False, None, step - 1
 
     async def save_shard(self, root: str, step: int, storage_options: dict | None = None,
                          tag: str = "") -> ShardReceipt:
@@ -169,6 +206,9 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def run(self, servers: list, start: int, steps: int, slow_s: float = 0.0):
         """Steps start..steps-1 against `servers` (handles in shard order), yielding each step's
         StepLog once its pushes are acknowledged: a streaming generator, so the driver has every
@@ -178,7 +218,10 @@ class WorkerActor:
         for step in range(start, steps):
             began = time.perf_counter()
             rows = worker.rows_needed(step)
-            pulled = _settled([server.pull.remote(worker.index, step, rows) for server in servers])
+            try:
+                pulled = _settled([server.pull.remote(worker.index, step, rows) for server in servers])
+            except SegmentCut:  # cut short here: every server has this worker's pushes up to `step`
+                return
             pulled_at = time.perf_counter()
             for answer in pulled:
                 worker.load(answer)

@@ -11,8 +11,12 @@ paramserver.supervisor, drives it through the actor's methods):
   * `drop(worker)`: that worker's waiting pull raises `PullDropped` (the worker is dead) and its
     armed holds are disarmed; `drop()` does so for every worker (the segment stops); the
     supervisor arms again for the next segment.
+  * `drop_from(step)`: the holds of `step` and later are dropped, those before it kept (a segment
+    cut short at `step`: the later ones are armed again for the next segment).
   * `SegmentStopped` is what an aborted server raises to a worker's pull or push
     (ServerActor.abort): the supervisor is rolling every server back to a checkpoint.
+  * `SegmentCut` is what a cut server raises to a pull of the cut step or later (ServerActor.cut):
+    the worker's run ends there, cleanly (paramserver.cut).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ class PullDropped(RuntimeError):
 
 class SegmentStopped(RuntimeError):
     """The server was aborted: the supervisor stops the segment to restore every server."""
+
+
+class SegmentCut(RuntimeError):
+    """The segment was cut short at a step this pull is at or past: the worker's run ends here."""
 
 
 class PullGate:
@@ -50,7 +58,14 @@ class PullGate:
 
     def drop(self, worker: int | None = None) -> None:
         """Drop `worker`'s holds (None: every hold), held or only armed."""
-        for key in [key for key in self._holds if worker is None or key[0] == worker]:
+        self._drop([key for key in self._holds if worker is None or key[0] == worker])
+
+    def drop_from(self, step: int) -> None:
+        """Drop the holds of `step` and later, held or only armed."""
+        self._drop([key for key in self._holds if key[1] >= step])
+
+    def _drop(self, keys: list[tuple[int, int]]) -> None:
+        for key in keys:
             event = self._holds.pop(key)
             if event is not None:
                 event.set()

@@ -42,6 +42,7 @@ class PSReport:
     redone: int = 0  # step executions thrown away by rollbacks
     goodput: dict[str, float] = field(default_factory=dict)  # ledger bucket -> seconds (they sum to wall_s)
     pids: dict[str, int] = field(default_factory=dict)  # every actor process the job started
+    moves: list[str] = field(default_factory=list)  # actors moved off draining nodes (paramserver.moves)
 
     @property
     def records(self) -> list[UpdateRecord]:
@@ -70,6 +71,7 @@ class PSReport:
             format_histogram(hist),
             f"checkpoints committed at steps {self.checkpoints}" if self.checkpoints else "no checkpoint committed",
             *[f"failure: {f.line()}" for f in self.failures],
+            *[f"drain: {line}" for line in self.moves],
         ]
         if self.goodput:
             productive = self.goodput.get("productive", 0.0)
@@ -82,7 +84,7 @@ class PSReport:
         return {"first_step": self.first_step, "failures": [f.to_dict() for f in self.failures],
                 "pauses_s": [f.pause_s for f in self.failures if f.action == "replaced"],
                 "steps_redone": sum(f.steps_redone for f in self.failures), "checkpoints": self.checkpoints,
-                "goodput": {**self.goodput, "clock_wall_s": self.wall_s}, "pids": self.pids}
+                "goodput": {**self.goodput, "clock_wall_s": self.wall_s}, "pids": self.pids, "moves": self.moves}
 
 
 def step_losses(logs: list[StepLog]) -> list[float]:
@@ -128,4 +130,4 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     return PSReport(parallel.consistency, parallel.dp, parallel.servers, sum(p.nbytes for p in params),
                     [shard_bytes(s) for s in shards], step_losses(logs), ledger.wall(), logs, stats,
                     supervisor.start_step, supervisor.failures, supervisor.saved, supervisor.redone,
-                    ledger.totals(), supervisor.pids)
+                    ledger.totals(), supervisor.pids, supervisor.moved)

@@ -3,14 +3,24 @@
 Called by the supervisor's loop (paramserver.supervisor) every poll: `take(stream)` returns the
 logs that are ready, and once the stream has ended, its error (None when the run finished);
 `actor_died(error)` tells a dead worker actor from a run that raised (a call to a dead server).
+When a segment stops, `stop_all` takes every stream to its end and `dead_servers` finds the
+servers that died.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections.abc import Callable
+
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from paramserver.actors import StepLog
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
 
 
 def take(stream) -> tuple[list[StepLog], BaseException | None, bool]:
@@ -38,3 +48,39 @@ def actor_died(error: BaseException) -> bool:
 
 def brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
+def dead_servers(servers: list, timeout_s: float = 30.0) -> set[int]:
+    """The indices of `servers` whose actor is dead or does not answer a progress call in `timeout_s`."""
+    dead = set()
+    for k, server in enumerate(servers):
+        try:
+            ray.get(server.progress.remote(), timeout=timeout_s)
+        except (RayActorError, GetTimeoutError):
+            dead.add(k)
+    return dead
+
+
+def stop_all(streams: dict, on_log: Callable[[StepLog], None], within_s: float,
+             kill: Callable[[int], None]) -> set[int]:
+    """After the servers were aborted (their waiting calls fail): take every worker's logs until its
+    stream ends, killing (`kill(w)`) a worker whose stream has not ended within `within_s`; empties
+    `streams` and returns the workers whose actor died."""
+    died: set[int] = set()
+    deadline = time.time() + within_s
+    while streams:
+        ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
+        for w, stream in list(streams.items()):
+            logs, error, ended = take(stream)
+            for entry in logs:
+                on_log(entry)
+            if ended:
+                del streams[w]
+                if error is not None and actor_died(error):
+                    died.add(w)
+        if time.time() > deadline:
+            for w in streams:
+                log.warning("worker %d did not stop %.0f s after the servers were aborted; killing it", w, within_s)
+                kill(w)
+            deadline = math.inf
+    return died

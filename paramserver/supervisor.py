@@ -19,8 +19,9 @@ or train.steps; paramserver.recovery.segment_end):
        and EVERY server is restored from the last committed checkpoint, or to the initial values
        when none is committed; the segment reruns from there with the same workers;
   3. with checkpoints: save a PS checkpoint at b (paramserver.checkpoint; every server at the cut b).
-When the driver's owner lease on the root is lost (`Checkpoints.owner`, ckpt.ownership) the job ends
-at the next poll with OwnershipLost, writing nothing there after; a signal (`Checkpoints.preemption`)
+A drain of a node with actors of the job cuts the segment short at an exact step, saved, where they
+move off it (paramserver.moves). A lost owner lease (`Checkpoints.owner`, ckpt.ownership) ends the
+job at the next poll with OwnershipLost, writing nothing there after; a signal (`Checkpoints.preemption`)
 ends it with Preempted at a segment's saved end, or where it is (paramserver.preemption).
 The goodput ledger books the wall (paramserver.recovery's buckets); `failures` says what happened.
 """
@@ -29,9 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import ray
@@ -41,6 +41,7 @@ from ckpt.ownership import OwnerLease, OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
+from paramserver.moves import Moves, cut_segment, uncut
 from paramserver.preemption import Preemption
 from paramserver.recovery import (
     Failure,
@@ -52,7 +53,7 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
-from paramserver.streams import actor_died, brief, take
+from paramserver.streams import actor_died, brief, dead_servers, stop_all, take
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
@@ -81,6 +82,7 @@ class Checkpoints:
     on_commit: Callable[[object], None] | None = None
     owner: OwnerLease | None = None  # the driver's lease on `root` (ckpt.ownership): every commit is fenced by it
     preemption: Preemption | None = None  # `undying run`'s signals (paramserver.preemption)
+    draining: Callable[[], Iterable[str]] | None = None  # the nodes Ray drains (orchestrator.cluster.drain)
 
 
 class Supervisor:
@@ -106,6 +108,9 @@ class Supervisor:
         self._held: dict[int, object] = {}  # server -> its outstanding `held` call
         self._productive_at_start = 0.0
         self._pid_of: dict[tuple[str, int], int] = {}  # the live process of each server and worker
+        self.moves = Moves(checkpoints.draining) if checkpoints and checkpoints.draining else None
+        self.cut: int | None = None  # where the segment under way was cut short (a drain)
+        self.moved: list[str] = []  # what the drains moved, a line each
 
     # ---- the job ----
 
@@ -119,8 +124,12 @@ class Supervisor:
         while step < self.steps:
             end = segment_end(step, self.steps, self.ckpt.every_steps if self.ckpt else None)
             restored = self._segment(step, end)
-            if restored is None:
+            cut, self.cut = self.cut, None
+            end = end if cut is None else cut
+            if restored is None and end != self._last_commit():  # a cut at the start: committed already
                 restored = self._save(step, end)
+            if restored is None and cut is not None:
+                self._move(end)
             if restored is not None:
                 rollbacks += 1
                 if rollbacks > MAX_ROLLBACKS:
@@ -166,6 +175,18 @@ class Supervisor:
             self.on_stats(stats or ray.get([s.stats.remote() for s in self.servers]))
         return None
 
+    def _move(self, cut: int) -> None:
+        """Move the drained nodes' actors at `cut`, the segment's end (a server when `cut` is committed)."""
+        self.ledger.enter(book.REFORMATION)
+
+        def restore(k: int, server) -> None:
+            checkpoint.restore_servers([server], self.ckpt.root, cut, storage_options=self.ckpt.storage_options)
+            ray.get(server.reopen.remote(cut, self._committed_records.get(k, [])))
+
+        self.moved += self.moves.move(self.servers, self.workers, self.actors.start_server, self.actors.start_worker,
+                                      restore, committed=cut == self._last_commit())
+        uncut(self.servers)
+
     def _last_commit(self) -> int | None:
         return self.saved[-1] if self.saved else (self.start_step or None)  # this run's, or the one resumed
 
@@ -195,6 +216,8 @@ class Supervisor:
                     server.abort.remote()  # its waiting pulls fail, so every worker's run ends
                 self._stop(streams, within_s=self.ckpt.preemption.left_s())
                 raise self.ckpt.preemption.preempted(self._last_commit(), saved_now=False)
+            if self.cut is None and self.moves is not None and self.moves.due(self.servers, self.workers):
+                self.cut = cut_segment(self.servers, start, end)  # every run ends there; then saved, moved
             trouble = self._take_streams(streams, start, end)
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:
@@ -341,7 +364,7 @@ class Supervisor:
             if k not in dead:
                 server.abort.remote()
         self._stop(streams)
-        dead |= self._ping_dead()
+        dead |= dead_servers(self.servers)
         for k in sorted(dead):
             ray.kill(self.servers[k], no_restart=True)
             self.servers[k] = self.actors.start_server(k)
@@ -358,31 +381,8 @@ class Supervisor:
 
     def _stop(self, streams: dict, within_s: float = STOP_S) -> None:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
-        deadline = time.time() + within_s
-        while streams:
-            ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
-            for w, stream in list(streams.items()):
-                logs, error, ended = take(stream)
-                for entry in logs:
-                    self._on_log(entry)
-                if ended:
-                    del streams[w]
-                    if error is not None and actor_died(error):
-                        self._dead_workers.add(w)
-            if time.time() > deadline:
-                for w in streams:
-                    log.warning("worker %d did not stop %.0f s after the servers were aborted; killing it", w, within_s)
-                    ray.kill(self.workers[w], no_restart=True)
-                deadline = math.inf
-
-    def _ping_dead(self) -> set[int]:
-        dead = set()
-        for k, server in enumerate(self.servers):
-            try:
-                ray.get(server.progress.remote(), timeout=30)
-            except (RayActorError, GetTimeoutError):
-                dead.add(k)
-        return dead
+        self._dead_workers |= stop_all(streams, self._on_log, within_s,
+                                       lambda w: ray.kill(self.workers[w], no_restart=True))
 
     def _restore(self, replaced: set[int]) -> tuple[int, bool]:
         latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None

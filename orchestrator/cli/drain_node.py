@@ -6,7 +6,8 @@ SIGTERM to its container's first process, and SIGKILL at the end of the pod's gr
 dies with its pod is a node loss: the job rolls back to its last checkpoint. A node Ray is
 draining is another matter: the controller sees it in the GCS's drain table
 (orchestrator.cluster.drain), stops every rank at a step boundary, saves that step, and moves the
-ranks to spares or shrinks past the node (orchestrator.controller.stopping): no work lost. This
+ranks to spares or shrinks past the node (orchestrator.controller.stopping): no work lost; a
+parameter-server job cuts its segment there and moves its servers and workers (paramserver.moves). This
 command turns the pod's end into such a drain whatever the container's first process does with
 SIGTERM (Ray 2.60's `ray start --block` drains its node on SIGTERM itself, for
 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s by default; a shell, an init process or an older Ray in
@@ -39,8 +40,9 @@ import time
 
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
-# Actor classes that hold a job's ranks: the controller moves them off a draining node.
-RANK_CLASSES = ("RankActor",)
+# Actor classes that hold a job's ranks: the controller moves a collective job's ranks off a
+# draining node, a parameter-server job's supervisor its servers and workers (paramserver.moves).
+RANK_CLASSES = ("RankActor", "ServerActor", "WorkerActor")
 POLL_S = 0.5
 FINISH_S = 3.0  # past the deadline: the last poll's answer and Ray's shutdown
 MAX_WAIT_S = 3600.0  # no pod grace is longer in practice; a typo of minutes for seconds is refused

@@ -11,7 +11,8 @@ servers, serves the job's Prometheus metrics on `monitor.host` /
 servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, prints the report
 (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
 `--report`. SIGTERM and SIGINT stop the job at its next segment end or where it is
-(paramserver.preemption): exit 75, the last commit intact.
+(paramserver.preemption): exit 75, the last commit intact. A node Ray drains has the job's actors
+moved off it at a saved cut (paramserver.moves).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_US
 from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import route_signals, teardown
 from orchestrator.cluster import ray_cluster
+from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
 from paramserver.preemption import Preempted, Preemption
@@ -41,7 +43,7 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     ckpt = spec.checkpoint
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep)
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
-                              on_commit=on_commit)
+                              on_commit=on_commit, draining=DrainWatcher().draining)
     faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)
               for f in spec.chaos.faults]
     return checkpoints, faults

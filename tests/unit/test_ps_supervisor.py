@@ -98,8 +98,26 @@ class FakeServer:
         self.pid, self.dead, self.stopped = world.new_pid(), False, False
         self.holds: set[tuple[int, int]] = set()
         self.waiting: set[tuple[int, int]] = set()
-        for name in ("progress", "stats", "hold", "held", "drop_held", "abort", "reopen"):
+        self.frozen, self.cut_at, self.answered = False, None, -1
+        self.where = world.place("server", k)
+        for name in ("progress", "stats", "hold", "held", "drop_held", "abort", "reopen", "freeze", "cut", "uncut",
+                     "node"):
             setattr(self, name, Method(self, getattr(self, "_" + name)))
+
+    def _freeze(self):
+        self.frozen = True
+        return self.answered
+
+    def _cut(self, step):
+        self.cut_at, self.frozen = step, False
+        self.holds = {h for h in self.holds if h[1] < step}
+        self.waiting = {h for h in self.waiting if h[1] < step}
+
+    def _uncut(self):
+        self.cut_at = None
+
+    def _node(self):
+        return self.where
 
     def _progress(self):
         return Progress(self.shard.index, self.pid, self.shard.version, list(self.shard.clocks.pushed))
@@ -137,6 +155,7 @@ class FakeWorker:
         self.worker = PSWorker(w, PAR.dp, MODEL, DATA, TRAIN, [s.slices for s in world.setup.servers])
         self.stream: Stream | None = None
         self.pid = Method(self, lambda: self.proc)
+        self.node = Method(self, lambda where=world.place("worker", w): where)
         self.run = types.SimpleNamespace(remote=self._run)  # a generator's call gives its stream itself
 
     def _run(self, servers, start, end, slow_s=0.0):
@@ -156,6 +175,10 @@ class FakeWorker:
             return stream.end()
         if any(s.dead or s.stopped for s in self.servers):
             return stream.end(CallFailed())
+        if any(s.cut_at is not None and step >= s.cut_at for s in self.servers):
+            return stream.end()  # SegmentCut: the run ends cleanly
+        if any(s.frozen for s in self.servers):
+            return
         for server in self.servers:
             if (w, step) in server.holds:
                 server.waiting.add((w, step))
@@ -164,6 +187,8 @@ class FakeWorker:
                 return
         rows = self.worker.rows_needed(step)
         pulled = [s.shard.pull(w, step, rows) for s in self.servers]
+        for server in self.servers:
+            server.answered = max(server.answered, step)
         for answer in pulled:
             self.worker.load(answer)
         loss, tokens = self.worker.compute(step)
@@ -180,6 +205,14 @@ class World:
         self.setup = build_in_process(MODEL, DATA, TRAIN, PAR, PIECES)
         self.now, self.pids, self.workers = 1000.0, 0, []
         self.commits: dict[int, list[ShardServer]] = {}
+        self.nodes: dict[tuple[str, int], str] = {}  # (kind, index) -> the node of its first actor
+        self.placed: set[tuple[str, int]] = set()
+
+    def place(self, kind: str, index: int) -> str:
+        """The node a new actor runs on: as `nodes` says for the first, elsewhere for a replacement."""
+        first = (kind, index) not in self.placed
+        self.placed.add((kind, index))
+        return self.nodes.get((kind, index), "safe") if first else "elsewhere"
 
     def new_pid(self) -> int:
         self.pids += 1
@@ -225,8 +258,8 @@ class World:
         return max(self.commits, default=None)
 
     def restore(self, servers, root, step, *, storage_options=None):
-        for server, saved in zip(servers, self.commits[step], strict=True):
-            server.shard = copy.deepcopy(saved)
+        for server in servers:
+            server.shard = copy.deepcopy(self.commits[step][server.shard.index])
 
 
 @pytest.fixture
@@ -236,6 +269,7 @@ def world(monkeypatch):
     ray = types.SimpleNamespace(get=fake.get, wait=fake.wait, kill=fake.kill)
     monkeypatch.setattr(sup, "ray", ray)
     monkeypatch.setattr("paramserver.streams.ray", ray)
+    monkeypatch.setattr("paramserver.moves.ray", ray)
     monkeypatch.setattr(sup, "time", types.SimpleNamespace(time=lambda: fake.now))
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", fake.save)
     monkeypatch.setattr(sup.checkpoint, "latest_committed_step", fake.latest)
@@ -250,11 +284,12 @@ def expected():
     return losses
 
 
-def _run(world: World, faults=(), every: int | None = 4, on_commit=None):
+def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None):
     from paramserver.job import step_losses
 
     actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
-    checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit) if every else None
+    checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
+                                  draining=draining) if every else None
     ledger = GoodputLedger(clock=lambda: world.now)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
                                 faults=list(faults), ledger=ledger)
@@ -326,7 +361,7 @@ def test_a_torn_push_rolls_back_instead_of_replaying(world, expected, monkeypatc
             second = self.servers[1]
             self.servers[1] = types.SimpleNamespace(shard=types.SimpleNamespace(
                 may_read=second.shard.may_read, pull=second.shard.pull, push=lambda push: None),
-                dead=False, stopped=False, holds=set())
+                dead=False, stopped=False, holds=set(), cut_at=None, frozen=False, answered=-1)
             original(self, now)
             self.servers[1] = second
             return self.kill()
@@ -389,3 +424,43 @@ def test_a_signal_during_the_last_segment_lets_the_job_finish(world):
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints)
     supervisor.run()  # no Preempted: the job is done, its final checkpoint committed
     assert supervisor.saved == [8]
+
+
+# ---- a drained node ----
+
+def _drained_at(world: World, seconds: float):
+    """Ray's drain table: the node "doomed" drains from `seconds` into the job on."""
+    started = world.now
+    return lambda: ["doomed"] if world.now - started >= seconds else []
+
+
+def test_a_drained_node_s_server_and_worker_move_off_at_a_saved_cut_with_nothing_redone(world, expected):
+    world.nodes = {("server", 1): "doomed", ("worker", 0): "doomed"}
+    supervisor, losses, ledger = _run(world, draining=_drained_at(world, 5.5 * sup.POLL_S))
+    assert losses == expected  # bsp: bit for bit the failure-free run
+    assert supervisor.failures == [] and supervisor.redone == 0
+    cut = next(step for step in supervisor.saved if step % 4)
+    assert 4 < cut < 8 and supervisor.saved == [4, cut, 8], supervisor.saved
+    assert supervisor.moved == ["worker 0 moved off draining node(s) doomed",
+                                "server 1 moved off draining node(s) doomed, restored from the cut"]
+    assert "server 1 #2" in supervisor.pids and "worker 0 #2" in supervisor.pids
+    assert [s.where for s in supervisor.servers] == ["safe", "elsewhere"]
+    assert _applied_once(supervisor)  # the moved server's records came with it, nothing applied twice
+    assert ledger.totals().get("lost_work", 0.0) == 0.0
+
+
+def test_a_server_whose_cut_was_not_committed_stays_and_its_worker_still_moves(world, expected, monkeypatch):
+    world.nodes = {("server", 1): "doomed", ("worker", 0): "doomed"}
+    save = world.save
+
+    def refusing_the_cut(servers, root, step, **kwargs):
+        if step % 4:
+            raise sup.checkpoint.PSCheckpointError(f"step {step}: the store said no")
+        return save(servers, root, step, **kwargs)
+
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", refusing_the_cut)
+    supervisor, losses, _ = _run(world, draining=_drained_at(world, 5.5 * sup.POLL_S))
+    assert losses == expected and supervisor.redone == 0
+    assert supervisor.moved[0] == "worker 0 moved off draining node(s) doomed"
+    assert supervisor.moved[1].startswith("server 1 stays on draining node(s) doomed: the cut was not committed")
+    assert [s.where for s in supervisor.servers] == ["safe", "doomed"]
