@@ -114,7 +114,9 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     actors = Actors(
         lambda k: ServerActor.options(num_cpus=1).remote(k, shards[k], model, train, parallel.dp, parallel.consistency,
                                                          parallel.staleness, sparse),
-        lambda w: WorkerActor.options(num_cpus=1).remote(w, parallel.dp, model, data, train, shards, sparse),
+        # A second concurrent call: `node` is answered while the worker is inside a segment's `run`.
+        lambda w: WorkerActor.options(num_cpus=1, max_concurrency=2).remote(w, parallel.dp, model, data, train,
+                                                                            shards, sparse),
         dict(slow or {}))
     supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
                             faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s)

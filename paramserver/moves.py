@@ -40,6 +40,7 @@ def cut_segment(servers: list, start: int, end: int) -> int:
     answered = ray.get([server.freeze.remote() for server in servers], timeout=ASK_S)
     step = max(start, min(end, max(answered) + 1))
     ray.get([server.cut.remote(step) for server in servers], timeout=ASK_S)
+    log.warning("a node with actors of the job is draining: the segment [%d, %d) is cut at step %d", start, end, step)
     return step
 
 

@@ -80,5 +80,8 @@ def test_ray_that_never_answers_is_left_behind_at_the_deadline(capsys, monkeypat
 def test_the_rank_class_waited_for_is_the_one_ray_records_for_a_rank():
     # Ray's actor table names an actor by its class's qualified name.
     from orchestrator.rank.actor import RankActor
+    from paramserver.actors import ServerActor, WorkerActor
 
     assert RankActor.__qualname__ in RANK_CLASSES
+    # A parameter-server job's actors: the name Ray records for a class made an actor by @ray.remote.
+    assert {ServerActor.__ray_metadata__.class_name, WorkerActor.__ray_metadata__.class_name} <= set(RANK_CLASSES)
