@@ -12,7 +12,7 @@ Who calls what: the supervisor on the driver (paramserver.supervisor) creates th
 the workers, calls every worker's `run` for a segment and reads the streams, polls each server's
 `progress`, places injected kills with `hold` / `held` / `drop_held` (paramserver.gate), stops a
 segment with `abort` and takes calls again after a restore with `reopen`, cuts a segment short at
-an exact step with `freeze`, `cut` and `uncut` (paramserver.cut), asks where an actor runs with
+an exact step with `freeze`, `cut` and `uncut` (paramserver.moves), asks where an actor runs with
 `node`, and reads `stats`.
 Between segments it saves (`save_shard` on every server, through
 paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load_shard`).
@@ -91,6 +91,7 @@ class ServerActor:
         return self._changed
 
     async def pull(self, worker: int, step: int, rows: torch.Tensor | None) -> Pulled:
+        self._check_cut(step)  # before the gate: no hold keeps a pull past a cut waiting
         try:
             await self.gate.wait(worker, step)
         except PullDropped:
@@ -98,7 +99,8 @@ class ServerActor:
             raise
         changed = self._condition()
         async with changed:
-            await changed.wait_for(lambda: self.stopped or (not self.frozen and self.shard.may_read(step)))
+            await changed.wait_for(lambda: self.stopped or self._past_cut(step)
+                                   or (not self.frozen and self.shard.may_read(step)))
             self._check_open()
             self._check_cut(step)
             self.answered = max(self.answered, step)
@@ -115,8 +117,11 @@ class ServerActor:
         if self.stopped:
             raise SegmentStopped(f"server {self.shard.index} stopped the segment: every server is being restored")
 
+    def _past_cut(self, step: int) -> bool:
+        return self.cut_at is not None and step >= self.cut_at
+
     def _check_cut(self, step: int) -> None:
-        if self.cut_at is not None and step >= self.cut_at:
+        if self._past_cut(step):
             raise SegmentCut(f"server {self.shard.index}: the segment was cut at step {self.cut_at}")
 
     # ---- the supervisor's calls (paramserver.supervisor, paramserver.gate) ----
@@ -128,7 +133,8 @@ class ServerActor:
         return Progress(self.shard.index, os.getpid(), self.shard.version, list(self.shard.clocks.pushed))
 
     async def hold(self, worker: int, step: int) -> None:
-        self.gate.hold(worker, step)
+        if not self._past_cut(step):  # a hold past a cut is armed again in the next segment
+            self.gate.hold(worker, step)
 
     async def held(self) -> list[tuple[int, int]]:
         return self.gate.held()

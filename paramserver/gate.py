@@ -16,7 +16,7 @@ paramserver.supervisor, drives it through the actor's methods):
   * `SegmentStopped` is what an aborted server raises to a worker's pull or push
     (ServerActor.abort): the supervisor is rolling every server back to a checkpoint.
   * `SegmentCut` is what a cut server raises to a pull of the cut step or later (ServerActor.cut):
-    the worker's run ends there, cleanly (paramserver.cut).
+    the worker's run ends there, cleanly (paramserver.moves).
 """
 
 from __future__ import annotations

@@ -8,20 +8,22 @@ holds none, but its death pauses it. So when a draining node holds actors of the
      every server holds the pulls it has not answered yet (`freeze`) and says the highest step it
      answered; the cut is the step after the highest; every server then answers the pulls before
      the cut and ends every run at it (`cut`), so each worker stops with the same steps pushed to
-     every server: a cut a checkpoint can be saved at (paramserver.shard `check_cut`);
+     every server: a cut a checkpoint can be saved at (paramserver.shard `check_cut`). With asp a
+     fast worker may have pulled its segment's last step already: the cut is then the segment's end;
   2. the supervisor saves that cut, as a segment's end;
-  3. `move` replaces the actors on the drained nodes: a server by a new one restored from that
+  3. `finish` replaces the actors on the drained nodes: a server by a new one restored from that
      commit, a worker by a new one (it resumes at the cut from the servers' clocks). Ray starts
      nothing on a draining node, so they land elsewhere. Nothing is redone.
-A server cannot move without a commit of the cut (no checkpoints, or the save failed): it stays,
-and is lost with its node as before; that is said once.
+A server cannot move without a commit of the cut (no checkpoints, or the save failed), nor when
+its replacement does not restore: it stays, and is lost with its node as before; that is said.
+Nothing moves when the job is ending anyway (its last step, or a signal).
 
 Protocol (the supervisor's thread, paramserver.supervisor): `Moves(draining)`, with the
 DrainWatcher's `draining` (orchestrator.cluster.drain: cheap, it asks the GCS at most once a
-second); `due(servers, workers)` at each poll of a segment until it says yes: yes when a node
-holding actors of the job starts draining (where each runs is asked then), or when their move
-is still to be made (the segment that should have made it was rolled back); then
-`cut_segment(servers, start, end)`, the save of the cut, `move(...)`, and `uncut(servers)`.
+second); `check(supervisor, start, end)` at each poll of a segment: it sets `supervisor.cut` when
+it cut the segment, and returns a reason to roll back when a server failed the cut (a rollback's
+abort and reopen undo a freeze and a cut); after the segment, the save of the cut, then
+`finish(supervisor, cut)`.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ import logging
 from collections.abc import Callable, Iterable
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from paramserver import checkpoint
 
 log = logging.getLogger(__name__)
-ASK_S = 30.0  # how long the actors may take to say where they run
+ASK_S = 10.0  # how long the actors may take to answer a drain's calls
+GONE = (RayActorError, GetTimeoutError)  # an actor that died or does not answer: its failure path handles it
 
 
 def cut_segment(servers: list, start: int, end: int) -> int:
-    """Cut the segment [start, end) at the earliest step every worker can stop at; returns it."""
+    """Cut the segment [start, end) at the earliest step every worker can stop at; returns it.
+    Raises GONE's errors when a server fails either call."""
     answered = ray.get([server.freeze.remote() for server in servers], timeout=ASK_S)
     step = max(start, min(end, max(answered) + 1))
     ray.get([server.cut.remote(step) for server in servers], timeout=ASK_S)
@@ -44,8 +51,18 @@ def cut_segment(servers: list, start: int, end: int) -> int:
     return step
 
 
-def uncut(servers: list) -> None:
-    ray.get([server.uncut.remote() for server in servers], timeout=ASK_S)
+def where(actors: list) -> list[str | None]:
+    """The node of each actor; None for one that is dead or does not answer within ASK_S (still
+    waiting for resources, say: then not on a draining node, where Ray starts nothing)."""
+    refs = [actor.node.remote() for actor in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=ASK_S)
+    nodes = []
+    for ref in refs:
+        try:
+            nodes.append(ray.get(ref, timeout=0))
+        except (*GONE, RayTaskError):
+            nodes.append(None)
+    return nodes
 
 
 class Moves:
@@ -57,7 +74,7 @@ class Moves:
         self.workers: list[int] = []
 
     def due(self, servers: list, workers: list) -> bool:
-        """Whether a draining node holds actors of the job (then they are noted for `move`): asked
+        """Whether a draining node holds actors of the job (then they are noted for `finish`): asked
         when a node starts draining, and again after a segment that should have moved them was
         rolled back instead (the rollback may have replaced some of them)."""
         new = set(self.draining()) - self.handled
@@ -65,12 +82,39 @@ class Moves:
         self.nodes |= new
         if not new and not (self.servers or self.workers):
             return False
-        where = ray.get([actor.node.remote() for actor in [*servers, *workers]], timeout=ASK_S)
-        self.servers = [k for k, node in enumerate(where[:len(servers)]) if node in self.nodes]
-        self.workers = [w for w, node in enumerate(where[len(servers):]) if node in self.nodes]
+        nodes = where([*servers, *workers])
+        self.servers = [k for k, node in enumerate(nodes[:len(servers)]) if node in self.nodes]
+        self.workers = [w for w, node in enumerate(nodes[len(servers):]) if node in self.nodes]
         if not (self.servers or self.workers):
             self.nodes.clear()
         return bool(self.servers or self.workers)
+
+    def check(self, sup, start: int, end: int) -> str | None:
+        """At a poll of segment [start, end): cut it when a draining node holds actors of the job."""
+        if sup.cut is not None or not self.due(sup.servers, sup.workers):
+            return None
+        try:
+            sup.cut = cut_segment(sup.servers, start, end)
+        except GONE as err:
+            return f"a server failed the drain's cut ({type(err).__name__})"
+        sup.held_calls.clear()  # answers from before the cut may name holds it dropped
+        return None
+
+    def finish(self, sup, cut: int) -> None:
+        """After the save of `cut`: move the noted actors (their handles replaced in the supervisor's
+        lists), unless the job ends there anyway; then every server takes pulls again."""
+        if cut >= sup.steps or (sup.ckpt.preemption is not None and sup.ckpt.preemption.signals):
+            return
+        committed = cut == sup.last_commit()
+
+        def restore(k: int, server) -> None:
+            checkpoint.restore_servers([server], sup.ckpt.root, cut, storage_options=sup.ckpt.storage_options)
+            ray.get(server.reopen.remote(cut, sup.committed_records.get(k, [])), timeout=ASK_S)
+
+        sup.moved += self.move(sup.servers, sup.workers, sup.actors.start_server, sup.actors.start_worker,
+                               restore, committed)
+        for server in sup.servers:
+            server.uncut.remote()  # a dead one is found by its next progress poll
 
     def move(self, servers: list, workers: list, start_server, start_worker, restore, committed: bool) -> list[str]:
         """Replace the noted actors in place in `servers` / `workers` (their handles), a server only
@@ -82,17 +126,25 @@ class Moves:
             workers[w] = start_worker(w)
             lines.append(f"worker {w} moved off draining node(s) {nodes}")
         for k in self.servers:
-            if not committed:
-                lines.append(f"server {k} stays on draining node(s) {nodes}: the cut was not committed, so a "
-                             "new server would have nothing to restore; it is lost with the node")
-                continue
-            new = start_server(k)
-            restore(k, new)
-            ray.kill(servers[k], no_restart=True)
-            servers[k] = new
-            lines.append(f"server {k} moved off draining node(s) {nodes}, restored from the cut")
+            lines.append(self._move_server(k, servers, start_server, restore, committed, nodes))
         self.servers, self.workers = [], []
         self.nodes.clear()
         for line in lines:
             log.warning("%s", line)
         return lines
+
+    @staticmethod
+    def _move_server(k: int, servers: list, start_server, restore, committed: bool, nodes: str) -> str:
+        if not committed:
+            return (f"server {k} stays on draining node(s) {nodes}: the cut was not committed, so a new server "
+                    "would have nothing to restore; it is lost with the node")
+        new = start_server(k)
+        try:
+            restore(k, new)
+        except Exception as err:  # noqa: BLE001 (any failure to restore: the old server is still whole)
+            ray.kill(new, no_restart=True)
+            return (f"server {k} stays on draining node(s) {nodes}: its replacement did not restore "
+                    f"({type(err).__name__}: {err}); it is lost with the node")
+        ray.kill(servers[k], no_restart=True)
+        servers[k] = new
+        return f"server {k} moved off draining node(s) {nodes}, restored from the cut"

@@ -41,7 +41,7 @@ from ckpt.ownership import OwnerLease, OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
-from paramserver.moves import Moves, cut_segment, uncut
+from paramserver.moves import Moves
 from paramserver.preemption import Preemption
 from paramserver.recovery import (
     Failure,
@@ -101,11 +101,11 @@ class Supervisor:
         self.pids: dict[str, int] = {}  # every actor process this job started, by label
         self.start_step = 0
         self.redone = 0  # step executions thrown away by rollbacks
-        self._committed_records: dict[int, list] = {}  # server -> its update records at the last commit
+        self.committed_records: dict[int, list] = {}  # server -> its update records at the last commit
         self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
         self._pauses: dict[int, Failure] = {}  # worker -> its replacement, until the first push lands
         self._dead_workers: set[int] = set()
-        self._held: dict[int, object] = {}  # server -> its outstanding `held` call
+        self.held_calls: dict[int, object] = {}  # server -> its outstanding `held` call
         self._productive_at_start = 0.0
         self._pid_of: dict[tuple[str, int], int] = {}  # the live process of each server and worker
         self.moves = Moves(checkpoints.draining) if checkpoints and checkpoints.draining else None
@@ -126,10 +126,10 @@ class Supervisor:
             restored = self._segment(step, end)
             cut, self.cut = self.cut, None
             end = end if cut is None else cut
-            if restored is None and end != self._last_commit():  # a cut at the start: committed already
+            if restored is None and end != self.last_commit():  # a cut at the start: committed already
                 restored = self._save(step, end)
             if restored is None and cut is not None:
-                self._move(end)
+                self.moves.finish(self, end)
             if restored is not None:
                 rollbacks += 1
                 if rollbacks > MAX_ROLLBACKS:
@@ -139,7 +139,7 @@ class Supervisor:
                 continue
             rollbacks, step = 0, end
             if self.ckpt and self.ckpt.preemption and self.ckpt.preemption.signals and end < self.steps:
-                raise self.ckpt.preemption.preempted(self._last_commit(), saved_now=end in self.saved)
+                raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=end in self.saved)
         self.ledger.enter(book.OTHER)
 
     def _resume(self) -> int:
@@ -164,7 +164,7 @@ class Supervisor:
                 if commit is not None and self.ckpt.on_commit is not None:
                     self.ckpt.on_commit(commit)
                 stats = ray.get([s.stats.remote() for s in self.servers])
-                self._committed_records = {s.server: s.records for s in stats}
+                self.committed_records = {s.server: s.records for s in stats}
                 self.saved.append(end)
             except RayActorError:
                 return self._rollback(start, {}, set(), "a server died during the checkpoint save",
@@ -175,19 +175,7 @@ class Supervisor:
             self.on_stats(stats or ray.get([s.stats.remote() for s in self.servers]))
         return None
 
-    def _move(self, cut: int) -> None:
-        """Move the drained nodes' actors at `cut`, the segment's end (a server when `cut` is committed)."""
-        self.ledger.enter(book.REFORMATION)
-
-        def restore(k: int, server) -> None:
-            checkpoint.restore_servers([server], self.ckpt.root, cut, storage_options=self.ckpt.storage_options)
-            ray.get(server.reopen.remote(cut, self._committed_records.get(k, [])))
-
-        self.moved += self.moves.move(self.servers, self.workers, self.actors.start_server, self.actors.start_worker,
-                                      restore, committed=cut == self._last_commit())
-        uncut(self.servers)
-
-    def _last_commit(self) -> int | None:
+    def last_commit(self) -> int | None:
         return self.saved[-1] if self.saved else (self.start_step or None)  # this run's, or the one resumed
 
     def final_stats(self) -> list[ServerStats]:
@@ -215,10 +203,9 @@ class Supervisor:
                 for server in self.servers:
                     server.abort.remote()  # its waiting pulls fail, so every worker's run ends
                 self._stop(streams, within_s=self.ckpt.preemption.left_s())
-                raise self.ckpt.preemption.preempted(self._last_commit(), saved_now=False)
-            if self.cut is None and self.moves is not None and self.moves.due(self.servers, self.workers):
-                self.cut = cut_segment(self.servers, start, end)  # every run ends there; then saved, moved
-            trouble = self._take_streams(streams, start, end)
+                raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=False)
+            # A drain cuts the segment short (self.cut): every run ends there, then it is saved and moved.
+            trouble = (self.moves and self.moves.check(self, start, end)) or self._take_streams(streams, start, end)
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:
                 return self._rollback(start, streams, dead, trouble or "a server died", productive_at_start)
@@ -323,12 +310,12 @@ class Supervisor:
         """Fire the faults whose pulls are held now: kill the worker, or the server; the servers killed."""
         killed: set[int] = set()
         for k in sorted({server for server, _, _ in self.plan.holds(start, end, len(self.workers))}):
-            if k not in self._held:
-                self._held[k] = self.servers[k].held.remote()
-            ref = self._held[k]
+            if k not in self.held_calls:
+                self.held_calls[k] = self.servers[k].held.remote()
+            ref = self.held_calls[k]
             if not ray.wait([ref], timeout=0)[0]:
                 continue
-            del self._held[k]
+            del self.held_calls[k]
             try:
                 held = ray.get(ref)
             except RayActorError:
@@ -376,7 +363,7 @@ class Supervisor:
         step, from_checkpoint = self._restore(dead)
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint)
-        self._held.clear()
+        self.held_calls.clear()
         return step
 
     def _stop(self, streams: dict, within_s: float = STOP_S) -> None:
@@ -394,6 +381,6 @@ class Supervisor:
                 self.servers[k] = self.actors.start_server(k)
             return 0, False
         checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
-        ray.get([s.reopen.remote(latest, self._committed_records.get(k, []) if k in replaced else None)
+        ray.get([s.reopen.remote(latest, self.committed_records.get(k, []) if k in replaced else None)
                  for k, s in enumerate(self.servers)])
         return latest, True

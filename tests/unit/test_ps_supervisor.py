@@ -127,7 +127,8 @@ class FakeServer:
         return ServerStats(s.index, s.version, s.bytes_in, s.bytes_out, list(s.records))
 
     def _hold(self, worker, step):
-        self.holds.add((worker, step))
+        if self.cut_at is None or step < self.cut_at:
+            self.holds.add((worker, step))
 
     def _held(self):
         return sorted(self.waiting)
@@ -374,14 +375,14 @@ def test_a_torn_push_rolls_back_instead_of_replaying(world, expected, monkeypatc
     assert losses == expected and _applied_once(supervisor)
 
 
-def _preempted(world: World, grace_s: float, signals=(15,)):
+def _preempted(world: World, grace_s: float, signals=(15,), draining=None):
     from paramserver.preemption import Preempted, Preemption
 
     actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
     preemption = Preemption(grace_s, clock=lambda: world.now)
     for signum in signals:  # arrived before the first step
         preemption.on_signal(signum)
-    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption, draining=draining)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints)
     with pytest.raises(Preempted) as stop:
         supervisor.run()
@@ -464,3 +465,22 @@ def test_a_server_whose_cut_was_not_committed_stays_and_its_worker_still_moves(w
     assert supervisor.moved[0] == "worker 0 moved off draining node(s) doomed"
     assert supervisor.moved[1].startswith("server 1 stays on draining node(s) doomed: the cut was not committed")
     assert [s.where for s in supervisor.servers] == ["safe", "doomed"]
+
+
+def test_a_kill_armed_at_the_cut_fires_in_the_next_segment_and_the_cut_still_moves(world, expected):
+    world.nodes = {("server", 1): "doomed", ("worker", 0): "doomed"}
+    supervisor, losses, _ = _run(world, faults=[Fault("worker", 1, 6)], draining=_drained_at(world, 5.5 * sup.POLL_S))
+    cut = next(step for step in supervisor.saved if step % 4)
+    assert cut == 6, supervisor.saved  # the drain's cut fell on the kill's step: held holds past it were dropped
+    [failure] = supervisor.failures  # fired once, after the cut, where its pull was held again
+    assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("worker", 1, "replaced", 6)
+    assert losses == expected and supervisor.redone == 0 and _applied_once(supervisor)
+    assert supervisor.moved[-1] == "server 1 moved off draining node(s) doomed, restored from the cut"
+
+
+def test_a_drain_during_a_signal_s_grace_cuts_and_saves_but_moves_nothing_as_the_job_stops_there(world):
+    world.nodes = {("server", 1): "doomed"}
+    supervisor, stop = _preempted(world, grace_s=60.0, draining=_drained_at(world, 1.5 * sup.POLL_S))
+    cut = supervisor.saved[-1]
+    assert 0 < cut < 4 and f"stopped at checkpoint step {cut}, just committed" in stop
+    assert supervisor.moved == []  # the job ends at the cut: a move would only spend the grace
