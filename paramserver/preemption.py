@@ -1,19 +1,21 @@
 """SIGTERM and SIGINT for a parameter-server job (`undying run` with `parallel.mode: ps`).
 
-A PS job checkpoints at the ends of its segments (every `checkpoint.every_steps` steps, every
-server at one cut), not at any step. So a signal lets the segment under way run on while its end
-can still be saved within `elastic.preemption_grace_s`: until the grace has left half of itself,
-or twice the last save's time if that is more. When the segment ends in that time its end is
-saved and the job stops there with nothing lost; otherwise the segment is stopped where it is:
-the last commit stays intact and the steps since it are redone by the rerun. Either way the job
-ends PREEMPTED (exit 75), its actors killed and its owner lease released by the caller. A second
-signal stops it at once, wherever the driver is (the handler raises): the way out of a driver
-stuck in a save or a restore.
+A PS job saves at a cut: every server at the same step. A signal cuts the segment under way at
+the earliest step every worker can stop at (paramserver.moves.cut_segment: a step or so away),
+the cut is saved and the job stops there with nothing lost; the job's last segment instead runs on
+to the job's end. Either waits only while the stop can still be saved within
+`elastic.preemption_grace_s`: until the grace has left half of itself, or twice the last save's
+time if that is more (`cut_now`); past that the segment is stopped where it is: the last commit
+stays intact and the steps since it are redone by the rerun. Either way the job ends PREEMPTED
+(exit 75), its actors killed and its owner lease released by the caller. A second signal stops it
+at once, wherever the driver is (the handler raises): the way out of a driver stuck in a save or
+a restore.
 
 Protocol: `undying run` routes the signals to `on_signal` and each commit to `on_commit`; the
-supervisor (paramserver.supervisor) asks `cut_now()` at each poll of a segment, and when it says
-yes stops the segment (within `left_s()`) and raises `preempted(last commit)`; after a segment
-that is not the job's last it raises `preempted(...)` too if a signal came.
+supervisor (paramserver.supervisor) asks `cut_now()` at each poll of a segment after a signal, and
+when it says yes stops the segment (within `left_s()`) and raises `preempted(last commit)`, else
+cuts the segment once (not the job's last); after a segment that is not the job's last it raises
+`preempted(...)` if a signal came.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Preemption:
         return self.grace_s if self.signalled_at is None else self.signalled_at + self.grace_s - self.clock()
 
     def cut_now(self) -> bool:
-        """Whether the segment under way must stop where it is (its end could not be saved in time)."""
+        """Whether the segment under way must stop where it is (its cut or end could not be saved in time)."""
         return bool(self.signals) and self.left_s() <= max(self.grace_s / 2, 2 * self.save_s)
 
     def preempted(self, committed: int | None, saved_now: bool) -> Preempted:

@@ -22,7 +22,7 @@ or train.steps; paramserver.recovery.segment_end):
 A drain of a node with actors of the job cuts the segment short at an exact step, saved, where they
 move off it (paramserver.moves). A lost owner lease (`Checkpoints.owner`, ckpt.ownership) ends the
 job at the next poll with OwnershipLost, writing nothing there after; a signal (`Checkpoints.preemption`)
-ends it with Preempted at a segment's saved end, or where it is (paramserver.preemption).
+ends it with Preempted at a saved cut, or where it is when that no longer fits (paramserver.preemption).
 The goodput ledger books the wall (paramserver.recovery's buckets); `failures` says what happened.
 """
 
@@ -41,7 +41,7 @@ from ckpt.ownership import OwnerLease, OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
-from paramserver.moves import Moves
+from paramserver.moves import GONE, Moves, cut_segment
 from paramserver.preemption import Preemption
 from paramserver.recovery import (
     Failure,
@@ -128,8 +128,8 @@ class Supervisor:
             end = end if cut is None else cut
             if restored is None and end != self.last_commit():  # a cut at the start: committed already
                 restored = self._save(step, end)
-            if restored is None and cut is not None:
-                self.moves.finish(self, end)
+            if restored is None and cut is not None and self.moves is not None:
+                self.moves.finish(self, end)  # a drain's cut (a signal's too: then nothing moves)
             if restored is not None:
                 rollbacks += 1
                 if rollbacks > MAX_ROLLBACKS:
@@ -139,7 +139,7 @@ class Supervisor:
                 continue
             rollbacks, step = 0, end
             if self.ckpt and self.ckpt.preemption and self.ckpt.preemption.signals and end < self.steps:
-                raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=end in self.saved)
+                raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=end == self.last_commit())
         self.ledger.enter(book.OTHER)
 
     def _resume(self) -> int:
@@ -199,11 +199,8 @@ class Supervisor:
             ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
             if self.ckpt is not None and self.ckpt.owner is not None and self.ckpt.owner.lost is not None:
                 raise OwnershipLost(self.ckpt.owner.lost)  # another driver took the root: train no further
-            if self.ckpt is not None and self.ckpt.preemption is not None and self.ckpt.preemption.cut_now():
-                for server in self.servers:
-                    server.abort.remote()  # its waiting pulls fail, so every worker's run ends
-                self._stop(streams, within_s=self.ckpt.preemption.left_s())
-                raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=False)
+            if self.ckpt is not None and self.ckpt.preemption is not None and self.ckpt.preemption.signals:
+                self._on_signal(start, end, streams)
             # A drain cuts the segment short (self.cut): every run ends there, then it is saved and moved.
             trouble = (self.moves and self.moves.check(self, start, end)) or self._take_streams(streams, start, end)
             dead = self._poll_servers(progress, start, end)
@@ -214,6 +211,20 @@ class Supervisor:
                 with contextlib.suppress(RayActorError, GetTimeoutError):  # a dead server: found by its progress
                     self.on_stats(ray.get([s.stats.remote() for s in self.servers], timeout=10))
         return None
+
+    def _on_signal(self, start: int, end: int, streams: dict) -> None:
+        """After a signal, at each poll: cut the segment where every worker can stop (run() saves the
+        cut and stops there), but let the job's last segment run on; when neither can be saved in the
+        grace any more (`cut_now`), stop where it is, the steps since the last commit to be redone."""
+        preemption = self.ckpt.preemption
+        if preemption.cut_now():
+            for server in self.servers:
+                server.abort.remote()  # its waiting pulls fail, so every worker's run ends
+            self._stop(streams, within_s=preemption.left_s())
+            raise preemption.preempted(self.last_commit(), saved_now=False)
+        if self.cut is None and end < self.steps:
+            with contextlib.suppress(*GONE):  # a dead server: its progress poll rolls the segment back
+                self.cut = cut_segment(self.servers, start, end)
 
     def _launch(self, w: int, start: int, end: int):
         return self.workers[w].run.remote(self.servers, start, end, self.actors.slow.get(w, 0.0))

@@ -389,10 +389,32 @@ def _preempted(world: World, grace_s: float, signals=(15,), draining=None):
     return supervisor, str(stop.value)
 
 
-def test_a_signal_lets_the_segment_end_within_half_the_grace_and_stops_at_its_commit(world):
-    supervisor, why = _preempted(world, grace_s=1e6)
-    assert supervisor.saved == [4] and "SIGTERM: stopped at checkpoint step 4, just committed" in why
-    assert max(step for _, step in supervisor.logs) == 3  # nothing trained past the commit
+def test_a_signal_cuts_the_segment_where_every_worker_can_stop_and_the_job_stops_at_that_commit(world):
+    signalled = {}
+
+    def signal_at_the_first_step(world=world):  # read at every poll, as the drain table is
+        if not signalled and supervisor_logs():
+            signalled["at"] = max(step for _, step in supervisor_logs())
+            preemption.on_signal(15)
+        return []
+
+    from paramserver.preemption import Preempted, Preemption
+
+    preemption = Preemption(1e6, clock=lambda: world.now)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption, draining=signal_at_the_first_step)
+    supervisor = sup.Supervisor(sup.Actors(lambda k: FakeServer(world, k), world.start_worker), PAR.servers, PAR.dp,
+                                TRAIN.steps, checkpoints=checkpoints)
+
+    def supervisor_logs():
+        return supervisor.logs
+
+    with pytest.raises(Preempted) as stop:
+        supervisor.run()
+    [cut] = supervisor.saved
+    assert signalled["at"] < cut < 4, (signalled, supervisor.saved)  # a step or so on, not the segment's end
+    assert f"SIGTERM: stopped at checkpoint step {cut}, just committed" in str(stop.value)
+    assert max(step for _, step in supervisor.logs) == cut - 1  # nothing trained past the commit
+    assert supervisor.redone == 0 and supervisor.moved == []
 
 
 def test_a_segment_that_cannot_end_in_time_stops_where_it_is(world):
