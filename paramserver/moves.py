@@ -41,13 +41,14 @@ ASK_S = 10.0  # how long the actors may take to answer a drain's calls
 GONE = (RayActorError, GetTimeoutError)  # an actor that died or does not answer: its failure path handles it
 
 
-def cut_segment(servers: list, start: int, end: int) -> int:
+def cut_segment(servers: list, start: int, end: int, why: str, timeout_s: float = ASK_S) -> int:
     """Cut the segment [start, end) at the earliest step every worker can stop at; returns it.
-    Raises GONE's errors when a server fails either call."""
-    answered = ray.get([server.freeze.remote() for server in servers], timeout=ASK_S)
+    Raises GONE's errors when a server fails either call or does not answer within `timeout_s`
+    (each); a rollback's abort and reopen undo what the others took."""
+    answered = ray.get([server.freeze.remote() for server in servers], timeout=timeout_s)
     step = max(start, min(end, max(answered) + 1))
-    ray.get([server.cut.remote(step) for server in servers], timeout=ASK_S)
-    log.warning("a node with actors of the job is draining: the segment [%d, %d) is cut at step %d", start, end, step)
+    ray.get([server.cut.remote(step) for server in servers], timeout=timeout_s)
+    log.warning("%s: the segment [%d, %d) is cut at step %d", why, start, end, step)
     return step
 
 
@@ -94,7 +95,7 @@ class Moves:
         if sup.cut is not None or not self.due(sup.servers, sup.workers):
             return None
         try:
-            sup.cut = cut_segment(sup.servers, start, end)
+            sup.cut = cut_segment(sup.servers, start, end, "a node with actors of the job is draining")
         except GONE as err:
             return f"a server failed the drain's cut ({type(err).__name__})"
         sup.held_calls.clear()  # answers from before the cut may name holds it dropped

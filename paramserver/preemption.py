@@ -50,9 +50,13 @@ class Preemption:
         """The grace left (all of it before a signal)."""
         return self.grace_s if self.signalled_at is None else self.signalled_at + self.grace_s - self.clock()
 
+    def slack_s(self) -> float:
+        """How long until `cut_now` says yes (the stop must begin)."""
+        return self.left_s() - max(self.grace_s / 2, 2 * self.save_s)
+
     def cut_now(self) -> bool:
         """Whether the segment under way must stop where it is (its cut or end could not be saved in time)."""
-        return bool(self.signals) and self.left_s() <= max(self.grace_s / 2, 2 * self.save_s)
+        return bool(self.signals) and self.slack_s() <= 0
 
     def preempted(self, committed: int | None, saved_now: bool) -> Preempted:
         if saved_now:

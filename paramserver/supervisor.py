@@ -109,7 +109,7 @@ class Supervisor:
         self._productive_at_start = 0.0
         self._pid_of: dict[tuple[str, int], int] = {}  # the live process of each server and worker
         self.moves = Moves(checkpoints.draining) if checkpoints and checkpoints.draining else None
-        self.cut: int | None = None  # where the segment under way was cut short (a drain)
+        self.cut: int | None = None  # where the segment under way was cut short (a drain or a signal)
         self.moved: list[str] = []  # what the drains moved, a line each
 
     # ---- the job ----
@@ -126,7 +126,7 @@ class Supervisor:
             restored = self._segment(step, end)
             cut, self.cut = self.cut, None
             end = end if cut is None else cut
-            if restored is None and end != self.last_commit():  # a cut at the start: committed already
+            if restored is None and end != step:  # a cut at the start: committed already, or nothing trained
                 restored = self._save(step, end)
             if restored is None and cut is not None and self.moves is not None:
                 self.moves.finish(self, end)  # a drain's cut (a signal's too: then nothing moves)
@@ -214,17 +214,20 @@ class Supervisor:
 
     def _on_signal(self, start: int, end: int, streams: dict) -> None:
         """After a signal, at each poll: cut the segment where every worker can stop (run() saves the
-        cut and stops there), but let the job's last segment run on; when neither can be saved in the
-        grace any more (`cut_now`), stop where it is, the steps since the last commit to be redone."""
-        preemption = self.ckpt.preemption
-        if preemption.cut_now():
+        cut and stops there; the job's last segment runs on), while that still fits in the grace;
+        else, or when a server does not take the cut in time, stop where it is (steps redone)."""
+        preemption, failed = self.ckpt.preemption, False
+        if self.cut is None and end < self.steps and not preemption.cut_now():
+            try:
+                self.cut = cut_segment(self.servers, start, end, "a signal", max(0.1, preemption.slack_s() / 2))
+                self.held_calls.clear()  # answers from before the cut may name holds it dropped
+            except GONE:
+                failed = True
+        if failed or preemption.cut_now():
             for server in self.servers:
                 server.abort.remote()  # its waiting pulls fail, so every worker's run ends
             self._stop(streams, within_s=preemption.left_s())
             raise preemption.preempted(self.last_commit(), saved_now=False)
-        if self.cut is None and end < self.steps:
-            with contextlib.suppress(*GONE):  # a dead server: its progress poll rolls the segment back
-                self.cut = cut_segment(self.servers, start, end)
 
     def _launch(self, w: int, start: int, end: int):
         return self.workers[w].run.remote(self.servers, start, end, self.actors.slow.get(w, 0.0))

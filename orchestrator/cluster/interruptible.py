@@ -58,4 +58,3 @@ def get(refs: list, timeout_s: float, interrupted: Callable[[], bool] = never) -
         if pending and interrupted():
             raise Interrupted("the job is ending")
     return ray.get(list(refs))
-

@@ -130,7 +130,7 @@ class Blame:
         elif on_crashed and self._crash_explains(failure, crashed):
             # A gone node: its ranks looked dead or hung, and their peers' collectives failed.
             (node, culprit), kind = on_crashed[0], "node_lost"
-            failure.message = failure.record.message = f"node {node[:12]} lost (its raylet does not answer)"
+            failure.message = failure.record.message = f"node {node[:12]} lost (its raylet is gone)"
         elif failure.kind == "rank_error" and dead:
             culprit, kind = dead[0], "rank_died"
         elif failure.kind == "rank_error" and is_peer_failure(failure.errors.get(failure.rank, "")):

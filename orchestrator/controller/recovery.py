@@ -7,7 +7,7 @@ Recovery, in order (docs/design.md section 2), as the controller's RECOVERING st
   2. Release (`release`): the abort key is set in the generation's store; every live rank's
      watcher breaks its own collectives (orchestrator.rank.comm_abort), so survivors are out
      within milliseconds; a rank not out within `release_timeout_s` (a hung process) is killed.
-     The job's nodes are probed first (orchestrator.cluster.node_probe): a crashed machine's
+     The job's nodes are probed first (orchestrator.cluster.node_probe): a gone node's
      ranks and spares are dropped at once, as a reported node loss's are, not waited on.
   3. Accounting (the controller): time from the fault to its detection is `detection`;
      compute of steps after the restore point is `lost_work` (it will be redone).
@@ -82,7 +82,7 @@ class Recovery:
         `Released.crashed`."""
         store.request_abort()
         self._forget(intake.take_lost_nodes(), errors)
-        crashed = self._forget(self.probe(self.workers.nodes_in_use()), errors, "its raylet does not answer")
+        crashed = self._forget(self.probe(self.workers.nodes_in_use()), errors, "its raylet is gone")
         intake.nodes_handled.update(crashed)
         finished, stuck = self.wait_out()
         intake.drain(store)  # late receipts may still complete a checkpoint; late node losses

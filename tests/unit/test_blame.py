@@ -47,7 +47,7 @@ def test_a_node_the_release_found_gone_is_the_cause_of_its_ranks_deaths_and_peer
     summary = blame.attribute(failure, dead=[], stuck=[], crashed={"0a1b2c3d4e5f" + "9" * 44: [2, 3]})
     assert (summary.kind, summary.rank) == ("node_lost", 2)
     assert (failure.record.kind, failure.record.rank) == ("node_lost", 2)
-    assert failure.record.message == "node 0a1b2c3d4e5f lost (its raylet does not answer)"
+    assert failure.record.message == "node 0a1b2c3d4e5f lost (its raylet is gone)"
 
 
 def test_a_gone_node_that_held_only_spares_takes_no_blame_from_the_ranks_own_error():

@@ -375,14 +375,14 @@ def test_a_torn_push_rolls_back_instead_of_replaying(world, expected, monkeypatc
     assert losses == expected and _applied_once(supervisor)
 
 
-def _preempted(world: World, grace_s: float, signals=(15,), draining=None):
+def _preempted(world: World, grace_s: float, signals=(15,)):
     from paramserver.preemption import Preempted, Preemption
 
     actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
     preemption = Preemption(grace_s, clock=lambda: world.now)
     for signum in signals:  # arrived before the first step
         preemption.on_signal(signum)
-    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption, draining=draining)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints)
     with pytest.raises(Preempted) as stop:
         supervisor.run()
@@ -390,24 +390,21 @@ def _preempted(world: World, grace_s: float, signals=(15,), draining=None):
 
 
 def test_a_signal_cuts_the_segment_where_every_worker_can_stop_and_the_job_stops_at_that_commit(world):
-    signalled = {}
-
-    def signal_at_the_first_step(world=world):  # read at every poll, as the drain table is
-        if not signalled and supervisor_logs():
-            signalled["at"] = max(step for _, step in supervisor_logs())
-            preemption.on_signal(15)
-        return []
-
     from paramserver.preemption import Preempted, Preemption
 
     preemption = Preemption(1e6, clock=lambda: world.now)
-    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption, draining=signal_at_the_first_step)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption)  # no drain watcher
     supervisor = sup.Supervisor(sup.Actors(lambda k: FakeServer(world, k), world.start_worker), PAR.servers, PAR.dp,
                                 TRAIN.steps, checkpoints=checkpoints)
+    tick, signalled = world.tick, {}
 
-    def supervisor_logs():
-        return supervisor.logs
+    def tick_then_signal_after_the_first_step():
+        tick()
+        if supervisor.logs and not signalled:
+            signalled["at"] = max(step for _, step in supervisor.logs)
+            preemption.on_signal(15)
 
+    world.tick = tick_then_signal_after_the_first_step
     with pytest.raises(Preempted) as stop:
         supervisor.run()
     [cut] = supervisor.saved
@@ -500,9 +497,26 @@ def test_a_kill_armed_at_the_cut_fires_in_the_next_segment_and_the_cut_still_mov
     assert supervisor.moved[-1] == "server 1 moved off draining node(s) doomed, restored from the cut"
 
 
-def test_a_drain_during_a_signal_s_grace_cuts_and_saves_but_moves_nothing_as_the_job_stops_there(world):
+def test_a_signal_while_a_drain_s_cut_is_pending_saves_the_cut_and_moves_nothing_as_the_job_stops_there(world):
+    from paramserver.preemption import Preempted, Preemption
+
     world.nodes = {("server", 1): "doomed"}
-    supervisor, stop = _preempted(world, grace_s=60.0, draining=_drained_at(world, 1.5 * sup.POLL_S))
-    cut = supervisor.saved[-1]
-    assert 0 < cut < 4 and f"stopped at checkpoint step {cut}, just committed" in stop
+    preemption = Preemption(1e6, clock=lambda: world.now)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption,
+                                  draining=lambda: ["doomed"] if supervisor.logs else [])  # once a step is done
+    supervisor = sup.Supervisor(sup.Actors(lambda k: FakeServer(world, k), world.start_worker), PAR.servers, PAR.dp,
+                                TRAIN.steps, checkpoints=checkpoints)
+    tick = world.tick
+
+    def tick_then_signal_once_the_drain_cut():
+        tick()
+        if supervisor.cut is not None and not preemption.signals:
+            preemption.on_signal(15)
+
+    world.tick = tick_then_signal_once_the_drain_cut
+    with pytest.raises(Preempted) as stop:
+        supervisor.run()
+    [cut] = supervisor.saved
+    assert preemption.signals and 0 < cut < 4
+    assert f"stopped at checkpoint step {cut}, just committed" in str(stop.value)
     assert supervisor.moved == []  # the job ends at the cut: a move would only spend the grace

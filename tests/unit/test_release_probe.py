@@ -79,7 +79,7 @@ def test_a_node_found_gone_has_its_ranks_dropped_at_once_and_its_late_report_ign
     assert errors[2] == errors[3] == "node down lost" and errors[0].startswith("RuntimeError")
     assert intake.nodes_handled == {"down"} and workers.lost_nodes == {"down"}
     assert "{'down', 'up'}" in lines or "{'up', 'down'}" in lines  # every node the job holds was probed
-    assert any(line.startswith("node down lost (its raylet does not answer): rank(s) [2, 3]") for line in lines)
+    assert any(line.startswith("node down lost (its raylet is gone): rank(s) [2, 3]") for line in lines)
 
 
 def test_without_the_probe_finding_it_the_same_ranks_are_waited_on_then_killed_as_hung():
