@@ -32,7 +32,14 @@ from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_US
 from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import route_signals, teardown
 from orchestrator.cluster import ray_cluster
-from orchestrator.cluster.capacity import capacity_problems, device_memory_note, node_problems, resolve_spares, slots
+from orchestrator.cluster.capacity import (
+    capacity_problems,
+    device_memory_note,
+    host_memory_note,
+    node_problems,
+    resolve_spares,
+    slots,
+)
 from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.cluster.worker_group import RayWorkerGroup
 from orchestrator.controller.machine import Controller
@@ -62,8 +69,10 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         if problems:
             print_problems(problems)
             return EXIT_USAGE
-        if memory := device_memory_note(spec, ray.cluster_resources()):
-            print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
+        for memory in (device_memory_note(spec, ray.cluster_resources()),
+                       host_memory_note(spec, ray_cluster.alive_node_resources())):
+            if memory:
+                print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)

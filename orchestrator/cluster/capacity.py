@@ -128,3 +128,34 @@ def device_memory_note(spec, cluster: dict[str, float]) -> str | None:
         return None
     return (f"the cost model finds this layout too big for one {GPUS[known[0]].name}: {why}; `undying plan "
             f"JOB.yaml --gpus {spec.world_size} --gpu {known[0]}` lists layouts that fit")
+
+
+def host_memory_note(spec, nodes: list[dict[str, float]]) -> str | None:
+    """For a job on CPUs: a warning when the cost model finds the ranks that one node would hold
+    too big for its memory (Ray's `memory` resource of the node, what it lets tasks use), naming
+    the node that holds the most ranks (pack fills a node first) and what to change; None
+    otherwise. A warning, not a refusal, like `device_memory_note`: the host's kernel, not Ray,
+    ends a rank that exceeds it, and other jobs' use is unknown here."""
+    from trainer.costmodel.layout import Layout, Workload
+    from trainer.costmodel.memory import ledgers, runtime_reserve_bytes
+
+    if spec.resources.gpus_per_rank or not nodes:
+        return None
+    layout = Layout.from_spec(spec)
+    per_rank = ledgers(Workload.from_spec(spec), layout, "cpu").total + runtime_reserve_bytes(layout, "cpu")
+    group = group_resources(spec.resources, spec.parallel.tp)
+    worst = None
+    for node in nodes:
+        ranks = min(spec.world_size, spec.parallel.tp * tp_groups_that_fit(node, group))
+        memory = node.get("memory", 0.0)
+        if ranks and memory and ranks * per_rank > memory and (worst is None or ranks * per_rank / memory > worst[0]):
+            worst = (ranks * per_rank / memory, ranks, memory)
+    if worst is None:
+        return None
+    _, ranks, memory = worst
+    shard = ", shard the state (parallel.zero: 3)" if spec.parallel.zero < 3 else ""
+    return (f"the cost model finds {ranks} rank(s) of this layout on one node need about "
+            f"{ranks * per_rank / 2**30:.1f} GiB ({per_rank / 2**30:.2f} GiB each: weights, gradients, optimizer "
+            f"state, activations and the process) where Ray gives its tasks {memory / 2**30:.1f} GiB, so Ray's "
+            "memory monitor or the kernel would end ranks mid-step: put fewer ranks on a node (a larger "
+            f"resources.cpus_per_rank, more nodes){shard}, or train a smaller model")

@@ -405,3 +405,23 @@ def test_the_driver_warns_when_the_cost_model_finds_the_layout_too_big_for_the_c
     assert device_memory_note(big, {"accelerator_type:A100-40G": 1.0}) is None  # a variant it lacks either
     assert "too big for one A100 SXM 80GB" in device_memory_note(big, {"accelerator_type:A100-80G": 1.0})
     assert device_memory_note(load_spec(DEMO), {"accelerator_type:H100": 1.0}) is None  # CPU ranks
+
+
+def test_the_driver_warns_when_the_ranks_a_node_would_hold_need_more_than_its_memory():
+    from orchestrator.cluster.capacity import host_memory_note
+    from trainer.costmodel.layout import Layout, Workload
+    from trainer.costmodel.memory import ledgers, runtime_reserve_bytes
+
+    big = load_spec(DEMO, ["model.preset=llama3.2-1b"])  # 4 CPU ranks, ZeRO 0
+    layout = Layout.from_spec(big)
+    per_rank = ledgers(Workload.from_spec(big), layout, "cpu").total + runtime_reserve_bytes(layout, "cpu")
+    # Two nodes: the 8-CPU one would hold all 4 ranks (pack) in 16 GiB, the 2-CPU one 2 in 64 GiB.
+    note = host_memory_note(big, [{"CPU": 2.0, "memory": 64 * 2**30}, {"CPU": 8.0, "memory": 16 * 2**30}])
+    assert note.startswith(f"the cost model finds 4 rank(s) of this layout on one node need about "
+                           f"{4 * per_rank / 2**30:.1f} GiB")
+    assert "Ray gives its tasks 16.0 GiB" in note and "parallel.zero: 3" in note and "resources.cpus_per_rank" in note
+    sharded = load_spec(DEMO, ["model.preset=llama3.2-1b", "parallel.zero=3"])
+    assert "parallel.zero: 3" not in host_memory_note(sharded, [{"CPU": 8.0, "memory": 16 * 2**30}])
+    assert host_memory_note(load_spec(DEMO), [{"CPU": 8.0, "memory": 16 * 2**30}]) is None  # the tiny demo fits
+    assert host_memory_note(big, [{"CPU": 1.0, "memory": 64 * 2**30}]) is None  # one rank a node: it fits
+    assert host_memory_note(load_spec(DEMO, ["resources.gpus_per_rank=1"]), [{"CPU": 8.0, "memory": 1.0}]) is None
