@@ -8,8 +8,8 @@ RENDEZVOUS and RESTORING build theirs with `rendezvous_failed` and `restore_fail
 fault that fired is the cause even when a peer's collective error is reported first, and
 taking it marks it blamed, so it is never blamed for a later failure. Once every rank is out
 (RECOVERING), `attribute` names the real culprit from what the release learned (who was
-dead, who was stuck, which nodes its probe found gone: a crashed machine leaves no watchdog to
-report it) and returns what the failure policy needs to know of it.
+dead, who was stuck, which nodes its probe found gone: a node whose processes all ended at once
+leaves no watchdog to report it) and returns what the failure policy needs to know of it.
 
 Evictions: the straggler watch records the ranks it kills on purpose (`evicting`); their
 deaths are `straggler_evicted`, not `rank_died`.

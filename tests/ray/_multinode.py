@@ -90,20 +90,16 @@ class LocalCluster:
 
     def rank_pids(self, node) -> list[int]:
         """PIDs of rank actors running on `node` (children of its raylet)."""
-        raylet = node.all_processes["raylet"][0].process.pid
+        from chaos.injector import children_of
+
         out = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for pid in sorted(children_of(node.all_processes["raylet"][0].process.pid)):
             try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    cmdline = handle.read()
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    if b"RankActor" in handle.read():
+                        out.append(pid)
             except OSError:
                 continue
-            if ppid == raylet and b"RankActor" in cmdline:
-                out.append(int(entry))
         return out
 
     def reap_lost_nodes(self) -> int:
