@@ -69,7 +69,7 @@ def test_a_raylet_that_dies_alone_is_reported_by_its_ranks_watchdogs(local_clust
     try:
         proc, report, log = start_job(local_cluster.address, tmp_path, "rayletdies", [
             "elastic.spares=0", "chaos.faults=[{kind: slow_rank, rank: 0, at_step: 0, factor: 3}]"])
-        wait_for(log, "step 10 committed", proc)
+        wait_for(log, " committed: ", proc)  # the first commit, whichever step it is
         node = next(n for n in local_cluster.nodes if local_cluster.rank_pids(n))
         ranks_there = local_cluster.rank_pids(node)
         os.kill(node.all_processes["raylet"][0].process.pid, signal.SIGKILL)
