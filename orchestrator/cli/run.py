@@ -62,16 +62,15 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     workers, trackers, lease, restore_signals = None, NO_TRACKING, None, lambda: None
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
-        nodes = ray_cluster.alive_node_resources()  # one GCS read for the checks below
-        spares, note = resolve_spares(spec, ray.available_resources(), nodes)
+        spares, note = resolve_spares(spec, ray.available_resources(), ray_cluster.alive_node_resources())
         spec = spec.model_copy(update={"elastic": spec.elastic.model_copy(update={"spares": spares})})
         problems = capacity_problems(spec, ray.cluster_resources())
-        problems = problems or node_problems(spec, nodes)
+        problems = problems or node_problems(spec, ray_cluster.alive_node_resources())
         if problems:
             print_problems(problems)
             return EXIT_USAGE
         for memory in (device_memory_note(spec, ray.cluster_resources()),
-                       host_memory_note(spec, nodes)):
+                       host_memory_note(spec, ray_cluster.alive_node_resources())):
             if memory:
                 print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
