@@ -136,7 +136,8 @@ class JobMetrics:
         self.eval_loss = self._gauge("undying_eval_loss", "Validation loss of the last evaluation.")
         self.eval_step = self._gauge("undying_eval_step", "Steps the last evaluated model had trained.")
         self.data_wait = self._histogram(
-            "undying_data_wait_seconds", "Seconds a global step waited for its samples (rank 0).", STEP_BUCKETS
+            "undying_data_wait_seconds", "Seconds a global step waited for its samples (the slowest rank's wait).",
+            STEP_BUCKETS,
         )
         self.goodput_ratio = self._gauge("undying_goodput_ratio", "Productive seconds / wall seconds.")
         self.rank_compute = self._gauge(

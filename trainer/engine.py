@@ -67,6 +67,7 @@ from trainer.data_parallel import (
     localize_dtensor_params,
     wrap_ddp,
 )
+from trainer.data_wait import slowest_wait
 from trainer.device_clock import DeviceClock
 from trainer.dtensor_slices import ParamLayout, dtensor_spec, geometry, local, make_grid, scalar_geometry
 from trainer.engine_pipeline import LocalChunks, build_pipeline
@@ -100,7 +101,7 @@ class StepResult:
     loss_scale: float = 1.0  # fp16 loss scale this step's backward used (1.0 without a scaler)
     skipped: bool = False  # fp16 overflow: no update was made (the step still counts)
     bubble: float = 0.0  # measured idle fraction of this rank's pipeline schedule (0.0 without pp)
-    data_wait_s: float = 0.0  # how long this step waited for its samples (read, or a prefetch in flight)
+    data_wait_s: float = 0.0  # longest any rank waited for this step's samples (read, or a prefetch in flight)
 
 
 class Engine(EngineState):
@@ -267,6 +268,7 @@ class Engine(EngineState):
         self._allreduce_step = step
         torch.manual_seed(self._dropout_seed(step))
         batches = self.data.microbatches(step, tc.global_batch, tc.micro_batch, self.dp_rank, self.dp_size)
+        data_wait_s = slowest_wait(self.data.last_wait_s, self.world_size, self.device)
         if self.sequence_parallel:
             batches = [pad_to_multiple(batch, self.tp_size) for batch in batches]
         local_tokens = sum(batch.n_tokens for batch in batches)
@@ -297,7 +299,7 @@ class Engine(EngineState):
             lr=lr, compute_s=compute_s, step_s=time.perf_counter() - started,
             loss_scale=loss_scale, skipped=skipped,
             bubble=self._trace.idle_fraction() if self._trace is not None else 0.0,
-            data_wait_s=self.data.last_wait_s,
+            data_wait_s=data_wait_s,
         )
 
     @torch.no_grad()
