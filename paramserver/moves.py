@@ -102,50 +102,41 @@ class Moves:
         return None
 
     def finish(self, sup, cut: int) -> None:
-        """After the save of `cut`: move the noted actors (their handles replaced in the supervisor's
-        lists), unless the job ends there anyway; then every server takes pulls again."""
+        """After the save of `cut`: replace the noted actors (their handles in the supervisor's lists),
+        a server only when `cut` is committed, unless the job ends there anyway; then every server
+        takes pulls again."""
         if cut >= sup.steps or (sup.ckpt.preemption is not None and sup.ckpt.preemption.signals):
             return
-        committed = cut == sup.last_commit()
-
-        def restore(k: int, server) -> None:
-            checkpoint.restore_servers([server], sup.ckpt.root, cut, storage_options=sup.ckpt.storage_options)
-            ray.get(server.reopen.remote(cut, sup.committed_records.get(k, [])), timeout=ASK_S)
-
-        sup.moved += self.move(sup.servers, sup.workers, sup.actors.start_server, sup.actors.start_worker,
-                               restore, committed)
-        for server in sup.servers:
-            server.uncut.remote()  # a dead one is found by its next progress poll
-
-    def move(self, servers: list, workers: list, start_server, start_worker, restore, committed: bool) -> list[str]:
-        """Replace the noted actors in place in `servers` / `workers` (their handles), a server only
-        when the cut is `committed` (`restore(k, new)` loads it from there); returns what was done,
-        a line each."""
-        lines, nodes = [], ", ".join(node[:12] for node in sorted(self.nodes))
+        nodes = ", ".join(node[:12] for node in sorted(self.nodes))
+        lines = []
         for w in self.workers:
-            ray.kill(workers[w], no_restart=True)
-            workers[w] = start_worker(w)
+            ray.kill(sup.workers[w], no_restart=True)
+            sup.workers[w] = sup.actors.start_worker(w)
             lines.append(f"worker {w} moved off draining node(s) {nodes}")
-        for k in self.servers:
-            lines.append(self._move_server(k, servers, start_server, restore, committed, nodes))
+        lines += [self._move_server(sup, k, cut, nodes) for k in self.servers]
         self.servers, self.workers = [], []
         self.nodes.clear()
         for line in lines:
             log.warning("%s", line)
-        return lines
+        sup.moved += lines
+        for server in sup.servers:
+            server.uncut.remote()  # a dead one is found by its next progress poll
 
     @staticmethod
-    def _move_server(k: int, servers: list, start_server, restore, committed: bool, nodes: str) -> str:
-        if not committed:
+    def _move_server(sup, k: int, cut: int, nodes: str) -> str:
+        """Server `k` replaced by a new one restored from the commit of `cut`; the line that says so,
+        or why it stays."""
+        if cut != sup.last_commit():
             return (f"server {k} stays on draining node(s) {nodes}: the cut was not committed, so a new server "
                     "would have nothing to restore; it is lost with the node")
-        new = start_server(k)
+        new = sup.actors.start_server(k)
         try:
-            restore(k, new)
+            checkpoint.restore_servers([new], sup.ckpt.root, cut, storage_options=sup.ckpt.storage_options)
+            ray.get(new.reopen.remote(cut, sup.committed_records.get(k, [])), timeout=ASK_S)
         except Exception as err:  # noqa: BLE001 (any failure to restore: the old server is still whole)
             ray.kill(new, no_restart=True)
             return (f"server {k} stays on draining node(s) {nodes}: its replacement did not restore "
                     f"({type(err).__name__}: {err}); it is lost with the node")
-        ray.kill(servers[k], no_restart=True)
-        servers[k] = new
+        ray.kill(sup.servers[k], no_restart=True)
+        sup.servers[k] = new
         return f"server {k} moved off draining node(s) {nodes}, restored from the cut"

@@ -20,7 +20,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from paramserver.actors import StepLog
 
 log = logging.getLogger(__name__)
-POLL_S = 0.05
 
 
 def take(stream) -> tuple[list[StepLog], BaseException | None, bool]:
@@ -61,15 +60,15 @@ def dead_servers(servers: list, timeout_s: float = 30.0) -> set[int]:
     return dead
 
 
-def stop_all(streams: dict, on_log: Callable[[StepLog], None], within_s: float,
-             kill: Callable[[int], None]) -> set[int]:
-    """After the servers were aborted (their waiting calls fail): take every worker's logs until its
-    stream ends, killing (`kill(w)`) a worker whose stream has not ended within `within_s`; empties
-    `streams` and returns the workers whose actor died."""
+def stop_all(streams: dict, on_log: Callable[[StepLog], None], within_s: float, kill: Callable[[int], None],
+             poll_s: float) -> set[int]:
+    """After the servers were aborted (their waiting calls fail): take every worker's logs, looking
+    every `poll_s`, until its stream ends, killing (`kill(w)`) a worker whose stream has not ended
+    within `within_s`; empties `streams` and returns the workers whose actor died."""
     died: set[int] = set()
     deadline = time.time() + within_s
     while streams:
-        ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
+        ray.wait(list(streams.values()), num_returns=1, timeout=poll_s)
         for w, stream in list(streams.items()):
             logs, error, ended = take(stream)
             for entry in logs:

@@ -383,7 +383,7 @@ class Supervisor:
     def _stop(self, streams: dict, within_s: float = STOP_S) -> None:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
         self._dead_workers |= stop_all(streams, self._on_log, within_s,
-                                       lambda w: ray.kill(self.workers[w], no_restart=True))
+                                       lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)
 
     def _restore(self, replaced: set[int]) -> tuple[int, bool]:
         latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None

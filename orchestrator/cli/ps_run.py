@@ -12,8 +12,8 @@ servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, 
 (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
 `--report`. SIGTERM and SIGINT stop the job at a saved cut (its last segment runs on to the end),
 or where it is once that no longer fits in the grace (paramserver.preemption): exit 75, the last
-commit intact. A node Ray drains has the job's actors
-moved off it at a saved cut (paramserver.moves).
+commit intact. A node Ray drains has the job's actors moved off it at a saved cut
+(paramserver.moves).
 """
 
 from __future__ import annotations

@@ -62,15 +62,16 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     workers, trackers, lease, restore_signals = None, NO_TRACKING, None, lambda: None
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
-        spares, note = resolve_spares(spec, ray.available_resources(), ray_cluster.alive_node_resources())
+        nodes = ray_cluster.alive_node_resources()  # one GCS read for the checks below
+        spares, note = resolve_spares(spec, ray.available_resources(), nodes)
         spec = spec.model_copy(update={"elastic": spec.elastic.model_copy(update={"spares": spares})})
         problems = capacity_problems(spec, ray.cluster_resources())
-        problems = problems or node_problems(spec, ray_cluster.alive_node_resources())
+        problems = problems or node_problems(spec, nodes)
         if problems:
             print_problems(problems)
             return EXIT_USAGE
         for memory in (device_memory_note(spec, ray.cluster_resources()),
-                       host_memory_note(spec, ray_cluster.alive_node_resources())):
+                       host_memory_note(spec, nodes)):
             if memory:
                 print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
         port = metrics.serve(spec.monitor.host, spec.monitor.port)

@@ -144,15 +144,12 @@ def host_memory_note(spec, nodes: list[dict[str, float]]) -> str | None:
     layout = Layout.from_spec(spec)
     per_rank = ledgers(Workload.from_spec(spec), layout, "cpu").total + runtime_reserve_bytes(layout, "cpu")
     group = group_resources(spec.resources, spec.parallel.tp)
-    worst = None
-    for node in nodes:
-        ranks = min(spec.world_size, spec.parallel.tp * tp_groups_that_fit(node, group))
-        memory = node.get("memory", 0.0)
-        if ranks and memory and ranks * per_rank > memory and (worst is None or ranks * per_rank / memory > worst[0]):
-            worst = (ranks * per_rank / memory, ranks, memory)
-    if worst is None:
+    loads = [(ranks * per_rank / memory, ranks, memory) for node in nodes  # (need / memory, ranks, memory)
+             if (ranks := min(spec.world_size, spec.parallel.tp * tp_groups_that_fit(node, group)))
+             and (memory := node.get("memory", 0.0))]
+    load, ranks, memory = max(loads, default=(0.0, 0, 0.0))
+    if load <= 1.0:
         return None
-    _, ranks, memory = worst
     shard = ", shard the state (parallel.zero: 3)" if spec.parallel.zero < 3 else ""
     return (f"the cost model finds {ranks} rank(s) of this layout on one node need about "
             f"{ranks * per_rank / 2**30:.1f} GiB ({per_rank / 2**30:.2f} GiB each: weights, gradients, optimizer "

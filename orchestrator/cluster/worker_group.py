@@ -157,8 +157,7 @@ class RayWorkerGroup:
 
     def nodes_in_use(self) -> set[str]:
         """The nodes known to hold a rank or a spare, lost ones aside."""
-        held = [*self.actors.values(), *(actor for actor, _ in self.spares.values())]
-        return {self.node_of_actor.get(actor._actor_id.hex()) for actor in held} - self.lost_nodes - {None}
+        return {self.node_of_actor.get(actor_id) for actor_id in self.live_actors()} - self.lost_nodes - {None}
 
     def start_spares(self) -> list[int]:
         """Start a spare in every free seat (no waiting: each warms up on its own); returns the seats."""
