@@ -288,7 +288,7 @@ class Controller:
             self._start_training(run)
         outcomes = self.workers.wait_any(self.poll_s)
         committed = self.intake.drain(self.store)
-        self._track_checkpointing(run)
+        self._track_checkpointing(run, committed)
         trouble = [o for o in outcomes if o.status != "done"]
         run.finished |= {o.rank for o in outcomes if o.status == "done"}
         if self.intake.lost_nodes:  # the root cause, even when peers' collective errors came first
@@ -338,14 +338,14 @@ class Controller:
             self.blame.evicting.add(rank)  # the eviction hook: its pending call fails, recovery replaces it
             self.workers.kill_actor_only(rank)
 
-    def _track_checkpointing(self, run: TrainingRun) -> None:
-        """RUNNING <-> CHECKPOINTING: a save is in flight from its first receipt to its commit."""
+    def _track_checkpointing(self, run: TrainingRun, committed: list[int]) -> None:
+        """RUNNING <-> CHECKPOINTING from a save's first receipt to its commit (passed through within a poll)."""
         pending = self.checkpoints.committer.pending
-        if self.state == State.RUNNING and pending:
-            step = min(pending)
-            self._go(Checkpointing(run, step), f"step {step}: shards arriving "
-                                               f"({len(pending[step].receipts)}/{self.world_size})")
-        elif self.state == State.CHECKPOINTING and not pending:
+        if self.state == State.RUNNING and (pending or committed):  # committed in this poll: logged too
+            step = committed[0] if committed else min(pending)
+            arrived = len(pending[step].receipts) if step in pending else self.world_size
+            self._go(Checkpointing(run, step), f"step {step}: shards arriving ({arrived}/{self.world_size})")
+        if self.state == State.CHECKPOINTING and not pending:
             last = self.record.checkpoints[-1] if self.record.checkpoints else None
             if last is not None and last.step >= self.phase.step:
                 self._go(Running(run), f"step {last.step} committed: {last.bytes / 1e6:.2f} MB, blocking "
