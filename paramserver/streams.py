@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from paramserver.actors import StepLog
 
@@ -50,13 +50,18 @@ def brief(error: BaseException) -> str:
 
 
 def dead_servers(servers: list, timeout_s: float = 30.0) -> set[int]:
-    """The indices of `servers` whose actor is dead or does not answer a progress call in `timeout_s`."""
-    dead = set()
-    for k, server in enumerate(servers):
+    """The indices of `servers` whose actor is dead or does not answer a progress call in `timeout_s`.
+    Every server is asked at once, so a job with many servers, some hung, waits `timeout_s` once."""
+    calls = {server.progress.remote(): k for k, server in enumerate(servers)}
+    if not calls:
+        return set()
+    answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    dead = {k for call, k in calls.items() if call not in answered}
+    for call in answered:
         try:
-            ray.get(server.progress.remote(), timeout=timeout_s)
-        except (RayActorError, GetTimeoutError):
-            dead.add(k)
+            ray.get(call)
+        except RayActorError:
+            dead.add(calls[call])
     return dead
 
 
