@@ -13,7 +13,8 @@ must not be read from other threads (metrics get a snapshot through `JobMetrics.
    opens a new one, so time is booked as it passes and no second is booked twice.
 3. `move(seconds, src, dst)` re-attributes time already booked when its cause is learned after
    the fact: a checkpoint's blocking time (productive -> checkpoint_save) once the shard
-   receipts arrive, and the steps rolled back by a recovery (productive -> lost_work).
+   receipts arrive, the ranks' wait for a generation's last save once they return, and the
+   steps rolled back by a recovery (productive -> lost_work).
 4. `to_dict()` is saved with each checkpoint, and every few seconds beside them
    (orchestrator.controller.ledger_snapshot); `GoodputLedger(carried=...)` or `carry(totals)` resumes the
    totals after a controller restart, with the predecessor's steps past the restored commit moved to
@@ -28,12 +29,14 @@ Lost work, precisely. A recovery (or a grow) that resumes from committed step R 
 every step >= R that finished in the generation that stopped. For each such step, rank 0's
 wall time of that execution (its `step_s`: from the step's start to its end, the collectives
 included) is lost, and so is the step the fault interrupted, from the end of the last
-finished step to the fault (counted only when the fault's time is known, i.e. for an injected
-fault; otherwise that remainder stays where it was booked). The controller computes it at
+finished step to the fault, less what after that step was booked already (a validation, a save's
+blocking), counted only when the fault's time is known, i.e. for an injected fault; otherwise
+that remainder stays where it was booked. The controller computes it at
 recovery time (`JobRecord.rolled_back_seconds`) and moves it productive -> lost_work. The
 same quantity can be recomputed after the run from the report alone: the executions that a
 later execution of the same step replaced (`RunReport.rolled_back`) plus, per failure, its
-fault time minus the end of the last of them. The ledger test (tests/ray/test_monitoring.py)
+fault time minus the end of the last of them (an upper bound: the report does not list what
+was booked after it). The ledger test (tests/ray/test_monitoring.py)
 checks the two agree. A second execution of the same steps (`RunReport.redone_s`) measures
 what redoing cost, not what was lost: it runs at another time under another machine load and
 after a fresh process group, so it matches lost work only as far as step times repeat.

@@ -104,6 +104,7 @@ class Checkpoints:
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
         self.plan_memory_anchor = 0
+        self.blocking_booked: dict[int, float] = {}  # step -> its save's blocking booked so far
 
     def ownership_lost(self) -> str | None:
         """Why this driver no longer owns the checkpoint root (its lease saw a newer claim), or None."""
@@ -194,6 +195,7 @@ class Checkpoints:
             self.metrics.on_checkpoint_skipped(len(self.committer.pending))
         # From memory, the newest durable step stays what storage holds (retention, the report's final step).
         self.committer.reset(self.committer.latest if source is not None else anchor, left_behind=self.restore.bad)
+        self.blocking_booked.clear()
         self.memory.begin(gen, anchor, from_memory=source is not None)
         self.background.on_restored(anchor)
         self.stop_at = None
@@ -225,6 +227,7 @@ class Checkpoints:
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
                    fired: dict) -> int | None:
+        self._book_blocking(message.receipt.step, message.receipt.blocking_s)
         commit = self.committer.on_receipt(
             message.receipt, message.extra, world_size, self.gen, layout,
             # The history travels with the checkpoint (with this commit's sample digests), so a rerun
@@ -242,8 +245,7 @@ class Checkpoints:
         self.record.history.extend(sample_events(commit.samples))
         self.restore.on_committed(commit.step)
         self.chaos.after_commit(commit.step, fired)
-        # The ranks' blocking time was booked as productive; it was the save's cost.
-        self.ledger.move(commit.blocking_s, "productive", "checkpoint_save")
+        self.blocking_booked = {step: s for step, s in self.blocking_booked.items() if step > commit.step}
         # Young's C is the whole cost: the blocking time and what the background write took from the
         # steps it overlapped (orchestrator.controller.background_cost).
         background = self.background.charge(commit.step, self.record.steps, self.record.last_step)
@@ -254,6 +256,15 @@ class Checkpoints:
         self._replan()
         return commit.step
 
+    def _book_blocking(self, step: int, blocking_s: float) -> None:
+        """A save's cost to training is its slowest rank's blocking time, booked as productive while
+        it passed: moved to checkpoint_save as the receipts come in, since a save that never commits
+        (a rank's write failed, a manifest commit failed twice) blocked the ranks all the same."""
+        more = blocking_s - self.blocking_booked.get(step, 0.0)
+        if more > 0:
+            self.blocking_booked[step] = blocking_s
+            self.record.on_save_blocking(step, self.ledger.move(more, "productive", "checkpoint_save"))
+
     def on_snapshot(self, message: SnapshotHeld, world_size: int, layout: dict, restarts: int,
                     fired: dict) -> None:
         """A memory snapshot shard held twice; a completed snapshot books its blocking time (as a save's)."""
@@ -261,7 +272,7 @@ class Checkpoints:
         if snap is None:
             return None
         blocking = self.memory.last_blocking_s or 0.0
-        self.ledger.move(blocking, "productive", "checkpoint_save")
+        self.record.on_save_blocking(snap.step, self.ledger.move(blocking, "productive", "checkpoint_save"))
         background = self.background.charge(snap.step, self.record.steps, self.record.last_step)
         self.memory.policy.on_save_cost(blocking + background)
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)

@@ -75,13 +75,19 @@ class JobRecord:
         self._last_progress = 0.0
         self.progress_at = time.monotonic()  # the hang clock: monotonic, an NTP step never trips it
         self._awaiting_first_step: tuple[FailureRecord, float] | None = None
+        self._generation_started = self._newest_seen_at = time.time()  # the newest step's arrival here
+        # Seconds after the newest step's end already moved off productive (a validation, a save's
+        # blocking, a booked tail): the time after a step is booked once, whoever books it.
+        self._booked_since_step = 0.0
 
     def on_training_started(self) -> float:
         """A generation starts training: the hang clock restarts. Returns the wall time, the
         controller's record of when the generation started (compared with rank timestamps)."""
         self.progress_at = time.monotonic()
         self._generation_first = None
-        return time.time()
+        self._generation_started = self._newest_seen_at = time.time()
+        self._booked_since_step = 0.0
+        return self._generation_started
 
     def job_seconds(self, at: float | None = None) -> float:
         return (at if at is not None else time.time()) - self.started
@@ -102,7 +108,7 @@ class JobRecord:
         if self._generation_first is None:
             self._generation_first = rec.step
         self.recent.append(rec)
-        self.last_step = rec.step
+        self.last_step, self._booked_since_step, self._newest_seen_at = rec.step, 0.0, time.time()
         record_step(self.history, rec.step, self.dp)
         self.progress_at = time.monotonic()
         if self._awaiting_first_step is not None:
@@ -152,7 +158,7 @@ class JobRecord:
     def on_eval(self, event: EvalDone) -> None:
         """A validation loss from rank 0. Its time was booked as productive (the controller was
         RUNNING); it trained nothing, so it moves to `other`, as Google's taxonomy has no bucket for it."""
-        self.ledger.move(event.seconds, "productive", "other")
+        self._booked_since_step += self.ledger.move(event.seconds, "productive", "other")
         self.progress_at = time.monotonic()  # progress: the hang clock restarts after a validation
         self.evals = [e for e in self.evals if e.step != event.step]  # a re-evaluation after a rollback
         self.evals.append(EvalPoint(step=event.step, loss=event.loss, tokens=event.tokens, seconds=event.seconds,
@@ -170,14 +176,30 @@ class JobRecord:
         those from `restored_step` on, and a recovery costs the same at step 100 and step 10^6."""
         first = self._generation_first
         if first is None:  # the generation reported no step
-            return max(0.0, failed_at - since) if failed_at is not None else 0.0
+            return self._tail(failed_at, since) if failed_at is not None else 0.0
         done = [r for r in self.steps.records(max(restored_step, first)) if r.time >= since]
         lost = sum(r.step_s - r.data_wait_s for r in done)  # the data wait stays in `data`
-        if failed_at is not None:
-            newest = self.steps.get(self.last_step)  # the generation's newest step ended last
-            last_end = newest.time if newest is not None and newest.time >= since else since
-            lost += max(0.0, failed_at - last_end)
-        return lost
+        return lost + (self._tail(failed_at, since) if failed_at is not None else 0.0)
+
+    def on_save_blocking(self, step: int, seconds: float) -> None:
+        """A save of completed step `step` blocked the ranks `seconds`, moved off productive: after
+        the newest step when it is that step's save, so no tail after that step holds it."""
+        if step == self.last_step + 1:
+            self._booked_since_step += seconds
+
+    def take_tail(self) -> float:
+        """The seconds since the generation's newest step arrived here (its start, before one) that
+        are booked nowhere else yet; the caller books them (the ranks' wait for their last save), and
+        from then on they are booked. Measured on this clock alone: a rank's clock behind ours
+        would lengthen it by the lag."""
+        tail = max(0.0, time.time() - self._newest_seen_at - self._booked_since_step)
+        self._booked_since_step += tail
+        return tail
+
+    def _tail(self, at: float, since: float) -> float:
+        newest = self.steps.get(self.last_step)  # the generation's newest step ended last
+        last_end = newest.time if newest is not None and newest.time >= since else since
+        return max(0.0, at - last_end - self._booked_since_step)
 
     def on_layout(self, gen: int, world_size: int, dp: int, tp: int, pp: int) -> None:
         self.world.append(WorldRecord(generation=gen, world_size=world_size, dp=dp, tp=tp, pp=pp,

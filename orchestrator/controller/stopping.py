@@ -211,7 +211,9 @@ class Stops:
         return None
 
     def finished(self, phase: Phase, store, gen: int, world_size: int, dp: int) -> Move | None:
-        """Every rank's `train` call returned done: the job's last step, or the generation's stop step."""
+        """Every rank's `train` call returned done: the job's last step, or the generation's stop step.
+        Since their last step (and validation) the ranks waited for their last save to be durable."""
+        self.ledger.move(self.record.take_tail(), "productive", "checkpoint_save")
         steps = self.spec.train.steps
         if phase.state == State.STOPPING and phase.step < steps:
             return self._ended(phase, store, gen, world_size, dp)
@@ -242,6 +244,7 @@ class Stops:
                              "rerun the job to resume from it")
         self.drained.add(phase.node)
         self.intake.nodes_handled.add(phase.node)  # a late node_lost report of it is not a failure
+        self.ledger.enter("reformation")  # the generation's work is saved: stopping it and refilling seats re-forms
         gone = self.recovery.stop_generation(store, world_size)  # a rank may die while it stops, too
         membership = self.recovery.replace(sorted(set(self.workers.forget_node(phase.node)) | set(gone)), dp)
         if membership.error is not None:
@@ -255,6 +258,7 @@ class Stops:
         if target is None:
             return None
         new_dp, ready = target
+        self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         gone = self.recovery.stop_generation(store, world_size)
         # Steps trained past the commit while the generation was being stopped are redone.
         self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")

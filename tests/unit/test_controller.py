@@ -30,6 +30,8 @@ from orchestrator.wire.store import PLAN, RendezvousServer
 
 
 class FakeWorkerGroup:
+    blocking_s = 0.001  # each save's blocking time, every rank's (slept through when over 10 ms)
+
     def __init__(self, rendezvous: RendezvousServer, storage: Storage, die_at: dict | None = None,
                  place_error: str | None = None, cold_start_works: bool = True):
         self.rendezvous = rendezvous
@@ -175,13 +177,15 @@ class FakeWorkerGroup:
 
     def save_shards(self, store, step, world):
         """Every rank's shard of completed step `step`, and its receipt (or its save error)."""
+        if self.blocking_s > 0.01:
+            time.sleep(self.blocking_s)  # the ranks blocked together, booked productive until the receipts
         for rank in range(world):
             if self.fail_shard.get(step) == rank:
                 store.push_event({"type": "save_error", "rank": rank, "step": step,
                                   "error": "InjectedStorageError: injected storage_error"})
                 continue
             t = {f"w{rank}": torch.full((2,), float(step))}
-            receipt = write_shard(self.storage, step, rank, t, blocking_s=0.001)
+            receipt = write_shard(self.storage, step, rank, t, blocking_s=self.blocking_s)
             extra = {"engine": {"next_step": step}} if rank == 0 else {}
             store.push_event({"type": "receipt", "receipt": receipt.model_dump(), "extra": extra})
 
@@ -255,8 +259,11 @@ def test_one_transition_at_a_time_to_success(tmp_path, rendezvous):
     seen = [State.RUNNING]
     while ctl.state not in TERMINAL:
         seen.append(ctl.step_once())
-    # The fake's receipts of a save all arrive in one drain, so no CHECKPOINTING interval shows.
+    # The fake's receipts of a save all arrive in one drain: CHECKPOINTING is passed through within
+    # a poll, and every commit is still logged.
     assert seen == [State.RUNNING, State.SUCCEEDED]
+    for step in (10, 20, 30):
+        assert sum(f"CHECKPOINTING -> RUNNING: step {step} committed: " in line for line in lines) == 1, lines
     assert ctl.checkpoints.latest == 30
     assert ctl.catalog.committed_steps() == [20, 30]  # keep=2
     assert any("RUNNING -> SUCCEEDED" in line for line in lines)
@@ -310,17 +317,58 @@ def test_finished_job_is_not_run_again(tmp_path, rendezvous):
     assert any("already finished" in line for line in lines)
 
 
+class FlushesItsLastSaveSlowly(FakeWorkerGroup):
+    """Every rank returns FLUSH_S after the final checkpoint's step and receipts reached the controller."""
+
+    FLUSH_S = 0.5
+    held = flushed = None
+
+    def wait_any(self, timeout_s):
+        if self.held is not None:
+            time.sleep(self.FLUSH_S)  # the ranks wait for their last shard to be durable
+            out, self.held = self.held, None
+            return out
+        out = super().wait_any(timeout_s)
+        if out and all(o.status == "done" for o in out) and not self.flushed:
+            self.held, self.flushed = out, True
+            return []
+        return out
+
+
+def test_the_ranks_wait_for_their_last_save_is_booked_as_checkpoint_save(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FlushesItsLastSaveSlowly(rendezvous, Storage(spec.checkpoint_root))
+    report = _controller(spec, workers, rendezvous, []).run()
+    assert report.status == "succeeded", report.error
+    saving = report.goodput.badput_s["checkpoint_save"]
+    assert workers.FLUSH_S <= saving < workers.FLUSH_S + 0.4, report.goodput
+    assert report.goodput.productive_s < report.goodput.wall_s - workers.FLUSH_S
+
+
+class RecordsTheBucketOfGrowth(FakeWorkerGroup):
+    """Records the goodput bucket the controller books to when it grows the group."""
+
+    ctl = None
+
+    def grow(self, world_size):
+        self.grown_while = [*getattr(self, "grown_while", []), self.ctl.ledger.current]
+        return super().grow(world_size)
+
+
 def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
     spec = _spec(tmp_path)
-    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1}, cold_start_works=False)
+    workers = RecordsTheBucketOfGrowth(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                       cold_start_works=False)
     lines: list[str] = []
-    report = _controller(spec, workers, rendezvous, lines).run()
+    workers.ctl = _controller(spec, workers, rendezvous, lines)
+    report = workers.ctl.run()
     assert report.status == "succeeded" and report.final_step == 30
     assert workers.dp_history == [2, 1, 2]  # shrink at the failure, grow at the next commit
     assert [(w.generation, w.dp) for w in report.world_history] == [(0, 2), (1, 1), (2, 2)]
     assert any("shrinking dp 2 -> 1" in line for line in lines)
     assert any("growing dp 1 -> 2 at checkpoint step 20" in line for line in lines)
     assert len(report.failures) == 1  # growing is not a failure
+    assert workers.grown_while == ["reformation"]  # the grow's stop and re-formation train nothing
 
 
 class DiesWhileStoppingToGrow(FakeWorkerGroup):

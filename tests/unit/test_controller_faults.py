@@ -54,6 +54,13 @@ def test_a_failed_shard_write_drops_that_save_and_the_next_one_commits(tmp_path,
     assert _verified(ctl) == [10, 30]
 
 
+def test_a_save_that_never_commits_still_books_its_blocking_time(tmp_path, rendezvous):
+    blocking = 0.2  # each of the saves of steps 10, 20 (rank 0's write fails) and 30
+    _, report, _ = _run(tmp_path, rendezvous, [], fail_shard={20: 0}, blocking_s=blocking)
+    assert [c.step for c in report.checkpoints] == [10, 30]
+    assert report.goodput.badput_s["checkpoint_save"] >= 3 * blocking - 0.01, report.goodput
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_failed_manifest_commit_is_retried_once(tmp_path, rendezvous, when):
     # "after": the manifest landed and the reply was lost; the retry finds our own manifest.

@@ -295,6 +295,25 @@ def test_a_drained_node_s_ranks_move_to_a_spare_with_no_work_lost(tmp_path, rend
     assert [p.step for p in report.losses] == list(range(60))  # every step trained once
 
 
+def test_the_wait_for_a_drained_node_s_replacements_is_booked_as_reformation(tmp_path, rendezvous):
+    booked_to: list[str] = []
+
+    def slow_takeover(workers, ctl):
+        promote = workers.promote_spares
+
+        def promote_slowly(ranks):  # the replacement takes 0.5 s, after the stop step's commit
+            booked_to.append(ctl.ledger.current)
+            time.sleep(0.5)
+            return promote(ranks)
+
+        workers.promote_spares = promote_slowly
+
+    report, _, _ = _drain_run(tmp_path, rendezvous, deadline_in_s=None, setup=slow_takeover)
+    assert report.status == "succeeded", report.error
+    assert booked_to == ["reformation"]
+    assert report.goodput.badput_s["reformation"] >= 0.5
+
+
 def test_a_drained_node_s_ranks_with_no_seat_elsewhere_shrink_dp_at_the_stop_without_waiting(tmp_path, rendezvous):
     """No spare and no free seat: Ray starts no actor on a draining node, so rather than wait
     elastic.replace_timeout_s (60 s) for a seat there, the job goes on smaller at once."""

@@ -206,6 +206,30 @@ def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
     assert _lost_from_report(report) == pytest.approx(lost, abs=1e-6)
 
 
+def test_the_interrupted_step_s_time_leaves_out_a_validation_and_a_save_booked_after_the_last_step():
+    """A validation (2 s, booked to `other`) and a save's blocking (0.5 s, booked to checkpoint_save)
+    ran after step 12; the fault came 2.8 s after step 12 ended: 0.3 s of step 13 was lost, not 2.8 s."""
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.wire.messages import EvalDone
+
+    clock = FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.enter("productive")
+    record = JobRecord("unit", 20, JobMetrics("unit"), ledger, printer=lambda _: None)
+    t = record.started
+    for step in range(13):
+        t = _step(record, step, 0.5, t + 0.5)
+    clock.advance(100)  # the ledger holds enough productive time for the moves
+    record.on_save_blocking(13, ledger.move(0.5, "productive", "checkpoint_save"))
+    record.on_eval(EvalDone(step=13, loss=1.0, tokens=10, seconds=2.0))
+    assert record.rolled_back_seconds(10, since=record.started, failed_at=t + 2.8) == pytest.approx(3 * 0.5 + 0.3)
+    record.on_save_blocking(10, 7.0)  # an older save's blocking lies before the last step: not in its tail
+    assert record.rolled_back_seconds(10, since=record.started, failed_at=t + 2.8) == pytest.approx(3 * 0.5 + 0.3)
+    _step(record, 13, 0.5, t + 3.0)  # a newer step: nothing is booked after it yet
+    assert record.rolled_back_seconds(10, since=record.started, failed_at=t + 3.2) == pytest.approx(4 * 0.5 + 0.2)
+
+
 def test_a_second_failure_loses_the_running_generation_s_redone_steps_only():
     """Generation 0 reached step 18 and lost 10..18; generation 1 redid 10..14 and failed in 15: its
     lost work is 10..14 and the part of 15 it ran, not generation 0's records of 15..18."""
