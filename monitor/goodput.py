@@ -28,18 +28,20 @@ Invariant (tested with a fake clock): `sum(totals().values()) == wall()` after a
 Lost work, precisely. A recovery (or a grow) that resumes from committed step R throws away
 every step >= R that finished in the generation that stopped. For each such step, rank 0's
 wall time of that execution (its `step_s`: from the step's start to its end, the collectives
-included) is lost, and so is the step the fault interrupted, from the end of the last
-finished step to the fault, less what after that step was booked already (a validation, a save's
-blocking), counted only when the fault's time is known, i.e. for an injected fault; otherwise
-that remainder stays where it was booked. The controller computes it at
-recovery time (`JobRecord.rolled_back_seconds`) and moves it productive -> lost_work. The
-same quantity can be recomputed after the run from the report alone: the executions that a
-later execution of the same step replaced (`RunReport.rolled_back`) plus, per failure, its
-fault time minus the end of the last of them (an upper bound: the report does not list what
-was booked after it). The ledger test (tests/ray/test_monitoring.py)
-checks the two agree. A second execution of the same steps (`RunReport.redone_s`) measures
-what redoing cost, not what was lost: it runs at another time under another machine load and
-after a fresh process group, so it matches lost work only as far as step times repeat.
+included, less its data wait) is lost, and so is the step the fault interrupted, from the end
+of the last finished step to the fault, less what after that step was booked already (a
+validation, a save's blocking). That remainder is counted only when the fault's time is known:
+an injected fault, or a hang no fault explains (from the last progress and what was booked
+after it, plus a median step: when the step was due); otherwise it stays where it was booked.
+The controller computes it at recovery time (`JobRecord.rolled_back_seconds`) and moves it
+productive -> lost_work. For an injected fault the same quantity can be recomputed after the
+run from the report alone: the executions that a later execution of the same step replaced
+(`RunReport.rolled_back`) plus, per failure, its fault time minus the end of the last of them
+(an upper bound: the report does not list what was booked after it). The ledger test
+(tests/ray/test_monitoring.py) checks the two agree. A second execution of the same steps
+(`RunReport.redone_s`) measures what redoing cost, not what was lost: it runs at another time
+under another machine load and after a fresh process group, so it matches lost work only as
+far as step times repeat.
 """
 
 from __future__ import annotations

@@ -92,7 +92,11 @@ class Blame:
         if quiet < limit_s:
             return None
         message = f"no step for {quiet:.1f} s (limit {limit_s:.1f} s)" + (f": {why}" if why else "")
-        return self._from_fault(message, Failure("hang", None, time.time(), message, step=self.current_step()))
+        # The step was due a usual step after the last progress, and after what was booked since
+        # (a validation, a save's blocking): from then the job only waited to be declared hung.
+        now, due = time.time(), (self.record.median_step_s() or 0.0) + self.record.booked_since_step
+        return self._from_fault(message, Failure("hang", None, now, message, step=self.current_step(),
+                                                 stalled_at=now - quiet + min(due, quiet)))
 
     def rendezvous_failed(self, err: BaseException) -> Failure:
         return Failure("rendezvous", None, time.time(), f"{type(err).__name__}: {err}")

@@ -178,7 +178,9 @@ class JobRecord:
         if first is None:  # the generation reported no step
             return self._tail(failed_at, since) if failed_at is not None else 0.0
         done = [r for r in self.steps.records(max(restored_step, first)) if r.time >= since]
-        lost = sum(r.step_s - r.data_wait_s for r in done)  # the data wait stays in `data`
+        # The data wait stays in `data` (moved at most the step's time: the slowest rank's wait can
+        # begin before rank 0's step does).
+        lost = sum(r.step_s - min(r.data_wait_s, r.step_s) for r in done)
         return lost + (self._tail(failed_at, since) if failed_at is not None else 0.0)
 
     def on_save_blocking(self, step: int, seconds: float) -> None:
@@ -186,6 +188,11 @@ class JobRecord:
         the newest step when it is that step's save, so no tail after that step holds it."""
         if step == self.last_step + 1:
             self._booked_since_step += seconds
+
+    @property
+    def booked_since_step(self) -> float:
+        """Seconds after the newest step's end already booked off productive (validation, saves' blocking)."""
+        return self._booked_since_step
 
     def take_tail(self) -> float:
         """The seconds since the generation's newest step arrived here (its start, before one) that

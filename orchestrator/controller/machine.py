@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 # The goodput bucket each state's time is booked to (None: the state books nothing itself).
 _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("startup", "reformation"),
             State.RESTORING: ("checkpoint_restore",) * 2, State.RUNNING: ("productive",) * 2,
-            # Saves run beside training; their blocking part is moved to checkpoint_save at commit.
+            # Saves run beside training; their blocking part is moved to checkpoint_save per receipt.
             State.CHECKPOINTING: ("productive",) * 2, State.STOPPING: ("productive",) * 2,
             State.RECOVERING: ("reformation",) * 2}
 
@@ -360,9 +360,8 @@ class Controller:
         failure.record = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
                                                 failure.fault_time, failure.message, failure.step)
         self.checkpoints.interval_policy.on_failure()
-        if failure.fault_time is not None:
-            # From the fault, but not before this generation trained (earlier time has its bucket).
-            since = max(failure.fault_time, self.gen_started_at or failure.fault_time)
+        if failure.onset is not None:  # from the fault (or a hang's stall), not before this generation trained
+            since = max(failure.onset, self.gen_started_at or failure.onset)
             self.ledger.move(max(0.0, failure.detected_at - since), "productive", "detection")
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"
         after = failure.record.detected_after_s
@@ -382,7 +381,7 @@ class Controller:
         self.fault_clock.sweep_fired(failure.detected_at)
         restore_point = self.checkpoints.expected_restore_point(self.workers) or 0
         lost = failure.record.lost_work_s = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,
-                                                                            failed_at=failure.fault_time)
+                                                                            failed_at=failure.onset)
         self.ledger.move(lost, "productive", "lost_work")
         decision = self.failure_policy.decide(self.failure_history)
         if decision.action is FailureDecision.Action.FAIL:

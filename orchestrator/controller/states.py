@@ -92,9 +92,17 @@ class Failure:
     detected_at: float  # time.time() when the controller noticed
     message: str
     fault_time: float | None = None  # time.time() an injected fault fired, when known
+    # A hang no injected fault explains: time.time() its step was due (the last progress plus a
+    # usual step), after which the job only waited to be declared hung.
+    stalled_at: float | None = None
     step: int | None = None  # the step being computed when it failed
     errors: dict[int, str] = field(default_factory=dict)  # each failed rank's error, as it returned
     record: object | None = None  # its monitor.report.FailureRecord, once the job record has it
+
+    @property
+    def onset(self) -> float | None:
+        """When the job stopped making progress, as far as it is known: the injected fault, or a stall."""
+        return self.fault_time if self.fault_time is not None else self.stalled_at
 
 
 @dataclass

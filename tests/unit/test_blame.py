@@ -3,7 +3,10 @@ failed because of it, whichever outcome the controller saw first (orchestrator.c
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
+
+import pytest
 
 from orchestrator.cluster.worker_group import RankOutcome
 from orchestrator.controller.blame import Blame
@@ -65,3 +68,16 @@ def test_a_rank_s_own_error_on_a_live_node_stays_its_own_cause_when_a_node_is_go
     failure.record = SimpleNamespace(kind=None, rank=None, message=None)
     summary = blame.attribute(failure, dead=[], stuck=[], crashed={"0a1b2c3d4e5f" + "9" * 44: [2]})
     assert (summary.kind, summary.rank, summary.error) == ("rank_error", 5, OWN)
+
+
+def test_a_hang_s_step_was_due_a_usual_step_after_the_last_progress_and_what_was_booked_since():
+    """The hang limit ran out 30 s after the last progress; a step usually takes 2 s, and a save
+    blocked the ranks 5 s after it (booked as checkpoint_save): the step was due at 7 s, and the
+    23 s after that were the wait to be declared hung (detection), not 28 s."""
+    faults = SimpleNamespace(take_fired=lambda: None)
+    record = SimpleNamespace(last_step=12, completed_steps=lambda: 13, median_step_s=lambda: 2.0,
+                             booked_since_step=5.0)
+    failure = Blame(faults, record).hang(time.monotonic() - 30.0, limit_s=20.0)
+    assert failure.kind == "hang" and failure.fault_time is None
+    assert failure.onset == failure.stalled_at
+    assert failure.detected_at - failure.stalled_at == pytest.approx(23.0, abs=0.5)

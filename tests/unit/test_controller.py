@@ -345,6 +345,27 @@ def test_the_ranks_wait_for_their_last_save_is_booked_as_checkpoint_save(tmp_pat
     assert report.goodput.productive_s < report.goodput.wall_s - workers.FLUSH_S
 
 
+class FallsSilentAfterStep10(FakeWorkerGroup):
+    """Generation 0's ranks stop after the save of step 10: no step, no outcome, until aborted."""
+
+    def wait_any(self, timeout_s):
+        if self.gen == 0 and self.next_step == 10 and self._running and not self.gen_store.abort_requested():
+            time.sleep(timeout_s)
+            return []
+        return super().wait_any(timeout_s)
+
+
+def test_a_hang_no_fault_explains_books_its_wait_to_be_declared_as_detection(tmp_path, rendezvous):
+    spec = _spec(tmp_path, elastic={"max_restarts": 1, "hang_timeout_s": 1.0})
+    workers = FallsSilentAfterStep10(rendezvous, Storage(spec.checkpoint_root))
+    ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
+                     printer=lambda _: None, poll_s=0.01, release_timeout_s=0.5, hang_min_s=1.0)
+    report = ctl.run()
+    assert report.status == "succeeded" and [f.kind for f in report.failures] == ["hang"], report.error
+    # Silent for the 1 s limit after step 9's record; a usual step (10 ms here) of it was the step's own.
+    assert 0.9 <= report.goodput.badput_s["detection"] < 2.0, report.goodput
+
+
 class RecordsTheBucketOfGrowth(FakeWorkerGroup):
     """Records the goodput bucket the controller books to when it grows the group."""
 
