@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import ray
 import torch
+from ray.exceptions import RayTaskError
 
 from ckpt.catalog import Catalog
-from ckpt.commit import Commit, Committer
+from ckpt.commit import Commit, Committer, storage_failure
 from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.manifest import ShardReceipt
 from ckpt.ownership import OwnerLease
@@ -193,7 +194,14 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
         return None
     cat.fence()  # no shard of a driver that lost the root lands in it
     tag = f"ps{secrets.token_hex(4)}"
-    receipts = _call(servers, "save_shard", root, step, storage_options, tag)
+    try:
+        receipts = _call(servers, "save_shard", root, step, storage_options, tag)
+    except RayTaskError as err:  # a server's own error writing its shard: this save fails, the job goes on
+        cause = getattr(err, "cause", None) or err
+        if not storage_failure(cause):
+            raise
+        raise PSCheckpointError(f"checkpoint step {step} was not committed: a server could not write its shard "
+                                f"({type(cause).__name__}: {cause})") from err
     if sorted(r.rank for r in receipts) != list(range(job.parallel.servers)):
         raise PSCheckpointError(f"checkpoint step {step} was not committed: it has the shards of servers "
                                 f"{sorted(r.rank for r in receipts)}, the job has {job.parallel.servers}")

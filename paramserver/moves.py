@@ -15,7 +15,8 @@ holds none, but its death pauses it. So when a draining node holds actors of the
      commit, a worker by a new one (it resumes at the cut from the servers' clocks). Ray starts
      nothing on a draining node, so they land elsewhere. Nothing is redone.
 A server cannot move without a commit of the cut (no checkpoints, or the save failed), nor when
-its replacement does not restore: it stays, and is lost with its node as before; that is said.
+its replacement does not start within START_S (no seat off the node) or does not restore: it
+stays, and is lost with its node as before; that is said. The move is booked as re-formation.
 Nothing moves when the job is ending anyway (its last step, or a signal).
 
 Protocol (the supervisor's thread, paramserver.supervisor): `Moves(draining)`, with the
@@ -28,6 +29,7 @@ abort and reopen undo a freeze and a cut); after the segment, the save of the cu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
@@ -35,9 +37,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from paramserver import checkpoint
+from paramserver import recovery as book  # the goodput buckets
 
 log = logging.getLogger(__name__)
 ASK_S = 10.0  # how long the actors may take to answer a drain's calls
+# How long a moved server may take to start: Ray places it off the draining node, and on a full
+# cluster it may find no seat; past this the server stays (and is lost with the node, as before).
+START_S = 60.0
 GONE = (RayActorError, GetTimeoutError)  # an actor that died or does not answer: its failure path handles it
 
 
@@ -108,6 +114,7 @@ class Moves:
         if cut >= sup.steps or (sup.ckpt.preemption is not None and sup.ckpt.preemption.signals):
             return
         nodes = ", ".join(node[:12] for node in sorted(self.nodes))
+        sup.ledger.enter(book.REFORMATION)  # the cut is saved: moving the actors re-forms the job
         lines = []
         for w in self.workers:
             ray.kill(sup.workers[w], no_restart=True)
@@ -119,8 +126,10 @@ class Moves:
         for line in lines:
             log.warning("%s", line)
         sup.moved += lines
-        for server in sup.servers:
-            server.uncut.remote()  # a dead one is found by its next progress poll
+        # Answered before the next segment's pulls reach a server, which the cut would refuse; a dead
+        # or silent server is found by the next segment's progress polls.
+        with contextlib.suppress(*GONE):
+            ray.get([server.uncut.remote() for server in sup.servers], timeout=ASK_S)
 
     @staticmethod
     def _move_server(sup, k: int, cut: int, nodes: str) -> str:
@@ -131,11 +140,12 @@ class Moves:
                     "would have nothing to restore; it is lost with the node")
         new = sup.actors.start_server(k)
         try:
+            ray.get(new.progress.remote(), timeout=START_S)  # placed and up: the restore's calls have no limit
             checkpoint.restore_servers([new], sup.ckpt.root, cut, storage_options=sup.ckpt.storage_options)
             ray.get(new.reopen.remote(cut, sup.committed_records.get(k, [])), timeout=ASK_S)
         except Exception as err:  # noqa: BLE001 (any failure to restore: the old server is still whole)
             ray.kill(new, no_restart=True)
-            return (f"server {k} stays on draining node(s) {nodes}: its replacement did not restore "
+            return (f"server {k} stays on draining node(s) {nodes}: its replacement did not start or restore "
                     f"({type(err).__name__}: {err}); it is lost with the node")
         ray.kill(sup.servers[k], no_restart=True)
         sup.servers[k] = new

@@ -161,11 +161,11 @@ class Supervisor:
                 commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
                                                        storage_options=self.ckpt.storage_options,
                                                        owner=self.ckpt.owner)
+                self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
                 if commit is not None and self.ckpt.on_commit is not None:
                     self.ckpt.on_commit(commit)
                 stats = ray.get([s.stats.remote() for s in self.servers])
                 self.committed_records = {s.server: s.records for s in stats}
-                self.saved.append(end)
             except RayActorError:
                 return self._rollback(start, {}, set(), "a server died during the checkpoint save",
                                       self._productive_at_start)

@@ -197,8 +197,7 @@ class JobRecord:
     def take_tail(self) -> float:
         """The seconds since the generation's newest step arrived here (its start, before one) that
         are booked nowhere else yet; the caller books them (the ranks' wait for their last save), and
-        from then on they are booked. Measured on this clock alone: a rank's clock behind ours
-        would lengthen it by the lag."""
+        from then on they are booked. Measured on this clock alone: no rank's clock enters it."""
         tail = max(0.0, time.time() - self._newest_seen_at - self._booked_since_step)
         self._booked_since_step += tail
         return tail

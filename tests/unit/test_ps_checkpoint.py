@@ -190,6 +190,32 @@ def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_
     assert save_ps_checkpoint(setup.servers, root, 4, job=job).step == latest_committed_step(root) == 4
 
 
+def test_a_server_that_cannot_write_its_shard_fails_that_save_not_the_job(tmp_path, monkeypatch):
+    """Ray delivers a server's own error as RayTaskError: a storage error (the store refused the
+    write) is a save that did not commit, the job goes on; any other error (a bug) is raised."""
+    from ray.exceptions import RayTaskError
+
+    from paramserver import checkpoint
+
+    root, parallel = str(tmp_path / "refused"), _ps("bsp")
+    job = _job(MODEL, parallel)
+
+    def refused(servers, method, *args, **kwargs):
+        raise RayTaskError(method, "traceback", OSError(28, "No space left on device"))
+
+    monkeypatch.setattr(checkpoint, "_call", refused)
+    with pytest.raises(PSCheckpointError, match="could not write its shard .OSError: .Errno 28. No space left"):
+        save_ps_checkpoint([], root, 4, job=job)
+
+    def buggy(servers, method, *args, **kwargs):
+        raise RayTaskError(method, "traceback", KeyError("slices"))
+
+    monkeypatch.setattr(checkpoint, "_call", buggy)
+    with pytest.raises(RayTaskError):
+        save_ps_checkpoint([], root, 4, job=job)
+    assert latest_committed_step(root) is None
+
+
 def _ps_spec(checkpoint: dict) -> dict:
     return dict(name="ps", model={"preset": "tiny"}, data={"seq_len": 16},
                 train={"steps": 2, "global_batch": 4, "grad_clip": None},

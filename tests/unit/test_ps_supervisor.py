@@ -16,7 +16,7 @@ from collections import Counter, deque
 
 import pytest
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from monitor.goodput import GoodputLedger
 from paramserver import supervisor as sup
@@ -285,10 +285,10 @@ def expected():
     return losses
 
 
-def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None):
+def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None, start_server=None):
     from paramserver.job import step_losses
 
-    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
     checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
                                   draining=draining) if every else None
     ledger = GoodputLedger(clock=lambda: world.now)
@@ -483,6 +483,29 @@ def test_a_server_whose_cut_was_not_committed_stays_and_its_worker_still_moves(w
     assert losses == expected and supervisor.redone == 0
     assert supervisor.moved[0] == "worker 0 moved off draining node(s) doomed"
     assert supervisor.moved[1].startswith("server 1 stays on draining node(s) doomed: the cut was not committed")
+    assert [s.where for s in supervisor.servers] == ["safe", "doomed"]
+
+
+def test_a_moved_server_that_finds_no_seat_stays_and_the_job_goes_on(world, expected):
+    world.nodes = {("server", 1): "doomed", ("worker", 0): "doomed"}
+    started = Counter()
+
+    def start_server(k: int) -> FakeServer:
+        started[k] += 1
+        server = FakeServer(world, k)
+        if started[k] == 2:  # the replacement: Ray finds it no seat off the draining node in time
+
+            def pending():
+                raise GetTimeoutError("the actor is pending placement")
+
+            server.progress = Method(server, pending)
+        return server
+
+    supervisor, losses, _ = _run(world, draining=_drained_at(world, 5.5 * sup.POLL_S), start_server=start_server)
+    assert losses == expected and supervisor.redone == 0 and supervisor.failures == []
+    assert supervisor.moved[0] == "worker 0 moved off draining node(s) doomed"
+    assert supervisor.moved[1].startswith("server 1 stays on draining node(s) doomed: its replacement did not "
+                                          "start or restore (GetTimeoutError")
     assert [s.where for s in supervisor.servers] == ["safe", "doomed"]
 
 
