@@ -50,3 +50,11 @@ def test_every_rank_reports_the_slowest_ranks_wait_for_its_samples():
     for waits, _ in ranks:
         assert waits[0] == rank0_waits[0]  # one value, the same on every rank
         assert max(waits[1:]) < DELAY_S / 2  # later steps were read ahead while step 0 trained
+
+
+def test_the_data_wait_benchmark_times_both_collectives_on_the_same_ranks():
+    from bench.engine.data_wait import measure
+
+    row = measure(2, calls=20)
+    assert row["world"] == 2 and row["count_us"] > 0 and row["wait_us"] > 0
+    assert row["ratio"] == pytest.approx(row["wait_us"] / row["count_us"])
