@@ -28,7 +28,6 @@ The goodput ledger books the wall (paramserver.recovery's buckets); `failures` s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -53,7 +52,7 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
-from paramserver.streams import actor_died, brief, dead_servers, stop_all, take
+from paramserver.streams import actor_died, brief, dead_servers, stats_or_none, stop_all, take
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
@@ -171,8 +170,8 @@ class Supervisor:
                                       self._productive_at_start)
             except checkpoint.PSCheckpointError as err:  # the job goes on; a rollback goes to an older commit
                 log.warning("checkpoint step %d was not committed (%s); training goes on", end, err)
-        if self.on_stats is not None:
-            self.on_stats(stats or ray.get([s.stats.remote() for s in self.servers]))
+        if self.on_stats is not None and (stats := stats or stats_or_none(self.servers)) is not None:
+            self.on_stats(stats)
         return None
 
     def last_commit(self) -> int | None:
@@ -208,8 +207,8 @@ class Supervisor:
                 return self._rollback(start, streams, dead, trouble or "a server died", productive_at_start)
             if self.on_stats is not None and time.time() >= stats_due:
                 stats_due = time.time() + self.stats_every_s
-                with contextlib.suppress(RayActorError, GetTimeoutError):  # a dead server: found by its progress
-                    self.on_stats(ray.get([s.stats.remote() for s in self.servers], timeout=10))
+                if (stats := stats_or_none(self.servers)) is not None:
+                    self.on_stats(stats)
         return None
 
     def _on_signal(self, start: int, end: int, streams: dict) -> None:

@@ -43,6 +43,9 @@ class CallFailed(RayTaskError):
     def __init__(self, what: str = "a call of the run failed"):
         Exception.__init__(self, what)
 
+    def __str__(self) -> str:
+        return self.args[0]
+
 
 class Ref:
     def __init__(self, value=None, error=None, ready=None):
@@ -285,7 +288,8 @@ def expected():
     return losses
 
 
-def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None, start_server=None):
+def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None, start_server=None,
+         on_stats=None):
     from paramserver.job import step_losses
 
     actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
@@ -293,7 +297,7 @@ def _run(world: World, faults=(), every: int | None = 4, on_commit=None, drainin
                                   draining=draining) if every else None
     ledger = GoodputLedger(clock=lambda: world.now)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
-                                faults=list(faults), ledger=ledger)
+                                faults=list(faults), ledger=ledger, on_stats=on_stats)
     supervisor.run()
     ledger.stop()
     logs = [supervisor.logs[key] for key in sorted(supervisor.logs)]
@@ -484,6 +488,27 @@ def test_a_server_whose_cut_was_not_committed_stays_and_its_worker_still_moves(w
     assert supervisor.moved[0] == "worker 0 moved off draining node(s) doomed"
     assert supervisor.moved[1].startswith("server 1 stays on draining node(s) doomed: the cut was not committed")
     assert [s.where for s in supervisor.servers] == ["safe", "doomed"]
+
+
+def test_a_server_that_dies_in_a_save_that_fails_is_rolled_back_not_fatal_to_the_metrics(world, expected,
+                                                                                        monkeypatch):
+    # The save of step 4 fails on its store, and server 0 dies meanwhile: the stats the metrics read
+    # after it cannot come, which must not fail the job; the next segment's polls find the server.
+    killed = []
+
+    def failing_and_killing(servers, root, step, **kwargs):
+        if not killed:
+            killed.append(servers[0].pid)
+            servers[0].kill()
+        raise sup.checkpoint.PSCheckpointError(f"step {step}: the store said no")
+
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", failing_and_killing)
+    seen = []
+    supervisor, losses, _ = _run(world, on_stats=lambda stats: seen.append([s.version for s in stats]))
+    [failure] = supervisor.failures
+    assert (failure.kind, failure.target, failure.resumed_at, failure.from_checkpoint) == ("server", 0, 0, False)
+    assert losses == expected and _applied_once(supervisor) and supervisor.saved == []
+    assert seen and seen[-1] == [TRAIN.steps] * PAR.servers  # the last save's stats, from the live servers
 
 
 def test_a_moved_server_that_finds_no_seat_stays_and_the_job_goes_on(world, expected):
