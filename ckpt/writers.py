@@ -12,7 +12,8 @@ Protocol (one writer per rank and generation, driven by the rank's training thre
      `on_receipt(receipt, extra)`, or a failed write `on_error(step, exc)`, from the
      writer's own thread.
   3. `wait()` blocks until the save in flight is durable; `flush()` does that and stops
-     the writer, before the rank leaves the generation.
+     the writer, before the rank leaves the generation (`flush_within`: when it leaves on an
+     abort, without waiting longer than a limit).
 `waited` counts the saves that had to wait for the previous one (bounded memory: one
 snapshot staged per rank). `written_bytes` counts the shard bytes the store has taken, and
 `on_wait` (with `wait_tick_s`) is called while the driving thread is blocked on a save, so
@@ -21,6 +22,8 @@ that it can show the controller it is alive (ckpt.writer.OneSaveInFlight).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -66,3 +69,24 @@ def make_writer(config: CheckpointConfig, url: str, rank: int, on_receipt: OnRec
         storage_setup(storage, notify or (lambda event: None))
     return ShardWriter(storage, rank, on_receipt, on_error, async_save=config.async_, fault_hook=fault_hook,
                        tag=tag)
+
+
+def flush_within(writers: Sequence[CheckpointWriter], within_s: float | None) -> list[CheckpointWriter]:
+    """Flush every writer; with `within_s`, wait no longer than that and return the writers still
+    writing, whose flush goes on, on its own thread, to the end of their save (its staging freed
+    then). A rank leaving on an abort must not wait out a slow store: such a save's receipts reach
+    a generation the controller has left, so it never commits, and its files are unfinished ones."""
+    if within_s is None:
+        for writer in writers:
+            writer.flush()
+        return []
+    flushing = []
+    for writer in writers:
+        writer.on_wait = None  # the rank has left: nobody beats for it
+        thread = threading.Thread(target=writer.flush, name=f"ckpt-flush-r{writer.rank}", daemon=True)
+        thread.start()
+        flushing.append((writer, thread))
+    deadline = time.monotonic() + within_s
+    for _, thread in flushing:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [writer for writer, thread in flushing if thread.is_alive()]

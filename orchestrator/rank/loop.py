@@ -42,7 +42,7 @@ import time
 from chaos.config import ArmedFault, rank_data_faults, rank_storage_faults
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on, install_on_data
-from ckpt.writers import CheckpointWriter, make_writer
+from ckpt.writers import CheckpointWriter, flush_within, make_writer
 from orchestrator.rank.beats import Beats
 from orchestrator.wire.messages import (
     CheckpointPlan,
@@ -67,7 +67,14 @@ def _job_started(plan: CheckpointPlan) -> float:
 
 
 class AbortedWhileWaiting(Exception):
-    """The controller asked the generation to stop while this rank waited for a step's data."""
+    """The controller asked the generation to stop while this rank waited for a step's data, or
+    behind a checkpoint save (a slow store's)."""
+
+
+# On an abort, how long the rank waits for a save in flight before it leaves it to finish on its
+# own: below the controller's release limit (at least 3 s), which kills a rank not out by then as
+# hung, its memory snapshots with it. A save that lands within it may still commit.
+ABORT_SETTLE_S = 1.0
 
 
 class _EventSink:
@@ -204,14 +211,18 @@ class RankLoop:
                            self._on_save_error, fault_hook=hook, tag=plan.tag,
                            storage_setup=self._storage_faults(faults, plan), notify=self._notify_storage_fault)
 
-    def _beats(self, writer: CheckpointWriter, snapshots) -> Beats:
+    def _beats(self, writers: list[CheckpointWriter]) -> Beats:
         """This call's heartbeats; the writers beat through them while training waits on a save, the
         data cursor while it waits for a step's data."""
-        writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
         beats = Beats(self.store, self.rank, self.spec.monitor.heartbeat_s,
                       lambda: sum(w.written_bytes for w in writers), done_step=lambda: self.engine.next_step - 1)
+        def waiting_on_a_save() -> None:
+            if self.abort.is_set():  # the release must not wait out a slow store's save
+                raise AbortedWhileWaiting("abort requested by the controller")
+            beats.while_blocked()
+
         for w in writers:
-            w.on_wait = beats.while_blocked
+            w.on_wait = waiting_on_a_save
             w.wait_tick_s = min(w.wait_tick_s, self.spec.monitor.heartbeat_s)
 
         def waiting_for_data(waited_s: float) -> None:
@@ -265,8 +276,9 @@ class RankLoop:
         self._data_faults(faults, plan)
         writer = self._writer(hook, faults, plan)
         snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
-        beats = self._beats(writer, snapshots)
-        first = True
+        writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
+        beats = self._beats(writers)
+        first, left_cleanly = True, False
         try:
             while self.engine.next_step < until_step:
                 if self.abort.is_set():
@@ -291,11 +303,18 @@ class RankLoop:
                     self._evaluate(completed)
                 if plan.stops(completed):
                     break
-        except AbortedWhileWaiting:  # for a step's data (a step's, or the memory probe's look at the next)
+            left_cleanly = True
+        except AbortedWhileWaiting:  # for a step's data (or the memory probe's look at the next), behind a save
             return self._aborted()
         finally:
-            writer.flush()  # a save started before an error still lands; it commits only if complete
-            if snapshots is not None:
-                snapshots.flush()
+            # On an abort or an error, a save still in flight gets ABORT_SETTLE_S, then finishes on
+            # its own (it commits only if complete, its receipts in time): the release must not wait.
+            if not left_cleanly:
+                flush_within(writers, ABORT_SETTLE_S)
+        try:
+            flush_within(writers, None)  # at the end or at a stop step, the saves land before the call returns
+        except AbortedWhileWaiting:  # the controller gave up on this stop (past its deadline)
+            flush_within(writers, ABORT_SETTLE_S)
+            return self._aborted()
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,
                 "ckpt_waits": writer.waited}

@@ -27,7 +27,7 @@ def _spec(tmp_path, faults, **sections):
     })
 
 
-def _run(tmp_path, faults, sections=None, **plan):
+def _run(tmp_path, faults, sections=None, abort=None, **plan):
     """Run rank 0 of a one-rank job to step 6 (saves after steps 2, 4, 6); returns (outcome, events)."""
     spec = _spec(tmp_path, faults, **(sections or {}))
     server = plan.pop("_server", None) or RendezvousServer("127.0.0.1")
@@ -35,7 +35,7 @@ def _run(tmp_path, faults, sections=None, **plan):
     controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
                                "job_started_at": time.time(), **plan})
     armed = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)]
-    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, abort or threading.Event(),
                     writer_store=connect(server.address, 0))
     try:
         outcome = loop.run(6, armed)
@@ -113,6 +113,39 @@ def test_a_rank_blocked_on_its_first_save_beats_with_the_bytes_written(tmp_path,
     blocked = [b for b in seen if b.saving is not None]
     # Synchronous: blocked in the save of 2 itself; async: at the save of 4, behind the one of 2.
     assert blocked and blocked[0].saving == (4 if async_save else 2) and max(b.saved_bytes for b in blocked) > 0
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_abort_behind_a_slow_save_leaves_within_the_settle_time_not_the_save_s(tmp_path, async_save):
+    """The save of step 2 takes 10 s in the store; the controller aborts once the rank is blocked on
+    it: the rank is out within ABORT_SETTLE_S and change, where waiting for the save would outlast
+    the controller's release limit (3 s at least) and get it killed as hung."""
+    from orchestrator.rank.loop import ABORT_SETTLE_S
+    from orchestrator.wire.messages import Heartbeat
+    from orchestrator.wire.store import heartbeat_key
+
+    server, abort, aborted_at = RendezvousServer("127.0.0.1"), threading.Event(), []
+    reader = connect(server.address, 0)
+
+    def abort_once_blocked() -> None:
+        while not abort.is_set():
+            beat = reader.get_json(heartbeat_key(0))
+            if beat is not None and Heartbeat.from_json(beat).saving is not None:
+                aborted_at.append(time.monotonic())
+                abort.set()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=abort_once_blocked, daemon=True)
+    watcher.start()
+    slow = {"kind": "storage_latency", "op": "write", "path": "*/shard-*", "rank": 0, "at_step": 2, "delay_s": 10}
+    sections = {"monitor": {"heartbeat_s": 0.1, "port": 0},
+                "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2, "async": async_save}}
+    outcome, events, _ = _run(tmp_path, [slow], sections, abort=abort, _server=server)
+    left_at = time.monotonic()
+    watcher.join()
+    assert outcome["status"] == "aborted" and outcome["step"] == (4 if async_save else 2)
+    assert left_at - aborted_at[0] < ABORT_SETTLE_S + 1.5
+    assert not [e for e in events if e["type"] == "receipt"]  # the slow save had not landed
 
 
 class _ListStore:
