@@ -53,4 +53,6 @@ def relative(off: Ints, origin: Ints) -> tuple[int, ...]:
 
 def describe(off: Ints, lengths: Ints) -> str:
     """A box for error messages: `[0:4, 8:16]`, or `[]` for a scalar."""
+    if len(off) != len(lengths):  # a damaged manifest's
+        return f"offsets {list(off)} lengths {list(lengths)}"
     return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, lengths, strict=True)) + "]"

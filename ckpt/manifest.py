@@ -126,8 +126,9 @@ class Manifest(BaseModel):
 
 def parse_manifest(data: bytes, step: int) -> Manifest:
     """The manifest in `data`, read from step `step`'s directory. Raises CorruptCheckpoint, with
-    a one-line message, for bytes that are not UTF-8 JSON of this schema or that name another
-    step; UnsupportedManifest for another schema version, or for this one plus unknown fields."""
+    a one-line message, for bytes that are not UTF-8 JSON of this schema, that name another
+    step, or whose chunks do not tile a tensor; UnsupportedManifest for another schema version,
+    or for this one plus unknown fields."""
     try:
         raw = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -148,6 +149,10 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
                                 f"{' '.join(first['msg'].split())}{more}") from None
     if manifest.step != step:
         raise CorruptCheckpoint(f"step {step}: the manifest is that of step {manifest.step}")
+    try:  # committed only so: a chunk that moved (a flipped digit of an offset) would load garbage
+        check_tiling(manifest.tensors)
+    except IncompleteCheckpoint as err:
+        raise CorruptCheckpoint(f"step {step}: the manifest's chunks do not tile the tensor {err}") from None
     return manifest
 
 
@@ -198,6 +203,11 @@ def merge_receipts(receipts: list[ShardReceipt]) -> dict[str, TensorEntry]:
                     f"another rank as {have.dtype}{have.shape}"
                 )
             have.chunks.extend(entry.chunks)
-    for name, entry in merged.items():
-        check_coverage(name, entry.shape, [(c.offsets, c.lengths, c.file) for c in entry.chunks])
+    check_tiling(merged)
     return merged
+
+
+def check_tiling(tensors: dict[str, TensorEntry]) -> None:
+    """IncompleteCheckpoint unless every tensor's chunks tile it exactly (ckpt.coverage)."""
+    for name, entry in tensors.items():
+        check_coverage(name, entry.shape, [(c.offsets, c.lengths, c.file) for c in entry.chunks])

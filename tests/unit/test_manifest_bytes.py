@@ -70,3 +70,24 @@ def test_a_manifest_of_another_step_is_corrupt(committed):
     _rewrite(catalog, 20, catalog.storage.read(catalog.manifest_path(10)))
     with pytest.raises(CorruptCheckpoint, match="step 20: the manifest is that of step 10"):
         catalog.read_manifest(20)
+
+
+def test_a_chunk_whose_offset_moved_is_corrupt_even_when_the_volumes_still_add_up(committed):
+    # Two chunks [0:h) and [h:n) of one tensor; a flipped digit moves the first to [1:h+1): it overlaps
+    # the second and leaves element 0 unstored, with the same total volume. It must not load.
+    _, catalog = committed
+    raw = json.loads(catalog.storage.read(catalog.manifest_path(20)))
+    name, entry = next((n, e) for n, e in raw["tensors"].items() if e["shape"] and e["shape"][0] >= 4)
+    [chunk] = entry["chunks"]
+    n, h = entry["shape"][0], entry["shape"][0] // 2
+    first = dict(chunk, offsets=[0, *chunk["offsets"][1:]], lengths=[h, *chunk["lengths"][1:]])
+    second = dict(chunk, offsets=[h, *chunk["offsets"][1:]], lengths=[n - h, *chunk["lengths"][1:]])
+    entry["chunks"] = [first, second]
+    assert parse_manifest(json.dumps(raw).encode(), 20).tensors[name].chunks[1].offsets[0] == h  # tiles: parses
+    first["offsets"] = [1, *chunk["offsets"][1:]]
+    with pytest.raises(CorruptCheckpoint, match=f"step 20: the manifest's chunks do not tile the tensor {name}: "
+                                                "overlapping"):
+        parse_manifest(json.dumps(raw).encode(), 20)
+    second["offsets"] = [h, 0, 0, 0][:len(entry["shape"]) - 1]  # a chunk of fewer dimensions than the tensor
+    with pytest.raises(CorruptCheckpoint, match="lies outside"):
+        parse_manifest(json.dumps(raw).encode(), 20)
