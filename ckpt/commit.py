@@ -13,11 +13,13 @@ exercise each case): a rank's failed shard write (`abandon`, from its `save_erro
 the step's later receipts are ignored), and a manifest create that fails. The create is
 retried once: a retry that finds the manifest already there with the same shards is our own
 first attempt that landed although its reply was lost (ckpt.catalog.Catalog.commit treats it
-as success). A manifest that is there but does not parse (found after a failed create, or
-by the create's own read-back, which raises CorruptCheckpoint) is a torn write of ours; it is
-moved aside (Catalog.withdraw_torn) before the retry and after a failed one, so an unreadable
-manifest never stays where a reader would take the step for committed. Every save that
-will not commit is passed to `on_dropped(step, reason)` (the controller logs and counts it).
+as success), and so is one found after both attempts failed, read then with a retry budget
+(the second attempt's own read-back may fail on a flapping store). A manifest that is there
+but does not parse (found after a failed create, or by the create's own read-back, which
+raises CorruptCheckpoint) is a torn write of ours; it is moved aside (Catalog.withdraw_torn)
+before the retry and after a failed one, so an unreadable manifest never stays where a reader
+would take the step for committed. Every save that will not commit is passed to
+`on_dropped(step, reason)` (the controller logs and counts it).
 Retention and garbage collection after a commit are best effort: a storage error there is
 logged and they run again at the next commit.
 
@@ -36,12 +38,13 @@ from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
-from ckpt.manifest import Manifest, ShardReceipt
+from ckpt.manifest import Manifest, ShardReceipt, merge_receipts
 from ckpt.reader import read_manifest
 from ckpt.storage import AlreadyCommitted
 from ckpt.storage_errors import ReadRetry, is_transient
 
 log = logging.getLogger(__name__)
+SETTLE_S = 10.0  # the read that settles whether a manifest whose creates both failed did land
 
 
 def storage_failure(err: BaseException) -> bool:
@@ -104,8 +107,8 @@ class Committer:
         """A rank could not write its shard of `step`: the save cannot commit; drop it now,
         so it does not sit pending (CHECKPOINTING) until a later commit overtakes it. A second
         rank failing the same save drops nothing more: it is one failed save."""
-        if step in self.abandoned:
-            return
+        if step in self.abandoned or (self.latest is not None and step <= self.latest):
+            return  # a late error (its receipt's push failed after it was queued) of a committed save
         self.abandoned.add(step)
         self.pending.pop(step, None)
         self.on_dropped(step, reason)
@@ -162,11 +165,27 @@ class Committer:
                 errors.append(f"{type(err).__name__}: {err}")
                 log.warning("checkpoint step %d: manifest commit failed (%s)", save.step, errors[-1])
                 self._withdraw_torn(save.step)
+        landed = self._landed(save)
+        if landed is not None:
+            return landed
         self.rejected[save.step] = "; ".join(errors)
         log.error("checkpoint step %d NOT committed: the manifest could not be created twice: %s",
                   save.step, self.rejected[save.step])
         self.on_dropped(save.step, f"the manifest commit failed twice ({errors[-1]})")
         return None
+
+    def _landed(self, save: PendingSave) -> Manifest | None:
+        """After two failed creates: the manifest of `save` when one of them did land (its reply lost,
+        and the retry's read-back failing too on a flapping store), read with a budget this time.
+        Counting a committed save as failed would fail a job whose last save it is."""
+        try:
+            manifest = read_manifest(self.catalog, save.step, ReadRetry(SETTLE_S))
+        except Exception as err:  # noqa: BLE001 (not there, unreadable, the store still failing: not landed)
+            log.warning("checkpoint step %d: no manifest of ours found after the failed commits (%s: %s)",
+                        save.step, type(err).__name__, err)
+            return None
+        same = manifest.tensors == merge_receipts(list(save.receipts.values()))
+        return manifest if same else None
 
     def _withdraw_torn(self, step: int) -> None:
         """Move aside a manifest of `step` that is there but does not parse (our own torn write)."""

@@ -110,3 +110,31 @@ def test_a_torn_manifest_found_by_the_creates_read_back_is_withdrawn_and_the_ret
     assert _save(committer, 40).step == 40 and dropped == []
     assert "manifest commit failed (CorruptCheckpoint: step 40: the manifest is not JSON" in caplog.text
     assert catalog.committed_steps() == [10, 20, 30, 40] and catalog.read_manifest(40).step == 40
+
+
+def test_a_commit_that_landed_with_its_reply_lost_and_its_read_backs_failing_counts_as_committed(catalog, caplog):
+    # A flapping store: the first create lands but its reply is lost (a timeout), and the next two
+    # reads of the manifest fail too (the check after the failed create, the retry's read-back).
+    storage, path = catalog.storage, catalog.manifest_path(40)
+    real_create, real_read, failed_reads = storage._create, storage.read, []
+
+    def create_then_time_out(target, data):
+        real_create(target, data)
+        if target == path and not failed_reads:
+            raise OSError(errno.ETIMEDOUT, "Connection timed out")
+
+    def read(target, *args, **kwargs):
+        if target == path and len(failed_reads) < 2:
+            failed_reads.append(target)
+            raise OSError(errno.ECONNRESET, "Connection reset by peer")
+        return real_read(target, *args, **kwargs)
+
+    storage._create, storage.read = create_then_time_out, read
+    dropped: list[tuple[int, str]] = []
+    committer = Committer(catalog, job="j", spec_hash="h", keep=5, on_dropped=lambda s, why: dropped.append((s, why)))
+    committer.reset(30)
+    done = _save(committer, 40)
+    assert len(failed_reads) == 2 and "manifest commit failed" in caplog.text  # both creates did fail
+    assert done is not None and done.step == 40 and committer.latest == 40 and dropped == []
+    committer.abandon(40, "a rank's error that arrived after its receipt")  # late: the step is committed
+    assert dropped == [] and catalog.committed_steps() == [10, 20, 30, 40]
