@@ -106,11 +106,18 @@ class SharedBuffer:
     """
 
     def __init__(self, nbytes: int, fd: int | None = None):
-        if fd is None:
+        created = fd is None
+        if created:
             fd = os.memfd_create("undying-ckpt-staging", os.MFD_CLOEXEC)
-            os.ftruncate(fd, max(nbytes, 1))
+        try:
+            if created:
+                os.ftruncate(fd, max(nbytes, 1))
+            self._map = mmap.mmap(fd, max(nbytes, 1))
+        except OSError:  # out of memory, a memory limit: the memfd must not leak
+            if created:
+                os.close(fd)
+            raise
         self.fd, self.nbytes = fd, nbytes
-        self._map = mmap.mmap(fd, max(nbytes, 1))
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
         self.pinned = False
 
@@ -270,8 +277,9 @@ class ProcessShardWriter(OneSaveInFlight):
                 raise ValueError(f"{piece.name}{list(piece.offsets)}: a slice to save has no data")
         offsets, total = buffer_layout(mine)
         if self._buffer is None or self._buffer.nbytes < total:
-            if self._buffer is not None:
-                self._buffer.close()
+            old, self._buffer = self._buffer, None  # never a closed buffer (its fd number reused) if this fails
+            if old is not None:
+                old.close()
             self._buffer = SharedBuffer(total)
         devices = {piece.tensor.device for piece in mine if piece.tensor.device.type == "cuda"}
         pinned = bool(devices) and self._buffer.pin()

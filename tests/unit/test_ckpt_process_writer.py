@@ -5,6 +5,7 @@ Each test starts real child processes ("spawn"), so each costs a second or two.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -118,6 +119,43 @@ def test_a_larger_state_regrows_the_shared_buffer_and_a_new_child_gets_it(tmp_pa
     for (receipt, extra), state in zip(out.receipts, (small, large, small), strict=True):
         loaded = _commit(Storage(url), receipt, extra)
         assert all(torch.equal(loaded[n], t) for n, t in state.items())
+
+
+def test_a_buffer_that_cannot_grow_fails_that_save_only_and_leaks_no_descriptor(tmp_path, monkeypatch):
+    import errno
+    import mmap
+
+    from ckpt import process_writer
+
+    url, out = f"file://{tmp_path}/job", Collect()
+    writer = ProcessShardWriter(url, {}, 0, out.on_receipt, out.on_error)
+    small, large = _state(1, rows=64), _state(2, rows=512)
+    writer.save(1, [whole(n, t) for n, t in small.items()], {})
+    writer.wait()
+    limit, real_mmap = writer._buffer.nbytes, mmap.mmap
+
+    def bounded_mmap(fd, length, *args, **kwargs):
+        if length > limit:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real_mmap(fd, length, *args, **kwargs)
+
+    monkeypatch.setattr(process_writer.mmap, "mmap", bounded_mmap)
+    def staging_fds() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum("undying-ckpt-staging" in link for link in links)
+
+    assert staging_fds() >= 1
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        writer.save(2, [whole(n, t) for n, t in large.items()], {})
+    assert staging_fds() == 0  # the old buffer's memfd closed, and the one that could not be mapped
+    writer.save(3, [whole(n, t) for n, t in small.items()], {})  # a fresh buffer, never the closed one
+    writer.flush()
+    assert not out.errors and [r.step for r, _ in out.receipts] == [1, 3]
+    loaded = _commit(Storage(url), *out.receipts[1])
+    assert all(torch.equal(loaded[n], t) for n, t in small.items())
 
 
 def test_a_failed_write_is_reported_with_the_childs_error_and_the_writer_goes_on(tmp_path):
