@@ -160,10 +160,12 @@ class Checkpoints:
     def restore_choice(self, workers, after_failure: bool) -> tuple[int | None, object]:
         """(step, memory source or None) to restore, given the worker group's live actors. Only a
         failure's recovery restores from memory: a generation re-formed on purpose (growing back, a
-        drained node) ended at a commit, and restores that commit as its stop or growth assumed."""
-        step = self.restore_point()
-        source = self.memory.choose(step, self._live(workers)) if after_failure else None
-        return (source.step, source) if source is not None else (step, None)
+        drained node) ended at a commit, and restores that commit as its stop or growth assumed.
+        A snapshot at least as new as this run's newest commit is chosen without asking storage,
+        whose outage then costs nothing: the listing of the committed steps (with its retry budget)
+        is the storage restore's, when no snapshot will do or when one fails to load."""
+        source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
+        return (source.step, source) if source is not None else (self.restore_point(), None)
 
     def expected_restore_point(self, workers) -> int | None:
         """The step `restore_choice` would pick now, without side effects (the lost work to book)."""

@@ -249,7 +249,8 @@ class Controller:
             else:
                 self.carry.done = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
-            size = self.timeouts.checkpoint_bytes(step, self.checkpoints.read_manifest)
+            size = source.total_bytes if source is not None else \
+                self.timeouts.checkpoint_bytes(step, self.checkpoints.read_manifest)
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
                                                timeout_s=self.timeouts.restore_s(self.world_size, size),
                                                **({"source": source} if source is not None else {}))

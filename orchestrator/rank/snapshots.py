@@ -48,6 +48,11 @@ class MemorySource:
     def manifest(self) -> Manifest:
         return Manifest.model_validate_json(self.manifest_json)
 
+    @property
+    def total_bytes(self) -> int:
+        """The snapshot's size, which the restore's time limit is derived from (no storage manifest has it)."""
+        return int(self.manifest().total_bytes)
+
 
 def actor_id(handle) -> str:
     return handle._actor_id.hex()

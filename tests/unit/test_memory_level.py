@@ -351,10 +351,9 @@ def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restor
     assert store.plans[-1].anchor == 20 and store.plans[-1].memory_anchor == 20
 
 
-def test_a_corrupt_memory_snapshot_is_discarded_and_the_stored_checkpoint_not_suspected(tmp_path):
-    """A snapshot whose held copy fails its checksum at restore: the next choice is storage, and the
-    stored step (never read) is neither quarantined nor skipped."""
-    from ckpt.errors import CorruptCheckpoint
+def _controller_checkpoints(tmp_path):
+    """The controller's Checkpoints of a dp-2 job, storage's newest commit step 10, a memory snapshot of
+    step 12 held by the live actor "a"; with the Workers whose live actors it sees."""
     from monitor.goodput import GoodputLedger
     from monitor.metrics import JobMetrics
     from orchestrator.controller.checkpoints import Checkpoints
@@ -377,9 +376,37 @@ def test_a_corrupt_memory_snapshot_is_discarded_and_the_stored_checkpoint_not_su
         def live_actors(self):
             return {"a": object()}
 
+    return checkpoints, Workers
+
+
+def test_a_corrupt_memory_snapshot_is_discarded_and_the_stored_checkpoint_not_suspected(tmp_path):
+    """A snapshot whose held copy fails its checksum at restore: the next choice is storage, and the
+    stored step (never read) is neither quarantined nor skipped."""
+    from ckpt.errors import CorruptCheckpoint
+
+    checkpoints, Workers = _controller_checkpoints(tmp_path)
     step, source = checkpoints.restore_choice(Workers(), after_failure=True)
     assert (step, source.step) == (12, 12)
     line = checkpoints.on_unloadable(step, source, CorruptCheckpoint("block 3 of shard-r00000.bin: crc mismatch"))
     assert "memory snapshot of step 12 could not be restored" in line and "restoring from storage" in line
     assert checkpoints.restore_choice(Workers(), after_failure=True) == (10, None)
     assert checkpoints.restore.bad == {}
+
+
+def test_a_snapshot_is_chosen_without_asking_a_failing_store_and_never_one_older_than_a_commit(tmp_path):
+    from ckpt.storage_errors import TransientStorageError
+
+    checkpoints, Workers = _controller_checkpoints(tmp_path)
+
+    def store_down():
+        raise TransientStorageError("listing the committed checkpoints: the store failed for 120 s")
+
+    checkpoints.restore.restore_point = store_down
+    checkpoints.committer.latest = 10
+    step, source = checkpoints.restore_choice(Workers(), after_failure=True)
+    assert (step, source.step) == (12, 12)  # the outage costs the memory restore nothing
+    checkpoints.committer.latest = 14  # this run committed a newer step since: storage restores it
+    checkpoints.restore.restore_point = lambda: 14
+    assert checkpoints.restore_choice(Workers(), after_failure=True) == (14, None)
+    checkpoints.committer.latest = 10
+    assert checkpoints.restore_choice(Workers(), after_failure=False) == (14, None)  # on purpose: storage
