@@ -148,6 +148,16 @@ class Checkpoints:
             return self.memory.discard(source.step, err)
         return self.restore.on_corrupt(step, err)
 
+    def on_restore_failed(self, source, err: BaseException) -> None:
+        """A restore failed otherwise (a time limit, a rank's error): one from a memory snapshot does not
+        choose it again, whose holder may be what hangs; the recovery after restores from storage."""
+        if source is not None:
+            self.log(self.memory.discard(source.step, err))
+
+    def restore_bytes(self, step: int | None, source, timeouts) -> int | None:
+        """The size of what the ranks restore, for its time limit: a snapshot's from its own manifest."""
+        return source.total_bytes if source is not None else timeouts.checkpoint_bytes(step, self.read_manifest)
+
     def unreadable(self, step: int | None, err: BaseException) -> str:
         return self.restore.unreadable(step, err)
 

@@ -249,8 +249,7 @@ class Controller:
             else:
                 self.carry.done = True  # nothing to restore: building the engine is start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
-            size = source.total_bytes if source is not None else \
-                self.timeouts.checkpoint_bytes(step, self.checkpoints.read_manifest)
+            size = self.checkpoints.restore_bytes(step, source, self.timeouts)
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),
                                                timeout_s=self.timeouts.restore_s(self.world_size, size),
                                                **({"source": source} if source is not None else {}))
@@ -263,6 +262,7 @@ class Controller:
             return self._fail(self.checkpoints.unreadable(step, err))
         except Exception as err:
             self.intake.drain(self.store)  # a fault that fired during the restore is its cause
+            self.checkpoints.on_restore_failed(source, err)
             self._start_recovery(self.blame.restore_failed(err))
             return
         self.telemetry.on_restored(results)

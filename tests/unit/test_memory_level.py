@@ -410,3 +410,15 @@ def test_a_snapshot_is_chosen_without_asking_a_failing_store_and_never_one_older
     assert checkpoints.restore_choice(Workers(), after_failure=True) == (14, None)
     checkpoints.committer.latest = 10
     assert checkpoints.restore_choice(Workers(), after_failure=False) == (14, None)  # on purpose: storage
+
+
+def test_a_restore_from_memory_that_fails_otherwise_is_not_tried_again(tmp_path):
+    # A holder that never answers: the restore runs into its time limit, not a checksum; the recovery
+    # after it must not pick the same snapshot (and the same silent holder) again and again.
+    checkpoints, Workers = _controller_checkpoints(tmp_path)
+    step, source = checkpoints.restore_choice(Workers(), after_failure=True)
+    assert source is not None and step == 12
+    checkpoints.on_restore_failed(source, TimeoutError("the ranks' restore took longer than 190 s"))
+    assert checkpoints.restore_choice(Workers(), after_failure=True) == (10, None)
+    checkpoints.on_restore_failed(None, TimeoutError("a storage restore's"))  # nothing of memory to forget
+    assert checkpoints.restore.bad == {}
