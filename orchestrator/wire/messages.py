@@ -232,7 +232,8 @@ class CheckpointPlan:
     stop_at: int | None = None  # the generation's last step, checkpointed (None: train to the end)
     # The memory level's cadence (None: off): a snapshot after completed step s when s > m and
     # (s - m) % memory_every == 0, with m = memory_anchor (None: anchor), never at the final step
-    # (storage saves that one). An anchor of its own lets the memory cadence move while the storage
+    # nor at a stop step (storage saves those, and the ranks' return must not wait for a buddy's
+    # copy past the stop's deadline). An anchor of its own lets the memory cadence move while the storage
     # saves stay on their steps (every_steps: 10 saves at 10, 20, 30, ...).
     memory_every: int | None = None
     memory_anchor: int | None = None
@@ -246,7 +247,7 @@ class CheckpointPlan:
         return completed > self.anchor and (completed - self.anchor) % self.every == 0
 
     def snapshot_due(self, completed: int) -> bool:
-        if self.memory_every is None or completed == self.final_step:
+        if self.memory_every is None or completed == self.final_step or self.stops(completed):
             return False
         anchor = self.anchor if self.memory_anchor is None else self.memory_anchor
         return completed > anchor and (completed - anchor) % self.memory_every == 0

@@ -170,10 +170,12 @@ def test_buddies_spread_over_the_next_node():
     assert choose_buddies(["a", "a", "a", "b"]) == [3, 3, 3, 0]
 
 
-def test_the_plan_marks_snapshot_steps_but_not_the_final_one():
+def test_the_plan_marks_snapshot_steps_but_not_the_final_one_nor_a_stop_step():
     plan = CheckpointPlan(every=10, anchor=4, final_step=20, memory_every=3)
     assert [s for s in range(21) if plan.snapshot_due(s)] == [7, 10, 13, 16, 19]
     assert not any(CheckpointPlan(every=10).snapshot_due(s) for s in range(30))
+    stopping = CheckpointPlan(every=10, anchor=4, final_step=20, memory_every=3, stop_at=13)
+    assert [s for s in range(21) if stopping.snapshot_due(s)] == [7, 10]
 
 
 def test_snapshot_message_round_trips():
