@@ -327,7 +327,7 @@ class Controller:
         self.workers.start_training(self.spec.train.steps, self.fault_clock.armed(),
                                     **self.checkpoints.buddies(self.workers, self.world_size))
         run.started = self.trained = True
-        self.rendezvous.drop_generation(self.gen - 1)  # off the recovery's path: the ranks are training
+        self.rendezvous.drop_generations_before(self.gen)  # off the recovery's path: the ranks are training
 
     def _on_receipt(self, message: ShardWritten | SnapshotHeld) -> int | None:
         take = self.checkpoints.on_snapshot if isinstance(message, SnapshotHeld) else self.checkpoints.on_receipt

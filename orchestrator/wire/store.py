@@ -73,6 +73,7 @@ class RendezvousServer:
         self.rejections = Rejections(on_reject, on_missing)
         self._server = _listening_store(host, port)
         self.port = self._server.port
+        self._kept_from = 0  # the generations below it had their keys dropped
 
     @property
     def address(self) -> StoreAddress:
@@ -82,19 +83,24 @@ class RendezvousServer:
         return GenerationStore(dist.PrefixStore(key_prefix(self._secret, gen), self._server), Seal(self._secret, gen),
                                self.rejections)
 
-    def drop_generation(self, gen: int) -> int:
-        """Delete every key of generation `gen` (its process-group bootstrap, heartbeats, plan, abort
-        flag, event queue); returns how many. The controller calls it for the previous generation
-        once the next one trains: every survivor has left it by then (they joined the next one),
-        and a job with a thousand failures would otherwise keep a thousand generations' keys.
+    def drop_generations_before(self, gen: int) -> int:
+        """Delete every key of the generations before `gen` (their process-group bootstrap, heartbeats,
+        plan, abort flag, event queue); returns how many. The controller calls it once generation
+        `gen` trains: every survivor has left the older ones by then (they joined this one), and a
+        job with a thousand failures would otherwise keep a thousand generations' keys; so would
+        one whose generations fail before they train, were only the previous one dropped.
         Housekeeping: a store error here is logged and the keys stay, the job goes on."""
-        prefix = key_prefix(self._secret, gen) + "/"
+        prefixes = tuple(key_prefix(self._secret, old) + "/" for old in range(self._kept_from, gen))
+        self._kept_from = max(self._kept_from, gen)
+        if not prefixes:
+            return 0
         try:
-            keys = [key for key in self._server.list_keys() if key.startswith(prefix)]
+            keys = [key for key in self._server.list_keys() if key.startswith(prefixes)]
             for key in keys:
                 self._server.delete_key(key)
         except (RuntimeError, OSError) as err:  # torch raises DistStoreError, a RuntimeError
-            log.warning("could not delete generation %d's store keys (%s); they stay", gen, err)
+            log.warning("could not delete the store keys of generations %d-%d (%s); they stay",
+                        gen - len(prefixes), gen - 1, err)
             return 0
         return len(keys)
 

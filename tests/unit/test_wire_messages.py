@@ -153,17 +153,18 @@ def test_a_rank_reads_an_unchanged_plan_in_one_round_trip():
     assert plans.read() == CheckpointPlan(every=5, version=2, stop_at=40)
 
 
-def test_dropping_a_generation_deletes_its_keys_and_no_other_s():
+def test_dropping_the_generations_before_one_deletes_their_keys_and_no_other_s():
+    # Generation 0 failed before it trained (nothing dropped then); generation 2 trains: 0 and 1 go.
     server = RendezvousServer("127.0.0.1")
-    old, new = server.generation(1), connect(server.address, 2, timeout_s=10)
-    for gen_store in (old, new):
+    failed, old, new = server.generation(0), server.generation(1), connect(server.address, 2, timeout_s=10)
+    for gen_store in (failed, old, new):
         gen_store.set_plan(CheckpointPlan(every=10, version=1).to_json())
         gen_store.set_json("hb/0", {"step": 3})
         gen_store.push_event({"type": "step", "step": 3})
         gen_store.pg_store().set("0", b"bootstrap")  # what torch.distributed writes at rendezvous
     before = len(server._server.list_keys())
-    assert server.drop_generation(1) == before // 2 and server.drop_generation(1) == 0
-    assert not old.store.check(["plan"]) and old.get_json("hb/0") is None
+    assert server.drop_generations_before(2) == 2 * before // 3 and server.drop_generations_before(2) == 0
+    assert not old.store.check(["plan"]) and old.get_json("hb/0") is None and failed.get_json("hb/0") is None
     assert new.get_json("hb/0") == {"step": 3} and new.plan_sets() == 1 and new.pg_store().get("0") == b"bootstrap"
     assert len(new.drain_events()) == 1
 
