@@ -106,6 +106,9 @@ def test_rerun_is_already_prepared_and_other_inputs_are_refused(capsys, executor
     assert code == 2 and err.count("\n") == 1
     assert "already holds a dataset prepared from other inputs" in err and "choose another --out" in err
 
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out", "--eos-token", "<unk>"))
+    assert code == 2 and "prepared from another end-of-document token (id 1, not 0)" in err
+
     other = train_tokenizer(tmp_path / "other.json", docs, vocab_size=300)
     code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out")[:-6], "--tokenizer", str(other),
                            "--out", str(tmp_path / "out"))

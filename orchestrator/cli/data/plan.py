@@ -110,6 +110,8 @@ def _manifest_difference(manifest: TokenManifest, plan: Plan) -> str:
         return f"another tokenizer ({manifest.tokenizer}, SHA-256 {manifest.tokenizer_sha256[:12]}...)"
     if manifest.text_field != plan.text_field:
         return f"another text field ({manifest.text_field!r}, not {plan.text_field!r})"
+    if manifest.eos_id != plan.eos_id:
+        return f"another end-of-document token (id {manifest.eos_id}, not {plan.eos_id})"
     return ""
 
 
