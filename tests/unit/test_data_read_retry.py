@@ -306,3 +306,20 @@ def test_a_batch_reads_again_only_the_ranges_that_failed(monkeypatch, remote_dat
     got = ds.read_many(spans)
     assert len(calls) == 4 and calls[3] == calls[1]  # three ranges, and the failed one once more
     assert all(np.array_equal(g, counting_tokens(4000, VOCAB)[s:s + n]) for g, (s, n) in zip(got, spans, strict=True))
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_a_shard_deleted_since_the_start_is_named_as_missing_and_not_retried(tmp_path, where):
+    from trainer.tokens.format import TOKENS_SUFFIX
+
+    url = f"memory://data-{uuid.uuid4().hex}" if where == "memory" else f"file://{tmp_path}/data"
+    write_token_dataset(url, counting_tokens(4000, VOCAB), VOCAB, shard_tokens=1000)
+    clock = Clock()
+    ds = TokenDataset(url, retry=ReadRetry(60.0, renews=True, clock=lambda: clock.now, sleep=clock.sleep))
+    gone = ds._path(1, TOKENS_SUFFIX)
+    ds.fs.rm(gone)
+    assert len(ds.read(0, 100)) == 100  # the other shards still read
+    for read in (lambda: ds.read(950, 100), lambda: ds.read_many([(1500, 10)])):
+        with pytest.raises(TokenFormatError, match=f"{gone.split('/')[-1]}: a file of the dataset .* is missing"):
+            read()
+    assert clock.now == 0.0  # damage, not an outage: nothing waited

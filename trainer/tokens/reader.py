@@ -18,6 +18,7 @@ checkpoint. A short read is not retried: it is a damaged shard.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections.abc import Callable
@@ -149,9 +150,20 @@ class TokenDataset:
         when a shard file is shorter than its manifest entry says.
         """
         out = np.empty(length, dtype=np.int64)
-        for shard, local, take, at in self._pieces(start, length):
-            out[at:at + take] = self._read_shard(shard, local, take)
+        with self._shards_present():
+            for shard, local, take, at in self._pieces(start, length):
+                out[at:at + take] = self._read_shard(shard, local, take)
         return out
+
+    @contextlib.contextmanager
+    def _shards_present(self):
+        """A shard file that is gone (deleted since the job checked the dataset) is damage that no retry
+        or restore mends: said so, naming it, not as a bare FileNotFoundError."""
+        try:
+            yield
+        except FileNotFoundError as err:
+            raise TokenFormatError(f"{err.filename or err}: a file of the dataset {self.url} is missing (deleted "
+                                   "since the job started); restore it, or prepare the data again") from err
 
     def read_many(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
         """`read(start, length)` of each span; remotely as one batch of ranged reads that the file
@@ -182,7 +194,8 @@ class TokenDataset:
             if failed:
                 raise failed[0][1]
 
-        self.retry.call(fetch, f"reading {len(jobs)} token ranges of {self.url}")
+        with self._shards_present():
+            self.retry.call(fetch, f"reading {len(jobs)} token ranges of {self.url}")
         for (out, at, _, local, take), path, data in zip(jobs, paths, blobs, strict=True):
             out[at:at + take] = self._tokens_of(path, data, local, take)
         return outs
@@ -249,7 +262,8 @@ class TokenDataset:
                     if not entry.n_documents:
                         continue
                     path = self._path(i, DOCS_SUFFIX)
-                    data = self.retry.call(lambda path=path: self.fs.cat_file(path), f"reading {path}")
+                    with self._shards_present():
+                        data = self.retry.call(lambda path=path: self.fs.cat_file(path), f"reading {path}")
                     if len(data) != entry.n_documents * DOCS_DTYPE.itemsize:
                         raise TokenFormatError(f"{path}: {len(data)} bytes for {entry.n_documents} documents; "
                                                "the shard is damaged, prepare the data again")
