@@ -135,3 +135,30 @@ def test_pieces_are_frozen_models():
     piece = Piece(source=0, file=0, start=0, stop=1)
     with pytest.raises(ValueError):
         piece.start = 3  # type: ignore[misc]
+
+
+def test_an_input_that_changes_after_its_plan_or_while_it_is_read_is_refused(tmp_path):
+    import os
+
+    from orchestrator.cli.data.records import iter_documents
+    from orchestrator.cli.data.sources import resolve_sources
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(4)))
+    [source] = resolve_sources([str(path)], "text", {})
+    [file] = source.files
+    piece = Piece(source=0, file=0, start=0, stop=file.size)
+    assert [text for text, _ in iter_documents(source, file, piece, "text", {})] == [f"doc {i}" for i in range(4)]
+
+    documents = iter_documents(source, file, piece, "text", {})
+    next(documents)
+    with open(path, "a") as f:  # appended while the piece is read
+        f.write(json.dumps({"text": "late"}) + "\n")
+    with pytest.raises(BadRecord, match=r"INPUT .*in.jsonl: .* changed while it was being prepared \(size 72 -> 89"):
+        list(documents)
+
+    stat = os.stat(path)
+    path.write_text(path.read_text()[:file.size])  # the planned size again, but another version
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(BadRecord, match="changed while it was being prepared"):
+        next(iter_documents(source, file, piece, "text", {}))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from orchestrator.cli.data.sources import Source, SourceFile, missing_field, open_arrow, open_fs
+from orchestrator.cli.data.sources import Source, SourceFile, describe_file, missing_field, open_arrow, open_fs
 from orchestrator.cli.data.units import Piece
 from orchestrator.cli.exits import UsageError
 
@@ -28,6 +28,7 @@ class BadRecord(UsageError):
 def iter_documents(source: Source, file: SourceFile, piece: Piece, text_field: str,
                    storage_options: dict) -> Iterator[tuple[str, str]]:
     fs, path = open_fs(file.url, storage_options)
+    _unchanged(source, file, fs, path)
     if source.kind == "txt":
         yield _txt(source, fs.cat_file(path)), "the file"
     elif source.kind == "jsonl":
@@ -37,6 +38,16 @@ def iter_documents(source: Source, file: SourceFile, piece: Piece, text_field: s
         yield from _parquet(source, fs, path, piece, text_field)
     else:
         yield from _arrow(source, fs, path, text_field)
+    _unchanged(source, file, fs, path)  # and not while it was read
+
+
+def _unchanged(source: Source, file: SourceFile, fs, path: str) -> None:
+    """BadRecord when the file is not the one planned (its size or version differ): the plan's cuts
+    are of that one, and a dataset of two versions of an input would duplicate or drop documents."""
+    now = describe_file(fs, path, file.url)
+    if (now.size, now.version) != (file.size, file.version):
+        raise BadRecord(f"INPUT {source.arg}: {file.url} changed while it was being prepared (size {file.size} -> "
+                        f"{now.size}, or another version); prepare it again once it no longer changes")
 
 
 def _txt(source: Source, data: bytes) -> str:

@@ -84,7 +84,8 @@ def _version(info: dict) -> str:
     return ""
 
 
-def _file(fs, path: str, url: str, atoms: tuple[int, ...] | None = None) -> SourceFile:
+def describe_file(fs, path: str, url: str, atoms: tuple[int, ...] | None = None) -> SourceFile:
+    """The file at `path` as a plan records it (size, version: ETag or modification time)."""
     info = fs.info(path)
     size = int(info.get("size") or 0)
     return SourceFile(url=url, size=size, version=_version(info), atoms=(size,) if atoms is None else atoms)
@@ -112,11 +113,12 @@ def _resolve(arg: str, text_field: str, storage_options: dict) -> Source:
     if kind is None:
         raise UsageError(f"INPUT {arg}: unsupported extension {ext or '(none)'!r}; give {SUPPORTED}")
     if kind == "txt":
-        return Source(arg=arg, url=url, kind=kind, files=(_file(fs, path, url),))
+        return Source(arg=arg, url=url, kind=kind, files=(describe_file(fs, path, url),))
     if kind == "jsonl":
         _check_jsonl_field(arg, fs, path, text_field)
-        return Source(arg=arg, url=url, kind=kind, files=(_file(fs, path, url, atoms=()),))
-    return Source(arg=arg, url=url, kind=kind, files=(_file(fs, path, url, _parquet_atoms(arg, fs, path, text_field)),))
+        return Source(arg=arg, url=url, kind=kind, files=(describe_file(fs, path, url, atoms=()),))
+    atoms = _parquet_atoms(arg, fs, path, text_field)
+    return Source(arg=arg, url=url, kind=kind, files=(describe_file(fs, path, url, atoms),))
 
 
 def _check_jsonl_field(arg: str, fs, path: str, text_field: str) -> None:
@@ -192,7 +194,7 @@ def _hf_dataset(arg: str, url: str, fs, path: str, text_field: str) -> Source:
                          "save the dataset again with save_to_disk") from None
     if not files:
         raise UsageError(f"INPUT {arg}: state.json lists no data files; save the dataset again with save_to_disk")
-    found = [_file(fs, f"{path}/{name}", f"{url}/{name}") for name in files if name in names]
+    found = [describe_file(fs, f"{path}/{name}", f"{url}/{name}") for name in files if name in names]
     if len(found) != len(files):
         missing = next(name for name in files if name not in names)
         raise UsageError(f"INPUT {arg}: {missing}, listed in state.json, is missing; copy the whole directory")
