@@ -25,9 +25,12 @@ served (`consumed`, a trainer.batch.SampleDigest) and times each call's wait (`l
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import fsspec
 import numpy as np
@@ -80,6 +83,7 @@ class DataCursor(ReadAheadCursor):
         self.vocab_size = vocab_size
         self.consumed = SampleDigest()  # the samples this cursor served (trainer.batch)
         self.last_wait_s = 0.0  # how long the last `microbatches` call waited for its batches
+        self.closed = threading.Event()
         self.prefetch_steps = cfg.prefetch_steps
         self._text: torch.Tensor | None = None
         if cfg.source == "text":
@@ -170,10 +174,25 @@ def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
     from trainer.tokens.loader import TokenCursor
     from trainer.tokens.reader import TokenDataset
 
+    closed = threading.Event()  # the cursor's `close` sets it
+    if read_retry is not None:  # a read retried on a failing store gives up once the cursor is closed
+        read_retry = dataclasses.replace(read_retry, interrupt=functools.partial(_stop_once, closed,
+                                                                                 read_retry.interrupt))
     parts = cfg.mixture or [MixturePart(path=cfg.path, weight=1.0)]
     datasets = [TokenDataset(part.path, cfg.storage_options, retry=read_retry) for part in parts]
     for part, ds in zip(parts, datasets, strict=True):
         if ds.vocab_size > vocab_size:
             raise ValueError(f"data path {part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "
                              f"than model.vocab_size = {vocab_size}: use the model's tokenizer or a larger vocab_size")
-    return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps)
+    return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps, closed=closed)
+
+
+class CursorClosed(RuntimeError):
+    """A data read was given up: its cursor was closed (the rank dropped the engine) while it waited."""
+
+
+def _stop_once(closed: threading.Event, interrupt: Callable[[], None] | None) -> None:
+    if closed.is_set():
+        raise CursorClosed("the data cursor was closed while a read waited out the store's failures")
+    if interrupt is not None:
+        interrupt()

@@ -112,6 +112,7 @@ class ReadAheadCursor:
     """
 
     prefetcher: StepPrefetcher | None = None
+    closed: threading.Event  # a subclass makes it (`close` sets it)
     # Set by the cursor's owner: `on_wait(waited_s)` while the training thread waits for a step in
     # flight (StepPrefetcher).
     on_wait: Callable[[float], None] | None = None
@@ -135,6 +136,9 @@ class ReadAheadCursor:
         return batches
 
     def close(self, wait: bool = True) -> None:
-        """Stop making steps ahead (StepPrefetcher.close); the engine's owner calls it when it drops the engine."""
+        """Stop making steps ahead (StepPrefetcher.close); the engine's owner calls it when it drops the engine.
+        Sets `closed`, which a subclass's reads may watch: one retried on a failing store then gives
+        up at its next wait instead of holding its thread and connections for the whole retry budget."""
+        self.closed.set()
         if self.prefetcher is not None:
             self.prefetcher.close(wait)

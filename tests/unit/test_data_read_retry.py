@@ -323,3 +323,28 @@ def test_a_shard_deleted_since_the_start_is_named_as_missing_and_not_retried(tmp
         with pytest.raises(TokenFormatError, match=f"{gone.split('/')[-1]}: a file of the dataset .* is missing"):
             read()
     assert clock.now == 0.0  # damage, not an outage: nothing waited
+
+
+def test_closing_a_cursor_stops_a_read_that_waits_out_an_outage(monkeypatch, remote_dataset):
+    from trainer.data import CursorClosed
+
+    cfg = DataConfig(source="tokens", path=remote_dataset, seq_len=16, prefetch_steps=1)
+    cursor = make_cursor(cfg, VOCAB, read_retry=ReadRetry(120.0, setting="data.read_retry_s", renews=True))
+    Outage(monkeypatch, cursor.datasets[0].fs, lambda: True)  # the store is down for good
+    outcome: list = []
+
+    def step() -> None:
+        try:
+            outcome.append(cursor.microbatches(0, 4, 2, 0, 1))
+        except CursorClosed as err:
+            outcome.append(err)
+
+    reader = threading.Thread(target=step, daemon=True)
+    reader.start()
+    time.sleep(0.5)  # retrying by now
+    closed_at = time.monotonic()
+    cursor.close(wait=False)  # a rank dropping its engine
+    reader.join(timeout=5)
+    assert not reader.is_alive() and isinstance(outcome[0], CursorClosed)
+    assert time.monotonic() - closed_at < 3  # not the 120 s budget
+    assert not [t for t in cursor.prefetcher._pool._threads if t.is_alive()]  # the read's thread ended too

@@ -18,6 +18,7 @@ exactly-once check.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -33,7 +34,9 @@ class TokenCursor(ReadAheadCursor):
     """Windows of one or more prepared datasets, as the engine's data cursor (see module docstring)."""
 
     def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float], seq_len: int, seed: int,
-                 prefetch_steps: int = 4):
+                 prefetch_steps: int = 4, closed: threading.Event | None = None):
+        """`closed`: the event `close` sets, which the datasets' read retries may watch (make_cursor)."""
+        self.closed = closed or threading.Event()
         self.datasets, self.weights = list(datasets), list(weights)
         self.seq_len, self.seed, self.prefetch_steps = seq_len, seed, prefetch_steps
         self.span = seq_len + 1
