@@ -217,6 +217,24 @@ def test_export_of_a_damaged_checkpoint_writes_nothing(capsys, job, tmp_path):
     assert not out_file.exists() and [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
+def test_export_of_a_step_deleted_meanwhile_says_so_not_damaged(capsys, job, tmp_path, monkeypatch):
+    # A running job's retention deletes step 30 while it is exported (each batch reads its manifest).
+    from ckpt import export
+
+    url, catalog = job
+    real = export.load_checkpoint
+
+    def retention_strikes(cat, step, *args, **kwargs):
+        catalog.storage.fs.rm(catalog.manifest_path(step))
+        return real(cat, step, *args, **kwargs)
+
+    monkeypatch.setattr(export, "load_checkpoint", retention_strikes)
+    out_file = tmp_path / "model.safetensors"
+    code, _, err = run(capsys, "export", url, "--step", "30", "--out", str(out_file))
+    assert code == 1 and "step 30 was deleted meanwhile" in err and "damaged" not in err and "Traceback" not in err
+    assert not out_file.exists()
+
+
 def test_export_bad_arguments(capsys, job, tmp_path):
     url, _ = job
     code, _, err = run(capsys, "export", url, "--out", str(tmp_path / "no" / "dir" / "m.safetensors"))
