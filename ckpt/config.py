@@ -17,6 +17,10 @@ from ckpt.storage_errors import DEFAULT_READ_RETRY_S
 from trainer.spec_section import SpecSection
 from trainer.urls import OBJECT_STORES, absolute_url
 
+# Protocols whose stores create a file only if it is absent, atomically (ckpt.storage): a local or
+# shared file system (link(2)), S3 (If-None-Match), and memory:// (one process: tests).
+EXCLUSIVE_CREATE = frozenset({"file", "s3", "s3a", "memory"})
+
 INTERVAL_FORMS = ("'young', 'young-daly' or a number of seconds, or the unit spelled out: '500 steps', '90s', "
                   "'10m', '1h'")
 _STEPS = re.compile(r"\s*(\d+)\s*steps?\s*")
@@ -121,7 +125,8 @@ class CheckpointConfig(SpecSection):
     # spellings are accepted when building the object.
     model_config = ConfigDict(populate_by_name=True)  # with SpecSection's: unknown keys refused, frozen
 
-    url: str = Field(..., description="fsspec URL (file://, s3://, ...) or a local path")
+    url: str = Field(..., description="file:// (a local or shared file system), s3:// (S3 or any S3-compatible "
+                                      "store), or a local path")
     interval: Literal["young", "young-daly"] | float = Field(
         "young", json_schema_extra=_INTERVAL_SCHEMA, description="cadence when every_steps and every_seconds are "
         "unset: 'young' or 'young-daly' (computed from the measured save cost and the MTBF), 'N steps' (same as "
@@ -165,7 +170,16 @@ class CheckpointConfig(SpecSection):
     @field_validator("url")
     @classmethod
     def _normalise_url(cls, url: str) -> str:
-        return absolute_url(url)
+        url = absolute_url(url)
+        protocol = url.partition("://")[0]
+        if protocol not in EXCLUSIVE_CREATE:
+            # Only one writer may commit a step or hold the job's lease (ckpt.storage.create_exclusive):
+            # elsewhere a check-then-write would let two controllers both think they committed.
+            raise ValueError(f"{url!r}: {protocol}:// has no exclusive create that undying uses, and commits and the "
+                             "job's lease need one; use s3:// (also for Google Cloud Storage, through its "
+                             "S3-compatible endpoint: storage_options {endpoint_url: https://storage.googleapis.com} "
+                             "with HMAC keys), or a shared file system's path")
+        return url
 
     @field_validator("interval", mode="before")
     @classmethod

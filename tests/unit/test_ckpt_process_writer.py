@@ -255,7 +255,7 @@ def test_auto_picks_the_process_for_object_stores_and_bad_choices_are_named():
     def resolved(url, **extra):
         return CheckpointConfig(url=url, **extra).resolved_writer
 
-    assert resolved("s3://b/p") == resolved("gs://b/p") == "process"
+    assert resolved("s3://b/p") == resolved("s3a://b/p") == "process"
     assert resolved("/tmp/x") == resolved("memory://x") == "thread"
     assert resolved("s3://b/p", **{"async": False}) == "thread"  # a synchronous save writes from the training thread
     assert resolved("/tmp/x", writer="process") == "process" and resolved("s3://b/p", writer="thread") == "thread"

@@ -276,6 +276,9 @@ def test_checkpoint_url_normalisation(tmp_path, monkeypatch):
     assert CheckpointConfig(url="file:///").join("job") == "file:///job"
     with pytest.raises(ValidationError):
         CheckpointConfig(url="  ")
+    for url in ("gs://bucket/ckpt", "abfs://container/ckpt", "hdfs://namenode/ckpt"):
+        with pytest.raises(ValidationError, match=r"has no exclusive create .* use s3:// \(also for Google Cloud"):
+            CheckpointConfig(url=url)
 
 
 @pytest.mark.parametrize(("url", "words"), [
