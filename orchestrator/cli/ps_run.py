@@ -25,6 +25,7 @@ from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
+from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import route_signals, teardown
 from orchestrator.cluster import ray_cluster
@@ -73,7 +74,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     restore_signals = lambda: None  # noqa: E731 (replaced once the signals are routed)
     try:
         checkpoints.owner = claim_root(spec)
-        if checkpoints.owner is None:
+        if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
         port = metrics.serve(spec.monitor.host, spec.monitor.port)
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "

@@ -29,6 +29,7 @@ from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
+from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import route_signals, teardown
 from orchestrator.cluster import ray_cluster
@@ -78,7 +79,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
         lease = claim_root(spec)
-        if lease is None:
+        if lease is None or refused_resume(spec):
             return EXIT_USAGE
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
         trackers = _trackers(spec, catalog.storage) or NO_TRACKING

@@ -1,0 +1,70 @@
+"""Before a job trains on a root that holds committed checkpoints: does this spec resume them?
+
+Called by `undying run` (orchestrator.cli.run, orchestrator.cli.ps_run) once it holds the root's
+lease, before any rank exists: `refused_resume(spec)`; `resume_problems(spec, catalog)` reads the newest committed
+manifest and returns a Problem for each key of the spec that would make its restore wrong or
+impossible. The manifest carries the model's architecture and (collective jobs) the engine's
+trajectory keys; the ranks check the same keys again when they restore (trainer.engine_state),
+but there a refusal costs a cluster's start-up and a trip through recovery until the crash-loop
+limit. Worse, a model with fewer blocks or untied embeddings restores the tensors it still
+names and trains on, and once `keep` new commits land, retention has deleted the old model.
+
+A manifest that does not read is left to the restore, which says why and falls back.
+"""
+
+from __future__ import annotations
+
+from ckpt.catalog import Catalog
+from ckpt.storage import Storage
+from orchestrator.cli.exits import print_problems
+from orchestrator.spec.problems import Problem
+
+# Keys that decide which tensors the model has and what they mean: a change of one of them is
+# another model. The others (rope_theta, rope_scaling, dropout, norm_eps, max_seq_len with rotary
+# positions) are knobs a run may turn when it resumes, e.g. to extend its context.
+STRUCTURAL = ("vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "activation", "position",
+              "norm", "tie_embeddings")
+# The engine state's keys that fix the training trajectory (trainer.engine_state._check_meta).
+TRAJECTORY = {"global_batch": "train.global_batch", "optimizer": "train.optimizer", "data_seed": "data.seed"}
+FIX = "resume with the spec the checkpoints were trained with, or start the new model under another name " \
+      "(--set name=...)"
+
+
+def refused_resume(spec) -> bool:
+    """Whether the root's committed checkpoints refuse `spec` (the problems printed): `undying run`
+    then exits 2."""
+    problems = resume_problems(spec, Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options)))
+    if problems:
+        print_problems(problems)
+    return bool(problems)
+
+
+def resume_problems(spec, catalog: Catalog) -> list[Problem]:
+    try:
+        steps = catalog.committed_steps()
+        state = catalog.read_manifest(steps[-1]).state if steps else None
+    except Exception:  # noqa: BLE001 (unreadable or the store failing: the restore reads it again, and says why)
+        return []
+    if state is None:
+        return []
+    where = f"{catalog.storage.root} step {steps[-1]}"
+    return _model_problems(spec, state.get("model"), where) + _trajectory_problems(spec, state.get("engine"), where)
+
+
+def _model_problems(spec, saved: dict | None, where: str) -> list[Problem]:
+    if not isinstance(saved, dict):
+        return []
+    here = spec.model.architecture()
+    keys = STRUCTURAL + (("max_seq_len",) if here.get("position") == "learned" else ())
+    return [Problem(f"model.{key}", f"the committed checkpoints ({where}) are of a model with {key}="
+                                    f"{saved.get(key)!r}, this spec gives {here.get(key)!r}; {FIX}")
+            for key in keys if key in saved and saved[key] != here.get(key)]
+
+
+def _trajectory_problems(spec, engine: dict | None, where: str) -> list[Problem]:
+    if not isinstance(engine, dict):
+        return []
+    here = {"global_batch": spec.train.global_batch, "optimizer": spec.train.optimizer, "data_seed": spec.data.seed}
+    return [Problem(field, f"the committed checkpoints ({where}) were trained with {engine[key]!r}, this spec gives "
+                           f"{here[key]!r}: resuming would change the training trajectory; {FIX}")
+            for key, field in TRAJECTORY.items() if key in engine and engine[key] != here[key]]
