@@ -22,18 +22,25 @@ def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
         return TokenDataset(url, options)
     except (NoManifest, TokenFormatError) as err:
         problems.append(Problem(field, str(err)))
-    except (OSError, ValueError) as err:
-        problems.append(Problem(field, f"{url} cannot be read ({type(err).__name__}: {err}); check the URL and "
-                                       "data.storage_options"))
+    except Exception as err:  # noqa: BLE001 (the store's client: missing credentials, an option, a library)
+        problems.append(Problem(field, _cannot(url, "read", err)))
     return None
+
+
+def _cannot(url: str, what: str, err: BaseException) -> str:
+    """Why the store did not answer, naming the field to fix: an option or the credentials when it is
+    one of those (ckpt.storage_options), else the error in one line."""
+    from ckpt.storage_options import error_reason, explain
+
+    return explain(err, "data.storage_options") or \
+        f"{url} cannot be {what} ({error_reason(err)}); check the URL and data.storage_options"
 
 
 def _check_shards(ds, url: str, field: str, problems: list[Problem]) -> None:
     try:
         damaged = ds.damaged_shards()
-    except (OSError, ValueError) as err:
-        problems.append(Problem(field, f"{url} cannot be listed ({type(err).__name__}: {err}); check the URL and "
-                                       "data.storage_options"))
+    except Exception as err:  # noqa: BLE001 (as `_dataset`)
+        problems.append(Problem(field, _cannot(url, "listed", err)))
         return
     if damaged:
         shown = "; ".join(damaged[:3]) + (f"; and {len(damaged) - 3} more" if len(damaged) > 3 else "")
@@ -55,9 +62,8 @@ def _text_problems(spec: JobSpec) -> list[Problem]:
                                      "directory `undying` runs in)")]
     except UnicodeError as err:
         return [Problem("data.path", f"{url} is not UTF-8 text ({err}); give a text file")]
-    except (OSError, ValueError) as err:  # ValueError: read_text_bytes' "not UTF-8 text"
-        return [Problem("data.path", f"{url} cannot be read as text ({type(err).__name__}: {err}); check the "
-                                     "path and data.storage_options")]
+    except Exception as err:  # noqa: BLE001 (ValueError: read_text_bytes' "not UTF-8 text"; the store's client)
+        return [Problem("data.path", _cannot(url, "read as text", err))]
     if size < data.seq_len + 1:  # (its byte vocabulary against model.vocab_size: the spec's own check)
         return [Problem("data.path", f"{url} has {size} bytes, fewer than one window of data.seq_len + 1 = "
                                      f"{data.seq_len + 1}; use a longer file or a shorter seq_len")]

@@ -109,3 +109,12 @@ def test_shards_are_sized_one_by_one_when_the_listing_is_denied_or_has_no_sizes(
     data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "d")}
     problems = data_problems(spec(tmp_path, data=data, eval={"path": str(tmp_path / "d"), "every_steps": 5}))
     assert {p.field for p in problems} == {"data.path", "eval.path"}  # the validation set is checked too
+
+
+def test_a_store_that_refuses_the_options_is_a_problem_naming_them_not_a_traceback(tmp_path):
+    # s3fs hands a misspelt option to botocore, which refuses it (a TypeError) at the first call.
+    data = {"source": "tokens", "seq_len": 16, "path": "s3://bucket/ds",
+            "storage_options": {"endpointurl": "http://127.0.0.1:9"}}
+    [problem] = data_problems(spec(tmp_path, data=data))
+    assert problem.field == "data.path"
+    assert "data.storage_options: 'endpointurl' is not an option this store takes" in problem.message
