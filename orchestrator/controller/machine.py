@@ -96,9 +96,7 @@ class Controller:
         self.intake = EventIntake(self.record, self.fault_clock, self.chaos, self.checkpoints, metrics, self.log,
                                   on_receipt=self._on_receipt)
         self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
-        self.scaling_policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch,
-                                            spec.train.micro_batch, spec.parallel.tp * spec.parallel.pp,
-                                            spec.parallel.dp_unit)
+        self.scaling_policy = ScalingPolicy.for_spec(spec)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log, poll_s=poll_s, metrics=metrics,
                                  release_timeout_s=self.timeouts.release_s, draining=drains)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -91,17 +92,33 @@ class ScalingPolicy:
     """
 
     def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1,
-                 dp_unit: int = 1):
+                 dp_unit: int = 1, runs: Callable[[int], bool] = lambda dp: True):
+        """`runs(dp)`: whether the engine takes the job's layout at that dp (an interleaved pipeline,
+        e.g., needs whole rounds of microbatches per rank: `for_spec` asks trainer.layout_checks)."""
         self.target_dp = target_dp
         self.min_dp = min_dp
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.model_parallel = model_parallel  # tp * pp ranks per data-parallel replica
         self.dp_unit = dp_unit
+        self.runs = runs
+
+    @classmethod
+    def for_spec(cls, spec) -> ScalingPolicy:
+        from trainer.layout_checks import layout_refusals
+
+        par, train = spec.parallel, spec.train
+
+        def runs(dp: int) -> bool:
+            return not layout_refusals(spec.model, par.with_dp(dp), spec.data.seq_len, train.global_batch,
+                                       train.micro_batch, train.compile)
+
+        return cls(par.dp, spec.elastic.min_dp, train.global_batch, train.micro_batch, par.tp * par.pp, par.dp_unit,
+                   runs)
 
     def valid(self, dp: int) -> bool:
         return (dp >= self.min_dp and dp % self.dp_unit == 0
-                and self.global_batch % (dp * self.micro_batch) == 0)
+                and self.global_batch % (dp * self.micro_batch) == 0 and self.runs(dp))
 
     def best_dp(self, ranks_available: int) -> int | None:
         """The largest valid dp that `ranks_available` ranks can hold, capped at the target."""

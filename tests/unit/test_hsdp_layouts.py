@@ -106,3 +106,16 @@ def test_a_lost_rank_drops_its_whole_replica_and_the_job_grows_back(tmp_path):
     assert kept == [[2, 3]]
     assert workers.dp_history == [4, 2, 4]
     assert any("shrinking dp 4 -> 2" in line for line in lines)
+
+
+def test_the_scaling_policy_of_a_spec_skips_a_dp_whose_layout_the_engine_refuses():
+    # An interleaved pipeline needs whole rounds of pp microbatches per rank: at dp 5, 10 / 5 = 2 (one
+    # round); dp 2 divides the batch (5 microbatches) but not into rounds of 2, so losing one replica
+    # of five must shrink to dp 1, not to a dp every rank would refuse.
+    spec = validate_spec({"name": "j", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": 4, "global_batch": 10, "micro_batch": 1},
+                          "parallel": {"dp": 5, "pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+                          "checkpoint": {"url": "memory://ck"}})
+    policy = ScalingPolicy.for_spec(spec)
+    assert policy.valid(5) and not policy.valid(2) and policy.valid(1)
+    assert policy.best_dp(8) == 1  # four replicas' ranks: dp 4 and 3 do not divide the batch, 2 would not run
