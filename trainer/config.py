@@ -148,6 +148,9 @@ class ModelConfig(_Strict):
             )
         if self.rope_scaling is not None and self.position != "rope":
             raise ValueError("rope_scaling needs position='rope'; remove rope_scaling or use rotary positions")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary positions rotate pairs of a head's dimensions, and d_model / n_heads = "
+                             f"{self.head_dim} is odd: choose n_heads so that it is even, or position: learned")
         return self
 
     @property

@@ -54,6 +54,15 @@ class ResourcesConfig(SpecSection):
                             "spread puts DP replicas and PP stages on as many nodes as possible"
     )
 
+    @field_validator("custom", mode="after")
+    @classmethod
+    def _not_cpus_or_gpus(cls, custom: dict[str, float]) -> dict[str, float]:
+        taken = sorted(name for name in custom if name in ("CPU", "GPU"))
+        if taken:  # Ray refuses them as custom resources (a traceback at placement)
+            raise ValueError(f"{', '.join(taken)} is not a custom resource; give it as resources.cpus_per_rank or "
+                             "resources.gpus_per_rank")
+        return custom
+
     @field_validator("gpus_per_rank", mode="after")
     @classmethod
     def _whole_gpus(cls, gpus: float) -> float:

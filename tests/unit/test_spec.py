@@ -514,3 +514,17 @@ def test_yaml_infinities_and_nans_are_not_numbers_a_spec_takes(override):
         load_spec(str(EXAMPLES / "tiny.yaml"), [override])
     assert caught.value.problems[0].field == override.split("=")[0]
 
+
+
+def test_a_spec_that_would_fail_at_placement_or_model_build_is_refused_by_field():
+    from orchestrator.spec.job_spec import ResourcesConfig
+    from trainer.config import ModelConfig
+
+    with pytest.raises(ValidationError, match=r"custom\n.*GPU is not a custom resource; give it as "
+                                              r"resources.cpus_per_rank or resources.gpus_per_rank"):
+        ResourcesConfig(custom={"GPU": 1})
+    assert ResourcesConfig(custom={"accelerator_type:H100": 1}).custom == {"accelerator_type:H100": 1}
+    with pytest.raises(ValidationError, match=r"d_model / n_heads = 3 is odd: choose n_heads so that it is even, "
+                                              r"or position: learned"):
+        ModelConfig(vocab_size=256, n_layers=2, d_model=96, n_heads=32)
+    assert ModelConfig(vocab_size=256, n_layers=2, d_model=96, n_heads=32, position="learned").head_dim == 3
