@@ -113,7 +113,11 @@ class ModelConfig(_Strict):
         if isinstance(data, dict) and data.get("from_hf") and isinstance(data["from_hf"], str):
             from trainer.hf_config import merge_hf_architecture
 
-            return merge_hf_architecture(data)
+            try:  # absolute now: the ranks, in other working directories, read its safetensors
+                where = absolute_url(data["from_hf"])
+            except ValueError as err:
+                raise ValueError(f"from_hf: {err}") from None
+            return merge_hf_architecture({**data, "from_hf": where})
         return data
 
     @model_validator(mode="after")

@@ -53,7 +53,7 @@ def read_hf_config(url: str) -> dict[str, Any]:
             config = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"model.from_hf: no config.json at {path}; give a Hugging Face model directory") from None
-    except (OSError, ImportError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except Exception as err:  # noqa: BLE001 (any store's client error: credentials, a missing library, bad bytes)
         raise ValueError(f"model.from_hf: cannot read {path} ({type(err).__name__}: {err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"model.from_hf: {path} is not a JSON object")
@@ -64,6 +64,8 @@ def _rope_of(source: dict | None, key: str, theta: float) -> tuple[float, dict |
     """(rope_theta, rope_scaling or None) of one spelling's rope settings, `theta` its base."""
     if source is None:
         return float(theta), None
+    if not isinstance(source, dict):
+        raise ValueError(f"config key '{key}': {source!r} is not a JSON object")
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type == "default":
         unknown = set(source) - {"rope_type", "type", "rope_theta"}

@@ -135,7 +135,7 @@ def test_plan_reads_the_architecture_from_config_json(tmp_path, capsys):
     assert main(["plan", str(spec), "--gpus", "4", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
     # the GQA model of config.json, named by its directory; tp=4 is refused for its 2 kv heads
-    assert f"model {tmp_path / 'hf'} (0.13M parameters)" in out, out
+    assert f"model file://{tmp_path / 'hf'} (0.13M parameters)" in out, out
     assert "tp=4: 2 key/value heads not divisible by 4" in out
 
 
@@ -160,3 +160,17 @@ def test_both_rope_spellings_must_agree():
         architecture_from_hf({**five, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="'rope_scaling': differs"):
         architecture_from_hf({**both, "rope_scaling": {**SCALING, "factor": 4.0}})
+
+
+def test_from_hf_is_read_as_an_absolute_url_and_a_malformed_config_is_a_spec_error(tmp_path, monkeypatch):
+    import json
+
+    from trainer.config import ModelConfig
+
+    hf_model().config.save_pretrained(tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert ModelConfig(from_hf="hf").from_hf == f"file://{tmp_path}/hf"  # the ranks run elsewhere
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_scaling": "llama3"}))
+    with pytest.raises(ValueError, match=r"config key 'rope_scaling': 'llama3' is not a JSON object"):
+        ModelConfig(from_hf="hf")
