@@ -7,8 +7,8 @@ Protocol, on every rank of one pipeline (pp) group, per optimizer step and in th
      of the group (the last chunk computes it; one all-reduce shares it).
   2. `sync_tied_grads(...)` when embeddings are tied and pp > 1 (collective over the pp
      group between the ranks of the first and the last chunk; a no-op elsewhere).
-  3. `clip_grad_norm_pp(...)`: the global gradient norm over all chunks (collective over
-     the pp group), clipping every local gradient.
+  3. The global gradient norm and clipping, over every chunk and every shard of the model
+     (trainer.grad_clip.clip_sharded_grads, as the engine does; collective over the world).
   4. The optimizer step, on each rank over its own chunks' parameters.
 Every rank of the pp group receives the same `batches` (the data cursor is deterministic);
 only the ranks of the first and the last chunk read them. One thread drives a runner.
@@ -367,34 +367,3 @@ def sync_tied_grads(stage_models: Sequence[StageModel], pp: dist.ProcessGroup | 
     for work in works:
         work.wait()
     grad.copy_(grad + theirs if first is not None else theirs + grad)
-
-
-def clip_grad_norm_pp(stage_models: Sequence[StageModel], max_norm: float | None,
-                      pp: dist.ProcessGroup | DeviceMesh) -> float:
-    """Global L2 gradient norm over every chunk of the pipeline, measured before clipping; collective over pp.
-
-    Each rank measures its chunks' gradients (a tied embedding's last-chunk copy is skipped:
-    the full model has that parameter once), the squared norms are summed over the pp group,
-    and every local gradient, copies included, is scaled to `max_norm` if the norm is above
-    it, exactly as `trainer.optim.clip_grad_norm` does for the whole model. DTensor gradients
-    (FSDP2, tensor parallel) are reduced over their own mesh by `get_total_norm`.
-    """
-    group = as_group(pp)
-    owned, every = [], []
-    for model in stage_models:
-        for name, param in model.named_parameters():
-            if param.grad is None:
-                continue
-            every.append(param)
-            if name not in model.replica_names:
-                owned.append(param.grad)
-    device = next((p.device for m in stage_models for p in m.parameters()), None)  # NCCL reduces device tensors
-    local = torch.nn.utils.get_total_norm(owned, norm_type=2.0) if owned else torch.zeros((), device=device)
-    if isinstance(local, DTensor):
-        local = local.full_tensor()
-    squared = (local.double() ** 2).reshape(1)
-    dist.all_reduce(squared, group=group)
-    norm = squared.sqrt().to(local.dtype).reshape(())
-    if max_norm is not None and every:
-        torch.nn.utils.clip_grads_with_norm_(every, max_norm, norm)
-    return float(norm)

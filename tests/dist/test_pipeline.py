@@ -22,8 +22,8 @@ from trainer.loss import all_reduce_token_loss, token_loss_sum
 from trainer.model import build_model
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.pipedream import PipeDream2BW
-from trainer.pipeline import PipelineRunner, clip_grad_norm_pp, sync_tied_grads
-from trainer.stages import build_stage, local_chunks, placement_of, split_layers
+from trainer.pipeline import PipelineRunner, as_group, sync_tied_grads
+from trainer.stages import StageModel, build_stage, local_chunks, placement_of, split_layers
 from trainer.topology import Topology, build_mesh
 
 pytestmark = pytest.mark.dist
@@ -55,6 +55,39 @@ def wrap_for_dp(stage: nn.Module, dp: int, mesh, wrap: str) -> nn.Module:
     for block in stage.blocks.values():  # one FSDP2 unit per block, the rest at the root
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
     return fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=reshard)
+
+
+def clip_grad_norm_pp(stage_models: list[StageModel], max_norm: float | None,
+                      pp: dist.ProcessGroup | DeviceMesh) -> float:
+    """Global L2 gradient norm over every chunk of a dp x pp pipeline (no tensor parallelism: the
+    engine's trainer.grad_clip.clip_sharded_grads weighs tp replicas), measured before clipping;
+    collective over pp.
+
+    Each rank measures its chunks' gradients (a tied embedding's last-chunk copy is skipped:
+    the full model has that parameter once), the squared norms are summed over the pp group,
+    and every local gradient, copies included, is scaled to `max_norm` if the norm is above
+    it, exactly as `trainer.optim.clip_grad_norm` does for the whole model. DTensor gradients
+    (FSDP2, tensor parallel) are reduced over their own mesh by `get_total_norm`.
+    """
+    group = as_group(pp)
+    owned, every = [], []
+    for model in stage_models:
+        for name, param in model.named_parameters():
+            if param.grad is None:
+                continue
+            every.append(param)
+            if name not in model.replica_names:
+                owned.append(param.grad)
+    device = next((p.device for m in stage_models for p in m.parameters()), None)  # NCCL reduces device tensors
+    local = torch.nn.utils.get_total_norm(owned, norm_type=2.0) if owned else torch.zeros((), device=device)
+    if isinstance(local, DTensor):
+        local = local.full_tensor()
+    squared = (local.double() ** 2).reshape(1)
+    dist.all_reduce(squared, group=group)
+    norm = squared.sqrt().to(local.dtype).reshape(())
+    if max_norm is not None and every:
+        torch.nn.utils.clip_grads_with_norm_(every, max_norm, norm)
+    return float(norm)
 
 
 def train_pipeline(rank: int, world_size: int, model: ModelConfig, schedule: str, pp: int, dp: int,
