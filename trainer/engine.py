@@ -386,7 +386,7 @@ class Engine(EngineState):
         """fp16: unscale and check for overflow (skip the step); then the global norm and clipping."""
         if self.scaler is not None:
             grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-            found_inf = self.scaler.unscale_(grads)
+            found_inf = self.scaler.unscale_(grads, device=self.device)
             self.scaler.update(found_inf, step)
             if found_inf:
                 return True, float("inf")

@@ -41,15 +41,16 @@ class LossScaler:
         self.clean_steps = 0  # consecutive steps without overflow since the last change of scale
         self.skipped = 0  # steps skipped for overflow over the whole run
 
-    def unscale_(self, grads: list[torch.Tensor], group=None) -> bool:
+    def unscale_(self, grads: list[torch.Tensor], group=None, device: torch.device | str | None = None) -> bool:
         """Divide the local gradients by the scale in place; True if any rank found inf/NaN.
 
         Collective over `group` (the whole world: every rank must skip together) when a
-        process group is initialised.
+        process group is initialised. `device`: the rank's, where the flag is reduced (NCCL
+        reduces device tensors only), also when this rank holds no gradient; default: the
+        gradients', else the CPU.
         """
         inverse = 1.0 / self.scale
-        # On the gradients' device: NCCL reduces device tensors only.
-        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        found = torch.zeros((), dtype=torch.float32, device=device or (grads[0].device if grads else "cpu"))
         for grad in grads:
             grad.mul_(inverse)
             found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
