@@ -252,7 +252,8 @@ class Engine(EngineState):
     def _dropout_seed(self, step: int) -> int:
         # Dropout draws from the global generator; reseeding it per step means a resumed run
         # needs no RNG state from the checkpoint. Without sequence parallelism the tp ranks
-        # must draw identical masks (their activations are replicas); with it each holds a
+        # must draw identical masks (their activations are replicas; attention dropout over
+        # each rank's own heads is salted apart, model.CausalSelfAttention); with it each holds a
         # different part of the sequence and draws its own. Pipeline stages hold different
         # layers, so they draw independent masks (the masks differ from one process's).
         where = (self.dp_rank,) if self.pp_size == 1 else (self.dp_rank, "pp", self.pp_rank)

@@ -32,6 +32,7 @@ from torch import nn
 
 from trainer.config import ModelConfig
 from trainer.init_values import init_parameters, materialize
+from trainer.seeding import derive_seed
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -92,6 +93,10 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # Set by trainer.tensor_parallel (tp without sequence parallelism): this rank's tp index.
+        # The tp ranks' generators agree there (their activations are replicas), but each rank's
+        # heads are other heads: their attention dropout must draw other masks, as one process's do.
+        self.head_salt: int | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -108,11 +113,20 @@ class CausalSelfAttention(nn.Module):
         if group > 1:
             # Hugging Face's repeat_kv: kv head g serves query heads g*group .. g*group+group-1.
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        y = self._attend(q, k, v).transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.o_proj(y))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if not p or self.head_salt is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        # One draw of the shared generator (the same on every tp rank, and again when activation
+        # recomputation replays the forward), salted with the rank: its own masks, reproducibly;
+        # the shared generator advances alike on every rank, so the replicated dropouts still agree.
+        base = int(torch.randint(0, 2**62, ()))
+        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else []):
+            torch.manual_seed(derive_seed(base, "tp", self.head_salt))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):

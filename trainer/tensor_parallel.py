@@ -143,6 +143,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -
         if hasattr(block.mlp, "gate_proj"):
             parallelize_module(block, tp_mesh, {"mlp.gate_proj": ColwiseParallel()})
         parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        if not sequence_parallel:  # the tp ranks' generators agree: their heads' dropout is salted apart
+            block.attn.head_salt = tp_mesh.get_local_rank()
     top: dict = {}
     if getattr(module, "tok_emb", None) is not None:
         # Learned positions are added to the whole sequence before it is split, so the
