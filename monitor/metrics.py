@@ -21,58 +21,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE, GoodputLedger
+from monitor.goodput import PRODUCTIVE, GoodputLedger
+from monitor.goodput_collector import GoodputCollector
 
 # Upper bounds in seconds. Training steps range from milliseconds (tiny CPU tests) to minutes.
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Checkpoint saves, detection and recovery range from tens of milliseconds to tens of minutes.
 EVENT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 PARALLEL_DIMS = ("dp", "tp", "pp")
-
-
-class _GoodputCollector:
-    """Exposes the ledger totals published by `on_goodput`.
-
-    Badput is a counter, `undying_badput_seconds_total{cause}`: the ledger only ever adds to a
-    cause (time booked as it passes, `move` always takes from `productive`), so `rate()` reads
-    it. Productive time is a gauge, `undying_productive_seconds`, because `move` shrinks it when
-    rolled-back steps become `lost_work`, and Prometheus would read a counter's decrease as a
-    process restart and turn `rate()` into a spike; use `delta()` on it.
-    """
-
-    def __init__(self, job: str) -> None:
-        self._job = job
-        self._lock = threading.Lock()
-        self._totals = {bucket: 0.0 for bucket in (PRODUCTIVE, *BADPUT_CAUSES)}
-
-    def publish(self, totals: Mapping[str, float]) -> None:
-        with self._lock:
-            self._totals = dict(totals)
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            totals = dict(self._totals)
-        badput = CounterMetricFamily(
-            "undying_badput_seconds",
-            "Wall seconds booked to each badput cause (ml-goodput-measurement taxonomy).",
-            labels=["cause", "undying_job"],
-        )
-        for cause in BADPUT_CAUSES:
-            badput.add_metric([cause, self._job], totals.get(cause, 0.0))
-        productive = GaugeMetricFamily(
-            "undying_productive_seconds",
-            "Wall seconds of training whose effect survives in the final model (shrinks when a "
-            "recovery rolls steps back).",
-            labels=["undying_job"],
-        )
-        productive.add_metric([self._job], totals.get(PRODUCTIVE, 0.0))
-        yield badput
-        yield productive
 
 
 class JobMetrics:
@@ -108,7 +68,7 @@ class JobMetrics:
             self.control_rejected.labels(job, channel)
         self.control_missing.labels(job, "events")
         self.ckpt_last_commit.labels(job).set(time.time())
-        self._goodput = _GoodputCollector(job)
+        self._goodput = GoodputCollector(job)
         self.registry.register(self._goodput)
 
     def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
@@ -331,6 +291,15 @@ class JobMetrics:
         for gauge, key in ((self.ckpt_cost, "cost_s"), (self.mtbf, "mtbf_s"), (self.restart_cost, "restart_s")):
             if inputs.get(key) is not None:
                 gauge.labels(job).set(inputs[key])
+
+    def on_checkpoint_interval(self, interval_s: float) -> None:
+        """The interval between saves the plan targets, as soon as it is known (not only at a commit:
+        a job that never commits must still be seen to be overdue)."""
+        self.ckpt_interval.labels(self.job).set(interval_s)
+
+    def on_resumed_commit(self, committed_at: float) -> None:
+        """A resumed job: its last commit is the restored checkpoint's, not this process's start."""
+        self.ckpt_last_commit.labels(self.job).set(committed_at)
 
     def on_checkpoint_failed(self) -> None:
         """A save will not commit because it failed: a rank's shard write failed, its shards do not

@@ -36,6 +36,7 @@ resets the count; a recovery does not (its saves are as failed as before it).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -84,6 +85,8 @@ class Checkpoints:
         self.catalog = catalog
         self.ledger = ledger
         self.record = record
+        record.checkpoint_interval = self._interval_s
+        self.gen_begun: int | None = None  # the generation `begin` last started
         self.metrics = metrics
         self.chaos = chaos  # ControllerFaults: corrupt_shard after a commit, kill_controller around it
         self.log = log
@@ -200,6 +203,10 @@ class Checkpoints:
         from): the restore joins the history (after the snapshot's sample reports), nothing is pending,
         the first plan is published."""
         self.store, self.gen = store, gen
+        if self.gen_begun is None and anchor is not None:  # this run's first restore: a resume's commit is old
+            with contextlib.suppress(Exception):  # unread: the metric keeps the job's start (an alert errs early)
+                self.metrics.on_resumed_commit(self.restore.catalog.read_manifest(anchor).created_at)
+        self.gen_begun = gen
         if source is not None:
             self.record.history.extend(sample_events(self.memory.samples_of(source.step)))
         self.record.history.append(["restore", anchor or 0])
@@ -216,6 +223,7 @@ class Checkpoints:
             self.publish(self.plan_anchor, memory_anchor=anchor or 0, every=self.plan_every)
         else:
             self.publish(anchor or 0)
+        self.metrics.on_goodput(self.ledger)  # whole from here (a predecessor's totals carried): exported
 
     def stop(self, step: int) -> None:
         """End the generation at completed step `step`, saved (every later plan keeps it)."""

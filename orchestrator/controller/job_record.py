@@ -13,6 +13,7 @@ import itertools
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 from monitor.events import end_event, goodput_event, record_event, step_event
 from monitor.goodput import GoodputLedger
@@ -50,6 +51,8 @@ class JobRecord:
         self.printer = printer
         self.mfu = mfu
         self.tracker = tracker  # monitor.tracking.Trackers: the event log, TensorBoard, W&B
+        # Seconds between saves the plan targets, None while unknown (set by controller.checkpoints).
+        self.checkpoint_interval: Callable[[], float | None] = lambda: None
         self.progress_every_s = progress_every_s
         self.started = time.time()
         self.steps = StepLog()  # every step's newest record, by step number
@@ -128,6 +131,8 @@ class JobRecord:
         if time.monotonic() - self._last_progress >= self.progress_every_s or rec.step + 1 == self.total_steps:
             self._last_progress = time.monotonic()
             self.metrics.on_goodput(self.ledger)
+            if (interval := self.checkpoint_interval()) is not None:  # also before any commit
+                self.metrics.on_checkpoint_interval(interval)
             self.tracker.emit(goodput_event(rec.step + 1, self.ledger))
             self.printer(progress_line(rec.step + 1, self.total_steps, rec.loss, self.tokens_per_s(),
                                        self.ledger.goodput()))

@@ -133,3 +133,23 @@ def test_the_committer_fires_its_points_around_the_manifest_create(tmp_path):
     assert ctl.run().status == "succeeded"
     assert calls == [(p, s, p == "after_manifest_commit") for s in (10, 20, 30)
                      for p in ("before_manifest_commit", "after_manifest_commit")]
+
+
+def test_a_rerun_exports_the_restored_commit_s_time_and_goodput_only_once_carried(tmp_path, monkeypatch):
+    from monitor.metrics import JobMetrics
+
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_controller", "at_step": 15}]})
+    assert _run(spec)[0] is None
+    committed_at = Catalog(Storage(spec.checkpoint_root)).read_manifest(10).created_at
+    seen, real = [], JobMetrics.on_goodput
+    monkeypatch.setattr(JobMetrics, "on_resumed_commit", lambda self, at: seen.append(("commit", at)))
+
+    def on_goodput(self, ledger):
+        seen.append(("goodput", ledger.totals().get("productive", 0.0)))
+        real(self, ledger)
+
+    monkeypatch.setattr(JobMetrics, "on_goodput", on_goodput)
+    report, _ = _run(spec)
+    assert report.status == "succeeded"
+    assert seen[0] == ("commit", committed_at)  # the restored commit's time, before anything is exported
+    assert seen[1][0] == "goodput" and seen[1][1] > 0  # the first export already holds the carried totals

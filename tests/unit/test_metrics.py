@@ -281,3 +281,30 @@ def test_failed_saves_and_the_last_commit_time_are_exported(metrics, monkeypatch
     assert value(text, "undying_checkpoint_last_commit_timestamp_seconds") == 1234.5
     assert value(text, "undying_checkpoint_failures_total") == 2
     assert value(text, "undying_checkpoint_skipped_total") == 3
+
+
+def test_goodput_series_appear_only_once_the_ledger_is_whole():
+    # Zeros before a resumed controller carried its predecessor's totals, then the totals, would read
+    # as a counter reset and an increase of the job's whole history (the low-goodput alert's false fire).
+    resumed = JobMetrics("resumed")
+    sample = {"undying_job": "resumed", "cause": "startup"}
+    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) is None
+    assert resumed.registry.get_sample_value("undying_productive_seconds", {"undying_job": "resumed"}) is None
+    ledger = GoodputLedger(clock=lambda: 0.0)
+    ledger.carry({"productive": 3600.0, "startup": 60.0})
+    resumed.on_goodput(ledger)
+    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) == 60.0
+
+
+def test_the_checkpoint_interval_is_exported_before_any_commit_and_a_resume_keeps_its_commit_time():
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.wire.messages import StepDone
+
+    metrics = JobMetrics("overdue")
+    record = JobRecord("overdue", 100, metrics, GoodputLedger(), printer=lambda line: None, progress_every_s=0.0)
+    record.checkpoint_interval = lambda: 90.0  # what controller.checkpoints derives (a step cadence's seconds)
+    record.on_step(StepDone(step=0, loss=1.0, tokens=8, step_s=0.1, time=0.0))
+    assert metrics.registry.get_sample_value("undying_checkpoint_interval_seconds", {"undying_job": "overdue"}) == 90
+    metrics.on_resumed_commit(1234.0)
+    assert metrics.registry.get_sample_value("undying_checkpoint_last_commit_timestamp_seconds",
+                                             {"undying_job": "overdue"}) == 1234.0
