@@ -52,13 +52,13 @@ def _fired_now(spec) -> set[int]:
     return {f.id for f in faults if has_fired(storage, f)}
 
 
-def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str]]:
+def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str], int]:
     try:
         with open(path) as handle:
             data = json.load(handle)
     except (OSError, ValueError):  # the child died before its first rank answered
-        return {}, {}
-    return {k: int(v) for k, v in data["pids"].items()}, dict(data["starts"])
+        return {}, {}, 0
+    return {k: int(v) for k, v in data["pids"].items()}, dict(data["starts"]), int(data.get("elsewhere", 0))
 
 
 def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
@@ -68,7 +68,7 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     kills = sum(1 for f in spec.chaos.faults if f.kind == "kill_controller")
     pids: dict[str, int] = {}
     starts: dict[str, str] = {}
-    wall, code = 0.0, EXIT_FAILED
+    wall, code, elsewhere = 0.0, EXIT_FAILED, 0
     spec_json = spec.model_dump_json(by_alias=True)
     with tempfile.TemporaryDirectory(prefix="undying-chaos-child-") as tmp:
         for attempt in range(kills + 1):
@@ -80,7 +80,8 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
             code = subprocess.run(cmd + (["--address", address] if address else []), input=spec_json,
                                   text=True).returncode
             wall += time.monotonic() - started
-            more_pids, more_starts = _read_pids(pids_path)
+            more_pids, more_starts, more_elsewhere = _read_pids(pids_path)
+            elsewhere += more_elsewhere
             pids.update({f"run {attempt} {k}": v for k, v in more_pids.items()})
             starts.update({f"run {attempt} {k}": v for k, v in more_starts.items()})
             killed = code == -signal.SIGKILL and _fired_now(spec) - fired_before
@@ -89,13 +90,13 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
             print(f"undying chaos: the controller died from kill_controller (SIGKILL); running the job again "
                   f"(rerun {attempt + 1}) to resume from its last committed checkpoint", flush=True)
     report = RunReport.from_json(report_path) if os.path.exists(report_path) else None
-    return RunOutcome(code if code >= 0 else EXIT_FAILED, report, pids, wall, starts)
+    return RunOutcome(code if code >= 0 else EXIT_FAILED, report, pids, wall, starts, elsewhere)
 
 
-def _write_pids(path: str, pids: dict, starts: dict) -> None:
+def _write_pids(path: str, recorder: RankPidRecorder) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as handle:
-        json.dump({"pids": pids, "starts": starts}, handle)
+        json.dump({"pids": recorder.seen, "starts": recorder.starts, "elsewhere": len(recorder.elsewhere)}, handle)
     os.replace(tmp, path)  # whole or not at all, whenever the SIGKILL comes
 
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.spec.job_spec import JobSpec
 
     spec = JobSpec.model_validate_json(sys.stdin.read())  # a pipe from run_rerunning (see the module doc)
-    recorder = RankPidRecorder(lambda pids, starts: _write_pids(args.pids, pids, starts))
+    recorder = RankPidRecorder(lambda recorder: _write_pids(args.pids, recorder))
     return run_job(spec, address=args.address, report_path=args.report, timeline_path=None,
                    worker_group=recorder.group_class)
 

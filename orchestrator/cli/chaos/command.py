@@ -157,7 +157,6 @@ def _load(path: str, args):
 
 def experiment_main(spec, args, runner: Runner) -> int:
     from orchestrator.cli.chaos import experiment
-    from orchestrator.cli.chaos.runs import wait_for_exit
 
     reference = None
     try:
@@ -180,7 +179,7 @@ def experiment_main(spec, args, runner: Runner) -> int:
         checks = experiment.failed_run_report(f"the run left no report (exit code {outcome.code})")
     else:
         checks = experiment.invariants(spec, outcome.report, reference=reference,
-                                       pids=wait_for_exit(outcome), measured_wall_s=outcome.wall_s)
+                                       pids=outcome.pids_to_check(), measured_wall_s=outcome.wall_s)
     print("\ninvariants:\n" + checks.table(), flush=True)
     if args.report and outcome.report is not None:
         data = experiment.chaos_report(outcome.report, checks, {

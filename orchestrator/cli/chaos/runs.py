@@ -31,6 +31,13 @@ class RunOutcome:
     pids: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     starts: dict[str, str] = field(default_factory=dict)  # label -> /proc start time when recorded
+    elsewhere: int = 0  # rank processes on other hosts, which the check on this one cannot see
+
+    def pids_to_check(self) -> dict[str, int] | None:
+        """`wait_for_exit`'s PIDs; None (the check skipped, not passed) when every rank ran elsewhere."""
+        if not self.pids and self.elsewhere:
+            return None
+        return wait_for_exit(self)
 
 
 class RankPidRecorder:
@@ -38,13 +45,15 @@ class RankPidRecorder:
 
     `group_class` is a RayWorkerGroup that records; pass it to run_job as its worker group.
     Only PIDs on this host are kept (the check reads /proc here), each with its start time, so a
-    PID reused by another process later is not taken for a rank that survived. `on_record(seen,
-    starts)` is called after each new one (a controller that may die writes them out as it goes).
+    PID reused by another process later is not taken for a rank that survived; the actors on other
+    hosts are counted in `elsewhere`. `on_record(recorder)` is called after each new one (a
+    controller that may die writes them out as it goes).
     """
 
-    def __init__(self, on_record: Callable[[dict, dict], None] | None = None):
+    def __init__(self, on_record: Callable[[RankPidRecorder], None] | None = None):
         self.seen: dict[str, int] = {}
         self.starts: dict[str, str] = {}
+        self.elsewhere: set[str] = set()  # actor ids of ranks on other hosts
         self._on_record = on_record
         self._ips: dict[str, str] = {}
         recorder = self
@@ -65,12 +74,13 @@ class RankPidRecorder:
         if node not in self._ips:
             self._ips.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
         if self._ips.get(node) != ray.util.get_node_ip_address():
-            return
-        label = f"actor {actor._actor_id.hex()[:8]} pid"
-        self.seen[label] = int(info["pid"])
-        self.starts[label] = start_time(int(info["pid"])) or ""
+            self.elsewhere.add(actor._actor_id.hex())
+        else:
+            label = f"actor {actor._actor_id.hex()[:8]} pid"
+            self.seen[label] = int(info["pid"])
+            self.starts[label] = start_time(int(info["pid"])) or ""
         if self._on_record is not None:
-            self._on_record(self.seen, self.starts)
+            self._on_record(self)
 
 
 def start_time(pid: int) -> str | None:
@@ -101,7 +111,7 @@ def run_recorded(spec, *, address: str | None, report_path: str) -> RunOutcome:
             ray.shutdown()
     wall = time.monotonic() - started
     report = RunReport.from_json(report_path) if os.path.exists(report_path) else None
-    return RunOutcome(code, report, dict(recorder.seen), wall, dict(recorder.starts))
+    return RunOutcome(code, report, dict(recorder.seen), wall, dict(recorder.starts), len(recorder.elsewhere))
 
 
 def wait_for_exit(outcome: RunOutcome, grace_s: float = EXIT_GRACE_S) -> dict[str, int]:

@@ -1,0 +1,29 @@
+"""The chaos command's "no process left" check sees only the driver's host: rank actors on other
+hosts are counted, and a run whose ranks all ran elsewhere skips the check instead of passing it."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import ray
+
+from orchestrator.cli.chaos.runs import RankPidRecorder, RunOutcome
+
+
+def _actor(hexid: str):
+    return types.SimpleNamespace(_actor_id=types.SimpleNamespace(hex=lambda: hexid))
+
+
+def test_ranks_elsewhere_are_counted_and_a_run_with_none_here_skips_the_check(monkeypatch):
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    recorded = []
+    recorder = RankPidRecorder(lambda rec: recorded.append((dict(rec.seen), len(rec.elsewhere))))
+    recorder._ips = {"here": "10.0.0.1", "there": "10.0.0.2"}
+    recorder.remember(_actor("aa" * 16), {"pid": os.getpid(), "node": "here"})
+    recorder.remember(_actor("bb" * 16), {"pid": 4242, "node": "there"})
+    assert list(recorder.seen.values()) == [os.getpid()] and recorder.elsewhere == {"bb" * 16}
+    assert recorded[-1] == (recorder.seen, 1)  # the child writes the count out with the PIDs
+
+    assert RunOutcome(0, None, {}, elsewhere=3).pids_to_check() is None  # nothing here to check: skipped
+    assert RunOutcome(0, None, {}, elsewhere=0).pids_to_check() == {}  # no rank at all: checked, trivially
