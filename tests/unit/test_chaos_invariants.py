@@ -277,3 +277,17 @@ def test_check_all_turns_a_crashing_check_into_a_failure(catalog):
     report = check_all(history=[("not", "a", "record", "at all")], final_step=1, global_batch=8)
     [check] = report.checks
     assert not check.ok and check.detail.startswith("check could not run: ValueError")
+
+
+def test_a_corruption_no_restore_caught_is_expected_bad_and_one_caught_and_saved_again_is_not(catalog):
+    from orchestrator.cli.chaos.experiment import _uncaught, final_model
+
+    corrupt_shard(catalog.storage, 30, seed=0)  # the newest, never restored: still committed, corrupt
+    corrupt_shard(catalog.storage, 20, seed=0)
+    catalog.quarantine(20)  # a restore found it and moved it aside; the job then commits 20 again
+    assert final_model(catalog, frozenset({30}))[0] == 10
+    _save(catalog, 20)
+    assert _uncaught(catalog, {20, 30}) == {30}
+    assert final_model(catalog, frozenset({30}))[0] == 20  # the newest step not corrupted on purpose
+    assert check_checkpoints_verify(catalog, expected_bad=_uncaught(catalog, {20, 30})).ok
+    assert not check_checkpoints_verify(catalog, expected_bad={20, 30}).ok  # the clean save of 20 verifies

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ckpt.catalog import Catalog
+from ckpt.catalog import QUARANTINED_PREFIX, Catalog
+from ckpt.manifest import step_dir
 from ckpt.reader import load_checkpoint
 from ckpt.storage import Storage
 from orchestrator.cli.chaos.invariants import Check, InvariantReport, check_all
@@ -71,14 +72,25 @@ def catalog_of(spec) -> Catalog:
     return Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
 
 
-def final_model(catalog: Catalog) -> tuple[int | None, dict[str, torch.Tensor] | None]:
-    """(step, `model/...` tensors) of the newest committed checkpoint; (None, None) when there is none."""
-    step = catalog.latest()
+def final_model(catalog: Catalog,
+                skip: frozenset[int] = frozenset()) -> tuple[int | None, dict[str, torch.Tensor] | None]:
+    """(step, `model/...` tensors) of the newest committed checkpoint not in `skip` (corrupted on
+    purpose); (None, None) when there is none."""
+    step = max((s for s in catalog.committed_steps() if s not in skip), default=None)
     if step is None:
         return None, None
     names = [n for n in catalog.read_manifest(step).tensors if n.startswith(MODEL_PREFIX)]
     tensors, _ = load_checkpoint(catalog, step, names)
     return step, tensors
+
+
+def _uncaught(catalog: Catalog, steps: set[int]) -> frozenset[int]:
+    """Of `steps`, those no restore quarantined (no manifest moved aside as corrupt in the step's folder)."""
+    def caught(step: int) -> bool:
+        names = catalog.storage.listdir(catalog.storage.path(step_dir(step)))
+        return any(name.startswith(QUARANTINED_PREFIX) for name in names)
+
+    return frozenset(step for step in steps if not caught(step))
 
 
 def dp_changed(report, target_dp: int) -> bool:
@@ -97,11 +109,16 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
     from trainer.data import make_cursor
 
     catalog = catalog_of(spec)
-    _, final = final_model(catalog)
+    # A corrupt_shard's step must fail its verification unless a restore caught it (quarantined: a
+    # step committed there now is a clean save of it again); one that verifies was not corrupted
+    # (the fault could not apply), and the check says so.
+    corrupted = _uncaught(catalog, {f.step for f in report.faults if f.kind == "corrupt_shard" and f.step is not None})
+    _, final = final_model(catalog, corrupted)
     exact = not dp_changed(report, spec.parallel.dp)
     goodput = {"productive": report.goodput.productive_s, **report.goodput.badput_s}
     result = check_all(
-        catalog=catalog, final=final if final is not None else ({} if reference is not None else None),
+        catalog=catalog, expected_bad=corrupted,
+        final=final if final is not None else ({} if reference is not None else None),
         reference=reference, exact=exact, rtol=ELASTIC_RTOL, atol=ELASTIC_ATOL,
         history=report.history, final_step=spec.train.steps, global_batch=spec.train.global_batch,
         cursor=make_cursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.clock_wall_s,
