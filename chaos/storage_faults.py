@@ -187,12 +187,25 @@ class _FaultyWriteFile:
         data = "".join(self._parts) if text else b"".join(self._parts)
         if self._verdict.keep_fraction is not None:
             kept = int(len(data) * self._verdict.keep_fraction)
-            self._handle.write(data[:kept])
-            self._handle.close()
+            self._land(data[:kept])
             raise self._verdict.error("write", self._path, f": {kept} of {len(data)} bytes landed")
+        self._land(data)
+        raise self._verdict.error("write", self._path, " (the call itself succeeded)")
+
+    def _land(self, data) -> None:
+        """Write `data` to the real file and make it appear at its path, also through a handle that
+        publishes only on `commit` (an S3 multipart upload opened with autocommit=False, as
+        ckpt.storage's atomic writer does): the fault's bytes land on every backend."""
         self._handle.write(data)
         self._handle.close()
-        raise self._verdict.error("write", self._path, " (the call itself succeeded)")
+        if getattr(self._handle, "autocommit", True) is False:
+            self._handle.commit()
+            self._landed = True
+
+    def discard(self) -> None:
+        """The writer's clean-up after the fault's error: what landed stays (it is the fault)."""
+        if not getattr(self, "_landed", False):
+            self._handle.discard()
 
     def __enter__(self):
         return self

@@ -243,3 +243,37 @@ def test_atomic_writer_on_local_storage_is_judged_as_one_write(tmp_path):
             storage.path("m.json")) as f:
         f.write(b"0123456789")
     assert storage.read(storage.path("m.json")) == b"01234"
+
+
+def test_a_torn_write_through_a_handle_that_publishes_on_commit_still_lands_its_prefix():
+    # ckpt.storage's S3 atomic writer opens with autocommit=False: the object appears only at
+    # commit(), and the writer discards the upload when the write raises. The fault's prefix must
+    # land all the same (as on every other backend), and the discard must not take it back.
+    from chaos.storage_faults import _FaultyWriteFile
+    from chaos.storage_rules import Verdict
+
+    class Upload:  # the part of s3fs's S3File the writer and the fault use
+        autocommit = False
+
+        def __init__(self):
+            self.buffer, self.published, self.discarded = b"", None, False
+
+        def write(self, data):
+            self.buffer += data
+
+        def close(self):
+            pass
+
+        def commit(self):
+            self.published = self.buffer
+
+        def discard(self):
+            self.discarded = True
+
+    upload = Upload()
+    torn = _FaultyWriteFile(upload, Verdict(keep_fraction=0.5, reason="torn_write"), "s/big.bin")
+    torn.write(b"abcdefgh")
+    with pytest.raises(InjectedStorageError, match="4 of 8 bytes landed"):
+        torn.close()
+    torn.discard()
+    assert upload.published == b"abcd" and not upload.discarded
