@@ -49,6 +49,7 @@ class JobMetrics:
         self._thread: threading.Thread | None = None
         self._compute_s: dict[int, float] = {}
         self._states: set[str] = set()
+        self._snapshot_ranks: set[int] = set()  # ranks with a memory snapshot host-bytes series
         self._define_training()
         self._define_checkpoint()
         self._define_resilience()
@@ -164,6 +165,7 @@ class JobMetrics:
         self.snapshot_step.labels(self.job).set(step)
         for rank, nbytes in host_bytes.items():
             self.snapshot_host_bytes.labels(self.job, str(rank)).set(nbytes)
+            self._snapshot_ranks.add(rank)
 
     def _define_resilience(self) -> None:
         self.failures = self._counter("undying_failures", "Failures seen, by kind.", "kind")
@@ -342,6 +344,9 @@ class JobMetrics:
         self._compute_s.clear()
         self.rank_compute.clear()
         self.straggler.clear()
+        for rank in [r for r in self._snapshot_ranks if r >= world_size]:  # the others' stay until their next
+            self.snapshot_host_bytes.remove(job, str(rank))
+            self._snapshot_ranks.discard(rank)
 
     def on_state(self, state_name: str) -> None:
         """The controller entered `state_name`: it reads 1, every state seen before reads 0."""

@@ -67,12 +67,12 @@ class ControllerKill:
         self.spent = [f for f in mine if f not in self.armed]  # fired by an earlier controller of this job
 
     def on_step(self, step: int) -> None:
-        for fault in self.armed:
+        for fault in list(self.armed):  # _fire removes it (and goes on when the kill is skipped)
             if fault.at_point is None and step >= fault.at_step:
                 self._fire(fault, "step", step)
 
     def at_point(self, point: str, step: int) -> None:
-        for fault in self.armed:
+        for fault in list(self.armed):  # _fire removes it (and goes on when the kill is skipped)
             if fault.at_point == point and step >= (fault.at_step or 0):
                 self._fire(fault, point, step)
 

@@ -308,3 +308,12 @@ def test_the_checkpoint_interval_is_exported_before_any_commit_and_a_resume_keep
     metrics.on_resumed_commit(1234.0)
     assert metrics.registry.get_sample_value("undying_checkpoint_last_commit_timestamp_seconds",
                                              {"undying_job": "overdue"}) == 1234.0
+
+
+def test_a_shrunk_world_drops_the_memory_snapshot_series_of_the_ranks_it_lost():
+    metrics = JobMetrics("shrunk")
+    metrics.on_memory_snapshot(10, {0: 100, 1: 100, 2: 100, 3: 100})
+    metrics.on_layout(2, world_size=2, dp=2, tp=1, pp=1)
+    held = {r: metrics.registry.get_sample_value("undying_memory_snapshot_host_bytes",
+                                                 {"undying_job": "shrunk", "rank": str(r)}) for r in range(4)}
+    assert held == {0: 100, 1: 100, 2: None, 3: None}
