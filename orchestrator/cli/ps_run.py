@@ -68,6 +68,10 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         metrics.on_checkpoint(commit.step, commit.nbytes, commit.total_s, commit.total_s, None)
         preemption.on_commit(commit)
 
+    def on_stats(stats) -> None:  # the supervisor's, every second on the driver's thread
+        ps_metrics.on_server_stats(stats)
+        metrics.on_goodput(ledger)  # nothing is carried into a parameter-server ledger: whole from the start
+
     checkpoints, faults = supervision(spec, on_commit=on_commit)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
@@ -83,7 +87,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.preemption = preemption
         restore_signals = route_signals(preemption.on_signal)
         try:
-            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=ps_metrics.on_server_stats,
+            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats,
                             checkpoints=checkpoints, faults=faults, ledger=ledger)
             ps_metrics.on_steps(report.steps)
         except Preempted as stop:
