@@ -162,3 +162,12 @@ def test_an_input_that_changes_after_its_plan_or_while_it_is_read_is_refused(tmp
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(BadRecord, match="changed while it was being prepared"):
         next(iter_documents(source, file, piece, "text", {}))
+
+
+def test_an_empty_text_file_is_no_document(tmp_path):
+    from orchestrator.cli.data.records import iter_documents
+    from orchestrator.cli.data.sources import resolve_sources
+
+    (tmp_path / "empty.txt").write_bytes(b"")
+    [source] = resolve_sources([str(tmp_path / "empty.txt")], "text", {})
+    assert list(iter_documents(source, source.files[0], Piece(source=0, file=0, start=0, stop=1), "text", {})) == []

@@ -30,7 +30,9 @@ def iter_documents(source: Source, file: SourceFile, piece: Piece, text_field: s
     fs, path = open_fs(file.url, storage_options)
     _unchanged(source, file, fs, path)
     if source.kind == "txt":
-        yield _txt(source, fs.cat_file(path)), "the file"
+        text = _txt(source, fs.cat_file(path))
+        if text:  # an empty file is no document (as an empty .jsonl holds none), not one of EOS alone
+            yield text, "the file"
     elif source.kind == "jsonl":
         with fs.open(path, "rb") as f:
             yield from _jsonl(source, f, piece.start, piece.stop, text_field)
