@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -180,8 +180,8 @@ class RayWorkerGroup:
                 continue
             try:
                 self._remember_node(self.spares[bundle][0], ray.get(ping))
-            except RANK_GONE:
-                del self.spares[bundle]  # died while idle; its bundle is free again
+            except RayError:  # died while idle, or its warm-up raised (a device error): its bundle is free again
+                ray.kill(self.spares.pop(bundle)[0], no_restart=True)
                 continue
             if self.node_of_actor.get(self.spares[bundle][0]._actor_id.hex()) in self.lost_nodes:
                 ray.kill(self.spares.pop(bundle)[0], no_restart=True)
@@ -199,7 +199,8 @@ class RayWorkerGroup:
     def live_ready_spares(self, timeout_s: float = 2.0) -> list[int]:
         """`ready_spares`, each asked once more whether it is alive: a spare that warmed up and then
         died idle (Ray's memory monitor, a crash, its node lost) still shows its warm-up answer, which
-        Ray keeps. One round trip for all; a spare that does not answer in `timeout_s` is dropped."""
+        Ray keeps. One round trip for all; a spare that does not answer in `timeout_s` is left out this
+        time (a loaded machine's slow answer is no proof; one that died is dropped)."""
         ready = self.ready_spares()
         pings = {self.spares[bundle][0].ping.remote(): bundle for bundle in ready}
         answered, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted) if pings else ([], [])
@@ -208,8 +209,8 @@ class RayWorkerGroup:
             try:
                 ray.get(ref)
                 alive.append(pings[ref])
-            except RANK_GONE:
-                del self.spares[pings[ref]]  # died while idle; its bundle is free again
+            except RayError:  # died while idle; its bundle is free again
+                ray.kill(self.spares.pop(pings[ref])[0], no_restart=True)
         return sorted(alive)
 
     def promote_spares(self, ranks: list[int]) -> list[int]:

@@ -1,0 +1,54 @@
+"""A warm spare whose warm-up raised (a device error, an import failure) or that died idle is dropped
+and killed, its seat freed; it never fails the job through the pool's watch or a promotion."""
+
+from __future__ import annotations
+
+import types
+
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from orchestrator.cluster import worker_group
+from orchestrator.cluster.worker_group import RayWorkerGroup
+
+
+class _Ref:
+    def __init__(self, answer=None, error=None):
+        self.answer, self.error = answer, error
+
+
+class _Spare:
+    def __init__(self, hexid: str, pong: _Ref):
+        self._actor_id = types.SimpleNamespace(hex=lambda: hexid)
+        self.ping = types.SimpleNamespace(remote=lambda: pong)
+
+
+def _group(monkeypatch, spares: dict) -> tuple[RayWorkerGroup, list]:
+    killed = []
+
+    def get(ref, timeout=None):
+        if ref.error is not None:
+            raise ref.error
+        return ref.answer
+
+    fake = types.SimpleNamespace(wait=lambda refs, num_returns=1, timeout=None: (list(refs), []), get=get,
+                                 kill=lambda actor, no_restart=True: killed.append(actor))
+    monkeypatch.setattr(worker_group, "ray", fake)
+    monkeypatch.setattr(worker_group.interruptible, "ray", fake)
+    group = RayWorkerGroup.__new__(RayWorkerGroup)
+    group.spares, group.node_of_actor, group.lost_nodes = spares, {}, set()
+    group.interrupted = lambda: False
+    group._remember_node = lambda actor, info: group.node_of_actor.update({actor._actor_id.hex(): info["node"]})
+    return group, killed
+
+
+def test_a_spare_whose_warm_up_raised_or_that_died_is_dropped_not_fatal(monkeypatch):
+    failed = RayTaskError("warm_up", "torch.OutOfMemoryError: CUDA out of memory", RuntimeError("oom"))
+    good, bad = _Spare("aa", _Ref({"node": "n1"})), _Spare("bb", _Ref({"node": "n1"}))
+    group, killed = _group(monkeypatch, {0: (good, _Ref({"node": "n1"})), 1: (bad, _Ref(error=failed))})
+    assert group.ready_spares() == [0]
+    assert set(group.spares) == {0} and killed == [bad]
+
+    dead = _Spare("cc", _Ref(error=ActorDiedError()))
+    group.spares[2] = (dead, _Ref({"node": "n2"}))
+    assert group.live_ready_spares() == [0]
+    assert set(group.spares) == {0} and killed == [bad, dead]
