@@ -145,11 +145,17 @@ class RayWorkerGroup:
         ranks = [r for r in sorted(self.actors) if self.node_of(r) == node]
         for rank in ranks:
             self.kill(rank)
-        for bundle, (actor, _) in list(self.spares.items()):
-            if self.node_of_actor.get(actor._actor_id.hex()) == node:
-                ray.kill(actor, no_restart=True)
-                del self.spares[bundle]
+        self.drop_spares_on({node})
         return ranks
+
+    def drop_spares_on(self, nodes: set[str]) -> int:
+        """Kill the spares known to run on `nodes` (lost, or draining: a rank promoted there would have
+        to move again); their seats are free. Returns how many."""
+        gone = [bundle for bundle, (actor, _) in self.spares.items()
+                if self.node_of_actor.get(actor._actor_id.hex()) in nodes]
+        for bundle in gone:
+            ray.kill(self.spares.pop(bundle)[0], no_restart=True)
+        return len(gone)
 
     def spares_on(self, node: str) -> int:
         """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""

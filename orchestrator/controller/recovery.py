@@ -119,13 +119,15 @@ class Recovery:
         if not lost:
             return Membership(dp, f"no rank lost, dp stays {dp}")
         self.spares.watch(settled=False)  # a spare that just finished warming is said warm before it takes over
+        draining = set(self.draining())
+        if draining and self.workers.drop_spares_on(draining):  # a rank promoted there would move again
+            self.log(f"spares on draining node(s) {', '.join(sorted(n[:12] for n in draining))} dropped")
         cold = self.workers.promote_spares(lost)
         words = [f"rank(s) {sorted(set(lost) - set(cold))} taken over by warm spares"] if len(cold) < len(lost) else []
         timeout_s = self.spec.elastic.replace_timeout_s
         if cold:
             cold = self._await_warming_spares(cold, timeout_s, words)
-        draining = set(self.draining()) if cold else set()
-        stranded = self._stranded(cold, draining, words) if draining else []
+        stranded = self._stranded(cold, draining, words) if draining and cold else []
         cold = [r for r in cold if r not in stranded]
         waited = self.workers.replace_cold(cold, timeout_s, draining) if cold else []
         if cold and len(waited) < len(cold):

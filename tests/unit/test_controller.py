@@ -89,6 +89,9 @@ class FakeWorkerGroup:
     def live_ready_spares(self):
         return self.ready_spares()
 
+    def drop_spares_on(self, nodes):
+        return 0  # the fake's spares run on no node
+
     def spare_seats(self):
         return list(range(len(self.spares)))
 

@@ -52,6 +52,12 @@ class SignallingWorkers(FakeWorkerGroup):
     def spares_on(self, node):
         return len(self.spares) if node in self.spare_nodes else 0
 
+    def drop_spares_on(self, nodes):
+        if not set(nodes) & self.spare_nodes:
+            return 0
+        dropped, self.spares[:] = len(self.spares), []
+        return dropped
+
     def _stop_at(self, store) -> int | None:
         return CheckpointPlan.from_json(store.get_json(PLAN)).stop_at
 
@@ -398,6 +404,16 @@ def test_a_draining_node_without_ranks_drops_the_job_s_spares_there_only(tmp_pat
     assert workers.forgotten == ["n4"]
     assert [line.split("] ")[1] for line in lines if "draining" in line] == [
         "node n4 draining: its 1 spare(s) dropped, no rank there"]
+
+
+def test_a_drained_node_s_rank_never_moves_onto_a_spare_on_another_draining_node(tmp_path, rendezvous):
+    """n2 (rank 1) and n4 (the warm spare) drain at once: rank 1 must not be promoted onto n4, where
+    it would have to move again (and, with too short a deadline there, be lost)."""
+    report, workers, lines = _drain_run(tmp_path, rendezvous, None, others=("n4",),
+                                        setup=lambda workers, ctl: workers.spare_nodes.add("n4"))
+    assert report.status == "succeeded" and report.final_step == 60, report.error
+    assert not any("taken over by warm spares" in line for line in lines), "\n".join(lines)
+    assert any("n4" in line and "dropped" in line for line in lines)
 
 
 def test_a_validation_holds_the_ranks_at_its_step_in_the_estimate():

@@ -52,3 +52,11 @@ def test_a_spare_whose_warm_up_raised_or_that_died_is_dropped_not_fatal(monkeypa
     group.spares[2] = (dead, _Ref({"node": "n2"}))
     assert group.live_ready_spares() == [0]
     assert set(group.spares) == {0} and killed == [bad, dead]
+
+
+def test_spares_on_draining_nodes_are_dropped_and_killed(monkeypatch):
+    here, there = _Spare("aa", _Ref({"node": "n1"})), _Spare("bb", _Ref({"node": "n2"}))
+    group, killed = _group(monkeypatch, {0: (here, _Ref({"node": "n1"})), 1: (there, _Ref({"node": "n2"}))})
+    group.node_of_actor = {"aa": "n1", "bb": "n2"}
+    assert group.drop_spares_on({"n2", "n9"}) == 1
+    assert set(group.spares) == {0} and killed == [there]

@@ -107,6 +107,12 @@ class SeatWorkers:
     def live_ready_spares(self) -> list[int]:
         return self.ready_spares()
 
+    def drop_spares_on(self, nodes: set[str]) -> int:
+        gone = [seat for seat in self.spares if nodes and seat in self.draining_seats]
+        for seat in gone:
+            del self.spares[seat]
+        return len(gone)
+
     def promote_spares(self, ranks: list[int]) -> list[int]:
         ready, left = self.ready_spares(), []
         for rank in ranks:
