@@ -149,12 +149,14 @@ class RayWorkerGroup:
         return ranks
 
     def drop_spares_on(self, nodes: set[str]) -> int:
-        """Kill the spares known to run on `nodes` (lost, or draining: a rank promoted there would have
-        to move again); their seats are free. Returns how many."""
-        gone = [bundle for bundle, (actor, _) in self.spares.items()
-                if self.node_of_actor.get(actor._actor_id.hex()) in nodes]
-        for bundle in gone:
-            ray.kill(self.spares.pop(bundle)[0], no_restart=True)
+        """Kill the spares on `nodes` (lost, or draining: a rank promoted there would have to move
+        again), those still warming up too (by their seat's bundle: their own node is known only
+        once warm); their seats are free. Returns how many."""
+        seats = set(self._bundles_on(nodes))
+        gone = [seat for seat, (actor, _) in self.spares.items()
+                if seat in seats or self.node_of_actor.get(actor._actor_id.hex()) in nodes]
+        for seat in gone:
+            ray.kill(self.spares.pop(seat)[0], no_restart=True)
         return len(gone)
 
     def spares_on(self, node: str) -> int:

@@ -118,10 +118,10 @@ class Recovery:
         """Fill the lost ranks (spares, then new actors) or shrink dp."""
         if not lost:
             return Membership(dp, f"no rank lost, dp stays {dp}")
-        self.spares.watch(settled=False)  # a spare that just finished warming is said warm before it takes over
         draining = set(self.draining())
         if draining and self.workers.drop_spares_on(draining):  # a rank promoted there would move again
             self.log(f"spares on draining node(s) {', '.join(sorted(n[:12] for n in draining))} dropped")
+        self.spares.watch(settled=False)  # a spare that just finished warming is said warm before it takes over
         cold = self.workers.promote_spares(lost)
         words = [f"rank(s) {sorted(set(lost) - set(cold))} taken over by warm spares"] if len(cold) < len(lost) else []
         timeout_s = self.spec.elastic.replace_timeout_s

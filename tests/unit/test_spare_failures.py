@@ -35,7 +35,7 @@ def _group(monkeypatch, spares: dict) -> tuple[RayWorkerGroup, list]:
     monkeypatch.setattr(worker_group, "ray", fake)
     monkeypatch.setattr(worker_group.interruptible, "ray", fake)
     group = RayWorkerGroup.__new__(RayWorkerGroup)
-    group.spares, group.node_of_actor, group.lost_nodes = spares, {}, set()
+    group.spares, group.node_of_actor, group.lost_nodes, group.pg = spares, {}, set(), None
     group.interrupted = lambda: False
     group._remember_node = lambda actor, info: group.node_of_actor.update({actor._actor_id.hex(): info["node"]})
     return group, killed
@@ -60,3 +60,12 @@ def test_spares_on_draining_nodes_are_dropped_and_killed(monkeypatch):
     group.node_of_actor = {"aa": "n1", "bb": "n2"}
     assert group.drop_spares_on({"n2", "n9"}) == 1
     assert set(group.spares) == {0} and killed == [there]
+
+
+def test_a_lost_node_s_spare_still_warming_is_dropped_by_its_seat(monkeypatch):
+    warming = _Spare("cc", _Ref({"node": "n2"}))
+    group, killed = _group(monkeypatch, {3: (warming, _Ref({"node": "n2"}))})
+    group.pg, group.seat_bundle = "pg", [0, 0, 1, 1]  # seat 3 is in bundle 1, which Ray placed on n2
+    monkeypatch.setattr(worker_group.ray, "util", types.SimpleNamespace(
+        placement_group_table=lambda pg: {"bundles_to_node_id": {"0": "n1", "1": "n2"}}), raising=False)
+    assert group.drop_spares_on({"n2"}) == 1 and group.spares == {} and killed == [warming]
