@@ -33,6 +33,7 @@ def teardown(steps: list[Callable[[], None] | None]) -> None:
     so none is skipped. `undying run` passes the rank actors, the trackers (the event log is the
     root's, so its last write comes first), the checkpoint root's lease (the next run of the job waits
     for it), the metrics endpoint and Ray."""
+    interrupted: BaseException | None = None
     for step in steps:
         if step is None:
             continue
@@ -41,3 +42,7 @@ def teardown(steps: list[Callable[[], None] | None]) -> None:
         except Exception as err:
             print(f"undying: teardown: {getattr(step, '__qualname__', step)} failed ({type(err).__name__}: {err})",
                   file=sys.stderr, flush=True)
+        except BaseException as err:  # a signal before they were routed (SystemExit, KeyboardInterrupt)
+            interrupted = interrupted or err  # raised once every step ran: the lease is still released
+    if interrupted is not None:
+        raise interrupted

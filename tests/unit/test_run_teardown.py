@@ -26,6 +26,21 @@ def test_every_teardown_step_runs_whatever_the_others_raise(capsys):
     assert "teardown" in err and "RuntimeError: W&B unreachable" in err
 
 
+def test_a_signal_during_the_teardown_still_releases_the_lease_then_ends_the_driver():
+    # Before the signals are routed (the driver's set-up), a second SIGTERM is Ray's SystemExit.
+    import pytest
+
+    ran = []
+
+    def interrupted():
+        ran.append("workers")
+        raise SystemExit(1)
+
+    with pytest.raises(SystemExit):
+        teardown([interrupted, lambda: ran.append("lease"), lambda: ran.append("ray")])
+    assert ran == ["workers", "lease", "ray"]
+
+
 def test_signals_go_to_the_handler_until_restored():
     seen = []
     before = signal.getsignal(signal.SIGINT)
