@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from orchestrator.cli.teardown import route_signals, teardown
 
 
@@ -28,8 +30,6 @@ def test_every_teardown_step_runs_whatever_the_others_raise(capsys):
 
 def test_a_signal_during_the_teardown_still_releases_the_lease_then_ends_the_driver():
     # Before the signals are routed (the driver's set-up), a second SIGTERM is Ray's SystemExit.
-    import pytest
-
     ran = []
 
     def interrupted():
