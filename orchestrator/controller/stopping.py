@@ -268,9 +268,15 @@ class Stops:
                 return Move(Failed(membership.error), membership.error)
             return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: rank(s) {gone} lost while stopping to grow "
                                       f"at checkpoint step {step}; {membership.words}", membership.dp)
-        self.workers.grow(new_dp * self.recovery.model_parallel())
+        mp, note = self.recovery.model_parallel(), ""
+        self.workers.grow(new_dp * mp)
+        if len(self.workers.actors) < new_dp * mp:  # a spare died between the count and its promotion
+            short, new_dp = new_dp, self.recovery.scaling_policy.best_dp(len(self.workers.actors)) or dp
+            for rank in sorted(self.workers.actors)[new_dp * mp:]:  # surplus of a dp that cannot hold them
+                self.workers.kill(rank)
+            note = f"; a spare died before its promotion: dp {new_dp}, not {short}"
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
-                                  f"checkpoint step {step} ({ready} warm spare(s) ready)", new_dp)
+                                  f"checkpoint step {step} ({ready} warm spare(s) ready{note})", new_dp)
 
     def save_s(self) -> float:
         """The last measured save's blocking time (a stop must commit one more)."""

@@ -395,6 +395,30 @@ def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
     assert workers.grown_while == ["reformation"]  # the grow's stop and re-formation train nothing
 
 
+class LosesTheSpareItCounted(RecordsTheBucketOfGrowth):
+    """The spare the first grow counted on dies before its promotion (it promotes nobody)."""
+
+    def grow(self, world_size):
+        if not getattr(self, "lost_one", False):
+            self.lost_one = True
+            self.spares.pop()
+            return []
+        return super().grow(world_size)
+
+
+def test_a_grow_whose_spare_died_before_its_promotion_forms_the_dp_it_holds(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = LosesTheSpareItCounted(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                     cold_start_works=False)
+    lines: list[str] = []
+    workers.ctl = _controller(spec, workers, rendezvous, lines)
+    report = workers.ctl.run()
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert any("growing dp 1 -> 1 at checkpoint step 20" in line and "a spare died before its promotion: dp 1, "
+               "not 2" in line for line in lines), "\n".join(lines)
+    assert len(report.failures) == 1  # no failed generation of more ranks than actors
+
+
 class DiesWhileStoppingToGrow(FakeWorkerGroup):
     """Rank 0 of the shrunken generation dies while that generation stops to grow back."""
 
