@@ -94,6 +94,7 @@ class Stops:
         self.signals: list[str] = []  # names of the signals received, in order
         self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
+        self.reforming = False  # stopping and re-forming a generation after a commit (a drain's, a grow's)
         if workers is not None:
             workers.interrupted = self.ending
 
@@ -111,6 +112,9 @@ class Stops:
             return Move(Failed(lost), lost)
         if len(self.signals) >= 2:
             return preempted(f"{self.signals[1]} during the grace: stopping at once, {self.last_commit()}")
+        if self.signals and self.reforming:  # its waits may outlast the grace; the commit is made
+            return preempted(f"{self.signals[0]} while the job re-formed after a commit: stopping, "
+                             f"{self.last_commit()}")
         if self.signals and state not in TRAINING:
             return preempted(f"{self.signals[0]} in {state.value}: nothing trained since the last commit, "
                              f"{self.last_commit()}")
@@ -245,8 +249,10 @@ class Stops:
         self.drained.add(phase.node)
         self.intake.nodes_handled.add(phase.node)  # a late node_lost report of it is not a failure
         self.ledger.enter("reformation")  # the generation's work is saved: stopping it and refilling seats re-forms
+        self.reforming = True  # a signal from here gives up the waits below (`ending`): the stop is committed
         gone = self.recovery.stop_generation(store, world_size)  # a rank may die while it stops, too
         membership = self.recovery.replace(sorted(set(self.workers.forget_node(phase.node)) | set(gone)), dp)
+        self.reforming = False
         if membership.error is not None:
             return Move(Failed(membership.error), membership.error)
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: {phase.reason}; its rank(s) moved at "
@@ -259,17 +265,20 @@ class Stops:
             return None
         new_dp, ready = target
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
+        self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone = self.recovery.stop_generation(store, world_size)
         # Steps trained past the commit while the generation was being stopped are redone.
         self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
             membership = self.recovery.replace(gone, dp)
+            self.reforming = False
             if membership.error is not None:
                 return Move(Failed(membership.error), membership.error)
             return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: rank(s) {gone} lost while stopping to grow "
                                       f"at checkpoint step {step}; {membership.words}", membership.dp)
         mp, note = self.recovery.model_parallel(), ""
         self.workers.grow(new_dp * mp)
+        self.reforming = False
         if len(self.workers.actors) < new_dp * mp:  # a spare died between the count and its promotion
             short, new_dp = new_dp, self.recovery.scaling_policy.best_dp(len(self.workers.actors)) or dp
             for rank in sorted(self.workers.actors)[new_dp * mp:]:  # surplus of a dp that cannot hold them

@@ -429,3 +429,22 @@ def test_a_validation_holds_the_ranks_at_its_step_in_the_estimate():
     assert stops(every_30, done=[30])._validating(28, 90) == 60
     assert stops(every_30, done=[30])._validating(31, 40) == 40
     assert stops(None)._validating(28, 90) == 90
+
+
+def test_a_signal_while_a_drain_re_forms_ends_the_job_at_the_committed_stop(tmp_path, rendezvous):
+    """The stop step is committed and the generation stops to re-form without the drained node; its
+    ranks are slow to leave. One SIGTERM meanwhile must end the job there within the grace, not wait
+    the re-formation out (its waits can take minutes: leaving, warming spares, new actors)."""
+    def setup(workers, ctl):
+        def slow_to_leave(ranks, timeout_s):
+            ctl.stops.on_signal(signal.SIGTERM)
+            if workers.interrupted():  # as the real worker group's sliced waits ask
+                raise Interrupted("the job is ending")
+            raise AssertionError("the wait went on past the signal")
+
+        workers.leave_all = slow_to_leave
+
+    report, workers, lines = _drain_run(tmp_path, rendezvous, None, setup=setup)
+    assert report.status == "preempted", report.error
+    assert "SIGTERM while the job re-formed after a commit" in report.error
+    assert "last committed checkpoint (step" in report.error and "intact" in report.error
