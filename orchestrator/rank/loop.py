@@ -216,6 +216,7 @@ class RankLoop:
         data cursor while it waits for a step's data."""
         beats = Beats(self.store, self.rank, self.spec.monitor.heartbeat_s,
                       lambda: sum(w.written_bytes for w in writers), done_step=lambda: self.engine.next_step - 1)
+
         def waiting_on_a_save() -> None:
             if self.abort.is_set():  # the release must not wait out a slow store's save
                 raise AbortedWhileWaiting("abort requested by the controller")

@@ -63,7 +63,8 @@ def read_from_holder(holder, relpath: str, start: int, end: int) -> bytes:
 
 
 class MemorySnapshots:
-    """One generation's memory snapshots of one rank (training thread: `take`, `flush`)."""
+    """One generation's memory snapshots of one rank (training thread: `take`; the rank loop flushes
+    `writer` with its storage writer, ckpt.writers.flush_within)."""
 
     def __init__(self, held: HeldShards, rank: int, tag: str, buddy, push):
         self.held, self.rank, self.buddy, self.push = held, rank, buddy, push
@@ -74,9 +75,6 @@ class MemorySnapshots:
     def take(self, step: int, slices, extra: dict) -> float:
         """Stage `slices` for the snapshot of completed step `step`; returns the seconds training waited."""
         return self.writer.save(step, slices, extra)
-
-    def flush(self) -> None:
-        self.writer.flush()
 
     def _held(self, receipt: ShardReceipt, extra: dict) -> None:
         """Writer thread: the shard is in this process; copy it to the buddy, then report."""
