@@ -296,7 +296,8 @@ class ParallelConfig(_Strict):
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage over dp: 1 shards optimizer state, 2 gradients "
                                       "too, 3 parameters too")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"] = Field(
-        "1f1b", description="pipeline schedule (pp > 1)")
+        "1f1b", description="pipeline schedule (pp > 1); 'pipedream' (asynchronous) is refused by the engine: "
+                            "use trainer.pipedream.PipeDream2BW directly")
     virtual_stages: int | None = Field(None, gt=0, description="model chunks per pipeline rank: interleaved needs "
                                        ">= 2, zero-bubble (V shape) uses 2; unset: the schedule's default")
     ddp_bucket_mb: float = Field(25.0, gt=0.0, description="gradient all-reduce bucket size (MB)")

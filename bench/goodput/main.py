@@ -47,6 +47,9 @@ def job_overrides(args) -> list[str]:
     return ["chaos.faults=[]", f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}",
             f"chaos.mtbf_s={args.mtbf}", "chaos.mtbf_kind=kill_rank", f"chaos.seed={args.seed}",
             f"chaos.mtbf_start_s={args.start}", f"chaos.mtbf_max_faults={args.max_faults}",
+            # Like with like against Ray Train, which has neither: each kill replaced by a new actor,
+            # restored from storage (the figures in docs/benchmarks.md; --set overrides these).
+            "elastic.spares=0", "checkpoint.memory.enabled=false",
             "elastic.max_restarts=100", *args.overrides]
 
 

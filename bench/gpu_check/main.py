@@ -14,7 +14,7 @@ It proves, on this machine, in under eight minutes on one H200 (planned, not yet
   * determinism: its cost (the default run with `train.deterministic` flipped), and a rerun
     and a resumed run giving bitwise the same losses;
   * checkpoint staging: the device -> pinned host copy rate, and both checkpoint writers'.
-It prints one table (bench.gpu_check.verdict) and writes `$OUT/gpu_check.json` (or
+It prints one table (bench.gpu_check.verdict) and writes the raw figures to `--out` (default
 `runs/gpu_check.json`). Exit status: 0 all within tolerance, 1 any check out of tolerance or
 raising, 3 no CUDA device (nothing checked).
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -37,6 +36,7 @@ MFU_JUDGED_PRESETS = ("llama3.2-1b",)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.json"), help="where the raw figures go (JSON)")
     parser.add_argument("--preset", default="llama3.2-1b", help="model of the training and memory runs")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per step (one microbatch)")
@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     result["rows"] = [row.to_json() for row in rows]
     result["exit_code"] = code = exit_code(rows)
-    out_dir = Path(os.environ.get("OUT") or ROOT / "runs")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
-    print(f"measurements: {out_dir / 'gpu_check.json'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"measurements: {out}")
     return code

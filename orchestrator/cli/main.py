@@ -17,7 +17,8 @@
     undying --version
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
-spec or the cluster cannot run the job as written (nothing was started). User mistakes
+spec or the cluster cannot run the job as written (nothing was started); 75 the job was
+stopped by SIGTERM or SIGINT (a rerun resumes where it checkpointed). User mistakes
 print one line per problem, naming the field and the fix, never a traceback.
 
 `undying --help` and `undying CMD --help` import no engine (torch, Ray): the commands whose
