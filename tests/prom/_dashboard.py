@@ -56,9 +56,13 @@ def substitute(expr: str, values: dict[str, str]) -> str:
 
 
 def exported_names() -> set[str]:
-    """Every series name monitor/metrics.py exposes (counters as `_total`, histograms' three series)."""
-    names = set()
-    for family in JobMetrics("names").registry.collect():
+    """Every series name monitor/metrics.py exposes (counters as `_total`, histograms' three series),
+    once the controller published its goodput ledger (the goodput series appear then)."""
+    from monitor.goodput import GoodputLedger
+
+    names, metrics = set(), JobMetrics("names")
+    metrics.on_goodput(GoodputLedger())
+    for family in metrics.registry.collect():
         if family.type == "counter":
             names.add(f"{family.name}_total")
         elif family.type == "histogram":

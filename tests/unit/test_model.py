@@ -130,8 +130,11 @@ def test_longer_than_max_seq_len_is_refused():
 
 
 def test_odd_head_dim_with_rope_is_refused():
-    with pytest.raises(ValueError, match="even head dimension"):
-        build_model(ModelConfig(vocab_size=16, n_layers=1, n_heads=2, d_model=6), seed=0)
+    with pytest.raises(ValueError, match="d_model / n_heads = 3 is odd"):  # by the spec, before any rank
+        ModelConfig(vocab_size=16, n_layers=1, n_heads=2, d_model=6)
+    cfg = ModelConfig(vocab_size=16, n_layers=1, n_heads=2, d_model=6, position="learned")
+    with pytest.raises(ValueError, match="even head dimension"):  # and by the model, whatever built the config
+        build_model(cfg.model_copy(update={"position": "rope"}), seed=0)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
