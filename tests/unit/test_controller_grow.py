@@ -1,0 +1,112 @@
+"""Growing back and shrinking, driven by the controller with test_controller's fake worker group: dp
+shrinks when no replacement comes and grows back at a commit onto warm spares, by whole TP groups;
+a rank lost while the generation stops to grow, or a spare lost before its promotion, is handled."""
+
+from __future__ import annotations
+
+from ckpt.storage import Storage
+from orchestrator.cluster.worker_group import RankOutcome
+from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
+
+
+class RecordsTheBucketOfGrowth(FakeWorkerGroup):
+    """Records the goodput bucket the controller books to when it grows the group."""
+
+    ctl = None
+
+    def grow(self, world_size):
+        self.grown_while = [*getattr(self, "grown_while", []), self.ctl.ledger.current]
+        return super().grow(world_size)
+
+
+def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = RecordsTheBucketOfGrowth(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                       cold_start_works=False)
+    lines: list[str] = []
+    workers.ctl = _controller(spec, workers, rendezvous, lines)
+    report = workers.ctl.run()
+    assert report.status == "succeeded" and report.final_step == 30
+    assert workers.dp_history == [2, 1, 2]  # shrink at the failure, grow at the next commit
+    assert [(w.generation, w.dp) for w in report.world_history] == [(0, 2), (1, 1), (2, 2)]
+    assert any("shrinking dp 2 -> 1" in line for line in lines)
+    assert any("growing dp 1 -> 2 at checkpoint step 20" in line for line in lines)
+    assert len(report.failures) == 1  # growing is not a failure
+    assert workers.grown_while == ["reformation"]  # the grow's stop and re-formation train nothing
+
+
+class LosesTheSpareItCounted(RecordsTheBucketOfGrowth):
+    """The spare the first grow counted on dies before its promotion (it promotes nobody)."""
+
+    def grow(self, world_size):
+        if not getattr(self, "lost_one", False):
+            self.lost_one = True
+            self.spares.pop()
+            return []
+        return super().grow(world_size)
+
+
+def test_a_grow_whose_spare_died_before_its_promotion_forms_the_dp_it_holds(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = LosesTheSpareItCounted(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                     cold_start_works=False)
+    lines: list[str] = []
+    workers.ctl = _controller(spec, workers, rendezvous, lines)
+    report = workers.ctl.run()
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert any("growing dp 1 -> 1 at checkpoint step 20" in line and "a spare died before its promotion: dp 1, "
+               "not 2" in line for line in lines), "\n".join(lines)
+    assert len(report.failures) == 1  # no failed generation of more ranks than actors
+
+
+class DiesWhileStoppingToGrow(FakeWorkerGroup):
+    """Rank 0 of the shrunken generation dies while that generation stops to grow back."""
+
+    def wait_any(self, timeout_s):
+        if self.gen == 1 and self._running and self.gen_store.abort_requested() and 0 in self.actors:
+            self.actors.pop(0)
+            self._running.discard(0)
+            return [RankOutcome(0, "died", {"error": "The actor died unexpectedly"})]
+        return super().wait_any(timeout_s)
+
+    def promote_spares(self, ranks):  # the spares the grow counted on are warm: one takes the hole
+        left = []
+        for r in ranks:
+            if self.spares:
+                self.actors[r] = self.spares.pop()
+            else:
+                left.append(r)
+        return left
+
+
+def test_a_rank_lost_while_stopping_to_grow_is_replaced_first_and_the_grow_waits(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = DiesWhileStoppingToGrow(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                      cold_start_works=False)
+    lines: list[str] = []
+    report = _controller(spec, workers, rendezvous, lines).run()
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert any("rank(s) [0] lost while stopping to grow at checkpoint step 20" in line for line in lines), lines
+    assert workers.dp_history == [2, 1, 1]  # the hole filled at dp 1, not a grow with rank 0 missing
+
+
+def test_tensor_parallel_job_shrinks_and_grows_by_whole_tp_groups(tmp_path, rendezvous):
+    # dp=2 x tp=2: rank 2 (replica 1's first TP rank) dies; the job shrinks to replica 0's
+    # TP group (old ranks 0 and 1) and grows back to 4 ranks, never to a partial TP group.
+    spec = _spec(tmp_path, parallel={"dp": 2, "tp": 2})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={15: 2}, cold_start_works=False)
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    real_renumber = workers.renumber
+    kept: list[list[int]] = []
+
+    def renumber(keep):
+        kept.append(list(keep))
+        real_renumber(keep)
+
+    workers.renumber = renumber
+    report = ctl.run()
+    assert report.status == "succeeded", report.error
+    assert kept == [[0, 1]]
+    assert [(w.dp, w.world_size) for w in report.world_history] == [(2, 4), (1, 2), (2, 4)]
