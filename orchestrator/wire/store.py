@@ -91,7 +91,6 @@ class RendezvousServer:
         one whose generations fail before they train, were only the previous one dropped.
         Housekeeping: a store error here is logged and the keys stay, the job goes on."""
         prefixes = tuple(key_prefix(self._secret, old) + "/" for old in range(self._kept_from, gen))
-        self._kept_from = max(self._kept_from, gen)
         if not prefixes:
             return 0
         try:
@@ -99,9 +98,10 @@ class RendezvousServer:
             for key in keys:
                 self._server.delete_key(key)
         except (RuntimeError, OSError) as err:  # torch raises DistStoreError, a RuntimeError
-            log.warning("could not delete the store keys of generations %d-%d (%s); they stay",
-                        gen - len(prefixes), gen - 1, err)
+            log.warning("could not delete the store keys of generations %d-%d (%s); the next generation "
+                        "to train tries again", gen - len(prefixes), gen - 1, err)
             return 0
+        self._kept_from = gen
         return len(keys)
 
 

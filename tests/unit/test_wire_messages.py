@@ -183,3 +183,27 @@ def test_every_connection_the_store_accepts_has_tcp_keepalive():
     rank.set_json("hb/0", {"step": 1})
     timers = _timers_of_connections_to(server.port)
     assert timers and all(timer == "02" for timer in timers), timers
+
+
+def test_a_store_error_while_dropping_keys_leaves_them_for_the_next_generation_to_drop():
+    server = RendezvousServer("127.0.0.1")
+    server.generation(0).set_json("hb/0", {"step": 1})
+    real = server._server
+
+    class FailsOnce:  # the store's listing fails once (a TCPStore's methods cannot be patched)
+        failed = False
+
+        def list_keys(self):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("store unreachable")
+            return real.list_keys()
+
+        def delete_key(self, key):
+            return real.delete_key(key)
+
+    server._server = FailsOnce()
+    assert server.drop_generations_before(1) == 0
+    assert server.drop_generations_before(2) == 1  # generation 0's key, left by the failed drop
+    server._server = real
+    assert server.generation(0).get_json("hb/0") is None
