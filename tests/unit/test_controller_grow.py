@@ -20,13 +20,18 @@ class RecordsTheBucketOfGrowth(FakeWorkerGroup):
         return super().grow(world_size)
 
 
-def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
+def _shrink_then_grow(tmp_path, rendezvous, group_class):
+    """Rank 1 dies at step 15 with no replacement (dp shrinks), a spare comes back for the commit of
+    step 20 (dp grows): (report, workers, printed lines)."""
     spec = _spec(tmp_path)
-    workers = RecordsTheBucketOfGrowth(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
-                                       cold_start_works=False)
+    workers = group_class(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1}, cold_start_works=False)
     lines: list[str] = []
     workers.ctl = _controller(spec, workers, rendezvous, lines)
-    report = workers.ctl.run()
+    return workers.ctl.run(), workers, lines
+
+
+def test_without_replacement_dp_shrinks_then_grows_back(tmp_path, rendezvous):
+    report, workers, lines = _shrink_then_grow(tmp_path, rendezvous, RecordsTheBucketOfGrowth)
     assert report.status == "succeeded" and report.final_step == 30
     assert workers.dp_history == [2, 1, 2]  # shrink at the failure, grow at the next commit
     assert [(w.generation, w.dp) for w in report.world_history] == [(0, 2), (1, 1), (2, 2)]
@@ -48,12 +53,7 @@ class LosesTheSpareItCounted(RecordsTheBucketOfGrowth):
 
 
 def test_a_grow_whose_spare_died_before_its_promotion_forms_the_dp_it_holds(tmp_path, rendezvous):
-    spec = _spec(tmp_path)
-    workers = LosesTheSpareItCounted(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
-                                     cold_start_works=False)
-    lines: list[str] = []
-    workers.ctl = _controller(spec, workers, rendezvous, lines)
-    report = workers.ctl.run()
+    report, _, lines = _shrink_then_grow(tmp_path, rendezvous, LosesTheSpareItCounted)
     assert report.status == "succeeded" and report.final_step == 30, report.error
     assert any("growing dp 1 -> 1 at checkpoint step 20" in line and "a spare died before its promotion: dp 1, "
                "not 2" in line for line in lines), "\n".join(lines)

@@ -81,6 +81,15 @@ def test_a_storage_fault_for_another_rank_changes_nothing_here(tmp_path):
     assert not [e for e in events if e["type"] in ("fault", "save_error")]
 
 
+def _slow_save_of_step_2(tmp_path, delay_s: float, async_save: bool) -> tuple[list, dict]:
+    """`_run`'s faults and sections: rank 0's shard writes of step 2 take `delay_s` longer, heartbeats
+    every 0.1 s, saves every 2 steps (async or not)."""
+    slow = {"kind": "storage_latency", "op": "write", "path": "*/shard-*", "rank": 0, "at_step": 2,
+            "delay_s": delay_s}
+    return [slow], {"monitor": {"heartbeat_s": 0.1, "port": 0},
+                    "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2, "async": async_save}}
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_rank_blocked_on_its_first_save_beats_with_the_bytes_written(tmp_path, async_save):
     """The save of step 2 (the first of the call) takes 1.5 s in the store: the rank beats meanwhile
@@ -101,11 +110,8 @@ def test_a_rank_blocked_on_its_first_save_beats_with_the_bytes_written(tmp_path,
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    slow = {"kind": "storage_latency", "op": "write", "path": "*/shard-*", "rank": 0, "at_step": 2, "delay_s": 1.5}
-    sections = {"monitor": {"heartbeat_s": 0.1, "port": 0},
-                "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2, "async": async_save}}
     try:
-        outcome, events, _ = _run(tmp_path, [slow], sections, _server=server)
+        outcome, events, _ = _run(tmp_path, *_slow_save_of_step_2(tmp_path, 1.5, async_save), _server=server)
     finally:
         done.set()
         watcher.join()
@@ -137,10 +143,7 @@ def test_an_abort_behind_a_slow_save_leaves_within_the_settle_time_not_the_save_
 
     watcher = threading.Thread(target=abort_once_blocked, daemon=True)
     watcher.start()
-    slow = {"kind": "storage_latency", "op": "write", "path": "*/shard-*", "rank": 0, "at_step": 2, "delay_s": 10}
-    sections = {"monitor": {"heartbeat_s": 0.1, "port": 0},
-                "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2, "async": async_save}}
-    outcome, events, _ = _run(tmp_path, [slow], sections, abort=abort, _server=server)
+    outcome, events, _ = _run(tmp_path, *_slow_save_of_step_2(tmp_path, 10, async_save), abort=abort, _server=server)
     left_at = time.monotonic()
     watcher.join()
     assert outcome["status"] == "aborted" and outcome["step"] == (4 if async_save else 2)
