@@ -78,12 +78,19 @@ def tp_locality(spec, world_size: int, node_of) -> str:
     nodes = {node_of(g[0]) for g in groups}
     unit = "TP group" if tp > 1 else "rank"
     spread = f"{len(groups)} {unit}(s) over {len(nodes)} node(s) ({spec.resources.placement})"
-    split = [g for g in groups if len({node_of(r) for r in g}) > 1]
+    split = split_tp_groups(tp, world_size, node_of)
     if tp == 1:
         return f"; {spread}"
     if not split:
         return f"; each TP group on one node, {spread}"
     return f"; WARNING: TP group(s) {split} span nodes, {spread}"
+
+
+def split_tp_groups(tp: int, world_size: int, node_of) -> list[list[int]]:
+    """The TP groups whose ranks run on more than one node (`node_of(rank)`, the worker group's;
+    None, a rank without an actor or not yet heard from, counts as no node)."""
+    groups = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+    return [g for g in groups if len({node_of(r) for r in g} - {None}) > 1]
 
 
 @dataclass(frozen=True)
@@ -118,3 +125,69 @@ def choose_seats(ranks: list[int], own: dict[int, int], free: list[int], on_lost
             seats[rank] = rank if mine is None else mine
             waiting.append(rank)
     return SeatChoice(seats, waiting, [rank for rank in waiting if seats[rank] in on_draining])
+
+
+@dataclass(frozen=True)
+class SpareChoice:
+    """Which ready spare takes which lost rank (`assign_spares`)."""
+
+    seats: dict[int, int]  # rank -> the seat of the spare that plays it from now on
+    moved: list[int]  # live ranks whose TP group moved whole onto spares: they become spares in their seats
+    left: list[int]  # ranks no spare was given to (a new actor in their own seat, beside their group, or none)
+
+
+def assign_spares(ranks: list[int], tp: int, live_node: dict[int, str | None],
+                  ready: list[tuple[int, str | None]]) -> SpareChoice:
+    """Ready spares for the lost `ranks`, never splitting a TP group over two nodes (pure).
+
+    `live_node`: rank -> node of every rank that keeps its process; `ready`: (seat, node) of the
+    live, warm spares in seat order. Per TP group (ranks r // tp), in rank order, the first that
+    applies:
+      1. its lost ranks take spares on the node of its live ranks, when that node has enough;
+      2. the whole group takes spares on one node and its live ranks are `moved`: they give up
+         their ranks and become spares in their own seats (every rank of a new generation rebuilds
+         its engine and loads its state, so which process plays a rank costs nothing, and the
+         spare count stays the same);
+      3. its lost ranks take what spares its live ranks' node has, and the rest are `left` for new
+         actors in their own seats (beside the group): a cold start of seconds, rather than a
+         group whose every layer's all-reduce crosses nodes, which slows every step of the job
+         until the next membership change.
+    With tp = 1 every group is one rank and any ready spare will do."""
+    by_node: dict[str | None, list[int]] = {}
+    for seat, node in ready:
+        by_node.setdefault(node, []).append(seat)
+    seats: dict[int, int] = {}
+    moved: list[int] = []
+    left: list[int] = []
+    for start in sorted({rank - rank % tp for rank in ranks}):
+        group = range(start, start + tp)
+        lost = [rank for rank in group if rank in ranks]
+        live = [rank for rank in group if rank not in ranks and rank in live_node]
+        home = by_node.get(live_node[live[0]], []) if live and live_node[live[0]] is not None else []
+        whole = [*lost, *live]
+        roomy = next((free for free in by_node.values() if len(free) >= len(whole)), [])
+        if len(home) >= len(lost):
+            taking, spares = lost, home
+        elif roomy:
+            taking, spares = whole, roomy
+            moved += live
+        else:
+            taking, spares = lost[:len(home)], home
+            left += lost[len(home):]
+        seats.update((rank, spares.pop(0)) for rank in taking)
+    return SpareChoice(seats, moved, left)
+
+
+def tp_runs_by_node(ranks: list[int], tp: int, node_of) -> list[int]:
+    """`ranks` reordered so that each run of tp consecutive ones (a TP group once renumbered) shares
+    a node where it can: every node's ranks in whole runs of tp first, then the ones left over,
+    which are the first dropped when the list is cut short (pure; `node_of(rank)`)."""
+    by_node: dict[str | None, list[int]] = {}
+    for rank in ranks:
+        by_node.setdefault(node_of(rank), []).append(rank)
+    runs, leftover = [], []
+    for members in by_node.values():
+        cut = len(members) - len(members) % tp
+        runs += members[:cut]
+        leftover += members[cut:]
+    return runs + leftover

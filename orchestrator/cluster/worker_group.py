@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -27,6 +27,7 @@ from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.new_actors import RANK_GONE, pings_within
 from orchestrator.cluster.placement import SeatChoice, choose_seats, plan_placement
 from orchestrator.cluster.ray_cluster import alive_node_resources
+from orchestrator.cluster.spare_seats import SpareSeats
 from orchestrator.rank.actor import RankActor
 from orchestrator.wire.auth import StoreAddress
 
@@ -42,7 +43,7 @@ class RankOutcome:
     info: dict
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(SpareSeats):
     """Rank actors and warm spares, each pinned to one seat of the job's placement group.
 
     A seat is one rank's share of a bundle (a TP group's bundle has tp seats). `actors[rank]`
@@ -148,93 +149,9 @@ class RayWorkerGroup:
         self.drop_spares_on({node})
         return ranks
 
-    def drop_spares_on(self, nodes: set[str]) -> int:
-        """Kill the spares on `nodes` (lost, or draining: a rank promoted there would have to move
-        again), those still warming up too (by their seat's bundle: their own node is known only
-        once warm); their seats are free. Returns how many."""
-        seats = set(self._bundles_on(nodes))
-        gone = [seat for seat, (actor, _) in self.spares.items()
-                if seat in seats or self.node_of_actor.get(actor._actor_id.hex()) in nodes]
-        for seat in gone:
-            ray.kill(self.spares.pop(seat)[0], no_restart=True)
-        return len(gone)
-
-    def spares_on(self, node: str) -> int:
-        """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""
-        return sum(self.node_of_actor.get(actor._actor_id.hex()) == node for actor, _ in self.spares.values())
-
     def nodes_in_use(self) -> set[str]:
         """The nodes known to hold a rank or a spare, lost ones aside."""
         return {self.node_of_actor.get(actor_id) for actor_id in self.live_actors()} - self.lost_nodes - {None}
-
-    def start_spares(self) -> list[int]:
-        """Start a spare in every free seat (no waiting: each warms up on its own); returns the seats."""
-        free = self.free_bundles()
-        for bundle in free:
-            actor = self._new_actor(bundle)
-            self.spares[bundle] = (actor, actor.warm_up.remote())
-        return free
-
-    def spare_seats(self) -> list[int]:
-        """Seats holding a spare, warm or still warming up."""
-        return sorted(self.spares)
-
-    def ready_spares(self) -> list[int]:
-        """Bundles whose spare has started and warmed up (non-blocking)."""
-        ready = []
-        for bundle, (_, ping) in list(self.spares.items()):
-            done, _ = ray.wait([ping], timeout=0)
-            if not done:
-                continue
-            try:
-                self._remember_node(self.spares[bundle][0], ray.get(ping))
-            except RayError:  # died while idle, or its warm-up raised (a device error): its bundle is free again
-                ray.kill(self.spares.pop(bundle)[0], no_restart=True)
-                continue
-            if self.node_of_actor.get(self.spares[bundle][0]._actor_id.hex()) in self.lost_nodes:
-                ray.kill(self.spares.pop(bundle)[0], no_restart=True)
-                continue
-            ready.append(bundle)
-        return ready
-
-    def await_spares(self, seats: list[int], count: int, timeout_s: float) -> None:
-        """Block until `count` of the spares in `seats` have finished warming up (or died), or
-        `timeout_s` has passed; `promote_spares` then takes the ready ones."""
-        refs = [self.spares[seat][1] for seat in seats if seat in self.spares]
-        if refs and timeout_s > 0:
-            interruptible.wait(refs, min(count, len(refs)), timeout_s, self.interrupted)
-
-    def live_ready_spares(self, timeout_s: float = 2.0) -> list[int]:
-        """`ready_spares`, each asked once more whether it is alive: a spare that warmed up and then
-        died idle (Ray's memory monitor, a crash, its node lost) still shows its warm-up answer, which
-        Ray keeps. One round trip for all; a spare that does not answer in `timeout_s` is left out this
-        time (a loaded machine's slow answer is no proof; one that died is dropped)."""
-        ready = self.ready_spares()
-        pings = {self.spares[bundle][0].ping.remote(): bundle for bundle in ready}
-        answered, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted) if pings else ([], [])
-        alive = []
-        for ref in answered:
-            try:
-                ray.get(ref)
-                alive.append(pings[ref])
-            except RayError:  # died while idle; its bundle is free again
-                ray.kill(self.spares.pop(pings[ref])[0], no_restart=True)
-        return sorted(alive)
-
-    def promote_spares(self, ranks: list[int]) -> list[int]:
-        """Give ready spares (alive now) to `ranks`; returns the ranks no spare was ready for."""
-        # In seat order: a bundle's seats are consecutive and so are a TP group's ranks, so
-        # consecutive new ranks fill one bundle (one node) before the next.
-        ready = self.live_ready_spares()
-        left = []
-        for rank in ranks:
-            if not ready:
-                left.append(rank)
-                continue
-            bundle = ready.pop(0)
-            actor, _ = self.spares.pop(bundle)
-            self.actors[rank], self.bundle_of[rank] = actor, bundle
-        return left
 
     def stranded(self, ranks: list[int], draining: set[str]) -> list[int]:
         """Of `ranks` about to get new actors, those `replace_cold` could seat only on a node
@@ -273,14 +190,8 @@ class RayWorkerGroup:
         for new, old in enumerate(keep):
             actors[new], bundles[new] = self.actors[old], self.bundle_of[old]
         for old in set(self.actors) - set(keep):
-            self.spares[self.bundle_of[old]] = (self.actors[old], self.actors[old].warm_up.remote())
+            self.keep_as_spare(self.bundle_of[old], self.actors[old])
         self.actors, self.bundle_of = actors, bundles
-
-    def grow(self, world_size: int) -> list[int]:
-        """Promote ready spares to ranks len(actors)..world_size-1; returns the new ranks."""
-        new = list(range(len(self.actors), world_size))
-        missing = self.promote_spares(new)
-        return [r for r in new if r not in missing]
 
     def _call_all(self, method: str, args_of, timeout_s: float) -> list:
         refs = [getattr(self.actors[r], method).remote(*args_of(r)) for r in sorted(self.actors)]

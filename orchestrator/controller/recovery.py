@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from orchestrator.cluster import node_probe
+from orchestrator.cluster.placement import SpareChoice, split_tp_groups, tp_runs_by_node
 from orchestrator.controller.errors import collapse
 from orchestrator.controller.policies import ScalingPolicy
 from orchestrator.controller.spare_pool import SparePool
@@ -122,8 +123,8 @@ class Recovery:
         if draining and self.workers.drop_spares_on(draining):  # a rank promoted there would move again
             self.log(f"spares on draining node(s) {', '.join(sorted(n[:12] for n in draining))} dropped")
         self.spares.watch(settled=False)  # a spare that just finished warming is said warm before it takes over
-        cold = self.workers.promote_spares(lost)
-        words = [f"rank(s) {sorted(set(lost) - set(cold))} taken over by warm spares"] if len(cold) < len(lost) else []
+        promoted = self.workers.promote_spares(lost)
+        cold, words = promoted.left, self._promotion_words(promoted, "warm spares")
         timeout_s = self.spec.elastic.replace_timeout_s
         if cold:
             cold = self._await_warming_spares(cold, timeout_s, words)
@@ -144,6 +145,9 @@ class Recovery:
             dp = new_dp
         if self.spares.target or dp < self.spec.parallel.dp:
             self.spares.refill_later(f"rank(s) {sorted(lost)} replaced")
+        split = split_tp_groups(self.spec.parallel.tp, len(self.workers.actors), self.workers.node_of)
+        if split:  # a new actor in a free seat elsewhere (its own on a lost node), or a shrink's gap-fill
+            words.append(f"WARNING: TP group(s) {split} span nodes (their all-reduces cross the network)")
         return Membership(dp, "; ".join(words) or f"dp stays {dp}")
 
     def _stranded(self, cold: list[int], draining: set[str], words: list[str]) -> list[int]:
@@ -171,11 +175,19 @@ class Recovery:
         started = time.monotonic()
         self.workers.await_spares(sorted(self.spares.warming), len(cold), wait_s)
         self.spares.watch(settled=False)
-        left = self.workers.promote_spares(cold)
-        if len(left) < len(cold):
-            words.append(f"rank(s) {sorted(set(cold) - set(left))} taken over by a spare that finished warming "
-                         f"up {time.monotonic() - started:.1f} s into the recovery")
-        return left
+        promoted = self.workers.promote_spares(cold)
+        words += self._promotion_words(promoted, f"a spare that finished warming up {time.monotonic() - started:.1f} s "
+                                                 "into the recovery")
+        return promoted.left
+
+    @staticmethod
+    def _promotion_words(promoted: SpareChoice, by: str) -> list[str]:
+        lost = sorted(set(promoted.seats) - set(promoted.moved))
+        words = [f"rank(s) {lost} taken over by {by}"] if lost else []
+        if promoted.moved:  # their node had too few spares for the lost ranks: the whole TP group moved
+            words.append(f"live rank(s) {promoted.moved} moved with them to keep their TP group on one node "
+                         "(their processes are spares now)")
+        return words
 
     def ranks_to_keep(self, alive: list[int], new_dp: int, dp: int) -> list[int]:
         """The `new_dp` x tp x pp live ranks that form the smaller job, in their new rank order.
@@ -183,12 +195,13 @@ class Recovery:
         Whole model-parallel groups (the tp x pp ranks of one dp replica; under HSDP the
         dp / dp_replicate such groups of one replica, consecutive ranks) come first, so that TP
         groups and HSDP shard groups stay on the nodes they were placed on; gaps are filled with
-        other live ranks."""
+        other live ranks, a TP group's worth from one node at a time where they can (a group that
+        spans nodes would slow every step)."""
         group = self.model_parallel()
         unit = group * self.spec.parallel.dp_unit
         whole = [r for start in range(0, dp * group, unit)
                  if all(m in alive for m in range(start, start + unit)) for r in range(start, start + unit)]
-        rest = [r for r in alive if r not in whole]
+        rest = tp_runs_by_node([r for r in alive if r not in whole], self.spec.parallel.tp, self.workers.node_of)
         return (whole + rest)[:new_dp * group]
 
     def grow_to(self, dp: int, world_size: int) -> tuple[int, int] | None:
@@ -201,7 +214,7 @@ class Recovery:
             self.spares.refill(f"at a commit, seat(s) free again (dp {dp})")
         if dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
             return None
-        ready = len(self.workers.live_ready_spares())  # a grow stops the generation: count only live ones
+        ready = self.workers.promotable_spares()  # live ones (a grow stops the generation), whole TP groups
         new_dp = self.scaling_policy.best_dp(world_size + ready)
         if new_dp is None or new_dp <= dp:
             return None

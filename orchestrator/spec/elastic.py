@@ -20,7 +20,8 @@ class ElasticConfig(SpecSection):
     # Spares are refilled in the background when one takes over (orchestrator.cluster.capacity).
     spares: int | Literal["auto"] = Field(
         "auto", description="warm standby ranks that take over a lost rank's seat; auto: one spare TP group (tp "
-                            "seats) when the cluster has room for it, else none; 0: none")
+                            "seats) when the cluster has room for it, else none; 0: none. With tp > 1 give "
+                            "whole TP groups: a spare never joins a TP group on another node")
     max_restarts: int = Field(10, ge=0, description="recoveries the job may make before it fails")
     replace_timeout_s: float = Field(60.0, ge=0.0, description="how long a lost rank's replacement may take to "
                                      "start before dp shrinks instead")

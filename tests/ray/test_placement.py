@@ -8,6 +8,7 @@ refused before anything is reserved, naming `parallel.tp` (never an endless wait
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 import pytest
@@ -62,7 +63,7 @@ def _kill(ray, actor) -> None:
 
 
 @contextlib.contextmanager
-def _worker_group(ray_cluster: str, name: str):
+def _worker_group(ray_cluster: str, name: str, overrides: tuple[str, ...] = ()):
     """(ray, a RayWorkerGroup of the demo job) connected to the test cluster; shut down after."""
     import ray
 
@@ -70,7 +71,7 @@ def _worker_group(ray_cluster: str, name: str):
     from orchestrator.spec.job_spec import load_spec
     from tests.ray.jobs import BASE, ROOT
 
-    spec = load_spec(str(ROOT / "examples/demo.yaml"), [*BASE, f"checkpoint.url=memory://{name}"])
+    spec = load_spec(str(ROOT / "examples/demo.yaml"), [*BASE, f"checkpoint.url=memory://{name}", *overrides])
     ray.init(address=ray_cluster, logging_level="ERROR")
     workers = RayWorkerGroup(spec)
     try:
@@ -110,7 +111,7 @@ def test_a_warm_spare_that_died_idle_is_not_promoted(ray_cluster):
         _kill(ray, workers.spares[first][0])
         assert workers.ready_spares() == [first, second]  # the stale answer: still "warm"
         assert workers.live_ready_spares() == [second]
-        assert workers.promote_spares([5]) == [] and workers.bundle_of[5] == second
+        assert workers.promote_spares([5]).left == [] and workers.bundle_of[5] == second
 
 
 def test_a_cold_replacement_keeps_its_own_seat_beside_its_tp_group(ray_cluster):
@@ -122,3 +123,42 @@ def test_a_cold_replacement_keeps_its_own_seat_beside_its_tp_group(ray_cluster):
         assert workers.free_bundles() == [2]
         assert workers.replace_cold([1], timeout_s=120) == []
         assert workers.bundle_of[1] == 1  # its own healthy seat, not the free one
+
+
+def test_a_tp_group_whose_node_has_no_spare_moves_whole_onto_the_spare_group_s_node(ray_cluster):
+    # Three nodes of two slots: TP groups {0, 1} and {2, 3} and the spare group, one node each. Rank 1
+    # dies; a spare on another node would split its group (every layer's all-reduce across nodes), so
+    # the group moves to the spares' node and rank 0's process becomes the spare of its seat.
+    with _worker_group(ray_cluster, "tp-move", ("parallel.dp=2", "parallel.tp=2", "train.micro_batch=4",
+                                                "resources.placement=spread")) as (ray, workers):
+        workers.place(4, spares=2)
+        workers.ensure_actors([0, 1, 2, 3])
+        workers.ping_all(timeout_s=120)
+        workers.start_spares()
+        deadline = time.monotonic() + 120
+        while len(workers.ready_spares()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivor, spare_node = workers.actors[0], workers.spare_node(4)
+        assert spare_node not in {workers.node_of(0), workers.node_of(2)}
+        _kill(ray, workers.actors[1])
+        workers.kill(1)
+        choice = workers.promote_spares([1])
+        assert choice.moved == [0] and choice.left == [] and sorted(choice.seats.values()) == [4, 5]
+        assert workers.node_of(0) == workers.node_of(1) == spare_node
+        assert workers.spares[0][0]._actor_id == survivor._actor_id and workers.free_bundles() == [1]
+        deadline = time.monotonic() + 60
+        while workers.ready_spares() != [0] and time.monotonic() < deadline:  # warm already: a ping
+            time.sleep(0.1)
+        assert workers.ready_spares() == [0]
+
+
+def test_a_job_whose_rank_dies_keeps_its_tp_group_on_one_node(ray_cluster, tmp_path):
+    # The same three groups of seats as above, in a whole job: rank 1 is killed at step 6, its group
+    # moves onto the spares' node, and the job ends as the failure-free run would.
+    proc, report = run_job(ray_cluster, tmp_path, "placemove", [
+        "train.steps=12", "checkpoint.every_steps=4", "parallel.dp=2", "parallel.tp=2", "train.micro_batch=4",
+        "resources.placement=spread", "elastic.spares=2", "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 6}]"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "live rank(s) [0] moved with them to keep their TP group on one node" in proc.stdout, proc.stdout[-3000:]
+    assert "span nodes" not in proc.stdout
+    assert json.loads(report.read_text())["final_step"] == 12

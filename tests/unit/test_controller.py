@@ -19,7 +19,7 @@ from ckpt.shards import write_shard
 from ckpt.staging import staging_env
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
-from orchestrator.cluster.placement import tp_locality
+from orchestrator.cluster.placement import SpareChoice, tp_locality
 from orchestrator.cluster.worker_group import PlacementError, RankOutcome, RayWorkerGroup
 from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.machine import Controller
@@ -96,13 +96,17 @@ class FakeWorkerGroup:
         return list(range(len(self.spares)))
 
     def promote_spares(self, ranks):
-        left = []
+        seats, left = {}, []
         for r in ranks:
             if self.spares and self.n_spares:
                 self.actors[r] = self.spares.pop()
+                seats[r] = len(self.spares)
             else:
                 left.append(r)
-        return left
+        return SpareChoice(seats, [], left)
+
+    def promotable_spares(self):
+        return len(self.live_ready_spares())
 
     def await_spares(self, seats, count, timeout_s):
         pass  # every spare here is warm as soon as it is started

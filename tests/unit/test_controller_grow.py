@@ -5,6 +5,7 @@ a rank lost while the generation stops to grow, or a spare lost before its promo
 from __future__ import annotations
 
 from ckpt.storage import Storage
+from orchestrator.cluster.placement import SpareChoice
 from orchestrator.cluster.worker_group import RankOutcome
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
@@ -71,13 +72,14 @@ class DiesWhileStoppingToGrow(FakeWorkerGroup):
         return super().wait_any(timeout_s)
 
     def promote_spares(self, ranks):  # the spares the grow counted on are warm: one takes the hole
-        left = []
+        seats, left = {}, []
         for r in ranks:
             if self.spares:
                 self.actors[r] = self.spares.pop()
+                seats[r] = len(self.spares)
             else:
                 left.append(r)
-        return left
+        return SpareChoice(seats, [], left)
 
 
 def test_a_rank_lost_while_stopping_to_grow_is_replaced_first_and_the_grow_waits(tmp_path, rendezvous):

@@ -7,7 +7,7 @@ import types
 
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from orchestrator.cluster import worker_group
+from orchestrator.cluster import spare_seats, worker_group
 from orchestrator.cluster.worker_group import RayWorkerGroup
 
 
@@ -33,6 +33,7 @@ def _group(monkeypatch, spares: dict) -> tuple[RayWorkerGroup, list]:
     fake = types.SimpleNamespace(wait=lambda refs, num_returns=1, timeout=None: (list(refs), []), get=get,
                                  kill=lambda actor, no_restart=True: killed.append(actor))
     monkeypatch.setattr(worker_group, "ray", fake)
+    monkeypatch.setattr(spare_seats, "ray", fake)
     monkeypatch.setattr(worker_group.interruptible, "ray", fake)
     group = RayWorkerGroup.__new__(RayWorkerGroup)
     group.spares, group.node_of_actor, group.lost_nodes, group.pg = spares, {}, set(), None

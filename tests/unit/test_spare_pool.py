@@ -9,7 +9,7 @@ import pytest
 
 from monitor.metrics import JobMetrics
 from orchestrator.cluster.capacity import capacity_problems, node_problems, resolve_spares, slots
-from orchestrator.cluster.placement import choose_seats
+from orchestrator.cluster.placement import SpareChoice, choose_seats
 from orchestrator.controller.policies import ScalingPolicy
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.spare_pool import SparePool
@@ -88,6 +88,9 @@ class SeatWorkers:
         self.warms_while_awaited = False  # does a spare still warming finish during an await?
         self.cold: list[int] = []  # ranks given new actors
 
+    def node_of(self, rank: int) -> str:
+        return "n1"  # one node: a shrink's renumbering keeps the ranks' order
+
     def free_seats(self) -> list[int]:
         used = set(self.bundle_of.values()) | set(self.spares) | self.lost_seats
         return [seat for seat in range(self.seats) if seat not in used]
@@ -113,16 +116,19 @@ class SeatWorkers:
             del self.spares[seat]
         return len(gone)
 
-    def promote_spares(self, ranks: list[int]) -> list[int]:
-        ready, left = self.ready_spares(), []
+    def promote_spares(self, ranks: list[int]) -> SpareChoice:
+        ready, seats, left = self.ready_spares(), {}, []
         for rank in ranks:
             if not ready:
                 left.append(rank)
                 continue
-            seat = ready.pop(0)
+            seat = seats[rank] = ready.pop(0)
             del self.spares[seat]
             self.actors[rank] = self.bundle_of[rank] = seat
-        return left
+        return SpareChoice(seats, [], left)
+
+    def promotable_spares(self) -> int:
+        return len(self.live_ready_spares())
 
     def await_spares(self, seats: list[int], count: int, timeout_s: float) -> None:
         self.awaited.append((seats, count, timeout_s))
