@@ -13,7 +13,11 @@ Protocol (in one process; thread-safe):
     holder answers from whichever copy it has.
   * `prune` after each arrival bounds what is kept: per owner (the rank in the file name) the
     newest `PER_OWNER` snapshots, the newest complete one and the one being built.
-  * `keep_only(files)` when a generation restores: what it restores from stays, the rest goes.
+  * `keep_only(files, gen)` when generation `gen` restores: what it restores from stays, the rest
+    goes, and from then on a shard of an earlier generation is refused (`note_written` and `put`
+    name theirs): a save left to finish on its own thread when its rank left (the rank loop's
+    abort settle) lands late, and would otherwise sit in one of its owner's `PER_OWNER` places,
+    at a step the new generation redoes, pushing out that generation's newest complete snapshot.
 """
 
 from __future__ import annotations
@@ -39,23 +43,31 @@ class HeldShards:
         self.storage = Storage(f"memory://undying-held/{job}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # relative path -> bytes
+        self.gen = -1  # the newest generation that restored here: shards of older ones are stale
 
     def path(self, relpath: str) -> str:
         return self.storage.path(relpath)
 
-    def note_written(self, relpath: str) -> None:
-        """The rank's own writer finished `relpath` (written through `storage`)."""
-        size = self.storage.fs.info(self.path(relpath))["size"]
-        with self._lock:
-            self._files[relpath] = size
-        self.prune()
+    def note_written(self, relpath: str, gen: int) -> bool:
+        """The rank's own writer of generation `gen` finished `relpath` (written through `storage`);
+        False when that generation is over here: the file is dropped."""
+        return self._hold(relpath, self.storage.fs.info(self.path(relpath))["size"], gen)
 
-    def put(self, relpath: str, data: bytes) -> None:
-        """Keep a buddy's copy of `relpath`."""
+    def put(self, relpath: str, data: bytes, gen: int) -> bool:
+        """Keep a buddy's copy of `relpath`, taken in generation `gen`; False when that generation is over here."""
         self.storage.write_immutable(self.path(relpath), data)
-        with self._lock:
-            self._files[relpath] = len(data)
+        return self._hold(relpath, len(data), gen)
+
+    def _hold(self, relpath: str, size: int, gen: int) -> bool:
+        with self._lock:  # the same lock as keep_only's generation: a late file is either listed there or refused here
+            stale = gen < self.gen
+            if not stale:
+                self._files[relpath] = size
+        if stale:
+            self._drop([relpath])
+            return False
         self.prune()
+        return True
 
     def has(self, relpath: str) -> bool:
         with self._lock:
@@ -86,8 +98,10 @@ class HeldShards:
         keep = {(step, owner) for owner, steps in by_owner.items() for step in sorted(steps)[-PER_OWNER:]}
         self._drop(r for r in self.files() if _step_and_owner(r) not in keep)
 
-    def keep_only(self, files: Iterable[str]) -> None:
+    def keep_only(self, files: Iterable[str], gen: int) -> None:
         keep = set(files)
+        with self._lock:
+            self.gen = max(self.gen, gen)
         self._drop(r for r in self.files() if r not in keep)
 
     def _drop(self, relpaths: Iterable[str]) -> None:

@@ -169,10 +169,10 @@ class RankActor:
             )
         return time.perf_counter() - started
 
-    def hold_copy(self, relpath: str, data: bytes) -> bool:
-        """Keep a buddy's memory snapshot shard (called by the owner's snapshot writer thread)."""
-        self.held.put(relpath, data)
-        return True
+    def hold_copy(self, relpath: str, data: bytes, gen: int) -> bool:
+        """Keep a buddy's memory snapshot shard of generation `gen` (called by the owner's snapshot
+        writer thread); False when this process already restored a later generation."""
+        return self.held.put(relpath, data, gen)
 
     def read_held(self, relpath: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a held snapshot shard, for a rank restoring from memory."""
@@ -196,7 +196,7 @@ class RankActor:
         with self.restores.turn(ticket):  # and this one waits for it to give up: one engine at a time
             started, read_before = time.perf_counter(), durable_bytes_read()
             # Only the snapshot being restored stays held (peers may be reading it); older ones go.
-            self.held.keep_only(source.files if source is not None else [])
+            self.held.keep_only(source.files if source is not None else [], self.gen)
             self._drop_engine()  # drop the previous generation's engine before measuring the baseline
             device = torch_device(self.spec)
             self.baseline_bytes = current_bytes(device)
@@ -258,7 +258,7 @@ class RankActor:
         snapshots = None
         if self.spec.checkpoint.memory.enabled:
             store = self.snapshot_store
-            snapshots = lambda tag: MemorySnapshots(self.held, self.rank, tag, buddy, store.send)  # noqa: E731
+            snapshots = lambda tag: MemorySnapshots(self.held, self.rank, self.gen, tag, buddy, store.send)  # noqa: E731
         loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
                         baseline_bytes=self.baseline_bytes, writer_store=self.writer_store, snapshots=snapshots)
         # One event per generation: a watcher still in a store round trip when its generation ends

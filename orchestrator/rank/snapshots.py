@@ -66,8 +66,8 @@ class MemorySnapshots:
     """One generation's memory snapshots of one rank (training thread: `take`; the rank loop flushes
     `writer` with its storage writer, ckpt.writers.flush_within)."""
 
-    def __init__(self, held: HeldShards, rank: int, tag: str, buddy, push):
-        self.held, self.rank, self.buddy, self.push = held, rank, buddy, push
+    def __init__(self, held: HeldShards, rank: int, gen: int, tag: str, buddy, push):
+        self.held, self.rank, self.gen, self.buddy, self.push = held, rank, gen, buddy, push
         me = ray.get_runtime_context().get_actor_id()
         self.holders = [me] if buddy is None else [me, actor_id(buddy)]
         self.writer = ShardWriter(held.storage, rank, self._held, self._failed, async_save=True, tag=tag)
@@ -79,9 +79,12 @@ class MemorySnapshots:
     def _held(self, receipt: ShardReceipt, extra: dict) -> None:
         """Writer thread: the shard is in this process; copy it to the buddy, then report."""
         relpath = f"{step_dir(receipt.step)}/{receipt.file}"
-        self.held.note_written(relpath)
+        if not self.held.note_written(relpath, self.gen):
+            return  # this rank restored a later generation meanwhile: the snapshot can never complete
         if self.buddy is not None:
-            ray.get(self.buddy.hold_copy.remote(relpath, self.held.read(relpath)), timeout=BUDDY_TIMEOUT_S)
+            copy = self.buddy.hold_copy.remote(relpath, self.held.read(relpath), self.gen)
+            if not ray.get(copy, timeout=BUDDY_TIMEOUT_S):
+                return  # the buddy restored a later generation: the same
         held_bytes = self.held.nbytes() + self.writer.staging.nbytes
         self.push(SnapshotHeld(receipt, list(self.holders), dict(extra, held_bytes=held_bytes)))
 

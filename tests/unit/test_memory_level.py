@@ -62,9 +62,9 @@ def _snapshot(step: int = 12):
         receipt = write_slices(helds[rank].storage, step, rank, slices_to_write(slices), 0.0,
                                held=[s.with_tensor(None) for s in slices], tag="t")
         relpath = f"{step_dir(step)}/{receipt.file}"
-        helds[rank].note_written(relpath)
+        helds[rank].note_written(relpath, 0)
         buddy = (rank + 1) % WORLD
-        helds[buddy].put(relpath, helds[rank].read(relpath))
+        helds[buddy].put(relpath, helds[rank].read(relpath), 0)
         receipts.append(receipt)
         holders[receipt.file] = [rank, buddy]
     manifest = Manifest(job="job", step=step, generation=0, layout={}, spec_hash="h", created_at=0.0,
@@ -109,12 +109,28 @@ def test_held_shards_keep_two_snapshots_per_owner_and_keep_only_what_a_restore_n
     held = HeldShards("job")
     for step in (3, 6, 9):
         for owner in (0, 1):
-            held.put(f"{step_dir(step)}/shard-t-r{owner:05d}.bin", b"x" * (step + owner))
+            held.put(f"{step_dir(step)}/shard-t-r{owner:05d}.bin", b"x" * (step + owner), 0)
     assert held.files() == sorted(f"{step_dir(s)}/shard-t-r{o:05d}.bin" for s in (6, 9) for o in (0, 1))
     assert held.nbytes() == 6 + 7 + 9 + 10
-    held.keep_only([f"{step_dir(9)}/shard-t-r00001.bin"])
+    held.keep_only([f"{step_dir(9)}/shard-t-r00001.bin"], 1)
     assert held.files() == [f"{step_dir(9)}/shard-t-r00001.bin"]
     assert held.read_range(f"{step_dir(9)}/shard-t-r00001.bin", 2, 5) == b"xxx"
+
+
+def test_a_late_shard_of_a_generation_that_ended_is_refused_and_evicts_nothing():
+    """A save left to finish when its rank left lands after the next generation restored: it is
+    dropped, so its owner's places hold that generation's snapshots (the newest complete one too)."""
+    held, restored = HeldShards("job"), f"{step_dir(9)}/shard-g0-r00001.bin"
+    held.put(restored, b"r" * 4, 0)
+    held.keep_only([restored], 1)  # generation 1 restores step 9
+    held.put(f"{step_dir(12)}/shard-g1-r00001.bin", b"n" * 4, 1)  # its first snapshot, complete
+    assert not held.put(f"{step_dir(15)}/shard-g0-r00001.bin", b"s" * 4, 0)  # the late buddy copy
+    late = f"{step_dir(15)}/shard-g0-r00000.bin"
+    with held.storage.atomic_writer(held.path(late)) as out:  # the late own write, through the storage
+        out.write(b"s" * 4)
+    assert not held.note_written(late, 0) and not held.storage.exists(held.path(late))
+    assert held.put(f"{step_dir(14)}/shard-g1-r00001.bin", b"b" * 4, 1)  # being built: step 12 must stay
+    assert held.files() == [f"{step_dir(s)}/shard-g1-r00001.bin" for s in (12, 14)]
 
 
 def test_a_long_lived_rank_s_memory_filesystem_holds_only_what_it_keeps():
@@ -128,9 +144,9 @@ def test_a_long_lived_rank_s_memory_filesystem_holds_only_what_it_keeps():
             if owner == 0:  # the rank's own writer, through the storage, then noted
                 with held.storage.atomic_writer(held.path(relpath)) as out:
                     out.write(b"x" * 4)
-                held.note_written(relpath)
+                held.note_written(relpath, 0)
             else:  # a buddy's copy
-                held.put(relpath, b"y" * 4)
+                held.put(relpath, b"y" * 4, 0)
     fs = held.storage.fs
     root = fs._strip_protocol(held.storage.root)
     directories = [d for d in fs.pseudo_dirs if d.startswith(root)]
