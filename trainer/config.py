@@ -96,6 +96,12 @@ class ModelConfig(_Strict):
     d_model: int | None = Field(None, gt=0, description="hidden width")
     d_ff: int | None = Field(None, gt=0, description="MLP width; unset: 4 * d_model")
     max_seq_len: int | None = Field(None, gt=0, description="longest sequence the positions cover; unset: 2048")
+    # What transformers' generate() and vLLM read as the longest input: a fine-tune at a shorter
+    # context must not export a model that claims only that context.
+    max_position_embeddings: int | None = Field(
+        None, gt=0, description="context length an exported config.json declares (Hugging Face's "
+                                "max_position_embeddings), at least max_seq_len; unset: the preset's or from_hf's "
+                                "context, so training at a shorter max_seq_len keeps it, else max_seq_len")
     activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (swiglu: three matrices)")
     position: Literal["rope", "learned"] = Field("rope", description="rotary or learned absolute positions")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency")
@@ -138,6 +144,8 @@ class ModelConfig(_Strict):
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.max_seq_len is None:
             object.__setattr__(self, "max_seq_len", 2048)
+        declared = self.max_position_embeddings or (MODEL_PRESETS[self.preset].get("max_seq_len") if self.preset else 0)
+        object.__setattr__(self, "max_position_embeddings", max(declared or 0, self.max_seq_len))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_model % self.n_heads:

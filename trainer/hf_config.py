@@ -42,7 +42,7 @@ _ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_pos
 _REQUIRED_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA_DEFAULTS = {"max_seq_len": 2048, "norm_eps": 1e-6, "tie_embeddings": False}
 # Keys of `model:` that may differ from the weights' config without changing what the weights mean.
-OVERRIDABLE = {"max_seq_len", "dropout"}
+OVERRIDABLE = {"max_seq_len", "dropout", "max_position_embeddings"}
 
 
 def read_hf_config(url: str) -> dict[str, Any]:
@@ -142,7 +142,8 @@ def merge_hf_architecture(data: dict[str, Any]) -> dict[str, Any]:
         if key == "preset" or arch[key] != value:
             raise ValueError(f"model.{key}={value!r} contradicts the config.json of from_hf "
                              f"({arch.get(key, 'no preset')!r}); remove model.{key}")
-    return {**arch, **data}
+    # The weights' declared context outlives a shorter training context (ModelConfig keeps the longer).
+    return {**arch, "max_position_embeddings": arch["max_seq_len"], **{k: v for k, v in data.items() if v is not None}}
 
 
 def hf_config_of(model) -> dict[str, Any]:
@@ -157,6 +158,7 @@ def hf_config_of(model) -> dict[str, Any]:
     if model.rope_scaling is not None:
         rope = {**model.rope_scaling.model_dump(), "rope_theta": model.rope_theta}
     config = {key: getattr(model, field) for key, field in _FIELDS.items()}
+    config["max_position_embeddings"] = model.max_position_embeddings
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **config, "head_dim": model.head_dim,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,

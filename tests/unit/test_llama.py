@@ -174,3 +174,18 @@ def test_from_hf_is_read_as_an_absolute_url_and_a_malformed_config_is_a_spec_err
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_scaling": "llama3"}))
     with pytest.raises(ValueError, match=r"config key 'rope_scaling': 'llama3' is not a JSON object"):
         ModelConfig(from_hf="hf")
+
+
+def test_a_shorter_training_context_keeps_the_declared_one_in_the_export(tmp_path):
+    # generate() and vLLM read max_position_embeddings as the longest input: a fine-tune at a short
+    # max_seq_len exports the context the weights declared, a longer one the longer.
+    hf_model().config.save_pretrained(tmp_path)
+    declared = HF_KW["max_position_embeddings"]
+    short = ModelConfig(from_hf=str(tmp_path), max_seq_len=declared // 4)
+    assert short.max_seq_len == declared // 4 and hf_config_of(short)["max_position_embeddings"] == declared
+    longer = ModelConfig(from_hf=str(tmp_path), max_seq_len=declared * 2)
+    assert hf_config_of(longer)["max_position_embeddings"] == declared * 2
+    assert LlamaConfig(**hf_config_of(short)).max_position_embeddings == declared  # what transformers reads
+    assert ModelConfig(preset="llama3.1-8b", max_seq_len=4096).max_position_embeddings == 131072
+    assert ModelConfig(preset="tiny", max_seq_len=64, max_position_embeddings=512).max_position_embeddings == 512
+    assert ModelConfig(preset="tiny", max_seq_len=64, max_position_embeddings=32).max_position_embeddings == 64
