@@ -51,6 +51,17 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     return checkpoints, faults
 
 
+def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger):
+    """run_ps's `on_stats` (the supervisor's, every second on the driver's thread): the servers'
+    counters, and the goodput ledger's totals (nothing is carried into a parameter-server ledger:
+    whole from the start). Returns how many updates the call counted."""
+    def on_stats(stats) -> int:
+        counted = ps_metrics.on_server_stats(stats)
+        metrics.on_goodput(ledger)
+        return counted
+    return on_stats
+
+
 def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
     if timeline_path:
         print_problems([Problem("--timeline", "parameter-server jobs do not draw a timeline yet; leave it out")])
@@ -68,13 +79,10 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         metrics.on_checkpoint(commit.step, commit.nbytes, commit.total_s, commit.total_s, None)
         preemption.on_commit(commit)
 
-    def on_stats(stats) -> None:  # the supervisor's, every second on the driver's thread
-        ps_metrics.on_server_stats(stats)
-        metrics.on_goodput(ledger)  # nothing is carried into a parameter-server ledger: whole from the start
-
     checkpoints, faults = supervision(spec, on_commit=on_commit)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
+    on_stats = stats_feed(ps_metrics, metrics, ledger)
     restore_signals = lambda: None  # noqa: E731 (replaced once the signals are routed)
     try:
         checkpoints.owner = claim_root(spec)

@@ -277,9 +277,10 @@ def tp_checks(rank, world_size):
     """Comms of a TP forward + loss, and a TP'd pipeline-stage-shaped module against itself unsplit."""
     mesh = build_mesh(Topology(tp=world_size))
     ids = torch.randint(0, MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    comms, logits_local = {}, {}
+    comms, logits_local, salts = {}, {}, {}
     for sp in (False, True):
         model = apply_tensor_parallel(build_model(MODEL, seed=0), mesh["tp"], sp)
+        salts[sp] = {block.attn.head_salt for block in model.blocks}
         with CommDebugMode() as comm, loss_context(world_size):
             logits = model(ids)
             token_loss_sum(logits, ids)
@@ -311,7 +312,7 @@ def tp_checks(rank, world_size):
             with pytest.raises(ValueError) as refused:
                 call()
             refusals.append(str(refused.value))
-    return comms, logits_local, stage_errors, refusals, embedding_grads
+    return comms, logits_local, stage_errors, refusals, embedding_grads, (rank, salts)
 
 
 def embedding_grad(tp_mesh, ids, sequence_parallel):
@@ -329,7 +330,11 @@ def embedding_grad(tp_mesh, ids, sequence_parallel):
 
 
 def test_tensor_parallel_never_gathers_logits_splits_a_stage_and_refuses_whole_state():
-    for comms, logits_local, stage_errors, refusals, embedding_grads in run_ranks(tp_checks, 2, timeout_s=600):
+    for comms, logits_local, stage_errors, refusals, embedding_grads, (rank, salts) in run_ranks(tp_checks, 2,
+                                                                                                timeout_s=600):
+        # Without SP each rank's attention dropout is salted with its tp index (its heads are other
+        # heads than its peer's); with SP the ranks' generators already differ: no salt.
+        assert salts == {False: {rank}, True: {None}}
         # Whole-tensor state is refused where ranks hold pieces (TP shards, ZeRO-1 optimizer state).
         assert len(refusals) == 4 and all("use state_slices() / load_slices()" in r for r in refusals)
         # Without SP the forward's only collectives are all-reduces (embedding, row-parallel

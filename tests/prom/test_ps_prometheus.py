@@ -1,9 +1,10 @@
 """A parameter-server job's exporter scraped by a real Prometheus: the staleness histogram counts
-every update the servers applied, bucket by bucket, and the byte counters equal the servers' own;
-the families pass `promtool check metrics`. The driver feeds the exporter as `undying run` does
-(orchestrator/cli/ps_run.py: run_ps's on_stats, while the workers run) and keeps serving after
-the job, so Prometheus's last scrape sees the final counts. A local Ray and its actors take about
-half a minute on two cores: heavy."""
+every update the servers applied, bucket by bucket, the byte counters equal the servers' own, and
+the goodput ledger's productive time is exported while the job runs; the families pass `promtool
+check metrics`. The driver feeds the exporter as `undying run` does (orchestrator/cli/ps_run.py:
+`stats_feed`, run_ps's on_stats, while the workers run) and keeps serving after the job, so
+Prometheus's last scrape sees the final counts. A local Ray and its actors take about half a
+minute on two cores: heavy."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import time
 
 import pytest
 
+from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics
+from orchestrator.cli.ps_run import stats_feed
 from tests._ray_local import embedded_ray
 from tests.prom._promtool import lint, scrape
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -51,8 +54,10 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
     try:
         prom = start_prometheus([f"127.0.0.1:{port}"])
         fed: list[int] = []
+        ledger = GoodputLedger()
+        feed = stats_feed(ps_metrics, metrics, ledger)  # what `undying run` hands run_ps
         report = run_ps(MODEL, DataConfig(seq_len=16), TRAIN, PARALLEL, slow={0: 0.05}, stats_every_s=0.3,
-                        on_stats=lambda stats: fed.append(ps_metrics.on_server_stats(stats)))
+                        on_stats=lambda stats: fed.append(feed(stats)), ledger=ledger)
         ps_metrics.on_steps(report.steps)
         updates = len(report.records)
         assert updates == PARALLEL.dp * PARALLEL.servers * TRAIN.steps and sum(fed) == updates
@@ -67,6 +72,7 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         assert _wait_for(prom, f"sum(undying_ps_pushed_bytes_total{sel})", pushed) == pushed
         waits = PARALLEL.dp * TRAIN.steps
         assert _wait_for(prom, f"sum(undying_ps_pull_wait_seconds_count{sel})", waits) == waits
+        assert (prom.value(f"max_over_time(undying_productive_seconds{sel}[5m])") or 0) > 0  # published as it ran
         assert lint(scrape(f"http://127.0.0.1:{port}/metrics")) == ""
     finally:
         metrics.close()
