@@ -23,7 +23,8 @@ This module reads the stats by attribute (`server`, `version`, `bytes_in`, `byte
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 
 class _Record(Protocol):
     staleness: int
+    step: int
 
 
 class _Stats(Protocol):
@@ -113,3 +115,27 @@ class PSMetrics:
         histogram = self.pull_wait.labels(self.job, self.consistency)
         for log in logs:
             histogram.observe(log.pull_wait_s)
+
+
+class StepRate:
+    """Steps per second of a parameter-server job, from the servers' cumulative stats: the newest
+    applied update's step at each `on_stats` (the driver's poll), against the first one seen. Its
+    wall time includes the checkpoint saves, so `every_steps / rate` is the time between commits
+    (the no-commit alert's interval, as a collective job exports it). A rollback (the step goes
+    back) starts the count again."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.origin: tuple[float, int] | None = None  # (time, step) the rate is counted from
+        self.rate: float | None = None
+
+    def on_stats(self, stats: Iterable[_Stats]) -> float | None:
+        steps = [snapshot.records[-1].step for snapshot in stats if snapshot.records]
+        if not steps:
+            return self.rate
+        now, step = self.clock(), max(steps)
+        if self.origin is None or step < self.origin[1]:
+            self.origin = (now, step)
+        elif step > self.origin[1] and now > self.origin[0]:
+            self.rate = (step - self.origin[1]) / (now - self.origin[0])
+        return self.rate

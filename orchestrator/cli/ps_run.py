@@ -23,7 +23,7 @@ import sys
 
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
-from monitor.ps_metrics import PSMetrics
+from monitor.ps_metrics import PSMetrics, StepRate
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
 from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
@@ -51,13 +51,19 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     return checkpoints, faults
 
 
-def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger):
+def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger, every_steps: int | None):
     """run_ps's `on_stats` (the supervisor's, every second on the driver's thread): the servers'
-    counters, and the goodput ledger's totals (nothing is carried into a parameter-server ledger:
-    whole from the start). Returns how many updates the call counted."""
+    counters, the goodput ledger's totals (nothing is carried into a parameter-server ledger:
+    whole from the start) and, with checkpoints every `every_steps`, the interval between commits
+    at the measured step rate. Returns how many updates the call counted."""
+    rate = StepRate()
+
     def on_stats(stats) -> int:
         counted = ps_metrics.on_server_stats(stats)
         metrics.on_goodput(ledger)
+        steps_per_s = rate.on_stats(stats)
+        if every_steps and steps_per_s:
+            metrics.on_checkpoint_interval(every_steps / steps_per_s)
         return counted
     return on_stats
 
@@ -82,7 +88,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     checkpoints, faults = supervision(spec, on_commit=on_commit)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
-    on_stats = stats_feed(ps_metrics, metrics, ledger)
+    on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps)
     restore_signals = lambda: None  # noqa: E731 (replaced once the signals are routed)
     try:
         checkpoints.owner = claim_root(spec)

@@ -55,7 +55,7 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         prom = start_prometheus([f"127.0.0.1:{port}"])
         fed: list[int] = []
         ledger = GoodputLedger()
-        feed = stats_feed(ps_metrics, metrics, ledger)  # what `undying run` hands run_ps
+        feed = stats_feed(ps_metrics, metrics, ledger, every_steps=10)  # what `undying run` hands run_ps
         report = run_ps(MODEL, DataConfig(seq_len=16), TRAIN, PARALLEL, slow={0: 0.05}, stats_every_s=0.3,
                         on_stats=lambda stats: fed.append(feed(stats)), ledger=ledger)
         ps_metrics.on_steps(report.steps)
@@ -73,6 +73,7 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         waits = PARALLEL.dp * TRAIN.steps
         assert _wait_for(prom, f"sum(undying_ps_pull_wait_seconds_count{sel})", waits) == waits
         assert (prom.value(f"max_over_time(undying_productive_seconds{sel}[5m])") or 0) > 0  # published as it ran
+        assert (prom.value(f"undying_checkpoint_interval_seconds{sel}") or 0) > 0  # the no-commit alert's input
         assert lint(scrape(f"http://127.0.0.1:{port}/metrics")) == ""
     finally:
         metrics.close()

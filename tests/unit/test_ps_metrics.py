@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.metrics import JobMetrics
-from monitor.ps_metrics import PSMetrics
+from monitor.ps_metrics import PSMetrics, StepRate
 from paramserver.actors import ServerStats, StepLog
 from paramserver.clocks import UpdateRecord
 
@@ -87,3 +87,16 @@ def test_pull_waits_and_the_job_series_share_one_registry():
     assert samples["undying_ps_pull_wait_seconds_bucket", (*wait, ("le", "0.01"))] == 1
     assert samples["undying_ps_pull_wait_seconds_bucket", (*wait, ("le", "0.25"))] == 2
     assert ("undying_step_seconds_count", ()) in samples  # the collective job's families are served beside them
+
+
+def test_the_step_rate_gives_the_interval_between_commits_and_restarts_after_a_rollback():
+    now = [100.0]
+    rate = StepRate(clock=lambda: now[0])
+    assert rate.on_stats([ServerStats(0, 0, 0, 0, [])]) is None  # nothing applied yet
+    assert rate.on_stats([_stats(0, [0] * 5), _stats(1, [0] * 3)]) is None  # the origin: step 4 at t=100
+    now[0] = 102.0
+    assert rate.on_stats([_stats(0, [0] * 25), _stats(1, [0] * 20)]) == 10.0  # 20 steps in 2 s
+    now[0] = 103.0
+    assert rate.on_stats([_stats(0, [0] * 3)]) == 10.0  # rolled back to step 2: counted from here
+    now[0] = 105.0
+    assert rate.on_stats([_stats(0, [0] * 13)]) == 5.0
