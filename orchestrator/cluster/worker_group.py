@@ -299,11 +299,20 @@ class RayWorkerGroup(SpareSeats):
         return lost
 
     def shutdown(self) -> None:
-        for rank in list(self.actors):
-            self.kill(rank)
-        for actor, _ in self.spares.values():
-            ray.kill(actor, no_restart=True)
-        self.spares.clear()
+        """Kill every rank and spare and give the placement group back. Each step is tried even
+        when one before it failed (a GCS that stopped answering), so one error leaves no
+        reservation behind that could be freed; the first error is raised at the end."""
+        steps = [lambda rank=rank: self.kill(rank) for rank in list(self.actors)]
+        steps += [lambda actor=actor: ray.kill(actor, no_restart=True) for actor, _ in self.spares.values()]
         if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+            steps.append(lambda pg=self.pg: remove_placement_group(pg))
+        self.spares.clear()
+        self.pg = None
+        first = None
+        for step in steps:
+            try:
+                step()
+            except Exception as err:  # noqa: BLE001 (the rest still run; the first is raised below)
+                first = first or err
+        if first is not None:
+            raise first
