@@ -13,11 +13,15 @@ Protocol (in one process; thread-safe):
     holder answers from whichever copy it has.
   * `prune` after each arrival bounds what is kept: per owner (the rank in the file name) the
     newest `PER_OWNER` snapshots, the newest complete one and the one being built.
+  * `fence(gen)` when the process leaves generation gen - 1 (RankActor.leave: the controller has
+    drained that generation's messages, so no snapshot of it can complete any more): from then on
+    a shard of an earlier generation is refused (`note_written` and `put` name theirs). A save
+    left to finish on its own thread when its rank left (the rank loop's abort settle) lands
+    late, and would otherwise sit in one of its owner's `PER_OWNER` places, at a step the new
+    generation redoes, and push out the complete snapshot a restore is about to read, or later
+    the new generation's newest complete one.
   * `keep_only(files, gen)` when generation `gen` restores: what it restores from stays, the rest
-    goes, and from then on a shard of an earlier generation is refused (`note_written` and `put`
-    name theirs): a save left to finish on its own thread when its rank left (the rank loop's
-    abort settle) lands late, and would otherwise sit in one of its owner's `PER_OWNER` places,
-    at a step the new generation redoes, pushing out that generation's newest complete snapshot.
+    goes; the fence rises to `gen` too.
 """
 
 from __future__ import annotations
@@ -98,10 +102,14 @@ class HeldShards:
         keep = {(step, owner) for owner, steps in by_owner.items() for step in sorted(steps)[-PER_OWNER:]}
         self._drop(r for r in self.files() if _step_and_owner(r) not in keep)
 
-    def keep_only(self, files: Iterable[str], gen: int) -> None:
-        keep = set(files)
+    def fence(self, gen: int) -> None:
+        """Refuse shards of generations before `gen` from now on."""
         with self._lock:
             self.gen = max(self.gen, gen)
+
+    def keep_only(self, files: Iterable[str], gen: int) -> None:
+        keep = set(files)
+        self.fence(gen)
         self._drop(r for r in self.files() if r not in keep)
 
     def _drop(self, relpaths: Iterable[str]) -> None:

@@ -122,11 +122,12 @@ class StepRate:
     applied update's step at each `on_stats` (the driver's poll), against the first one seen. Its
     wall time includes the checkpoint saves, so `every_steps / rate` is the time between commits
     (the no-commit alert's interval, as a collective job exports it). A rollback (the step goes
-    back) starts the count again."""
+    back from the last one seen) starts the count again."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.origin: tuple[float, int] | None = None  # (time, step) the rate is counted from
+        self.last = -1  # the step seen at the previous call
         self.rate: float | None = None
 
     def on_stats(self, stats: Iterable[_Stats]) -> float | None:
@@ -134,7 +135,8 @@ class StepRate:
         if not steps:
             return self.rate
         now, step = self.clock(), max(steps)
-        if self.origin is None or step < self.origin[1]:
+        rolled_back, self.last = step < self.last, step
+        if self.origin is None or rolled_back:
             self.origin = (now, step)
         elif step > self.origin[1] and now > self.origin[0]:
             self.rate = (step - self.origin[1]) / (now - self.origin[0])

@@ -100,8 +100,9 @@ class ModelConfig(_Strict):
     # context must not export a model that claims only that context.
     max_position_embeddings: int | None = Field(
         None, gt=0, description="context length an exported config.json declares (Hugging Face's "
-                                "max_position_embeddings), at least max_seq_len; unset: the preset's or from_hf's "
-                                "context, so training at a shorter max_seq_len keeps it, else max_seq_len")
+                                "max_position_embeddings); below max_seq_len it is raised to it; unset: the "
+                                "preset's or from_hf's context, so training at a shorter max_seq_len keeps it, "
+                                "else max_seq_len")
     activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (swiglu: three matrices)")
     position: Literal["rope", "learned"] = Field("rope", description="rotary or learned absolute positions")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency")

@@ -138,20 +138,24 @@ class SpareChoice:
 
 def assign_spares(ranks: list[int], tp: int, live_node: dict[int, str | None],
                   ready: list[tuple[int, str | None]]) -> SpareChoice:
-    """Ready spares for the lost `ranks`, never splitting a TP group over two nodes (pure).
+    """Ready spares for the lost `ranks`, keeping each TP group on one node where it can (pure).
 
     `live_node`: rank -> node of every rank that keeps its process; `ready`: (seat, node) of the
-    live, warm spares in seat order. Per TP group (ranks r // tp), in rank order, the first that
-    applies:
+    live, warm spares in seat order. Per TP group (ranks r // tp), groups lost whole first (they
+    have no other way back), then in rank order, the first that applies:
       1. its lost ranks take spares on the node of its live ranks, when that node has enough;
       2. the whole group takes spares on one node and its live ranks are `moved`: they give up
          their ranks and become spares in their own seats (every rank of a new generation rebuilds
-         its engine and loads its state, so which process plays a rank costs nothing, and the
-         spare count stays the same);
-      3. its lost ranks take what spares its live ranks' node has, and the rest are `left` for new
-         actors in their own seats (beside the group): a cold start of seconds, rather than a
-         group whose every layer's all-reduce crosses nodes, which slows every step of the job
-         until the next membership change.
+         its engine and loads its state, so which process plays a rank costs no start-up; from the
+         memory level the moved ranks read their shards from their old processes, over the
+         network when the group changed nodes; the spare count stays the same);
+      3. a group with live ranks: its lost ranks take what spares its live ranks' node has, and
+         the rest are `left` for new actors in their own seats (beside the group): a cold start of
+         seconds, rather than a group whose every layer's all-reduce crosses nodes, which slows
+         every step of the job until the next membership change;
+      4. a group lost whole (its seats were most likely on a lost node: no seat beside it to start
+         in): whatever spares there are, the fullest nodes' first. A group left split is named by
+         the recovery (split_tp_groups); waiting for a seat instead could shrink dp or fail the job.
     With tp = 1 every group is one rank and any ready spare will do."""
     by_node: dict[str | None, list[int]] = {}
     for seat, node in ready:
@@ -159,23 +163,33 @@ def assign_spares(ranks: list[int], tp: int, live_node: dict[int, str | None],
     seats: dict[int, int] = {}
     moved: list[int] = []
     left: list[int] = []
-    for start in sorted({rank - rank % tp for rank in ranks}):
+    starts = sorted({rank - rank % tp for rank in ranks})
+    for start in sorted(starts, key=lambda s: any(r not in ranks and r in live_node for r in range(s, s + tp))):
         group = range(start, start + tp)
         lost = [rank for rank in group if rank in ranks]
         live = [rank for rank in group if rank not in ranks and rank in live_node]
         home = by_node.get(live_node[live[0]], []) if live and live_node[live[0]] is not None else []
         whole = [*lost, *live]
         roomy = next((free for free in by_node.values() if len(free) >= len(whole)), [])
-        if len(home) >= len(lost):
+        if live and len(home) >= len(lost):
             taking, spares = lost, home
         elif roomy:
             taking, spares = whole, roomy
             moved += live
-        else:
+        elif live:
             taking, spares = lost[:len(home)], home
             left += lost[len(home):]
-        seats.update((rank, spares.pop(0)) for rank in taking)
-    return SpareChoice(seats, moved, left)
+        else:
+            spares = [seat for free in sorted(by_node.values(), key=len, reverse=True) for seat in free]
+            taking = lost[:len(spares)]
+            left += lost[len(spares):]
+        for rank in taking:
+            seat = spares.pop(0)
+            seats[rank] = seat
+            for free in by_node.values():  # a fallback's list is a copy: take the seat from its node's too
+                if seat in free:
+                    free.remove(seat)
+    return SpareChoice(seats, moved, sorted(left))
 
 
 def tp_runs_by_node(ranks: list[int], tp: int, node_of) -> list[int]:

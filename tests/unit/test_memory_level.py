@@ -133,6 +133,17 @@ def test_a_late_shard_of_a_generation_that_ended_is_refused_and_evicts_nothing()
     assert held.files() == [f"{step_dir(s)}/shard-g1-r00001.bin" for s in (12, 14)]
 
 
+def test_the_fence_rises_when_a_rank_leaves_so_a_late_shard_cannot_push_out_the_snapshot_to_restore():
+    # Generation 0 completed step 9 and was building 12 when it ended; a shard of step 15 (also
+    # generation 0) lands between the rank's leave and its restore of step 9.
+    held, chosen = HeldShards("job"), f"{step_dir(9)}/shard-g0-r00001.bin"
+    held.put(chosen, b"c" * 4, 0)
+    held.put(f"{step_dir(12)}/shard-g0-r00001.bin", b"p" * 4, 0)
+    held.fence(1)  # RankActor.leave of generation 0
+    assert not held.put(f"{step_dir(15)}/shard-g0-r00001.bin", b"l" * 4, 0)
+    assert chosen in held.files()  # still there for the restore to read
+
+
 def test_a_long_lived_rank_s_memory_filesystem_holds_only_what_it_keeps():
     """A snapshot every few steps for days: the dropped snapshots' directories go with their files
     (fsspec's memory filesystem keeps a directory until it is removed, and scans its directories on

@@ -97,6 +97,6 @@ def test_the_step_rate_gives_the_interval_between_commits_and_restarts_after_a_r
     now[0] = 102.0
     assert rate.on_stats([_stats(0, [0] * 25), _stats(1, [0] * 20)]) == 10.0  # 20 steps in 2 s
     now[0] = 103.0
-    assert rate.on_stats([_stats(0, [0] * 3)]) == 10.0  # rolled back to step 2: counted from here
+    assert rate.on_stats([_stats(0, [0] * 11)]) == 10.0  # rolled back to step 10 (above the first): from here
     now[0] = 105.0
-    assert rate.on_stats([_stats(0, [0] * 13)]) == 5.0
+    assert rate.on_stats([_stats(0, [0] * 21)]) == 5.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,10 +31,19 @@ def test_without_room_for_the_whole_group_the_lost_ranks_are_left_for_their_own_
     assert choice.seats == {1: 4} and choice.left == [2]  # what the node has, the rest cold beside it
 
 
-def test_a_group_lost_whole_takes_one_node_s_spares_or_none():
+def test_a_group_lost_whole_takes_one_node_s_spares_else_any_rather_than_wait_for_a_seat():
+    # Its seats were on the lost node: there is no seat beside it to start in, so rather than wait
+    # (and shrink, or fail) it takes what there is, and the recovery names the split.
     ready = [(4, "c"), (5, "d"), (6, "d")]
     assert assign_spares([0, 1], 2, {}, ready).seats == {0: 5, 1: 6}
-    assert assign_spares([0, 1], 2, {}, ready[:2]).left == [0, 1]
+    assert assign_spares([0, 1], 2, {}, ready[:2]).seats == {0: 4, 1: 5}
+    assert assign_spares([0, 1, 2, 3], 4, {}, [(4, "c"), (5, "d"), (6, "d")]).left == [3]
+
+
+def test_groups_lost_whole_are_served_first():
+    # Group {0, 1} lost rank 1 only and can start it cold beside rank 0; group {2, 3} has no other way.
+    choice = assign_spares([1, 2, 3], 2, {0: "a"}, [(4, "c"), (5, "c")])
+    assert choice.seats == {2: 4, 3: 5} and choice.left == [1]
 
 
 def test_with_tp_1_any_spare_will_do():
@@ -55,9 +66,11 @@ def test_every_group_stays_on_one_node_and_no_spare_is_given_twice(tp, groups, d
     assert sorted([*choice.seats.keys() - set(choice.moved), *choice.left]) == lost  # every lost rank accounted for
     node = dict(ready)
     playing = {**live, **{r: node[s] for r, s in choice.seats.items()}}
+    unused = Counter(n for seat, n in ready if seat not in choice.seats.values())
     for start in range(0, world, tp):
         members = [r for r in range(start, start + tp) if r in playing]
-        assert len({playing[r] for r in members}) <= 1, (start, playing)  # one node, or the rest wait cold
+        if len({playing[r] for r in members}) > 1:  # only a group lost whole, and only when no node had room
+            assert not any(r in live for r in members) and max(unused.values(), default=0) < tp, (start, playing)
     assert all(r in live for r in choice.moved)
 
 
