@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import ray
@@ -64,6 +65,7 @@ class RankActor:
         self.engine = None
         self.restores = RestoreTurns()  # one restore at a time, the latest winning
         self._reclaiming: threading.Thread | None = None  # a dropped engine's collection (_drop_engine)
+        self._dropped: list[weakref.ref] = []  # engines dropped and maybe still reachable (rank.reclaim)
         self.writer = None
         self.gen = -1
         self.rank = -1
@@ -320,14 +322,18 @@ class RankActor:
         reclaiming, self._reclaiming = self._reclaiming, None  # read once: a stale restore may drop too
         if reclaiming is not None:
             reclaiming.join()
+        self._dropped = [ref for ref in self._dropped if ref() is not None]
         if self.engine is not None:
             self.engine.data.close(wait=False)
+            self._dropped.append(weakref.ref(self.engine))
         self.engine = None
+        dropped = tuple(self._dropped)
         if background:
-            self._reclaiming = threading.Thread(target=reclaim_generation, daemon=True, name="reclaim")
+            self._reclaiming = threading.Thread(target=reclaim_generation, args=(True, dropped), daemon=True,
+                                                name="reclaim")
             self._reclaiming.start()
         else:
-            reclaim_generation(freeze)
+            reclaim_generation(freeze, dropped)
 
     def _teardown(self) -> None:
         import torch.distributed as dist

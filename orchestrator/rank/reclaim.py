@@ -19,17 +19,26 @@ Protocol: the rank actor calls `reclaim_generation()` with no engine alive: on a
 own when its generation aborts (it returns from `train` at once, and the collection overlaps the
 controller's detection and placement), when it leaves a generation and before `restore` builds
 the next engine (each waiting for that thread first), and at the end of a spare's warm-up (its
-throwaway engine). Never with an engine alive: a frozen engine would never be collected.
+throwaway engine). Never freezing with an engine alive: a frozen engine would never be collected.
+So the actor hands over weak references to the engines it dropped (`dropped`): a thread of the
+old generation may still reach one (a save left to finish after an abort holds the rank loop
+through its callbacks; a data read in flight holds the cursor's), and while any is alive this
+collection only collects; a later one, once those threads have ended, freezes.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 
-def reclaim_generation(freeze: bool = True) -> None:
-    """Collect what the dropped engine left in cycles, then freeze what is still alive; `freeze`
-    False when an engine may still be alive (a stale restore that has not given up yet)."""
+def reclaim_generation(freeze: bool = True, dropped: tuple[weakref.ref, ...] = ()) -> bool:
+    """Collect what the dropped engines left in cycles, then freeze what is still alive; returns
+    whether it froze. `freeze` False when an engine may still be alive (a stale restore that has
+    not given up yet); `dropped`: weak references to engines dropped earlier: no freeze while one
+    of them is still alive after the collection."""
     gc.collect()
-    if freeze:
-        gc.freeze()
+    if not freeze or any(ref() is not None for ref in dropped):
+        return False
+    gc.freeze()
+    return True
