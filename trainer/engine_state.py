@@ -213,6 +213,8 @@ class EngineState:
             raise ValueError(f"state format {meta.get('format')!r} is not {STATE_FORMAT!r}")
         expected = {"data_seed": self.data_config.seed, "global_batch": self.train_config.global_batch,
                     "optimizer": self.train_config.optimizer}
+        if self.model_config.dropout > 0:  # after a restore train.seed draws only the dropout masks
+            expected["train_seed"] = self.train_config.seed
         for key, value in expected.items():
             if meta.get(key) != value:
                 raise ValueError(

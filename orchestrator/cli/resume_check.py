@@ -64,7 +64,10 @@ def _model_problems(spec, saved: dict | None, where: str) -> list[Problem]:
 def _trajectory_problems(spec, engine: dict | None, where: str) -> list[Problem]:
     if not isinstance(engine, dict):
         return []
-    here = {"global_batch": spec.train.global_batch, "optimizer": spec.train.optimizer, "data_seed": spec.data.seed}
+    here = {"global_batch": spec.train.global_batch, "optimizer": spec.train.optimizer, "data_seed": spec.data.seed,
+            "train_seed": spec.train.seed}
+    # After a restore train.seed draws only the dropout masks: another seed changes nothing without dropout.
+    keys = {**TRAJECTORY, **({"train_seed": "train.seed"} if spec.model.dropout > 0 else {})}
     return [Problem(field, f"the committed checkpoints ({where}) were trained with {engine[key]!r}, this spec gives "
                            f"{here[key]!r}: resuming would change the training trajectory; {FIX}")
-            for key, field in TRAJECTORY.items() if key in engine and engine[key] != here[key]]
+            for key, field in keys.items() if key in engine and engine[key] != here[key]]

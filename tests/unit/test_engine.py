@@ -145,6 +145,10 @@ def test_load_state_rejects_a_checkpoint_that_does_not_fit():
     with pytest.raises(ValueError, match="covers 1 of"):
         fresh.load_state({k: v for k, v in tensors.items()
                           if k.startswith("model/") or k.startswith("optim/norm.weight/")}, meta)
+    make_engine(seed=7).load_state(tensors, meta)  # without dropout the seed draws nothing after a restore
+    dropout = MODEL.model_copy(update={"dropout": 0.1})
+    with pytest.raises(ValueError, match="train_seed=0 but this run has 7"):  # its masks would differ
+        make_engine(model=dropout, seed=7).load_state(tensors, meta)
 
 
 def test_fault_hook_points_in_order():

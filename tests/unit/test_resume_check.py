@@ -20,7 +20,7 @@ def _spec(tmp_path, model=None, **train):
 def _commit(spec, step: int) -> Catalog:
     catalog = Catalog(Storage(spec.checkpoint_root))
     engine = {"next_step": step, "global_batch": spec.train.global_batch, "optimizer": spec.train.optimizer,
-              "data_seed": spec.data.seed}
+              "data_seed": spec.data.seed, "train_seed": spec.train.seed}
     catalog.commit(job=spec.name, step=step, generation=0, layout={"dp": 2}, spec_hash="h",
                    receipts=shard_receipts(catalog, step, make_state(step)),
                    state={"engine": engine, "model": spec.model.architecture()})
@@ -46,6 +46,10 @@ def test_another_model_or_trajectory_is_refused_by_field_and_a_resume_knob_is_no
     assert [p.field for p in resume_problems(batch, catalog)] == ["train.global_batch"]
     knobs = _spec(tmp_path, {"preset": "tiny", "rope_theta": 500000.0, "dropout": 0.1}, lr=1e-4, steps=20)
     assert resume_problems(knobs, catalog) == []
+    # After a restore train.seed draws only dropout masks: another seed is refused only with dropout.
+    assert resume_problems(_spec(tmp_path, seed=7), catalog) == []
+    reseeded = _spec(tmp_path, {"preset": "tiny", "dropout": 0.1}, seed=7)
+    assert [p.field for p in resume_problems(reseeded, catalog)] == ["train.seed"]
 
 
 def test_an_unreadable_newest_manifest_is_left_to_the_restore(tmp_path):
