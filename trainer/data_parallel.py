@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -214,3 +214,12 @@ def gradient_sync(ddp: DistributedDataParallel | None, fsdp_root: nn.Module | No
         fsdp_root.set_requires_gradient_sync(True)
         fsdp_root.set_requires_all_reduce(last)
     return contextlib.nullcontext()
+
+
+def reshard_gathered(module: nn.Module) -> None:
+    """Give back the parameters FSDP2 gathered for a forward that no backward follows (an evaluation):
+    with `reshard_after_forward` off (zero 2) they stay whole until the next backward, a whole model
+    per rank through the checkpoint staging after an evaluation. Nothing to do without FSDP."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()

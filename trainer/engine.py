@@ -65,6 +65,7 @@ from trainer.data_parallel import (
     build_zero1_optimizer,
     gradient_sync,
     localize_dtensor_params,
+    reshard_gathered,
     wrap_ddp,
 )
 from trainer.data_wait import slowest_wait
@@ -320,6 +321,7 @@ class Engine(EngineState):
             total = self._evaluate_batches(batches, rounds)
         finally:
             self.model.train(True)
+            reshard_gathered(self.model)  # ZeRO-2 keeps a forward's gathered parameters until a backward
         if self.dp_size > 1:
             total, tokens = all_reduce_token_loss(total, tokens, group=self._dp_group, device=self.device)
         return total, tokens
