@@ -6,7 +6,8 @@ touched keeps its moments undecayed. The bias correction uses the tensor's own u
 (SparseAdam's `step`), which advances once per sparse update whatever rows it holds. Unlike
 SparseAdam (no weight decay) the decoupled weight decay of AdamW (lr * wd * row) is applied to
 the touched rows only, so an untouched row does not shrink. SGD with momentum is the same
-lazily: only touched rows' momentum buffers decay.
+lazily: only touched rows' momentum buffers decay, and its weight decay is torch.optim.SGD's L2
+term (wd * row added to the gradient), on the touched rows.
 
 This is not the dense optimizer's arithmetic (dense Adam decays every row's moments every
 step), which is why bsp, whose contract is equality with collective data parallelism, always
@@ -42,6 +43,8 @@ def lazy_update_(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, st
     values = param[rows]
     state.step += 1
     if cfg.optimizer == "sgd":
+        if weight_decay:
+            grad = grad.add(values, alpha=weight_decay)
         buf = state.fields.setdefault("momentum_buffer", torch.zeros_like(param))
         # torch.optim.SGD's first step stores the gradient itself as the buffer.
         moment = grad.clone() if state.step == 1 else buf[rows].mul_(cfg.betas[0]).add_(grad)

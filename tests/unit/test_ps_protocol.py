@@ -81,6 +81,21 @@ def test_asp_converges_on_the_tiny_model():
     assert losses[-1] < 3.5 < losses[0]
 
 
+def test_lazy_sgd_decays_the_touched_rows_as_torch_sgd_does():
+    # Every row touched every step: lazy SGD is dense SGD, weight decay (its L2 term) included.
+    cfg = TrainConfig(steps=3, global_batch=1, optimizer="sgd", weight_decay=0.1, betas=(0.8, 0.9))
+    torch.manual_seed(0)
+    start = torch.randn(4, 3)
+    mine, state, ref = start.clone(), RowState(), torch.nn.Parameter(start.clone())
+    reference = torch.optim.SGD([ref], lr=0.1, momentum=0.8, weight_decay=0.1)
+    for _ in range(3):
+        grad = torch.randn(4, 3)
+        lazy_update_(mine, torch.arange(4), grad, state, cfg, lr=0.1, weight_decay=0.1)
+        ref.grad = grad.clone()
+        reference.step()
+    torch.testing.assert_close(mine, ref.detach())
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_lazy_rows_follow_torch_sparse_semantics(optimizer):
     cfg = TrainConfig(steps=3, global_batch=1, optimizer=optimizer, weight_decay=0.0, betas=(0.8, 0.9))
