@@ -25,8 +25,11 @@ import time
 from collections.abc import Callable
 
 
-class Preempted(Exception):
-    """The job stopped for a signal; the message says at which commit."""
+class Preempted(BaseException):
+    """The job stopped for a signal; the message says at which commit. A BaseException, as
+    KeyboardInterrupt is: a second signal raises it from the handler wherever the driver is, and
+    the handlers that turn any failure of a call into a fallback (a server move that did not
+    restore, a worker's stream that ended with an error) must not take it for one."""
 
 
 class Preemption:
