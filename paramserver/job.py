@@ -18,6 +18,7 @@ from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
 from paramserver.clocks import UpdateRecord, format_histogram, staleness_histogram
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
 from paramserver.recovery import Failure, Fault, Ledger, NullLedger
+from paramserver.streams import stats_or_none
 from paramserver.supervisor import Actors, Checkpoints, Supervisor
 from paramserver.worker import sparse_names
 from trainer.batch import microbatches_per_rank
@@ -118,11 +119,19 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
         lambda w: WorkerActor.options(num_cpus=1, max_concurrency=2).remote(w, parallel.dp, model, data, train,
                                                                             shards, sparse),
         dict(slow or {}))
+    seen: list[list[ServerStats]] = [[]]  # the last stats handed to on_stats
+
+    def remember(stats: list[ServerStats]) -> None:
+        seen[0] = stats
+        on_stats(stats)
+
     supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s)
+                            faults=faults, ledger=ledger, on_stats=remember if on_stats else None,
+                            stats_every_s=stats_every_s)
     try:
         supervisor.run()
-        stats = supervisor.final_stats()
+        # A server that died after the final commit costs the report its last counts, not the finished job.
+        stats = stats_or_none(supervisor.servers) or seen[0]
         if on_stats is not None:
             on_stats(stats)
     finally:

@@ -1,8 +1,8 @@
 """The supervisor of a parameter-server job: runs it in segments between checkpoints and repairs it the PS way.
 
 Called by paramserver.job.run_ps on the driver (after ray.init): `Supervisor(...).run()`, then
-`final_stats()` and `teardown()`. It owns the actors (started through `Actors`, which binds the
-shard plan and the configs). Per segment [a, b) (b: the next multiple of checkpoint every_steps,
+`teardown()` (run_ps reads the servers' final stats between). It owns the actors (started through
+`Actors`, which binds the shard plan and the configs). Per segment [a, b) (b: the next multiple of checkpoint every_steps,
 or train.steps; paramserver.recovery.segment_end):
   1. arm the injected worker kills of the segment as holds on server 0's pulls (paramserver.gate);
   2. start every worker's `run(servers, a, b)`, a stream of StepLogs, and watch the streams, the
@@ -176,9 +176,6 @@ class Supervisor:
 
     def last_commit(self) -> int | None:
         return self.saved[-1] if self.saved else (self.start_step or None)  # this run's, or the one resumed
-
-    def final_stats(self) -> list[ServerStats]:
-        return ray.get([s.stats.remote() for s in self.servers])
 
     def teardown(self) -> None:
         for actor in self.workers + self.servers:

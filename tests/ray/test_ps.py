@@ -71,3 +71,12 @@ def test_asp_converges_on_the_tiny_model(ray_local):
     report = run_ps(UNTIED, DATA, TRAIN, _ps("asp", dp=2, servers=1), slow={1: 0.03})
     assert report.losses[-1] < ASP_THRESHOLD < report.losses[0]
     assert max(r.staleness for r in report.records) >= 1  # asynchronous: some updates were stale
+
+
+def test_a_server_lost_after_the_last_step_costs_the_report_its_last_counts_not_the_job(ray_local, monkeypatch):
+    import paramserver.job as job
+
+    fed = []
+    monkeypatch.setattr(job, "stats_or_none", lambda servers: None)  # a server gone once training is done
+    report = job.run_ps(UNTIED, DATA, TRAIN, _ps("asp", dp=2, servers=1), stats_every_s=0.2, on_stats=fed.append)
+    assert len(report.losses) == TRAIN.steps and report.stats and report.stats is fed[-1]
