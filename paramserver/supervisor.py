@@ -2,8 +2,8 @@
 
 Called by paramserver.job.run_ps on the driver (after ray.init): `Supervisor(...).run()`, then
 `teardown()` (run_ps reads the servers' final stats between). It owns the actors (started through
-`Actors`, which binds the shard plan and the configs). Per segment [a, b) (b: the next multiple of checkpoint every_steps,
-or train.steps; paramserver.recovery.segment_end):
+`Actors`, which binds the shard plan and the configs). Per segment [a, b) (b: the next multiple
+of checkpoint every_steps, or train.steps; paramserver.recovery.segment_end):
   1. arm the injected worker kills of the segment as holds on server 0's pulls (paramserver.gate);
   2. start every worker's `run(servers, a, b)`, a stream of StepLogs, and watch the streams, the
      servers' progress (version, clocks) and the holds every POLL_S until every stream ends:
