@@ -360,6 +360,9 @@ class Supervisor:
         for k, server in enumerate(self.servers):
             if k not in dead:
                 server.abort.remote()
+        if self.ckpt and self.ckpt.preemption and self.ckpt.preemption.signals:  # restoring would outlast the grace
+            self._stop(streams, within_s=self.ckpt.preemption.left_s())
+            raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=False)
         self._stop(streams)
         dead |= dead_servers(self.servers)
         for k in sorted(dead):

@@ -450,6 +450,26 @@ def test_a_signal_during_the_last_segment_lets_the_job_finish(world):
     assert supervisor.saved == [8]
 
 
+def test_a_server_lost_after_a_signal_ends_the_job_at_its_last_commit_without_a_restore(world):
+    from paramserver.preemption import Preempted, Preemption
+
+    preemption = Preemption(1e6, clock=lambda: world.now)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, preemption=preemption)
+    supervisor = sup.Supervisor(sup.Actors(lambda k: FakeServer(world, k), world.start_worker), PAR.servers, PAR.dp,
+                                TRAIN.steps, checkpoints=checkpoints, faults=[Fault("server", 0, 6)])
+    tick = world.tick
+
+    def signal_in_the_last_segment():  # where the job runs on to its end; then server 0 dies at step 6
+        tick()
+        if supervisor.saved and not preemption.signals:
+            preemption.on_signal(15)
+
+    world.tick = signal_in_the_last_segment
+    with pytest.raises(Preempted, match="SIGTERM"):
+        supervisor.run()
+    assert supervisor.saved == [4] and supervisor.failures == []  # no rollback: the restore would outlast the grace
+
+
 # ---- a drained node ----
 
 def _drained_at(world: World, seconds: float):
