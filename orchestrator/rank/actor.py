@@ -36,6 +36,7 @@ import ray
 
 from chaos.config import ArmedFault
 from ckpt.held import HeldShards
+from orchestrator.rank.abort_watch import watch_abort
 from orchestrator.rank.comm_abort import CommSockets
 from orchestrator.rank.reclaim import reclaim_generation
 from orchestrator.rank.restore_turns import RestoreTurns
@@ -148,7 +149,7 @@ class RankActor:
         self.leave()
         self.gen, self.rank, self.world_size = gen, rank, world_size
         self._rendezvous = (address, gen)
-        self._abort.clear()
+        self._abort = threading.Event()  # a new one: a late watcher of the last generation sets only its own
         self.store = connect(address, gen, timeout_s=timeout_s)
         # The watcher gets its own connection: a TCPStore client is not safe to share between
         # threads (interleaved requests on one socket can deadlock the training thread).
@@ -266,8 +267,8 @@ class RankActor:
         # One event per generation: a watcher still in a store round trip when its generation ends
         # must not find the event cleared again by the next `train` and poll on into it.
         training_over = threading.Event()
-        watcher = threading.Thread(target=self._watch_abort, args=(training_over,), daemon=True,
-                                   name="abort-watcher")
+        watched = (self.watch_store, training_over, self._abort, self.sockets)  # this generation's own
+        watcher = threading.Thread(target=watch_abort, args=watched, daemon=True, name="abort-watcher")
         watcher.start()
         try:
             return loop.run(until_step, faults)
@@ -286,21 +287,6 @@ class RankActor:
         del loop
         self._drop_engine(background=True)
         return out
-
-    def _watch_abort(self, training_over: threading.Event) -> None:
-        """Watcher thread: on the controller's abort key, break our own blocked collective; ends
-        with its generation's `train` (`training_over`)."""
-        while not training_over.wait(0.05):
-            try:
-                requested = self.watch_store.abort_requested()
-            except Exception:
-                return  # the controller is gone; the collective timeout remains the last resort
-            if requested:
-                self._abort.set()
-                sockets = self.sockets  # `leave` may have torn the group down meanwhile
-                if sockets is not None:
-                    sockets.abort()
-                return
 
     def leave(self) -> bool:
         """Drop the process group and the engine; returns whether this rank's node is still alive."""
