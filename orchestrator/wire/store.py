@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 from datetime import timedelta
@@ -38,6 +39,8 @@ import torch.distributed as dist
 
 from orchestrator.wire.auth import Rejected, Rejections, Seal, StoreAddress, channel_of, key_prefix, new_secret
 from orchestrator.wire.messages import Message, decode, encode
+
+_GENERATION = re.compile(r"gen(\d+)-")  # a key's generation (auth.key_prefix)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,6 @@ class RendezvousServer:
         self.rejections = Rejections(on_reject, on_missing)
         self._server = _listening_store(host, port)
         self.port = self._server.port
-        self._kept_from = 0  # the generations below it had their keys dropped
 
     @property
     def address(self) -> StoreAddress:
@@ -85,24 +87,32 @@ class RendezvousServer:
 
     def drop_generations_before(self, gen: int) -> int:
         """Delete every key of the generations before `gen` (their process-group bootstrap, heartbeats,
-        plan, abort flag, event queue); returns how many. The controller calls it once generation
-        `gen` trains: every survivor has left the older ones by then (they joined this one), and a
-        job with a thousand failures would otherwise keep a thousand generations' keys; so would
-        one whose generations fail before they train, were only the previous one dropped.
-        Housekeeping: a store error here is logged and the keys stay, the job goes on."""
-        prefixes = tuple(key_prefix(self._secret, old) + "/" for old in range(self._kept_from, gen))
-        if not prefixes:
-            return 0
+        plan, abort flag); returns how many. The controller calls it once generation `gen` trains:
+        every survivor has left the older ones by then (they joined this one), and a job with a
+        thousand failures would otherwise keep a thousand generations' keys; so would one whose
+        generations fail before they train, were only the previous one dropped. Every older
+        generation's keys, not only those since the last drop: a thread of a generation that ended
+        (a heartbeat behind a save left to finish) can write one after its generation was dropped.
+        The event queues are not keys (the store neither lists nor deletes them): the controller
+        pops them empty, and a receipt pushed late stays, a few hundred bytes per save left to
+        finish. Housekeeping: a store error here is logged and the keys stay (the next drop finds
+        them), the job goes on."""
         try:
-            keys = [key for key in self._server.list_keys() if key.startswith(prefixes)]
+            keys = [key for key in self._server.list_keys() if self._older(key, gen)]
             for key in keys:
                 self._server.delete_key(key)
         except (RuntimeError, OSError) as err:  # torch raises DistStoreError, a RuntimeError
-            log.warning("could not delete the store keys of generations %d-%d (%s); the next generation "
-                        "to train tries again", gen - len(prefixes), gen - 1, err)
+            log.warning("could not delete the store keys of the generations before %d (%s); the next generation "
+                        "to train tries again", gen, err)
             return 0
-        self._kept_from = gen
         return len(keys)
+
+    def _older(self, key: str, gen: int) -> bool:
+        """Whether `key` is one of this job's keys of a generation before `gen` (its prefix says which)."""
+        match = _GENERATION.match(key)
+        if match is None or int(match.group(1)) >= gen:
+            return False
+        return key.startswith(key_prefix(self._secret, int(match.group(1))) + "/")
 
 
 def _listening_store(host: str, port: int) -> dist.TCPStore:

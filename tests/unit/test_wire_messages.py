@@ -167,6 +167,11 @@ def test_dropping_the_generations_before_one_deletes_their_keys_and_no_other_s()
     assert not old.store.check(["plan"]) and old.get_json("hb/0") is None and failed.get_json("hb/0") is None
     assert new.get_json("hb/0") == {"step": 3} and new.plan_sets() == 1 and new.pg_store().get("0") == b"bootstrap"
     assert len(new.drain_events()) == 1
+    kept = len(server._server.list_keys())
+    old.set_json("hb/0", {"step": 4})  # a heartbeat thread of the dropped generation, late
+    late = len(server._server.list_keys()) - kept
+    assert late == 1 and server.drop_generations_before(2) == 1  # recreated after the drop: it goes too
+    assert len(server._server.list_keys()) == kept and new.get_json("hb/0") == {"step": 3}
 
 
 def _timers_of_connections_to(port: int) -> list[str]:
