@@ -5,10 +5,13 @@ logs that are ready, and once the stream has ended, its error (None when the run
 `actor_died(error)` tells a dead worker actor from a run that raised (a call to a dead server).
 When a segment stops, `stop_all` takes every stream to its end and `dead_servers` finds the
 servers that died; `stats_or_none` reads the servers' stats for the metrics without failing on one.
+`arm_holds` and `drop_holds` place and remove the pull holds of injected faults (paramserver.gate)
+and wait until the servers have them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -97,3 +100,21 @@ def stop_all(streams: dict, on_log: Callable[[StepLog], None], within_s: float, 
                 kill(w)
             deadline = math.inf
     return died
+
+
+HOLD_S = 30.0  # how long placing or dropping holds may take (a dead server is left to the polls)
+
+
+def arm_holds(servers: list, holds: list[tuple[int, int, int]]) -> None:
+    """Hold the pulls `holds` [(server, worker, step)] and wait until the servers have them: a pull
+    is the worker's call, which Ray may run on the server before the supervisor's, and a pull that
+    passed before its hold was placed would never fire its fault, silently."""
+    with contextlib.suppress(RayActorError, GetTimeoutError):
+        ray.get([servers[k].hold.remote(worker, step) for k, worker, step in holds], timeout=HOLD_S)
+
+
+def drop_holds(servers: list, worker: int) -> None:
+    """Drop dead `worker`'s held pull and holds on every server, and wait for it (holds armed next
+    for its replacement must not be dropped by a late drop)."""
+    with contextlib.suppress(RayActorError, GetTimeoutError):
+        ray.get([server.drop_held.remote(worker) for server in servers], timeout=HOLD_S)

@@ -52,7 +52,7 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
-from paramserver.streams import actor_died, brief, dead_servers, stats_or_none, stop_all, take
+from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, stats_or_none, stop_all, take
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
@@ -229,8 +229,7 @@ class Supervisor:
         return self.workers[w].run.remote(self.servers, start, end, self.actors.slow.get(w, 0.0))
 
     def _arm(self, start: int, end: int) -> None:
-        for server, worker, step in self.plan.holds(start, end, len(self.workers)):
-            self.servers[server].hold.remote(worker, step)
+        arm_holds(self.servers, self.plan.holds(start, end, len(self.workers)))
 
     def _take_streams(self, streams: dict, start: int, end: int) -> str | None:
         """Take every finished step's log; replace a dead worker. A reason to roll back, or None."""
@@ -291,8 +290,8 @@ class Supervisor:
         if injected is not None:
             self.ledger.move(detected - injected, book.PRODUCTIVE, book.DETECTION)
         ray.kill(self.workers[w], no_restart=True)
-        for server in self.servers:
-            server.drop_held.remote(w)  # the dead worker's held pull, never to be answered
+        drop_holds(self.servers, w)  # the dead worker's held pull, never to be answered
+        self.held_calls.clear()  # answers from before may list its holds: they must not fire on the replacement
         self._arm(start, end)  # the replacement's holds of the segment's other faults
         self.workers[w] = self.actors.start_worker(w)
         self._dead_workers.discard(w)
