@@ -241,7 +241,7 @@ class RankActor:
             return lambda n, total: (check(), advance(n, total))
 
         if source is not None:
-            load_from_memory(engine, source, self.held, on_bytes=checked())
+            load_from_memory(engine, source, self.held, on_bytes=checked(), check=check)
         elif step is not None:
             hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
             # Rank 0 says how far a long restore is, a line every 10 s in the driver's log.

@@ -16,10 +16,13 @@ Protocol (docs/design.md, "Two levels"):
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from ckpt.held import HeldShards
 from ckpt.manifest import Manifest, ShardReceipt, step_dir
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 # How long the writer thread waits for the buddy to take its copy before giving up on this
 # snapshot (it then never completes; training goes on and the next one tries again).
 BUDDY_TIMEOUT_S = 60.0
+CHECK_S = 0.2  # how often a read from a holder asks whether its restore went stale
 
 
 @dataclass
@@ -58,8 +62,18 @@ def actor_id(handle) -> str:
     return handle._actor_id.hex()
 
 
-def read_from_holder(holder, relpath: str, start: int, end: int) -> bytes:
-    return ray.get(holder.read_held.remote(relpath, start, end), timeout=BUDDY_TIMEOUT_S)
+def read_from_holder(holder, relpath: str, start: int, end: int, check: Callable[[], None] = lambda: None) -> bytes:
+    """Bytes [start, end) of a shard `holder` keeps, within BUDDY_TIMEOUT_S. `check` runs every
+    CHECK_S of the wait and raises when the restore reading has gone stale (restore_turns): a
+    holder on a node being lost may answer only at the limit, and the next generation's restore
+    waits for this one to give up its turn."""
+    ref = holder.read_held.remote(relpath, start, end)
+    deadline = time.monotonic() + BUDDY_TIMEOUT_S
+    while not ray.wait([ref], timeout=max(0.0, min(CHECK_S, deadline - time.monotonic())))[0]:
+        check()
+        if time.monotonic() >= deadline:
+            raise GetTimeoutError(f"the holder of {relpath} did not answer within {BUDDY_TIMEOUT_S:.0f} s")
+    return ray.get(ref)
 
 
 class MemorySnapshots:

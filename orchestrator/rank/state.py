@@ -103,7 +103,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     return manifest.state
 
 
-def load_from_memory(engine, source, held, on_bytes=None) -> dict:
+def load_from_memory(engine, source, held, on_bytes=None, check=lambda: None) -> dict:
     """Load memory snapshot `source` (orchestrator.rank.snapshots.MemorySource) into `engine`: the
     same plan, checks and assembly as a storage restore (any layout), with the bytes read from this
     process's `held` shards where it has them and from the snapshot's live holders otherwise
@@ -113,7 +113,9 @@ def load_from_memory(engine, source, held, on_bytes=None) -> dict:
     from orchestrator.rank.snapshots import read_from_holder
 
     manifest = source.manifest()
-    storage = PeerStorage(held, source.holders, read_from_holder)
+    # `check` (the restore's staleness) also inside a read's wait: a slow holder must not keep the turn
+    storage = PeerStorage(held, source.holders, lambda holder, path, start, end: read_from_holder(
+        holder, path, start, end, check))
     wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
     slices = read_slices(Catalog(storage), source.step, wanted, manifest=manifest, retry=ReadRetry(0.0),
                          on_bytes=on_bytes)
