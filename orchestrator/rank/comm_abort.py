@@ -41,12 +41,15 @@ import socket
 import threading
 
 
-def _socket_fds() -> set[int]:
-    fds = set()
+def _socket_fds() -> dict[int, str]:
+    """Open socket descriptors -> their identity (`socket:[inode]`), which tells a descriptor number
+    reused by a later socket from the one recorded."""
+    fds = {}
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if link.startswith("socket:"):
+                fds[int(name)] = link
     return fds
 
 
@@ -60,7 +63,7 @@ def set_nccl_error_handling(env=os.environ) -> None:
 
 class CommSockets:
     def __init__(self) -> None:
-        self.fds: set[int] = set()
+        self.fds: dict[int, str] = {}  # descriptor -> socket identity when recorded
         self._aborted = False
         self._lock = threading.Lock()
 
@@ -76,10 +79,12 @@ class CommSockets:
     def adding(self):
         """Also record the sockets opened inside this block (process groups created after init).
 
-        Any thread's new socket counts, so keep the block to group creation alone."""
+        Any thread's new socket counts, so keep the block to group creation alone; `abort` leaves
+        out Unix sockets (Ray's own: its raylet, its object store), which no process group uses."""
         before = _socket_fds()
         yield self
-        self.fds |= _socket_fds() - before
+        # A new mapping, not an update: `abort` may be iterating the old one on the watcher's thread.
+        self.fds = {**self.fds, **{fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}}
 
     def abort(self) -> int:
         """Shut down the group's connected sockets (gloo) or abort the communicator (nccl).
@@ -91,13 +96,15 @@ class CommSockets:
             self._aborted = True
         _abort_nccl()
         closed = 0
-        for fd in self.fds:
+        for fd, link in self.fds.items():
             try:
+                if os.readlink(f"/proc/self/fd/{fd}") != link:
+                    continue  # closed by the group itself, the number since reused by another socket
                 sock = socket.socket(fileno=os.dup(fd))
             except OSError:
                 continue  # already closed by the group itself
             with contextlib.suppress(OSError):
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                if sock.family != socket.AF_UNIX and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     sock.shutdown(socket.SHUT_RDWR)
                     closed += 1
             sock.close()

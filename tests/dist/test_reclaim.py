@@ -33,6 +33,8 @@ GENERATIONS = 3
 def generations(rank, world_size, port, reclaim):
     """Per generation: (threads of this process, whether its model's first weight is alive) after
     leaving it."""
+    if not reclaim:  # no collection at all: an automatic one (its timing depends on what ran before) would free some
+        gc.disable()
     base = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
     dist.destroy_process_group()  # the launcher's; each generation forms its own, as a rank actor does
     out = []
@@ -57,6 +59,7 @@ def generations(rank, world_size, port, reclaim):
             reclaim_generation()
         out.append((len(os.listdir("/proc/self/task")), weight() is not None))
     gc.unfreeze()
+    gc.enable()
     # The launcher ends with a barrier on a default group.
     dist.init_process_group("gloo", store=dist.PrefixStore("end", base), rank=rank, world_size=world_size)
     return out
