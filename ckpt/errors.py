@@ -59,3 +59,8 @@ class UnsupportedManifest(RuntimeError):
 
 class SnapshotUnavailable(RuntimeError):
     """No live holder of a memory snapshot's shard answered: restore from storage instead."""
+
+
+class ReadAbandoned(Exception):
+    """Raised by a reader's own check (a restore gone stale) inside a read: the reader gave up, the
+    source did not fail, so it is never taken for a failed holder or store and tried elsewhere."""

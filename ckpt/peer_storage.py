@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ckpt.errors import SnapshotUnavailable
+from ckpt.errors import ReadAbandoned, SnapshotUnavailable
 from ckpt.held import HeldShards
 
 RemoteRead = Callable[[Any, str, int, int], bytes]
@@ -53,6 +53,8 @@ class PeerStorage:
         for holder in self.holders.get(file, ()):
             try:
                 return self.remote_read(holder, path, start, end)
+            except ReadAbandoned:  # the reader gave up (its restore went stale): no other holder to try
+                raise
             except Exception as err:  # that holder died or dropped the file: try the next one
                 errors.append(f"{type(err).__name__}: {str(err)[:200]}")
         raise SnapshotUnavailable(f"no holder of {path} answered ({'; '.join(errors) or 'none known alive'})")

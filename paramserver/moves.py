@@ -143,8 +143,10 @@ class Moves:
             ray.get(new.progress.remote(), timeout=START_S)  # placed and up: the restore's calls have no limit
             checkpoint.restore_servers([new], sup.ckpt.root, cut, storage_options=sup.ckpt.storage_options)
             ray.get(new.reopen.remote(cut, sup.committed_records.get(k, [])), timeout=ASK_S)
-        except Exception as err:  # noqa: BLE001 (any failure to restore: the old server is still whole)
-            ray.kill(new, no_restart=True)
+        except BaseException as err:  # any failure to restore: the old server is still whole
+            ray.kill(new, no_restart=True)  # and a second signal's Preempted must not leave it running
+            if not isinstance(err, Exception):
+                raise
             return (f"server {k} stays on draining node(s) {nodes}: its replacement did not start or restore "
                     f"({type(err).__name__}: {err}); it is lost with the node")
         ray.kill(sup.servers[k], no_restart=True)

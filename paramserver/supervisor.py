@@ -166,6 +166,8 @@ class Supervisor:
                 stats = ray.get([s.stats.remote() for s in self.servers])
                 self.committed_records = {s.server: s.records for s in stats}
             except RayActorError:
+                if self.saved and self.saved[-1] == end == self.steps:  # the final step is committed: done
+                    return None
                 return self._rollback(start, {}, set(), "a server died during the checkpoint save",
                                       self._productive_at_start)
             except checkpoint.PSCheckpointError as err:  # the job goes on; a rollback goes to an older commit

@@ -103,8 +103,10 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats,
                             checkpoints=checkpoints, faults=faults, ledger=ledger)
+            preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
             ps_metrics.on_steps(report.steps)
         except Preempted as stop:
+            preemption.ending = True
             print(f"undying: job preempted: {stop}", file=sys.stderr)
             return EXIT_PREEMPTED
         except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
@@ -122,5 +124,6 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             print(f"report written to {report_path}")
         return EXIT_OK
     finally:
+        preemption.ending = True  # a second signal now must not cut the lease's release short (teardown)
         teardown([checkpoints.owner.release if checkpoints.owner is not None else None, metrics.close, conn.close])
         restore_signals()

@@ -25,8 +25,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ckpt.errors import ReadAbandoned
 
-class RestoreSuperseded(Exception):
+
+class RestoreSuperseded(ReadAbandoned):
     """A restore given up because a later restore call, or a new generation, came to this rank."""
 
 

@@ -27,3 +27,13 @@ def test_a_second_signal_inside_a_stream_read_is_not_taken_for_the_stream_s_end(
     monkeypatch.setattr(streams, "ray", types.SimpleNamespace(wait=lambda refs, timeout=0: (refs, []), get=get))
     with pytest.raises(Preempted, match="stopped at once"):
         streams.take(_Stream())
+
+
+def test_once_the_driver_reports_and_tears_down_a_second_signal_is_recorded_not_raised():
+    from paramserver.preemption import Preemption
+
+    preemption = Preemption(25.0)
+    preemption.on_signal(15)
+    preemption.ending = True  # ps_run: the job returned or stopped; the lease's release must run whole
+    preemption.on_signal(2)
+    assert preemption.signals == ["SIGTERM", "SIGINT"]

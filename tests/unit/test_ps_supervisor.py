@@ -588,3 +588,13 @@ def test_a_signal_while_a_drain_s_cut_is_pending_saves_the_cut_and_moves_nothing
     assert preemption.signals and 0 < cut < 4
     assert f"stopped at checkpoint step {cut}, just committed" in str(stop.value)
     assert supervisor.moved == []  # the job ends at the cut: a move would only spend the grace
+
+
+def test_a_server_lost_once_the_final_step_is_committed_rolls_nothing_back(world, monkeypatch):
+    def save_then_lose_server_0(servers, root, step, **kw):
+        commit = world.save(servers, root, step, **kw)
+        servers[0].dead = step == TRAIN.steps  # its stats call, right after the final commit, fails
+        return commit
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", save_then_lose_server_0)
+    supervisor, _, _ = _run(world)
+    assert supervisor.saved == [4, 8] and supervisor.failures == []  # the job is done, nothing restored

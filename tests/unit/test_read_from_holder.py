@@ -46,3 +46,20 @@ def test_a_silent_holder_is_given_up_at_the_time_limit(monkeypatch):
     monkeypatch.setattr(snapshots, "BUDDY_TIMEOUT_S", 0.05)
     with pytest.raises(GetTimeoutError, match="did not answer"):
         snapshots.read_from_holder(_Silent(), "step-000010/shard-t-r00001.bin", 0, 8)
+
+
+def test_a_stale_restore_is_not_taken_for_a_failed_holder(tmp_path):
+    from ckpt.held import HeldShards
+    from ckpt.peer_storage import PeerStorage
+    from orchestrator.rank.restore_turns import RestoreSuperseded
+
+    asked = []
+
+    def remote_read(holder, path, start, end):
+        asked.append(holder)
+        raise RestoreSuperseded("restore call 1 superseded by a later one (2) on this rank")
+
+    storage = PeerStorage(HeldShards("job"), {"shard-t-r00001.bin": ["first", "second"]}, remote_read)
+    with pytest.raises(RestoreSuperseded):
+        storage.read_range_into("step-000010/shard-t-r00001.bin", 0, memoryview(bytearray(8)))
+    assert asked == ["first"]  # the second holder is not asked: nothing failed there
