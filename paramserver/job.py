@@ -10,6 +10,7 @@ records and byte counters, removes the actors and stops the goodput ledger.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from paramserver.worker import sparse_names
 from trainer.batch import microbatches_per_rank
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.model import meta_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,7 +134,10 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     try:
         supervisor.run()
         # A server that died after the final commit costs the report its last counts, not the finished job.
-        stats = stats_or_none(supervisor.servers) or seen[0]
+        stats = stats_or_none(supervisor.servers)
+        if stats is None:
+            log.warning("a server did not answer for its final stats: the report carries the last ones read")
+            stats = seen[0]
         if on_stats is not None:
             on_stats(stats)
     finally:

@@ -67,6 +67,7 @@ class RankActor:
         self.restores = RestoreTurns()  # one restore at a time, the latest winning
         self._reclaiming: threading.Thread | None = None  # a dropped engine's collection (_drop_engine)
         self._dropped: list[weakref.ref] = []  # engines dropped and maybe still reachable (rank.reclaim)
+        self._dropping = threading.Lock()  # `leave` and a stale restore may drop at once
         self.writer = None
         self.gen = -1
         self.rank = -1
@@ -308,12 +309,13 @@ class RankActor:
         reclaiming, self._reclaiming = self._reclaiming, None  # read once: a stale restore may drop too
         if reclaiming is not None:
             reclaiming.join()
-        self._dropped = [ref for ref in self._dropped if ref() is not None]
-        if self.engine is not None:
-            self.engine.data.close(wait=False)
-            self._dropped.append(weakref.ref(self.engine))
-        self.engine = None
-        dropped = tuple(self._dropped)
+        with self._dropping:
+            self._dropped = [ref for ref in self._dropped if ref() is not None]
+            if self.engine is not None:
+                self.engine.data.close(wait=False)
+                self._dropped.append(weakref.ref(self.engine))
+            self.engine = None
+            dropped = tuple(self._dropped)
         if background:
             self._reclaiming = threading.Thread(target=reclaim_generation, args=(True, dropped), daemon=True,
                                                 name="reclaim")

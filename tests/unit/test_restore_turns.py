@@ -100,6 +100,7 @@ def rank_actor() -> RankActor:
     actor.spec = SimpleNamespace(resources=SimpleNamespace(gpus_per_rank=0), model=SimpleNamespace(from_hf=None))
     actor.held = SimpleNamespace(keep_only=lambda files, gen: None, fence=lambda gen: None)
     actor.engine, actor._reclaiming, actor.restores, actor._dropped = None, None, RestoreTurns(), []
+    actor._dropping = threading.Lock()
     actor.gen, actor.rank, actor.world_size, actor.raylet_pid = 0, 1, 2, os.getppid()
     actor.sockets = SimpleNamespace(adding=contextlib.nullcontext, abort=lambda: None)
     actor.store = SimpleNamespace(send=lambda message: None)
