@@ -100,6 +100,16 @@ def test_fresh_never_deletes_checkpoints_no_experiment_made(tmp_path, capsys):
     assert "no `undying chaos` experiment made" in err and "--fresh leaves them" in err
 
 
+def test_a_job_s_root_without_checkpoints_yet_is_not_marked_as_an_experiment_s(tmp_path, capsys):
+    # A running job before its first commit (its lease and event log there): a marker written now
+    # would let a later --fresh delete the checkpoints that job commits.
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])
+    storage = catalog_of(spec).storage
+    storage.write_immutable(storage.path("owner", "claim-1.json"), b"{}")
+    assert chaos_main(_args(tmp_path, "--no-reference"), runner=FakeRunner()) == EXIT_USAGE
+    assert not storage.exists(storage.path("chaos-experiment.json")) and "holds owner" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("spoil, failing", [
     ({"history": [[0, 4], [1, 4], ["restore", 1], [2, 4], [3, 4]]}, "data_exactly_once"),  # step 1 rolled back
     ({"weights": torch.ones(3, 2) + 1e-3}, "model_matches_reference"),

@@ -343,6 +343,12 @@ def prepare_root(spec, fresh: bool) -> None:
                                      "--fresh deletes nothing while it runs: stop it, or choose another name with "
                                      "--set name=...")])
         storage.remove_tree(storage.root)
+    # Marked only where nothing else is: a job's root that holds no checkpoint yet (its lease, its
+    # event log) marked here would later be deleted by --fresh once it holds some.
+    others = [name for name in storage.listdir(storage.root) if name != CHAOS_MARKER]
+    if others and not storage.exists(storage.path(CHAOS_MARKER)):
+        raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} holds {', '.join(others[:3])} of a job "
+                                 "that no `undying chaos` experiment made; choose another name with --set name=...")])
     with storage.atomic_writer(storage.path(CHAOS_MARKER)) as out:
         out.write(json.dumps({"job": spec.name}).encode())
 
