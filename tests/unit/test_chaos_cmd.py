@@ -274,3 +274,13 @@ def test_a_tracker_without_its_package_stops_the_experiment_before_its_runs(tmp_
     args = _args(tmp_path, "--set", f"monitor.tensorboard={tmp_path}/tb")
     assert chaos_main(args, runner=runner) == EXIT_USAGE and runner.names == []
     assert "monitor.tensorboard: the tensorboard package is not installed" in capsys.readouterr().err
+
+
+def test_a_parameter_server_spec_is_refused_naming_the_mode(tmp_path, capsys):
+    # Its scripted faults would run under the collective controller, which fires no kill_server.
+    args = _parser().parse_args(["chaos", "examples/ps.yaml", "--no-reference", "--set", "name=unit",
+                                 "--set", f"checkpoint.url=file://{tmp_path}/ckpt",
+                                 "--set", "chaos.faults=[{kind: kill_server, server: 0, at_step: 4}]"])
+    runner = FakeRunner()
+    assert chaos_main(args, runner=runner) == EXIT_USAGE and runner.names == []
+    assert "parallel.mode" in capsys.readouterr().err

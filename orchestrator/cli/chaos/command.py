@@ -146,6 +146,10 @@ def _load(path: str, args):
     if spec.chaos.mtbf_s is None and not spec.chaos.faults:
         problems.append(Problem("chaos.mtbf_s", "no fault to inject: give --mtbf 60s (random failures) or "
                                                 "chaos.faults in the spec"))
+    if spec.parallel.mode == "ps":  # its faults fire through the supervisor's holds, its checks are the collective's
+        problems.append(Problem("parallel.mode", "undying chaos runs collective jobs; a parameter-server job "
+                                                 "takes its kill_rank and kill_server faults from chaos.faults "
+                                                 "under `undying run`"))
     if problems:
         raise SpecError(problems)
     require_storage(spec)
