@@ -40,3 +40,15 @@ def fail_line(as_json: bool, message: str, code: int) -> int:
 
 class UsageError(Exception):
     """The arguments cannot work as given; the message names the argument and the fix."""
+
+
+def serve_metrics(metrics, spec) -> int | None:
+    """Start the job's metrics endpoint on `monitor.host:monitor.port`; its port, or None (printed,
+    the caller exits 2) when the address cannot be bound: a port another job or exporter holds."""
+    try:
+        return metrics.serve(spec.monitor.host, spec.monitor.port)
+    except OSError as err:
+        print_problems([Problem("monitor.port", f"cannot serve the metrics on {spec.monitor.host}:"
+                                                f"{spec.monitor.port} ({err.strerror or err}); give a free port, "
+                                                "or 0 for any")])
+        return None

@@ -24,7 +24,7 @@ import sys
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics, StepRate
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import route_signals, teardown
@@ -94,7 +94,9 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.owner = claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
-        port = metrics.serve(spec.monitor.host, spec.monitor.port)
+        port = serve_metrics(metrics, spec)
+        if port is None:
+            return EXIT_USAGE
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
               f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)

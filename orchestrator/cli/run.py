@@ -28,7 +28,7 @@ from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import route_signals, teardown
@@ -75,7 +75,9 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
                        host_memory_note(spec, nodes)):
             if memory:
                 print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
-        port = metrics.serve(spec.monitor.host, spec.monitor.port)
+        port = serve_metrics(metrics, spec)
+        if port is None:
+            return EXIT_USAGE
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
         lease = claim_root(spec)
