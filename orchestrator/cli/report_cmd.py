@@ -22,6 +22,7 @@ import json
 from orchestrator.cli.ckpt_catalog import error_reason, is_storage_error, open_catalog
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, fail_line
 from orchestrator.cli.extras import PLOT_EXTRA, PLOT_MODULE, install_hint, installed
+from orchestrator.cli.output_paths import output_problems
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 HELP = "rebuild a run's summary table and timeline PNG from the event log under its checkpoint root"
@@ -77,6 +78,9 @@ def report_main(args: argparse.Namespace) -> int:
             raise UsageError("--timeline and --no-timeline: give one")
         report, run, runs, count = _rebuild(args)
         png, note = _timeline_path(args, report.job)
+        problems = output_problems({"--timeline": png, "--out": args.out})
+        if problems:
+            raise UsageError("; ".join(str(problem) for problem in problems))
     except UsageError as err:
         return fail_line(args.as_json, f"undying report: {err}", EXIT_USAGE)
     except Exception as err:

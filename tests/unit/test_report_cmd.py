@@ -50,6 +50,7 @@ def test_report_rebuilds_the_table_and_the_png_of_the_newest_run(tmp_path, capsy
 @pytest.mark.parametrize("argv, says", [
     (["--run", "nope"], "--run nope: no such run"),
     (["--timeline", "x.png", "--no-timeline"], "give one"),
+    (["--no-timeline", "--out", "."], "--out: . is a directory; give a file path"),
 ])
 def test_report_errors_name_the_argument_and_parse_under_json(tmp_path, capsys, argv, says):
     url, _ = _logged(tmp_path, "r1")
