@@ -108,7 +108,6 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
             ps_metrics.on_steps(report.steps)
         except Preempted as stop:
-            preemption.ending = True
             print(f"undying: job preempted: {stop}", file=sys.stderr)
             return EXIT_PREEMPTED
         except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
