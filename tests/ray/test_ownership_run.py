@@ -40,7 +40,7 @@ def test_one_driver_owns_a_job_and_a_replaced_one_stops_committing(ray_cluster, 
     assert f"pid {first.pid}" in second.stderr and first.poll() is None  # the first runs on, untouched
 
     storage = Storage(f"file://{tmp_path}/ckpt/own")
-    wait_for(log, "committed", first)
+    wait_for(log, " committed: ", first)  # a commit's line ("fresh start (no committed checkpoint)" comes first)
     claimed_at = _claim_from_elsewhere(storage, epochs(storage)[-1] + 1)
     assert first.wait(timeout=60) == 1
     text = log.read_text()
