@@ -49,7 +49,8 @@ class RayWorkerGroup(SpareSeats):
     A seat is one rank's share of a bundle (a TP group's bundle has tp seats). `actors[rank]`
     is the actor that plays `rank` in the current generation; `bundle_of[rank]` its seat.
     Spares are actors that have started (torch imported) but hold no rank; a failed rank is
-    replaced by a spare in milliseconds instead of a cold actor in seconds.
+    replaced by a spare in milliseconds instead of a cold actor in seconds (the spares' methods:
+    orchestrator/cluster/spare_seats.py).
     """
 
     def __init__(self, spec, env_vars: dict[str, str] | None = None, placement_timeout_s: float = 60.0):
