@@ -47,7 +47,7 @@ class HeldShards:
         self.storage = Storage(f"memory://undying-held/{job}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # relative path -> bytes
-        self.gen = -1  # the newest generation that restored here: shards of older ones are stale
+        self.gen = -1  # the fence (`fence`, `keep_only`): shards of generations before it are stale
 
     def path(self, relpath: str) -> str:
         return self.storage.path(relpath)
