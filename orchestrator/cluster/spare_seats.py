@@ -11,6 +11,8 @@ lost or draining nodes.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import ray
 from ray.exceptions import RayError
 
@@ -26,15 +28,14 @@ class SpareSeats:
         again), those still warming up too (by their seat's bundle: their own node is known only
         once warm); their seats are free. Returns how many."""
         seats = set(self._bundles_on(nodes))
-        gone = [seat for seat, (actor, _) in self.spares.items()
-                if seat in seats or self.node_of_actor.get(actor._actor_id.hex()) in nodes]
+        gone = [seat for seat in self.spares if seat in seats or self.spare_node(seat) in nodes]
         for seat in gone:
             ray.kill(self.spares.pop(seat)[0], no_restart=True)
         return len(gone)
 
     def spares_on(self, node: str) -> int:
         """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""
-        return sum(self.node_of_actor.get(actor._actor_id.hex()) == node for actor, _ in self.spares.values())
+        return sum(self.spare_node(seat) == node for seat in self.spares)
 
     def start_spares(self) -> list[int]:
         """Start a spare in every free seat (no waiting: each warms up on its own); returns the seats."""
@@ -60,7 +61,7 @@ class SpareSeats:
             except RayError:  # died while idle, or its warm-up raised (a device error): its bundle is free again
                 ray.kill(self.spares.pop(bundle)[0], no_restart=True)
                 continue
-            if self.node_of_actor.get(self.spares[bundle][0]._actor_id.hex()) in self.lost_nodes:
+            if self.spare_node(bundle) in self.lost_nodes:
                 ray.kill(self.spares.pop(bundle)[0], no_restart=True)
                 continue
             ready.append(bundle)
@@ -116,9 +117,8 @@ class SpareSeats:
     def promotable_spares(self) -> int:
         """How many live ready spares a grow can use: whole TP groups' worth on each node (`grow`
         never splits a group over nodes either)."""
-        tp, per_node = self.spec.parallel.tp, {}
-        for seat in self.live_ready_spares():
-            per_node[self.spare_node(seat)] = per_node.get(self.spare_node(seat), 0) + 1
+        tp = self.spec.parallel.tp
+        per_node = Counter(self.spare_node(seat) for seat in self.live_ready_spares())
         return sum(count - count % tp for count in per_node.values())
 
     def grow(self, world_size: int) -> list[int]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import threading
 from collections import Counter
@@ -60,6 +61,19 @@ def new_secret() -> bytes:
 def key_prefix(secret: bytes, gen: int) -> str:
     """Generation `gen`'s key prefix in the store: `gen<g>-` and 128 bits only the secret gives."""
     return f"gen{gen}-" + hmac.new(secret, f"key prefix\n{gen}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+_GENERATION = re.compile(r"gen(\d+)-")
+
+
+def generation_of_key(secret: bytes, key: str) -> int | None:
+    """The generation of a store key under its `key_prefix`; None for a key of no generation of
+    this secret's job."""
+    match = _GENERATION.match(key)
+    if match is None:
+        return None
+    gen = int(match.group(1))
+    return gen if key.startswith(key_prefix(secret, gen) + "/") else None
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,23 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import socket
 import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from orchestrator.wire.auth import Rejected, Rejections, Seal, StoreAddress, channel_of, key_prefix, new_secret
+from orchestrator.wire.auth import (
+    Rejected,
+    Rejections,
+    Seal,
+    StoreAddress,
+    channel_of,
+    generation_of_key,
+    key_prefix,
+    new_secret,
+)
 from orchestrator.wire.messages import Message, decode, encode
-
-_GENERATION = re.compile(r"gen(\d+)-")  # a key's generation (auth.key_prefix)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +104,8 @@ class RendezvousServer:
         finish. Housekeeping: a store error here is logged and the keys stay (the next drop finds
         them), the job goes on."""
         try:
-            keys = [key for key in self._server.list_keys() if self._older(key, gen)]
+            keys = [key for key in self._server.list_keys()
+                    if (old := generation_of_key(self._secret, key)) is not None and old < gen]
             for key in keys:
                 self._server.delete_key(key)
         except (RuntimeError, OSError) as err:  # torch raises DistStoreError, a RuntimeError
@@ -106,13 +113,6 @@ class RendezvousServer:
                         "to train tries again", gen, err)
             return 0
         return len(keys)
-
-    def _older(self, key: str, gen: int) -> bool:
-        """Whether `key` is one of this job's keys of a generation before `gen` (its prefix says which)."""
-        match = _GENERATION.match(key)
-        if match is None or int(match.group(1)) >= gen:
-            return False
-        return key.startswith(key_prefix(self._secret, int(match.group(1))) + "/")
 
 
 def _listening_store(host: str, port: int) -> dist.TCPStore:
