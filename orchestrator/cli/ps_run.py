@@ -12,8 +12,8 @@ servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, 
 (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
 `--report`. SIGTERM and SIGINT stop the job at a saved cut (its last segment runs on to the end),
 or where it is once that no longer fits in the grace (paramserver.preemption): exit 75, the last
-commit intact. A node Ray drains has the job's actors moved off it at a saved cut
-(paramserver.moves).
+commit intact; one during the set-up before (the owner lease's watch) stops it there, exit 75
+too. A node Ray drains has the job's actors moved off it at a saved cut (paramserver.moves).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from monitor.ps_metrics import PSMetrics, StepRate
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
-from orchestrator.cli.teardown import route_signals, teardown
+from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.spec.job_spec import JobSpec, spec_hash
@@ -72,7 +72,6 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     if timeline_path:
         print_problems([Problem("--timeline", "parameter-server jobs do not draw a timeline yet; leave it out")])
         return EXIT_USAGE
-    from paramserver.clocks import staleness_histogram
     from paramserver.job import run_ps
 
     par = spec.parallel
@@ -89,7 +88,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps)
-    restore_signals = lambda: None  # noqa: E731 (replaced once the signals are routed)
+    restore_signals = route_signals(StartUpSignals().on_signal)  # until the supervisor's preemption takes them
     try:
         checkpoints.owner = claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
@@ -101,7 +100,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
               f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)
         checkpoints.preemption = preemption
-        restore_signals = route_signals(preemption.on_signal)
+        route_signals(preemption.on_signal)  # (`restore_signals` still puts Ray's handlers back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats,
                             checkpoints=checkpoints, faults=faults, ledger=ledger)
@@ -115,16 +114,26 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             return EXIT_FAILED
         print(report.summary(), flush=True)
         if report_path:
-            total, per_server = report.bytes_per_step()
-            with open(report_path, "w") as out:
-                json.dump({"name": spec.name, "status": "succeeded", "mode": "ps", "consistency": par.consistency,
-                           "losses": report.losses, "wall_s": report.wall_s,
-                           "staleness_histogram": {str(k): v for k, v in staleness_histogram(report.records).items()},
-                           "bytes_per_step": total, "bytes_per_step_per_server": per_server,
-                           "state_bytes": report.state_bytes, **report.to_dict()}, out, indent=1)
-            print(f"report written to {report_path}")
+            _write_report(spec, report, report_path)
         return EXIT_OK
+    except StoppedBeforeStart as stop:
+        print(f"undying: job preempted: {stop}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     finally:
         preemption.ending = True  # a second signal now must not cut the lease's release short (teardown)
         teardown([checkpoints.owner.release if checkpoints.owner is not None else None, metrics.close, conn.close])
         restore_signals()
+
+
+def _write_report(spec: JobSpec, report, path: str) -> None:
+    """The succeeded job's report as JSON (`--report`): its losses, staleness and traffic, its goodput."""
+    from paramserver.clocks import staleness_histogram
+
+    total, per_server = report.bytes_per_step()
+    with open(path, "w") as out:
+        json.dump({"name": spec.name, "status": "succeeded", "mode": "ps", "consistency": spec.parallel.consistency,
+                   "losses": report.losses, "wall_s": report.wall_s,
+                   "staleness_histogram": {str(k): v for k, v in staleness_histogram(report.records).items()},
+                   "bytes_per_step": total, "bytes_per_step_per_server": per_server,
+                   "state_bytes": report.state_bytes, **report.to_dict()}, out, indent=1)
+    print(f"report written to {path}")

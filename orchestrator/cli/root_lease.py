@@ -2,8 +2,9 @@
 
 Called by orchestrator.cli.run and orchestrator.cli.ps_run after Ray is up and before anything
 writes to the root; the caller releases the lease last, however the job ends. A root that another
-job holds, a store that cannot be read, an owner folder that does not parse and Ctrl-C during the
-watch are each one line on stderr, never a traceback; the caller exits 2 (nothing was started).
+job holds, a store that cannot be read and an owner folder that does not parse are each one line
+on stderr, never a traceback; the caller exits 2 (nothing was started). A signal during the watch
+is the caller's (orchestrator.cli.teardown.StartUpSignals): a claim already written is ended.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ def claim_root(spec) -> OwnerLease | None:
                                 say=lambda line: print(f"undying: {line}", flush=True))
     except OwnerAlive as err:
         print(f"undying: the job cannot start: {err}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("undying: interrupted while claiming the checkpoint root; nothing was started", file=sys.stderr)
     except Exception as err:  # the store, or an owner folder a person must look at
         if not (is_storage_error(err) or isinstance(err, UnreadableClaim)):
             raise

@@ -7,7 +7,9 @@ by PID/handle in `finally`, whatever happened.
 
 SIGTERM and SIGINT (`ray job stop`, a head pod's eviction through its preStop hook, Ctrl-C) are handed to the
 controller while it runs (orchestrator.controller.stopping: the handler only records the
-signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED).
+signal): the job checkpoints at the next step boundary and exits 75 (EXIT_PREEMPTED). One during
+the set-up before it (from Ray's connection: the owner lease's watch, the actors' start) stops the
+driver at once with the same exit 75: there is nothing to checkpoint yet.
 
 Before anything writes to the checkpoint root the driver takes its owner lease (ckpt.ownership):
 a second driver of a live job exits 2 naming the first; the lease is released once the ranks
@@ -31,7 +33,7 @@ from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root
-from orchestrator.cli.teardown import route_signals, teardown
+from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import (
     capacity_problems,
@@ -60,7 +62,8 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
                                slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
-    workers, trackers, lease, restore_signals = None, NO_TRACKING, None, lambda: None
+    workers, trackers, lease = None, NO_TRACKING, None
+    restore_signals = route_signals(StartUpSignals().on_signal)  # until the controller takes them over
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
         nodes = ray_cluster.alive_node_resources()  # one GCS read for the checks below
@@ -95,9 +98,12 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         controller.record.tracker = trackers
         # From here to the end of the teardown a signal is the controller's to record: never an
         # exception that cuts the report or the teardown short (the lease release among them).
-        restore_signals = route_signals(controller.stops.on_signal)
+        route_signals(controller.stops.on_signal)  # (`restore_signals` still puts Ray's handlers back)
         report = controller.run()
         return _outcome(report, report_path, timeline_path)
+    except StoppedBeforeStart as stop:
+        print(f"undying: job preempted: {stop}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     finally:
         teardown([workers.shutdown if workers is not None else None, trackers.close,
                    lease.release if lease is not None else None, metrics.close, conn.close])

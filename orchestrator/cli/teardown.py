@@ -1,9 +1,13 @@
 """How a driver ends (`undying run`, collective or parameter-server): its signal handlers and its teardown.
 
-Protocol: the driver calls `route_signals(handler)` once the part that acts on signals exists
-(its controller or supervisor; the handler only records them), keeps the returned `restore`
-until its teardown is over, and calls `teardown([...])` in its `finally`. A signal during the
-report or the teardown is then recorded, never raised as an exception that would cut either short.
+Protocol: once Ray is connected the driver routes the signals to a `StartUpSignals`'
+`on_signal` (`route_signals`), keeps the returned `restore` until its teardown is over, and
+catches `StoppedBeforeStart` around its set-up: a signal there ends the job at once, PREEMPTED
+(exit 75, retry it), as any signalled job does. Once the part that acts on signals exists (its
+controller or supervisor; its handler only records them) it routes them there, discarding that
+call's `restore` (which would put the start-up handler back), and calls `teardown([...])` in its
+`finally`. A signal during the report or the teardown is then recorded, never raised as an
+exception that would cut either short.
 """
 
 from __future__ import annotations
@@ -12,6 +16,28 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+
+
+class StoppedBeforeStart(BaseException):
+    """SIGTERM or SIGINT while the driver set the job up (a wait for the checkpoint root's owner
+    lease, the actors' start): nothing trained and no checkpoint written. A BaseException, as
+    KeyboardInterrupt is, so that no handler that turns a failure into a fallback takes it for one."""
+
+
+class StartUpSignals:
+    """The driver's signal handler from Ray's connection until its controller or supervisor takes
+    the signals over: the first signal raises StoppedBeforeStart wherever the set-up is (there is
+    nothing to checkpoint; waiting for the set-up to end could outlast a pod's grace), a later one
+    (the teardown under way) is only recorded, so that the teardown runs whole."""
+
+    def __init__(self):
+        self.signals: list[str] = []
+
+    def on_signal(self, signum: int, _frame=None) -> None:
+        self.signals.append(signal.Signals(signum).name)
+        if len(self.signals) == 1:
+            raise StoppedBeforeStart(f"{self.signals[0]} while the job was set up, before it trained: nothing "
+                                     "was checkpointed; rerun the job")
 
 
 def route_signals(handler) -> Callable[[], None]:

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from ckpt.owner_claims import OWNER_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
 UNDYING = str(Path(sys.executable).parent / "undying")
 
@@ -88,3 +90,15 @@ def assert_every_check_passed(proc, report_path: Path) -> dict:
     assert report["invariants"]["ok"] is True and report["status"] == "succeeded"
     assert [c["name"] for c in report["invariants"]["checks"]] == list(CHECKS)
     return report
+
+
+def claim_from_elsewhere(storage, epoch: int, job: str, lease_s: float = 3.0) -> float:
+    """What a driver of `job` on another host (node-9) writes to own its checkpoint root, or when it
+    judged the owner dead: a claim and one beat (ckpt.ownership). Returns the beat's time."""
+    now = time.time()
+    record = {"holder": f"undying run of job {job!r}", "lease_s": lease_s, "claimed_at": now,
+              "process": {"host": "node-9/boot/pid:[1]", "pid": 777, "started": "1"}, "taken_because": "test"}
+    storage.create_exclusive(storage.path(OWNER_DIR, f"claim-{epoch:010d}.json"), json.dumps(record).encode())
+    storage.write_immutable(storage.path(OWNER_DIR, f"beat-{epoch:010d}.json"),
+                            json.dumps({"beat": 1, "time": now, "ended": False}).encode())
+    return now

@@ -1,34 +1,25 @@
 """One driver per job, end to end (ckpt.ownership): a second `undying run` of a running job exits 2
 naming the first; a driver whose checkpoint folder another claimed fails without committing
 again; a rerun after a driver elsewhere went silent takes over after watching for one lease and
-finishes the job."""
+finishes the job; SIGTERM while a driver watches such a heartbeat (its set-up, before it trains)
+ends it at once, exit 75, with no claim of its own left behind."""
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
 
 from ckpt.catalog import Catalog
-from ckpt.owner_claims import OWNER_DIR, epochs, newest_claim
+from ckpt.owner_claims import epochs, newest_claim
 from ckpt.storage import Storage
-from tests.ray.jobs import run_job, start_job, wait_for
+from tests.ray.jobs import claim_from_elsewhere, run_job, start_job, wait_for
 
 pytestmark = pytest.mark.ray
 LEASE = ["checkpoint.owner_lease_s=3"]  # a beat every 0.5 s
 SLOW = ["chaos.faults=[{kind: slow_rank, rank: 0, at_step: 0, factor: 4}]"]  # training lasts ~10 s
-
-
-def _claim_from_elsewhere(storage: Storage, epoch: int) -> float:
-    """What a driver on another host writes when it judged the owner dead: a claim and one beat."""
-    now = time.time()
-    record = {"holder": "undying run of job 'own'", "lease_s": 3.0, "claimed_at": now,
-              "process": {"host": "node-9/boot/pid:[1]", "pid": 777, "started": "1"}, "taken_because": "test"}
-    storage.create_exclusive(storage.path(OWNER_DIR, f"claim-{epoch:010d}.json"), json.dumps(record).encode())
-    storage.write_immutable(storage.path(OWNER_DIR, f"beat-{epoch:010d}.json"),
-                            json.dumps({"beat": 1, "time": now, "ended": False}).encode())
-    return now
 
 
 def test_one_driver_owns_a_job_and_a_replaced_one_stops_committing(ray_cluster, tmp_path):
@@ -41,7 +32,7 @@ def test_one_driver_owns_a_job_and_a_replaced_one_stops_committing(ray_cluster, 
 
     storage = Storage(f"file://{tmp_path}/ckpt/own")
     wait_for(log, " committed: ", first)  # a commit's line ("fresh start (no committed checkpoint)" comes first)
-    claimed_at = _claim_from_elsewhere(storage, epochs(storage)[-1] + 1)
+    claimed_at = claim_from_elsewhere(storage, epochs(storage)[-1] + 1, "own")
     assert first.wait(timeout=60) == 1
     text = log.read_text()
     assert "no longer owns it" in text and "node-9, pid 777" in text, text[-3000:]
@@ -58,3 +49,20 @@ def test_one_driver_owns_a_job_and_a_replaced_one_stops_committing(ray_cluster, 
     result = json.loads(report.read_text())
     assert result["status"] == "succeeded" and result["final_step"] == 40
     assert min(p["step"] for p in result["losses"]) == committed[-1]  # resumed at the first driver's last commit
+
+
+def test_sigterm_while_the_driver_waits_for_the_root_exits_preempted_at_once(ray_cluster, tmp_path):
+    # A pod evicted during its set-up: exit 75 (retry it), as a signal during training gives, not
+    # Ray's SystemExit(15); the other host's claim stays the newest (this driver never claimed).
+    storage = Storage(f"file://{tmp_path}/ckpt/own")
+    claim_from_elsewhere(storage, 0, "own", lease_s=120.0)  # watched for two minutes before it could be taken
+    proc, _, log = start_job(ray_cluster, tmp_path, "own", LEASE)
+    wait_for(log, "watching its heartbeat", proc)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75, log.read_text()[-3000:]
+    assert time.monotonic() - signalled < 30  # the watch was cut short, not waited out
+    text = log.read_text()
+    assert "undying: job preempted: SIGTERM while the job was set up, before it trained" in text, text[-3000:]
+    assert "Traceback" not in text
+    assert epochs(storage) == [0] and newest_claim(storage).host == "node-9"

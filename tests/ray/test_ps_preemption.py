@@ -1,5 +1,6 @@
 """SIGTERM to `undying run` of a parameter-server job: it cuts the segment where every worker can stop,
-saves the cut and stops there, exits 75 and releases its owner lease, and a rerun resumes from it."""
+saves the cut and stops there, exits 75 and releases its owner lease, and a rerun resumes from it.
+During the set-up (the wait for another driver's lease) it stops at once, exit 75 as well."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import time
 import pytest
 
 from ckpt.catalog import Catalog
+from ckpt.owner_claims import newest_claim
 from ckpt.storage import Storage
-from tests.ray.jobs import ROOT, UNDYING
+from tests.ray.jobs import ROOT, UNDYING, claim_from_elsewhere
 
 pytestmark = pytest.mark.ray
 
@@ -55,3 +57,21 @@ def test_sigterm_stops_a_ps_job_with_exit_75_and_the_rerun_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     report = json.loads((tmp_path / "again.json").read_text())
     assert report["first_step"] == committed and "watching" not in again.stdout
+
+
+def test_sigterm_during_the_set_up_of_a_ps_job_exits_75_at_once(tmp_path):
+    storage = Storage(f"file://{tmp_path}/ckpt/ps-tiny")
+    claim_from_elsewhere(storage, 0, "ps-tiny", lease_s=120.0)  # a driver elsewhere, watched for minutes
+    log = tmp_path / "setup.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_cmd(tmp_path, tmp_path / "setup.json", 40), stdout=out, stderr=subprocess.STDOUT,
+                                text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while "watching its heartbeat" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "job preempted: SIGTERM while the job was set up" in text and "Traceback" not in text, text[-3000:]
+    assert newest_claim(storage).host == "node-9" and not (tmp_path / "setup.json").exists()

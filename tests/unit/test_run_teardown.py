@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from orchestrator.cli.teardown import route_signals, teardown
+from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 
 
 def test_every_teardown_step_runs_whatever_the_others_raise(capsys):
@@ -50,3 +50,16 @@ def test_signals_go_to_the_handler_until_restored():
     assert seen == [signal.SIGINT, signal.SIGTERM]
     restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_first_signal_of_the_set_up_stops_it_and_a_second_leaves_the_teardown_whole():
+    start_up = StartUpSignals()
+    restore = route_signals(start_up.on_signal)
+    try:
+        with pytest.raises(StoppedBeforeStart, match="SIGINT while the job was set up"):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the owner lease's watch
+        ran = []
+        teardown([lambda: os.kill(os.getpid(), signal.SIGTERM), lambda: ran.append("lease")])
+        assert ran == ["lease"] and start_up.signals == ["SIGINT", "SIGTERM"]
+    finally:
+        restore()
