@@ -5,6 +5,8 @@
     2 (EXIT_USAGE)   the spec or the cluster cannot run the job as written; nothing was started
     75 (EXIT_PREEMPTED)  the job was stopped by SIGTERM or SIGINT (EX_TEMPFAIL: retry it); it
                      checkpointed where it stopped when it could, and a rerun resumes there
+    130 (EXIT_INTERRUPTED)  Ctrl-C stopped a command that does not take signals itself (`ckpt gc`
+                     watching a job's heartbeat, `ckpt verify` reading; `run` before Ray is up)
 
 Every command module prints user mistakes with `print_problems` and returns EXIT_USAGE:
 one line per problem, naming the field and the fix, never a traceback.
@@ -19,6 +21,7 @@ from orchestrator.spec.problems import Problem
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: schedulers and wrappers read it as "try again"
+EXIT_INTERRUPTED = 130  # the shell's own code for a process ended by SIGINT
 
 
 def print_problems(problems: list[Problem]) -> None:

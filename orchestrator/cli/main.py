@@ -18,8 +18,9 @@
 
 Exit codes: 0 the job succeeded; 1 the job failed (its checkpoints are intact); 2 the
 spec or the cluster cannot run the job as written (nothing was started); 75 the job was
-stopped by SIGTERM or SIGINT (a rerun resumes where it checkpointed). User mistakes
-print one line per problem, naming the field and the fix, never a traceback.
+stopped by SIGTERM or SIGINT (a rerun resumes where it checkpointed); 130 Ctrl-C stopped a
+command that does not take signals itself (orchestrator.cli.exits). User mistakes print one line
+per problem, naming the field and the fix, never a traceback.
 
 `undying --help` and `undying CMD --help` import no engine (torch, Ray): the commands whose
 options live in their own module are registered lazily (`LazyParser`), their module imported
@@ -36,7 +37,7 @@ import math
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cli.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.cluster.address import RayAddressError
 
 # Commands defined in their own modules, each with its own spec handling or none (they work on a
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     except RayAddressError as err:  # before any work: one line, the fix in it
         print(f"undying {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # what each command holds (a lease, a temp file) it let go on the way out
+        action = getattr(args, f"{args.command}_command", None)  # `ckpt gc`: the subcommand too
+        print(f"undying {args.command}{f' {action}' if action else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -373,3 +375,26 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     _one_line_error(result.stderr, "undying ckpt ls:", "does not exist")
+
+
+def test_ctrl_c_while_gc_watches_a_job_deletes_nothing_and_prints_one_line(job):
+    from ckpt.owner_claims import epochs
+    from ckpt.ownership import OwnerLease
+
+    url, catalog = job
+    running = OwnerLease.claim(catalog.storage, "undying run of job 'j'", 60.0)  # watched for a minute
+    try:
+        gc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.main", "ckpt", "gc", url, "--keep", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        line = gc.stderr.readline()  # gc verifies first, then watches the holder's heartbeat, saying so
+        assert "watching its heartbeat" in line, line + gc.stderr.read()
+        time.sleep(0.5)  # inside the watch
+        gc.send_signal(signal.SIGINT)
+        _, err = gc.communicate(timeout=60)
+        assert gc.returncode == 130
+        _one_line_error(err.splitlines()[-1], "undying ckpt gc: interrupted")
+        assert "Traceback" not in err and catalog.all_steps() == [10, 15, 20, 30, 35]
+        assert epochs(catalog.storage) == [running.epoch] and running.lost is None  # gc claimed nothing
+    finally:
+        running.release()
+
