@@ -16,7 +16,7 @@ retention or GC pass, a quarantine); the controller, and the parameter-server su
 `lease.lost` at each poll (a reason once a newer claim was seen: the job ends); the driver calls
 `lease.release()` when the job ends, however it ends. The lease has its own Storage: faults
 injected into the catalog's never reach it. `undying ckpt gc` holds a lease while it deletes;
-`undying chaos --fresh` asks `owner_claims.live_owner` first.
+`undying chaos --fresh` asks `owner_claims.live_owner` first, and gc `refuse_a_beating_owner`.
 
 Claiming judges the newest claim (owner_claims.standing): none, released (its beat says ended),
 its process certainly gone (same host: ckpt.process_identity), or its last beat older than ten
@@ -205,10 +205,22 @@ def _reason_to_take(storage: Storage, newest: Claim, say: Callable[[str], None])
     return taken_because(newest, state, time.time())
 
 
-def _watch(storage: Storage, claim: Claim) -> str:
-    """Watch `claim`'s beat for one of its leases and one beat interval: "released" or "silent", or OwnerAlive."""
+def refuse_a_beating_owner(storage: Storage) -> None:
+    """Raise OwnerAlive when the root's holder, not known to have stopped, beats within a beat
+    interval and a half: the cheap look a long read takes before it claims (`undying ckpt gc`
+    verifies for minutes, to be refused after that by a job that runs). A holder silent that long
+    is not judged dead here: the claim's own watch does that, for a whole lease."""
+    claim = newest_claim(storage)
+    if claim is not None and standing(claim, time.time()) == "running":
+        with contextlib.suppress(FileNotFoundError):  # it vanished: nobody holds the root
+            _watch(storage, claim, for_s=1.5 * claim.lease_s / BEATS_PER_LEASE)
+
+
+def _watch(storage: Storage, claim: Claim, for_s: float | None = None) -> str:
+    """Watch `claim`'s beat for `for_s`, by default one of its leases and one beat interval:
+    "released" or "silent", or OwnerAlive."""
     first = (claim.beat or {}).get("beat")
-    deadline = time.monotonic() + watch_s(claim.lease_s)
+    deadline = time.monotonic() + (watch_s(claim.lease_s) if for_s is None else for_s)
     while time.monotonic() < deadline:
         time.sleep(claim.lease_s / BEATS_PER_LEASE / 2)
         storage.read(storage.path(OWNER_DIR, file_name("claim", claim.epoch)))  # FileNotFoundError: it vanished

@@ -3,7 +3,8 @@ checkpoint that is intact.
 
 Protocol (one process): find the anchor first, without the lease (a large checkpoint reads for
 minutes, and a job starting meanwhile must not find its folder held): committed checkpoints are
-verified newest first, every chunk's checksum as `ckpt verify` reads it, until one verifies. Then
+verified newest first, every chunk's checksum as `ckpt verify` reads it, until one verifies (a
+job whose heartbeat advances within seconds is refused before that read, not after it). Then
 hold the folder's owner lease (ckpt.ownership; not for --dry-run or --force) and plan
 (`Catalog.gc_plan`: the newest --keep committed checkpoints kept, unfinished saves older than the
 newest commit deleted), deleting committed ones only below the anchor, still committed. A committed
@@ -18,9 +19,12 @@ whole: minutes for a large one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from ckpt.catalog import Catalog, GcPlan
+from ckpt.owner_claims import UnreadableClaim
+from ckpt.ownership import OwnerAlive, OwnerLease, refuse_a_beating_owner
 from orchestrator.cli.ckpt_catalog import committed_or_fail, error_reason, steps_text
 from orchestrator.cli.ckpt_listing import verify_line, verify_one
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, UsageError
@@ -34,10 +38,15 @@ def collect_garbage(catalog: Catalog, args: argparse.Namespace) -> int:
     if args.read_retry_s < 0:
         raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
     committed = committed_or_fail(catalog)
+    holds = not (args.dry_run or args.force)
     # Verified before the lease is taken: reading a large checkpoint takes minutes, and a job that
-    # starts meanwhile must not find the folder held. Committed bytes do not change under it.
+    # starts meanwhile must not find the folder held. Committed bytes do not change under it. A job
+    # that runs there (its heartbeat advances within seconds) is refused before that read, not after.
+    if holds and not args.no_verify:
+        with _owner_errors(catalog):
+            refuse_a_beating_owner(catalog.storage)
     anchor, unverified = (None, []) if args.no_verify else _newest_intact(catalog, committed, args.read_retry_s)
-    lease = None if args.dry_run or args.force else _hold(catalog)
+    lease = _hold(catalog) if holds else None
     try:
         plan = catalog.gc_plan(args.keep)  # planned while holding the folder: no job starts meanwhile
         if not args.no_verify:  # only below the anchor, which must still be committed
@@ -89,12 +98,16 @@ def _hold(catalog: Catalog):
     A job that holds it is refused (one that resumed behind its newest commit writes its saves below
     it, where gc would take them for unfinished ones), after watching its heartbeat when its holder
     is not known to have stopped; --force deletes without the lease."""
-    from ckpt.owner_claims import UnreadableClaim
-    from ckpt.ownership import OwnerAlive, OwnerLease
-
-    try:
+    with _owner_errors(catalog):
         return OwnerLease.claim(catalog.storage, "undying ckpt gc", GC_LEASE_S,
                                 say=lambda line: print(f"undying ckpt gc: {line}", file=sys.stderr, flush=True))
+
+
+@contextlib.contextmanager
+def _owner_errors(catalog: Catalog):
+    """A live holder, or a claim nobody can read, as gc's one-line refusal (exit 2) naming the way on."""
+    try:
+        yield
     except OwnerAlive as err:
         raise UsageError(f"{err}; its saves in flight would look unfinished to gc: run gc once it has stopped, "
                          "or pass --force") from None
