@@ -4,18 +4,17 @@ servers' byte counters and versions, and the workers' pull waits.
 Protocol. The ps job's driver (orchestrator/cli/ps_run.py) makes the job's `JobMetrics`
 (monitor.metrics) and serves it on `monitor.host` / `monitor.port` as a collective job does, and
 makes one `PSMetrics` on the same registry. Whenever it has fetched the servers' stats
-(`paramserver.actors.ServerStats`: while the workers run, and once at the end) it calls
-`on_server_stats` with them; with worker step logs (`paramserver.actors.StepLog`) it has not
-passed before, `on_steps`. Both from the driver's one thread; scrapes read the
+(`paramserver.actors.ServerStats`: while the workers run, before each save, and once at the
+end) it calls `on_server_stats` with them; with worker step logs (`paramserver.actors.StepLog`)
+it has not passed before, `on_steps`. Both from the driver's one thread; scrapes read the
 prometheus-client objects, which are thread-safe.
 
-Server stats are cumulative (a server's records and byte counters only grow), so a snapshot
-may be passed any number of times: only what is new since the previous snapshot of the same
-server is observed, and the histogram's count is the number of updates applied. A rollback to
-the last commit (paramserver.supervisor) cuts every server's records back to those of the steps
-before it, a prefix already observed: the records after it are the redone updates, observed as
-they come, so updates a rollback undid stay counted (they were applied). Byte counters smaller
-than before belong to a new server actor (a replaced shard): all of its bytes are new.
+Each stats answer carries the update records new since the previous one of its server
+(paramserver.update_history), each passed once: every record is observed, and the histogram's
+count is the number of updates applied. A rollback to the last commit undoes the updates after
+it; their redone ones come as new records, so the undone ones stay counted (they were applied).
+Byte counters are cumulative per server actor: counters smaller than before belong to a new
+actor (a replaced shard), all of whose bytes are new.
 
 This module reads the stats by attribute (`server`, `version`, `bytes_in`, `bytes_out`,
 `records` with `staleness`; `pull_wait_s`), so monitor does not import paramserver (one layer).
@@ -56,7 +55,6 @@ class _StepLog(Protocol):
 
 @dataclass
 class _Seen:
-    records: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -92,22 +90,21 @@ class PSMetrics:
         return self.job, self.consistency, str(server)
 
     def on_server_stats(self, stats: Iterable[_Stats]) -> int:
-        """Observe what is new in each server's cumulative stats; returns the updates observed."""
+        """Observe each server's new update records and its counters' growth; returns the updates observed."""
         observed = 0
         for snapshot in stats:
             seen = self._seen.setdefault(snapshot.server, _Seen())
-            seen.records = min(seen.records, len(snapshot.records))  # a rollback: the kept prefix is observed
             if snapshot.bytes_in < seen.bytes_in or snapshot.bytes_out < seen.bytes_out:
                 seen.bytes_in = seen.bytes_out = 0  # a new actor's counters
             labels = self._labels(snapshot.server)
             histogram = self.staleness.labels(*labels)
-            for record in snapshot.records[seen.records:]:
+            for record in snapshot.records:
                 histogram.observe(record.staleness)
-            observed += len(snapshot.records) - seen.records
+            observed += len(snapshot.records)
             self.pushed.labels(*labels).inc(snapshot.bytes_in - seen.bytes_in)
             self.pulled.labels(*labels).inc(snapshot.bytes_out - seen.bytes_out)
             self.version.labels(*labels).set(snapshot.version)
-            seen.records, seen.bytes_in, seen.bytes_out = len(snapshot.records), snapshot.bytes_in, snapshot.bytes_out
+            seen.bytes_in, seen.bytes_out = snapshot.bytes_in, snapshot.bytes_out
         return observed
 
     def on_steps(self, logs: Iterable[_StepLog]) -> None:
@@ -118,8 +115,8 @@ class PSMetrics:
 
 
 class StepRate:
-    """Steps per second of a parameter-server job, from the servers' cumulative stats: the newest
-    applied update's step at each `on_stats` (the driver's poll), against the first one seen. Its
+    """Steps per second of a parameter-server job, from the servers' stats: the newest applied
+    update's step at each `on_stats` (the driver's poll), against the first one seen. Its
     wall time includes the checkpoint saves, so `every_steps / rate` is the time between commits
     (the no-commit alert's interval, as a collective job exports it). A rollback (the step goes
     back from the last one seen) starts the count again."""

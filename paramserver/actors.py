@@ -13,7 +13,7 @@ the workers, calls every worker's `run` for a segment and reads the streams, pol
 `progress`, places injected kills with `hold` / `held` / `drop_held` (paramserver.gate), stops a
 segment with `abort` and takes calls again after a restore with `reopen`, cuts a segment short at
 an exact step with `freeze`, `cut` and `uncut` (paramserver.moves), asks where an actor runs with
-`node`, and reads `stats`.
+`node`, and reads `stats` (the update records a batch at a time: paramserver.update_history).
 Between segments it saves (`save_shard` on every server, through
 paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load_shard`).
 """
@@ -35,6 +35,7 @@ from paramserver.clocks import UpdateRecord
 from paramserver.gate import PullDropped, PullGate, SegmentCut, SegmentStopped
 from paramserver.messages import Pulled, Push
 from paramserver.shard import ShardServer
+from paramserver.update_history import RecordOutbox
 from paramserver.worker import PSWorker
 
 
@@ -59,7 +60,8 @@ class ServerStats:
     version: int
     bytes_in: int  # gradient payload pushed to it
     bytes_out: int  # parameter payload pulled from it
-    records: list[UpdateRecord]
+    records: list[UpdateRecord]  # the updates applied that the driver had not acknowledged
+    batch: int = 0  # the newest batch of records (paramserver.update_history.RecordOutbox)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class ServerActor:
         self.shard = ShardServer(*args, **kwargs)
         self._changed: asyncio.Condition | None = None
         self.gate = PullGate()
+        self.outbox = RecordOutbox()
         self.stopped = False  # set by `abort`, until `reopen`
         self.frozen = False  # set by `freeze`, until `cut`: new pulls wait while the cut is chosen
         self.cut_at: int | None = None  # set by `cut`, until `uncut`: pulls of this step or later end the run
@@ -169,12 +172,12 @@ class ServerActor:
         """Take every pull again (the next segment starts at the cut)."""
         self.cut_at = None
 
-    async def reopen(self, step: int, records: list[UpdateRecord] | None = None) -> None:
-        """After a restore to `step`: keep the update records of the steps before it (`records`: a
-        replaced server's, as the supervisor kept them at that commit), and take calls again."""
+    async def reopen(self, step: int) -> None:
+        """After a restore to `step`: forget the update records of `step` and later (undone), and take
+        calls again."""
         shard = self.shard
-        kept = shard.records if records is None else records
-        shard.records = [r for r in kept if r.step < step]
+        shard.records = [r for r in shard.records if r.step < step]
+        self.outbox.drop_from(step)
         shard.pending.clear()
         self.stopped, self.frozen, self.cut_at, self.answered = False, False, None, step - 1
 
@@ -198,9 +201,13 @@ class ServerActor:
             changed.notify_all()
         return version
 
-    async def stats(self) -> ServerStats:
+    async def stats(self, acked: int = 0) -> ServerStats:
+        """The counters, and the update records after batch `acked` (the driver has those); the
+        shard's new records move to the outbox (paramserver.update_history)."""
         shard = self.shard
-        return ServerStats(shard.index, shard.version, shard.bytes_in, shard.bytes_out, list(shard.records))
+        new, shard.records = shard.records, []
+        records = self.outbox.take(acked, new)
+        return ServerStats(shard.index, shard.version, shard.bytes_in, shard.bytes_out, records, self.outbox.batch)
 
 
 @ray.remote

@@ -4,8 +4,9 @@ Called by the driver (`undying run` with parallel.mode ps, orchestrator/cli/ps_r
 bench/ps) after `ray.init`. Builds the plan (paramserver.partition) and hands the job to the
 supervisor (paramserver.supervisor): K `ServerActor`s and D `WorkerActor`s (one logical CPU
 each), run in segments between checkpoints, a dead worker replaced without a global restart, a
-dead server restored with every other from the last checkpoint. Then collects the servers'
-records and byte counters, removes the actors and stops the goodput ledger.
+dead server restored with every other from the last checkpoint. Then takes the servers' last
+records and byte counters (paramserver.update_history), removes the actors and stops the goodput
+ledger.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
-from paramserver.clocks import UpdateRecord, format_histogram, staleness_histogram
+from paramserver.clocks import UpdateRecord, format_histogram
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
 from paramserver.recovery import Failure, Fault, Ledger, NullLedger
-from paramserver.streams import stats_or_none
 from paramserver.supervisor import Actors, Checkpoints, Supervisor
+from paramserver.update_history import UpdateHistory
 from paramserver.worker import sparse_names
 from trainer.batch import microbatches_per_rank
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -39,7 +40,7 @@ class PSReport:
     losses: list[float]  # per step: the token-weighted loss over every worker's share of that step
     wall_s: float
     steps: list[StepLog] = field(default_factory=list)  # the surviving execution of each (worker, step)
-    stats: list[ServerStats] = field(default_factory=list)
+    history: UpdateHistory = field(default_factory=UpdateHistory)  # the update records, the servers' counters
     first_step: int = 0  # > 0 when the job resumed from its checkpoint
     failures: list[Failure] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # steps this run committed
@@ -50,18 +51,23 @@ class PSReport:
 
     @property
     def records(self) -> list[UpdateRecord]:
-        return [r for s in self.stats for r in s.records]
+        """The applied updates' records: every one, but for the oldest of a job past
+        update_history.KEEP (counted in `staleness_histogram` alone)."""
+        return self.history.kept
+
+    def staleness_histogram(self) -> dict[int, int]:
+        return self.history.staleness_histogram()
 
     def bytes_per_step(self) -> tuple[float, list[float]]:
-        """Measured bytes moved per step (pushes + pulls): in total, and per server."""
+        """Measured bytes moved per step (pushes + pulls): in total, and per server (its last actor's)."""
         steps = max(1, len(self.losses))
-        per_server = [(s.bytes_in + s.bytes_out) / steps for s in self.stats]
+        per_server = [(s.bytes_in + s.bytes_out) / steps for _, s in sorted(self.history.last.items())]
         return sum(per_server), per_server
 
     def summary(self) -> str:
         total, per_server = self.bytes_per_step()
         formula = 2 * self.workers * self.state_bytes
-        hist = staleness_histogram(self.records)
+        hist = self.staleness_histogram()
         waits = sum(s.pull_wait_s for s in self.steps) / max(1, len(self.steps))
         resumed = f" (resumed at step {self.first_step})" if self.first_step else ""
         lines = [
@@ -71,7 +77,7 @@ class PSReport:
             f"bytes per step: {total / 1e6:.2f} MB moved (dense formula 2DS = {formula / 1e6:.2f} MB); "
             "per server " + ", ".join(f"{b / 1e6:.2f}" for b in per_server) + " MB",
             f"mean pull wait per step: {1e3 * waits:.1f} ms",
-            f"staleness of {len(self.records)} updates (server version at apply - version pulled):",
+            f"staleness of {self.history.updates} updates (server version at apply - version pulled):",
             format_histogram(hist),
             f"checkpoints committed at steps {self.checkpoints}" if self.checkpoints else "no checkpoint committed",
             *[f"failure: {f.line()}" for f in self.failures],
@@ -105,8 +111,9 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
            checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
            ledger: Ledger | None = None) -> PSReport:
     """Train to `train.steps` in parameter-server mode; `slow`: {worker: seconds slept per step}.
-    `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's cumulative stats
-    about every `stats_every_s` while the workers run, at each checkpoint, and once at the end.
+    `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's stats with the
+    update records new since the last (paramserver.update_history) about every `stats_every_s`
+    while the workers run, before each checkpoint, and once at the end.
     `checkpoints`: save every `every_steps` and restore from there (else one segment, and a dead
     server restarts the job's servers from the initial values); `faults`: injected kills;
     `ledger` (monitor.goodput.GoodputLedger, created when the job starts): booked, then stopped."""
@@ -122,29 +129,20 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
         lambda w: WorkerActor.options(num_cpus=1, max_concurrency=2).remote(w, parallel.dp, model, data, train,
                                                                             shards, sparse),
         dict(slow or {}))
-    seen: list[list[ServerStats]] = [[]]  # the last stats handed to on_stats
-
-    def remember(stats: list[ServerStats]) -> None:
-        seen[0] = stats
-        on_stats(stats)
-
     supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_stats=remember if on_stats else None,
-                            stats_every_s=stats_every_s)
+                            faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s)
+    history = supervisor.history
     try:
         supervisor.run()
-        # A server that died after the final commit costs the report its last counts, not the finished job.
-        stats = stats_or_none(supervisor.servers)
-        if stats is None:
+        # A server that died after the final commit costs the report its last counts, not the finished
+        # job (its records of the steps before the commit were taken before the save).
+        if history.poll(supervisor.servers) is None:
             log.warning("a server did not answer for its final stats: the report carries the last ones read")
-            stats = seen[0]
-        if on_stats is not None:
-            on_stats(stats)
     finally:
         supervisor.teardown()
         ledger.stop()
     logs = [supervisor.logs[key] for key in sorted(supervisor.logs)]
     return PSReport(parallel.consistency, parallel.dp, parallel.servers, sum(p.nbytes for p in params),
-                    [shard_bytes(s) for s in shards], step_losses(logs), ledger.wall(), logs, stats,
+                    [shard_bytes(s) for s in shards], step_losses(logs), ledger.wall(), logs, history,
                     supervisor.start_step, supervisor.failures, supervisor.saved, supervisor.redone,
                     ledger.totals(), supervisor.pids, supervisor.moved)

@@ -58,7 +58,7 @@ class ShardServer:
         self.clocks = Clocks(workers)
         self.version = 0
         self.pending: dict[int, dict[int, Push]] = {}
-        self.records: list[UpdateRecord] = []
+        self.records: list[UpdateRecord] = []  # applied since its actor's last `stats` call took them
         self.bytes_in = self.bytes_out = 0
 
     def may_read(self, step: int) -> bool:

@@ -4,7 +4,7 @@ Called by the supervisor's loop (paramserver.supervisor) every poll: `take(strea
 logs that are ready, and once the stream has ended, its error (None when the run finished);
 `actor_died(error)` tells a dead worker actor from a run that raised (a call to a dead server).
 When a segment stops, `stop_all` takes every stream to its end and `dead_servers` finds the
-servers that died; `stats_or_none` reads the servers' stats for the metrics without failing on one.
+servers that died.
 `arm_holds` and `drop_holds` place and remove the pull holds of injected faults (paramserver.gate)
 and wait until the servers have them.
 """
@@ -66,15 +66,6 @@ def dead_servers(servers: list, timeout_s: float = 30.0) -> set[int]:
         except RayActorError:
             dead.add(calls[call])
     return dead
-
-
-def stats_or_none(servers: list, timeout_s: float = 10.0) -> list | None:
-    """Every server's ServerStats, or None when one is dead or does not answer in `timeout_s`: the
-    supervisor reads stats for the metrics only, and its progress polls find such a server."""
-    try:
-        return ray.get([server.stats.remote() for server in servers], timeout=timeout_s)
-    except (RayActorError, GetTimeoutError):
-        return None
 
 
 def stop_all(streams: dict, on_log: Callable[[StepLog], None], within_s: float, kill: Callable[[int], None],

@@ -52,7 +52,8 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
-from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, stats_or_none, stop_all, take
+from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, stop_all, take
+from paramserver.update_history import UpdateHistory
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
@@ -91,7 +92,7 @@ class Supervisor:
                  stats_every_s: float = 1.0):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
-        self.on_stats, self.stats_every_s = on_stats, stats_every_s
+        self.history, self.stats_every_s = UpdateHistory(on_stats), stats_every_s
         self.servers = [actors.start_server(k) for k in range(servers)]
         self.workers = [actors.start_worker(w) for w in range(workers)]
         self.logs: dict[tuple[int, int], StepLog] = {}  # (worker, step) -> the surviving execution's log
@@ -100,7 +101,6 @@ class Supervisor:
         self.pids: dict[str, int] = {}  # every actor process this job started, by label
         self.start_step = 0
         self.redone = 0  # step executions thrown away by rollbacks
-        self.committed_records: dict[int, list] = {}  # server -> its update records at the last commit
         self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
         self._pauses: dict[int, Failure] = {}  # worker -> its replacement, until the first push lands
         self._dead_workers: set[int] = set()
@@ -153,27 +153,25 @@ class Supervisor:
 
     def _save(self, start: int, end: int) -> int | None:
         """Commit the cut `end`; a server that dies meanwhile rolls the segment back (its step)."""
-        stats = None
-        if self.ckpt is not None:
-            self.ledger.enter(book.SAVE)
-            try:
-                commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
-                                                       storage_options=self.ckpt.storage_options,
-                                                       owner=self.ckpt.owner)
-                self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
-                if commit is not None and self.ckpt.on_commit is not None:
-                    self.ckpt.on_commit(commit)
-                stats = ray.get([s.stats.remote() for s in self.servers])
-                self.committed_records = {s.server: s.records for s in stats}
-            except RayActorError:
-                if self.saved and self.saved[-1] == end == self.steps:  # the final step is committed: done
-                    return None
-                return self._rollback(start, {}, set(), "a server died during the checkpoint save",
-                                      self._productive_at_start)
-            except checkpoint.PSCheckpointError as err:  # the job goes on; a rollback goes to an older commit
-                log.warning("checkpoint step %d was not committed (%s); training goes on", end, err)
-        if self.on_stats is not None and (stats := stats or stats_or_none(self.servers)) is not None:
-            self.on_stats(stats)
+        if self.ckpt is None:
+            self.history.poll(self.servers)
+            return None
+        self.ledger.enter(book.SAVE)
+        try:
+            self.history.drain(self.servers)  # every update before the cut, before a server can be lost after it
+            commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
+                                                   storage_options=self.ckpt.storage_options, owner=self.ckpt.owner)
+            self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
+            self.history.committed(end)
+            if commit is not None and self.ckpt.on_commit is not None:
+                self.ckpt.on_commit(commit)
+        except RayActorError:
+            if self.saved and self.saved[-1] == end == self.steps:  # the final step is committed: done
+                return None
+            return self._rollback(start, {}, set(), "a server died during the checkpoint save",
+                                  self._productive_at_start)
+        except checkpoint.PSCheckpointError as err:  # the job goes on; a rollback goes to an older commit
+            log.warning("checkpoint step %d was not committed (%s); training goes on", end, err)
         return None
 
     def last_commit(self) -> int | None:
@@ -204,10 +202,9 @@ class Supervisor:
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:
                 return self._rollback(start, streams, dead, trouble or "a server died", productive_at_start)
-            if self.on_stats is not None and time.time() >= stats_due:
+            if time.time() >= stats_due:
                 stats_due = time.time() + self.stats_every_s
-                if (stats := stats_or_none(self.servers)) is not None:
-                    self.on_stats(stats)
+                self.history.poll(self.servers)
         return None
 
     def _on_signal(self, start: int, end: int, streams: dict) -> None:
@@ -374,7 +371,7 @@ class Supervisor:
             self.workers[w] = self.actors.start_worker(w)
         self._dead_workers.clear()
         self.ledger.enter(book.RESTORE)
-        step, from_checkpoint = self._restore(dead)
+        step, from_checkpoint = self._restore()
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint)
         self.held_calls.clear()
@@ -385,7 +382,7 @@ class Supervisor:
         self._dead_workers |= stop_all(streams, self._on_log, within_s,
                                        lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)
 
-    def _restore(self, replaced: set[int]) -> tuple[int, bool]:
+    def _restore(self) -> tuple[int, bool]:
         latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None
         if latest is None:
             log.warning("NO COMMITTED CHECKPOINT: every parameter server restarts from the initial values (step 0); "
@@ -393,8 +390,9 @@ class Supervisor:
             for k, server in enumerate(self.servers):
                 ray.kill(server, no_restart=True)
                 self.servers[k] = self.actors.start_server(k)
+            self.history.rewind(0)
             return 0, False
         checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
-        ray.get([s.reopen.remote(latest, self.committed_records.get(k, []) if k in replaced else None)
-                 for k, s in enumerate(self.servers)])
+        ray.get([s.reopen.remote(latest) for s in self.servers])
+        self.history.rewind(latest)
         return latest, True

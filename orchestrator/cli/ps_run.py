@@ -127,13 +127,11 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
 
 def _write_report(spec: JobSpec, report, path: str) -> None:
     """The succeeded job's report as JSON (`--report`): its losses, staleness and traffic, its goodput."""
-    from paramserver.clocks import staleness_histogram
-
     total, per_server = report.bytes_per_step()
     with open(path, "w") as out:
         json.dump({"name": spec.name, "status": "succeeded", "mode": "ps", "consistency": spec.parallel.consistency,
                    "losses": report.losses, "wall_s": report.wall_s,
-                   "staleness_histogram": {str(k): v for k, v in staleness_histogram(report.records).items()},
+                   "staleness_histogram": {str(k): v for k, v in report.staleness_histogram().items()},
                    "bytes_per_step": total, "bytes_per_step_per_server": per_server,
                    "state_bytes": report.state_bytes, **report.to_dict()}, out, indent=1)
     print(f"report written to {path}")

@@ -68,7 +68,7 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         assert prom.value(f'sum(undying_ps_update_staleness_bucket{{undying_job="{JOB}", le="0.0"}})') == fresh
         stale_sum = sum(r.staleness for r in report.records)
         assert prom.value(f"sum(undying_ps_update_staleness_sum{sel})") == stale_sum
-        pushed = sum(s.bytes_in for s in report.stats)
+        pushed = sum(s.bytes_in for s in report.history.last.values())
         assert _wait_for(prom, f"sum(undying_ps_pushed_bytes_total{sel})", pushed) == pushed
         waits = PARALLEL.dp * TRAIN.steps
         assert _wait_for(prom, f"sum(undying_ps_pull_wait_seconds_count{sel})", waits) == waits

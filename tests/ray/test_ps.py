@@ -74,9 +74,18 @@ def test_asp_converges_on_the_tiny_model(ray_local):
 
 
 def test_a_server_lost_after_the_last_step_costs_the_report_its_last_counts_not_the_job(ray_local, monkeypatch):
-    import paramserver.job as job
+    import ray
 
-    fed = []
-    monkeypatch.setattr(job, "stats_or_none", lambda servers: None)  # a server gone once training is done
+    import paramserver.job as job
+    from paramserver.supervisor import Supervisor
+
+    fed, train = [], Supervisor.run
+
+    def train_then_lose_the_server(supervisor):  # a server gone once training is done
+        train(supervisor)
+        ray.kill(supervisor.servers[0], no_restart=True)
+
+    monkeypatch.setattr(Supervisor, "run", train_then_lose_the_server)
     report = job.run_ps(UNTIED, DATA, TRAIN, _ps("asp", dp=2, servers=1), stats_every_s=0.2, on_stats=fed.append)
-    assert len(report.losses) == TRAIN.steps and report.stats and report.stats is fed[-1]
+    assert len(report.losses) == TRAIN.steps and fed and report.history.last[0] is fed[-1][0]
+    assert 0 < report.history.updates == sum(len(s.records) for stats in fed for s in stats)

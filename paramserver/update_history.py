@@ -1,0 +1,113 @@
+"""The update records of a parameter-server job: each server's outbox, and the driver's history.
+
+A server records every update it applies (paramserver.clocks.UpdateRecord: workers x servers of
+them per step). Shipping every server's whole list at each stats poll (every second) and keeping
+it whole on both sides made the poll and the memory grow with the job: a million records are
+45 MB and 2.7 s of pickling per poll, within hours of a small job. So a server keeps only the
+records the driver has not yet acknowledged (`RecordOutbox`), and the driver keeps them
+(`UpdateHistory`), folding the ones no rollback can undo into counts once it holds `keep`.
+
+Protocol. The server actor (paramserver.actors.ServerActor) hands `RecordOutbox.take(acked,
+shard.records)` its shard's new records at each `stats(acked)` call and answers with every
+record not yet acknowledged and the newest batch number; `drop_from(step)` at its `reopen` after
+a restore. The supervisor (paramserver.supervisor) owns one `UpdateHistory`: `poll(servers)` for
+the metrics (None when a server did not answer: its batch waits for the next call, nothing is
+lost), `drain(servers)` before each save (every record of the steps before the cut, so that a
+server lost after the commit loses none; a dead server raises, as the save would), `rewind(step)`
+after a rollback's restore (the updates of `step` and later were undone), `committed(step)` after
+each commit. Every answer's new records go to `on_stats` once (monitor.ps_metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from paramserver.clocks import UpdateRecord
+
+log = logging.getLogger(__name__)
+KEEP = 1_000_000  # records kept whole on the driver (about 200 MB); older committed ones are counted
+POLL_TIMEOUT_S = 10.0  # a metrics poll that waits longer is dropped (the progress polls find a dead server)
+
+
+class RecordOutbox:
+    """A server's update records not yet acknowledged by the driver, in numbered batches."""
+
+    def __init__(self) -> None:
+        self.batch = 0  # the newest batch's number; a new actor starts again from 0
+        self.pending: list[tuple[int, list[UpdateRecord]]] = []
+
+    def take(self, acked: int, new: list[UpdateRecord]) -> list[UpdateRecord]:
+        """Forget the batches up to `acked` (the driver has them), add `new` as the next batch, and
+        return every record still unacknowledged: a batch whose answer was lost is sent again."""
+        self.pending = [(number, records) for number, records in self.pending if number > acked]
+        if new:
+            self.batch += 1
+            self.pending.append((self.batch, new))
+        return [r for _, records in self.pending for r in records]
+
+    def drop_from(self, step: int) -> None:
+        """The updates of `step` and later were undone by a restore."""
+        self.pending = [(number, [r for r in records if r.step < step]) for number, records in self.pending]
+
+
+class UpdateHistory:
+    """Every update the job's servers applied and no rollback undid, as the driver fetched them."""
+
+    def __init__(self, on_stats: Callable[[list], object] | None = None, keep: int = KEEP):
+        self.on_stats, self.keep = on_stats, keep
+        self.kept: list[UpdateRecord] = []  # in the order fetched
+        self.folded: Counter[int] = Counter()  # staleness -> updates no longer kept whole
+        self.last: dict[int, object] = {}  # server index -> its newest ServerStats (version, bytes)
+        self._acked: dict[object, int] = {}  # server actor -> the newest batch taken from it
+
+    def poll(self, servers: list, timeout_s: float = POLL_TIMEOUT_S) -> list | None:
+        """Take every server's new records; None (nothing taken) when one is dead or slow."""
+        try:
+            return self.drain(servers, timeout_s)
+        except (RayActorError, GetTimeoutError):
+            return None
+
+    def drain(self, servers: list, timeout_s: float | None = None) -> list:
+        """Take every server's new records; RayActorError when a server is dead."""
+        answers = ray.get([s.stats.remote(self._acked.get(_actor_key(s), 0)) for s in servers], timeout=timeout_s)
+        for server, stats in zip(servers, answers, strict=True):
+            self._acked[_actor_key(server)] = stats.batch  # its records are every batch after the last ack
+            self.kept.extend(stats.records)
+            self.last[stats.server] = stats
+        if self.on_stats is not None:
+            self.on_stats(answers)
+        return answers
+
+    def rewind(self, step: int) -> None:
+        """Forget the updates of `step` and later (a restore to `step` undid them)."""
+        self.kept = [r for r in self.kept if r.step < step]
+
+    def committed(self, step: int) -> None:
+        """`step` is committed: no rollback goes below it, so past `keep` records the ones of earlier
+        steps are folded into counts (the oldest first)."""
+        if len(self.kept) <= self.keep:
+            return
+        older = [r for r in self.kept if r.step < step]
+        fold = older[:len(self.kept) - self.keep // 2]
+        self.folded.update(r.staleness for r in fold)
+        folded = {id(r) for r in fold}
+        self.kept = [r for r in self.kept if id(r) not in folded]
+
+    @property
+    def updates(self) -> int:
+        return len(self.kept) + sum(self.folded.values())
+
+    def staleness_histogram(self) -> dict[int, int]:
+        """{staleness: updates} over every update, folded or kept, in increasing staleness."""
+        return dict(sorted((self.folded + Counter(r.staleness for r in self.kept)).items()))
+
+
+def _actor_key(server) -> object:
+    """The identity of a server actor (a replaced server's new actor has its own batch numbers)."""
+    return getattr(server, "_actor_id", None) or id(server)
+

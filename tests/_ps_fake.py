@@ -1,0 +1,261 @@
+"""An in-process fake of Ray for the parameter-server supervisor's tests (tests/unit/test_ps_supervisor.py).
+
+It keeps the protocol's real arithmetic (ShardServer and PSWorker of a tiny model) and Ray's
+shape as the supervisor sees it: actor handles whose `.remote` calls answer at once, workers' runs
+as streams of step logs, `ray.kill`, and a clock that moves one poll per `ray.wait` with a timeout
+(each live worker does at most one step per poll, in bsp the others wait for the slowest).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections import deque
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from paramserver import supervisor as sup
+from paramserver.actors import Progress, ServerStats, StepLog
+from paramserver.lockstep import build_in_process
+from paramserver.shard import ShardServer
+from paramserver.update_history import RecordOutbox
+from paramserver.worker import PSWorker
+from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+
+MODEL = ModelConfig(preset="tiny", n_layers=1, d_model=16, d_ff=32, n_heads=2, vocab_size=32, max_seq_len=16)
+DATA = DataConfig(seq_len=8)
+TRAIN = TrainConfig(steps=8, global_batch=4, micro_batch=1, grad_clip=None, lr=3e-3)
+PAR = ParallelConfig(dp=2, mode="ps", servers=2)
+PIECES = 400
+
+
+class Died(RayActorError):
+    def __init__(self, what: str = "actor died"):
+        Exception.__init__(self, what)
+
+
+class CallFailed(RayTaskError):
+    def __init__(self, what: str = "a call of the run failed"):
+        Exception.__init__(self, what)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class Ref:
+    def __init__(self, value=None, error=None, ready=None):
+        self.value, self.error, self._ready = value, error, ready
+
+    def ready(self) -> bool:
+        return True if self._ready is None else self._ready()
+
+
+class Stream:
+    def __init__(self):
+        self.items: deque[StepLog] = deque()
+        self.error: BaseException | None = None
+        self.ended = self.delivered = False
+
+    def completed(self) -> Ref:
+        return Ref(ready=lambda: self.ended)
+
+    def ready(self) -> bool:
+        return bool(self.items) or self.ended
+
+    def end(self, error: BaseException | None = None) -> None:
+        if not self.ended:
+            self.ended, self.error = True, error
+
+    def __next__(self) -> Ref:
+        if self.items:
+            return Ref(self.items.popleft())
+        assert self.ended, "the supervisor would block on a running stream"
+        if self.error is not None and not self.delivered:
+            self.delivered = True
+            return Ref(error=self.error)
+        raise StopIteration
+
+
+class Method:
+    def __init__(self, actor, fn):
+        self.actor, self.fn = actor, fn
+
+    def remote(self, *args, **kwargs) -> Ref:
+        if self.actor.dead:
+            return Ref(error=Died())
+        try:
+            return Ref(self.fn(*args, **kwargs))
+        except Exception as err:  # noqa: BLE001 (delivered through the ref, as Ray does)
+            return Ref(error=err)
+
+
+class FakeServer:
+    def __init__(self, world, k: int):
+        setup = world.setup
+        self.shard = ShardServer(k, setup.servers[k].slices, MODEL, TRAIN, PAR.dp, PAR.consistency)
+        self.pid, self.dead, self.stopped = world.new_pid(), False, False
+        self.holds: set[tuple[int, int]] = set()
+        self.waiting: set[tuple[int, int]] = set()
+        self.frozen, self.cut_at, self.answered, self.outbox = False, None, -1, RecordOutbox()
+        self.where = world.place("server", k)
+        for name in ("progress", "stats", "hold", "held", "drop_held", "abort", "reopen", "freeze", "cut", "uncut",
+                     "node"):
+            setattr(self, name, Method(self, getattr(self, "_" + name)))
+
+    def _freeze(self):
+        self.frozen = True
+        return self.answered
+
+    def _cut(self, step):
+        self.cut_at, self.frozen = step, False
+        self.holds = {h for h in self.holds if h[1] < step}
+        self.waiting = {h for h in self.waiting if h[1] < step}
+
+    def _uncut(self):
+        self.cut_at = None
+
+    def _node(self):
+        return self.where
+
+    def _progress(self):
+        return Progress(self.shard.index, self.pid, self.shard.version, list(self.shard.clocks.pushed))
+
+    def _stats(self, acked=0):
+        s, (new, self.shard.records) = self.shard, (self.shard.records, [])
+        return ServerStats(s.index, s.version, s.bytes_in, s.bytes_out, self.outbox.take(acked, new), self.outbox.batch)
+
+    def _hold(self, worker, step):
+        if self.cut_at is None or step < self.cut_at:
+            self.holds.add((worker, step))
+
+    def _held(self):
+        return sorted(self.waiting)
+
+    def _drop_held(self, worker):
+        self.holds = {h for h in self.holds if h[0] != worker}
+        self.waiting = {h for h in self.waiting if h[0] != worker}
+
+    def _abort(self):
+        self.stopped, self.holds, self.waiting = True, set(), set()
+
+    def _reopen(self, step):
+        self.shard.records = [r for r in self.shard.records if r.step < step]
+        self.outbox.drop_from(step)
+        self.shard.pending.clear()
+        self.stopped = False
+
+    def kill(self):
+        self.dead = True
+
+
+class FakeWorker:
+    def __init__(self, world, w: int):
+        self.dead, self.proc = False, world.new_pid()
+        self.worker = PSWorker(w, PAR.dp, MODEL, DATA, TRAIN, [s.slices for s in world.setup.servers])
+        self.stream: Stream | None = None
+        self.pid = Method(self, lambda: self.proc)
+        self.node = Method(self, lambda where=world.place("worker", w): where)
+        self.run = types.SimpleNamespace(remote=self._run)  # a generator's call gives its stream itself
+
+    def _run(self, servers, start, end, slow_s=0.0):
+        self.servers, self.next, self.end, self.stream = list(servers), start, end, Stream()
+        return self.stream
+
+    def kill(self):
+        self.dead = True
+        if self.stream is not None:
+            self.stream.end(Died("worker actor died"))
+
+    def advance(self, now: float) -> None:
+        stream, step, w = self.stream, self.next, self.worker.index
+        if self.dead or stream is None or stream.ended:
+            return
+        if step >= self.end:
+            return stream.end()
+        if any(s.dead or s.stopped for s in self.servers):
+            return stream.end(CallFailed())
+        if any(s.cut_at is not None and step >= s.cut_at for s in self.servers):
+            return stream.end()  # SegmentCut: the run ends cleanly
+        if any(s.frozen for s in self.servers):
+            return
+        for server in self.servers:
+            if (w, step) in server.holds:
+                server.waiting.add((w, step))
+                return
+            if not server.shard.may_read(step):
+                return
+        rows = self.worker.rows_needed(step)
+        pulled = [s.shard.pull(w, step, rows) for s in self.servers]
+        for server in self.servers:
+            server.answered = max(server.answered, step)
+        for answer in pulled:
+            self.worker.load(answer)
+        loss, tokens = self.worker.compute(step)
+        for server, push in zip(self.servers, self.worker.pushes(step, pulled, tokens), strict=True):
+            server.shard.push(push)
+        stream.items.append(StepLog(w, step, loss, tokens, 0.0, 0.0, 0.0, now, self.proc))
+        self.next += 1
+
+
+class World:
+    """The fake cluster: actors, the clock, the committed checkpoints."""
+
+    def __init__(self):
+        self.setup = build_in_process(MODEL, DATA, TRAIN, PAR, PIECES)
+        self.now, self.pids, self.workers = 1000.0, 0, []
+        self.commits: dict[int, list[ShardServer]] = {}
+        self.nodes: dict[tuple[str, int], str] = {}  # (kind, index) -> the node of its first actor
+        self.placed: set[tuple[str, int]] = set()
+
+    def place(self, kind: str, index: int) -> str:
+        """The node a new actor runs on: as `nodes` says for the first, elsewhere for a replacement."""
+        first = (kind, index) not in self.placed
+        self.placed.add((kind, index))
+        return self.nodes.get((kind, index), "safe") if first else "elsewhere"
+
+    def new_pid(self) -> int:
+        self.pids += 1
+        return 100 + self.pids
+
+    def start_worker(self, w: int) -> FakeWorker:
+        worker = FakeWorker(self, w)
+        self.workers.append(worker)
+        return worker
+
+    def tick(self) -> None:
+        self.now += sup.POLL_S
+        for worker in self.workers:
+            worker.advance(self.now)
+
+    # ---- ray ----
+
+    def get(self, refs, timeout=None):
+        if isinstance(refs, list):
+            return [self.get(r) for r in refs]
+        if refs.error is not None:
+            raise refs.error
+        return refs.value
+
+    def wait(self, items, num_returns=1, timeout=None, fetch_local=True):
+        if timeout:
+            self.tick()
+        ready = [i for i in items if i.ready()]
+        return ready, [i for i in items if not i.ready()]
+
+    def kill(self, actor, no_restart=True):
+        actor.kill()
+
+    # ---- paramserver.checkpoint ----
+
+    def save(self, servers, root, step, *, job, storage_options=None, owner=None):
+        for s in servers:
+            assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
+        self.commits[step] = [copy.deepcopy(s.shard) for s in servers]
+        return types.SimpleNamespace(step=step)  # what the supervisor reads of a ckpt.commit.Commit
+
+    def latest(self, root, storage_options=None):
+        return max(self.commits, default=None)
+
+    def restore(self, servers, root, step, *, storage_options=None):
+        for server in servers:
+            server.shard = copy.deepcopy(self.commits[step][server.shard.index])

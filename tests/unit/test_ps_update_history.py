@@ -1,0 +1,97 @@
+"""A parameter-server job's update records a batch at a time (paramserver.update_history): a
+server keeps only what the driver has not acknowledged, an answer lost on the way is sent again,
+a rollback forgets the undone updates on both sides, and the driver folds committed records into
+counts past its cap, so neither side's memory nor a poll's size grows with the job's length."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from paramserver import update_history
+from paramserver.actors import ServerStats
+from paramserver.clocks import UpdateRecord
+from paramserver.update_history import RecordOutbox, UpdateHistory
+
+
+def _records(server: int, steps: range, staleness: int = 0) -> list[UpdateRecord]:
+    return [UpdateRecord(server, w, step, step, step + staleness, step) for step in steps for w in range(2)]
+
+
+class FakeServer:
+    """A server actor's `stats` as ServerActor answers it, over an outbox; `lost` drops its next answer."""
+
+    def __init__(self, index: int):
+        self.index, self.new, self.outbox, self.dead, self.lost = index, [], RecordOutbox(), False, False
+        self.stats = types.SimpleNamespace(remote=self._stats)
+        self.calls: list[int] = []
+
+    def _stats(self, acked: int):
+        self.calls.append(acked)
+        if self.dead:
+            return RayActorError()
+        new, self.new = self.new, []
+        answer = ServerStats(self.index, 0, 0, 0, self.outbox.take(acked, new), self.outbox.batch)
+        if self.lost:
+            self.lost = False
+            return GetTimeoutError()  # the call ran; its answer never reached the driver
+        return answer
+
+
+@pytest.fixture(autouse=True)
+def fake_ray(monkeypatch):
+    def get(answers, timeout=None):
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        return answers
+    monkeypatch.setattr(update_history, "ray", types.SimpleNamespace(get=get))
+
+
+def test_each_record_reaches_the_driver_once_and_the_server_keeps_only_the_unacknowledged():
+    servers, seen = [FakeServer(0), FakeServer(1)], []
+    history = UpdateHistory(on_stats=lambda stats: seen.append(sum(len(s.records) for s in stats)))
+    servers[0].new, servers[1].new = _records(0, range(0, 2)), _records(1, range(0, 2))
+    history.poll(servers)
+    servers[0].new = _records(0, range(2, 4))
+    servers[0].lost = True
+    assert history.poll(servers) is None  # its answer was lost: nothing taken, nothing acknowledged
+    servers[0].new = _records(0, range(4, 5))
+    history.poll(servers)  # batch 2 again, with batch 3
+    assert len(servers[0].outbox.pending) == 2 and servers[0].calls == [0, 1, 1]
+    history.poll(servers)  # acknowledges batches 2 and 3: the server lets them go
+    assert servers[0].outbox.pending == [] and servers[1].outbox.pending == []
+    steps = sorted((r.server, r.worker, r.step) for r in history.kept)
+    assert steps == sorted({(k, w, s) for k in range(2) for w in range(2) for s in range(5 if k == 0 else 2)})
+    assert seen == [8, 6, 0]  # the lost answer never reached on_stats; the resent batch did, once
+
+
+def test_a_dead_server_fails_a_drain_and_a_rollback_forgets_the_undone_updates_on_both_sides():
+    server, history = FakeServer(0), UpdateHistory()
+    server.new = _records(0, range(0, 6))
+    history.drain([server])
+    server.new, server.lost = _records(0, range(6, 8)), True
+    assert history.poll([server]) is None  # steps 6-7 wait in the server's outbox, unacknowledged
+    server.dead = True
+    with pytest.raises(RayActorError):
+        history.drain([server])  # before a save: the save would find the dead server too
+    server.dead = False  # (another server died: this one is restored to step 4 and reopened)
+    server.outbox.drop_from(4)
+    history.rewind(4)
+    history.poll([server])
+    assert sorted({r.step for r in history.kept}) == [0, 1, 2, 3] and history.updates == 8
+
+
+def test_committed_records_past_the_cap_are_counted_not_kept():
+    server, history = FakeServer(0), UpdateHistory(keep=10)
+    server.new = _records(0, range(0, 4)) + _records(0, range(4, 8), staleness=2)  # 16 records
+    history.poll([server])
+    history.committed(6)  # records of steps 0-5 may be folded; 6-7 must stay (a rollback may undo them)
+    assert len(history.kept) == 5 and min(r.step for r in history.kept) >= 5
+    assert history.updates == 16 and history.staleness_histogram() == {0: 8, 2: 8}
+    history.rewind(6)  # the steps after the commit undone
+    assert history.updates == 12 and history.staleness_histogram() == {0: 8, 2: 4}
+    history.committed(6)  # under the cap: nothing more to fold
+    assert len(history.kept) == 1
