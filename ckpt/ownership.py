@@ -116,12 +116,13 @@ class OwnerLease:
             return False
         try:
             self._beat()
-        except BaseException:  # the store, or Ctrl-C: the caller gives up, so end the claim it made
+            self._thread.start()
+            log.info("owner of %s (epoch %d): %s", self.storage.root, self.epoch, reason)
+        except BaseException:  # the store, or a signal: the caller gives up, so end the claim it made
+            self._stop.set()  # a heartbeat already started beats no more
             with contextlib.suppress(Exception):  # (best effort) that the next claimant need not wait for it
                 self._beat(ended=True)
             raise
-        self._thread.start()
-        log.info("owner of %s (epoch %d): %s", self.storage.root, self.epoch, reason)
         return True
 
     def check(self) -> None:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
 from paramserver.clocks import UpdateRecord, format_histogram
+from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
 from paramserver.recovery import Failure, Fault, Ledger, NullLedger
-from paramserver.supervisor import Actors, Checkpoints, Supervisor
+from paramserver.supervisor import Supervisor
 from paramserver.update_history import UpdateHistory
 from paramserver.worker import sparse_names
 from trainer.batch import microbatches_per_rank

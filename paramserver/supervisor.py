@@ -29,19 +29,19 @@ The goodput ledger books the wall (paramserver.recovery's buckets); `failures` s
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from ckpt.ownership import OwnerLease, OwnershipLost
+from ckpt.ownership import OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actors import ServerStats, StepLog
+from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.moves import GONE, Moves, cut_segment
-from paramserver.preemption import Preemption
 from paramserver.recovery import (
     Failure,
     Fault,
@@ -61,30 +61,6 @@ STOP_S = 120.0  # a worker that has not stopped this long after the servers were
 MAX_ROLLBACKS = 3  # one segment rolled back this often in a row fails the job (a crash loop)
 
 
-@dataclass
-class Actors:
-    """How the supervisor starts a server (index k) or a worker (index w); the test of a stopped
-    worker's speed: `slow` {worker: seconds slept per step}."""
-
-    start_server: Callable[[int], object]
-    start_worker: Callable[[int], object]
-    slow: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class Checkpoints:
-    root: str  # the job's checkpoint root (<checkpoint.url>/<name>)
-    every_steps: int | None
-    job: checkpoint.PSJob
-    storage_options: dict | None = None
-    # Called with each Commit this run makes (the job's Prometheus exporter: the last commit's time
-    # and size, which the "no checkpoint lately" alert reads).
-    on_commit: Callable[[object], None] | None = None
-    owner: OwnerLease | None = None  # the driver's lease on `root` (ckpt.ownership): every commit is fenced by it
-    preemption: Preemption | None = None  # `undying run`'s signals (paramserver.preemption)
-    draining: Callable[[], Iterable[str]] | None = None  # the nodes Ray drains (orchestrator.cluster.drain)
-
-
 class Supervisor:
     def __init__(self, actors: Actors, servers: int, workers: int, steps: int, *,
                  checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
@@ -92,7 +68,9 @@ class Supervisor:
                  stats_every_s: float = 1.0):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
-        self.history, self.stats_every_s = UpdateHistory(on_stats), stats_every_s
+        # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
+        self.history = UpdateHistory(on_stats, foldable_below=0 if checkpoints else math.inf)
+        self.stats_every_s = stats_every_s
         self.servers = [actors.start_server(k) for k in range(servers)]
         self.workers = [actors.start_worker(w) for w in range(workers)]
         self.logs: dict[tuple[int, int], StepLog] = {}  # (worker, step) -> the surviving execution's log
@@ -119,6 +97,8 @@ class Supervisor:
         for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
             self._note_pid("worker", w, pid)
         step = self.start_step = self._resume()
+        if self.ckpt is not None and self.ckpt.on_training is not None:
+            self.ckpt.on_training()
         rollbacks = 0
         while step < self.steps:
             end = segment_end(step, self.steps, self.ckpt.every_steps if self.ckpt else None)

@@ -15,7 +15,8 @@ the metrics (None when a server did not answer: its batch waits for the next cal
 lost), `drain(servers)` before each save (every record of the steps before the cut, so that a
 server lost after the commit loses none; a dead server raises, as the save would), `rewind(step)`
 after a rollback's restore (the updates of `step` and later were undone), `committed(step)` after
-each commit. Every answer's new records go to `on_stats` once (monitor.ps_metrics).
+each commit. Every answer's new records go to `on_stats` once (monitor.ps_metrics); an update a
+rollback undid before any answer carried it is never seen.
 """
 
 from __future__ import annotations
@@ -56,14 +57,21 @@ class RecordOutbox:
 
 
 class UpdateHistory:
-    """Every update the job's servers applied and no rollback undid, as the driver fetched them."""
+    """Every update the job's servers applied and no rollback undid, as the driver fetched them.
 
-    def __init__(self, on_stats: Callable[[list], object] | None = None, keep: int = KEEP):
-        self.on_stats, self.keep = on_stats, keep
+    `foldable_below`: records of steps below it can be undone only by a rewind to step 0: the
+    last commit (`committed`), or every step for a job without checkpoints (a rollback restarts it
+    from step 0). Past `keep` records those are folded into staleness counts, the oldest first."""
+
+    def __init__(self, on_stats: Callable[[list], object] | None = None, keep: int = KEEP,
+                 foldable_below: float = 0):
+        self.on_stats, self.keep, self.foldable_below = on_stats, keep, foldable_below
         self.kept: list[UpdateRecord] = []  # in the order fetched
         self.folded: Counter[int] = Counter()  # staleness -> updates no longer kept whole
+        self.folded_below = 0  # every folded record's step is below it
         self.last: dict[int, object] = {}  # server index -> its newest ServerStats (version, bytes)
-        self._acked: dict[object, int] = {}  # server actor -> the newest batch taken from it
+        self._acked: dict[object, int] = {}  # server actor handle -> the newest batch taken from it
+        self._fold_at = keep  # the next fold is tried past this many kept records
 
     def poll(self, servers: list, timeout_s: float = POLL_TIMEOUT_S) -> list | None:
         """Take every server's new records; None (nothing taken) when one is dead or slow."""
@@ -74,11 +82,14 @@ class UpdateHistory:
 
     def drain(self, servers: list, timeout_s: float | None = None) -> list:
         """Take every server's new records; RayActorError when a server is dead."""
-        answers = ray.get([s.stats.remote(self._acked.get(_actor_key(s), 0)) for s in servers], timeout=timeout_s)
-        for server, stats in zip(servers, answers, strict=True):
-            self._acked[_actor_key(server)] = stats.batch  # its records are every batch after the last ack
+        answers = ray.get([s.stats.remote(self._acked.get(s, 0)) for s in servers], timeout=timeout_s)
+        # Keyed by the handle (Ray's hash it by actor id): a replaced server's new actor counts from 0.
+        self._acked = {server: stats.batch for server, stats in zip(servers, answers, strict=True)}
+        for stats in answers:
             self.kept.extend(stats.records)
             self.last[stats.server] = stats
+        if len(self.kept) > self._fold_at:
+            self._fold()
         if self.on_stats is not None:
             self.on_stats(answers)
         return answers
@@ -86,17 +97,28 @@ class UpdateHistory:
     def rewind(self, step: int) -> None:
         """Forget the updates of `step` and later (a restore to `step` undid them)."""
         self.kept = [r for r in self.kept if r.step < step]
+        if step == 0:
+            self.folded.clear()
+            self.folded_below = 0
+        elif step < self.folded_below:  # an older commit than the last one (the newest went missing)
+            log.warning("the rollback to step %d undid updates already counted (records below step %d are "
+                        "folded): the staleness histogram keeps them", step, self.folded_below)
 
     def committed(self, step: int) -> None:
-        """`step` is committed: no rollback goes below it, so past `keep` records the ones of earlier
-        steps are folded into counts (the oldest first)."""
-        if len(self.kept) <= self.keep:
-            return
-        older = [r for r in self.kept if r.step < step]
+        """`step` is committed: no rollback goes below it but to step 0 (it or a newer commit)."""
+        self.foldable_below = step
+        if len(self.kept) > self.keep:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold the oldest foldable records into counts until `keep` / 2 are kept, as far as they go."""
+        older = [r for r in self.kept if r.step < self.foldable_below]
         fold = older[:len(self.kept) - self.keep // 2]
         self.folded.update(r.staleness for r in fold)
+        self.folded_below = max([self.folded_below, *(r.step + 1 for r in fold)])
         folded = {id(r) for r in fold}
         self.kept = [r for r in self.kept if id(r) not in folded]
+        self._fold_at = max(self.keep, len(self.kept) + self.keep // 2)  # no rescan at every poll
 
     @property
     def updates(self) -> int:
@@ -105,9 +127,3 @@ class UpdateHistory:
     def staleness_histogram(self) -> dict[int, int]:
         """{staleness: updates} over every update, folded or kept, in increasing staleness."""
         return dict(sorted((self.folded + Counter(r.staleness for r in self.kept)).items()))
-
-
-def _actor_key(server) -> object:
-    """The identity of a server actor (a replaced server's new actor has its own batch numbers)."""
-    return getattr(server, "_actor_id", None) or id(server)
-

@@ -12,8 +12,9 @@ servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, 
 (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
 `--report`. SIGTERM and SIGINT stop the job at a saved cut (its last segment runs on to the end),
 or where it is once that no longer fits in the grace (paramserver.preemption): exit 75, the last
-commit intact; one during the set-up before (the owner lease's watch) stops it there, exit 75
-too. A node Ray drains has the job's actors moved off it at a saved cut (paramserver.moves).
+commit intact; one during the set-up before (the owner lease's watch, the actors' start, the
+resume) stops it there, exit 75 too. A node Ray drains has the job's actors moved off it at a
+saved cut (paramserver.moves).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them; `on_commit(Commit)`
     after each checkpoint the job commits."""
     from paramserver.checkpoint import PSJob
+    from paramserver.job_inputs import Checkpoints
     from paramserver.recovery import Fault
-    from paramserver.supervisor import Checkpoints
 
     ckpt = spec.checkpoint
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep)
@@ -100,7 +101,8 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
               f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)
         checkpoints.preemption = preemption
-        route_signals(preemption.on_signal)  # (`restore_signals` still puts Ray's handlers back)
+        # Until the actors are up and resumed a signal stops the driver at once (StartUpSignals).
+        checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats,
                             checkpoints=checkpoints, faults=faults, ledger=ledger)

@@ -41,7 +41,7 @@ KILLED_AT = 6
 def _run(root: str, faults=()):
     from paramserver.checkpoint import PSJob
     from paramserver.job import run_ps
-    from paramserver.supervisor import Checkpoints
+    from paramserver.job_inputs import Checkpoints
 
     ledger = GoodputLedger()
     checkpoints = Checkpoints(root, EVERY, PSJob("ps-faults", MODEL, DATA, TRAIN, PARALLEL))
@@ -109,8 +109,8 @@ def test_a_killed_server_is_restored_with_every_other_from_the_last_checkpoint(r
     checks = [check_checkpoints_verify(catalog(root)), check_newest_loads(catalog(root)),
               check_model_matches(_final_model(root), expected_model), check_goodput(ledger)]
     assert all(c.ok for c in checks), [c.detail for c in checks if not c.ok]
-    # Every step applied exactly once after the rollback, on every server (the replaced one
-    # carries the records of steps 0..3 kept at the commit).
+    # Every step applied exactly once after the rollback, on every server, in the records the driver
+    # took (the replaced server's of steps 0..3 before the commit, the undone ones forgotten).
     applied = Counter((r.server, r.worker, r.step) for r in report.records)
     assert applied == Counter({(k, w, s): 1 for k in range(2) for w in range(2) for s in range(TRAIN.steps)})
     totals = ledger.totals()

@@ -265,3 +265,18 @@ def test_a_claim_interrupted_before_its_first_beat_is_ended_for_the_next_claiman
     second = OwnerLease.claim(storage, "second", LEASE_S)
     assert time.monotonic() - started < LEASE_S / 2 and second.epoch == 1  # taken at once, not after a lease
     second.release()
+
+
+def test_a_claim_interrupted_once_its_heartbeat_runs_stops_beating_and_is_ended(storage, monkeypatch):
+    from ckpt import ownership
+
+    def interrupted(*args):
+        raise KeyboardInterrupt  # a signal right after the heartbeat thread started
+
+    monkeypatch.setattr(ownership.log, "info", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        OwnerLease.claim(storage, "first", LEASE_S)
+    assert live_owner(storage) is None and newest_claim(storage).beat["ended"]
+    time.sleep(LEASE_S / 2)  # a heartbeat left running would rewrite the beat unended
+    assert newest_claim(storage).beat["ended"]
+    assert not [t for t in threading.enumerate() if "owner" in t.name.lower() and t.is_alive()]

@@ -358,3 +358,17 @@ def test_a_server_lost_once_the_final_step_is_committed_rolls_nothing_back(world
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", save_then_lose_server_0)
     supervisor, _, _ = _run(world)
     assert supervisor.saved == [4, 8] and supervisor.failures == []  # the job is done, nothing restored
+
+
+def test_the_driver_hands_its_signals_over_once_the_actors_are_up_and_resumed(world):
+    # `undying run` routes signals to the preemption only then (ps_run: before, a signal stops it at once).
+    _run(world)
+    del world.commits[8]  # the job's last commit is step 4: this run resumes there
+    seen = []
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, on_training=lambda: seen.append(
+        (len(supervisor.logs), [s.shard.version for s in supervisor.servers])))
+    supervisor = sup.Supervisor(sup.Actors(lambda k: FakeServer(world, k), world.start_worker), PAR.servers, PAR.dp,
+                                TRAIN.steps, checkpoints=checkpoints)
+    supervisor.run()
+    assert seen == [(0, [shard.version for shard in world.commits[4]])]  # once: restored, before any step
+    assert supervisor.start_step == 4 and supervisor.saved == [8]

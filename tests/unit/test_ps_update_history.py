@@ -95,3 +95,14 @@ def test_committed_records_past_the_cap_are_counted_not_kept():
     assert history.updates == 12 and history.staleness_histogram() == {0: 8, 2: 4}
     history.committed(6)  # under the cap: nothing more to fold
     assert len(history.kept) == 1
+
+
+def test_without_checkpoints_any_record_folds_and_a_restart_from_step_0_forgets_every_count(caplog):
+    server, history = FakeServer(0), UpdateHistory(keep=10, foldable_below=float("inf"))
+    server.new = _records(0, range(0, 8), staleness=1)
+    history.poll([server])  # 16 > 10: folded at once, down to 5
+    assert len(history.kept) == 5 and history.updates == 16 and history.folded_below == 6
+    history.rewind(3)  # below the folded steps (an older commit than the newest): said, counts kept
+    assert "undid updates already counted" in caplog.text and history.updates == 11
+    history.rewind(0)
+    assert history.updates == 0 and history.staleness_histogram() == {}
