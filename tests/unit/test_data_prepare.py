@@ -132,8 +132,8 @@ def test_an_interrupted_run_resumes_and_writes_the_same_bytes(capsys, executor, 
     reference = (tmp_path / "ref" / "manifest.json").read_bytes()
 
     executor["executor"] = Recorder(stop_after=3)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 130 and err.splitlines()[-1].endswith(": interrupted")  # one line, no traceback
     assert not (tmp_path / "out" / "manifest.json").exists() and (tmp_path / "out" / "plan.json").exists()
     # One finished shard is damaged afterwards: a resume must redo it, not trust its marker.
     shard = tmp_path / "out" / "shard-000001.tokens"
@@ -235,8 +235,7 @@ def test_large_vocabularies_store_uint32_ids(capsys, executor, tmp_path):
 def test_a_resume_may_spell_the_inputs_and_tokenizer_differently(capsys, executor, corpus, tmp_path, monkeypatch):
     root, tokenizer, inputs, docs = corpus
     executor["executor"] = Recorder(stop_after=2)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert prepare(capsys, *args_for(corpus, tmp_path / "out"))[0] == 130
     monkeypatch.chdir(root)
     relative = [str(p.relative_to(root)) for p, _ in inputs]
     executor["executor"] = Recorder()
@@ -244,3 +243,28 @@ def test_a_resume_may_spell_the_inputs_and_tokenizer_differently(capsys, executo
                              "--shard-tokens", "60")
     assert code == 0 and "resuming" in out, err
     check_stream(tmp_path / "out", tokenizer, docs)
+
+
+def test_a_tokenizer_saved_to_truncate_or_pad_still_gives_whole_documents_and_text_stays_text(
+        capsys, executor, corpus, tmp_path):
+    # A tokenizer.json saved for inference (truncation at its context, padding to the batch's
+    # longest) must not cut or pad a training stream; a literal "</s>" in a document is text, not
+    # a document boundary of its own.
+    _, tokenizer, _, docs = corpus
+    saved = Tokenizer.from_file(str(tokenizer))
+    saved.enable_truncation(4)
+    saved.enable_padding(pad_id=saved.token_to_id("</s>"), pad_token="</s>")
+    inference = tmp_path / "inference.json"
+    saved.save(str(inference))
+    texts = [*docs[:6], "a sentence that quotes </s> inside it", "short"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    code, _, err = prepare(capsys, str(tmp_path / "docs.jsonl"), "--tokenizer", str(inference), "--out",
+                           str(tmp_path / "out"))
+    assert code == 0, err
+    reference = Tokenizer.from_file(str(tokenizer))
+    reference.encode_special_tokens = True
+    eos = reference.token_to_id("</s>")
+    expected = [i for t in texts for i in [*reference.encode(t, add_special_tokens=False).ids, eos]]
+    ds = TokenDataset(str(tmp_path / "out"))
+    assert ds.read(0, ds.n_tokens).tolist() == expected and ds.n_documents == len(texts)
+    assert np.count_nonzero(ds.read(0, ds.n_tokens) == eos) == len(texts)  # only the documents' ends

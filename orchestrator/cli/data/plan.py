@@ -36,7 +36,7 @@ class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["undying-tokens-plan"] = "undying-tokens-plan"
-    version: int = 1
+    version: int = 2  # 2: documents are never truncated or padded, special tokens in text are text
     tokenizer: str
     tokenizer_sha256: str
     vocab_size: int
@@ -126,6 +126,8 @@ def _input_difference(old: Plan, new: Plan) -> str:
 
 
 def _plan_difference(old: Plan, new: Plan) -> str:
+    if old.version != new.version:
+        return f"an older version of `undying data prepare` (plan version {old.version}, not {new.version})"
     for field, label in (("tokenizer_sha256", "another tokenizer"), ("text_field", "another --text-field"),
                          ("eos_id", "another end-of-document token"), ("shard_tokens", "another --shard-tokens")):
         if getattr(old, field) != getattr(new, field):

@@ -65,7 +65,16 @@ def build_tokenizer(json_text: str, sha256: str):
             # A task holds one CPU (Ray's contract): encode_batch's Rust thread pool, sized on first
             # use, gets that many threads, not every core of the node that other tasks share.
             os.environ.setdefault("RAYON_NUM_THREADS", str(_task_cpus()))
-            _cache[sha256] = Tokenizer.from_str(json_text)
+            tokenizer = Tokenizer.from_str(json_text)
+            # A training stream holds whole documents: a tokenizer.json saved for inference may
+            # truncate to its context or pad to a batch's longest, which would cut documents and
+            # put pad ids in the stream (differently with each batch's make-up). And a document's
+            # text is text: a literal "</s>" in it is its characters, not a special token (no
+            # document boundary the data did not have).
+            tokenizer.no_truncation()
+            tokenizer.no_padding()
+            tokenizer.encode_special_tokens = True
+            _cache[sha256] = tokenizer
         return _cache[sha256]
 
 
