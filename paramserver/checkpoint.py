@@ -67,6 +67,7 @@ class PSJob:
     parallel: ParallelConfig
     spec_hash: str = ""
     keep: int = 3  # checkpoint.keep
+    data_identity: dict | None = None  # trainer.data.data_identity: a resume under other data is refused
 
 
 def catalog(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None) -> Catalog:
@@ -172,12 +173,13 @@ def _save_local(server: ShardServer, root: str, step: int, storage_options: dict
 
 def engine_meta(step: int, job: PSJob) -> dict:
     """The manifest's `engine` state in the collective engine's format (trainer.engine_state): the
-    cursor (next step) and what a collective load checks (data seed, global batch, optimizer)."""
+    cursor (next step) and what a collective load checks (data seed and identity, global batch,
+    optimizer); `undying run` checks them too before it resumes (orchestrator.cli.resume_check)."""
     tc, par = job.train, job.parallel
     return {"format": STATE_FORMAT, "next_step": step, "data_seed": job.data.seed, "train_seed": tc.seed,
             "global_batch": tc.global_batch, "optimizer": tc.optimizer, "lr": lr_at(step, tc), "scaler": None,
             "layout": {"dp": par.dp, "dp_replicate": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batch": tc.micro_batch,
-                       "world_size": par.servers}}
+                       "world_size": par.servers}, **({"data": job.data_identity} if job.data_identity else {})}
 
 
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,

@@ -187,6 +187,19 @@ def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
     return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps, closed=closed)
 
 
+def data_identity(cfg: DataConfig, vocab_size: int) -> dict:
+    """The data's identity (the cursor's `identity()`, which a checkpoint carries), computed where no
+    rank runs: the driver, which refuses a resume under other data before any rank starts. Reads what
+    the cursor reads to build itself: a text source's file, the prepared datasets' manifests."""
+    cursor = make_cursor(cfg, vocab_size)
+    try:
+        return cursor.identity()
+    finally:
+        close = getattr(cursor, "close", None)
+        if close is not None:
+            close()
+
+
 class CursorClosed(RuntimeError):
     """A data read was given up: its cursor was closed (the rank dropped the engine) while it waited."""
 

@@ -34,6 +34,7 @@ from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
 from paramserver.preemption import Preempted, Preemption
+from trainer.data import data_identity
 
 
 def supervision(spec: JobSpec, on_commit=None) -> tuple:
@@ -44,7 +45,8 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     from paramserver.recovery import Fault
 
     ckpt = spec.checkpoint
-    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep)
+    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep,
+                data_identity(spec.data, spec.model.vocab_size))
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
                               on_commit=on_commit, draining=DrainWatcher().draining)
     faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)

@@ -3,8 +3,9 @@
 Called by `undying run` (orchestrator.cli.run, orchestrator.cli.ps_run) once it holds the root's
 lease, before any rank exists: `refused_resume(spec)`; `resume_problems(spec, catalog)` reads the newest committed
 manifest and returns a Problem for each key of the spec that would make its restore wrong or
-impossible. The manifest carries the model's architecture and (collective jobs) the engine's
-trajectory keys; the ranks check the same keys again when they restore (trainer.engine_state),
+impossible. The manifest carries the model's architecture and the engine's trajectory keys and data
+identity (trainer.data.data_identity: the source, seq_len, each prepared dataset's weight and
+content); the ranks check the same keys again when they restore (trainer.engine_state),
 but there a refusal costs a cluster's start-up and a trip through recovery until the crash-loop
 limit. Worse, a model with fewer blocks or untied embeddings restores the tensors it still
 names and trains on, and once `keep` new commits land, retention has deleted the old model.
@@ -18,6 +19,7 @@ from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from orchestrator.cli.exits import print_problems
 from orchestrator.spec.problems import Problem
+from trainer.data import data_identity
 
 # Keys that decide which tensors the model has and what they mean: a change of one of them is
 # another model. The others (rope_theta, rope_scaling, dropout, norm_eps, max_seq_len with rotary
@@ -48,7 +50,9 @@ def resume_problems(spec, catalog: Catalog) -> list[Problem]:
     if state is None:
         return []
     where = f"{catalog.storage.root} step {steps[-1]}"
-    return _model_problems(spec, state.get("model"), where) + _trajectory_problems(spec, state.get("engine"), where)
+    engine = state.get("engine")
+    return (_model_problems(spec, state.get("model"), where) + _trajectory_problems(spec, engine, where)
+            + _data_problems(spec, engine, where))
 
 
 def _model_problems(spec, saved: dict | None, where: str) -> list[Problem]:
@@ -71,3 +75,23 @@ def _trajectory_problems(spec, engine: dict | None, where: str) -> list[Problem]
     return [Problem(field, f"the committed checkpoints ({where}) were trained with {engine[key]!r}, this spec gives "
                            f"{here[key]!r}: resuming would change the training trajectory; {FIX}")
             for key, field in keys.items() if key in engine and engine[key] != here[key]]
+
+
+def _data_problems(spec, engine: dict | None, where: str) -> list[Problem]:
+    """Other data (a source, path, mixture weight, seq_len or prepared dataset's content) than the
+    checkpoints were trained on: the resume would repeat some samples and skip others."""
+    saved = engine.get("data") if isinstance(engine, dict) else None  # absent from older checkpoints
+    if saved is None:
+        return []
+    try:
+        here = data_identity(spec.data, spec.model.vocab_size)
+    except Exception:  # noqa: BLE001 (unreadable here: require_data said why, or the ranks will)
+        return []
+    if saved == here:
+        return []
+    what = ", ".join(key for key in sorted(set(saved) | set(here)) if saved.get(key) != here.get(key))
+    return [Problem("data", f"the committed checkpoints ({where}) were trained on other data (their {what} "
+                            "differ from this spec's data section): resuming would repeat some samples and skip "
+                            "others; resume with the data they were trained on (source, path or mixture and its "
+                            "weights, seq_len, the same prepared datasets), or train on the new data under "
+                            "another name (--set name=...)")]

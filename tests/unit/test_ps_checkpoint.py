@@ -26,6 +26,7 @@ from paramserver.checkpoint import (
 )
 from paramserver.lockstep import PSSetup, build_in_process, run_lockstep
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.data import data_identity
 from trainer.engine import Engine
 from trainer.state_slices import assemble
 
@@ -49,7 +50,8 @@ def _ps(consistency: str, dp: int = 2, servers: int = 3) -> ParallelConfig:
 
 
 def _job(model: ModelConfig, parallel: ParallelConfig) -> PSJob:
-    return PSJob("ps-ckpt", model, DATA, TRAIN, parallel, spec_hash="h", keep=3)
+    return PSJob("ps-ckpt", model, DATA, TRAIN, parallel, spec_hash="h", keep=3,
+                 data_identity=data_identity(DATA, model.vocab_size))
 
 
 def _step(setup: PSSetup, step: int) -> None:
@@ -83,6 +85,7 @@ def test_a_bsp_ps_checkpoint_loads_into_the_collective_engine_exactly(tmp_path):
     assert commit is not None and commit.step == 3 and latest_committed_step(root) == 3
     manifest = read_manifest(Catalog(Storage(root)), 3)
     assert manifest.state["ps"]["servers"] == 3 and manifest.layout["mode"] == "ps"
+    assert manifest.state["engine"]["data"] == data_identity(DATA, MODEL.vocab_size)  # the engine checks it too
     engine = _load_engine(root, 3)
     assert engine.next_step == 3
     loaded, shards = assemble(engine.state_slices()), _state(setup)

@@ -1,5 +1,5 @@
 """`undying run` on a root with committed checkpoints refuses a spec that would not resume them
-(another model, another trajectory) before any rank exists, naming the field and the fix; knobs a
+(another model, another trajectory, other data) before any rank exists, naming the field and the fix; knobs a
 resume may turn pass."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from ckpt.storage import Storage
 from orchestrator.cli.resume_check import refused_resume, resume_problems
 from orchestrator.spec.job_spec import validate_spec
 from tests._checkpoints import make_state, shard_receipts
+from trainer.data import data_identity
 
 
-def _spec(tmp_path, model=None, **train):
-    return validate_spec({"name": "resume", "model": model or {"preset": "tiny"}, "data": {"seq_len": 16},
+def _spec(tmp_path, model=None, data=None, **train):
+    return validate_spec({"name": "resume", "model": model or {"preset": "tiny"}, "data": data or {"seq_len": 16},
                           "train": {"steps": 10, "global_batch": 4, "micro_batch": 1, **train},
                           "parallel": {"dp": 2}, "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 5}})
 
@@ -20,7 +21,8 @@ def _spec(tmp_path, model=None, **train):
 def _commit(spec, step: int) -> Catalog:
     catalog = Catalog(Storage(spec.checkpoint_root))
     engine = {"next_step": step, "global_batch": spec.train.global_batch, "optimizer": spec.train.optimizer,
-              "data_seed": spec.data.seed, "train_seed": spec.train.seed}
+              "data_seed": spec.data.seed, "train_seed": spec.train.seed,
+              "data": data_identity(spec.data, spec.model.vocab_size)}
     catalog.commit(job=spec.name, step=step, generation=0, layout={"dp": 2}, spec_hash="h",
                    receipts=shard_receipts(catalog, step, make_state(step)),
                    state={"engine": engine, "model": spec.model.architecture()})
@@ -58,3 +60,18 @@ def test_an_unreadable_newest_manifest_is_left_to_the_restore(tmp_path):
     catalog.storage.fs.pipe_file(catalog.manifest_path(5), b"{torn")
     catalog.storage.invalidate()
     assert resume_problems(_spec(tmp_path, {"preset": "tiny", "n_layers": 2}), catalog) == []
+
+
+def test_other_data_is_refused_before_any_rank_starts(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    trained = _spec(tmp_path, data={"source": "text", "path": str(text), "seq_len": 16})
+    catalog = _commit(trained, 5)
+    assert resume_problems(trained, catalog) == []  # the same data: it resumes
+    longer = _spec(tmp_path, data={"source": "text", "path": str(text), "seq_len": 32})
+    [problem] = resume_problems(longer, catalog)
+    assert problem.field == "data" and "their seq_len differ" in problem.message
+    text.write_text("another corpus altogether, " * 40)  # the same path, other bytes
+    [problem] = resume_problems(trained, catalog)
+    assert problem.field == "data" and "bytes, crc32 differ" in problem.message
+    assert "resuming would repeat some samples and skip others" in problem.message

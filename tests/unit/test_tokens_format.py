@@ -155,3 +155,24 @@ def test_truncated_shard_on_an_object_store_is_named():
     with pytest.raises(TokenFormatError, match=r"shard-000003.tokens: 0 bytes where 2 were expected at byte 4"):
         ds.read(12, 1)
     fs.rm(f"/{name}", recursive=True)
+
+
+def test_local_shards_keep_a_bounded_number_of_maps_open(tmp_path, monkeypatch):
+    # Windows land on every shard in turn: a map (a descriptor and a mapping) per shard ever read
+    # would pass the process's limits on a large dataset. Past MAX_MAPS the least recent is dropped.
+    import os
+
+    from trainer.tokens import reader
+
+    monkeypatch.setattr(reader, "MAX_MAPS", 2)
+    shards = [[[10 * i + k for k in range(5)]] for i in range(6)]
+    stream = write_dataset(f"file://{tmp_path}/data", shards)
+    ds = TokenDataset(f"file://{tmp_path}/data")
+
+    def open_shards() -> int:
+        return sum(".tokens" in os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd"))
+
+    for _ in range(3):
+        for start in range(0, len(stream) - 3, 4):  # across every shard, windows straddling two
+            assert ds.read(start, 3).tolist() == stream[start:start + 3].tolist()
+            assert len(ds._maps) <= 2 and open_shards() <= 2

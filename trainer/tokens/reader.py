@@ -4,7 +4,8 @@ Protocol: build one `TokenDataset(url)` per process (it reads and checks `manife
 once; nothing else is trusted), then call `read(start, length)` from any thread: a
 prefetching data loader calls it from its own thread while the training thread reads too.
 `read` fetches only the bytes of the requested range: on local files through one
-read-only memory map per shard (opened on first use, under a lock), elsewhere as one
+read-only memory map per shard (opened on first use, under a lock; the MAX_MAPS most recently
+used stay open, each a file descriptor and a kernel mapping), elsewhere as one
 ranged read per shard touched (`cat_file(path, start=, end=)`, one ranged GET on S3);
 `read_many` reads a step's windows remotely as one concurrent batch of such reads.
 The format is described in `trainer/tokens/format.py`.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -40,6 +42,7 @@ from trainer.tokens.format import (
 )
 
 T = TypeVar("T")
+MAX_MAPS = 64  # shards kept mapped per dataset and process (a mixture's datasets each keep theirs)
 
 
 class Retry(Protocol):
@@ -66,8 +69,8 @@ class TokenDataset:
         counts = [s.n_tokens for s in self.manifest.shards]
         # offsets[i] is the global position of shard i's first token; offsets[-1] == n_tokens.
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-        self._maps: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()  # guards opening memory maps
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()  # guards the memory maps
         self._bounds_lock = threading.Lock()
         self._bounds: np.ndarray | None = None
 
@@ -136,7 +139,7 @@ class TokenDataset:
         """Read through `fs` from now on, with its calls also for local files (no memory maps): chaos
         wraps a dataset's file system this way (chaos.storage_faults.install_on_data)."""
         with self._lock:
-            self.fs, self._local, self._maps = fs, False, {}
+            self.fs, self._local, self._maps = fs, False, OrderedDict()
 
     def _path(self, shard: int, suffix: str) -> str:
         return f"{self.root}/{self.manifest.shards[shard].name}{suffix}"
@@ -232,23 +235,29 @@ class TokenDataset:
         return np.frombuffer(data, dtype=self.dtype)
 
     def _map(self, shard: int) -> np.ndarray:
-        found = self._maps.get(shard)
-        if found is not None:
-            return found
+        """Shard `shard`'s memory map. Windows land on every shard in turn: keeping each one open
+        would hold a descriptor and a mapping per shard (10B tokens are over a thousand shards:
+        past a process's default descriptor limit), so past MAX_MAPS the least recently used is
+        dropped (closed once the last window viewing it is gone)."""
         with self._lock:
-            if shard not in self._maps:
-                path = self._path(shard, TOKENS_SUFFIX)
-                expected = self.manifest.shards[shard].n_tokens * self.dtype.itemsize
-                actual = self.fs.size(path)
-                if actual != expected:
-                    raise TokenFormatError(f"{path}: {actual} bytes where the manifest says {expected}; "
-                                           "the shard is damaged, prepare the data again")
-                mapped = np.memmap(path, dtype=self.dtype, mode="r")
-                # Training reads windows at random places: no read-ahead around each one, which on
-                # a cold cache would read far more of the file from disk than the windows.
-                mapped._mmap.madvise(mmap.MADV_RANDOM)
-                self._maps[shard] = mapped
-            return self._maps[shard]
+            found = self._maps.get(shard)
+            if found is not None:
+                self._maps.move_to_end(shard)
+                return found
+            path = self._path(shard, TOKENS_SUFFIX)
+            expected = self.manifest.shards[shard].n_tokens * self.dtype.itemsize
+            actual = self.fs.size(path)
+            if actual != expected:
+                raise TokenFormatError(f"{path}: {actual} bytes where the manifest says {expected}; "
+                                       "the shard is damaged, prepare the data again")
+            mapped = np.memmap(path, dtype=self.dtype, mode="r")
+            # Training reads windows at random places: no read-ahead around each one, which on
+            # a cold cache would read far more of the file from disk than the windows.
+            mapped._mmap.madvise(mmap.MADV_RANDOM)
+            self._maps[shard] = mapped
+            while len(self._maps) > MAX_MAPS:
+                self._maps.popitem(last=False)
+            return mapped
 
     def document_bounds(self) -> np.ndarray:
         """Global exclusive end offsets of every document, int64, in stream order (cached).
