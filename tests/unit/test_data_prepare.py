@@ -268,3 +268,40 @@ def test_a_tokenizer_saved_to_truncate_or_pad_still_gives_whole_documents_and_te
     ds = TokenDataset(str(tmp_path / "out"))
     assert ds.read(0, ds.n_tokens).tolist() == expected and ds.n_documents == len(texts)
     assert np.count_nonzero(ds.read(0, ds.n_tokens) == eos) == len(texts)  # only the documents' ends
+
+
+def test_a_parquet_column_that_is_not_utf8_is_one_line_and_the_fixed_file_prepares(capsys, executor, corpus,
+                                                                                    tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, tokenizer, _, _ = corpus
+    raw = pa.array([b"fine", b"caf\xe9"], type=pa.binary())
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())}), bad)
+    args = [str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
+    code, _, err = prepare(capsys, *args)
+    assert code == 2 and "Traceback" not in err
+    assert f"INPUT {bad}: row group 0 (from row 0) holds text that is not valid UTF-8 (byte 0xe9)" in err
+    pq.write_table(pa.table({"text": ["fine", "cafe"]}), bad)  # fixed: the same command prepares it
+    code, out, err = prepare(capsys, *args)
+    assert code == 0 and "prepared" in out, err
+
+
+def test_a_task_that_keeps_dying_fails_the_run_in_one_line_and_the_rerun_resumes(capsys, executor, corpus,
+                                                                                  tmp_path):
+    from orchestrator.cli.data.shard_task import UnitResult
+
+    def dying(job, indices, sink):  # what RayDataExecutor reports once a unit's retries are spent
+        sink.started("a cluster")
+        sink.result(UnitResult(-1, error=execute.task_failure(RuntimeError("OutOfMemoryError: worker killed")),
+                               error_kind="task"))
+
+    executor["executor"] = dying
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("undying data prepare: a unit's task failed 4 times (RuntimeError: ")
+    assert "give the workers more memory" in err and (tmp_path / "out" / "plan.json").exists()  # kept: resumable
+    executor["executor"] = Recorder()
+    code, out, _ = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 0 and "resuming the unfinished preparation" in out

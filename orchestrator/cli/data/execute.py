@@ -27,6 +27,8 @@ from typing import Protocol, TextIO
 from monitor.progress import Progress as BarProgress
 from orchestrator.cli.data.shard_task import Job, UnitResult, run_unit
 
+TASK_RETRIES = 3  # a unit's task is run again this often when its worker dies
+
 
 class Sink(Protocol):
     def started(self, where: str) -> None: ...
@@ -96,12 +98,25 @@ class RayDataExecutor:
             # Its one warning says that the bars above are off, which is what we asked for.
             logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
             rows = ray.data.from_items([{"unit": i} for i in indices], override_num_blocks=max(1, len(indices)))
-            results = rows.map(_map_row, fn_kwargs={"job": job}, num_cpus=1)
-            for row in results.iter_rows():
-                if sink.result(UnitResult.from_row(row)) is False:
-                    return
+            # Bounded retries: Ray Data's default retries a task whose worker died without end, so a
+            # unit too large for a worker's memory would hang the command instead of failing it.
+            results = rows.map(_map_row, fn_kwargs={"job": job}, num_cpus=1, max_retries=TASK_RETRIES)
+            try:
+                for row in results.iter_rows():
+                    if sink.result(UnitResult.from_row(row)) is False:
+                        return
+            except Exception as err:  # noqa: BLE001 (a task's worker kept dying: out of memory, a lost node)
+                sink.result(UnitResult(-1, error=task_failure(err), error_kind="task"))
         finally:
             conn.close()
+
+
+def task_failure(err: BaseException) -> str:
+    """The one line for a unit task that failed past its retries (its worker died each time)."""
+    reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    return (f"a unit's task failed {TASK_RETRIES + 1} times ({reason}); its worker died each time: give the "
+            "workers more memory (a .txt or .arrow input is one unit whole, a large one needs several times its "
+            "size), or split the input; run the same command again to resume")
 
 
 class Progress:

@@ -13,6 +13,7 @@ raises `BadRecord`, whose message names the input and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 
@@ -109,8 +110,9 @@ def _parquet(source: Source, fs, path: str, piece: Piece, text_field: str) -> It
         parquet = pq.ParquetFile(f)
         row = sum(parquet.metadata.row_group(i).num_rows for i in range(piece.start))
         for group in range(piece.start, piece.stop):
-            column = parquet.read_row_group(group, columns=[text_field]).column(text_field)
-            for value in column.to_pylist():
+            with _readable(source, f"row group {group} (from row {row})"):
+                values = parquet.read_row_group(group, columns=[text_field]).column(text_field).to_pylist()
+            for value in values:
                 yield _text(source, value, f"row {row}", text_field), f"row {row}"
                 row += 1
 
@@ -123,7 +125,27 @@ def _arrow(source: Source, fs, path: str, text_field: str) -> Iterator[tuple[str
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
             if hasattr(reader, "get_batch") else reader
         for batch in batches:
-            for value in batch.column(text_field).to_pylist():
+            with _readable(source, f"the record batch from row {row} of {name}"):
+                values = batch.column(text_field).to_pylist()
+            for value in values:
                 where = f"row {row} of {name}"
                 yield _text(source, value, where, text_field), where
                 row += 1
+
+
+@contextlib.contextmanager
+def _readable(source: Source, where: str) -> Iterator[None]:
+    """What pyarrow refuses in a part of a columnar input, as a BadRecord naming the part and the fix:
+    text that is not UTF-8, or a damaged file (pyarrow's own errors). Storage errors pass as they come
+    (a task retries those)."""
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        byte = err.object[err.start]
+        raise BadRecord(f"INPUT {source.arg}: {where} holds text that is not valid UTF-8 (byte {byte:#04x}); "
+                        "convert those records to UTF-8 or drop them") from None
+    except Exception as err:
+        if not type(err).__module__.startswith("pyarrow"):
+            raise
+        raise BadRecord(f"INPUT {source.arg}: {where} cannot be read ({' '.join(str(err).split())[:200]}); the "
+                        "file is damaged: write it again") from None

@@ -61,7 +61,8 @@ class Job:
 @dataclass(frozen=True)
 class UnitResult:
     """A task's answer: the shard's counts and checksums, or `error` (`error_kind` "usage":
-    a bad record, the user's to fix; "storage": the output failed)."""
+    a bad record, the user's to fix; "storage": the output failed; "task": the executor's, a task
+    whose worker kept dying, orchestrator.cli.data.execute.task_failure)."""
 
     index: int
     n_tokens: int = 0
