@@ -12,7 +12,9 @@ Protocol (in one process; thread-safe):
   * Any process asks for a byte range of a file it knows the path of (`read_range`): the
     holder answers from whichever copy it has.
   * `prune` after each arrival bounds what is kept: per owner (the rank in the file name) the
-    newest `PER_OWNER` snapshots, the newest complete one and the one being built.
+    newest `PER_OWNER` snapshots, the newest complete one and the one being built, and the step
+    `protect` names (the rank loop passes the plan's `memory_complete` at each step): while a
+    slow buddy copy keeps the newer one incomplete, the snapshot a restore would choose stays.
   * `fence(gen)` when the process leaves generation gen - 1 (RankActor.leave: the controller has
     drained that generation's messages, so no snapshot of it can complete any more): from then on
     a shard of an earlier generation is refused (`note_written` and `put` name theirs). A save
@@ -48,6 +50,7 @@ class HeldShards:
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # relative path -> bytes
         self.gen = -1  # the fence (`fence`, `keep_only`): shards of generations before it are stale
+        self.protected: int | None = None  # the controller's newest complete snapshot (`protect`)
 
     def path(self, relpath: str) -> str:
         return self.storage.path(relpath)
@@ -93,14 +96,19 @@ class HeldShards:
         with self._lock:
             return sorted(self._files)
 
+    def protect(self, step: int | None) -> None:
+        """Keep snapshot `step` (the controller's newest complete one) whatever newer ones arrive."""
+        self.protected = step
+
     def prune(self) -> None:
-        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps."""
+        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps and of `protected`."""
         by_owner: dict[int, set[int]] = {}
         for relpath in self.files():
             step, owner = _step_and_owner(relpath)
             by_owner.setdefault(owner, set()).add(step)
         keep = {(step, owner) for owner, steps in by_owner.items() for step in sorted(steps)[-PER_OWNER:]}
-        self._drop(r for r in self.files() if _step_and_owner(r) not in keep)
+        self._drop(r for r in self.files()
+                   if _step_and_owner(r) not in keep and _step_and_owner(r)[0] != self.protected)
 
     def fence(self, gen: int) -> None:
         """Refuse shards of generations before `gen` from now on."""

@@ -37,6 +37,7 @@ resets the count; a recovery does not (its saves are as failed as before it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -97,6 +98,7 @@ class Checkpoints:
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
         self.plan_version = 0
+        self.plan: CheckpointPlan | None = None  # the one published last
         self.plan_every = self.plan_anchor = 0
         self.stop_at: int | None = None  # the generation's stop step (orchestrator.controller.stopping)
         self.store = None
@@ -242,7 +244,9 @@ class Checkpoints:
         plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
                               final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
                               job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at,
-                              memory_every=memory_every, memory_anchor=memory_anchor)
+                              memory_every=memory_every, memory_anchor=memory_anchor,
+                              memory_complete=self.memory.newest_step())
+        self.plan = plan
         self.store.set_plan(plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
@@ -296,6 +300,10 @@ class Checkpoints:
         background = self.background.charge(snap.step, self.record.steps, self.record.last_step)
         self.memory.policy.on_save_cost(blocking + background)
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)
+        if self.plan is not None:  # the same plan, naming the new complete snapshot: its holders keep it
+            self.plan_version += 1
+            self.plan = dataclasses.replace(self.plan, version=self.plan_version, memory_complete=snap.step)
+            self.store.set_plan(self.plan.to_json())
         self._replan()
         return None
 

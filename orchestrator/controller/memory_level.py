@@ -27,6 +27,8 @@ from orchestrator.rank.snapshots import MemorySource
 from orchestrator.spec.job_spec import spec_hash
 from orchestrator.wire.messages import SnapshotHeld
 
+MAX_PENDING = 3  # snapshot steps waiting for their last shards; older ones can no longer complete usefully
+
 
 @dataclass
 class Snapshot:
@@ -53,6 +55,7 @@ class MemoryLevel:
         self.held_bytes: dict[int, int] = {}  # rank -> host bytes its memory level holds (last report)
         self.last_blocking_s: float | None = None
         self.warned_one_node = False
+        self.incomplete = 0  # snapshots given up: they never had every shard held twice
 
     def _committer(self, gen: int) -> Committer:
         # The manifests go to this process's memory: the committer checks that the shards tile
@@ -85,6 +88,7 @@ class MemoryLevel:
         if world_size > 1 and len(set(message.holders)) < 2:
             return None  # a shard held once is not a complete snapshot
         self._holders.setdefault(receipt.step, {})[receipt.file] = list(message.holders)
+        self._give_up_stale()
         commit = self.committer.on_receipt(receipt, extra, world_size, gen, layout, extra_state)
         if commit is None:
             return None
@@ -96,6 +100,23 @@ class MemoryLevel:
             del self._holders[step]
         self.last_blocking_s = commit.blocking_s  # the caller feeds the policy the whole cost
         return self.newest
+
+    def _give_up_stale(self) -> None:
+        """Snapshots that never completed (a rank whose buddy copy keeps failing: its shard is never
+        held twice) would wait for their last shard, receipts and all, for the whole generation: past
+        MAX_PENDING the oldest are given up, counted in `incomplete`."""
+        for step in sorted(self._holders)[:-MAX_PENDING]:
+            del self._holders[step]
+            self.committer.abandon(step, "newer snapshots were taken while it still missed shards held twice")
+            self.incomplete += 1
+            if str(self.incomplete).strip("0") == "1":  # the 1st, 10th, 100th...: said, not every time
+                self.log(f"memory snapshot of step {step} never completed (a shard not held twice: see the "
+                         f"ranks' warnings); {self.incomplete} given up so far, restores use the newest complete "
+                         "one or storage")
+
+    def newest_step(self) -> int | None:
+        """The newest complete snapshot's step (the plan names it: ckpt.held keeps it), None without one."""
+        return self.newest.step if self.newest is not None else None
 
     def _candidate(self, storage_step: int | None) -> Snapshot | None:
         snap = self.newest

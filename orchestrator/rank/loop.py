@@ -297,6 +297,8 @@ class RankLoop:
                 if plan.should_save(completed) or plan.stops(completed):
                     beats.saving(completed)  # before: a synchronous save is written inside `save`
                     writer.save(completed, self.engine.state_slices(copy=False), self._save_extra())
+                if snapshots is not None:
+                    snapshots.held.protect(plan.memory_complete)
                 if snapshots is not None and plan.snapshot_due(completed):
                     beats.saving(completed)
                     snapshots.take(completed, self.engine.state_slices(copy=False), self._save_extra())

@@ -237,6 +237,9 @@ class CheckpointPlan:
     # saves stay on their steps (every_steps: 10 saves at 10, 20, 30, ...).
     memory_every: int | None = None
     memory_anchor: int | None = None
+    # The newest memory snapshot the controller has whole: every holder keeps its files (ckpt.held)
+    # while newer ones are still being copied, since a restore would choose it.
+    memory_complete: int | None = None
 
     def stops(self, completed: int) -> bool:
         return self.stop_at is not None and completed >= self.stop_at

@@ -342,25 +342,37 @@ class _PlanStore:
         self.plans.append(CheckpointPlan.from_json(data))
 
 
-def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restores(tmp_path):
-    """every_steps: 10 saves at 10, 20, 30 however the memory cadence moves and whichever level restores."""
+def _checkpoints(tmp_path, name: str = "grid"):
+    """The controller's Checkpoints of a dp-2, 40-step job saving every 10 steps, the memory level on
+    (the default); with its JobRecord."""
     from monitor.goodput import GoodputLedger
     from monitor.metrics import JobMetrics
     from orchestrator.controller.checkpoints import Checkpoints
     from orchestrator.controller.faults import ControllerFaults
     from orchestrator.controller.job_record import JobRecord
 
-    spec = validate_spec({"name": "grid", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+    spec = validate_spec({"name": name, "model": {"preset": "tiny"}, "data": {"seq_len": 16},
                           "train": {"steps": 40, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
                           "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10}})
     assert spec.checkpoint.memory.enabled  # the default
-    ledger, metrics = GoodputLedger(), JobMetrics("grid")
+    ledger, metrics = GoodputLedger(), JobMetrics(name)
     record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
     catalog = Catalog(Storage(spec.checkpoint_root))
     chaos = ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None)
-    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics, chaos, log=lambda line: None)
+    return Checkpoints(spec, catalog, ledger, record, metrics, chaos, log=lambda line: None), record
+
+
+def _planning_checkpoints(tmp_path):
+    """`_checkpoints` begun at step 0, with a store that records each published plan."""
+    checkpoints, record = _checkpoints(tmp_path)
     store = _PlanStore()
     checkpoints.begin(store, 0, None)
+    return checkpoints, store, record
+
+
+def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restores(tmp_path):
+    """every_steps: 10 saves at 10, 20, 30 however the memory cadence moves and whichever level restores."""
+    checkpoints, store, record = _planning_checkpoints(tmp_path)
     for s in range(13):  # the controller is at step 13
         record.steps.put(StepRecord(s, 1.0, 100, 0.1, 0.0))
     record.last_step = 12
@@ -383,21 +395,7 @@ def test_storage_saves_keep_their_steps_through_memory_replans_and_memory_restor
 def _controller_checkpoints(tmp_path):
     """The controller's Checkpoints of a dp-2 job, storage's newest commit step 10, a memory snapshot of
     step 12 held by the live actor "a"; with the Workers whose live actors it sees."""
-    from monitor.goodput import GoodputLedger
-    from monitor.metrics import JobMetrics
-    from orchestrator.controller.checkpoints import Checkpoints
-    from orchestrator.controller.faults import ControllerFaults
-    from orchestrator.controller.job_record import JobRecord
-
-    spec = validate_spec({"name": "snap", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
-                          "train": {"steps": 40, "global_batch": 4, "micro_batch": 1}, "parallel": {"dp": 2},
-                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 10}})
-    ledger, metrics = GoodputLedger(), JobMetrics("snap")
-    record = JobRecord(spec.name, spec.train.steps, metrics, ledger)
-    catalog = Catalog(Storage(spec.checkpoint_root))
-    checkpoints = Checkpoints(spec, catalog, ledger, record, metrics,
-                              ControllerFaults([], catalog, 0, ledger.wall, printer=lambda line: None),
-                              log=lambda line: None)
+    checkpoints, _ = _checkpoints(tmp_path, "snap")
     checkpoints.restore.restore_point = lambda: 10  # storage's newest commit
     checkpoints.memory.newest = Snapshot(step=12, manifest_json="{}", holders={"shard-r00000.bin": ["a"]})
 
@@ -451,3 +449,50 @@ def test_a_restore_from_memory_that_fails_otherwise_is_not_tried_again(tmp_path)
     assert checkpoints.restore_choice(Workers(), after_failure=True) == (10, None)
     checkpoints.on_restore_failed(None, TimeoutError("a storage restore's"))  # nothing of memory to forget
     assert checkpoints.restore.bad == {}
+
+
+def test_a_holder_keeps_the_newest_complete_snapshot_while_newer_ones_are_still_copied():
+    # Rank 0 wrote steps 6 and 9 while step 6's buddy copies of other ranks lag: the controller's
+    # newest complete snapshot is step 3, which a restore would choose; the plan names it.
+    held = HeldShards("job")
+    held.protect(3)
+    for step in (3, 6, 9):
+        held.put(f"{step_dir(step)}/shard-t-r00000.bin", b"x", 0)
+    assert [f.split("/")[0] for f in held.files()] == [step_dir(s) for s in (3, 6, 9)]
+    held.protect(6)  # step 6 became complete: step 3 goes at the next arrival
+    held.put(f"{step_dir(12)}/shard-t-r00000.bin", b"x", 0)
+    assert [f.split("/")[0] for f in held.files()] == [step_dir(s) for s in (6, 9, 12)]
+
+
+def test_a_completed_snapshot_republishes_the_plan_naming_it_with_the_same_cadence(tmp_path):
+    checkpoints, store, _ = _planning_checkpoints(tmp_path)
+    first = store.plans[-1]
+    assert first.memory_complete is None
+
+    def completes(message, world_size, gen, layout, extra_state):
+        checkpoints.memory.newest = Snapshot(step=8, manifest_json="", holders={})
+        return checkpoints.memory.newest
+
+    checkpoints.memory.on_held = completes
+    checkpoints.on_snapshot(None, 2, {}, 0, {})
+    named = store.plans[-1]
+    assert named.memory_complete == 8 and named.version > first.version
+    assert (named.every, named.anchor, named.memory_every, named.memory_anchor) == \
+        (first.every, first.anchor, first.memory_every, first.memory_anchor)
+
+
+def test_snapshots_that_never_complete_are_given_up_past_a_few_not_kept_for_the_generation(tmp_path):
+    # Rank 3's buddy copy keeps failing: its shard is never held twice, so no snapshot completes;
+    # the others' shards of every snapshot step must not pile up for the whole generation.
+    lines: list[str] = []
+    level = _level(tmp_path, lines)
+    level.begin(0, 0)
+    steps = list(range(3, 3 * 9, 3))
+    for step in steps:
+        for message in _held_messages(step, holders=lambda rank: [f"a{rank}"] if rank == 3 else
+                                      [f"a{rank}", f"a{rank + 1}"]):
+            assert level.on_held(message, WORLD, 0, {}, lambda samples: {}) is None
+    assert sorted(level._holders) == steps[-3:] and sorted(level.committer.pending) == steps[-3:]
+    assert level.incomplete == len(steps) - 3 and len(lines) == 1 and "step 3 never completed" in lines[0]
+    done = [level.on_held(m, WORLD, 0, {}, lambda samples: {}) for m in _held_messages(30)]
+    assert done[-1].step == 30 and level.newest_step() == 30  # the copy works again: the next one completes

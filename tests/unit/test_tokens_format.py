@@ -170,7 +170,8 @@ def test_local_shards_keep_a_bounded_number_of_maps_open(tmp_path, monkeypatch):
     ds = TokenDataset(f"file://{tmp_path}/data")
 
     def open_shards() -> int:
-        return sum(".tokens" in os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd"))
+        paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+        return sum(p.startswith(str(tmp_path)) and p.endswith(".tokens") for p in paths)  # this dataset's
 
     for _ in range(3):
         for start in range(0, len(stream) - 3, 4):  # across every shard, windows straddling two
