@@ -344,6 +344,16 @@ class ProcessShardWriter(OneSaveInFlight):
             self._in_flight = None
             self._idle.set()
 
+    def abandon(self) -> None:
+        """OneSaveInFlight.abandon: the child is killed (the save cannot commit; its staging buffer
+        and its process must not outlive the generation); its listener then ends the save, unreported."""
+        super().abandon()
+        with self._lock:
+            child = self._child
+        if child is not None:
+            with contextlib.suppress(OSError):
+                child.proc.kill()
+
     def _child_died(self, child: _Child) -> None:
         with self._lock:
             if self._child is child:
@@ -351,7 +361,9 @@ class ProcessShardWriter(OneSaveInFlight):
             lost, self._in_flight, self._hook_failed = self._in_flight, None, None
         child.stop(5.0)
         child.conn.close()
-        if lost is not None:
+        if lost is not None and self.abandoned:
+            self._idle.set()
+        elif lost is not None:
             step = lost[0]
             try:
                 self.on_error(step, WriterProcessDied(f"the checkpoint writer process of rank {self.rank} exited "

@@ -22,6 +22,7 @@ the write that read it has finished.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import sys
@@ -35,6 +36,8 @@ from ckpt.shards import slices_to_write, write_slices
 from ckpt.staging import StagingPool
 from ckpt.storage import Storage
 from trainer.state_slices import TensorSlice
+
+log = logging.getLogger(__name__)
 
 WRITER_NICE = 10  # added to the writer thread's nice value: it runs on what CPU training leaves over
 
@@ -53,6 +56,10 @@ def yield_cpu_to_training() -> None:
     with contextlib.suppress(OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+
+
+class SaveAbandoned(Exception):
+    """Raised inside an abandoned save's writing (OneSaveInFlight.abandon): it ends there, reported to nobody."""
 
 
 class OneSaveInFlight:
@@ -78,6 +85,15 @@ class OneSaveInFlight:
         self.on_wait: Callable[[], None] | None = None
         self._idle = threading.Event()  # set while no save is being written
         self._idle.set()
+        self.abandoned = False  # `abandon`: the save in flight stops, reported to nobody
+
+    def abandon(self) -> None:
+        """The rank left its generation while this writer's save still wrote (a straggler of
+        `ckpt.writers.flush_within`): the save's receipts would reach a generation the controller
+        has left, so it can never commit. Stop it as soon as the writer can, so that its staging (a
+        full copy of the rank's state) is freed now, not whenever a stalled store answers, and does
+        not pile up with each generation a stalled store ends. Subclasses stop their writing."""
+        self.abandoned = True
 
     def _count(self, nbytes: int) -> None:
         """`nbytes` more taken by the store (from the thread or process that writes)."""
@@ -164,12 +180,22 @@ class ShardWriter(OneSaveInFlight):
                 self.fault_hook("during_shard_write", step)
             receipt = write_slices(self.storage, step, self.rank, staged, blocking_s, held=held,
                                    block_bytes=self.block_bytes, tag=self.tag,
-                                   on_progress=self._count)
+                                   on_progress=self._progress)
             if not self.async_save:
                 receipt.blocking_s = time.perf_counter() - started
+            self._progress(0)  # abandoned while the store took its last bytes: no receipt either
             self.on_receipt(receipt, extra)
+        except SaveAbandoned:
+            log.info("rank %d: the save of step %d stopped: its generation is over", self.rank, step)
         except BaseException as err:  # reported, never raised into the writer thread's loop
             self.on_error(step, err)
+
+    def _progress(self, nbytes: int) -> None:
+        """After each piece the store took: counted, or the end of an abandoned save (its next piece
+        is not written; its partial files are unfinished ones, collected with their step)."""
+        if self.abandoned:
+            raise SaveAbandoned(f"rank {self.rank}'s save was abandoned")
+        self._count(nbytes)
 
     def flush(self) -> None:
         """`wait`, then stop the writer thread (a later save starts a new one). Before the rank leaves."""

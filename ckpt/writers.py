@@ -13,7 +13,8 @@ Protocol (one writer per rank and generation, driven by the rank's training thre
      writer's own thread.
   3. `wait()` blocks until the save in flight is durable; `flush()` does that and stops
      the writer, before the rank leaves the generation (`flush_within`: when it leaves on an
-     abort, without waiting longer than a limit).
+     abort, without waiting longer than a limit; `abandon()` then stops a save still writing,
+     which can no longer commit: `abandon_stragglers`).
 `waited` counts the saves that had to wait for the previous one (bounded memory: one
 snapshot staged per rank). `written_bytes` counts the shard bytes the store has taken, and
 `on_wait` (with `wait_tick_s`) is called while the driving thread is blocked on a save, so
@@ -56,6 +57,8 @@ class CheckpointWriter(Protocol):
 
     def flush(self) -> None: ...
 
+    def abandon(self) -> None: ...
+
 
 def make_writer(config: CheckpointConfig, url: str, rank: int, on_receipt: OnReceipt, on_error: OnError, *,
                 fault_hook: FaultHook | None = None, tag: str = "", storage_setup: StorageSetup | None = None,
@@ -90,3 +93,14 @@ def flush_within(writers: Sequence[CheckpointWriter], within_s: float | None) ->
     for _, thread in flushing:
         thread.join(max(0.0, deadline - time.monotonic()))
     return [writer for writer, thread in flushing if thread.is_alive()]
+
+
+def abandon_stragglers(writers: Sequence[CheckpointWriter], settle_s: float = 1.0) -> list[CheckpointWriter]:
+    """A rank leaving its generation on an abort: its saves in flight get `settle_s` to land, then
+    the ones still writing are abandoned (OneSaveInFlight.abandon), so that each stalled generation
+    does not leave one more staged copy of the rank's state, and on object stores one more writer
+    process, behind. Returns those."""
+    stragglers = flush_within(writers, settle_s)
+    for writer in stragglers:
+        writer.abandon()
+    return stragglers

@@ -42,7 +42,7 @@ import time
 from chaos.config import ArmedFault, rank_data_faults, rank_storage_faults
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on, install_on_data
-from ckpt.writers import CheckpointWriter, flush_within, make_writer
+from ckpt.writers import CheckpointWriter, abandon_stragglers, flush_within, make_writer
 from orchestrator.rank.beats import Beats
 from orchestrator.wire.messages import (
     CheckpointPlan,
@@ -310,14 +310,14 @@ class RankLoop:
         except AbortedWhileWaiting:  # for a step's data (or the memory probe's look at the next), behind a save
             return self._aborted()
         finally:
-            # On an abort or an error, a save still in flight gets ABORT_SETTLE_S, then finishes on
-            # its own (it commits only if complete, its receipts in time): the release must not wait.
+            # On an abort or an error, a save still in flight gets ABORT_SETTLE_S, then is abandoned:
+            # the release must not wait, and a save that outlives its generation never commits.
             if not left_cleanly:
-                flush_within(writers, ABORT_SETTLE_S)
+                abandon_stragglers(writers, ABORT_SETTLE_S)
         try:
             flush_within(writers, None)  # at the end or at a stop step, the saves land before the call returns
         except AbortedWhileWaiting:  # the controller gave up on this stop (past its deadline)
-            flush_within(writers, ABORT_SETTLE_S)
+            abandon_stragglers(writers, ABORT_SETTLE_S)
             return self._aborted()
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,
                 "ckpt_waits": writer.waited}

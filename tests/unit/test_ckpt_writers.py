@@ -85,3 +85,27 @@ def test_write_slices_reports_each_piece_the_store_took(tmp_path, monkeypatch):
     state = [whole("a", torch.arange(600, dtype=torch.float32)), whole("b", torch.arange(10, dtype=torch.int64))]
     receipt = ckpt.shards.write_slices(storage, 3, 0, state, 0.0, on_progress=pieces.append)
     assert pieces == [1000, 1000, 400, 80] and sum(pieces) == 2480 <= receipt.nbytes  # the file pads between chunks
+
+
+@pytest.mark.parametrize("choice", ["thread", "process"])
+def test_a_save_left_behind_by_an_abort_is_abandoned_unreported_and_its_staging_freed(tmp_path, choice):
+    # The rank leaves its generation while a stalled store holds its save: after the settle the
+    # save is stopped (the thread writer at the store's next piece, the process writer's child
+    # killed), never reported, and its staging freed, instead of lingering with each generation.
+    from ckpt.writers import abandon_stragglers
+
+    url, reports = f"file://{tmp_path}", []
+    writer = make_writer(CheckpointConfig(url=url, writer=choice), url, 0, lambda r, e: reports.append(r),
+                         lambda step, err: reports.append(err), tag=choice, storage_setup=_latency(3.0))
+    writer.save(5, [whole("w", torch.arange(6000, dtype=torch.float32))], {})
+    started = time.monotonic()
+    assert abandon_stragglers([writer], settle_s=0.3) == [writer] and writer.abandoned
+    assert writer._idle.wait(10.0)  # the save is over
+    if choice == "process":
+        assert time.monotonic() - started < 2.5  # its child was killed, not waited out
+        deadline = time.monotonic() + 5.0
+        while writer._buffer is not None and time.monotonic() < deadline:  # freed by the flush thread
+            time.sleep(0.05)
+        assert writer._buffer is None
+    time.sleep(0.5)
+    assert reports == []  # neither a receipt nor an error: its generation is over
