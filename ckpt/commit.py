@@ -188,7 +188,8 @@ class Committer:
         return manifest if same else None
 
     def _withdraw_torn(self, step: int) -> None:
-        """Move aside a manifest of `step` that is there but does not parse (our own torn write)."""
+        """Move aside a manifest of `step` that is there but does not parse: our own torn write, or
+        (a step of `left_behind`) a committed one of the history this run left, quarantined."""
         try:
             if not self.catalog.storage.exists(self.catalog.manifest_path(step)):
                 return
@@ -197,7 +198,10 @@ class Committer:
             read_manifest(self.catalog, step, ReadRetry(0.0))
         except CorruptCheckpoint as err:
             try:
-                aside = self.catalog.withdraw_torn(step)
+                # A step this run's restore skipped holds the previous history's committed manifest:
+                # corrupt, not a torn write of ours; it goes aside as evidence (ckpt verify, retention keep it).
+                ours = step not in self.left_behind
+                aside = self.catalog.withdraw_torn(step) if ours else self.catalog.quarantine(step)
                 log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
             except (OSError, ValueError) as again:
                 log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "

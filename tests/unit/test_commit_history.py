@@ -11,6 +11,7 @@ import torch
 
 from ckpt.catalog import Catalog
 from ckpt.commit import Committer
+from ckpt.manifest import step_dir
 from ckpt.reader import load_checkpoint
 from ckpt.storage import Storage
 from tests._checkpoints import feed, flip_bit, make_state, save_checkpoint, shard_of, shard_receipts
@@ -76,6 +77,22 @@ def test_a_save_at_a_step_the_restore_left_behind_is_skipped_kept_and_not_failed
     assert feed(committer, shard_receipts(catalog, 50, make_state(50), tag="r2g2")).step == 50
     committer.reset(10)
     assert feed(committer, shard_receipts(catalog, 40, make_state(41), tag="r2g3")) is None and dropped == [40]
+
+
+def test_a_save_at_a_skipped_step_whose_manifest_is_corrupt_quarantines_it_as_evidence(catalog):
+    # Step 30's committed manifest does not parse (bit rot); the restore skipped it and could not
+    # move it aside. This run's save of step 30 finds it: it goes aside as corrupt (kept as evidence,
+    # counted by quarantined_steps), not as a torn write of ours, and the fresh save commits.
+    for step in (10, 30):
+        save_checkpoint(catalog, step, make_state(step))
+    catalog.storage.fs.pipe_file(catalog.manifest_path(30), b"{not a manifest")
+    catalog.storage.invalidate()
+    committer = Committer(catalog, "j", "h", keep=3)
+    committer.reset(10, left_behind={30})
+    assert feed(committer, shard_receipts(catalog, 30, make_state(31), tag="r2g1")).step == 30
+    names = catalog.storage.listdir(catalog.storage.path(step_dir(30)))
+    assert any(n.startswith("manifest.corrupt-") for n in names) and not any("torn" in n for n in names)
+    torch.testing.assert_close(load_checkpoint(catalog, 30)[0]["model/w"], make_state(31)["model/w"])
 
 
 def test_a_commit_meeting_a_connection_error_that_is_no_oserror_is_a_failed_save_not_a_crash(catalog, caplog):
