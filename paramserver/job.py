@@ -110,14 +110,16 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
            *, slow: dict[int, float] | None = None, max_piece_bytes: int | None = None,
            on_stats: Callable[[list[ServerStats]], None] | None = None, stats_every_s: float = 1.0,
            checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
-           ledger: Ledger | None = None) -> PSReport:
+           ledger: Ledger | None = None, on_step: Callable[[StepLog], None] | None = None) -> PSReport:
     """Train to `train.steps` in parameter-server mode; `slow`: {worker: seconds slept per step}.
     `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's stats with the
     update records new since the last (paramserver.update_history) about every `stats_every_s`
     while the workers run, before each checkpoint, and once at the end.
     `checkpoints`: save every `every_steps` and restore from there (else one segment, and a dead
     server restarts the job's servers from the initial values); `faults`: injected kills;
-    `ledger` (monitor.goodput.GoodputLedger, created when the job starts): booked, then stopped."""
+    `ledger` (monitor.goodput.GoodputLedger, created when the job starts): booked, then stopped.
+    `on_step` (monitor.ps_metrics.PSMetrics.on_steps of one) gets each worker step's log as the
+    driver takes it (a step redone after a rollback again: both ran)."""
     microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
@@ -131,7 +133,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
                                                                             shards, sparse),
         dict(slow or {}))
     supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s)
+                            faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s,
+                            on_step=on_step)
     history = supervisor.history
     try:
         supervisor.run()

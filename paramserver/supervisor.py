@@ -65,8 +65,9 @@ class Supervisor:
     def __init__(self, actors: Actors, servers: int, workers: int, steps: int, *,
                  checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
                  ledger: Ledger | None = None, on_stats: Callable[[list[ServerStats]], None] | None = None,
-                 stats_every_s: float = 1.0):
+                 stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
+        self.on_step = on_step  # each worker step's log as it arrives (the pull-wait metric)
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
         # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
         self.history = UpdateHistory(on_stats, foldable_below=0 if checkpoints else math.inf)
@@ -233,6 +234,8 @@ class Supervisor:
 
     def _on_log(self, entry: StepLog) -> None:
         self.logs[(entry.worker, entry.step)] = entry
+        if self.on_step is not None:
+            self.on_step(entry)
         self._note_pid("worker", entry.worker, entry.pid)
         failure = self._pauses.pop(entry.worker, None)
         if failure is not None:

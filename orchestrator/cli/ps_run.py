@@ -106,10 +106,9 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         # Until the actors are up and resumed a signal stops the driver at once (StartUpSignals).
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
-            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats,
-                            checkpoints=checkpoints, faults=faults, ledger=ledger)
+            report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
+                            faults=faults, ledger=ledger, on_step=lambda log: ps_metrics.on_steps([log]))
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
-            ps_metrics.on_steps(report.steps)
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)
             return EXIT_PREEMPTED

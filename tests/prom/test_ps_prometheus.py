@@ -56,9 +56,16 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         fed: list[int] = []
         ledger = GoodputLedger()
         feed = stats_feed(ps_metrics, metrics, ledger, every_steps=10)  # what `undying run` hands run_ps
+        waits_seen: list[float] = []  # pull waits observed by each stats poll: during the run, not at its end
+
+        def on_stats(stats) -> None:
+            fed.append(feed(stats))
+            waits_seen.append(metrics.registry.get_sample_value(
+                "undying_ps_pull_wait_seconds_count", {"undying_job": JOB, "consistency": PARALLEL.consistency}))
+
         report = run_ps(MODEL, DataConfig(seq_len=16), TRAIN, PARALLEL, slow={0: 0.05}, stats_every_s=0.3,
-                        on_stats=lambda stats: fed.append(feed(stats)), ledger=ledger)
-        ps_metrics.on_steps(report.steps)
+                        on_stats=on_stats, ledger=ledger, on_step=lambda log: ps_metrics.on_steps([log]))
+        assert 0 < waits_seen[len(waits_seen) // 2] < PARALLEL.dp * TRAIN.steps, waits_seen
         updates = len(report.records)
         assert updates == PARALLEL.dp * PARALLEL.servers * TRAIN.steps and sum(fed) == updates
         assert sum(1 for n in fed if n) >= 2, f"updates observed while the workers ran, per poll: {fed}"

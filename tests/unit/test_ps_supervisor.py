@@ -372,3 +372,12 @@ def test_the_driver_hands_its_signals_over_once_the_actors_are_up_and_resumed(wo
     supervisor.run()
     assert seen == [(0, [shard.version for shard in world.commits[4]])]  # once: restored, before any step
     assert supervisor.start_step == 4 and supervisor.saved == [8]
+
+
+def test_each_worker_step_reaches_on_step_as_the_driver_takes_it(world):
+    seen = []
+    supervisor = sup.Supervisor(sup.Actors(lambda k: FakeServer(world, k), world.start_worker), PAR.servers, PAR.dp,
+                                TRAIN.steps, faults=[Fault("server", 1, 3)], on_step=seen.append)
+    supervisor.run()  # a rollback to step 0 at step 3: the redone steps come again (both executions ran)
+    assert {(log.worker, log.step) for log in seen} == set(supervisor.logs)
+    assert len(seen) == PAR.dp * TRAIN.steps + supervisor.redone
