@@ -81,8 +81,13 @@ def _run(plan: StorageFaultPlan, op: str, path: str, call: Callable[[], object],
     return result
 
 
-def _land_prefix(fs: AbstractFileSystem, path: str, data: bytes, fraction: float) -> str:
+def _land_prefix(fs: AbstractFileSystem, path: str, data: bytes, fraction: float, exclusive: bool = False) -> str:
+    """A torn write: the first `fraction` of `data` lands at `path`. An exclusive create (a
+    manifest's commit) tears only where nothing is: a real conditional put never replaces an
+    object, and a fault must never damage a committed checkpoint."""
     kept = int(len(data) * fraction)
+    if exclusive and fs.exists(path):
+        return ": nothing landed (the object exists: an exclusive create replaces nothing)"
     parent = path.rsplit("/", 1)[0]
     if parent and parent != path:
         fs.makedirs(parent, exist_ok=True)
@@ -136,8 +141,9 @@ class FaultyFileSystem(AbstractFileSystem):
         return self.fs.fsid
 
     def pipe_file(self, path, value, *args, **kwargs):
+        exclusive = kwargs.get("mode") == "create"  # S3's conditional put (Storage.create_exclusive)
         return _run(self.plan, "write", _path_of(path), lambda: self.fs.pipe_file(path, value, *args, **kwargs),
-                    lambda fraction: _land_prefix(self.fs, path, value, fraction))
+                    lambda fraction: _land_prefix(self.fs, path, value, fraction, exclusive))
 
     def open(self, path, mode="rb", *args, **kwargs):
         op = "read" if "r" in mode and "+" not in mode else "write"
@@ -264,7 +270,7 @@ def install(
     wrapper = FaultyFileSystem(original_fs, plan)
     shadowed: dict[str, object] = {}
     if storage.is_local:
-        for name, make in (("write_immutable", _local_write), ("create_exclusive", _local_write),
+        for name, make in (("write_immutable", _local_write), ("create_exclusive", _local_create),
                            ("atomic_writer", _local_atomic_writer)):
             shadowed[name] = storage.__dict__.get(name)
             setattr(storage, name, make(plan, original_fs, getattr(storage, name)))
@@ -306,11 +312,16 @@ def install_on_data(datasets, notify: Callable[[dict], None], *, faults: list[Ar
     return plan
 
 
-def _local_write(plan: StorageFaultPlan, fs: AbstractFileSystem, original: Callable[[str, bytes], None]):
+def _local_write(plan: StorageFaultPlan, fs: AbstractFileSystem, original: Callable[[str, bytes], None],
+                 exclusive: bool = False):
     def write(path: str, data: bytes) -> None:
-        _run(plan, "write", path, lambda: original(path, data), lambda f: _land_prefix(fs, path, data, f))
+        _run(plan, "write", path, lambda: original(path, data), lambda f: _land_prefix(fs, path, data, f, exclusive))
 
     return write
+
+
+def _local_create(plan: StorageFaultPlan, fs: AbstractFileSystem, original: Callable[[str, bytes], None]):
+    return _local_write(plan, fs, original, exclusive=True)
 
 
 def _local_atomic_writer(plan: StorageFaultPlan, fs: AbstractFileSystem, original):

@@ -81,6 +81,24 @@ def test_error_after_manifest_commit_still_leaves_a_checkpoint_that_verifies(cat
     _assert_loads(catalog, 20, state)
 
 
+def test_a_torn_retry_of_a_landed_manifest_commit_never_replaces_the_committed_manifest(catalog):
+    # The commit's reply was lost after it landed ("after"), then its retry meets a torn write: a
+    # real conditional put replaces nothing, so neither may the fault; the checkpoint stays whole.
+    _save(catalog, 10, _state(10))
+    state = _state(20)
+    receipts = _receipts(catalog.storage, 20, state)
+    faults = [{"kind": "storage_error", "op": "write", "path": "*/manifest.json", "when": "after", "nth": 1},
+              {"kind": "torn_write", "path": "*/manifest.json", "keep_fraction": 0.5, "nth": 2}]
+    with install(catalog.storage, faults):
+        with pytest.raises(InjectedStorageError, match="succeeded"):
+            _commit(catalog, 20, receipts)
+        if catalog.storage.is_local:  # (memory:// looks before it writes: the retry finds its manifest)
+            with pytest.raises(InjectedStorageError, match="nothing landed"):
+                _commit(catalog, 20, receipts)
+    verify_checkpoint(catalog, 20)
+    _assert_loads(catalog, 20, state)
+
+
 def test_torn_shard_write_never_yields_a_checkpoint_that_verifies(catalog, tmp_path):
     _save(catalog, 10, _state(10))
     state = _state(20)
