@@ -89,6 +89,7 @@ class GoodputLedger:
     ) -> None:
         self._clock = clock
         self._booked = _validated_carry(carried)
+        self.carried = dict(self._booked)  # what predecessors booked (their totals), not this process
         # Wall time is kept apart from the buckets (carried wall + clock elapsed) so the
         # sum-equals-wall invariant is a real check of the booking, not a tautology.
         self._carried_wall = sum(self._booked.values())
@@ -138,6 +139,7 @@ class GoodputLedger:
             self._close_open_interval()
         for bucket, seconds in extra.items():
             self._booked[bucket] += seconds
+            self.carried[bucket] = self.carried.get(bucket, 0.0) + seconds
         self._carried_wall += sum(extra.values())
 
     def stop(self) -> None:

@@ -17,26 +17,31 @@ from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE
 class GoodputCollector:
     """Exposes the ledger totals published by `on_goodput`.
 
-    Badput is a counter, `undying_badput_seconds_total{cause}`: the ledger only ever adds to a
-    cause (time booked as it passes, `move` always takes from `productive`), so `rate()` reads
-    it. Productive time is a gauge, `undying_productive_seconds`, because `move` shrinks it when
-    rolled-back steps become `lost_work`, and Prometheus would read a counter's decrease as a
-    process restart and turn `rate()` into a spike; use `delta()` on it.
+    Badput is a counter, `undying_badput_seconds_total{cause}`, of the seconds booked by this
+    process: the ledger only ever adds to a cause (time booked as it passes, `move` always takes
+    from `productive`), so `rate()` and `increase()` read it. It starts at 0 in each driver
+    process, as a counter must: a resumed driver carries its predecessor's totals from a snapshot
+    up to seconds old, below what the predecessor last exported, and exporting those would read
+    as a counter reset followed by an increase of the job's whole history (the low-goodput
+    alert's false fire after every resume). The job's totals across its drivers are the gauge
+    `undying_badput_job_seconds{cause}` (dashboards' shares). Productive time is a gauge,
+    `undying_productive_seconds`, the job's, because `move` shrinks it when rolled-back steps
+    become `lost_work`; use `delta()` on it.
 
     Nothing is exported before the first `publish`, which the controller makes once the ledger
-    is whole (after its first restore carried a predecessor's totals, or found none): zeros
-    exported before that carry, then the carried totals, read as a counter reset followed by an
-    increase of the job's whole history, which fired the low-goodput alert at every resume.
+    is whole (after its first restore carried a predecessor's totals, or found none).
     """
 
     def __init__(self, job: str) -> None:
         self._job = job
         self._lock = threading.Lock()
         self._totals: dict[str, float] | None = None
+        self._base: dict[str, float] = {}  # the carried totals: predecessors', not this process's
 
-    def publish(self, totals: Mapping[str, float]) -> None:
+    def publish(self, totals: Mapping[str, float], carried: Mapping[str, float] | None = None) -> None:
+        """The ledger's totals, and (`carried`) the part of them its predecessors booked."""
         with self._lock:
-            self._totals = dict(totals)
+            self._totals, self._base = dict(totals), dict(carried or {})
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -45,11 +50,19 @@ class GoodputCollector:
             return
         badput = CounterMetricFamily(
             "undying_badput_seconds",
-            "Wall seconds booked to each badput cause (ml-goodput-measurement taxonomy).",
+            "Wall seconds this driver process booked to each badput cause (ml-goodput-measurement "
+            "taxonomy); from 0 in each process: rate() and increase() read it across resumes.",
+            labels=["cause", "undying_job"],
+        )
+        job_badput = GaugeMetricFamily(
+            "undying_badput_job_seconds",
+            "Wall seconds the job booked to each badput cause, over every driver process it had.",
             labels=["cause", "undying_job"],
         )
         for cause in BADPUT_CAUSES:
-            badput.add_metric([cause, self._job], totals.get(cause, 0.0))
+            total = totals.get(cause, 0.0)
+            badput.add_metric([cause, self._job], max(0.0, total - self._base.get(cause, 0.0)))
+            job_badput.add_metric([cause, self._job], total)
         productive = GaugeMetricFamily(
             "undying_productive_seconds",
             "Wall seconds of training whose effect survives in the final model (shrinks when a "
@@ -58,4 +71,5 @@ class GoodputCollector:
         )
         productive.add_metric([self._job], totals.get(PRODUCTIVE, 0.0))
         yield badput
+        yield job_badput
         yield productive

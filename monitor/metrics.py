@@ -358,7 +358,7 @@ class JobMetrics:
         """Publish a snapshot of the ledger (the controller calls it, e.g. once per heartbeat)."""
         totals = ledger.totals()
         wall = sum(totals.values())
-        self._goodput.publish(totals)
+        self._goodput.publish(totals, ledger.carried)
         self.goodput_ratio.labels(self.job).set(totals[PRODUCTIVE] / wall if wall > 0 else 0.0)
 
     def on_rank_compute(self, rank: int, seconds: float) -> None:

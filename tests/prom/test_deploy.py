@@ -20,7 +20,8 @@ DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 REQUIRED_METRICS = (
     "undying_step", "undying_step_seconds", "undying_tokens_total", "undying_mfu_ratio", "undying_loss",
     "undying_grad_norm", "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total",
-    "undying_productive_seconds", "undying_checkpoint_blocking_seconds", "undying_checkpoint_commit_latency_seconds",
+    "undying_badput_job_seconds", "undying_productive_seconds", "undying_checkpoint_blocking_seconds",
+    "undying_checkpoint_commit_latency_seconds",
     "undying_checkpoint_bytes", "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
     "undying_checkpoint_failures_total", "undying_checkpoint_skipped_total",
     "undying_checkpoint_last_commit_timestamp_seconds", "undying_failures_total", "undying_detection_seconds",

@@ -33,7 +33,8 @@ HISTOGRAMS = ("undying_step_seconds", "undying_checkpoint_blocking_seconds",
               "undying_checkpoint_commit_latency_seconds", "undying_detection_seconds", "undying_recovery_seconds")
 REQUIRED_SERIES = (
     "undying_step", "undying_tokens_total", "undying_mfu_ratio", "undying_loss", "undying_grad_norm",
-    "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_productive_seconds",
+    "undying_loss_scale", "undying_goodput_ratio", "undying_badput_seconds_total", "undying_badput_job_seconds",
+    "undying_productive_seconds",
     "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
     "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds",

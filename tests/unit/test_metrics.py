@@ -290,10 +290,21 @@ def test_goodput_series_appear_only_once_the_ledger_is_whole():
     sample = {"undying_job": "resumed", "cause": "startup"}
     assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) is None
     assert resumed.registry.get_sample_value("undying_productive_seconds", {"undying_job": "resumed"}) is None
-    ledger = GoodputLedger(clock=lambda: 0.0)
+    now = [0.0]
+    ledger = GoodputLedger(clock=lambda: now[0])
+    now[0] = 5.0  # this driver's own start-up
     ledger.carry({"productive": 3600.0, "startup": 60.0})
     resumed.on_goodput(ledger)
-    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) == 60.0
+    # The counter is this process's (from 0: a predecessor's totals, carried from a snapshot seconds
+    # old, are below what it last exported, a counter reset to Prometheus); the job's is a gauge.
+    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) == 5.0
+    assert resumed.registry.get_sample_value("undying_badput_job_seconds", sample) == 65.0
+    ledger.enter("data")
+    now[0] = 8.0
+    resumed.on_goodput(ledger)
+    data = {"undying_job": "resumed", "cause": "data"}
+    assert resumed.registry.get_sample_value("undying_badput_seconds_total", data) == 3.0
+    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) == 5.0
 
 
 def test_the_checkpoint_interval_is_exported_before_any_commit_and_a_resume_keeps_its_commit_time():
