@@ -221,6 +221,8 @@ class Stops:
         steps = self.spec.train.steps
         if phase.state == State.STOPPING and phase.step < steps:
             return self._ended(phase, store, gen, world_size, dp)
+        if self.checkpoints.latest != steps and self._receipts_may_come():
+            return None
         if self.checkpoints.latest != steps and self.checkpoints.kept_intact(steps):
             return Move(Succeeded(), f"{steps} steps done; the final checkpoint is step {steps} as committed before "
                                      "(this run's restore read it damaged, it verifies whole here), "
@@ -235,13 +237,21 @@ class Stops:
             return Move(Failed(error), error)
         return Move(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
 
+    def _receipts_may_come(self) -> bool:
+        """Every rank returned and the step they stopped at is not committed yet: their last receipts
+        (queued to the store before they returned, unacknowledged) may still be on their way, until
+        RECEIPTS_S after the first look."""
+        if self.returned_at is None:
+            self.returned_at = self.clock()
+        return self.clock() < self.returned_at + RECEIPTS_S
+
     def _ended(self, phase: Stopping, store, gen: int, world_size: int, dp: int) -> Move | None:
         """Every rank returned at the stop step: once it is committed, end the job (a signal) or
         re-form without the drained node (no work lost: nothing was trained past the commit)."""
         latest = self.checkpoints.latest
         # A stop step published late is saved where the ranks read it, after the step asked for.
         if latest is None or latest < phase.step:  # its last receipts may still be on their way
-            self.returned_at = self.returned_at or self.clock()
+            self._receipts_may_come()
             return self.overdue(phase)
         if phase.node is None or self.signals:  # a signal came into a drain's stop: the job ends here
             return preempted(f"{phase.reason}: checkpoint step {latest} committed, every rank stopped; "

@@ -158,8 +158,11 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     checkpoints.begin(_Plans(), 1, 100)
     assert feed(checkpoints.committer, shard_receipts(catalog, 150, make_state(150), tag="r1g1")).step == 150
     assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
-    stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append)
+    now = [0.0]
+    stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append, clock=lambda: now[0])
     running = SimpleNamespace(state=State.RUNNING)
+    assert stops.finished(running, None, 1, 2, 2) is None  # the last receipts may still be on their way
+    now[0] = 2.0
     move = stops.finished(running, None, 1, 2, 2)
     assert isinstance(move.phase, Succeeded), move
     assert "final checkpoint is step 200 as committed before" in move.sentence
@@ -173,3 +176,23 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     flip_bit(catalog, 200, shard_of(catalog, 200, "model/w"))
     move = stops.finished(running, None, 1, 2, 2)
     assert not isinstance(move.phase, Succeeded) and "final checkpoint (step 200) was not committed" in move.sentence
+
+
+def test_a_final_receipt_that_lands_just_after_every_rank_returned_still_ends_the_job_succeeded(tmp_path):
+    # The ranks return once their last save is durable; its receipt was queued to the store before,
+    # unacknowledged, and may be read a poll later: the job must not fail for that.
+    from types import SimpleNamespace
+
+    from orchestrator.controller.states import State, Succeeded
+    from orchestrator.controller.stopping import RECEIPTS_S, Stops
+
+    spec, catalog, checkpoints, lines, ledger, record = _controller_checkpoints(tmp_path, "late", steps=100, keep=2)
+    checkpoints.begin(_Plans(), 0, None)
+    now = [0.0]
+    stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append, clock=lambda: now[0])
+    running = SimpleNamespace(state=State.RUNNING)
+    assert stops.finished(running, None, 0, 2, 2) is None  # step 100 not committed yet: its receipts may come
+    now[0] = RECEIPTS_S / 2
+    assert feed(checkpoints.committer, shard_receipts(catalog, 100, make_state(100), tag="r1g0")).step == 100
+    move = stops.finished(running, None, 0, 2, 2)
+    assert isinstance(move.phase, Succeeded) and "final checkpoint committed" in move.sentence
