@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -264,8 +264,10 @@ class RayWorkerGroup(SpareSeats):
                 outcomes.append(RankOutcome(rank, info["status"], info))
             except RANK_GONE as err:
                 actor = self.actors.pop(rank, None)  # gone for good (max_restarts=0); the controller replaces it
-                if actor is not None and not isinstance(err, RayActorError):
-                    ray.kill(actor, no_restart=True)  # the call failed; make sure its process is gone too
+                if actor is not None:
+                    # Make sure its process is gone too: ActorUnavailableError is a RayActorError that
+                    # means unreachable now, not dead, and a buddy's handle would keep it (and its GPU) alive.
+                    ray.kill(actor, no_restart=True)
                 outcomes.append(RankOutcome(rank, "died", {"error": str(err).splitlines()[0]}))
         return outcomes
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from orchestrator.cluster import node_probe
+from orchestrator.cluster.interruptible import Interrupted
 from orchestrator.cluster.placement import SpareChoice, split_tp_groups, tp_runs_by_node
 from orchestrator.controller.errors import collapse
 from orchestrator.controller.policies import ScalingPolicy
@@ -233,12 +234,15 @@ class Recovery:
     def wait_out(self) -> tuple[dict, list[int]]:
         """After the abort key is set: wait up to `release_timeout_s` for every running rank's
         `train` call, then kill the ranks still inside it (hung). Returns each finished rank's
-        (outcome, seconds since the wait began) and the killed ranks."""
+        (outcome, seconds since the wait began) and the killed ranks; Interrupted when the job is
+        ending meanwhile (the teardown kills what still runs)."""
         started, limit = time.monotonic(), self.release_timeout_s
         finished: dict = {}
         while self.workers.running() and time.monotonic() - started < limit:
             for outcome in self.workers.wait_any(self.poll_s):
                 finished[outcome.rank] = (outcome, time.monotonic() - started)
+            if self.workers.interrupted():  # twice the median step may outlast a pod's grace
+                raise Interrupted("the job is ending")
         stuck = self.workers.running()
         for rank in stuck:
             self.workers.kill(rank)

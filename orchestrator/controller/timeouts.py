@@ -32,11 +32,12 @@ from dataclasses import dataclass, replace
 
 from orchestrator.controller.policies import hang_limit
 from orchestrator.controller.save_watch import data_outage_s
+from orchestrator.spec.elastic import HANG_FLOOR_S
 from trainer.costmodel.hardware import GPUS
 from trainer.costmodel.layout import Workload
 from trainer.model import flops_per_token
 
-HANG_FLOOR_S, HANG_FACTOR = 10.0, 5.0
+HANG_FACTOR = 5.0  # the hang limit: max(HANG_FLOOR_S, this x the median step)
 # Before any step is measured: the compute bound at peak is 2-3x below a real step at 30-40% MFU,
 # and a first step adds torch.compile, kernel autotuning and NCCL's lazy communicator set-up.
 FIRST_STEP_FACTOR = 20.0

@@ -12,6 +12,9 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from trainer.spec_section import SpecSection
 
+# The auto hang limit's floor (orchestrator.controller.timeouts): no step for this long is a hang.
+HANG_FLOOR_S = 10.0
+
 
 class ElasticConfig(SpecSection):
     """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""

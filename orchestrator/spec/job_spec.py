@@ -30,7 +30,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
-from orchestrator.spec.elastic import ElasticConfig
+from orchestrator.spec.elastic import HANG_FLOOR_S, ElasticConfig
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.ps_check import ps_defaults, ps_problems
@@ -143,7 +143,8 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     `validate_spec`); a check that needs a missing section is skipped, so layout problems
     are reported in the same round as typos elsewhere in the spec."""
     model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
-    out = _layout_problems(par, spec.resources) + memory_level_problems(spec) + ps_problems(spec)
+    out = _layout_problems(par, spec.resources) + memory_level_problems(spec) + ps_problems(spec) \
+        + _heartbeat_problems(spec.monitor, spec.elastic)
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
@@ -181,6 +182,19 @@ def cross_section_problems(spec: Any) -> list[Problem]:
                                f"this layout (dp = {par.dp}, zero = {par.zero}) does not run; use dp > 1 with "
                                "zero 0 or 1, or another point such as after_backward"))
     return out
+
+
+def _heartbeat_problems(monitor: Any, elastic: Any) -> list[Problem]:
+    """A rank busy in a long save or a slow read shows it by its beats, read at most every
+    monitor.heartbeat_s: beats that far apart, against the hang limit, make that rank look hung."""
+    if not (monitor and elastic):
+        return []
+    limit = elastic.hang_timeout_s if isinstance(elastic.hang_timeout_s, float | int) else HANG_FLOOR_S
+    if monitor.heartbeat_s * 3 <= limit:
+        return []
+    return [Problem("monitor.heartbeat_s", f"{monitor.heartbeat_s:g} s is over a third of the hang limit "
+                    f"({limit:g} s): a rank busy in a long save or a slow read would look hung between its beats; "
+                    f"set it to at most {limit / 3:g} s (or raise elastic.hang_timeout_s)")]
 
 
 def _layout_problems(par: Any, resources: Any) -> list[Problem]:

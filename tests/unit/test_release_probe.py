@@ -1,6 +1,7 @@
 """The release after a crashed machine (orchestrator.controller.recovery.Recovery.release): the nodes the
 probe finds gone have their ranks dropped at once, not waited on and killed as hung, and a late report
-of such a node is ignored. A node-level fake of the worker group; pure, no Ray."""
+of such a node is ignored; a signal during the wait ends it at once. A node-level fake of the worker
+group; pure, no Ray."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class TwoNodes:
         self.lost_nodes: set[str] = set()
         self.pending = set(self.actors)
         self.killed: list[int] = []
+        self.interrupted = lambda: False  # the controller's "is the job ending?" (RayWorkerGroup's)
 
     def nodes_in_use(self) -> set[str]:
         return {self.node[rank] for rank in self.actors} - self.lost_nodes
@@ -86,3 +88,21 @@ def test_without_the_probe_finding_it_the_same_ranks_are_waited_on_then_killed_a
     released, workers, errors, intake, _ = _release(lambda nodes: [])
     assert released.crashed == {} and released.stuck == [2, 3] and released.lost == [2, 3]
     assert intake.nodes_handled == set() and workers.lost_nodes == set()
+
+
+def test_a_signal_during_the_release_wait_gives_it_up_at_once():
+    # Twice the median step can outlast a pod's grace: the wait asks, each poll, whether the job ends.
+    import pytest
+
+    from orchestrator.cluster.interruptible import Interrupted
+
+    spec = load_spec(str(ROOT / "examples/demo.yaml"), ["checkpoint.url=memory://release"])
+    policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch, spec.train.micro_batch, 1)
+    workers = TwoNodes()
+    recovery = Recovery(spec, workers, policy, lambda line: None, release_timeout_s=60.0, poll_s=0.01,
+                        metrics=JobMetrics(spec.name), probe=lambda nodes: [])
+    signalled_at = time.monotonic() + 0.2
+    workers.interrupted = lambda: time.monotonic() >= signalled_at
+    with pytest.raises(Interrupted):
+        recovery.wait_out()  # ranks 2 and 3 never return
+    assert time.monotonic() - signalled_at < 1.0 and workers.killed == []  # the teardown kills them

@@ -124,6 +124,8 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
         (["model.position=learned", "data.seq_len=512"], "data.seq_len", "exceeds model.max_seq_len = 256"),
         (["data={source: text, path: a.txt}", "model.vocab_size=128"], "model.vocab_size", "at least 256"),
         (["elastic.min_dp=3"], "elastic.min_dp", "3 exceeds parallel.dp = 2"),
+        (["monitor.heartbeat_s=5"], "monitor.heartbeat_s", "set it to at most 3.33333 s"),
+        (["monitor.heartbeat_s=5", "elastic.hang_timeout_s=12"], "monitor.heartbeat_s", "at most 4 s"),
         (["chaos.faults.0.rank=2"], "chaos.faults[0].rank", "use a rank in 0..1"),
         (["chaos.faults.0.at_step=60"], "chaos.faults[0].at_step", "use a step in 0..59"),
     ],
