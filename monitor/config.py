@@ -36,8 +36,8 @@ class MonitorConfig(SpecSection):
 
     port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 picks a free one")
     host: str = Field("127.0.0.1", min_length=1, description="interface to bind; 0.0.0.0 for all")
-    heartbeat_s: float = Field(0.5, gt=0.0, description="seconds between rank heartbeats; at most a third of "
-                               "the hang limit (elastic.hang_timeout_s, or its 10 s floor)")
+    heartbeat_s: float = Field(0.5, gt=0.0, description="seconds between rank heartbeats; at most half the "
+                               "hang limit (elastic.hang_timeout_s, or its 10 s floor)")
     tensorboard: str | None = Field(
         None, min_length=1, description="directory or URL (s3://...) for TensorBoard event files: every step's "
         "loss, tokens/s, MFU, validation loss, goodput buckets, checkpoints and recoveries; needs undying[tensorboard]")

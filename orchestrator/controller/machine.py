@@ -108,7 +108,7 @@ class Controller:
         self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
         self.restored_step: int | None = None
         self.failure_history: list = []
-        self.gen_started_at = time.time()  # when this generation's training started (wall; hangs: record.progress_at)
+        self.gen_started_at: float | None = None  # its training's start (wall); None before, and once booked
         self.error: str | None = None
         self.carry = LedgerCarry(self.checkpoints.read_manifest, self.ledger, self.record, self.snapshots,
                                  self.created_at, self.fault_clock)
@@ -359,8 +359,8 @@ class Controller:
         failure.record = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
                                                 failure.fault_time, failure.message, failure.step)
         self.checkpoints.interval_policy.on_failure()
-        if failure.onset is not None:  # from the fault (or a hang's stall), not before this generation trained
-            since = max(failure.onset, self.gen_started_at or failure.onset)
+        if failure.onset is not None and self.gen_started_at is not None:  # time a training generation lost
+            since = max(failure.onset, self.gen_started_at)  # from the fault (or a hang's stall)
             self.ledger.move(max(0.0, failure.detected_at - since), "productive", "detection")
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"
         after = failure.record.detected_after_s
@@ -379,8 +379,10 @@ class Controller:
         failure.record.killed_at_release = released.stuck
         self.fault_clock.sweep_fired(failure.detected_at)
         restore_point = self.checkpoints.expected_restore_point(self.workers) or 0
-        lost = failure.record.lost_work_s = self.record.rolled_back_seconds(restore_point, since=self.gen_started_at,
-                                                                            failed_at=failure.onset)
+        # A failure before the generation trained (rendezvous, restore) rolls back nothing not booked.
+        trained_since, self.gen_started_at = self.gen_started_at, None
+        lost = failure.record.lost_work_s = 0.0 if trained_since is None else self.record.rolled_back_seconds(
+            restore_point, since=trained_since, failed_at=failure.onset)
         self.ledger.move(lost, "productive", "lost_work")
         decision = self.failure_policy.decide(self.failure_history)
         if decision.action is FailureDecision.Action.FAIL:

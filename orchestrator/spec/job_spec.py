@@ -190,11 +190,11 @@ def _heartbeat_problems(monitor: Any, elastic: Any) -> list[Problem]:
     if not (monitor and elastic):
         return []
     limit = elastic.hang_timeout_s if isinstance(elastic.hang_timeout_s, float | int) else HANG_FLOOR_S
-    if monitor.heartbeat_s * 3 <= limit:
+    if monitor.heartbeat_s * 2 <= limit:
         return []
-    return [Problem("monitor.heartbeat_s", f"{monitor.heartbeat_s:g} s is over a third of the hang limit "
+    return [Problem("monitor.heartbeat_s", f"{monitor.heartbeat_s:g} s is over half the hang limit "
                     f"({limit:g} s): a rank busy in a long save or a slow read would look hung between its beats; "
-                    f"set it to at most {limit / 3:g} s (or raise elastic.hang_timeout_s)")]
+                    f"set it to at most {limit / 2:g} s (or raise elastic.hang_timeout_s)")]
 
 
 def _layout_problems(par: Any, resources: Any) -> list[Problem]:

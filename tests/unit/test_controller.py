@@ -177,7 +177,7 @@ class FakeWorkerGroup:
     def push_step(self, store, step):
         """Rank 0's step record and every rank's heartbeat for `step`."""
         store.push_event({"type": "step", "step": step, "loss": 10.0 / (step + 1), "tokens": 100,
-                          "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.01, "compute_s": 0.01, "time": 0.0})
+                          "grad_norm": 1.0, "lr": 1e-3, "step_s": 0.01, "compute_s": 0.01, "time": time.time()})
         for rank in self.actors:  # heartbeats: the rank in `slow` computes 30% longer
             store.set_json(f"hb/{rank}", {"step": step, "time": step, "compute_s": 1.3 if rank in self.slow
                                           else 1.0})
@@ -519,3 +519,26 @@ def test_an_error_after_the_job_ended_leaves_it_ended(tmp_path, rendezvous):
 
     ctl.HANDLERS[State.PLACING] = ends_then_raises
     assert ctl.step_once() == State.SUCCEEDED and ctl.error is None
+
+
+def test_a_restore_that_fails_after_a_rollback_books_no_lost_work_twice(tmp_path, rendezvous):
+    # Rank 1 dies at step 25 (steps 20-24 rolled back: lost work); the next generation's restore then
+    # fails once. That second failure trained nothing: it must not move the same steps (nor restore
+    # time) out of productive again.
+    spec = _spec(tmp_path, elastic={"max_restarts": 3})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={25: 1})
+    real, calls = workers.restore_all, []
+
+    def restore_all(step, dp, timeout_s, faults=None):
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("rank 0 could not restore: connection reset")
+        return real(step, dp, timeout_s, faults)
+
+    workers.restore_all = restore_all
+    report = _controller(spec, workers, rendezvous, []).run()
+    assert report.status == "succeeded" and calls == [None, 20, 20]
+    died, restore_failed = report.failures
+    assert died.lost_work_s > 0 and restore_failed.lost_work_s == 0.0
+    totals = report.goodput
+    assert abs(totals.productive_s + sum(totals.badput_s.values()) - totals.wall_s) < 1e-9
