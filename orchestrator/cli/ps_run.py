@@ -71,6 +71,29 @@ def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger
     return on_stats
 
 
+def step_feed(ps_metrics: PSMetrics, metrics: JobMetrics, workers: int):
+    """run_ps's `on_step` (each worker step's log, on the driver's thread): its pull wait, and, once
+    every worker's log of a step is in, the job's step series as a collective job exports them
+    (undying_step, undying_step_seconds: the slowest worker's, undying_tokens_total, undying_loss:
+    token-weighted), which the dashboard's job list and panels read. A step a rollback redoes is
+    exported again: both ran."""
+    pending: dict[int, list] = {}  # step -> [loss sum, tokens, slowest seconds, logs]
+
+    def on_step(log) -> None:
+        ps_metrics.on_steps([log])
+        entry = pending.setdefault(log.step, [0.0, 0, 0.0, 0])
+        entry[0] += log.loss_sum
+        entry[1] += log.tokens
+        entry[2] = max(entry[2], log.pull_wait_s + log.compute_s + log.push_s)
+        entry[3] += 1
+        if entry[3] == workers:
+            loss_sum, tokens, step_s, _ = pending.pop(log.step)
+            metrics.on_step(log.step, step_s, tokens, loss_sum / max(1, tokens), None)
+        for step in [s for s in pending if s < log.step - 1000]:  # a rollback's unfinished ones
+            del pending[step]
+    return on_step
+
+
 def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
     if timeline_path:
         print_problems([Problem("--timeline", "parameter-server jobs do not draw a timeline yet; leave it out")])
@@ -107,7 +130,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_step=lambda log: ps_metrics.on_steps([log]))
+                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp))
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)

@@ -3,6 +3,7 @@ the exposition text Prometheus would scrape."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,3 +102,22 @@ def test_the_step_rate_gives_the_interval_between_commits_and_restarts_after_a_r
     assert rate.on_stats([_stats(0, [0] * 11)]) == 10.0  # rolled back to step 10 (above the first): from here
     now[0] = 105.0
     assert rate.on_stats([_stats(0, [0] * 21)]) == 5.0
+
+
+def test_a_ps_job_exports_the_job_step_series_once_every_worker_s_log_of_a_step_is_in():
+    # The dashboard lists jobs by undying_step and draws their tokens and loss: a parameter-server job
+    # exports them as a collective one does, from its workers' step logs.
+    from orchestrator.cli.ps_run import step_feed
+
+    job = JobMetrics(JOB)
+    on_step = step_feed(PSMetrics(JOB, "ssp", servers=1, registry=job.registry), job, workers=2)
+    sample = {"undying_job": JOB}
+    on_step(StepLog(0, 0, loss_sum=8.0, tokens=4, pull_wait_s=0.1, compute_s=0.2, push_s=0.1, finished_at=1.0))
+    assert job.registry.get_sample_value("undying_step", sample) is None  # worker 1's step 0 not in yet
+    on_step(StepLog(1, 0, loss_sum=4.0, tokens=4, pull_wait_s=0.3, compute_s=0.2, push_s=0.1, finished_at=1.0))
+    assert job.registry.get_sample_value("undying_step", sample) == 0
+    assert job.registry.get_sample_value("undying_tokens_total", sample) == 8
+    assert job.registry.get_sample_value("undying_loss", sample) == 1.5  # token-weighted: 12 / 8
+    assert job.registry.get_sample_value("undying_step_seconds_sum", sample) == pytest.approx(0.6)  # the slowest
+    wait = {"undying_job": JOB, "consistency": "ssp"}
+    assert job.registry.get_sample_value("undying_ps_pull_wait_seconds_count", wait) == 2
