@@ -269,7 +269,11 @@ def test_check_all_runs_what_it_is_given_and_reports_each(catalog):
     assert not report.ok
     assert [c.name for c in report.failed] == ["checkpoints_verify", "newest_loads", "model_matches_reference",
                                                "goodput_sums_to_wall"]
-    assert report.to_dict()["checks"][-1] == {"name": "no_process_left", "ok": True, "detail": "0 processes all gone"}
+    assert report.to_dict()["checks"][-1] == {"name": "no_process_left", "ok": True,
+                                              "detail": "0 processes on this host all gone"}
+    # Ranks on other hosts are not seen by this host's /proc: the line says so, never "all gone" alone.
+    remote = check_all(pids=[], pids_elsewhere=3).checks[-1]
+    assert remote.detail == "0 processes on this host all gone; 3 on other hosts not checked (this host's /proc only)"
     assert "FAIL  checkpoints_verify" in report.table()
 
 

@@ -183,7 +183,8 @@ def experiment_main(spec, args, runner: Runner) -> int:
         checks = experiment.failed_run_report(f"the run left no report (exit code {outcome.code})")
     else:
         checks = experiment.invariants(spec, outcome.report, reference=reference,
-                                       pids=outcome.pids_to_check(), measured_wall_s=outcome.wall_s)
+                                       pids=outcome.pids_to_check(), measured_wall_s=outcome.wall_s,
+                                       elsewhere=outcome.elsewhere)
     print("\ninvariants:\n" + checks.table(), flush=True)
     if args.report and outcome.report is not None:
         data = experiment.chaos_report(outcome.report, checks, {

@@ -99,12 +99,14 @@ def dp_changed(report, target_dp: int) -> bool:
 
 
 def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
-               pids: Mapping[str, int] | None, measured_wall_s: float | None = None) -> InvariantReport:
+               pids: Mapping[str, int] | None, measured_wall_s: float | None = None,
+               elsewhere: int = 0) -> InvariantReport:
     """Every invariant check of a finished chaos run (see module doc) and, when the caller timed
     the run from outside, whether the ledger's wall fits inside that time.
 
     `reference`: the failure-free run's final `model/...` tensors (None: that check is skipped);
-    `pids`: {label: pid} of every rank process the run had (None: skipped).
+    `pids`: {label: pid} of every rank process the run had on this host (None: skipped);
+    `elsewhere`: how many it had on other hosts, which that check cannot see (said in its line).
     """
     from trainer.data import make_cursor
 
@@ -122,7 +124,7 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
         reference=reference, exact=exact, rtol=ELASTIC_RTOL, atol=ELASTIC_ATOL,
         history=report.history, final_step=spec.train.steps, global_batch=spec.train.global_batch,
         cursor=make_cursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.clock_wall_s,
-        pids=pids,
+        pids=pids, pids_elsewhere=elsewhere,
     )
     checks = list(result.checks)
     if measured_wall_s is not None:

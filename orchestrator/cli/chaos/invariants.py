@@ -280,14 +280,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has exited and only waits to be reaped; stopped counts as alive
 
 
-def check_no_process_left(pids: Iterable[int] | Mapping[str, int]) -> Check:
-    """(f) None of `pids` (or {label: pid}) is still running on this host; a stopped (hung) one counts."""
+def check_no_process_left(pids: Iterable[int] | Mapping[str, int], elsewhere: int = 0) -> Check:
+    """(f) None of `pids` (or {label: pid}) is still running on this host; a stopped (hung) one counts.
+    `elsewhere` rank processes ran on other hosts: unchecked (this host's /proc), and the line says so."""
     labelled = dict(pids) if isinstance(pids, Mapping) else {f"pid {p}": p for p in pids}
     alive = [f"{label} ({pid})" if not label.startswith("pid ") else label
              for label, pid in labelled.items() if _alive(int(pid))]
     if alive:
         return Check("no_process_left", False, f"{len(alive)} of {len(labelled)} still running: {_listing(alive)}")
-    return Check("no_process_left", True, f"{len(labelled)} processes all gone")
+    unseen = f"; {elsewhere} on other hosts not checked (this host's /proc only)" if elsewhere else ""
+    return Check("no_process_left", True, f"{len(labelled)} processes on this host all gone{unseen}")
 
 
 def check_all(
@@ -295,7 +297,7 @@ def check_all(
     reference: Mapping[str, torch.Tensor] | None = None, exact: bool = True, rtol: float = 1e-5, atol: float = 1e-8,
     history: Iterable | None = None, final_step: int | None = None, global_batch: int | None = None, cursor=None,
     goodput: GoodputLedger | Mapping[str, float] | None = None, wall_s: float | None = None,
-    pids: Iterable[int] | Mapping[str, int] | None = None,
+    pids: Iterable[int] | Mapping[str, int] | None = None, pids_elsewhere: int = 0,
 ) -> InvariantReport:
     """Run every check whose inputs are given (see module doc) and return the report."""
     expected_bad = list(expected_bad)
@@ -307,7 +309,7 @@ def check_all(
         ("data_exactly_once", history is not None and final_step is not None and global_batch is not None,
          lambda: check_data_once(history, final_step=final_step, global_batch=global_batch, cursor=cursor)),
         ("goodput_sums_to_wall", goodput is not None, lambda: check_goodput(goodput, wall_s=wall_s)),
-        ("no_process_left", pids is not None, lambda: check_no_process_left(pids)),
+        ("no_process_left", pids is not None, lambda: check_no_process_left(pids, pids_elsewhere)),
     ]
     checks, skipped = [], []
     for name, given, run in plan:
