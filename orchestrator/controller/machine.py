@@ -333,7 +333,7 @@ class Controller:
 
     def _watch_stragglers(self) -> None:
         for rank in self.telemetry.stragglers(self.store, self.world_size, self.record, self.log,
-                                              self.spec.elastic.evict_stragglers):
+                                              self.spec.elastic.evict_stragglers, spare=bool(self.workers.spares)):
             self.blame.evicting.add(rank)  # the eviction hook: its pending call fails, recovery replaces it
             self.workers.kill_actor_only(rank)
 

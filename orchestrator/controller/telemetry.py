@@ -92,13 +92,17 @@ class Telemetry:
         self.metrics.on_stragglers(flagged)
         return newly
 
-    def stragglers(self, store, world_size: int, record, log, evict: bool) -> list[int]:
+    def stragglers(self, store, world_size: int, record, log, evict: bool, spare: bool = True) -> list[int]:
         """Each poll of training: newly flagged sustained stragglers go into the job record and
-        the log; returns the ranks to evict (`elastic.evict_stragglers`)."""
+        the log; returns the ranks to evict (`elastic.evict_stragglers`), only while a warm `spare`
+        can take one over: a new actor would start in the evicted rank's own seat, on the same
+        (slow) device, and be evicted again until the restart budget ran out."""
         newly = sorted(self.poll(store, world_size))
+        how = ("; evicting it" if spare else "; not evicted: no warm spare to take it over (a new actor would "
+               "start on the same device)") if evict else ""
         for rank in newly:
             ratio = self.detector.ratios().get(rank, float("nan"))
             record.stragglers.append(StragglerRecord(time=record.job_seconds(), rank=rank, ratio=ratio))
             log(f"straggler: rank {rank} computes {ratio:.2f}x its peers' median for "
-                f"{self.detector.sustain_s:.0f} s" + ("; evicting it" if evict else ""))
-        return newly if evict else []
+                f"{self.detector.sustain_s:.0f} s{how}")
+        return newly if evict and spare else []

@@ -33,7 +33,8 @@ class ElasticConfig(SpecSection):
     crash_loop_limit: int = Field(3, ge=2, description="the same error at the same step on the same rank this many "
                                   "times in a row stops the job")
     evict_stragglers: bool = Field(False, description="replace a rank flagged as a sustained straggler "
-                                   "(monitor.straggler)")
+                                   "(monitor.straggler) by a warm spare (without one it stays: a new actor "
+                                   "would start on the same device)")
     # Ray's stop delay is RAY_JOB_STOP_WAIT_TIME_S; Kubernetes' is terminationGracePeriodSeconds (30 s by default).
     preemption_grace_s: float = Field(25.0, gt=0.0, description="after SIGTERM/SIGINT, how long the job may take "
                                       "to checkpoint at the next step boundary and stop (exit 75); keep it below "
