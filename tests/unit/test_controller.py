@@ -393,15 +393,21 @@ def test_crash_loop_stops_with_step_rank_and_error(tmp_path, rendezvous):
     assert len(report.failures) == 3
 
 
-def test_sustained_straggler_is_flagged_and_evicted(tmp_path, rendezvous):
+def _straggling(tmp_path, rendezvous, spares: int):
+    """A 60-step job whose rank 1 computes 1.3x its peers', evict_stragglers on, with `spares` warm spares."""
     spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
-                 elastic={"evict_stragglers": True, "max_restarts": 2, "spares": 1}, monitor={"heartbeat_s": 0.001})
+                 elastic={"evict_stragglers": True, "max_restarts": 2, "spares": spares},
+                 monitor={"heartbeat_s": 0.001})
     workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
     workers.slow = {1}
     lines: list[str] = []
     ctl = _controller(spec, workers, rendezvous, lines)
     ctl.telemetry.detector.sustain_s = 0.0  # the fake trains in milliseconds
-    report = ctl.run()
+    return ctl.run(), workers, lines
+
+
+def test_sustained_straggler_is_flagged_and_evicted(tmp_path, rendezvous):
+    report, workers, lines = _straggling(tmp_path, rendezvous, spares=1)
     assert report.status == "succeeded" and workers.evicted == [1]
     assert [s.rank for s in report.stragglers] == [1] and report.stragglers[0].ratio == pytest.approx(1.3)
     assert [(f.kind, f.rank) for f in report.failures] == [("straggler_evicted", 1)]
@@ -411,14 +417,7 @@ def test_sustained_straggler_is_flagged_and_evicted(tmp_path, rendezvous):
 def test_a_straggler_with_no_warm_spare_to_take_it_over_is_flagged_not_evicted(tmp_path, rendezvous):
     # A new actor would start in its own seat, on the same slow device, and be evicted again and
     # again until the restart budget ran out: without a warm spare it stays, said so.
-    spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
-                 elastic={"evict_stragglers": True, "max_restarts": 2, "spares": 0}, monitor={"heartbeat_s": 0.001})
-    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
-    workers.slow = {1}
-    lines: list[str] = []
-    ctl = _controller(spec, workers, rendezvous, lines)
-    ctl.telemetry.detector.sustain_s = 0.0
-    report = ctl.run()
+    report, workers, lines = _straggling(tmp_path, rendezvous, spares=0)
     assert report.status == "succeeded" and workers.evicted == [] and report.failures == []
     assert [s.rank for s in report.stragglers] == [1]
     assert any("straggler: rank 1" in line and "not evicted: no warm spare" in line for line in lines)
