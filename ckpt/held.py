@@ -12,9 +12,10 @@ Protocol (in one process; thread-safe):
   * Any process asks for a byte range of a file it knows the path of (`read_range`): the
     holder answers from whichever copy it has.
   * `prune` after each arrival bounds what is kept: per owner (the rank in the file name) the
-    newest `PER_OWNER` snapshots, the newest complete one and the one being built, and the step
-    `protect` names (the rank loop passes the plan's `memory_complete` at each step): while a
-    slow buddy copy keeps the newer one incomplete, the snapshot a restore would choose stays.
+    newest `PER_OWNER` snapshots, the newest complete one and the one being built; the step
+    `protect` names (the rank loop passes the plan's `memory_complete` at each step) is one of
+    them: while a slow buddy copy keeps the newer one incomplete, the snapshot a restore would
+    choose stays, beside the newest (the one between gives way: it can no longer complete).
   * `fence(gen)` when the process leaves generation gen - 1 (RankActor.leave: the controller has
     drained that generation's messages, so no snapshot of it can complete any more): from then on
     a shard of an earlier generation is refused (`note_written` and `put` name theirs). A save
@@ -101,14 +102,20 @@ class HeldShards:
         self.protected = step
 
     def prune(self) -> None:
-        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps and of `protected`."""
+        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps, `protected` among them."""
         by_owner: dict[int, set[int]] = {}
         for relpath in self.files():
             step, owner = _step_and_owner(relpath)
             by_owner.setdefault(owner, set()).add(step)
-        keep = {(step, owner) for owner, steps in by_owner.items() for step in sorted(steps)[-PER_OWNER:]}
-        self._drop(r for r in self.files()
-                   if _step_and_owner(r) not in keep and _step_and_owner(r)[0] != self.protected)
+        keep = {(step, owner) for owner, steps in by_owner.items() for step in self._kept(sorted(steps))}
+        self._drop(r for r in self.files() if _step_and_owner(r) not in keep)
+
+    def _kept(self, steps: list[int]) -> list[int]:
+        """Of one owner's snapshot steps, oldest first: the newest PER_OWNER, or, when `protected` is
+        older than those, it and the newest PER_OWNER - 1 (still PER_OWNER: the memory budget's)."""
+        if self.protected not in steps or self.protected in steps[-PER_OWNER:]:
+            return steps[-PER_OWNER:]
+        return [self.protected, *steps[-(PER_OWNER - 1):]]
 
     def fence(self, gen: int) -> None:
         """Refuse shards of generations before `gen` from now on."""

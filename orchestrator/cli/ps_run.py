@@ -20,6 +20,7 @@ saved cut (paramserver.moves).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 from monitor.goodput import GoodputLedger
@@ -36,6 +37,8 @@ from orchestrator.spec.problems import Problem
 from paramserver.preemption import Preempted, Preemption
 from trainer.data import data_identity
 
+log = logging.getLogger(__name__)
+
 
 def supervision(spec: JobSpec, on_commit=None) -> tuple:
     """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them; `on_commit(Commit)`
@@ -45,8 +48,13 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     from paramserver.recovery import Fault
 
     ckpt = spec.checkpoint
-    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep,
-                data_identity(spec.data, spec.model.vocab_size))
+    try:  # what a resume checks the data by; unreadable now, the checkpoints carry none
+        identity = data_identity(spec.data, spec.model.vocab_size)
+    except Exception as err:  # noqa: BLE001 (the store; require_data checked the data before)
+        log.warning("the data's identity could not be read (%s: %s): checkpoints will not carry it",
+                    type(err).__name__, err)
+        identity = None
+    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity)
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
                               on_commit=on_commit, draining=DrainWatcher().draining)
     faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)
@@ -77,19 +85,18 @@ def step_feed(ps_metrics: PSMetrics, metrics: JobMetrics, workers: int):
     (undying_step, undying_step_seconds: the slowest worker's, undying_tokens_total, undying_loss:
     token-weighted), which the dashboard's job list and panels read. A step a rollback redoes is
     exported again: both ran."""
-    pending: dict[int, list] = {}  # step -> [loss sum, tokens, slowest seconds, logs]
+    pending: dict[int, dict] = {}  # step -> {worker: its log} (a redone step's replaces the undone one's)
 
     def on_step(log) -> None:
         ps_metrics.on_steps([log])
-        entry = pending.setdefault(log.step, [0.0, 0, 0.0, 0])
-        entry[0] += log.loss_sum
-        entry[1] += log.tokens
-        entry[2] = max(entry[2], log.pull_wait_s + log.compute_s + log.push_s)
-        entry[3] += 1
-        if entry[3] == workers:
-            loss_sum, tokens, step_s, _ = pending.pop(log.step)
-            metrics.on_step(log.step, step_s, tokens, loss_sum / max(1, tokens), None)
-        for step in [s for s in pending if s < log.step - 1000]:  # a rollback's unfinished ones
+        logs = pending.setdefault(log.step, {})
+        logs[log.worker] = log
+        if len(logs) == workers:
+            done = pending.pop(log.step).values()
+            tokens = sum(x.tokens for x in done)
+            metrics.on_step(log.step, max(x.pull_wait_s + x.compute_s + x.push_s for x in done), tokens,
+                            sum(x.loss_sum for x in done) / max(1, tokens), None)
+        for step in [s for s in pending if s < log.step - 1000]:  # a rollback's, never completed
             del pending[step]
     return on_step
 
@@ -114,7 +121,8 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps)
-    restore_signals = route_signals(StartUpSignals().on_signal)  # until the supervisor's preemption takes them
+    start_up = StartUpSignals()
+    restore_signals = route_signals(start_up.on_signal)  # until the supervisor's preemption takes them
     try:
         checkpoints.owner = claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
@@ -147,6 +155,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         return EXIT_PREEMPTED
     finally:
         preemption.ending = True  # a second signal now must not cut the lease's release short (teardown)
+        start_up.end()
         teardown([checkpoints.owner.release if checkpoints.owner is not None else None, metrics.close, conn.close])
         restore_signals()
 

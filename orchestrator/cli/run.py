@@ -63,7 +63,8 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
                                slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
     workers, trackers, lease = None, NO_TRACKING, None
-    restore_signals = route_signals(StartUpSignals().on_signal)  # until the controller takes them over
+    start_up = StartUpSignals()
+    restore_signals = route_signals(start_up.on_signal)  # until the controller takes them over
     try:
         # `auto` spares become a number here, against what the cluster has free before any actor exists.
         nodes = ray_cluster.alive_node_resources()  # one GCS read for the checks below
@@ -105,6 +106,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         print(f"undying: job preempted: {stop}", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     finally:
+        start_up.end()  # a set-up that returned early: a signal now must not cut the teardown short
         teardown([workers.shutdown if workers is not None else None, trackers.close,
                    lease.release if lease is not None else None, metrics.close, conn.close])
         restore_signals()

@@ -3,11 +3,12 @@
 Protocol: once Ray is connected the driver routes the signals to a `StartUpSignals`'
 `on_signal` (`route_signals`), keeps the returned `restore` until its teardown is over, and
 catches `StoppedBeforeStart` around its set-up: a signal there ends the job at once, PREEMPTED
-(exit 75, retry it), as any signalled job does. Once the part that acts on signals exists (its
-controller or supervisor; its handler only records them) it routes them there, discarding that
-call's `restore` (which would put the start-up handler back), and calls `teardown([...])` in its
-`finally`. A signal during the report or the teardown is then recorded, never raised as an
-exception that would cut either short.
+(exit 75, retry it), as any signalled job does; its `finally` calls `end()` first, so that a
+signal during the teardown (after a set-up that returned early) is only recorded. Once the part
+that acts on signals exists (its controller or supervisor; its handler only records them) it
+routes them there, discarding that call's `restore` (which would put the start-up handler back),
+and calls `teardown([...])` in its `finally`. A signal during the report or the teardown is then
+recorded, never raised as an exception that would cut either short.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ class StartUpSignals:
 
     def __init__(self):
         self.signals: list[str] = []
+        self.ending = False  # the driver's teardown: signals are recorded only (`end`)
+
+    def end(self) -> None:
+        """The driver tears down (its set-up returned, or failed): a signal must not cut that short."""
+        self.ending = True
 
     def on_signal(self, signum: int, _frame=None) -> None:
         self.signals.append(signal.Signals(signum).name)
-        if len(self.signals) == 1:
+        if len(self.signals) == 1 and not self.ending:
             raise StoppedBeforeStart(f"{self.signals[0]} while the job was set up, before it trained: nothing "
                                      "was checkpointed; rerun the job")
 

@@ -223,7 +223,7 @@ class Controller:
     def _rendezvous(self) -> None:
         started = time.perf_counter()
         recovering = self.phase.recovering
-        self.gen += 1
+        self.gen, self.gen_started_at = self.gen + 1, None  # (a drain's or a grow's re-formation too)
         self.store = self.rendezvous.generation(self.gen)
         try:
             limits = self.timeouts.for_generation(self.world_size)
@@ -333,7 +333,7 @@ class Controller:
 
     def _watch_stragglers(self) -> None:
         for rank in self.telemetry.stragglers(self.store, self.world_size, self.record, self.log,
-                                              self.spec.elastic.evict_stragglers, spare=bool(self.workers.spares)):
+                                              self.spec.elastic.evict_stragglers, self.workers.ready_spares):
             self.blame.evicting.add(rank)  # the eviction hook: its pending call fails, recovery replaces it
             self.workers.kill_actor_only(rank)
 

@@ -87,6 +87,8 @@ class MemoryLevel:
         self.held_bytes[receipt.rank] = int(extra.pop("held_bytes", 0))
         if world_size > 1 and len(set(message.holders)) < 2:
             return None  # a shard held once is not a complete snapshot
+        if receipt.step in self.committer.abandoned:
+            return None  # a late shard of a snapshot given up (`_give_up_stale`)
         self._holders.setdefault(receipt.step, {})[receipt.file] = list(message.holders)
         self._give_up_stale()
         commit = self.committer.on_receipt(receipt, extra, world_size, gen, layout, extra_state)

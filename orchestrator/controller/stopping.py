@@ -243,7 +243,10 @@ class Stops:
         RECEIPTS_S after the first look."""
         if self.returned_at is None:
             self.returned_at = self.clock()
-        return self.clock() < self.returned_at + RECEIPTS_S
+        if self.clock() >= self.returned_at + RECEIPTS_S:
+            return False
+        time.sleep(0.01)  # no rank runs to wait on: the caller's poll would spin on the store
+        return True
 
     def _ended(self, phase: Stopping, store, gen: int, world_size: int, dp: int) -> Move | None:
         """Every rank returned at the stop step: once it is committed, end the job (a signal) or
@@ -253,6 +256,7 @@ class Stops:
         if latest is None or latest < phase.step:  # its last receipts may still be on their way
             self._receipts_may_come()
             return self.overdue(phase)
+        self.returned_at = None  # committed: the next generation's end waits for its own receipts
         if phase.node is None or self.signals:  # a signal came into a drain's stop: the job ends here
             return preempted(f"{phase.reason}: checkpoint step {latest} committed, every rank stopped; "
                              "rerun the job to resume from it")

@@ -16,6 +16,7 @@ Protocol (controller thread only):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from monitor.report import StragglerRecord
 from monitor.straggler import StragglerDetector
@@ -92,17 +93,20 @@ class Telemetry:
         self.metrics.on_stragglers(flagged)
         return newly
 
-    def stragglers(self, store, world_size: int, record, log, evict: bool, spare: bool = True) -> list[int]:
+    def stragglers(self, store, world_size: int, record, log, evict: bool,
+                   spare: Callable[[], object] = lambda: True) -> list[int]:
         """Each poll of training: newly flagged sustained stragglers go into the job record and
-        the log; returns the ranks to evict (`elastic.evict_stragglers`), only while a warm `spare`
-        can take one over: a new actor would start in the evicted rank's own seat, on the same
-        (slow) device, and be evicted again until the restart budget ran out."""
+        the log; returns the ranks to evict (`elastic.evict_stragglers`), only while a warm spare
+        can take one over (`spare()`, asked only then): a new actor would start in the evicted
+        rank's own seat, on the same (slow) device, and be evicted again until the restart budget
+        ran out."""
         newly = sorted(self.poll(store, world_size))
-        how = ("; evicting it" if spare else "; not evicted: no warm spare to take it over (a new actor would "
+        evicts = evict and bool(newly) and bool(spare())
+        how = ("; evicting it" if evicts else "; not evicted: no warm spare to take it over (a new actor would "
                "start on the same device)") if evict else ""
         for rank in newly:
             ratio = self.detector.ratios().get(rank, float("nan"))
             record.stragglers.append(StragglerRecord(time=record.job_seconds(), rank=rank, ratio=ratio))
             log(f"straggler: rank {rank} computes {ratio:.2f}x its peers' median for "
                 f"{self.detector.sustain_s:.0f} s{how}")
-        return newly if evict and spare else []
+        return newly if evicts else []

@@ -63,3 +63,16 @@ def test_the_first_signal_of_the_set_up_stops_it_and_a_second_leaves_the_teardow
         assert ran == ["lease"] and start_up.signals == ["SIGINT", "SIGTERM"]
     finally:
         restore()
+
+
+def test_once_the_driver_tears_down_a_start_up_signal_is_recorded_not_raised():
+    # A set-up that returned early (exit 2): its teardown runs under the start-up handler still.
+    start_up = StartUpSignals()
+    restore = route_signals(start_up.on_signal)
+    try:
+        start_up.end()
+        ran = []
+        teardown([lambda: os.kill(os.getpid(), signal.SIGTERM), lambda: ran.append("lease")])
+        assert ran == ["lease"] and start_up.signals == ["SIGTERM"]
+    finally:
+        restore()

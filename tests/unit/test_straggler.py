@@ -111,7 +111,7 @@ class _PeersReportFirst(_FaultDrivenWorkers):
 def test_eviction_disarms_the_slow_rank_fault_so_the_replacement_runs_at_full_speed(tmp_path, workers_cls):
     rendezvous = RendezvousServer("127.0.0.1")
     spec = _spec(tmp_path, train={"steps": 60, "global_batch": 4, "micro_batch": 1},
-                 elastic={"evict_stragglers": True, "max_restarts": 3}, monitor={"heartbeat_s": 0.001},
+                 elastic={"evict_stragglers": True, "max_restarts": 3, "spares": 1}, monitor={"heartbeat_s": 0.001},
                  chaos={"faults": [{"kind": "slow_rank", "rank": 1, "at_step": 0, "factor": 1.3}]})
     workers = workers_cls(rendezvous, Storage(spec.checkpoint_root))
     lines: list[str] = []
