@@ -391,8 +391,10 @@ def test_ctrl_c_while_gc_watches_a_job_deletes_nothing_and_prints_one_line(job):
               "process": {"host": "node-3/boot/pid:[1]", "pid": 11, "started": "1"}}
     catalog.storage.create_exclusive(catalog.storage.path("owner", "claim-0000000000.json"),
                                      json.dumps(record).encode())
+    # SIGINT as a terminal sends it: a shell's background job (a CI runner's) starts with it ignored.
     gc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.main", "ckpt", "gc", url, "--keep", "1"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     line = gc.stderr.readline()
     assert "watching its heartbeat" in line, line + gc.stderr.read()
     time.sleep(0.5)  # inside the watch
