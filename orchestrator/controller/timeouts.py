@@ -43,6 +43,10 @@ HANG_FACTOR = 5.0  # the hang limit: max(HANG_FLOOR_S, this x the median step)
 FIRST_STEP_FACTOR = 20.0
 FIRST_STEP_FLOOR_S = {"cpu": 120.0, "gpu": 600.0}  # gpu: torch's own NCCL default timeout
 FIRST_STEP_REPEAT = 3.0  # a later generation's first step against the slowest one measured
+# ... and at least this, measured or not: a first step measured short may have found a warm compile
+# cache (a resume on the same nodes), which a replacement on another node does not have; killing it
+# as hung would kill its replacement too, a crash loop that fails the job.
+MEASURED_FIRST_STEP_FLOOR_S = {"cpu": HANG_FLOOR_S, "gpu": 120.0}
 COLLECTIVE_FLOOR_S, COLLECTIVE_FACTOR = 60.0, 2.0
 BUILD_S = 120.0  # building a rank's engine, beside its reads
 READ_FACTOR = 3.0
@@ -92,11 +96,11 @@ def derive(elastic, spec, world: int, seen: Observed) -> Limits:
     """The limits of a generation of `world` ranks; `elastic`'s numbers replace derived values."""
     bound = compute_bound_s(spec, world, seen.peak_flops_per_rank)
     median = seen.median_step_s
+    device = "gpu" if spec.resources.gpus_per_rank > 0 else "cpu"
     if seen.first_step_s is not None:
-        first = max(HANG_FLOOR_S, FIRST_STEP_REPEAT * seen.first_step_s)
+        first = max(MEASURED_FIRST_STEP_FLOOR_S[device], FIRST_STEP_REPEAT * seen.first_step_s)
     else:
-        first = max(FIRST_STEP_FLOOR_S["gpu" if spec.resources.gpus_per_rank > 0 else "cpu"],
-                    FIRST_STEP_FACTOR * bound)
+        first = max(FIRST_STEP_FLOOR_S[device], FIRST_STEP_FACTOR * bound)
     limits = Limits(hang_floor_s=HANG_FLOOR_S, hang_factor=HANG_FACTOR, first_step_s=first,
                     collective_s=0.0, release_s=max(RELEASE_FLOOR_S, RELEASE_FACTOR * (median or bound)))
     if isinstance(elastic.hang_timeout_s, float | int):

@@ -46,8 +46,9 @@ class ElasticConfig(SpecSection):
         "writing, or on data reads their store fails, are not); auto: max(10 s, 5 x the median step)")
     first_step_timeout_s: float | Literal["auto"] = Field(
         "auto", description="a generation's first step (compilation, warm-up) may take this long; auto: 3 x the "
-                            "slowest first step measured, before any the cost model's step estimate x 20, at least "
-                            "120 s on CPU and 600 s on GPU")
+                            "slowest first step measured (at least 120 s on GPU: a warm compile cache may have "
+                            "made it short), before any the cost model's step estimate x 20, at least 120 s on CPU "
+                            "and 600 s on GPU")
     collective_timeout_s: float | Literal["auto"] = Field(
         "auto", description="the process group's timeout, the last resort behind the hang watchdog; auto: 2 x the "
                             "longer of the hang and first-step limits, at least 60 s, and for prepared datasets at "

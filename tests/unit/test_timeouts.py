@@ -57,6 +57,10 @@ def test_a_large_gpu_model_s_five_minute_first_step_is_not_a_hang(tmp_path):
     limits = derive(spec.elastic, spec, 64, Observed())
     assert limits.first_step_s >= 600.0 > 300.0
     assert limits.collective_s >= 2 * limits.first_step_s
+    # A first step measured short (a warm compile cache, a resume on the same nodes) does not make a
+    # replacement's cold compile on another node a hang: on GPU the limit stays at least 120 s.
+    assert derive(spec.elastic, spec, 64, Observed(median_step_s=0.5, first_step_s=5.0)).first_step_s == 120.0
+    assert derive(spec.elastic, spec, 64, Observed(median_step_s=0.5, first_step_s=60.0)).first_step_s == 180.0
     # The ranks' reported peak replaces the assumed one: a faster GPU, a shorter estimate.
     assert compute_bound_s(spec, 64, 989.5e12) < bound
     assert compute_bound_s(spec, 64, float("nan")) == bound  # an unknown GPU reports NaN
