@@ -118,8 +118,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     `checkpoints`: save every `every_steps` and restore from there (else one segment, and a dead
     server restarts the job's servers from the initial values); `faults`: injected kills;
     `ledger` (monitor.goodput.GoodputLedger, created when the job starts): booked, then stopped.
-    `on_step` (monitor.ps_metrics.PSMetrics.on_steps of one) gets each worker step's log as the
-    driver takes it (a step redone after a rollback again: both ran)."""
+    `on_step` (orchestrator.cli.ps_run.step_feed: the pull waits and the job's step series) gets
+    each worker step's log as the driver takes it (a step redone after a rollback again: both ran)."""
     microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)

@@ -67,7 +67,7 @@ class Supervisor:
                  ledger: Ledger | None = None, on_stats: Callable[[list[ServerStats]], None] | None = None,
                  stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
-        self.on_step = on_step  # each worker step's log as it arrives (the pull-wait metric)
+        self.on_step = on_step  # each worker step's log as it arrives (run_ps's `on_step`)
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
         # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
         self.history = UpdateHistory(on_stats, foldable_below=0 if checkpoints else math.inf)

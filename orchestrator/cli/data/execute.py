@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TextIO
 
+from ckpt.storage_options import error_reason
 from monitor.progress import Progress as BarProgress
 from orchestrator.cli.data.shard_task import Job, UnitResult, run_unit
 
@@ -113,10 +114,9 @@ class RayDataExecutor:
 
 def task_failure(err: BaseException) -> str:
     """The one line for a unit task that failed past its retries (its worker died each time)."""
-    reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-    return (f"a unit's task failed {TASK_RETRIES + 1} times ({reason}); its worker died each time: give the "
-            "workers more memory (a .txt or .arrow input is one unit whole, a large one needs several times its "
-            "size), or split the input; run the same command again to resume")
+    return (f"a unit's task failed {TASK_RETRIES + 1} times ({error_reason(err, 300)}); its worker died each "
+            "time: give the workers more memory (a .txt or .arrow input is one unit whole, a large one needs "
+            "several times its size), or split the input; run the same command again to resume")
 
 
 class Progress:

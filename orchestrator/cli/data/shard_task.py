@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ckpt.storage import Storage
+from ckpt.storage_options import error_reason
 from orchestrator.cli.ckpt_cmd import is_storage_error
 from orchestrator.cli.data.plan import Plan
 from orchestrator.cli.data.records import BadRecord, iter_documents
@@ -118,8 +119,8 @@ def run_unit(job: Job, index: int) -> UnitResult:
     except Exception as err:
         if not is_storage_error(err):
             raise
-        reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-        return UnitResult(index, error=f"shard {shard_name(index)}: storage error: {reason}", error_kind="storage")
+        return UnitResult(index, error=f"shard {shard_name(index)}: storage error: {error_reason(err, 300)}",
+                          error_kind="storage")
 
 
 def _reuse(storage: Storage, job: Job, index: int) -> UnitResult | None:
