@@ -148,5 +148,5 @@ class Blame:
             failure.record.kind, failure.record.rank = kind, culprit
         error = failure.errors.get(failure.rank, failure.message)
         machine = failure.fault_time is not None and failure.kind in MACHINE_FAULTS
-        return FailureSummary(failure.kind, failure.rank, failure.step, normalise(error),
+        return FailureSummary(failure.kind, failure.rank, failure.step, normalise(error), failure.detected_at,
                               injected_machine_fault=machine)

@@ -95,7 +95,7 @@ class Controller:
                                  **{k: v for k, v in fixed.items() if v is not None})
         self.intake = EventIntake(self.record, self.fault_clock, self.chaos, self.checkpoints, metrics, self.log,
                                   on_receipt=self._on_receipt)
-        self.failure_policy = FailurePolicy(spec.elastic.max_restarts, spec.elastic.crash_loop_limit)
+        self.failure_policy = FailurePolicy.for_spec(spec)
         self.scaling_policy = ScalingPolicy.for_spec(spec)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log, poll_s=poll_s, metrics=metrics,

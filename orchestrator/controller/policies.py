@@ -34,11 +34,19 @@ class FailureSummary:
     rank: int | None
     step: int | None  # the step the job was computing when it failed
     error: str  # normalised exception text (see orchestrator.controller.errors.normalise)
+    at: float  # time.time() when the controller noticed it: the restart window counts by it
     injected_machine_fault: bool = False  # a process, node or hang chaos injected (not a simulated bug)
 
 
 class FailurePolicy:
-    """Restart after a failure until `max_restarts` is spent, then fail the job.
+    """Restart after a failure until `max_restarts` is spent within `window_s`, then fail the job.
+
+    The budget is a rolling window (systemd's StartLimitBurst per StartLimitIntervalSec): the
+    restarts of the failures noticed in the last `window_s` seconds count. A multi-day job on a
+    large cluster fails every few hours as a matter of course (Llama 3: one every ~3 h), and a
+    budget for the whole run would end a healthy job on its eleventh day-old failure, while a
+    burst of failures (a bad node pool, a store outage) still spends the budget and stops it.
+    `window_s` None counts the whole run.
 
     A crash loop, the same error on the same rank at the same step `crash_loop_limit` times
     in a row, fails the job at once: restarting deterministic training on the same data
@@ -49,12 +57,17 @@ class FailurePolicy:
     in the job. An injected exception or NaN stands for a bug, and is one.
     """
 
-    def __init__(self, max_restarts: int, crash_loop_limit: int = 3):
+    def __init__(self, max_restarts: int, crash_loop_limit: int = 3, window_s: float | None = None):
         self.max_restarts = max_restarts
         self.crash_loop_limit = crash_loop_limit
+        self.window_s = window_s
+
+    @classmethod
+    def for_spec(cls, spec) -> FailurePolicy:
+        elastic = spec.elastic
+        return cls(elastic.max_restarts, elastic.crash_loop_limit, elastic.restart_window_s)
 
     def decide(self, history: list[FailureSummary]) -> FailureDecision:
-        restarts_so_far = len(history) - 1
         last = history[-1]
         same = 0
         for failure in reversed(history):
@@ -65,10 +78,23 @@ class FailurePolicy:
             return FailureDecision(FailureDecision.Action.FAIL,
                                    f"crash loop: rank {last.rank} failed at step {last.step} "
                                    f"{same} times in a row with {last.error}")
+        # Every earlier failure was restarted (a failure the policy fails ends the job).
+        restarts_so_far = sum(1 for f in history[:-1] if self.window_s is None or f.at > last.at - self.window_s)
+        within = "" if self.window_s is None else f" in the last {_duration(self.window_s)}"
         if restarts_so_far >= self.max_restarts:
-            return FailureDecision(FailureDecision.Action.FAIL,
-                                   f"{restarts_so_far} restarts used, elastic.max_restarts={self.max_restarts}")
-        return FailureDecision(FailureDecision.Action.RESTART, f"restart {restarts_so_far + 1} of {self.max_restarts}")
+            budget = f"elastic.max_restarts={self.max_restarts}" + (
+                "" if self.window_s is None else f" per elastic.restart_window_s={self.window_s:g}")
+            return FailureDecision(FailureDecision.Action.FAIL, f"{restarts_so_far} restarts used{within}, {budget}")
+        return FailureDecision(FailureDecision.Action.RESTART,
+                               f"restart {restarts_so_far + 1} of {self.max_restarts}{within}")
+
+
+def _duration(seconds: float) -> str:
+    """A window in the unit a person would say it in: 86400 -> "24 h", 600 -> "10 min"."""
+    for unit, size in (("h", 3600.0), ("min", 60.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g} {unit}"
+    return f"{seconds:g} s"
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")

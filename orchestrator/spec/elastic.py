@@ -17,7 +17,8 @@ HANG_FLOOR_S = 10.0
 
 
 class ElasticConfig(SpecSection):
-    """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries."""
+    """Recovery limits: dp may shrink to `min_dp`; `spares` standby ranks; `max_restarts` recoveries per
+    `restart_window_s`."""
 
     min_dp: int = Field(1, ge=1, description="dp may shrink down to this many replicas while ranks are lost")
     # Spares are refilled in the background when one takes over (orchestrator.cluster.capacity).
@@ -25,7 +26,14 @@ class ElasticConfig(SpecSection):
         "auto", description="warm standby ranks that take over a lost rank's seat; auto: one spare TP group (tp "
                             "seats) when the cluster has room for it, else none; 0: none. With tp > 1 give "
                             "whole TP groups: a spare never joins a TP group on another node")
-    max_restarts: int = Field(10, ge=0, description="recoveries the job may make before it fails")
+    max_restarts: int = Field(10, ge=0, description="recoveries the job may make within elastic.restart_window_s "
+                              "before it fails")
+    # A rolling window (orchestrator.controller.policies.FailurePolicy): a multi-day job fails every few
+    # hours as a matter of course, and a budget for the whole run would end a healthy one.
+    restart_window_s: float | None = Field(86400.0, gt=0.0, description="max_restarts counts the recoveries of the "
+                                           "failures noticed in the last this many seconds (a burst of failures "
+                                           "stops the job, a long job failing every few hours keeps going); "
+                                           "null: the whole run")
     replace_timeout_s: float = Field(60.0, ge=0.0, description="how long a lost rank's replacement may take to "
                                      "start before dp shrinks instead")
     grow: bool = Field(True, description="grow back to parallel.dp at a checkpoint boundary once replacements "

@@ -38,6 +38,7 @@ def test_once_every_outcome_is_in_a_peer_blamed_first_gives_way_to_the_cause():
     failure.record = SimpleNamespace(kind=None, rank=None)
     summary = blame.attribute(failure, dead=[], stuck=[])
     assert (summary.rank, summary.error) == (5, OWN) and failure.record.rank == 5
+    assert summary.at == failure.detected_at  # the restart window counts failures by when they were noticed
     assert is_peer_failure(GLOO_PEER) and not is_peer_failure(OWN)
 
 
