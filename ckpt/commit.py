@@ -21,7 +21,11 @@ before the retry and after a failed one, so an unreadable manifest never stays w
 would take the step for committed. Every save that will not commit is passed to
 `on_dropped(step, reason)` (the controller logs and counts it).
 Retention and garbage collection after a commit are best effort: a storage error there is
-logged and they run again at the next commit.
+logged and they run again at the next commit. Given a `housekeeper` (the controller's), they run
+on its thread (ckpt.housekeeping): the controller's loop never waits on their listings and
+deletes, a newer commit's pass replaces one not yet started, `reset` drops a pass queued for the
+last generation, and `settle(timeout_s)` waits for the one running (before a restore lists the
+steps, and at the run's end).
 
 Chaos: `fault_point(point, step)` is called just before the manifest create
 ("before_manifest_commit": every shard is durable, nothing is committed) and just after it
@@ -38,7 +42,9 @@ from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
+from ckpt.housekeeping import Housekeeper
 from ckpt.manifest import Manifest, ShardReceipt, merge_receipts
+from ckpt.ownership import OwnershipLost
 from ckpt.reader import read_manifest
 from ckpt.storage import AlreadyCommitted
 from ckpt.storage_errors import ReadRetry, is_transient
@@ -76,8 +82,10 @@ class Commit:
 class Committer:
     def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int,
                  on_dropped: Callable[[int, str], None] = lambda step, reason: None,
-                 fault_point: Callable[[str, int], None] | None = None, files_here: bool = True):
+                 fault_point: Callable[[str, int], None] | None = None, files_here: bool = True,
+                 housekeeper: Housekeeper | None = None):
         self.catalog = catalog
+        self.housekeeper = housekeeper  # None: retention and GC run inline, at the commit
         self.files_here = files_here  # ckpt.catalog.Catalog.commit
         self.fault_point = fault_point
         self.on_dropped = on_dropped
@@ -99,6 +107,8 @@ class Committer:
         """Start of a generation: nothing is pending; `latest` is the restore point; `left_behind`:
         the committed steps this run's restores skipped."""
         self.pending.clear()
+        if self.housekeeper is not None:
+            self.housekeeper.discard()  # its GC would take this generation's saves below `latest` for orphans
         self.abandoned.clear()  # a new generation may save those steps again
         self.latest = latest
         self.left_behind = set(left_behind)
@@ -227,14 +237,35 @@ class Committer:
         for step in [s for s in self.pending if s < save.step]:
             log.info("dropping incomplete save of step %d, overtaken by step %d", step, save.step)
             del self.pending[step]
-        try:
-            self.catalog.apply_retention(self.keep, newest=self.latest, left_behind=self.left_behind)
-            self.catalog.collect_garbage(in_flight=set(self.pending), before=self.latest)
-        except Exception as err:
-            if not storage_failure(err):
-                raise
-            log.warning("checkpoint retention after step %d failed (%s: %s); it runs again at the next commit",
-                        save.step, type(err).__name__, err)
+        self._tidy(save.step)
         return Commit(step=save.step, nbytes=manifest.total_bytes, blocking_s=blocking,
                       total_s=committed_at - save.started_at,
                       committed_at=committed_at, samples=save.samples)
+
+    def _tidy(self, step: int) -> None:
+        """Retention and GC after the commit of `step`, inline or on the housekeeper's thread, with the
+        committer's state as it is now (the controller's thread changes it while the pass runs)."""
+        keep, newest, left_behind, in_flight = self.keep, self.latest, set(self.left_behind), set(self.pending)
+
+        def tidy() -> None:
+            try:
+                self.catalog.apply_retention(keep, newest=newest, left_behind=left_behind)
+                self.catalog.collect_garbage(in_flight=in_flight, before=newest)
+            except OwnershipLost as err:
+                if self.housekeeper is None:
+                    raise  # the controller's thread: it ends the job (the controller sees the lease lost too)
+                log.warning("checkpoint retention after step %d stopped: %s", step, err)
+            except Exception as err:
+                if not storage_failure(err):
+                    raise
+                log.warning("checkpoint retention after step %d failed (%s: %s); it runs again at the next commit",
+                            step, type(err).__name__, err)
+
+        if self.housekeeper is None:
+            tidy()
+        else:
+            self.housekeeper.submit(tidy)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait for a retention pass still running (at most `timeout_s`); whether none is."""
+        return self.housekeeper is None or self.housekeeper.settle(timeout_s)

@@ -1,7 +1,8 @@
 """The controller's side of checkpointing: the plan it publishes, the commits, the restore point.
 
 Protocol (controller thread only; one per controller run):
-  * `restore_point()` in RESTORING: the newest committed step not found corrupt by this run;
+  * `restore_point()` in RESTORING: the newest committed step not found corrupt by this run
+    (after the retention pass of the last commit, which runs on a background thread, settled);
     `on_unloadable(step, source, err)` when a restore of it (or of the memory snapshot `source`)
     found it corrupt or gone, `unreadable(step, err)` when
     it failed without proof (orchestrator.controller.restore_policy: quarantine only on proof,
@@ -21,6 +22,7 @@ Protocol (controller thread only; one per controller run):
   * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
     blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
+  * `close()` at the run's end: the last commit's retention pass finishes (at most `SETTLE_S`).
   * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None;
     a change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
   * `SavesFailing` is raised out of `on_receipt` / `on_save_failed` (so out of the controller's
@@ -43,6 +45,7 @@ import uuid
 from collections.abc import Callable
 
 from ckpt.commit import Committer
+from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
 from orchestrator.controller.background_cost import BackgroundCost
@@ -55,6 +58,9 @@ from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten,
 
 # A new checkpoint cadence starts this many steps after the fastest rank's current step.
 REPLAN_LEAD_STEPS = 3
+# How long a restore's listing, and the run's end, wait for a retention pass still running: it takes
+# well under a second on a healthy store, and waiting out a hung one would stall the recovery or the exit.
+SETTLE_S = 10.0
 
 
 def data_provenance(data) -> dict:
@@ -93,7 +99,8 @@ class Checkpoints:
         self.log = log
         self.interval_policy = CheckpointIntervalPolicy(spec.checkpoint)
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
-                                   on_dropped=self._on_dropped, fault_point=chaos.at_point)
+                                   on_dropped=self._on_dropped, fault_point=chaos.at_point,
+                                   housekeeper=Housekeeper("undying-ckpt-retention"))
         self.committer.on_skipped = self._on_skipped
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
@@ -121,7 +128,16 @@ class Checkpoints:
         return self.committer.latest
 
     def restore_point(self) -> int | None:
+        # A pass still deleting old steps would race the listing (a fallback to an older step finds it half gone).
+        self._settle("the restore lists the committed steps regardless")
         return self.restore.restore_point()
+
+    def close(self) -> None:
+        self._settle("the job ends regardless; the next commit's pass, or `undying ckpt gc`, finishes it")
+
+    def _settle(self, otherwise: str) -> None:
+        if not self.committer.settle(SETTLE_S):
+            self.log(f"checkpoint retention still running after {SETTLE_S:g} s (a slow store): {otherwise}")
 
     def kept_intact(self, step: int) -> bool:
         """Whether `step` is committed by the history this run left (its restore read it damaged) and

@@ -11,7 +11,9 @@ Protocol:
   * the controller calls `maybe_save(ledger)` from its RUNNING loop, `save(ledger)` after a
     commit and `save(ledger, ended=True)` when it stops on its own; a failed write is logged
     and skipped (the snapshot is telemetry: a job never stops for it, and nothing reads it as
-    a checkpoint);
+    a checkpoint); `background` (the controller's): the writes run on a thread of their own
+    (ckpt.housekeeping: a newer snapshot replaces one not yet written), and the ended one is
+    waited for, at most `ENDED_WAIT_S`;
   * a successor, on its first restore of committed step R, calls `load()` and
     `resume_totals(at_commit, committed_at, snapshot, started_at)` with the ledger saved with
     R, R's commit time and the wall time it started at, and carries the result into its ledger
@@ -24,11 +26,13 @@ import json
 import logging
 import time
 
+from ckpt.housekeeping import Housekeeper
 from monitor.goodput import BUCKETS, PRODUCTIVE
 
 SNAPSHOT_FILE = "goodput.json"
 SAVE_EVERY_S = 5.0
 DOWN_BUCKET = "other"  # no controller ran: the time is no other bucket's
+ENDED_WAIT_S = 10.0  # the run's last snapshot: a successor needs `ended`, but a hung store must not hold the exit
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +86,10 @@ class LedgerSnapshots:
     """`owner`: the driver's lease on the root (ckpt.ownership); once it is lost, nothing is saved
     (the snapshot belongs to the driver that claimed the root since)."""
 
-    def __init__(self, storage, every_s: float = SAVE_EVERY_S, clock=time.monotonic, owner=None):
+    def __init__(self, storage, every_s: float = SAVE_EVERY_S, clock=time.monotonic, owner=None,
+                 background: bool = False):
         self.storage = storage
+        self.housekeeper = Housekeeper("undying-goodput-snapshot") if background else None
         self.owner = owner
         self.every_s = every_s
         self.clock = clock
@@ -102,6 +108,13 @@ class LedgerSnapshots:
         if self.owner is not None and self.owner.lost is not None:
             return
         data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended}).encode()
+        if self.housekeeper is None:
+            return self._write(data)
+        self.housekeeper.submit(lambda: self._write(data))
+        if ended and not self.housekeeper.settle(ENDED_WAIT_S):
+            log.warning("the last goodput snapshot was not written within %g s (a slow store)", ENDED_WAIT_S)
+
+    def _write(self, data: bytes) -> None:
         try:
             with self.storage.atomic_writer(self.path) as handle:
                 handle.write(data)

@@ -79,7 +79,7 @@ class Controller:
         self.metrics, self.printer, self.poll_s, self.join_timeout_s = metrics, printer, poll_s, join_timeout_s
         self.ledger = GoodputLedger()
         self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
-        self.snapshots = LedgerSnapshots(catalog.storage, owner=catalog.owner)
+        self.snapshots = LedgerSnapshots(catalog.storage, owner=catalog.owner, background=True)
         self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)
@@ -103,8 +103,7 @@ class Controller:
         self.stops = Stops(spec, workers, self.checkpoints, self.record, self.ledger, self.recovery, self.intake,
                            drains, self.log, state=lambda: self.state)
         self.phase: Phase = Placing()
-        self.gen, self.restarts = -1, 0
-        self.dp = spec.parallel.dp
+        self.gen, self.restarts, self.dp = -1, 0, spec.parallel.dp
         self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
         self.restored_step: int | None = None
         self.failure_history: list = []
@@ -141,6 +140,7 @@ class Controller:
         while self.state not in TERMINAL:
             self.step_once()
         self.chaos.close()
+        self.checkpoints.close()  # the last commit's retention pass, on its background thread
         self.ledger.stop()
         self.snapshots.save(self.ledger, ended=True)
         self.metrics.on_goodput(self.ledger)

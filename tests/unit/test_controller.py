@@ -272,6 +272,7 @@ def test_one_transition_at_a_time_to_success(tmp_path, rendezvous):
     for step in (10, 20, 30):
         assert sum(f"CHECKPOINTING -> RUNNING: step {step} committed: " in line for line in lines) == 1, lines
     assert ctl.checkpoints.latest == 30
+    ctl.checkpoints.close()  # as run() does at the end: retention runs on its own thread
     assert ctl.catalog.committed_steps() == [20, 30]  # keep=2
     assert any("RUNNING -> SUCCEEDED" in line for line in lines)
 

@@ -111,3 +111,35 @@ def test_a_driver_that_lost_the_root_saves_no_snapshot(tmp_path):
     lease.lost = "claimed by another driver"
     snapshots.save(GoodputLedger(), ended=True)
     assert storage.read(storage.path(SNAPSHOT_FILE)) == saved  # unchanged: the new owner writes it now
+
+
+def test_in_the_background_a_hung_write_never_holds_the_controller_and_the_ended_one_is_waited_for(
+        tmp_path, monkeypatch):
+    import contextlib
+    import threading
+    import time
+
+    from orchestrator.controller import ledger_snapshot
+
+    monkeypatch.setattr(ledger_snapshot, "ENDED_WAIT_S", 0.2)
+    storage = Storage(f"file://{tmp_path}/job")
+    snapshots = LedgerSnapshots(storage, every_s=0.0, background=True)
+    release, real_writer = threading.Event(), storage.atomic_writer
+
+    @contextlib.contextmanager
+    def hung_writer(path):
+        assert release.wait(10)  # a store that does not answer
+        with real_writer(path) as handle:
+            yield handle
+
+    storage.atomic_writer = hung_writer
+    started = time.monotonic()
+    snapshots.save(GoodputLedger(carried={"productive": 7.0}))  # the write waits on the snapshot's own thread
+    snapshots.save(GoodputLedger(carried={"productive": 8.0}))  # queued behind it
+    assert time.monotonic() - started < 5.0  # the hung store holds the writes 10 s
+    snapshots.save(GoodputLedger(carried={"productive": 9.0}), ended=True)  # waits ENDED_WAIT_S, then gives up
+    assert snapshots.load() is None
+    release.set()
+    assert snapshots.housekeeper.settle(5)
+    last = snapshots.load()  # the newest one landed, the one between was dropped unwritten
+    assert last["ended"] is True and last["totals"]["productive"] >= 9.0

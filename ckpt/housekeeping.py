@@ -1,0 +1,87 @@
+"""Store work that nobody waits on, off the controller's thread: retention, GC, the goodput snapshot.
+
+The controller is single-threaded: while it waits on the store it notices no dead rank, no hang
+and no signal. Retention and GC after a commit list the job's root, stat the manifests and delete
+whole step directories (a thousand shard objects each at a thousand ranks), and the goodput
+snapshot is rewritten every few seconds: on a slow or throttling store that is seconds to
+minutes per call, and a failure during them would be noticed only after. None of it has a result
+the controller needs, so a `Housekeeper` runs it on one background thread.
+
+Protocol: the owner (ckpt.commit.Committer for retention and GC, the controller's
+LedgerSnapshots for the snapshot) calls `submit(work)`; work not yet started when a newer one is
+submitted is dropped, since the newer does the same with newer inputs (the newest commit's
+retention, the newest snapshot), so a slow store never builds a queue. `discard()` drops queued
+work (a new generation: a GC planned for the last one must not run against this one's saves).
+`settle(timeout_s)` waits until nothing is queued or running, at most that long, and says whether
+it did: the owner calls it before work whose outcome depends on it (a restore's listing; the
+run's end, so the last commit's retention is done when the job exits). Work handles the store's
+errors itself (it is best effort, and logs); anything it raises is logged with its traceback.
+
+Its own thread, a daemon, not concurrent.futures: an executor's workers are joined at interpreter
+exit, and a store call hung on a dead endpoint would hold the driver's exit (a preemption's
+grace) for the client's timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class Housekeeper:
+    def __init__(self, name: str):
+        self.name = name
+        self._changed = threading.Condition()
+        self._queued: Callable[[], None] | None = None
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run `work` on the background thread, in place of any work still queued."""
+        with self._changed:
+            self._queued = work
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def discard(self) -> None:
+        """Drop the queued work, if any (the running one finishes)."""
+        with self._changed:
+            self._queued = None
+            self._changed.notify_all()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running, at most `timeout_s`; whether it is so now."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._queued is not None or self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
+
+    @property
+    def busy(self) -> bool:
+        with self._changed:
+            return self._queued is not None or self._running
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                while self._queued is None:
+                    self._changed.wait()
+                work, self._queued, self._running = self._queued, None, True
+            try:
+                work()
+            except Exception:  # a bug in the work: logged, the thread serves the next
+                log.exception("%s: background store work failed", self.name)
+            finally:
+                with self._changed:
+                    self._running = False
+                    self._changed.notify_all()
