@@ -183,10 +183,12 @@ class JobRecord:
         if first is None:  # the generation reported no step
             return self._tail(failed_at, since) if failed_at is not None else 0.0
         done = [r for r in self.steps.records(max(restored_step, first)) if r.time >= since]
-        # The data wait stays in `data` (moved at most the step's time: the slowest rank's wait can
-        # begin before rank 0's step does).
-        lost = sum(r.step_s - min(r.data_wait_s, r.step_s) for r in done)
-        return lost + (self._tail(failed_at, since) if failed_at is not None else 0.0)
+        return _compute_s(done) + (self._tail(failed_at, since) if failed_at is not None else 0.0)
+
+    def work_seconds(self, first: int, end: int) -> float:
+        """Compute time of the recorded steps first..end-1 (each step's newest run), whichever generation
+        ran them: what a restore older than the step a recovery booked its rollback to throws away too."""
+        return _compute_s(itertools.takewhile(lambda r: r.step < end, self.steps.records(first)))
 
     def on_save_blocking(self, step: int, seconds: float) -> None:
         """A save of completed step `step` blocked the ranks `seconds`, moved off productive: after
@@ -283,3 +285,9 @@ class JobRecord:
         self.tracker.emit(goodput_event(self.completed_steps(), self.ledger))
         self.tracker.emit(end_event(report))
         return report
+
+
+def _compute_s(records) -> float:
+    """The steps' time less their data wait, which stays in `data` (moved at most the step's time:
+    the slowest rank's wait can begin before rank 0's step does)."""
+    return sum(r.step_s - min(r.data_wait_s, r.step_s) for r in records)

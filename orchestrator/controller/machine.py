@@ -8,12 +8,12 @@ with its numbers, books wall time to the goodput bucket of the new state and exp
 state as a metric. RUNNING and CHECKPOINTING share the training handler: saves run beside
 training, from a save's first receipt to its commit.
 
-Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which
-failure, whose fault), EventIntake (rank events), Checkpoints (plan, commits, restore point),
-Recovery (release, replace, shrink, grow), Stops (preemption, node drain and growing back: a
-healthy generation ended at a checkpointed step). Policies only return decisions; the controller
-acts. The worker group is injected, so unit tests drive transitions with a fake group.
-Single-threaded: everything runs on the thread that calls `run()` (or `step_once()`).
+Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which failure,
+whose fault), LostWork (what a rollback redoes), EventIntake (rank events), Checkpoints (plan,
+commits, restore point), Recovery (release, replace, shrink, grow), Stops (preemption, node drain,
+growing back: a generation ended at a checkpointed step). Policies only return decisions; the
+controller acts. The worker group is injected, so unit tests drive transitions with a fake group.
+Single-threaded: all runs on the thread of `run()` (or `step_once()`) but ckpt.housekeeping's work.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from orchestrator.controller.faults import ControllerFaults
 from orchestrator.controller.intake import EventIntake
 from orchestrator.controller.job_record import JobRecord
 from orchestrator.controller.ledger_snapshot import LedgerCarry, LedgerSnapshots
+from orchestrator.controller.lost_work import LostWork
 from orchestrator.controller.policies import FailureDecision, FailurePolicy, ScalingPolicy
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.restore_policy import UNRESTORABLE, CorruptCheckpoint
@@ -88,6 +89,7 @@ class Controller:
         self.chaos = ControllerFaults(self.fault_clock.faults, catalog, spec.chaos.seed, self.ledger.wall,
                                       printer=printer)
         self.blame = Blame(self.fault_clock, self.record)
+        self.lost_work = LostWork(self.record, self.ledger)
         self.checkpoints = Checkpoints(spec, catalog, self.ledger, self.record, metrics, self.chaos, self.log, fresh)
         fixed = {"hang_floor_s": hang_min_s, "release_s": release_timeout_s}
         self.timeouts = Timeouts(spec, self.record, lambda: self.telemetry.peak_flops_per_rank, self.log,
@@ -266,12 +268,13 @@ class Controller:
         self.telemetry.on_restored(results)
         self.timeouts.on_restored(results, time.perf_counter() - started, from_storage=not source and step is not None)
         self.restored_step = step
+        redo = self.lost_work.on_restored(self.phase.recovering, step)  # a restore older than the one booked
         if self.phase.recovering is not None and step is not None:
             self.record.on_restored(self.phase.recovering.record, "memory" if source else "storage", results,
                                     time.perf_counter() - started)
         self.checkpoints.begin(self.store, self.gen, step, source)
-        what = f"restored step {step}" + (" from memory" if source else "") if step is not None \
-            else "fresh start (no committed checkpoint)"
+        what = (f"restored step {step}" + (" from memory" if source else "") if step is not None
+                else "fresh start (no committed checkpoint)") + redo
         if step is not None and step >= self.spec.train.steps:
             self._go(Succeeded(), f"{what}: the job had already finished")
             return
@@ -379,11 +382,8 @@ class Controller:
         failure.record.killed_at_release = released.stuck
         self.fault_clock.sweep_fired(failure.detected_at)
         restore_point = self.checkpoints.expected_restore_point(self.workers) or 0
-        # A failure before the generation trained (rendezvous, restore) rolls back nothing not booked.
         trained_since, self.gen_started_at = self.gen_started_at, None
-        lost = failure.record.lost_work_s = 0.0 if trained_since is None else self.record.rolled_back_seconds(
-            restore_point, since=trained_since, failed_at=failure.onset)
-        self.ledger.move(lost, "productive", "lost_work")
+        lost = self.lost_work.on_failure(failure, restore_point, trained_since)
         decision = self.failure_policy.decide(self.failure_history)
         if decision.action is FailureDecision.Action.FAIL:
             return self._fail(f"{failure.kind} on rank {failure.rank}: {decision.reason}")

@@ -53,6 +53,7 @@ class FakeWorkerGroup:
         self.until = 0
         self.fail_shard: dict[int, int] = {}  # step -> rank whose shard write fails (a save_error event)
         self.verify_restore = False  # restore reads the checkpoint whole, as real ranks do
+        self.step_sleep = 0.0  # wall seconds per step: > 0.01 makes productive hold the step_s steps report
 
     def controller_node(self) -> str:
         return "head"
@@ -162,6 +163,7 @@ class FakeWorkerGroup:
                 self._running.discard(dead)
                 self.cascade = True
                 return [RankOutcome(dead, "died", {"error": "actor died"})]
+            time.sleep(self.step_sleep)
             self.push_step(store, step)
             self.next_step += 1
             if plan.should_save(self.next_step) or plan.stops(self.next_step):

@@ -131,7 +131,7 @@ def test_an_unreadable_manifest_found_at_restore_is_reported_and_skipped(tmp_pat
 
 def test_corrupt_shard_forces_a_loud_fallback_at_the_next_restore(tmp_path, rendezvous):
     ctl, report, text = _run(tmp_path, rendezvous, [{"kind": "corrupt_shard", "at_step": 20}],
-                             die_at={25: 1}, verify_restore=True)
+                             die_at={25: 1}, verify_restore=True, step_sleep=0.015)
     assert report.status == "succeeded", report.error
     assert "chaos: corrupt_shard on committed step 20: bit" in text
     assert "checkpoint step 20 is corrupt" in text and "moved aside" in text and "restored step 10" in text
@@ -139,6 +139,12 @@ def test_corrupt_shard_forces_a_loud_fallback_at_the_next_restore(tmp_path, rend
     assert [(f.kind, f.rank) for f in report.failures] == [("rank_died", 1)]
     assert [c.step for c in report.checkpoints] == [10, 20, 20, 30]  # 20 saved and committed again
     assert _verified(ctl) == [20, 30]
+    # The recovery booked steps 20-24 as lost before the restore; landing at 10, steps 10-19 (0.01 s
+    # each, the fake's step time) are redone too, and booked so.
+    assert "restored step 10; older than step 20 the recovery expected: 0.10 s more work to redo" in text
+    died = report.failures[0]
+    assert died.lost_work_s > 0.10 + 5 * 0.01 - 1e-9
+    assert report.goodput.badput_s["lost_work"] == pytest.approx(died.lost_work_s)
 
 
 def test_a_listing_error_at_restore_is_retried(tmp_path, rendezvous):
