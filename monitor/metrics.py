@@ -69,6 +69,7 @@ class JobMetrics:
             self.control_rejected.labels(job, channel)
         self.control_missing.labels(job, "events")
         self.ckpt_last_commit.labels(job).set(time.time())
+        self.run_start.labels(job).set(time.time())
         self._goodput = GoodputCollector(job)
         self.registry.register(self._goodput)
 
@@ -140,6 +141,11 @@ class JobMetrics:
         self.ckpt_last_commit = self._gauge(
             "undying_checkpoint_last_commit_timestamp_seconds", "Unix time of the last commit (before the "
             "job's first commit: the time the job started, so a job that never commits is seen).")
+        # A job resumed hours after its last commit has put nothing at risk before it started: the
+        # no-commit alert counts from the later of the two (deploy/prometheus/alerts.yml).
+        self.run_start = self._gauge(
+            "undying_run_start_timestamp_seconds", "Unix time this run of the job (this driver) started; a "
+            "resumed job's last commit may be older.")
 
     def _define_levels(self) -> None:
         self.recoveries_by_level = self._counter(

@@ -38,6 +38,7 @@ REQUIRED_SERIES = (
     "undying_checkpoint_bytes",
     "undying_checkpoint_last_committed_step", "undying_checkpoint_interval_seconds",
     "undying_checkpoint_failures_total", "undying_checkpoint_last_commit_timestamp_seconds",
+    "undying_run_start_timestamp_seconds",
     "undying_checkpoint_skipped_total", "undying_failures_total", "undying_generation", "undying_world_size",
     "undying_parallel_degree", "undying_pipeline_bubble_ratio", "undying_memory_bytes",
     "undying_rank_step_compute_seconds", "undying_straggler", "undying_recoveries_total",

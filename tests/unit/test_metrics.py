@@ -269,6 +269,10 @@ def test_failed_saves_and_the_last_commit_time_are_exported(metrics, monkeypatch
     fresh = JobMetrics("fresh")
     assert fresh.registry.get_sample_value("undying_checkpoint_last_commit_timestamp_seconds",
                                            {"undying_job": "fresh"}) == 1000.0
+    # A resume keeps the restored commit's time, and this run's start beside it (the alert counts from the later).
+    fresh.on_resumed_commit(400.0)
+    assert [fresh.registry.get_sample_value(name, {"undying_job": "fresh"}) for name in (
+        "undying_checkpoint_last_commit_timestamp_seconds", "undying_run_start_timestamp_seconds")] == [400.0, 1000.0]
     assert fresh.registry.get_sample_value("undying_checkpoint_failures_total", {"undying_job": "fresh"}) == 0
     assert fresh.registry.get_sample_value("undying_checkpoint_skipped_total", {"undying_job": "fresh"}) == 0
     monkeypatch.setattr("monitor.metrics.time.time", lambda: 1234.5)
