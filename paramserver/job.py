@@ -12,7 +12,6 @@ ledger.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +39,9 @@ class PSReport:
     shard_bytes: list[int]
     losses: list[float]  # per step: the token-weighted loss over every worker's share of that step
     wall_s: float
-    steps: list[StepLog] = field(default_factory=list)  # the surviving execution of each (worker, step)
+    # The surviving execution of each (worker, step): every one, but for the oldest of a job past
+    # step_logs.KEEP (in `losses` and `pull_wait` alone).
+    steps: list[StepLog] = field(default_factory=list)
     history: UpdateHistory = field(default_factory=UpdateHistory)  # the update records, the servers' counters
     first_step: int = 0  # > 0 when the job resumed from its checkpoint
     failures: list[Failure] = field(default_factory=list)
@@ -49,6 +50,7 @@ class PSReport:
     goodput: dict[str, float] = field(default_factory=dict)  # ledger bucket -> seconds (they sum to wall_s)
     pids: dict[str, int] = field(default_factory=dict)  # every actor process the job started
     moves: list[str] = field(default_factory=list)  # actors moved off draining nodes (paramserver.moves)
+    pull_wait: tuple[float, int] = (0.0, 0)  # seconds and worker steps of every surviving step's pull wait
 
     @property
     def records(self) -> list[UpdateRecord]:
@@ -69,7 +71,7 @@ class PSReport:
         total, per_server = self.bytes_per_step()
         formula = 2 * self.workers * self.state_bytes
         hist = self.staleness_histogram()
-        waits = sum(s.pull_wait_s for s in self.steps) / max(1, len(self.steps))
+        waits = self.pull_wait[0] / max(1, self.pull_wait[1])
         resumed = f" (resumed at step {self.first_step})" if self.first_step else ""
         lines = [
             f"parameter server: {self.consistency}, {self.workers} workers, {self.servers} servers, "
@@ -96,14 +98,6 @@ class PSReport:
                 "pauses_s": [f.pause_s for f in self.failures if f.action == "replaced"],
                 "steps_redone": sum(f.steps_redone for f in self.failures), "checkpoints": self.checkpoints,
                 "goodput": {**self.goodput, "clock_wall_s": self.wall_s}, "pids": self.pids, "moves": self.moves}
-
-
-def step_losses(logs: list[StepLog]) -> list[float]:
-    by_step: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
-    for log in logs:
-        by_step[log.step][0] += log.loss_sum
-        by_step[log.step][1] += log.tokens
-    return [by_step[s][0] / by_step[s][1] for s in sorted(by_step)]
 
 
 def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: ParallelConfig,
@@ -145,8 +139,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     finally:
         supervisor.teardown()
         ledger.stop()
-    logs = [supervisor.logs[key] for key in sorted(supervisor.logs)]
+    logs = supervisor.logs
     return PSReport(parallel.consistency, parallel.dp, parallel.servers, sum(p.nbytes for p in params),
-                    [shard_bytes(s) for s in shards], step_losses(logs), ledger.wall(), logs, history,
+                    [shard_bytes(s) for s in shards], logs.losses(), ledger.wall(), logs.kept(), history,
                     supervisor.start_step, supervisor.failures, supervisor.saved, supervisor.redone,
-                    ledger.totals(), supervisor.pids, supervisor.moved)
+                    ledger.totals(), supervisor.pids, supervisor.moved, logs.pull_wait())

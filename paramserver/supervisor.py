@@ -52,6 +52,7 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
+from paramserver.step_logs import StepLogs
 from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, stop_all, take
 from paramserver.update_history import UpdateHistory
 
@@ -74,7 +75,8 @@ class Supervisor:
         self.stats_every_s = stats_every_s
         self.servers = [actors.start_server(k) for k in range(servers)]
         self.workers = [actors.start_worker(w) for w in range(workers)]
-        self.logs: dict[tuple[int, int], StepLog] = {}  # (worker, step) -> the surviving execution's log
+        # (worker, step) -> the surviving execution's log, the oldest folded past step_logs.KEEP
+        self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
         self.failures: list[Failure] = []
         self.saved: list[int] = []  # checkpoint steps committed by this run
         self.pids: dict[str, int] = {}  # every actor process this job started, by label
@@ -144,6 +146,7 @@ class Supervisor:
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner)
             self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
             self.history.committed(end)
+            self.logs.committed(end)
             if commit is not None and self.ckpt.on_commit is not None:
                 self.ckpt.on_commit(commit)
         except RayActorError:
@@ -233,7 +236,7 @@ class Supervisor:
         return None
 
     def _on_log(self, entry: StepLog) -> None:
-        self.logs[(entry.worker, entry.step)] = entry
+        self.logs.add(entry)
         if self.on_step is not None:
             self.on_step(entry)
         self._note_pid("worker", entry.worker, entry.pid)
@@ -357,6 +360,7 @@ class Supervisor:
         step, from_checkpoint = self._restore()
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint)
+        self.logs.rewind(step)
         self.held_calls.clear()
         return step
 

@@ -50,8 +50,6 @@ def expected():
 
 def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None, start_server=None,
          on_stats=None):
-    from paramserver.job import step_losses
-
     actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
     checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
                                   draining=draining) if every else None
@@ -60,8 +58,7 @@ def _run(world: World, faults=(), every: int | None = 4, on_commit=None, drainin
                                 faults=list(faults), ledger=ledger, on_stats=on_stats)
     supervisor.run()
     ledger.stop()
-    logs = [supervisor.logs[key] for key in sorted(supervisor.logs)]
-    return supervisor, step_losses(logs), ledger
+    return supervisor, supervisor.logs.losses(), ledger
 
 
 def _applied_once(supervisor) -> bool:  # in the history the driver took, a batch at a time
