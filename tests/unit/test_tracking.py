@@ -126,6 +126,44 @@ def test_each_flush_is_a_new_segment_and_a_log_without_its_end_rebuilds_as_unfin
         report_from_events([])
 
 
+def test_segments_are_rolled_up_and_read_once_each_whatever_a_crash_left(tmp_path, monkeypatch):
+    from monitor import event_log
+
+    monkeypatch.setattr(event_log, "ROLL_UP", 3)
+    storage = Storage(f"file://{tmp_path}/ck/tiny")
+    log = EventLog(storage, run="r")
+    for s in range(8):  # one event per flush: segment s holds step s
+        log.emit(event("step", s, step=s, loss=1.0, tokens=8, step_s=0.5, time=float(s)))
+        log.flush()
+    log.close()
+    assert storage.listdir(log.path) == ["00000000-00000002.jsonl", "00000003-00000005.jsonl", "00000006.jsonl",
+                                         "00000007.jsonl"]
+    assert [e["step"] for e in read_run(storage, "r")] == list(range(8))
+    # A writer killed between a roll-up and its deletes leaves covered segments: read once, in the roll-up.
+    (tmp_path / "ck" / "tiny" / "events" / "r" / "00000004.jsonl").write_text(
+        json.dumps(event("step", 4, step=4, loss=1.0, tokens=8, step_s=0.5, time=4.0)) + "\n")
+    assert [e["step"] for e in read_run(storage, "r")] == list(range(8))
+    # A reader that listed the segments just before the writer rolled them up and deleted them lists again.
+    listings, real = [], storage.listdir
+    storage.listdir = lambda path: listings.append(path) or (
+        [f"{i:08d}.jsonl" for i in range(8)] if len(listings) == 1 else real(path))
+    assert [e["step"] for e in read_run(storage, "r")] == list(range(8)) and len(listings) == 2
+
+
+def test_a_roll_up_caps_the_bytes_the_writer_holds(tmp_path, monkeypatch):
+    from monitor import event_log
+
+    monkeypatch.setattr(event_log, "ROLL_UP_BYTES", 1)  # every segment is over it: rolled up alone
+    storage = Storage(f"file://{tmp_path}/ck/tiny")
+    log = EventLog(storage, run="r")
+    for s in range(2):
+        log.emit(event("step", s, step=s, loss=1.0, tokens=8, step_s=0.5, time=float(s)))
+        log.flush()
+    log.close()
+    assert storage.listdir(log.path) == ["00000000-00000000.jsonl", "00000001-00000001.jsonl"]
+    assert [e["step"] for e in read_run(storage, "r")] == [0, 1]
+
+
 def test_a_failing_sink_is_dropped_and_the_others_go_on(caplog):
     class Broken(Collect):
         name = "broken"
