@@ -20,11 +20,16 @@ same credentials and endpoint) at every flush, by one background thread (a slow 
 delays the controller), and at close, which waits for it: TensorBoard's own S3 writer reads
 none of our storage options and rewrites the object on every flush anyway, and S3 has no append.
 Each upload replaces the whole object atomically, so a reader sees a shorter file, never a torn one.
+A long job's event file grows by a few hundred bytes a step, gigabytes in a million steps, which
+each flush would upload again: so past `ROLL_BYTES` the file is closed and a new one started
+(TensorBoard reads every event file of a directory as one run), the closed one uploaded a last
+time and its staged copy deleted, and each flush uploads only the open file.
 Called from the controller thread only (monitor.tracking).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -37,14 +42,13 @@ import fsspec
 from monitor.events import Scalars
 
 log = logging.getLogger(__name__)
+ROLL_BYTES = 8 << 20  # a staged event file past this is closed and a new one started
 
 
 class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, url: str, storage_options: dict | None = None):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.where = url
         protocol, path = fsspec.core.split_protocol(url)
         self.remote = None
@@ -58,9 +62,15 @@ class TensorBoardSink:
             local = tempfile.mkdtemp(prefix="undying-tensorboard-")
             self._uploads = ThreadPoolExecutor(1, thread_name_prefix="undying-tensorboard-upload")
         self.local_dir = Path(local)
-        # flush_secs: the writer's own thread writes at least this often; monitor.tracking flushes too
-        self.writer = SummaryWriter(log_dir=str(self.local_dir), flush_secs=30)
+        self._closed: set[str] = set()  # staged files the writer no longer writes: uploaded once more, deleted
+        self.writer = self._new_writer()
         self.scalars = Scalars()
+
+    def _new_writer(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # flush_secs: the writer's own thread writes at least this often; monitor.tracking flushes too
+        return SummaryWriter(log_dir=str(self.local_dir), flush_secs=30)
 
     def emit(self, event: dict) -> None:
         step, row = self.scalars.row(event)
@@ -70,7 +80,26 @@ class TensorBoardSink:
     def flush(self) -> None:
         self.writer.flush()
         if self._uploads is not None:
+            if self._staged_bytes() >= ROLL_BYTES:
+                self._roll()
             self._uploads.submit(self._upload).add_done_callback(_log_failure)
+
+    def _staged_bytes(self) -> int:
+        """The open file's bytes (the upload thread may delete a closed one meanwhile)."""
+        total = 0
+        for name in os.listdir(self.local_dir):
+            if name not in self._closed:
+                with contextlib.suppress(FileNotFoundError):
+                    total += (self.local_dir / name).stat().st_size
+        return total
+
+    def _roll(self) -> None:
+        """Close the open event file and start another; marked closed only once closed, so the
+        upload thread never deletes a file the writer may still add to."""
+        staged = set(os.listdir(self.local_dir))
+        self.writer.close()
+        self.writer = self._new_writer()
+        self._closed |= staged
 
     def close(self) -> None:
         self.writer.close()
@@ -81,8 +110,12 @@ class TensorBoardSink:
 
     def _upload(self) -> None:
         for name in sorted(os.listdir(self.local_dir)):
+            closed = name in self._closed  # read before the upload: one closed after is uploaded again later
             with self.remote.atomic_writer(self.remote.path(name)) as out:
                 out.write((self.local_dir / name).read_bytes())
+            if closed:  # its last upload: the staging directory keeps only the open file
+                (self.local_dir / name).unlink()
+                self._closed.discard(name)
 
 
 def _log_failure(future) -> None:

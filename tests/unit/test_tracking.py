@@ -248,6 +248,32 @@ def test_tensorboard_to_a_url_is_uploaded_through_the_storage_layer(tmp_path):
     assert not os.path.exists(sink.local_dir)  # the staging directory is gone
 
 
+def test_a_long_runs_tensorboard_file_is_rolled_so_a_flush_uploads_only_the_open_one(tmp_path, monkeypatch):
+    from monitor import tensorboard_sink
+
+    monkeypatch.setattr(tensorboard_sink, "ROLL_BYTES", 1)  # every flush rolls
+    sink = TensorBoardSink("memory://tb-roll/run")
+    uploaded = []
+    real = sink.remote.atomic_writer
+    sink.remote.atomic_writer = lambda path: uploaded.append(path.rsplit("/", 1)[1]) or real(path)
+    for flush in range(3):
+        for s in range(flush * 2, flush * 2 + 2):
+            sink.emit(event("step", s, step=s, loss=float(s), tokens=8, step_s=0.5, time=0.0))
+        sink.flush()
+        sink._uploads.submit(lambda: None).result()  # the flush's upload is done
+        assert len(os.listdir(sink.local_dir)) == 1  # only the open file stays staged
+    sink.close()
+    remote = Storage("memory://tb-roll/run")
+    names = remote.listdir(remote.root)
+    assert len(names) == 4  # three rolled at the flushes, and the last one open at the close
+    assert all(uploaded.count(name) <= 2 for name in names)  # once open (maybe), once closed: never again
+    for name in names:
+        (tmp_path / name).write_bytes(remote.read(remote.path(name)))
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(s, float(s)) for s in range(6)]
+
+
 def test_scalars_of_a_failure_are_given_once_its_recovery_is_measured():
     scalars = Scalars()
     def failure(index: int = 0, **times) -> dict:
