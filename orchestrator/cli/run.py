@@ -88,7 +88,8 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         if lease is None or refused_resume(spec):
             return EXIT_USAGE
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
-        trackers = _trackers(spec, catalog.storage) or NO_TRACKING
+        # A Storage of their own: the catalog's carries the chaos storage faults aimed at the checkpoints.
+        trackers = _trackers(spec, Storage(spec.checkpoint_root, spec.checkpoint.storage_options)) or NO_TRACKING
         if trackers is NO_TRACKING:
             return EXIT_USAGE
         workers = worker_group(spec, env_vars=conn.env_vars)

@@ -97,6 +97,15 @@ class LedgerSnapshots:
         self._last = -float("inf")
         self._warned = False
 
+    @classmethod
+    def beside(cls, storage, owner=None) -> LedgerSnapshots:
+        """The controller's: written in the background, through a Storage of its own on the same root,
+        not the catalog's, which carries the chaos storage faults aimed at the checkpoints (a write
+        fault must fail a checkpoint write, not be spent on this telemetry)."""
+        from ckpt.storage import Storage
+
+        return cls(Storage(storage.url, storage.storage_options), owner=owner, background=True)
+
     def maybe_save(self, ledger) -> None:
         """`save`, if the last one is `every_s` old."""
         if self.clock() - self._last >= self.every_s:

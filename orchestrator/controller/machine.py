@@ -80,7 +80,7 @@ class Controller:
         self.metrics, self.printer, self.poll_s, self.join_timeout_s = metrics, printer, poll_s, join_timeout_s
         self.ledger = GoodputLedger()
         self.created_at = time.time()  # wall time of the ledger's start (a successor books the gap before it)
-        self.snapshots = LedgerSnapshots(catalog.storage, owner=catalog.owner, background=True)
+        self.snapshots = LedgerSnapshots.beside(catalog.storage, owner=catalog.owner)
         self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)

@@ -73,6 +73,18 @@ def test_a_failed_manifest_commit_is_retried_once(tmp_path, rendezvous, when):
     assert _verified(ctl) == [20, 30]
 
 
+def test_a_write_fault_on_the_controller_fails_a_checkpoint_write_not_its_telemetry(tmp_path, rendezvous):
+    # The controller's second write: the goodput snapshot after the first commit, when it went through
+    # the catalog's storage (the fault aimed at the checkpoints was spent on it); now step 20's manifest.
+    ctl, report, text = _run(tmp_path, rendezvous, [{"kind": "storage_error", "op": "write", "nth": 2}])
+    assert report.status == "succeeded", report.error
+    assert "chaos: storage_error (before) on the controller's write of" in text
+    fired = text.split("chaos: storage_error (before) on the controller's write of")[1].splitlines()[0]
+    assert fired.endswith(f"{step_dir(20)}/manifest.json"), fired
+    assert [c.step for c in report.checkpoints] == [10, 20, 30]  # its retry committed it
+    assert ctl.snapshots.load()["ended"] is True  # the snapshot itself was written, to the end
+
+
 def test_a_manifest_commit_failing_twice_skips_the_save_and_the_job_goes_on(tmp_path, rendezvous):
     ctl, report, text = _run(tmp_path, rendezvous, [
         {"kind": "storage_error", "op": "write", "path": "*/manifest.json", "at_step": 20, "repeat": True}])
