@@ -183,14 +183,15 @@ def engine_meta(step: int, job: PSJob) -> dict:
 
 
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
-                       fault_point=None, owner: OwnerLease | None = None) -> Commit | None:
+                       fault_point=None, owner: OwnerLease | None = None, state: dict | None = None) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
     None when `step` is committed already (nothing is written). A server's error is raised as it
     came (ValueError: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
     written shards did not commit; either way no earlier checkpoint is touched and what was
     written is garbage the next commit collects. `fault_point(point, step)`: the committer's chaos
     points ("before_manifest_commit", "after_manifest_commit"). `owner`: the driver's lease on `root`
-    (ckpt.ownership), checked before the commit and before retention (OwnershipLost)."""
+    (ckpt.ownership), checked before the commit and before retention (OwnershipLost). `state`: more of
+    the manifest's state (the goodput ledger's totals, which a resumed job carries on)."""
     cat = catalog(root, storage_options, owner)
     if step in cat.committed_steps():
         return None
@@ -213,7 +214,7 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     par = job.parallel
     layout = {"mode": "ps", "servers": len(servers), "dp": par.dp, "world_size": len(servers)}
     ps = {"servers": len(servers), "workers": par.dp, "consistency": par.consistency, "staleness": par.staleness}
-    extra = {"model": job.model.architecture(), "seq_len": job.data.seq_len, PS_STATE: ps}
+    extra = {**(state or {}), "model": job.model.architecture(), "seq_len": job.data.seq_len, PS_STATE: ps}
     commit = None
     for receipt in receipts:
         commit = committer.on_receipt(receipt, {"engine": engine_meta(step, job)}, len(servers), 0, layout,

@@ -143,7 +143,8 @@ class Supervisor:
         try:
             self.history.drain(self.servers)  # every update before the cut, before a server can be lost after it
             commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
-                                                   storage_options=self.ckpt.storage_options, owner=self.ckpt.owner)
+                                                   storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
+                                                   state={"goodput": self.ledger.totals()})
             self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
             self.history.committed(end)
             self.logs.committed(end)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
@@ -32,6 +33,7 @@ from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
+from orchestrator.controller.ledger_snapshot import carry_from_checkpoint
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
 from paramserver.preemption import Preempted, Preemption
@@ -64,8 +66,8 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
 
 def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger, every_steps: int | None):
     """run_ps's `on_stats` (the supervisor's, every second on the driver's thread): the servers'
-    counters, the goodput ledger's totals (nothing is carried into a parameter-server ledger:
-    whole from the start) and, with checkpoints every `every_steps`, the interval between commits
+    counters, the goodput ledger's totals (a resumed job's carried before the first call:
+    carry_goodput) and, with checkpoints every `every_steps`, the interval between commits
     at the measured step rate. Returns how many updates the call counted."""
     rate = StepRate()
 
@@ -108,7 +110,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     from paramserver.job import run_ps
 
     par = spec.parallel
-    ledger = GoodputLedger()  # start-up from here: Ray, the actors
+    ledger, started_at = GoodputLedger(), time.time()  # start-up from here: Ray, the actors
     metrics = JobMetrics(spec.name)
     preemption = Preemption(spec.elastic.preemption_grace_s)
 
@@ -127,6 +129,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.owner = claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
+        carry_goodput(spec, ledger, started_at)
         port = serve_metrics(metrics, spec)
         if port is None:
             return EXIT_USAGE
@@ -158,6 +161,24 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         start_up.end()
         teardown([checkpoints.owner.release if checkpoints.owner is not None else None, metrics.close, conn.close])
         restore_signals()
+
+
+def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float) -> None:
+    """A resumed job: the goodput its newest checkpoint saved joins `ledger`, the time from that commit
+    to `started_at` (this driver's start) booked to `other` (ledger_snapshot.resume_totals), so the
+    job's goodput spans its runs as a collective job's does. Before the first export of the ledger.
+    A manifest that cannot be read leaves the ledger as it is: the restore reports the store's error."""
+    from paramserver import checkpoint
+
+    root, options = spec.checkpoint_root, spec.checkpoint.storage_options
+    try:
+        latest = checkpoint.latest_committed_step(root, options)
+        manifest = None if latest is None else checkpoint.catalog(root, options).read_manifest(latest)
+    except Exception as err:  # noqa: BLE001 (telemetry: the job's own restore meets the same store)
+        log.warning("the resumed job's goodput is not carried: its checkpoint could not be read (%s)", err)
+        return
+    if manifest is not None:
+        carry_from_checkpoint(manifest, ledger, [], None, started_at)
 
 
 def _write_report(spec: JobSpec, report, path: str) -> None:

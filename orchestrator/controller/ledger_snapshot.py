@@ -62,7 +62,7 @@ def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: di
     return totals
 
 
-def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnapshots,
+def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnapshots | None,
                           started_at: float) -> float | None:
     """A restarted controller's first restore: carry into `ledger` the goodput saved with the
     restored checkpoint's `manifest` (resumed by `resume_totals` against the newest snapshot) and
@@ -70,13 +70,14 @@ def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnap
 
     Returns the carried job seconds (the resumed job's clock), or None when the checkpoint has no
     ledger. Buckets this release does not know are dropped, as a newer writer's would be. A
-    snapshot that cannot be read is ignored (LedgerSnapshots.load), so this never fails a restore."""
+    snapshot that cannot be read is ignored (LedgerSnapshots.load), so this never fails a restore.
+    `snapshots` None: a driver that keeps none (a parameter-server job's)."""
     state = manifest.state
     history[:0] = state.get("history", [])
     saved = state.get("goodput")
     if not saved:
         return None
-    carried = resume_totals(saved, manifest.created_at, snapshots.load(), started_at)
+    carried = resume_totals(saved, manifest.created_at, snapshots.load() if snapshots else None, started_at)
     carried = {bucket: seconds for bucket, seconds in carried.items() if bucket in BUCKETS}
     ledger.carry(carried)
     return sum(carried.values())

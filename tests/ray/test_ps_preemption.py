@@ -57,6 +57,11 @@ def test_sigterm_stops_a_ps_job_with_exit_75_and_the_rerun_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     report = json.loads((tmp_path / "again.json").read_text())
     assert report["first_step"] == committed and "watching" not in again.stdout
+    # The checkpoint carries the ledger, and the rerun's goodput spans both runs.
+    saved = catalog.read_manifest(committed).state["goodput"]
+    assert saved["productive"] > 0
+    assert report["goodput"]["clock_wall_s"] > sum(saved.values()) and report["goodput"]["other"] > 0
+    assert report["goodput"]["productive"] >= saved["productive"]
 
 
 def test_sigterm_during_the_set_up_of_a_ps_job_exits_75_at_once(tmp_path):

@@ -168,3 +168,30 @@ def test_kill_server_names_its_target_in_the_server_field():
     with pytest.raises(ValueError, match="server names the target of kill_server only"):
         FaultSpec(kind="kill_rank", rank=0, server=1, at_step=1)
     assert FaultSpec(kind="kill_server", server=1, at_step=1).server == 1
+
+
+def test_a_resumed_ps_job_carries_the_goodput_its_checkpoint_saved(tmp_path):
+    import time
+
+    from ckpt.catalog import Catalog
+    from ckpt.storage import Storage
+    from monitor.goodput import GoodputLedger
+    from orchestrator.cli.ps_run import carry_goodput
+    from tests._checkpoints import shard_receipts
+
+    raw = _ps_spec([])
+    raw["checkpoint"] = {**raw["checkpoint"], "url": f"file://{tmp_path}/ckpt"}
+    spec = validate_spec(raw)
+    fresh = GoodputLedger()
+    carry_goodput(spec, fresh, time.time())  # nothing committed: nothing carried
+    assert sum(fresh.carried.values()) == 0
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    saved = {"startup": 3.0, "productive": 40.0, "checkpoint_save": 2.0}
+    catalog.commit(job="ps", step=4, generation=0, layout={"dp": 2}, spec_hash="h",
+                   receipts=shard_receipts(catalog, 4, {"w": torch.ones(4)}),
+                   state={"engine": {"next_step": 4}, "goodput": saved})
+    committed_at = catalog.read_manifest(4).created_at
+    ledger = GoodputLedger()
+    carry_goodput(spec, ledger, committed_at + 60.0)  # this driver started a minute after the commit
+    assert {k: ledger.carried[k] for k in saved} == saved
+    assert ledger.carried["other"] == pytest.approx(60.0)  # no driver ran between the commit and this one
