@@ -48,7 +48,7 @@ from monitor.report import (
     loss_curve_steps,
 )
 
-KINDS = ("start", "step", "eval", "layout", "failure", "checkpoint", "goodput", "end")
+KINDS = ("start", "step", "eval", "layout", "failure", "fault", "checkpoint", "goodput", "end")
 
 
 def event(kind: str, at_step: int, **payload) -> dict:
@@ -103,7 +103,7 @@ def report_from_events(events: Iterable[dict], job: str | None = None) -> RunRep
     when there is no event to rebuild from."""
     steps: dict[int, dict] = {}
     evals: dict[int, EvalPoint] = {}
-    world, checkpoints, failures = [], [], {}
+    world, checkpoints, failures, faults = [], [], {}, []
     start, goodput, end = None, None, None
     for ev in events:
         kind = ev.get("kind")
@@ -121,6 +121,8 @@ def report_from_events(events: Iterable[dict], job: str | None = None) -> RunRep
             checkpoints.append(_as(CheckpointRecord, ev))
         elif kind == "failure":
             failures[int(ev["index"])] = _as(FailureRecord, ev)
+        elif kind == "fault":  # also in the end event; these are what a run that never ended leaves
+            faults.append(_as(FaultRecord, ev))
         elif kind == "goodput":
             goodput = ev
         elif kind == "end":
@@ -128,10 +130,10 @@ def report_from_events(events: Iterable[dict], job: str | None = None) -> RunRep
     if start is None and not steps and end is None:
         raise ValueError("no events to rebuild a report from")
     job = job or (end or start or {}).get("job", "?")
-    return _report(job, steps, evals, world, checkpoints, failures, goodput, end)
+    return _report(job, steps, evals, world, checkpoints, failures, faults, goodput, end)
 
 
-def _report(job, steps, evals, world, checkpoints, failures, goodput, end) -> RunReport:
+def _report(job, steps, evals, world, checkpoints, failures, faults, goodput, end) -> RunReport:
     losses = [LossPoint(step=s, loss=steps[s]["loss"], time=steps[s]["time"],
                         tokens_per_s=steps[s].get("tokens_per_s")) for s in loss_curve_steps(sorted(steps))]
     busy = sum(float(ev["step_s"]) for ev in steps.values())
@@ -156,7 +158,7 @@ def _report(job, steps, evals, world, checkpoints, failures, goodput, end) -> Ru
     if goodput is not None:
         summary = summary.model_copy(update={"clock_wall_s": goodput.get("wall")})
     return RunReport(**common, status="unfinished", final_step=checkpoints[-1].step if checkpoints else 0,
-                     goodput=summary, failures=[failures[i] for i in sorted(failures)],
+                     goodput=summary, failures=[failures[i] for i in sorted(failures)], faults=faults,
                      error="the event log ends before the run did (its controller stopped, or it still runs)")
 
 

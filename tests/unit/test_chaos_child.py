@@ -15,9 +15,17 @@ import pytest
 import monitor.report
 import orchestrator.cli.chaos.child as chaos_child
 from chaos.config import ArmedFault
+from monitor.event_log import EventLog
+from monitor.events import event, record_event
+from monitor.report import FailureRecord, FaultRecord
 from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.controller.kill import MARKER_DIR, marker_name
 from tests.unit.test_controller import _spec
+
+
+def _report(**fields) -> monitor.report.RunReport:
+    return monitor.report.RunReport(job="unit", final_step=30, status="succeeded",
+                                    goodput=monitor.report.GoodputSummary.from_totals({}), **fields)
 
 
 class FakeChildren:
@@ -36,10 +44,16 @@ class FakeChildren:
         with open(pids_path, "w") as handle:
             json.dump({"pids": {"actor a pid": 100 + attempt}, "starts": {"actor a pid": "1"}}, handle)
         end = self.ends[attempt]
-        if end == "killed":  # what ControllerKill does before its SIGKILL
+        if end == "killed":  # what ControllerKill does before its SIGKILL, and the run's event log so far
             storage = catalog_of(self.spec).storage
             fault = ArmedFault.of(self.spec.chaos.faults[0], 0)
-            storage.create_exclusive(storage.path(MARKER_DIR, marker_name(fault)), b"{}")
+            marker = {"kind": "kill_controller", "point": "after_manifest_commit", "step": 10, "job_s": 4.5}
+            storage.create_exclusive(storage.path(MARKER_DIR, marker_name(fault)), json.dumps(marker).encode())
+            log = EventLog(storage, run=f"run-{attempt}")
+            log.emit(event("start", 0, job="unit", total_steps=30))
+            log.emit(record_event("fault", 5, FaultRecord(time=2.0, kind="kill_rank", rank=1, step=5)))
+            log.emit(record_event("failure", 5, FailureRecord(time=2.1, kind="rank_died", rank=1, step=5), index=0))
+            log.close()
         if end in ("killed", "sigkill"):
             return subprocess.CompletedProcess(cmd, -signal.SIGKILL)
         with open(report_path, "w") as handle:
@@ -61,12 +75,12 @@ def spec(tmp_path):
 def test_reruns_only_after_a_recorded_kill(monkeypatch, tmp_path, spec, ends, runs, code):
     children = FakeChildren(spec, ends)
     monkeypatch.setattr(chaos_child.subprocess, "run", children)
-    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: "report"))
+    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: _report()))
     outcome = chaos_child.run_rerunning(spec, address="1.2.3.4:6379", report_path=str(tmp_path / "r.json"))
     assert len(children.calls) == runs and outcome.code == code
     assert all(c[-2:] == ["--address", "1.2.3.4:6379"] for c in children.calls)
     assert outcome.pids == {f"run {i} actor a pid": 100 + i for i in range(runs)}
-    assert outcome.report == ("report" if ends[runs - 1] in ("ok", "failed") else None)
+    assert (outcome.report is not None) == (ends[runs - 1] in ("ok", "failed"))
 
 
 def test_at_most_one_rerun_per_kill_controller_fault(monkeypatch, tmp_path, spec):
@@ -86,9 +100,23 @@ def test_the_spec_reaches_the_child_through_a_pipe_never_a_file(monkeypatch, tmp
                              "storage_options": {"secret": secret}})
     children = FakeChildren(spec, ["killed", "ok"])
     monkeypatch.setattr(chaos_child.subprocess, "run", children)
-    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: "report"))
+    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: _report()))
     chaos_child.run_rerunning(spec, address=None, report_path=str(tmp_path / "r.json"))
     assert len(children.specs) == 2 and all(json.loads(s)["checkpoint"]["storage_options"] == {"secret": secret}
                                             for s in children.specs)
     assert not any(secret in text for files in children.files for text in files.values())
     assert not any(secret in part for cmd in children.calls for part in cmd)
+
+
+def test_the_report_joins_the_faults_and_failures_of_the_killed_attempts(monkeypatch, tmp_path, spec):
+    # The killed attempt logged a kill_rank and its failure before the kill_controller fault killed it;
+    # the rerun's own report has a later fault. Before, only the rerun's were in the outcome.
+    children = FakeChildren(spec, ["killed", "ok"])
+    monkeypatch.setattr(chaos_child.subprocess, "run", children)
+    last = _report(faults=[FaultRecord(time=9.0, kind="kill_rank", rank=0, step=25)])
+    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: last))
+    outcome = chaos_child.run_rerunning(spec, address=None, report_path=str(tmp_path / "r.json"))
+    assert [(f.kind, f.rank, f.step, f.time, f.point) for f in outcome.report.faults] == [
+        ("kill_rank", 1, 5, 2.0, None), ("kill_controller", None, 10, 4.5, "after_manifest_commit"),
+        ("kill_rank", 0, 25, 9.0, None)]
+    assert [(f.kind, f.rank) for f in outcome.report.failures] == [("rank_died", 1)]

@@ -102,6 +102,18 @@ def test_the_event_log_rebuilds_the_report_the_record_built(tmp_path):
             json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
 
 
+def test_a_fault_is_logged_as_it_fires_so_a_log_without_its_end_still_has_it():
+    from orchestrator.wire.messages import FaultFired
+
+    collect = Collect()
+    record = JobRecord("tiny", 8, JobMetrics("tiny"), GoodputLedger(), printer=lambda line: None,
+                       progress_every_s=0.0, tracker=collect)
+    record.on_fault(FaultFired(fault_id=0, kind="kill_rank", time=record.started + 1.5, rank=1, step=3))
+    rebuilt = report_from_events([event("start", 0, job="tiny", total_steps=8), *collect.events])
+    assert rebuilt.status == "unfinished"
+    assert [(f.kind, f.rank, f.step, f.time) for f in rebuilt.faults] == [("kill_rank", 1, 3, pytest.approx(1.5))]
+
+
 def test_each_flush_is_a_new_segment_and_a_log_without_its_end_rebuilds_as_unfinished(tmp_path):
     storage = Storage("memory://events-unfinished/tiny")
     log = EventLog(storage, run="r1")

@@ -17,9 +17,12 @@ is run again, as an operator would after losing the driver: it resumes from its 
 checkpoint, and Ray has ended the dead driver's rank actors. Any other end is final. At most one
 rerun per kill_controller fault, since each fires once per job.
 
-The outcome joins every attempt: the last one's exit code and report (the killed ones leave
-none), every rank PID any attempt had (the dead controller's ranks must be gone as well: the
-"no process left" check), and the wall time of all attempts together.
+The outcome joins every attempt: the last one's exit code and report, every rank PID any attempt
+had (the dead controller's ranks must be gone as well: the "no process left" check), and the wall
+time of all attempts together. A killed attempt writes no report; its faults and failures join the
+last report's, in order, from what its event log holds (monitor.event_log: flushed every 10 s and
+at each commit, so what it logged in its last seconds is lost with it) and from the marker of the
+kill_controller fault that killed it (its step, point and job seconds).
 """
 
 from __future__ import annotations
@@ -63,16 +66,19 @@ def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str], int]:
 
 def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     """Run the job in a child process; rerun it while it died from a kill_controller fault."""
+    from monitor.event_log import list_runs
     from monitor.report import RunReport
 
     kills = sum(1 for f in spec.chaos.faults if f.kind == "kill_controller")
+    storage = _events_storage(spec)
+    killed_runs: list[tuple[list[str], set[int]]] = []  # each killed attempt's event-log runs and fault ids
     pids: dict[str, int] = {}
     starts: dict[str, str] = {}
     wall, code, elsewhere = 0.0, EXIT_FAILED, 0
     spec_json = spec.model_dump_json(by_alias=True)
     with tempfile.TemporaryDirectory(prefix="undying-chaos-child-") as tmp:
         for attempt in range(kills + 1):
-            fired_before = _fired_now(spec)
+            fired_before, runs_before = _fired_now(spec), set(list_runs(storage))
             pids_path = os.path.join(tmp, f"pids-{attempt}.json")
             cmd = [sys.executable, "-m", "orchestrator.cli.chaos.child", report_path, pids_path]
             sys.stdout.flush()
@@ -87,10 +93,56 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
             killed = code == -signal.SIGKILL and _fired_now(spec) - fired_before
             if not killed:
                 break
+            killed_runs.append((sorted(set(list_runs(storage)) - runs_before), killed))
             print(f"undying chaos: the controller died from kill_controller (SIGKILL); running the job again "
                   f"(rerun {attempt + 1}) to resume from its last committed checkpoint", flush=True)
     report = RunReport.from_json(report_path) if os.path.exists(report_path) else None
+    if report is not None and killed_runs:
+        report = _with_killed_attempts(report, spec, storage, killed_runs)
     return RunOutcome(code if code >= 0 else EXIT_FAILED, report, pids, wall, starts, elsewhere)
+
+
+def _events_storage(spec):
+    """The checkpoint root's storage the event log writes to (its own instance: no chaos fault on it)."""
+    from ckpt.storage import Storage
+
+    return Storage(spec.checkpoint_root, spec.checkpoint.storage_options)
+
+
+def _with_killed_attempts(report, spec, storage, killed_runs: list[tuple[list[str], set[int]]]):
+    """`report` (the last attempt's) with the faults and failures of the killed attempts before it."""
+    from monitor.event_log import read_run
+    from monitor.events import report_from_events
+
+    faults, failures = [], []
+    for runs, fault_ids in killed_runs:
+        for run in runs:
+            try:
+                earlier = report_from_events(read_run(storage, run))
+            except (OSError, ValueError) as err:  # an empty or unreadable log: that attempt's kill is still known
+                print(f"undying chaos: the event log of killed run {run} cannot be read ({err})", flush=True)
+                continue
+            faults += earlier.faults
+            failures += earlier.failures
+        faults += [_kill_record(spec, fault_id) for fault_id in sorted(fault_ids)]
+    return report.model_copy(update={"faults": faults + report.faults, "failures": failures + report.failures})
+
+
+def _kill_record(spec, fault_id: int):
+    """The kill_controller fault `fault_id` as a FaultRecord, from the marker it wrote as it fired."""
+    from chaos.config import ArmedFault
+    from monitor.report import FaultRecord
+    from orchestrator.cli.chaos.experiment import catalog_of
+    from orchestrator.controller.kill import MARKER_DIR, marker_name
+
+    storage = catalog_of(spec).storage
+    marker = marker_name(ArmedFault.of(spec.chaos.faults[fault_id], fault_id))
+    try:
+        fired = json.loads(storage.read(storage.path(MARKER_DIR, marker)))
+    except (OSError, ValueError):
+        fired = {}
+    return FaultRecord(time=fired.get("job_s"), kind="kill_controller", step=fired.get("step"),
+                       point=fired.get("point"))
 
 
 def _write_pids(path: str, recorder: RankPidRecorder) -> None:
