@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
-from ckpt.housekeeping import Housekeeper
+from ckpt.housekeeping import Housekeeper, PassFence, Superseded
 from ckpt.manifest import Manifest, ShardReceipt, merge_receipts
 from ckpt.ownership import OwnershipLost
 from ckpt.reader import read_manifest
@@ -86,6 +86,7 @@ class Committer:
                  housekeeper: Housekeeper | None = None):
         self.catalog = catalog
         self.housekeeper = housekeeper  # None: retention and GC run inline, at the commit
+        self.generations = 0  # `reset`s so far: a background pass stops once another began (PassFence)
         self.files_here = files_here  # ckpt.catalog.Catalog.commit
         self.fault_point = fault_point
         self.on_dropped = on_dropped
@@ -107,8 +108,9 @@ class Committer:
         """Start of a generation: nothing is pending; `latest` is the restore point; `left_behind`:
         the committed steps this run's restores skipped."""
         self.pending.clear()
-        if self.housekeeper is not None:
-            self.housekeeper.discard()  # its GC would take this generation's saves below `latest` for orphans
+        self.generations += 1  # a pass running stops at its next deletion: its GC could take this
+        if self.housekeeper is not None:  # generation's saves below `latest` for orphans
+            self.housekeeper.discard()
         self.abandoned.clear()  # a new generation may save those steps again
         self.latest = latest
         self.left_behind = set(left_behind)
@@ -246,11 +248,16 @@ class Committer:
         """Retention and GC after the commit of `step`, inline or on the housekeeper's thread, with the
         committer's state as it is now (the controller's thread changes it while the pass runs)."""
         keep, newest, left_behind, in_flight = self.keep, self.latest, set(self.left_behind), set(self.pending)
+        catalog, began = self.catalog, self.generations
+        if self.housekeeper is not None:
+            catalog = Catalog(catalog.storage, PassFence(catalog.owner, lambda: self.generations == began))
 
         def tidy() -> None:
             try:
-                self.catalog.apply_retention(keep, newest=newest, left_behind=left_behind)
-                self.catalog.collect_garbage(in_flight=in_flight, before=newest)
+                catalog.apply_retention(keep, newest=newest, left_behind=left_behind)
+                catalog.collect_garbage(in_flight=in_flight, before=newest)
+            except Superseded as err:
+                log.info("checkpoint retention after step %d stopped: %s", step, err)
             except OwnershipLost as err:
                 if self.housekeeper is None:
                     raise  # the controller's thread: it ends the job (the controller sees the lease lost too)

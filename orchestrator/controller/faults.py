@@ -45,6 +45,7 @@ class ControllerFaults:
         self.seed = seed
         self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
         ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None and f.target != "data"]
+        self.on_storage = bool(ours)  # the catalog's storage calls may fail as these faults say
         self._undo = install(catalog.storage, ours, seed=seed, notify=self._on_storage_fault,
                              clock=job_seconds, started=0.0) if ours else None
         self.corruptions = [f for f in faults if f.kind == "corrupt_shard"]

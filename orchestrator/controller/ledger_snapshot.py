@@ -121,10 +121,12 @@ class LedgerSnapshots:
         if self.housekeeper is None:
             return self._write(data)
         self.housekeeper.submit(lambda: self._write(data))
-        if ended and not self.housekeeper.settle(ENDED_WAIT_S):
+        if ended and not self.housekeeper.close(ENDED_WAIT_S):
             log.warning("the last goodput snapshot was not written within %g s (a slow store)", ENDED_WAIT_S)
 
     def _write(self, data: bytes) -> None:
+        if self.owner is not None and self.owner.lost is not None:
+            return  # lost while this write waited its turn: the snapshot is the new owner's now
         try:
             with self.storage.atomic_writer(self.path) as handle:
                 handle.write(data)

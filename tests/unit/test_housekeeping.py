@@ -45,6 +45,17 @@ def test_discard_drops_the_queued_work_only():
     assert keeper.settle(5) and ran == ["first"]
 
 
+def test_close_settles_then_ends_the_thread_and_a_later_submission_starts_another():
+    keeper, ran = Housekeeper("test-keeper"), []
+    keeper.submit(lambda: ran.append("one"))
+    thread = keeper._thread
+    assert keeper.close(5) and ran == ["one"]
+    thread.join(5)
+    assert not thread.is_alive() and keeper._thread is None
+    keeper.submit(lambda: ran.append("two"))
+    assert keeper.settle(5) and ran == ["one", "two"]
+
+
 def test_a_failing_work_is_logged_and_the_next_one_runs(caplog):
     keeper, ran = Housekeeper("test-keeper"), []
     keeper.submit(lambda: 1 / 0)
@@ -103,3 +114,21 @@ def test_a_new_generation_drops_a_pass_queued_for_the_last_one(tmp_path):
     release.set()
     assert committer.settle(5) and ran == ["first"]
     assert catalog.committed_steps() == [10, 20]  # nothing deleted: the next commit's pass does it
+
+
+def test_a_pass_running_when_a_new_generation_begins_deletes_nothing_more(tmp_path):
+    # Its GC would take the new generation's saves below the commit it followed for orphans (a
+    # restore that fell back to an older step saves there): it stops at its next deletion.
+    storage = _SlowListing(f"file://{tmp_path}/ckpt/job")
+    catalog = Catalog(storage)
+    committer = Committer(catalog, "j", "h", keep=1, housekeeper=Housekeeper("test-retention"))
+    feed(committer, shard_receipts(catalog, 10, _state(10)))
+    assert committer.settle(5)
+    storage.slow = True
+    feed(committer, shard_receipts(catalog, 20, _state(20)))  # its pass would delete step 10 (keep=1)
+    assert storage.listing.wait(5)  # the pass is listing the root
+    committer.reset(10)  # a recovery restored step 10: a new generation
+    storage.slow = False
+    storage.release.set()
+    assert committer.settle(5)
+    assert catalog.committed_steps() == [10, 20]  # stopped before its first deletion
