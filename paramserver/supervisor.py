@@ -361,7 +361,7 @@ class Supervisor:
         step, from_checkpoint = self._restore()
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint)
-        self.logs.rewind(step)
+        self.redone += self.logs.rewind(step)  # executions of folded steps the rollback undid
         self.held_calls.clear()
         return step
 

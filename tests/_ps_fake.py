@@ -204,6 +204,7 @@ class World:
         self.setup = build_in_process(MODEL, DATA, TRAIN, PAR, PIECES)
         self.now, self.pids, self.workers = 1000.0, 0, []
         self.commits: dict[int, list[ShardServer]] = {}
+        self.states: dict[int, dict | None] = {}  # step -> the state its save carried
         self.nodes: dict[tuple[str, int], str] = {}  # (kind, index) -> the node of its first actor
         self.placed: set[tuple[str, int]] = set()
 
@@ -247,10 +248,11 @@ class World:
 
     # ---- paramserver.checkpoint ----
 
-    def save(self, servers, root, step, *, job, storage_options=None, owner=None):
+    def save(self, servers, root, step, *, job, storage_options=None, owner=None, state=None):
         for s in servers:
             assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
         self.commits[step] = [copy.deepcopy(s.shard) for s in servers]
+        self.states[step] = state  # what the manifest would carry beyond the shards (the goodput)
         return types.SimpleNamespace(step=step)  # what the supervisor reads of a ckpt.commit.Commit
 
     def latest(self, root, storage_options=None):

@@ -74,6 +74,8 @@ def test_without_faults_every_segment_is_saved_and_the_wall_is_productive(world,
     totals = ledger.totals()
     assert totals["productive"] > 0 and totals["reformation"] == totals["lost_work"] == 0
     assert sum(totals.values()) == pytest.approx(ledger.wall())
+    # Each save carries the ledger as it was (a resumed job carries it on: orchestrator.cli.ps_run).
+    assert 0 < world.states[4]["goodput"]["productive"] < world.states[8]["goodput"]["productive"]
 
 
 def test_a_dead_worker_is_replaced_where_the_servers_have_it_and_nobody_else_restarts(world, expected):
