@@ -24,6 +24,7 @@ import logging
 import sys
 import time
 
+from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics, StepRate
@@ -33,7 +34,7 @@ from orchestrator.cli.root_lease import claim_root
 from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
-from orchestrator.controller.ledger_snapshot import carry_from_checkpoint
+from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
 from paramserver.preemption import Preempted, Preemption
@@ -129,7 +130,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.owner = claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
-        carry_goodput(spec, ledger, started_at)
+        snapshots = carry_goodput(spec, ledger, started_at, checkpoints.owner)
         port = serve_metrics(metrics, spec)
         if port is None:
             return EXIT_USAGE
@@ -149,6 +150,8 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         except Exception as err:  # noqa: BLE001 (any actor's failure fails the job, reported in one line)
             print(f"undying: job failed: {type(err).__name__}: {err}", file=sys.stderr)
             return EXIT_FAILED
+        finally:  # it ended on its own: a rerun books no wait before it (the operator's), as a collective job's
+            snapshots.save(ledger, ended=True)
         print(report.summary(), flush=True)
         if report_path:
             _write_report(spec, report, report_path)
@@ -163,22 +166,26 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         restore_signals()
 
 
-def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float) -> None:
-    """A resumed job: the goodput its newest checkpoint saved joins `ledger`, the time from that commit
-    to `started_at` (this driver's start) booked to `other` (ledger_snapshot.resume_totals), so the
-    job's goodput spans its runs as a collective job's does. Before the first export of the ledger.
-    A manifest that cannot be read leaves the ledger as it is: the restore reports the store's error."""
+def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float, owner) -> LedgerSnapshots:
+    """A resumed job: the goodput its newest checkpoint saved joins `ledger`, resumed against the
+    snapshot the last driver wrote as it ended (ledger_snapshot.resume_totals: after a driver that
+    ended on its own no wait is booked; after one that died the time since its commit is `other`),
+    so the job's goodput spans its runs as a collective job's does. Before the first export of the
+    ledger. A manifest that cannot be read leaves the ledger as it is: the restore reports the error.
+    Returns the snapshots (`owner`: the driver's lease), where the driver writes its own end."""
     from paramserver import checkpoint
 
     root, options = spec.checkpoint_root, spec.checkpoint.storage_options
+    snapshots = LedgerSnapshots(Storage(root, options), owner=owner)
     try:
         latest = checkpoint.latest_committed_step(root, options)
         manifest = None if latest is None else checkpoint.catalog(root, options).read_manifest(latest)
     except Exception as err:  # noqa: BLE001 (telemetry: the job's own restore meets the same store)
         log.warning("the resumed job's goodput is not carried: its checkpoint could not be read (%s)", err)
-        return
+        return snapshots
     if manifest is not None:
-        carry_from_checkpoint(manifest, ledger, [], None, started_at)
+        carry_from_checkpoint(manifest, ledger, [], snapshots, started_at)
+    return snapshots
 
 
 def _write_report(spec: JobSpec, report, path: str) -> None:

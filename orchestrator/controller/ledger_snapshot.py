@@ -71,7 +71,7 @@ def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnap
     Returns the carried job seconds (the resumed job's clock), or None when the checkpoint has no
     ledger. Buckets this release does not know are dropped, as a newer writer's would be. A
     snapshot that cannot be read is ignored (LedgerSnapshots.load), so this never fails a restore.
-    `snapshots` None: a driver that keeps none (a parameter-server job's)."""
+    `snapshots` None: no snapshot to resume against."""
     state = manifest.state
     history[:0] = state.get("history", [])
     saved = state.get("goodput")

@@ -60,7 +60,7 @@ def test_sigterm_stops_a_ps_job_with_exit_75_and_the_rerun_resumes(tmp_path):
     # The checkpoint carries the ledger, and the rerun's goodput spans both runs.
     saved = catalog.read_manifest(committed).state["goodput"]
     assert saved["productive"] > 0
-    assert report["goodput"]["clock_wall_s"] > sum(saved.values()) and report["goodput"]["other"] > 0
+    assert report["goodput"]["clock_wall_s"] > sum(saved.values())
     assert report["goodput"]["productive"] >= saved["productive"]
 
 

@@ -183,7 +183,7 @@ def test_a_resumed_ps_job_carries_the_goodput_its_checkpoint_saved(tmp_path):
     raw["checkpoint"] = {**raw["checkpoint"], "url": f"file://{tmp_path}/ckpt"}
     spec = validate_spec(raw)
     fresh = GoodputLedger()
-    carry_goodput(spec, fresh, time.time())  # nothing committed: nothing carried
+    carry_goodput(spec, fresh, time.time(), None)  # nothing committed: nothing carried
     assert sum(fresh.carried.values()) == 0
     catalog = Catalog(Storage(spec.checkpoint_root))
     saved = {"startup": 3.0, "productive": 40.0, "checkpoint_save": 2.0}
@@ -192,6 +192,15 @@ def test_a_resumed_ps_job_carries_the_goodput_its_checkpoint_saved(tmp_path):
                    state={"engine": {"next_step": 4}, "goodput": saved})
     committed_at = catalog.read_manifest(4).created_at
     ledger = GoodputLedger()
-    carry_goodput(spec, ledger, committed_at + 60.0)  # this driver started a minute after the commit
+    snapshots = carry_goodput(spec, ledger, committed_at + 60.0, None)  # started a minute after the commit
     assert {k: ledger.carried[k] for k in saved} == saved
-    assert ledger.carried["other"] == pytest.approx(60.0)  # no driver ran between the commit and this one
+    assert ledger.carried["other"] == pytest.approx(60.0)  # its driver died: no driver ran since the commit
+    # A driver that ended on its own (preempted at that commit) wrote its end: an hour's wait before the
+    # rerun is the operator's, not the job's, as for a collective job.
+    ended = GoodputLedger(carried={**saved, "productive": 41.0})
+    ended.stop()
+    snapshots.save(ended, ended=True)
+    again = GoodputLedger()
+    carry_goodput(spec, again, committed_at + 3600.0, None)
+    assert again.carried["other"] == pytest.approx(0.0, abs=0.01)
+    assert again.carried["lost_work"] == pytest.approx(1.0, abs=0.01)  # trained past the commit, rolled back
