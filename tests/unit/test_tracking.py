@@ -279,11 +279,17 @@ def test_a_long_runs_tensorboard_file_is_rolled_so_a_flush_uploads_only_the_open
     names = remote.listdir(remote.root)
     assert len(names) == 4  # three rolled at the flushes, and the last one open at the close
     assert all(uploaded.count(name) <= 2 for name in names)  # once open (maybe), once closed: never again
-    for name in names:
-        (tmp_path / name).write_bytes(remote.read(remote.path(name)))
-    acc = EventAccumulator(str(tmp_path))
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(s, float(s)) for s in range(6)]
+    # Read each file in the order the writers made them (events.out.tfevents.<time>.<host>.<pid>.<uid>,
+    # the uid not zero-padded: a directory's name order may differ within one second).
+    points = []
+    for i, name in enumerate(sorted(names, key=lambda n: (int(n.split(".")[3]), int(n.rsplit(".", 1)[1])))):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / name).write_bytes(remote.read(remote.path(name)))
+        acc = EventAccumulator(str(tmp_path / str(i)))
+        acc.Reload()
+        points += [(e.step, e.value) for e in acc.Scalars("train/loss")] if "train/loss" in acc.Tags()["scalars"] \
+            else []
+    assert points == [(s, float(s)) for s in range(6)]
 
 
 def test_scalars_of_a_failure_are_given_once_its_recovery_is_measured():
