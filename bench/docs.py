@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
 import statistics
+import sys
+import time
 from pathlib import Path
 
 HEADER = "# Benchmarks\n\nMeasured figures; each section says how to reproduce it.\n"
@@ -42,3 +45,24 @@ def ms(seconds: float) -> str:
 def median_max(values: list[float]) -> str:
     """ "median (max)" in milliseconds, or "-" for no values."""
     return f"{ms(statistics.median(values))} ({ms(max(values))})" if values else "-"
+
+
+def run_facts(module: str, argv: list[str] | None, load: float) -> dict:
+    """What a section says of its run: the command that reproduces it (`module`'s, with `argv`, else
+    this process's arguments), when (UTC) and the 1-minute load average before it (`load`)."""
+    args = argv if argv is not None else sys.argv[1:]
+    return {"command": shlex.join([".venv/bin/python", "-m", module, *args]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load}
+
+
+def measured_by(module: str, result: dict) -> str:
+    """A section's first lines: which command measured it, and when (`run_facts`)."""
+    return f"Measured by `python -m {module}` on {result['date']}. Command:\n\n```bash\n{result['command']}\n```"
+
+
+def publish(table: str, docs: str, heading: str, section: str, notes: tuple[str, str]) -> None:
+    """Print a run's table, and write its section into the markdown file `docs` ('' : not at all)."""
+    print(table)
+    if docs:
+        write_section(Path(docs), heading, section, notes)
+        print(f"section {heading[3:]!r} written to {docs}")

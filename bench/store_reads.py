@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.docs import write_section
+from bench.docs import measured_by, publish, run_facts
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Heartbeat reads at scale"
@@ -65,11 +64,7 @@ def table(rows: list[dict]) -> str:
 def docs_section(result: dict) -> str:
     return f"""{SECTION}
 
-Measured by `python -m bench.store_reads` on {result['date']}. Command:
-
-```bash
-{result['command']}
-```
+{measured_by("bench.store_reads", result)}
 
 {os.cpu_count()} cores; one real rendezvous store (torch TCPStore, libuv) on 127.0.0.1 holding one sealed heartbeat per
 rank; the controller's client reads them all, key by key and then batched, {result['repeats']} times each (the
@@ -94,15 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or min(args.ranks) < 1:
         parser.error("--ranks and --repeats: at least 1")
     os.chdir(ROOT)
-    command = shlex.join([".venv/bin/python", "-m", "bench.store_reads", *(argv if argv is not None else sys.argv[1:])])
-    load = os.getloadavg()[0]
+    facts = run_facts("bench.store_reads", argv, os.getloadavg()[0])
     rows = [measure(n, args.repeats) for n in args.ranks]
-    result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,
-              "repeats": args.repeats, "table": table(rows)}
-    print(result["table"])
-    if args.docs:
-        write_section(ROOT / args.docs, SECTION, docs_section(result), NOTES)
-        print(f"section {SECTION[3:]!r} written to {args.docs}")
+    result = {**facts, "repeats": args.repeats, "table": table(rows)}
+    publish(result["table"], args.docs, SECTION, docs_section(result), NOTES)  # (cwd: the repository root)
     return 0
 
 
