@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from ckpt.storage_options import error_reason
 from monitor.config import MonitorConfig
 
 log = logging.getLogger(__name__)
@@ -147,5 +148,4 @@ def _start(trackers: Trackers, field: str, build) -> None:
         trackers.sinks.append(build())
     except Exception as err:
         trackers.close()
-        reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-        raise TrackerUnavailable(field, f"cannot start ({reason}); fix it or remove {field}") from err
+        raise TrackerUnavailable(field, f"cannot start ({error_reason(err, 300)}); fix it or remove {field}") from err
