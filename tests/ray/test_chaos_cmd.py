@@ -86,6 +86,9 @@ def test_kill_controller_before_a_manifest_commit_passes_every_invariant(ray_clu
     assert sum(label.startswith("run 0 ") for label in report["experiment"]["rank_pids"]) >= 1
     assert sum(label.startswith("run 1 ") for label in report["experiment"]["rank_pids"]) >= 1
     assert [c["step"] for c in report["checkpoints"]] == [20, 30, 40]
+    # The killed run wrote no report: its kill joins the rerun's from the marker it left.
+    assert [(f["kind"], f["step"], f["point"]) for f in report["faults"]] == [
+        ("kill_controller", 20, "before_manifest_commit")]
 
 
 @pytest.mark.heavy
