@@ -259,16 +259,19 @@ class Checkpoints:
         times = self.record.recent_step_times()
         every, memory_every = every or self.interval_policy.every(times), self.memory.every(times)
         memory_anchor = anchor if memory_anchor is None else memory_anchor
-        self.plan_version += 1
         self.plan_every, self.plan_anchor, self.plan_memory_every = every, anchor, memory_every
         self.plan_memory_anchor = memory_anchor
-        plan = CheckpointPlan(every=every, anchor=anchor, version=self.plan_version,
-                              final_step=self.spec.train.steps, tag=f"{self.run_id}g{self.gen}",
-                              job_started_at=time.time() - self.ledger.wall(), stop_at=self.stop_at,
-                              memory_every=memory_every, memory_anchor=memory_anchor,
-                              memory_complete=self.memory.newest_step())
-        self.plan = plan
-        self.store.set_plan(plan.to_json())
+        self._send(CheckpointPlan(every=every, anchor=anchor, version=0, final_step=self.spec.train.steps,
+                                  tag=f"{self.run_id}g{self.gen}", job_started_at=time.time() - self.ledger.wall(),
+                                  stop_at=self.stop_at, memory_every=memory_every, memory_anchor=memory_anchor,
+                                  memory_complete=self.memory.newest_step()))
+
+    def _send(self, plan: CheckpointPlan) -> None:
+        """Number `plan` with the next version (a rank acts on a newer one only) and put it where every
+        rank reads it at its step boundaries."""
+        self.plan_version += 1
+        self.plan = dataclasses.replace(plan, version=self.plan_version)
+        self.store.set_plan(self.plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
                    fired: dict) -> int | None:
@@ -322,9 +325,7 @@ class Checkpoints:
         self.memory.policy.on_save_cost(blocking + background)
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)
         if self.plan is not None:  # the same plan, naming the new complete snapshot: its holders keep it
-            self.plan_version += 1
-            self.plan = dataclasses.replace(self.plan, version=self.plan_version, memory_complete=snap.step)
-            self.store.set_plan(self.plan.to_json())
+            self._send(dataclasses.replace(self.plan, memory_complete=snap.step))
         self._replan()
         return None
 
