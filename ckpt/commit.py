@@ -24,8 +24,8 @@ Retention and garbage collection after a commit are best effort: a storage error
 logged and they run again at the next commit. Given a `housekeeper` (the controller's), they run
 on its thread (ckpt.housekeeping): the controller's loop never waits on their listings and
 deletes, a newer commit's pass replaces one not yet started, `reset` drops a pass queued for the
-last generation, and `settle(timeout_s)` waits for the one running (before a restore lists the
-steps, and at the run's end).
+last generation and stops a running one at its next deletion (ckpt.housekeeping.PassFence), and
+`settle(timeout_s)` waits for the one running (before a restore lists the steps).
 
 Chaos: `fault_point(point, step)` is called just before the manifest create
 ("before_manifest_commit": every shard is durable, nothing is committed) and just after it
