@@ -16,6 +16,7 @@ seconds), then the payload. Kinds and payloads (`record`: one of the report's re
     layout      record: monitor.report.WorldRecord
     failure     index (the n-th failure of this run, from 0), record: FailureRecord; sent again,
                 whole, each time the record learns more (restore, recovery, first step after it)
+    fault       record: FaultRecord, as the injected fault fires (the end event lists them too)
     checkpoint  record: monitor.report.CheckpointRecord
     goodput     totals (seconds per bucket), ratio, wall (the ledger's clock)
     end         job, status, error, final_step, goodput (GoodputSummary), and the lists the report holds

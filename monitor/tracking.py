@@ -3,7 +3,7 @@
 Protocol. The CLI's `run_job` calls `open_trackers(...)` once in the driver, before the
 controller exists, and `close()` in its `finally`. The controller's `JobRecord` calls `emit(event)`
 for every event it builds (monitor.events: one per step, validation, layout, failure update,
-commit, goodput sample, and the end), on the controller thread only. `emit` hands the event to
+injected fault, commit, goodput sample, and the end), on the controller thread only. `emit` hands the event to
 each sink and flushes them every `flush_every_s`, at each commit and at the end, so what was
 learned before a pod died is already stored.
 
