@@ -131,17 +131,18 @@ class Checkpoints:
 
     def restore_point(self) -> int | None:
         # A pass still deleting old steps would race the listing (a fallback to an older step finds it half gone).
-        self._settle("the restore lists the committed steps regardless")
+        self._wait(self.committer.settle, "the restore lists the committed steps regardless")
         return self.restore.restore_point()
 
     def close(self) -> None:
         keeper = self.committer.housekeeper
-        if keeper is not None and not keeper.close(SETTLE_S):
-            self.log(f"checkpoint retention still running after {SETTLE_S:g} s (a slow store): the job ends "
-                     "regardless; the next run's first commit, or `undying ckpt gc`, finishes it")
+        if keeper is not None:
+            self._wait(keeper.close, "the job ends regardless; the next run's first commit, or `undying ckpt gc`, "
+                                     "finishes it")
 
-    def _settle(self, otherwise: str) -> None:
-        if not self.committer.settle(SETTLE_S):
+    def _wait(self, wait: Callable[[float], bool], otherwise: str) -> None:
+        """`wait(SETTLE_S)` for the retention pass; a line saying what happens `otherwise` when it ran out."""
+        if not wait(SETTLE_S):
             self.log(f"checkpoint retention still running after {SETTLE_S:g} s (a slow store): {otherwise}")
 
     def kept_intact(self, step: int) -> bool:

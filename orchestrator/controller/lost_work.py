@@ -29,7 +29,8 @@ class LostWork:
             lost = 0.0
             # A failed restore's recovery: the steps down to the first recovery's point are booked already,
             # whatever older step this one expects; the restore that lands books the rest.
-            self._booked_to = restore_point if self._booked_to is None else self._booked_to
+            if self._booked_to is None:
+                self._booked_to = restore_point
         else:
             lost = self.record.rolled_back_seconds(restore_point, since=trained_since, failed_at=failure.onset)
             self._booked_to = restore_point

@@ -68,9 +68,10 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     """Run the job in a child process; rerun it while it died from a kill_controller fault."""
     from monitor.event_log import list_runs
     from monitor.report import RunReport
+    from orchestrator.cli.chaos.experiment import catalog_of
 
     kills = sum(1 for f in spec.chaos.faults if f.kind == "kill_controller")
-    storage = _events_storage(spec)
+    storage = catalog_of(spec).storage  # the event log's runs and the kill markers, beside the checkpoints
     killed_runs: list[tuple[list[str], set[int]]] = []  # each killed attempt's event-log runs and fault ids
     pids: dict[str, int] = {}
     starts: dict[str, str] = {}
@@ -102,13 +103,6 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     return RunOutcome(code if code >= 0 else EXIT_FAILED, report, pids, wall, starts, elsewhere)
 
 
-def _events_storage(spec):
-    """The checkpoint root's storage the event log writes to (its own instance: no chaos fault on it)."""
-    from ckpt.storage import Storage
-
-    return Storage(spec.checkpoint_root, spec.checkpoint.storage_options)
-
-
 def _with_killed_attempts(report, spec, storage, killed_runs: list[tuple[list[str], set[int]]]):
     """`report` (the last attempt's) with the faults and failures of the killed attempts before it."""
     from monitor.event_log import read_run
@@ -124,18 +118,16 @@ def _with_killed_attempts(report, spec, storage, killed_runs: list[tuple[list[st
                 continue
             faults += earlier.faults
             failures += earlier.failures
-        faults += [_kill_record(spec, fault_id) for fault_id in sorted(fault_ids)]
+        faults += [_kill_record(spec, storage, fault_id) for fault_id in sorted(fault_ids)]
     return report.model_copy(update={"faults": faults + report.faults, "failures": failures + report.failures})
 
 
-def _kill_record(spec, fault_id: int):
+def _kill_record(spec, storage, fault_id: int):
     """The kill_controller fault `fault_id` as a FaultRecord, from the marker it wrote as it fired."""
     from chaos.config import ArmedFault
     from monitor.report import FaultRecord
-    from orchestrator.cli.chaos.experiment import catalog_of
     from orchestrator.controller.kill import MARKER_DIR, marker_name
 
-    storage = catalog_of(spec).storage
     marker = marker_name(ArmedFault.of(spec.chaos.faults[fault_id], fault_id))
     try:
         fired = json.loads(storage.read(storage.path(MARKER_DIR, marker)))
