@@ -1,4 +1,4 @@
-"""The controller's thread per checkpoint commit on a slow store: retention and GC inline, or beside it.
+"""The controller's thread per checkpoint commit on a slow store: the store work inline, or beside it.
 
     .venv/bin/python -m bench.commit_stall [--latency-ms 0 50 200] [--commits 8] [--ranks 8] [--docs docs/benchmarks.md]
 
@@ -6,13 +6,14 @@ A commit on the controller's thread creates the manifest (and reads it back); af
 and GC list the job's root, stat the manifests and delete the expired and orphaned step
 directories. On a slow or throttling object store each of those calls costs its latency, and the
 controller, single-threaded, notices no failure, hang or signal meanwhile. This times, side by
-side in one run, the controller thread's time in the commit (the last receipt's
-`Committer.on_receipt`) with retention and GC inline, as before, and on the housekeeper's thread
-(ckpt.housekeeping), as the controller runs them now, against a local store whose every call the
-controller makes is delayed (chaos `storage_latency` on the catalog's storage only; the ranks'
-shard writes are not). `keep` is 2 and every step leaves an unfinished save behind, so each commit's
-pass deletes one checkpoint and one orphan. Also shown: how long the background pass takes to
-settle (its listings and deletes, off the controller's thread).
+side in one run, the controller thread's time per commit (the last receipt's `Committer.on_receipt`,
+and with a commit lane the `collect` that settles it) three ways: everything inline; retention and
+GC on the housekeeper's thread (ckpt.housekeeping); and the manifest create on the commit lane too,
+as the controller runs them now, against a local store whose every call the controller makes is
+delayed (chaos `storage_latency` on the catalog's storage only; the ranks' shard writes are not).
+`keep` is 2 and every step leaves an unfinished save behind, so each commit's pass deletes one
+checkpoint and one orphan. Also shown: when the lane's commit lands (the hand-over to a settled
+create), and how long the retention pass takes to settle (off the controller's thread).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from pathlib import Path
 from bench.docs import measured_by, publish, run_facts
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = "## Commit stall on a slow store: retention inline or beside the controller"
+SECTION = "## Commit stall on a slow store: the controller's thread per commit"
 NOTES = ("<!-- commit-stall-notes: kept when python -m bench.commit_stall rewrites this section -->",
          "<!-- /commit-stall-notes -->")
 KEEP = 2
+WAYS = ("inline", "beside", "lane")  # what runs off the controller's thread: nothing, retention, the create too
 
 
 def _receipts(storage, step: int, ranks: int) -> list:
@@ -45,8 +47,8 @@ def _receipts(storage, step: int, ranks: int) -> list:
             for rank in range(ranks)]
 
 
-def measure(latency_s: float, commits: int, ranks: int, background: bool) -> dict:
-    """Median seconds the controller's thread spent per commit, and the background passes' median."""
+def measure(latency_s: float, commits: int, ranks: int, way: str) -> dict:
+    """Median seconds the controller's thread spent per commit, the lane's commits landing, the passes."""
     from chaos.storage_faults import install
     from ckpt.catalog import Catalog
     from ckpt.commit import Committer
@@ -58,9 +60,10 @@ def measure(latency_s: float, commits: int, ranks: int, background: bool) -> dic
         ranks_storage, controller_storage = Storage(url), Storage(url)
         if latency_s > 0:
             install(controller_storage, [{"kind": "storage_latency", "delay_s": latency_s, "at_seconds": 0.0}])
-        keeper = Housekeeper("bench-retention") if background else None
-        committer = Committer(Catalog(controller_storage), "job", "h", KEEP, housekeeper=keeper)
-        stalls, settles = [], []
+        keeper = Housekeeper("bench-retention") if way != "inline" else None
+        lane = Housekeeper("bench-commit") if way == "lane" else None
+        committer = Committer(Catalog(controller_storage), "job", "h", KEEP, housekeeper=keeper, lane=lane)
+        stalls, lands, settles = [], [], []
         for i in range(commits):
             step = 10 * (i + 1)
             receipts = _receipts(ranks_storage, step, ranks)
@@ -70,6 +73,13 @@ def measure(latency_s: float, commits: int, ranks: int, background: bool) -> dic
             started = time.perf_counter()
             commit = committer.on_receipt(receipts[-1], {}, ranks, 0, {}, lambda s: {})
             stalls.append(time.perf_counter() - started)
+            if lane is not None:
+                if not committer.flush(600):
+                    raise AssertionError("the commit lane did not settle")
+                lands.append(time.perf_counter() - started)
+                collected = time.perf_counter()
+                commit = next(iter(committer.collect()), None)
+                stalls[-1] += time.perf_counter() - collected
             if commit is None:
                 raise AssertionError(f"step {step} did not commit")
             started = time.perf_counter()
@@ -78,18 +88,22 @@ def measure(latency_s: float, commits: int, ranks: int, background: bool) -> dic
             settles.append(time.perf_counter() - started)
         if Catalog(ranks_storage).committed_steps() != [10 * (commits - 1), 10 * commits]:
             raise AssertionError("retention did not keep the newest two")
-        if keeper is not None:
-            keeper.close(60)
-    return {"stall": statistics.median(stalls), "settle": statistics.median(settles)}
+        for thread in (keeper, lane):
+            if thread is not None:
+                thread.close(60)
+    return {"stall": statistics.median(stalls), "settle": statistics.median(settles),
+            "lands": statistics.median(lands) if lands else None}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| latency per call | controller thread per commit, inline | controller thread per commit, beside | "
-             "ratio | background pass (off the thread) |", "|---|---|---|---|---|"]
+    lines = ["| latency per call | controller thread per commit: inline | retention beside | create on the lane "
+             "too | inline / lane | lane: commit lands after | retention pass (off the thread) |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
-        inline, beside = row["inline"]["stall"], row["beside"]["stall"]
+        inline, beside, lane = (row[way]["stall"] for way in WAYS)
         lines.append(f"| {row['latency_ms']:g} ms | {inline * 1e3:.1f} ms | {beside * 1e3:.1f} ms | "
-                     f"{inline / beside:.1f}x | {row['beside']['settle'] * 1e3:.1f} ms |")
+                     f"{lane * 1e3:.2f} ms | {inline / lane:.0f}x | {row['lane']['lands'] * 1e3:.1f} ms | "
+                     f"{row['lane']['settle'] * 1e3:.1f} ms |")
     return "\n".join(lines)
 
 
@@ -106,10 +120,13 @@ save beside each step, so every pass deletes a checkpoint and an orphan. The 1-m
 
 {result['table']}
 
-- inline: `Committer` without a housekeeper, retention and GC in the commit, as the controller ran them before;
-  beside: with one (`ckpt.housekeeping.Housekeeper`), as the controller runs them now. The controller notices no
-  failure, hang or signal while its thread is in the commit.
-- background pass: the median time from the commit's return to the pass settling, on the housekeeper's thread.
+- inline: `Committer` with no background thread, the manifest create, its read-back, retention and GC in the
+  commit; retention beside: with a housekeeper (`ckpt.housekeeping.Housekeeper`), the create still inline; create
+  on the lane too: with a commit lane as well, as the controller runs them now (the thread's time is the last
+  receipt's hand-over plus the `collect` that settles the commit). The controller notices no failure, hang or
+  signal while its thread is in the commit.
+- lane: commit lands after: from the hand-over to the create settled (the manifest durable), off the thread.
+- retention pass: the median time from the commit to the pass settling, on the housekeeper's thread.
 """
 
 
@@ -125,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--commits at least 2, --ranks at least 1, --latency-ms at least 0")
     os.chdir(ROOT)
     facts = run_facts("bench.commit_stall", argv, os.getloadavg()[0])
-    rows = [{"latency_ms": ms, **{way: measure(ms / 1e3, args.commits, args.ranks, way == "beside")
-                                  for way in ("inline", "beside")}} for ms in args.latency_ms]
+    rows = [{"latency_ms": ms, **{way: measure(ms / 1e3, args.commits, args.ranks, way) for way in WAYS}}
+            for ms in args.latency_ms]
     result = {**facts, "commits": args.commits, "ranks": args.ranks, "table": table(rows)}
     publish(result["table"], args.docs, SECTION, docs_section(result), NOTES)  # (cwd: the repository root)
     return 0

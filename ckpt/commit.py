@@ -27,6 +27,22 @@ deletes, a newer commit's pass replaces one not yet started, `reset` drops a pas
 last generation and stops a running one at its next deletion (ckpt.housekeeping.PassFence), and
 `settle(timeout_s)` waits for the one running (before a restore lists the steps).
 
+The manifest create itself may run off the controller's thread too (given a `lane`, the
+controller's when no controller fault acts on the catalog): on a throttling or hung store the
+create, its retry and the read that settles a lost reply take one to several client timeouts, and
+a controller waiting on them notices no dead rank, hang or signal meanwhile. A complete save is
+then handed to the lane (`committing`, in `unsettled` with the saves still collecting receipts)
+and `on_receipt` returns None; the lane runs the store's part of the commit (`_attempt`, which
+changes none of the committer's state), and the controller's thread settles what it came to at
+its next `collect()`: the Commits, in step order, the callbacks (`on_dropped`, `on_skipped`) and
+the errors (a lost owner lease, a bug) raised there as an inline commit raises them. A complete
+save handed over while an older one's create is still queued replaces it (the lane runs the
+newest: its commit makes the older one's moot, and a slow store builds no queue); the older
+one is reported skipped then, and so is a complete save older than a create under way.
+`flush(timeout_s)` waits for the create under way: a restore calls it
+before choosing its step, so that no commit lands behind the restore's back, and so does a stop
+or the job's end waiting for its last save.
+
 Chaos: `fault_point(point, step)` is called just before the manifest create
 ("before_manifest_commit": every shard is durable, nothing is committed) and just after it
 succeeded ("after_manifest_commit": committed, before retention and before the controller
@@ -36,6 +52,7 @@ learns of it); the controller passes its ControllerFaults.at_point (kill_control
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,13 +96,32 @@ class Commit:
     samples: dict[int, list[int]] = field(default_factory=dict)  # rank -> [first, end, count, digest]
 
 
+@dataclass
+class Attempt:
+    """What the store's part of a commit came to, settled on the controller's thread (`_settle`)."""
+
+    save: PendingSave
+    kept: bool  # the step is one of `left_behind` (committed by the history the restore left)
+    manifest: Manifest | None = None  # committed
+    committed_at: float = 0.0  # wall time the create returned
+    skipped: str | None = None  # not committed through no failure: why (on_skipped)
+    failed: str | None = None  # not committed: why (on_dropped)
+    rejected: str | None = None  # ... and what `rejected` keeps of it
+    error: BaseException | None = None  # a lost owner lease, a bug: raised where it is settled
+
+
 class Committer:
     def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int,
                  on_dropped: Callable[[int, str], None] = lambda step, reason: None,
                  fault_point: Callable[[str, int], None] | None = None, files_here: bool = True,
-                 housekeeper: Housekeeper | None = None):
+                 housekeeper: Housekeeper | None = None, lane: Housekeeper | None = None):
         self.catalog = catalog
         self.housekeeper = housekeeper  # None: retention and GC run inline, at the commit
+        self.lane = lane  # None: manifest creates run inline, in `on_receipt`
+        self.committing: dict[int, PendingSave] = {}  # complete saves handed to the lane, not yet settled
+        self._attempts: list[Attempt] = []  # what the lane finished, for `collect` (under `_attempts_lock`)
+        self._attempts_lock = threading.Lock()
+        self._queued: int | None = None  # the step of the create submitted last (replaced if not begun)
         self.generations = 0  # `reset`s so far: a background pass stops once another began (PassFence)
         self.files_here = files_here  # ckpt.catalog.Catalog.commit
         self.fault_point = fault_point
@@ -119,8 +155,8 @@ class Committer:
         """A rank could not write its shard of `step`: the save cannot commit; drop it now,
         so it does not sit pending (CHECKPOINTING) until a later commit overtakes it. A second
         rank failing the same save drops nothing more: it is one failed save."""
-        if step in self.abandoned or (self.latest is not None and step <= self.latest):
-            return  # a late error (its receipt's push failed after it was queued) of a committed save
+        if step in self.abandoned or step in self.committing or (self.latest is not None and step <= self.latest):
+            return  # a late error (its receipt's push failed after it was queued) of a complete save
         self.abandoned.add(step)
         self.pending.pop(step, None)
         self.on_dropped(step, reason)
@@ -143,21 +179,103 @@ class Committer:
         if len(save.receipts) < world_size or save.engine_state is None:
             return None
         del self.pending[receipt.step]
-        if self.latest is not None and receipt.step <= self.latest:
+        if self._overtaken(receipt.step):
             return None
-        try:
-            return self._commit(save, generation, layout, extra_state(save.samples))
-        except IncompleteCheckpoint as err:
-            self.rejected[save.step] = str(err)
-            log.error("checkpoint step %d NOT committed: the shards of the %d ranks do not form a complete "
-                      "checkpoint: %s", save.step, len(save.receipts), err)
-            self.on_dropped(save.step, f"its shards do not form a complete checkpoint: {err}")
-            return None
+        attempt = Attempt(save, kept=save.step in self.left_behind)
+        state = extra_state(save.samples)  # on this thread: it reads the controller's state
+        if self.lane is None:
+            return self._settle(self._attempt(attempt, generation, layout, state))
+        self.committing[save.step] = save
 
-    def _create(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Manifest | None:
-        """Create the manifest, retrying once (see module doc); None when both attempts failed, or
-        when the step is one of `left_behind` (skipped, not failed)."""
-        errors = []
+        def create() -> None:
+            try:
+                self._attempt(attempt, generation, layout, state)
+            finally:
+                with self._attempts_lock:
+                    self._attempts.append(attempt)
+
+        previous, self._queued = self._queued, save.step
+        if self.lane.submit(create) is not None:  # the create submitted before this one had not begun: moot now
+            self.committing.pop(previous, None)
+            self.on_skipped(previous, f"the newer save of step {save.step} was complete before its manifest "
+                                      "create began")
+        return None
+
+    @property
+    def unsettled(self) -> dict[int, PendingSave]:
+        """The saves not yet committed nor dropped: collecting receipts, or their manifest being created."""
+        return {**self.pending, **self.committing}
+
+    def collect(self) -> list[Commit]:
+        """Controller thread: settle what the lane's creates came to since the last call, oldest first;
+        the Commits. Every one is settled before the first error among them is raised."""
+        with self._attempts_lock:
+            attempts, self._attempts = self._attempts, []
+        commits, errors = [], []
+        for attempt in attempts:
+            self.committing.pop(attempt.save.step, None)
+            try:
+                commit = self._settle(attempt)
+            except Exception as err:  # noqa: BLE001 (raised below, once the others are booked)
+                errors.append(err)
+                continue
+            commits += [commit] if commit is not None else []
+        if errors:
+            raise errors[0]
+        return commits
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait for the lane's create under way, if any (at most `timeout_s`); whether none is. The
+        caller then `collect`s."""
+        return self.lane is None or self.lane.settle(timeout_s)
+
+    def _overtaken(self, step: int) -> bool:
+        """Whether complete save `step` is older than the newest commit, or than a create under way."""
+        if self.latest is not None and step <= self.latest:
+            return True
+        newer = [s for s in self.committing if s > step]
+        if newer:
+            self.on_skipped(step, f"complete after the newer save of step {max(newer)}, whose manifest is being "
+                                  "created")
+        return bool(newer)
+
+    def _attempt(self, attempt: Attempt, generation: int, layout: dict, extra: dict) -> Attempt:
+        """The store's part of a commit (fault points, the create, its retry, the landed read), on
+        whichever thread runs it: it changes none of the committer's state, `_settle` does."""
+        step = attempt.save.step
+        try:
+            if self.fault_point is not None:
+                self.fault_point("before_manifest_commit", step)
+            attempt.manifest = self._create(attempt, generation, layout, extra)
+            attempt.committed_at = time.time()
+            if attempt.manifest is not None and self.fault_point is not None:
+                self.fault_point("after_manifest_commit", step)
+        except IncompleteCheckpoint as err:
+            log.error("checkpoint step %d NOT committed: the shards of the %d ranks do not form a complete "
+                      "checkpoint: %s", step, len(attempt.save.receipts), err)
+            attempt.rejected, attempt.failed = str(err), f"its shards do not form a complete checkpoint: {err}"
+        except Exception as err:  # noqa: BLE001 (raised again by `_settle`, on the controller's thread)
+            attempt.error = err
+        return attempt
+
+    def _settle(self, attempt: Attempt) -> Commit | None:
+        """Controller thread: what `attempt` came to, acted on; the Commit when it committed."""
+        step = attempt.save.step
+        if attempt.error is not None:
+            raise attempt.error
+        if attempt.skipped is not None:
+            self.on_skipped(step, attempt.skipped)
+        elif attempt.manifest is None:
+            self.rejected[step] = attempt.rejected or attempt.failed
+            self.on_dropped(step, attempt.failed)
+        else:
+            return self._committed(attempt)
+        return None
+
+    def _create(self, attempt: Attempt, generation: int, layout: dict, extra: dict) -> Manifest | None:
+        """Create the manifest, retrying once (see module doc); None when both attempts failed (`failed`
+        says why), or when the step is one of `left_behind` (`skipped`)."""
+        save, errors = attempt.save, []
         for _ in range(2):
             try:
                 return self.catalog.commit(
@@ -168,22 +286,21 @@ class Committer:
             except IncompleteCheckpoint:
                 raise
             except Exception as err:  # storage errors (the HTTP stack's own among them); a torn manifest read back
-                if isinstance(err, AlreadyCommitted) and save.step in self.left_behind:
-                    self.on_skipped(save.step, f"step {save.step} is committed already, by the history this run "
-                                               "left when its restore skipped that step; it is kept as it is")
+                if isinstance(err, AlreadyCommitted) and attempt.kept:
+                    attempt.skipped = (f"step {save.step} is committed already, by the history this run left when "
+                                       "its restore skipped that step; it is kept as it is")
                     return None
                 if not isinstance(err, CorruptCheckpoint) and not storage_failure(err):
                     raise
                 errors.append(f"{type(err).__name__}: {err}")
                 log.warning("checkpoint step %d: manifest commit failed (%s)", save.step, errors[-1])
-                self._withdraw_torn(save.step)
+                self._withdraw_torn(save.step, attempt.kept)
         landed = self._landed(save)
         if landed is not None:
             return landed
-        self.rejected[save.step] = "; ".join(errors)
+        attempt.rejected, attempt.failed = "; ".join(errors), f"the manifest commit failed twice ({errors[-1]})"
         log.error("checkpoint step %d NOT committed: the manifest could not be created twice: %s",
-                  save.step, self.rejected[save.step])
-        self.on_dropped(save.step, f"the manifest commit failed twice ({errors[-1]})")
+                  save.step, attempt.rejected)
         return None
 
     def _landed(self, save: PendingSave) -> Manifest | None:
@@ -199,21 +316,20 @@ class Committer:
         same = manifest.tensors == merge_receipts(list(save.receipts.values()))
         return manifest if same else None
 
-    def _withdraw_torn(self, step: int) -> None:
+    def _withdraw_torn(self, step: int, kept: bool) -> None:
         """Move aside a manifest of `step` that is there but does not parse: our own torn write, or
-        (a step of `left_behind`) a committed one of the history this run left, quarantined."""
+        (`kept`: a step of `left_behind`) a committed one of the history this run left, quarantined."""
         try:
             if not self.catalog.storage.exists(self.catalog.manifest_path(step)):
                 return
-            # No retry budget: this runs on the controller's thread mid-training, and a store that
-            # fails transiently here proves nothing (the warning below; restores check again).
+            # No retry budget: this runs mid-training (on the controller's thread when inline), and a
+            # store that fails transiently here proves nothing (the warning below; restores check again).
             read_manifest(self.catalog, step, ReadRetry(0.0))
         except CorruptCheckpoint as err:
             try:
                 # A step this run's restore skipped holds the previous history's committed manifest:
                 # corrupt, not a torn write of ours; it goes aside as evidence (ckpt verify, retention keep it).
-                ours = step not in self.left_behind
-                aside = self.catalog.withdraw_torn(step) if ours else self.catalog.quarantine(step)
+                aside = self.catalog.quarantine(step) if kept else self.catalog.withdraw_torn(step)
                 log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
             except (OSError, ValueError) as again:
                 log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "
@@ -223,31 +339,24 @@ class Committer:
                 raise
             log.warning("checkpoint step %d: could not check the manifest after a failed commit (%s)", step, err)
 
-    def _commit(self, save: PendingSave, generation: int, layout: dict, extra: dict) -> Commit | None:
-        receipts = list(save.receipts.values())
-        if self.fault_point is not None:
-            self.fault_point("before_manifest_commit", save.step)
-        manifest = self._create(save, generation, layout, extra)
-        if manifest is None:
-            return None
-        if self.fault_point is not None:
-            self.fault_point("after_manifest_commit", save.step)
-        committed_at = time.time()
-        blocking = max(r.blocking_s for r in receipts)
+    def _committed(self, attempt: Attempt) -> Commit:
+        """Controller thread: the manifest of `attempt` is durable: it is the newest restore point."""
+        save = attempt.save
         self.latest = save.step
         self.left_behind.discard(save.step)  # a quarantined step saved and committed again is this run's own
         for step in [s for s in self.pending if s < save.step]:
             log.info("dropping incomplete save of step %d, overtaken by step %d", step, save.step)
             del self.pending[step]
         self._tidy(save.step)
-        return Commit(step=save.step, nbytes=manifest.total_bytes, blocking_s=blocking,
-                      total_s=committed_at - save.started_at,
-                      committed_at=committed_at, samples=save.samples)
+        return Commit(step=save.step, nbytes=attempt.manifest.total_bytes,
+                      blocking_s=max(r.blocking_s for r in save.receipts.values()),
+                      total_s=attempt.committed_at - save.started_at,
+                      committed_at=attempt.committed_at, samples=save.samples)
 
     def _tidy(self, step: int) -> None:
         """Retention and GC after the commit of `step`, inline or on the housekeeper's thread, with the
         committer's state as it is now (the controller's thread changes it while the pass runs)."""
-        keep, newest, left_behind, in_flight = self.keep, self.latest, set(self.left_behind), set(self.pending)
+        keep, newest, left_behind, in_flight = self.keep, self.latest, set(self.left_behind), set(self.unsettled)
         catalog, began = self.catalog, self.generations
         if self.housekeeper is not None:
             catalog = Catalog(catalog.storage, PassFence(catalog.owner, lambda: self.generations == began))

@@ -1,16 +1,18 @@
-"""Store work that nobody waits on, off the controller's thread: retention, GC, the goodput snapshot.
+"""Store work off the controller's thread: retention, GC, the goodput snapshot, manifest creates.
 
 The controller is single-threaded: while it waits on the store it notices no dead rank, no hang
 and no signal. Retention and GC after a commit list the job's root, stat the manifests and delete
-whole step directories (a thousand shard objects each at a thousand ranks), and the goodput
-snapshot is rewritten every few seconds: on a slow or throttling store that is seconds to
-minutes per call, and a failure during them would be noticed only after. None of it has a result
-the controller needs, so a `Housekeeper` runs it on one background thread.
+whole step directories (a thousand shard objects each at a thousand ranks), the goodput snapshot
+is rewritten every few seconds, and a commit creates its manifest: on a slow or throttling store
+that is seconds to minutes per call, and a failure during them would be noticed only after. None
+of it needs the controller's thread, so a `Housekeeper` runs it on one background thread (the
+committer's creates on one of their own, whose outcomes the controller collects: ckpt.commit).
 
-Protocol: the owner (ckpt.commit.Committer for retention and GC, the controller's
-LedgerSnapshots for the snapshot) calls `submit(work)`; work not yet started when a newer one is
-submitted is dropped, since the newer does the same with newer inputs (the newest commit's
-retention, the newest snapshot), so a slow store never builds a queue. `discard()` drops queued
+Protocol: the owner (ckpt.commit.Committer for retention and GC and for its manifest creates, the
+controller's LedgerSnapshots for the snapshot) calls `submit(work)`; work not yet started when a
+newer one is submitted is dropped, since the newer does the same with newer inputs (the newest
+commit's retention, the newest snapshot, the newest complete save's create), so a slow store
+never builds a queue. `discard()` drops queued
 work (a new generation: a GC planned for the last one must not run against this one's saves).
 `settle(timeout_s)` waits until nothing is queued or running, at most that long, and says whether
 it did: the owner calls it before work whose outcome depends on it (a restore's listing), and
@@ -49,14 +51,15 @@ class Housekeeper:
         self._closing = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, work: Callable[[], None]) -> None:
-        """Run `work` on the background thread, in place of any work still queued."""
+    def submit(self, work: Callable[[], None]) -> Callable[[], None] | None:
+        """Run `work` on the background thread, in place of any work still queued; the work it replaced."""
         with self._changed:
-            self._queued, self._closing = work, False
+            replaced, self._queued, self._closing = self._queued, work, False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
             self._changed.notify_all()
+        return replaced
 
     def discard(self) -> None:
         """Drop the queued work, if any (the running one finishes)."""

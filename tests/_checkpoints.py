@@ -47,11 +47,15 @@ def shard_receipts(catalog: Catalog, step: int, state: dict[str, torch.Tensor], 
 
 def feed(committer, receipts: list):
     """Hand `receipts` to `committer` as the controller does (rank 0's with the engine state); the
-    Commit the last one completed, or None."""
+    Commit the last one completed, or None. A committer with a commit lane is waited for and
+    collected, as the controller's next drain would."""
     out = None
     for r in receipts:
         extra = {"engine": {"next_step": r.step}} if r.rank == 0 else {}
         out = committer.on_receipt(r, extra, len(receipts), 1, {}, lambda samples: {}) or out
+    if committer.lane is not None:
+        assert committer.flush(10)
+        out = next(reversed(committer.collect()), out)
     return out
 
 

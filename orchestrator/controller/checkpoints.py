@@ -10,30 +10,33 @@ Protocol (controller thread only; one per controller run):
   * `restore_choice(workers, after_failure)` in RESTORING: the step and level to restore (after a
     failure, a complete memory snapshot whose shards all have live holders when it is at least as
     new as the restore point, else storage; orchestrator.controller.memory_level);
-    `expected_restore_point(workers)` the same step without side effects, for the lost work a
-    recovery books.
+    `expected_restore_point(workers)` the same step without side effects but one, for the lost work
+    a recovery books. Both first wait for a manifest create still under way (its commit lands
+    before the step is chosen, never behind the restore's back).
   * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history,
     nothing is pending, and the first plan of the generation is published (`CheckpointPlan`
     under the store's `plan` key, with the memory level's cadence).
   * `on_receipt(message, ...)` for each shard receipt the event intake receives: a completed
     save is committed (ckpt.commit.Committer), its blocking time booked as `checkpoint_save`,
     the interval policy fed, the job record updated, and the cadence re-planned (a new plan
-    published) when the measured costs moved it. Returns the committed step, or None.
+    published) when the measured costs moved it. Returns the committed step, or None: the
+    manifest create runs on the commit lane, off this thread, unless controller faults act
+    here (then inline, so that a seeded chaos run replays), and `landed()`, called by the event
+    intake at each drain, books the commits it finished the same way and returns their steps.
+    `committing` says whether a create is under way (a stop waits for it).
   * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
     blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
-  * `close()` at the run's end: the last commit's retention pass finishes (at most `SETTLE_S`).
+  * `close()` at the run's end: a create under way and the last commit's retention pass finish
+    (at most `SETTLE_S` each).
   * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None;
     a change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
-  * `SavesFailing` is raised out of `on_receipt` / `on_save_failed` (so out of the controller's
+  * `SavesFailing` is raised out of `on_receipt` / `landed` / `on_save_failed` (so out of the controller's
     event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures: the
     controller fails the job with its words.
 
-A save that cannot commit does not stop the job by itself: it is logged, counted, and the next one
-commits. Only a run of `checkpoint.max_failed_saves` of them with no commit in between does (a
-failed shard write, a manifest commit that failed twice, shards that do not form a checkpoint):
-the storage is not taking checkpoints, and training on would keep nothing durable. A commit
-resets the count; a recovery does not (its saves are as failed as before it).
+A save that cannot commit does not stop the job by itself; a run of `checkpoint.max_failed_saves`
+of them with no commit in between does (orchestrator.controller.save_failures).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ from collections.abc import Callable
 from ckpt.commit import Committer
 from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
-from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
+from orchestrator.cluster.interruptible import SLICE_S, Interrupted, never
 from orchestrator.controller.background_cost import BackgroundCost
 from orchestrator.controller.memory_level import MemoryLevel
 from orchestrator.controller.policies import CheckpointIntervalPolicy
 from orchestrator.controller.restore_policy import RestorePolicy
+from orchestrator.controller.save_failures import SaveFailures, SavesFailing
 from orchestrator.controller.step_history import sample_events
 from orchestrator.spec.job_spec import spec_hash
 from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten, SnapshotHeld
@@ -76,18 +80,14 @@ def data_provenance(data) -> dict:
                           "token_ids": {"eos_token_id": manifest.eos_id}}}
 
 
-class SavesFailing(Exception):
-    """`checkpoint.max_failed_saves` consecutive saves failed: training on would keep nothing
-    durable, so the job fails (not a storage error of one request: fatal, never retried)."""
-
-
 # What ends the job with its own words, without a traceback: the saves keep failing, or another
 # driver claimed the checkpoint root (raised by the catalog's fence before any change).
 JOB_ENDING = (SavesFailing, OwnershipLost)
 
 
 class Checkpoints:
-    def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None], fresh: bool = False):
+    def __init__(self, spec, catalog, ledger, record, metrics, chaos, log: Callable[[str], None], fresh: bool = False,
+                 lane: bool = True):
         self.spec = spec
         self.catalog = catalog
         self.ledger = ledger
@@ -98,14 +98,19 @@ class Checkpoints:
         self.chaos = chaos  # ControllerFaults: corrupt_shard after a commit, kill_controller around it
         self.log = log
         self.interval_policy = CheckpointIntervalPolicy(spec.checkpoint)
+        self.failures = SaveFailures(spec.checkpoint.max_failed_saves, metrics, log, lambda: self.latest)
         self.committer = Committer(catalog, spec.name, spec_hash(spec), spec.checkpoint.keep,
-                                   on_dropped=self._on_dropped, fault_point=chaos.at_point,
+                                   on_dropped=self.failures.dropped, fault_point=chaos.at_point,
                                    # With storage faults on the catalog, inline: which call a fault's `nth`
-                                   # hits must not depend on two threads' timing (a seeded run replays).
-                                   housekeeper=None if chaos.on_storage else Housekeeper("undying-ckpt-retention"))
-        self.committer.on_skipped = self._on_skipped
+                                   # hits must not depend on two threads' timing (a seeded run replays);
+                                   # so with a kill_controller, where the kill lands among the commit's calls.
+                                   housekeeper=None if chaos.on_storage else Housekeeper("undying-ckpt-retention"),
+                                   lane=Housekeeper("undying-ckpt-commit") if lane and not (
+                                       chaos.on_storage or chaos.kill.armed) else None)
+        self.committer.on_skipped = self.failures.skipped
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
+        self.interrupted: Callable[[], bool] = never  # whether the job is ending (Stops.ending sets it)
         self.plan_version = 0
         self.plan: CheckpointPlan | None = None  # the one published last
         self.plan_every = self.plan_anchor = 0
@@ -113,7 +118,6 @@ class Checkpoints:
         self.store = None
         self.gen = -1
         self.data_provenance = data_provenance(spec.data)
-        self.failed_saves: list[int] = []  # the steps of the saves failed since the last commit
         self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
@@ -131,19 +135,51 @@ class Checkpoints:
 
     def restore_point(self) -> int | None:
         # A pass still deleting old steps would race the listing (a fallback to an older step finds it half gone).
-        self._wait(self.committer.settle, "the restore lists the committed steps regardless")
+        self._wait(self.committer.settle, "checkpoint retention", "the restore lists the committed steps regardless")
         return self.restore.restore_point()
 
-    def close(self) -> None:
-        keeper = self.committer.housekeeper
-        if keeper is not None:
-            self._wait(keeper.close, "the job ends regardless; the next run's first commit, or `undying ckpt gc`, "
-                                     "finishes it")
+    @property
+    def committing(self) -> bool:
+        """Whether a manifest create is under way on the commit lane."""
+        return bool(self.committer.committing)
 
-    def _wait(self, wait: Callable[[float], bool], otherwise: str) -> None:
-        """`wait(SETTLE_S)` for the retention pass; a line saying what happens `otherwise` when it ran out."""
+    def landed(self) -> list[int]:
+        """The steps whose manifest creates the commit lane finished since the last call, each booked as
+        `on_receipt` books an inline commit (raising as it raises: SavesFailing, OwnershipLost)."""
+        return [self._booked(commit) for commit in self.committer.collect()]
+
+    def flush(self) -> None:
+        """Wait for the create under way, then book what it came to: before a recovery books its rollback,
+        a restore chooses its step, a grow re-forms at the newest commit (choosing a step before it lands
+        would take an older one than the job holds, and its commit landing later would race the next
+        generation's saves). Bounded by the store's client timeouts, as an inline create is, and by the
+        job ending (`interrupted`, Stops.ending: a signal raises Interrupted, and the job ends)."""
+        began = time.monotonic()
+        while not self.committer.flush(SLICE_S):
+            if self.interrupted():
+                raise Interrupted("the job is ending; the manifest commit under way lands or not without it")
+            if began is not None and time.monotonic() - began > SETTLE_S:
+                began = None
+                self.log(f"waiting for the manifest commit of step {min(self.committer.committing)} (a slow store)")
+        self.landed()
+
+    def close(self) -> None:
+        lane, keeper = self.committer.lane, self.committer.housekeeper
+        if lane is not None:
+            self._wait(lane.close, "manifest commit", "it lands or not while the driver exits; a rerun finds "
+                                                      "the step committed whole, or not at all")
+            try:
+                self.landed()  # a create that landed meanwhile is the job's newest commit (the report's final step)
+            except JOB_ENDING as err:
+                self.log(f"at the job's end: {err}")
+        if keeper is not None:
+            self._wait(keeper.close, "checkpoint retention", "the job ends regardless; the next run's first "
+                                                             "commit, or `undying ckpt gc`, finishes it")
+
+    def _wait(self, wait: Callable[[float], bool], what: str, otherwise: str) -> None:
+        """`wait(SETTLE_S)` for background store work; a line saying what happens `otherwise` when it ran out."""
         if not wait(SETTLE_S):
-            self.log(f"checkpoint retention still running after {SETTLE_S:g} s (a slow store): {otherwise}")
+            self.log(f"{what} still running after {SETTLE_S:g} s (a slow store): {otherwise}")
 
     def kept_intact(self, step: int) -> bool:
         """Whether `step` is committed by the history this run left (its restore read it damaged) and
@@ -198,29 +234,23 @@ class Checkpoints:
         """(step, memory source or None) to restore, given the worker group's live actors. Only a
         failure's recovery restores from memory: a generation re-formed on purpose (growing back, a
         drained node) ended at a commit, and restores that commit as its stop or growth assumed.
-        A snapshot at least as new as this run's newest commit is chosen without asking storage,
-        whose outage then costs nothing: the listing of the committed steps (with its retry budget)
-        is the storage restore's, when no snapshot will do or when one fails to load."""
+        A snapshot at least as new as this run's newest commit is chosen without asking storage (but
+        for a manifest create under way, waited for first), whose outage then costs nothing: the
+        listing of the committed steps (with its retry budget) is the storage restore's, when no
+        snapshot will do or when one fails to load."""
+        self.flush()
         source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
         return (source.step, source) if source is not None else (self.restore_point(), None)
 
     def expected_restore_point(self, workers) -> int | None:
-        """The step `restore_choice` would pick now, without side effects (the lost work to book)."""
+        """The step `restore_choice` would pick now (the lost work to book), once a create under way landed."""
+        self.flush()
         if self.memory.viable(self.latest, self._live(workers)):
             return self.memory.newest.step
         return self.latest
 
     def buddies(self, workers, world_size: int) -> dict:
-        """`start_training`'s keyword for the memory level: {"buddies": rank -> buddy rank}, {} when off."""
-        if not self.memory.enabled:
-            return {}
-        nodes = [workers.node_of(rank) for rank in range(world_size)]
-        buddies = choose_buddies(nodes)
-        if world_size > 1 and not survives_any_node_loss(nodes, buddies) and not self.memory.warned_one_node:
-            self.memory.warned_one_node = True
-            self.log("memory snapshots: the ranks share one node, so a buddy's copy survives a rank's death but "
-                     "not the node's (storage checkpoints cover that)")
-        return {"buddies": dict(enumerate(buddies))}
+        return self.memory.buddies(workers, world_size)  # the memory level's: which rank keeps whose copy
 
     def begin(self, store, gen: int, anchor: int | None, source=None) -> None:
         """A generation restored from `anchor` (None: fresh; `source`: the memory snapshot it came
@@ -274,8 +304,7 @@ class Checkpoints:
         self.plan = dataclasses.replace(plan, version=self.plan_version)
         self.store.set_plan(self.plan.to_json())
 
-    def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int,
-                   fired: dict) -> int | None:
+    def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int) -> int | None:
         self._book_blocking(message.receipt.step, message.receipt.blocking_s)
         commit = self.committer.on_receipt(
             message.receipt, message.extra, world_size, self.gen, layout,
@@ -288,12 +317,14 @@ class Checkpoints:
                              "model": self.spec.model.architecture(), "seq_len": self.spec.data.seq_len,
                              **self.data_provenance},
         )
-        if commit is None:
-            return None
-        self.failed_saves.clear()
+        return None if commit is None else self._booked(commit)
+
+    def _booked(self, commit) -> int:
+        """A commit, inline or landed, booked: the history, the restore point, chaos, the costs, the cadence."""
+        self.failures.committed()
         self.record.history.extend(sample_events(commit.samples))
         self.restore.on_committed(commit.step)
-        self.chaos.after_commit(commit.step, fired)
+        self.chaos.after_commit(commit.step)
         self.blocking_booked = {step: s for step, s in self.blocking_booked.items() if step > commit.step}
         # Young's C is the whole cost: the blocking time and what the background write took from the
         # steps it overlapped (orchestrator.controller.background_cost).
@@ -314,8 +345,7 @@ class Checkpoints:
             self.blocking_booked[step] = blocking_s
             self.record.on_save_blocking(step, self.ledger.move(more, "productive", "checkpoint_save"))
 
-    def on_snapshot(self, message: SnapshotHeld, world_size: int, layout: dict, restarts: int,
-                    fired: dict) -> None:
+    def on_snapshot(self, message: SnapshotHeld, world_size: int, layout: dict, restarts: int) -> None:
         """A memory snapshot shard held twice; a completed snapshot books its blocking time (as a save's)."""
         snap = self.memory.on_held(message, world_size, self.gen, layout, lambda samples: {})
         if snap is None:
@@ -363,22 +393,3 @@ class Checkpoints:
 
     def on_save_failed(self, message: SaveFailed) -> None:
         self.committer.abandon(message.step, f"rank {message.rank} failed to write its shard ({message.error})")
-
-    def _on_skipped(self, step: int, reason: str) -> None:
-        """A save that could not commit through no failure (its step is kept from the history the
-        restore left): not counted against checkpoint.max_failed_saves."""
-        self.metrics.on_checkpoint_skipped(1)
-        self.log(f"checkpoint step {step} is not committed: {reason}; the next save commits")
-
-    def _on_dropped(self, step: int, reason: str) -> None:
-        self.metrics.on_checkpoint_failed()
-        self.failed_saves.append(step)
-        limit = self.spec.checkpoint.max_failed_saves
-        if len(self.failed_saves) < limit:
-            self.log(f"checkpoint step {step} will not be committed: {reason}; training goes on and the next save "
-                     f"commits ({len(self.failed_saves)} of checkpoint.max_failed_saves={limit} consecutive failures)")
-            return
-        since = f"after step {self.latest}" if self.latest is not None else "in this run"
-        raise SavesFailing(f"checkpoint storage failing: {len(self.failed_saves)} consecutive saves failed (steps "
-                           f"{', '.join(map(str, self.failed_saves))}; checkpoint.max_failed_saves={limit}) "
-                           f"and nothing was committed {since}; the last, step {step}: {reason}")

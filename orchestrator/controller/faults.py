@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 class ControllerFaults:
     def __init__(self, faults: list[ArmedFault], catalog, seed: int, job_seconds: Callable[[], float], *,
-                 printer=print, kill: ControllerKill | None = None):
+                 printer=print, kill: ControllerKill | None = None, fired: dict[int, FaultFired] | None = None):
         self.catalog = catalog
+        self.fired = {} if fired is None else fired  # the job's fired faults (FaultClock.fired): fired once
         # Built before the storage faults go on the catalog: reading the fired markers is not a fault's target.
         self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
         self.seed = seed
@@ -55,10 +56,10 @@ class ControllerFaults:
         event.handled = True
         self._events.append(event)
 
-    def after_commit(self, step: int, fired: dict[int, FaultFired]) -> None:
+    def after_commit(self, step: int) -> None:
         """Checkpoint `step` was just committed: fire the corrupt_shard faults it reaches."""
         for fault in self.corruptions:
-            if fault.id in fired or step < fault.at_step:
+            if fault.id in self.fired or step < fault.at_step:
                 continue
             event = FaultFired(fault.id, "corrupt_shard", time=time.time(), step=step, handled=True)
             try:
@@ -67,7 +68,7 @@ class ControllerFaults:
             except (OSError, ValueError) as err:  # e.g. a storage fault of the same job hit the rewrite
                 event.detail = f"could not be applied: {type(err).__name__}: {err}"
                 log.warning("corrupt_shard on step %d %s", step, event.detail)
-            fired[fault.id] = event  # at once: a second commit in the same drain must not re-fire it
+            self.fired[fault.id] = event  # at once: a second commit in the same drain must not re-fire it
             self._events.append(event)
 
     def on_step(self, step: int) -> None:

@@ -5,7 +5,8 @@ generation's store (orchestrator.wire.store.GenerationStore.receive) and every n
 controller's own chaos (ControllerFaults.drain), oldest first, and hands each to the handler
 `HANDLERS` names for its type; a rank's timestamp is first put on the controller's clock
 (orchestrator.controller.clock_skew), so no handler subtracts two hosts' clocks. It returns
-the steps committed while draining, newest last (the training loop may grow the job at a
+the steps committed while draining (and those whose manifest creates finished off its thread
+since the last drain: Checkpoints.landed), newest last (the training loop may grow the job at a
 commit). Called from every state that waits on ranks: the training loop each poll,
 RESTORING after a failed restore (to learn a fault that fired there), RECOVERING before and
 after the release (late receipts may still complete a checkpoint).
@@ -39,7 +40,8 @@ from orchestrator.wire.messages import (
 
 class EventIntake:
     def __init__(self, record, faults, chaos, checkpoints, metrics, log: Callable[[str], None],
-                 on_receipt: Callable[[ShardWritten | SnapshotHeld], int | None]):
+                 on_receipt: Callable[[ShardWritten | SnapshotHeld], int | None],
+                 landed: Callable[[], list[int]] = list):
         self.record = record  # JobRecord: step records
         self.faults = faults  # FaultClock: fired faults
         self.chaos = chaos  # ControllerFaults: its notices, and kill_controller per finished step
@@ -47,6 +49,7 @@ class EventIntake:
         self.metrics = metrics
         self.log = log
         self.on_receipt = on_receipt  # the controller's commit path (it knows the layout), for both levels
+        self.landed = landed  # the commits whose manifest creates finished off the thread (Checkpoints.landed)
         self.lost_nodes: dict[str, NodeLost] = {}  # node id -> first report
         self.nodes_handled: set[str] = set()
         self.HANDLERS = {StepDone: self._step, ShardWritten: self._receipt, FaultFired: self._fault,
@@ -70,6 +73,7 @@ class EventIntake:
         received = self.clocks.clock()
         for message in [*(self.clocks.to_local(m, received) for m in from_ranks), *self.chaos.drain()]:
             self.HANDLERS[type(message)](message)
+        self._committed += self.landed()
         return self._committed
 
     def take_lost_nodes(self) -> list[str]:

@@ -13,7 +13,7 @@ whose fault), LostWork (what a rollback redoes), EventIntake (rank events), Chec
 commits, restore point), Recovery (release, replace, shrink, grow), Stops (preemption, node drain,
 growing back: a generation ended at a checkpointed step). Policies only return decisions; the
 controller acts. The worker group is injected, so unit tests drive transitions with a fake group.
-Single-threaded: all runs on the thread of `run()` (or `step_once()`) but ckpt.housekeeping's work.
+Single-threaded: all runs on the thread of `run()` (`step_once()`) but store work (ckpt.housekeeping, ckpt.commit).
 """
 
 from __future__ import annotations
@@ -63,10 +63,9 @@ from orchestrator.wire.store import RendezvousServer
 
 log = logging.getLogger(__name__)
 
-# The goodput bucket each state's time is booked to (None: the state books nothing itself).
+# Each state's goodput bucket (none: it books nothing); a save's blocking part moves to checkpoint_save per receipt.
 _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("startup", "reformation"),
             State.RESTORING: ("checkpoint_restore",) * 2, State.RUNNING: ("productive",) * 2,
-            # Saves run beside training; their blocking part is moved to checkpoint_save per receipt.
             State.CHECKPOINTING: ("productive",) * 2, State.STOPPING: ("productive",) * 2,
             State.RECOVERING: ("reformation",) * 2}
 
@@ -74,8 +73,9 @@ _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("start
 class Controller:
     def __init__(self, spec, workers, rendezvous: RendezvousServer, catalog, metrics, *,
                  printer=print, poll_s: float = 0.02, release_timeout_s: float | None = None,
-                 hang_min_s: float | None = None, join_timeout_s: float = 60.0, drains=dict, fresh: bool = False):
-        """`release_timeout_s`, `hang_min_s`: fixed release and hang-floor seconds (tests; else elastic.*)."""
+                 hang_min_s: float | None = None, join_timeout_s: float = 60.0, drains=dict, fresh: bool = False,
+                 commit_lane: bool = True):
+        """Tests: fixed release and hang-floor seconds (else elastic.*), manifest creates inline (no commit lane)."""
         self.spec, self.workers, self.rendezvous, self.catalog = spec, workers, rendezvous, catalog
         self.metrics, self.printer, self.poll_s, self.join_timeout_s = metrics, printer, poll_s, join_timeout_s
         self.ledger = GoodputLedger()
@@ -87,16 +87,17 @@ class Controller:
         self.fault_clock = FaultClock(spec, workers, self.ledger.wall, self.log)
         # Storage faults without a rank and corrupt_shard act here, on the catalog.
         self.chaos = ControllerFaults(self.fault_clock.faults, catalog, spec.chaos.seed, self.ledger.wall,
-                                      printer=printer)
+                                      printer=printer, fired=self.fault_clock.fired)
         self.blame = Blame(self.fault_clock, self.record)
         self.lost_work = LostWork(self.record, self.ledger)
-        self.checkpoints = Checkpoints(spec, catalog, self.ledger, self.record, metrics, self.chaos, self.log, fresh)
+        self.checkpoints = Checkpoints(spec, catalog, self.ledger, self.record, metrics, self.chaos, self.log, fresh,
+                                       lane=commit_lane)
         fixed = {"hang_floor_s": hang_min_s, "release_s": release_timeout_s}
         self.timeouts = Timeouts(spec, self.record, lambda: self.telemetry.peak_flops_per_rank, self.log,
                                  join_s=join_timeout_s, retry_budget_s=self.checkpoints.restore.retry.budget_s,
                                  **{k: v for k, v in fixed.items() if v is not None})
         self.intake = EventIntake(self.record, self.fault_clock, self.chaos, self.checkpoints, metrics, self.log,
-                                  on_receipt=self._on_receipt)
+                                  on_receipt=self._on_receipt, landed=self.checkpoints.landed)
         self.failure_policy = FailurePolicy.for_spec(spec)
         self.scaling_policy = ScalingPolicy.for_spec(spec)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
@@ -108,9 +109,8 @@ class Controller:
         self.gen, self.restarts, self.dp = -1, 0, spec.parallel.dp
         self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
         self.restored_step: int | None = None
-        self.failure_history: list = []
         self.gen_started_at: float | None = None  # its training's start (wall); None before, and once booked
-        self.error: str | None = None
+        self.failure_history, self.error = [], None  # attributed failures; the job's error, once it failed
         self.carry = LedgerCarry(self.checkpoints.read_manifest, self.ledger, self.record, self.snapshots,
                                  self.created_at, self.fault_clock)
         self.store = None
@@ -146,9 +146,8 @@ class Controller:
         self.ledger.stop()
         self.snapshots.save(self.ledger, ended=True)
         self.metrics.on_goodput(self.ledger)
-        final = self.checkpoints.latest if self.checkpoints.latest is not None else 0
         status = {State.SUCCEEDED: "succeeded", State.PREEMPTED: "preempted"}.get(self.state, "failed")
-        return self.record.report(status, final, self.error)
+        return self.record.report(status, self.checkpoints.latest or 0, self.error)
 
     def step_once(self) -> State:
         """Run the current state's handler until the state changes: one transition (tests drive the machine
@@ -182,8 +181,7 @@ class Controller:
         self.log(f"{arrow}: {sentence}")
 
     def _fail(self, error: str) -> None:
-        self.error = error
-        self._go(Failed(error), error)
+        self._take(Move(Failed(error), error))
 
     def _take(self, move: Move | None) -> bool:
         """Make the transition a collaborator decided (False when it decided none)."""
@@ -260,6 +258,8 @@ class Controller:
             return
         except UNRESTORABLE as err:  # no proof of corruption (the store kept failing): fail, delete nothing
             return self._fail(self.checkpoints.unreadable(step, err))
+        except JOB_ENDING:  # from settling a manifest create that landed meanwhile: the job ends, no recovery
+            raise
         except Exception as err:
             self.intake.drain(self.store)  # a fault that fired during the restore is its cause
             self.checkpoints.on_restore_failed(source, err)
@@ -332,7 +332,7 @@ class Controller:
 
     def _on_receipt(self, message: ShardWritten | SnapshotHeld) -> int | None:
         take = self.checkpoints.on_snapshot if isinstance(message, SnapshotHeld) else self.checkpoints.on_receipt
-        return take(message, self.world_size, self.layout(), self.restarts, self.fault_clock.fired)
+        return take(message, self.world_size, self.layout(), self.restarts)
 
     def _watch_stragglers(self) -> None:
         for rank in self.telemetry.stragglers(self.store, self.world_size, self.record, self.log,
@@ -342,7 +342,7 @@ class Controller:
 
     def _track_checkpointing(self, run: TrainingRun, committed: list[int]) -> None:
         """RUNNING <-> CHECKPOINTING from a save's first receipt to its commit (passed through within a poll)."""
-        pending = self.checkpoints.committer.pending
+        pending = self.checkpoints.committer.unsettled
         if self.state == State.RUNNING and (pending or committed):  # committed in this poll: logged too
             step = committed[0] if committed else min(pending)
             arrived = len(pending[step].receipts) if step in pending else self.world_size

@@ -11,6 +11,7 @@ Protocol (controller thread only; owned by orchestrator.controller.checkpoints.C
     as new as the newest committed storage checkpoint and every shard of it has a holder among
     `live` (actor id -> handle); else None, and a snapshot that lost shards is named loudly.
   * `discard(step, err)` when a restore from it failed (a holder died meanwhile): never chosen again.
+  * `buddies(workers, world_size)` at each generation's start: which rank keeps whose copy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from ckpt.catalog import Catalog
 from ckpt.commit import Committer
 from ckpt.storage import Storage
+from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
 from orchestrator.controller.policies import CheckpointIntervalPolicy
 from orchestrator.rank.snapshots import MemorySource
 from orchestrator.spec.job_spec import spec_hash
@@ -56,6 +58,18 @@ class MemoryLevel:
         self.last_blocking_s: float | None = None
         self.warned_one_node = False
         self.incomplete = 0  # snapshots given up: they never had every shard held twice
+
+    def buddies(self, workers, world_size: int) -> dict:
+        """`start_training`'s keyword for the memory level: {"buddies": rank -> buddy rank}, {} when off."""
+        if not self.enabled:
+            return {}
+        nodes = [workers.node_of(rank) for rank in range(world_size)]
+        buddies = choose_buddies(nodes)
+        if world_size > 1 and not survives_any_node_loss(nodes, buddies) and not self.warned_one_node:
+            self.warned_one_node = True
+            self.log("memory snapshots: the ranks share one node, so a buddy's copy survives a rank's death but "
+                     "not the node's (storage checkpoints cover that)")
+        return {"buddies": dict(enumerate(buddies))}
 
     def _committer(self, gen: int) -> Committer:
         # The manifests go to this process's memory: the committer checks that the shards tile

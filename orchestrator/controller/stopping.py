@@ -41,7 +41,8 @@ that missed its deadline (a preemption ends, its last commit intact; a drain is 
 
 Protocol (controller thread only). Each method returns the `Move` the controller makes (a
 phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in
-RUNNING/CHECKPOINTING each poll `grow_at(step, ...)` after a commit, else `due(...)`; in
+RUNNING/CHECKPOINTING each poll `grow_at(step, ...)` after a commit (it re-forms at the newest commit once a
+create under way landed), else `due(...)`; in
 STOPPING `overdue(phase)` each poll; `finished(phase, ...)` once every rank has returned.
 """
 
@@ -97,6 +98,8 @@ class Stops:
         self.reforming = False  # stopping and re-forming a generation after a commit (a drain's, a grow's)
         if workers is not None:
             workers.interrupted = self.ending
+        if checkpoints is not None:
+            checkpoints.interrupted = self.ending  # its wait for a manifest create under way
 
     def on_signal(self, signum: int, _frame=None) -> None:
         """The signal handler: records the signal, nothing else (the controller acts on its next poll)."""
@@ -240,7 +243,10 @@ class Stops:
     def _receipts_may_come(self) -> bool:
         """Every rank returned and the step they stopped at is not committed yet: their last receipts
         (queued to the store before they returned, unacknowledged) may still be on their way, until
-        RECEIPTS_S after the first look."""
+        RECEIPTS_S after the first look; and while a manifest create is under way, until it lands or fails."""
+        if self.checkpoints.committing:
+            time.sleep(0.01)  # as below; the intake's next drain takes what the create came to
+            return True
         if self.returned_at is None:
             self.returned_at = self.clock()
         if self.clock() >= self.returned_at + RECEIPTS_S:
@@ -273,11 +279,14 @@ class Stops:
                                   f"checkpoint step {latest}, no work lost; {membership.words}", membership.dp)
 
     def grow_at(self, step: int, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
-        """At checkpoint `step`'s commit: re-form larger when warm spares let dp grow."""
+        """At checkpoint `step`'s commit (or a newer one's, whose create was under way): re-form larger
+        when warm spares let dp grow."""
         target = self.recovery.grow_to(dp, world_size)
         if target is None:
             return None
         new_dp, ready = target
+        self.checkpoints.flush()  # a newer save's create under way: the generation re-forms at the newest commit
+        step = self.checkpoints.latest
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone = self.recovery.stop_generation(store, world_size)

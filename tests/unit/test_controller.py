@@ -251,9 +251,11 @@ def rendezvous():
 
 
 def _controller(spec, workers, rendezvous, lines):
+    # Manifest creates inline: the fake ranks step in a millisecond, so a create on the commit lane
+    # would land many steps late, and these tests pin the steps commits (and grows) happen at.
     catalog = Catalog(Storage(spec.checkpoint_root))
     return Controller(spec, workers, rendezvous, catalog, JobMetrics(spec.name), printer=lines.append,
-                      poll_s=0.001, release_timeout_s=0.5)
+                      poll_s=0.001, release_timeout_s=0.5, commit_lane=False)
 
 
 def test_one_transition_at_a_time_to_success(tmp_path, rendezvous):
@@ -369,7 +371,8 @@ def test_a_hang_no_fault_explains_books_its_wait_to_be_declared_as_detection(tmp
     spec = _spec(tmp_path, elastic={"max_restarts": 1, "hang_timeout_s": 1.0})
     workers = FallsSilentAfterStep10(rendezvous, Storage(spec.checkpoint_root))
     ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
-                     printer=lambda _: None, poll_s=0.01, release_timeout_s=0.5, hang_min_s=1.0)
+                     printer=lambda _: None, poll_s=0.01, release_timeout_s=0.5, hang_min_s=1.0,
+                     commit_lane=False)
     report = ctl.run()
     assert report.status == "succeeded" and [f.kind for f in report.failures] == ["hang"], report.error
     # Silent for the 1 s limit after step 9's record; a usual step (10 ms here) of it was the step's own.

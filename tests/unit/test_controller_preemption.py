@@ -274,7 +274,8 @@ def _drain_run(tmp_path, rendezvous, deadline_in_s: float | None, elastic: dict 
         return {**draining, **dict.fromkeys(others)} if workers.next_step >= 15 else {}
 
     ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
-                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, drains=drains, hang_min_s=hang_min_s)
+                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, drains=drains, hang_min_s=hang_min_s,
+                     commit_lane=False)
     setup(workers, ctl)
     box: dict = {}
     runner = threading.Thread(target=lambda: box.update(report=ctl.run()), daemon=True)

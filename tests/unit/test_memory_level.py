@@ -475,7 +475,7 @@ def test_a_completed_snapshot_republishes_the_plan_naming_it_with_the_same_caden
         return checkpoints.memory.newest
 
     checkpoints.memory.on_held = completes
-    checkpoints.on_snapshot(None, 2, {}, 0, {})
+    checkpoints.on_snapshot(None, 2, {}, 0)
     named = store.plans[-1]
     assert named.memory_complete == 8 and named.version > first.version
     assert (named.every, named.anchor, named.memory_every, named.memory_anchor) == \

@@ -51,7 +51,8 @@ def _finished_job(tmp_path, rendezvous, **over):
 def _run(spec, workers, rendezvous, fresh: bool = False):
     lines: list[str] = []
     ctl = Controller(spec, workers, rendezvous, Catalog(Storage(spec.checkpoint_root)), JobMetrics(spec.name),
-                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, fresh=fresh)
+                     printer=lines.append, poll_s=0.001, release_timeout_s=0.5, fresh=fresh,
+                     commit_lane=False)
     return ctl, ctl.run(), "\n".join(lines)
 
 

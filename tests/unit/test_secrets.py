@@ -106,7 +106,7 @@ def test_no_secret_in_manifests_reports_or_logs(tmp_path, caplog):
     workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
     with caplog.at_level(logging.DEBUG):
         report = Controller(spec, workers, rendezvous, catalog, JobMetrics(spec.name), printer=lines.append,
-                            poll_s=0.001, release_timeout_s=0.5).run()
+                            poll_s=0.001, release_timeout_s=0.5, commit_lane=False).run()
     assert report.status == "succeeded" and catalog.committed_steps() == [10, 20]
     written = [p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
     assert sum(b"spec_hash" in blob for blob in written) == 2  # both manifests were searched

@@ -1,0 +1,214 @@
+"""Manifest creates off the controller's thread (ckpt.commit's lane): the controller goes on while
+a slow or hung store holds a create, settles what it came to at its next drain, and waits for it
+only where the step it lands at matters (a restore's choice, a stop, the job's last save)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ckpt.catalog import Catalog
+from ckpt.commit import Committer
+from ckpt.housekeeping import Housekeeper
+from ckpt.manifest import MANIFEST_NAME, step_dir
+from ckpt.ownership import OwnershipLost
+from ckpt.storage import Storage
+from monitor.metrics import JobMetrics
+from orchestrator.controller.machine import Controller
+from tests._checkpoints import feed, shard_receipts
+from tests.unit.test_controller import FakeWorkerGroup, _spec
+from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
+
+
+class _HeldCreates(Storage):
+    """A store whose manifest creates of the steps in `hold` wait until `release(step)` (a hung
+    request), at most `limit_s`; `creating` is set while one waits."""
+
+    def __init__(self, url: str, hold=(), limit_s: float = 10.0):
+        super().__init__(url)
+        self.hold, self.limit_s = {s: threading.Event() for s in hold}, limit_s
+        self.creating = threading.Event()
+        self.on_hold = lambda step: None  # called on the create's thread while it waits
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        step = next((s for s in self.hold if path.endswith(f"{step_dir(s)}/{MANIFEST_NAME}")), None)
+        if step is not None:
+            self.creating.set()
+            self.on_hold(step)
+            self.hold[step].wait(self.limit_s)
+        super().create_exclusive(path, data)
+
+    def release(self, step: int) -> None:
+        self.hold[step].set()
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"model/w": torch.full((4, 4), float(step)), "model/b": torch.arange(4.0) + step}
+
+
+def _hand(committer: Committer, catalog: Catalog, step: int) -> None:
+    """Every receipt of a save of `step`, without waiting for its commit."""
+    receipts = shard_receipts(catalog, step, _state(step))
+    for r in receipts:
+        extra = {"engine": {"next_step": step}} if r.rank == 0 else {}
+        assert committer.on_receipt(r, extra, len(receipts), 1, {}, lambda samples: {}) is None
+
+
+def _held(tmp_path, step: int, **committer) -> tuple[_HeldCreates, Catalog, Committer, list[int]]:
+    """A committer with a commit lane over a store holding step `step`'s create: (store, catalog,
+    committer, the steps it reported skipped)."""
+    storage = _HeldCreates(f"file://{tmp_path}/ckpt/job", hold=[step])
+    catalog, skipped = Catalog(storage), []
+    committer = Committer(catalog, "j", "h", lane=Housekeeper("test-commit"), **{"keep": 3, **committer})
+    committer.on_skipped = lambda step, reason: skipped.append(step)
+    return storage, catalog, committer, skipped
+
+
+def test_a_complete_save_is_handed_over_and_committed_at_the_next_collect(tmp_path):
+    storage, catalog, committer, _ = _held(tmp_path, 10)
+    _hand(committer, catalog, 10)  # returns at once although the store holds the create
+    assert storage.creating.wait(5)
+    assert list(committer.unsettled) == [10] and committer.committing and committer.latest is None
+    assert committer.collect() == [] and not committer.flush(0.05)
+    storage.release(10)
+    assert committer.flush(5)
+    [commit] = committer.collect()
+    assert commit.step == committer.latest == 10 and not committer.unsettled
+    assert catalog.committed_steps() == [10]
+
+
+def test_a_save_queued_behind_a_held_create_is_replaced_by_a_newer_one_and_reported_skipped(tmp_path):
+    storage, catalog, committer, skipped = _held(tmp_path, 10)
+    _hand(committer, catalog, 10)
+    assert storage.creating.wait(5)
+    _hand(committer, catalog, 20)  # queued behind step 10's create...
+    _hand(committer, catalog, 30)  # ...and replaced: step 30's commit makes it moot
+    assert skipped == [20] and sorted(committer.committing) == [10, 30]  # said at once, not when the lane idles
+    storage.release(10)
+    assert committer.flush(5)
+    assert [c.step for c in committer.collect()] == [10, 30]
+    assert skipped == [20] and not committer.unsettled
+    assert catalog.committed_steps() == [10, 30]
+
+
+def test_an_older_save_completing_behind_a_newer_create_is_dropped(tmp_path):
+    storage, catalog, committer, skipped = _held(tmp_path, 20)
+    _hand(committer, catalog, 20)
+    assert storage.creating.wait(5)
+    _hand(committer, catalog, 10)  # its last receipt came late: step 20 overtook it
+    assert skipped == [10]
+    storage.release(20)
+    assert committer.flush(5) and [c.step for c in committer.collect()] == [20]
+    assert catalog.committed_steps() == [20]
+
+
+def test_a_late_shard_error_of_a_save_whose_create_is_under_way_is_not_a_failed_save(tmp_path):
+    dropped: list[int] = []
+    storage, catalog, committer, _ = _held(tmp_path, 10, on_dropped=lambda step, reason: dropped.append(step))
+    _hand(committer, catalog, 10)
+    assert storage.creating.wait(5)
+    committer.abandon(10, "rank 1's receipt push failed after it was queued")  # every receipt is in: moot
+    storage.release(10)
+    assert committer.flush(5) and [c.step for c in committer.collect()] == [10] and dropped == []
+
+
+def test_every_finished_create_is_settled_before_the_first_error_among_them_is_raised(tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+
+    def limit(step, reason):  # as SaveFailures does at checkpoint.max_failed_saves
+        raise RuntimeError(f"limit at {step}")
+
+    committer = Committer(catalog, "j", "h", keep=3, lane=Housekeeper("test-commit"), on_dropped=limit)
+    real_commit = catalog.commit
+
+    def commit(**kwargs):  # step 10's create is refused twice (a failed save that ends the job), 20's lands
+        if kwargs["step"] == 10:
+            raise OSError("503 Slow Down")
+        return real_commit(**kwargs)
+
+    catalog.commit = commit
+    _hand(committer, catalog, 10)
+    _hand(committer, catalog, 20)
+    assert committer.flush(5)
+    with pytest.raises(RuntimeError, match="limit at 10"):
+        committer.collect()
+    assert committer.latest == 20 and not committer.committing  # step 20 was booked all the same
+
+
+def test_the_lanes_errors_and_failed_saves_are_acted_on_by_the_collecting_thread(tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+    dropped: list[tuple[int, str]] = []
+    committer = Committer(catalog, "j", "h", keep=2, lane=Housekeeper("test-commit"),
+                          on_dropped=lambda step, reason: dropped.append((step, threading.current_thread().name)))
+
+    def refused(**kwargs):
+        raise OSError("503 Slow Down")
+
+    catalog.commit = refused
+    _hand(committer, catalog, 10)
+    assert committer.flush(5) and dropped == []  # nothing acted on off the collecting thread
+    assert committer.collect() == []
+    assert dropped == [(10, threading.current_thread().name)] and "503 Slow Down" in committer.rejected[10]
+
+    def claimed(**kwargs):
+        raise OwnershipLost("another driver claimed the root")
+
+    catalog.commit = claimed
+    _hand(committer, catalog, 20)
+    assert committer.flush(5)
+    with pytest.raises(OwnershipLost, match="another driver"):
+        committer.collect()  # raised where an inline commit raises it: the controller ends the job
+
+
+def test_feed_through_a_lane_commits_as_inline(tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+    lane = Committer(catalog, "j", "h", keep=1, lane=Housekeeper("test-commit"))
+    assert feed(lane, shard_receipts(catalog, 10, _state(10))).step == 10
+    assert feed(lane, shard_receipts(catalog, 20, _state(20))).step == 20
+    assert catalog.committed_steps() == [20]
+
+
+def _run(spec, storage, rendezvous, lines, **fake):
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), **fake)
+    workers.step_sleep = 0.02  # the ranks train on while a create is held
+    ctl = Controller(spec, workers, rendezvous, Catalog(storage), JobMetrics(spec.name), printer=lines.append,
+                     poll_s=0.001, release_timeout_s=0.5)
+    return ctl.run()
+
+
+def test_a_rank_dying_while_the_store_holds_a_manifest_create_is_noticed_and_the_restore_waits_for_it(
+        tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    storage = _HeldCreates(spec.checkpoint_root, hold=[10])
+    lines: list[str] = []
+    noticed: list[bool] = []
+
+    def hold(step):  # the store answers once the controller noticed rank 1's death at step 15, or in 5 s
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any("-> RECOVERING" in line for line in lines):
+            time.sleep(0.01)
+        noticed.append(any("-> RECOVERING" in line for line in lines))
+        storage.release(step)
+
+    storage.on_hold = hold
+    report = _run(spec, storage, rendezvous, lines, die_at={15: 1})
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert noticed == [True], "\n".join(lines)  # the controller went on while the create was held
+    text = "\n".join(lines)
+    # The recovery waited for the create: it booked and restored the step that landed, not a fresh start.
+    assert "work after step 10 to redo" in text and "restored step 10" in text, text
+    assert [c.step for c in report.checkpoints] == [10, 20, 30]
+
+
+def test_the_last_save_held_by_the_store_past_the_receipts_wait_still_ends_the_job_committed(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    storage = _HeldCreates(spec.checkpoint_root, hold=[30])
+    storage.on_hold = lambda step: time.sleep(1.5)  # longer than the wait for late receipts (1 s)
+    storage.release(30)
+    lines: list[str] = []
+    report = _run(spec, storage, rendezvous, lines)
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert any("final checkpoint committed" in line for line in lines), lines
