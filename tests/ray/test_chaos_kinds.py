@@ -72,6 +72,8 @@ def test_torn_shard_and_torn_manifest_never_commit(ray_cluster, tmp_path, refere
     assert report["final_loss"] == reference["final_loss"]
 
 
+# Heavy (a whole job, about 30 s on two cores): tests/ray/test_long_saves.py runs the same fault in the default suite.
+@pytest.mark.heavy
 def test_storage_latency_on_a_shard_write_delays_that_save(ray_cluster, tmp_path, reference):
     report, out, catalog = _run(ray_cluster, tmp_path, "slowio",
                                 "[{kind: storage_latency, rank: 0, delay_s: 1.5, at_step: 20}]")

@@ -64,6 +64,9 @@ def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failu
     assert result["goodput"]["badput_s"]["data"] >= OUTAGE_S - HANG_S, result["goodput"]
 
 
+# Heavy (two runs, about 90 s on two cores): the frozen store above keeps the end-to-end wait in the default
+# suite, and tests/unit/test_chaos_data_faults.py the data fault's window.
+@pytest.mark.heavy
 @pytest.mark.timeout(600)  # two runs of the job: the reference and the throttled one
 def test_a_chaos_run_whose_data_store_throttles_every_read_for_12_s_matches_its_reference(ray_cluster, tmp_path):
     tokens = np.random.default_rng(0).integers(0, 256, size=40_000)

@@ -152,6 +152,8 @@ def test_a_tp_group_whose_node_has_no_spare_moves_whole_onto_the_spare_group_s_n
         assert workers.ready_spares() == [0]
 
 
+# Heavy (a whole job, about 40 s on two cores): the worker-group test above keeps the move in the default suite.
+@pytest.mark.heavy
 def test_a_job_whose_rank_dies_keeps_its_tp_group_on_one_node(ray_cluster, tmp_path):
     # The same three groups of seats as above, in a whole job: rank 1 is killed at step 6, its group
     # moves onto the spares' node, and the job ends as the failure-free run would.
