@@ -4,8 +4,8 @@ Protocol. The CLI's `run_job` calls `open_trackers(...)` once in the driver, bef
 controller exists, and `close()` in its `finally`. The controller's `JobRecord` calls `emit(event)`
 for every event it builds (monitor.events: one per step, validation, layout, failure update,
 injected fault, commit, goodput sample, and the end), on the controller thread only. `emit` hands the event to
-each sink and flushes them every `flush_every_s`, at each commit and at the end, so what was
-learned before a pod died is already stored.
+each sink and flushes them every `flush_every_s`, at each commit, failure and injected fault and at
+the end, so what was learned before a pod died is already stored.
 
 Tracking is telemetry: a sink that raises is logged once and dropped; the job never stops for
 it. Which packages a configured sink needs is checked before the job starts
@@ -28,7 +28,9 @@ from monitor.config import MonitorConfig
 log = logging.getLogger(__name__)
 
 FLUSH_EVERY_S = 10.0
-_FLUSH_KINDS = ("checkpoint", "end")  # flushed at once: a commit's record survives with the commit
+# Flushed at once: a commit's record survives with the commit, and a failure's or an injected fault's
+# a controller killed right after (`undying chaos` joins a killed run's log into its report). All are rare.
+_FLUSH_KINDS = ("checkpoint", "failure", "fault", "end")
 
 
 class TrackerUnavailable(Exception):

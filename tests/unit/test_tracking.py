@@ -107,8 +107,9 @@ def test_a_fault_is_logged_as_it_fires_so_a_log_without_its_end_still_has_it():
 
     collect = Collect()
     record = JobRecord("tiny", 8, JobMetrics("tiny"), GoodputLedger(), printer=lambda line: None,
-                       progress_every_s=0.0, tracker=collect)
+                       progress_every_s=0.0, tracker=Trackers([collect], flush_every_s=600.0))
     record.on_fault(FaultFired(fault_id=0, kind="kill_rank", time=record.started + 1.5, rank=1, step=3))
+    assert collect.flushes == 1  # flushed at once, not 600 s later: it survives a controller killed right after
     rebuilt = report_from_events([event("start", 0, job="tiny", total_steps=8), *collect.events])
     assert rebuilt.status == "unfinished"
     assert [(f.kind, f.rank, f.step, f.time) for f in rebuilt.faults] == [("kill_rank", 1, 3, pytest.approx(1.5))]
