@@ -23,7 +23,7 @@ Protocol (controller thread only; one per controller run):
     manifest create runs on the commit lane, off this thread, unless controller faults act
     here (then inline, so that a seeded chaos run replays), and `landed()`, called by the event
     intake at each drain, books the commits it finished the same way and returns their steps.
-    `committing` says whether a create is under way (a stop waits for it).
+    `committer.committing` holds the saves whose creates are under way (a stop waits for them).
   * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
     blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
@@ -138,11 +138,6 @@ class Checkpoints:
         self._wait(self.committer.settle, "checkpoint retention", "the restore lists the committed steps regardless")
         return self.restore.restore_point()
 
-    @property
-    def committing(self) -> bool:
-        """Whether a manifest create is under way on the commit lane."""
-        return bool(self.committer.committing)
-
     def landed(self) -> list[int]:
         """The steps whose manifest creates the commit lane finished since the last call, each booked as
         `on_receipt` books an inline commit (raising as it raises: SavesFailing, OwnershipLost)."""
@@ -234,17 +229,24 @@ class Checkpoints:
         """(step, memory source or None) to restore, given the worker group's live actors. Only a
         failure's recovery restores from memory: a generation re-formed on purpose (growing back, a
         drained node) ended at a commit, and restores that commit as its stop or growth assumed.
-        A snapshot at least as new as this run's newest commit is chosen without asking storage (but
-        for a manifest create under way, waited for first), whose outage then costs nothing: the
-        listing of the committed steps (with its retry budget) is the storage restore's, when no
-        snapshot will do or when one fails to load."""
-        self.flush()
+        A snapshot at least as new as this run's newest commit, and as a manifest create under way, is
+        chosen without asking storage, whose outage then costs nothing (an older create is waited for
+        first): the listing of the committed steps (with its retry budget) is the storage restore's,
+        when no snapshot will do or when one fails to load."""
+        self._settle(workers, after_failure)
         source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
         return (source.step, source) if source is not None else (self.restore_point(), None)
 
+    def _settle(self, workers, after_failure: bool) -> None:
+        """`flush`, unless a memory snapshot at least as new as the create under way is restored anyway: a
+        store holding a create must not hold a restore that does not read it (the create lands meanwhile)."""
+        newest = max([self.latest or 0, *self.committer.committing])
+        if not (after_failure and self.memory.viable(newest, self._live(workers))):
+            self.flush()
+
     def expected_restore_point(self, workers) -> int | None:
         """The step `restore_choice` would pick now (the lost work to book), once a create under way landed."""
-        self.flush()
+        self._settle(workers, after_failure=True)
         if self.memory.viable(self.latest, self._live(workers)):
             return self.memory.newest.step
         return self.latest

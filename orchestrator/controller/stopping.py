@@ -244,7 +244,7 @@ class Stops:
         """Every rank returned and the step they stopped at is not committed yet: their last receipts
         (queued to the store before they returned, unacknowledged) may still be on their way, until
         RECEIPTS_S after the first look; and while a manifest create is under way, until it lands or fails."""
-        if self.checkpoints.committing:
+        if self.checkpoints.committer.committing:
             time.sleep(0.01)  # as below; the intake's next drain takes what the create came to
             return True
         if self.returned_at is None:

@@ -439,6 +439,25 @@ def test_a_snapshot_is_chosen_without_asking_a_failing_store_and_never_one_older
     assert checkpoints.restore_choice(Workers(), after_failure=False) == (14, None)  # on purpose: storage
 
 
+def test_a_create_held_by_the_store_holds_no_restore_from_a_newer_snapshot_and_an_older_one_waits_for_it(
+        tmp_path):
+    checkpoints, Workers = _controller_checkpoints(tmp_path)
+    checkpoints.committer.latest, waits = 10, []
+    checkpoints.committer.committing = {11: object()}  # step 11's manifest create, held by a hung store
+
+    def flush(timeout_s):
+        waits.append(timeout_s)
+        return True
+
+    checkpoints.committer.flush = flush
+    assert checkpoints.expected_restore_point(Workers()) == 12
+    step, source = checkpoints.restore_choice(Workers(), after_failure=True)
+    assert (step, source.step) == (12, 12) and waits == []  # the snapshot is newer: the create is not waited for
+    checkpoints.committer.committing = {14: object()}  # newer than the snapshot: the restore must see it land
+    checkpoints.expected_restore_point(Workers())
+    assert waits
+
+
 def test_a_restore_from_memory_that_fails_otherwise_is_not_tried_again(tmp_path):
     # A holder that never answers: the restore runs into its time limit, not a checksum; the recovery
     # after it must not pick the same snapshot (and the same silent holder) again and again.
