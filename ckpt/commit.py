@@ -27,8 +27,8 @@ deletes, a newer commit's pass replaces one not yet started, `reset` drops a pas
 last generation and stops a running one at its next deletion (ckpt.housekeeping.PassFence), and
 `settle(timeout_s)` waits for the one running (before a restore lists the steps).
 
-The manifest create itself may run off the controller's thread too (given a `lane`, the
-controller's when no controller fault acts on the catalog): on a throttling or hung store the
+The manifest create itself may run off the controller's thread too (given a `lane`: the
+controller's, unless chaos faults act on the controller): on a throttling or hung store the
 create, its retry and the read that settles a lost reply take one to several client timeouts, and
 a controller waiting on them notices no dead rank, hang or signal meanwhile. A complete save is
 then handed to the lane (`committing`, in `unsettled` with the saves still collecting receipts)
@@ -39,9 +39,9 @@ the errors (a lost owner lease, a bug) raised there as an inline commit raises t
 save handed over while an older one's create is still queued replaces it (the lane runs the
 newest: its commit makes the older one's moot, and a slow store builds no queue); the older
 one is reported skipped then, and so is a complete save older than a create under way.
-`flush(timeout_s)` waits for the create under way: a restore calls it
-before choosing its step, so that no commit lands behind the restore's back, and so does a stop
-or the job's end waiting for its last save.
+`flush(timeout_s)` waits for the create under way: the controller calls it before a recovery or
+a restore chooses its step (no commit lands behind their back) and before a grow; a stop or the
+job's end waits while `committing` holds a save.
 
 Chaos: `fault_point(point, step)` is called just before the manifest create
 ("before_manifest_commit": every shard is durable, nothing is committed) and just after it
