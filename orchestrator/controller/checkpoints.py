@@ -159,22 +159,25 @@ class Checkpoints:
         self.landed()
 
     def close(self) -> None:
-        lane, keeper = self.committer.lane, self.committer.housekeeper
+        """The run's end: a create under way and the retention pass share `SETTLE_S` (a grace is short)."""
+        lane, keeper, deadline = self.committer.lane, self.committer.housekeeper, time.monotonic() + SETTLE_S
         if lane is not None:
             self._wait(lane.close, "manifest commit", "it lands or not while the driver exits; a rerun finds "
-                                                      "the step committed whole, or not at all")
+                                                      "the step committed whole, or not at all", deadline)
             try:
                 self.landed()  # a create that landed meanwhile is the job's newest commit (the report's final step)
             except JOB_ENDING as err:
                 self.log(f"at the job's end: {err}")
         if keeper is not None:
             self._wait(keeper.close, "checkpoint retention", "the job ends regardless; the next run's first "
-                                                             "commit, or `undying ckpt gc`, finishes it")
+                                                             "commit, or `undying ckpt gc`, finishes it", deadline)
 
-    def _wait(self, wait: Callable[[float], bool], what: str, otherwise: str) -> None:
-        """`wait(SETTLE_S)` for background store work; a line saying what happens `otherwise` when it ran out."""
-        if not wait(SETTLE_S):
-            self.log(f"{what} still running after {SETTLE_S:g} s (a slow store): {otherwise}")
+    def _wait(self, wait: Callable[[float], bool], what: str, otherwise: str, deadline: float | None = None) -> None:
+        """`wait(seconds)` for background store work, until `deadline` (monotonic; None: `SETTLE_S` from
+        now); a line saying what happens `otherwise` when it ran out."""
+        began = time.monotonic()
+        if not wait(SETTLE_S if deadline is None else max(0.0, deadline - began)):
+            self.log(f"{what} still running after {time.monotonic() - began:.0f} s more (a slow store): {otherwise}")
 
     def kept_intact(self, step: int) -> bool:
         """Whether `step` is committed by the history this run left (its restore read it damaged) and

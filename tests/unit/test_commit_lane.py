@@ -212,3 +212,22 @@ def test_the_last_save_held_by_the_store_past_the_receipts_wait_still_ends_the_j
     report = _run(spec, storage, rendezvous, lines)
     assert report.status == "succeeded" and report.final_step == 30, report.error
     assert any("final checkpoint committed" in line for line in lines), lines
+
+
+def test_the_runs_end_gives_a_held_create_and_a_held_retention_pass_one_wait_together(tmp_path, monkeypatch):
+    # A preemption's grace is short: the run's end waits SETTLE_S for both, not SETTLE_S for each.
+    from orchestrator.controller import checkpoints as module
+    from tests.unit.test_commit_history import _controller_checkpoints
+
+    monkeypatch.setattr(module, "SETTLE_S", 1.0)
+    _, _, checkpoints, lines, _, _ = _controller_checkpoints(tmp_path, "ends", steps=30, keep=2)
+    release = threading.Event()
+    for thread in (checkpoints.committer.lane, checkpoints.committer.housekeeper):
+        thread.submit(lambda: release.wait(10))
+    began = time.monotonic()
+    checkpoints.close()
+    waited = time.monotonic() - began
+    release.set()
+    assert waited < 1.8, waited  # one second in all (two, waited one after the other)
+    assert [line.split(" still running")[0] for line in lines if "still running" in line] == [
+        "manifest commit", "checkpoint retention"]
