@@ -120,3 +120,35 @@ def test_the_report_joins_the_faults_and_failures_of_the_killed_attempts(monkeyp
         ("kill_rank", 1, 5, 2.0, None), ("kill_controller", None, 10, 4.5, "after_manifest_commit"),
         ("kill_rank", 0, 25, 9.0, None)]
     assert [(f.kind, f.rank) for f in outcome.report.failures] == [("rank_died", 1)]
+
+
+def test_a_store_failing_for_a_moment_neither_ends_the_experiment_nor_skips_the_rerun(monkeypatch, tmp_path, spec):
+    # Whether the child died from the fault is read from its marker: a read that fails transiently is
+    # retried (checkpoint.read_retry_s), not a traceback that ends `undying chaos` mid-experiment.
+    import orchestrator.cli.chaos.experiment as experiment
+    from ckpt.catalog import Catalog
+    from ckpt.storage import Storage
+
+    class Flapping(Storage):
+        failures = 4  # the first calls meet a reset connection
+
+        def _flap(self) -> None:
+            self.failures -= 1
+            if self.failures >= 0:
+                raise ConnectionResetError("connection reset by peer")
+
+        def exists(self, path):
+            self._flap()
+            return super().exists(path)
+
+        def listdir(self, path):
+            self._flap()
+            return super().listdir(path)
+
+    flapping = Flapping(spec.checkpoint_root)
+    monkeypatch.setattr(experiment, "catalog_of", lambda s: Catalog(flapping))
+    children = FakeChildren(spec, ["killed", "ok"])
+    monkeypatch.setattr(chaos_child.subprocess, "run", children)
+    monkeypatch.setattr(monitor.report.RunReport, "from_json", classmethod(lambda cls, path: _report()))
+    outcome = chaos_child.run_rerunning(spec, address=None, report_path=str(tmp_path / "r.json"))
+    assert len(children.calls) == 2 and outcome.code == 0 and flapping.failures < 0

@@ -44,15 +44,21 @@ def kills_controller(spec) -> bool:
     return any(f.kind == "kill_controller" for f in spec.chaos.faults)
 
 
-def _fired_now(spec) -> set[int]:
-    """Ids of the spec's kill_controller faults recorded as fired beside its checkpoints."""
+def _fired_now(spec, storage, retry) -> set[int]:
+    """Ids of the spec's kill_controller faults recorded as fired beside its checkpoints (a store
+    failing transiently is retried for `checkpoint.read_retry_s`: a rerun hangs on the answer)."""
     from chaos.config import ArmedFault
-    from orchestrator.cli.chaos.experiment import catalog_of
     from orchestrator.controller.kill import has_fired
 
-    storage = catalog_of(spec).storage
     faults = [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults) if f.kind == "kill_controller"]
-    return {f.id for f in faults if has_fired(storage, f)}
+    return {f.id for f in faults if retry.call(lambda f=f: has_fired(storage, f), "reading a kill_controller marker")}
+
+
+def _runs_now(storage, retry) -> set[str]:
+    """The event log's runs beside the checkpoints (retried as `_fired_now`)."""
+    from monitor.event_log import list_runs
+
+    return set(retry.call(lambda: list_runs(storage), "listing the event log's runs"))
 
 
 def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str], int]:
@@ -66,12 +72,13 @@ def _read_pids(path: str) -> tuple[dict[str, int], dict[str, str], int]:
 
 def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     """Run the job in a child process; rerun it while it died from a kill_controller fault."""
-    from monitor.event_log import list_runs
+    from ckpt.storage_errors import ReadRetry
     from monitor.report import RunReport
     from orchestrator.cli.chaos.experiment import catalog_of
 
     kills = sum(1 for f in spec.chaos.faults if f.kind == "kill_controller")
     storage = catalog_of(spec).storage  # the event log's runs and the kill markers, beside the checkpoints
+    retry = ReadRetry(spec.checkpoint.read_retry_s)
     killed_runs: list[tuple[list[str], set[int]]] = []  # each killed attempt's event-log runs and fault ids
     pids: dict[str, int] = {}
     starts: dict[str, str] = {}
@@ -79,7 +86,7 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
     spec_json = spec.model_dump_json(by_alias=True)
     with tempfile.TemporaryDirectory(prefix="undying-chaos-child-") as tmp:
         for attempt in range(kills + 1):
-            fired_before, runs_before = _fired_now(spec), set(list_runs(storage))
+            fired_before, runs_before = _fired_now(spec, storage, retry), _runs_now(storage, retry)
             pids_path = os.path.join(tmp, f"pids-{attempt}.json")
             cmd = [sys.executable, "-m", "orchestrator.cli.chaos.child", report_path, pids_path]
             sys.stdout.flush()
@@ -91,10 +98,10 @@ def run_rerunning(spec, *, address: str | None, report_path: str) -> RunOutcome:
             elsewhere += more_elsewhere
             pids.update({f"run {attempt} {k}": v for k, v in more_pids.items()})
             starts.update({f"run {attempt} {k}": v for k, v in more_starts.items()})
-            killed = code == -signal.SIGKILL and _fired_now(spec) - fired_before
+            killed = code == -signal.SIGKILL and _fired_now(spec, storage, retry) - fired_before
             if not killed:
                 break
-            killed_runs.append((sorted(set(list_runs(storage)) - runs_before), killed))
+            killed_runs.append((sorted(_runs_now(storage, retry) - runs_before), killed))
             print(f"undying chaos: the controller died from kill_controller (SIGKILL); running the job again "
                   f"(rerun {attempt + 1}) to resume from its last committed checkpoint", flush=True)
     report = RunReport.from_json(report_path) if os.path.exists(report_path) else None
