@@ -10,9 +10,9 @@ Protocol (controller thread only; one per controller run):
   * `restore_choice(workers, after_failure)` in RESTORING: the step and level to restore (after a
     failure, a complete memory snapshot whose shards all have live holders when it is at least as
     new as the restore point, else storage; orchestrator.controller.memory_level);
-    `expected_restore_point(workers)` the same step without side effects but one, for the lost work
-    a recovery books. Both first wait for a manifest create still under way (its commit lands
-    before the step is chosen, never behind the restore's back).
+    `expected_restore_point(workers)` the same step, for the lost work a recovery books. Both first
+    wait for a manifest create under way (it lands before the step is chosen, never behind the
+    restore's back), unless a memory snapshot at least as new is restored anyway.
   * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history,
     nothing is pending, and the first plan of the generation is published (`CheckpointPlan`
     under the store's `plan` key, with the memory level's cadence).
@@ -28,7 +28,7 @@ Protocol (controller thread only; one per controller run):
     blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
   * `close()` at the run's end: a create under way and the last commit's retention pass finish
-    (at most `SETTLE_S` each).
+    (`SETTLE_S` for both together).
   * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None;
     a change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
   * `SavesFailing` is raised out of `on_receipt` / `landed` / `on_save_failed` (so out of the controller's
@@ -236,11 +236,11 @@ class Checkpoints:
         chosen without asking storage, whose outage then costs nothing (an older create is waited for
         first): the listing of the committed steps (with its retry budget) is the storage restore's,
         when no snapshot will do or when one fails to load."""
-        self._settle(workers, after_failure)
+        self._await_create(workers, after_failure)
         source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
         return (source.step, source) if source is not None else (self.restore_point(), None)
 
-    def _settle(self, workers, after_failure: bool) -> None:
+    def _await_create(self, workers, after_failure: bool) -> None:
         """`flush`, unless a memory snapshot at least as new as the create under way is restored anyway: a
         store holding a create must not hold a restore that does not read it (the create lands meanwhile)."""
         newest = max([self.latest or 0, *self.committer.committing])
@@ -249,7 +249,7 @@ class Checkpoints:
 
     def expected_restore_point(self, workers) -> int | None:
         """The step `restore_choice` would pick now (the lost work to book), once a create under way landed."""
-        self._settle(workers, after_failure=True)
+        self._await_create(workers, after_failure=True)
         if self.memory.viable(self.latest, self._live(workers)):
             return self.memory.newest.step
         return self.latest
