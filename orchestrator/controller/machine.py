@@ -142,7 +142,7 @@ class Controller:
         while self.state not in TERMINAL:
             self.step_once()
         self.chaos.close()
-        self.checkpoints.close()  # the last commit's retention pass, on its background thread
+        self.checkpoints.close()  # a manifest create under way and the last retention pass, on their threads
         self.ledger.stop()
         self.snapshots.save(self.ledger, ended=True)
         self.metrics.on_goodput(self.ledger)
