@@ -45,6 +45,9 @@ def test_killed_rank_recovers_bit_exact(ray_cluster, tmp_path, reference):
     assert losses == [(p["step"], p["loss"]) for p in reference["losses"]]
 
 
+# Heavy (two runs, about 70 s on two cores): tests/ray/test_chaos_cmd.py's kill_controller test keeps a killed
+# controller's rerun in the default suite (it resumes, and its goodput sums to the wall across the kill).
+@pytest.mark.heavy
 def test_rerun_of_a_killed_controller_resumes(ray_cluster, tmp_path, reference):
     """SIGKILL the whole `undying run` after a checkpoint commits; running it again resumes."""
     ckpt = tmp_path / "ckpt" / "resume"
