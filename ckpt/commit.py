@@ -266,7 +266,7 @@ class Committer:
         if attempt.skipped is not None:
             self.on_skipped(step, attempt.skipped)
         elif attempt.manifest is None:
-            self.rejected[step] = attempt.rejected or attempt.failed
+            self.rejected[step] = attempt.rejected
             self.on_dropped(step, attempt.failed)
         else:
             return self._committed(attempt)

@@ -41,7 +41,7 @@ that missed its deadline (a preemption ends, its last commit intact; a drain is 
 
 Protocol (controller thread only). Each method returns the `Move` the controller makes (a
 phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in
-RUNNING/CHECKPOINTING each poll `grow_at(step, ...)` after a commit (it re-forms at the newest commit once a
+RUNNING/CHECKPOINTING each poll `grow_at(...)` after a commit (it re-forms at the newest commit once a
 create under way landed), else `due(...)`; in
 STOPPING `overdue(phase)` each poll; `finished(phase, ...)` once every rank has returned.
 """
@@ -278,9 +278,9 @@ class Stops:
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: {phase.reason}; its rank(s) moved at "
                                   f"checkpoint step {latest}, no work lost; {membership.words}", membership.dp)
 
-    def grow_at(self, step: int, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
-        """At checkpoint `step`'s commit (or a newer one's, whose create was under way): re-form larger
-        when warm spares let dp grow."""
+    def grow_at(self, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
+        """At a commit: re-form larger, at the newest commit (a create under way lands first), when warm
+        spares let dp grow."""
         target = self.recovery.grow_to(dp, world_size)
         if target is None:
             return None
