@@ -33,6 +33,10 @@ def _all_verify(catalog: Catalog, latest: int = 40) -> None:
         verify_checkpoint(catalog, step)
 
 
+# Heavy (about 25 s on two cores): tests/unit/test_rank_loop_faults.py stops the rank before the poisoned
+# step is reported or saved, tests/dist/test_chaos_nan_grad_ddp.py poisons real DDP ranks, and a failed
+# rank recovers from the last commit as in the kill tests.
+@pytest.mark.heavy
 def test_nan_grad_fails_the_rank_and_recovers_from_the_last_commit(ray_cluster, tmp_path, reference):
     report, out, catalog = _run(ray_cluster, tmp_path, "nan", "[{kind: nan_grad, rank: 2, at_step: 25}]")
     [failure] = report["failures"]
@@ -86,6 +90,9 @@ def test_storage_latency_on_a_shard_write_delays_that_save(ray_cluster, tmp_path
     assert report["final_loss"] == reference["final_loss"]
 
 
+# Heavy (about 30 s on two cores): tests/unit/test_controller_faults.py's corrupt_shard test takes the
+# same fault to a loud fallback at the next restore, and tests/unit/test_ckpt.py finds each corruption.
+@pytest.mark.heavy
 def test_corrupt_shard_is_found_at_restore_and_the_previous_checkpoint_is_used(ray_cluster, tmp_path, reference):
     report, out, catalog = _run(ray_cluster, tmp_path, "corrupt", (
         "[{kind: corrupt_shard, at_step: 20}, {kind: kill_rank, rank: 1, at_step: 25}]"))
@@ -112,6 +119,9 @@ def _writer_processes() -> list[int]:
     return pids
 
 
+# Heavy (about 40 s on two cores): tests/unit/test_ckpt_process_writer.py fails a child's write, kills a
+# child mid-save and ends one with its parent; the faults' end-to-end runs above use writer threads.
+@pytest.mark.heavy
 def test_writer_processes_take_storage_faults_and_rank_kills_and_leave_nothing_behind(ray_cluster, tmp_path,
                                                                                      reference):
     # checkpoint.writer=process: each rank's shards are written by its own child process. Rank 1's

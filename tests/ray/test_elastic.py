@@ -61,6 +61,9 @@ def test_shrink_without_replacement_then_grow_back(ray_cluster, tmp_path, refere
         assert ours["step"] == ref["step"] and ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
 
 
+# Heavy (about 25 s on two cores): tests/s3/test_torn_writes.py kills writers at every point of a save
+# and finds no checkpoint that does not verify; tests/ray/test_chaos_kinds.py tears a shard mid-run.
+@pytest.mark.heavy
 def test_kill_during_checkpoint_save_never_commits_a_partial_checkpoint(ray_cluster, tmp_path, reference):
     proc, path = run_job(ray_cluster, tmp_path, "torn", [
         "chaos.faults=[{kind: kill_rank, rank: 3, at_step: 20, at_point: during_shard_write}]"])

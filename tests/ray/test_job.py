@@ -38,7 +38,15 @@ def test_killed_rank_recovers_bit_exact(ray_cluster, tmp_path, reference):
     assert failure["kind"] == "kill_rank" and failure["rank"] == 1
     assert failure["detected_after_s"] < 1.0 and failure["recovered_after_s"] is not None
     assert len(report["world_history"]) == 2
-    assert report["goodput"]["badput_s"]["lost_work"] > 0
+    # The ledger adds up across the kill and books what it cost (the lost work's size against the
+    # thrown-away executions: tests/ray/test_monitoring.py, heavy).
+    goodput = report["goodput"]
+    booked = goodput["productive_s"] + sum(goodput["badput_s"].values())
+    assert abs(booked - goodput["wall_s"]) <= 0.01 * goodput["wall_s"]
+    assert all(goodput["badput_s"][bucket] > 0 for bucket in ("detection", "checkpoint_restore", "lost_work"))
+    # Steps 20..25 ran twice; rank 0 may finish step 25 before its next collective fails.
+    assert report["redone_steps"] == 6
+    assert sorted(r["step"] for r in report["rolled_back"]) in (list(range(20, 25)), list(range(20, 26)))
     # Same layout, deterministic run: the recovered model is the failure-free model.
     assert report["final_loss"] == reference["final_loss"]
     losses = [(p["step"], p["loss"]) for p in report["losses"]]

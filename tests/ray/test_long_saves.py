@@ -29,6 +29,9 @@ def _latency(rank: int, **where) -> str:
     return f"{{kind: storage_latency, op: write, path: '*/shard-*', rank: {rank}, delay_s: {DELAY_S}, {fields}}}"
 
 
+# Heavy (about 30 s on two cores): the stop's save below outlasts the hang limit the same way (ranks
+# blocked on their writers, beating with the bytes written), and tests/unit/test_save_watch.py covers the watch.
+@pytest.mark.heavy
 def test_a_final_save_longer_than_the_hang_limit_commits_without_a_hang(ray_cluster, tmp_path):
     proc, path = run_job(ray_cluster, tmp_path, "longfinal",
                          [f"elastic.hang_timeout_s={HANG_S}", "train.steps=20",

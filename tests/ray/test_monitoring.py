@@ -21,6 +21,10 @@ def _lost_work_from_the_report(report: dict) -> float:
     return sum(r["step_s"] for r in thrown_away) + max(0.0, fault_at - last_end)
 
 
+# Heavy (100 steps, about 35 s on two cores): tests/ray/test_job.py's killed-rank run checks that the
+# ledger adds up across a kill and books detection, restore and the redone steps; tests/unit/test_lost_work.py
+# the lost work's arithmetic.
+@pytest.mark.heavy
 def test_ledger_after_a_kill_adds_up_and_books_the_lost_work(ray_cluster, tmp_path):
     """A kill at step 77 (last commit 40): the buckets add up to wall time within 1%, and
     lost_work equals the time of the steps that were redone within 10%.

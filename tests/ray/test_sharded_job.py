@@ -1,7 +1,8 @@
 """A tensor-parallel, ZeRO-3 job on the multi-node test cluster: dp=2 x tp=2 (4 ranks).
 
 Without a replacement for a killed rank, dp shrinks to 1: the dp=2 checkpoint is resharded
-into the dp=1 x tp=2 layout on load, and the losses stay within 1e-5 of the failure-free run.
+into the dp=1 x tp=2 layout on load, and the losses stay within 1e-5 of the failure-free run
+(heavy tier).
 A killed rank that is replaced resumes bit for bit (heavy tier: the engine's own resume test,
 tests/dist/test_engine_parallel.py, covers the same layout in the default suite).
 """
@@ -34,6 +35,9 @@ def _ok(proc, path) -> dict:
     return json.loads(path.read_text())
 
 
+# Heavy (about 50 s on two cores): tests/s3/test_ckpt_round_trip.py loads a dp2 x tp2 x pp2 ZeRO-3 save
+# into four-rank layouts bit exact, and tests/ray/test_node_loss.py shrinks a job at a lost node.
+@pytest.mark.heavy
 def test_shrink_reshards_the_checkpoint_into_the_smaller_layout(ray_cluster, tmp_path, sharded_reference):
     assert [(w["dp"], w["tp"], w["world_size"]) for w in sharded_reference["world_history"]] == [(2, 2, 4)]
     proc, path = run_job(ray_cluster, tmp_path, "shshrink", [
