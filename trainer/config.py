@@ -240,6 +240,10 @@ class DataConfig(_Strict):
 
     @model_validator(mode="after")
     def _path_for_source(self) -> DataConfig:
+        if self.source == "synthetic" and self.path:  # else the job would train on random tokens, silently
+            raise ValueError(f"data.path {self.path!r} is read only with source 'text' (a UTF-8 text file) or "
+                             "'tokens' (a dataset prepared by `undying data prepare`): set data.source, or "
+                             "remove data.path to train on synthetic samples")
         if self.source == "text" and not self.path:
             raise ValueError("source 'text' needs data.path: the URL or path of a UTF-8 text file")
         if self.source == "tokens" and bool(self.path) == bool(self.mixture):
@@ -283,6 +287,15 @@ class TrainConfig(_Strict):
     deterministic: bool = Field(True, description="deterministic kernels: the same seed gives the same losses")
     compile: bool = Field(False, description="torch.compile each transformer block (inductor); the first steps "
                           "pay the compile time")
+
+    @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> TrainConfig:
+        # Typically a warmup copied from a long run into a short one: lr would never reach its peak.
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"train.warmup_steps {self.warmup_steps} exceeds train.steps {self.steps}: the "
+                             f"learning rate would never reach train.lr; lower it (e.g. {max(1, self.steps // 10)}, "
+                             "a tenth of the run)")
+        return self
 
     @field_validator("betas")
     @classmethod

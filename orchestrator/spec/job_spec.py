@@ -44,7 +44,7 @@ class ResourcesConfig(SpecSection):
     """What one rank asks Ray for; `num_ranks`, when given, must equal dp * tp * pp."""
 
     cpus_per_rank: float = Field(1.0, gt=0.0, description="CPUs Ray reserves for each rank")
-    gpus_per_rank: float = Field(0.0, ge=0.0, description="GPUs per rank: 1 on GPU jobs, 0 on CPU (a whole number)")
+    gpus_per_rank: float = Field(0.0, ge=0.0, description="GPUs per rank: 1 on GPU jobs, 0 on CPU")
     num_ranks: int | None = Field(None, gt=0, description="a check: when given, must equal parallel.dp * tp * pp")
     custom: dict[str, Annotated[float, Field(ge=0.0)]] = Field(
         default_factory=dict, description="extra Ray resources per rank, e.g. {accelerator_type:H100: 1}"
@@ -71,6 +71,9 @@ class ResourcesConfig(SpecSection):
         if gpus != int(gpus):
             raise ValueError(f"{gpus:g} is a fraction of a GPU: two ranks would share one GPU; give a whole "
                              "number (1: one GPU per rank, 0: CPU ranks)")
+        if gpus > 1:  # a rank drives one device: the others it reserved would sit idle
+            raise ValueError(f"{gpus:g} GPUs per rank: each rank drives one GPU, so the others would sit idle; "
+                             "give 1 and raise parallel.dp, tp or pp to use more GPUs")
         return gpus
 
 

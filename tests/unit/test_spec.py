@@ -182,6 +182,10 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["resources.cpus_per_rank=0"], "resources.cpus_per_rank", "greater than 0"),
         (["resources.gpus_per_rank=-1"], "resources.gpus_per_rank", "greater than or equal to 0"),
         (["resources.gpus_per_rank=0.5"], "resources.gpus_per_rank", "two ranks would share one GPU"),
+        (["resources.gpus_per_rank=8"], "resources.gpus_per_rank", "give 1 and raise parallel.dp, tp or pp"),
+        (["data.path=corpus.txt"], "data", "set data.source, or remove data.path"),
+        (["train.warmup_steps=500"], "train", "warmup_steps 500 exceeds train.steps 60: the learning rate would "
+                                              "never reach train.lr; lower it (e.g. 6"),
         (["elastic.hang_timeout_s=0"], "elastic.hang_timeout_s", "give a number of seconds > 0, or 'auto'"),
         (["elastic.restore_timeout_s=soon"], "elastic.restore_timeout_s", "is not a timeout"),
         (["elastic.hang_timeout_s=30", "elastic.collective_timeout_s=20"], "elastic.collective_timeout_s",
@@ -323,9 +327,9 @@ def test_presets_and_explicit_dimensions(tiny_data):
 def test_override_values_are_parsed_as_yaml(tiny_data):
     spec = validate_spec(apply_overrides(tiny_data, [
         "parallel.dp=4", "checkpoint.url=s3://b/p", "chaos.faults=[]", "train.lr=1e-3",
-        "checkpoint.every_steps=5", "elastic.spares=1", "resources={cpus_per_rank: 0.5, gpus_per_rank: 2}",
+        "checkpoint.every_steps=5", "elastic.spares=1", "resources={cpus_per_rank: 0.5, gpus_per_rank: 1}",
     ]))
-    assert (spec.resources.cpus_per_rank, spec.resources.gpus_per_rank) == (0.5, 2)
+    assert (spec.resources.cpus_per_rank, spec.resources.gpus_per_rank) == (0.5, 1)
     assert (spec.parallel.dp, spec.checkpoint.url, spec.chaos.faults) == (4, "s3://b/p", [])
     assert (spec.train.lr, spec.checkpoint.every_steps, spec.elastic.spares) == (1e-3, 5, 1)
     assert spec.checkpoint_root == "s3://b/p/tiny"
