@@ -84,14 +84,15 @@ class Blame:
                            step=self.current_step())
         return Failure("node_lost", ranks[0] if ranks else None, time.time(), message, step=self.current_step())
 
-    def hang(self, since: float, limit_s: float, why: str | None = None) -> Failure | None:
+    def hang(self, since: float, limit_s: float, field: str = "elastic.hang_timeout_s",
+             why: str | None = None) -> Failure | None:
         """A hang when no step came for `limit_s` since `since` (time.monotonic() of the last step, or
-        of the generation's start): a watchdog on the wall clock would fire at an NTP step. `why`:
-        what else the message should say (a stalled save)."""
+        of the generation's start): a watchdog on the wall clock would fire at an NTP step. `field`:
+        the spec field that sets the limit; `why`: what else the message should say (a stalled save)."""
         quiet = time.monotonic() - since
         if quiet < limit_s:
             return None
-        message = f"no step for {quiet:.1f} s (limit {limit_s:.1f} s)" + (f": {why}" if why else "")
+        message = f"no step for {quiet:.1f} s (limit {limit_s:.1f} s, {field})" + (f": {why}" if why else "")
         # The step was due a usual step after the last progress, and after what was booked since
         # (a validation, a save's blocking): from then the job only waited to be declared hung.
         now, due = time.time(), (self.record.median_step_s() or 0.0) + self.record.booked_since_step

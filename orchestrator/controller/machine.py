@@ -314,9 +314,9 @@ class Controller:
 
     def _watch_hang(self, saving_s: float = 0.0) -> None:
         """The progress watchdog; `saving_s`: a stop's save the ranks block on. A save writing is no hang."""
-        limit, saves = self.timeouts.hang_s() + saving_s, self.telemetry.saves
-        hung = None if saves.busy(limit) else self.blame.hang(self.record.progress_at, limit, saves.stalled(limit))
-        if hung is not None:
+        (limit, field), saves = self.timeouts.hang_limit(saving_s), self.telemetry.saves
+        hung = not saves.busy(limit) and self.blame.hang(self.record.progress_at, limit, field, saves.stalled(limit))
+        if hung:
             self._start_recovery(hung)
 
     def _start_training(self, run: TrainingRun) -> None:

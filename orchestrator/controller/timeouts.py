@@ -21,7 +21,7 @@ A number in the spec replaces the derived value ("auto", the default). `derive` 
 Protocol (controller thread only): `for_generation(world)` when a generation forms (its limits,
 logged in one line when they changed), `restore_s(world, checkpoint_bytes(step, read_manifest))`
 before the ranks restore, `on_restored(results, seconds, from_storage)` after,
-`on_training_started()` when the generation trains, `hang_s()` at every poll of the progress
+`on_training_started()` when the generation trains, `hang_limit()` at every poll of the progress
 watchdog, `release_s()` at every release.
 """
 
@@ -184,8 +184,10 @@ class Timeouts:
     def on_training_started(self) -> None:
         self._training_since = self.record.progress_at
 
-    def hang_s(self) -> float:
-        """The progress watchdog's limit now: a generation's first step gets the first-step limit."""
+    def hang_limit(self, saving_s: float = 0.0) -> tuple[float, str]:
+        """The progress watchdog's limit now (a generation's first step gets the first-step limit) plus
+        `saving_s` (a stop's save the ranks block on), and the spec field that sets it, which a hang's
+        message names: a limit set below the step time is then found by its field."""
         limits = self.limits()
         pending = self._training_since is not None and self.record.progress_at == self._training_since
         if self._training_since is not None and not pending:  # the generation's first step came
@@ -194,7 +196,9 @@ class Timeouts:
             self._training_since = None
         steady = hang_limit(self.record.median_step_s(), self.record.completed_steps(), self.spec,
                             limits.hang_floor_s, limits.hang_factor)
-        return max(steady, limits.first_step_s) if pending else steady
+        if pending and limits.first_step_s > steady:
+            return limits.first_step_s + saving_s, "elastic.first_step_timeout_s"
+        return steady + saving_s, "elastic.hang_timeout_s"
 
     def release_s(self) -> float:
         return self.limits().release_s

@@ -65,6 +65,7 @@ def test_a_wall_clock_step_never_trips_the_hang_watchdog(tmp_path, rendezvous, m
     ctl.HANDLERS[State.RUNNING]()
     assert ctl.state == State.RECOVERING
     assert ctl.phase.failure.kind == "hang" and "no step for 36" in ctl.phase.failure.message
+    assert "s, elastic.first_step_timeout_s)" in ctl.phase.failure.message  # no first step came: that limit
 
 
 def test_one_hosts_timestamps_pass_unchanged():

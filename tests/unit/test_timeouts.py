@@ -103,13 +103,14 @@ def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one
     timeouts = Timeouts(spec, record, lambda: None, lines.append, join_s=60.0, retry_budget_s=120.0)
     timeouts.for_generation(2)
     timeouts.on_training_started()
-    assert timeouts.hang_s() == 120.0  # nothing measured: the first step may take 120 s on CPU
+    first, steady = "elastic.first_step_timeout_s", "elastic.hang_timeout_s"  # the fields a hang's message names
+    assert timeouts.hang_limit() == (120.0, first)  # nothing measured: the first step may take 120 s on CPU
     record.progress_at, record.steps_s = 160.0, [60.0]  # the first step took 60 s
-    assert timeouts.hang_s() == 300.0 and timeouts.first_step_s == 60.0  # 5 x the median (60 s)
+    assert timeouts.hang_limit() == (300.0, steady) and timeouts.first_step_s == 60.0  # 5 x the median (60 s)
     record.steps_s = [60.0, 0.1, 0.1]
-    assert timeouts.hang_s() == 10.0  # steady: the floor
+    assert timeouts.hang_limit(saving_s=4.0) == (14.0, steady)  # steady: the floor, and a stop's save on top
     timeouts.on_training_started()  # the next generation: 3 x the first step measured
-    assert timeouts.hang_s() == 180.0 and timeouts.release_s() == 3.0
+    assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 3.0
     assert timeouts.for_generation(2).collective_s == 360.0
     assert len(lines) == 2 and lines[0].startswith("timeouts: hang max(10 s, 5 x median step), first step 120 s")
 
