@@ -31,6 +31,7 @@ from orchestrator.cli.ckpt_cmd import (
 )
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail_line
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
+from trainer.urls import absolute_url
 
 
 def add_eval_parser(sub) -> None:
@@ -77,10 +78,29 @@ def _check_device(device: str) -> None:
         raise UsageError(f"--device {device!r}: evaluation runs on cpu or cuda")
 
 
-def _evaluate(args: argparse.Namespace) -> dict:
-    from trainer.evaluation import eval_windows, loss_of_model
+def _open_dataset(data: str, options: dict):
+    """The prepared dataset `--data` names; UsageError naming --data when it cannot be one."""
     from trainer.tokens.format import NoManifest, TokenFormatError
     from trainer.tokens.reader import TokenDataset
+
+    try:
+        url = absolute_url(data)
+    except ValueError as err:  # a URL mistyped into a relative path, or nothing
+        raise UsageError(f"--data {err}") from None
+    try:
+        return TokenDataset(url, options)
+    except (NoManifest, TokenFormatError) as err:
+        raise UsageError(f"--data {data}: {err}") from None
+    except NotADirectoryError:
+        raise UsageError(f"--data {data}: a file, not a prepared dataset; prepare it first "
+                         f"(`undying data prepare {data} --tokenizer ... --out DIR`) and give DIR") from None
+    except (ValueError, ImportError) as err:  # fsspec: an unknown protocol, or its package missing
+        raise UsageError(f"--data {data}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
+                         "s3:// (with s3fs installed) or a local path") from None
+
+
+def _evaluate(args: argparse.Namespace) -> dict:
+    from trainer.evaluation import eval_windows, loss_of_model
 
     _check_device(args.device)
     if args.seq_len is not None and args.seq_len < 1:
@@ -89,10 +109,7 @@ def _evaluate(args: argparse.Namespace) -> dict:
     options = parse_storage_options(args.storage_options, args.storage_options_file)
     catalog = open_catalog(args.url, options)
     step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
-    try:
-        dataset = TokenDataset(args.data, options)
-    except (NoManifest, TokenFormatError) as err:
-        raise UsageError(f"--data {args.data}: {err}") from None
+    dataset = _open_dataset(args.data, options)
     model, cfg, manifest = _load_model(catalog, step, args.device)
     if dataset.vocab_size > cfg.vocab_size:
         raise UsageError(f"--data {args.data}: token ids up to {dataset.vocab_size - 1}, beyond the model's "

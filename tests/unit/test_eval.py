@@ -67,6 +67,12 @@ def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
     assert "--windows 500" in capsys.readouterr().err
     assert main(["eval", url, "--data", str(tmp_path / "nothing")]) == 2
     assert "run `undying data prepare` first" in capsys.readouterr().err
+    (tmp_path / "corpus.txt").write_text("text, not a prepared dataset")
+    for data, words in ((str(tmp_path / "corpus.txt"), "corpus.txt: a file, not a prepared dataset; prepare it first"),
+                        ("htps://host/data", "--data htps://host/data: unknown or unavailable protocol"),
+                        ("s3:/bucket/data", "--data 's3:/bucket/data' has one slash after 's3:'")):
+        assert main(["eval", url, "--data", data]) == 2
+        assert words in capsys.readouterr().err
     wide = write_token_dataset(tmp_path / "wide", np.arange(3000) % 500, vocab_size=500)
     assert main(["eval", url, "--data", str(wide), "--seq-len", str(T)]) == 2
     assert "beyond the model's vocabulary of 96" in capsys.readouterr().err
