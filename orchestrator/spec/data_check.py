@@ -1,4 +1,5 @@
-"""Check, before any rank starts, that the prepared datasets a spec names can be read and fit the model.
+"""Check, before any rank starts, that the prepared datasets a spec names can be read and fit the model,
+and that the pretrained weights it names (`model.from_hf`) are the model's.
 
 Protocol: the driver (`undying run`, `undying validate`) calls `require_data(spec)` once, after
 the spec validated and beside `require_storage`. A text source's file is read (it is small: every
@@ -70,8 +71,31 @@ def _text_problems(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _pretrained_problems(spec: JobSpec) -> list[Problem]:
+    """`model.from_hf`: its weights against the model its config.json gave (the spec read that file when
+    it loaded). Only the safetensors headers are read (two small reads per file): a directory without
+    safetensors weights, a tensor missing or of another shape fails here, not in every rank's load."""
+    from ckpt.hf_import import check_directory
+    from ckpt.safetensors_source import directory_entries
+    from ckpt.storage import Storage
+
+    url = spec.model.from_hf
+    try:
+        check_directory(directory_entries(Storage(url.rstrip("/"))), spec.model, url)
+    except ValueError as err:  # check_directory's words name the field; BadSafetensors names the file
+        words = str(err)
+        return [Problem("model.from_hf", words if words.startswith("model.from_hf") else f"{url}: {words}")]
+    except Exception as err:  # noqa: BLE001 (the store's client)
+        from ckpt.storage_options import error_reason
+
+        return [Problem("model.from_hf", f"{url} cannot be read ({error_reason(err)}); check the URL")]
+    return []
+
+
 def data_problems(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = _text_problems(spec) if spec.data.source == "text" else []
+    if spec.model.from_hf:
+        problems += _pretrained_problems(spec)
     data, model = spec.data, spec.model
     tokenizers: list[tuple[str, str]] = []  # (field, tokenizer sha256) of every dataset read
     if data.source == "tokens":

@@ -118,3 +118,23 @@ def test_a_store_that_refuses_the_options_is_a_problem_naming_them_not_a_traceba
     [problem] = data_problems(spec(tmp_path, data=data))
     assert problem.field == "data.path"
     assert "data.storage_options: 'endpointurl' is not an option this store takes" in problem.message
+
+
+def test_pretrained_weights_are_checked_against_the_model_before_any_rank_starts(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    from tests._hf import save_hf
+
+    save_hf(tmp_path / "hf")
+    job = spec(tmp_path, model={"from_hf": str(tmp_path / "hf")})
+    assert data_problems(job) == []
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    [problem] = data_problems(job)
+    assert problem.field == "model.from_hf" and "no tensor model.layers.1.mlp.up_proj.weight" in problem.message
+    weights.rename(tmp_path / "hf" / "pytorch_model.bin")
+    [problem] = data_problems(job)
+    assert problem.field == "model.from_hf" and "neither model.safetensors nor" in problem.message
