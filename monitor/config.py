@@ -7,9 +7,10 @@ events are tracked besides the event log under the checkpoint root (monitor.trac
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainer.spec_section import SpecSection
 
@@ -43,3 +44,13 @@ class MonitorConfig(SpecSection):
         "loss, tokens/s, MFU, validation loss, goodput buckets, checkpoints and recoveries; needs undying[tensorboard]")
     wandb: WandbConfig | None = Field(None, description="log the same scalars to Weights & Biases; needs "
                                       "undying[wandb]")
+
+    @field_validator("host")
+    @classmethod
+    def _an_interface(cls, host: str) -> str:
+        # What a user pastes from elsewhere: a URL, or an address with its port (IPv6 literals have colons).
+        if "://" in host or "/" in host:
+            raise ValueError(f"{host!r} is a URL; give the interface's address, e.g. 0.0.0.0 (all) or 127.0.0.1")
+        if re.fullmatch(r"[^:]+:\d+", host):
+            raise ValueError(f"{host!r} carries a port; give the address alone and the port as monitor.port")
+        return host

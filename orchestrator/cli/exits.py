@@ -14,7 +14,9 @@ one line per problem, naming the field and the fix, never a traceback.
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import sys
 
 from orchestrator.spec.problems import Problem
@@ -47,11 +49,21 @@ class UsageError(Exception):
 
 def serve_metrics(metrics, spec) -> int | None:
     """Start the job's metrics endpoint on `monitor.host:monitor.port`; its port, or None (printed,
-    the caller exits 2) when the address cannot be bound: a port another job or exporter holds."""
+    the caller exits 2) when the address cannot be bound: a port another job or exporter holds, or a
+    host that does not resolve or is not this machine's."""
+    host, port = spec.monitor.host, spec.monitor.port
     try:
-        return metrics.serve(spec.monitor.host, spec.monitor.port)
+        return metrics.serve(host, port)
     except OSError as err:
-        print_problems([Problem("monitor.port", f"cannot serve the metrics on {spec.monitor.host}:"
-                                                f"{spec.monitor.port} ({err.strerror or err}); give a free port, "
-                                                "or 0 for any")])
+        reason = err.strerror or str(err)
+        if isinstance(err, socket.gaierror):  # a name no resolver knows
+            problem = Problem("monitor.host", f"{host!r} does not resolve ({reason}); give an address of this "
+                                              "machine, e.g. 0.0.0.0 (all interfaces) or 127.0.0.1")
+        elif err.errno == errno.EADDRNOTAVAIL:
+            problem = Problem("monitor.host", f"{host} is not an address of this machine ({reason}); give one of "
+                                              "its own, e.g. 0.0.0.0 (all interfaces) or 127.0.0.1")
+        else:
+            problem = Problem("monitor.port", f"cannot serve the metrics on {host}:{port} ({reason}); give a free "
+                                              "port, or 0 for any")
+        print_problems([problem])
         return None
