@@ -280,8 +280,24 @@ def _describe(error: Mapping[str, Any]) -> str:
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         if error["input"] is None:
             return "is empty; give the section's keys, or remove it to take the defaults"
+        section = _section(loc)
+        if isinstance(error["input"], bool) and section is not None and "enabled" in section.model_fields:
+            return f"expected a mapping of keys (a YAML section), got {show(error['input'])}; write " \
+                   f"{{enabled: {str(error['input']).lower()}}}"
         return f"expected a mapping of keys (a YAML section), got {show(error['input'])}"
-    return f"{msg.replace('Input should be', 'should be')}; got {show(error['input'])}"
+    return f"{msg.replace('Input should be', 'should be')}; got {show(error['input'])}{_hint(error)}"
+
+
+def _hint(error: Mapping[str, Any]) -> str:
+    """The fix for a type error YAML makes easy: a scalar read as a number or a boolean where text
+    was meant, a duration written with its unit where seconds are a number."""
+    value, name = error["input"], str(error["loc"][-1]) if error["loc"] else ""
+    if error["type"] == "string_type" and isinstance(value, bool | int | float):
+        also = " (YAML reads yes, no, on, off as booleans)" if isinstance(value, bool) else ""
+        return f"; quote it to give text{also}"
+    if error["type"] in ("float_parsing", "int_parsing") and (name.endswith("_s") or "seconds" in name):
+        return "; give seconds as a number, e.g. 600 for 10 minutes"
+    return ""
 
 
 def problems_from_validation_error(error: ValidationError) -> list[Problem]:

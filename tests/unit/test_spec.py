@@ -196,6 +196,10 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["checkpoint.interval=often"], "checkpoint.interval", "expected 'young', 'young-daly' or a number of seconds"),
         (["checkpoint.interval=0"], "checkpoint.interval", "positive number of seconds"),
         (["model={n_layers: 2}"], "model", "give a preset"),
+        (["name=20240101"], "name", "got 20240101; quote it to give text"),
+        (["name=yes"], "name", "quote it to give text (YAML reads yes, no, on, off as booleans)"),
+        (["checkpoint.memory=false"], "checkpoint.memory", "got False; write {enabled: false}"),
+        (["elastic.replace_timeout_s=2m"], "elastic.replace_timeout_s", "give seconds as a number, e.g. 600"),
     ],
 )
 def test_type_and_range_errors_name_the_field(tiny_data, overrides, field, fragment):

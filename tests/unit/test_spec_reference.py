@@ -126,7 +126,7 @@ def test_a_wrong_interval_says_how_to_write_it_and_names_the_field(checkpoint, f
 
 def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
     path = tmp_path / "job.yaml"
-    path.write_text("name: t\nmodel: {preset: tiny}\ntrain: {steps: 4, global_batch: 2, lr: 1e-3}\n"
+    path.write_text("name: t\nmodel: {preset: tiny}\ntrain: {steps: 40, global_batch: 2, lr: 1e-3}\n"
                     "checkpoint: {url: 'file:///tmp/undying-spec-reference', interval: 1e3}\n")
     spec = load_spec(str(path), ["train.warmup_steps=1e1", "checkpoint.mtbf_s=1.5e4"])
     assert (spec.train.lr, spec.checkpoint.interval, spec.train.warmup_steps) == (1e-3, 1000.0, 10)
