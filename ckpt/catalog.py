@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ckpt.errors import IncompleteCheckpoint
+from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 from ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -46,6 +46,17 @@ log = logging.getLogger(__name__)
 
 QUARANTINED_PREFIX = "manifest.corrupt-"  # a quarantined manifest's name: manifest.corrupt-<ms>-<random>.json
 TORN_PREFIX = "manifest.torn-"  # a withdrawn torn write of the committer's, never committed: not quarantined
+
+
+def _parses(data: bytes, step: int) -> bool:
+    """Whether `data` is a manifest: of this schema, or of another (UnsupportedManifest is no torn write)."""
+    try:
+        parse_manifest(data, step)
+    except CorruptCheckpoint:
+        return False
+    except UnsupportedManifest:
+        return True
+    return True
 
 
 class Catalog:
@@ -111,31 +122,37 @@ class Catalog:
             raise IncompleteCheckpoint(f"{len(missing)} shard file(s) of step {step} are not in storage: "
                                        f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
 
-    def quarantine(self, step: int) -> str:
+    def quarantine(self, step: int, unless_it_parses: bool = False) -> str | None:
         """Withdraw committed checkpoint `step`, found corrupt: its manifest moves aside.
 
         The copy (`manifest.corrupt-<time>-<random>.json`) keeps the evidence; without `manifest.json`
         the step is no longer committed, so the job can commit a fresh save of the same step
         (its shards carry another save tag, ckpt.shards.shard_file_name). Returns the copy's path.
+        `unless_it_parses`: the verdict was on the manifest's own bytes, from a single read; they are
+        read again, and a manifest that parses this time stays (None): the first read's bytes were
+        the store's or the wire's fault (manifests carry no checksum), not the checkpoint's.
         """
-        return self._move_aside(step, QUARANTINED_PREFIX)
+        return self._move_aside(step, QUARANTINED_PREFIX, unless_it_parses)
 
-    def withdraw_torn(self, step: int) -> str:
+    def withdraw_torn(self, step: int) -> str | None:
         """Move aside the manifest of `step` that a failed commit of ours left torn (it does not parse).
 
         It was never committed, so it is kept as `manifest.torn-<time>-<random>.json`, which
         `quarantined_steps` does not count: a job whose first save tore reruns without --fresh.
-        Returns the copy's path.
+        Returns the copy's path; None when it parses when read again (it landed whole: it stays).
         """
-        return self._move_aside(step, TORN_PREFIX)
+        return self._move_aside(step, TORN_PREFIX, unless_it_parses=True)
 
-    def _move_aside(self, step: int, prefix: str) -> str:
+    def _move_aside(self, step: int, prefix: str, unless_it_parses: bool) -> str | None:
         self.fence()
         path = self.manifest_path(step)
+        data = self.storage.read(path)
+        if unless_it_parses and _parses(data, step):
+            return None
         # Time for the reader, a random part so two moves in one millisecond never collide.
         name = f"{prefix}{int(time.time() * 1000)}-{uuid.uuid4().hex[:8]}.json"
         aside = self.storage.path(step_dir(step), name)
-        self.storage.write_immutable(aside, self.storage.read(path))
+        self.storage.write_immutable(aside, data)
         self.storage.remove(path)
         self.storage.invalidate()
         return aside

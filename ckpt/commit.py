@@ -329,8 +329,13 @@ class Committer:
             try:
                 # A step this run's restore skipped holds the previous history's committed manifest:
                 # corrupt, not a torn write of ours; it goes aside as evidence (ckpt verify, retention keep it).
-                aside = self.catalog.quarantine(step) if kept else self.catalog.withdraw_torn(step)
-                log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
+                aside = self.catalog.quarantine(step, unless_it_parses=True) if kept else \
+                    self.catalog.withdraw_torn(step)
+                if aside is None:  # whole when read again: the first read's bytes were the store's fault
+                    log.warning("checkpoint step %d: the manifest read whole the second time (%s); it stays",
+                                step, err)
+                else:
+                    log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
             except (OSError, ValueError) as again:
                 log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "
                           "will report and skip it", step, again)

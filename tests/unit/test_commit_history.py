@@ -95,6 +95,42 @@ def test_a_save_at_a_skipped_step_whose_manifest_is_corrupt_quarantines_it_as_ev
     torch.testing.assert_close(load_checkpoint(catalog, 30)[0]["model/w"], make_state(31)["model/w"])
 
 
+class _FlakyManifestReads(Storage):
+    """Once `garble(first)`: creates of step 30's manifest time out, and the next read of it returns
+    `first` (garbled bytes, as a reply damaged on the wire) where the stored bytes are good."""
+
+    first: bytes | None = None
+
+    def garble(self, first: bytes) -> None:
+        self.first = first
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        if path.endswith(f"{step_dir(30)}/manifest.json") and self.first is not None:
+            raise ConnectionResetError("the PUT of the manifest timed out")
+        super().create_exclusive(path, data)
+
+    def read(self, path: str) -> bytes:
+        if path.endswith(f"{step_dir(30)}/manifest.json") and self.first is not None:
+            first, self.first = self.first, None
+            return first
+        return super().read(path)
+
+
+def test_a_committed_manifest_that_reads_garbled_once_after_a_failed_create_stays_committed(tmp_path):
+    # Step 30 was committed by the history the restore left; this run's save of 30 fails its create
+    # (a timeout) and the check that follows reads the kept manifest garbled once. One bad read is no
+    # proof: the manifest reads whole the second time and stays, with its checkpoint.
+    catalog = Catalog(_FlakyManifestReads(f"file://{tmp_path}/ckpt/job"))
+    for step in (10, 30):
+        save_checkpoint(catalog, step, make_state(step))
+    catalog.storage.garble(b'{"step": 30, "tens')
+    committer = Committer(catalog, "j", "h", keep=3)
+    committer.reset(10, left_behind={30})
+    assert feed(committer, shard_receipts(catalog, 30, make_state(99), tag="r2g1")) is None  # not committed
+    assert catalog.committed_steps() == [10, 30] and catalog.quarantined_steps() == []
+    torch.testing.assert_close(load_checkpoint(catalog, 30)[0]["model/w"], make_state(30)["model/w"])
+
+
 def test_a_commit_meeting_a_connection_error_that_is_no_oserror_is_a_failed_save_not_a_crash(catalog, caplog):
     botocore = pytest.importorskip("botocore.exceptions")
     dropped = []
