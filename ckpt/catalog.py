@@ -18,7 +18,9 @@ mid-upload): deleting it aborts them (ckpt.storage.Storage.remove_tree). Deletes
 tolerate files that are already gone: the controller and `undying ckpt gc` may race. A
 listing or a manifest stat that fails raises before anything is deleted (Storage.exists says
 "absent" only when the store does), so GC never takes a committed step it could not see for
-an unfinished save; the caller logs it (the committer runs GC again at its next commit).
+an unfinished save; the caller logs it (the committer runs GC again at its next commit). Under a
+lease, a root listed without the lease's directory is such a failure too (RootNotListed): a root
+that vanished from the store's answers is not a job without checkpoints.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
+from ckpt.housekeeping import PassFence
 from ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -39,6 +42,7 @@ from ckpt.manifest import (
     parse_step_dir,
     step_dir,
 )
+from ckpt.owner_claims import OWNER_DIR
 from ckpt.ownership import OwnerLease
 from ckpt.storage import AlreadyCommitted, Storage
 
@@ -46,6 +50,11 @@ log = logging.getLogger(__name__)
 
 QUARANTINED_PREFIX = "manifest.corrupt-"  # a quarantined manifest's name: manifest.corrupt-<ms>-<random>.json
 TORN_PREFIX = "manifest.torn-"  # a withdrawn torn write of the committer's, never committed: not quarantined
+
+
+class RootNotListed(ConnectionError):
+    """A listing of a leased root lacked the lease's own directory: the store's answer, not the root's
+    contents. A ConnectionError, so readers retry it as a store that did not answer properly."""
 
 
 def _parses(data: bytes, step: int) -> bool:
@@ -169,9 +178,22 @@ class Catalog:
         return parse_manifest(self.storage.read(self.manifest_path(step)), step)
 
     def all_steps(self) -> list[int]:
-        """Every step directory, committed or not, oldest first."""
-        steps = (parse_step_dir(name) for name in self.storage.listdir(self.storage.root))
+        """Every step directory, committed or not, oldest first. Under a lease, a listing of the root
+        without the lease's own directory raises RootNotListed: the store answered for a root it does
+        not show now (a bucket failover, a dropped mount), and read as "no checkpoints" that would
+        start the job over from step 0, its retention then deleting the history it could not see."""
+        names = self.storage.listdir(self.storage.root)
+        if self._leased() and OWNER_DIR not in names:
+            raise RootNotListed(f"{self.storage.root} lists without {OWNER_DIR}/, where this process's claim on "
+                                "the root lives: the store is not showing the root as it is; nothing is taken "
+                                "from that listing")
+        steps = (parse_step_dir(name) for name in names)
         return sorted(s for s in steps if s is not None)
+
+    def _leased(self) -> bool:
+        """A lease on the root stands behind this catalog's fence (its claim is under the root)."""
+        fence = self.owner.owner if isinstance(self.owner, PassFence) else self.owner
+        return isinstance(fence, OwnerLease)
 
     def gc_candidates(self) -> list[int]:
         """`all_steps`, plus steps that hold only multipart uploads a killed writer left pending (S3)."""

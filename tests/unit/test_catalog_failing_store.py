@@ -138,3 +138,31 @@ def test_a_commit_that_landed_with_its_reply_lost_and_its_read_backs_failing_cou
     assert done is not None and done.step == 40 and committer.latest == 40 and dropped == []
     committer.abandon(40, "a rank's error that arrived after its receipt")  # late: the step is committed
     assert dropped == [] and catalog.committed_steps() == [10, 20, 30, 40]
+
+
+def test_a_leased_root_the_store_lists_empty_is_no_fresh_start_and_nothing_is_deleted(tmp_path):
+    # The job's root vanishes from the store's answers mid-run (a bucket failover answering
+    # NoSuchBucket, a dropped mount): listed as empty, the restore would start the job from step 0
+    # and its retention delete the history it could not see. The lease's own directory is always
+    # under a leased root, so a listing without it is the store's fault: retried, then an error.
+    from ckpt.catalog import RootNotListed
+    from ckpt.errors import TransientStorageError
+    from ckpt.ownership import OwnerLease
+
+    root = tmp_path / "job"
+    lease = OwnerLease.claim(Storage(f"file://{root}"), "here", lease_s=600.0)  # no beat during the test
+    try:
+        catalog = Catalog(Storage(f"file://{root}"), owner=lease)
+        for step in (10, 20):
+            save_checkpoint(catalog, step, make_state(step), world=2)
+        root.rename(tmp_path / "away")
+        with pytest.raises(RootNotListed, match="lists without owner/"):
+            catalog.all_steps()
+        with pytest.raises(TransientStorageError, match="listing the committed checkpoints"):
+            RestorePolicy(catalog, read_retry_s=0.2).restore_point()
+        assert Catalog(Storage(f"file://{root}")).all_steps() == []  # a reader without a lease: as before
+        (tmp_path / "away").rename(root)
+        assert RestorePolicy(catalog, read_retry_s=0.2).restore_point() == 20
+        assert catalog.committed_steps() == [10, 20]
+    finally:
+        lease.release()
