@@ -16,14 +16,17 @@ retention or GC pass, a quarantine); the controller, and the parameter-server su
 `lease.lost` at each poll (a reason once a newer claim was seen: the job ends); the driver calls
 `lease.release()` when the job ends, however it ends. The lease has its own Storage: faults
 injected into the catalog's never reach it. `undying ckpt gc` holds a lease while it deletes;
-`undying chaos --fresh` asks `owner_claims.live_owner` first, and gc `refuse_a_beating_owner`.
+`undying chaos --fresh` asks `owner_claims.live_owner` and then `refuse_a_beating_owner` first, and gc
+`refuse_a_beating_owner`.
 
-Claiming judges the newest claim (owner_claims.standing): none, released (its beat says ended),
-its process certainly gone (same host: ckpt.process_identity), or its last beat older than ten
-leases and ten minutes by the wall clock: claim at once. Otherwise its beat is watched for one of
-its leases and one beat interval on our monotonic clock, so no two hosts' clocks are compared: a
-beat that advances is a live holder (OwnerAlive, naming it; nothing was written), a silent one a
-dead holder. Claiming creates claim-<newest + 1>; a claimant that loses that race judges again.
+Claiming judges the newest claim (owner_claims.standing): none, released (its beat says ended) or
+its process certainly gone (same host: ckpt.process_identity): claim at once. Its last beat older
+than ten leases and ten minutes by the wall clock ("stale") compares two hosts' clocks, so a clock
+far ahead here would take a live holder for dead: its beat is watched for a beat interval and a
+half first. Otherwise its beat is watched for one of its leases and one beat interval on our
+monotonic clock, so no two hosts' clocks are compared. Either way a beat that advances is a live
+holder (OwnerAlive, naming it; nothing was written), a silent one a dead holder. Claiming creates
+claim-<newest + 1>; a claimant that loses that race judges again.
 
 Fencing: a holder that sees a newer claim (its heartbeat lists the claims at each beat, and
 `check` lists them again) was judged dead while its store was unreachable for a lease, and
@@ -196,6 +199,11 @@ def _reason_to_take(storage: Storage, newest: Claim, say: Callable[[str], None])
     """Why `newest` may be taken over (at once, or after watching its beat), None when it vanished
     meanwhile (judge again), or OwnerAlive."""
     state = standing(newest, time.time())
+    if state == "stale":  # by two hosts' wall clocks: a clock far ahead here makes a live holder look stale
+        try:
+            _watch(storage, newest, for_s=1.5 * newest.lease_s / BEATS_PER_LEASE)  # OwnerAlive if it beats
+        except FileNotFoundError:
+            return None
     if state == "running":
         say(f"the checkpoint root is held by {newest.describe()}; watching its heartbeat for up to "
             f"{watch_s(newest.lease_s):.0f} s to tell whether it still runs")
@@ -212,7 +220,7 @@ def refuse_a_beating_owner(storage: Storage) -> None:
     verifies for minutes, to be refused after that by a job that runs). A holder silent that long
     is not judged dead here: the claim's own watch does that, for a whole lease."""
     claim = newest_claim(storage)
-    if claim is not None and standing(claim, time.time()) == "running":
+    if claim is not None and standing(claim, time.time()) in ("running", "stale"):  # stale: by two hosts' clocks
         with contextlib.suppress(FileNotFoundError):  # it vanished: nobody holds the root
             _watch(storage, claim, for_s=1.5 * claim.lease_s / BEATS_PER_LEASE)
 

@@ -17,7 +17,14 @@ import pytest
 from ckpt import process_identity
 from ckpt.catalog import Catalog, GcPlan
 from ckpt.owner_claims import OWNER_DIR, STALE_FLOOR_S, epochs, live_owner, newest_claim
-from ckpt.ownership import KEEP_CLAIMS, OwnerAlive, OwnerLease, OwnershipLost, OwnershipUncertain
+from ckpt.ownership import (
+    KEEP_CLAIMS,
+    OwnerAlive,
+    OwnerLease,
+    OwnershipLost,
+    OwnershipUncertain,
+    refuse_a_beating_owner,
+)
 from ckpt.storage import Storage
 from tests._checkpoints import make_state, save_checkpoint
 
@@ -125,11 +132,39 @@ def test_a_silent_owner_elsewhere_is_watched_for_a_lease_and_a_beating_one_refus
     assert epochs(storage) == [0, 1, 2]
 
 
-def test_an_owner_silent_for_many_leases_is_taken_without_watching(storage):
+def test_a_beating_owner_whose_clock_is_far_behind_ours_is_refused(storage):
+    # The holder's host clock runs 11 minutes behind this one: by the wall clocks its last beat is
+    # long past the stale limit, but its beat counter still advances. Taking it over would give the
+    # root two owners; both a claim and gc's look before its long read watch a beat interval first.
+    skew = STALE_FLOOR_S + 60
+    _foreign_claim(storage, 0, beat_age_s=skew)
+    stop = threading.Event()
+
+    def beat():
+        n = 1
+        while not stop.wait(LEASE_S / 6):
+            n += 1
+            _foreign_beat(storage, 0, n, time.time() - skew)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(OwnerAlive, match="node-7, pid 4242"):
+            OwnerLease.claim(storage, "here", LEASE_S)
+        with pytest.raises(OwnerAlive, match="node-7, pid 4242"):
+            refuse_a_beating_owner(storage)
+    finally:
+        stop.set()
+        beating.join()
+    assert epochs(storage) == [0]
+
+
+def test_an_owner_silent_for_many_leases_is_taken_after_a_beat_interval_not_a_lease(storage):
     _foreign_claim(storage, 0, beat_age_s=STALE_FLOOR_S + 1)
     started = time.monotonic()
     lease = OwnerLease.claim(storage, "here", LEASE_S)
-    assert time.monotonic() - started < LEASE_S / 2
+    # A beat interval and a half (0.3 s) to see its beat stand still, not the lease and a beat (1.4 s).
+    assert time.monotonic() - started < LEASE_S
     assert "was last seen" in newest_claim(storage).record["taken_because"]
     lease.release()
 

@@ -85,6 +85,40 @@ def test_every_check_passes_and_the_report_holds_them(tmp_path, capsys):
     assert chaos_main(_args(tmp_path, "--fresh"), runner=again) == EXIT_OK and again.names == ["unit.reference", "unit"]
 
 
+def test_fresh_deletes_nothing_of_a_holder_whose_clock_is_far_behind_while_its_beat_advances(tmp_path, capsys):
+    # The experiment's job runs on another host whose clock is 11 minutes behind: by the wall clocks
+    # its last beat is past the stale limit, but the beat counter advances, so it runs.
+    import threading
+    import time
+
+    from ckpt.owner_claims import OWNER_DIR, STALE_FLOOR_S, epochs, file_name
+
+    assert chaos_main(_args(tmp_path), runner=FakeRunner()) == EXIT_OK
+    catalog = catalog_of(load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"]))
+    storage, epoch, lease_s = catalog.storage, max(epochs(catalog.storage), default=-1) + 1, 1.2
+    record = {"holder": "undying run of job 'unit'", "lease_s": lease_s, "claimed_at": time.time() - 3600,
+              "process": {"host": "node-7/boot/pid:[1]", "pid": 4242, "started": "1"}}
+    storage.create_exclusive(storage.path(OWNER_DIR, file_name("claim", epoch)), json.dumps(record).encode())
+    stop, before = threading.Event(), catalog.all_steps()
+
+    def beat() -> None:
+        n = 0
+        while n == 0 or not stop.wait(lease_s / 6):
+            n += 1
+            beat = {"beat": n, "time": time.time() - STALE_FLOOR_S - 60, "ended": False}
+            storage.write_immutable(storage.path(OWNER_DIR, file_name("beat", epoch)), json.dumps(beat).encode())
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        assert chaos_main(_args(tmp_path, "--fresh"), runner=FakeRunner()) == EXIT_USAGE
+    finally:
+        stop.set()
+        beating.join()
+    err = capsys.readouterr().err
+    assert "belongs to a running job" in err and "heartbeat advanced" in err and catalog.all_steps() == before
+
+
 def test_fresh_never_deletes_checkpoints_no_experiment_made(tmp_path, capsys):
     """`undying chaos --fresh` pointed at a job that `undying run` trained (no experiment's marker)."""
     spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])

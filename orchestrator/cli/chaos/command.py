@@ -320,6 +320,7 @@ def prepare_root(spec, fresh: bool) -> None:
     """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh
     when an earlier experiment made it (CHAOS_MARKER); then mark it as this experiment's."""
     from ckpt.owner_claims import UnreadableClaim, live_owner
+    from ckpt.ownership import OwnerAlive, refuse_a_beating_owner
     from orchestrator.cli.chaos import experiment
     from orchestrator.controller.kill import MARKER_DIR
 
@@ -341,8 +342,12 @@ def prepare_root(spec, fresh: bool) -> None:
                                      "should go")])
         try:
             owner = live_owner(storage)
+            if owner is None:  # a holder stale by two hosts' clocks is alive while its beat advances
+                refuse_a_beating_owner(storage)
         except UnreadableClaim as err:  # who holds it is unknown
             owner = f"unknown, since {err}"
+        except OwnerAlive as err:
+            owner = str(err)
         if owner is not None:
             raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} belongs to a running job: {owner}; "
                                      "--fresh deletes nothing while it runs: stop it, or choose another name with "
