@@ -88,6 +88,7 @@ class OwnerLease:
     def __init__(self, storage: Storage, epoch: int, holder: str, lease_s: float):
         self.storage, self.epoch, self.holder, self.lease_s = storage, epoch, holder, lease_s
         self.lost: str | None = None
+        self.released = False
         self.token = uuid.uuid4().hex  # tells our claim from one of the same epoch made after a wipe
         self._beats = 0
         self._beat_at = time.monotonic()  # when a beat last landed (monotonic: a paused process sees the gap)
@@ -133,6 +134,8 @@ class OwnerLease:
         OwnershipUncertain when its last beat landed over a lease ago: a claimant takes the root
         after watching the beat stand still for `watch_s` (a lease and a beat), so this holder stops
         changing anything a beat before that can happen (a store that refuses its beats, a pause)."""
+        if self.released:
+            raise OwnershipLost(f"this driver released its lease on {self.storage.root}: it changes nothing more there")
         if self.lost is None:
             self._look_for_newer()
         if self.lost is not None:
@@ -144,7 +147,10 @@ class OwnerLease:
 
     def release(self) -> None:
         """Stop the heartbeat and mark the claim ended, so the next claimant need not wait; prune old
-        claims. A heartbeat stuck in the store for RELEASE_WAIT_S is left behind: the claim then expires."""
+        claims. A heartbeat stuck in the store for RELEASE_WAIT_S is left behind: the claim then expires.
+        From here `check` raises: background store work the run's end gave up waiting for (a retention
+        pass, a create on a hung store) must change nothing in a root the next claimant takes at once."""
+        self.released = True
         self._stop.set()
         if self._thread.is_alive():  # not for a beat stuck in the store: a release must fit in a pod's grace
             self._thread.join(timeout=min(self.lease_s, RELEASE_WAIT_S))

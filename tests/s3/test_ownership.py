@@ -187,6 +187,18 @@ def test_a_replaced_owner_changes_nothing_more(storage):
     assert not (newest_claim(storage).beat or {}).get("ended")
 
 
+def test_a_released_owner_changes_nothing_more(storage):
+    # Store work the run's end gave up waiting for (a retention pass on a hung store) finishes after
+    # the release, while the next claimant takes the root at once: it must change nothing there.
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    catalog = Catalog(storage, owner=lease)
+    save_checkpoint(catalog, 10, make_state())
+    lease.release()
+    with pytest.raises(OwnershipLost, match="released its lease"):
+        catalog.apply_gc(GcPlan(expired=[10], orphans=[]))
+    assert catalog.committed_steps() == [10]
+
+
 def test_a_holder_whose_beats_do_not_land_for_a_lease_changes_nothing_until_one_does(storage, monkeypatch):
     lease = OwnerLease.claim(storage, "old", LEASE_S)
     catalog = Catalog(storage, owner=lease)
