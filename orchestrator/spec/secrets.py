@@ -77,7 +77,9 @@ def read_options_file(path: str, base_dir: str | None = None) -> dict[str, Any]:
             data = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError) as error:
         reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror
-        raise ValueError(f"{path} cannot be read ({reason}); give the path of a YAML or JSON file "
+        where = "" if os.path.isabs(os.path.expanduser(path)) else f" (read as {full}" + (
+            ": a relative path is taken from the spec's directory)" if base_dir else ")")
+        raise ValueError(f"{path} cannot be read ({reason}){where}; give the path of a YAML or JSON file "
                          "of storage options, e.g. {key: ..., secret: ...}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)

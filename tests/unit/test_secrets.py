@@ -52,6 +52,16 @@ def test_options_file_is_read_into_the_spec_and_left_out_of_the_hash(tmp_path):
     assert spec_hash(validate_spec(moved)) == spec_hash(spec)
 
 
+def test_a_relative_options_file_that_is_missing_says_where_it_was_looked_for(tmp_path):
+    (tmp_path / "sub").mkdir()
+    spec_path = _write(tmp_path / "sub", "job.yaml", _spec_data(tmp_path, "creds.yaml"))
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec_path)
+    [problem] = caught.value.problems
+    assert problem.field == "checkpoint.storage_options_file"
+    assert f"(read as {tmp_path}/sub/creds.yaml: a relative path is taken from the spec's directory)" in problem.message
+
+
 @pytest.mark.parametrize(("content", "inline", "fragment"), [
     (None, None, "cannot be read"),
     ("[1, 2]", None, "does not hold a mapping"),
