@@ -218,7 +218,8 @@ class DataConfig(_Strict):
     """Where samples come from. Sample i of global step s is a pure function of (seed, s, i)."""
 
     source: Literal["synthetic", "text", "tokens"] = Field(
-        "synthetic", description="synthetic samples, a UTF-8 text file tokenized as bytes, or prepared token datasets")
+        "synthetic", description="synthetic samples, a UTF-8 text file tokenized as bytes (up to 256 MiB: every "
+        "rank holds it whole), or prepared token datasets")
     path: str | None = Field(None, description="source text: fsspec URL or local path of a UTF-8 text file; source "
                              "tokens: the directory URL of a dataset prepared by `undying data prepare`")
     mixture: list[MixturePart] | None = Field(None, description="source tokens: several prepared datasets, each "

@@ -58,8 +58,24 @@ def _affine_powers(mul: int, add: int, vocab_size: int, n: int) -> np.ndarray:
     return np.ascontiguousarray(np.array(out, dtype=np.int64).T)
 
 
+# Every rank holds the text source whole (and the driver reads it once to check it): past this, a
+# corpus is for `undying data prepare` (memory-mapped, read by window), not for `source: text`.
+MAX_TEXT_BYTES = 256 << 20
+
+
+class TextTooLarge(ValueError):
+    """A `source: text` file larger than MAX_TEXT_BYTES."""
+
+
 def read_text_bytes(path: str, storage_options: dict | None = None) -> torch.Tensor:
-    """The bytes of a UTF-8 text file as a uint8 tensor (read once, through fsspec)."""
+    """The bytes of a UTF-8 text file as a uint8 tensor (read once, through fsspec); TextTooLarge
+    before anything is read when it exceeds MAX_TEXT_BYTES."""
+    fs, where = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    size = fs.size(where)
+    if size is not None and size > MAX_TEXT_BYTES:
+        raise TextTooLarge(f"{path} holds {size / 2**20:.0f} MiB, more than source 'text' takes "
+                           f"({MAX_TEXT_BYTES >> 20} MiB: every rank holds it whole); prepare it with `undying data "
+                           "prepare` and train with data.source: tokens")
     with fsspec.open(path, "rb", **(storage_options or {})) as handle:
         raw = handle.read()
     try:

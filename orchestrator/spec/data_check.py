@@ -50,7 +50,7 @@ def _check_shards(ds, url: str, field: str, problems: list[Problem]) -> None:
 
 def _text_problems(spec: JobSpec) -> list[Problem]:
     """`data.source: text`: the file every rank reads whole (small by design), read here once."""
-    from trainer.data import read_text_bytes
+    from trainer.data import TextTooLarge, read_text_bytes
 
     data, url = spec.data, spec.data.path
     try:
@@ -63,6 +63,8 @@ def _text_problems(spec: JobSpec) -> list[Problem]:
                                      "directory `undying` runs in)")]
     except UnicodeError as err:
         return [Problem("data.path", f"{url} is not UTF-8 text ({err}); give a text file")]
+    except TextTooLarge as err:
+        return [Problem("data.path", str(err))]
     except Exception as err:  # noqa: BLE001 (ValueError: read_text_bytes' "not UTF-8 text"; the store's client)
         return [Problem("data.path", _cannot(url, "read as text", err))]
     if size < data.seq_len + 1:  # (its byte vocabulary against model.vocab_size: the spec's own check)

@@ -9,8 +9,16 @@ from orchestrator.controller.policies import hang_limit
 from orchestrator.spec.data_check import data_problems
 from orchestrator.spec.job_spec import SpecError, validate_spec
 from tests._tokens import write_token_dataset
+from trainer.data import MAX_TEXT_BYTES
 
 TOKENS = np.arange(5000) % 200
+
+
+def _sparse(path, size: int):
+    """A file of `size` bytes that takes no disk space (a hole)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
 
 
 def spec(tmp_path, **sections):
@@ -47,6 +55,8 @@ def test_missing_small_or_too_wide_datasets_name_their_field(tmp_path):
     (lambda d: (d / "short.txt").write_text("twelve bytes") and d / "short.txt", "data.path",
      "has 12 bytes, fewer than one window of data.seq_len + 1 = 17"),
     (lambda d: (d / "bin.txt").write_bytes(b"\xff\xfe" * 40) and d / "bin.txt", "data.path", "not UTF-8 text"),
+    (lambda d: _sparse(d / "big.txt", MAX_TEXT_BYTES + 1), "data.path",
+     "holds 256 MiB, more than source 'text' takes (256 MiB: every rank holds it whole); prepare it"),
 ])
 def test_a_text_source_that_cannot_train_is_refused_before_any_rank_starts(tmp_path, make, field, words):
     data = {"source": "text", "seq_len": 16, "path": str(make(tmp_path))}
