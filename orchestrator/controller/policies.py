@@ -151,6 +151,15 @@ class ScalingPolicy:
         top = min(self.target_dp, ranks_available // self.model_parallel)
         return next((dp for dp in range(top, 0, -1) if self.valid(dp)), None)
 
+    def no_dp_because(self, ranks_available: int) -> str:
+        """Why `best_dp(ranks_available)` is None, naming the fields that decide it."""
+        top = min(self.target_dp, ranks_available // self.model_parallel)
+        if top < self.min_dp:
+            return f"{ranks_available} rank(s) hold dp {top}, below elastic.min_dp={self.min_dp}"
+        return (f"no dp from {top} down to elastic.min_dp={self.min_dp} divides train.global_batch="
+                f"{self.global_batch} into whole microbatches of train.micro_batch={self.micro_batch}"
+                + (f" in groups of {self.dp_unit}" if self.dp_unit > 1 else "") + " in a layout the engine takes")
+
 
 class CheckpointIntervalPolicy:
     """How many steps between checkpoints, by the spec's cadence rule (ckpt.config.CheckpointConfig).

@@ -139,7 +139,7 @@ class Recovery:
             new_dp = self.scaling_policy.best_dp(len(alive))
             if new_dp is None:
                 return Membership(dp, "", f"{len(alive)} rank(s) left and no replacement within {timeout_s:.0f} s; "
-                                          f"cannot shrink below elastic.min_dp={self.spec.elastic.min_dp}")
+                                          f"cannot shrink: {self.scaling_policy.no_dp_because(len(alive))}")
             words.append((f"no replacement for rank(s) {waited} within {timeout_s:.0f} s, " if waited else "")
                          + f"shrinking dp {dp} -> {new_dp} (grad accumulation absorbs it)")
             self.workers.renumber(self.ranks_to_keep(alive, new_dp, dp))

@@ -312,7 +312,7 @@ def test_a_drained_node_s_ranks_wait_for_their_seats_when_dp_may_not_shrink():
     recovery, workers, lines, _ = _drained(spec, 4, {1})
     membership = recovery.replace([1], 4)
     assert workers.cold == [1] and membership.error is not None  # waited, then could not shrink
-    assert "cannot shrink below elastic.min_dp=4" in membership.error
+    assert "cannot shrink: 3 rank(s) hold dp 3, below elastic.min_dp=4" in membership.error
 
 
 def test_a_drained_node_s_rank_takes_a_free_seat_elsewhere_before_any_shrink():
