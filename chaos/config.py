@@ -48,6 +48,11 @@ StorageOp = Literal["write", "read", "list", "delete"]
 RandomKind = Literal["kill_node", "kill_rank", "hang_rank"]
 
 
+# Fields that only some kinds read (the storage fields have their own check: STORAGE_FIELDS).
+KIND_FIELDS = {"factor": {"slow_rank"}, "delay_s": {"slow_rank", "storage_latency"}, "node": {"kill_node"},
+               "message": {"raise"}}
+
+
 class FaultSpec(SpecSection):
     """One fault. The chaos injector fires it when its trigger is met: a time (at_step or at_seconds,
     at most one), a place (at_point), or both; a storage fault's selectors (op, path, nth,
@@ -299,6 +304,12 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
     kind = fault.kind
     if kind not in INJECTABLE_KINDS:
         return "kind", f"{kind} cannot be injected by this release; use one of {', '.join(sorted(INJECTABLE_KINDS))}"
+    # A field the kind never reads would be ignored in silence: the experiment the spec describes
+    # would not be the one that runs. (Set: not its default, since copies pass every field on.)
+    for name, kinds in KIND_FIELDS.items():
+        if getattr(fault, name) != FaultSpec.model_fields[name].default and kind not in kinds:
+            return name, (f"{name} applies to {' and '.join(sorted(kinds))} faults only; remove {name} from this "
+                          f"{kind} fault")
     if kind == "corrupt_shard":
         return _corrupt_problem(fault)
     if kind == "kill_controller":

@@ -141,6 +141,11 @@ def test_every_library_kind_is_injectable():
         ({"kind": "kill_controller", "at_point": "ckpt.commit"}, "at_point", "unknown point 'ckpt.commit'"),
         ({"kind": "kill_controller", "at_seconds": 5}, "at_seconds", "remove at_seconds"),
         ({"kind": "kill_controller", "node": "n1", "at_step": 5}, "node", "remove node"),
+        ({"kind": "kill_rank", "rank": 1, "at_step": 5, "factor": 3.0}, "factor",
+         "factor applies to slow_rank faults only; remove factor from this kill_rank fault"),
+        ({"kind": "hang_rank", "rank": 1, "at_step": 5, "delay_s": 2}, "delay_s",
+         "delay_s applies to slow_rank and storage_latency faults only"),
+        ({"kind": "kill_rank", "rank": 1, "at_step": 5, "message": "boom"}, "message", "applies to raise faults only"),
         ({"kind": "kill_controller", "at_step": 5, "repeat": True}, "repeat", "fires once per job"),
         # A scripted kill_node names its node by a rank it hosts; only the random schedule uses node.
         ({"kind": "kill_node", "rank": 1, "at_step": 5}, None, ""),
