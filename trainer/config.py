@@ -343,6 +343,13 @@ class ParallelConfig(_Strict):
     staleness: int | None = Field(None, ge=0, description="ps with consistency ssp: how many steps a worker may "
                                   "run ahead of the slowest one")
 
+    @model_validator(mode="after")
+    def _virtual_stages_need_a_pipeline(self) -> ParallelConfig:
+        if self.pp == 1 and self.virtual_stages not in (None, 1):  # else ignored in silence
+            raise ValueError(f"parallel.virtual_stages {self.virtual_stages} with parallel.pp 1: virtual stages are "
+                             "model chunks per pipeline rank; remove it, or set parallel.pp above 1")
+        return self
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp

@@ -196,6 +196,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["checkpoint.interval=often"], "checkpoint.interval", "expected 'young', 'young-daly' or a number of seconds"),
         (["checkpoint.interval=0"], "checkpoint.interval", "positive number of seconds"),
         (["model={n_layers: 2}"], "model", "give a preset"),
+        (["parallel.virtual_stages=2"], "parallel", "virtual_stages 2 with parallel.pp 1"),
         (["name=20240101"], "name", "got 20240101; quote it to give text"),
         (["name=yes"], "name", "quote it to give text (YAML reads yes, no, on, off as booleans)"),
         (["checkpoint.memory=false"], "checkpoint.memory", "got False; write {enabled: false}"),
