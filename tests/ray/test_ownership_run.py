@@ -22,6 +22,10 @@ LEASE = ["checkpoint.owner_lease_s=3"]  # a beat every 0.5 s
 SLOW = ["chaos.faults=[{kind: slow_rank, rank: 0, at_step: 0, factor: 4}]"]  # training lasts ~10 s
 
 
+# Heavy (three drivers, about 60 s on two cores): tests/s3/test_ownership.py keeps the lease's rules on a
+# real S3 server and a folder (a beating holder refused, a replaced or released one changing nothing, a
+# silent one taken after a lease), and the SIGTERM test below a driver waiting for another's root.
+@pytest.mark.heavy
 def test_one_driver_owns_a_job_and_a_replaced_one_stops_committing(ray_cluster, tmp_path):
     first, _, log = start_job(ray_cluster, tmp_path, "own", [*LEASE, *SLOW])
     wait_for(log, "-> RUNNING", first)
