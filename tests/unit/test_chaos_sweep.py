@@ -78,6 +78,8 @@ def test_each_interval_gets_its_own_run_under_the_same_failures():
     assert fixed.elastic.max_restarts >= 1000
     calibrate = sweep.calibration_spec(base)
     assert calibrate.chaos.mtbf_s is None and calibrate.train.steps == 30
+    long_warmup = sweep.calibration_spec(_spec("train.steps=200", "train.warmup_steps=100"))
+    assert (long_warmup.train.steps, long_warmup.train.warmup_steps) == (30, 30)  # cut to the short run
     with pytest.raises(SpecError):
         sweep.system_mtbf_s(_spec("chaos.mtbf_kind=kill_node"))
 

@@ -108,9 +108,10 @@ def sweep_spec(base, interval: Interval, step_s: float, level: str | None = None
 
 def calibration_spec(base, steps: int = 30):
     """A short failure-free run of `base` that measures the step time (saves only at the end)."""
-    return with_changes(base, {"name": f"{base.name}.sweep-calibrate", "chaos": {},
-                               "train.steps": min(steps, base.train.steps), "checkpoint.every_steps": 10**6,
-                               "checkpoint.every_seconds": None})
+    steps = min(steps, base.train.steps)  # a warmup longer than that is cut to it: the step time is the same
+    return with_changes(base, {"name": f"{base.name}.sweep-calibrate", "chaos": {}, "train.steps": steps,
+                               "train.warmup_steps": min(base.train.warmup_steps, steps),
+                               "checkpoint.every_steps": 10**6, "checkpoint.every_seconds": None})
 
 
 def step_seconds(report) -> float:
