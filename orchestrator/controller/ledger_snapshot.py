@@ -115,7 +115,7 @@ class LedgerSnapshots:
     def save(self, ledger, ended: bool = False) -> None:
         """Write the ledger's totals now; `ended` when the controller stops on its own (run's end)."""
         self._last = self.clock()
-        if self.owner is not None and self.owner.lost is not None:
+        if self._fenced():
             return
         data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended}).encode()
         if self.housekeeper is None:
@@ -124,9 +124,14 @@ class LedgerSnapshots:
         if ended and not self.housekeeper.close(ENDED_WAIT_S):
             log.warning("the last goodput snapshot was not written within %g s (a slow store)", ENDED_WAIT_S)
 
+    def _fenced(self) -> bool:
+        """Another driver took the root, or this one released it (the run's end gave up waiting for the
+        last write on a slow store, and the next claimant takes the root at once)."""
+        return self.owner is not None and (self.owner.lost is not None or self.owner.released)
+
     def _write(self, data: bytes) -> None:
-        if self.owner is not None and self.owner.lost is not None:
-            return  # lost while this write waited its turn: the snapshot is the new owner's now
+        if self._fenced():
+            return  # lost or released while this write waited its turn: the snapshot is the next owner's now
         try:
             with self.storage.atomic_writer(self.path) as handle:
                 handle.write(data)

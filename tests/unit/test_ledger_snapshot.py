@@ -104,13 +104,29 @@ def test_a_driver_that_lost_the_root_saves_no_snapshot(tmp_path):
     from types import SimpleNamespace
 
     storage = Storage(f"file://{tmp_path}/job")
-    lease = SimpleNamespace(lost=None)  # ckpt.ownership.OwnerLease's flag, set by its heartbeat
+    lease = SimpleNamespace(lost=None, released=False)  # ckpt.ownership.OwnerLease's flags
     snapshots = LedgerSnapshots(storage, every_s=0.0, owner=lease)
     snapshots.save(GoodputLedger())
     saved = storage.read(storage.path(SNAPSHOT_FILE))
     lease.lost = "claimed by another driver"
     snapshots.save(GoodputLedger(), ended=True)
     assert storage.read(storage.path(SNAPSHOT_FILE)) == saved  # unchanged: the new owner writes it now
+
+
+
+def test_a_write_queued_when_the_lease_was_released_writes_nothing(tmp_path):
+    # The run's end gave up waiting for its last snapshot on a slow store and released the lease; the
+    # next claimant takes the root at once, so the write still queued must not overwrite its snapshot.
+    from types import SimpleNamespace
+
+    storage = Storage(f"file://{tmp_path}/job")
+    lease = SimpleNamespace(lost=None, released=False)
+    snapshots = LedgerSnapshots(storage, every_s=0.0, owner=lease)
+    snapshots.save(GoodputLedger())
+    saved = storage.read(storage.path(SNAPSHOT_FILE))
+    lease.released = True
+    snapshots._write(b'{"stale": true}')  # the queued write, run after the release
+    assert storage.read(storage.path(SNAPSHOT_FILE)) == saved
 
 
 def test_in_the_background_a_hung_write_never_holds_the_controller_and_the_ended_one_is_waited_for(
