@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainer.spec_section import SpecSection
 from trainer.urls import absolute_url
@@ -239,12 +239,18 @@ class DataConfig(_Strict):
 
     _absolute = field_validator("path")(_absolute_path_if_set)
 
+    @field_validator("path", mode="after")
+    @classmethod
+    def _read_by_the_source(cls, path: str | None, info: ValidationInfo) -> str | None:
+        # `source` is declared first. Ignored, the job would train on random tokens in silence.
+        if info.data.get("source") == "synthetic" and path:
+            raise ValueError(f"{path!r} is read only with source 'text' (a UTF-8 text file) or 'tokens' (a "
+                             "dataset prepared by `undying data prepare`): set data.source, or remove data.path "
+                             "to train on synthetic samples")
+        return path
+
     @model_validator(mode="after")
     def _path_for_source(self) -> DataConfig:
-        if self.source == "synthetic" and self.path:  # else the job would train on random tokens, silently
-            raise ValueError(f"data.path {self.path!r} is read only with source 'text' (a UTF-8 text file) or "
-                             "'tokens' (a dataset prepared by `undying data prepare`): set data.source, or "
-                             "remove data.path to train on synthetic samples")
         if self.source == "text" and not self.path:
             raise ValueError("source 'text' needs data.path: the URL or path of a UTF-8 text file")
         if self.source == "tokens" and bool(self.path) == bool(self.mixture):
@@ -289,14 +295,15 @@ class TrainConfig(_Strict):
     compile: bool = Field(False, description="torch.compile each transformer block (inductor); the first steps "
                           "pay the compile time")
 
-    @model_validator(mode="after")
-    def _warmup_within_the_run(self) -> TrainConfig:
+    @field_validator("warmup_steps", mode="after")
+    @classmethod
+    def _warmup_within_the_run(cls, warmup: int, info: ValidationInfo) -> int:
         # Typically a warmup copied from a long run into a short one: lr would never reach its peak.
-        if self.warmup_steps > self.steps:
-            raise ValueError(f"train.warmup_steps {self.warmup_steps} exceeds train.steps {self.steps}: the "
-                             f"learning rate would never reach train.lr; lower it (e.g. {max(1, self.steps // 10)}, "
-                             "a tenth of the run)")
-        return self
+        steps = info.data.get("steps")  # declared first; absent when it failed its own check
+        if steps is not None and warmup > steps:
+            raise ValueError(f"{warmup} exceeds train.steps {steps}: the learning rate would never reach "
+                             f"train.lr; lower it (e.g. {max(1, steps // 10)}, a tenth of the run)")
+        return warmup
 
     @field_validator("betas")
     @classmethod
@@ -343,12 +350,13 @@ class ParallelConfig(_Strict):
     staleness: int | None = Field(None, ge=0, description="ps with consistency ssp: how many steps a worker may "
                                   "run ahead of the slowest one")
 
-    @model_validator(mode="after")
-    def _virtual_stages_need_a_pipeline(self) -> ParallelConfig:
-        if self.pp == 1 and self.virtual_stages not in (None, 1):  # else ignored in silence
-            raise ValueError(f"parallel.virtual_stages {self.virtual_stages} with parallel.pp 1: virtual stages are "
-                             "model chunks per pipeline rank; remove it, or set parallel.pp above 1")
-        return self
+    @field_validator("virtual_stages", mode="after")
+    @classmethod
+    def _virtual_stages_need_a_pipeline(cls, virtual: int | None, info: ValidationInfo) -> int | None:
+        if info.data.get("pp") == 1 and virtual not in (None, 1):  # `pp` is declared first; else ignored in silence
+            raise ValueError(f"{virtual} with parallel.pp 1: virtual stages are model chunks per pipeline rank; "
+                             "remove it, or set parallel.pp above 1")
+        return virtual
 
     @property
     def world_size(self) -> int:

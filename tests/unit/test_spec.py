@@ -183,9 +183,9 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["resources.gpus_per_rank=-1"], "resources.gpus_per_rank", "greater than or equal to 0"),
         (["resources.gpus_per_rank=0.5"], "resources.gpus_per_rank", "two ranks would share one GPU"),
         (["resources.gpus_per_rank=8"], "resources.gpus_per_rank", "give 1 and raise parallel.dp, tp or pp"),
-        (["data.path=corpus.txt"], "data", "set data.source, or remove data.path"),
-        (["train.warmup_steps=500"], "train", "warmup_steps 500 exceeds train.steps 60: the learning rate would "
-                                              "never reach train.lr; lower it (e.g. 6"),
+        (["data.path=corpus.txt"], "data.path", "is read only with source 'text'"),
+        (["train.warmup_steps=500"], "train.warmup_steps", "500 exceeds train.steps 60: the learning rate would "
+                                                           "never reach train.lr; lower it (e.g. 6"),
         (["elastic.hang_timeout_s=0"], "elastic.hang_timeout_s", "give a number of seconds > 0, or 'auto'"),
         (["elastic.restore_timeout_s=soon"], "elastic.restore_timeout_s", "is not a timeout"),
         (["elastic.hang_timeout_s=30", "elastic.collective_timeout_s=20"], "elastic.collective_timeout_s",
@@ -196,7 +196,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["checkpoint.interval=often"], "checkpoint.interval", "expected 'young', 'young-daly' or a number of seconds"),
         (["checkpoint.interval=0"], "checkpoint.interval", "positive number of seconds"),
         (["model={n_layers: 2}"], "model", "give a preset"),
-        (["parallel.virtual_stages=2"], "parallel", "virtual_stages 2 with parallel.pp 1"),
+        (["parallel.virtual_stages=2"], "parallel.virtual_stages", "2 with parallel.pp 1: virtual stages are"),
         (["name=20240101"], "name", "got 20240101; quote it to give text"),
         (["name=yes"], "name", "quote it to give text (YAML reads yes, no, on, off as booleans)"),
         (["checkpoint.memory=false"], "checkpoint.memory", "got False; write {enabled: false}"),
