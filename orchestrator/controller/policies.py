@@ -156,9 +156,17 @@ class ScalingPolicy:
         top = min(self.target_dp, ranks_available // self.model_parallel)
         if top < self.min_dp:
             return f"{ranks_available} rank(s) hold dp {top}, below elastic.min_dp={self.min_dp}"
-        return (f"no dp from {top} down to elastic.min_dp={self.min_dp} divides train.global_batch="
-                f"{self.global_batch} into whole microbatches of train.micro_batch={self.micro_batch}"
-                + (f" in groups of {self.dp_unit}" if self.dp_unit > 1 else "") + " in a layout the engine takes")
+        tried = range(top, self.min_dp - 1, -1)
+        why = "; ".join(f"dp {dp}: {self._refusal(dp)}" for dp in tried[:3]) + ("; ..." if len(tried) > 3 else "")
+        return f"no dp from {top} down to elastic.min_dp={self.min_dp} works ({why})"
+
+    def _refusal(self, dp: int) -> str:
+        if dp % self.dp_unit:
+            return f"not whole replicas of {self.dp_unit} ranks (parallel.dp_replicate)"
+        if self.global_batch % (dp * self.micro_batch):
+            return (f"train.global_batch={self.global_batch} is not whole microbatches of "
+                    f"train.micro_batch={self.micro_batch} on each rank")
+        return "the engine does not take the layout at that dp"
 
 
 class CheckpointIntervalPolicy:

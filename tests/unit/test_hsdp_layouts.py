@@ -88,16 +88,20 @@ def test_the_grid_splits_dp_into_replica_and_shard():
 def test_the_scaling_policy_counts_whole_replicas():
     policy = ScalingPolicy(target_dp=6, min_dp=1, global_batch=12, micro_batch=1, model_parallel=1, dp_unit=2)
     assert [policy.best_dp(ranks) for ranks in (1, 2, 3, 5, 6, 9)] == [None, 2, 2, 4, 6, 6]
-    assert policy.no_dp_because(1) == ("no dp from 1 down to elastic.min_dp=1 divides train.global_batch=12 into "
-                                       "whole microbatches of train.micro_batch=1 in groups of 2 in a layout the "
-                                       "engine takes")
+    assert policy.no_dp_because(1) == ("no dp from 1 down to elastic.min_dp=1 works (dp 1: not whole replicas of "
+                                       "2 ranks (parallel.dp_replicate))")
 
 
 def test_a_min_dp_the_batch_cannot_shrink_to_says_which_fields_decide():
     # dp 4 and min_dp 3 with a global batch of 16 in microbatches of 2: dp 3 does not divide it.
     policy = ScalingPolicy(target_dp=4, min_dp=3, global_batch=16, micro_batch=2)
     assert policy.best_dp(3) is None
-    assert "no dp from 3 down to elastic.min_dp=3 divides train.global_batch=16" in policy.no_dp_because(3)
+    assert policy.no_dp_because(3) == ("no dp from 3 down to elastic.min_dp=3 works (dp 3: train.global_batch=16 is "
+                                       "not whole microbatches of train.micro_batch=2 on each rank)")
+    refusing = ScalingPolicy(target_dp=4, min_dp=1, global_batch=16, micro_batch=1, runs=lambda dp: dp == 4)
+    assert refusing.no_dp_because(3).endswith("micro_batch=1 on each rank; dp 2: the engine does not take the "
+                                              "layout at that dp; dp 1: the engine does not take the layout at "
+                                              "that dp)")  # 16 is no multiple of 3; the engine refuses 2 and 1
     assert policy.no_dp_because(2) == "2 rank(s) hold dp 2, below elastic.min_dp=3"
 
 
