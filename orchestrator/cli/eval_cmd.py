@@ -80,6 +80,8 @@ def _check_device(device: str) -> None:
 
 def _open_dataset(data: str, options: dict):
     """The prepared dataset `--data` names; UsageError naming --data when it cannot be one."""
+    import fsspec
+
     from trainer.tokens.format import NoManifest, TokenFormatError
     from trainer.tokens.reader import TokenDataset
 
@@ -88,15 +90,19 @@ def _open_dataset(data: str, options: dict):
     except ValueError as err:  # a URL mistyped into a relative path, or nothing
         raise UsageError(f"--data {err}") from None
     try:
+        fsspec.core.url_to_fs(url, **options)
+    except (ValueError, ImportError) as err:  # an unknown protocol, or its package missing
+        raise UsageError(f"--data {data}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
+                         "s3:// (with s3fs installed) or a local path") from None
+    try:
         return TokenDataset(url, options)
     except (NoManifest, TokenFormatError) as err:
         raise UsageError(f"--data {data}: {err}") from None
     except NotADirectoryError:
         raise UsageError(f"--data {data}: a file, not a prepared dataset; prepare it first "
                          f"(`undying data prepare {data} --tokenizer ... --out DIR`) and give DIR") from None
-    except (ValueError, ImportError) as err:  # fsspec: an unknown protocol, or its package missing
-        raise UsageError(f"--data {data}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
-                         "s3:// (with s3fs installed) or a local path") from None
+    except ValueError as err:  # the store's client refusing the URL (an invalid bucket name)
+        raise UsageError(f"--data {data}: {err}") from None
 
 
 def _evaluate(args: argparse.Namespace) -> dict:
