@@ -20,18 +20,18 @@ import sys
 
 import pytest
 
-_EXIT_STATUS = pytest.StashKey[int]()
+_SESSION = pytest.StashKey[pytest.Session]()
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SESSION] = session
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    status = config.stash.get(_EXIT_STATUS, None)
-    if status is None:  # no session ran (a usage error, --help): pytest's own exit path
+    session = config.stash.get(_SESSION, None)
+    if session is None:  # no session ran (a usage error, --help): pytest's own exit path
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    os._exit(int(session.exitstatus))  # as pytest.main would return it, after every sessionfinish
