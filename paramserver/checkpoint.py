@@ -74,10 +74,13 @@ def catalog(root: str, storage_options: dict | None = None, owner: OwnerLease | 
     return Catalog(Storage(root, dict(storage_options or {})), owner=owner)
 
 
-def latest_committed_step(root: str, storage_options: dict | None = None) -> int | None:
+def latest_committed_step(root: str, storage_options: dict | None = None,
+                          owner: OwnerLease | None = None) -> int | None:
     """The newest step with a committed manifest under `root` (a save that tore before its commit
-    is not one), or None."""
-    return catalog(root, storage_options).latest()
+    is not one), or None. With the driver's lease (`owner`), a root the store lists without the lease's
+    directory raises (ckpt.catalog.RootNotListed) instead of reading as "no checkpoint", from which the
+    job would start over at step 0."""
+    return catalog(root, storage_options, owner).latest()
 
 
 # ---- one server (called inside its actor, or on an in-process ShardServer) -------------------
@@ -193,7 +196,14 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     (ckpt.ownership), checked before the commit and before retention (OwnershipLost). `state`: more of
     the manifest's state (the goodput ledger's totals, which a resumed job carries on)."""
     cat = catalog(root, storage_options, owner)
-    if step in cat.committed_steps():
+    try:
+        committed = cat.committed_steps()
+    except Exception as err:  # the store (RootNotListed among its answers): this save fails, the job goes on
+        if not storage_failure(err):
+            raise
+        raise PSCheckpointError(f"checkpoint step {step} was not committed: the checkpoints could not be listed "
+                                f"({type(err).__name__}: {err})") from err
+    if step in committed:
         return None
     cat.fence()  # no shard of a driver that lost the root lands in it
     tag = f"ps{secrets.token_hex(4)}"

@@ -126,13 +126,19 @@ class Supervisor:
 
     def _resume(self) -> int:
         """Start from the newest committed checkpoint, if this job has one."""
-        latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None
+        latest = self._latest_commit()
         if latest is None:
             return 0
         self.ledger.enter(book.RESTORE)
         checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
         log.info("parameter-server job resumes from its checkpoint at step %d", latest)
         return latest
+
+    def _latest_commit(self) -> int | None:
+        """The newest commit, listed under the driver's lease: a root the store lists empty is an error."""
+        if self.ckpt is None:
+            return None
+        return checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options, self.ckpt.owner)
 
     def _save(self, start: int, end: int) -> int | None:
         """Commit the cut `end`; a server that dies meanwhile rolls the segment back (its step)."""
@@ -371,7 +377,7 @@ class Supervisor:
                                        lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)
 
     def _restore(self) -> tuple[int, bool]:
-        latest = checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options) if self.ckpt else None
+        latest = self._latest_commit()
         if latest is None:
             log.warning("NO COMMITTED CHECKPOINT: every parameter server restarts from the initial values (step 0); "
                         "every step so far is redone")

@@ -219,6 +219,27 @@ def test_a_server_that_cannot_write_its_shard_fails_that_save_not_the_job(tmp_pa
     assert latest_committed_step(root) is None
 
 
+def test_a_root_the_store_lists_without_the_lease_fails_that_save_and_reads_as_no_commit_nowhere(tmp_path):
+    """Under the driver's lease, a root the store lists empty (a bucket failover, a dropped mount) is an
+    error: a save fails, the job goes on, and a restore does not read it as "start from step 0"."""
+    from ckpt.catalog import RootNotListed
+    from ckpt.ownership import OwnerLease
+
+    root = tmp_path / "leased"
+    lease = OwnerLease.claim(Storage(f"file://{root}"), "here", lease_s=600.0)  # no beat during the test
+    try:
+        root.rename(tmp_path / "away")
+        with pytest.raises(PSCheckpointError, match="could not be listed .RootNotListed"):
+            save_ps_checkpoint([], str(root), 4, job=_job(MODEL, _ps("bsp")), owner=lease)
+        with pytest.raises(RootNotListed):
+            latest_committed_step(str(root), owner=lease)
+        assert latest_committed_step(str(root)) is None  # a reader without the lease: as before
+        (tmp_path / "away").rename(root)
+        assert latest_committed_step(str(root), owner=lease) is None  # listed whole: no commit yet
+    finally:
+        lease.release()
+
+
 def _ps_spec(checkpoint: dict) -> dict:
     return dict(name="ps", model={"preset": "tiny"}, data={"seq_len": 16},
                 train={"steps": 2, "global_batch": 4, "grad_clip": None},
