@@ -34,6 +34,10 @@ HANG_S = 4
 OUTAGE_S = 12
 
 
+# Heavy (about 60 s on two cores): tests/unit/test_data_read_retry.py keeps each part of it in the default
+# suite against a failing fsspec store: reads retried per outage, the rank beating while it waits, the
+# watchdog counting it busy, the collective timeout outlasting the outage.
+@pytest.mark.heavy
 @pytest.mark.s3
 def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failure(ray_cluster, s3_server,
                                                                                    tmp_path):
@@ -64,8 +68,8 @@ def test_a_data_store_frozen_for_three_hang_limits_is_waited_out_without_a_failu
     assert result["goodput"]["badput_s"]["data"] >= OUTAGE_S - HANG_S, result["goodput"]
 
 
-# Heavy (two runs, about 90 s on two cores): the frozen store above keeps the end-to-end wait in the default
-# suite, and tests/unit/test_chaos_data_faults.py the data fault's window.
+# Heavy (two runs, about 90 s on two cores): tests/unit/test_chaos_data_faults.py keeps the data fault's
+# window in the default suite, and tests/unit/test_data_read_retry.py the wait.
 @pytest.mark.heavy
 @pytest.mark.timeout(600)  # two runs of the job: the reference and the throttled one
 def test_a_chaos_run_whose_data_store_throttles_every_read_for_12_s_matches_its_reference(ray_cluster, tmp_path):

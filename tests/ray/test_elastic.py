@@ -73,6 +73,9 @@ def test_kill_during_checkpoint_save_never_commits_a_partial_checkpoint(ray_clus
     assert report["final_loss"] == reference["final_loss"]
 
 
+# Heavy (about 20 s on two cores): tests/unit/test_controller.py's crash-loop test stops the job naming
+# step, rank and error, and tests/unit/test_failure_policy.py decides what a crash loop is.
+@pytest.mark.heavy
 def test_crash_loop_fails_with_step_rank_and_exception(ray_cluster, tmp_path):
     proc, path = run_job(ray_cluster, tmp_path, "loop", [
         "chaos.faults=[{kind: raise, rank: 2, at_step: 25, repeat: true, message: bad batch}]"])

@@ -32,6 +32,9 @@ def test_dp_replicas_pack_or_spread_over_nodes(ray_cluster, tmp_path, placement,
     assert f"2 rank actors up on {nodes} node(s)" in line and f"2 rank(s) over {nodes} node(s) ({placement})" in line
 
 
+# Heavy (about 25 s on two cores): tests/unit/test_placement.py keeps TP groups whole per bundle and node,
+# the dp test above spreads replicas over nodes, and tests/ray/test_sharded_job.py places whole TP groups.
+@pytest.mark.heavy
 def test_spread_tp_groups_stay_whole_on_distinct_nodes(ray_cluster, tmp_path):
     proc, _ = run_job(ray_cluster, tmp_path, "placetp", [
         *SHORT, "parallel.dp=2", "parallel.tp=2", "train.micro_batch=4", "resources.placement=spread"])

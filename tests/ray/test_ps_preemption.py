@@ -26,6 +26,10 @@ def _cmd(tmp_path, report, steps: int) -> list[str]:
     return cmd
 
 
+# Heavy (two runs, about 50 s on two cores): tests/unit/test_ps_supervisor.py cuts the segment at a signal
+# and stops at that commit, tests/unit/test_ps_checkpoint.py saves and restores servers, and the set-up
+# test below runs the parameter-server driver end to end to its exit 75.
+@pytest.mark.heavy
 def test_sigterm_stops_a_ps_job_with_exit_75_and_the_rerun_resumes(tmp_path):
     catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/ps-tiny"))
     log = tmp_path / "first.log"
