@@ -143,30 +143,34 @@ class ScalingPolicy:
                    runs)
 
     def valid(self, dp: int) -> bool:
-        return (dp >= self.min_dp and dp % self.dp_unit == 0
-                and self.global_batch % (dp * self.micro_batch) == 0 and self.runs(dp))
+        return dp >= self.min_dp and self._refusal(dp) is None
 
     def best_dp(self, ranks_available: int) -> int | None:
         """The largest valid dp that `ranks_available` ranks can hold, capped at the target."""
-        top = min(self.target_dp, ranks_available // self.model_parallel)
-        return next((dp for dp in range(top, 0, -1) if self.valid(dp)), None)
+        return next((dp for dp in range(self._top(ranks_available), 0, -1) if self.valid(dp)), None)
+
+    def _top(self, ranks_available: int) -> int:
+        return min(self.target_dp, ranks_available // self.model_parallel)
 
     def no_dp_because(self, ranks_available: int) -> str:
         """Why `best_dp(ranks_available)` is None, naming the fields that decide it."""
-        top = min(self.target_dp, ranks_available // self.model_parallel)
+        top = self._top(ranks_available)
         if top < self.min_dp:
             return f"{ranks_available} rank(s) hold dp {top}, below elastic.min_dp={self.min_dp}"
         tried = range(top, self.min_dp - 1, -1)
         why = "; ".join(f"dp {dp}: {self._refusal(dp)}" for dp in tried[:3]) + ("; ..." if len(tried) > 3 else "")
         return f"no dp from {top} down to elastic.min_dp={self.min_dp} works ({why})"
 
-    def _refusal(self, dp: int) -> str:
+    def _refusal(self, dp: int) -> str | None:
+        """What rules `dp` out besides elastic.min_dp, naming its field; None when nothing does."""
         if dp % self.dp_unit:
             return f"not whole replicas of {self.dp_unit} ranks (parallel.dp_replicate)"
         if self.global_batch % (dp * self.micro_batch):
             return (f"train.global_batch={self.global_batch} is not whole microbatches of "
                     f"train.micro_batch={self.micro_batch} on each rank")
-        return "the engine does not take the layout at that dp"
+        if not self.runs(dp):
+            return "the engine does not take the layout at that dp"
+        return None
 
 
 class CheckpointIntervalPolicy:
