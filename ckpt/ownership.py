@@ -207,7 +207,7 @@ def _reason_to_take(storage: Storage, newest: Claim, say: Callable[[str], None])
     state = standing(newest, time.time())
     if state == "stale":  # by two hosts' wall clocks: a clock far ahead here makes a live holder look stale
         try:
-            _watch(storage, newest, for_s=1.5 * newest.lease_s / BEATS_PER_LEASE)  # OwnerAlive if it beats
+            _glance(storage, newest)  # OwnerAlive if it beats
         except FileNotFoundError:
             return None
     if state == "running":
@@ -228,7 +228,12 @@ def refuse_a_beating_owner(storage: Storage) -> None:
     claim = newest_claim(storage)
     if claim is not None and standing(claim, time.time()) in ("running", "stale"):  # stale: by two hosts' clocks
         with contextlib.suppress(FileNotFoundError):  # it vanished: nobody holds the root
-            _watch(storage, claim, for_s=1.5 * claim.lease_s / BEATS_PER_LEASE)
+            _glance(storage, claim)
+
+
+def _glance(storage: Storage, claim: Claim) -> str:
+    """`_watch` for a beat interval and a half: long enough to see a live holder's beat advance."""
+    return _watch(storage, claim, for_s=1.5 * claim.lease_s / BEATS_PER_LEASE)
 
 
 def _watch(storage: Storage, claim: Claim, for_s: float | None = None) -> str:
