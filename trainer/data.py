@@ -76,7 +76,7 @@ def read_text_bytes(path: str, storage_options: dict | None = None) -> torch.Ten
         raise TextTooLarge(f"{path} holds {size / 2**20:.0f} MiB, more than source 'text' takes "
                            f"({MAX_TEXT_BYTES >> 20} MiB: every rank holds it whole); prepare it with `undying data "
                            "prepare` and train with data.source: tokens")
-    with fsspec.open(path, "rb", **(storage_options or {})) as handle:
+    with fs.open(where, "rb") as handle:
         raw = handle.read()
     try:
         raw.decode("utf-8")
