@@ -29,6 +29,12 @@ def normalise_url(url: str) -> str:
         raise UsageError(f"URL {err}") from None
 
 
+def unknown_protocol(named: str, err: BaseException) -> str:
+    """The line for a URL fsspec has no file system for (`named`: the argument and its value)."""
+    return (f"{named}: unknown or unavailable protocol ({error_reason(err)}); use file://, s3:// (with s3fs "
+            "installed) or a local path")
+
+
 def is_storage_error(err: BaseException) -> bool:
     """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors)."""
     return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
@@ -39,8 +45,7 @@ def open_catalog(url: str, options: dict) -> Catalog:
     try:
         storage = Storage(url, options)
     except (ValueError, ImportError) as err:
-        raise UsageError(f"URL {url}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
-                         "s3:// (with s3fs installed) or a local path") from None
+        raise UsageError(unknown_protocol(f"URL {url}", err)) from None
     except Exception as err:  # a filesystem that rejects its options, or cannot start at all
         raise UsageError(_cannot_open(url, options, err)) from None
     try:

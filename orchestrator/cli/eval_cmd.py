@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from orchestrator.cli.ckpt_catalog import unknown_protocol
 from orchestrator.cli.ckpt_cmd import (
     UsageError,
     committed_or_fail,
@@ -92,8 +93,7 @@ def _open_dataset(data: str, options: dict):
     try:
         fsspec.core.url_to_fs(url, **options)
     except (ValueError, ImportError) as err:  # an unknown protocol, or its package missing
-        raise UsageError(f"--data {data}: unknown or unavailable protocol ({error_reason(err)}); use file://, "
-                         "s3:// (with s3fs installed) or a local path") from None
+        raise UsageError(unknown_protocol(f"--data {data}", err)) from None
     try:
         return TokenDataset(url, options)
     except (NoManifest, TokenFormatError) as err:
