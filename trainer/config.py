@@ -87,6 +87,10 @@ class ModelConfig(_Strict):
                                       "explicit dimensions override its values")
     from_hf: str | None = Field(None, description="a Hugging Face model directory: its config.json gives the "
                                 "architecture, its safetensors the initial weights")
+    # Where the weights live and how to reach them, not what the model is: architecture() and the
+    # spec hash leave it out (credentials must not reach a manifest).
+    storage_options: dict = Field(default_factory=dict, description="fsspec options for from_hf (e.g. "
+                                  "endpoint_url); credentials go in storage_options_file")
     vocab_size: int | None = Field(None, gt=0, description="token ids the embedding holds (from the preset when unset)")
     n_layers: int | None = Field(None, gt=0, description="transformer blocks")
     n_heads: int | None = Field(None, gt=0, description="attention (query) heads; must divide d_model")
@@ -126,6 +130,13 @@ class ModelConfig(_Strict):
                 raise ValueError(f"from_hf: {err}") from None
             return merge_hf_architecture({**data, "from_hf": where})
         return data
+
+    @model_validator(mode="after")
+    def _options_need_a_directory(self) -> ModelConfig:
+        if self.storage_options and not self.from_hf:
+            raise ValueError("storage_options are for reading from_hf, and from_hf is not set; remove "
+                             "model.storage_options (and model.storage_options_file) or set model.from_hf")
+        return self
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:
@@ -171,9 +182,9 @@ class ModelConfig(_Strict):
         return self.d_model // self.n_heads
 
     def architecture(self) -> dict:
-        """Every resolved key as plain data, without `preset` or `from_hf`: rebuilds this model
-        with nothing else at hand (the checkpoint manifest carries it)."""
-        return self.model_dump(mode="json", exclude={"preset", "from_hf"})
+        """Every resolved key as plain data, without `preset`, `from_hf` or its storage options:
+        rebuilds this model with nothing else at hand (the checkpoint manifest carries it)."""
+        return self.model_dump(mode="json", exclude={"preset", "from_hf", "storage_options"})
 
     @property
     def kv_dim(self) -> int:

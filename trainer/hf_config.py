@@ -45,16 +45,22 @@ _LLAMA_DEFAULTS = {"max_seq_len": 2048, "norm_eps": 1e-6, "tie_embeddings": Fals
 OVERRIDABLE = {"max_seq_len", "dropout", "max_position_embeddings"}
 
 
-def read_hf_config(url: str) -> dict[str, Any]:
-    """The parsed config.json of the Hugging Face model directory at `url` (path or fsspec URL)."""
+def read_hf_config(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The parsed config.json of the Hugging Face model directory at `url` (path or fsspec URL),
+    read with `storage_options` (model.storage_options)."""
     path = url.rstrip("/") + "/config.json"
     try:
-        with fsspec.open(path, "rb") as f:
-            config = json.loads(f.read().decode("utf-8"))
+        with fsspec.open(path, "rb", **(storage_options or {})) as f:
+            data = f.read()
     except FileNotFoundError:
         raise ValueError(f"model.from_hf: no config.json at {path}; give a Hugging Face model directory") from None
-    except Exception as err:  # noqa: BLE001 (any store's client error: credentials, a missing library, bad bytes)
-        raise ValueError(f"model.from_hf: cannot read {path} ({type(err).__name__}: {err})") from None
+    except Exception as err:  # noqa: BLE001 (any store's client error: credentials, an option, a missing library)
+        raise ValueError(f"model.from_hf: cannot read {path} ({type(err).__name__}: {err}); check the URL and "
+                         "model.storage_options") from None
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except ValueError as err:  # UnicodeDecodeError is one
+        raise ValueError(f"model.from_hf: {path} is not UTF-8 JSON ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"model.from_hf: {path} is not a JSON object")
     return config
@@ -133,7 +139,8 @@ def merge_hf_architecture(data: dict[str, Any]) -> dict[str, Any]:
     Explicit keys may only restate the weights' architecture, except OVERRIDABLE ones (a
     shorter training context, dropout); anything else is refused, naming it."""
     try:
-        arch = architecture_from_hf(read_hf_config(data["from_hf"]))
+        options = data.get("storage_options")  # not a mapping: the field's own validation says so
+        arch = architecture_from_hf(read_hf_config(data["from_hf"], options if isinstance(options, dict) else None))
     except ValueError as err:
         raise ValueError(f"from_hf={data['from_hf']!r}: {err}") from None
     for key, value in data.items():

@@ -55,7 +55,8 @@ def load_pretrained(spec, engine, on_bytes=None) -> None:
     live = {piece.name: piece.tensor for piece in engine.state_slices(copy=False)}
     wanted = [piece.with_tensor(live.get(piece.name)) for piece in engine.wanted_slices()
               if piece.name.startswith("model/")]
-    engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model, on_bytes=on_bytes))
+    engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model,
+                                       storage_options=spec.model.storage_options, on_bytes=on_bytes))
 
 
 def restore_storage_setup(spec, faults, rank: int, notify):

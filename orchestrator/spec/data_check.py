@@ -28,13 +28,12 @@ def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
     return None
 
 
-def _cannot(url: str, what: str, err: BaseException) -> str:
+def _cannot(url: str, what: str, err: BaseException, options: str = "data.storage_options") -> str:
     """Why the store did not answer, naming the field to fix: an option or the credentials when it is
-    one of those (ckpt.storage_options), else the error in one line."""
+    one of those (ckpt.storage_options), else the error in one line. `options`: the field they came from."""
     from ckpt.storage_options import error_reason, explain
 
-    return explain(err, "data.storage_options") or \
-        f"{url} cannot be {what} ({error_reason(err)}); check the URL and data.storage_options"
+    return explain(err, options) or f"{url} cannot be {what} ({error_reason(err)}); check the URL and {options}"
 
 
 def _check_shards(ds, url: str, field: str, problems: list[Problem]) -> None:
@@ -83,14 +82,12 @@ def _pretrained_problems(spec: JobSpec) -> list[Problem]:
 
     url = spec.model.from_hf
     try:
-        check_directory(directory_entries(Storage(url.rstrip("/"))), spec.model, url)
+        check_directory(directory_entries(Storage(url.rstrip("/"), spec.model.storage_options)), spec.model, url)
     except ValueError as err:  # check_directory's words name the field; BadSafetensors names the file
         words = str(err)
         return [Problem("model.from_hf", words if words.startswith("model.from_hf") else f"{url}: {words}")]
     except Exception as err:  # noqa: BLE001 (the store's client)
-        from ckpt.storage_options import error_reason
-
-        return [Problem("model.from_hf", f"{url} cannot be read ({error_reason(err)}); check the URL")]
+        return [Problem("model.from_hf", _cannot(url, "read", err, "model.storage_options"))]
     return []
 
 

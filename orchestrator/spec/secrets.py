@@ -2,7 +2,7 @@
 
 Credentials reach fsspec in one of three ways: the environment (s3fs and botocore read
 `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_PROFILE` themselves),
-a file of storage options (`storage_options_file` in the `checkpoint`, `data` and `eval`
+a file of storage options (`storage_options_file` in the `checkpoint`, `data`, `eval` and `model`
 sections, `--storage-options-file` for the `undying ckpt`, `eval`, `report` and `data` commands), or
 the `storage_options` mapping of the YAML spec itself. Never the command line: an argument
 shows in `ps`, in the shell's history and in Ray's job list, so `--set` and
@@ -28,7 +28,7 @@ import yaml
 from orchestrator.spec.problems import Problem
 
 # Sections whose `storage_options` may come from a file.
-STORAGE_SECTIONS = ("checkpoint", "data", "eval")
+STORAGE_SECTIONS = ("checkpoint", "data", "eval", "model")
 FILE_KEY = "storage_options_file"
 # A key naming a credential: key, secret, token, password, session, credential, auth (any case,
 # anywhere in the key: aws_secret_access_key, client_kwargs.aws_session_token, ...).

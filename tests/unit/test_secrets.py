@@ -122,3 +122,18 @@ def test_no_secret_in_manifests_reports_or_logs(tmp_path, caplog):
     assert sum(b"spec_hash" in blob for blob in written) == 2  # both manifests were searched
     for text in [report.model_dump_json(), *lines, caplog.text, *(b.decode("latin-1") for b in written)]:
         assert SECRET not in text and KEY not in text
+
+
+def test_model_storage_options_come_from_a_file_and_stay_out_of_the_hash_and_the_architecture(tmp_path):
+    from tests._hf import save_hf
+
+    save_hf(tmp_path / "hf")
+    _write(tmp_path, "creds.yaml", {"key": KEY, "secret": SECRET})
+    plain = {**_spec_data(tmp_path), "model": {"from_hf": str(tmp_path / "hf")}}
+    spec = load_spec(_write(tmp_path, "job.yaml", {**plain, "model": {**plain["model"],
+                                                                      "storage_options_file": "creds.yaml"}}))
+    assert spec.model.storage_options == {"key": KEY, "secret": SECRET}  # config.json was read with them
+    assert spec_hash(spec) == spec_hash(validate_spec(plain))
+    assert SECRET not in json.dumps(spec.model.architecture())  # what a manifest carries of the model
+    with pytest.raises(SpecError, match=r"from_hf is not set; remove model.storage_options"):
+        validate_spec({**plain, "model": {"preset": "tiny", "storage_options": {"endpoint_url": "http://x"}}})
