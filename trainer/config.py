@@ -122,9 +122,10 @@ class ModelConfig(_Strict):
         # A Hugging Face directory supplies every architecture key; explicit keys may not
         # contradict it (they would silently train another model than the weights describe).
         if isinstance(data, dict) and data.get("from_hf") and isinstance(data["from_hf"], str):
-            from trainer.hf_config import merge_hf_architecture
+            from trainer.hf_config import merge_hf_architecture, refuse_a_hub_id
 
             try:  # absolute now: the ranks, in other working directories, read its safetensors
+                refuse_a_hub_id(data["from_hf"])
                 where = absolute_url(data["from_hf"])
             except ValueError as err:
                 raise ValueError(f"from_hf: {err}") from None

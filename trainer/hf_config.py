@@ -15,6 +15,8 @@ computation (token ids, dtype, cache use, provenance) are accepted and ignored.
 from __future__ import annotations
 
 import json
+import os
+import re
 from typing import Any
 
 import fsspec
@@ -41,8 +43,20 @@ _ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_pos
 # Dimensions a config.json must give, and what transformers' LlamaConfig assumes for the rest.
 _REQUIRED_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA_DEFAULTS = {"max_seq_len": 2048, "norm_eps": 1e-6, "tie_embeddings": False}
+# A Hub model id: organisation/name, as `hf download` takes it.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Keys of `model:` that may differ from the weights' config without changing what the weights mean.
 OVERRIDABLE = {"max_seq_len", "dropout", "max_position_embeddings"}
+
+
+def refuse_a_hub_id(value: str) -> None:
+    """ValueError when `value` (model.from_hf as written) is a Hub model id ("meta-llama/Llama-3.2-1B")
+    and no such local directory exists: undying reads a model directory, not the Hub, and the
+    plain "no config.json" under the working directory would not say what to do instead."""
+    if "://" not in value and _HUB_ID.fullmatch(value) and not os.path.exists(value):
+        raise ValueError(f"{value!r} is not a directory here and looks like a Hugging Face Hub model id; undying "
+                         f"reads a model directory (a path or any fsspec URL): download it first (`hf download "
+                         f"{value} --local-dir DIR`) and give DIR, or a copy of it on your object store")
 
 
 def read_hf_config(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

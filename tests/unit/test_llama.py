@@ -174,6 +174,13 @@ def test_from_hf_is_read_as_an_absolute_url_and_a_malformed_config_is_a_spec_err
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_scaling": "llama3"}))
     with pytest.raises(ValueError, match=r"config key 'rope_scaling': 'llama3' is not a JSON object"):
         ModelConfig(from_hf="hf")
+    # A Hub model id is no directory: the error says how to get one, not "no config.json" under the cwd.
+    (tmp_path / "meta-llama" / "Llama-3.2-1B").mkdir(parents=True)  # a download of it here is read as one
+    with pytest.raises(ValueError, match=r"no config.json at file://.*/meta-llama/Llama-3.2-1B"):
+        ModelConfig(from_hf="meta-llama/Llama-3.2-1B")
+    with pytest.raises(ValueError, match=r"looks like a Hugging Face Hub model id.*"
+                                         r"`hf download meta-llama/Llama-3.2-3B --local-dir DIR`"):
+        ModelConfig(from_hf="meta-llama/Llama-3.2-3B")
 
 
 def test_a_shorter_training_context_keeps_the_declared_one_in_the_export(tmp_path):
