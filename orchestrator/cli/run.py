@@ -52,10 +52,10 @@ from orchestrator.wire.store import RendezvousServer
 
 
 def run_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None,
-            worker_group: Callable[..., RayWorkerGroup] = RayWorkerGroup, fresh: bool = False) -> int:
-    """Run the job to its end; returns the exit code. `worker_group(spec, env_vars=...)` builds the
-    rank actors' group (the chaos command passes one that records the rank PIDs). `fresh`: start from
-    step 0 (`undying run --fresh`; the CLI has checked that no committed checkpoint is in the way)."""
+            worker_group: Callable[..., RayWorkerGroup] = RayWorkerGroup, fresh=False, experiment=False) -> int:
+    """Run the job to its end; returns the exit code. `worker_group(spec, env_vars=...)` builds the rank
+    actors' group (the chaos command's records the rank PIDs, and passes `experiment`: root_lease).
+    `fresh`: from step 0 (`undying run --fresh`: the CLI checked no committed checkpoint is in the way)."""
     import ray
 
     world = spec.world_size
@@ -84,7 +84,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
             return EXIT_USAGE
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
-        lease = claim_root(spec)
+        lease = claim_root(spec, experiment)
         if lease is None or refused_resume(spec):
             return EXIT_USAGE
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)

@@ -134,6 +134,26 @@ def test_fresh_never_deletes_checkpoints_no_experiment_made(tmp_path, capsys):
     assert "no `undying chaos` experiment made" in err and "--fresh leaves them" in err
 
 
+def test_a_job_run_in_an_experiment_s_root_takes_it_over_and_fresh_then_leaves_it(tmp_path, capsys):
+    """`undying run` of the spec an experiment used, in the root the experiment made: from its claim on
+    the root is the job's, so a later `chaos --fresh` must not delete the job's commits."""
+    from orchestrator.cli.root_lease import claim_root
+
+    assert chaos_main(_args(tmp_path, "--no-reference"), runner=FakeRunner()) == EXIT_OK
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])
+    storage = catalog_of(spec).storage
+    claim_root(spec, experiment=True).release()  # the experiment's own runs keep the marker
+    assert storage.exists(storage.path("chaos-experiment.json"))
+    capsys.readouterr()
+    claim_root(spec).release()
+    assert not storage.exists(storage.path("chaos-experiment.json"))
+    assert "it is this job's root now" in capsys.readouterr().out
+    runner = FakeRunner()
+    assert chaos_main(_args(tmp_path, "--fresh", "--no-reference"), runner=runner) == EXIT_USAGE
+    assert runner.names == [] and catalog_of(spec).committed_steps() == [STEPS]
+    assert "no `undying chaos` experiment made" in capsys.readouterr().err
+
+
 def test_a_job_s_root_without_checkpoints_yet_is_not_marked_as_an_experiment_s(tmp_path, capsys):
     # A running job before its first commit (its lease and event log there): a marker written now
     # would let a later --fresh delete the checkpoints that job commits.

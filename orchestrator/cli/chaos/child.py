@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = JobSpec.model_validate_json(sys.stdin.read())  # a pipe from run_rerunning (see the module doc)
     recorder = RankPidRecorder(lambda recorder: _write_pids(args.pids, recorder))
     return run_job(spec, address=args.address, report_path=args.report, timeline_path=None,
-                   worker_group=recorder.group_class)
+                   worker_group=recorder.group_class, experiment=True)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ is reused: it is deterministic); then the job runs with its faults; then every i
 on what it left and the pass/fail table is printed, and the run's timeline PNG is written
 (orchestrator.cli.chaos.timeline). A checkpoint root that already holds checkpoints of another run
 is refused (a chaos run must start from scratch), unless --fresh, which deletes it first, and only
-when an earlier experiment made it (it holds CHAOS_MARKER): a production job's checkpoints are never
-deleted by pointing the harness at its spec. Rank PIDs are taken from the ranks' own answers to the
+when an earlier experiment made it (it holds CHAOS_MARKER, which any other run's claim on the root
+takes away: orchestrator.cli.root_lease): a production job's checkpoints are never deleted by
+pointing the harness at its spec. Rank PIDs are taken from the ranks' own answers to the
 controller's pings (every actor of the run answers one before it trains) by recording them on the
 worker group; `run_job` has no hook for it, hence the subclass swapped in for the run. A spec with a
 kill_controller fault runs each job in a child process instead, rerun after the controller killed
@@ -311,9 +312,6 @@ def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
     return experiment.final_model(catalog)[1]
 
 
-# Written into every root an experiment runs in: --fresh deletes only roots that carry it, so
-# pointing `undying chaos --fresh` at a production job's spec cannot delete that job's checkpoints.
-CHAOS_MARKER = "chaos-experiment.json"
 
 
 def prepare_root(spec, fresh: bool) -> None:
@@ -322,6 +320,7 @@ def prepare_root(spec, fresh: bool) -> None:
     from ckpt.owner_claims import UnreadableClaim, live_owner
     from ckpt.ownership import OwnerAlive, refuse_a_beating_owner
     from orchestrator.cli.chaos import experiment
+    from orchestrator.cli.root_lease import CHAOS_MARKER
     from orchestrator.controller.kill import MARKER_DIR
 
     catalog = experiment.catalog_of(spec)

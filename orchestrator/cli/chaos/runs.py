@@ -103,7 +103,7 @@ def run_recorded(spec, *, address: str | None, report_path: str) -> RunOutcome:
     started = time.monotonic()
     try:
         code = run_job(spec, address=address, report_path=report_path, timeline_path=None,
-                       worker_group=recorder.group_class)
+                       worker_group=recorder.group_class, experiment=True)
     finally:
         # run_job leaves a cluster it joined connected; the next run of this process (the chaos
         # run after its reference, a sweep's next interval) must connect afresh.
