@@ -70,6 +70,7 @@ def committed_or_fail(catalog: Catalog) -> list[int]:
         if committed:
             return committed
         unfinished = catalog.all_steps()
+        quarantined = catalog.quarantined_steps() if unfinished else []
         exists = bool(unfinished) or catalog.storage.exists(catalog.storage.root)
         jobs = [] if unfinished or not exists else _job_dirs(catalog.storage)
     except PermissionError as err:
@@ -84,6 +85,12 @@ def committed_or_fail(catalog: Catalog) -> list[int]:
     if jobs:
         raise UsageError(f"URL {url} holds job directories, not checkpoints; give one job's checkpoint root, "
                          f"e.g. {url}/{jobs[0]}")
+    if quarantined:
+        rest = sorted(set(unfinished) - set(quarantined))
+        raise UsageError(f"URL {url} has no committed checkpoint: steps {steps_text(quarantined)} were quarantined "
+                         "as corrupt (manifests moved aside, files kept as evidence)"
+                         + (f", steps {steps_text(rest)} are unfinished saves" if rest else "")
+                         + "; `undying run --fresh` starts the job over from step 0")
     if unfinished:
         raise UsageError(f"URL {url} has no committed checkpoint, only unfinished saves (steps "
                          f"{steps_text(unfinished)}); nothing to work on until a save commits")

@@ -6,7 +6,7 @@ Each gathers its result as plain data first, then prints it as a table (the defa
 `json.loads`:
 
     ls      {"url", "committed": [{"step", "layout", "bytes", "created_at", "age_s", "generation",
-             "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps],
+             "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps], "quarantined": [steps],
              "owner": null or {"holder", "host", "pid", "epoch", "lease_s", "last_beat_age_s", "standing":
              "running" | "released" | "gone" | "stale"} or {"error"}}
     verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified",
@@ -45,7 +45,8 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
 
     committed = committed_or_fail(catalog)
-    unfinished = sorted(set(catalog.all_steps()) - set(committed))
+    quarantined = catalog.quarantined_steps()
+    unfinished = sorted(set(catalog.all_steps()) - set(committed) - set(quarantined))
     now, entries = time.time(), []
     for step in committed:
         try:
@@ -59,7 +60,7 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
     return {"url": catalog.storage.url, "committed": entries,
             "unfinished": [s for s in unfinished if s < committed[-1]],
             "in_progress": [s for s in unfinished if s > committed[-1]],
-            "owner": _owner(catalog)}
+            "quarantined": quarantined, "owner": _owner(catalog)}
 
 
 def _owner(catalog: Catalog) -> dict | None:
@@ -87,6 +88,9 @@ def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
               "`undying ckpt gc` deletes them")
     if listing["in_progress"]:
         print(f"saves in progress or abandoned (no manifest yet): steps {steps_text(listing['in_progress'])}")
+    if listing["quarantined"]:
+        print(f"quarantined as corrupt (manifest moved aside, files kept as evidence; gc leaves them): steps "
+              f"{steps_text(listing['quarantined'])}")
     if listing["owner"] is not None:
         print(_owner_line(listing["owner"]))
     return EXIT_OK

@@ -63,6 +63,25 @@ def test_ls_lists_committed_checkpoints_as_a_table(capsys, job):
     assert "steps 35" in out and "owner" not in out
 
 
+def test_ls_tells_quarantined_steps_from_unfinished_saves(capsys, job):
+    import json
+
+    url, catalog = job
+    catalog.quarantine(30)  # proven corrupt: its manifest moved aside, its files kept as evidence
+    code, out, _ = run(capsys, "ls", url)
+    lines = out.splitlines()
+    assert code == 0 and any(line.startswith("quarantined as corrupt") and line.endswith("steps 30") for line in lines)
+    assert "unfinished saves (no manifest): steps 15;" in out and lines[-2].endswith("yet): steps 35")  # 30 in neither
+    listing = json.loads(run(capsys, "ls", url, "--json")[1])
+    assert listing["quarantined"] == [30] and listing["in_progress"] == [35] and listing["unfinished"] == [15]
+    for step in (10, 20):
+        catalog.quarantine(step)
+    code, _, err = run(capsys, "ls", url)
+    _one_line_error(err, "no committed checkpoint: steps 10, 20, 30 were quarantined as corrupt",
+                    "steps 15, 35 are unfinished saves", "`undying run --fresh`")
+    assert code == 2
+
+
 def test_ls_says_who_drives_the_job(capsys, job):
     import json
     import os
