@@ -48,21 +48,28 @@ def add_eval_parser(sub) -> None:
     add_storage_option_args(p, "fsspec storage option for both URLs, e.g. endpoint_url=http://host:8333 (repeatable)")
 
 
-def _load_model(catalog, step: int, device: str):
+def _model_of(catalog, step: int):
+    """(model config, manifest) of committed `step`: its manifest only, so the arguments are checked
+    against the model before its weights are read."""
     from ckpt.hf_export import model_config_of
-    from ckpt.reader import load_checkpoint, read_manifest
+    from ckpt.reader import UnsupportedManifest, read_manifest
+
+    try:
+        manifest = read_manifest(catalog, step)
+        return model_config_of(manifest), manifest
+    except (UnsupportedManifest, ValueError) as err:  # another undying's manifest; a model we cannot build
+        raise UsageError(f"--step {step}: {err}") from None
+
+
+def _load_model(catalog, step: int, cfg, manifest, device: str):
+    from ckpt.reader import load_checkpoint
     from trainer.model import build_model
 
-    manifest = read_manifest(catalog, step)
-    try:
-        cfg = model_config_of(manifest)
-    except ValueError as err:
-        raise UsageError(f"--step {step}: {err}") from None
     names = [n for n in manifest.tensors if n.startswith("model/")]
     tensors, _ = load_checkpoint(catalog, step, names)
     model = build_model(cfg, seed=0, device=device)
     model.load_state_dict({n.removeprefix("model/"): t for n, t in tensors.items()}, strict=True)
-    return model, cfg, manifest
+    return model
 
 
 def _check_device(device: str) -> None:
@@ -116,7 +123,7 @@ def _evaluate(args: argparse.Namespace) -> dict:
     catalog = open_catalog(args.url, options)
     step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
     dataset = _open_dataset(args.data, options)
-    model, cfg, manifest = _load_model(catalog, step, args.device)
+    cfg, manifest = _model_of(catalog, step)
     if dataset.vocab_size > cfg.vocab_size:
         raise UsageError(f"--data {args.data}: token ids up to {dataset.vocab_size - 1}, beyond the model's "
                          f"vocabulary of {cfg.vocab_size}; evaluate on data tokenized for this model")
@@ -127,7 +134,7 @@ def _evaluate(args: argparse.Namespace) -> dict:
         windows = eval_windows(dataset, seq_len, args.windows)
     except ValueError as err:
         raise UsageError(f"--windows {args.windows}: {err}") from None
-    result = loss_of_model(model, windows)
+    result = loss_of_model(_load_model(catalog, step, cfg, manifest, args.device), windows)
     return {"loss": result.loss, "tokens": result.tokens, "step": step, "windows": result.windows,
             "seq_len": result.seq_len, "data": args.data}
 

@@ -86,6 +86,22 @@ def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
         assert words in out["error"], out
 
 
+def test_arguments_and_the_manifest_are_checked_before_the_weights_are_read(tmp_path, dataset, capsys, monkeypatch):
+    import ckpt.reader
+
+    save_hf(tmp_path / "hf")
+    catalog = commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck")
+    url, step = f"file://{tmp_path}/ck", catalog.latest()
+    monkeypatch.setattr(ckpt.reader, "load_checkpoint", lambda *a, **k: pytest.fail("the weights were read"))
+    assert main(["eval", url, "--data", str(dataset), "--windows", "500", "--seq-len", str(T)]) == 2
+    assert "--windows 500" in capsys.readouterr().err
+    doc = json.loads(catalog.storage.read(catalog.manifest_path(step)))
+    (tmp_path / "ck" / f"step-{step:09d}" / "manifest.json").write_text(json.dumps({**doc, "schema_version": 99}))
+    assert main(["eval", url, "--data", str(dataset)]) == 2  # a newer undying's checkpoint: one line, no traceback
+    err = capsys.readouterr().err
+    assert f"--step {step}:" in err and "schema_version 99" in err and "Traceback" not in err
+
+
 def test_the_engines_evaluation_equals_the_one_process_loss(tmp_path, dataset):
     save_hf(tmp_path / "hf")
     engine = engine_from_hf(tmp_path / "hf")
