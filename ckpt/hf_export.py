@@ -16,6 +16,7 @@ Names follow trainer.hf_names; the dtype is the checkpoint's (fp32 master weight
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -64,19 +65,26 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def _copy_tokenizer(tokenizer_url: str, out_dir: str) -> list[str]:
-    """Copy the tokenizer files found at `tokenizer_url` (a tokenizer.json or a directory holding one)."""
+def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha256: str | None) -> list[str]:
+    """Copy the tokenizer files found at `tokenizer_url` (a tokenizer.json or a directory holding one),
+    read with `storage_options`; ValueError when tokenizer.json is missing, or when `sha256` (the one
+    the job trained with, as the checkpoint records it) is given and the file is another."""
     base = tokenizer_url[: -len("tokenizer.json")] if tokenizer_url.endswith("tokenizer.json") else tokenizer_url
     base = base.rstrip("/")
     copied = []
     for name in TOKENIZER_FILES:
-        fs, path = fsspec.core.url_to_fs(f"{base}/{name}")
+        fs, path = fsspec.core.url_to_fs(f"{base}/{name}", **storage_options)
         if fs.exists(path):
             with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
                 shutil.copyfileobj(src, dst)
             copied.append(name)
     if "tokenizer.json" not in copied:
         raise ValueError(f"no tokenizer.json at {base}; pass --tokenizer with the tokenizer the job trained with")
+    with open(os.path.join(out_dir, "tokenizer.json"), "rb") as f:
+        got = hashlib.sha256(f.read()).hexdigest()
+    if sha256 is not None and got != sha256:
+        raise ValueError(f"{base}/tokenizer.json is not the tokenizer the job trained with (SHA-256 {got[:12]}..., "
+                         f"the checkpoint records {sha256[:12]}...); pass --tokenizer with that one")
     return copied
 
 
@@ -102,10 +110,12 @@ def save_hf(model: ModelConfig, weights: dict, out_dir: str, token_ids: dict | N
 
 def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_url: str | None = None,
+              tokenizer_sha256: str | None = None, storage_options: dict | None = None,
               token_ids: dict | None = None, on_bytes=None) -> list[str]:
     """Write checkpoint `step` as a Hugging Face directory at `out_dir` (which must not exist or be
-    empty); returns the files written. ValueError when the model is not a Llama architecture.
-    `on_bytes(n, total)` follows the weight bytes written over every shard file."""
+    empty); returns the files written. ValueError when the model is not a Llama architecture, or the
+    tokenizer is missing or not the one `tokenizer_sha256` names (checked before any weight is
+    written; read with `storage_options`). `on_bytes(n, total)` follows the weight bytes written."""
     manifest = catalog.read_manifest(step)
     model = model_config_of(manifest)
     names = {stored: to_hf(stored[len(PREFIX):]) for stored in sorted(manifest.tensors) if stored.startswith(PREFIX)}
@@ -117,6 +127,7 @@ def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = 
     tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex}")
     os.makedirs(tmp)
     try:
+        copied = _copy_tokenizer(tokenizer_url, tmp, storage_options or {}, tokenizer_sha256) if tokenizer_url else []
         metadata = {"format": "pt", "undying.job": manifest.job, "undying.step": str(step)}
         total = sum(t.nbytes for t in tensors)
         for file, shard in zip(files, shards, strict=True):
@@ -129,7 +140,6 @@ def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = 
                 json.dump(index, f, indent=2, sort_keys=True)
         stored_dtype = dtype or manifest.tensors[next(iter(names))].dtype
         _write_configs(tmp, model, stored_dtype, token_ids or {})
-        copied = _copy_tokenizer(tokenizer_url, tmp) if tokenizer_url else []
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked by the caller); a non-empty one raises here
         os.replace(tmp, out_dir)

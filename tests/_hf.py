@@ -37,7 +37,9 @@ def engine_from_hf(path) -> Engine:
     return engine
 
 
-def commit(engine: Engine, root) -> Catalog:
+def commit(engine: Engine, root, tokenizer: dict | None = None) -> Catalog:
+    """`engine`'s state committed as a checkpoint under `root`; `tokenizer`: what a job on prepared
+    data records of its tokenizer ({"url", "sha256", "token_ids"})."""
     catalog = Catalog(Storage(f"file://{root}", {}))
     receipts = []
     step = engine.next_step
@@ -45,7 +47,7 @@ def commit(engine: Engine, root) -> Catalog:
                 async_save=False).save(step, engine.state_slices(), {})
     catalog.commit(job="j", step=step, generation=0, layout={}, spec_hash="h", receipts=receipts,
                    state={"engine": engine.state_meta(), "model": engine.model_config.architecture(),
-                          "seq_len": engine.data_config.seq_len})
+                          "seq_len": engine.data_config.seq_len, **({"tokenizer": tokenizer} if tokenizer else {})})
     return catalog
 
 

@@ -80,7 +80,8 @@ def add_ckpt_parser(sub) -> None:
     parsers["export"].add_argument("--max-shard-size", help="--format hf: split the weights into "
                                    "files of at most this size, with an index (default 5GB)")
     parsers["export"].add_argument("--tokenizer", help="--format hf: tokenizer.json (or its directory) to ship "
-                                   "(default: the one the job trained with, when the checkpoint records it)")
+                                   "(default: the one the job trained with, when the checkpoint records it; either "
+                                   "is read with the storage options given and must match the recorded SHA-256)")
     parsers["gc"].add_argument("--keep", type=int, default=3, help="committed checkpoints kept (default 3, min 1)")
     parsers["gc"].add_argument("--dry-run", action="store_true", help="print what would be deleted (reading the "
                                "checkpoints it verifies, as a real run does); delete nothing")
@@ -136,13 +137,14 @@ def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) 
     out = os.path.abspath(os.path.expanduser(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {args.out} exists and is not an empty directory; choose a new directory")
-    tokenizer = args.tokenizer or manifest.state.get("tokenizer", {}).get("url")
+    recorded = manifest.state.get("tokenizer", {})
     try:
         with Progress(f"undying ckpt export step {step}") as progress:
             files = export_hf(catalog, step, out, dtype=EXPORT_DTYPES.get(args.dtype),
-                              max_shard_bytes=parse_size(args.max_shard_size), tokenizer_url=tokenizer,
-                              token_ids=manifest.state.get("tokenizer", {}).get("token_ids"),
-                              on_bytes=progress.advance)
+                              max_shard_bytes=parse_size(args.max_shard_size),
+                              tokenizer_url=args.tokenizer or recorded.get("url"),
+                              tokenizer_sha256=recorded.get("sha256"), storage_options=catalog.storage.storage_options,
+                              token_ids=recorded.get("token_ids"), on_bytes=progress.advance)
     except (ValueError, KeyError) as err:
         raise UsageError(f"--format hf: {err}") from None
     print(f"wrote {out}: {', '.join(files)} (step {step})")

@@ -42,3 +42,21 @@ def test_pretrained_weights_on_s3_load_with_the_model_storage_options(s3_backend
     wrong = {**s3_backend.storage_options, "secret": "not-the-secret"}
     with pytest.raises(SpecError, match=r"model\.from_hf.*check the URL and model\.storage_options"):
         _spec(url, wrong, tmp_path)
+
+
+def test_export_ships_a_tokenizer_kept_on_s3_read_with_the_command_s_options(s3_backend, tmp_path):
+    import hashlib
+
+    from orchestrator.cli.main import main
+    from tests._corpus import documents, train_tokenizer
+    from tests._hf import commit
+
+    save_hf(tmp_path / "hf")
+    tok = train_tokenizer(tmp_path / "tokenizer.json", documents(20, seed=1))
+    url = f"{s3_backend.url}/tokenizer"
+    s3_backend.server.filesystem().put_file(str(tok), f"{url}/tokenizer.json")
+    recorded = {"url": f"{url}/tokenizer.json", "sha256": hashlib.sha256(tok.read_bytes()).hexdigest()}
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck", tokenizer=recorded)
+    argv = ["ckpt", "export", f"file://{tmp_path}/ck", "--format", "hf", "--out", str(tmp_path / "out")]
+    assert main([*argv, *s3_backend.cli_options()]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == tok.read_bytes()

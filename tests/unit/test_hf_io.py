@@ -71,6 +71,32 @@ def test_cli_exports_bf16_and_refuses_a_model_transformers_cannot_hold(tmp_path,
     assert not (tmp_path / "g").exists()
 
 
+def test_export_ships_the_recorded_tokenizer_checked_before_any_weight_is_written(tmp_path, capsys, monkeypatch):
+    import hashlib
+
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    import ckpt.hf_export
+    from tests._corpus import documents, train_tokenizer
+
+    save_hf(tmp_path / "hf")
+    tok = train_tokenizer(tmp_path / "tok" / "tokenizer.json", documents(20, seed=1))
+    recorded = {"url": f"file://{tok}", "sha256": hashlib.sha256(tok.read_bytes()).hexdigest(),
+                "token_ids": {"eos_token_id": 1}}
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck", tokenizer=recorded)
+    url = f"file://{tmp_path}/ck"
+    assert main(["ckpt", "export", url, "--format", "hf", "--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == tok.read_bytes()
+    text = "three plus four is seven"
+    ids = Tokenizer.from_file(str(tok)).encode(text).ids
+    assert AutoTokenizer.from_pretrained(tmp_path / "a")(text)["input_ids"] == ids
+    train_tokenizer(tok, documents(20, seed=2))  # another tokenizer where the job's was
+    monkeypatch.setattr(ckpt.hf_export, "write_safetensors", lambda *a, **k: pytest.fail("weights written first"))
+    assert main(["ckpt", "export", url, "--format", "hf", "--out", str(tmp_path / "b")]) == 2
+    assert "is not the tokenizer the job trained with" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
 def test_a_directory_with_a_weight_undying_would_drop_is_refused(tmp_path):
     hf = save_hf(tmp_path / "hf")
     from safetensors.torch import save_file
