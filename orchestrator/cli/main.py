@@ -233,7 +233,12 @@ def _plan(args) -> int:
     try:  # planning needs no storage: only the spec is checked
         spec = load_spec(args.spec, args.overrides)
     except SpecError as err:
-        print_problems(err.problems)
+        if not args.as_json:
+            print_problems(err.problems)
+        else:  # as `validate --json` lists them, with the failure's error and exit as `fail_line` gives
+            print(json.dumps({"error": f"the job cannot run as written ({len(err.problems)} problem(s))",
+                              "exit": EXIT_USAGE, "problems": [{"field": p.field, "message": p.message}
+                                                               for p in err.problems]}))
         return EXIT_USAGE
     return plan_main(spec, args.gpus, args.gpu, args.as_json)
 

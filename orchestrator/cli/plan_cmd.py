@@ -11,9 +11,8 @@ arguments are wrong (the CLI's "cannot run as written").
 from __future__ import annotations
 
 import json
-import sys
 
-from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE
+from orchestrator.cli.exits import EXIT_OK, EXIT_USAGE, fail_line
 from orchestrator.spec.job_spec import JobSpec
 from trainer.costmodel.hardware import DEVICE_NAMES, hardware
 from trainer.costmodel.planner import Plan, capacity_bytes, plan
@@ -28,8 +27,7 @@ def plan_main(spec: JobSpec, gpus: int, gpu: str, as_json: bool) -> int:
     wrong = ([f"--gpus {gpus}: must be at least 1"] if gpus < 1 else []) + (
         [f"--gpu {gpu!r}: one of {', '.join(DEVICE_NAMES)}"] if gpu.lower() not in DEVICE_NAMES else [])
     if wrong:
-        print(f"undying plan: {'; '.join(wrong)}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail_line(as_json, f"undying plan: {'; '.join(wrong)}", EXIT_USAGE)
     result = plan(spec, hardware(gpu, precisions=(spec.train.precision,)), gpus)
     if as_json:
         print(json.dumps(plan_json(spec, result), indent=2))

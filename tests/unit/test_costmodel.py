@@ -385,6 +385,15 @@ def test_plan_command_prints_a_table_and_json(capsys):
     assert plan_main(spec, 8, "tpu", as_json=False) == 2
     assert "--gpu 'tpu': one of" in capsys.readouterr().err
     assert not math.isnan(data["valid"][0]["prediction"]["mfu"])
+    # --json: failures are one JSON object on stdout too, a spec's problems listed by field
+    assert plan_main(spec, 0, "h100", as_json=True) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": "undying plan: --gpus 0: must be at least 1", "exit": 2} and not err
+    from orchestrator.cli.main import main
+
+    assert main(["plan", DEMO, "--gpus", "8", "--json", "--set", "parallel.dp=0"]) == 2
+    out, err = capsys.readouterr()
+    assert [p["field"] for p in json.loads(out)["problems"]] == ["parallel.dp"] and not err
 
 
 def test_the_driver_warns_when_the_cost_model_finds_the_layout_too_big_for_the_cluster_s_gpus():
