@@ -190,6 +190,16 @@ def test_usage_mistakes_exit_2_before_anything_runs(tmp_path, capsys):
                  ["chaos", "examples/demo.yaml", "--step-s", "0"]):
         assert chaos_main(_parser().parse_args(argv), runner=runner) == EXIT_USAGE
         assert "--step-s" in capsys.readouterr().err and runner.names == []
+    for flag in (["--report", str(tmp_path / "r.json")], ["--no-reference"]):  # a sweep would ignore them
+        argv = ["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s", *flag]
+        assert chaos_main(_parser().parse_args(argv), runner=runner) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert flag[0] in err and "belong to a single experiment" in err
+    # A root holding another run's checkpoints is refused before the reference run, not after it.
+    save_checkpoint(catalog_of(load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt",
+                                                               "name=unit"])), 2, {"model/w": torch.ones(3, 2)})
+    assert chaos_main(_args(tmp_path), runner=runner) == EXIT_USAGE
+    assert "already holds checkpoints" in capsys.readouterr().err and runner.names == []
 
 
 def test_sweep_runs_each_interval_under_the_same_failures_and_writes_json_and_plot(tmp_path, capsys):

@@ -98,8 +98,9 @@ def chaos_main(args, runner: Runner | None = None) -> int:
         print(f"undying chaos sweep: --step-s {args.step_s:g}: must be a positive number of seconds (or left out: a "
               "short run measures it)", file=sys.stderr)
         return EXIT_USAGE
-    if sweep and args.timeline:
-        print("undying chaos: --timeline belongs to a single experiment; a sweep plots with --plot", file=sys.stderr)
+    if sweep and (args.timeline or args.report or args.no_reference):
+        print("undying chaos: --timeline, --report and --no-reference belong to a single experiment; a sweep "
+              "plots with --plot and writes its numbers with --out, and runs no reference", file=sys.stderr)
         return EXIT_USAGE
     try:
         spec = _load(words[0], args)
@@ -165,11 +166,11 @@ def experiment_main(spec, args, runner: Runner) -> int:
 
     reference = None
     try:
+        prepare_root(spec, args.fresh)  # before the reference run: a root it refuses wastes none
         if not args.no_reference:
             reference = ensure_reference(spec, runner, args.address, args.fresh)
             if reference is None:
                 return EXIT_FAILED
-        prepare_root(spec, args.fresh)
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
