@@ -32,6 +32,7 @@ class Checkpoints:
     every_steps: int | None
     job: checkpoint.PSJob
     storage_options: dict | None = None
+    max_failed_saves: int = 3  # checkpoint.max_failed_saves (paramserver.save_streak)
     # Called with each Commit this run makes (the job's Prometheus exporter: the last commit's time
     # and size, which the "no checkpoint lately" alert reads).
     on_commit: Callable[[object], None] | None = None

@@ -52,6 +52,7 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
+from paramserver.save_streak import SaveStreak
 from paramserver.step_logs import StepLogs
 from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, stop_all, take
 from paramserver.update_history import UpdateHistory
@@ -79,6 +80,7 @@ class Supervisor:
         self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
         self.failures: list[Failure] = []
         self.saved: list[int] = []  # checkpoint steps committed by this run
+        self.save_streak = SaveStreak(checkpoints.max_failed_saves if checkpoints else 1)
         self.pids: dict[str, int] = {}  # every actor process this job started, by label
         self.start_step = 0
         self.redone = 0  # step executions thrown away by rollbacks
@@ -152,6 +154,7 @@ class Supervisor:
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
                                                    state={"goodput": self.ledger.totals()})
             self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
+            self.save_streak.committed()
             self.history.committed(end)
             self.logs.committed(end)
             if commit is not None and self.ckpt.on_commit is not None:
@@ -161,8 +164,8 @@ class Supervisor:
                 return None
             return self._rollback(start, {}, set(), "a server died during the checkpoint save",
                                   self._productive_at_start)
-        except checkpoint.PSCheckpointError as err:  # the job goes on; a rollback goes to an older commit
-            log.warning("checkpoint step %d was not committed (%s); training goes on", end, err)
+        except checkpoint.PSCheckpointError as err:  # the job goes on (a rollback goes to an older commit)
+            self.save_streak.failed(end, end == self.steps, err)  # unless the final save or too many in a row
         return None
 
     def last_commit(self) -> int | None:

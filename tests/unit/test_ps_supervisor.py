@@ -22,6 +22,7 @@ from monitor.goodput import GoodputLedger
 from paramserver import supervisor as sup
 from paramserver.lockstep import build_in_process, run_lockstep
 from paramserver.recovery import Fault
+from paramserver.save_streak import SavesFailing
 from tests._ps_fake import DATA, MODEL, PAR, PIECES, TRAIN, FakeServer, FakeWorker, Method, World
 
 
@@ -275,19 +276,41 @@ def test_a_server_that_dies_in_a_save_that_fails_is_rolled_back_not_fatal_to_the
     # segment's polls find the server; the metrics get each drain's stats before a save.
     killed = []
 
+    save = world.save
+
     def failing_and_killing(servers, root, step, **kwargs):
         if not killed:
             killed.append(servers[0].pid)
             servers[0].kill()
-        raise sup.checkpoint.PSCheckpointError(f"step {step}: the store said no")
+            raise sup.checkpoint.PSCheckpointError(f"step {step}: the store said no")
+        return save(servers, root, step, **kwargs)
 
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", failing_and_killing)
     seen = []
     supervisor, losses, _ = _run(world, on_stats=lambda stats: seen.append([s.version for s in stats]))
     [failure] = supervisor.failures
     assert (failure.kind, failure.target, failure.resumed_at, failure.from_checkpoint) == ("server", 0, 0, False)
-    assert losses == expected and _applied_once(supervisor) and supervisor.saved == []
+    assert losses == expected and _applied_once(supervisor) and supervisor.saved == [4, 8]
     assert seen and seen[-1] == [TRAIN.steps] * PAR.servers  # the last save's stats, from the live servers
+
+
+@pytest.mark.parametrize("failing, every, words", [
+    ({8}, 4, "the final checkpoint (step 8) was not committed (step 8: the store said no)"),
+    ({1, 2, 4, 5, 6}, 1, "3 consecutive saves failed (steps 4, 5, 6; checkpoint.max_failed_saves=3)"),
+])
+def test_the_final_save_or_a_run_of_failed_saves_fails_the_job(world, monkeypatch, failing, every, words):
+    save, tried = world.save, []
+
+    def refusing(servers, root, step, **kwargs):
+        tried.append(step)
+        if step in failing:
+            raise sup.checkpoint.PSCheckpointError(f"step {step}: the store said no")
+        return save(servers, root, step, **kwargs)
+
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", refusing)
+    with pytest.raises(SavesFailing) as failed:
+        _run(world, every=every)
+    assert words in str(failed.value) and tried[-1] == max(failing)  # two failures, then a commit: goes on
 
 
 def test_a_moved_server_that_finds_no_seat_stays_and_the_job_goes_on(world, expected):
