@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("orchestrator", "trainer", "ckpt", "monitor", "chaos", "bench", "scripts")
+PRODUCT = ("orchestrator", "trainer", "ckpt", "monitor", "chaos", "paramserver", "bench", "scripts")
 TESTS = ("tests",)
 BOUNDS = {"product": (400, 60), "tests": (600, 120)}
 
