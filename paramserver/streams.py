@@ -6,7 +6,7 @@ logs that are ready, and once the stream has ended, its error (None when the run
 When a segment stops, `stop_all` takes every stream to its end and `dead_servers` finds the
 servers that died.
 `arm_holds` and `drop_holds` place and remove the pull holds of injected faults (paramserver.gate)
-and wait until the servers have them.
+and wait until the servers have them; `held_pulls` says which are held now.
 """
 
 from __future__ import annotations
@@ -102,6 +102,21 @@ def arm_holds(servers: list, holds: list[tuple[int, int, int]]) -> None:
     passed before its hold was placed would never fire its fault, silently."""
     with contextlib.suppress(RayActorError, GetTimeoutError):
         ray.get([servers[k].hold.remote(worker, step) for k, worker, step in holds], timeout=HOLD_S)
+
+
+def held_pulls(servers: list, asked: dict[int, object], armed: set[int]) -> dict[int, list]:
+    """{server: the pulls held there} for each server of `armed` whose `held` call has answered;
+    `asked` (server -> its outstanding call, kept by the caller across polls) is asked again next
+    poll. A dead server is left out: its progress poll reports it."""
+    answered = {}
+    for k in sorted(armed):
+        if k not in asked:
+            asked[k] = servers[k].held.remote()
+        if not ray.wait([asked[k]], timeout=0)[0]:
+            continue
+        with contextlib.suppress(RayActorError):
+            answered[k] = ray.get(asked.pop(k))
+    return answered
 
 
 def drop_holds(servers: list, worker: int) -> None:

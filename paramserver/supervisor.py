@@ -54,13 +54,14 @@ from paramserver.recovery import (
 )
 from paramserver.save_streak import SaveStreak
 from paramserver.step_logs import StepLogs
-from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, stop_all, take
+from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, held_pulls, stop_all, take
 from paramserver.update_history import UpdateHistory
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
 STOP_S = 120.0  # a worker that has not stopped this long after the servers were aborted is killed
 MAX_ROLLBACKS = 3  # one segment rolled back this often in a row fails the job (a crash loop)
+MAX_REPLACEMENTS = 3  # a worker replaced this often with no step landing (it cannot start) rolls back
 
 
 class Supervisor:
@@ -87,6 +88,7 @@ class Supervisor:
         self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
         self._pauses: dict[int, Failure] = {}  # worker -> its replacement, until the first push lands
         self._dead_workers: set[int] = set()
+        self._replaced: dict[int, int] = {}  # worker -> replacements since a step of its last landed
         self.held_calls: dict[int, object] = {}  # server -> its outstanding `held` call
         self._productive_at_start = 0.0
         self._pid_of: dict[tuple[str, int], int] = {}  # the live process of each server and worker
@@ -239,6 +241,9 @@ class Supervisor:
             if not actor_died(error):
                 return f"worker {w}'s run failed: {brief(error)}"
             self._dead_workers.add(w)
+            if (tries := self._replaced.get(w, 0)) >= MAX_REPLACEMENTS:  # a rollback's reason: MAX_ROLLBACKS bounds it
+                return f"worker {w} was replaced {tries} times and died before a step: {brief(error)}"
+            self._replaced[w] = tries + 1
             stream = self._replace_worker(w, start, end)
             if stream is None:
                 return f"worker {w} died and could not resume alone"
@@ -247,6 +252,7 @@ class Supervisor:
 
     def _on_log(self, entry: StepLog) -> None:
         self.logs.add(entry)
+        self._replaced.pop(entry.worker, None)
         if self.on_step is not None:
             self.on_step(entry)
         self._note_pid("worker", entry.worker, entry.pid)
@@ -313,17 +319,8 @@ class Supervisor:
     def _fire(self, start: int, end: int) -> set[int]:
         """Fire the faults whose pulls are held now: kill the worker, or the server; the servers killed."""
         killed: set[int] = set()
-        for k in sorted({server for server, _, _ in self.plan.holds(start, end, len(self.workers))}):
-            if k not in self.held_calls:
-                self.held_calls[k] = self.servers[k].held.remote()
-            ref = self.held_calls[k]
-            if not ray.wait([ref], timeout=0)[0]:
-                continue
-            del self.held_calls[k]
-            try:
-                held = ray.get(ref)
-            except RayActorError:
-                continue  # its progress poll reports it
+        armed = {server for server, _, _ in self.plan.holds(start, end, len(self.workers))}
+        for k, held in held_pulls(self.servers, self.held_calls, armed).items():
             for fault_id in self.plan.due(k, held, start, end, len(self.workers)):
                 fault = self.plan.fire(fault_id)
                 kind, index = fault.kind, fault.target

@@ -33,6 +33,9 @@ class Died(RayActorError):
     def __init__(self, what: str = "actor died"):
         Exception.__init__(self, what)
 
+    def __str__(self) -> str:
+        return self.args[0]
+
 
 class CallFailed(RayTaskError):
     def __init__(self, what: str = "a call of the run failed"):

@@ -23,7 +23,7 @@ from paramserver import supervisor as sup
 from paramserver.lockstep import build_in_process, run_lockstep
 from paramserver.recovery import Fault
 from paramserver.save_streak import SavesFailing
-from tests._ps_fake import DATA, MODEL, PAR, PIECES, TRAIN, FakeServer, FakeWorker, Method, World
+from tests._ps_fake import DATA, MODEL, PAR, PIECES, TRAIN, Died, FakeServer, FakeWorker, Method, World
 
 
 @pytest.fixture
@@ -94,6 +94,27 @@ def test_a_dead_worker_is_replaced_where_the_servers_have_it_and_nobody_else_res
     assert failure.detected_at > failure.injected_at
     assert totals["detection"] == pytest.approx(failure.detected_at - failure.injected_at)
     assert sum(totals.values()) == pytest.approx(ledger.wall())
+
+
+def test_a_worker_whose_replacements_keep_dying_fails_the_job_instead_of_replacing_it_forever(world, monkeypatch):
+    started, start_worker = Counter(), world.start_worker
+
+    def start(w):  # worker 1's replacements die as they start (a constructor that runs out of memory)
+        worker, started[w] = start_worker(w), started[w] + 1
+        if w == 1 and started[w] > 1:
+            run = worker._run
+            worker.run = types.SimpleNamespace(remote=lambda *a, **k: _ended(run(*a, **k)))
+        return worker
+
+    def _ended(stream):
+        stream.end(Died("the actor died in __init__: out of memory"))
+        return stream
+
+    monkeypatch.setattr(world, "start_worker", start)
+    with pytest.raises(RuntimeError, match=r"rolled back 4 times in a row") as failed:
+        _run(world, [Fault("worker", 1, 5)])
+    assert "worker 1 was replaced 3 times and died before a step" in str(failed.value)
+    assert "out of memory" in str(failed.value) and started[1] == 1 + 3 + 4  # then one per rollback
 
 
 def test_a_dead_server_rolls_every_server_back_to_the_last_commit(world, expected):
