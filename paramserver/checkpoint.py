@@ -24,6 +24,7 @@ step that is retried, or tears before its commit, never overwrites a file a comm
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from ray.exceptions import RayTaskError
 from ckpt.catalog import Catalog
 from ckpt.commit import Commit, Committer, storage_failure
 from ckpt.config import DEFAULT_READ_RETRY_S
+from ckpt.errors import CorruptCheckpoint
 from ckpt.manifest import ShardReceipt
 from ckpt.ownership import OwnerLease
 from ckpt.reader import read_manifest, read_slices
@@ -47,6 +49,8 @@ from trainer.dtensor_slices import optimizer_fields
 from trainer.engine_state import STATE_FORMAT
 from trainer.optim import lr_at
 from trainer.state_slices import TensorSlice
+
+log = logging.getLogger(__name__)
 
 PS_STATE = "ps"  # the manifest's state key of what only a PS job records
 
@@ -238,3 +242,28 @@ def restore_servers(servers: list, root: str, step: int, *, storage_options: dic
                     clock: int | None = None, read_retry_s: float = DEFAULT_READ_RETRY_S) -> list[int]:
     """Load committed checkpoint `step` into every given server at once; their versions."""
     return _call(servers, "load_shard", root, step, storage_options, clock=clock, read_retry_s=read_retry_s)
+
+
+def restore_newest_intact(servers: list, root: str, step: int, *, storage_options: dict | None = None,
+                          read_retry_s: float = DEFAULT_READ_RETRY_S, owner: OwnerLease | None = None) -> int:
+    """Restore committed `step` into every server; when its bytes prove corrupt (CorruptCheckpoint: a
+    checksum still wrong on a re-read, a shard gone), quarantine it (its manifest moved aside under
+    the lease `owner`, its files kept as evidence) and restore the next older commit, as a collective
+    job falls back. The step restored; PSCheckpointError when no commit is left: the job never starts
+    over from step 0 on its own. A server loads a step only once every block verified, and a fall
+    back restores every server, so no server keeps another step's state."""
+    proven: list[int] = []
+    while True:
+        try:
+            restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s)
+            return step
+        except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
+            log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit", step, err)
+            cat = catalog(root, storage_options, owner)
+            cat.quarantine(step)
+            proven.append(step)
+        older = [s for s in cat.committed_steps() if s < step]
+        if not older:
+            raise PSCheckpointError(f"every committed checkpoint left is corrupt (steps {proven}, quarantined as "
+                                    "evidence); `undying run --fresh` starts the job over from step 0")
+        step = older[-1]

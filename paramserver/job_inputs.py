@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.ownership import OwnerLease
 from paramserver import checkpoint
 from paramserver.preemption import Preemption
@@ -33,6 +34,7 @@ class Checkpoints:
     job: checkpoint.PSJob
     storage_options: dict | None = None
     max_failed_saves: int = 3  # checkpoint.max_failed_saves (paramserver.save_streak)
+    read_retry_s: float = DEFAULT_READ_RETRY_S  # checkpoint.read_retry_s: a restore's transient read failures
     # Called with each Commit this run makes (the job's Prometheus exporter: the last commit's time
     # and size, which the "no checkpoint lately" alert reads).
     on_commit: Callable[[object], None] | None = None

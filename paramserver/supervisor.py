@@ -134,9 +134,9 @@ class Supervisor:
         if latest is None:
             return 0
         self.ledger.enter(book.RESTORE)
-        checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
-        log.info("parameter-server job resumes from its checkpoint at step %d", latest)
-        return latest
+        step = self._restore_from(latest)
+        log.info("parameter-server job resumes from its checkpoint at step %d", step)
+        return step
 
     def _latest_commit(self) -> int | None:
         """The newest commit, listed under the driver's lease: a root the store lists empty is an error."""
@@ -386,7 +386,15 @@ class Supervisor:
                 self.servers[k] = self.actors.start_server(k)
             self.history.rewind(0)
             return 0, False
-        checkpoint.restore_servers(self.servers, self.ckpt.root, latest, storage_options=self.ckpt.storage_options)
+        latest = self._restore_from(latest)
         ray.get([s.reopen.remote(latest) for s in self.servers])
         self.history.rewind(latest)
         return latest, True
+
+    def _restore_from(self, newest: int) -> int:
+        """Every server restored from commit `newest`, or the newest older one intact; that step."""
+        ckpt = self.ckpt
+        step = checkpoint.restore_newest_intact(self.servers, ckpt.root, newest, storage_options=ckpt.storage_options,
+                                                read_retry_s=ckpt.read_retry_s, owner=ckpt.owner)
+        self.saved = [s for s in self.saved if s <= step]  # a quarantined commit is no longer one
+        return step

@@ -261,6 +261,6 @@ class World:
     def latest(self, root, storage_options=None, owner=None):
         return max(self.commits, default=None)
 
-    def restore(self, servers, root, step, *, storage_options=None):
+    def restore(self, servers, root, step, *, storage_options=None, clock=None, read_retry_s=None):
         for server in servers:
             server.shard = copy.deepcopy(self.commits[step][server.shard.index])

@@ -59,8 +59,8 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
         identity = None
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity)
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
-                              max_failed_saves=ckpt.max_failed_saves, on_commit=on_commit,
-                              draining=DrainWatcher().draining)
+                              max_failed_saves=ckpt.max_failed_saves, read_retry_s=ckpt.read_retry_s,
+                              on_commit=on_commit, draining=DrainWatcher().draining)
     faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)
               for f in spec.chaos.faults]
     return checkpoints, faults

@@ -20,7 +20,9 @@ from orchestrator.spec.job_spec import SpecError, validate_spec
 from paramserver.checkpoint import (
     PSCheckpointError,
     PSJob,
+    catalog,
     latest_committed_step,
+    restore_newest_intact,
     restore_servers,
     save_ps_checkpoint,
 )
@@ -161,13 +163,19 @@ def _files(root: str) -> dict[str, bytes]:
     return out
 
 
+def _saved_at_two(root: str, job: PSJob) -> tuple[PSSetup, dict[str, torch.Tensor]]:
+    """Servers of `job` trained two steps and saved at step 2 under `root`; their state then."""
+    setup = build_in_process(MODEL, DATA, TRAIN, job.parallel, SMALL_PIECES)
+    run_lockstep(setup, 2)
+    save_ps_checkpoint(setup.servers, root, 2, job=job)
+    return setup, _state(setup)
+
+
 def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_path):
     root, parallel = str(tmp_path / "torn"), _ps("bsp")
     job = _job(MODEL, parallel)
-    setup = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
-    run_lockstep(setup, 2)
-    save_ps_checkpoint(setup.servers, root, 2, job=job)
-    at_two, files_at_two = _state(setup), _files(root)
+    setup, at_two = _saved_at_two(root, job)
+    files_at_two = _files(root)
     assert save_ps_checkpoint(setup.servers, root, 2, job=job) is None  # committed already: nothing written
     for step in (2, 3):
         _step(setup, step)
@@ -191,6 +199,29 @@ def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_
         save_ps_checkpoint(setup.servers[:2], root, 4, job=job)
     assert latest_committed_step(root) == 2
     assert save_ps_checkpoint(setup.servers, root, 4, job=job).step == latest_committed_step(root) == 4
+
+
+def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_older_one(tmp_path):
+    from tests._checkpoints import flip_bit, shard_of
+
+    root, parallel = str(tmp_path / "q"), _ps("bsp")
+    job = _job(MODEL, parallel)
+    setup, at_two = _saved_at_two(root, job)
+    for step in (2, 3):
+        _step(setup, step)
+    save_ps_checkpoint(setup.servers, root, 4, job=job)
+    cat = catalog(root)
+    for step in (4, 2):
+        name = next(n for n in cat.read_manifest(step).tensors if n.startswith("model/"))
+        flip_bit(cat, step, shard_of(cat, step, name))  # a silent media error
+        if step == 4:
+            fresh = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
+            assert restore_newest_intact(fresh.servers, root, 4) == 2
+            assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
+            assert cat.committed_steps() == [2] and cat.quarantined_steps() == [4]  # its files kept as evidence
+    with pytest.raises(PSCheckpointError, match=r"every committed checkpoint left is corrupt \(steps \[2\]"):
+        restore_newest_intact(fresh.servers, root, 2)
+    assert cat.committed_steps() == [] and cat.quarantined_steps() == [2, 4]
 
 
 def test_a_server_that_cannot_write_its_shard_fails_that_save_not_the_job(tmp_path, monkeypatch):

@@ -129,6 +129,33 @@ def test_a_dead_server_rolls_every_server_back_to_the_last_commit(world, expecte
     assert sum(totals.values()) == pytest.approx(ledger.wall())
 
 
+def test_a_corrupt_newest_commit_is_quarantined_and_the_rollback_restores_the_one_before(world, expected, monkeypatch):
+    from ckpt.errors import CorruptCheckpoint
+
+    restore, quarantined = world.restore, []
+
+    def restoring(servers, root, step, **kwargs):  # step 4's bytes prove corrupt; the read budget is the job's
+        assert kwargs["read_retry_s"] == 7.0
+        if step == 4 and not quarantined:
+            raise CorruptCheckpoint("step 4: shard-00000 block 0 fails its CRC-32C on a re-read")
+        return restore(servers, root, step, **kwargs)
+
+    def fake_catalog(root, storage_options=None, owner=None):  # what the fallback asks of the store
+        committed = lambda: [s for s in sorted(world.commits) if s not in quarantined]  # noqa: E731
+        return types.SimpleNamespace(quarantine=quarantined.append, committed_steps=committed)
+
+    monkeypatch.setattr(sup.checkpoint, "restore_servers", restoring)
+    monkeypatch.setattr(sup.checkpoint, "catalog", fake_catalog)
+    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    checkpoints = sup.Checkpoints("fake://ckpt", 2, job=None, read_retry_s=7.0)
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
+                                faults=[Fault("server", 0, 5)])
+    supervisor.run()
+    [failure] = supervisor.failures
+    assert quarantined == [4] and (failure.resumed_at, failure.from_checkpoint) == (2, True)
+    assert supervisor.logs.losses() == expected and supervisor.saved == [2, 4, 6, 8]
+
+
 def test_without_a_commit_a_dead_server_restarts_every_server_from_the_initial_values(world, expected):
     supervisor, losses, _ = _run(world, [Fault("server", 1, 3)], every=None)
     [failure] = supervisor.failures
