@@ -77,6 +77,11 @@ class AlreadyCommitted(FileExistsError):
     """The object to create exists already with other bytes (POSIX EEXIST, S3 412 Precondition Failed)."""
 
 
+class RangeIgnored(RuntimeError):
+    """The store sent more than the byte range asked: it ignores Range requests. Not proof of a
+    corrupt checkpoint (its bytes are intact), and not transient: every read would do the same."""
+
+
 def is_precondition_failure(err: BaseException | None) -> bool:
     """Whether `err` (or an exception it was raised from) says "the object exists already".
 
@@ -211,8 +216,14 @@ class Storage:
         return data
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `path` (fewer when the file is shorter); RangeIgnored when the store
+        sent more, which it does only when it ignores the Range header (those bytes are not the range)."""
         data = self.fs.cat_file(path, start=start, end=end)
         _count_read(self, len(data))
+        if len(data) > end - start:
+            raise RangeIgnored(f"{path}: the store answered {len(data)} bytes for the {end - start}-byte range at "
+                               f"{start}: it ignores HTTP Range requests, and undying reads shards by byte ranges; "
+                               "use a store (or a proxy setting) that honours them")
         return data
 
     def read_range_into(self, path: str, start: int, out: memoryview) -> int:
@@ -235,8 +246,7 @@ class Storage:
                 _count_read(self, got)
                 return got
         data = self.read_range(path, start, start + len(out))
-        got = min(len(data), len(out))
-        out[:got] = memoryview(data)[:got]
+        out[:len(data)] = data
         return len(data)
 
     def exists(self, path: str) -> bool:

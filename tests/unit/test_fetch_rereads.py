@@ -50,3 +50,20 @@ def test_bytes_bad_where_they_are_stored_are_corruption_read_twice(catalog):
     flip_bit(catalog, 10, file)
     with pytest.raises(CorruptCheckpoint, match=r"checksum mismatch in .*\(read twice\)"):
         verify_checkpoint(catalog, 10)
+
+
+def test_a_store_that_ignores_range_requests_is_named_not_taken_for_corruption():
+    """A server (or proxy) that answers a ranged GET with the whole object: the bytes are intact, so
+    the checkpoint must not be quarantined; the restore fails naming the store's behaviour."""
+    import uuid
+
+    from ckpt.storage import RangeIgnored, Storage
+
+    catalog = Catalog(Storage(f"memory://undying-test-{uuid.uuid4().hex}/job"))  # read by ranges, as S3
+    save_checkpoint(catalog, 10, make_state(10))
+    whole = catalog.storage.fs.cat_file
+    catalog.storage.fs.cat_file = lambda path, start=None, end=None, **kw: whole(path)
+    with pytest.raises(RangeIgnored, match="ignores HTTP Range requests") as failed:
+        load_checkpoint(catalog, 10, ["model/b"])  # a part of its shard file
+    assert not isinstance(failed.value, CorruptCheckpoint)
+    catalog.storage.fs.rm(catalog.storage.root, recursive=True)
