@@ -21,6 +21,7 @@ checkpoint directory.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from typing import Annotated
@@ -71,9 +72,19 @@ class Chunk(BaseModel):
         return self
 
 
+def _torch_dtype(name: str) -> str:
+    """`name` when torch has a dtype of that name: a damaged one fails the parse (corruption) rather
+    than the read planning after it."""
+    import torch  # here: who parses a manifest reads tensors next, and the module stays importable without
+
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return name
+
+
 class TensorEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    dtype: Annotated[str, AfterValidator(_torch_dtype)]  # torch dtype name without "torch.", e.g. "float32"
     shape: list[NonNegative]
     chunks: list[Chunk] = Field(default_factory=list)
 
@@ -141,7 +152,7 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as err:
-        _refuse_unknown_fields(err, step)
+        _refuse_unknown_fields(err, raw, step)
         first = err.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the top level"
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
@@ -156,16 +167,29 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
     return manifest
 
 
-def _refuse_unknown_fields(err: ValidationError, step: int) -> None:
-    """A manifest that is this schema plus fields only: a newer writer's, not damage (a damaged key
-    also leaves a required field missing, or a value of the wrong type). Corruption would move it
-    aside; an unsupported manifest is refused with the version to read it with, and kept."""
+def _refuse_unknown_fields(err: ValidationError, raw: dict, step: int) -> None:
+    """A manifest that is this schema plus fields only: a newer writer's, not damage. Corruption would
+    move it aside; an unsupported manifest is refused with the version to read it with, and kept. A
+    damaged key leaves a required field missing, or a defaulted one (a tensor's chunks) empty, so the
+    manifest without the unknown fields must also be whole (parse, tile every tensor) to count."""
     errors = err.errors()
-    if errors and all(e["type"] == "extra_forbidden" for e in errors):
-        names = sorted({".".join(str(p) for p in e["loc"]) for e in errors})
-        raise UnsupportedManifest(f"step {step}: the manifest has fields this undying does not know "
-                                  f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); it was written by a "
-                                  "newer undying: read it with that version") from None
+    if not errors or any(e["type"] != "extra_forbidden" for e in errors):
+        return
+    known = copy.deepcopy(raw)
+    for e in errors:  # drop each unknown key where it is
+        *parent, key = e["loc"]
+        node = known
+        for part in parent:
+            node = node[part]
+        node.pop(key, None)
+    try:
+        check_tiling(Manifest.model_validate(known).tensors)
+    except (ValidationError, IncompleteCheckpoint):
+        return  # damage: the caller reports it as such
+    names = sorted({".".join(str(p) for p in e["loc"]) for e in errors})
+    raise UnsupportedManifest(f"step {step}: the manifest has fields this undying does not know "
+                              f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); it was written by a "
+                              "newer undying: read it with that version") from None
 
 
 def step_dir(step: int) -> str:

@@ -90,3 +90,21 @@ def test_unknown_fields_alone_are_a_newer_writer_s_and_a_damaged_key_is_corrupti
     damaged = {("spec_hasj" if key == "spec_hash" else key): value for key, value in document.items()}
     with pytest.raises(CorruptCheckpoint):
         parse_manifest(json.dumps(damaged).encode(), STEP)
+    # A damaged key of a field with a default (a tensor's chunks) leaves the manifest whole only in
+    # its keys: without its unknown field it does not tile the tensor, so it is damage too.
+    entry = next(iter(document["tensors"]))
+    unchunked = json.loads(VALID)
+    unchunked["tensors"][entry]["chunkz"] = unchunked["tensors"][entry].pop("chunks")
+    with pytest.raises(CorruptCheckpoint, match="chunkz"):
+        parse_manifest(json.dumps(unchunked).encode(), STEP)
+    nested = json.loads(VALID)
+    nested["tensors"][entry]["chunks"][0]["compression"] = "zstd"  # a newer writer's field, anywhere
+    with pytest.raises(UnsupportedManifest, match=r"does not know \(tensors\..*compression\)"):
+        parse_manifest(json.dumps(nested).encode(), STEP)
+
+
+def test_a_damaged_dtype_is_corruption_found_as_the_manifest_parses():
+    document = json.loads(VALID)
+    next(iter(document["tensors"].values()))["dtype"] = "flaot32"
+    with pytest.raises(CorruptCheckpoint, match="'flaot32' is not a torch dtype"):
+        parse_manifest(json.dumps(document).encode(), STEP)
