@@ -26,6 +26,7 @@ from ckpt.reader import assemble
 from ckpt.reshard import plan_reads
 from ckpt.safetensors_source import SafetensorsEntry, directory_entries
 from ckpt.storage import Storage
+from ckpt.storage_errors import ReadRetry
 from trainer.config import ModelConfig
 from trainer.hf_names import from_hf, to_hf
 from trainer.model import GPT
@@ -67,11 +68,12 @@ def check_directory(entries: dict[str, SafetensorsEntry], cfg: ModelConfig, url:
 
 def read_hf_slices(url: str, wanted: Sequence[TensorSlice], cfg: ModelConfig, *,
                    storage_options: dict | None = None, threads: int = READ_THREADS,
-                   on_bytes=None) -> list[TensorSlice]:
+                   retry: ReadRetry | None = None, on_bytes=None) -> list[TensorSlice]:
     """`wanted` ("model/<name>" slices of any layout) filled from the Hugging Face directory `url`;
-    `on_bytes(n, total)` follows the reads (ckpt.fetch.fetch)."""
-    storage = Storage(url.rstrip("/"), storage_options or {})
-    entries = directory_entries(storage)
+    `on_bytes(n, total)` follows the reads (ckpt.fetch.fetch). `retry`: one budget for the store's
+    transient failures of the headers' reads (read again whole: they are small) and the slices'."""
+    storage, retry = Storage(url.rstrip("/"), storage_options or {}), retry or ReadRetry()
+    entries = retry.call(lambda: directory_entries(storage), f"{url}: the safetensors headers")
     check_directory(entries, cfg, url)
     targets = []
     for piece in wanted:
@@ -79,5 +81,6 @@ def read_hf_slices(url: str, wanted: Sequence[TensorSlice], cfg: ModelConfig, *,
             raise ValueError(f"{piece.name}: only model parameters load from a Hugging Face directory")
         targets.append(replace(piece, name=to_hf(piece.name.removeprefix(PREFIX))))
     plan = plan_reads(entries, targets)
-    filled = assemble(targets, plan, fetch(storage, None, plan.reads, threads=threads, on_bytes=on_bytes))
+    filled = assemble(targets, plan, fetch(storage, None, plan.reads, threads=threads, retry=retry,
+                                                   on_bytes=on_bytes))
     return [replace(got, name=piece.name) for piece, got in zip(wanted, filled, strict=True)]

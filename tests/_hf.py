@@ -33,7 +33,8 @@ def engine_from_hf(path) -> Engine:
     cfg = ModelConfig(from_hf=str(path))
     train = TrainConfig(steps=3, global_batch=2, micro_batch=1, lr=1e-2)
     engine = Engine(cfg, DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
-    load_pretrained(SimpleNamespace(model=cfg), engine)  # as a rank does: into its live tensors
+    spec = SimpleNamespace(model=cfg, checkpoint=SimpleNamespace(read_retry_s=0.0))  # what it reads of a spec
+    load_pretrained(spec, engine)  # as a rank does: into its live tensors
     return engine
 
 

@@ -251,7 +251,7 @@ class RankActor:
                                   storage_setup=restore_storage_setup(self.spec, faults, self.rank, self.store.send),
                                   interrupt=check)
         elif self.spec.model.from_hf:
-            load_pretrained(self.spec, engine, on_bytes=checked())
+            load_pretrained(self.spec, engine, on_bytes=checked(), interrupt=check)
 
     def train(self, until_step: int, faults: list[ArmedFault], buddy=None) -> dict:
         """`buddy`: the actor that keeps a copy of this rank's memory snapshots (None: the level is off,

@@ -44,8 +44,9 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
 
 
 
-def load_pretrained(spec, engine, on_bytes=None) -> None:
-    """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet).
+def load_pretrained(spec, engine, on_bytes=None, interrupt=None) -> None:
+    """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet). The
+    store's transient failures may take `checkpoint.read_retry_s` (`interrupt` as load_engine_state's).
 
     Straight into the shards: each wanted slice carries the rank's own live tensor, which the
     reader fills in place (cast to fp32), so no second copy of the rank's share is made; only
@@ -55,8 +56,9 @@ def load_pretrained(spec, engine, on_bytes=None) -> None:
     live = {piece.name: piece.tensor for piece in engine.state_slices(copy=False)}
     wanted = [piece.with_tensor(live.get(piece.name)) for piece in engine.wanted_slices()
               if piece.name.startswith("model/")]
-    engine.load_weights(read_hf_slices(spec.model.from_hf, wanted, spec.model,
-                                       storage_options=spec.model.storage_options, on_bytes=on_bytes))
+    retry, model = ReadRetry(spec.checkpoint.read_retry_s, interrupt=interrupt), spec.model
+    engine.load_weights(read_hf_slices(model.from_hf, wanted, model, storage_options=model.storage_options,
+                                       retry=retry, on_bytes=on_bytes))
 
 
 def restore_storage_setup(spec, faults, rank: int, notify):

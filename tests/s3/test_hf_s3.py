@@ -4,8 +4,6 @@ refused before any rank starts, naming that field."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -34,7 +32,7 @@ def test_pretrained_weights_on_s3_load_with_the_model_storage_options(s3_backend
     assert data_problems(spec) == []  # the driver's check read the safetensors headers there
     engine = Engine(spec.model, DataConfig(seq_len=16), TrainConfig(steps=3, global_batch=2, micro_batch=1),
                     ParallelConfig(), rank=0, world_size=1)
-    load_pretrained(SimpleNamespace(model=spec.model), engine)
+    load_pretrained(spec, engine)
     local = engine_from_hf(tmp_path / "hf").model.state_dict()
     loaded = engine.model.state_dict()
     assert loaded.keys() == local.keys() and all(torch.equal(loaded[k], local[k]) for k in local)

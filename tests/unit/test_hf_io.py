@@ -28,6 +28,31 @@ def test_hf_weights_load_exactly_from_one_file_or_an_index(tmp_path, tie, shard)
     torch.testing.assert_close(logits(engine.model, IDS), logits(hf, IDS), rtol=0, atol=1e-5)
 
 
+def test_a_header_read_the_store_fails_once_is_read_again_within_the_budget(tmp_path, monkeypatch):
+    from ckpt.errors import TransientStorageError
+    from ckpt.hf_import import read_hf_slices
+    from ckpt.storage import Storage
+    from ckpt.storage_errors import ReadRetry
+
+    save_hf(tmp_path / "hf")
+    cfg = ModelConfig(from_hf=str(tmp_path / "hf"))
+    wanted = [s for s in engine_from_hf(tmp_path / "hf").wanted_slices() if s.name.startswith("model/")]
+    read_range, failures = Storage.read_range, []
+
+    def flaky(self, path, start, end):  # a header's first ranged read meets a throttled store
+        if start == 0 and not failures:
+            failures.append(path)
+            raise ConnectionResetError("connection reset by peer")
+        return read_range(self, path, start, end)
+
+    monkeypatch.setattr(Storage, "read_range", flaky)
+    with pytest.raises(TransientStorageError, match="the safetensors headers"):
+        read_hf_slices(str(tmp_path / "hf"), wanted, cfg, retry=ReadRetry(0.0))  # no budget: given up, named
+    failures.clear()
+    assert len(read_hf_slices(str(tmp_path / "hf"), wanted, cfg, retry=ReadRetry(5.0))) == len(wanted)
+    assert failures  # it did fail once, and was read again
+
+
 def test_trained_checkpoint_exports_and_transformers_loads_it_with_every_key(tmp_path):
     save_hf(tmp_path / "hf")
     engine = engine_from_hf(tmp_path / "hf")
