@@ -28,9 +28,9 @@ import torch
 
 from ckpt.boxes import row_major_strides
 from ckpt.catalog import Catalog
-from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
+from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest, corrupt_at
 from ckpt.fetch import READ_THREADS, fetch
-from ckpt.manifest import Manifest
+from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.reshard import COALESCE_GAP, Copy, CoverageError, RangeRead, ReadPlan, plan_reads
 from ckpt.shards import dtype_from_name, itemsize
 from ckpt.storage_errors import CORRUPT, ReadRetry, classify
@@ -48,11 +48,14 @@ def read_manifest(catalog: Catalog, step: int, retry: ReadRetry | None = None) -
     retry = retry if retry is not None else ReadRetry()
     try:
         return retry.call(lambda: catalog.read_manifest(step), f"step {step}: reading the manifest")
-    except (CorruptCheckpoint, TransientStorageError):  # typed already: parse_manifest's proof, or the retry gave up
+    except CorruptCheckpoint as err:  # parse_manifest's proof: located at the manifest, which is cheap to check
+        err.location = err.location or (MANIFEST_NAME, 0, 0)
+        raise
+    except TransientStorageError:  # the retry gave up
         raise
     except Exception as err:
         if classify(err) == CORRUPT:
-            raise CorruptCheckpoint(f"step {step} has no committed manifest") from err
+            raise corrupt_at(f"step {step} has no committed manifest", MANIFEST_NAME, 0, 0) from err
         raise
 
 
@@ -138,13 +141,15 @@ def verify_checkpoint(catalog: Catalog, step: int, retry: ReadRetry | None = Non
 
 def verify_location(catalog: Catalog, step: int, location: tuple[str, int, int], retry: ReadRetry | None = None) -> int:
     """Check the blocks of checkpoint `step` that hold bytes [start, end) of its shard `file`
-    (`location`, as CorruptCheckpoint carries it): what a rank's failed read proved, checked in
-    milliseconds instead of reading the whole checkpoint (verify_checkpoint). Returns the bytes
+    (`location`, as CorruptCheckpoint carries it), or its manifest (file MANIFEST_NAME): what a
+    rank's failed read proved, checked in milliseconds instead of reading the whole checkpoint. Returns the bytes
     checked; raises CorruptCheckpoint (proof, also when the manifest names no such bytes) or
     TransientStorageError, as verify_checkpoint does."""
     file, start, end = location
     retry = retry if retry is not None else ReadRetry()
-    manifest = read_manifest(catalog, step, retry)
+    manifest = read_manifest(catalog, step, retry)  # the proof of a manifest's location (MANIFEST_NAME)
+    if file == MANIFEST_NAME:
+        return 0
     plan = _plan(manifest, step, _whole_targets(manifest, list(manifest.tensors)))
     reads = []
     for read in plan.reads:

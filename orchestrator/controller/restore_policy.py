@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
+from ckpt.manifest import MANIFEST_NAME
 from ckpt.reader import read_manifest, verify_checkpoint, verify_location
 from ckpt.storage_errors import ReadRetry
 
@@ -150,8 +151,8 @@ class RestorePolicy:
                     "stays committed (skipped by this run)")
         if location is not None:
             file, start, end = location
-            return (f"; bytes {start}..{end} of {file} read intact here (the rank's read was damaged), so it "
-                    "stays committed (skipped by this run)")
+            what = "its manifest reads" if file == MANIFEST_NAME else f"bytes {start}..{end} of {file} read"
+            return f"; {what} intact here (the rank's read was damaged), so it stays committed (skipped by this run)"
         self.intact.add(step)
         return "; it verifies here, so it stays committed (skipped by this run)"
 

@@ -93,6 +93,25 @@ def test_bytes_that_read_intact_here_leave_the_step_committed_and_skipped_not_ve
     assert policy.verify_fully(20) and 20 in policy.intact  # as the job's final step needs it
 
 
+def test_a_manifest_a_rank_could_not_read_is_checked_by_reading_the_manifest_only(catalog, monkeypatch):
+    from ckpt.reader import read_manifest
+
+    stale_view = catalog.storage.read  # a rank's stale view of the store (a mount, a cache): no manifest there
+    monkeypatch.setattr(catalog.storage, "read", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    with pytest.raises(CorruptCheckpoint) as caught:
+        read_manifest(catalog, 20)
+    monkeypatch.setattr(catalog.storage, "read", stale_view)
+    err = pickle.loads(pickle.dumps(caught.value))
+    assert err.location == ("manifest.json", 0, 0)
+    monkeypatch.setattr(restore_policy, "verify_checkpoint", lambda *a, **k: pytest.fail("read the whole step"))
+    line = RestorePolicy(catalog, read_retry_s=0.0).on_corrupt(20, err)
+    assert "its manifest reads intact here" in line and catalog.committed_steps() == [10, 20]
+    manifest = step_dir(20) + "/manifest.json"
+    (catalog.storage.fs.pipe_file(catalog.storage.path(manifest), b"{not json"), catalog.storage.invalidate())
+    assert "moved aside" in RestorePolicy(catalog, read_retry_s=0.0).on_corrupt(20, err)  # proven here too
+    assert catalog.committed_steps() == [10]
+
+
 def test_an_error_without_a_location_is_checked_whole_as_before(catalog):
     flip_bit(catalog, 20, shard_of(catalog, 20, "model/w0"), 100)
     policy = RestorePolicy(catalog, read_retry_s=0.0)
