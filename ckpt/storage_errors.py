@@ -26,18 +26,18 @@ then the exception types and errnos.
 retried with exponential backoff and jitter (each wait drawn from [1/2, 1] of
 min(cap_s, first_s * 2^attempt)), then raised as TransientStorageError naming `what` and the
 last cause (and the spec field `setting` the budget came from). Other errors pass through at
-once. One ReadRetry is one budget, shared by every
-call made through it: a restore makes one (a rank: for its manifest read and every piece
-ckpt.fetch reads; the controller: for each listing or verification; `fresh()` copies the
-settings with an unspent budget) and the store's failures may take `budget_s` seconds of it in
-all, counted while at least one of its calls is between a transient error and its next answer
-(concurrent reads failing together count once). So a restore lasts at most its healthy reading
-time plus `budget_s`, however the store flaps, and the controller's wait for it is derived
-from the budget (orchestrator.controller.restore_policy). With `renews` the budget is per
-failing spell instead: a training data reader (trainer.tokens.reader) lives for days, and each
-outage of its store may take `budget_s`, counted from its first error to the first answer that
-leaves no call failing. Thread-safe; tests inject
-`clock`, `sleep` and `rng`.
+once. One ReadRetry is one budget, shared by every call made through it: a restore makes one (a
+rank: for its manifest read and every piece ckpt.fetch reads; the controller: for each listing or
+verification; `fresh()` copies the settings with an unspent budget) and the store's failures may
+take `budget_s` seconds of it in all: the time its calls spend failing after a first transient
+error, in backoff waits and in attempts that fail again, counted once where calls fail together.
+An attempt that answers is reading time, not failing, however long its transfer: a long restore
+under steady throttling, where every retry works, is not given up. So a restore lasts at most its
+healthy reading time plus `budget_s`, however the store flaps, and the controller's wait for it
+is derived from the budget (orchestrator.controller.restore_policy). With `renews` the budget is
+per outage instead: a training data reader (trainer.tokens.reader) lives for days, and each
+outage of its store may take `budget_s`, spent anew once no call is failing. Thread-safe; tests
+inject `clock`, `sleep` and `rng`.
 """
 
 from __future__ import annotations
@@ -170,10 +170,10 @@ class ReadRetry:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     rng: random.Random = field(default_factory=random.Random)
-    # The budget spent so far: closed failing spells, and the open one (calls failing now, since when).
-    _spent: float = field(default=0.0, init=False, repr=False, compare=False)
+    # The budget spent so far: the time spans its calls spent failing (disjoint, sorted; overlapping
+    # ones merged, so calls failing together count once), and how many calls are failing now.
+    _spans: list[list[float]] = field(default_factory=list, init=False, repr=False, compare=False)
     _failing: int = field(default=0, init=False, repr=False, compare=False)
-    _since: float = field(default=0.0, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def fresh(self) -> ReadRetry:
@@ -189,12 +189,14 @@ class ReadRetry:
         attempt, failing = 0, False
         try:
             while True:
+                began = self.clock()
                 try:
                     return fn()
                 except Exception as err:
                     if classify(err) != TRANSIENT:
                         raise
-                    spent = self._failed(first=not failing)
+                    # The first error starts the failing; a retry that fails again was failing time too.
+                    spent = self._failed(None if not failing else began, first=not failing)
                     failing = True
                     left = self.budget_s - spent
                     if left <= 0:
@@ -203,7 +205,12 @@ class ReadRetry:
                             f"{self.budget_s:g}): {describe(err)}") from err
                     if attempt == 0:
                         log.warning("%s: %s; retrying for up to %.0f s", what, describe(err), left)
-                    self._wait(min(self.backoff(attempt), left))
+                    waited_from = self.clock()
+                    try:
+                        self._wait(min(self.backoff(attempt), left))
+                    finally:
+                        with self._lock:
+                            self._count(waited_from, self.clock())
                     attempt += 1
         finally:
             if failing:
@@ -219,22 +226,28 @@ class ReadRetry:
             seconds -= INTERRUPT_TICK_S
         self.interrupt()
 
-    def _failed(self, first: bool) -> float:
-        """A call met a transient error (`first`: its first); the budget spent so far."""
+    def _failed(self, attempt_began: float | None, first: bool) -> float:
+        """A call met a transient error (`first`: its first; `attempt_began`: when the attempt that
+        failed began, None not to count it); the budget spent so far."""
         with self._lock:
-            now = self.clock()
-            if first:
-                if not self._failing:
-                    self._since = now
-                self._failing += 1
-            return self._spent + now - self._since
+            self._failing += first
+            if attempt_began is not None:
+                self._count(attempt_began, self.clock())
+            return sum(end - start for start, end in self._spans)
+
+    def _count(self, start: float, end: float) -> None:
+        """Spend [start, end) (under the lock): merged into the spans it overlaps."""
+        kept = [span for span in self._spans if span[1] < start or span[0] > end]
+        merged = [min([start, *(s for s, e in self._spans if not (e < start or s > end))]),
+                  max([end, *(e for s, e in self._spans if not (e < start or s > end))])]
+        self._spans = sorted([*kept, merged])
 
     def _answered(self) -> None:
-        """A call that had failed returned or gave up: its failing spell ends."""
+        """A call that had failed returned or gave up; with `renews`, the outage ends with the last."""
         with self._lock:
             self._failing -= 1
-            if not self._failing:
-                self._spent = 0.0 if self.renews else self._spent + self.clock() - self._since
+            if not self._failing and self.renews:
+                self._spans = []
 
 
 def data_read_retry(data) -> ReadRetry:

@@ -150,6 +150,36 @@ def test_the_retry_is_bounded_by_its_budget_and_names_the_read_and_the_cause():
     assert isinstance(info.value, OSError) and classify(info.value.__cause__) == TRANSIENT
 
 
+def test_a_long_transfer_after_a_throttled_try_is_reading_time_not_failing_time():
+    # A large restore under steady throttling: every piece is refused once (SlowDown), then its
+    # retry streams 16 MiB for 20 s. The retries all work, so the 30 s budget must not run out.
+    clock = _Clock()
+    retry = _retry(clock, 30.0)
+
+    def piece():
+        tried = []
+
+        def read():
+            tried.append(clock.now)
+            if len(tried) == 1:
+                raise _s3("SlowDown", 503)
+            clock.now += 20.0  # the answering transfer
+            return b"piece"
+
+        return read
+
+    assert all(retry.call(piece(), f"piece {i}") == b"piece" for i in range(10))
+    assert clock.now > 200.0 and sum(clock.sleeps) < 3.0  # 200 s of reading, a few seconds of waits
+    clock.now += 1.0  # a retry that fails again after a long try: that try was failing time
+
+    def slow_failures():
+        clock.now += 15.0
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(TransientStorageError, match=r"kept failing reads for (2[89]|3\d)\.\d s"):
+        retry.call(slow_failures, "a piece that times out")
+
+
 def test_errors_that_are_not_transient_pass_at_once_and_budget_zero_never_waits():
     clock = _Clock()
     with pytest.raises(FileNotFoundError):
