@@ -105,6 +105,27 @@ def step_feed(ps_metrics: PSMetrics, metrics: JobMetrics, workers: int):
     return on_step
 
 
+def capacity_problem(spec: JobSpec, cluster: dict[str, float]) -> Problem | None:
+    """The CPUs a PS job's actors take (one each: paramserver.job) that the cluster
+    (`ray.cluster_resources()`) can never give, as a problem naming the fields (pure)."""
+    par, have = spec.parallel, cluster.get("CPU", 0.0)
+    if have >= par.dp + par.servers:
+        return None
+    return Problem("parallel.servers", f"{par.dp} workers (parallel.dp) + {par.servers} servers x 1 CPU = "
+                                       f"{par.dp + par.servers} CPU, but the cluster has {have:g}; lower parallel.dp "
+                                       "or parallel.servers, or add nodes")
+
+
+def _refused_capacity(spec: JobSpec) -> bool:
+    """Whether the cluster can never seat the job's actors (printed): else they would wait for seats forever."""
+    import ray
+
+    problem = capacity_problem(spec, ray.cluster_resources())
+    if problem is not None:
+        print_problems([problem])
+    return problem is not None
+
+
 def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
     if timeline_path:
         print_problems([Problem("--timeline", "parameter-server jobs do not draw a timeline yet; leave it out")])
@@ -128,7 +149,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     start_up = StartUpSignals()
     restore_signals = route_signals(start_up.on_signal)  # until the supervisor's preemption takes them
     try:
-        checkpoints.owner = claim_root(spec)
+        checkpoints.owner = None if _refused_capacity(spec) else claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
         snapshots = carry_goodput(spec, ledger, started_at, checkpoints.owner)
@@ -138,8 +159,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
               f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)
-        checkpoints.preemption = preemption
-        # Until the actors are up and resumed a signal stops the driver at once (StartUpSignals).
+        checkpoints.preemption = preemption  # until the actors are up and resumed a signal stops the driver at once
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,

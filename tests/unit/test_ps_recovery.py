@@ -151,6 +151,14 @@ def test_ps_mode_injects_kill_rank_and_kill_server_and_refuses_the_rest_naming_t
     checkpoints, faults = supervision(spec)
     assert faults == [Fault("worker", 1, 3), Fault("server", 1, 2)]
     assert (checkpoints.every_steps, checkpoints.root) == (2, spec.checkpoint_root)
+    assert (checkpoints.max_failed_saves, checkpoints.read_retry_s) == (spec.checkpoint.max_failed_saves,
+                                                                        spec.checkpoint.read_retry_s)
+    from orchestrator.cli.ps_run import capacity_problem
+
+    need = spec.parallel.dp + spec.parallel.servers  # one CPU per actor
+    assert capacity_problem(spec, {"CPU": float(need)}) is None
+    problem = capacity_problem(spec, {"CPU": need - 1.0})
+    assert problem.field == "parallel.servers" and f"= {need} CPU, but the cluster has {need - 1}" in problem.message
     refused = _problems(_ps_spec([{"kind": "slow_rank", "rank": 0, "at_step": 1, "factor": 2.0},
                                   {"kind": "kill_server", "server": 2, "at_step": 1},
                                   {"kind": "kill_rank", "rank": 0, "at_point": "before_step"},
