@@ -32,6 +32,12 @@ from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.state_slices import TensorSlice
 
 
+class NotAtCut(RuntimeError):
+    """A save asked of a server whose state is not that of the cut (ShardServer.check_cut): the
+    supervisor's segment did not end where it meant to. Not a storage failure: the segment is
+    rolled back (paramserver.supervisor)."""
+
+
 def initial_values(piece: TensorSlice, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The slice's initial values, bit-identical to the same elements of trainer.model.build_model."""
     out = torch.empty(piece.lengths, dtype=piece.dtype)
@@ -159,10 +165,10 @@ class ShardServer:
         return {f: state.fields.get(f, torch.zeros_like(self.params[i])) for f in names}
 
     def check_cut(self, step: int) -> None:
-        """Raise unless the shard holds the state of step `step` exactly: every worker has pushed
+        """Raise NotAtCut unless the shard holds the state of step `step` exactly: every worker has pushed
         `step` steps here and no bsp step waits for pushes (a consistent cut, docs/design.md)."""
         if self.clocks.pushed != [step] * self.workers or self.pending:
-            raise ValueError(f"server {self.index} is not at step {step}: its workers have pushed "
+            raise NotAtCut(f"server {self.index} is not at step {step}: its workers have pushed "
                              f"{self.clocks.pushed} steps and steps {sorted(self.pending)} wait for pushes; save "
                              "between segments, once every worker has pushed exactly that many steps")
 

@@ -53,6 +53,7 @@ from paramserver.recovery import (
     segment_end,
 )
 from paramserver.save_streak import SaveStreak
+from paramserver.shard import NotAtCut
 from paramserver.step_logs import StepLogs
 from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, held_pulls, stop_all, take
 from paramserver.update_history import UpdateHistory
@@ -79,12 +80,10 @@ class Supervisor:
         self.workers = [actors.start_worker(w) for w in range(workers)]
         # (worker, step) -> the surviving execution's log, the oldest folded past step_logs.KEEP
         self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
-        self.failures: list[Failure] = []
-        self.saved: list[int] = []  # checkpoint steps committed by this run
+        self.failures, self.saved = [], []  # what failed (Failure); the checkpoint steps this run committed
         self.save_streak = SaveStreak(checkpoints.max_failed_saves if checkpoints else 1)
         self.pids: dict[str, int] = {}  # every actor process this job started, by label
-        self.start_step = 0
-        self.redone = 0  # step executions thrown away by rollbacks
+        self.start_step, self.redone = 0, 0  # the step resumed from; step executions thrown away by rollbacks
         self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
         self._pauses: dict[int, Failure] = {}  # worker -> its replacement, until the first push lands
         self._dead_workers: set[int] = set()
@@ -161,11 +160,11 @@ class Supervisor:
             self.logs.committed(end)
             if commit is not None and self.ckpt.on_commit is not None:
                 self.ckpt.on_commit(commit)
-        except RayActorError:
+        except (RayActorError, NotAtCut) as err:  # (a server's NotAtCut through Ray: a RayTaskError that is one)
             if self.saved and self.saved[-1] == end == self.steps:  # the final step is committed: done
                 return None
-            return self._rollback(start, {}, set(), "a server died during the checkpoint save",
-                                  self._productive_at_start)
+            why = "a server died during the checkpoint save" if isinstance(err, RayActorError) else brief(err)
+            return self._rollback(start, {}, set(), why, self._productive_at_start)
         except checkpoint.PSCheckpointError as err:  # the job goes on (a rollback goes to an older commit)
             self.save_streak.failed(end, end == self.steps, err)  # unless the final save or too many in a row
         return None

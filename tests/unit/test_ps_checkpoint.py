@@ -27,6 +27,7 @@ from paramserver.checkpoint import (
     save_ps_checkpoint,
 )
 from paramserver.lockstep import PSSetup, build_in_process, run_lockstep
+from paramserver.shard import NotAtCut
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.data import data_identity
 from trainer.engine import Engine
@@ -193,7 +194,7 @@ def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_
     restore_servers(fresh.servers, root, 2)
     assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
     # A server short of the cut refuses; shards that do not cover the model are not committed.
-    with pytest.raises(ValueError, match="not at step 5"):
+    with pytest.raises(NotAtCut, match="not at step 5"):  # not a storage failure: the supervisor rolls back
         save_ps_checkpoint(setup.servers, root, 5, job=job)
     with pytest.raises(PSCheckpointError, match="not committed"):
         save_ps_checkpoint(setup.servers[:2], root, 4, job=job)

@@ -361,6 +361,25 @@ def test_the_final_save_or_a_run_of_failed_saves_fails_the_job(world, monkeypatc
     assert words in str(failed.value) and tried[-1] == max(failing)  # two failures, then a commit: goes on
 
 
+def test_a_save_off_the_cut_rolls_the_segment_back_instead_of_passing_for_a_storage_failure(world, expected,
+                                                                                           monkeypatch):
+    from paramserver.shard import NotAtCut
+
+    save, refused = world.save, []
+
+    def off_the_cut(servers, root, step, **kwargs):  # as a server whose drain cut was never lifted answers
+        if not refused:
+            refused.append(step)
+            raise NotAtCut(f"server 0 is not at step {step}: its workers have pushed [3, 3] steps")
+        return save(servers, root, step, **kwargs)
+
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", off_the_cut)
+    supervisor, losses, _ = _run(world)
+    [failure] = supervisor.failures
+    assert refused == [4] and "NotAtCut: server 0 is not at step 4" in failure.line()
+    assert losses == expected and supervisor.saved == [4, 8] and _applied_once(supervisor)
+
+
 def test_a_moved_server_that_finds_no_seat_stays_and_the_job_goes_on(world, expected):
     world.nodes = {("server", 1): "doomed", ("worker", 0): "doomed"}
     started = Counter()
