@@ -132,6 +132,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     history = supervisor.history
     try:
         supervisor.run()
+        if checkpoints is not None and checkpoints.preemption is not None:
+            checkpoints.preemption.ending = True  # trained to the end: a signal now must not fail the finished job
         # A server that died after the final commit costs the report its last counts, not the finished
         # job (its records of the steps before the commit were taken before the save).
         if history.poll(supervisor.servers) is None:
