@@ -204,8 +204,10 @@ def _source(ranges: list[tuple[int, torch.Tensor]], starts: list[int], copy: Cop
     first = sum(o * s for o, s in zip(copy.src_offsets, strides, strict=True))
     last = sum((o + n - 1) * s for o, n, s in zip(copy.src_offsets, copy.lengths, strides, strict=True))
     begin, end = copy.chunk_start + first * size, copy.chunk_start + (last + 1) * size
-    flat = _span(ranges, starts, begin, end).view(dtype_from_name(copy.dtype))
-    return flat.as_strided(copy.lengths, strides)
+    raw = _span(ranges, starts, begin, end)
+    if raw.storage_offset() % size:  # a range that began at a narrower tensor (a safetensors file not
+        raw = raw.clone()            # written by the library, which orders by alignment): realign it
+    return raw.view(dtype_from_name(copy.dtype)).as_strided(copy.lengths, strides)
 
 
 def _span(ranges: list[tuple[int, torch.Tensor]], starts: list[int], begin: int, end: int) -> torch.Tensor:

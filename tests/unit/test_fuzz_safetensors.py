@@ -85,3 +85,30 @@ def test_inputs_the_fuzzer_found():
         _parses_cleanly(_with_header(header))
     deep = b"[" * 50_000
     _parses_cleanly(struct.pack("<Q", len(deep)) + deep)  # nested too deeply for the JSON parser
+
+
+def test_a_wider_tensor_after_a_narrower_one_in_one_read_loads_realigned(tmp_path):
+    """A file another writer laid out with a bf16 tensor at a file offset of 2 mod 4 followed by an
+    f32 one (each aligned to its own size, as safetensors requires): read as one range, the f32's
+    bytes sit at an offset of 2 mod 4 in the buffer, which torch cannot view as f32 in place."""
+    import struct
+
+    from ckpt.fetch import fetch
+    from ckpt.reader import assemble
+    from ckpt.reshard import plan_reads
+    from ckpt.safetensors_source import directory_entries
+    from ckpt.storage import Storage
+    from trainer.state_slices import TensorSlice
+
+    a, b = torch.tensor([1.5], dtype=torch.bfloat16), torch.tensor([3.25, -7.0])
+    header = json.dumps({"a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}}).encode()
+    header += b" " * ((2 - 8 - len(header)) % 4)  # data starts at 2 mod 4
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + a.view(torch.uint8)
+                                                 .numpy().tobytes() + b.view(torch.uint8).numpy().tobytes())
+    storage = Storage(f"file://{tmp_path}")
+    targets = [TensorSlice("a", torch.bfloat16, (1,), (0,), (1,)), TensorSlice("b", torch.float32, (2,), (0,), (2,))]
+    plan = plan_reads(directory_entries(storage), targets)
+    assert len(plan.reads) == 1  # both in one range
+    got = assemble(targets, plan, fetch(storage, None, plan.reads))
+    assert torch.equal(got[0].tensor, a) and torch.equal(got[1].tensor, b)
