@@ -10,11 +10,13 @@ collectives, no other rank involved.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from ckpt.catalog import Catalog
 from ckpt.reader import read_manifest, read_slices
 from ckpt.storage import Storage
 from ckpt.storage_errors import ReadRetry, data_read_retry
+from trainer.state_slices import TensorSlice
 
 
 def catalog_for(spec) -> Catalog:
@@ -44,6 +46,15 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
 
 
 
+def into_live(engine, wanted: Callable[[str], bool]) -> list[TensorSlice]:
+    """`engine`'s wanted slices whose names `wanted` takes, each parameter's carrying the rank's live
+    tensor: the reader fills it in place (ckpt.reader.assemble, cast to its dtype) once every block
+    it needs is read and verified, so no second copy of the rank's share of the model is made while
+    the fetched bytes are held. Optimizer state, not built before the first step, is assembled apart."""
+    live = {piece.name: piece.tensor for piece in engine.state_slices(copy=False) if piece.name.startswith("model/")}
+    return [piece.with_tensor(live.get(piece.name)) for piece in engine.wanted_slices() if wanted(piece.name)]
+
+
 def load_pretrained(spec, engine, on_bytes=None, interrupt=None) -> None:
     """Load `model.from_hf`'s weights into a fresh engine (a job with nothing committed yet). The
     store's transient failures may take `checkpoint.read_retry_s` (`interrupt` as load_engine_state's).
@@ -53,9 +64,7 @@ def load_pretrained(spec, engine, on_bytes=None, interrupt=None) -> None:
     the fetched bytes of its slices are held beside it while they are copied in."""
     from ckpt.hf_import import read_hf_slices
 
-    live = {piece.name: piece.tensor for piece in engine.state_slices(copy=False)}
-    wanted = [piece.with_tensor(live.get(piece.name)) for piece in engine.wanted_slices()
-              if piece.name.startswith("model/")]
+    wanted = into_live(engine, lambda name: name.startswith("model/"))
     retry, model = ReadRetry(spec.checkpoint.read_retry_s, interrupt=interrupt), spec.model
     engine.load_weights(read_hf_slices(model.from_hf, wanted, model, storage_options=model.storage_options,
                                        retry=retry, on_bytes=on_bytes))
@@ -80,7 +89,8 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     """Load committed checkpoint `step` into `engine`; returns the manifest's non-tensor state.
 
     `fault_hook(point, step)`, if given, is called at the chaos point "during_restore": the slices
-    are read and not yet loaded, so a fault there leaves a half-restored rank. `storage_setup(storage)`,
+    are read (the parameters into their live tensors: `into_live`) and not yet loaded (the step,
+    the optimizer state), so a fault there leaves a half-restored rank. `storage_setup(storage)`,
     if given, is run on the Storage the reads go through (chaos: this rank's `op: read` faults).
     `on_bytes(n, total)` follows the reads (rank 0 prints its progress: monitor.progress);
     `interrupt()`, called between a failing read's retries, may raise to give the restore up.
@@ -98,7 +108,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     manifest = read_manifest(catalog, step, retry)
     # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
     # first step has no optimizer state (fine), a missing parameter is an error it names.
-    wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
+    wanted = into_live(engine, lambda name: name in manifest.tensors)
     slices = read_slices(catalog, step, wanted, manifest=manifest, retry=retry, on_bytes=on_bytes)
     if fault_hook is not None:
         fault_hook("during_restore", step)
@@ -119,7 +129,7 @@ def load_from_memory(engine, source, held, on_bytes=None, check=lambda: None) ->
     # `check` (the restore's staleness) also inside a read's wait: a slow holder must not keep the turn
     storage = PeerStorage(held, source.holders, lambda holder, path, start, end: read_from_holder(
         holder, path, start, end, check))
-    wanted = [piece for piece in engine.wanted_slices() if piece.name in manifest.tensors]
+    wanted = into_live(engine, lambda name: name in manifest.tensors)
     slices = read_slices(Catalog(storage), source.step, wanted, manifest=manifest, retry=ReadRetry(0.0),
                          on_bytes=on_bytes)
     engine.load_slices(slices, manifest.state["engine"])

@@ -1,11 +1,13 @@
 """The "during_restore" fault point: a restoring rank reaches it with the checkpoint's slices read and
-not yet loaded, once per restore, and a fault there leaves the engine unrestored."""
+not yet loaded, once per restore, and a fault there leaves the engine's step and optimizer unrestored.
+The parameters are read straight into the rank's live tensors (no second copy of its share)."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 from chaos.injector import FaultInjector, InjectedFault
 from ckpt.storage import Storage
@@ -74,3 +76,19 @@ def test_a_rank_killed_in_its_restore_is_blamed_disarmed_and_replaced(tmp_path):
     assert [(f.kind, f.rank) for f in report.failures] == [("rank_died", 1), ("kill_rank", 1)]
     assert report.failures[1].detected_after_s is not None
     assert [p.step for p in report.losses] == list(range(30))
+
+
+def test_the_parameters_are_read_into_the_rank_s_live_tensors(saved, monkeypatch):
+    from ckpt.reader import load_checkpoint
+    from orchestrator.rank.state import catalog_for
+
+    engine, seen = tiny_engine(), {}
+    live = {p.name: p.tensor.data_ptr() for p in engine.state_slices(copy=False) if p.name.startswith("model/")}
+    load_slices = engine.load_slices
+    monkeypatch.setattr(engine, "load_slices", lambda slices, meta: (
+        seen.update({s.name: s.tensor.data_ptr() for s in slices}), load_slices(slices, meta)))
+    load_engine_state(saved, engine, 2)
+    assert live and all(seen[name] == pointer for name, pointer in live.items())  # filled in place
+    stored, _ = load_checkpoint(catalog_for(saved), 2)
+    for piece in engine.state_slices():
+        assert torch.equal(piece.tensor, stored[piece.name]), piece.name
