@@ -23,6 +23,7 @@ import contextlib
 import sys
 
 from ckpt.catalog import Catalog, GcPlan
+from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.owner_claims import UnreadableClaim
 from ckpt.ownership import OwnerAlive, OwnerLease, refuse_a_beating_owner
 from orchestrator.cli.ckpt_catalog import committed_or_fail, error_reason, steps_text
@@ -37,6 +38,8 @@ def collect_garbage(catalog: Catalog, args: argparse.Namespace) -> int:
         raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
     if args.read_retry_s < 0:
         raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
+    if args.no_verify and args.read_retry_s != DEFAULT_READ_RETRY_S:  # it would be ignored
+        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: --no-verify reads no checkpoint; leave one out")
     committed = committed_or_fail(catalog)
     holds = not (args.dry_run or args.force)
     # Verified before the lease is taken: reading a large checkpoint takes minutes, and a job that

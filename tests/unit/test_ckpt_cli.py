@@ -360,6 +360,8 @@ def test_gc_never_deletes_the_newest_checkpoint_that_verifies(capsys, job):
     code, out, err = run(capsys, "gc", url, "--keep", "1")
     assert code == 1 and "step 50: CORRUPT" in out and "step 40: CORRUPT" in out
     assert "no committed checkpoint verifies, so none was deleted" in err and catalog.committed_steps() == [40, 50]
+    code, _, err = run(capsys, "gc", url, "--keep", "1", "--no-verify", "--read-retry-s", "5")  # it would be ignored
+    assert code == 2 and "--no-verify reads no checkpoint" in err and catalog.committed_steps() == [40, 50]
     assert run(capsys, "gc", url, "--keep", "1", "--no-verify")[0] == 0 and catalog.committed_steps() == [50]
 
 
