@@ -42,6 +42,7 @@ inject `clock`, `sleep` and `rng`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -174,6 +175,7 @@ class ReadRetry:
     # ones merged, so calls failing together count once), and how many calls are failing now.
     _spans: list[list[float]] = field(default_factory=list, init=False, repr=False, compare=False)
     _failing: int = field(default=0, init=False, repr=False, compare=False)
+    _held: int = field(default=0, init=False, repr=False, compare=False)  # open `one_outage` blocks
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def fresh(self) -> ReadRetry:
@@ -242,12 +244,29 @@ class ReadRetry:
                   max([end, *(e for s, e in self._spans if not (e < start or s > end))])]
         self._spans = sorted([*kept, merged])
 
+    @contextlib.contextmanager
+    def one_outage(self) -> Iterator[None]:
+        """With `renews`: the calls made inside share one budget, renewed only after the block, not
+        between them (a training step reads each dataset of a mixture in turn, and its wait must stay
+        within one budget, as the hang watchdog and the process group's timeout assume)."""
+        with self._lock:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
+                self._renew_if_over()
+
     def _answered(self) -> None:
         """A call that had failed returned or gave up; with `renews`, the outage ends with the last."""
         with self._lock:
             self._failing -= 1
-            if not self._failing and self.renews:
-                self._spans = []
+            self._renew_if_over()
+
+    def _renew_if_over(self) -> None:
+        if self.renews and not self._failing and not self._held:
+            self._spans = []
 
 
 def data_read_retry(data) -> ReadRetry:

@@ -348,3 +348,33 @@ def test_closing_a_cursor_stops_a_read_that_waits_out_an_outage(monkeypatch, rem
     assert not reader.is_alive() and isinstance(outcome[0], CursorClosed)
     assert time.monotonic() - closed_at < 3  # not the 120 s budget
     assert not [t for t in cursor.prefetcher._pool._threads if t.is_alive()]  # the read's thread ended too
+
+
+def test_a_mixture_step_waits_out_its_datasets_outages_within_one_budget(monkeypatch):
+    """A step reads each dataset of a mixture in turn; each failing 20 s then answering must spend
+    one 30 s budget, not renew it between them: the watchdog and the process group's timeout allow
+    one `data.read_retry_s` per step (the step's reads run inside ReadRetry.one_outage)."""
+    urls = [f"memory://data-{uuid.uuid4().hex}" for _ in range(2)]
+    for url in urls:
+        write_token_dataset(url, counting_tokens(4000, VOCAB), VOCAB, shard_tokens=1000)
+    cfg = DataConfig(source="tokens", mixture=[{"path": url, "weight": 1.0} for url in urls], seq_len=16,
+                     prefetch_steps=1)
+    clock, first_failure = Clock(), {}
+    cursor = make_cursor(cfg, VOCAB, read_retry=ReadRetry(30.0, setting="data.read_retry_s", renews=True,
+                                                          clock=lambda: clock.now, sleep=clock.sleep))
+    assert {s for s, _ in cursor.windows(0, 8, 0, 1)} == {0, 1}  # the step reads both datasets
+    fs = cursor.datasets[0].fs
+    real = fs.cat_file
+
+    def each_dataset_down_for_20_s(path, *args, **kwargs):
+        if path.endswith(".tokens"):
+            since = first_failure.setdefault(path.strip("/").split("/")[0], clock.now)
+            if clock.now < since + 20.0:
+                raise OSError(errno.EBUSY, "Please reduce your request rate (SlowDown)")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", each_dataset_down_for_20_s)
+    with pytest.raises(TransientStorageError, match=r"data.read_retry_s=30"):
+        cursor.microbatches(0, 8, 2, 0, 1)
+    assert len(first_failure) == 2 and clock.now < 41.0
+    cursor.close()

@@ -254,6 +254,30 @@ def test_an_interrupt_gives_a_retried_read_up_within_half_a_second_of_its_waits(
     assert not retry.renews and retry.setting == "checkpoint.read_retry_s"
 
 
+def test_one_outage_keeps_a_renewing_budget_for_the_whole_block():
+    # A step of a mixture reads its datasets in turn: each failing ~20 s then answering must not
+    # renew the budget between them, or one step's wait would grow with the number of datasets.
+    clock = _Clock()
+    retry = dataclasses.replace(_retry(clock, 30.0), renews=True, setting="data.read_retry_s")
+
+    def dataset_read():
+        ends = clock.now + 20.0
+
+        def read():
+            if clock.now < ends:
+                raise _s3("SlowDown", 503)
+            return b"ok"
+
+        return read
+
+    with pytest.raises(TransientStorageError, match=r"data.read_retry_s=30"), retry.one_outage():
+        for _ in range(3):  # three datasets of one step
+            assert retry.call(dataset_read(), "tokens") == b"ok"
+    assert 30.0 <= clock.now < 41.0  # the second dataset's wait took the rest of the step's one budget
+    again = dataset_read()  # the block is over: the next step's outage has the whole budget again
+    assert retry.call(again, "tokens") == b"ok"
+
+
 def test_a_renewing_budget_gives_each_failing_spell_the_whole_budget():
     clock = _Clock()
     retry = dataclasses.replace(_retry(clock, 30.0), renews=True, setting="data.read_retry_s")

@@ -84,11 +84,13 @@ class TokenCursor(ReadAheadCursor):
         count = microbatches_per_rank(global_batch, micro_batch, dp_size)
         ids = self.windows(step, global_batch, dp_rank, dp_size)
         samples: list = [None] * len(ids)
-        for source in sorted({s for s, _ in ids}):  # each dataset's windows of the step in one batch of reads
-            mine = [i for i, (s, _) in enumerate(ids) if s == source]
-            got = self.datasets[source].read_many([(ids[i][1] * self.span, self.span) for i in mine])
-            for i, tokens in zip(mine, got, strict=True):
-                samples[i] = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        # The datasets share one retry (trainer.data.make_cursor), whose budget is the step's, not each read's.
+        with self.datasets[0].retry.one_outage():
+            for source in sorted({s for s, _ in ids}):  # each dataset's windows of the step in one batch of reads
+                mine = [i for i, (s, _) in enumerate(ids) if s == source]
+                got = self.datasets[source].read_many([(ids[i][1] * self.span, self.span) for i in mine])
+                for i, tokens in zip(mine, got, strict=True):
+                    samples[i] = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
         return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
 
 

@@ -48,10 +48,15 @@ MAX_MAPS = 64  # shards kept mapped per dataset and process (a mixture's dataset
 class Retry(Protocol):
     def call(self, fn: Callable[[], T], what: str) -> T: ...
 
+    def one_outage(self) -> contextlib.AbstractContextManager: ...
+
 
 class _Once:
     def call(self, fn: Callable[[], T], what: str) -> T:
         return fn()
+
+    def one_outage(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 class TokenDataset:
