@@ -27,8 +27,9 @@ class CorruptCheckpoint(RuntimeError):
     """A committed checkpoint cannot be read back intact (missing shard, bad checksum).
 
     `location`: (file, start, end), the bytes of the step's shard file whose read proved it, when
-    a read did (ckpt.fetch); None for proof found elsewhere (the manifest, the coverage). An
-    attribute, so it survives pickling (Ray hands a rank's error to the controller with it)."""
+    a read did (ckpt.fetch), or (MANIFEST_NAME, 0, 0) when its manifest is missing or does not parse
+    (ckpt.reader.read_manifest); None for proof found elsewhere (the coverage). An attribute, so it
+    survives pickling (Ray hands a rank's error to the controller with it)."""
 
     location: tuple[str, int, int] | None = None
 

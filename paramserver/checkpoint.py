@@ -38,7 +38,7 @@ from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.errors import CorruptCheckpoint
 from ckpt.manifest import ShardReceipt
 from ckpt.ownership import OwnerLease
-from ckpt.reader import read_manifest, read_slices
+from ckpt.reader import read_manifest, read_slices, verify_checkpoint, verify_location
 from ckpt.shards import write_slices
 from ckpt.storage import Storage
 from ckpt.storage_errors import ReadRetry
@@ -91,7 +91,7 @@ def latest_committed_step(root: str, storage_options: dict | None = None,
 
 
 def snapshot_shard(server: ShardServer, step: int) -> list[TensorSlice]:
-    """The server's state at cut `step` (CPU copies): raises ValueError when it is not at that cut."""
+    """The server's state at cut `step` (CPU copies): raises NotAtCut when it is not at that cut."""
     server.check_cut(step)
     return server.state_slices()
 
@@ -193,7 +193,7 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
                        fault_point=None, owner: OwnerLease | None = None, state: dict | None = None) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
     None when `step` is committed already (nothing is written). A server's error is raised as it
-    came (ValueError: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
+    came (NotAtCut: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
     written shards did not commit; either way no earlier checkpoint is touched and what was
     written is garbage the next commit collects. `fault_point(point, step)`: the committer's chaos
     points ("before_manifest_commit", "after_manifest_commit"). `owner`: the driver's lease on `root`
@@ -246,24 +246,49 @@ def restore_servers(servers: list, root: str, step: int, *, storage_options: dic
 
 def restore_newest_intact(servers: list, root: str, step: int, *, storage_options: dict | None = None,
                           read_retry_s: float = DEFAULT_READ_RETRY_S, owner: OwnerLease | None = None) -> int:
-    """Restore committed `step` into every server; when its bytes prove corrupt (CorruptCheckpoint: a
-    checksum still wrong on a re-read, a shard gone), quarantine it (its manifest moved aside under
-    the lease `owner`, its files kept as evidence) and restore the next older commit, as a collective
-    job falls back. The step restored; PSCheckpointError when no commit is left: the job never starts
-    over from step 0 on its own. A server loads a step only once every block verified, and a fall
-    back restores every server, so no server keeps another step's state."""
-    proven: list[int] = []
+    """Restore committed `step` into every server; when a server's read proves it corrupt
+    (CorruptCheckpoint), check it here as a collective job's controller does: bytes that are bad here
+    too are proof, and the checkpoint is quarantined (its manifest moved aside under the lease
+    `owner`, its files kept as evidence); bytes that read intact here (a server's stale view of the
+    store, a read damaged in flight) leave it committed, skipped by this run. Either way every server
+    restores the next older commit. The step restored; PSCheckpointError when no commit is left: the
+    job never starts over from step 0 on its own. A server loads a step only once every block
+    verified, and a fall back restores every server, so no server keeps another step's state."""
+    proven, skipped = [], []
     while True:
         try:
             restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s)
             return step
         except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
-            log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit", step, err)
             cat = catalog(root, storage_options, owner)
-            cat.quarantine(step)
-            proven.append(step)
+            if _proven_here(cat, step, err, read_retry_s):
+                log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit", step, err)
+                cat.quarantine(step)
+                proven.append(step)
+            else:
+                log.error("checkpoint step %d failed a server's read (%s) but not here: kept committed, skipped by "
+                          "this run; restoring the next older commit", step, err)
+                skipped.append(step)
         older = [s for s in cat.committed_steps() if s < step]
         if not older:
-            raise PSCheckpointError(f"every committed checkpoint left is corrupt (steps {proven}, quarantined as "
-                                    "evidence); `undying run --fresh` starts the job over from step 0")
+            raise PSCheckpointError(f"no committed checkpoint left to restore: steps {proven} proved corrupt "
+                                    f"(quarantined as evidence), steps {skipped} failed the servers' reads only "
+                                    "(kept); " + ("rerun once every node reads the store" if skipped else
+                                                  "`undying run --fresh` starts the job over from step 0"))
         step = older[-1]
+
+
+def _proven_here(cat: Catalog, step: int, err: CorruptCheckpoint, read_retry_s: float) -> bool:
+    """Whether the driver's own read proves `step` corrupt: of the bytes the server's error names
+    (`location`), else of the whole checkpoint. A store that keeps failing proves nothing."""
+    location = getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
+    try:
+        if location is None:
+            verify_checkpoint(cat, step, ReadRetry(read_retry_s))
+        else:
+            verify_location(cat, step, location, ReadRetry(read_retry_s))
+    except CorruptCheckpoint:
+        return True
+    except Exception as e:  # noqa: BLE001 (the store's errors, transient or not: no proof either way)
+        log.warning("checkpoint step %d could not be checked here (%s): kept committed", step, e)
+    return False

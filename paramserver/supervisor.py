@@ -395,5 +395,6 @@ class Supervisor:
         ckpt = self.ckpt
         step = checkpoint.restore_newest_intact(self.servers, ckpt.root, newest, storage_options=ckpt.storage_options,
                                                 read_retry_s=ckpt.read_retry_s, owner=ckpt.owner)
-        self.saved = [s for s in self.saved if s <= step]  # a quarantined commit is no longer one
+        self.saved = [s for s in self.saved if s <= step]  # a commit skipped or quarantined is not the last
+        self.start_step = min(self.start_step, step)
         return step

@@ -202,15 +202,20 @@ def test_a_torn_save_is_not_committed_and_never_damages_the_last_checkpoint(tmp_
     assert save_ps_checkpoint(setup.servers, root, 4, job=job).step == latest_committed_step(root) == 4
 
 
-def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_older_one(tmp_path):
-    from tests._checkpoints import flip_bit, shard_of
-
-    root, parallel = str(tmp_path / "q"), _ps("bsp")
-    job = _job(MODEL, parallel)
+def _saved_at_two_and_four(root: str, job: PSJob) -> dict[str, torch.Tensor]:
+    """Servers of `job` saved at steps 2 and 4 under `root`; their state at step 2."""
     setup, at_two = _saved_at_two(root, job)
     for step in (2, 3):
         _step(setup, step)
     save_ps_checkpoint(setup.servers, root, 4, job=job)
+    return at_two
+
+
+def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_older_one(tmp_path):
+    from tests._checkpoints import flip_bit, shard_of
+
+    root, parallel = str(tmp_path / "q"), _ps("bsp")
+    at_two = _saved_at_two_and_four(root, _job(MODEL, parallel))
     cat = catalog(root)
     for step in (4, 2):
         name = next(n for n in cat.read_manifest(step).tensors if n.startswith("model/"))
@@ -220,9 +225,31 @@ def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_olde
             assert restore_newest_intact(fresh.servers, root, 4) == 2
             assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
             assert cat.committed_steps() == [2] and cat.quarantined_steps() == [4]  # its files kept as evidence
-    with pytest.raises(PSCheckpointError, match=r"every committed checkpoint left is corrupt \(steps \[2\]"):
+    with pytest.raises(PSCheckpointError, match=r"no committed checkpoint left .*steps \[2\] proved corrupt.*--fresh"):
         restore_newest_intact(fresh.servers, root, 2)
     assert cat.committed_steps() == [] and cat.quarantined_steps() == [2, 4]
+
+
+def test_a_commit_only_a_server_could_not_read_stays_committed_and_is_skipped(tmp_path, monkeypatch):
+    """A server's stale view of the store (no manifest there) is no proof: the driver reads the step
+    intact, so it stays committed; the servers restore the one before it, this run."""
+    from ckpt.errors import corrupt_at
+    from paramserver import checkpoint as ps_checkpoint
+
+    root, parallel = str(tmp_path / "stale"), _ps("bsp")
+    at_two = _saved_at_two_and_four(root, _job(MODEL, parallel))
+    restore = ps_checkpoint.restore_servers
+
+    def stale_at_four(servers, root, step, **kwargs):
+        if step == 4:
+            raise corrupt_at("step 4 has no committed manifest", "manifest.json", 0, 0)
+        return restore(servers, root, step, **kwargs)
+
+    monkeypatch.setattr(ps_checkpoint, "restore_servers", stale_at_four)
+    fresh = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
+    assert restore_newest_intact(fresh.servers, root, 4) == 2
+    assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
+    assert catalog(root).committed_steps() == [2, 4] and catalog(root).quarantined_steps() == []
 
 
 def test_a_server_that_cannot_write_its_shard_fails_that_save_not_the_job(tmp_path, monkeypatch):
