@@ -30,6 +30,7 @@ import logging
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.reader import read_manifest, verify_checkpoint, verify_location
+from ckpt.storage import RangeIgnored
 from ckpt.storage_errors import ReadRetry
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,9 @@ class NoRestorePoint(RuntimeError):
 
 
 # What a restore may fail with that proves nothing about a checkpoint's bytes: the job fails.
-# A manifest another undying version wrote is not damage either: the job fails naming the version.
-UNRESTORABLE = (TransientStorageError, NoRestorePoint, UnsupportedManifest)
+# A manifest another undying version wrote is not damage either: the job fails naming the version;
+# nor is a store that ignores Range requests, which every rerun would meet again.
+UNRESTORABLE = (TransientStorageError, NoRestorePoint, UnsupportedManifest, RangeIgnored)
 
 
 def cause(err: BaseException) -> str:
@@ -159,8 +161,8 @@ class RestorePolicy:
     def unreadable(self, step: int | None, err: BaseException) -> str:
         if isinstance(err, NoRestorePoint):
             return str(err)
-        if isinstance(err, UnsupportedManifest):
-            return f"{err}; nothing was quarantined or deleted"
+        if isinstance(err, UnsupportedManifest | RangeIgnored):
+            return f"{cause(err)}; nothing was quarantined or deleted"
         what = f"checkpoint step {step}" if step is not None else "the committed checkpoints"
         return (f"{what} could not be read ({cause(err)}); that proves nothing about the bytes, so nothing was "
                 "quarantined or deleted: rerun once the store answers")

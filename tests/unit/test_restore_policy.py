@@ -15,7 +15,7 @@ from chaos.corrupt import corrupt_shard
 from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, TransientStorageError
 from ckpt.manifest import step_dir
-from ckpt.storage import Storage
+from ckpt.storage import RangeIgnored, Storage
 from monitor.metrics import JobMetrics
 from orchestrator.controller.machine import Controller
 from orchestrator.controller.restore_policy import fresh_problem
@@ -61,16 +61,23 @@ def _files(spec) -> list[str]:
     return sorted(path for path in root.fs.find(root.root))
 
 
-def test_a_store_that_keeps_failing_at_restore_fails_the_job_naming_it_and_deletes_nothing(tmp_path, rendezvous):
+@pytest.mark.parametrize("error, words", [
+    # the store kept failing past the budget
+    (TransientStorageError("step 30: bytes 0..64 of shard-r00000.bin: the store kept failing for 120.0 s "
+                           "(checkpoint.read_retry_s=120): OSError: [Errno 16] Please reduce your request rate."),
+     ("checkpoint step 30 could not be read", "Please reduce your request rate")),
+    # a store (or proxy) that ignores Range: every rerun would meet it again, so no recovery loop either
+    (RangeIgnored("step-000000030/shard-r00000.bin: the store answered 4096 bytes for the 64-byte range at 0: it "
+                  "ignores HTTP Range requests"), ("ignores HTTP Range requests",)),
+])
+def test_a_restore_that_proves_nothing_fails_the_job_at_once_naming_it_and_deletes_nothing(tmp_path, rendezvous,
+                                                                                          error, words):
     spec = _finished_job(tmp_path, rendezvous)
     before = _files(spec)
-    down = TransientStorageError("step 30: bytes 0..64 of shard-r00000.bin: the store kept failing for 120.0 s "
-                                 "(checkpoint.read_retry_s=120): OSError: [Errno 16] Please reduce your request rate.")
-    workers = FailingRestore(rendezvous, Storage(spec.checkpoint_root), errors={30: down})
+    workers = FailingRestore(rendezvous, Storage(spec.checkpoint_root), errors={30: error})
     ctl, report, text = _run(spec, workers, rendezvous)
-    assert report.status == "failed" and workers.restored == [30]  # no fallback to 20, no step 0
-    assert "checkpoint step 30 could not be read" in report.error and "Please reduce your request rate" in report.error
-    assert "nothing was quarantined or deleted" in report.error
+    assert report.status == "failed" and workers.restored == [30]  # no fallback to 20, no step 0, no loop
+    assert all(w in report.error for w in words) and "nothing was quarantined or deleted" in report.error
     assert _files(spec) == before and ctl.catalog.committed_steps() == [20, 30]
 
 
