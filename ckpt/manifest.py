@@ -73,12 +73,16 @@ class Chunk(BaseModel):
 
 
 def _torch_dtype(name: str) -> str:
-    """`name` when torch has a dtype of that name: a damaged one fails the parse (corruption) rather
-    than the read planning after it."""
+    """`name` when torch has a dtype of that name, found as the manifest parses rather than when its
+    reads are planned. One it lacks is UnsupportedManifest, not corruption: a newer torch's dtype
+    (a float8 variant) and a damaged name cannot be told apart, and a checkpoint is withdrawn only on
+    proof, so it is kept, and the job fails naming the dtype."""
     import torch  # here: who parses a manifest reads tensors next, and the module stays importable without
 
     if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
+        raise UnsupportedManifest(f"the manifest names dtype {name!r}, which this torch ({torch.__version__}) does "
+                                  "not have: read it with the torch that wrote it (or, if the name is garbled, the "
+                                  "manifest is damaged: `undying ckpt verify` and an older step)")
     return name
 
 
