@@ -30,7 +30,7 @@ from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics, StepRate
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
-from orchestrator.cli.root_lease import claim_root
+from orchestrator.cli.root_lease import claim_root, took_over
 from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
@@ -150,7 +150,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     restore_signals = route_signals(start_up.on_signal)  # until the supervisor's preemption takes them
     try:
         checkpoints.owner = None if _refused_capacity(spec) else claim_root(spec)
-        if checkpoints.owner is None or refused_resume(spec):
+        if checkpoints.owner is None or refused_resume(spec) or not took_over(spec):
             return EXIT_USAGE
         snapshots = carry_goodput(spec, ledger, started_at, checkpoints.owner)
         port = serve_metrics(metrics, spec)

@@ -137,15 +137,17 @@ def test_fresh_never_deletes_checkpoints_no_experiment_made(tmp_path, capsys):
 def test_a_job_run_in_an_experiment_s_root_takes_it_over_and_fresh_then_leaves_it(tmp_path, capsys):
     """`undying run` of the spec an experiment used, in the root the experiment made: from its claim on
     the root is the job's, so a later `chaos --fresh` must not delete the job's commits."""
-    from orchestrator.cli.root_lease import claim_root
+    from orchestrator.cli.root_lease import claim_root, took_over
 
     assert chaos_main(_args(tmp_path, "--no-reference"), runner=FakeRunner()) == EXIT_OK
     spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])
     storage = catalog_of(spec).storage
-    claim_root(spec, experiment=True).release()  # the experiment's own runs keep the marker
+    claim_root(spec).release()  # a claim alone (an experiment's run, a run refused at its start) keeps it
     assert storage.exists(storage.path("chaos-experiment.json"))
     capsys.readouterr()
-    claim_root(spec).release()
+    lease = claim_root(spec)
+    assert took_over(spec)  # a run about to train
+    lease.release()
     assert not storage.exists(storage.path("chaos-experiment.json"))
     assert "it is this job's root now" in capsys.readouterr().out
     runner = FakeRunner()

@@ -17,9 +17,9 @@ is reused: it is deterministic); then the job runs with its faults; then every i
 on what it left and the pass/fail table is printed, and the run's timeline PNG is written
 (orchestrator.cli.chaos.timeline). A checkpoint root that already holds checkpoints of another run
 is refused (a chaos run must start from scratch), unless --fresh, which deletes it first, and only
-when an earlier experiment made it (it holds CHAOS_MARKER, which any other run's claim on the root
-takes away: orchestrator.cli.root_lease): a production job's checkpoints are never deleted by
-pointing the harness at its spec. Rank PIDs are taken from the ranks' own answers to the
+when an earlier experiment made it (it holds CHAOS_MARKER, which any other run takes away as it
+starts: orchestrator.cli.root_lease): a production job's checkpoints are never deleted by pointing
+the harness at its spec. Rank PIDs are taken from the ranks' own answers to the
 controller's pings (every actor of the run answers one before it trains) by recording them on the
 worker group; `run_job` has no hook for it, hence the subclass swapped in for the run. A spec with a
 kill_controller fault runs each job in a child process instead, rerun after the controller killed
