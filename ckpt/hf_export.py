@@ -73,11 +73,15 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha
     base = base.rstrip("/")
     copied = []
     for name in TOKENIZER_FILES:
-        fs, path = fsspec.core.url_to_fs(f"{base}/{name}", **storage_options)
-        if fs.exists(path):
-            with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            copied.append(name)
+        try:
+            fs, path = fsspec.core.url_to_fs(f"{base}/{name}", **storage_options)
+            if fs.exists(path):
+                with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                copied.append(name)
+        except Exception as err:  # noqa: BLE001 (the store's client: credentials, an endpoint, an option)
+            raise ValueError(f"the tokenizer at {base} cannot be read with the storage options given "
+                             f"({type(err).__name__}: {err}); pass --tokenizer with a copy they reach") from None
     if "tokenizer.json" not in copied:
         raise ValueError(f"no tokenizer.json at {base}; pass --tokenizer with the tokenizer the job trained with")
     with open(os.path.join(out_dir, "tokenizer.json"), "rb") as f:

@@ -120,6 +120,10 @@ def test_export_ships_the_recorded_tokenizer_checked_before_any_weight_is_writte
     monkeypatch.setattr(ckpt.hf_export, "write_safetensors", lambda *a, **k: pytest.fail("weights written first"))
     assert main(["ckpt", "export", url, "--format", "hf", "--out", str(tmp_path / "b")]) == 2
     assert "is not the tokenizer the job trained with" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    unreachable = ["--tokenizer", "htps://host/tokenizer.json"]  # a store the command's options do not reach
+    assert main(["ckpt", "export", url, "--format", "hf", "--out", str(tmp_path / "b"), *unreachable]) == 2
+    err = capsys.readouterr().err
+    assert "the tokenizer at htps://host cannot be read" in err and "Traceback" not in err
 
 
 def test_a_directory_with_a_weight_undying_would_drop_is_refused(tmp_path):
