@@ -51,6 +51,7 @@ import fsspec
 
 from ckpt.direct_io import DirectFile, open_direct
 from ckpt.write_behind import WriteBehindFile
+from trainer.urls import range_ignored
 
 # s3fs's own default for pipe_file: bodies under twice this size go in one PUT.
 DEFAULT_MULTIPART_CHUNK = 50 * 2**20
@@ -75,11 +76,6 @@ def _count_read(storage: Storage, nbytes: int) -> None:
 
 class AlreadyCommitted(FileExistsError):
     """The object to create exists already with other bytes (POSIX EEXIST, S3 412 Precondition Failed)."""
-
-
-class RangeIgnored(RuntimeError):
-    """The store sent more than the byte range asked: it ignores Range requests. Not proof of a
-    corrupt checkpoint (its bytes are intact), and not transient: every read would do the same."""
 
 
 def is_precondition_failure(err: BaseException | None) -> bool:
@@ -221,9 +217,7 @@ class Storage:
         data = self.fs.cat_file(path, start=start, end=end)
         _count_read(self, len(data))
         if len(data) > end - start:
-            raise RangeIgnored(f"{path}: the store answered {len(data)} bytes for the {end - start}-byte range at "
-                               f"{start}: it ignores HTTP Range requests, and undying reads shards by byte ranges; "
-                               "use a store (or a proxy setting) that honours them")
+            raise range_ignored(path, len(data), end - start, start)
         return data
 
     def read_range_into(self, path: str, start: int, out: memoryview) -> int:

@@ -1,4 +1,5 @@
-"""URLs of checkpoints and datasets, as every process of a job must read them.
+"""URLs of checkpoints and datasets, as every process of a job must read them, and how a store may
+answer a ranged read of one wrongly (RangeIgnored).
 
 A plain path becomes an absolute `file://` URL at spec load, in the driver: ranks and the
 controller run elsewhere, in other working directories, so a relative path would name another
@@ -43,3 +44,15 @@ def absolute_url(url: str) -> str:
     # A trailing slash would give "a//job" when the job name is appended; a bare root
     # ("file:///") keeps its slash because there is nothing else left of the path.
     return f"{protocol}://{path.rstrip('/') or '/'}"
+
+
+class RangeIgnored(RuntimeError):
+    """A store sent more than the byte range asked, as one that ignores HTTP Range requests does (a
+    server or a proxy): the bytes are not the range, yet prove no damage, and every read would do
+    the same (not transient). Raised by the ranged readers (ckpt.storage, trainer.tokens.reader)."""
+
+
+def range_ignored(path: str, got: int, asked: int, start: int) -> RangeIgnored:
+    return RangeIgnored(f"{path}: the store answered {got} bytes for the {asked}-byte range at {start}: it ignores "
+                        "HTTP Range requests, and undying reads checkpoints and datasets by byte ranges; use a store "
+                        "(or a proxy setting) that honours them")

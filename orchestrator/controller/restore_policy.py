@@ -30,8 +30,8 @@ import logging
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.reader import read_manifest, verify_checkpoint, verify_location
-from ckpt.storage import RangeIgnored
 from ckpt.storage_errors import ReadRetry
+from trainer.urls import RangeIgnored
 
 log = logging.getLogger(__name__)
 

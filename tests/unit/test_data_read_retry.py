@@ -378,3 +378,13 @@ def test_a_mixture_step_waits_out_its_datasets_outages_within_one_budget(monkeyp
         cursor.microbatches(0, 8, 2, 0, 1)
     assert len(first_failure) == 2 and clock.now < 41.0
     cursor.close()
+
+
+def test_a_store_that_ignores_range_requests_is_named_not_taken_for_a_truncated_shard(monkeypatch, remote_dataset):
+    from trainer.urls import RangeIgnored
+
+    ds = TokenDataset(remote_dataset)
+    whole = ds.fs.cat_file
+    monkeypatch.setattr(ds.fs, "cat_file", lambda path, start=None, end=None, **kw: whole(path))
+    with pytest.raises(RangeIgnored, match="ignores HTTP Range requests"):
+        ds.read(10, 20)  # "prepare the data again" would not help

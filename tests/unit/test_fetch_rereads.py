@@ -57,7 +57,8 @@ def test_a_store_that_ignores_range_requests_is_named_not_taken_for_corruption()
     the checkpoint must not be quarantined; the restore fails naming the store's behaviour."""
     import uuid
 
-    from ckpt.storage import RangeIgnored, Storage
+    from ckpt.storage import Storage
+    from trainer.urls import RangeIgnored
 
     catalog = Catalog(Storage(f"memory://undying-test-{uuid.uuid4().hex}/job"))  # read by ranges, as S3
     save_checkpoint(catalog, 10, make_state(10))

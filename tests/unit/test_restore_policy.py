@@ -15,7 +15,7 @@ from chaos.corrupt import corrupt_shard
 from ckpt.catalog import Catalog
 from ckpt.errors import CorruptCheckpoint, TransientStorageError
 from ckpt.manifest import step_dir
-from ckpt.storage import RangeIgnored, Storage
+from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from orchestrator.controller.machine import Controller
 from orchestrator.controller.restore_policy import fresh_problem
@@ -23,6 +23,7 @@ from orchestrator.rank.state import load_engine_state, restore_storage_setup
 from tests._checkpoints import commit_trained_engine, tiny_engine
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
+from trainer.urls import RangeIgnored
 
 
 class FailingRestore(FakeWorkerGroup):

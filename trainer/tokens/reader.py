@@ -40,6 +40,7 @@ from trainer.tokens.format import (
     numpy_dtype,
     parse_manifest,
 )
+from trainer.urls import range_ignored
 
 T = TypeVar("T")
 MAX_MAPS = 64  # shards kept mapped per dataset and process (a mixture's datasets each keep theirs)
@@ -234,6 +235,8 @@ class TokenDataset:
 
     def _tokens_of(self, path: str, data: bytes, local: int, count: int) -> np.ndarray:
         size = self.dtype.itemsize
+        if len(data) > count * size:  # not damage: the store ignores Range
+            raise range_ignored(path, len(data), count * size, local * size)
         if len(data) != count * size:  # short: the shard is damaged, and reading again will not mend it
             raise TokenFormatError(f"{path}: {len(data)} bytes where {count * size} were expected at byte "
                                    f"{local * size}; the shard is truncated, prepare the data again")
