@@ -12,7 +12,12 @@ window (or for the validation windows asked) is a `SpecError` naming the field a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
+
+if TYPE_CHECKING:
+    from trainer.tokens.reader import TokenDataset
 
 
 def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
@@ -96,7 +101,7 @@ def data_problems(spec: JobSpec) -> list[Problem]:
     if spec.model.from_hf:
         problems += _pretrained_problems(spec)
     data, model = spec.data, spec.model
-    tokenizers: list[tuple[str, str]] = []  # (field, tokenizer sha256) of every dataset read
+    opened: list[tuple[str, TokenDataset]] = []  # (field, dataset) of every dataset read
     if data.source == "tokens":
         parts = [(data.path, "data.path")] if data.path else [
             (part.path, f"data.mixture[{i}].path") for i, part in enumerate(data.mixture)]
@@ -104,7 +109,7 @@ def data_problems(spec: JobSpec) -> list[Problem]:
             ds = _dataset(url, data.storage_options, field, problems)
             if ds is None:
                 continue
-            tokenizers.append((field, ds.manifest.tokenizer_sha256))
+            opened.append((field, ds))
             _check_shards(ds, url, field, problems)
             if ds.vocab_size > model.vocab_size:
                 problems.append(Problem(field, f"{url} holds token ids up to {ds.vocab_size - 1}, beyond model."
@@ -125,14 +130,32 @@ def data_problems(spec: JobSpec) -> list[Problem]:
             problems.append(Problem("eval.path", f"token ids up to {ds.vocab_size - 1}, beyond model.vocab_size = "
                                     f"{model.vocab_size}; prepare it with the model's tokenizer"))
         if ds is not None:
-            tokenizers.append(("eval.path", ds.manifest.tokenizer_sha256))
+            opened.append(("eval.path", ds))
+    return problems + _between_datasets(opened)
+
+
+def _between_datasets(opened: list[tuple[str, TokenDataset]]) -> list[Problem]:
+    """What the job's datasets must be to one another (`opened`: (field, dataset), training ones first)."""
+    from trainer.tokens.loader import content_hash
+
+    problems = []
     # Ids mean something only under their tokenizer: a mixture (or a validation set) tokenized
     # with another one would train (or measure) on different words behind the same numbers.
-    for field, sha in tokenizers[1:]:
-        if sha != tokenizers[0][1]:
+    shas = [(field, ds.manifest.tokenizer_sha256) for field, ds in opened]
+    for field, sha in shas[1:]:
+        if sha != shas[0][1]:
             problems.append(Problem(field, f"was tokenized with another tokenizer (sha256 {sha[:12]}...) than "
-                                    f"{tokenizers[0][0]} ({tokenizers[0][1][:12]}...); prepare every dataset of a job "
-                                    "with the same tokenizer"))
+                                    f"{shas[0][0]} ({shas[0][1][:12]}...); prepare every dataset of a job with the "
+                                    "same tokenizer"))
+    # The same tokens twice: a validation set the job trains on measures no held-out loss, and a mixture
+    # listing a dataset twice serves each of its windows twice an epoch.
+    seen: dict[str, str] = {}
+    for field, ds in opened:
+        earlier = seen.setdefault(content_hash(ds), field)
+        if earlier != field:
+            problems.append(Problem(field, f"holds the same tokens as {earlier}; " + (
+                "evaluate on a dataset kept out of training" if field == "eval.path" else
+                "give each dataset once in data.mixture, with the weight of both")))
     return problems
 
 

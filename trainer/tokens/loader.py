@@ -56,7 +56,7 @@ class TokenCursor(ReadAheadCursor):
     def identity(self) -> dict:
         """What decides the window of each (step, index) besides data.seed: the window length and each
         dataset's weight and content (its shards' hashes, not its URL: a copied dataset is the same)."""
-        parts = [{"weight": w, "tokens": ds.manifest.n_tokens, "shards": _content_hash(ds)}
+        parts = [{"weight": w, "tokens": ds.manifest.n_tokens, "shards": content_hash(ds)}
                  for ds, w in zip(self.datasets, self.weights, strict=True)]
         return {"source": "tokens", "seq_len": self.seq_len, "datasets": parts}
 
@@ -94,6 +94,6 @@ class TokenCursor(ReadAheadCursor):
         return [collate(samples[k * micro_batch:(k + 1) * micro_batch]) for k in range(count)], ids
 
 
-def _content_hash(ds: TokenDataset) -> str:
+def content_hash(ds: TokenDataset) -> str:
     """A short hash of a prepared dataset's token shards' SHA-256s, in order."""
     return hashlib.sha256("".join(s.tokens_sha256 for s in ds.manifest.shards).encode()).hexdigest()[:16]
