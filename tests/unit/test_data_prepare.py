@@ -101,6 +101,10 @@ def test_rerun_is_already_prepared_and_other_inputs_are_refused(capsys, executor
     code, out, _ = prepare(capsys, *args_for(corpus, tmp_path / "out", "--shard-tokens", "1000"))
     assert code == 0 and out.startswith(f"already prepared: file://{tmp_path}/out (")
     assert not executor["executor"].results
+    shard = sorted((tmp_path / "out").glob("*.tokens"))[0]
+    shard.write_bytes(shard.read_bytes()[:-2])  # cut short after the commit: the job would refuse it
+    code, out, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 2 and "already prepared" not in out and f"{shard.name} is" in err and "damaged" in err
 
     code, _, err = prepare(capsys, str(inputs[0][0]), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
     assert code == 2 and err.count("\n") == 1

@@ -61,6 +61,7 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
     plan, decision = _settle(storage, plan)
     if decision is Decision.DONE:
         manifest = parse_manifest(storage.read(storage.path(MANIFEST_NAME)), storage.url)
+        _refuse_damaged(storage.url, request.storage_options)
         printer(f"already prepared: {storage.url} ({human_count(manifest.n_tokens)} tokens, "
                 f"{manifest.n_documents:,} documents in {len(manifest.shards)} shards)")
         return EXIT_OK
@@ -73,6 +74,20 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
             _withdraw(storage)
         return results
     return _commit(storage, plan, results, printer)
+
+
+def _refuse_damaged(url: str, storage_options: dict) -> None:
+    """A committed dataset whose shards are not all there at their sizes (one listing): the job's own
+    check refuses it, so "already prepared" must not pass it either. It is never rewritten in place
+    (a job may be reading it): UsageError saying so."""
+    from trainer.tokens.reader import TokenDataset
+
+    damaged = TokenDataset(url, storage_options).damaged_shards()
+    if damaged:
+        shown = "; ".join(damaged[:3]) + (f"; and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        raise UsageError(f"--out {url} holds this dataset, committed, but damaged: {shown}; it is not rewritten in "
+                         "place (a job may be reading it): prepare it to another --out, or delete this one and run "
+                         "the same command again")
 
 
 # Left by a fresh run that stopped at a record the user must fix (`_withdraw`): the run's own files
