@@ -309,3 +309,18 @@ def test_a_task_that_keeps_dying_fails_the_run_in_one_line_and_the_rerun_resumes
     executor["executor"] = Recorder()
     code, out, _ = prepare(capsys, *args_for(corpus, tmp_path / "out"))
     assert code == 0 and "resuming the unfinished preparation" in out
+
+
+def test_a_reader_s_own_error_in_a_task_is_one_line_naming_the_input_not_a_dying_worker(capsys, executor, corpus,
+                                                                                       tmp_path, monkeypatch):
+    """An exception of the input's reader (pyarrow on a damaged parquet, a tokenizer's) is the task's
+    answer, not a raise that Ray Data would retry as a dead worker and report as out of memory."""
+    from orchestrator.cli.data import shard_task
+
+    def broken(job, unit):
+        raise RuntimeError("ArrowInvalid: Parquet magic bytes not found in footer")
+
+    monkeypatch.setattr(shard_task, "tokenize_unit", broken)
+    code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
+    assert code == 1 and "Traceback" not in err and "worker died" not in err
+    assert "Parquet magic bytes not found" in err and "file://" in err and "check that input" in err

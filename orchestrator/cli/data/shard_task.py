@@ -62,8 +62,9 @@ class Job:
 @dataclass(frozen=True)
 class UnitResult:
     """A task's answer: the shard's counts and checksums, or `error` (`error_kind` "usage":
-    a bad record, the user's to fix; "storage": the output failed; "task": the executor's, a task
-    whose worker kept dying, orchestrator.cli.data.execute.task_failure)."""
+    a bad record, the user's to fix; "storage": the output failed; "task": an input the task could
+    not read (an exception of its reader), or the executor's, a task whose worker kept dying,
+    orchestrator.cli.data.execute.task_failure)."""
 
     index: int
     n_tokens: int = 0
@@ -117,10 +118,14 @@ def run_unit(job: Job, index: int) -> UnitResult:
     except BadRecord as err:
         return UnitResult(index, error=str(err), error_kind="usage")
     except Exception as err:
-        if not is_storage_error(err):
-            raise
-        return UnitResult(index, error=f"shard {shard_name(index)}: storage error: {error_reason(err, 300)}",
-                          error_kind="storage")
+        if is_storage_error(err):
+            return UnitResult(index, error=f"shard {shard_name(index)}: storage error: {error_reason(err, 300)}",
+                              error_kind="storage")
+        # Answered, not raised: a raised error would be retried as a dead worker and reported as one.
+        inputs = sorted({job.plan.sources[p.source].files[p.file].url for p in job.plan.units[index].pieces})
+        return UnitResult(index, error=f"shard {shard_name(index)} of {', '.join(inputs[:3])}"
+                          f"{' ...' if len(inputs) > 3 else ''}: {error_reason(err, 300)}; check that input (or "
+                          "leave it out) and run the same command again", error_kind="task")
 
 
 def _reuse(storage: Storage, job: Job, index: int) -> UnitResult | None:
