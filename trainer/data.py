@@ -196,9 +196,10 @@ def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
                                                                                  read_retry.interrupt))
     parts = cfg.mixture or [MixturePart(path=cfg.path, weight=1.0)]
     datasets = [TokenDataset(part.path, cfg.storage_options, retry=read_retry) for part in parts]
-    for part, ds in zip(parts, datasets, strict=True):
+    for i, (part, ds) in enumerate(zip(parts, datasets, strict=True)):
         if ds.vocab_size > vocab_size:
-            raise ValueError(f"data path {part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "
+            field = f"data.mixture[{i}].path" if cfg.mixture else "data.path"
+            raise ValueError(f"{field}={part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "
                              f"than model.vocab_size = {vocab_size}: use the model's tokenizer or a larger vocab_size")
     return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps, closed=closed)
 

@@ -145,5 +145,11 @@ def test_bad_token_configs_are_refused_by_field(tmp_path):
     write_token_dataset(tmp_path / "ds", counting_tokens(100, 1000), 1000)
     with pytest.raises(ValueError, match="larger than model.vocab_size"):
         make_cursor(DataConfig(source="tokens", path=str(tmp_path / "ds")), vocab_size=256)
-    with pytest.raises(ValueError, match="fewer than one window"):
+    with pytest.raises(ValueError, match=r"^data.path=.*fewer than one window"):
         make_cursor(DataConfig(source="tokens", path=str(tmp_path / "ds"), seq_len=200), vocab_size=1000)
+    write_token_dataset(tmp_path / "big", counting_tokens(1000, 1000), 1000)
+    mixture = [{"path": str(tmp_path / "big"), "weight": 1}, {"path": str(tmp_path / "ds"), "weight": 1}]
+    with pytest.raises(ValueError, match=r"^data.mixture\[1\].path=.*fewer than one window"):  # the part, by index
+        make_cursor(DataConfig(source="tokens", mixture=mixture, seq_len=200), vocab_size=1000)
+    with pytest.raises(ValueError, match=r"^data.mixture\[0\].path=.*larger than model.vocab_size"):
+        make_cursor(DataConfig(source="tokens", mixture=mixture, seq_len=16), vocab_size=256)

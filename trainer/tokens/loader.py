@@ -40,9 +40,10 @@ class TokenCursor(ReadAheadCursor):
         self.datasets, self.weights = list(datasets), list(weights)
         self.seq_len, self.seed, self.prefetch_steps = seq_len, seed, prefetch_steps
         self.span = seq_len + 1
-        for ds in self.datasets:
+        for i, ds in enumerate(self.datasets):
             if len(ds) < self.span:
-                raise ValueError(f"data.path={ds.url!r} holds {len(ds)} tokens, fewer than one window of data.seq_len"
+                field = "data.path" if len(self.datasets) == 1 else f"data.mixture[{i}].path"
+                raise ValueError(f"{field}={ds.url!r} holds {len(ds)} tokens, fewer than one window of data.seq_len"
                                  f" + 1 = {self.span}: use a larger dataset or a shorter seq_len")
         self.sources = [Source(len(ds) // self.span, w) for ds, w in zip(self.datasets, self.weights, strict=True)]
         self._schedules: dict[int, WindowSchedule] = {}
