@@ -245,36 +245,39 @@ def restore_servers(servers: list, root: str, step: int, *, storage_options: dic
 
 
 def restore_newest_intact(servers: list, root: str, step: int, *, storage_options: dict | None = None,
-                          read_retry_s: float = DEFAULT_READ_RETRY_S, owner: OwnerLease | None = None) -> int:
+                          read_retry_s: float = DEFAULT_READ_RETRY_S, owner: OwnerLease | None = None,
+                          skipped: set[int] | None = None) -> int:
     """Restore committed `step` into every server; when a server's read proves it corrupt
     (CorruptCheckpoint), check it here as a collective job's controller does: bytes that are bad here
     too are proof, and the checkpoint is quarantined (its manifest moved aside under the lease
     `owner`, its files kept as evidence); bytes that read intact here (a server's stale view of the
-    store, a read damaged in flight) leave it committed, skipped by this run. Either way every server
-    restores the next older commit. The step restored; PSCheckpointError when no commit is left: the
-    job never starts over from step 0 on its own. A server loads a step only once every block
-    verified, and a fall back restores every server, so no server keeps another step's state."""
-    proven, skipped = [], []
+    store, a read damaged in flight) leave it committed, added to `skipped` (the caller's, for the
+    run: never restored again, paramserver.supervisor). Either way every server restores the next
+    older commit not skipped. The step restored; PSCheckpointError when none is left: the job never
+    starts over from step 0 on its own. A server loads a step only once every block verified, and a
+    fall back restores every server, so no server keeps another step's state."""
+    proven, skipped = [], set() if skipped is None else skipped
     while True:
-        try:
-            restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s)
-            return step
-        except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
-            cat = catalog(root, storage_options, owner)
-            if _proven_here(cat, step, err, read_retry_s):
-                log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit", step, err)
-                cat.quarantine(step)
-                proven.append(step)
-            else:
-                log.error("checkpoint step %d failed a server's read (%s) but not here: kept committed, skipped by "
-                          "this run; restoring the next older commit", step, err)
-                skipped.append(step)
-        older = [s for s in cat.committed_steps() if s < step]
+        if step not in skipped:
+            try:
+                restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s)
+                return step
+            except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
+                if _proven_here(catalog(root, storage_options, owner), step, err, read_retry_s):
+                    log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit",
+                              step, err)
+                    catalog(root, storage_options, owner).quarantine(step)
+                    proven.append(step)
+                else:
+                    log.error("checkpoint step %d failed a server's read (%s) but not here: kept committed, skipped "
+                              "by this run; restoring the next older commit", step, err)
+                    skipped.add(step)
+        older = [s for s in catalog(root, storage_options, owner).committed_steps() if s < step and s not in skipped]
         if not older:
             raise PSCheckpointError(f"no committed checkpoint left to restore: steps {proven} proved corrupt "
-                                    f"(quarantined as evidence), steps {skipped} failed the servers' reads only "
-                                    "(kept); " + ("rerun once every node reads the store" if skipped else
-                                                  "`undying run --fresh` starts the job over from step 0"))
+                                    f"(quarantined as evidence), steps {sorted(skipped)} failed the servers' reads "
+                                    "only (kept); " + ("rerun once every node reads the store" if skipped else
+                                                       "`undying run --fresh` starts the job over from step 0"))
         step = older[-1]
 
 

@@ -39,6 +39,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ckpt.ownership import OwnershipLost
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
+from paramserver.actor_pids import ActorPids
 from paramserver.actors import ServerStats, StepLog
 from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.moves import GONE, Moves, cut_segment
@@ -82,7 +83,8 @@ class Supervisor:
         self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
         self.failures, self.saved = [], []  # what failed (Failure); the checkpoint steps this run committed
         self.save_streak = SaveStreak(checkpoints.max_failed_saves if checkpoints else 1)
-        self.pids: dict[str, int] = {}  # every actor process this job started, by label
+        self.skipped: set[int] = set()  # commits a server could not read, kept: never restored, nor saved over
+        self.pids = ActorPids()  # every actor process this job started, by label; the live one of each
         self.start_step, self.redone = 0, 0  # the step resumed from; step executions thrown away by rollbacks
         self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
         self._pauses: dict[int, Failure] = {}  # worker -> its replacement, until the first push lands
@@ -90,7 +92,6 @@ class Supervisor:
         self._replaced: dict[int, int] = {}  # worker -> replacements since a step of its last landed
         self.held_calls: dict[int, object] = {}  # server -> its outstanding `held` call
         self._productive_at_start = 0.0
-        self._pid_of: dict[tuple[str, int], int] = {}  # the live process of each server and worker
         self.moves = Moves(checkpoints.draining) if checkpoints and checkpoints.draining else None
         self.cut: int | None = None  # where the segment under way was cut short (a drain or a signal)
         self.moved: list[str] = []  # what the drains moved, a line each
@@ -99,9 +100,9 @@ class Supervisor:
 
     def run(self) -> None:
         for answer in ray.get([s.progress.remote() for s in self.servers]):
-            self._note_pid("server", answer.server, answer.pid)
+            self.pids.note("server", answer.server, answer.pid)
         for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
-            self._note_pid("worker", w, pid)
+            self.pids.note("worker", w, pid)
         step = self.start_step = self._resume()
         if self.ckpt is not None and self.ckpt.on_training is not None:
             self.ckpt.on_training()
@@ -150,6 +151,9 @@ class Supervisor:
             return None
         self.ledger.enter(book.SAVE)
         try:
+            if end in self.skipped:  # committed by an earlier run; this run's state there cannot be saved
+                raise checkpoint.PSCheckpointError(f"step {end} is committed by an earlier run, which a server "
+                                                   "could not read: this run's state there is not saved")
             self.history.drain(self.servers)  # every update before the cut, before a server can be lost after it
             commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
@@ -254,18 +258,11 @@ class Supervisor:
         self._replaced.pop(entry.worker, None)
         if self.on_step is not None:
             self.on_step(entry)
-        self._note_pid("worker", entry.worker, entry.pid)
+        self.pids.note("worker", entry.worker, entry.pid)
         failure = self._pauses.pop(entry.worker, None)
         if failure is not None:
             failure.pids["new"] = entry.pid
             self._book_pause(failure, entry.finished_at)
-
-    def _note_pid(self, kind: str, index: int, pid: int) -> None:
-        self._pid_of[(kind, index)] = pid
-        if pid not in self.pids.values():
-            name = f"{kind} {index}"
-            same = sum(label == name or label.startswith(f"{name} #") for label in self.pids)
-            self.pids[name + (f" #{same + 1}" if same else "")] = pid
 
     def _close_pause(self, w: int, now: float) -> None:
         failure = self._pauses.pop(w, None)
@@ -296,7 +293,7 @@ class Supervisor:
         self.workers[w] = self.actors.start_worker(w)
         self._dead_workers.discard(w)
         failure = Failure("worker", w, detected, "replaced", injected, resumed_at=step,
-                          pids={"old": self._pid_of.get(("worker", w), -1)})
+                          pids={"old": self.pids.live.get(("worker", w), -1)})
         self.failures.append(failure)
         self._pauses[w] = failure
         log.warning("worker %d died at step %d; replaced, resuming there (the other workers go on)", w, step)
@@ -309,7 +306,7 @@ class Supervisor:
             if not ray.wait([ref], timeout=0)[0]:
                 continue
             try:
-                self._note_pid("server", k, ray.get(ref).pid)
+                self.pids.note("server", k, ray.get(ref).pid)
                 progress[k] = self.servers[k].progress.remote()
             except RayActorError:
                 dead.add(k)
@@ -394,7 +391,7 @@ class Supervisor:
         """Every server restored from commit `newest`, or the newest older one intact; that step."""
         ckpt = self.ckpt
         step = checkpoint.restore_newest_intact(self.servers, ckpt.root, newest, storage_options=ckpt.storage_options,
-                                                read_retry_s=ckpt.read_retry_s, owner=ckpt.owner)
+                                                read_retry_s=ckpt.read_retry_s, owner=ckpt.owner, skipped=self.skipped)
         self.saved = [s for s in self.saved if s <= step]  # a commit skipped or quarantined is not the last
         self.start_step = min(self.start_step, step)
         return step

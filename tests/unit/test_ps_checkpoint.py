@@ -240,16 +240,20 @@ def test_a_commit_only_a_server_could_not_read_stays_committed_and_is_skipped(tm
     at_two = _saved_at_two_and_four(root, _job(MODEL, parallel))
     restore = ps_checkpoint.restore_servers
 
+    tried = []
+
     def stale_at_four(servers, root, step, **kwargs):
+        tried.append(step)
         if step == 4:
             raise corrupt_at("step 4 has no committed manifest", "manifest.json", 0, 0)
         return restore(servers, root, step, **kwargs)
 
     monkeypatch.setattr(ps_checkpoint, "restore_servers", stale_at_four)
-    fresh = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES)
-    assert restore_newest_intact(fresh.servers, root, 4) == 2
+    fresh, skipped = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES), set()
+    assert restore_newest_intact(fresh.servers, root, 4, skipped=skipped) == 2 and skipped == {4}
     assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
     assert catalog(root).committed_steps() == [2, 4] and catalog(root).quarantined_steps() == []
+    assert restore_newest_intact(fresh.servers, root, 4, skipped=skipped) == 2 and tried == [4, 2, 2]  # not again
 
 
 def test_a_server_that_cannot_write_its_shard_fails_that_save_not_the_job(tmp_path, monkeypatch):

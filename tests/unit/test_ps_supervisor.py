@@ -157,6 +157,27 @@ def test_a_corrupt_newest_commit_is_quarantined_and_the_rollback_restores_the_on
     assert supervisor.logs.losses() == expected and supervisor.saved == [2, 4, 6, 8]
 
 
+def test_a_commit_only_a_server_could_not_read_is_neither_restored_nor_taken_for_this_run_s_save(world, expected,
+                                                                                                 monkeypatch):
+    from ckpt.errors import CorruptCheckpoint
+
+    restore, tried = world.restore, []
+
+    def restoring(servers, root, step, **kwargs):  # a server's stale view of step 4; the driver reads it intact
+        tried.append(step)
+        if step == 4:
+            raise CorruptCheckpoint("step 4 has no committed manifest")
+        return restore(servers, root, step, **kwargs)
+
+    monkeypatch.setattr(sup.checkpoint, "restore_servers", restoring)
+    monkeypatch.setattr(sup.checkpoint, "_proven_here", lambda *args: False)
+    monkeypatch.setattr(sup.checkpoint, "catalog", lambda *args: types.SimpleNamespace(
+        committed_steps=lambda: sorted(world.commits)))
+    supervisor, losses, _ = _run(world, [Fault("server", 0, 5)], every=2)
+    assert tried == [4, 2] and supervisor.skipped == {4}
+    assert losses == expected and supervisor.saved == [2, 6, 8]  # 4 not counted as saved: an earlier run's
+
+
 def test_without_a_commit_a_dead_server_restarts_every_server_from_the_initial_values(world, expected):
     supervisor, losses, _ = _run(world, [Fault("server", 1, 3)], every=None)
     [failure] = supervisor.failures
