@@ -147,15 +147,13 @@ def _between_datasets(opened: list[tuple[str, TokenDataset]]) -> list[Problem]:
             problems.append(Problem(field, f"was tokenized with another tokenizer (sha256 {sha[:12]}...) than "
                                     f"{shas[0][0]} ({shas[0][1][:12]}...); prepare every dataset of a job with the "
                                     "same tokenizer"))
-    # The same tokens twice: a validation set the job trains on measures no held-out loss, and a mixture
-    # listing a dataset twice serves each of its windows twice an epoch.
-    seen: dict[str, str] = {}
+    # A validation set holding training tokens measures no held-out loss. (A mixture listing one
+    # dataset twice is left alone: a job trained so resumes only with its spec as it was.)
+    trained = {content_hash(ds): field for field, ds in opened if field != "eval.path"}
     for field, ds in opened:
-        earlier = seen.setdefault(content_hash(ds), field)
-        if earlier != field:
-            problems.append(Problem(field, f"holds the same tokens as {earlier}; " + (
-                "evaluate on a dataset kept out of training" if field == "eval.path" else
-                "give each dataset once in data.mixture, with the weight of both")))
+        if field == "eval.path" and content_hash(ds) in trained:
+            problems.append(Problem(field, f"holds the same tokens as {trained[content_hash(ds)]}; evaluate on a "
+                                    "dataset kept out of training"))
     return problems
 
 

@@ -40,7 +40,7 @@ def test_a_mixture_or_validation_set_from_another_tokenizer_is_refused_by_field(
     assert [p.field for p in problems] == ["eval.path"]
 
 
-def test_the_same_tokens_twice_are_refused_as_a_validation_set_or_a_mixture_part(tmp_path):
+def test_a_validation_set_holding_training_tokens_is_refused(tmp_path):
     write_token_dataset(tmp_path / "a", TOKENS, 256)
     write_token_dataset(tmp_path / "copy", TOKENS, 256)  # the same tokens under another name
     trained = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "a")}
@@ -48,9 +48,10 @@ def test_the_same_tokens_twice_are_refused_as_a_validation_set_or_a_mixture_part
     assert problem.field == "eval.path" and "same tokens as data.path" in problem.message
     assert "kept out of training" in problem.message
     twice = {"source": "tokens", "seq_len": 16, "mixture": [{"path": str(tmp_path / "a"), "weight": 1},
-                                                            {"path": str(tmp_path / "a"), "weight": 2}]}
-    [problem] = data_problems(spec(tmp_path, data=twice))
-    assert problem.field == "data.mixture[1].path" and "same tokens as data.mixture[0].path" in problem.message
+                                                            {"path": str(tmp_path / "copy"), "weight": 2}]}
+    [problem] = data_problems(spec(tmp_path, data=twice, eval={"path": str(tmp_path / "copy"), "every_steps": 5}))
+    assert problem.field == "eval.path" and "same tokens as data.mixture" in problem.message
+    assert data_problems(spec(tmp_path, data=twice)) == []  # a job trained on it must still resume as it was
 
 
 def test_missing_small_or_too_wide_datasets_name_their_field(tmp_path):
