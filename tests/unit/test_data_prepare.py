@@ -320,7 +320,11 @@ def test_a_reader_s_own_error_in_a_task_is_one_line_naming_the_input_not_a_dying
     def broken(job, unit):
         raise RuntimeError("ArrowInvalid: Parquet magic bytes not found in footer")
 
+    real = shard_task.tokenize_unit
     monkeypatch.setattr(shard_task, "tokenize_unit", broken)
     code, _, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
-    assert code == 1 and "Traceback" not in err and "worker died" not in err
-    assert "Parquet magic bytes not found" in err and "file://" in err and "check that input" in err
+    assert code == 2 and "Traceback" not in err and "worker died" not in err
+    assert "Parquet magic bytes not found" in err and "file://" in err and "fix that input" in err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["withdrawn.json"]  # so the next run starts clean
+    monkeypatch.setattr(shard_task, "tokenize_unit", real)  # the input fixed
+    assert prepare(capsys, *args_for(corpus, tmp_path / "out"))[0] == 0

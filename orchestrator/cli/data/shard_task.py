@@ -62,9 +62,8 @@ class Job:
 @dataclass(frozen=True)
 class UnitResult:
     """A task's answer: the shard's counts and checksums, or `error` (`error_kind` "usage":
-    a bad record, the user's to fix; "storage": the output failed; "task": an input the task could
-    not read (an exception of its reader), or the executor's, a task whose worker kept dying,
-    orchestrator.cli.data.execute.task_failure)."""
+    a bad record, or an input its reader could not read, the user's to fix; "storage": the output
+    failed; "task": the executor's, a task whose worker kept dying, execute.task_failure)."""
 
     index: int
     n_tokens: int = 0
@@ -117,15 +116,18 @@ def run_unit(job: Job, index: int) -> UnitResult:
         return UnitResult(index, entry.n_tokens, entry.n_documents, entry.tokens_sha256, entry.docs_sha256)
     except BadRecord as err:
         return UnitResult(index, error=str(err), error_kind="usage")
+    except MemoryError:
+        raise  # the worker's size, not the input: retried, then reported as such (execute.task_failure)
     except Exception as err:
         if is_storage_error(err):
             return UnitResult(index, error=f"shard {shard_name(index)}: storage error: {error_reason(err, 300)}",
                               error_kind="storage")
         # Answered, not raised: a raised error would be retried as a dead worker and reported as one.
+        # The input's to fix, as a bad record is ("usage": a fresh run's files are withdrawn).
         inputs = sorted({job.plan.sources[p.source].files[p.file].url for p in job.plan.units[index].pieces})
         return UnitResult(index, error=f"shard {shard_name(index)} of {', '.join(inputs[:3])}"
-                          f"{' ...' if len(inputs) > 3 else ''}: {error_reason(err, 300)}; check that input (or "
-                          "leave it out) and run the same command again", error_kind="task")
+                          f"{' ...' if len(inputs) > 3 else ''}: {error_reason(err, 300)}; fix that input (or leave "
+                          "it out) and run the command again", error_kind="usage")
 
 
 def _reuse(storage: Storage, job: Job, index: int) -> UnitResult | None:
