@@ -73,15 +73,16 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha
     base = base.rstrip("/")
     copied = []
     for name in TOKENIZER_FILES:
-        try:
+        try:  # reaching the store: its protocol, the options, the credentials
             fs, path = fsspec.core.url_to_fs(f"{base}/{name}", **storage_options)
-            if fs.exists(path):
-                with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-                copied.append(name)
-        except Exception as err:  # noqa: BLE001 (the store's client: credentials, an endpoint, an option)
-            raise ValueError(f"the tokenizer at {base} cannot be read with the storage options given "
+            present = fs.exists(path)
+        except Exception as err:  # noqa: BLE001 (the store's client, whatever it raises for these)
+            raise ValueError(f"the tokenizer at {base} cannot be reached with the storage options given "
                              f"({type(err).__name__}: {err}); pass --tokenizer with a copy they reach") from None
+        if present:  # a read or a local write failing now is the store's or the disk's, raised as it is
+            with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            copied.append(name)
     if "tokenizer.json" not in copied:
         raise ValueError(f"no tokenizer.json at {base}; pass --tokenizer with the tokenizer the job trained with")
     with open(os.path.join(out_dir, "tokenizer.json"), "rb") as f:

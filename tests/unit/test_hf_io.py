@@ -123,7 +123,7 @@ def test_export_ships_the_recorded_tokenizer_checked_before_any_weight_is_writte
     unreachable = ["--tokenizer", "htps://host/tokenizer.json"]  # a store the command's options do not reach
     assert main(["ckpt", "export", url, "--format", "hf", "--out", str(tmp_path / "b"), *unreachable]) == 2
     err = capsys.readouterr().err
-    assert "the tokenizer at htps://host cannot be read" in err and "Traceback" not in err
+    assert "the tokenizer at htps://host cannot be reached" in err and "Traceback" not in err
 
 
 def test_a_directory_with_a_weight_undying_would_drop_is_refused(tmp_path):
