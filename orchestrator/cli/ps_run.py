@@ -150,11 +150,11 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     restore_signals = route_signals(start_up.on_signal)  # until the supervisor's preemption takes them
     try:
         checkpoints.owner = None if _refused_capacity(spec) else claim_root(spec)
-        if checkpoints.owner is None or refused_resume(spec) or not took_over(spec):
+        if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
         snapshots = carry_goodput(spec, ledger, started_at, checkpoints.owner)
         port = serve_metrics(metrics, spec)
-        if port is None:
+        if port is None or not took_over(spec):  # the last refusal before training
             return EXIT_USAGE
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "

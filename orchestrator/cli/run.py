@@ -85,12 +85,12 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
         lease = claim_root(spec)
-        if lease is None or refused_resume(spec) or not (experiment or took_over(spec)):
+        if lease is None or refused_resume(spec):
             return EXIT_USAGE
         catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
         # A Storage of their own: the catalog's carries the chaos storage faults aimed at the checkpoints.
         trackers = _trackers(spec, Storage(spec.checkpoint_root, spec.checkpoint.storage_options)) or NO_TRACKING
-        if trackers is NO_TRACKING:
+        if trackers is NO_TRACKING or not (experiment or took_over(spec)):  # the last refusal before training
             return EXIT_USAGE
         workers = worker_group(spec, env_vars=conn.env_vars)
         rendezvous = RendezvousServer(conn.rendezvous_host, on_reject=metrics.on_control_rejected,
