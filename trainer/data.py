@@ -196,12 +196,13 @@ def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
                                                                                  read_retry.interrupt))
     parts = cfg.mixture or [MixturePart(path=cfg.path, weight=1.0)]
     datasets = [TokenDataset(part.path, cfg.storage_options, retry=read_retry) for part in parts]
-    for i, (part, ds) in enumerate(zip(parts, datasets, strict=True)):
+    fields = [f"data.mixture[{i}].path" for i in range(len(parts))] if cfg.mixture else ["data.path"]
+    for field, part, ds in zip(fields, parts, datasets, strict=True):
         if ds.vocab_size > vocab_size:
-            field = f"data.mixture[{i}].path" if cfg.mixture else "data.path"
             raise ValueError(f"{field}={part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "
                              f"than model.vocab_size = {vocab_size}: use the model's tokenizer or a larger vocab_size")
-    return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps, closed=closed)
+    return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps, closed=closed,
+                       fields=fields)
 
 
 def data_identity(cfg: DataConfig, vocab_size: int) -> dict:

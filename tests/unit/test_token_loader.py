@@ -153,3 +153,5 @@ def test_bad_token_configs_are_refused_by_field(tmp_path):
         make_cursor(DataConfig(source="tokens", mixture=mixture, seq_len=200), vocab_size=1000)
     with pytest.raises(ValueError, match=r"^data.mixture\[0\].path=.*larger than model.vocab_size"):
         make_cursor(DataConfig(source="tokens", mixture=mixture, seq_len=16), vocab_size=256)
+    with pytest.raises(ValueError, match=r"^data.mixture\[0\].path=.*fewer than one window"):  # a one-part mixture
+        make_cursor(DataConfig(source="tokens", mixture=mixture[1:], seq_len=200), vocab_size=1000)
