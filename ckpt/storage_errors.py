@@ -239,10 +239,10 @@ class ReadRetry:
 
     def _count(self, start: float, end: float) -> None:
         """Spend [start, end) (under the lock): merged into the spans it overlaps."""
-        kept = [span for span in self._spans if span[1] < start or span[0] > end]
-        merged = [min([start, *(s for s, e in self._spans if not (e < start or s > end))]),
-                  max([end, *(e for s, e in self._spans if not (e < start or s > end))])]
-        self._spans = sorted([*kept, merged])
+        apart = [span for span in self._spans if span[1] < start or span[0] > end]
+        touching = [span for span in self._spans if span not in apart]
+        merged = [min([start, *(s for s, _ in touching)]), max([end, *(e for _, e in touching)])]
+        self._spans = sorted([*apart, merged])
 
     @contextlib.contextmanager
     def one_outage(self) -> Iterator[None]:
