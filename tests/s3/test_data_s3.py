@@ -47,12 +47,15 @@ def test_prepare_to_s3_and_read_back(capsys, monkeypatch, s3_backend, tmp_path):
     spans = [(0, 100), (37, 101), (ds.n_tokens - 5, 5)]  # a step's windows, one across shards: one batch of GETs
     assert all(np.array_equal(got, tokens[s:s + n]) for got, (s, n) in zip(ds.read_many(spans), spans, strict=True))
     assert ds.damaged_shards() == []  # the driver's check lists the shards' sizes on S3 too
-    fs.pipe_file(f"{s3_backend.url}/tokens/{ds.manifest.shards[0].name}.tokens", b"\x00" * 6)
-    assert ds.damaged_shards() == [f"{ds.manifest.shards[0].name}.tokens is 6 bytes where the manifest says "
-                                   f"{ds.manifest.shards[0].n_tokens * ds.dtype.itemsize}"]
-
     assert main(["data", "prepare", *args]) == 0
     assert capsys.readouterr().out.startswith(f"already prepared: {s3_backend.url}/tokens")
+
+    fs.pipe_file(f"{s3_backend.url}/tokens/{ds.manifest.shards[0].name}.tokens", b"\x00" * 6)
+    damage = (f"{ds.manifest.shards[0].name}.tokens is 6 bytes where the manifest says "
+              f"{ds.manifest.shards[0].n_tokens * ds.dtype.itemsize}")
+    assert ds.damaged_shards() == [damage]
+    assert main(["data", "prepare", *args]) == 2  # a damaged committed dataset is not "already prepared"
+    assert damage in capsys.readouterr().err
 
 
 def test_a_data_store_that_stops_answering_is_waited_out_and_read_intact(caplog, monkeypatch, s3_backend):
