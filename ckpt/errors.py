@@ -34,6 +34,12 @@ class CorruptCheckpoint(RuntimeError):
     location: tuple[str, int, int] | None = None
 
 
+def location_of(err: BaseException) -> tuple[str, int, int] | None:
+    """The `location` of a CorruptCheckpoint as raised, or as Ray hands it on (a RayTaskError that is
+    an instance of its cause, the original on `.cause`)."""
+    return getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
+
+
 def corrupt_at(message: str, file: str, start: int, end: int) -> CorruptCheckpoint:
     err = CorruptCheckpoint(message)
     err.location = (file, start, end)

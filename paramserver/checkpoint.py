@@ -35,7 +35,7 @@ from ray.exceptions import RayTaskError
 from ckpt.catalog import Catalog
 from ckpt.commit import Commit, Committer, storage_failure
 from ckpt.config import DEFAULT_READ_RETRY_S
-from ckpt.errors import CorruptCheckpoint
+from ckpt.errors import CorruptCheckpoint, location_of
 from ckpt.manifest import ShardReceipt
 from ckpt.ownership import OwnerLease
 from ckpt.reader import read_manifest, read_slices, verify_checkpoint, verify_location
@@ -257,22 +257,25 @@ def restore_newest_intact(servers: list, root: str, step: int, *, storage_option
     starts over from step 0 on its own. A server loads a step only once every block verified, and a
     fall back restores every server, so no server keeps another step's state."""
     proven, skipped = [], set() if skipped is None else skipped
+    cat = None  # made at the first fall back: a restore that succeeds lists nothing
     while True:
         if step not in skipped:
             try:
                 restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s)
                 return step
             except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
-                if _proven_here(catalog(root, storage_options, owner), step, err, read_retry_s):
+                cat = cat or catalog(root, storage_options, owner)
+                if _proven_here(cat, step, err, read_retry_s):
                     log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit",
                               step, err)
-                    catalog(root, storage_options, owner).quarantine(step)
+                    cat.quarantine(step)
                     proven.append(step)
                 else:
                     log.error("checkpoint step %d failed a server's read (%s) but not here: kept committed, skipped "
                               "by this run; restoring the next older commit", step, err)
                     skipped.add(step)
-        older = [s for s in catalog(root, storage_options, owner).committed_steps() if s < step and s not in skipped]
+        cat = cat or catalog(root, storage_options, owner)
+        older = [s for s in cat.committed_steps() if s < step and s not in skipped]
         if not older:
             raise PSCheckpointError(f"no committed checkpoint left to restore: steps {proven} proved corrupt "
                                     f"(quarantined as evidence), steps {sorted(skipped)} failed the servers' reads "
@@ -284,7 +287,7 @@ def restore_newest_intact(servers: list, root: str, step: int, *, storage_option
 def _proven_here(cat: Catalog, step: int, err: CorruptCheckpoint, read_retry_s: float) -> bool:
     """Whether the driver's own read proves `step` corrupt: of the bytes the server's error names
     (`location`), else of the whole checkpoint. A store that keeps failing proves nothing."""
-    location = getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
+    location = location_of(err)
     try:
         if location is None:
             verify_checkpoint(cat, step, ReadRetry(read_retry_s))

@@ -3,8 +3,8 @@
 Called by orchestrator.cli.run and orchestrator.cli.ps_run after Ray is up and before anything
 writes to the root; the caller releases the lease last, however the job ends. A root that an
 `undying chaos` experiment made carries CHAOS_MARKER, which lets `chaos --fresh` delete it; any
-other run takes the marker away (`took_over`) once it holds the lease and its resume is not
-refused, before it trains, so a job trained there later (a spec reused after an experiment) is
+other run takes the marker away (`took_over`) under the lease, after its last refusal, right
+before it trains, so a job trained there later (a spec reused after an experiment) is
 never deleted by a chaos run's --fresh, and a run refused at its start changes nothing. A root that another
 job holds, a store that cannot be read and an owner folder that does not parse are each one line
 on stderr, never a traceback; the caller exits 2 (nothing was started). A signal during the watch
@@ -43,7 +43,7 @@ def claim_root(spec) -> OwnerLease | None:
 
 def took_over(spec) -> bool:
     """Take CHAOS_MARKER from `spec`'s root, if an experiment left it there: called under the lease,
-    once the run is sure to train (its resume was not refused), by every run but an experiment's.
+    after the run's last refusal (it is sure to train), by every run but an experiment's.
     False, with the reason printed, when the store does not let it (the job must not start: a chaos
     run's --fresh could later delete what it commits)."""
     storage = Storage(spec.checkpoint_root, spec.checkpoint.storage_options)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest
+from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest, location_of
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.reader import read_manifest, verify_checkpoint, verify_location
 from ckpt.storage_errors import ReadRetry
@@ -110,7 +110,7 @@ class RestorePolicy:
     def on_corrupt(self, step: int, err: BaseException) -> str:
         why = cause(err)
         log.error("checkpoint step %s failed to load (%s); falling back to the previous one", step, why)
-        location = getattr(err, "location", None) or getattr(getattr(err, "cause", None), "location", None)
+        location = location_of(err)
         if step is None:  # model.from_hf's weights: nothing of ours to check, move aside or fall back to
             self.bad[step] = f"model.from_hf's weights do not read intact ({why})"
             return f"model.from_hf's weights do not read intact ({why}); nothing is committed to fall back to"
