@@ -201,8 +201,8 @@ def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
         if ds.vocab_size > vocab_size:
             raise ValueError(f"{field}={part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "
                              f"than model.vocab_size = {vocab_size}: use the model's tokenizer or a larger vocab_size")
-    return TokenCursor(datasets, [p.weight for p in parts], cfg.seq_len, cfg.seed, cfg.prefetch_steps, closed=closed,
-                       fields=fields)
+    return TokenCursor(datasets, [p.weight for p in parts], fields, cfg.seq_len, cfg.seed, cfg.prefetch_steps,
+                       closed=closed)
 
 
 def data_identity(cfg: DataConfig, vocab_size: int) -> dict:

@@ -33,16 +33,14 @@ from trainer.tokens.windows import Source, WindowSchedule
 class TokenCursor(ReadAheadCursor):
     """Windows of one or more prepared datasets, as the engine's data cursor (see module docstring)."""
 
-    def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float], seq_len: int, seed: int,
-                 prefetch_steps: int = 4, closed: threading.Event | None = None, fields: Sequence[str] = ()):
-        """`closed`: the event `close` sets, which the datasets' read retries may watch (make_cursor);
-        `fields`: the spec field of each dataset, for the errors (default: data.path, data.mixture[i].path)."""
+    def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float], fields: Sequence[str],
+                 seq_len: int, seed: int, prefetch_steps: int = 4, closed: threading.Event | None = None):
+        """`fields`: the spec field of each dataset, for the errors; `closed`: the event `close` sets,
+        which the datasets' read retries may watch (trainer.data.make_cursor makes both)."""
         self.closed = closed or threading.Event()
         self.datasets, self.weights = list(datasets), list(weights)
         self.seq_len, self.seed, self.prefetch_steps = seq_len, seed, prefetch_steps
         self.span = seq_len + 1
-        fields = list(fields) or (["data.path"] if len(self.datasets) == 1 else
-                                  [f"data.mixture[{i}].path" for i in range(len(self.datasets))])
         for field, ds in zip(fields, self.datasets, strict=True):
             if len(ds) < self.span:
                 raise ValueError(f"{field}={ds.url!r} holds {len(ds)} tokens, fewer than one window of data.seq_len"
