@@ -36,10 +36,13 @@ FaultKind = Literal[
     "torn_write",  # a shard write stops half-way (the process dies mid-write)
     "corrupt_shard",  # a committed shard's bytes are flipped after the commit
     "kill_server",  # parallel.mode ps: the supervisor kills parameter server `server` (paramserver.supervisor)
+    "hang_server",  # parallel.mode ps: parameter server `server` stops without dying (SIGSTOP)
 ]
 
 # Kinds that act inside one training rank, so they need to know which one.
 RANK_KINDS: frozenset[str] = frozenset({"kill_rank", "hang_rank", "slow_rank", "raise", "nan_grad"})
+# Kinds that act on one parameter server (parallel.mode ps), named by `server`.
+SERVER_KINDS: frozenset[str] = frozenset({"kill_server", "hang_server"})
 TRIGGERS: tuple[str, ...] = ("at_step", "at_seconds", "at_point")
 # Kinds that act on checkpoint storage calls (chaos.storage_faults), and the fields only they take.
 STORAGE_KINDS: frozenset[str] = frozenset({"storage_error", "storage_latency", "storage_throttle", "torn_write"})
@@ -65,13 +68,15 @@ class FaultSpec(SpecSection):
 
     kind: FaultKind = Field(..., description="what happens: kill_rank, kill_node, kill_controller, hang_rank, "
                             "slow_rank, raise, nan_grad, storage_error, storage_latency, storage_throttle, torn_write, "
-                            "corrupt_shard, kill_server (FaultKind in chaos/config.py says what each does)")
+                            "corrupt_shard, kill_server, hang_server (FaultKind in chaos/config.py says what each "
+                            "does)")
     # validate_default: a rank-level fault with no `rank` key at all must still be reported.
     rank: int | None = Field(None, ge=0, validate_default=True, description="target rank (rank-level kinds)")
     node: str | None = Field(None, min_length=1, description="target node (Ray node id) of a random kill_node; a "
                              "scripted kill_node names the node by a rank it hosts (rank)")
-    server: int | None = Field(None, ge=0, validate_default=True, description="kill_server: the parameter server "
-                               "to kill (0..parallel.servers-1), when every worker has pushed at_step steps to it")
+    server: int | None = Field(None, ge=0, validate_default=True, description="kill_server, hang_server: the "
+                               "parameter server to kill or stop (0..parallel.servers-1), when every worker has "
+                               "pushed at_step steps to it")
     at_step: int | None = Field(None, ge=0, description="fire during this global step")
     at_seconds: Seconds | None = Field(None, description="fire this long after the job starts")
     at_point: str | None = Field(
@@ -114,10 +119,11 @@ class FaultSpec(SpecSection):
     @classmethod
     def _server_for_kind(cls, server: int | None, info: ValidationInfo) -> int | None:
         kind = info.data.get("kind")
-        if kind == "kill_server" and server is None:
-            raise ValueError("kill_server acts on one parameter server; add server: <0..parallel.servers-1>")
-        if kind is not None and kind != "kill_server" and server is not None:
-            raise ValueError(f"server names the target of kill_server only; remove it from this {kind} fault")
+        if kind in SERVER_KINDS and server is None:
+            raise ValueError(f"{kind} acts on one parameter server; add server: <0..parallel.servers-1>")
+        if kind is not None and kind not in SERVER_KINDS and server is not None:
+            raise ValueError(f"server names the target of kill_server and hang_server only; remove it from this "
+                             f"{kind} fault")
         return server
 
     @field_validator(*STORAGE_FIELDS, mode="after")
@@ -247,11 +253,13 @@ class ChaosConfig(SpecSection):
 # or none) or on the one its restore reads through (op: read), without `rank` on the controller's
 # catalog Storage (manifest commits, listings, deletes, its manifest reads and verifications);
 # corrupt_shard is fired by the controller right after a commit (chaos.corrupt);
-# kill_controller by the controller on itself (orchestrator.controller.kill); kill_server by the
-# parameter-server supervisor (paramserver.supervisor; the job spec refuses it outside parallel.mode ps).
+# kill_controller by the controller on itself (orchestrator.controller.kill); kill_server and
+# hang_server by the parameter-server supervisor (paramserver.supervisor; the job spec refuses them
+# outside parallel.mode ps).
 INJECTABLE_KINDS: frozenset[str] = frozenset({
     "kill_rank", "kill_node", "kill_controller", "hang_rank", "slow_rank", "raise", "nan_grad",
-    "storage_error", "storage_latency", "storage_throttle", "torn_write", "corrupt_shard", "kill_server"})
+    "storage_error", "storage_latency", "storage_throttle", "torn_write", "corrupt_shard", "kill_server",
+    "hang_server"})
 # What the chaos library itself can inject (chaos.injector, chaos.storage_faults, chaos.corrupt).
 LIBRARY_KINDS: frozenset[str] = INJECTABLE_KINDS
 # Kinds the controller can fire at a time (explicit at_seconds, random mtbf_s failures). Storage

@@ -13,8 +13,9 @@ the workers, calls every worker's `run` for a segment and reads the streams, pol
 `progress`, places injected kills with `hold` / `held` / `drop_held` (paramserver.gate), stops a
 segment with `abort` and takes calls again after a restore with `reopen`, cuts a segment short at
 an exact step with `freeze`, `cut` and `uncut` (paramserver.moves), asks where an actor runs with
-`node`, and reads `stats` (the update records a batch at a time: paramserver.update_history).
-Between segments it saves (`save_shard` on every server, through
+`node`, probes a worker suspected of a hang with `pid` (paramserver.watchdog), stops one for an
+injected hang with `hang`, and reads `stats` (the update records a batch at a time:
+paramserver.update_history). Between segments it saves (`save_shard` on every server, through
 paramserver.checkpoint.save_ps_checkpoint) and restores a replaced server (`load_shard`).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -129,6 +131,10 @@ class ServerActor:
 
     # ---- the supervisor's calls (paramserver.supervisor, paramserver.gate) ----
 
+    async def hang(self) -> None:
+        """chaos hang_server: this process stops, alive (SIGSTOP), until the hang watchdog kills it."""
+        os.kill(os.getpid(), signal.SIGSTOP)
+
     async def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -221,6 +227,10 @@ class WorkerActor:
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def hang(self) -> None:
+        """chaos hang_rank: this process stops, alive (SIGSTOP), until the hang watchdog kills it."""
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def run(self, servers: list, start: int, steps: int, slow_s: float = 0.0):
         """Steps start..steps-1 against `servers` (handles in shard order), yielding each step's

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
 from paramserver.clocks import UpdateRecord, format_histogram
+from paramserver.hang_watch import HangLimits
 from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
 from paramserver.recovery import Failure, Fault, Ledger, NullLedger
@@ -104,7 +105,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
            *, slow: dict[int, float] | None = None, max_piece_bytes: int | None = None,
            on_stats: Callable[[list[ServerStats]], None] | None = None, stats_every_s: float = 1.0,
            checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
-           ledger: Ledger | None = None, on_step: Callable[[StepLog], None] | None = None) -> PSReport:
+           ledger: Ledger | None = None, on_step: Callable[[StepLog], None] | None = None,
+           hang: HangLimits | None = None) -> PSReport:
     """Train to `train.steps` in parameter-server mode; `slow`: {worker: seconds slept per step}.
     `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's stats with the
     update records new since the last (paramserver.update_history) about every `stats_every_s`
@@ -113,7 +115,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     server restarts the job's servers from the initial values); `faults`: injected kills;
     `ledger` (monitor.goodput.GoodputLedger, created when the job starts): booked, then stopped.
     `on_step` (orchestrator.cli.ps_run.step_feed: the pull waits and the job's step series) gets
-    each worker step's log as the driver takes it (a step redone after a rollback again: both ran)."""
+    each worker step's log as the driver takes it (a step redone after a rollback again: both ran).
+    `hang`: the hang watchdog's limits (paramserver.hang_watch; its defaults when None)."""
     microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
@@ -128,7 +131,7 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
         dict(slow or {}))
     supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
                             faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s,
-                            on_step=on_step)
+                            on_step=on_step, hang=hang)
     history = supervisor.history
     try:
         supervisor.run()

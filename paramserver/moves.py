@@ -24,7 +24,9 @@ DrainWatcher's `draining` (orchestrator.cluster.drain: cheap, it asks the GCS at
 second); `check(supervisor, start, end)` at each poll of a segment: it sets `supervisor.cut` when
 it cut the segment, and returns a reason to roll back when a server failed the cut (a rollback's
 abort and reopen undo a freeze and a cut); after the segment, the save of the cut, then
-`finish(supervisor, cut)`.
+`finish(supervisor, cut)`. A signal's stop cuts the segment the same way: `signal_cut(supervisor,
+start, end, streams)` at each poll after a signal (paramserver.preemption says when it gives up the
+cut and stops the segment where it is).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Moves:
         lines = []
         for w in self.workers:
             ray.kill(sup.workers[w], no_restart=True)
-            sup.workers[w] = sup.actors.start_worker(w)
+            sup.workers[w] = sup.new_worker(w)
             lines.append(f"worker {w} moved off draining node(s) {nodes}")
         lines += [self._move_server(sup, k, cut, nodes) for k in self.servers]
         self.servers, self.workers = [], []
@@ -153,3 +155,22 @@ class Moves:
         ray.kill(sup.servers[k], no_restart=True)
         sup.servers[k] = new
         return f"server {k} moved off draining node(s) {nodes}, restored from the cut"
+
+
+def signal_cut(sup, start: int, end: int, streams: dict) -> None:
+    """After a signal, at each poll of the supervisor `sup` in segment [start, end): cut the segment
+    where every worker can stop (its run() saves the cut and stops there; the job's last segment runs
+    on), while that still fits in the grace; else, or when a server does not take the cut in time,
+    stop where it is (steps redone) and raise Preempted."""
+    preemption, failed = sup.ckpt.preemption, False
+    if sup.cut is None and end < sup.steps and not preemption.cut_now():
+        try:
+            sup.cut = cut_segment(sup.servers, start, end, "a signal", max(0.1, preemption.slack_s() / 2))
+            sup.held_calls.clear()  # answers from before the cut may name holds it dropped
+        except GONE:
+            failed = True
+    if failed or preemption.cut_now():
+        for server in sup.servers:
+            server.abort.remote()  # its waiting pulls fail, so every worker's run ends
+        sup.stop_streams(streams, within_s=preemption.left_s())
+        raise preemption.preempted(sup.last_commit(), saved_now=False)

@@ -7,7 +7,8 @@ with plain values):
   * `resume_step(clocks, worker)`: the step a replacement of `worker` starts at, from every
     server's clocks, or None when the servers disagree (a torn push);
   * `FaultPlan`: the injected faults (kill_rank as `Fault("worker", w, step)`, kill_server as
-    `Fault("server", k, step)`), the pull holds that place them, each fired at most once per job;
+    `Fault("server", k, step)`, hang_rank and hang_server as "worker_hang" and "server_hang"), the
+    pull holds that place them, each fired at most once per job;
   * `Failure`: one failure and what the supervisor did about it, as the report shows it;
   * `Ledger`: the goodput ledger's interface (monitor.goodput.GoodputLedger, which the caller
     passes in: this layer does not import monitor) and `NullLedger` when none is kept.
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 # The goodput ledger's buckets this package books into (monitor.goodput.BUCKETS).
 PRODUCTIVE, STARTUP, SAVE, RESTORE = "productive", "startup", "checkpoint_save", "checkpoint_restore"
 DETECTION, REFORMATION, LOST, OTHER = "detection", "reformation", "lost_work", "other"
+WORKER_FAULTS, SERVER_FAULTS = ("worker", "worker_hang"), ("server", "server_hang")  # Fault kinds by target
 
 
 def segment_end(step: int, steps: int, every: int | None) -> int:
@@ -45,23 +47,27 @@ def resume_step(clocks: list[list[int]], worker: int) -> int | None:
 
 @dataclass(frozen=True)
 class Fault:
-    """An injected fault: kill worker `target` as it is about to pull `at_step`, or kill server
-    `target` once every worker has pushed `at_step` steps to it."""
+    """An injected fault: kill worker `target` (or stop it: a hang) as it is about to pull `at_step`,
+    or kill (stop) server `target` once every worker has pushed `at_step` steps to it."""
 
-    kind: str  # "worker" | "server"
+    kind: str  # "worker" | "server" | "worker_hang" | "server_hang" (the process stops, alive: SIGSTOP)
     target: int
     at_step: int
 
     def __post_init__(self):
-        if self.kind not in ("worker", "server"):
-            raise ValueError(f"fault kind {self.kind!r}: expected 'worker' or 'server'")
+        if self.kind not in (*WORKER_FAULTS, *SERVER_FAULTS):
+            raise ValueError(f"fault kind {self.kind!r}: expected one of {', '.join(WORKER_FAULTS + SERVER_FAULTS)}")
+
+    @property
+    def hang(self) -> bool:
+        return self.kind.endswith("_hang")
 
 
 class FaultPlan:
     """The job's injected faults; each fires once (a rolled-back segment that passes its step
     again does not fire it again). They land at exact points through pull holds (paramserver.gate):
-    a worker kill holds that worker's pull of at_step on server 0 (it has pushed every earlier step
-    everywhere and nothing of at_step); a server kill holds every worker's pull of at_step on that
+    a worker's kill or hang holds that worker's pull of at_step on server 0 (it has pushed every earlier step
+    everywhere and nothing of at_step); a server's kill or hang holds every worker's pull of at_step on that
     server (every worker has pushed at_step steps to it, and no more)."""
 
     def __init__(self, faults: list[Fault] | tuple[Fault, ...] = ()):
@@ -76,7 +82,7 @@ class FaultPlan:
         """(server, worker, step): the pulls to hold for this segment's faults."""
         out = []
         for _, fault in self.pending(start, end):
-            if fault.kind == "worker":
+            if fault.kind in WORKER_FAULTS:
                 out.append((0, fault.target, fault.at_step))
             else:
                 out += [(fault.target, w, fault.at_step) for w in range(workers)]
@@ -86,8 +92,8 @@ class FaultPlan:
         """Ids of the faults due now that `server` holds the pulls `held` [(worker, step)]."""
         waiting = set(held)
         return [i for i, f in self.pending(start, end)
-                if (f.kind == "worker" and server == 0 and (f.target, f.at_step) in waiting)
-                or (f.kind == "server" and server == f.target and all((w, f.at_step) in waiting
+                if (f.kind in WORKER_FAULTS and server == 0 and (f.target, f.at_step) in waiting)
+                or (f.kind in SERVER_FAULTS and server == f.target and all((w, f.at_step) in waiting
                                                                        for w in range(workers)))]
 
     def fire(self, fault_id: int) -> Fault:
@@ -114,6 +120,7 @@ class Failure:
     from_checkpoint: bool = True
     reason: str = ""  # restored: what stopped the segment
     pids: dict[str, int] = field(default_factory=dict)  # "old" / "new" process of the replaced worker
+    hung: str = ""  # killed by the hang watchdog (paramserver.hang_watch): what it saw
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +128,7 @@ class Failure:
     def line(self) -> str:
         what = {"torn_push": f"worker {self.target} died between its pushes of one step to two servers",
                 "run_error": self.reason or "a worker's run failed"}.get(self.kind, f"{self.kind} {self.target} died")
+        what = f"{self.hung} (hung)" if self.hung else what
         if self.action == "replaced":
             pause = f"{self.pause_s:.2f} s" if self.pause_s is not None else "not measured"
             return f"{what}: replaced, resumed at step {self.resumed_at}, pause {pause}, no global restart"
@@ -156,16 +164,18 @@ class NullLedger:
 
 
 def record_rollback(failures: list[Failure], logs: dict, dead: set[int], reason: str, detected: float,
-                    injected: float | None, step: int, from_checkpoint: bool) -> int:
+                    injected: float | None, step: int, from_checkpoint: bool,
+                    hung: dict[int, str] | None = None) -> int:
     """Book a rollback to `step` (paramserver.supervisor): drop the logs of the steps it threw away,
-    mark the torn pushes pending and each dead server restored in `failures`; returns the step
-    executions thrown away."""
+    mark the torn pushes pending and each dead server restored in `failures` (`hung`: the servers
+    killed as hung, and why); returns the step executions thrown away."""
     lost = [key for key in logs if key[1] >= step]
     redone = max((s for _, s in lost), default=step - 1) + 1 - step
     for key in lost:
         del logs[key]
     torn = [f for f in failures if f.action == "pending"]
-    entries = torn + [Failure("server", k, detected, "restored", injected) for k in sorted(dead)]
+    entries = torn + [Failure("server", k, detected, "restored", injected, hung=(hung or {}).get(k, ""))
+                      for k in sorted(dead)]
     for failure in entries or [Failure("run_error", -1, detected, "restored")]:
         failure.action, failure.resumed_at, failure.steps_redone = "restored", step, redone
         failure.from_checkpoint, failure.reason = from_checkpoint, reason

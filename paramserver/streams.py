@@ -6,7 +6,8 @@ logs that are ready, and once the stream has ended, its error (None when the run
 When a segment stops, `stop_all` takes every stream to its end and `dead_servers` finds the
 servers that died.
 `arm_holds` and `drop_holds` place and remove the pull holds of injected faults (paramserver.gate)
-and wait until the servers have them; `held_pulls` says which are held now.
+and wait until the servers have them; `held_pulls` says which are held now, and `fire_held` fires
+the faults whose pulls are held.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from paramserver.actors import StepLog
+from paramserver.recovery import WORKER_FAULTS, Fault, FaultPlan
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +126,22 @@ def drop_holds(servers: list, worker: int) -> None:
     for its replacement must not be dropped by a late drop)."""
     with contextlib.suppress(RayActorError, GetTimeoutError):
         ray.get([server.drop_held.remote(worker) for server in servers], timeout=HOLD_S)
+
+
+def fire_held(plan: FaultPlan, servers: list, workers: list, asked: dict[int, object], start: int,
+              end: int) -> list[Fault]:
+    """Fire the faults of segment [start, end) whose pulls are held now (`asked`: as held_pulls'): kill
+    the worker or the server, or stop it (a hang: its process stops itself, wherever it runs, and the
+    hang watchdog finds it); the faults fired."""
+    fired = []
+    armed = {server for server, _, _ in plan.holds(start, end, len(workers))}
+    for k, held in held_pulls(servers, asked, armed).items():
+        for fault_id in plan.due(k, held, start, end, len(workers)):
+            fault = plan.fire(fault_id)
+            actor = (workers if fault.kind in WORKER_FAULTS else servers)[fault.target]
+            if fault.hang:
+                actor.hang.remote()
+            else:
+                ray.kill(actor, no_restart=True)
+            fired.append(fault)
+    return fired

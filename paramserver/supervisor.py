@@ -19,6 +19,9 @@ of checkpoint every_steps, or train.steps; paramserver.recovery.segment_end):
        and EVERY server is restored from the last committed checkpoint, or to the initial values
        when none is committed; the segment reruns from there with the same workers;
   3. with checkpoints: save a PS checkpoint at b (paramserver.checkpoint; every server at the cut b).
+A worker or a server that hangs instead of dying (stopped, deadlocked) is killed by the hang
+watchdog (paramserver.watchdog: no step, or no answer to a progress call, for the limits of
+`elastic.hang_timeout_s` and `elastic.first_step_timeout_s`) and repaired as a dead one.
 A drain of a node with actors of the job cuts the segment short at an exact step, saved, where they
 move off it (paramserver.moves). A lost owner lease (`Checkpoints.owner`, ckpt.ownership) ends the
 job at the next poll with OwnershipLost, writing nothing there after; a signal (`Checkpoints.preemption`)
@@ -41,8 +44,9 @@ from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actor_pids import ActorPids
 from paramserver.actors import ServerStats, StepLog
+from paramserver.hang_watch import HangLimits
 from paramserver.job_inputs import Actors, Checkpoints
-from paramserver.moves import GONE, Moves, cut_segment
+from paramserver.moves import Moves, signal_cut
 from paramserver.recovery import (
     Failure,
     Fault,
@@ -56,8 +60,9 @@ from paramserver.recovery import (
 from paramserver.save_streak import SaveStreak
 from paramserver.shard import NotAtCut
 from paramserver.step_logs import StepLogs
-from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, held_pulls, stop_all, take
+from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, fire_held, stop_all, take
 from paramserver.update_history import UpdateHistory
+from paramserver.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
@@ -70,15 +75,17 @@ class Supervisor:
     def __init__(self, actors: Actors, servers: int, workers: int, steps: int, *,
                  checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
                  ledger: Ledger | None = None, on_stats: Callable[[list[ServerStats]], None] | None = None,
-                 stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None):
+                 stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None,
+                 hang: HangLimits | None = None):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
+        self.watchdog = Watchdog(hang or HangLimits())  # a worker or server that hangs instead of dying
         self.on_step = on_step  # each worker step's log as it arrives (run_ps's `on_step`)
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
         # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
         self.history = UpdateHistory(on_stats, foldable_below=0 if checkpoints else math.inf)
         self.stats_every_s = stats_every_s
         self.servers = [actors.start_server(k) for k in range(servers)]
-        self.workers = [actors.start_worker(w) for w in range(workers)]
+        self.workers = [self.new_worker(w) for w in range(workers)]
         # (worker, step) -> the surviving execution's log, the oldest folded past step_logs.KEEP
         self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
         self.failures, self.saved = [], []  # what failed (Failure); the checkpoint steps this run committed
@@ -188,42 +195,33 @@ class Supervisor:
         productive_at_start = self._productive_at_start = self.ledger.totals().get(book.PRODUCTIVE, 0.0)
         self._arm(start, end)
         streams = {w: self._launch(w, start, end) for w in range(len(self.workers))}
-        progress = {k: s.progress.remote() for k, s in enumerate(self.servers)}
+        progress = {k: (s.progress.remote(), time.time()) for k, s in enumerate(self.servers)}
         stats_due = time.time() + self.stats_every_s
         while streams:
             ray.wait(list(streams.values()), num_returns=1, timeout=POLL_S)
             if self.ckpt is not None and self.ckpt.owner is not None and self.ckpt.owner.lost is not None:
                 raise OwnershipLost(self.ckpt.owner.lost)  # another driver took the root: train no further
             if self.ckpt is not None and self.ckpt.preemption is not None and self.ckpt.preemption.signals:
-                self._on_signal(start, end, streams)
+                signal_cut(self, start, end, streams)
             # A drain cuts the segment short (self.cut): every run ends there, then it is saved and moved.
             trouble = (self.moves and self.moves.check(self, start, end)) or self._take_streams(streams, start, end)
+            self.watchdog.poll(self.workers)  # a hung worker is killed: its stream ends next poll, replaced
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:
-                return self._rollback(start, streams, dead, trouble or "a server died", productive_at_start)
+                why = trouble or "; ".join(w for _, w in self.watchdog.hung_servers.values()) or "a server died"
+                return self._rollback(start, streams, dead, why, productive_at_start)
             if time.time() >= stats_due:
                 stats_due = time.time() + self.stats_every_s
                 self.history.poll(self.servers)
         return None
 
-    def _on_signal(self, start: int, end: int, streams: dict) -> None:
-        """After a signal, at each poll: cut the segment where every worker can stop (run() saves the
-        cut and stops there; the job's last segment runs on), while that still fits in the grace;
-        else, or when a server does not take the cut in time, stop where it is (steps redone)."""
-        preemption, failed = self.ckpt.preemption, False
-        if self.cut is None and end < self.steps and not preemption.cut_now():
-            try:
-                self.cut = cut_segment(self.servers, start, end, "a signal", max(0.1, preemption.slack_s() / 2))
-                self.held_calls.clear()  # answers from before the cut may name holds it dropped
-            except GONE:
-                failed = True
-        if failed or preemption.cut_now():
-            for server in self.servers:
-                server.abort.remote()  # its waiting pulls fail, so every worker's run ends
-            self._stop(streams, within_s=preemption.left_s())
-            raise preemption.preempted(self.last_commit(), saved_now=False)
+    def new_worker(self, w: int):
+        """A new actor for worker `w` (its first step builds it: the watchdog's first-step limit)."""
+        self.watchdog.watch.started(w)
+        return self.actors.start_worker(w)
 
     def _launch(self, w: int, start: int, end: int):
+        self.watchdog.watch.launched(w, start)
         return self.workers[w].run.remote(self.servers, start, end, self.actors.slow.get(w, 0.0))
 
     def _arm(self, start: int, end: int) -> None:
@@ -238,6 +236,7 @@ class Supervisor:
             if not ended:
                 continue
             del streams[w]
+            self.watchdog.watch.ended(w)
             self._close_pause(w, time.time())
             if error is None:
                 continue
@@ -255,6 +254,7 @@ class Supervisor:
 
     def _on_log(self, entry: StepLog) -> None:
         self.logs.add(entry)
+        self.watchdog.watch.landed(entry.worker, entry.step, entry.finished_at)
         self._replaced.pop(entry.worker, None)
         if self.on_step is not None:
             self.on_step(entry)
@@ -275,7 +275,7 @@ class Supervisor:
 
     def _replace_worker(self, w: int, start: int, end: int):
         """A new actor for dead worker `w`, resumed where the servers have it; None when it cannot be."""
-        detected, injected = time.time(), self._kills.pop(("worker", w), None)
+        detected, injected, hang = time.time(), self._kills.pop(("worker", w), None), self.watchdog.take(w)
         try:
             clocks = [p.clocks for p in ray.get([s.progress.remote() for s in self.servers], timeout=30)]
         except (RayActorError, GetTimeoutError):
@@ -284,47 +284,43 @@ class Supervisor:
         if step is None:
             self.failures.append(Failure("torn_push", w, detected, "pending", injected))
             return None
-        if injected is not None:
-            self.ledger.move(detected - injected, book.PRODUCTIVE, book.DETECTION)
+        began = injected if injected is not None else hang[0] if hang else None
+        if began is not None:  # from the kill, or from a hung worker's last step
+            self.ledger.move(detected - began, book.PRODUCTIVE, book.DETECTION)
         ray.kill(self.workers[w], no_restart=True)
         drop_holds(self.servers, w)  # the dead worker's held pull, never to be answered
         self.held_calls.clear()  # answers from before may list its holds: they must not fire on the replacement
         self._arm(start, end)  # the replacement's holds of the segment's other faults
-        self.workers[w] = self.actors.start_worker(w)
+        self.workers[w] = self.new_worker(w)
         self._dead_workers.discard(w)
         failure = Failure("worker", w, detected, "replaced", injected, resumed_at=step,
-                          pids={"old": self.pids.live.get(("worker", w), -1)})
+                          pids={"old": self.pids.live.get(("worker", w), -1)}, hung=hang[1] if hang else "")
         self.failures.append(failure)
         self._pauses[w] = failure
         log.warning("worker %d died at step %d; replaced, resuming there (the other workers go on)", w, step)
         return self._launch(w, step, end)
 
     def _poll_servers(self, progress: dict, start: int, end: int) -> set[int]:
-        """Servers found dead, or killed now by an injected kill_server."""
+        """Servers found dead, killed as hung (a progress call unanswered for the hang limit), or killed
+        now by an injected kill_server."""
         dead = set()
-        for k, ref in list(progress.items()):
+        for k, (ref, asked_at) in list(progress.items()):
             if not ray.wait([ref], timeout=0)[0]:
+                if self.watchdog.server_hung(k, self.servers[k], asked_at):
+                    dead.add(k)
                 continue
             try:
                 self.pids.note("server", k, ray.get(ref).pid)
-                progress[k] = self.servers[k].progress.remote()
+                progress[k] = (self.servers[k].progress.remote(), time.time())
             except RayActorError:
                 dead.add(k)
         return dead | self._fire(start, end)
 
     def _fire(self, start: int, end: int) -> set[int]:
-        """Fire the faults whose pulls are held now: kill the worker, or the server; the servers killed."""
-        killed: set[int] = set()
-        armed = {server for server, _, _ in self.plan.holds(start, end, len(self.workers))}
-        for k, held in held_pulls(self.servers, self.held_calls, armed).items():
-            for fault_id in self.plan.due(k, held, start, end, len(self.workers)):
-                fault = self.plan.fire(fault_id)
-                kind, index = fault.kind, fault.target
-                ray.kill((self.workers if kind == "worker" else self.servers)[index], no_restart=True)
-                self._kills[(kind, index)] = time.time()
-                if kind == "server":
-                    killed.add(index)
-        return killed
+        """Fire the faults whose pulls are held now; the servers killed (a stopped actor is the watchdog's)."""
+        now, fired = time.time(), fire_held(self.plan, self.servers, self.workers, self.held_calls, start, end)
+        self._kills.update({(f.kind, f.target): now for f in fired if not f.hang})
+        return {f.target for f in fired if f.kind == "server"}
 
     # ---- a rollback ----
 
@@ -340,34 +336,37 @@ class Supervisor:
         for w in list(self._pauses):
             self._close_pause(w, detected)
         injected = [self._kills.pop(("server", k)) for k in dead if ("server", k) in self._kills]
-        if injected:
-            self.ledger.move(detected - min(injected), book.PRODUCTIVE, book.DETECTION)
+        hangs = self.watchdog.hung_servers
+        if began := injected + [since for since, _ in hangs.values()]:  # a kill, or a hung server's silence
+            self.ledger.move(detected - min(began), book.PRODUCTIVE, book.DETECTION)
         lost = self.ledger.totals().get(book.PRODUCTIVE, 0.0) - productive_at_start  # since the last commit
         self.ledger.move(max(0.0, lost), book.PRODUCTIVE, book.LOST)
         for k, server in enumerate(self.servers):
             if k not in dead:
                 server.abort.remote()
         if self.ckpt and self.ckpt.preemption and self.ckpt.preemption.signals:  # restoring would outlast the grace
-            self._stop(streams, within_s=self.ckpt.preemption.left_s())
+            self.stop_streams(streams, within_s=self.ckpt.preemption.left_s())
             raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=False)
-        self._stop(streams)
+        self.stop_streams(streams)
         dead |= dead_servers(self.servers)
         for k in sorted(dead):
             ray.kill(self.servers[k], no_restart=True)
             self.servers[k] = self.actors.start_server(k)
         for w in sorted(self._dead_workers):
             ray.kill(self.workers[w], no_restart=True)
-            self.workers[w] = self.actors.start_worker(w)
+            self.workers[w] = self.new_worker(w)
         self._dead_workers.clear()
         self.ledger.enter(book.RESTORE)
         step, from_checkpoint = self._restore()
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
-                                       min(injected) if injected else None, step, from_checkpoint)
+                                       min(injected) if injected else None, step, from_checkpoint,
+                                       {k: why for k, (_, why) in hangs.items()})
         self.redone += self.logs.rewind(step)  # executions of folded steps the rollback undid
+        self.watchdog.forget()
         self.held_calls.clear()
         return step
 
-    def _stop(self, streams: dict, within_s: float = STOP_S) -> None:
+    def stop_streams(self, streams: dict, within_s: float = STOP_S) -> None:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
         self._dead_workers |= stop_all(streams, self._on_log, within_s,
                                        lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)

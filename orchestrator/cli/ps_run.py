@@ -3,8 +3,9 @@
 Called by the CLI after the spec is validated, instead of `orchestrator.cli.run.run_job`: no
 controller or rank actors; the supervisor (paramserver.supervisor) checkpoints every
 `checkpoint.every_steps` under the job's checkpoint root, resumes from its newest commit, replaces
-a dead worker and restores the servers after a dead server, firing the spec's kill_rank /
-kill_server faults, and books the wall into the goodput ledger (monitor.goodput). Connects to
+a dead worker and restores the servers after a dead server (a hung one killed first by the hang
+watchdog, its limits from the spec: `hang_limits`), firing the spec's kill_rank / hang_rank /
+kill_server / hang_server faults, and books the wall into the goodput ledger (monitor.goodput). Connects to
 Ray (or starts the embedded local one) with a logical CPU for each of the dp workers and the
 servers, serves the job's Prometheus metrics on `monitor.host` /
 `monitor.port` as a collective job does (monitor.ps_metrics: the staleness of every update, the
@@ -24,6 +25,7 @@ import logging
 import sys
 import time
 
+from chaos.config import SERVER_KINDS
 from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
@@ -35,8 +37,11 @@ from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
+from orchestrator.controller.save_watch import data_outage_s
+from orchestrator.controller.timeouts import Observed, derive
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
+from paramserver.hang_watch import HangLimits
 from paramserver.preemption import Preempted, Preemption
 from trainer.data import data_identity
 
@@ -61,9 +66,19 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
                               max_failed_saves=ckpt.max_failed_saves, read_retry_s=ckpt.read_retry_s,
                               on_commit=on_commit, draining=DrainWatcher().draining)
-    faults = [Fault("worker", f.rank, f.at_step) if f.kind == "kill_rank" else Fault("server", f.server, f.at_step)
+    kinds = {"kill_rank": "worker", "hang_rank": "worker_hang", "kill_server": "server", "hang_server": "server_hang"}
+    faults = [Fault(kinds[f.kind], f.server if f.kind in SERVER_KINDS else f.rank, f.at_step)
               for f in spec.chaos.faults]
     return checkpoints, faults
+
+
+def hang_limits(spec: JobSpec) -> HangLimits:
+    """The PS hang watchdog's limits (paramserver.hang_watch) from `elastic.hang_timeout_s` and
+    `elastic.first_step_timeout_s`, derived as a collective job's (orchestrator.controller.timeouts),
+    a worker's step being a dp rank's share of the global batch; a live worker may wait out its data
+    store's outage (data.read_retry_s) on top."""
+    limits = derive(spec.elastic, spec, spec.parallel.dp, Observed())
+    return HangLimits(limits.hang_floor_s, limits.hang_factor, limits.first_step_s, data_outage_s(spec))
 
 
 def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger, every_steps: int | None):
@@ -156,14 +171,15 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         port = serve_metrics(metrics, spec)
         if port is None or not took_over(spec):  # the last refusal before training
             return EXIT_USAGE
+        hang = hang_limits(spec)
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
-              f"{checkpoints.every_steps} steps at {checkpoints.root}", flush=True)
+              f"{checkpoints.every_steps} steps at {checkpoints.root}; {hang.describe()}", flush=True)
         checkpoints.preemption = preemption  # until the actors are up and resumed a signal stops the driver at once
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp))
+                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp), hang=hang)
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from chaos.config import SERVER_KINDS
 from orchestrator.spec.problems import Problem
 
 # Fields of `parallel:` that only parameter-server mode reads, with their defaults. A default is
@@ -45,13 +46,13 @@ def ps_problems(spec: Any) -> list[Problem]:
     if not par:
         return []
     if par.mode != "ps":
-        kills = [i for i, f in enumerate(getattr(getattr(spec, "chaos", None), "faults", None) or ())
-                 if f.kind == "kill_server"]
+        on_servers = [(i, f.kind) for i, f in enumerate(getattr(getattr(spec, "chaos", None), "faults", None) or ())
+                      if f.kind in SERVER_KINDS]
         return [Problem(f"parallel.{name}", f"is read only with parallel.mode ps (this job's mode is "
                         f"{par.mode}); remove it or set parallel.mode: ps")
                 for name, default in PS_DEFAULTS.items() if getattr(par, name) != default] + [
-                Problem(f"chaos.faults[{i}].kind", "kill_server kills a parameter server, which only parallel.mode "
-                        "ps has; use kill_rank, or set parallel.mode: ps") for i in kills]
+                Problem(f"chaos.faults[{i}].kind", f"{kind} acts on a parameter server, which only parallel.mode "
+                        "ps has; use kill_rank or hang_rank, or set parallel.mode: ps") for i, kind in on_servers]
     out = []
     if par.consistency == "ssp" and par.staleness is None:
         out.append(Problem("parallel.staleness", "consistency ssp needs a bound: set parallel.staleness to the "
@@ -106,27 +107,29 @@ def _checkpoint_problems(ckpt: Any) -> list[Problem]:
 
 
 # What the parameter-server supervisor (paramserver.supervisor) injects: a worker's or a server's
-# death at a step. The rest acts inside the controller's rank actors or on their checkpoint writes.
-PS_FAULT_KINDS = ("kill_rank", "kill_server")
+# death at a step, or a worker's hang (it stops, alive). The rest acts inside the controller's rank
+# actors or on their checkpoint writes.
+PS_FAULT_KINDS = ("kill_rank", "hang_rank", "kill_server", "hang_server")
 
 
 def chaos_problems(chaos: Any, servers: int) -> list[Problem]:
-    """The faults a ps job can inject: kill_rank (rank = worker index) and kill_server, each at_step
-    only and once; random failures (mtbf_s) are refused."""
+    """The faults a ps job can inject: kill_rank and hang_rank (rank = worker index), kill_server and
+    hang_server, each at_step only and once; random failures (mtbf_s) are refused."""
     out = []
     if chaos.mtbf_s is not None:
-        out.append(Problem("chaos.mtbf_s", "parallel.mode ps injects scripted faults only (kill_rank, kill_server at "
-                           "a step); remove mtbf_s"))
+        out.append(Problem("chaos.mtbf_s", "parallel.mode ps injects scripted faults only (kill_rank, hang_rank, "
+                           "kill_server, hang_server at a step); remove mtbf_s"))
     for i, fault in enumerate(chaos.faults):
         where = f"chaos.faults[{i}]"
         if fault.kind not in PS_FAULT_KINDS:
             out.append(Problem(f"{where}.kind", f"{fault.kind} is not injected in parallel.mode ps; use kill_rank "
-                               "(rank: the worker) or kill_server (server: the shard), or parallel.mode collective"))
+                               "or hang_rank (rank: the worker), kill_server or hang_server (server: the shard), "
+                               "or parallel.mode collective"))
             continue
-        if fault.kind == "kill_server" and fault.server >= servers:
+        if fault.kind in SERVER_KINDS and fault.server >= servers:
             out.append(Problem(f"{where}.server", f"{fault.server} is not a server of this job (parallel.servers = "
                                f"{servers}); use a server in 0..{servers - 1}"))
-        for name in ("at_point", "at_seconds", "node", "rank" if fault.kind == "kill_server" else None):
+        for name in ("at_point", "at_seconds", "node", "rank" if fault.kind in SERVER_KINDS else None):
             if name and getattr(fault, name) is not None:
                 out.append(Problem(f"{where}.{name}", f"{fault.kind} in parallel.mode ps is fired by the supervisor "
                                    f"at a step; remove {name} and give at_step: <k>"))

@@ -38,7 +38,7 @@ EVERY = 4  # checkpoint cadence: segments [0, 4), [4, 8), [8, 12)
 KILLED_AT = 6
 
 
-def _run(root: str, faults=()):
+def _run(root: str, faults=(), hang=None):
     from paramserver.checkpoint import PSJob
     from paramserver.job import run_ps
     from paramserver.job_inputs import Checkpoints
@@ -46,7 +46,7 @@ def _run(root: str, faults=()):
     ledger = GoodputLedger()
     checkpoints = Checkpoints(root, EVERY, PSJob("ps-faults", MODEL, DATA, TRAIN, PARALLEL))
     report = run_ps(MODEL, DATA, TRAIN, PARALLEL, max_piece_bytes=2000, checkpoints=checkpoints,
-                    faults=list(faults), ledger=ledger)
+                    faults=list(faults), ledger=ledger, hang=hang)
     return report, ledger
 
 
@@ -72,12 +72,12 @@ def reference(ray_local, tmp_path_factory):  # noqa: F811 (the fixture imported 
     return report, _final_model(root)
 
 
-def _one_fault(tmp_path, kind: str, target: int):
+def _one_fault(tmp_path, kind: str, target: int, hang=None):
     """The run with one fault at KILLED_AT: (report, ledger, its one failure, checkpoint root)."""
     from paramserver.recovery import Fault
 
     root = str(tmp_path / "ckpt")
-    report, ledger = _run(root, [Fault(kind, target, KILLED_AT)])
+    report, ledger = _run(root, [Fault(kind, target, KILLED_AT)], hang)
     assert len(report.failures) == 1, [f.line() for f in report.failures]
     return report, ledger, report.failures[0], root
 
@@ -115,6 +115,37 @@ def test_a_killed_server_is_restored_with_every_other_from_the_last_checkpoint(r
     assert applied == Counter({(k, w, s): 1 for k in range(2) for w in range(2) for s in range(TRAIN.steps)})
     totals = ledger.totals()
     assert totals["lost_work"] > 0 and totals["checkpoint_restore"] > 0 and totals["checkpoint_save"] > 0
+    _all_gone(report.pids)
+
+
+HANG_S = 5.0  # the watchdog's limit in the hang tests (a stopped actor neither dies nor answers)
+
+
+def test_a_stopped_worker_is_killed_by_the_watchdog_and_replaced_while_the_others_wait(reference, tmp_path):
+    from paramserver.hang_watch import HangLimits
+
+    expected, expected_model = reference
+    report, ledger, failure, root = _one_fault(tmp_path, "worker_hang", 1, HangLimits(floor_s=HANG_S))
+    assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("worker", 1, "replaced", KILLED_AT)
+    assert failure.hung.startswith("worker 1 made no step for") and "elastic.hang_timeout_s 5.0 s" in failure.hung
+    assert report.redone == 0 and set(report.pids) == {"server 0", "server 1", "worker 0", "worker 1", "worker 1 #2"}
+    assert report.losses == expected.losses  # bsp: bit for bit, as after a kill
+    assert check_model_matches(_final_model(root), expected_model).ok
+    assert ledger.totals()["detection"] >= HANG_S and check_goodput(ledger).ok  # its last step to its kill
+    _all_gone(report.pids)
+
+
+def test_a_stopped_server_is_killed_by_the_watchdog_and_every_server_restored(reference, tmp_path):
+    from paramserver.hang_watch import HangLimits
+
+    expected, expected_model = reference
+    report, ledger, failure, root = _one_fault(tmp_path, "server_hang", 0, HangLimits(floor_s=HANG_S))
+    assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("server", 0, "restored", 4)
+    assert failure.hung.startswith("server 0 did not answer a progress call for")
+    assert failure.reason == failure.hung and failure.steps_redone == KILLED_AT - 4
+    assert report.losses == expected.losses and report.checkpoints == [4, 8, 12]
+    assert check_model_matches(_final_model(root), expected_model).ok
+    assert ledger.totals()["detection"] >= HANG_S and check_goodput(ledger).ok
     _all_gone(report.pids)
 
 

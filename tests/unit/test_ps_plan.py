@@ -108,7 +108,8 @@ def test_the_spec_refuses_what_ps_mode_cannot_run_naming_each_field():
     assert _fields(_spec({"dp": 2, "mode": "ps", "staleness": 2})).keys() == {"parallel.staleness"}
     assert _fields(_spec({"dp": 2, "servers": 2})).keys() == {"parallel.servers"}
     assert "servers" in str(_fields(_spec({"dp": 2, "mode": "ps", "servers": 0})))
-    faulty = dict(_spec({"dp": 2, "mode": "ps"}), chaos={"faults": [{"kind": "hang_rank", "rank": 1, "at_step": 1}]})
+    slow = {"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 2.0}
+    faulty = dict(_spec({"dp": 2, "mode": "ps"}), chaos={"faults": [slow]})
     assert _fields(faulty).keys() == {"chaos.faults[0].kind"}
 
 

@@ -173,7 +173,7 @@ def test_ps_mode_injects_kill_rank_and_kill_server_and_refuses_the_rest_naming_t
 def test_kill_server_names_its_target_in_the_server_field():
     with pytest.raises(ValueError, match="add server"):
         FaultSpec(kind="kill_server", at_step=1)
-    with pytest.raises(ValueError, match="server names the target of kill_server only"):
+    with pytest.raises(ValueError, match="server names the target of kill_server and hang_server only"):
         FaultSpec(kind="kill_rank", rank=0, server=1, at_step=1)
     assert FaultSpec(kind="kill_server", server=1, at_step=1).server == 1
 

@@ -150,7 +150,8 @@ def _load(path: str, args):
                                                 "chaos.faults in the spec"))
     if spec.parallel.mode == "ps":  # its faults fire through the supervisor's holds, its checks are the collective's
         problems.append(Problem("parallel.mode", "undying chaos runs collective jobs; a parameter-server job "
-                                                 "takes its kill_rank and kill_server faults from chaos.faults "
+                                                 "takes its kill_rank, hang_rank, kill_server and hang_server "
+                                                 "faults from chaos.faults "
                                                  "under `undying run`"))
     if problems:
         raise SpecError(problems)

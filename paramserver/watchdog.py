@@ -1,0 +1,69 @@
+"""The hang watchdog's Ray side: probes the suspect workers, kills the hung ones.
+
+Called by the supervisor's loop (paramserver.supervisor) every poll of a segment, after it took
+the streams: `poll(workers)` answers the probes that came back, sends new ones (a worker actor's
+`pid`, answered by its second thread while its run holds the first) and kills each worker the
+watch (paramserver.hang_watch) finds hung. A killed worker's stream then ends as a dead actor's,
+and the supervisor replaces it as it replaces any dead worker, asking `take(w)` for the hang
+(when it began, and why) to book and report. A server is asked by `server_hung(k, server,
+asked_at)` for each progress call of the supervisor's still outstanding: one outstanding for the
+hang limit is killed, and the supervisor rolls back as for a dead server, reading `hung_servers`
+(since when, and why) to book and report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import ray
+from ray.exceptions import RayActorError
+
+from paramserver.hang_watch import HangLimits, HangWatch
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, limits: HangLimits):
+        self.watch = HangWatch(limits)
+        self._probes: dict[int, object] = {}  # worker -> its outstanding probe
+        self._hangs: dict[int, tuple[float, str]] = {}  # worker killed as hung -> (silent since, why)
+        self.hung_servers: dict[int, tuple[float, str]] = {}  # server killed as hung -> (silent since, why)
+
+    def poll(self, workers: list) -> None:
+        for w, probe in list(self._probes.items()):
+            if ray.wait([probe], timeout=0)[0]:
+                del self._probes[w]
+                with contextlib.suppress(RayActorError):
+                    ray.get(probe)
+                    self.watch.probe_answered(w)
+        for w in self.watch.to_probe():
+            self._probes[w] = workers[w].pid.remote()
+        for w, why in self.watch.hung_workers():
+            log.warning("%s: killing it; it is replaced as a dead worker is", why)
+            self._hangs[w] = (self.watch.silent_since(w), why)
+            self._probes.pop(w, None)
+            self.watch.ended(w)  # its stream ends with the kill
+            ray.kill(workers[w], no_restart=True)
+
+    def server_hung(self, k: int, server, asked_at: float) -> bool:
+        """Kill server `k` (its handle `server`) when its progress call, outstanding since `asked_at`,
+        is past the hang limit; whether it did."""
+        why = self.watch.server_hung(asked_at)
+        if why is None:
+            return False
+        log.warning("server %d %s: killing it", k, why)
+        self.hung_servers[k] = (asked_at, f"server {k} {why}")
+        ray.kill(server, no_restart=True)
+        return True
+
+    def take(self, w: int) -> tuple[float, str] | None:
+        """(silent since, why) when the supervisor killed worker `w` as hung; forgotten once taken."""
+        return self._hangs.pop(w, None)
+
+    def forget(self) -> None:
+        """A segment stopped (a rollback): its probes and kills are settled."""
+        self._probes.clear()
+        self._hangs.clear()
+        self.hung_servers.clear()
