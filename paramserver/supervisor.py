@@ -78,7 +78,7 @@ class Supervisor:
                  stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None,
                  hang: HangLimits | None = None):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
-        self.watchdog = Watchdog(hang or HangLimits())  # a worker or server that hangs instead of dying
+        self.watchdog = Watchdog(hang or HangLimits(), clock=lambda: time.time())  # an actor hung, not dead
         self.on_step = on_step  # each worker step's log as it arrives (run_ps's `on_step`)
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
         # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
@@ -205,11 +205,13 @@ class Supervisor:
                 signal_cut(self, start, end, streams)
             # A drain cuts the segment short (self.cut): every run ends there, then it is saved and moved.
             trouble = (self.moves and self.moves.check(self, start, end)) or self._take_streams(streams, start, end)
-            self.watchdog.poll(self.workers)  # a hung worker is killed: its stream ends next poll, replaced
             dead = self._poll_servers(progress, start, end)
             if trouble or dead:
                 why = trouble or "; ".join(w for _, w in self.watchdog.hung_servers.values()) or "a server died"
                 return self._rollback(start, streams, dead, why, productive_at_start)
+            # A hung worker is killed (its stream ends next poll, and it is replaced); none is blamed
+            # while a server is slow to answer (its silence may be that server's).
+            self.watchdog.poll(self.workers, min(asked_at for _, asked_at in progress.values()))
             if time.time() >= stats_due:
                 stats_due = time.time() + self.stats_every_s
                 self.history.poll(self.servers)

@@ -1,20 +1,24 @@
 """The hang watchdog's Ray side: probes the suspect workers, kills the hung ones.
 
 Called by the supervisor's loop (paramserver.supervisor) every poll of a segment, after it took
-the streams: `poll(workers)` answers the probes that came back, sends new ones (a worker actor's
-`pid`, answered by its second thread while its run holds the first) and kills each worker the
-watch (paramserver.hang_watch) finds hung. A killed worker's stream then ends as a dead actor's,
-and the supervisor replaces it as it replaces any dead worker, asking `take(w)` for the hang
-(when it began, and why) to book and report. A server is asked by `server_hung(k, server,
-asked_at)` for each progress call of the supervisor's still outstanding: one outstanding for the
-hang limit is killed, and the supervisor rolls back as for a dead server, reading `hung_servers`
-(since when, and why) to book and report.
+the streams and polled the servers: `poll(workers, servers_asked_at)` answers the probes that came
+back, sends new ones (a worker actor's `pid`, answered by its second thread while its run holds the
+first) and kills each worker the watch (paramserver.hang_watch) finds hung, unless a server is slow
+to answer (a stopped server silences every worker, and is killed at its own limit instead). A
+killed worker's stream then ends as a dead actor's, and the supervisor replaces it as it replaces
+any dead worker, asking `take(w)` for the hang (when it began, and why) to book and report.
+Before that, the supervisor asks `server_hung(k, server, asked_at)` for each of its progress calls
+still outstanding: a server whose call is outstanding for the hang limit is killed, and the
+supervisor rolls back as for a dead server, reading `hung_servers` (since when, and why) to book
+and report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import RayActorError
@@ -22,16 +26,18 @@ from ray.exceptions import RayActorError
 from paramserver.hang_watch import HangLimits, HangWatch
 
 log = logging.getLogger(__name__)
+SERVER_SLOW_S = 2.0  # a server whose progress call is outstanding this long: no worker is blamed meanwhile
 
 
 class Watchdog:
-    def __init__(self, limits: HangLimits):
-        self.watch = HangWatch(limits)
+    def __init__(self, limits: HangLimits, clock: Callable[[], float] = time.time):
+        self.watch = HangWatch(limits, clock)
         self._probes: dict[int, object] = {}  # worker -> its outstanding probe
         self._hangs: dict[int, tuple[float, str]] = {}  # worker killed as hung -> (silent since, why)
         self.hung_servers: dict[int, tuple[float, str]] = {}  # server killed as hung -> (silent since, why)
 
-    def poll(self, workers: list) -> None:
+    def poll(self, workers: list, servers_asked_at: float) -> None:
+        """`servers_asked_at`: when the oldest of the supervisor's outstanding progress calls was sent."""
         for w, probe in list(self._probes.items()):
             if ray.wait([probe], timeout=0)[0]:
                 del self._probes[w]
@@ -40,6 +46,8 @@ class Watchdog:
                     self.watch.probe_answered(w)
         for w in self.watch.to_probe():
             self._probes[w] = workers[w].pid.remote()
+        if self.watch.clock() - servers_asked_at >= SERVER_SLOW_S:
+            return  # every worker waits on a server that does not answer: the server is to blame, at its limit
         for w, why in self.watch.hung_workers():
             log.warning("%s: killing it; it is replaced as a dead worker is", why)
             self._hangs[w] = (self.watch.silent_since(w), why)

@@ -12,7 +12,7 @@ import copy
 import types
 from collections import deque
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from paramserver import supervisor as sup
 from paramserver.actors import Progress, ServerStats, StepLog
@@ -86,6 +86,8 @@ class Method:
     def remote(self, *args, **kwargs) -> Ref:
         if self.actor.dead:
             return Ref(error=Died())
+        if self.actor.sigstopped:  # answered once it is killed (then as a dead actor's call)
+            return Ref(error=Died(), ready=lambda: self.actor.dead)
         try:
             return Ref(self.fn(*args, **kwargs))
         except Exception as err:  # noqa: BLE001 (delivered through the ref, as Ray does)
@@ -96,13 +98,13 @@ class FakeServer:
     def __init__(self, world, k: int):
         setup = world.setup
         self.shard = ShardServer(k, setup.servers[k].slices, MODEL, TRAIN, PAR.dp, PAR.consistency)
-        self.pid, self.dead, self.stopped = world.new_pid(), False, False
+        self.pid, self.dead, self.stopped, self.sigstopped = world.new_pid(), False, False, False
         self.holds: set[tuple[int, int]] = set()
         self.waiting: set[tuple[int, int]] = set()
         self.frozen, self.cut_at, self.answered, self.outbox = False, None, -1, RecordOutbox()
         self.where = world.place("server", k)
         for name in ("progress", "stats", "hold", "held", "drop_held", "abort", "reopen", "freeze", "cut", "uncut",
-                     "node"):
+                     "node", "hang"):
             setattr(self, name, Method(self, getattr(self, "_" + name)))
 
     def _freeze(self):
@@ -119,6 +121,9 @@ class FakeServer:
 
     def _node(self):
         return self.where
+
+    def _hang(self):
+        self.sigstopped = True
 
     def _progress(self):
         return Progress(self.shard.index, self.pid, self.shard.version, list(self.shard.clocks.pushed))
@@ -153,11 +158,13 @@ class FakeServer:
 
 class FakeWorker:
     def __init__(self, world, w: int):
-        self.dead, self.proc = False, world.new_pid()
+        self.dead, self.sigstopped, self.proc = False, False, world.new_pid()
+        self.ready_at = 0.0  # its first step waits for the clock to reach this (a slow start-up)
         self.worker = PSWorker(w, PAR.dp, MODEL, DATA, TRAIN, [s.slices for s in world.setup.servers])
         self.stream: Stream | None = None
         self.pid = Method(self, lambda: self.proc)
         self.node = Method(self, lambda where=world.place("worker", w): where)
+        self.hang = Method(self, lambda: setattr(self, "sigstopped", True))
         self.run = types.SimpleNamespace(remote=self._run)  # a generator's call gives its stream itself
 
     def _run(self, servers, start, end, slow_s=0.0):
@@ -171,12 +178,14 @@ class FakeWorker:
 
     def advance(self, now: float) -> None:
         stream, step, w = self.stream, self.next, self.worker.index
-        if self.dead or stream is None or stream.ended:
+        if self.dead or self.sigstopped or stream is None or stream.ended or now < self.ready_at:
             return
         if step >= self.end:
             return stream.end()
         if any(s.dead or s.stopped for s in self.servers):
             return stream.end(CallFailed())
+        if any(s.sigstopped for s in self.servers):
+            return  # its calls wait
         if any(s.cut_at is not None and step >= s.cut_at for s in self.servers):
             return stream.end()  # SegmentCut: the run ends cleanly
         if any(s.frozen for s in self.servers):
@@ -235,6 +244,8 @@ class World:
 
     def get(self, refs, timeout=None):
         if isinstance(refs, list):
+            if not all(r.ready() for r in refs):
+                raise GetTimeoutError("a call is not answered")
             return [self.get(r) for r in refs]
         if refs.error is not None:
             raise refs.error

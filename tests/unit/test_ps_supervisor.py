@@ -35,6 +35,7 @@ def world(monkeypatch):
     monkeypatch.setattr("paramserver.streams.ray", ray)
     monkeypatch.setattr("paramserver.moves.ray", ray)
     monkeypatch.setattr("paramserver.update_history.ray", ray)
+    monkeypatch.setattr("paramserver.watchdog.ray", ray)
     monkeypatch.setattr(sup, "time", types.SimpleNamespace(time=lambda: fake.now))
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", fake.save)
     monkeypatch.setattr(sup.checkpoint, "latest_committed_step", fake.latest)
@@ -50,13 +51,13 @@ def expected():
 
 
 def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None, start_server=None,
-         on_stats=None):
+         on_stats=None, hang=None):
     actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
     checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
                                   draining=draining) if every else None
     ledger = GoodputLedger(clock=lambda: world.now)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
-                                faults=list(faults), ledger=ledger, on_stats=on_stats)
+                                faults=list(faults), ledger=ledger, on_stats=on_stats, hang=hang)
     supervisor.run()
     ledger.stop()
     return supervisor, supervisor.logs.losses(), ledger
@@ -196,7 +197,7 @@ def test_a_torn_push_rolls_back_instead_of_replaying(world, expected, monkeypatc
             second = self.servers[1]
             self.servers[1] = types.SimpleNamespace(shard=types.SimpleNamespace(
                 may_read=second.shard.may_read, pull=second.shard.pull, push=lambda push: None),
-                dead=False, stopped=False, holds=set(), cut_at=None, frozen=False, answered=-1)
+                dead=False, stopped=False, sigstopped=False, holds=set(), cut_at=None, frozen=False, answered=-1)
             original(self, now)
             self.servers[1] = second
             return self.kill()
@@ -492,3 +493,48 @@ def test_each_worker_step_reaches_on_step_as_the_driver_takes_it(world):
     supervisor.run()  # a rollback to step 0 at step 3: the redone steps come again (both executions ran)
     assert {(log.worker, log.step) for log in seen} == set(supervisor.logs)
     assert len(seen) == PAR.dp * TRAIN.steps + supervisor.redone
+
+
+def test_a_stopped_worker_is_killed_after_the_hang_limit_and_replaced_where_the_servers_have_it(world, expected):
+    supervisor, losses, ledger = _run(world, [Fault("worker_hang", 1, 5)])
+    [failure] = supervisor.failures
+    assert (failure.kind, failure.target, failure.action, failure.resumed_at) == ("worker", 1, "replaced", 5)
+    assert failure.hung.startswith("worker 1 made no step for 10.0") and "elastic.hang_timeout_s 10.0 s" in failure.hung
+    assert losses == expected and _applied_once(supervisor) and supervisor.redone == 0
+    assert world.workers[1].sigstopped and world.workers[1].dead and not world.workers[0].dead
+    # Detection: from its last step (step 4's push) to the kill, the limit and a poll or two.
+    assert 10.0 <= ledger.totals()["detection"] <= 10.2
+
+
+def test_a_stopped_server_is_killed_after_the_hang_limit_and_every_server_restored(world, expected):
+    supervisor, losses, ledger = _run(world, [Fault("server_hang", 0, 6)])
+    [failure] = supervisor.failures
+    assert (failure.kind, failure.target, failure.resumed_at, failure.steps_redone) == ("server", 0, 4, 2)
+    assert failure.hung.startswith("server 0 did not answer a progress call for 10.0")
+    assert failure.reason == failure.hung and "(hung)" in failure.line()
+    assert losses == expected and _applied_once(supervisor)
+    assert world.workers[:2] == supervisor.workers  # the workers waited; none is blamed
+    assert 10.0 <= ledger.totals()["detection"] <= 10.2
+
+
+@pytest.mark.parametrize("first_step_s", [None, 30.0])
+def test_a_slow_first_step_is_no_hang_until_the_first_step_limit(world, expected, monkeypatch, first_step_s):
+    from paramserver.hang_watch import HangLimits
+
+    start_worker = world.start_worker
+
+    def slow_start(w):  # worker 1's first actor takes 60 s to build its model (worker 0 waits in bsp)
+        worker = start_worker(w)
+        worker.ready_at = world.now + 60.0 if (w, len(world.workers)) == (1, 2) else 0.0
+        return worker
+
+    monkeypatch.setattr(world, "start_worker", slow_start)
+    hang = HangLimits(first_step_s=first_step_s) if first_step_s else None  # default: 120 s, then 10 s
+    supervisor, losses, _ = _run(world, hang=hang)
+    assert losses == expected
+    if first_step_s is None:
+        assert supervisor.failures == []
+        return
+    [failure] = supervisor.failures  # worker 1's start-up is a hang; worker 0, waiting for it, is not blamed
+    assert (failure.target, failure.action, failure.resumed_at) == (1, "replaced", 0)
+    assert "elastic.first_step_timeout_s 30.0 s" in failure.hung
