@@ -60,6 +60,16 @@ class PSCheckpointError(RuntimeError):
     do not tile every tensor, or the manifest create failed twice (ckpt.commit.Committer)."""
 
 
+class ServersTimedOut(PSCheckpointError):
+    """Servers did not finish their shard's save or load within the limit (`servers`: their indices):
+    hung, or stuck on the store. A save that times out fails (the job goes on); a restore that does
+    has those servers replaced (paramserver.supervisor)."""
+
+    def __init__(self, what: str, servers: list[int], timeout_s: float, setting: str):
+        super().__init__(f"{what}: servers {servers} did not finish within {timeout_s:.0f} s ({setting})")
+        self.servers = servers
+
+
 @dataclass(frozen=True)
 class PSJob:
     """What the manifest records beyond the shards: the job and its configs (from the spec)."""
@@ -164,13 +174,20 @@ def _check_complete(server: ShardServer, wanted: list[TensorSlice], stored, step
 # ---- the driver ------------------------------------------------------------------------------
 
 
-def _call(servers: list, method: str, *args, **kwargs) -> list:
+def _call(servers: list, method: str, *args, timeout: tuple[float, str, str] | None = None, **kwargs) -> list:
     """`method` on every server at once: ServerActor handles through Ray, in-process ShardServers
-    (tests, paramserver.lockstep) one after the other through this module's functions."""
+    (tests, paramserver.lockstep) one after the other through this module's functions. `timeout`:
+    (seconds, the setting that gave them, what the call is), ServersTimedOut past it."""
     if all(isinstance(s, ShardServer) for s in servers):
         local = {"save_shard": _save_local, "load_shard": load_shard}[method]
         return [local(s, *args, **kwargs) for s in servers]
-    return ray.get([getattr(s, method).remote(*args, **kwargs) for s in servers])
+    refs = [getattr(s, method).remote(*args, **kwargs) for s in servers]
+    if timeout is not None:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout[0])
+        if len(done) < len(refs):
+            late = [k for k, ref in enumerate(refs) if ref not in done]
+            raise ServersTimedOut(timeout[2], late, timeout[0], timeout[1])
+    return ray.get(refs)
 
 
 def _save_local(server: ShardServer, root: str, step: int, storage_options: dict | None = None,
@@ -190,7 +207,8 @@ def engine_meta(step: int, job: PSJob) -> dict:
 
 
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
-                       fault_point=None, owner: OwnerLease | None = None, state: dict | None = None) -> Commit | None:
+                       fault_point=None, owner: OwnerLease | None = None, state: dict | None = None,
+                       timeout: tuple[float, str] | None = None) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
     None when `step` is committed already (nothing is written). A server's error is raised as it
     came (NotAtCut: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
@@ -198,7 +216,8 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     written is garbage the next commit collects. `fault_point(point, step)`: the committer's chaos
     points ("before_manifest_commit", "after_manifest_commit"). `owner`: the driver's lease on `root`
     (ckpt.ownership), checked before the commit and before retention (OwnershipLost). `state`: more of
-    the manifest's state (the goodput ledger's totals, which a resumed job carries on)."""
+    the manifest's state (the goodput ledger's totals, which a resumed job carries on). `timeout`:
+    (seconds, the setting that gave them) for the servers' writes, ServersTimedOut past it."""
     cat = catalog(root, storage_options, owner)
     try:
         committed = cat.committed_steps()
@@ -212,7 +231,8 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     cat.fence()  # no shard of a driver that lost the root lands in it
     tag = f"ps{secrets.token_hex(4)}"
     try:
-        receipts = _call(servers, "save_shard", root, step, storage_options, tag)
+        receipts = _call(servers, "save_shard", root, step, storage_options, tag,
+                         timeout=timeout and (*timeout, f"checkpoint step {step} was not committed"))
     except RayTaskError as err:  # a server's own error writing its shard: this save fails, the job goes on
         cause = getattr(err, "cause", None) or err
         if not storage_failure(cause):
@@ -239,14 +259,17 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
 
 
 def restore_servers(servers: list, root: str, step: int, *, storage_options: dict | None = None,
-                    clock: int | None = None, read_retry_s: float = DEFAULT_READ_RETRY_S) -> list[int]:
-    """Load committed checkpoint `step` into every given server at once; their versions."""
-    return _call(servers, "load_shard", root, step, storage_options, clock=clock, read_retry_s=read_retry_s)
+                    clock: int | None = None, read_retry_s: float = DEFAULT_READ_RETRY_S,
+                    timeout: tuple[float, str] | None = None) -> list[int]:
+    """Load committed checkpoint `step` into every given server at once; their versions. `timeout`:
+    (seconds, the setting that gave them), ServersTimedOut past it."""
+    return _call(servers, "load_shard", root, step, storage_options, clock=clock, read_retry_s=read_retry_s,
+                 timeout=timeout and (*timeout, f"the restore of checkpoint step {step}"))
 
 
 def restore_newest_intact(servers: list, root: str, step: int, *, storage_options: dict | None = None,
                           read_retry_s: float = DEFAULT_READ_RETRY_S, owner: OwnerLease | None = None,
-                          skipped: set[int] | None = None) -> int:
+                          skipped: set[int] | None = None, timeout: tuple[float, str] | None = None) -> int:
     """Restore committed `step` into every server; when a server's read proves it corrupt
     (CorruptCheckpoint), check it here as a collective job's controller does: bytes that are bad here
     too are proof, and the checkpoint is quarantined (its manifest moved aside under the lease
@@ -255,13 +278,15 @@ def restore_newest_intact(servers: list, root: str, step: int, *, storage_option
     run: never restored again, paramserver.supervisor). Either way every server restores the next
     older commit not skipped. The step restored; PSCheckpointError when none is left: the job never
     starts over from step 0 on its own. A server loads a step only once every block verified, and a
-    fall back restores every server, so no server keeps another step's state."""
+    fall back restores every server, so no server keeps another step's state. `timeout`: as
+    restore_servers' (ServersTimedOut is the caller's to repair)."""
     proven, skipped = [], set() if skipped is None else skipped
     cat = None  # made at the first fall back: a restore that succeeds lists nothing
     while True:
         if step not in skipped:
             try:
-                restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s)
+                restore_servers(servers, root, step, storage_options=storage_options, read_retry_s=read_retry_s,
+                                timeout=timeout)
                 return step
             except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
                 cat = cat or catalog(root, storage_options, owner)

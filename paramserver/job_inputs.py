@@ -35,6 +35,10 @@ class Checkpoints:
     storage_options: dict | None = None
     max_failed_saves: int = 3  # checkpoint.max_failed_saves (paramserver.save_streak)
     read_retry_s: float = DEFAULT_READ_RETRY_S  # checkpoint.read_retry_s: a restore's transient read failures
+    # (seconds, the spec field that gave them): how long every server's write of a save, and its
+    # load of a restore, may take (paramserver.checkpoint.ServersTimedOut); None: no limit.
+    save_timeout: tuple[float, str] | None = None
+    restore_timeout: tuple[float, str] | None = None
     # Called with each Commit this run makes (the job's Prometheus exporter: the last commit's time
     # and size, which the "no checkpoint lately" alert reads).
     on_commit: Callable[[object], None] | None = None

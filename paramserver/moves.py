@@ -144,7 +144,7 @@ class Moves:
         try:
             ray.get(new.progress.remote(), timeout=START_S)  # placed and up: the restore's calls have no limit
             checkpoint.restore_servers([new], sup.ckpt.root, cut, storage_options=sup.ckpt.storage_options,
-                                       read_retry_s=sup.ckpt.read_retry_s)
+                                       read_retry_s=sup.ckpt.read_retry_s, timeout=sup.ckpt.restore_timeout)
             ray.get(new.reopen.remote(cut), timeout=ASK_S)
         except BaseException as err:  # any failure to restore: the old server is still whole
             ray.kill(new, no_restart=True)  # and a second signal's Preempted must not leave it running

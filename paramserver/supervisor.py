@@ -40,7 +40,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from ckpt.ownership import OwnershipLost
-from paramserver import checkpoint
+from paramserver import checkpoint, restores
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actor_pids import ActorPids
 from paramserver.actors import ServerStats, StepLog
@@ -57,6 +57,7 @@ from paramserver.recovery import (
     resume_step,
     segment_end,
 )
+from paramserver.restart_budget import RestartBudget
 from paramserver.save_streak import SaveStreak
 from paramserver.shard import NotAtCut
 from paramserver.step_logs import StepLogs
@@ -67,7 +68,6 @@ from paramserver.watchdog import Watchdog
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the supervisor looks at the streams, the servers and the holds
 STOP_S = 120.0  # a worker that has not stopped this long after the servers were aborted is killed
-MAX_ROLLBACKS = 3  # one segment rolled back this often in a row fails the job (a crash loop)
 MAX_REPLACEMENTS = 3  # a worker replaced this often with no step landing (it cannot start) rolls back
 
 
@@ -76,9 +76,10 @@ class Supervisor:
                  checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
                  ledger: Ledger | None = None, on_stats: Callable[[list[ServerStats]], None] | None = None,
                  stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None,
-                 hang: HangLimits | None = None):
+                 hang: HangLimits | None = None, budget: RestartBudget | None = None):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
         self.watchdog = Watchdog(hang or HangLimits(), clock=lambda: time.time())  # an actor hung, not dead
+        self.budget = budget or RestartBudget()  # the repairs the job may make (elastic.max_restarts)
         self.on_step = on_step  # each worker step's log as it arrives (run_ps's `on_step`)
         self.plan, self.ledger = FaultPlan(faults), ledger or NullLedger()
         # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
@@ -110,10 +111,9 @@ class Supervisor:
             self.pids.note("server", answer.server, answer.pid)
         for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
             self.pids.note("worker", w, pid)
-        step = self.start_step = self._resume()
+        step = self.start_step = restores.resume(self)
         if self.ckpt is not None and self.ckpt.on_training is not None:
             self.ckpt.on_training()
-        rollbacks = 0
         while step < self.steps:
             end = segment_end(step, self.steps, self.ckpt.every_steps if self.ckpt else None)
             restored = self._segment(step, end)
@@ -124,32 +124,14 @@ class Supervisor:
             if restored is None and cut is not None and self.moves is not None:
                 self.moves.finish(self, end)  # a drain's cut (a signal's too: then nothing moves)
             if restored is not None:
-                rollbacks += 1
-                if rollbacks > MAX_ROLLBACKS:
-                    raise RuntimeError(f"the segment from step {step} was rolled back {rollbacks} times in a row; "
-                                       f"last: {self.failures[-1].line()}")
+                self.budget.rolled_back(step, self.failures[-1].line())
                 step = restored
                 continue
-            rollbacks, step = 0, end
+            self.budget.segment_done()
+            step = end
             if self.ckpt and self.ckpt.preemption and self.ckpt.preemption.signals and end < self.steps:
                 raise self.ckpt.preemption.preempted(self.last_commit(), saved_now=end == self.last_commit())
         self.ledger.enter(book.OTHER)
-
-    def _resume(self) -> int:
-        """Start from the newest committed checkpoint, if this job has one."""
-        latest = self._latest_commit()
-        if latest is None:
-            return 0
-        self.ledger.enter(book.RESTORE)
-        step = self._restore_from(latest)
-        log.info("parameter-server job resumes from its checkpoint at step %d", step)
-        return step
-
-    def _latest_commit(self) -> int | None:
-        """The newest commit, listed under the driver's lease: a root the store lists empty is an error."""
-        if self.ckpt is None:
-            return None
-        return checkpoint.latest_committed_step(self.ckpt.root, self.ckpt.storage_options, self.ckpt.owner)
 
     def _save(self, start: int, end: int) -> int | None:
         """Commit the cut `end`; a server that dies meanwhile rolls the segment back (its step)."""
@@ -164,7 +146,8 @@ class Supervisor:
             self.history.drain(self.servers)  # every update before the cut, before a server can be lost after it
             commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
-                                                   state={"goodput": self.ledger.totals()})
+                                                   state={"goodput": self.ledger.totals()},
+                                                   timeout=self.ckpt.save_timeout)
             self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
             self.save_streak.committed()
             self.history.committed(end)
@@ -245,7 +228,7 @@ class Supervisor:
             if not actor_died(error):
                 return f"worker {w}'s run failed: {brief(error)}"
             self._dead_workers.add(w)
-            if (tries := self._replaced.get(w, 0)) >= MAX_REPLACEMENTS:  # a rollback's reason: MAX_ROLLBACKS bounds it
+            if (tries := self._replaced.get(w, 0)) >= MAX_REPLACEMENTS:  # a rollback's reason: the crash loop bounds it
                 return f"worker {w} was replaced {tries} times and died before a step: {brief(error)}"
             self._replaced[w] = tries + 1
             stream = self._replace_worker(w, start, end)
@@ -278,6 +261,7 @@ class Supervisor:
     def _replace_worker(self, w: int, start: int, end: int):
         """A new actor for dead worker `w`, resumed where the servers have it; None when it cannot be."""
         detected, injected, hang = time.time(), self._kills.pop(("worker", w), None), self.watchdog.take(w)
+        self.budget.repair(detected, f"worker {w} died" if hang is None else hang[1])
         try:
             clocks = [p.clocks for p in ray.get([s.progress.remote() for s in self.servers], timeout=30)]
         except (RayActorError, GetTimeoutError):
@@ -334,6 +318,7 @@ class Supervisor:
         workers would compute on parameters no run ever had), breaking bsp's equality with
         collective dp and every consistency model's bound."""
         detected = time.time()
+        self.budget.repair(detected, reason)
         self.ledger.enter(book.REFORMATION)
         for w in list(self._pauses):
             self._close_pause(w, detected)
@@ -359,7 +344,7 @@ class Supervisor:
             self.workers[w] = self.new_worker(w)
         self._dead_workers.clear()
         self.ledger.enter(book.RESTORE)
-        step, from_checkpoint = self._restore()
+        step, from_checkpoint = restores.restore(self)
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint,
                                        {k: why for k, (_, why) in hangs.items()})
@@ -372,27 +357,3 @@ class Supervisor:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
         self._dead_workers |= stop_all(streams, self._on_log, within_s,
                                        lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)
-
-    def _restore(self) -> tuple[int, bool]:
-        latest = self._latest_commit()
-        if latest is None:
-            log.warning("NO COMMITTED CHECKPOINT: every parameter server restarts from the initial values (step 0); "
-                        "every step so far is redone")
-            for k, server in enumerate(self.servers):
-                ray.kill(server, no_restart=True)
-                self.servers[k] = self.actors.start_server(k)
-            self.history.rewind(0)
-            return 0, False
-        latest = self._restore_from(latest)
-        ray.get([s.reopen.remote(latest) for s in self.servers])
-        self.history.rewind(latest)
-        return latest, True
-
-    def _restore_from(self, newest: int) -> int:
-        """Every server restored from commit `newest`, or the newest older one intact; that step."""
-        ckpt = self.ckpt
-        step = checkpoint.restore_newest_intact(self.servers, ckpt.root, newest, storage_options=ckpt.storage_options,
-                                                read_retry_s=ckpt.read_retry_s, owner=ckpt.owner, skipped=self.skipped)
-        self.saved = [s for s in self.saved if s <= step]  # a commit skipped or quarantined is not the last
-        self.start_step = min(self.start_step, step)
-        return step

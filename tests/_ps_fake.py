@@ -262,7 +262,7 @@ class World:
 
     # ---- paramserver.checkpoint ----
 
-    def save(self, servers, root, step, *, job, storage_options=None, owner=None, state=None):
+    def save(self, servers, root, step, *, job, storage_options=None, owner=None, state=None, timeout=None):
         for s in servers:
             assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
         self.commits[step] = [copy.deepcopy(s.shard) for s in servers]
@@ -272,6 +272,6 @@ class World:
     def latest(self, root, storage_options=None, owner=None):
         return max(self.commits, default=None)
 
-    def restore(self, servers, root, step, *, storage_options=None, clock=None, read_retry_s=None):
+    def restore(self, servers, root, step, *, storage_options=None, clock=None, read_retry_s=None, timeout=None):
         for server in servers:
             server.shard = copy.deepcopy(self.commits[step][server.shard.index])

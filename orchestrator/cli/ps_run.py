@@ -38,12 +38,22 @@ from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
 from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
 from orchestrator.controller.save_watch import data_outage_s
-from orchestrator.controller.timeouts import Observed, derive
+from orchestrator.controller.timeouts import (
+    ASSUMED_READ_BPS_PER_RANK,
+    BUILD_S,
+    READ_FACTOR,
+    Observed,
+    derive,
+    restore_timeout_s,
+)
 from orchestrator.spec.job_spec import JobSpec, spec_hash
 from orchestrator.spec.problems import Problem
 from paramserver.hang_watch import HangLimits
 from paramserver.preemption import Preempted, Preemption
+from paramserver.restart_budget import RestartBudget
 from trainer.data import data_identity
+from trainer.dtensor_slices import optimizer_fields
+from trainer.model import meta_model
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +73,29 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
                     type(err).__name__, err)
         identity = None
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity)
+    save_timeout, restore_timeout = io_timeouts(spec)
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
                               max_failed_saves=ckpt.max_failed_saves, read_retry_s=ckpt.read_retry_s,
+                              save_timeout=save_timeout, restore_timeout=restore_timeout,
                               on_commit=on_commit, draining=DrainWatcher().draining)
     kinds = {"kill_rank": "worker", "hang_rank": "worker_hang", "kill_server": "server", "hang_server": "server_hang"}
     faults = [Fault(kinds[f.kind], f.server if f.kind in SERVER_KINDS else f.rank, f.at_step)
               for f in spec.chaos.faults]
     return checkpoints, faults
+
+
+def io_timeouts(spec: JobSpec) -> tuple[tuple[float, str], tuple[float, str]]:
+    """(seconds, what set them) of every server's write of a save and load of a restore: the collective
+    restore's limit (orchestrator.controller.timeouts.restore_timeout_s: `elastic.restore_timeout_s`, auto
+    120 s + checkpoint.read_retry_s + 3 x the checkpoint's bytes at 100 MB/s per server), and for a
+    save the same without the read retries. The bytes: the parameters and their optimizer state, fp32."""
+    params = sum(p.numel() for p in meta_model(spec.model).parameters())
+    nbytes = 4 * params * (1 + len(optimizer_fields(spec.train.optimizer, spec.train.betas)))
+    servers = spec.parallel.servers
+    save = BUILD_S + READ_FACTOR * nbytes / (ASSUMED_READ_BPS_PER_RANK * servers)
+    restore = restore_timeout_s(spec.elastic, servers, nbytes, None, 0.0, spec.checkpoint.read_retry_s)
+    return ((save, f"a ps save's limit, {BUILD_S:g} s + {READ_FACTOR:g} x its {nbytes / 1e6:.0f} MB at "
+                   f"{ASSUMED_READ_BPS_PER_RANK / 1e6:.0f} MB/s per server"), (restore, "elastic.restore_timeout_s"))
 
 
 def hang_limits(spec: JobSpec) -> HangLimits:
@@ -150,7 +176,8 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     par = spec.parallel
     ledger, started_at = GoodputLedger(), time.time()  # start-up from here: Ray, the actors
     metrics = JobMetrics(spec.name)
-    preemption = Preemption(spec.elastic.preemption_grace_s)
+    elastic = spec.elastic
+    preemption = Preemption(elastic.preemption_grace_s)
 
     def on_commit(commit) -> None:
         # A PS save blocks every worker until it commits: its whole time is what it cost training.
@@ -179,7 +206,9 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp), hang=hang)
+                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp), hang=hang,
+                            budget=RestartBudget(elastic.max_restarts, elastic.restart_window_s,
+                                                 elastic.crash_loop_limit))
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)

@@ -83,7 +83,8 @@ def ps_problems(spec: Any) -> list[Problem]:
     if train and train.precision != "fp32":
         out.append(Problem("train.precision", f"{train.precision} is not supported with parallel.mode ps yet "
                            "(workers compute and servers update in fp32); set train.precision: fp32"))
-    return out + _checkpoint_problems(getattr(spec, "checkpoint", None))
+    return out + _checkpoint_problems(getattr(spec, "checkpoint", None)) + _elastic_problems(getattr(spec, "elastic",
+                                                                                                         None))
 
 
 def _checkpoint_problems(ckpt: Any) -> list[Problem]:
@@ -104,6 +105,31 @@ def _checkpoint_problems(ckpt: Any) -> list[Problem]:
         out.append(Problem("checkpoint.memory.enabled", "parallel.mode ps keeps no in-memory snapshots (its servers "
                            "restore from storage checkpoints); set checkpoint.memory.enabled: false"))
     return out
+
+
+# The elastic fields parameter-server mode does not read, with why. It reads max_restarts,
+# restart_window_s and crash_loop_limit (paramserver.restart_budget), the hang and first-step timeouts
+# (paramserver.hang_watch), the restore timeout (paramserver.restores) and preemption_grace_s
+# (paramserver.preemption).
+PS_UNREAD_ELASTIC = {
+    "min_dp": "a ps job keeps its dp workers: a lost worker is replaced, never dropped",
+    "spares": "a ps job starts a new actor for a lost worker or server; it keeps no warm spares",
+    "replace_timeout_s": "a ps job has no smaller layout to fall back on; a replacement that does not start is "
+                         "found by elastic.first_step_timeout_s",
+    "grow": "nothing shrinks in parallel.mode ps, so nothing grows back",
+    "evict_stragglers": "parallel.mode ps does not evict stragglers; ssp and asp bound what a straggler costs",
+    "collective_timeout_s": "a ps job has no process group: its workers and servers talk by Ray actor calls",
+    "release_timeout_s": "a ps rollback aborts the servers, which ends every worker's run",
+}
+
+
+def _elastic_problems(elastic: Any) -> list[Problem]:
+    if not elastic:
+        return []
+    defaults = type(elastic)()
+    unread = [name for name in PS_UNREAD_ELASTIC if getattr(elastic, name) != getattr(defaults, name)]
+    return [Problem(f"elastic.{name}", f"is not read by parallel.mode ps ({PS_UNREAD_ELASTIC[name]}); remove it")
+            for name in unread if not (name == "spares" and elastic.spares == 0)]
 
 
 # What the parameter-server supervisor (paramserver.supervisor) injects: a worker's or a server's

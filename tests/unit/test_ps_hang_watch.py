@@ -164,3 +164,49 @@ def test_a_worker_that_waited_for_a_replacement_is_not_blamed_for_the_wait():
     assert watch.suspects() == []
     clock.now += 0.1
     assert watch.suspects() == [0, 1]
+
+
+def test_servers_that_do_not_finish_their_load_in_time_are_named(monkeypatch):
+    import types
+
+    from paramserver import checkpoint
+
+    answered = {"k0", "k2"}  # server 1's load hangs
+    servers = [types.SimpleNamespace(load_shard=types.SimpleNamespace(remote=lambda *a, k=k, **kw: f"k{k}"))
+               for k in range(3)]
+    waits = []
+
+    def wait(refs, num_returns, timeout):
+        waits.append((num_returns, timeout))
+        return [r for r in refs if r in answered], [r for r in refs if r not in answered]
+
+    monkeypatch.setattr(checkpoint, "ray", types.SimpleNamespace(wait=wait, get=lambda refs: refs))
+    with pytest.raises(checkpoint.ServersTimedOut) as err:
+        checkpoint.restore_servers(servers, "file:///ckpt", 8, timeout=(42.0, "elastic.restore_timeout_s"))
+    assert err.value.servers == [1] and waits == [(3, 42.0)]
+    assert str(err.value) == ("the restore of checkpoint step 8: servers [1] did not finish within 42 s "
+                              "(elastic.restore_timeout_s)")
+    assert isinstance(err.value, checkpoint.PSCheckpointError)  # a save that times out fails, the job goes on
+    answered.add("k1")
+    assert checkpoint.restore_servers(servers, "file:///ckpt", 8, timeout=(42.0, "x")) == ["k0", "k1", "k2"]
+
+
+def test_the_restore_and_save_limits_and_the_elastic_fields_ps_mode_does_not_read():
+    from orchestrator.cli.ps_run import io_timeouts
+
+    (save, why), (restore, setting) = io_timeouts(validate_spec(_spec()))
+    assert setting == "elastic.restore_timeout_s" and restore == pytest.approx(save + 120.0)  # + read_retry_s
+    assert 120.0 < save < 121.0 and why.startswith("a ps save's limit, 120 s + 3 x its")
+    (_, _), (restore, _) = io_timeouts(validate_spec(_spec(elastic={"restore_timeout_s": 900})))
+    assert restore == 900.0
+    read = {"max_restarts": 4, "restart_window_s": 600, "crash_loop_limit": 5, "hang_timeout_s": 30,
+            "first_step_timeout_s": 300, "restore_timeout_s": 900, "preemption_grace_s": 20, "spares": 0}
+    validate_spec(_spec(elastic=read))
+    unread = {"min_dp": 2, "spares": 1, "replace_timeout_s": 5, "grow": False, "evict_stragglers": True,
+              "collective_timeout_s": 600, "release_timeout_s": 9}
+    with pytest.raises(SpecError) as err:
+        validate_spec(_spec(elastic=unread))
+    problems = {p.field: p.message for p in err.value.problems}
+    assert problems.keys() == {f"elastic.{name}" for name in unread}
+    assert problems["elastic.grow"] == "is not read by parallel.mode ps (nothing shrinks in parallel.mode ps, " \
+                                       "so nothing grows back); remove it"

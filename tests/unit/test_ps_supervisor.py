@@ -22,6 +22,7 @@ from monitor.goodput import GoodputLedger
 from paramserver import supervisor as sup
 from paramserver.lockstep import build_in_process, run_lockstep
 from paramserver.recovery import Fault
+from paramserver.restart_budget import RestartBudget, RestartsSpent
 from paramserver.save_streak import SavesFailing
 from tests._ps_fake import DATA, MODEL, PAR, PIECES, TRAIN, Died, FakeServer, FakeWorker, Method, World
 
@@ -36,7 +37,9 @@ def world(monkeypatch):
     monkeypatch.setattr("paramserver.moves.ray", ray)
     monkeypatch.setattr("paramserver.update_history.ray", ray)
     monkeypatch.setattr("paramserver.watchdog.ray", ray)
+    monkeypatch.setattr("paramserver.restores.ray", ray)
     monkeypatch.setattr(sup, "time", types.SimpleNamespace(time=lambda: fake.now))
+    monkeypatch.setattr("paramserver.restores.time", sup.time)
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", fake.save)
     monkeypatch.setattr(sup.checkpoint, "latest_committed_step", fake.latest)
     monkeypatch.setattr(sup.checkpoint, "restore_servers", fake.restore)
@@ -51,13 +54,13 @@ def expected():
 
 
 def _run(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None, start_server=None,
-         on_stats=None, hang=None):
+         on_stats=None, hang=None, budget=None):
     actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
     checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
                                   draining=draining) if every else None
     ledger = GoodputLedger(clock=lambda: world.now)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
-                                faults=list(faults), ledger=ledger, on_stats=on_stats, hang=hang)
+                                faults=list(faults), ledger=ledger, on_stats=on_stats, hang=hang, budget=budget)
     supervisor.run()
     ledger.stop()
     return supervisor, supervisor.logs.losses(), ledger
@@ -112,10 +115,10 @@ def test_a_worker_whose_replacements_keep_dying_fails_the_job_instead_of_replaci
         return stream
 
     monkeypatch.setattr(world, "start_worker", start)
-    with pytest.raises(RuntimeError, match=r"rolled back 4 times in a row") as failed:
+    with pytest.raises(RestartsSpent, match=r"rolled back 3 times in a row \(elastic.crash_loop_limit=3\)") as failed:
         _run(world, [Fault("worker", 1, 5)])
     assert "worker 1 was replaced 3 times and died before a step" in str(failed.value)
-    assert "out of memory" in str(failed.value) and started[1] == 1 + 3 + 4  # then one per rollback
+    assert "out of memory" in str(failed.value) and started[1] == 1 + 3 + 3  # then one per rollback
 
 
 def test_a_dead_server_rolls_every_server_back_to_the_last_commit(world, expected):
@@ -538,3 +541,62 @@ def test_a_slow_first_step_is_no_hang_until_the_first_step_limit(world, expected
     [failure] = supervisor.failures  # worker 1's start-up is a hang; worker 0, waiting for it, is not blamed
     assert (failure.target, failure.action, failure.resumed_at) == (1, "replaced", 0)
     assert "elastic.first_step_timeout_s 30.0 s" in failure.hung
+
+
+@pytest.mark.parametrize("max_restarts", [3, 2])
+def test_repairs_past_elastic_max_restarts_in_the_window_fail_the_job(world, expected, max_restarts):
+    faults = [Fault("worker", 1, 2), Fault("worker", 0, 3), Fault("server", 1, 6)]
+    if max_restarts == 3:
+        supervisor, losses, _ = _run(world, faults, budget=RestartBudget(max_restarts=3))
+        assert len(supervisor.failures) == 3 and losses == expected
+        return
+    with pytest.raises(RestartsSpent, match=r"2 repairs used in the last 86400 s \(elastic.max_restarts=2 per "
+                                            r"elastic.restart_window_s=86400\); not repaired: a server died"):
+        _run(world, faults, budget=RestartBudget(max_restarts=2))
+
+
+def test_the_restart_window_forgets_old_repairs():
+    budget = RestartBudget(max_restarts=1, window_s=60.0)
+    budget.repair(0.0, "worker 0 died")
+    with pytest.raises(RestartsSpent, match="1 repairs used in the last 60 s"):
+        budget.repair(59.0, "worker 1 died")
+    budget.repair(61.0, "worker 1 died")  # the first is out of the window
+    whole_run = RestartBudget(max_restarts=1, window_s=None)
+    whole_run.repair(0.0, "a")
+    with pytest.raises(RestartsSpent, match=r"^1 repairs used \(elastic.max_restarts=1\); not repaired: b$"):
+        whole_run.repair(1e9, "b")
+    loop = RestartBudget(crash_loop_limit=2)
+    loop.rolled_back(4, "server 0 died")
+    loop.segment_done()  # a finished segment ends the run of rollbacks
+    loop.rolled_back(8, "server 0 died")
+    with pytest.raises(RestartsSpent, match="crash loop: the segment from step 8 was rolled back 2 times"):
+        loop.rolled_back(8, "server 0 died")
+
+
+@pytest.mark.parametrize("max_restarts", [10, 1])
+def test_a_server_that_does_not_finish_its_load_in_time_is_replaced_and_the_restore_tried_again(
+        world, expected, monkeypatch, max_restarts):
+    from paramserver.checkpoint import ServersTimedOut
+
+    restore, timed_out = world.restore, []
+
+    def restoring(servers, root, step, **kwargs):  # server 1's first load of the rollback hangs
+        assert kwargs["timeout"] == (300.0, "elastic.restore_timeout_s")
+        if not timed_out:
+            timed_out.append(servers[1])
+            raise ServersTimedOut(f"the restore of checkpoint step {step}", [1], 300.0, "elastic.restore_timeout_s")
+        return restore(servers, root, step, **kwargs)
+
+    monkeypatch.setattr(sup.checkpoint, "restore_servers", restoring)
+    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, restore_timeout=(300.0, "elastic.restore_timeout_s"))
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
+                                faults=[Fault("server", 0, 6)], budget=RestartBudget(max_restarts=max_restarts))
+    if max_restarts == 1:  # the rollback was the one repair: the second is refused, naming both fields
+        with pytest.raises(RestartsSpent, match=r"elastic.max_restarts=1.*servers \[1\] did not finish within 300 s "
+                                                r"\(elastic.restore_timeout_s\)"):
+            supervisor.run()
+        return
+    supervisor.run()
+    assert supervisor.logs.losses() == expected and _applied_once(supervisor)
+    assert timed_out[0].dead and supervisor.servers[1] is not timed_out[0]  # replaced, then restored

@@ -1,0 +1,52 @@
+"""How many repairs a parameter-server job may make before it fails: the elastic section's budget.
+
+A collective job's controller restarts after a failure until `elastic.max_restarts` are spent
+within `elastic.restart_window_s`, and fails a crash loop at once (the same failure
+`elastic.crash_loop_limit` times in a row: orchestrator.controller.policies.FailurePolicy). The PS
+supervisor repairs differently (a worker replaced alone, or every server rolled back to the last
+commit) but a job that keeps failing must still end, with the budget named: here a repair is one
+replacement or one rollback, and a crash loop is the same segment rolled back `crash_loop_limit`
+times in a row (its reruns fail the same way: a worker that cannot start, a store that refuses).
+
+Protocol (paramserver.supervisor, one thread): `repair(now, what)` before each repair, which raises
+RestartsSpent when the window holds `max_restarts` already; `rolled_back(step, last)` after each
+rollback of the segment from `step`, which raises RestartsSpent on the crash loop; `segment_done()`
+once a segment finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class RestartsSpent(RuntimeError):
+    """The job failed: its repairs are spent, or it is in a crash loop; the message names the field."""
+
+
+@dataclass
+class RestartBudget:
+    max_restarts: int = 10  # elastic.max_restarts
+    window_s: float | None = 86400.0  # elastic.restart_window_s; None: the whole run
+    crash_loop_limit: int = 3  # elastic.crash_loop_limit
+    _repairs: deque[float] = field(default_factory=deque, init=False, repr=False)
+    _in_a_row: int = field(default=0, init=False, repr=False)
+
+    def repair(self, now: float, what: str) -> None:
+        while self.window_s is not None and self._repairs and self._repairs[0] <= now - self.window_s:
+            self._repairs.popleft()
+        if len(self._repairs) >= self.max_restarts:
+            within = "" if self.window_s is None else f" in the last {self.window_s:g} s"
+            window = "" if self.window_s is None else f" per elastic.restart_window_s={self.window_s:g}"
+            raise RestartsSpent(f"{len(self._repairs)} repairs used{within} (elastic.max_restarts="
+                                f"{self.max_restarts}{window}); not repaired: {what}")
+        self._repairs.append(now)
+
+    def rolled_back(self, step: int, last: str) -> None:
+        self._in_a_row += 1
+        if self._in_a_row >= self.crash_loop_limit:
+            raise RestartsSpent(f"crash loop: the segment from step {step} was rolled back {self._in_a_row} times "
+                                f"in a row (elastic.crash_loop_limit={self.crash_loop_limit}); last: {last}")
+
+    def segment_done(self) -> None:
+        self._in_a_row = 0

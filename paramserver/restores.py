@@ -1,0 +1,78 @@
+"""Where a parameter-server job's servers restore from: its newest intact commit, or the initial values.
+
+Called by the supervisor (paramserver.supervisor, its thread), with itself as `sup`: `resume(sup)`
+once its actors are up (the step the job starts at: the newest commit's, or 0), `restore(sup)` in
+a rollback, after the dead actors were replaced (every server from the newest intact commit and
+reopened, or every server new at the initial values when nothing is committed; the step, and
+whether a checkpoint gave it). A corrupt commit falls back to the one before
+(checkpoint.restore_newest_intact). A server that does not finish its load within the restore
+limit (`Checkpoints.restore_timeout`: `elastic.restore_timeout_s`) is hung or stuck on the store:
+it is replaced by a new actor and the restore tried again, each time a repair of the job's budget
+(paramserver.restart_budget), so a store that never answers ends the job naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from paramserver import checkpoint
+from paramserver import recovery as book  # the goodput buckets
+
+log = logging.getLogger(__name__)
+
+
+def latest_commit(sup) -> int | None:
+    """The newest commit, listed under the driver's lease: a root the store lists empty is an error."""
+    if sup.ckpt is None:
+        return None
+    return checkpoint.latest_committed_step(sup.ckpt.root, sup.ckpt.storage_options, sup.ckpt.owner)
+
+
+def resume(sup) -> int:
+    """Start from the newest committed checkpoint, if the job has one."""
+    latest = latest_commit(sup)
+    if latest is None:
+        return 0
+    sup.ledger.enter(book.RESTORE)
+    step = restore_from(sup, latest)
+    log.info("parameter-server job resumes from its checkpoint at step %d", step)
+    return step
+
+
+def restore(sup) -> tuple[int, bool]:
+    latest = latest_commit(sup)
+    if latest is None:
+        log.warning("NO COMMITTED CHECKPOINT: every parameter server restarts from the initial values (step 0); "
+                    "every step so far is redone")
+        for k, server in enumerate(sup.servers):
+            ray.kill(server, no_restart=True)
+            sup.servers[k] = sup.actors.start_server(k)
+        sup.history.rewind(0)
+        return 0, False
+    latest = restore_from(sup, latest)
+    ray.get([s.reopen.remote(latest) for s in sup.servers])
+    sup.history.rewind(latest)
+    return latest, True
+
+
+def restore_from(sup, newest: int) -> int:
+    """Every server restored from commit `newest`, or the newest older one intact; that step."""
+    ckpt = sup.ckpt
+    while True:
+        try:
+            step = checkpoint.restore_newest_intact(
+                sup.servers, ckpt.root, newest, storage_options=ckpt.storage_options, read_retry_s=ckpt.read_retry_s,
+                owner=ckpt.owner, skipped=sup.skipped, timeout=ckpt.restore_timeout)
+            break
+        except checkpoint.ServersTimedOut as err:
+            sup.budget.repair(time.time(), str(err))
+            log.warning("%s: replacing them, and restoring again", err)
+            for k in err.servers:
+                ray.kill(sup.servers[k], no_restart=True)
+                sup.servers[k] = sup.actors.start_server(k)
+    sup.saved = [s for s in sup.saved if s <= step]  # a commit skipped or quarantined is not the last
+    sup.start_step = min(sup.start_step, step)
+    return step
