@@ -63,7 +63,7 @@ class PSCheckpointError(RuntimeError):
 class ServersTimedOut(PSCheckpointError):
     """Servers did not finish their shard's save or load within the limit (`servers`: their indices):
     hung, or stuck on the store. A save that times out fails (the job goes on); a restore that does
-    has those servers replaced (paramserver.supervisor)."""
+    has those servers replaced (paramserver.restores)."""
 
     def __init__(self, what: str, servers: list[int], timeout_s: float, setting: str):
         super().__init__(f"{what}: servers {servers} did not finish within {timeout_s:.0f} s ({setting})")

@@ -8,12 +8,16 @@ does neither, and a bsp job would wait for it forever. The watchdog's rules:
     behind it (its next step is the lowest): under bsp and ssp the workers ahead of it wait for
     it in their pulls, silent too, and are not to blame. Its limit is the first-step limit while
     its actor has landed no step (building the model, a cold start: `elastic.first_step_timeout_s`),
-    else max(floor, factor x the median step) (`elastic.hang_timeout_s`);
+    else max(floor, factor x the median step) (`elastic.hang_timeout_s`), the median the job's or,
+    when longer, the worker's own (a steady straggler under ssp or asp is slow, not hung). Silence
+    is measured on the driver's clock (a step counts from when the driver took its log), step
+    times on the worker's;
   * a suspect is hung once it stays silent `outage_s` longer (a live worker may be waiting out its
     data store's outage, `data.read_retry_s`, which ends in an error of its own), or at once when a
     liveness probe sent when it became suspect has not answered in PROBE_S (a stopped process);
   * a server is hung when a progress call (answered in milliseconds by its event loop) has been
-    outstanding for the steady limit.
+    outstanding for the steady limit, or for the first-step limit while the server has answered
+    none since it started (its actor builds its shard).
 
 Protocol (paramserver.supervisor's loop, one thread; unit tests with a fake clock):
 `started(w)` when a worker actor is created, `launched(w, step)` when its run of a segment starts,
@@ -58,22 +62,25 @@ class _Worker:
     since: float  # its last landed step, or its run's launch
     running: bool = True
     fresh: bool = True  # its actor has landed no step yet: the first-step limit
-    last_landed: float | None = None
+    last_landed: float | None = None  # the worker's clock at its last step's end
     probe_at: float | None = None  # an unanswered probe's sending time
     probed_at: float = -float("inf")  # the last probe's sending time
+    answered_at: float = -float("inf")  # the last probe's answer
 
 
 class HangWatch:
     def __init__(self, limits: HangLimits, clock: Callable[[], float] = time.time):
         self.limits, self.clock = limits, clock
         self._workers: dict[int, _Worker] = {}
-        self._intervals: deque[float] = deque(maxlen=MEDIAN_OF)
+        self._intervals: deque[float] = deque(maxlen=MEDIAN_OF)  # every worker's recent steps
+        self._own: dict[int, deque[float]] = {}  # each worker actor's recent steps
 
     # ---- what the supervisor saw ----
 
     def started(self, w: int) -> None:
         lowest = self._lowest()
         self._workers.pop(w, None)  # a new actor: its first step builds it
+        self._own.pop(w, None)
         self._caught_up(lowest)
 
     def launched(self, w: int, step: int) -> None:
@@ -84,9 +91,10 @@ class HangWatch:
         seen, lowest = self._workers.get(w), self._lowest()
         if seen is None:
             return
-        if seen.last_landed is not None and at > seen.last_landed:
+        if seen.last_landed is not None and at > seen.last_landed:  # both on the worker's clock
             self._intervals.append(at - seen.last_landed)
-        seen.next_step, seen.since, seen.last_landed = step + 1, max(seen.since, at), at
+            self._own.setdefault(w, deque(maxlen=MEDIAN_OF)).append(at - seen.last_landed)
+        seen.next_step, seen.since, seen.last_landed = step + 1, max(seen.since, self.clock()), at
         seen.fresh, seen.probe_at = False, None
         self._caught_up(lowest)
 
@@ -109,15 +117,18 @@ class HangWatch:
 
     # ---- limits ----
 
-    def median_step_s(self) -> float | None:
-        return statistics.median(self._intervals) if self._intervals else None
+    def median_step_s(self, w: int | None = None) -> float | None:
+        """The job's median step, or worker `w`'s own (its actor's) when given."""
+        steps = self._intervals if w is None else self._own.get(w)
+        return statistics.median(steps) if steps else None
 
-    def steady_s(self) -> float:
-        return max(self.limits.floor_s, self.limits.factor * (self.median_step_s() or 0.0))
+    def steady_s(self, w: int | None = None) -> float:
+        median = max(self.median_step_s() or 0.0, (self.median_step_s(w) or 0.0) if w is not None else 0.0)
+        return max(self.limits.floor_s, self.limits.factor * median)
 
     def limit(self, w: int) -> tuple[float, str]:
         """Worker `w`'s limit now and the spec field that sets it (a hang's message names it)."""
-        steady = self.steady_s()
+        steady = self.steady_s(w)
         if self._workers[w].fresh and self.limits.first_step_s > steady:
             return self.limits.first_step_s, "elastic.first_step_timeout_s"
         return steady, "elastic.hang_timeout_s"
@@ -150,7 +161,7 @@ class HangWatch:
 
     def probe_answered(self, w: int) -> None:
         if w in self._workers:
-            self._workers[w].probe_at = None
+            self._workers[w].probe_at, self._workers[w].answered_at = None, self.clock()
 
     def hung_workers(self) -> list[tuple[int, str]]:
         """(worker, why) for each suspect that is hung: silent past its limit and the data outage
@@ -161,13 +172,17 @@ class HangWatch:
             silent = now - seen.since
             unanswered = seen.probe_at is not None and now - seen.probe_at >= PROBE_S
             if silent >= limit + self.limits.outage_s or unanswered:
-                answer = f"did not answer a probe for {PROBE_S:.0f} s" if unanswered else "answers but made no step"
-                out.append((w, f"worker {w} made no step for {silent:.1f} s ({setting} {limit:.1f} s) and {answer}"))
+                answer = (f" and did not answer a probe for {PROBE_S:.0f} s" if unanswered else
+                          " and answers, but made no step" if seen.answered_at >= seen.since else "")
+                out.append((w, f"worker {w} made no step for {silent:.1f} s ({setting} {limit:.1f} s){answer}"))
         return out
 
-    def server_hung(self, asked_at: float) -> str | None:
-        """Why a server whose progress call has been outstanding since `asked_at` is hung, or None."""
-        silent, limit = self.clock() - asked_at, self.steady_s()
+    def server_hung(self, asked_at: float, started: bool = False) -> str | None:
+        """Why a server whose progress call has been outstanding since `asked_at` is hung, or None;
+        `started`: it has answered none since its actor started (the first-step limit)."""
+        silent, limit, setting = self.clock() - asked_at, self.steady_s(), "elastic.hang_timeout_s"
+        if started and self.limits.first_step_s > limit:
+            limit, setting = self.limits.first_step_s, "elastic.first_step_timeout_s"
         if silent < limit:
             return None
-        return f"did not answer a progress call for {silent:.1f} s (elastic.hang_timeout_s {limit:.1f} s)"
+        return f"did not answer a progress call for {silent:.1f} s ({setting} {limit:.1f} s)"

@@ -6,18 +6,25 @@ within `elastic.restart_window_s`, and fails a crash loop at once (the same fail
 supervisor repairs differently (a worker replaced alone, or every server rolled back to the last
 commit) but a job that keeps failing must still end, with the budget named: here a repair is one
 replacement or one rollback, and a crash loop is the same segment rolled back `crash_loop_limit`
-times in a row (its reruns fail the same way: a worker that cannot start, a store that refuses).
+times in a row for the same reason, its numbers aside (its reruns fail the same way: a worker that
+cannot start, a store that refuses). As in a collective job, injected faults are never a crash loop:
+a chaos run's kills spend `max_restarts`.
 
 Protocol (paramserver.supervisor, one thread): `repair(now, what)` before each repair, which raises
-RestartsSpent when the window holds `max_restarts` already; `rolled_back(step, last)` after each
-rollback of the segment from `step`, which raises RestartsSpent on the crash loop; `segment_done()`
-once a segment finished.
+RestartsSpent when the window holds `max_restarts` already; `rolled_back(step, failure)` after each
+rollback of the segment from `step` (`failure`: the rollback's, paramserver.recovery), which raises
+RestartsSpent on the crash loop; `segment_done()` once a segment finished.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass, field
+
+from paramserver.recovery import Failure
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 class RestartsSpent(RuntimeError):
@@ -31,6 +38,7 @@ class RestartBudget:
     crash_loop_limit: int = 3  # elastic.crash_loop_limit
     _repairs: deque[float] = field(default_factory=deque, init=False, repr=False)
     _in_a_row: int = field(default=0, init=False, repr=False)
+    _last: tuple | None = field(default=None, init=False, repr=False)  # the last rollback's (step, reason shape)
 
     def repair(self, now: float, what: str) -> None:
         while self.window_s is not None and self._repairs and self._repairs[0] <= now - self.window_s:
@@ -42,11 +50,15 @@ class RestartBudget:
                                 f"{self.max_restarts}{window}); not repaired: {what}")
         self._repairs.append(now)
 
-    def rolled_back(self, step: int, last: str) -> None:
-        self._in_a_row += 1
+    def rolled_back(self, step: int, failure: Failure) -> None:
+        if failure.injected_at is not None:
+            return
+        key = (step, _NUMBER.sub("#", failure.reason))  # a hang's "for 10.3 s" differs at every repeat
+        self._in_a_row, self._last = (self._in_a_row + 1 if key == self._last else 1), key
         if self._in_a_row >= self.crash_loop_limit:
             raise RestartsSpent(f"crash loop: the segment from step {step} was rolled back {self._in_a_row} times "
-                                f"in a row (elastic.crash_loop_limit={self.crash_loop_limit}); last: {last}")
+                                f"in a row for the same reason (elastic.crash_loop_limit={self.crash_loop_limit}); "
+                                f"last: {failure.line()}")
 
     def segment_done(self) -> None:
-        self._in_a_row = 0
+        self._in_a_row, self._last = 0, None

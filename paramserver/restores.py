@@ -49,11 +49,13 @@ def restore(sup) -> tuple[int, bool]:
                     "every step so far is redone")
         for k, server in enumerate(sup.servers):
             ray.kill(server, no_restart=True)
-            sup.servers[k] = sup.actors.start_server(k)
+            sup.servers[k] = sup.new_server(k)
         sup.history.rewind(0)
         return 0, False
     latest = restore_from(sup, latest)
-    ray.get([s.reopen.remote(latest) for s in sup.servers])
+    # Answered at once by servers that have just loaded; a GetTimeoutError fails the job, naming the limit.
+    limit = sup.ckpt.restore_timeout
+    ray.get([s.reopen.remote(latest) for s in sup.servers], timeout=limit[0] if limit else None)
     sup.history.rewind(latest)
     return latest, True
 
@@ -72,7 +74,10 @@ def restore_from(sup, newest: int) -> int:
             log.warning("%s: replacing them, and restoring again", err)
             for k in err.servers:
                 ray.kill(sup.servers[k], no_restart=True)
-                sup.servers[k] = sup.actors.start_server(k)
+                sup.servers[k] = sup.new_server(k)
+            newest = latest_commit(sup)  # listed again: a commit the try quarantined is gone
+            if newest is None:
+                raise checkpoint.PSCheckpointError("no committed checkpoint left to restore") from err
     sup.saved = [s for s in sup.saved if s <= step]  # a commit skipped or quarantined is not the last
     sup.start_step = min(sup.start_step, step)
     return step

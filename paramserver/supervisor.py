@@ -48,6 +48,7 @@ from paramserver.hang_watch import HangLimits
 from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.moves import Moves, signal_cut
 from paramserver.recovery import (
+    WORKER_FAULTS,
     Failure,
     Fault,
     FaultPlan,
@@ -85,7 +86,7 @@ class Supervisor:
         # Without checkpoints a rollback restarts the job from step 0: any record may be folded.
         self.history = UpdateHistory(on_stats, foldable_below=0 if checkpoints else math.inf)
         self.stats_every_s = stats_every_s
-        self.servers = [actors.start_server(k) for k in range(servers)]
+        self.servers = [self.new_server(k) for k in range(servers)]
         self.workers = [self.new_worker(w) for w in range(workers)]
         # (worker, step) -> the surviving execution's log, the oldest folded past step_logs.KEEP
         self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
@@ -124,7 +125,7 @@ class Supervisor:
             if restored is None and cut is not None and self.moves is not None:
                 self.moves.finish(self, end)  # a drain's cut (a signal's too: then nothing moves)
             if restored is not None:
-                self.budget.rolled_back(step, self.failures[-1].line())
+                self.budget.rolled_back(step, self.failures[-1])
                 step = restored
                 continue
             self.budget.segment_done()
@@ -143,7 +144,9 @@ class Supervisor:
             if end in self.skipped:  # committed by an earlier run; this run's state there cannot be saved
                 raise checkpoint.PSCheckpointError(f"step {end} is committed by an earlier run, which a server "
                                                    "could not read: this run's state there is not saved")
-            self.history.drain(self.servers)  # every update before the cut, before a server can be lost after it
+            # Every update before the cut, before a server can be lost after it (one that does not answer
+            # rolls the segment back, as a dead one: the rollback finds and replaces it).
+            self.history.drain(self.servers, self.ckpt.save_timeout[0] if self.ckpt.save_timeout else None)
             commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
                                                    state={"goodput": self.ledger.totals()},
@@ -154,10 +157,12 @@ class Supervisor:
             self.logs.committed(end)
             if commit is not None and self.ckpt.on_commit is not None:
                 self.ckpt.on_commit(commit)
-        except (RayActorError, NotAtCut) as err:  # (a server's NotAtCut through Ray: a RayTaskError that is one)
+        except (RayActorError, NotAtCut, GetTimeoutError) as err:  # (NotAtCut through Ray: a RayTaskError that is one)
             if self.saved and self.saved[-1] == end == self.steps:  # the final step is committed: done
                 return None
-            why = "a server died during the checkpoint save" if isinstance(err, RayActorError) else brief(err)
+            why = ("a server died during the checkpoint save" if isinstance(err, RayActorError) else
+                   "a server did not answer before the checkpoint save" if isinstance(err, GetTimeoutError) else
+                   brief(err))
             return self._rollback(start, {}, set(), why, self._productive_at_start)
         except checkpoint.PSCheckpointError as err:  # the job goes on (a rollback goes to an older commit)
             self.save_streak.failed(end, end == self.steps, err)  # unless the final save or too many in a row
@@ -177,6 +182,7 @@ class Supervisor:
         self.ledger.enter(book.PRODUCTIVE)
         productive_at_start = self._productive_at_start = self.ledger.totals().get(book.PRODUCTIVE, 0.0)
         self._arm(start, end)
+        self.watchdog.forget()  # a kill of the segment before that raced its stream's end
         streams = {w: self._launch(w, start, end) for w in range(len(self.workers))}
         progress = {k: (s.progress.remote(), time.time()) for k, s in enumerate(self.servers)}
         stats_due = time.time() + self.stats_every_s
@@ -199,6 +205,11 @@ class Supervisor:
                 stats_due = time.time() + self.stats_every_s
                 self.history.poll(self.servers)
         return None
+
+    def new_server(self, k: int):
+        """A new actor for server `k` (it builds its shard: the watchdog's first-step limit)."""
+        self.watchdog.unanswered.add(k)
+        return self.actors.start_server(k)
 
     def new_worker(self, w: int):
         """A new actor for worker `w` (its first step builds it: the watchdog's first-step limit)."""
@@ -261,7 +272,6 @@ class Supervisor:
     def _replace_worker(self, w: int, start: int, end: int):
         """A new actor for dead worker `w`, resumed where the servers have it; None when it cannot be."""
         detected, injected, hang = time.time(), self._kills.pop(("worker", w), None), self.watchdog.take(w)
-        self.budget.repair(detected, f"worker {w} died" if hang is None else hang[1])
         try:
             clocks = [p.clocks for p in ray.get([s.progress.remote() for s in self.servers], timeout=30)]
         except (RayActorError, GetTimeoutError):
@@ -270,9 +280,10 @@ class Supervisor:
         if step is None:
             self.failures.append(Failure("torn_push", w, detected, "pending", injected))
             return None
+        self.budget.repair(detected, f"worker {w} died" if hang is None else hang[1])  # (a rollback is one too)
         began = injected if injected is not None else hang[0] if hang else None
-        if began is not None:  # from the kill, or from a hung worker's last step
-            self.ledger.move(detected - began, book.PRODUCTIVE, book.DETECTION)
+        if began is not None:  # from the kill (or the injected hang), or from a hung worker's last step
+            self.ledger.move(max(0.0, detected - began), book.PRODUCTIVE, book.DETECTION)
         ray.kill(self.workers[w], no_restart=True)
         drop_holds(self.servers, w)  # the dead worker's held pull, never to be answered
         self.held_calls.clear()  # answers from before may list its holds: they must not fire on the replacement
@@ -297,6 +308,7 @@ class Supervisor:
                 continue
             try:
                 self.pids.note("server", k, ray.get(ref).pid)
+                self.watchdog.unanswered.discard(k)
                 progress[k] = (self.servers[k].progress.remote(), time.time())
             except RayActorError:
                 dead.add(k)
@@ -305,7 +317,7 @@ class Supervisor:
     def _fire(self, start: int, end: int) -> set[int]:
         """Fire the faults whose pulls are held now; the servers killed (a stopped actor is the watchdog's)."""
         now, fired = time.time(), fire_held(self.plan, self.servers, self.workers, self.held_calls, start, end)
-        self._kills.update({(f.kind, f.target): now for f in fired if not f.hang})
+        self._kills.update({("worker" if f.kind in WORKER_FAULTS else "server", f.target): now for f in fired})
         return {f.target for f in fired if f.kind == "server"}
 
     # ---- a rollback ----
@@ -325,7 +337,7 @@ class Supervisor:
         injected = [self._kills.pop(("server", k)) for k in dead if ("server", k) in self._kills]
         hangs = self.watchdog.hung_servers
         if began := injected + [since for since, _ in hangs.values()]:  # a kill, or a hung server's silence
-            self.ledger.move(detected - min(began), book.PRODUCTIVE, book.DETECTION)
+            self.ledger.move(max(0.0, detected - min(began)), book.PRODUCTIVE, book.DETECTION)
         lost = self.ledger.totals().get(book.PRODUCTIVE, 0.0) - productive_at_start  # since the last commit
         self.ledger.move(max(0.0, lost), book.PRODUCTIVE, book.LOST)
         for k, server in enumerate(self.servers):
@@ -338,7 +350,7 @@ class Supervisor:
         dead |= dead_servers(self.servers)
         for k in sorted(dead):
             ray.kill(self.servers[k], no_restart=True)
-            self.servers[k] = self.actors.start_server(k)
+            self.servers[k] = self.new_server(k)
         for w in sorted(self._dead_workers):
             ray.kill(self.workers[w], no_restart=True)
             self.workers[w] = self.new_worker(w)

@@ -8,7 +8,8 @@ to answer (a stopped server silences every worker, and is killed at its own limi
 killed worker's stream then ends as a dead actor's, and the supervisor replaces it as it replaces
 any dead worker, asking `take(w)` for the hang (when it began, and why) to book and report.
 Before that, the supervisor asks `server_hung(k, server, asked_at)` for each of its progress calls
-still outstanding: a server whose call is outstanding for the hang limit is killed, and the
+still outstanding (a server in `unanswered`, a new actor that answered none yet, gets the first-step
+limit): a server whose call is outstanding for the hang limit is killed, and the
 supervisor rolls back as for a dead server, reading `hung_servers` (since when, and why) to book
 and report.
 """
@@ -35,6 +36,7 @@ class Watchdog:
         self._probes: dict[int, object] = {}  # worker -> its outstanding probe
         self._hangs: dict[int, tuple[float, str]] = {}  # worker killed as hung -> (silent since, why)
         self.hung_servers: dict[int, tuple[float, str]] = {}  # server killed as hung -> (silent since, why)
+        self.unanswered: set[int] = set()  # servers whose new actor has answered no progress call yet
 
     def poll(self, workers: list, servers_asked_at: float) -> None:
         """`servers_asked_at`: when the oldest of the supervisor's outstanding progress calls was sent."""
@@ -46,7 +48,7 @@ class Watchdog:
                     self.watch.probe_answered(w)
         for w in self.watch.to_probe():
             self._probes[w] = workers[w].pid.remote()
-        if self.watch.clock() - servers_asked_at >= SERVER_SLOW_S:
+        if self.watch.clock() - servers_asked_at >= min(SERVER_SLOW_S, self.watch.steady_s() / 2):
             return  # every worker waits on a server that does not answer: the server is to blame, at its limit
         for w, why in self.watch.hung_workers():
             log.warning("%s: killing it; it is replaced as a dead worker is", why)
@@ -58,7 +60,7 @@ class Watchdog:
     def server_hung(self, k: int, server, asked_at: float) -> bool:
         """Kill server `k` (its handle `server`) when its progress call, outstanding since `asked_at`,
         is past the hang limit; whether it did."""
-        why = self.watch.server_hung(asked_at)
+        why = self.watch.server_hung(asked_at, started=k in self.unanswered)
         if why is None:
             return False
         log.warning("server %d %s: killing it", k, why)
@@ -71,7 +73,7 @@ class Watchdog:
         return self._hangs.pop(w, None)
 
     def forget(self) -> None:
-        """A segment stopped (a rollback): its probes and kills are settled."""
+        """A segment starts, or stopped (a rollback): the probes and kills before are settled."""
         self._probes.clear()
         self._hangs.clear()
         self.hung_servers.clear()

@@ -88,14 +88,18 @@ def io_timeouts(spec: JobSpec) -> tuple[tuple[float, str], tuple[float, str]]:
     """(seconds, what set them) of every server's write of a save and load of a restore: the collective
     restore's limit (orchestrator.controller.timeouts.restore_timeout_s: `elastic.restore_timeout_s`, auto
     120 s + checkpoint.read_retry_s + 3 x the checkpoint's bytes at 100 MB/s per server), and for a
-    save the same without the read retries. The bytes: the parameters and their optimizer state, fp32."""
+    save the same without the read retries, or the user's number. The bytes: the parameters and their
+    optimizer state, fp32."""
     params = sum(p.numel() for p in meta_model(spec.model).parameters())
     nbytes = 4 * params * (1 + len(optimizer_fields(spec.train.optimizer, spec.train.betas)))
     servers = spec.parallel.servers
-    save = BUILD_S + READ_FACTOR * nbytes / (ASSUMED_READ_BPS_PER_RANK * servers)
     restore = restore_timeout_s(spec.elastic, servers, nbytes, None, 0.0, spec.checkpoint.read_retry_s)
+    if isinstance(spec.elastic.restore_timeout_s, float | int):  # the user's number: a save gets as long
+        return (restore, "elastic.restore_timeout_s"), (restore, "elastic.restore_timeout_s")
+    save = BUILD_S + READ_FACTOR * nbytes / (ASSUMED_READ_BPS_PER_RANK * servers)
     return ((save, f"a ps save's limit, {BUILD_S:g} s + {READ_FACTOR:g} x its {nbytes / 1e6:.0f} MB at "
-                   f"{ASSUMED_READ_BPS_PER_RANK / 1e6:.0f} MB/s per server"), (restore, "elastic.restore_timeout_s"))
+                   f"{ASSUMED_READ_BPS_PER_RANK / 1e6:.0f} MB/s per server; elastic.restore_timeout_s sets it"),
+            (restore, "elastic.restore_timeout_s"))
 
 
 def hang_limits(spec: JobSpec) -> HangLimits:

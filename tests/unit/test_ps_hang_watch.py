@@ -90,7 +90,7 @@ def test_a_live_worker_may_wait_out_a_data_outage_but_a_stopped_one_fails_its_pr
     assert [w for w, _ in watch.hung_workers()] == [1]
     clock.now += 0.1  # past the outage allowance too: alive, but no step comes
     assert [w for w, _ in watch.hung_workers()] == [0, 1]
-    assert "answers but made no step" in dict(watch.hung_workers())[0]
+    assert "and answers, but made no step" in dict(watch.hung_workers())[0]
 
 
 def test_a_server_is_hung_when_its_progress_call_is_unanswered_for_the_steady_limit():
@@ -100,6 +100,27 @@ def test_a_server_is_hung_when_its_progress_call_is_unanswered_for_the_steady_li
     assert watch.server_hung(asked) is None
     clock.now += 0.1
     assert watch.server_hung(asked) == "did not answer a progress call for 10.0 s (elastic.hang_timeout_s 10.0 s)"
+    assert watch.server_hung(asked, started=True) is None  # a new actor building its shard: the first-step limit
+    clock.now += 110.0
+    assert watch.server_hung(asked, started=True).endswith("(elastic.first_step_timeout_s 120.0 s)")
+
+
+def test_a_steady_straggler_is_slow_not_hung():
+    watch, clock = _watch(workers=3)
+    for step in range(40):  # asp: workers 0 and 1 step every second, worker 2 every 12 s
+        clock.now += 1.0
+        for w in (0, 1):
+            watch.landed(w, step, clock.now)
+        if step % 12 == 11:
+            watch.landed(2, step // 12, clock.now)
+    assert watch.median_step_s() == 1.0 and watch.median_step_s(2) == 12.0
+    assert watch.limit(2) == (60.0, "elastic.hang_timeout_s") and watch.limit(0)[0] == 10.0
+    clock.now += 55.0
+    assert watch.suspects() == []  # worker 2 is the lowest, 59 s after its last step: within its own 60 s
+    clock.now += 1.0
+    assert watch.suspects() == [2]
+    (_, why), = watch.hung_workers()
+    assert why.endswith("(elastic.hang_timeout_s 60.0 s)")  # no probe awaited: no word of one
 
 
 def test_an_explicit_limit_replaces_the_derived_one():
@@ -197,8 +218,8 @@ def test_the_restore_and_save_limits_and_the_elastic_fields_ps_mode_does_not_rea
     (save, why), (restore, setting) = io_timeouts(validate_spec(_spec()))
     assert setting == "elastic.restore_timeout_s" and restore == pytest.approx(save + 120.0)  # + read_retry_s
     assert 120.0 < save < 121.0 and why.startswith("a ps save's limit, 120 s + 3 x its")
-    (_, _), (restore, _) = io_timeouts(validate_spec(_spec(elastic={"restore_timeout_s": 900})))
-    assert restore == 900.0
+    assert io_timeouts(validate_spec(_spec(elastic={"restore_timeout_s": 900}))) == (
+        (900.0, "elastic.restore_timeout_s"), (900.0, "elastic.restore_timeout_s"))
     read = {"max_restarts": 4, "restart_window_s": 600, "crash_loop_limit": 5, "hang_timeout_s": 30,
             "first_step_timeout_s": 300, "restore_timeout_s": 900, "preemption_grace_s": 20, "spares": 0}
     validate_spec(_spec(elastic=read))

@@ -115,7 +115,8 @@ def test_a_worker_whose_replacements_keep_dying_fails_the_job_instead_of_replaci
         return stream
 
     monkeypatch.setattr(world, "start_worker", start)
-    with pytest.raises(RestartsSpent, match=r"rolled back 3 times in a row \(elastic.crash_loop_limit=3\)") as failed:
+    loop = r"rolled back 3 times in a row for the same reason \(elastic.crash_loop_limit=3\)"
+    with pytest.raises(RestartsSpent, match=loop) as failed:
         _run(world, [Fault("worker", 1, 5)])
     assert "worker 1 was replaced 3 times and died before a step" in str(failed.value)
     assert "out of memory" in str(failed.value) and started[1] == 1 + 3 + 3  # then one per rollback
@@ -565,12 +566,21 @@ def test_the_restart_window_forgets_old_repairs():
     whole_run.repair(0.0, "a")
     with pytest.raises(RestartsSpent, match=r"^1 repairs used \(elastic.max_restarts=1\); not repaired: b$"):
         whole_run.repair(1e9, "b")
+    from paramserver.recovery import Failure
+
+    def failure(reason: str, injected: float | None = None) -> Failure:
+        return Failure("server", 0, 0.0, "restored", injected, resumed_at=4, reason=reason)
+
     loop = RestartBudget(crash_loop_limit=2)
-    loop.rolled_back(4, "server 0 died")
+    loop.rolled_back(4, failure("server 0 did not answer a progress call for 10.3 s"))
     loop.segment_done()  # a finished segment ends the run of rollbacks
-    loop.rolled_back(8, "server 0 died")
-    with pytest.raises(RestartsSpent, match="crash loop: the segment from step 8 was rolled back 2 times"):
-        loop.rolled_back(8, "server 0 died")
+    loop.rolled_back(8, failure("server 0 did not answer a progress call for 10.1 s"))
+    loop.rolled_back(8, failure("a worker's run failed: OSError"))  # another reason: a run of one again
+    loop.rolled_back(8, failure("server 1 died", injected=5.0))  # injected: never a crash loop
+    loop.rolled_back(8, failure("server 1 died", injected=6.0))
+    with pytest.raises(RestartsSpent, match="crash loop: the segment from step 8 was rolled back 2 times in a row "
+                                            r"for the same reason \(elastic.crash_loop_limit=2\)"):
+        loop.rolled_back(8, failure("a worker's run failed: OSError"))
 
 
 @pytest.mark.parametrize("max_restarts", [10, 1])
@@ -600,3 +610,24 @@ def test_a_server_that_does_not_finish_its_load_in_time_is_replaced_and_the_rest
     supervisor.run()
     assert supervisor.logs.losses() == expected and _applied_once(supervisor)
     assert timed_out[0].dead and supervisor.servers[1] is not timed_out[0]  # replaced, then restored
+
+
+def test_a_server_that_stops_between_segments_rolls_back_at_the_save_instead_of_hanging_it(world, expected,
+                                                                                          monkeypatch):
+    original, stopped = FakeWorker.advance, []
+
+    def stopping(self, now):  # server 0 stops once every worker pushed step 3, the segment's last
+        original(self, now)
+        if all(w.next == 4 for w in world.workers) and not stopped:
+            stopped.append(world.workers[0].servers[0])
+            stopped[0].sigstopped = True
+
+    monkeypatch.setattr(FakeWorker, "advance", stopping)
+    actors = sup.Actors(lambda k: FakeServer(world, k), world.start_worker)
+    checkpoints = sup.Checkpoints("fake://ckpt", 4, job=None, save_timeout=(60.0, "elastic.restore_timeout_s"))
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints)
+    supervisor.run()
+    [failure] = supervisor.failures
+    assert failure.reason == "a server did not answer before the checkpoint save"
+    assert (failure.kind, failure.target, failure.resumed_at, failure.from_checkpoint) == ("server", 0, 0, False)
+    assert supervisor.logs.losses() == expected and supervisor.saved == [4, 8]
