@@ -110,6 +110,7 @@ class Supervisor:
     def run(self) -> None:
         for answer in ray.get([s.progress.remote() for s in self.servers]):
             self.pids.note("server", answer.server, answer.pid)
+            self.watchdog.unanswered.discard(answer.server)
         for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
             self.pids.note("worker", w, pid)
         step = self.start_step = restores.resume(self)
