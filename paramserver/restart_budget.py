@@ -5,8 +5,8 @@ within `elastic.restart_window_s`, and fails a crash loop at once (the same fail
 `elastic.crash_loop_limit` times in a row: orchestrator.controller.policies.FailurePolicy). The PS
 supervisor repairs differently (a worker replaced alone, or every server rolled back to the last
 commit) but a job that keeps failing must still end, with the budget named: here a repair is one
-replacement or one rollback, and a crash loop is the same segment rolled back `crash_loop_limit`
-times in a row for the same reason, its numbers aside (its reruns fail the same way: a worker that
+replacement or one rollback, and a crash loop is `crash_loop_limit` rollbacks in a row at the
+same step for the same reason, its numbers aside (its reruns fail the same way: a worker that
 cannot start, a store that refuses). As in a collective job, injected faults are never a crash loop:
 a chaos run's kills spend `max_restarts`.
 
@@ -53,7 +53,9 @@ class RestartBudget:
     def rolled_back(self, step: int, failure: Failure) -> None:
         if failure.injected_at is not None:
             return
-        key = (step, _NUMBER.sub("#", failure.reason))  # a hang's "for 10.3 s" differs at every repeat
+        # Where it failed (the rollback's step and the steps it threw away) and why, numbers aside: a
+        # hang's "for 10.3 s" differs at every repeat.
+        key = (step + failure.steps_redone, _NUMBER.sub("#", failure.reason))
         self._in_a_row, self._last = (self._in_a_row + 1 if key == self._last else 1), key
         if self._in_a_row >= self.crash_loop_limit:
             raise RestartsSpent(f"crash loop: the segment from step {step} was rolled back {self._in_a_row} times "
