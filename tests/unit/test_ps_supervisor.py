@@ -119,8 +119,8 @@ def test_a_worker_whose_replacements_keep_dying_fails_the_job_instead_of_replaci
     with pytest.raises(RestartsSpent, match=loop) as failed:
         _run(world, [Fault("worker", 1, 5)])
     assert "worker 1 was replaced 3 times and died before a step" in str(failed.value)
-    # Then one per rollback: the first threw away more steps than the three in a row after it (the
-    # original worker 1 had run further), so it failed at another step and starts no crash loop.
+    # Then one per rollback: the first threw away more steps than the three in a row after it (worker 0
+    # had run step 5 beside the original worker 1's step 4), so it failed at another step: no loop yet.
     assert "out of memory" in str(failed.value) and started[1] == 1 + 3 + 4
 
 
