@@ -9,14 +9,17 @@ as streams of step logs, `ray.kill`, and a clock that moves one poll per `ray.wa
 from __future__ import annotations
 
 import copy
+import functools
 import types
-from collections import deque
+from collections import Counter, deque
 
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from monitor.goodput import GoodputLedger
 from paramserver import supervisor as sup
 from paramserver.actors import Progress, ServerStats, StepLog
-from paramserver.lockstep import build_in_process
+from paramserver.lockstep import build_in_process, run_lockstep
 from paramserver.shard import ShardServer
 from paramserver.update_history import RecordOutbox
 from paramserver.worker import PSWorker
@@ -275,3 +278,51 @@ class World:
     def restore(self, servers, root, step, *, storage_options=None, clock=None, read_retry_s=None, timeout=None):
         for server in servers:
             server.shard = copy.deepcopy(self.commits[step][server.shard.index])
+
+
+# ---- what the supervisor's tests share (tests/unit/test_ps_supervisor*.py) ----
+
+
+def fake_ray(monkeypatch) -> World:
+    """A World, with the supervisor's modules' Ray, clock and checkpoint calls pointed at it."""
+    torch.set_num_threads(1)
+    fake = World()
+    ray = types.SimpleNamespace(get=fake.get, wait=fake.wait, kill=fake.kill)
+    for module in ("paramserver.supervisor", "paramserver.streams", "paramserver.moves",
+                   "paramserver.update_history", "paramserver.watchdog", "paramserver.restores"):
+        monkeypatch.setattr(f"{module}.ray", ray)
+    monkeypatch.setattr(sup, "time", types.SimpleNamespace(time=lambda: fake.now))
+    monkeypatch.setattr("paramserver.restores.time", sup.time)
+    monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", fake.save)
+    monkeypatch.setattr(sup.checkpoint, "latest_committed_step", fake.latest)
+    monkeypatch.setattr(sup.checkpoint, "restore_servers", fake.restore)
+    return fake
+
+
+@functools.cache
+def reference_losses() -> list[float]:
+    """The failure-free run's losses, computed in one process."""
+    torch.set_num_threads(1)  # as every fake actor computes (the actors set it too)
+    losses, _ = run_lockstep(build_in_process(MODEL, DATA, TRAIN, PAR, PIECES), TRAIN.steps)
+    return losses
+
+
+def run_supervisor(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None,
+                   start_server=None, on_stats=None, hang=None, budget=None):
+    """A Supervisor over `world` run to the end: (supervisor, losses, goodput ledger)."""
+    actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
+    checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
+                                  draining=draining) if every else None
+    ledger = GoodputLedger(clock=lambda: world.now)
+    supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
+                                faults=list(faults), ledger=ledger, on_stats=on_stats, hang=hang, budget=budget)
+    supervisor.run()
+    ledger.stop()
+    return supervisor, supervisor.logs.losses(), ledger
+
+
+def applied_once(supervisor) -> bool:
+    """Every (server, worker, step) applied exactly once in the records the driver took."""
+    applied = Counter((r.server, r.worker, r.step) for r in supervisor.history.kept)
+    return applied == Counter({(k, w, s): 1 for k in range(PAR.servers) for w in range(PAR.dp)
+                               for s in range(TRAIN.steps)})

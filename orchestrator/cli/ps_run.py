@@ -102,6 +102,12 @@ def io_timeouts(spec: JobSpec) -> tuple[tuple[float, str], tuple[float, str]]:
             (restore, "elastic.restore_timeout_s"))
 
 
+def restart_budget(spec: JobSpec) -> RestartBudget:
+    """The repairs the job may make (paramserver.restart_budget), from the elastic section."""
+    elastic = spec.elastic
+    return RestartBudget(elastic.max_restarts, elastic.restart_window_s, elastic.crash_loop_limit)
+
+
 def hang_limits(spec: JobSpec) -> HangLimits:
     """The PS hang watchdog's limits (paramserver.hang_watch) from `elastic.hang_timeout_s` and
     `elastic.first_step_timeout_s`, derived as a collective job's (orchestrator.controller.timeouts),
@@ -178,10 +184,9 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     from paramserver.job import run_ps
 
     par = spec.parallel
-    ledger, started_at = GoodputLedger(), time.time()  # start-up from here: Ray, the actors
+    ledger, started_at, hang = GoodputLedger(), time.time(), hang_limits(spec)  # start-up from here: Ray, the actors
     metrics = JobMetrics(spec.name)
-    elastic = spec.elastic
-    preemption = Preemption(elastic.preemption_grace_s)
+    preemption = Preemption(spec.elastic.preemption_grace_s)
 
     def on_commit(commit) -> None:
         # A PS save blocks every worker until it commits: its whole time is what it cost training.
@@ -202,7 +207,6 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         port = serve_metrics(metrics, spec)
         if port is None or not took_over(spec):  # the last refusal before training
             return EXIT_USAGE
-        hang = hang_limits(spec)
         print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
               f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
               f"{checkpoints.every_steps} steps at {checkpoints.root}; {hang.describe()}", flush=True)
@@ -210,9 +214,8 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp), hang=hang,
-                            budget=RestartBudget(elastic.max_restarts, elastic.restart_window_s,
-                                                 elastic.crash_loop_limit))
+                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp),
+                            hang=hang, budget=restart_budget(spec))
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)
