@@ -272,6 +272,12 @@ class DataConfig(_Strict):
             raise ValueError(f"data.mixture needs source 'tokens', got source {self.source!r}")
         return self
 
+    def token_parts(self) -> list[tuple[MixturePart, str]]:
+        """Source tokens' datasets, each with its field for errors (data.path, data.mixture[i].path)."""
+        if self.mixture:
+            return [(part, f"data.mixture[{i}].path") for i, part in enumerate(self.mixture)]
+        return [(MixturePart(path=self.path, weight=1.0), "data.path")]
+
 
 class EvalConfig(_Strict):
     """Validation loss during training on a held-out prepared dataset (trainer/evaluation.py gives

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from trainer.batch import Batch, SampleDigest, collate, microbatches_per_rank, owned_indices
-from trainer.config import DataConfig, MixturePart
+from trainer.config import DataConfig
 from trainer.prefetch import ReadAheadCursor
 from trainer.seeding import derive_seed, generator
 
@@ -194,9 +194,8 @@ def make_cursor(cfg: DataConfig, vocab_size: int, read_retry=None):
     if read_retry is not None:  # a read retried on a failing store gives up once the cursor is closed
         read_retry = dataclasses.replace(read_retry, interrupt=functools.partial(_stop_once, closed,
                                                                                  read_retry.interrupt))
-    parts = cfg.mixture or [MixturePart(path=cfg.path, weight=1.0)]
+    parts, fields = zip(*cfg.token_parts(), strict=True)
     datasets = [TokenDataset(part.path, cfg.storage_options, retry=read_retry) for part in parts]
-    fields = [f"data.mixture[{i}].path" for i in range(len(parts))] if cfg.mixture else ["data.path"]
     for field, part, ds in zip(fields, parts, datasets, strict=True):
         if ds.vocab_size > vocab_size:
             raise ValueError(f"{field}={part.path!r} was tokenized with a vocabulary of {ds.vocab_size}, larger "

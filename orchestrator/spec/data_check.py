@@ -103,9 +103,8 @@ def data_problems(spec: JobSpec) -> list[Problem]:
     data, model = spec.data, spec.model
     opened: list[tuple[str, TokenDataset]] = []  # (field, dataset) of every dataset read
     if data.source == "tokens":
-        parts = [(data.path, "data.path")] if data.path else [
-            (part.path, f"data.mixture[{i}].path") for i, part in enumerate(data.mixture)]
-        for url, field in parts:
+        for part, field in data.token_parts():
+            url = part.path
             ds = _dataset(url, data.storage_options, field, problems)
             if ds is None:
                 continue
