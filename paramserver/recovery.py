@@ -62,6 +62,11 @@ class Fault:
     def hang(self) -> bool:
         return self.kind.endswith("_hang")
 
+    @property
+    def actor(self) -> str:
+        """What it acts on: "worker" or "server"."""
+        return "worker" if self.kind in WORKER_FAULTS else "server"
+
 
 class FaultPlan:
     """The job's injected faults; each fires once (a rolled-back segment that passes its step
@@ -82,7 +87,7 @@ class FaultPlan:
         """(server, worker, step): the pulls to hold for this segment's faults."""
         out = []
         for _, fault in self.pending(start, end):
-            if fault.kind in WORKER_FAULTS:
+            if fault.actor == "worker":
                 out.append((0, fault.target, fault.at_step))
             else:
                 out += [(fault.target, w, fault.at_step) for w in range(workers)]
@@ -92,8 +97,8 @@ class FaultPlan:
         """Ids of the faults due now that `server` holds the pulls `held` [(worker, step)]."""
         waiting = set(held)
         return [i for i, f in self.pending(start, end)
-                if (f.kind in WORKER_FAULTS and server == 0 and (f.target, f.at_step) in waiting)
-                or (f.kind in SERVER_FAULTS and server == f.target and all((w, f.at_step) in waiting
+                if (f.actor == "worker" and server == 0 and (f.target, f.at_step) in waiting)
+                or (f.actor == "server" and server == f.target and all((w, f.at_step) in waiting
                                                                        for w in range(workers)))]
 
     def fire(self, fault_id: int) -> Fault:

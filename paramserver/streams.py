@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from paramserver.actors import StepLog
-from paramserver.recovery import WORKER_FAULTS, Fault, FaultPlan
+from paramserver.recovery import Fault, FaultPlan
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def fire_held(plan: FaultPlan, servers: list, workers: list, asked: dict[int, ob
     for k, held in held_pulls(servers, asked, armed).items():
         for fault_id in plan.due(k, held, start, end, len(workers)):
             fault = plan.fire(fault_id)
-            actor = (workers if fault.kind in WORKER_FAULTS else servers)[fault.target]
+            actor = (workers if fault.actor == "worker" else servers)[fault.target]
             if fault.hang:
                 actor.hang.remote()
             else:

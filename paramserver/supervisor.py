@@ -48,7 +48,6 @@ from paramserver.hang_watch import HangLimits
 from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.moves import Moves, signal_cut
 from paramserver.recovery import (
-    WORKER_FAULTS,
     Failure,
     Fault,
     FaultPlan,
@@ -318,7 +317,7 @@ class Supervisor:
     def _fire(self, start: int, end: int) -> set[int]:
         """Fire the faults whose pulls are held now; the servers killed (a stopped actor is the watchdog's)."""
         now, fired = time.time(), fire_held(self.plan, self.servers, self.workers, self.held_calls, start, end)
-        self._kills.update({("worker" if f.kind in WORKER_FAULTS else "server", f.target): now for f in fired})
+        self._kills.update({(f.actor, f.target): now for f in fired})
         return {f.target for f in fired if f.kind == "server"}
 
     # ---- a rollback ----
