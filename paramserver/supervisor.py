@@ -201,9 +201,10 @@ class Supervisor:
             # A hung worker is killed (its stream ends next poll, and it is replaced); none is blamed
             # while a server is slow to answer (its silence may be that server's).
             self.watchdog.poll(self.workers, min(asked_at for _, asked_at in progress.values()))
-            if time.time() >= stats_due:
+            self.history.answered()
+            if time.time() >= stats_due:  # asked without waiting: a stopped server must not hold this loop
                 stats_due = time.time() + self.stats_every_s
-                self.history.poll(self.servers)
+                self.history.ask(self.servers)
         return None
 
     def new_server(self, k: int):

@@ -10,8 +10,10 @@ records the driver has not yet acknowledged (`RecordOutbox`), and the driver kee
 Protocol. The server actor (paramserver.actors.ServerActor) hands `RecordOutbox.take(acked,
 shard.records)` its shard's new records at each `stats(acked)` call and answers with every
 record not yet acknowledged and the newest batch number; `drop_from(step)` at its `reopen` after
-a restore. The supervisor (paramserver.supervisor) owns one `UpdateHistory`: `poll(servers)` for
-the metrics (None when a server did not answer: its batch waits for the next call, nothing is
+a restore. The supervisor (paramserver.supervisor) owns one `UpdateHistory`: during a segment
+`ask(servers)` at each metrics poll and `answered()` at each turn of its loop, which never wait
+(a stopped server must not hold the loop that finds it hung); `poll(servers)` for the metrics
+outside one (None when a server did not answer: its batch waits for the next call, nothing is
 lost), `drain(servers)` before each save (every record of the steps before the cut, so that a
 server lost after the commit loses none; a dead server raises, as the save would), `rewind(step)`
 after a rollback's restore (the updates of `step` and later were undone), `committed(step)` after
@@ -22,6 +24,7 @@ rollback undid before any answer carried it is never seen.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -72,6 +75,31 @@ class UpdateHistory:
         self.last: dict[int, object] = {}  # server index -> its newest ServerStats (version, bytes)
         self._acked: dict[object, int] = {}  # server actor handle -> the newest batch taken from it
         self._fold_at = keep  # the next fold is tried past this many kept records
+        self._asked: tuple[list, list, float] | None = None  # an outstanding ask: servers, calls, when
+
+    def ask(self, servers: list) -> None:
+        """Ask every server for its new records without waiting, unless an ask is outstanding."""
+        if self._asked is None:
+            calls = [s.stats.remote(self._acked.get(s, 0)) for s in servers]
+            self._asked = (list(servers), calls, time.monotonic())
+
+    def answered(self, timeout_s: float = POLL_TIMEOUT_S) -> list | None:
+        """The outstanding ask's answers, taken, once every server's has arrived; None until then (it
+        never waits). An ask a server failed, or one unanswered for `timeout_s` (a dead or stopped
+        server: the progress polls find it), is dropped: its records wait in the servers' outboxes."""
+        if self._asked is None:
+            return None
+        servers, calls, asked_at = self._asked
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+        if len(ready) < len(calls):
+            if time.monotonic() - asked_at >= timeout_s:
+                self._asked = None
+            return None
+        self._asked = None
+        try:
+            return self._take(servers, ray.get(calls))
+        except RayActorError:
+            return None
 
     def poll(self, servers: list, timeout_s: float = POLL_TIMEOUT_S) -> list | None:
         """Take every server's new records; None (nothing taken) when one is dead or slow."""
@@ -82,7 +110,12 @@ class UpdateHistory:
 
     def drain(self, servers: list, timeout_s: float | None = None) -> list:
         """Take every server's new records; RayActorError when a server is dead."""
-        answers = ray.get([s.stats.remote(self._acked.get(s, 0)) for s in servers], timeout=timeout_s)
+        # An outstanding ask is dropped: its records are in these answers too (none is acknowledged).
+        self._asked = None
+        return self._take(servers, ray.get([s.stats.remote(self._acked.get(s, 0)) for s in servers],
+                                           timeout=timeout_s))
+
+    def _take(self, servers: list, answers: list) -> list:
         # Keyed by the handle (Ray's hash it by actor id): a replaced server's new actor counts from 0.
         self._acked = {server: stats.batch for server, stats in zip(servers, answers, strict=True)}
         for stats in answers:
@@ -96,6 +129,7 @@ class UpdateHistory:
 
     def rewind(self, step: int) -> None:
         """Forget the updates of `step` and later (a restore to `step` undid them)."""
+        self._asked = None  # its answers may carry undone updates
         self.kept = [r for r in self.kept if r.step < step]
         if step == 0:
             self.folded.clear()

@@ -248,6 +248,7 @@ class World:
     def get(self, refs, timeout=None):
         if isinstance(refs, list):
             if not all(r.ready() for r in refs):
+                self.now += timeout or 0.0  # Ray waits out the timeout (none here: it would wait for ever)
                 raise GetTimeoutError("a call is not answered")
             return [self.get(r) for r in refs]
         if refs.error is not None:

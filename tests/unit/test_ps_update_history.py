@@ -21,10 +21,12 @@ def _records(server: int, steps: range, staleness: int = 0) -> list[UpdateRecord
 
 
 class FakeServer:
-    """A server actor's `stats` as ServerActor answers it, over an outbox; `lost` drops its next answer."""
+    """A server actor's `stats` as ServerActor answers it, over an outbox; `lost` drops its next answer,
+    `stopped` keeps its answers from arriving (SIGSTOP) until `answer_late()`."""
 
     def __init__(self, index: int):
         self.index, self.new, self.outbox, self.dead, self.lost = index, [], RecordOutbox(), False, False
+        self.stopped, self.late = False, []
         self.stats = types.SimpleNamespace(remote=self._stats)
         self.calls: list[int] = []
 
@@ -32,6 +34,9 @@ class FakeServer:
         self.calls.append(acked)
         if self.dead:
             return RayActorError()
+        if self.stopped:
+            self.late.append(Late(self, acked))
+            return self.late[-1]
         new, self.new = self.new, []
         answer = ServerStats(self.index, 0, 0, 0, self.outbox.take(acked, new), self.outbox.batch)
         if self.lost:
@@ -40,14 +45,38 @@ class FakeServer:
         return answer
 
 
+class Late:
+    """A call a stopped server has not run: it runs, and its answer arrives, at `answer_late()`."""
+
+    def __init__(self, server: FakeServer, acked: int):
+        self.server, self.acked, self.answer = server, acked, None
+
+
+def answer_late(server: FakeServer) -> None:
+    server.stopped = False
+    for call in server.late:
+        call.answer = server._stats(call.acked)
+
+
+def _arrived(call) -> bool:
+    return not isinstance(call, Late) or call.answer is not None
+
+
 @pytest.fixture(autouse=True)
 def fake_ray(monkeypatch):
     def get(answers, timeout=None):
+        if not all(_arrived(a) for a in answers):
+            raise GetTimeoutError()
+        answers = [a.answer if isinstance(a, Late) else a for a in answers]
         for answer in answers:
             if isinstance(answer, Exception):
                 raise answer
         return answers
-    monkeypatch.setattr(update_history, "ray", types.SimpleNamespace(get=get))
+
+    def wait(calls, num_returns=1, timeout=None):
+        assert timeout == 0, "the segment's metrics poll never waits"
+        return [c for c in calls if _arrived(c)], [c for c in calls if not _arrived(c)]
+    monkeypatch.setattr(update_history, "ray", types.SimpleNamespace(get=get, wait=wait))
 
 
 def test_each_record_reaches_the_driver_once_and_the_server_keeps_only_the_unacknowledged():
@@ -106,3 +135,42 @@ def test_without_checkpoints_any_record_folds_and_a_restart_from_step_0_forgets_
     assert "undid updates already counted" in caplog.text and history.updates == 11
     history.rewind(0)
     assert history.updates == 0 and history.staleness_histogram() == {}
+
+
+def test_a_stopped_server_holds_no_poll_and_its_records_arrive_once_whatever_answers_late(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(update_history, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    servers, seen = [FakeServer(0), FakeServer(1)], []
+    history = UpdateHistory(on_stats=lambda stats: seen.append(sum(len(s.records) for s in stats)))
+    servers[0].new, servers[1].new = _records(0, range(0, 2)), _records(1, range(0, 2))
+    history.ask(servers)
+    assert history.answered() is not None and seen == [8]
+    servers[0].new, servers[1].new = _records(0, range(2, 3)), _records(1, range(2, 3))
+    servers[1].stopped = True
+    history.ask(servers)
+    assert history.answered() is None  # server 1 has not answered: nothing taken, nothing waited for
+    history.ask(servers)  # one ask at a time: no second call while the first is out
+    assert servers[0].calls == [0, 1]
+    now[0] = update_history.POLL_TIMEOUT_S
+    assert history.answered() is None and history._asked is None  # dropped: the next ask asks again
+    answer_late(servers[1])  # the dropped ask's call ran at last; its answer is never read
+    history.ask(servers)
+    assert history.answered() is not None
+    servers[0].new = _records(0, range(3, 4))
+    history.ask(servers)
+    history.drain(servers)  # before a save: takes what the outstanding ask would have carried
+    assert history.answered() is None  # dropped by the drain, not taken twice
+    steps = sorted((r.server, r.worker, r.step) for r in history.kept)
+    assert steps == sorted({(k, w, s) for k in range(2) for w in range(2) for s in range(4 if k == 0 else 3)})
+    assert seen == [8, 4, 2]
+
+
+def test_a_rollback_drops_an_outstanding_ask_whose_answers_carry_undone_updates():
+    server, history = FakeServer(0), UpdateHistory()
+    server.new = _records(0, range(0, 4))
+    history.ask([server])
+    server.outbox.drop_from(2)  # the call ran before the restore; its answer is read after the rewind
+    history.rewind(2)
+    assert history.answered() is None and history.kept == []
+    history.poll([server])
+    assert sorted({r.step for r in history.kept}) == [0, 1]
