@@ -33,7 +33,7 @@ class Checkpoints:
     every_steps: int | None
     job: checkpoint.PSJob
     storage_options: dict | None = None
-    max_failed_saves: int = 3  # checkpoint.max_failed_saves (paramserver.save_streak)
+    max_failed_saves: int = 3  # checkpoint.max_failed_saves (ckpt.failed_saves)
     read_retry_s: float = DEFAULT_READ_RETRY_S  # checkpoint.read_retry_s: a restore's transient read failures
     # (seconds, the spec field that gave them): how long every server's write of a save, and its
     # load of a restore, may take (paramserver.checkpoint.ServersTimedOut); None: no limit.

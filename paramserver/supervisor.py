@@ -39,6 +39,7 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from ckpt.failed_saves import FailedSaves
 from ckpt.ownership import OwnershipLost
 from paramserver import checkpoint, restores
 from paramserver import recovery as book  # the goodput buckets
@@ -58,7 +59,6 @@ from paramserver.recovery import (
     segment_end,
 )
 from paramserver.restart_budget import RestartBudget
-from paramserver.save_streak import SaveStreak
 from paramserver.shard import NotAtCut
 from paramserver.step_logs import StepLogs
 from paramserver.streams import actor_died, arm_holds, brief, dead_servers, drop_holds, fire_held, stop_all, take
@@ -90,7 +90,7 @@ class Supervisor:
         # (worker, step) -> the surviving execution's log, the oldest folded past step_logs.KEEP
         self.logs = StepLogs(workers, foldable_below=0 if checkpoints else math.inf)
         self.failures, self.saved = [], []  # what failed (Failure); the checkpoint steps this run committed
-        self.save_streak = SaveStreak(checkpoints.max_failed_saves if checkpoints else 1)
+        self.save_streak = FailedSaves(checkpoints.max_failed_saves if checkpoints else 1)
         self.skipped: set[int] = set()  # commits a server could not read, kept: never restored, nor saved over
         self.pids = ActorPids()  # every actor process this job started, by label; the live one of each
         self.start_step, self.redone = 0, 0  # the step resumed from; step executions thrown away by rollbacks
@@ -165,7 +165,10 @@ class Supervisor:
                    brief(err))
             return self._rollback(start, {}, set(), why, self._productive_at_start)
         except checkpoint.PSCheckpointError as err:  # the job goes on (a rollback goes to an older commit)
-            self.save_streak.failed(end, end == self.steps, err)  # unless the final save or too many in a row
+            # Training goes on, unless it was the final save or too many failed in a row (SavesFailing).
+            count = self.save_streak.failed(end, err, final=end == self.steps)
+            log.warning("checkpoint step %d was not committed (%s); training goes on and the next save commits (%s)",
+                        end, err, count)
         return None
 
     def last_commit(self) -> int | None:

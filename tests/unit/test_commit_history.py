@@ -167,7 +167,7 @@ def test_the_controller_hands_the_steps_its_restore_skipped_to_the_committer(tmp
     checkpoints.begin(_Plans(), 1, 100)
     assert checkpoints.committer.left_behind == {200}
     assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
-    assert catalog.committed_steps() == [100, 200] and checkpoints.failures.steps == []
+    assert catalog.committed_steps() == [100, 200] and checkpoints.failures.run.steps == []
     assert "checkpoint step 200 is not committed: step 200 is committed already" in lines[-1]
 
 

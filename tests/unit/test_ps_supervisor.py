@@ -17,10 +17,10 @@ from collections import Counter
 import pytest
 from ray.exceptions import GetTimeoutError
 
+from ckpt.failed_saves import SavesFailing
 from paramserver import supervisor as sup
 from paramserver.recovery import Fault
 from paramserver.restart_budget import RestartsSpent
-from paramserver.save_streak import SavesFailing
 from tests._ps_fake import PAR, TRAIN, Died, FakeServer, FakeWorker, Method, World, fake_ray, reference_losses
 from tests._ps_fake import applied_once as _applied_once
 from tests._ps_fake import run_supervisor as _run
