@@ -66,31 +66,35 @@ def _file_names(count: int) -> list[str]:
 
 
 def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha256: str | None) -> list[str]:
-    """Copy the tokenizer files found at `tokenizer_url` (a tokenizer.json or a directory holding one),
-    read with `storage_options`; ValueError when tokenizer.json is missing, or when `sha256` (the one
-    the job trained with, as the checkpoint records it) is given and the file is another."""
-    base = tokenizer_url[: -len("tokenizer.json")] if tokenizer_url.endswith("tokenizer.json") else tokenizer_url
-    base = base.rstrip("/")
-    copied = []
-    for name in TOKENIZER_FILES:
-        try:  # reaching the store: its protocol, the options, the credentials
-            fs, path = fsspec.core.url_to_fs(f"{base}/{name}", **storage_options)
-            present = fs.exists(path)
-        except Exception as err:  # noqa: BLE001 (the store's client, whatever it raises for these)
-            raise ValueError(f"the tokenizer at {base} cannot be reached with the storage options given "
-                             f"({type(err).__name__}: {err}); pass --tokenizer with a copy they reach") from None
-        if present:  # a read or a local write failing now is the store's or the disk's, raised as it is
-            with fs.open(path, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            copied.append(name)
-    if "tokenizer.json" not in copied:
-        raise ValueError(f"no tokenizer.json at {base}; pass --tokenizer with the tokenizer the job trained with")
+    """Copy the tokenizer at `tokenizer_url` into `out_dir`: a tokenizer file of any name (as
+    `undying data prepare --tokenizer` takes one, and the checkpoint records) copied as
+    tokenizer.json, or a directory's tokenizer.json, with the other TOKENIZER_FILES found beside it;
+    read with `storage_options`. ValueError when there is no tokenizer there, or when `sha256` (the
+    one the job trained with, as the checkpoint records it) is given and the file is another."""
+    try:  # reaching the store: its protocol, the options, the credentials
+        fs, path = fsspec.core.url_to_fs(tokenizer_url, **storage_options)
+        path = path.rstrip("/")
+        directory = fs.isdir(path)
+        base = path if directory else path.rsplit("/", 1)[0]
+        sources = {"tokenizer.json": f"{base}/tokenizer.json" if directory else path}
+        sources.update({name: f"{base}/{name}" for name in TOKENIZER_FILES if name != "tokenizer.json"})
+        present = {name: source for name, source in sources.items() if fs.exists(source)}
+    except Exception as err:  # noqa: BLE001 (the store's client, whatever it raises for these)
+        where = tokenizer_url.removesuffix("/tokenizer.json")
+        raise ValueError(f"the tokenizer at {where} cannot be reached with the storage options given "
+                         f"({type(err).__name__}: {err}); pass --tokenizer with a copy they reach") from None
+    if "tokenizer.json" not in present:
+        raise ValueError(f"no tokenizer at {tokenizer_url} (a tokenizer.json, or a directory holding one); pass "
+                         "--tokenizer with the tokenizer the job trained with")
+    for name, source in present.items():  # a read or a local write failing now is the store's or the disk's
+        with fs.open(source, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+            shutil.copyfileobj(src, dst)
     with open(os.path.join(out_dir, "tokenizer.json"), "rb") as f:
         got = hashlib.sha256(f.read()).hexdigest()
     if sha256 is not None and got != sha256:
-        raise ValueError(f"{base}/tokenizer.json is not the tokenizer the job trained with (SHA-256 {got[:12]}..., "
-                         f"the checkpoint records {sha256[:12]}...); pass --tokenizer with that one")
-    return copied
+        raise ValueError(f"{present['tokenizer.json']} is not the tokenizer the job trained with (SHA-256 "
+                         f"{got[:12]}..., the checkpoint records {sha256[:12]}...); pass --tokenizer with that one")
+    return list(present)
 
 
 def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict) -> None:

@@ -19,9 +19,9 @@ SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
            "original_max_position_embeddings": 32}
 
 
-def save_hf(path, tie=False, **save_kw) -> LlamaForCausalLM:
+def save_hf(path, tie=False, vocab_size=96, **save_kw) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
                          rope_scaling=dict(SCALING), tie_word_embeddings=tie)
     model = LlamaForCausalLM(config).eval()

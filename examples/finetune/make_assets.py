@@ -7,7 +7,8 @@ writes under the given directory:
     corpus/val.txt                             held-out documents for the validation loss
     tokenizer/tokenizer.json (+ tokenizer_config.json)   a byte-level BPE trained with `tokenizers`
     pretrained/                                a tiny Llama-3 (GQA, scaled RoPE) as a Hugging Face
-                                               directory: config.json + model.safetensors
+                                               directory: config.json + model.safetensors, and
+                                               the tokenizer's files (as a Hub model carries them)
 
 The text is generated here from a small grammar of arithmetic and ordering statements ("seven
 plus two is nine."), so it is license-clean, deterministic and learnable: the validation loss
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -85,6 +87,10 @@ def write_pretrained(out: Path, tokenizer: Tokenizer) -> None:
     model = ModelConfig(preset="tiny-llama", vocab_size=vocab, max_seq_len=256)
     weights = dict(build_model(model, seed=0).named_parameters())
     save_hf(model, weights, str(out / "pretrained"), token_ids={"eos_token_id": tokenizer.token_to_id(EOS)})
+    # As a model directory from the Hub, it holds its tokenizer: `undying run` checks the prepared
+    # data against it (data prepared with another tokenizer would mean other words to these weights).
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(out / "tokenizer" / name, out / "pretrained" / name)
 
 
 def main(argv: list[str]) -> int:

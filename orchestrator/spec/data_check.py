@@ -5,7 +5,8 @@ Protocol: the driver (`undying run`, `undying validate`) calls `require_data(spe
 the spec validated and beside `require_storage`. A text source's file is read (it is small: every
 rank holds it whole). Of a prepared dataset it reads the manifest and lists the shards (no token is
 read): a missing or damaged dataset (a shard missing, or not the size its
-manifest says), a vocabulary larger than the model's, or a dataset too small for one training
+manifest says), a vocabulary larger than the model's, a tokenizer other than the pretrained
+weights' (orchestrator.spec.pretrained_tokenizer), or a dataset too small for one training
 window (or for the validation windows asked) is a `SpecError` naming the field and the fix, exit
 2, instead of a rank failing after placement, or hours into the run at its first read of a shard.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
+from orchestrator.spec.pretrained_tokenizer import tokenizer_problems
 
 if TYPE_CHECKING:
     from trainer.tokens.reader import TokenDataset
@@ -130,6 +132,8 @@ def data_problems(spec: JobSpec) -> list[Problem]:
                                     f"{model.vocab_size}; prepare it with the model's tokenizer"))
         if ds is not None:
             opened.append(("eval.path", ds))
+    if spec.model.from_hf:
+        problems += tokenizer_problems(spec, opened)
     return problems + _between_datasets(opened)
 
 

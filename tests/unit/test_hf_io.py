@@ -126,6 +126,25 @@ def test_export_ships_the_recorded_tokenizer_checked_before_any_weight_is_writte
     assert "the tokenizer at htps://host cannot be reached" in err and "Traceback" not in err
 
 
+def test_export_takes_a_tokenizer_file_of_any_name_as_data_prepare_does(tmp_path):
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from tests._corpus import documents, train_tokenizer
+
+    save_hf(tmp_path / "hf")
+    tok = train_tokenizer(tmp_path / "tok" / "llama3-tokenizer.json", documents(20, seed=1))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    recorded = {"url": f"file://{tok}", "sha256": hashlib.sha256(tok.read_bytes()).hexdigest(),
+                "token_ids": {"eos_token_id": 1}}
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck", tokenizer=recorded)
+    assert main(["ckpt", "export", f"file://{tmp_path}/ck", "--format", "hf", "--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert (tmp_path / "a" / "tokenizer_config.json").exists()  # the files beside it come along
+    AutoTokenizer.from_pretrained(tmp_path / "a")
+
+
 def test_a_directory_with_a_weight_undying_would_drop_is_refused(tmp_path):
     hf = save_hf(tmp_path / "hf")
     from safetensors.torch import save_file
