@@ -4,7 +4,8 @@ Protocol: the driver calls `require_storage(spec)` once, after `load_spec` and b
 places any rank; tools that only want the list call `check_storage(url, options)`. Either
 runs in the caller's process and returns within `timeout_s` even when the endpoint never
 answers. The probe creates a local checkpoint directory if it is missing, writes one small
-file under the URL and deletes it; it never creates an object-store bucket, because a
+file under the URL and deletes it, then creates one exclusively twice (the second must be
+refused, as a manifest commit relies on) and deletes it; it never creates an object-store bucket, because a
 missing bucket is almost always a typo in the URL.
 
 Discovering at the first save, minutes or hours into a run, that the bucket is missing or
@@ -13,6 +14,7 @@ read-only wastes the whole run up to that point; this costs one round trip.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ckpt.storage import AlreadyCommitted, Storage
 from ckpt.storage_options import cannot_start, error_reason, explain
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
 
@@ -78,7 +81,41 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
         return [Problem(FIELD, f"{url} accepts writes but not deletes ({error_reason(error)}); checkpoint "
                         "retention (checkpoint.keep) deletes old checkpoints, so grant delete "
                         f"permission and remove {probe}")]
-    return []
+    return _exclusive_create_problems(url, options)
+
+
+def _exclusive_create_problems(url: str, options: dict[str, Any]) -> list[Problem]:
+    """A checkpoint commit creates its manifest exclusively (ckpt.storage.Storage.create_exclusive:
+    a hard link on a filesystem, a conditional PUT on S3). A store that cannot fails every commit,
+    hours into the run (a FUSE mount of an object store refuses hard links); one that overwrites
+    instead would let two commits of one step, or two drivers' claims, replace each other."""
+    store = Storage(url, options)
+    if not (store.is_local or store.is_s3):
+        return []  # (other stores commit by check-then-write: a single committer)
+    if hasattr(store.fs, "retries"):
+        store.fs.retries = 1
+    probe = store.path(f".undying-probe-create-{uuid.uuid4().hex}")
+    try:
+        store.create_exclusive(probe, b"undying exclusive-create probe\n")
+    except Exception as error:  # noqa: BLE001 (whatever the store or the mount says)
+        fix = ("use the object store's own URL (s3://...) instead of a FUSE mount of it (gcsfuse, s3fs-fuse, "
+               "blobfuse refuse hard links), or a POSIX filesystem" if store.is_local else
+               "check that the credentials in checkpoint.storage_options may write objects")
+        return [Problem(FIELD, f"{url} cannot create a file exclusively, as every checkpoint commit does "
+                        f"({error_reason(error)}); {fix}")]
+    try:
+        store.create_exclusive(probe, b"a second create, which must be refused\n")
+    except AlreadyCommitted:
+        return []
+    except Exception as error:  # noqa: BLE001
+        return [Problem(FIELD, f"{url} failed a second exclusive create ({error_reason(error)}) instead of refusing "
+                        "it as a commit needs; check the store")]
+    finally:
+        with contextlib.suppress(Exception):
+            store.fs.rm_file(probe)
+    return [Problem(FIELD, f"{url} let a second exclusive create replace a file (an S3-compatible store that "
+                    "ignores If-None-Match: *): two commits of one checkpoint could overwrite each other; use a "
+                    "store that honours conditional writes")]
 
 
 def check_storage(url: str, storage_options: dict[str, Any], timeout_s: float = 20.0) -> list[Problem]:

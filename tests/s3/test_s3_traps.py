@@ -104,3 +104,11 @@ def test_shards_are_not_written_into_a_missing_bucket(s3_server):
     with pytest.raises(FileNotFoundError):
         storage.write_immutable(storage.path(step_dir(1), "shard-r00000.bin"), b"x")
     assert not s3_server.filesystem().exists("no-such-bucket-undying")
+
+
+def test_the_storage_probe_passes_a_store_that_honours_exclusive_creates_and_leaves_nothing(s3_backend):
+    from orchestrator.spec.storage_check import check_storage
+
+    assert check_storage(s3_backend.url, s3_backend.storage_options) == []
+    store = Storage(s3_backend.url, s3_backend.storage_options)
+    assert [p for p in store.fs.find(store.root) if "probe" in p] == []  # both deleted (SeaweedFS keeps its directory)

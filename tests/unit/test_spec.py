@@ -539,3 +539,26 @@ def test_a_spec_that_would_fail_at_placement_or_model_build_is_refused_by_field(
                                               r"or position: learned"):
         ModelConfig(vocab_size=256, n_layers=2, d_model=96, n_heads=32)
     assert ModelConfig(vocab_size=256, n_layers=2, d_model=96, n_heads=32, position="learned").head_dim == 3
+
+
+def test_a_filesystem_without_exclusive_create_is_refused_before_any_commit_needs_one(tmp_path, monkeypatch):
+    def no_links(src, dst):  # as a FUSE mount of an object store answers
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    [problem] = check_storage(str(tmp_path / "ck"), {})
+    assert problem.field == "checkpoint.url" and "cannot create a file exclusively" in problem.message
+    assert "FUSE mount" in problem.message and list((tmp_path / "ck").iterdir()) == []
+
+
+def test_a_store_that_overwrites_on_an_exclusive_create_is_refused(tmp_path, monkeypatch):
+    import ckpt.storage
+
+    def overwrite(self, path, data):  # an S3-compatible store ignoring If-None-Match: * does this
+        with open(path, "wb") as f:
+            f.write(data)
+
+    monkeypatch.setattr(ckpt.storage.Storage, "_create_exclusive_posix", overwrite)
+    [problem] = check_storage(str(tmp_path / "ck"), {})
+    assert problem.field == "checkpoint.url" and "could overwrite each other" in problem.message
+    assert list((tmp_path / "ck").iterdir()) == []
