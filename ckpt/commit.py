@@ -132,7 +132,9 @@ class Committer:
         self.pending: dict[int, PendingSave] = {}
         self.latest: int | None = None
         self.rejected: dict[int, str] = {}  # step -> why its shards could not be committed
-        self.abandoned: set[int] = set()  # steps of this generation a rank failed to write
+        # Steps of this generation whose save is settled uncommitted: a rank failed to write its shard,
+        # or the save was dropped or skipped; a late shard error of one is that same save, not another.
+        self.abandoned: set[int] = set()
         # Committed steps this run skipped at its restores (unreadable then, not proven bad): retention
         # neither counts nor deletes them, and a save reaching one of their step numbers finds it
         # committed by the history the job left; that step is kept as it is, the save skipped, not failed.
@@ -197,6 +199,7 @@ class Committer:
         previous, self._queued = self._queued, save.step
         if self.lane.submit(create) is not None:  # the create submitted before this one had not begun: moot now
             self.committing.pop(previous, None)
+            self.abandoned.add(previous)
             self.on_skipped(previous, f"the newer save of step {save.step} was complete before its manifest "
                                       "create began")
         return None
@@ -235,6 +238,7 @@ class Committer:
             return True
         newer = [s for s in self.committing if s > step]
         if newer:
+            self.abandoned.add(step)
             self.on_skipped(step, f"complete after the newer save of step {max(newer)}, whose manifest is being "
                                   "created")
         return bool(newer)
@@ -263,13 +267,14 @@ class Committer:
         step = attempt.save.step
         if attempt.error is not None:
             raise attempt.error
+        if attempt.manifest is not None:
+            return self._committed(attempt)
+        self.abandoned.add(step)
         if attempt.skipped is not None:
             self.on_skipped(step, attempt.skipped)
-        elif attempt.manifest is None:
+        else:
             self.rejected[step] = attempt.rejected
             self.on_dropped(step, attempt.failed)
-        else:
-            return self._committed(attempt)
         return None
 
     def _create(self, attempt: Attempt, generation: int, layout: dict, extra: dict) -> Manifest | None:

@@ -231,3 +231,26 @@ def test_the_runs_end_gives_a_held_create_and_a_held_retention_pass_one_wait_tog
     assert waited < 1.8, waited  # one second in all (two, waited one after the other)
     assert [line.split(" still running")[0] for line in lines if "still running" in line] == [
         "manifest commit", "checkpoint retention"]
+
+
+def test_a_late_shard_error_of_a_save_already_dropped_or_skipped_counts_nothing_more(tmp_path):
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+    dropped: list[int] = []
+    committer = Committer(catalog, "j", "h", keep=3, lane=Housekeeper("test-commit"),
+                          on_dropped=lambda step, reason: dropped.append(step))
+    real_commit = catalog.commit
+
+    def refused(**kwargs):
+        raise OSError("503 Slow Down")
+
+    catalog.commit = refused
+    _hand(committer, catalog, 10)  # both creates refused: the save dropped
+    assert committer.flush(5) and committer.collect() == [] and dropped == [10]
+    committer.abandon(10, "rank 1's receipt push failed after it was queued")  # the same failed save
+    assert dropped == [10]
+    catalog.commit = real_commit
+    _hand(committer, catalog, 20)
+    assert committer.flush(5) and [c.step for c in committer.collect()] == [20]
+    committer.reset(None)  # a new generation, restored from before step 10, may save it again: counted then
+    committer.abandon(10, "rank 0 could not write its shard")
+    assert dropped == [10, 10]
