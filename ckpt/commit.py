@@ -23,9 +23,9 @@ would take the step for committed. Every save that will not commit is passed to
 Retention and garbage collection after a commit are best effort: a storage error there is
 logged and they run again at the next commit. Given a `housekeeper` (the controller's), they run
 on its thread (ckpt.housekeeping): the controller's loop never waits on their listings and
-deletes, a newer commit's pass replaces one not yet started, `reset` drops a pass queued for the
-last generation and stops a running one at its next deletion (ckpt.housekeeping.PassFence), and
-`settle(timeout_s)` waits for the one running (before a restore lists the steps).
+deletes, a newer commit's pass replaces one not yet started, `stop_retention` (at a restore and
+at `reset`) drops a queued pass and stops a running one at its next deletion
+(ckpt.housekeeping.PassFence), and `settle(timeout_s)` waits for it to stop.
 
 The manifest create itself may run off the controller's thread too (given a `lane`: the
 controller's, unless chaos faults act on the controller): on a throttling or hung store the
@@ -122,13 +122,9 @@ class Committer:
         self._attempts: list[Attempt] = []  # what the lane finished, for `collect` (under `_attempts_lock`)
         self._attempts_lock = threading.Lock()
         self._queued: int | None = None  # the step of the create submitted last (replaced if not begun)
-        self.generations = 0  # `reset`s so far: a background pass stops once another began (PassFence)
-        self.files_here = files_here  # ckpt.catalog.Catalog.commit
-        self.fault_point = fault_point
-        self.on_dropped = on_dropped
-        self.job = job
-        self.spec_hash = spec_hash
-        self.keep = keep
+        self.generations = 0  # `stop_retention`s so far: a background pass stops once it moved (PassFence)
+        self.files_here, self.fault_point, self.on_dropped = files_here, fault_point, on_dropped  # (see Catalog.commit)
+        self.job, self.spec_hash, self.keep = job, spec_hash, keep
         self.pending: dict[int, PendingSave] = {}
         self.latest: int | None = None
         self.rejected: dict[int, str] = {}  # step -> why its shards could not be committed
@@ -146,12 +142,17 @@ class Committer:
         """Start of a generation: nothing is pending; `latest` is the restore point; `left_behind`:
         the committed steps this run's restores skipped."""
         self.pending.clear()
-        self.generations += 1  # a pass running stops at its next deletion: its GC could take this
-        if self.housekeeper is not None:  # generation's saves below `latest` for orphans
-            self.housekeeper.discard()
+        self.stop_retention()  # its GC could take this generation's saves below `latest` for orphans
         self.abandoned.clear()  # a new generation may save those steps again
         self.latest = latest
         self.left_behind = set(left_behind)
+
+    def stop_retention(self) -> None:
+        """Stop the running retention pass at its next deletion, drop a queued one: at each `reset`, and
+        as a restore chooses its step (a pass planned before could delete the commit it falls back to)."""
+        self.generations += 1
+        if self.housekeeper is not None:
+            self.housekeeper.discard()
 
     def abandon(self, step: int, reason: str) -> None:
         """A rank could not write its shard of `step`: the save cannot commit; drop it now,

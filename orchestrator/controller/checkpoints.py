@@ -62,8 +62,7 @@ from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten,
 
 # A new checkpoint cadence starts this many steps after the fastest rank's current step.
 REPLAN_LEAD_STEPS = 3
-# How long a restore's listing, and the run's end, wait for a retention pass still running: it takes
-# well under a second on a healthy store, and waiting out a hung one would stall the recovery or the exit.
+# How long a restore and the run's end wait for a retention pass to stop (a hung store's is not waited out).
 SETTLE_S = 10.0
 
 
@@ -134,7 +133,8 @@ class Checkpoints:
         return self.committer.latest
 
     def restore_point(self) -> int | None:
-        # A pass still deleting old steps would race the listing (a fallback to an older step finds it half gone).
+        # A pass deleting old steps would race the restore's reads (a fallback finds its step half gone).
+        self.committer.stop_retention()
         self._wait(self.committer.settle, "checkpoint retention", "the restore lists the committed steps regardless")
         return self.restore.restore_point()
 

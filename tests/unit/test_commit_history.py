@@ -232,3 +232,26 @@ def test_a_final_receipt_that_lands_just_after_every_rank_returned_still_ends_th
     assert feed(checkpoints.committer, shard_receipts(catalog, 100, make_state(100), tag="r1g0")).step == 100
     move = stops.finished(running, None, 0, 2, 2)
     assert isinstance(move.phase, Succeeded) and "final checkpoint committed" in move.sentence
+
+
+def test_a_restore_stops_a_retention_pass_that_would_delete_the_commit_it_may_fall_back_to(tmp_path, monkeypatch):
+    import threading
+
+    _, catalog, checkpoints, _, _, _ = _controller_checkpoints(tmp_path, "fallback", steps=300, keep=1)
+    checkpoints.begin(_Plans(), 1, None)
+    assert feed(checkpoints.committer, shard_receipts(catalog, 100, make_state(100), tag="r1g1")).step == 100
+    assert checkpoints.committer.settle(5)
+    listing, release, real_listdir = threading.Event(), threading.Event(), Storage.listdir
+
+    def slow_listdir(self, path):  # retention's listing of the root hangs (a throttling store)
+        if path.rstrip("/") == catalog.storage.root and threading.current_thread().name == "undying-ckpt-retention":
+            listing.set()
+            assert release.wait(10)
+        return real_listdir(self, path)
+
+    monkeypatch.setattr(Storage, "listdir", slow_listdir)
+    assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(200), tag="r1g1")).step == 200
+    assert listing.wait(5)  # its pass (keep=1) is about to delete step 100
+    threading.Timer(0.3, release.set).start()  # the store answers while the restore waits for the pass
+    assert checkpoints.restore_point() == 200
+    assert catalog.committed_steps() == [100, 200]  # stopped before deleting: a fallback would find 100 whole
