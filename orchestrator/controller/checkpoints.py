@@ -158,9 +158,10 @@ class Checkpoints:
                 self.log(f"waiting for the manifest commit of step {min(self.committer.committing)} (a slow store)")
         self.landed()
 
-    def close(self) -> None:
-        """The run's end: a create under way and the retention pass share `SETTLE_S` (a grace is short)."""
-        lane, keeper, deadline = self.committer.lane, self.committer.housekeeper, time.monotonic() + SETTLE_S
+    def close(self, within_s: float = SETTLE_S) -> None:
+        """The run's end: a create under way and the retention pass share `within_s` (what a grace left)."""
+        lane, keeper = self.committer.lane, self.committer.housekeeper
+        deadline = time.monotonic() + min(SETTLE_S, within_s)
         if lane is not None:
             self._wait(lane.close, "manifest commit", "it lands or not while the driver exits; a rerun finds "
                                                       "the step committed whole, or not at all", deadline)
@@ -173,8 +174,7 @@ class Checkpoints:
                                                              "commit, or `undying ckpt gc`, finishes it", deadline)
 
     def _wait(self, wait: Callable[[float], bool], what: str, otherwise: str, deadline: float | None = None) -> None:
-        """`wait(seconds)` for background store work, until `deadline` (monotonic; None: `SETTLE_S` from
-        now); a line saying what happens `otherwise` when it ran out."""
+        """`wait(seconds)` for store work until `deadline` (monotonic; None: `SETTLE_S` from now), else a line."""
         began = time.monotonic()
         if not wait(SETTLE_S if deadline is None else max(0.0, deadline - began)):
             self.log(f"{what} still running after {time.monotonic() - began:.0f} s more (a slow store): {otherwise}")

@@ -112,8 +112,9 @@ class LedgerSnapshots:
         if self.clock() - self._last >= self.every_s:
             self.save(ledger)
 
-    def save(self, ledger, ended: bool = False) -> None:
-        """Write the ledger's totals now; `ended` when the controller stops on its own (run's end)."""
+    def save(self, ledger, ended: bool = False, within_s: float = ENDED_WAIT_S) -> None:
+        """Write the ledger's totals now; `ended` when the controller stops on its own (run's end), waiting
+        for the write at most `within_s` (what a preemption's grace left)."""
         self._last = self.clock()
         if self._fenced():
             return
@@ -121,8 +122,9 @@ class LedgerSnapshots:
         if self.housekeeper is None:
             return self._write(data)
         self.housekeeper.submit(lambda: self._write(data))
-        if ended and not self.housekeeper.close(ENDED_WAIT_S):
-            log.warning("the last goodput snapshot was not written within %g s (a slow store)", ENDED_WAIT_S)
+        wait_s = min(ENDED_WAIT_S, within_s)
+        if ended and not self.housekeeper.close(wait_s):
+            log.warning("the last goodput snapshot was not written within %g s (a slow store)", wait_s)
 
     def _fenced(self) -> bool:
         """Another driver took the root, or this one released it (the run's end gave up waiting for the

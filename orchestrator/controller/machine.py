@@ -142,9 +142,9 @@ class Controller:
         while self.state not in TERMINAL:
             self.step_once()
         self.chaos.close()
-        self.checkpoints.close()  # a manifest create under way and the last retention pass, on their threads
+        self.checkpoints.close(self.stops.end_wait_s())  # a create under way, the last retention pass
         self.ledger.stop()
-        self.snapshots.save(self.ledger, ended=True)
+        self.snapshots.save(self.ledger, ended=True, within_s=self.stops.end_wait_s())
         self.metrics.on_goodput(self.ledger)
         status = {State.SUCCEEDED: "succeeded", State.PREEMPTED: "preempted"}.get(self.state, "failed")
         return self.record.report(status, self.checkpoints.latest or 0, self.error)

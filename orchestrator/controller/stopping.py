@@ -63,6 +63,9 @@ PLAN_REACH_S = 0.1
 # Every rank returned from `train` and the stop step is not committed: its ranks' last receipts
 # (queued to the store before they returned, but unacknowledged) are surely in by then.
 RECEIPTS_S = 1.0
+# The least the run's end waits for each store write after a signal spent its grace: a scheduler's
+# kill comes some seconds after the grace (Kubernetes' default 30 s against a 25 s grace).
+END_FLOOR_S = 1.0
 TRAINING = (State.RUNNING, State.CHECKPOINTING, State.STOPPING)
 
 
@@ -122,6 +125,13 @@ class Stops:
             return preempted(f"{self.signals[0]} in {state.value}: nothing trained since the last commit, "
                              f"{self.last_commit()}")
         return None
+
+    def end_wait_s(self) -> float:
+        """How long the run's end may wait for each store write left (a commit under way, the last
+        snapshot): what a signal's grace has left, at least END_FLOOR_S; unbounded here without one."""
+        if not self.signals:
+            return math.inf
+        return max(END_FLOOR_S, self.signalled_at + self.spec.elastic.preemption_grace_s - self.clock())
 
     def ending(self) -> bool:
         """Whether the job would end now (`at_once`), asked by the worker group's long waits
@@ -225,7 +235,12 @@ class Stops:
         if phase.state == State.STOPPING and phase.step < steps:
             return self._ended(phase, store, gen, world_size, dp)
         if self.checkpoints.latest != steps and self._receipts_may_come():
-            return None
+            grace = self.spec.elastic.preemption_grace_s
+            if not self.signals or self.clock() < self.signalled_at + grace:
+                return None
+            return preempted(f"{self.signals[0]} as the final checkpoint (step {steps}) was being committed: not "
+                             f"committed within elastic.preemption_grace_s={grace:g} s, {self.last_commit()}; a rerun "
+                             "resumes from the newest commit it finds")
         if self.checkpoints.latest != steps and self.checkpoints.kept_intact(steps):
             return Move(Succeeded(), f"{steps} steps done; the final checkpoint is step {steps} as committed before "
                                      "(this run's restore read it damaged, it verifies whole here), "
@@ -304,8 +319,9 @@ class Stops:
         self.reforming = False
         if len(self.workers.actors) < new_dp * mp:  # a spare died between the count and its promotion
             short, new_dp = new_dp, self.recovery.scaling_policy.best_dp(len(self.workers.actors)) or dp
-            for rank in sorted(self.workers.actors)[new_dp * mp:]:  # surplus of a dp that cannot hold them
-                self.workers.kill(rank)
+            # Ranks 0..n-1 (a rank with no spare may sit between promoted ones); the surplus of a dp
+            # that cannot hold them go back to their seats as spares, as a shrink's do.
+            self.workers.renumber(sorted(self.workers.actors)[:new_dp * mp])
             note = f"; a spare died before its promotion: dp {new_dp}, not {short}"
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
                                   f"checkpoint step {step} ({ready} warm spare(s) ready{note})", new_dp)
@@ -325,6 +341,7 @@ class Stops:
 
     def _lost(self, node: str, why: str) -> None:
         """Too late for a clean stop: report the node lost (the next poll starts the recovery)."""
+        self.returned_at = None  # the recovery's generation waits for its own last receipts
         self.drained.add(node)
         self.log(f"node {node[:12]} draining, {why}: handling it as a node loss")
         rank = next((r for r in sorted(self.workers.actors) if self.workers.node_of(r) == node), -1)

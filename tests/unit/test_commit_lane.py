@@ -254,3 +254,22 @@ def test_a_late_shard_error_of_a_save_already_dropped_or_skipped_counts_nothing_
     committer.reset(None)  # a new generation, restored from before step 10, may save it again: counted then
     committer.abandon(10, "rank 0 could not write its shard")
     assert dropped == [10, 10]
+
+
+def test_a_signal_while_the_final_commit_is_held_ends_the_job_within_the_grace(tmp_path, rendezvous):
+    import signal
+
+    spec = _spec(tmp_path, elastic={"max_restarts": 1, "preemption_grace_s": 1.0})
+    storage = _HeldCreates(spec.checkpoint_root, hold=[30], limit_s=8.0)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    lines: list[str] = []
+    ctl = Controller(spec, workers, rendezvous, Catalog(storage), JobMetrics(spec.name), printer=lines.append,
+                     poll_s=0.001, release_timeout_s=0.5)
+    signalled: list[float] = []
+    storage.on_hold = lambda step: (signalled.append(time.monotonic()), ctl.stops.on_signal(signal.SIGTERM))
+    report = ctl.run()
+    ended = time.monotonic()
+    storage.release(30)
+    assert report.status == "preempted" and "as the final checkpoint (step 30) was being committed" in report.error
+    # Within the grace, and the run's end within its floor (END_FLOOR_S) for each store write left.
+    assert ended - signalled[0] < 1.0 + 2 * 1.0 + 1.0, ended - signalled[0]

@@ -123,6 +123,7 @@ class FakeWorkerGroup:
         return []
 
     def renumber(self, keep):
+        self.spares += [self.actors[old] for old in self.actors if old not in keep]  # as WorkerGroup keeps them
         self.actors = {i: self.actors[old] for i, old in enumerate(keep)}
 
     def grow(self, world_size):
