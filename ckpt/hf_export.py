@@ -59,6 +59,20 @@ def shard_plan(tensors: list[Exported], max_shard_bytes: int) -> list[list[Expor
     return shards
 
 
+def data_provenance(data) -> dict:
+    """What a checkpoint's manifest records of the tokenizer its prepared data used (the controller
+    adds it at each commit; `ckpt export --format hf` ships those tokenizer files, `export_hf`'s
+    `tokenizer_url`): {} for synthetic and text data."""
+    if data.source != "tokens":
+        return {}
+    from trainer.tokens.reader import TokenDataset
+
+    first = data.path or data.mixture[0].path
+    manifest = TokenDataset(first, data.storage_options).manifest
+    return {"tokenizer": {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256,
+                          "token_ids": {"eos_token_id": manifest.eos_id}}}
+
+
 def _file_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]

@@ -48,6 +48,7 @@ import uuid
 from collections.abc import Callable
 
 from ckpt.commit import Committer
+from ckpt.hf_export import data_provenance
 from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.interruptible import SLICE_S, Interrupted, never
@@ -64,19 +65,6 @@ from orchestrator.wire.messages import CheckpointPlan, SaveFailed, ShardWritten,
 REPLAN_LEAD_STEPS = 3
 # How long a restore and the run's end wait for a retention pass to stop (a hung store's is not waited out).
 SETTLE_S = 10.0
-
-
-def data_provenance(data) -> dict:
-    """What a checkpoint records of the tokenizer its prepared data used (`ckpt export --format hf`
-    ships those tokenizer files): {} for synthetic and text data."""
-    if data.source != "tokens":
-        return {}
-    from trainer.tokens.reader import TokenDataset
-
-    first = data.path or data.mixture[0].path
-    manifest = TokenDataset(first, data.storage_options).manifest
-    return {"tokenizer": {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256,
-                          "token_ids": {"eos_token_id": manifest.eos_id}}}
 
 
 # What ends the job with its own words, without a traceback: the saves keep failing, or another
@@ -108,8 +96,9 @@ class Checkpoints:
                                        chaos.on_storage or chaos.kill.armed) else None)
         self.committer.on_skipped = self.failures.skipped
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
-        self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh)
         self.interrupted: Callable[[], bool] = never  # whether the job is ending (Stops.ending sets it)
+        # Its reads' retries give up when the job is ending: a signal's grace is not the store's outage.
+        self.restore = RestorePolicy(catalog, spec.checkpoint.read_retry_s, fresh, interrupt=self._give_up_if_ending)
         self.plan_version = 0
         self.plan: CheckpointPlan | None = None  # the one published last
         self.plan_every = self.plan_anchor = 0
@@ -151,12 +140,15 @@ class Checkpoints:
         job ending (`interrupted`, Stops.ending: a signal raises Interrupted, and the job ends)."""
         began = time.monotonic()
         while not self.committer.flush(SLICE_S):
-            if self.interrupted():
-                raise Interrupted("the job is ending; the manifest commit under way lands or not without it")
+            self._give_up_if_ending("the manifest commit under way lands or not without it")
             if began is not None and time.monotonic() - began > SETTLE_S:
                 began = None
                 self.log(f"waiting for the manifest commit of step {min(self.committer.committing)} (a slow store)")
         self.landed()
+
+    def _give_up_if_ending(self, what: str = "the restore's reads are given up") -> None:
+        if self.interrupted():
+            raise Interrupted(f"the job is ending; {what}")
 
     def close(self, within_s: float = SETTLE_S) -> None:
         """The run's end: a create under way and the retention pass share `within_s` (what a grace left)."""

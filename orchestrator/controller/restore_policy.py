@@ -71,9 +71,11 @@ def fresh_problem(spec) -> str | None:
 
 
 class RestorePolicy:
-    def __init__(self, catalog, read_retry_s: float, fresh: bool = False):
+    def __init__(self, catalog, read_retry_s: float, fresh: bool = False, interrupt=None):
         self.catalog = catalog
-        self.retry = ReadRetry(read_retry_s)  # the settings; each listing, read or verification spends a fresh() one
+        # The settings; each listing, read or verification spends a fresh() one. `interrupt` (between
+        # retries) raises to give them up: the controller's when the job is ending.
+        self.retry = ReadRetry(read_retry_s, interrupt=interrupt)
         self.fresh = fresh  # --fresh: an empty root (checkpoints all quarantined) may start from step 0
         self.bad: dict[int, str] = {}  # committed steps this run will not restore -> why
         self.intact: set[int] = set()  # those of them the controller's own verification read intact

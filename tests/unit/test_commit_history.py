@@ -255,3 +255,27 @@ def test_a_restore_stops_a_retention_pass_that_would_delete_the_commit_it_may_fa
     threading.Timer(0.3, release.set).start()  # the store answers while the restore waits for the pass
     assert checkpoints.restore_point() == 200
     assert catalog.committed_steps() == [100, 200]  # stopped before deleting: a fallback would find 100 whole
+
+
+def test_a_signal_gives_up_a_restore_retrying_a_failing_store_instead_of_outliving_the_grace(tmp_path):
+    import errno
+    import threading
+    import time
+
+    from orchestrator.cluster.interruptible import Interrupted
+
+    _, catalog, checkpoints, _, _, _ = _controller_checkpoints(tmp_path, "brownout", steps=300, keep=2)
+    calls = []
+
+    def failing_listing():  # a storage brownout: every listing fails for read_retry_s (120 s)
+        calls.append(time.monotonic())
+        raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+    catalog.committed_steps = failing_listing
+    signalled = []
+    checkpoints.interrupted = lambda: bool(signalled)
+    began = time.monotonic()
+    threading.Timer(0.5, lambda: signalled.append(True)).start()
+    with pytest.raises(Interrupted, match="the restore's reads are given up"):
+        checkpoints.restore_point()
+    assert time.monotonic() - began < 3.0 and len(calls) >= 2  # retried until the signal, not 120 s
