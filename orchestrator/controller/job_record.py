@@ -59,6 +59,7 @@ class JobRecord:
         # The newest step executions, in arrival order: what "the step time now" is measured on.
         # Bounded, so that the watchdog asking every poll costs the same at step 10 and 10 million.
         self.recent: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
+        self.recent_dp: deque[int] = deque(maxlen=RECENT_STEPS)  # the dp each of them ran at
         self.failures: list[FailureRecord] = []
         self.faults: list[FaultRecord] = []
         self.checkpoints: list[CheckpointRecord] = []
@@ -111,6 +112,7 @@ class JobRecord:
         if self._generation_first is None:
             self._generation_first = rec.step
         self.recent.append(rec)
+        self.recent_dp.append(self.dp)
         self.last_step, self._booked_since_step, self._newest_seen_at = rec.step, 0.0, time.time()
         record_step(self.history, rec.step, self.dp)
         self.progress_at = time.monotonic()
@@ -148,7 +150,13 @@ class JobRecord:
         return self.last_step + 1
 
     def median_step_s(self, last: int = 20) -> float | None:
-        recent = [r.step_s for r in itertools.islice(reversed(self.recent), last)]
+        """The median of the newest `last` step times, those of a wider dp than the running one's scaled
+        up by the ratio: the global batch is fixed, so a rank's share of it grows as dp shrinks (dp 4 ->
+        1: about 4x longer steps), and the limits derived from it (hang, release, a stop's step) must
+        know at once, not 10 steps later. A narrower dp's are not scaled down (the collectives of a
+        wider one cost more), so after a grow the limits stay long until its own steps replace them."""
+        pairs = itertools.islice(zip(reversed(self.recent), reversed(self.recent_dp), strict=True), last)
+        recent = [r.step_s * max(1.0, dp / self.dp) if dp and self.dp else r.step_s for r, dp in pairs]
         return statistics.median(recent) if recent else None
 
     def recent_step_times(self) -> list[float]:

@@ -159,3 +159,26 @@ def test_the_restore_after_a_failure_is_given_time_for_the_checkpoint_s_bytes(tm
     assert fresh is None and first == 60.0 + BUILD_S + spec.checkpoint.read_retry_s
     assert committed > 0 and step == 20
     assert restore - first == pytest.approx(3 * committed / (2 * ASSUMED_READ_BPS_PER_RANK), rel=1e-6)
+
+
+def test_a_shrink_scales_the_measured_step_time_at_once_and_a_grow_never_scales_it_down():
+    import time
+
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.wire.messages import StepDone
+
+    record = JobRecord("t", 100, JobMetrics("t"), GoodputLedger(), printer=lambda _: None)
+    record.on_layout(0, 4, 4, 1, 1)
+    for step in range(10):
+        record.on_step(StepDone(step, 1.0, 64, 0.5, time.time()))
+    assert record.median_step_s() == 0.5
+    record.on_layout(1, 1, 1, 1, 1)  # dp 4 -> 1 with the global batch kept: each rank's share is 4x
+    assert record.median_step_s() == 2.0  # before the first step of dp 1 (its hang and release limits)
+    for step in range(10, 13):
+        record.on_step(StepDone(step, 1.0, 64, 2.2, time.time()))
+    assert record.median_step_s() == 2.0
+    record.on_layout(2, 2, 2, 1, 1)  # a grow to dp 2: dp 4's steps scaled by 2, dp 1's not scaled down
+    assert record.median_step_s(last=13) == 1.0
+    assert record.median_step_s(last=3) == 2.2  # (a wider dp's collectives cost more: kept long, not halved)
