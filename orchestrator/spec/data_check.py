@@ -30,6 +30,9 @@ def _dataset(url: str, options: dict, field: str, problems: list[Problem]):
         return TokenDataset(url, options)
     except (NoManifest, TokenFormatError) as err:
         problems.append(Problem(field, str(err)))
+    except NotADirectoryError:  # (a local file: its manifest.json is a path under a file)
+        problems.append(Problem(field, f"{url} is a file, not a prepared dataset; prepare it first (`undying data "
+                                       f"prepare {url} --tokenizer ... --out DIR`) and give DIR"))
     except Exception as err:  # noqa: BLE001 (the store's client: missing credentials, an option, a library)
         problems.append(Problem(field, _cannot(url, "read", err)))
     return None

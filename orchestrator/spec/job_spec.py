@@ -156,6 +156,11 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     if model and eval_len and eval_len > model.max_seq_len:
         out.append(Problem("eval.seq_len", f"{eval_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                            "evaluate shorter windows"))
+    elif model and par and eval_len and par.tp > 1 and par.sequence_parallel \
+            and -(-eval_len // par.tp) * par.tp > model.max_seq_len:  # padded as the engine pads it
+        out.append(Problem("eval.seq_len", f"{eval_len} is padded to {-(-eval_len // par.tp) * par.tp} (a multiple of "
+                           f"parallel.tp = {par.tp}, for sequence parallelism), beyond model.max_seq_len = "
+                           f"{model.max_seq_len}; evaluate windows of at most {model.max_seq_len // par.tp * par.tp}"))
     if par and data and eval_len and par.pp > 1 and eval_len > data.seq_len:
         out.append(Problem("eval.seq_len", f"{eval_len} exceeds data.seq_len = {data.seq_len}, the static shape of "
                            "the pipeline's stages (pp > 1); evaluate windows of at most data.seq_len tokens"))

@@ -61,6 +61,9 @@ def test_missing_small_or_too_wide_datasets_name_their_field(tmp_path):
     fields = {p.field: p.message for p in problems}
     assert "beyond model.vocab_size = 256" in fields["data.path"]
     assert "run `undying data prepare` first" in fields["eval.path"]
+    (tmp_path / "corpus.jsonl").write_text('{"text": "raw, not prepared"}\n')  # a file where a dataset goes
+    [problem] = data_problems(spec(tmp_path, data={**data, "path": str(tmp_path / "corpus.jsonl")}))
+    assert problem.field == "data.path" and "is a file, not a prepared dataset; prepare it first" in problem.message
 
 
 @pytest.mark.parametrize(("make", "field", "words"), [

@@ -122,6 +122,9 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
                                                                              "pipeline chunks"),
         (["resources.num_ranks=3"], "resources.num_ranks", "3 does not match parallel.dp * tp * pp = 2"),
         (["model.position=learned", "data.seq_len=512"], "data.seq_len", "exceeds model.max_seq_len = 256"),
+        (["parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true", "model.max_seq_len=255",
+          "eval={path: v, every_steps: 5, seq_len: 255}"], "eval.seq_len", "is padded to 256 (a multiple of "
+                                                                            "parallel.tp = 2"),
         (["data={source: text, path: a.txt}", "model.vocab_size=128"], "model.vocab_size", "at least 256"),
         (["elastic.min_dp=3"], "elastic.min_dp", "3 exceeds parallel.dp = 2"),
         (["monitor.heartbeat_s=6"], "monitor.heartbeat_s", "over half the hang limit (10 s)"),
