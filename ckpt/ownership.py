@@ -195,7 +195,14 @@ class OwnerLease:
             return
         if newest is not None and newest.epoch >= self.epoch:
             by = f"was claimed by {newest.describe()} ({newest.record.get('taken_because', '?')})"
-        else:  # someone deleted our claim: whoever claims next counts from scratch
+        else:  # someone deleted our claim (whoever claims next counts from scratch), or the listing lied
+            try:  # (a remounting share, a failing-over store lists nothing): our claim, read by its name
+                ours = read_claim(self.storage, self.epoch, with_beat=False)
+            except FileNotFoundError:
+                ours = None
+            if ours is not None and ours.record.get("token") == self.token:
+                raise OwnershipUncertain(f"the listing of {OWNER_DIR}/ under {self.storage.root} showed "
+                                         f"{found or 'nothing'}, not our claim, which reads intact; looking again")
             by = f"lost its claim {file_name('claim', self.epoch)} (deleted from {OWNER_DIR}/)"
         self.lost = f"the checkpoint root {self.storage.root} {by}: this driver no longer owns it and changes " \
                     "nothing more there"

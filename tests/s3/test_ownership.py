@@ -327,3 +327,19 @@ def test_a_claim_interrupted_once_its_heartbeat_runs_stops_beating_and_is_ended(
     time.sleep(LEASE_S / 2)  # a heartbeat left running would rewrite the beat unended
     assert newest_claim(storage).beat["ended"]
     assert not [t for t in threading.enumerate() if "owner" in t.name.lower() and t.is_alive()]
+
+
+def test_a_listing_that_misses_our_claim_for_a_while_costs_no_lease(storage, monkeypatch):
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    real_listdir, blind = Storage.listdir, threading.Event()
+
+    def listdir(self, path):  # a remounting share, a failing-over store: the owner folder lists empty
+        return [] if blind.is_set() and path.rstrip("/").endswith(OWNER_DIR) else real_listdir(self, path)
+
+    monkeypatch.setattr(Storage, "listdir", listdir)
+    blind.set()
+    time.sleep(LEASE_S)  # some six heartbeats look meanwhile
+    assert lease.lost is None  # our claim, read by its name, is intact: not taken for deleted
+    blind.clear()
+    lease.check()
+    lease.release()
