@@ -153,8 +153,9 @@ def _check_meta(server: ShardServer, meta: dict, step: int) -> None:
         raise ValueError(f"checkpoint step {step} has state format {meta.get('format')!r}, not {STATE_FORMAT!r}")
     for key in ("global_batch", "optimizer"):
         if meta.get(key) != getattr(server.train, key):
-            raise ValueError(f"checkpoint step {step} has {key}={meta.get(key)!r} but this job has "
-                             f"{getattr(server.train, key)!r}: resuming would change the training trajectory")
+            raise ValueError(f"checkpoint step {step} has train.{key} = {meta.get(key)!r}, this job "
+                             f"{getattr(server.train, key)!r}: resuming would change the training trajectory; set "
+                             f"train.{key} back to {meta.get(key)!r}, or start over under another name")
 
 
 def _check_complete(server: ShardServer, wanted: list[TensorSlice], stored, step: int) -> None:
@@ -208,7 +209,7 @@ def engine_meta(step: int, job: PSJob) -> dict:
 
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
                        fault_point=None, owner: OwnerLease | None = None, state: dict | None = None,
-                       timeout: tuple[float, str] | None = None) -> Commit | None:
+                       timeout: tuple[float, str] | None = None, skipped: set[int] = frozenset()) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
     None when `step` is committed already (nothing is written). A server's error is raised as it
     came (NotAtCut: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
@@ -217,7 +218,9 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     points ("before_manifest_commit", "after_manifest_commit"). `owner`: the driver's lease on `root`
     (ckpt.ownership), checked before the commit and before retention (OwnershipLost). `state`: more of
     the manifest's state (the goodput ledger's totals, which a resumed job carries on). `timeout`:
-    (seconds, the setting that gave them) for the servers' writes, ServersTimedOut past it."""
+    (seconds, the setting that gave them) for the servers' writes, ServersTimedOut past it.
+    `skipped`: the commits this run's restores skipped (unreadable then, not proven bad), which
+    retention neither counts nor deletes, as in a collective job."""
     cat = catalog(root, storage_options, owner)
     try:
         committed = cat.committed_steps()
@@ -245,6 +248,7 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     dropped: list[str] = []
     committer = Committer(cat, job.job, job.spec_hash, job.keep, fault_point=fault_point,
                           on_dropped=lambda s, reason: dropped.append(reason))
+    committer.left_behind = set(skipped)
     par = job.parallel
     layout = {"mode": "ps", "servers": len(servers), "dp": par.dp, "world_size": len(servers)}
     ps = {"servers": len(servers), "workers": par.dp, "consistency": par.consistency, "staleness": par.staleness}
@@ -290,23 +294,39 @@ def restore_newest_intact(servers: list, root: str, step: int, *, storage_option
                 return step
             except CorruptCheckpoint as err:  # (through Ray: a RayTaskError that is an instance of its cause)
                 cat = cat or catalog(root, storage_options, owner)
-                if _proven_here(cat, step, err, read_retry_s):
-                    log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit",
-                              step, err)
-                    cat.quarantine(step)
-                    proven.append(step)
-                else:
+                if not _proven_here(cat, step, err, read_retry_s):
                     log.error("checkpoint step %d failed a server's read (%s) but not here: kept committed, skipped "
                               "by this run; restoring the next older commit", step, err)
                     skipped.add(step)
+                elif _quarantined(cat, step):
+                    log.error("CHECKPOINT STEP %d IS CORRUPT (%s): quarantined; restoring the next older commit",
+                              step, err)
+                    proven.append(step)
+                else:  # proven, but the store failed the quarantine: kept, and skipped as unreadable
+                    skipped.add(step)
         cat = cat or catalog(root, storage_options, owner)
-        older = [s for s in cat.committed_steps() if s < step and s not in skipped]
+        listed = ReadRetry(read_retry_s).call(cat.committed_steps, "listing the committed checkpoints")
+        older = [s for s in listed if s < step and s not in skipped]
         if not older:
             raise PSCheckpointError(f"no committed checkpoint left to restore: steps {proven} proved corrupt "
                                     f"(quarantined as evidence), steps {sorted(skipped)} failed the servers' reads "
                                     "only (kept); " + ("rerun once every node reads the store" if skipped else
                                                        "`undying run --fresh` starts the job over from step 0"))
         step = older[-1]
+
+
+def _quarantined(cat: Catalog, step: int) -> bool:
+    """Move proven-corrupt `step`'s manifest aside; False, logged, when the store fails the move (the
+    step then stays committed, skipped by the run as one a server could not read)."""
+    try:
+        cat.quarantine(step)
+        return True
+    except Exception as err:  # noqa: BLE001 (re-raised unless the store's)
+        if not storage_failure(err):
+            raise
+        log.error("checkpoint step %d is corrupt but its quarantine failed (%s: %s): kept committed, skipped by "
+                  "this run", step, type(err).__name__, err)
+        return False
 
 
 def _proven_here(cat: Catalog, step: int, err: CorruptCheckpoint, read_retry_s: float) -> bool:

@@ -150,7 +150,7 @@ class Supervisor:
             commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
                                                    state={"goodput": self.ledger.totals()},
-                                                   timeout=self.ckpt.save_timeout)
+                                                   timeout=self.ckpt.save_timeout, skipped=self.skipped)
             self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
             self.save_streak.committed()
             self.history.committed(end)

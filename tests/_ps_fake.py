@@ -266,7 +266,8 @@ class World:
 
     # ---- paramserver.checkpoint ----
 
-    def save(self, servers, root, step, *, job, storage_options=None, owner=None, state=None, timeout=None):
+    def save(self, servers, root, step, *, job, storage_options=None, owner=None, state=None, timeout=None,
+             skipped=frozenset()):
         for s in servers:
             assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
         self.commits[step] = [copy.deepcopy(s.shard) for s in servers]

@@ -109,7 +109,7 @@ def test_a_ps_checkpoint_loads_into_another_number_of_servers(tmp_path):
     assert all(torch.equal(value, saved[name]) for name, value in loaded.items())
     other = TRAIN.model_copy(update={"global_batch": 16})
     servers = build_in_process(MODEL, DATA, other, _ps("bsp", servers=2)).servers
-    with pytest.raises(ValueError, match="global_batch=8 but this job has 16"):
+    with pytest.raises(ValueError, match="train.global_batch = 8, this job 16: .*set train.global_batch back to 8"):
         restore_servers(servers, root, 2)
 
 
@@ -228,6 +228,44 @@ def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_olde
     with pytest.raises(PSCheckpointError, match=r"no committed checkpoint left .*steps \[2\] proved corrupt.*--fresh"):
         restore_newest_intact(fresh.servers, root, 2)
     assert cat.committed_steps() == [] and cat.quarantined_steps() == [2, 4]
+
+
+def test_a_proven_corrupt_commit_whose_quarantine_the_store_fails_is_kept_skipped_and_the_older_restored(
+        tmp_path, monkeypatch):
+    import errno
+
+    from tests._checkpoints import flip_bit, shard_of
+
+    root, parallel = str(tmp_path / "q"), _ps("bsp")
+    at_two = _saved_at_two_and_four(root, _job(MODEL, parallel))
+    cat = catalog(root)
+    name = next(n for n in cat.read_manifest(4).tensors if n.startswith("model/"))
+    flip_bit(cat, 4, shard_of(cat, 4, name))
+
+    def failing_move(self, step):  # one 5xx as the manifest is moved aside
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Catalog, "quarantine", failing_move)
+    fresh, skipped = build_in_process(MODEL, DATA, TRAIN, parallel, SMALL_PIECES), set()
+    assert restore_newest_intact(fresh.servers, root, 4, skipped=skipped) == 2 and skipped == {4}
+    assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
+    assert cat.committed_steps() == [2, 4]  # kept where it was: never restored by this run
+
+
+def test_retention_after_a_save_neither_counts_nor_deletes_the_commits_the_run_skipped(tmp_path):
+    root, parallel = str(tmp_path / "keep"), _ps("bsp")
+    job = _job(MODEL, parallel)
+    job = PSJob(job.job, job.model, job.data, job.train, job.parallel, job.spec_hash, keep=1,
+                data_identity=job.data_identity)
+    setup, _ = _saved_at_two(root, job)
+    for step in (2, 3):
+        _step(setup, step)
+    save_ps_checkpoint(setup.servers, root, 4, job=job)  # keep=1: step 2 goes
+    assert catalog(root).committed_steps() == [4]
+    for step in (4, 5):
+        _step(setup, step)
+    save_ps_checkpoint(setup.servers, root, 6, job=job, skipped={4})  # 4 is this run's skipped commit
+    assert catalog(root).committed_steps() == [4, 6]
 
 
 def test_a_commit_only_a_server_could_not_read_stays_committed_and_is_skipped(tmp_path, monkeypatch):
