@@ -164,7 +164,9 @@ class Storage:
         try:
             self._create(path, data)
         except AlreadyCommitted:
-            if self._holds(path, data):
+            if self._holds(path, data):  # our earlier attempt, whose directory fsync may not have run
+                if self.is_local:
+                    _fsync_dir(os.path.dirname(path))
                 return
             raise
         finally:
@@ -364,10 +366,15 @@ def _durable_temp_copy(path: str, data: bytes) -> str:
     """Write `data` next to `path` under a unique temporary name, fsynced; returns that name."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk: no temporary file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return tmp
 
 

@@ -82,6 +82,34 @@ def test_manifest_create_is_exclusive(catalog):
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n]
 
 
+def test_a_create_the_disk_refuses_leaves_no_temporary_file_and_a_retry_makes_its_entry_durable(catalog, monkeypatch):
+    import errno
+
+    from ckpt import storage as storage_module
+
+    path, real_fsync, synced = catalog.manifest_path(6), os.fsync, []
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        catalog.storage.create_exclusive(path, b"{}")
+    assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+
+    def flaky_directory_sync(directory):  # fails once
+        synced.append(directory)
+        if len(synced) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(storage_module, "_fsync_dir", flaky_directory_sync)
+    with pytest.raises(OSError, match="Input/output error"):  # linked, but its directory's fsync failed
+        catalog.storage.create_exclusive(path, b"{}")
+    catalog.storage.create_exclusive(path, b"{}")  # the retry finds its own bytes: syncs the directory now
+    assert synced == [os.path.dirname(path)] * 2
+
+
 def test_recommit_of_the_same_checkpoint_is_idempotent(catalog):
     state = _state()
     _save(catalog, 10, state)
