@@ -59,18 +59,42 @@ def shard_plan(tensors: list[Exported], max_shard_bytes: int) -> list[list[Expor
     return shards
 
 
-def data_provenance(data) -> dict:
+def data_provenance(data, model: ModelConfig | None = None) -> dict:
     """What a checkpoint's manifest records of the tokenizer its prepared data used (the controller
     adds it at each commit; `ckpt export --format hf` ships those tokenizer files, `export_hf`'s
-    `tokenizer_url`): {} for synthetic and text data."""
+    `tokenizer_url`): {} for synthetic and text data. Its special token ids are `model.from_hf`'s
+    (`pretrained_token_ids`) with the data's end-of-document id among the end ids."""
     if data.source != "tokens":
         return {}
     from trainer.tokens.reader import TokenDataset
 
     first = data.path or data.mixture[0].path
     manifest = TokenDataset(first, data.storage_options).manifest
-    return {"tokenizer": {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256,
-                          "token_ids": {"eos_token_id": manifest.eos_id}}}
+    token_ids = pretrained_token_ids(model) if model is not None and model.from_hf else {}
+    ends = token_ids.get("eos_token_id")
+    ends = list(ends) if isinstance(ends, list) else [] if ends is None else [ends]
+    ends += [manifest.eos_id] if manifest.eos_id not in ends else []
+    token_ids["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    return {"tokenizer": {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256, "token_ids": token_ids}}
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def pretrained_token_ids(model: ModelConfig) -> dict:
+    """The special token ids `model.from_hf` declares: its config.json's, then its
+    generation_config.json's (where a chat model lists its end-of-turn ids, which `generate()` stops
+    at). An export of a job that started from it carries them on; without them transformers falls
+    back to LlamaConfig's bos 1 and the chat model would not stop at the end of a turn."""
+    ids: dict = {}
+    for name in ("config.json", "generation_config.json"):
+        try:
+            with fsspec.open(f"{model.from_hf.rstrip('/')}/{name}", "rb", **model.storage_options) as f:
+                found = json.loads(f.read())
+        except (FileNotFoundError, ValueError):  # (no generation config; the spec read config.json already)
+            continue
+        ids.update({key: found[key] for key in TOKEN_ID_KEYS if isinstance(found, dict) and found.get(key) is not None})
+    return ids
 
 
 def _file_names(count: int) -> list[str]:

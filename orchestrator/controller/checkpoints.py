@@ -105,7 +105,7 @@ class Checkpoints:
         self.stop_at: int | None = None  # the generation's stop step (orchestrator.controller.stopping)
         self.store = None
         self.gen = -1
-        self.data_provenance = data_provenance(spec.data)
+        self.data_provenance = data_provenance(spec.data, spec.model)
         self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None

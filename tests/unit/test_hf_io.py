@@ -168,3 +168,29 @@ def test_bad_safetensors_headers_are_refused_by_name(header, words):
     blob = struct.pack("<Q", len(header)) + header + b"\0" * 16
     with pytest.raises(BadSafetensors, match=words):
         parse_header(blob, len(blob), "m.safetensors")
+
+
+def test_a_fine_tune_of_a_pretrained_model_records_its_special_token_ids_and_the_data_s_end(tmp_path):
+    import json
+
+    import numpy as np
+    from transformers import GenerationConfig, LlamaConfig
+
+    from ckpt.hf_export import data_provenance
+    from tests._tokens import write_token_dataset
+    from trainer.config import DataConfig, ModelConfig
+
+    save_hf(tmp_path / "hf")  # config.json: bos 1, eos 2 (LlamaConfig's)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 7]}))
+    write_token_dataset(tmp_path / "tokens", np.arange(3000) % 90, 90, eos_id=3)
+    data = DataConfig(source="tokens", path=str(tmp_path / "tokens"), seq_len=16)
+    recorded = data_provenance(data, ModelConfig(from_hf=str(tmp_path / "hf")))["tokenizer"]["token_ids"]
+    assert recorded == {"bos_token_id": 1, "eos_token_id": [2, 7, 3]}  # a chat model's end ids, and the data's
+    assert data_provenance(data)["tokenizer"]["token_ids"] == {"eos_token_id": 3}  # from scratch: the data's
+    from ckpt.hf_export import save_hf as write_hf
+
+    engine = engine_from_hf(tmp_path / "hf")
+    write_hf(engine.model_config, dict(engine.model.named_parameters()), str(tmp_path / "out"), token_ids=recorded)
+    assert LlamaConfig.from_pretrained(tmp_path / "out").bos_token_id == 1
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [2, 7, 3]
