@@ -126,12 +126,14 @@ class Recovery:
         self.spares.watch(settled=False)  # a spare that just finished warming is said warm before it takes over
         promoted = self.workers.promote_spares(lost)
         cold, words = promoted.left, self._promotion_words(promoted, "warm spares")
-        timeout_s = self.spec.elastic.replace_timeout_s
+        timeout_s, began = self.spec.elastic.replace_timeout_s, time.monotonic()
         if cold:
             cold = self._await_warming_spares(cold, timeout_s, words)
         stranded = self._stranded(cold, draining, words) if draining and cold else []
         cold = [r for r in cold if r not in stranded]
-        waited = self.workers.replace_cold(cold, timeout_s, draining) if cold else []
+        # One limit for the whole replacement: new actors get what the wait for warming spares left.
+        left_s = max(0.0, timeout_s - (time.monotonic() - began))
+        waited = self.workers.replace_cold(cold, left_s, draining) if cold else []
         if cold and len(waited) < len(cold):
             words.append(f"rank(s) {sorted(set(cold) - set(waited))} replaced by new actors")
         if stranded or waited:

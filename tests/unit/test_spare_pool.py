@@ -3,6 +3,7 @@ itself after a spare takes over, with a seat-level fake of the worker group (pur
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,9 @@ class SeatWorkers:
         self.polls = 0
         self.awaited: list[tuple[list[int], int, float]] = []  # each await_spares call
         self.warms_while_awaited = False  # does a spare still warming finish during an await?
+        self.await_takes_s = 0.0  # how long an await_spares call waits
         self.cold: list[int] = []  # ranks given new actors
+        self.cold_timeouts: list[float] = []  # each replace_cold call's limit
 
     def node_of(self, rank: int) -> str:
         return "n1"  # one node: a shrink's renumbering keeps the ranks' order
@@ -132,6 +135,7 @@ class SeatWorkers:
 
     def await_spares(self, seats: list[int], count: int, timeout_s: float) -> None:
         self.awaited.append((seats, count, timeout_s))
+        time.sleep(self.await_takes_s)
         if self.warms_while_awaited:
             self.warm_all()
 
@@ -144,6 +148,7 @@ class SeatWorkers:
 
     def replace_cold(self, ranks: list[int], timeout_s: float, draining: set[str] = frozenset()) -> list[int]:
         choice = self._choice(ranks, draining)
+        self.cold_timeouts.append(timeout_s)
         for rank in ranks:
             self.cold.append(rank)
             if rank in choice.waiting:  # Ray starts nothing in its seat within the timeout
@@ -246,6 +251,17 @@ def test_a_kill_while_the_new_spare_warms_waits_for_it_instead_of_starting_a_sec
     assert "rank(s) [3] replaced by new actors" in recovery.replace([3], 4).words
     assert len(workers.awaited) == 1 and workers.cold == [3]
     assert recovery.spares.wait_for_warming_s(60.0) == 0.0
+
+
+def test_the_wait_for_a_warming_spare_and_the_new_actors_share_one_replace_timeout():
+    spec, workers, lines = _load("elastic.spares=1", "elastic.replace_timeout_s=1.0"), SeatWorkers(4, 1), []
+    recovery = _recovery(spec, workers, lines)
+    recovery.spares.refill("placement")  # warming, never warm (no warm-up seen: waited for the whole limit)
+    workers.await_takes_s = 0.4
+    workers.kill(1)
+    recovery.replace([1], 4)
+    assert workers.awaited and workers.cold == [1]
+    assert 0.0 <= workers.cold_timeouts[0] <= 0.65, workers.cold_timeouts  # what the 0.4 s wait left of 1 s
 
 
 def test_a_quiet_poll_asks_nothing_and_a_spare_lost_while_warming_is_said():
