@@ -305,10 +305,10 @@ class Engine(EngineState):
         )
 
     @torch.no_grad()
-    def evaluate(self, windows: list[torch.Tensor]) -> tuple[float, int]:
-        """(summed token loss, tokens) of `windows` (trainer.evaluation's, the same on every rank);
-        collective over the whole job. Each dp replica evaluates its share, padded to the same
-        microbatch count on every rank (FSDP and the pipeline run collectives per forward)."""
+    def evaluate(self, windows: list[torch.Tensor], between: Callable[[], None] = lambda: None) -> tuple[float, int]:
+        """(summed token loss, tokens) of `windows` (trainer.evaluation's, the same on every rank); collective
+        over the job. Each dp replica evaluates its share, padded to one microbatch count on every rank
+        (FSDP and the pipeline run collectives per forward); `between()` before each (it may raise: an abort)."""
         mb, seq = self.train_config.micro_batch, int(windows[0].numel()) - 1
         rounds = self.pipeline.runner.n_micro if self.pipeline is not None else 1
         per_rank = -(-len(windows) // self.dp_size)
@@ -318,7 +318,7 @@ class Engine(EngineState):
         total, tokens = 0.0, sum(b.n_tokens for b in batches)
         self.model.train(False)  # no dropout
         try:
-            total = self._evaluate_batches(batches, rounds)
+            total = self._evaluate_batches(batches, rounds, between)
         finally:
             self.model.train(True)
             reshard_gathered(self.model)  # ZeRO-2 keeps a forward's gathered parameters until a backward
@@ -326,9 +326,10 @@ class Engine(EngineState):
             total, tokens = all_reduce_token_loss(total, tokens, group=self._dp_group, device=self.device)
         return total, tokens
 
-    def _evaluate_batches(self, batches: list[Batch], rounds: int) -> float:
+    def _evaluate_batches(self, batches: list[Batch], rounds: int, between: Callable[[], None]) -> float:
         total = 0.0
         for start in range(0, len(batches), rounds):
+            between()
             if self.pipeline is not None:
                 total += self.pipeline.runner.step(batches[start:start + rounds], 1, forward_only=True).loss_sum
                 continue

@@ -218,8 +218,7 @@ class RankLoop:
                       lambda: sum(w.written_bytes for w in writers), done_step=lambda: self.engine.next_step - 1)
 
         def waiting_on_a_save() -> None:
-            if self.abort.is_set():  # the release must not wait out a slow store's save
-                raise AbortedWhileWaiting("abort requested by the controller")
+            self._left_if_aborted()  # the release must not wait out a slow store's save
             beats.while_blocked()
 
         for w in writers:
@@ -227,8 +226,7 @@ class RankLoop:
             w.wait_tick_s = min(w.wait_tick_s, self.spec.monitor.heartbeat_s)
 
         def waiting_for_data(waited_s: float) -> None:
-            if self.abort.is_set():  # the release must not wait out the data store's outage
-                raise AbortedWhileWaiting("abort requested by the controller")
+            self._left_if_aborted()  # the release must not wait out the data store's outage
             beats.while_reading(waited_s)
 
         self.engine.data.on_wait = waiting_for_data
@@ -253,7 +251,7 @@ class RankLoop:
 
     def _evaluate(self, completed: int) -> None:
         started = time.perf_counter()
-        loss_sum, tokens = self.engine.evaluate(self.evaluator.windows(self.engine.data.on_wait))
+        loss_sum, tokens = self.engine.evaluate(self.evaluator.windows(self.engine.data.on_wait), self._left_if_aborted)
         if self.rank == 0:
             self.events.push(EvalDone(step=completed, loss=loss_sum / tokens, tokens=tokens,
                                       seconds=time.perf_counter() - started))
@@ -263,6 +261,12 @@ class RankLoop:
         from trainer.memory_probe import measure
 
         self.events.push(MemoryReport(measure(self.engine, self.baseline_bytes)))
+
+    def _left_if_aborted(self) -> None:
+        """AbortedWhileWaiting at an abort, asked inside the waits and work a step may hold: a save, the
+        data, a validation's microbatches (the release limit is a step's time, not theirs)."""
+        if self.abort.is_set():
+            raise AbortedWhileWaiting("abort requested by the controller")
 
     def _aborted(self) -> dict:
         return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,

@@ -168,3 +168,32 @@ def test_events_from_another_thread_use_the_writer_client():
     thread.start()
     thread.join()
     assert store.events == [first] and writer.events == [second]
+
+
+def test_an_abort_during_a_validation_leaves_between_its_microbatches(tmp_path):
+    """A validation of many windows outlasts the controller's release limit (a step's time): the rank
+    looks at the abort before each of its microbatches, as it does between steps."""
+    import numpy as np
+
+    from tests._tokens import write_token_dataset
+
+    write_token_dataset(tmp_path / "val", np.arange(4000) % 200, 256)
+    abort, forwards = threading.Event(), []
+    spec = _spec(tmp_path, [], eval={"path": str(tmp_path / "val"), "every_steps": 2, "windows": 16})
+    server = RendezvousServer("127.0.0.1")
+    server.generation(0).set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
+                                         "job_started_at": time.time()})
+    engine = build_engine(spec, 0, 1, 1)
+    loop = RankLoop(spec, engine, connect(server.address, 0), 0, 1, abort, writer_store=connect(server.address, 0))
+    model_forward = engine.model.forward
+
+    def forward(*args, **kwargs):  # the controller aborts during the first validation's first microbatch
+        if not engine.model.training:
+            forwards.append(1)
+            abort.set()
+        return model_forward(*args, **kwargs)
+
+    engine.model.forward = forward
+    outcome = loop.run(6, [])
+    assert outcome["status"] == "aborted" and outcome["step"] == 2
+    assert forwards == [1] and engine.model.training  # one of the 16 windows' microbatches, then out
