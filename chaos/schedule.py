@@ -68,8 +68,11 @@ def random_faults(
 ) -> list[FaultSpec]:
     """The random failures of `chaos` up to `horizon_s` job seconds, in time order (empty without mtbf_s).
 
-    `nodes`: the job's node ids (kill_node targets); `ranks`: the number of ranks (targets
-    of the rank kinds). Ties in time are broken by target so the order is total.
+    `nodes`: the job's node ids (kill_node targets), in a stable order (FaultClock.schedule: by the
+    lowest rank each hosts): a node's failures are drawn for its place in that order, not its id,
+    which Ray draws anew on every cluster and every raylet restart, so a seed replays on another
+    cluster. `ranks`: the number of ranks (targets of the rank kinds). Ties in time are broken
+    by target so the order is total.
     """
     if chaos.mtbf_s is None:
         return []
@@ -80,7 +83,7 @@ def random_faults(
     else:
         if not nodes:
             raise ValueError("chaos.mtbf_kind=kill_node picks nodes; pass nodes=<the job's node ids>")
-        targets = [(f"node:{n}", {"node": n}) for n in sorted(set(nodes))]
+        targets = [(f"node{i}", {"node": n}) for i, n in enumerate(dict.fromkeys(nodes))]
     draws = []
     for label, target in targets:
         for t in poisson_times(chaos.mtbf_s, horizon_s, seed=chaos.seed, target=label, start_s=chaos.mtbf_start_s):

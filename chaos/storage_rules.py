@@ -116,8 +116,10 @@ class _Rule:
         end = start + float(duration) if duration is not None else float("inf")
         window = None if duration is not None and fault.at_seconds is None else (start, end)
         step_part = re.compile(rf"(^|/)step-{int(step):09d}(/|$)") if step is not None else None
+        # Seeded by the fault's id, not its place in this process's list: a rank's and the controller's
+        # lists hold different faults, and a rank's shrinks as one-shot faults fire.
         return cls(index, fault, ops, fault.path, step_part, window,
-                   random.Random(f"undying.storage-faults:{seed}:{index}"))
+                   random.Random(f"undying.storage-faults:{seed}:{fault.id}"))
 
     def matches(self, op: str, path: str, elapsed: float) -> bool:
         if not (op in self.ops and (self.glob is None or fnmatch.fnmatchcase(path, self.glob))

@@ -46,7 +46,13 @@ class FaultClock:
         Random node kills target the ranks' nodes except the controller's own: losing that node
         is losing the controller (kill_controller's job), not a node failure the job survives."""
         here = self.workers.controller_node()
-        nodes = sorted({n for r in range(world_size) if (n := self.workers.node_of(r))} - {here})
+        # In the order of the lowest rank each hosts: a seed draws the same failures on any cluster.
+        lowest = {}
+        for rank in range(world_size):
+            node = self.workers.node_of(rank)
+            if node and node != here:
+                lowest.setdefault(node, rank)
+        nodes = sorted(lowest, key=lowest.get)
         chaos = self.spec.chaos
         if chaos.mtbf_s is not None and chaos.mtbf_kind == "kill_node" and not nodes:
             raise PlacementError("chaos.mtbf_kind=kill_node: every rank runs on the controller's node, so a node "

@@ -17,12 +17,18 @@ Protocol (the controller owns one `ControllerFaults`, built with the job's armed
     too) and from corrupt_shard, are queued; `drain()` hands them to the controller's event
     intake on its own thread. Each is marked `handled`: these faults make no rank fail, so a
     later rank failure must never be blamed on them.
+  * Fired once per job: `remember(notice)` (the event intake, for each fault notice) writes a
+    marker beside the checkpoints for a one-shot fault, as kill_controller does for itself, and
+    a later controller of the job (after a kill_controller, or a rerun) counts those fired from
+    the start: a kill_rank the rerun passes again does not kill a second time. The markers go
+    through a Storage of their own, which the job's storage faults do not touch.
   * `close()` takes the storage faults off the catalog when the job ends.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +36,8 @@ from collections.abc import Callable
 from chaos.config import STORAGE_KINDS, ArmedFault
 from chaos.corrupt import corrupt_shard
 from chaos.storage_faults import install
-from orchestrator.controller.kill import ControllerKill
+from ckpt.storage import AlreadyCommitted, Storage
+from orchestrator.controller.kill import MARKER_DIR, ControllerKill, has_fired, marker_name
 from orchestrator.wire.messages import FaultFired, decode
 
 log = logging.getLogger(__name__)
@@ -43,9 +50,16 @@ class ControllerFaults:
         self.fired = {} if fired is None else fired  # the job's fired faults (FaultClock.fired): fired once
         # Built before the storage faults go on the catalog: reading the fired markers is not a fault's target.
         self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
+        self.markers = Storage(catalog.storage.url, catalog.storage.storage_options)
+        self.one_shot = {f.id: f for f in faults if not f.repeat and f.kind != "kill_controller"}
+        for fault in self.one_shot.values():
+            if has_fired(self.markers, fault):
+                self.fired.setdefault(fault.id, FaultFired(fault.id, fault.kind, handled=True,
+                                                           detail="fired under an earlier controller of this job"))
         self.seed = seed
         self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
-        ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None and f.target != "data"]
+        ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None and f.target != "data"
+                and (f.id not in self.fired or f.duration_s)]  # (a window spans controllers: job seconds)
         self.on_storage = bool(ours)  # the catalog's storage calls may fail as these faults say
         self._undo = install(catalog.storage, ours, seed=seed, notify=self._on_storage_fault,
                              clock=job_seconds, started=0.0) if ours else None
@@ -70,6 +84,20 @@ class ControllerFaults:
                 log.warning("corrupt_shard on step %d %s", step, event.detail)
             self.fired[fault.id] = event  # at once: a second commit in the same drain must not re-fire it
             self._events.append(event)
+
+    def remember(self, notice: FaultFired) -> None:
+        """A one-shot fault fired: its marker, so that no later controller of this job arms it again."""
+        fault = self.one_shot.get(notice.fault_id)
+        if fault is None:
+            return
+        try:
+            self.markers.create_exclusive(self.markers.path(MARKER_DIR, marker_name(fault)),
+                                          json.dumps(notice.to_json()).encode())
+        except AlreadyCommitted:
+            pass  # recorded by an earlier notice of it
+        except (OSError, ValueError) as err:
+            log.warning("chaos: fault %d fired, but recording it failed (%s: %s): a rerun of the job fires it again",
+                        notice.fault_id, type(err).__name__, err)
 
     def on_step(self, step: int) -> None:
         """The controller learned that `step` finished: fire a due kill_controller."""

@@ -99,6 +99,7 @@ class EventIntake:
 
     def _fault(self, message: FaultFired) -> None:
         self.faults.on_fired(message)
+        self.chaos.remember(message)  # fired once per job: a later controller of it arms it no more
         self.record.on_fault(message)
         self.log(f"chaos: {describe_fault(message)}")
 

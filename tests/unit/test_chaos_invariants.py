@@ -295,3 +295,34 @@ def test_a_corruption_no_restore_caught_is_expected_bad_and_one_caught_and_saved
     assert final_model(catalog, frozenset({30}))[0] == 20  # the newest step not corrupted on purpose
     assert check_checkpoints_verify(catalog, expected_bad=_uncaught(catalog, {20, 30})).ok
     assert not check_checkpoints_verify(catalog, expected_bad={20, 30}).ok  # the clean save of 20 verifies
+
+
+def test_a_run_whose_final_commit_was_corrupted_is_compared_with_the_reference_at_its_newest_intact_step(tmp_path):
+    from orchestrator.cli.chaos.experiment import catalog_of, reference_model_at, reference_spec
+    from orchestrator.spec.job_spec import validate_spec
+
+    spec = validate_spec({"name": "c", "model": {"preset": "tiny"}, "train": {"steps": 30, "global_batch": 4},
+                          "checkpoint": {"url": f"file://{tmp_path}/ck"}})
+    reference = catalog_of(reference_spec(spec))
+    for step in (20, 30):
+        g = torch.Generator().manual_seed(step)
+        receipts = [write_shard(reference.storage, step, 0, {"model/w": torch.randn(4, generator=g)}, blocking_s=0.0)]
+        reference.commit(job=spec.name, step=step, generation=0, layout={"dp": 1}, spec_hash="h", receipts=receipts,
+                         state={"engine": {"next_step": step}})
+    at_20 = reference_model_at(spec, 20)
+    assert list(at_20) == ["model/w"] and torch.equal(at_20["model/w"], torch.randn(4, generator=torch.Generator()
+                                                                                   .manual_seed(20)))
+    assert reference_model_at(spec, 10) is None  # retention dropped it: the model check is skipped, said so
+
+
+def test_steps_a_killed_controller_trained_at_a_shrunken_dp_make_the_comparison_approximate():
+    from types import SimpleNamespace
+
+    from orchestrator.cli.chaos.experiment import dp_changed
+
+    # The killed controller shrank to dp 1 and committed steps 10-19 there; its rerun trained at dp 2 only.
+    carried = [["steps", 0, 10, 2], ["steps", 10, 20, 1], ["restore", 20], ["steps", 20, 30, 2]]
+    rerun_only = SimpleNamespace(world_history=[SimpleNamespace(dp=2)], history=carried)
+    assert dp_changed(rerun_only, 2)
+    undone = [["steps", 0, 10, 2], ["steps", 10, 15, 1], ["restore", 10], ["steps", 10, 30, 2]]
+    assert not dp_changed(SimpleNamespace(world_history=[SimpleNamespace(dp=2)], history=undone), 2)

@@ -153,3 +153,31 @@ def test_a_rerun_exports_the_restored_commit_s_time_and_goodput_only_once_carrie
     assert report.status == "succeeded"
     assert seen[0] == ("commit", committed_at)  # the restored commit's time, before anything is exported
     assert seen[1][0] == "goodput" and seen[1][1] > 0  # the first export already holds the carried totals
+
+
+def test_a_fault_that_fired_under_a_killed_controller_is_not_armed_by_the_next_one(tmp_path):
+    """kill_rank at step 12, then kill_controller at 15: the rerun resumes at step 10 and passes step 12
+    again; the kill_rank fired once per job, as written, so it is not armed in the ranks a second time."""
+    from orchestrator.controller.fault_clock import FaultClock
+    from orchestrator.controller.faults import ControllerFaults
+    from orchestrator.wire.messages import FaultFired
+
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_rank", "rank": 1, "at_step": 12},
+                                             {"kind": "kill_rank", "rank": 0, "at_step": 14, "repeat": True},
+                                             {"kind": "kill_controller", "at_step": 15}]})
+    catalog = Catalog(Storage(spec.checkpoint_root))
+
+    def controller():  # what a controller of the job builds at its start
+        clock = FaultClock(spec, None, lambda: 0.0, lambda line: None)
+        return clock, ControllerFaults(clock.faults, catalog, 0, lambda: 0.0, printer=lambda line: None,
+                                       fired=clock.fired)
+
+    clock, faults = controller()
+    assert [f.id for f in clock.armed()] == [0, 1, 2]
+    for notice in (FaultFired(0, "kill_rank", rank=1, step=12), FaultFired(1, "kill_rank", rank=0, step=14)):
+        clock.on_fired(notice)
+        faults.remember(notice)  # as the event intake does with each notice
+    assert [f.id for f in clock.armed()] == [1, 2]
+    clock, _ = controller()  # the controller was killed at step 15; the operator runs the job again
+    assert [f.id for f in clock.armed()] == [1, 2]  # the one-shot kill_rank fired under the first controller
+    assert clock.fired[0].handled  # never blamed for a failure of this run

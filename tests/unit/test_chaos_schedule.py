@@ -15,11 +15,12 @@ NODES = ["n0", "n1", "n2", "n3"]
 def test_same_seed_same_times_and_targets():
     chaos = ChaosConfig(mtbf_s="10m", seed=7)
     first = expand(chaos, horizon_s=6 * 3600, nodes=NODES)
-    again = expand(chaos, horizon_s=6 * 3600, nodes=list(reversed(NODES)))  # node order does not matter
+    # Another cluster: other node ids (Ray draws them), the same places (by lowest rank hosted).
+    again = expand(chaos, horizon_s=6 * 3600, nodes=[f"other-{n}" for n in NODES])
     other = expand(chaos.model_copy(update={"seed": 8}), horizon_s=6 * 3600, nodes=NODES)
-    key = [(e.at_seconds, e.node, e.kind) for e in first]
-    assert key == [(e.at_seconds, e.node, e.kind) for e in again]
-    assert key != [(e.at_seconds, e.node, e.kind) for e in other]
+    key = [(e.at_seconds, NODES.index(e.node), e.kind) for e in first]
+    assert key == [(e.at_seconds, NODES.index(e.node.removeprefix("other-")), e.kind) for e in again]
+    assert [(e.at_seconds, e.node) for e in first] != [(e.at_seconds, e.node) for e in other]
     assert len({e.node for e in first}) == len(NODES)
 
 

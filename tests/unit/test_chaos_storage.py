@@ -295,3 +295,18 @@ def test_a_torn_write_through_a_handle_that_publishes_on_commit_still_lands_its_
         torn.close()
     torn.discard()
     assert upload.published == b"abcd" and not upload.discarded
+
+
+def test_a_probability_fault_draws_the_same_sequence_whatever_its_place_in_the_list():
+    from chaos.config import ArmedFault, FaultSpec
+    from chaos.storage_rules import StorageFaultPlan
+
+    flaky = ArmedFault.of(FaultSpec(kind="storage_error", op="read", probability=0.5, repeat=True), 3)
+    once = ArmedFault.of(FaultSpec(kind="storage_error", op="write", nth=1), 0)
+
+    def draws(faults):
+        rule = next(r for r in StorageFaultPlan(faults, seed=7).rules if r.fault.id == 3)
+        return [rule.triggers() for _ in range(32)]
+
+    # A rank's list before and after its one-shot fault fired (armed() drops it): the same draws.
+    assert draws([once, flaky]) == draws([flaky])

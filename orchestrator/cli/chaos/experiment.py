@@ -77,11 +77,21 @@ def final_model(catalog: Catalog,
     """(step, `model/...` tensors) of the newest committed checkpoint not in `skip` (corrupted on
     purpose); (None, None) when there is none."""
     step = max((s for s in catalog.committed_steps() if s not in skip), default=None)
-    if step is None:
-        return None, None
+    return (None, None) if step is None else (step, _model_at(catalog, step))
+
+
+def _model_at(catalog: Catalog, step: int) -> dict[str, torch.Tensor]:
     names = [n for n in catalog.read_manifest(step).tensors if n.startswith(MODEL_PREFIX)]
     tensors, _ = load_checkpoint(catalog, step, names)
-    return step, tensors
+    return tensors
+
+
+def reference_model_at(spec, step: int) -> dict[str, torch.Tensor] | None:
+    """The failure-free run's `model/...` tensors at `step`: what a chaos run whose final commit was
+    corrupted on purpose (its newest intact one is older) is compared with; None when the reference
+    run's retention no longer holds that step (the model check is then skipped, and says so)."""
+    catalog = catalog_of(reference_spec(spec))
+    return _model_at(catalog, step) if step in catalog.committed_steps() else None
 
 
 def _uncaught(catalog: Catalog, steps: set[int]) -> frozenset[int]:
@@ -94,8 +104,13 @@ def _uncaught(catalog: Catalog, steps: set[int]) -> frozenset[int]:
 
 
 def dp_changed(report, target_dp: int) -> bool:
-    """Whether any generation of the run trained with another data-parallel degree than `target_dp`."""
-    return any(world.dp != target_dp for world in report.world_history)
+    """Whether any generation of the run trained with another data-parallel degree than `target_dp`,
+    or a step in the final model did: the report's generations are its last controller's, and a
+    killed controller's (kill_controller) steps at a shrunken dp may survive into the final model."""
+    from orchestrator.controller.step_history import surviving_history
+
+    return any(world.dp != target_dp for world in report.world_history) or any(
+        record.dp_size != target_dp for record in surviving_history(report.history))
 
 
 def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
@@ -115,7 +130,9 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
     # step committed there now is a clean save of it again); one that verifies was not corrupted
     # (the fault could not apply), and the check says so.
     corrupted = _uncaught(catalog, {f.step for f in report.faults if f.kind == "corrupt_shard" and f.step is not None})
-    _, final = final_model(catalog, corrupted)
+    step, final = final_model(catalog, corrupted)
+    if reference is not None and step is not None and step != spec.train.steps:  # the final commit corrupted
+        reference = reference_model_at(spec, step)
     exact = not dp_changed(report, spec.parallel.dp)
     goodput = {"productive": report.goodput.productive_s, **report.goodput.badput_s}
     result = check_all(

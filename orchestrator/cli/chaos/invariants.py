@@ -242,6 +242,9 @@ def check_goodput(goodput: GoodputLedger | Mapping[str, float], *, wall_s: float
     `to_dict()`; with a dict, `wall_s` is required (the dict has no wall of its own). The wall
     must come from a clock, never from the buckets: a report's `goodput.wall_s` is their sum
     (the check would pass whatever they hold); its `goodput.clock_wall_s` is the ledger's clock.
+    The ledger conserves time by construction (every move takes what it gives), so this checks
+    its bookkeeping as the report carries it (buckets dropped, negative, unknown, a carry gone
+    wrong); time lost or invented against the world is `check_wall_within`'s, by an outside clock.
     """
     name = "goodput_sums_to_wall"
     if isinstance(goodput, GoodputLedger):
