@@ -55,6 +55,7 @@ class JobRecord:
         self.checkpoint_interval: Callable[[], float | None] = lambda: None
         self.progress_every_s = progress_every_s
         self.started = time.time()
+        self.carried_s = 0.0  # job seconds of the runs this one resumed (orchestrator.controller.ledger_snapshot)
         self.steps = StepLog()  # every step's newest record, by step number
         # The newest step executions, in arrival order: what "the step time now" is measured on.
         # Bounded, so that the watchdog asking every poll costs the same at step 10 and 10 million.
@@ -94,7 +95,9 @@ class JobRecord:
         return self._generation_started
 
     def job_seconds(self, at: float | None = None) -> float:
-        return (at if at is not None else time.time()) - self.started
+        """Wall time `at` (now) on the job's clock: the seconds a resumed job carried over (`carried_s`,
+        the goodput ledger's carried wall, set at its first restore) plus this controller's own."""
+        return self.carried_s + (at if at is not None else time.time()) - self.started
 
     def on_step(self, event: StepDone) -> None:
         rec = StepRecord(event.step, event.loss, event.tokens, event.step_s, event.time, event.data_wait_s)

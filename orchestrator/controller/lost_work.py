@@ -34,8 +34,8 @@ class LostWork:
         else:
             lost = self.record.rolled_back_seconds(restore_point, since=trained_since, failed_at=failure.onset)
             self._booked_to = restore_point
+        lost = self.ledger.move(lost, "productive", "lost_work")  # as booked (clamped to what productive holds)
         failure.record.lost_work_s = lost
-        self.ledger.move(lost, "productive", "lost_work")
         return lost
 
     def on_restored(self, failure, step: int | None) -> str:

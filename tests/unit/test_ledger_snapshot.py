@@ -159,3 +159,21 @@ def test_in_the_background_a_hung_write_never_holds_the_controller_and_the_ended
     assert snapshots.housekeeper.settle(5)
     last = snapshots.load()  # the newest one landed, the one between was dropped unwritten
     assert last["ended"] is True and last["totals"]["productive"] >= 9.0
+
+
+def test_a_resumed_jobs_report_times_count_on_from_the_carried_job_seconds(tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.controller.ledger_snapshot import LedgerCarry
+
+    ledger = GoodputLedger()
+    record = JobRecord("j", 100, JobMetrics("j"), ledger, printer=lambda _: None)
+    manifest = SimpleNamespace(created_at=time.time(), state={"goodput": {"productive": 120.0, "startup": 10.0}})
+    clock = SimpleNamespace(skip_before=lambda job_s: None)
+    before = record.job_seconds()
+    LedgerCarry(lambda step: manifest, ledger, record, None, time.time(), clock).carry(20)
+    assert record.job_seconds() - before == pytest.approx(130.0, abs=1.0)  # on the ledger's wall, as faults are
+    assert record.job_seconds() == pytest.approx(ledger.wall(), abs=1.0)

@@ -52,3 +52,11 @@ def test_a_failed_restore_keeps_the_oldest_step_booked_to_and_a_fresh_start_book
     lost.on_restored(restore_failed, None)  # nothing loads: a fresh start redoes steps 0..29
     assert restore_failed.record.lost_work_s == pytest.approx(0.5 * 30)
     assert ledger.totals()["lost_work"] == pytest.approx(2.0 + 15.0)
+
+
+def test_the_failure_records_the_lost_work_the_ledger_booked_not_more():
+    record = SimpleNamespace(rolled_back_seconds=lambda point, since, failed_at: 5.0, work_seconds=lambda a, b: 0.0)
+    ledger = GoodputLedger(carried={"productive": 1.5})  # less productive time than the rollback's estimate
+    failure = _failure()
+    assert LostWork(record, ledger).on_failure(failure, 20, trained_since=0.0) == pytest.approx(1.5)
+    assert failure.record.lost_work_s == pytest.approx(1.5) == ledger.totals()["lost_work"]

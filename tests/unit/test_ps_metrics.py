@@ -105,7 +105,7 @@ def test_the_step_rate_gives_the_interval_between_commits_and_restarts_after_a_r
 
 
 def test_a_ps_job_exports_the_job_step_series_once_every_worker_s_log_of_a_step_is_in():
-    # The dashboard lists jobs by undying_step and draws their tokens and loss: a parameter-server job
+    # The dashboard draws every job's step, tokens and loss: a parameter-server job
     # exports them as a collective one does, from its workers' step logs.
     from orchestrator.cli.ps_run import step_feed
 
