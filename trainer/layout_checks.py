@@ -181,6 +181,11 @@ def _pipeline(model: ModelConfig, parallel: Any, global_batch: int | None,
         out.append(Refusal("parallel.schedule", f"'zero-bubble' with dp={dp} and zero={zero} wraps stages in DDP, "
                            "with which torch 2.13's zero-bubble schedule crashes: use parallel.zero=2",
                            f"zero-bubble with zero={zero} (DDP stages)"))
+    if schedule == "zero-bubble" and getattr(parallel, "recompute", "none") != "none":
+        out.append(Refusal("parallel.recompute", f"{parallel.recompute!r} with schedule 'zero-bubble': torch 2.13's "
+                           "activation checkpointing cannot recompute for the weight half of zero-bubble's split "
+                           "backward (it fails); set parallel.recompute: none, or schedule '1f1b' or 'interleaved'",
+                           "zero-bubble with recompute"))
     if schedule == "zero-bubble" and dp > 1 and zero == 3:
         out.append(Refusal("parallel.schedule", "'zero-bubble' computes wrong gradients with ZeRO-3 (FSDP2 "
                            "reshard_after_forward=True, torch 2.13): use parallel.zero=2, or schedule '1f1b' "

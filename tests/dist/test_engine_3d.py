@@ -308,3 +308,10 @@ def test_parity_full_3d_matrix(world_size, pp):
     for parallel, why in refused:  # only the documented refusals
         assert parallel.schedule == "zero-bubble" or parallel.dp == 4, (parallel, why)
     run_parity(world_size, [p for p in runnable if p.pp == pp], timeout_s=3500)
+
+
+def test_pipelines_with_activation_recompute_match():
+    # The planner turns recompute on when a pipelined layout does not fit: every schedule with it,
+    # zero-bubble's split backward (input, then weight) recomputing under checkpointing included.
+    run_parity(2, [par(pp=2, recompute="block"), par(pp=2, schedule="interleaved", recompute="selective"),
+                   par(pp=2, schedule="gpipe", recompute="selective")])

@@ -238,3 +238,19 @@ def test_uneven_layer_split_is_ranked_and_built():
 def test_ranked_layouts_build_and_hold_their_predicted_state_many(drawn, pick):
     spec, n_gpus = drawn
     check_ranked_layouts(spec, n_gpus, pick)
+
+
+def test_the_planner_never_turns_recompute_on_under_zero_bubble_and_keeps_the_specs_sequence_parallelism():
+    """Zero-bubble's split backward cannot recompute (torch 2.13): a zero-bubble layout too large
+    without recompute is rejected, where 1f1b fits it with recompute. And a spec without sequence
+    parallelism is priced and checked without it (activations not divided by tp)."""
+    model = ModelConfig(preset="llama3.1-8b")
+    data, train = DataConfig(seq_len=8192), TrainConfig(steps=1, global_batch=64)
+    ranked = {schedule: plan(SimpleNamespace(model=model, data=data, train=train,
+                                             parallel=ParallelConfig(schedule=schedule)), H200, 8).valid
+              for schedule in ("1f1b", "zero-bubble")}
+    assert any(c.layout.recompute != "none" and c.layout.pp > 1 for c in ranked["1f1b"])
+    assert all(c.layout.recompute == "none" for c in ranked["zero-bubble"] if c.layout.pp > 1)
+    for parallel in (ParallelConfig(), ParallelConfig(sequence_parallel=False)):
+        valid = plan(SimpleNamespace(model=model, data=data, train=train, parallel=parallel), H200, 8).valid
+        assert valid and {c.layout.sequence_parallel for c in valid} == {parallel.sequence_parallel}

@@ -122,6 +122,8 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
                                                                              "pipeline chunks"),
         (["resources.num_ranks=3"], "resources.num_ranks", "3 does not match parallel.dp * tp * pp = 2"),
         (["model.position=learned", "data.seq_len=512"], "data.seq_len", "exceeds model.max_seq_len = 256"),
+        (["parallel.dp=1", "parallel.pp=2", "parallel.schedule=zero-bubble", "parallel.recompute=block"],
+         "parallel.recompute", "'block' with schedule 'zero-bubble': torch 2.13's activation checkpointing"),
         (["parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true", "model.max_seq_len=255",
           "eval={path: v, every_steps: 5, seq_len: 255}"], "eval.seq_len", "is padded to 256 (a multiple of "
                                                                             "parallel.tp = 2"),

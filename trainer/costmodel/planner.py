@@ -109,21 +109,32 @@ def _oom_reason(lay: Layout, memory: Ledgers, capacity: int) -> tuple[str, str]:
 
 
 def _fit(work: Workload, lay: Layout, hw: Hardware, recompute: Sequence[str]) -> Candidate | Rejection:
-    """The candidate with the least recomputation that fits, or the last one's OOM rejection."""
-    capacity = capacity_bytes(hw, lay)
+    """The candidate with the least recomputation that fits, or the last one's OOM rejection; a
+    recomputation the engine refuses with this layout (zero-bubble's) is not tried."""
+    capacity, tried = capacity_bytes(hw, lay), None
     for choice in recompute:
         trial = replace(lay, recompute=choice)
+        refused = layout_refusals(work.model, trial, work.seq_len, work.global_batch, trial.micro_batch, work.compile)
+        if refused:
+            tried = tried or (trial, refused[0])
+            continue
         memory = ledgers(work, trial, hw.kind)
         if memory.total <= capacity:
             return Candidate(trial, predict(work, trial, hw))
-    key, reason = _oom_reason(trial, memory, capacity)
-    return Rejection(trial, key, reason, memory)
+        tried = (trial, memory)
+    trial, found = tried
+    if not isinstance(found, Ledgers):  # every choice refused
+        return Rejection(trial, found.key, str(found))
+    key, reason = _oom_reason(trial, found, capacity)
+    return Rejection(trial, key, reason, found)
 
 
-def enumerate_layouts(work: Workload, n_gpus: int, schedule: str, ddp_bucket_mb: float = 25.0) -> list[Layout]:
-    """Every (dp, tp, pp, zero, micro_batch) the planner considers (module docstring)."""
+def enumerate_layouts(work: Workload, n_gpus: int, schedule: str, ddp_bucket_mb: float = 25.0,
+                      sequence_parallel: bool = True, virtual_stages: int | None = None) -> list[Layout]:
+    """Every (dp, tp, pp, zero, micro_batch) the planner considers (module docstring), with the
+    spec's schedule, chunks per pipeline rank and sequence parallelism."""
     out = []
-    v = default_virtual_stages(schedule)
+    v = virtual_stages or default_virtual_stages(schedule)
     for tp in range(1, min(n_gpus, work.model.n_heads) + 1):
         for pp in range(1, min(n_gpus, work.model.n_layers) + 1):
             dp = max(1, n_gpus // (tp * pp))
@@ -133,7 +144,7 @@ def enumerate_layouts(work: Workload, n_gpus: int, schedule: str, ddp_bucket_mb:
                     for mb in _divisors(per_replica):
                         out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, schedule=schedule,
                                           virtual_stages=v if pp > 1 else 1, ddp_bucket_mb=ddp_bucket_mb,
-                                          dp_replicate=replicas))
+                                          dp_replicate=replicas, sequence_parallel=sequence_parallel))
     return out
 
 
@@ -158,8 +169,10 @@ def plan(spec_like: Any, hw: Hardware, n_gpus: int,
     par = getattr(spec_like, "parallel", None)
     schedule = par.schedule if par is not None else "1f1b"
     bucket_mb = par.ddp_bucket_mb if par is not None else 25.0
+    sequence_parallel = par.sequence_parallel if par is not None else True
+    virtual = par.virtual_stages if par is not None else None
     result = Plan(hardware=hw, n_gpus=n_gpus)
-    for lay in enumerate_layouts(work, n_gpus, schedule, bucket_mb):
+    for lay in enumerate_layouts(work, n_gpus, schedule, bucket_mb, sequence_parallel, virtual):
         problem = _structural_reason(work, lay, n_gpus)
         if problem is not None:
             result.rejected.append(Rejection(lay, *problem))
