@@ -65,13 +65,32 @@ class Refusal:
 
 def layout_refusals(model: ModelConfig, parallel: Any, seq_len: int | None = None,
                     global_batch: int | None = None, micro_batch: int | None = None,
-                    compile: bool = False) -> list[Refusal]:
+                    compile: bool = False, eval_len: int | None = None) -> list[Refusal]:
     """Every reason the engine refuses this layout (module docstring), in a fixed order: the
-    tensor-parallel split, the sequence, the batch, HSDP, the pipeline, compile (train.compile).
+    tensor-parallel split, the sequence, the batch, HSDP, the pipeline, compile (train.compile),
+    the validation windows (`eval_len`: eval.seq_len, or data.seq_len; None: no validation).
     Empty when it runs."""
     return (_tensor_parallel(model, parallel, seq_len) + _sequence(model, seq_len)
             + _batch(parallel, global_batch, micro_batch) + _hsdp(parallel)
-            + _pipeline(model, parallel, global_batch, micro_batch) + _compile(parallel, compile))
+            + _pipeline(model, parallel, global_batch, micro_batch) + _compile(parallel, compile)
+            + _validation(model, parallel, seq_len, eval_len))
+
+
+def _validation(model: ModelConfig, parallel: Any, seq_len: int | None, eval_len: int | None) -> list[Refusal]:
+    if eval_len is None or eval_len > model.max_seq_len:  # (longer than the model: the spec's own check)
+        return []
+    tp, out = parallel.tp, []
+    padded = -(-eval_len // tp) * tp
+    if tp > 1 and parallel.sequence_parallel and padded > model.max_seq_len:  # padded as the engine pads it
+        out.append(Refusal("eval.seq_len", f"{eval_len} is padded to {padded} (a multiple of parallel.tp = {tp}, "
+                           f"for sequence parallelism), beyond model.max_seq_len = {model.max_seq_len}; evaluate "
+                           f"windows of at most {model.max_seq_len // tp * tp}", f"tp={tp}: eval windows padded "
+                           "past max_seq_len"))
+    if seq_len is not None and parallel.pp > 1 and eval_len > seq_len:
+        out.append(Refusal("eval.seq_len", f"{eval_len} exceeds data.seq_len = {seq_len}, the static shape of the "
+                           "pipeline's stages (pp > 1); evaluate windows of at most data.seq_len tokens",
+                           f"pp={parallel.pp}: eval windows longer than the stages' shape"))
+    return out
 
 
 def _compile(parallel: Any, compile: bool) -> list[Refusal]:

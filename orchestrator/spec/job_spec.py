@@ -151,19 +151,10 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
-    evaluation = getattr(spec, "eval", None)
-    eval_len = (evaluation.seq_len or (data.seq_len if data else None)) if evaluation else None
+    eval_len = eval_length(spec)
     if model and eval_len and eval_len > model.max_seq_len:
         out.append(Problem("eval.seq_len", f"{eval_len} exceeds model.max_seq_len = {model.max_seq_len}; "
                            "evaluate shorter windows"))
-    elif model and par and eval_len and par.tp > 1 and par.sequence_parallel \
-            and -(-eval_len // par.tp) * par.tp > model.max_seq_len:  # padded as the engine pads it
-        out.append(Problem("eval.seq_len", f"{eval_len} is padded to {-(-eval_len // par.tp) * par.tp} (a multiple of "
-                           f"parallel.tp = {par.tp}, for sequence parallelism), beyond model.max_seq_len = "
-                           f"{model.max_seq_len}; evaluate windows of at most {model.max_seq_len // par.tp * par.tp}"))
-    if par and data and eval_len and par.pp > 1 and eval_len > data.seq_len:
-        out.append(Problem("eval.seq_len", f"{eval_len} exceeds data.seq_len = {data.seq_len}, the static shape of "
-                           "the pipeline's stages (pp > 1); evaluate windows of at most data.seq_len tokens"))
     if par and spec.elastic and spec.elastic.min_dp > par.dp:
         out.append(Problem("elastic.min_dp", f"{spec.elastic.min_dp} exceeds parallel.dp = {par.dp}; "
                            f"set it to at most {par.dp}"))
@@ -225,8 +216,14 @@ def engine_support_problems(spec: Any) -> list[Problem]:
     from trainer.layout_checks import layout_refusals
 
     found = layout_refusals(model, par, data.seq_len if data else None, train.global_batch if train else None,
-                            train.micro_batch if train else None, bool(train and train.compile))
+                            train.micro_batch if train else None, bool(train and train.compile), eval_length(spec))
     return [Problem(refusal.field, refusal.message) for refusal in found]
+
+
+def eval_length(spec) -> int | None:
+    """The validation windows' length (eval.seq_len, else data.seq_len); None without validation."""
+    evaluation, data = getattr(spec, "eval", None), getattr(spec, "data", None)
+    return (evaluation.seq_len or (data.seq_len if data else None)) if evaluation else None
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")

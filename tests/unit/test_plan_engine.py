@@ -254,3 +254,13 @@ def test_the_planner_never_turns_recompute_on_under_zero_bubble_and_keeps_the_sp
     for parallel in (ParallelConfig(), ParallelConfig(sequence_parallel=False)):
         valid = plan(SimpleNamespace(model=model, data=data, train=train, parallel=parallel), H200, 8).valid
         assert valid and {c.layout.sequence_parallel for c in valid} == {parallel.sequence_parallel}
+
+
+def test_a_validation_longer_than_the_training_windows_rules_out_pipelines_in_the_plan():
+    model = ModelConfig(vocab_size=64, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32, d_ff=32, max_seq_len=128)
+    spec = SimpleNamespace(model=model, data=DataConfig(seq_len=64), train=TrainConfig(steps=1, global_batch=8),
+                           parallel=ParallelConfig(), eval=SimpleNamespace(seq_len=128))
+    result = plan(spec, H200, 4)
+    assert result.valid and all(c.layout.pp == 1 for c in result.valid)  # the spec would refuse them on eval.seq_len
+    assert any(r.key.startswith("pp=") and "eval windows" in r.key for r in result.rejected)
+    assert any(c.layout.pp > 1 for c in plan(SimpleNamespace(**{**vars(spec), "eval": None}), H200, 4).valid)

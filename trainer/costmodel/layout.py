@@ -59,11 +59,14 @@ class Workload:
     precision: str = "fp32"  # "fp32", "bf16" or "fp16"
     optimizer: str = "adamw"  # "adamw" or "sgd"
     compile: bool = False  # train.compile: the engine refuses some layouts with it
+    eval_len: int | None = None  # the validation windows' length (None: no validation): some layouts refuse them
 
     @classmethod
     def from_spec(cls, spec: Any) -> Workload:
+        evaluation = getattr(spec, "eval", None)
         return cls(model=spec.model, seq_len=spec.data.seq_len, global_batch=spec.train.global_batch,
-                   precision=spec.train.precision, optimizer=spec.train.optimizer, compile=spec.train.compile)
+                   precision=spec.train.precision, optimizer=spec.train.optimizer, compile=spec.train.compile,
+                   eval_len=(evaluation.seq_len or spec.data.seq_len) if evaluation else None)
 
     @property
     def tokens_per_step(self) -> int:

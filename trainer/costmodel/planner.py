@@ -86,7 +86,8 @@ def _structural_reason(work: Workload, lay: Layout, n_gpus: int) -> tuple[str, s
     The engine's refusals come first (trainer.layout_checks.layout_refusals, the rules the
     engine and the job spec apply), then the device count, then the planner's own pruning.
     """
-    refused = layout_refusals(work.model, lay, work.seq_len, work.global_batch, lay.micro_batch, work.compile)
+    refused = layout_refusals(work.model, lay, work.seq_len, work.global_batch, lay.micro_batch, work.compile,
+                              work.eval_len)
     if refused:
         return refused[0].key, str(refused[0])
     if lay.world != n_gpus:
@@ -114,7 +115,8 @@ def _fit(work: Workload, lay: Layout, hw: Hardware, recompute: Sequence[str]) ->
     capacity, tried = capacity_bytes(hw, lay), None
     for choice in recompute:
         trial = replace(lay, recompute=choice)
-        refused = layout_refusals(work.model, trial, work.seq_len, work.global_batch, trial.micro_batch, work.compile)
+        refused = layout_refusals(work.model, trial, work.seq_len, work.global_batch, trial.micro_batch, work.compile,
+                                  work.eval_len)
         if refused:
             tried = tried or (trial, refused[0])
             continue
