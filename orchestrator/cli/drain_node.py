@@ -26,7 +26,8 @@ it is the node of the Ray this process connects to.
 
 Exit codes: 0 no rank is left on the node; 1 ranks were still there at the deadline, or Ray did
 not answer (the pod ends either way); 2 bad input (a node id that names no live node, a wait that
-is not a number of seconds from 0 to 3600).
+is not a number of seconds from 0 to 3600, this node when it is the cluster's head: the hook is a
+worker pod's, and a head drained by mistake ends the cluster; `--node-id` names one on purpose).
 """
 
 from __future__ import annotations
@@ -103,10 +104,16 @@ def _drain(address: str, node_id: str | None, reason: str, deadline: float) -> i
         return EXIT_FAILED
     try:
         node = (node_id or ray.get_runtime_context().get_node_id()).lower()  # Ray's ids are lower-case hex
-        if node not in live_nodes():
+        live = live_nodes()
+        if node not in live:
             named = f"--node-id {node} names" if node_id else f"this process's node {node} is"
             print(f"undying drain-node: {named} no live node of this cluster; `ray list nodes` shows their ids",
                   file=sys.stderr)
+            return EXIT_USAGE
+        if node_id is None and live[node]:  # the hook belongs on worker pods: this is a mistake or a test
+            print(f"undying drain-node: this process's node {node[:12]} is the head of the cluster at {address!r} "
+                  "(its GCS and the jobs' drivers run there), which a drain would end; run the hook on worker "
+                  "nodes only, or name a node with --node-id", file=sys.stderr)
             return EXIT_USAGE
         accepted, why = request_drain(node, reason, deadline)
         if not accepted:
@@ -132,10 +139,12 @@ def _report_outcome(node: str, left: int, took: float) -> int:
     return EXIT_OK
 
 
-def live_nodes() -> set[str]:
+def live_nodes() -> dict[str, bool]:
+    """{node id: whether it is the head} of the cluster's live nodes."""
     import ray
 
-    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    return {node["NodeID"]: "node:__internal_head__" in node.get("Resources", {})
+            for node in ray.nodes() if node.get("Alive")}
 
 
 def request_drain(node: str, reason: str, deadline: float) -> tuple[bool, str]:

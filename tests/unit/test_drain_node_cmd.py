@@ -85,3 +85,26 @@ def test_the_rank_class_waited_for_is_the_one_ray_records_for_a_rank():
     assert RankActor.__qualname__ in RANK_CLASSES
     # A parameter-server job's actors: the name Ray records for a class made an actor by @ray.remote.
     assert {ServerActor.__ray_metadata__.class_name, WorkerActor.__ray_metadata__.class_name} <= set(RANK_CLASSES)
+
+
+def test_this_node_is_not_drained_when_it_is_the_head(capsys, monkeypatch):
+    """The hook is a worker pod's: run on the head (by mistake, or from a shell there), draining it
+    would end the cluster. Named with --node-id, an operator's drain of it goes through to Ray."""
+    import types
+
+    import ray
+
+    import orchestrator.cli.drain_node as drain_node
+
+    head = "ab" * 28
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: head))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": head, "Alive": True,
+                                                "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}])
+    asked = []
+    monkeypatch.setattr(drain_node, "request_drain", lambda node, reason, deadline: (asked.append(node), (False, "x"))[1])
+    assert main(["drain-node", "--wait", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"this process's node {head[:12]} is the head of the cluster" in err and asked == []
+    assert main(["drain-node", "--wait", "5", "--node-id", head]) == 1 and asked == [head]  # on purpose: asked
