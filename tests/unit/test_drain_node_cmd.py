@@ -103,7 +103,12 @@ def test_this_node_is_not_drained_when_it_is_the_head(capsys, monkeypatch):
     monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": head, "Alive": True,
                                                 "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}])
     asked = []
-    monkeypatch.setattr(drain_node, "request_drain", lambda node, reason, deadline: (asked.append(node), (False, "x"))[1])
+
+    def request_drain(node, reason, deadline):
+        asked.append(node)
+        return False, "refused here"
+
+    monkeypatch.setattr(drain_node, "request_drain", request_drain)
     assert main(["drain-node", "--wait", "5"]) == 2
     err = capsys.readouterr().err
     assert f"this process's node {head[:12]} is the head of the cluster" in err and asked == []
