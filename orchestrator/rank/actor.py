@@ -163,6 +163,7 @@ class RankActor:
         if backend == "nccl":
             import torch
 
+            require_cuda(self.spec.resources.gpus_per_rank)
             # Ray shows a rank its one GPU as device 0. Bound before the group forms, so that NCCL's
             # communicators and a barrier use it rather than guess (torch warns when it must).
             torch.cuda.set_device(0)
@@ -362,3 +363,23 @@ def peak_flops_per_rank(spec, device) -> float:
         else:
             _PEAK_FLOPS[key] = measure_cpu_matmul_flops(0.3, precision)
     return _PEAK_FLOPS[key]
+
+
+def require_cuda(gpus_per_rank: float) -> None:
+    """A GPU rank's device is usable, or a RuntimeError that says why in words naming the fix: on a
+    node whose NVIDIA driver is older than this torch's CUDA needs, every rank fails here, at its
+    first CUDA call, and the error must say so rather than a bare CUDA message."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.init()  # its error says why: no driver, a driver too old, no device
+        why = "torch.cuda.is_available() is False"
+    except Exception as err:  # noqa: BLE001 (torch raises several kinds here)
+        why = f"{type(err).__name__}: {err}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise RuntimeError(f"resources.gpus_per_rank = {gpus_per_rank:g}, but this rank sees no usable CUDA device "
+                       f"({why}); torch {torch.__version__} is built for CUDA {torch.version.cuda}: the node's "
+                       "NVIDIA driver must support it (CUDA 13.0: driver release 580 or newer; `nvidia-smi`), and "
+                       f"Ray must give the rank a GPU (CUDA_VISIBLE_DEVICES={visible!r})")

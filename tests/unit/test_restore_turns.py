@@ -208,3 +208,23 @@ def test_a_restore_made_stale_publishes_nothing_and_the_current_one_publishes():
         turns.publish(stale, lambda: published.append(stale))
     assert published == [ticket]
 
+
+
+def test_a_gpu_rank_without_a_usable_cuda_device_says_what_to_fix(monkeypatch):
+    import torch
+
+    from orchestrator.rank.actor import require_cuda
+
+    def old_driver():  # what torch says on a node whose driver predates its CUDA
+        raise RuntimeError("The NVIDIA driver on your system is too old (found version 12020)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "init", old_driver)
+    with pytest.raises(RuntimeError) as refused:
+        require_cuda(1)
+    words = str(refused.value)
+    assert words.startswith("resources.gpus_per_rank = 1, but this rank sees no usable CUDA device (RuntimeError: "
+                            "The NVIDIA driver on your system is too old")
+    assert "driver release 580 or newer" in words and "CUDA_VISIBLE_DEVICES=" in words
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    require_cuda(1)  # usable: nothing said
