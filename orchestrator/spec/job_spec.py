@@ -34,7 +34,7 @@ from orchestrator.spec.elastic import HANG_FLOOR_S, ElasticConfig
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.ps_check import ps_defaults, ps_problems
-from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
+from orchestrator.spec.secrets import FILE_KEY, STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.spec_section import SpecSection
@@ -265,6 +265,8 @@ def _unknown_key(loc: Sequence[str | int]) -> str:
     if section is None:
         return f"unknown key {key!r}; remove it"
     allowed = _keys(section)
+    if [str(part) for part in loc[:-1]] in [[name] for name in STORAGE_SECTIONS]:
+        allowed.append(FILE_KEY)  # read (and removed) before validation: orchestrator.spec.secrets
     close = difflib.get_close_matches(str(key), allowed, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"

@@ -137,3 +137,15 @@ def test_model_storage_options_come_from_a_file_and_stay_out_of_the_hash_and_the
     assert SECRET not in json.dumps(spec.model.architecture())  # what a manifest carries of the model
     with pytest.raises(SpecError, match=r"from_hf is not set; remove model.storage_options"):
         validate_spec({**plain, "model": {"preset": "tiny", "storage_options": {"endpoint_url": "http://x"}}})
+
+
+def test_a_misspelt_options_file_key_is_pointed_at_the_file_key_not_the_inline_one(tmp_path):
+    from orchestrator.spec.job_spec import SpecError, validate_spec
+
+    data = {"name": "j", "model": {"preset": "tiny"}, "train": {"steps": 10, "global_batch": 4},
+            "checkpoint": {"url": f"file://{tmp_path}/ck", "storage_options_files": "a.yaml"}}
+    with pytest.raises(SpecError) as refused:
+        validate_spec(data)
+    [problem] = refused.value.problems
+    assert problem.field == "checkpoint.storage_options_files"
+    assert "did you mean 'storage_options_file'?" in problem.message and "storage_options_file" in problem.message
