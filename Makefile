@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# CPU set-ups pin torch: an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned. PyPI's Linux x86_64 torch is the CUDA build (several GB with its nvidia
+# wheels); a machine without a GPU takes the CPU build from PyTorch's own index instead:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 DEMO_DIR := runs/demo
 
 FT_DIR := runs/finetune
@@ -18,7 +21,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,s3,plot]"
 	touch $(STAMP)
 
