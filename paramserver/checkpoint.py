@@ -284,7 +284,7 @@ def restore_newest_intact(servers: list, root: str, step: int, *, storage_option
     starts over from step 0 on its own. A server loads a step only once every block verified, and a
     fall back restores every server, so no server keeps another step's state. `timeout`: as
     restore_servers' (ServersTimedOut is the caller's to repair)."""
-    proven, skipped = [], set() if skipped is None else skipped
+    proven, stuck, skipped = [], [], set() if skipped is None else skipped  # stuck: proven, not moved aside
     cat = None  # made at the first fall back: a restore that succeeds lists nothing
     while True:
         if step not in skipped:
@@ -304,14 +304,17 @@ def restore_newest_intact(servers: list, root: str, step: int, *, storage_option
                     proven.append(step)
                 else:  # proven, but the store failed the quarantine: kept, and skipped as unreadable
                     skipped.add(step)
+                    stuck.append(step)
         cat = cat or catalog(root, storage_options, owner)
         listed = ReadRetry(read_retry_s).call(cat.committed_steps, "listing the committed checkpoints")
         older = [s for s in listed if s < step and s not in skipped]
         if not older:
+            unread = sorted(skipped - set(stuck))
             raise PSCheckpointError(f"no committed checkpoint left to restore: steps {proven} proved corrupt "
-                                    f"(quarantined as evidence), steps {sorted(skipped)} failed the servers' reads "
-                                    "only (kept); " + ("rerun once every node reads the store" if skipped else
-                                                       "`undying run --fresh` starts the job over from step 0"))
+                                    f"(quarantined as evidence), steps {stuck} proved corrupt but the store failed "
+                                    f"to move them aside (kept), steps {unread} failed the servers' reads only "
+                                    "(kept); " + ("rerun once every node reads the store" if unread else
+                                                  "`undying run --fresh` starts the job over from step 0"))
         step = older[-1]
 
 

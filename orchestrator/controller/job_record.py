@@ -94,6 +94,17 @@ class JobRecord:
         self._booked_since_step = 0.0
         return self._generation_started
 
+    def carry_clock(self, carried_s: float) -> None:
+        """A resumed job's job seconds (the goodput ledger's carried wall, at its first restore): the
+        report's times count on from them, and those recorded before (this run's placement, a failed
+        first rendezvous) move with them, so that the report has one clock."""
+        shift, self.carried_s = carried_s - self.carried_s, carried_s
+        for world in self.world:
+            world.started_at += shift
+        for record in [*self.failures, *self.faults, *self.stragglers]:
+            if record.time is not None:
+                record.time += shift
+
     def job_seconds(self, at: float | None = None) -> float:
         """Wall time `at` (now) on the job's clock: the seconds a resumed job carried over (`carried_s`,
         the goodput ledger's carried wall, set at its first restore) plus this controller's own."""

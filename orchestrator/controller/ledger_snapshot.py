@@ -178,6 +178,6 @@ class LedgerCarry:
         self.done = True  # from here on, a retry must not carry (or prepend the history) again
         carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at)
         if carried is not None:
-            self.record.carried_s = carried  # the report's times count on from the resumed job's
+            self.record.carry_clock(carried)  # the report's times count on from the resumed job's
             self.fault_clock.skip_before(carried)
             self.ledger.enter("checkpoint_restore")

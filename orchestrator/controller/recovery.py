@@ -127,8 +127,8 @@ class Recovery:
         promoted = self.workers.promote_spares(lost)
         cold, words = promoted.left, self._promotion_words(promoted, "warm spares")
         timeout_s, began = self.spec.elastic.replace_timeout_s, time.monotonic()
-        if cold:
-            cold = self._await_warming_spares(cold, timeout_s, words)
+        if cold:  # at most half the limit: a spare that never warms leaves new actors the other half
+            cold = self._await_warming_spares(cold, timeout_s / 2, words)
         stranded = self._stranded(cold, draining, words) if draining and cold else []
         cold = [r for r in cold if r not in stranded]
         # One limit for the whole replacement: new actors get what the wait for warming spares left.

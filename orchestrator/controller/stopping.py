@@ -239,8 +239,9 @@ class Stops:
             if not self.signals or self.clock() < self.signalled_at + grace:
                 return None
             return preempted(f"{self.signals[0]} as the final checkpoint (step {steps}) was being committed: not "
-                             f"committed within elastic.preemption_grace_s={grace:g} s, {self.last_commit()}; a rerun "
-                             "resumes from the newest commit it finds")
+                             f"committed within elastic.preemption_grace_s={grace:g} s (it may still land as the "
+                             f"driver exits: the report's final step says), {self.last_commit()}; a rerun resumes "
+                             "from the newest commit it finds")
         if self.checkpoints.latest != steps and self.checkpoints.kept_intact(steps):
             return Move(Succeeded(), f"{steps} steps done; the final checkpoint is step {steps} as committed before "
                                      "(this run's restore read it damaged, it verifies whole here), "

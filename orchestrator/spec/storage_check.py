@@ -100,7 +100,8 @@ def _exclusive_create_problems(url: str, options: dict[str, Any]) -> list[Proble
     except Exception as error:  # noqa: BLE001 (whatever the store or the mount says)
         fix = ("use the object store's own URL (s3://...) instead of a FUSE mount of it (gcsfuse, s3fs-fuse, "
                "blobfuse refuse hard links), or a POSIX filesystem" if store.is_local else
-               "check that the credentials in checkpoint.storage_options may write objects")
+               "the store took a plain write but not a conditional one (If-None-Match: *), which every commit "
+               "is: use a store that supports conditional writes")
         return [Problem(FIELD, f"{url} cannot create a file exclusively, as every checkpoint commit does "
                         f"({error_reason(error)}); {fix}")]
     try:

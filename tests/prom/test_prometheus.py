@@ -167,8 +167,8 @@ def test_values_describe_the_job(scraped):
 
 def test_the_dashboards_job_variable_lists_the_job(scraped):
     prom, *_ = scraped
-    # label_values(undying_step, undying_job)
-    assert prom.label_values("undying_job", "undying_step") == [JOB]
+    # label_values(undying_run_start_timestamp_seconds, undying_job)
+    assert prom.label_values("undying_job", "undying_run_start_timestamp_seconds") == [JOB]
 
 
 def test_every_dashboard_query_returns_data(scraped):

@@ -174,6 +174,8 @@ def test_a_resumed_jobs_report_times_count_on_from_the_carried_job_seconds(tmp_p
     manifest = SimpleNamespace(created_at=time.time(), state={"goodput": {"productive": 120.0, "startup": 10.0}})
     clock = SimpleNamespace(skip_before=lambda job_s: None)
     before = record.job_seconds()
+    record.on_layout(0, 2, 2, 1, 1)  # placed and formed before the restore: on this run's clock then
     LedgerCarry(lambda step: manifest, ledger, record, None, time.time(), clock).carry(20)
     assert record.job_seconds() - before == pytest.approx(130.0, abs=1.0)  # on the ledger's wall, as faults are
     assert record.job_seconds() == pytest.approx(ledger.wall(), abs=1.0)
+    assert record.world[0].started_at == pytest.approx(130.0, abs=1.0)  # moved with it: one clock

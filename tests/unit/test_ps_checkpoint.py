@@ -250,6 +250,11 @@ def test_a_proven_corrupt_commit_whose_quarantine_the_store_fails_is_kept_skippe
     assert restore_newest_intact(fresh.servers, root, 4, skipped=skipped) == 2 and skipped == {4}
     assert all(torch.equal(value, at_two[name]) for name, value in _state(fresh).items())
     assert cat.committed_steps() == [2, 4]  # kept where it was: never restored by this run
+    name = next(n for n in cat.read_manifest(2).tensors if n.startswith("model/"))
+    flip_bit(cat, 2, shard_of(cat, 2, name))  # the older one too: nothing left, and a rerun would not help
+    with pytest.raises(PSCheckpointError, match=r"steps \[4, 2\] proved corrupt but the store failed to move them "
+                                                r"aside \(kept\), steps \[\] failed .*--fresh"):
+        restore_newest_intact(fresh.servers, root, 4)
 
 
 def test_retention_after_a_save_neither_counts_nor_deletes_the_commits_the_run_skipped(tmp_path):

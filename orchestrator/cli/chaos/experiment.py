@@ -131,7 +131,7 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
     # (the fault could not apply), and the check says so.
     corrupted = _uncaught(catalog, {f.step for f in report.faults if f.kind == "corrupt_shard" and f.step is not None})
     step, final = final_model(catalog, corrupted)
-    if reference is not None and step is not None and step != spec.train.steps:  # the final commit corrupted
+    if reference is not None and step is not None and spec.train.steps in corrupted:  # the final commit
         reference = reference_model_at(spec, step)
     exact = not dp_changed(report, spec.parallel.dp)
     goodput = {"productive": report.goodput.productive_s, **report.goodput.badput_s}
