@@ -126,12 +126,15 @@ class Stops:
                              f"{self.last_commit()}")
         return None
 
+    @property
+    def grace_ends_at(self) -> float:
+        """clock() when the first signal's grace (elastic.preemption_grace_s) ends; inf without one."""
+        return self.signalled_at + self.spec.elastic.preemption_grace_s if self.signals else math.inf
+
     def end_wait_s(self) -> float:
         """How long the run's end may wait for each store write left (a commit under way, the last
         snapshot): what a signal's grace has left, at least END_FLOOR_S; unbounded here without one."""
-        if not self.signals:
-            return math.inf
-        return max(END_FLOOR_S, self.signalled_at + self.spec.elastic.preemption_grace_s - self.clock())
+        return max(END_FLOOR_S, self.grace_ends_at - self.clock())
 
     def ending(self) -> bool:
         """Whether the job would end now (`at_once`), asked by the worker group's long waits
@@ -155,8 +158,7 @@ class Stops:
     def _stop(self, run: TrainingRun, store, world_size: int, restored: int | None) -> Stopping | None:
         if self.signals:
             reached, at, stop = self._stop_step(store, restored)
-            grace = self.spec.elastic.preemption_grace_s
-            return Stopping(run, stop, f"{self.signals[0]} at step {reached}", self.signalled_at + grace)
+            return Stopping(run, stop, f"{self.signals[0]} at step {reached}", self.grace_ends_at)
         for node, deadline in self.drains().items():
             if node in self.drained:
                 continue
@@ -214,8 +216,8 @@ class Stops:
         ends = [(phase.deadline, f"no commit of step {phase.step} within elastic.preemption_grace_s={grace:g} s"
                  if phase.node is None else f"step {phase.step} not committed before its deadline")]
         if self.signals and phase.node is not None:
-            ends.append((self.signalled_at + grace, f"{self.signals[0]} during the drain: no commit of step "
-                                                    f"{phase.step} within elastic.preemption_grace_s={grace:g} s"))
+            ends.append((self.grace_ends_at, f"{self.signals[0]} during the drain: no commit of step "
+                                             f"{phase.step} within elastic.preemption_grace_s={grace:g} s"))
         if self.returned_at is not None:
             ends.append((self.returned_at + RECEIPTS_S, f"every rank stopped but step {phase.step} was not "
                                                         "committed (a save failed, or a rank read the stop late)"))
@@ -235,13 +237,12 @@ class Stops:
         if phase.state == State.STOPPING and phase.step < steps:
             return self._ended(phase, store, gen, world_size, dp)
         if self.checkpoints.latest != steps and self._receipts_may_come():
-            grace = self.spec.elastic.preemption_grace_s
-            if not self.signals or self.clock() < self.signalled_at + grace:
+            if self.clock() < self.grace_ends_at:  # (inf without a signal)
                 return None
             return preempted(f"{self.signals[0]} as the final checkpoint (step {steps}) was being committed: not "
-                             f"committed within elastic.preemption_grace_s={grace:g} s (it may still land as the "
-                             f"driver exits: the report's final step says), {self.last_commit()}; a rerun resumes "
-                             "from the newest commit it finds")
+                             f"committed within elastic.preemption_grace_s={self.spec.elastic.preemption_grace_s:g} s "
+                             "(it may still land as the driver exits: the report's final step says), "
+                             f"{self.last_commit()}; a rerun resumes from the newest commit it finds")
         if self.checkpoints.latest != steps and self.checkpoints.kept_intact(steps):
             return Move(Succeeded(), f"{steps} steps done; the final checkpoint is step {steps} as committed before "
                                      "(this run's restore read it damaged, it verifies whole here), "
