@@ -51,7 +51,10 @@ class ControllerFaults:
         # Built before the storage faults go on the catalog: reading the fired markers is not a fault's target.
         self.kill = kill or ControllerKill(faults, catalog.storage, printer, job_seconds)
         self.markers = Storage(catalog.storage.url, catalog.storage.storage_options)
-        self.one_shot = {f.id: f for f in faults if not f.repeat and f.kind != "kill_controller"}
+        # Faults that fire once: not repeating, not kill_controller (its own marker), not a storage
+        # fault's window (armed for late joiners and later controllers alike, and noticed at every call).
+        self.one_shot = {f.id: f for f in faults if not f.repeat and f.kind != "kill_controller"
+                         and not (f.kind in STORAGE_KINDS and f.duration_s)}
         for fault in self.one_shot.values():
             if has_fired(self.markers, fault):
                 self.fired.setdefault(fault.id, FaultFired(fault.id, fault.kind, handled=True,
@@ -59,7 +62,7 @@ class ControllerFaults:
         self.seed = seed
         self._events: collections.deque[dict] = collections.deque()  # appends and pops are thread-safe
         ours = [f for f in faults if f.kind in STORAGE_KINDS and f.rank is None and f.target != "data"
-                and (f.id not in self.fired or f.duration_s)]  # (a window spans controllers: job seconds)
+                and f.id not in self.fired]
         self.on_storage = bool(ours)  # the catalog's storage calls may fail as these faults say
         self._undo = install(catalog.storage, ours, seed=seed, notify=self._on_storage_fault,
                              clock=job_seconds, started=0.0) if ours else None

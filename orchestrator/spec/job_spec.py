@@ -265,7 +265,7 @@ def _unknown_key(loc: Sequence[str | int]) -> str:
     if section is None:
         return f"unknown key {key!r}; remove it"
     allowed = _keys(section)
-    if [str(part) for part in loc[:-1]] in [[name] for name in STORAGE_SECTIONS]:
+    if len(loc) == 2 and loc[0] in STORAGE_SECTIONS:
         allowed.append(FILE_KEY)  # read (and removed) before validation: orchestrator.spec.secrets
     close = difflib.get_close_matches(str(key), allowed, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""

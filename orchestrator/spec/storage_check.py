@@ -19,7 +19,6 @@ import threading
 import uuid
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ckpt.storage import AlreadyCommitted, Storage
@@ -56,10 +55,11 @@ def _write_problem(url: str, error: BaseException, fs_class=None) -> Problem:
 
 def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
     try:
-        # skip_instance_cache: the probe's short timeouts must not leak into the cached
-        # filesystem instance that the checkpoint writer gets later for the same URL.
+        # A Storage builds its own client (skip_instance_cache): the probe's short timeouts must not
+        # leak into the cached filesystem instance that the checkpoint writer gets for the same URL.
         options = _probe_options(url, storage_options)
-        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+        store = Storage(url, options)
+        fs, root = store.fs, store.root
     except (ValueError, ImportError) as error:
         return [Problem(FIELD, f"{url}: unknown or unavailable protocol ({error_reason(error)}); use file://, "
                         "s3:// (with s3fs installed), another installed fsspec protocol, or a local path")]
@@ -81,19 +81,16 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
         return [Problem(FIELD, f"{url} accepts writes but not deletes ({error_reason(error)}); checkpoint "
                         "retention (checkpoint.keep) deletes old checkpoints, so grant delete "
                         f"permission and remove {probe}")]
-    return _exclusive_create_problems(url, options)
+    return _exclusive_create_problems(url, store)
 
 
-def _exclusive_create_problems(url: str, options: dict[str, Any]) -> list[Problem]:
+def _exclusive_create_problems(url: str, store: Storage) -> list[Problem]:
     """A checkpoint commit creates its manifest exclusively (ckpt.storage.Storage.create_exclusive:
     a hard link on a filesystem, a conditional PUT on S3). A store that cannot fails every commit,
     hours into the run (a FUSE mount of an object store refuses hard links); one that overwrites
     instead would let two commits of one step, or two drivers' claims, replace each other."""
-    store = Storage(url, options)
     if not (store.is_local or store.is_s3):
         return []  # (other stores commit by check-then-write: a single committer)
-    if hasattr(store.fs, "retries"):
-        store.fs.retries = 1
     probe = store.path(f".undying-probe-create-{uuid.uuid4().hex}")
     try:
         store.create_exclusive(probe, b"undying exclusive-create probe\n")
