@@ -112,23 +112,24 @@ def _oom_reason(lay: Layout, memory: Ledgers, capacity: int) -> tuple[str, str]:
 def _fit(work: Workload, lay: Layout, hw: Hardware, recompute: Sequence[str]) -> Candidate | Rejection:
     """The candidate with the least recomputation that fits, or the last one's OOM rejection; a
     recomputation the engine refuses with this layout (zero-bubble's) is not tried."""
-    capacity, tried = capacity_bytes(hw, lay), None
+    capacity, too_big, refused_first = capacity_bytes(hw, lay), None, None
     for choice in recompute:
         trial = replace(lay, recompute=choice)
         refused = layout_refusals(work.model, trial, work.seq_len, work.global_batch, trial.micro_batch, work.compile,
                                   work.eval_len)
         if refused:
-            tried = tried or (trial, refused[0])
+            refused_first = refused_first or (trial, refused[0])
             continue
         memory = ledgers(work, trial, hw.kind)
         if memory.total <= capacity:
             return Candidate(trial, predict(work, trial, hw))
-        tried = (trial, memory)
-    trial, found = tried
-    if not isinstance(found, Ledgers):  # every choice refused
-        return Rejection(trial, found.key, str(found))
-    key, reason = _oom_reason(trial, found, capacity)
-    return Rejection(trial, key, reason, found)
+        too_big = (trial, memory)
+    if too_big is None:  # every choice refused
+        trial, refusal = refused_first
+        return Rejection(trial, refusal.key, str(refusal))
+    trial, memory = too_big
+    key, reason = _oom_reason(trial, memory, capacity)
+    return Rejection(trial, key, reason, memory)
 
 
 def enumerate_layouts(work: Workload, n_gpus: int, schedule: str, ddp_bucket_mb: float = 25.0,
