@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -82,6 +82,8 @@ class PSJob:
     spec_hash: str = ""
     keep: int = 3  # checkpoint.keep
     data_identity: dict | None = None  # trainer.data.data_identity: a resume under other data is refused
+    # The data's tokenizer and the special token ids (ckpt.hf_export.data_provenance): an export ships them.
+    provenance: dict = field(default_factory=dict)
 
 
 def catalog(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None) -> Catalog:
@@ -252,7 +254,8 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     par = job.parallel
     layout = {"mode": "ps", "servers": len(servers), "dp": par.dp, "world_size": len(servers)}
     ps = {"servers": len(servers), "workers": par.dp, "consistency": par.consistency, "staleness": par.staleness}
-    extra = {**(state or {}), "model": job.model.architecture(), "seq_len": job.data.seq_len, PS_STATE: ps}
+    extra = {**(state or {}), "model": job.model.architecture(), "seq_len": job.data.seq_len, PS_STATE: ps,
+             **job.provenance}
     commit = None
     for receipt in receipts:
         commit = committer.on_receipt(receipt, {"engine": engine_meta(step, job)}, len(servers), 0, layout,

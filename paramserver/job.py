@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckpt.storage_errors import DEFAULT_READ_RETRY_S
 from paramserver.actors import ServerActor, ServerStats, StepLog, WorkerActor
 from paramserver.clocks import UpdateRecord, format_histogram
 from paramserver.hang_watch import HangLimits
@@ -124,9 +125,11 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
     sparse = sparse_names(model, parallel.consistency)
     ledger = ledger or NullLedger()
+    # The transient failures a fine-tune's servers ride out reading model.from_hf's weights.
+    read_retry_s = checkpoints.read_retry_s if checkpoints is not None else DEFAULT_READ_RETRY_S
     actors = Actors(
         lambda k: ServerActor.options(num_cpus=1).remote(k, shards[k], model, train, parallel.dp, parallel.consistency,
-                                                         parallel.staleness, sparse),
+                                                         parallel.staleness, sparse, read_retry_s=read_retry_s),
         # A second concurrent call: `node` is answered while the worker is inside a segment's `run`.
         lambda w: WorkerActor.options(num_cpus=1, max_concurrency=2).remote(w, parallel.dp, model, data, train,
                                                                             shards, sparse),

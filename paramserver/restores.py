@@ -4,7 +4,8 @@ Called by the supervisor (paramserver.supervisor, its thread), with itself as `s
 once its actors are up (the step the job starts at: the newest commit's, or 0), `restore(sup)` in
 a rollback, after the dead actors were replaced (every server from the newest intact commit and
 reopened, or every server new at the initial values when nothing is committed; the step, and
-whether a checkpoint gave it). A corrupt commit falls back to the one before
+whether a checkpoint gave it; a new server's initial values are `model.from_hf`'s weights for a
+fine-tune: paramserver.shard.starting_values). A corrupt commit falls back to the one before
 (checkpoint.restore_newest_intact). A server that does not finish its load within the restore
 limit (`Checkpoints.restore_timeout`: `elastic.restore_timeout_s`) is hung or stuck on the store:
 it is replaced by a new actor and the restore tried again, each time a repair of the job's budget

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ckpt.storage_errors import DEFAULT_READ_RETRY_S, ReadRetry
 from paramserver.clocks import Clocks, UpdateRecord, ahead_limit
 from paramserver.messages import Pulled, Push
 from paramserver.partition import param_name
@@ -49,13 +50,27 @@ def initial_values(piece: TensorSlice, cfg: ModelConfig, seed: int) -> torch.Ten
     return out
 
 
+def starting_values(slices: list[TensorSlice], cfg: ModelConfig, seed: int, read_retry_s: float) -> list[torch.Tensor]:
+    """The slices' values at step 0: `model.from_hf`'s weights for a fine-tune (each slice's bytes
+    alone, read with `read_retry_s` for the store's transient failures), else `initial_values`."""
+    if not cfg.from_hf:
+        return [initial_values(piece, cfg, seed) for piece in slices]
+    from ckpt.hf_import import read_hf_slices  # a fine-tune's only: the safetensors reader
+
+    # Each slice gets its own tensor to be filled (cast to its dtype), never a view of the fetched bytes.
+    wanted = [replace(piece, tensor=torch.empty(piece.lengths, dtype=piece.dtype)) for piece in slices]
+    read = read_hf_slices(cfg.from_hf, wanted, cfg, storage_options=cfg.storage_options,
+                          retry=ReadRetry(read_retry_s))
+    return [piece.tensor for piece in read]
+
+
 class ShardServer:
     def __init__(self, index: int, slices: list[TensorSlice], model: ModelConfig, train: TrainConfig,
                  workers: int, consistency: str, staleness: int | None = None,
-                 sparse_names: frozenset[str] = frozenset()):
+                 sparse_names: frozenset[str] = frozenset(), read_retry_s: float = DEFAULT_READ_RETRY_S):
         self.index, self.slices, self.train, self.workers = index, slices, train, workers
         self.limit, self.aggregate = ahead_limit(consistency, staleness), consistency == "bsp"
-        self.params = [nn.Parameter(initial_values(s, model, train.seed)) for s in slices]
+        self.params = [nn.Parameter(value) for value in starting_values(slices, model, train.seed, read_retry_s)]
         self.sparse = {i for i, s in enumerate(slices) if param_name(s) in sparse_names}
         self.dense = [i for i in range(len(slices)) if i not in self.sparse]
         dense_params = nn.ParameterList([self.params[i] for i in self.dense])

@@ -26,6 +26,7 @@ import sys
 import time
 
 from chaos.config import SERVER_KINDS
+from ckpt.hf_export import data_provenance
 from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
@@ -66,13 +67,14 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     from paramserver.recovery import Fault
 
     ckpt = spec.checkpoint
-    try:  # what a resume checks the data by; unreadable now, the checkpoints carry none
-        identity = data_identity(spec.data, spec.model.vocab_size)
+    try:  # what a resume checks the data by, and an export ships; unreadable now, the checkpoints carry none
+        identity, provenance = data_identity(spec.data, spec.model.vocab_size), data_provenance(spec.data, spec.model)
     except Exception as err:  # noqa: BLE001 (the store; require_data checked the data before)
         log.warning("the data's identity could not be read (%s: %s): checkpoints will not carry it",
                     type(err).__name__, err)
-        identity = None
-    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity)
+        identity, provenance = None, {}
+    job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity,
+                provenance)
     save_timeout, restore_timeout = io_timeouts(spec)
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
                               max_failed_saves=ckpt.max_failed_saves, read_retry_s=ckpt.read_retry_s,
