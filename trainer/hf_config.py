@@ -80,18 +80,18 @@ def read_hf_config(url: str, storage_options: dict[str, Any] | None = None) -> d
     return config
 
 
-def _rope_of(source: dict | None, key: str, theta: float) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) of one spelling's rope settings, `theta` its base."""
-    if source is None:
-        return float(theta), None
+def _rope_of(source: dict, key: str, theta: float) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) of one spelling's rope settings; its own `rope_theta`
+    wins over `theta` (the top-level key's, or the default), as transformers reads it."""
     if not isinstance(source, dict):
         raise ValueError(f"config key '{key}': {source!r} is not a JSON object")
+    theta = float(source.get("rope_theta", theta))
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type == "default":
         unknown = set(source) - {"rope_type", "type", "rope_theta"}
         if unknown:
             raise ValueError(f"config key '{key}.{sorted(unknown)[0]}': not used by rope_type 'default'")
-        return float(theta), None
+        return theta, None
     if rope_type != "llama3":
         raise ValueError(f"config key '{key}.rope_type': {rope_type!r} is not supported (undying computes 'default' "
                          "and 'llama3' rotary embeddings exactly); use a Llama-3 model")
@@ -101,22 +101,25 @@ def _rope_of(source: dict | None, key: str, theta: float) -> tuple[float, dict |
     absent = sorted(_ROPE_KEYS - set(source))
     if absent:  # transformers versions disagree on these defaults: only an explicit value is exact
         raise ValueError(f"config key '{key}.{absent[0]}': missing; llama3 rope scaling needs it given")
-    return float(theta), {"rope_type": "llama3", **{k: source[k] for k in sorted(_ROPE_KEYS)}}
+    return theta, {"rope_type": "llama3", **{k: source[k] for k in sorted(_ROPE_KEYS)}}
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from the 5.x spelling (`rope_parameters`), the 4.x one
-    (top-level `rope_theta`, `rope_scaling`), or both when they agree (what undying exports)."""
-    params, top = config.get("rope_parameters"), config.get("rope_theta")
-    if params is None:
-        return _rope_of(config.get("rope_scaling"), "rope_scaling", 10000.0 if top is None else top)
-    if top is not None and params.get("rope_theta", top) != top:
-        raise ValueError(f"config key 'rope_theta': {top} at the top level, {params['rope_theta']} in rope_parameters;"
-                         " keep one value")
-    reading = _rope_of(params, "rope_parameters", params.get("rope_theta", 10000.0 if top is None else top))
-    if "rope_scaling" in config and _rope_of(config["rope_scaling"], "rope_scaling", reading[0]) != reading:
+    (top-level `rope_theta`, `rope_scaling`), or both when they agree (what undying exports). A
+    theta given twice (the top level and inside a spelling) must be one value: transformers takes
+    the inner one, an older reader the outer, so either reading would be some reader's wrong model."""
+    top = config.get("rope_theta")
+    default = 10000.0 if top is None else top
+    spellings = [(key, config[key]) for key in ("rope_parameters", "rope_scaling") if config.get(key) is not None]
+    readings = [_rope_of(source, key, default) for key, source in spellings]
+    for (key, source), reading in zip(spellings, readings, strict=True):
+        if top is not None and reading[0] != float(top):
+            raise ValueError(f"config key 'rope_theta': {top} at the top level, {source['rope_theta']} in {key}; "
+                             "keep one value")
+    if len(readings) == 2 and readings[0] != readings[1]:
         raise ValueError("config key 'rope_scaling': differs from rope_parameters; keep one of them")
-    return reading
+    return readings[0] if readings else (float(default), None)
 
 
 def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:

@@ -196,3 +196,24 @@ def test_a_shorter_training_context_keeps_the_declared_one_in_the_export(tmp_pat
     assert ModelConfig(preset="llama3.1-8b", max_seq_len=4096).max_position_embeddings == 131072
     assert ModelConfig(preset="tiny", max_seq_len=64, max_position_embeddings=512).max_position_embeddings == 512
     assert ModelConfig(preset="tiny", max_seq_len=64, max_position_embeddings=32).max_position_embeddings == 64
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 500000.0}},  # no top-level rope_theta
+    {"rope_scaling": {**SCALING, "rope_theta": 500000.0}},
+    {"rope_parameters": {**SCALING, "rope_theta": 500000.0}, "rope_scaling": None},  # a 4.x null beside it
+])
+def test_a_theta_inside_the_rope_settings_is_the_one_transformers_reads(rope):
+    config = {**HF_KW, "model_type": "llama", **rope}
+    theirs = LlamaConfig.from_dict(config).rope_parameters
+    assert architecture_from_hf(config)["rope_theta"] == theirs["rope_theta"] == 500000.0
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "default", "rope_theta": 500000.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+     "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0}},
+])
+def test_two_thetas_that_disagree_are_refused(rope):
+    with pytest.raises(ValueError, match="rope_theta|rope_scaling"):
+        architecture_from_hf({**HF_KW, "model_type": "llama", **rope})
