@@ -33,7 +33,13 @@ from trainer.hf_names import to_hf
 
 PREFIX = "model/"
 INDEX_NAME = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# A tokenizer's files beside its tokenizer.json: its config, special tokens, and chat templates
+# (transformers 5 saves a chat model's template as chat_template.jinja, no longer in tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # a tokenizer's named templates besides the default one
+# What a generation_config.json holds besides decoding settings: a copy records its own.
+GENERATION_METADATA = ("transformers_version", "_from_model_config")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default "5GB"
 
 
@@ -70,12 +76,15 @@ def data_provenance(data, model: ModelConfig | None = None) -> dict:
 
     first = data.path or data.mixture[0].path
     manifest = TokenDataset(first, data.storage_options).manifest
-    token_ids = pretrained_token_ids(model) if model is not None and model.from_hf else {}
+    pretrained = model is not None and model.from_hf
+    token_ids = pretrained_token_ids(model) if pretrained else {}
     ends = token_ids.get("eos_token_id")
     ends = list(ends) if isinstance(ends, list) else [] if ends is None else [ends]
     ends += [manifest.eos_id] if manifest.eos_id not in ends else []
     token_ids["eos_token_id"] = ends[0] if len(ends) == 1 else ends
-    return {"tokenizer": {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256, "token_ids": token_ids}}
+    record = {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256, "token_ids": token_ids}
+    generation = pretrained_generation(model) if pretrained else {}
+    return {"tokenizer": {**record, "generation": generation} if generation else record}
 
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -87,14 +96,28 @@ def pretrained_token_ids(model: ModelConfig) -> dict:
     at). An export of a job that started from it carries them on; without them transformers falls
     back to LlamaConfig's bos 1 and the chat model would not stop at the end of a turn."""
     ids: dict = {}
-    for name in ("config.json", "generation_config.json"):
-        try:
-            with fsspec.open(f"{model.from_hf.rstrip('/')}/{name}", "rb", **model.storage_options) as f:
-                found = json.loads(f.read())
-        except (FileNotFoundError, ValueError):  # (no generation config; the spec read config.json already)
-            continue
-        ids.update({key: found[key] for key in TOKEN_ID_KEYS if isinstance(found, dict) and found.get(key) is not None})
+    for found in (_pretrained_json(model, "config.json"), _pretrained_json(model, "generation_config.json")):
+        ids.update({key: found[key] for key in TOKEN_ID_KEYS if found.get(key) is not None})
     return ids
+
+
+def pretrained_generation(model: ModelConfig) -> dict:
+    """The decoding settings of `model.from_hf`'s generation_config.json (a chat model's temperature,
+    top_p, do_sample...), without its token ids (`pretrained_token_ids`) and metadata: an export of
+    a fine-tune generates as the model it started from did."""
+    found = _pretrained_json(model, "generation_config.json")
+    return {key: value for key, value in found.items() if key not in TOKEN_ID_KEYS + GENERATION_METADATA}
+
+
+def _pretrained_json(model: ModelConfig, name: str) -> dict:
+    """`model.from_hf`'s JSON file `name`; {} when it has none (a generation config is optional; the
+    spec read config.json already)."""
+    try:
+        with fsspec.open(f"{model.from_hf.rstrip('/')}/{name}", "rb", **model.storage_options) as f:
+            found = json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _file_names(count: int) -> list[str]:
@@ -106,7 +129,8 @@ def _file_names(count: int) -> list[str]:
 def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha256: str | None) -> list[str]:
     """Copy the tokenizer at `tokenizer_url` into `out_dir`: a tokenizer file of any name (as
     `undying data prepare --tokenizer` takes one, and the checkpoint records) copied as
-    tokenizer.json, or a directory's tokenizer.json, with the other TOKENIZER_FILES found beside it;
+    tokenizer.json, or a directory's tokenizer.json, with the other TOKENIZER_FILES and the
+    CHAT_TEMPLATE_DIR found beside it;
     read with `storage_options`. ValueError when there is no tokenizer there, or when `sha256` (the
     one the job trained with, as the checkpoint records it) is given and the file is another."""
     try:  # reaching the store: its protocol, the options, the credentials
@@ -117,6 +141,10 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha
         sources = {"tokenizer.json": f"{base}/tokenizer.json" if directory else path}
         sources.update({name: f"{base}/{name}" for name in TOKENIZER_FILES if name != "tokenizer.json"})
         present = {name: source for name, source in sources.items() if fs.exists(source)}
+        templates = f"{base}/{CHAT_TEMPLATE_DIR}"
+        if fs.isdir(templates):  # its named chat templates, one .jinja file each
+            present.update({f"{CHAT_TEMPLATE_DIR}/{found.rstrip('/').rsplit('/', 1)[-1]}": found
+                            for found in fs.ls(templates, detail=False) if fs.isfile(found)})
     except Exception as err:  # noqa: BLE001 (the store's client, whatever it raises for these)
         where = tokenizer_url.removesuffix("/tokenizer.json")
         raise ValueError(f"the tokenizer at {where} cannot be reached with the storage options given "
@@ -125,6 +153,7 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha
         raise ValueError(f"no tokenizer at {tokenizer_url} (a tokenizer.json, or a directory holding one); pass "
                          "--tokenizer with the tokenizer the job trained with")
     for name, source in present.items():  # a read or a local write failing now is the store's or the disk's
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
         with fs.open(source, "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
             shutil.copyfileobj(src, dst)
     with open(os.path.join(out_dir, "tokenizer.json"), "rb") as f:
@@ -135,9 +164,11 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha
     return list(present)
 
 
-def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict) -> None:
+def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict, generation: dict | None = None) -> None:
+    """config.json, and generation_config.json: the pretrained model's decoding settings with the
+    token ids, or (none recorded) what transformers derives from config.json."""
     config = {**hf_config_of(model), "dtype": dtype, "torch_dtype": dtype, **token_ids}  # 5.x and 4.x keys
-    generation = {"_from_model_config": True, **token_ids}
+    generation = {**(generation or {"_from_model_config": True}), **token_ids}
     for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(content, f, indent=2, sort_keys=True)
@@ -158,7 +189,7 @@ def save_hf(model: ModelConfig, weights: dict, out_dir: str, token_ids: dict | N
 def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_url: str | None = None,
               tokenizer_sha256: str | None = None, storage_options: dict | None = None,
-              token_ids: dict | None = None, on_bytes=None) -> list[str]:
+              token_ids: dict | None = None, generation: dict | None = None, on_bytes=None) -> list[str]:
     """Write checkpoint `step` as a Hugging Face directory at `out_dir` (which must not exist or be
     empty); returns the files written. ValueError when the model is not a Llama architecture, or the
     tokenizer is missing or not the one `tokenizer_sha256` names (checked before any weight is
@@ -186,7 +217,7 @@ def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = 
             with open(os.path.join(tmp, INDEX_NAME), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         stored_dtype = dtype or manifest.tensors[next(iter(names))].dtype
-        _write_configs(tmp, model, stored_dtype, token_ids or {})
+        _write_configs(tmp, model, stored_dtype, token_ids or {}, generation)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked by the caller); a non-empty one raises here
         os.replace(tmp, out_dir)

@@ -144,7 +144,8 @@ def _export_hf(catalog: Catalog, step: int, args: argparse.Namespace, manifest) 
                               max_shard_bytes=parse_size(args.max_shard_size),
                               tokenizer_url=args.tokenizer or recorded.get("url"),
                               tokenizer_sha256=recorded.get("sha256"), storage_options=catalog.storage.storage_options,
-                              token_ids=recorded.get("token_ids"), on_bytes=progress.advance)
+                              token_ids=recorded.get("token_ids"), generation=recorded.get("generation"),
+                              on_bytes=progress.advance)
     except (ValueError, KeyError) as err:
         raise UsageError(f"--format hf: {err}") from None
     print(f"wrote {out}: {', '.join(files)} (step {step})")

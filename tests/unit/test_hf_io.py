@@ -194,3 +194,34 @@ def test_a_fine_tune_of_a_pretrained_model_records_its_special_token_ids_and_the
     write_hf(engine.model_config, dict(engine.model.named_parameters()), str(tmp_path / "out"), token_ids=recorded)
     assert LlamaConfig.from_pretrained(tmp_path / "out").bos_token_id == 1
     assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [2, 7, 3]
+
+
+def test_a_chat_model_s_fine_tune_exports_its_chat_templates_and_decoding_settings(tmp_path):
+    import numpy as np
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ckpt.hf_export import data_provenance
+    from tests._corpus import documents, train_tokenizer
+    from tests._tokens import write_token_dataset
+
+    save_hf(tmp_path / "hf")
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    chat = {**generation, "eos_token_id": [2, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(chat))
+    tok = train_tokenizer(tmp_path / "tok" / "tokenizer.json", documents(20, seed=1))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tok" / "chat_template.jinja").write_text(template)  # transformers 5's spelling of a template
+    (tmp_path / "tok" / "additional_chat_templates").mkdir()
+    (tmp_path / "tok" / "additional_chat_templates" / "tool_use.jinja").write_text("tools: " + template)
+    write_token_dataset(tmp_path / "tokens", np.arange(3000) % 90, 90, eos_id=3, tokenizer=f"file://{tok.parent}")
+    data = DataConfig(source="tokens", path=str(tmp_path / "tokens"), seq_len=16)
+    recorded = data_provenance(data, ModelConfig(from_hf=str(tmp_path / "hf")))["tokenizer"]
+    recorded["sha256"] = None  # (the generated dataset records no real tokenizer hash)
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck", tokenizer=recorded)
+    assert main(["ckpt", "export", f"file://{tmp_path}/ck", "--format", "hf", "--out", str(tmp_path / "a")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"
+    assert (tmp_path / "a" / "additional_chat_templates" / "tool_use.jinja").read_text() == "tools: " + template
+    exported = GenerationConfig.from_pretrained(tmp_path / "a")
+    assert (exported.do_sample, exported.temperature, exported.top_p) == (True, 0.6, 0.9)
+    assert exported.eos_token_id == [2, 7, 3] and exported.bos_token_id == 1  # the model's ends and the data's
