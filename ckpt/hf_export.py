@@ -164,7 +164,8 @@ def _copy_tokenizer(tokenizer_url: str, out_dir: str, storage_options: dict, sha
     return list(present)
 
 
-def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict, generation: dict | None = None) -> None:
+def _write_configs(out_dir: str, model: ModelConfig, dtype: str, token_ids: dict,
+                   generation: dict | None = None) -> None:
     """config.json, and generation_config.json: the pretrained model's decoding settings with the
     token ids, or (none recorded) what transformers derives from config.json."""
     config = {**hf_config_of(model), "dtype": dtype, "torch_dtype": dtype, **token_ids}  # 5.x and 4.x keys
