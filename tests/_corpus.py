@@ -3,7 +3,9 @@
 `write_corpus(dir)` writes .txt, .jsonl and .parquet inputs (and, with `hf=True`, a
 `datasets` save_to_disk directory) and returns the input paths in stream order with the
 documents each holds; `expected_stream` is the single-process reference: each document
-encoded with `add_special_tokens=False`, then EOS, in input order.
+encoded as the command's defaults say (through the tokenizer's post-processor, which the
+generated tokenizer does not have; special tokens in the text as its characters), then EOS, in
+input order.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def expected_stream(tokenizer_path: Path, docs: list[str], eos: str = EOS) -> tu
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tokenizer.encode_special_tokens = True
     eos_id = tokenizer.token_to_id(eos)
     ids, ends = [], []
     for doc in docs:
-        ids += tokenizer.encode(doc, add_special_tokens=False).ids + [eos_id]
+        ids += tokenizer.encode(doc).ids + [eos_id]
         ends.append(len(ids))
     return np.array(ids, dtype=np.int64), np.array(ends, dtype=np.int64)

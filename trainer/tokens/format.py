@@ -102,6 +102,9 @@ class TokenManifest(BaseModel):
     tokenizer_sha256: str
     tokenizer: str  # where the tokenizer came from, for people; the hash is what identifies it
     text_field: str
+    # How `undying data prepare` encoded each document (False in manifests written before they were recorded).
+    add_special_tokens: bool = False  # the tokenizer's post-processor ran (a Llama tokenizer's BOS first)
+    parse_special_tokens: bool = False  # special tokens written in a document became their ids
     inputs: list[str]
     n_tokens: int = Field(ge=0)
     n_documents: int = Field(ge=0)

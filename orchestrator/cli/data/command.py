@@ -1,6 +1,7 @@
 """`undying data prepare`: tokenize text inputs into the format `trainer.tokens.TokenDataset` reads.
 
     undying data prepare INPUT... --tokenizer PATH --out URL [--text-field text] [--eos-token TOKEN]
+                         [--no-add-special-tokens] [--parse-special-tokens]
                          [--address ADDR] [--storage-option KEY=VALUE ...] [--shard-tokens N]
 
 INPUT: .txt (one document per file), .jsonl (one per line), .parquet (one per row) or a
@@ -45,6 +46,13 @@ def add_data_parser(sub) -> None:
     p.add_argument("--text-field", default="text", help="the text key (.jsonl) or column (.parquet, datasets)")
     p.add_argument("--eos-token", help="the token appended after each document (default: from the tokenizer's "
                    "directory, else the first of </s>, <|endoftext|>, <eos> in the vocabulary)")
+    p.add_argument("--add-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode each document as transformers' tokenizer(text) does, through the tokenizer's "
+                   "post-processor (a Llama tokenizer's BOS first); --no-add-special-tokens: the text's ids alone "
+                   "(default: on)")
+    p.add_argument("--parse-special-tokens", action="store_true",
+                   help="special tokens written in a document (a chat template's <|eot_id|>) are their ids; "
+                   "without it they are their characters, so web text naming </s> makes no document boundary")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
     add_storage_option_args(p, "fsspec option for non-local locations, e.g. endpoint_url=http://host:8333 (repeatable)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
@@ -60,7 +68,8 @@ def data_main(args: argparse.Namespace, executor=None) -> int:
         request = PrepareRequest(inputs=args.inputs, tokenizer=args.tokenizer, out=args.out,
                                  text_field=args.text_field, eos_token=args.eos_token,
                                  storage_options=parse_storage_options(args.storage_options, args.storage_options_file),
-                                 shard_tokens=args.shard_tokens)
+                                 shard_tokens=args.shard_tokens, add_special_tokens=args.add_special_tokens,
+                                 parse_special_tokens=args.parse_special_tokens)
         return prepare(request, executor or RayDataExecutor(args.address))
     except UsageError as err:
         print(f"{COMMAND}: {err}", file=sys.stderr)

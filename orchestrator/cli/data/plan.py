@@ -44,6 +44,9 @@ class Plan(BaseModel):
     dtype: Literal["uint16", "uint32"]
     text_field: str
     shard_tokens: int
+    # How each document is encoded (False in plans written before they were recorded: neither was done).
+    add_special_tokens: bool = False  # the tokenizer's post-processor (a Llama tokenizer's BOS)
+    parse_special_tokens: bool = False  # special tokens written in a document are their ids
     sources: tuple[Source, ...]
     units: tuple[Unit, ...]
 
@@ -69,9 +72,11 @@ class Decision(enum.Enum):
     DONE = "done"  # a committed dataset of these inputs and this tokenizer: nothing to do
 
 
-def make_plan(sources: list[Source], tokenizer: TokenizerSpec, text_field: str, shard_tokens: int) -> Plan:
+def make_plan(sources: list[Source], tokenizer: TokenizerSpec, text_field: str, shard_tokens: int,
+              add_special_tokens: bool = False, parse_special_tokens: bool = False) -> Plan:
     return Plan(tokenizer=tokenizer.source, tokenizer_sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size,
                 eos_id=tokenizer.eos_id, dtype=tokenizer.dtype, text_field=text_field, shard_tokens=shard_tokens,
+                add_special_tokens=add_special_tokens, parse_special_tokens=parse_special_tokens,
                 sources=tuple(sources), units=tuple(plan_units(sources, shard_tokens * BYTES_PER_TOKEN)))
 
 
@@ -112,7 +117,7 @@ def _manifest_difference(manifest: TokenManifest, plan: Plan) -> str:
         return f"another text field ({manifest.text_field!r}, not {plan.text_field!r})"
     if manifest.eos_id != plan.eos_id:
         return f"another end-of-document token (id {manifest.eos_id}, not {plan.eos_id})"
-    return ""
+    return _encoding_difference(manifest, plan)
 
 
 def _input_difference(old: Plan, new: Plan) -> str:
@@ -132,8 +137,20 @@ def _plan_difference(old: Plan, new: Plan) -> str:
                          ("eos_id", "another end-of-document token"), ("shard_tokens", "another --shard-tokens")):
         if getattr(old, field) != getattr(new, field):
             return f"{label} ({getattr(old, field)!r}, not {getattr(new, field)!r})"
+    if _encoding_difference(old, new):
+        return _encoding_difference(old, new)
     if old.identity() != new.identity():
         return "another plan (the units differ)"
+    return ""
+
+
+def _encoding_difference(old: Plan | TokenManifest, new: Plan) -> str:
+    """Which encoding flag differs between what is there and this run's plan."""
+    for field, flag in (("add_special_tokens", "--add-special-tokens"),
+                        ("parse_special_tokens", "--parse-special-tokens")):
+        if getattr(old, field) != getattr(new, field):
+            was, now = ("on", "off") if getattr(old, field) else ("off", "on")
+            return f"{flag} {was} (this run's is {now})"
     return ""
 
 

@@ -6,7 +6,8 @@ Protocol, in this order, on the driver:
   2. build the plan (`plan.py`) and compare it with what `--out` holds: DONE (a committed
      dataset of the same inputs and tokenizer) prints "already prepared" and exits 0;
      another dataset, or another plan's unfinished run, exits 2; FRESH creates
-     `OUT/plan.json` exclusively, RESUME reuses it;
+     `OUT/plan.json` exclusively, RESUME reuses it; a look at the first documents warns of
+     special-token text the plan tokenizes as characters (`special_text.py`);
   3. run every unit (`execute.py`: Ray Data tasks, each writing its own shard and `.done`); a
      fresh run stopped by a record the user must fix marks what it wrote withdrawn and removes
      it, and the next run clears a withdrawn folder, so that the same command runs again once the
@@ -31,7 +32,8 @@ from orchestrator.cli.data.execute import Executor, Progress, human_count
 from orchestrator.cli.data.plan import PLAN_NAME, Decision, Plan, decide, make_plan, parse_plan
 from orchestrator.cli.data.shard_task import Job, UnitResult
 from orchestrator.cli.data.sources import options_for, resolve_sources, to_url
-from orchestrator.cli.data.vocab import load_tokenizer
+from orchestrator.cli.data.special_text import special_token_text
+from orchestrator.cli.data.vocab import build_tokenizer, load_tokenizer
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from trainer.tokens.format import MANIFEST_NAME, TokenFormatError, TokenManifest, manifest_bytes, parse_manifest
 
@@ -47,6 +49,8 @@ class PrepareRequest:
     text_field: str = "text"
     eos_token: str | None = None
     storage_options: dict = field(default_factory=dict)
+    add_special_tokens: bool = True
+    parse_special_tokens: bool = False
 
 
 def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str], None] = print) -> int:
@@ -56,7 +60,8 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
         raise UsageError(f"--shard-tokens {request.shard_tokens}: must be at least 1")
     tokenizer = load_tokenizer(request.tokenizer, request.eos_token, request.storage_options)
     sources = resolve_sources(request.inputs, request.text_field, request.storage_options)
-    plan = make_plan(sources, tokenizer, request.text_field, request.shard_tokens)
+    plan = make_plan(sources, tokenizer, request.text_field, request.shard_tokens, request.add_special_tokens,
+                     request.parse_special_tokens)
     storage = open_output(request.out, request.storage_options)
     plan, decision = _settle(storage, plan)
     if decision is Decision.DONE:
@@ -67,6 +72,9 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
         return EXIT_OK
     if decision is Decision.RESUME:
         printer(f"resuming the unfinished preparation at {storage.url}")
+    warning = special_token_text(plan, build_tokenizer(tokenizer.json_text, tokenizer.sha256), request.storage_options)
+    if warning:
+        print(f"undying data prepare: warning: {warning}", file=sys.stderr)
     job = Job(storage.url, request.storage_options, plan, plan.sha256(), tokenizer.json_text)
     results = _run(job, executor)
     if isinstance(results, int):
@@ -205,7 +213,8 @@ def _commit(storage: Storage, plan: Plan, results: list[UnitResult], printer: Ca
     shards = [r.entry() for r in results]
     manifest = TokenManifest(dtype=plan.dtype, vocab_size=plan.vocab_size, eos_id=plan.eos_id,
                              tokenizer_sha256=plan.tokenizer_sha256, tokenizer=plan.tokenizer,
-                             text_field=plan.text_field, inputs=plan.inputs,
+                             text_field=plan.text_field, add_special_tokens=plan.add_special_tokens,
+                             parse_special_tokens=plan.parse_special_tokens, inputs=plan.inputs,
                              n_tokens=sum(s.n_tokens for s in shards),
                              n_documents=sum(s.n_documents for s in shards), shards=shards)
     started = time.monotonic()

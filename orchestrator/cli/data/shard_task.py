@@ -9,7 +9,10 @@ redone from scratch, and since the bytes of a shard are a function of the plan a
 redo writes the same bytes. The result (counts and checksums, or the error) goes back to
 the driver, which writes the manifest once every unit has one.
 
-Each document is encoded with `add_special_tokens=False` and followed by the EOS id.
+Each document is encoded as the plan says (with the tokenizer's post-processor, e.g. a Llama
+tokenizer's BOS first, under `add_special_tokens`; special tokens written in it as their ids under
+`parse_special_tokens`, else as their characters) and followed by the EOS id, unless the
+post-processor already ended it with that id.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def _reuse(storage: Storage, job: Job, index: int) -> UnitResult | None:
 def tokenize_unit(job: Job, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     """The unit's token stream (each document's ids, then EOS) and its documents' end offsets."""
     plan = job.plan
-    tokenizer = build_tokenizer(job.tokenizer_json, plan.tokenizer_sha256)
+    tokenizer = build_tokenizer(job.tokenizer_json, plan.tokenizer_sha256, plan.parse_special_tokens)
     wide = numpy_dtype(plan.dtype)
     parts, ends, texts, wheres = [], [], [], []
     total = size = 0
@@ -158,7 +161,7 @@ def tokenize_unit(job: Job, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     def flush() -> None:
         nonlocal total, size
         if texts:
-            flat, lengths = _encode(tokenizer, texts, wheres, plan.eos_id, wide)
+            flat, lengths = _encode(tokenizer, texts, wheres, plan, wide)
             parts.append(flat)
             ends.append(total + np.cumsum(lengths))
             total += len(flat)
@@ -180,24 +183,28 @@ def tokenize_unit(job: Job, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     return tokens, (np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64))
 
 
-def _encode(tokenizer, texts: list[str], wheres: list[tuple[str, str]], eos_id: int,
+def _encode(tokenizer, texts: list[str], wheres: list[tuple[str, str]], plan: Plan,
             wide: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """One batch: the documents' ids, each followed by EOS, and each document's length."""
+    """One batch: the documents' ids, each followed by EOS (unless it ends with it), and each
+    document's length."""
     try:
         # The ids alone: the fast path skips the character offsets (most of the per-token work
         # after the model itself), which a token stream never uses.
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-        encodings = encode(texts, add_special_tokens=False)
+        encodings = encode(texts, add_special_tokens=plan.add_special_tokens)
     except Exception:
         _name_bad_text(texts, wheres)
         raise
     ids = [e.ids for e in encodings]
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    # A post-processor that appends the end token itself (T5's "$A </s>") has closed the document.
+    closed = np.fromiter((plan.add_special_tokens and bool(x) and x[-1] == plan.eos_id for x in ids), dtype=bool,
+                         count=len(ids))
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids)) + ~closed
     flat = np.empty(int(lengths.sum()), dtype=wide)
-    is_eos = np.zeros(len(flat), dtype=bool)
-    is_eos[np.cumsum(lengths) - 1] = True
-    flat[is_eos] = eos_id
-    flat[~is_eos] = np.fromiter(itertools.chain.from_iterable(ids), dtype=wide, count=len(flat) - len(ids))
+    appended = np.zeros(len(flat), dtype=bool)
+    appended[(np.cumsum(lengths) - 1)[~closed]] = True
+    flat[appended] = plan.eos_id
+    flat[~appended] = np.fromiter(itertools.chain.from_iterable(ids), dtype=wide, count=len(flat) - int(appended.sum()))
     return flat, lengths
 
 

@@ -56,26 +56,29 @@ def _task_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def build_tokenizer(json_text: str, sha256: str):
-    """A `tokenizers.Tokenizer` for `json_text`, built once per process (tasks reuse workers)."""
+def build_tokenizer(json_text: str, sha256: str, parse_special: bool = False):
+    """A `tokenizers.Tokenizer` for `json_text`, built once per process (tasks reuse workers);
+    `parse_special`: special tokens written in a document are their ids (`--parse-special-tokens`)."""
     from tokenizers import Tokenizer
 
+    key = f"{sha256}:{'parse' if parse_special else 'text'}"
     with _cache_lock:
-        if sha256 not in _cache:
+        if key not in _cache:
             # A task holds one CPU (Ray's contract): encode_batch's Rust thread pool, sized on first
             # use, gets that many threads, not every core of the node that other tasks share.
             os.environ.setdefault("RAYON_NUM_THREADS", str(_task_cpus()))
             tokenizer = Tokenizer.from_str(json_text)
             # A training stream holds whole documents: a tokenizer.json saved for inference may
             # truncate to its context or pad to a batch's longest, which would cut documents and
-            # put pad ids in the stream (differently with each batch's make-up). And a document's
-            # text is text: a literal "</s>" in it is its characters, not a special token (no
-            # document boundary the data did not have).
+            # put pad ids in the stream (differently with each batch's make-up). And by default a
+            # document's text is text: a literal "</s>" in web text is its characters, not a special
+            # token (no document boundary the data did not have); chat-formatted data, whose
+            # markup is special tokens, asks for them to be parsed.
             tokenizer.no_truncation()
             tokenizer.no_padding()
-            tokenizer.encode_special_tokens = True
-            _cache[sha256] = tokenizer
-        return _cache[sha256]
+            tokenizer.encode_special_tokens = not parse_special
+            _cache[key] = tokenizer
+        return _cache[key]
 
 
 def load_tokenizer(arg: str, eos_token: str | None, storage_options: dict) -> TokenizerSpec:
