@@ -208,7 +208,8 @@ class JobMetrics:
 
     def _define_layout_model(self) -> None:
         self.bubble_ratio = self._gauge(
-            "undying_pipeline_bubble_ratio", "Idle fraction of a pipeline step (cost model: (p-1)/(m+p-1)).")
+            "undying_pipeline_bubble_ratio", "Idle fraction of a pipeline step: the cost model's prediction when a "
+            "layout starts, then rank 0's measured value at each step (pp > 1).")
         self.memory_bytes = self._gauge(
             "undying_memory_bytes", "Per-rank memory by ledger, predicted by the cost model or measured.",
             "ledger", "kind")

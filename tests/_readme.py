@@ -83,10 +83,11 @@ COVERED: dict[str, tuple[str, str]] = {
         "tests/s3/test_data_s3.py", "test_prepare_to_s3_and_read_back"),
     ".venv/bin/undying run job.yaml --set parallel.dp=8 --set checkpoint.url=s3://bucket/ckpt": (
         "tests/s3/test_ckpt_round_trip.py", "s3"),
+    "source .venv/bin/activate": ("tests/ray/conftest.py", '"PATH": f"{VENV_BIN}:'),
     "ray start --head --dashboard-host 127.0.0.1": ("tests/ray/conftest.py", "--head"),
     "ray job submit --address http://127.0.0.1:8265 --working-dir . -- undying run examples/tiny.yaml": (
         "tests/ray/test_job_submit.py", '"job", "submit"'),
-    "ray job submit --runtime-env-json '{\"env_vars\": {\"RAY_JOB_STOP_WAIT_TIME_S\": \"45\"}}' "
+    "ray job submit --working-dir . --runtime-env-json '{\"env_vars\": {\"RAY_JOB_STOP_WAIT_TIME_S\": \"45\"}}' "
     "-- undying run job.yaml": (
         "tests/ray/test_preemption.py", "RAY_JOB_STOP_WAIT_TIME_S"),
     "ray job stop <submission id>": ("tests/ray/test_preemption.py", '"stop"'),

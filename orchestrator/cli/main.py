@@ -116,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="write the JSON run report to this path")
     run.add_argument("--timeline", help="write a PNG timeline (needs matplotlib)")
     run.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else embedded local Ray)")
-    validate.add_argument("--offline", action="store_true", help="check the spec only: do not probe the "
-                          "checkpoint storage or read the datasets (for CI, or without network)")
+    validate.add_argument("--offline", action="store_true", help="do not probe the checkpoint storage or read the "
+                          "datasets and model.from_hf's weights (for CI, or without network); model.from_hf's "
+                          "config.json is still read, since the model's architecture comes from it")
     validate.add_argument("--json", dest="as_json", action="store_true", help="print the result as one JSON object")
     plan.add_argument("--gpus", type=int, required=True, metavar="N", help="number of devices to plan for")
     plan.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100", "cpu"),

@@ -87,7 +87,8 @@ class SparePool:
     def wait_for_warming_s(self, limit_s: float) -> float:
         """How long a recovery that found no warm spare may wait for one still warming up (0: none is):
         until twice the longest warm-up seen so far has passed since the oldest was started, at most
-        `limit_s` (elastic.replace_timeout_s, also the bound before any warm-up was seen). The bound
+        `limit_s` (also the bound before any warm-up was seen). Recovery.replace passes half of
+        elastic.replace_timeout_s, and new actors get the rest of that timeout. The bound
         keeps a spare that cannot start (its seat's resources gone) from delaying the cold path long."""
         if not self.warming:
             return 0.0

@@ -1,7 +1,7 @@
 """deploy/ray/cluster.yaml, Ray's cluster launcher config: valid under Ray's own cluster schema,
 every node on the undying image (nothing installed at set-up), the dashboard on the head's
 loopback only (reached through `ray dashboard`'s SSH tunnel), and shared memory sized above
-Ray's object store, as in the KubeRay manifests."""
+Ray's object store and a `ray job stop` wait above the preemption grace, as in the KubeRay manifests."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_sizes_match_the_kuberay_pods():
     for role, group in groups.items():
         [start] = [c for c in config[f"{role}_start_ray_commands"] if "ray start" in c]
         assert _flag(start, "object-store-memory") == group["rayStartParams"]["object-store-memory"], role
-        [shm] = [_flag(o, "shm-size") for o in config["docker"][f"{role}_run_options"]]
+        [shm] = [_flag(o, "shm-size") for o in config["docker"][f"{role}_run_options"] if "--shm-size" in o]
         [volume] = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm"]
         assert docker_bytes(shm) == kubernetes_bytes(volume["emptyDir"]["sizeLimit"]), role
 
@@ -86,3 +86,17 @@ def test_every_worker_watches_for_a_spot_notice_on_its_provider():
     parsed = _parser().parse_args(words[5:words.index(">>")])  # appended: a restart keeps the log
     assert words[4] == "undying" and parsed.command == "spot-watch"
     assert parsed.cloud == config["provider"]["type"] and parsed.address == "auto"
+
+
+def test_ray_job_stop_waits_past_the_preemption_grace_on_the_head():
+    # Ray's job supervisor runs on the head and reads RAY_JOB_STOP_WAIT_TIME_S from its environment:
+    # `ray job stop` SIGKILLs the driver that long after its SIGTERM, so it must outlast the driver's
+    # preemption checkpoint, as on KubeRay's head.
+    from orchestrator.spec.elastic import ElasticConfig
+
+    options = _config()["docker"]["head_run_options"]
+    [wait] = [o.split("=", 1)[1] for o in options if o.startswith("-e RAY_JOB_STOP_WAIT_TIME_S=")]
+    assert int(wait) > ElasticConfig().preemption_grace_s
+    _, rayjob = yaml_documents("kuberay/rayjob.yaml")
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert wait == {e["name"]: e["value"] for e in head["env"]}["RAY_JOB_STOP_WAIT_TIME_S"]
