@@ -13,7 +13,9 @@ a chaos run's kills spend `max_restarts`.
 Protocol (paramserver.supervisor, one thread): `repair(now, what)` before each repair, which raises
 RestartsSpent when the window holds `max_restarts` already; `rolled_back(step, failure)` after each
 rollback of the segment from `step` (`failure`: the rollback's, paramserver.recovery), which raises
-RestartsSpent on the crash loop; `segment_done()` once a segment finished.
+RestartsSpent on the crash loop; `segment_done()` once a segment finished. The driver seeds a
+rerun's budget with the repairs its earlier runs made (`carry(times)`, from the goodput snapshot
+the last driver wrote as it ended, which records `repair_times()`): a rerun does not renew it.
 """
 
 from __future__ import annotations
@@ -40,11 +42,25 @@ class RestartBudget:
     _in_a_row: int = field(default=0, init=False, repr=False)
     _last: tuple | None = field(default=None, init=False, repr=False)  # the last rollback's (step, reason shape)
 
+    _carried: int = field(default=0, init=False, repr=False)  # of `_repairs`, the earlier runs' (the oldest)
+
+    def carry(self, times: list[float], now: float) -> None:
+        """Earlier runs' repairs (wall times), before this run's first; those out of the window are not."""
+        for at in sorted(times)[-self.max_restarts:] if self.max_restarts else []:
+            if self.window_s is None or at > now - self.window_s:
+                self._repairs.append(at)
+                self._carried += 1
+
+    def repair_times(self) -> list[float]:
+        return list(self._repairs)
+
     def repair(self, now: float, what: str) -> None:
         while self.window_s is not None and self._repairs and self._repairs[0] <= now - self.window_s:
             self._repairs.popleft()
+            self._carried = max(0, self._carried - 1)
         if len(self._repairs) >= self.max_restarts:
-            within = "" if self.window_s is None else f" in the last {self.window_s:g} s"
+            within = ("" if self.window_s is None else f" in the last {self.window_s:g} s") + (
+                f" ({self._carried} by earlier runs of this job)" if self._carried else "")
             window = "" if self.window_s is None else f" per elastic.restart_window_s={self.window_s:g}"
             raise RestartsSpent(f"{len(self._repairs)} repairs used{within} (elastic.max_restarts="
                                 f"{self.max_restarts}{window}); not repaired: {what}")

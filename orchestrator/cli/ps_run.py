@@ -217,7 +217,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
                             faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp),
-                            hang=hang, budget=restart_budget(spec))
+                            hang=hang, budget=carried_budget(spec, snapshots))
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)
@@ -239,6 +239,18 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         start_up.end()
         teardown([checkpoints.owner.release if checkpoints.owner is not None else None, metrics.close, conn.close])
         restore_signals()
+
+
+def carried_budget(spec: JobSpec, snapshots: LedgerSnapshots) -> RestartBudget:
+    """The job's restart budget, less the repairs its earlier runs made (recorded with the goodput
+    snapshot the last driver wrote as it ended; a rerun does not renew the budget), which this run's
+    snapshots record in turn."""
+    budget, snapshot = restart_budget(spec), snapshots.load()
+    saved = snapshot.get("failures", []) if snapshot else []
+    budget.carry([float(f["at"]) for f in saved if isinstance(f, dict) and isinstance(f.get("at"), int | float)],
+                 time.time())
+    snapshots.failures = lambda: [{"kind": "repair", "at": at} for at in budget.repair_times()]
+    return budget
 
 
 def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float, owner) -> LedgerSnapshots:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from ckpt.housekeeping import Housekeeper
 from monitor.goodput import BUCKETS, PRODUCTIVE
@@ -97,6 +98,8 @@ class LedgerSnapshots:
         self.path = storage.path(SNAPSHOT_FILE)
         self._last = -float("inf")
         self._warned = False
+        # The failures a rerun's restart budget counts (orchestrator.controller.failure_carry sets it).
+        self.failures: Callable[[], list[dict]] = list
 
     @classmethod
     def beside(cls, storage, owner=None) -> LedgerSnapshots:
@@ -118,7 +121,8 @@ class LedgerSnapshots:
         self._last = self.clock()
         if self._fenced():
             return
-        data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended}).encode()
+        data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended,
+                           "failures": self.failures()}).encode()
         if self.housekeeper is None:
             return self._write(data)
         self.housekeeper.submit(lambda: self._write(data))
@@ -151,7 +155,8 @@ class LedgerSnapshots:
             totals = {k: float(v) for k, v in data["totals"].items() if k in BUCKETS}
             if any(v < 0 for v in totals.values()):
                 raise ValueError(f"negative seconds in {totals}")
-            return {"time": float(data["time"]), "totals": totals, "ended": bool(data.get("ended", False))}
+            return {"time": float(data["time"]), "totals": totals, "ended": bool(data.get("ended", False)),
+                    "failures": data.get("failures", [])}
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:

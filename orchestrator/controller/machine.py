@@ -29,6 +29,7 @@ from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.controller.blame import Blame
 from orchestrator.controller.checkpoints import JOB_ENDING, Checkpoints
 from orchestrator.controller.errors import normalise
+from orchestrator.controller.failure_carry import carry_failures
 from orchestrator.controller.fault_clock import FaultClock
 from orchestrator.controller.faults import ControllerFaults
 from orchestrator.controller.intake import EventIntake
@@ -98,8 +99,7 @@ class Controller:
                                  **{k: v for k, v in fixed.items() if v is not None})
         self.intake = EventIntake(self.record, self.fault_clock, self.chaos, self.checkpoints, metrics, self.log,
                                   on_receipt=self._on_receipt, landed=self.checkpoints.landed)
-        self.failure_policy = FailurePolicy.for_spec(spec)
-        self.scaling_policy = ScalingPolicy.for_spec(spec)
+        self.failure_policy, self.scaling_policy = FailurePolicy.for_spec(spec), ScalingPolicy.for_spec(spec)
         # `drains()`: {node: deadline or None} of nodes Ray is draining (orchestrator.cluster.drain).
         self.recovery = Recovery(spec, workers, self.scaling_policy, self.log, poll_s=poll_s, metrics=metrics,
                                  release_timeout_s=self.timeouts.release_s, draining=drains)
@@ -110,7 +110,7 @@ class Controller:
         self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
         self.restored_step: int | None = None
         self.gen_started_at: float | None = None  # its training's start (wall); None before, and once booked
-        self.failure_history, self.error = [], None  # attributed failures; the job's error, once it failed
+        self.failure_history, self.error = carry_failures(self.snapshots, self.failure_policy), None  # (failure_carry)
         self.carry = LedgerCarry(self.checkpoints.read_manifest, self.ledger, self.record, self.snapshots,
                                  self.created_at, self.fault_clock)
         self.store = None

@@ -36,6 +36,7 @@ class FailureSummary:
     error: str  # normalised exception text (see orchestrator.controller.errors.normalise)
     at: float  # time.time() when the controller noticed it: the restart window counts by it
     injected_machine_fault: bool = False  # a process, node or hang chaos injected (not a simulated bug)
+    earlier_run: bool = False  # an earlier run of the job's (orchestrator.controller.failure_carry)
 
 
 class FailurePolicy:
@@ -78,9 +79,12 @@ class FailurePolicy:
             return FailureDecision(FailureDecision.Action.FAIL,
                                    f"crash loop: rank {last.rank} failed at step {last.step} "
                                    f"{same} times in a row with {last.error}")
-        # Every earlier failure was restarted (a failure the policy fails ends the job).
-        restarts_so_far = sum(1 for f in history[:-1] if self.window_s is None or f.at > last.at - self.window_s)
-        within = "" if self.window_s is None else f" in the last {_duration(self.window_s)}"
+        # Every earlier failure was restarted (a failure the policy fails ends the job), by this run
+        # or by an earlier run of the job: a rerun does not renew the budget.
+        counted = [f for f in history[:-1] if self.window_s is None or f.at > last.at - self.window_s]
+        restarts_so_far, earlier = len(counted), sum(f.earlier_run for f in counted)
+        within = ("" if self.window_s is None else f" in the last {_duration(self.window_s)}") + (
+            f" ({earlier} by earlier runs of this job)" if earlier else "")
         if restarts_so_far >= self.max_restarts:
             budget = f"elastic.max_restarts={self.max_restarts}" + (
                 "" if self.window_s is None else f" per elastic.restart_window_s={self.window_s:g}")
