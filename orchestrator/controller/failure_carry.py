@@ -25,7 +25,7 @@ from orchestrator.controller.policies import FailurePolicy, FailureSummary
 
 def carry_failures(snapshots, policy: FailurePolicy, now: float | None = None) -> list[FailureSummary]:
     """This run's failure history, seeded from the newest snapshot; `snapshots.failures` records it."""
-    snapshot = snapshots.load()
+    snapshot = snapshots.held = snapshots.load()  # (held as it is until this run carries it)
     history = earlier_failures(snapshot.get("failures", []) if snapshot else [], policy,
                                time.time() if now is None else now)
     snapshots.failures = lambda: saved_failures(history, policy)

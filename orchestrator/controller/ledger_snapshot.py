@@ -17,7 +17,10 @@ Protocol:
   * a successor, on its first restore of committed step R, calls `load()` and
     `resume_totals(at_commit, committed_at, snapshot, started_at)` with the ledger saved with
     R, R's commit time and the wall time it started at, and carries the result into its ledger
-    (`carry_from_checkpoint`, which does both).
+    (`carry_from_checkpoint`, which does both). Until then its saves write the predecessor's
+    snapshot back as it was (`held`), with the failures of the job's runs
+    (orchestrator.controller.failure_carry): a run that ends before it carried holds only its own
+    seconds, and the next run must still find the job's.
 """
 
 from __future__ import annotations
@@ -100,6 +103,10 @@ class LedgerSnapshots:
         self._warned = False
         # The failures a rerun's restart budget counts (orchestrator.controller.failure_carry sets it).
         self.failures: Callable[[], list[dict]] = list
+        # The predecessor's snapshot, written back as it is (with this run's failures) until this run
+        # has carried it (LedgerCarry.finish): a run that ends before its first restore (a placement
+        # error, a signal while placing) holds only its own seconds, which must not replace the job's.
+        self.held: dict | None = None
 
     @classmethod
     def beside(cls, storage, owner=None) -> LedgerSnapshots:
@@ -121,8 +128,9 @@ class LedgerSnapshots:
         self._last = self.clock()
         if self._fenced():
             return
-        data = json.dumps({"time": time.time(), "totals": ledger.totals(), "ended": ended,
-                           "failures": self.failures()}).encode()
+        own = {"time": time.time(), "totals": ledger.totals(), "ended": ended}
+        kept = {key: self.held[key] for key in ("time", "totals", "ended")} if self.held else own
+        data = json.dumps({**kept, "failures": self.failures()}).encode()
         if self.housekeeper is None:
             return self._write(data)
         self.housekeeper.submit(lambda: self._write(data))
@@ -168,7 +176,7 @@ class LedgerCarry:
     """Carries the goodput ledger and step history saved with a checkpoint into this controller, on
     the first restore of this invocation only (`carry(step)`, from RESTORING): later restores load
     checkpoints this invocation wrote itself, whose ledger is already in ours. `done` is also set
-    by a first generation that restores nothing (building its engine is start-up work)."""
+    by a first generation that restores nothing (building its engine is start-up work): `finish()`."""
 
     def __init__(self, read_manifest, ledger, record, snapshots: LedgerSnapshots, started_at: float, fault_clock):
         self.read_manifest, self.ledger, self.record = read_manifest, ledger, record
@@ -180,9 +188,15 @@ class LedgerCarry:
         if self.done:
             return
         manifest = self.read_manifest(step)  # retried while the store fails transiently
-        self.done = True  # from here on, a retry must not carry (or prepend the history) again
+        self.finish()  # from here on, a retry must not carry (or prepend the history) again
         carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at)
         if carried is not None:
             self.record.carry_clock(carried)  # the report's times count on from the resumed job's
             self.fault_clock.skip_before(carried)
             self.ledger.enter("checkpoint_restore")
+
+    def finish(self) -> None:
+        """Carried, or nothing to carry: the snapshots hold this run's ledger, the job's from here on."""
+        self.done = True
+        if self.snapshots is not None:
+            self.snapshots.held = None

@@ -1,5 +1,6 @@
-"""A rerun of a failed job counts its earlier runs' failures: the restart budget and the crash loop
-are the job's, not each driver's (orchestrator.controller.failure_carry), with the fake worker group."""
+"""What a rerun carries from its earlier runs, with the fake worker group: their failures (the restart
+budget and the crash loop are the job's, not each driver's: orchestrator.controller.failure_carry),
+and a goodput snapshot that a run ending before it carried anything does not replace."""
 
 from __future__ import annotations
 
@@ -83,3 +84,17 @@ def test_a_parameter_server_rerun_counts_the_repairs_its_earlier_runs_made(tmp_p
     again.repair(now, "server 0 restored")  # the second repair in the window: still within the budget
     with pytest.raises(RestartsSpent, match=r"2 repairs used in the last 3600 s \(1 by earlier runs of this job\)"):
         again.repair(now + 1, "worker 0 replaced")
+
+
+def test_a_run_that_fails_before_its_first_restore_keeps_the_job_s_goodput_snapshot(tmp_path):
+    spec = _spec(tmp_path, elastic={"max_restarts": 3})
+    first, _ = _run(spec, {25: 1})
+    path = tmp_path / "ckpt" / "unit" / SNAPSHOT_FILE
+    before = json.loads(path.read_text())
+    workers = FakeWorkerGroup(RendezvousServer("127.0.0.1"), Storage(spec.checkpoint_root),
+                              place_error="cluster has 1 CPU")
+    report = _controller(spec, workers, workers.rendezvous, []).run()
+    assert report.status == "failed" and "1 CPU" in report.error
+    after = json.loads(path.read_text())
+    assert after["totals"] == before["totals"] and after["time"] == before["time"]  # the job's, not its seconds
+    assert [(f["rank"], f["step"]) for f in after["failures"]] == [(1, 25)]  # still carried to the next run
