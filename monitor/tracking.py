@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -75,10 +77,18 @@ class Trackers:
     def where(self) -> str:
         return "; ".join(f"{sink.name} {sink.where}" for sink in self.sinks)
 
-    def close(self) -> None:
-        """Flush and close every sink; the last writes finish before this returns."""
-        self._each("close")
-        self.sinks = []
+    def close(self, within_s: float | None = None) -> None:
+        """Flush and close every sink; the last writes finish before this returns, or `within_s` has
+        passed (what a preemption's grace left the driver: W&B's finish or a TensorBoard upload to a
+        slow store must not keep it past the SIGKILL that follows, with its lease unreleased). The
+        sinks still closing then finish on their thread while the driver tears down the rest."""
+        sinks, self.sinks = self.sinks, []
+        closing = threading.Thread(target=_close_all, args=(sinks,), daemon=True, name="undying-trackers-close")
+        closing.start()
+        closing.join(within_s if within_s is not None and math.isfinite(within_s) else None)
+        if closing.is_alive():
+            log.warning("tracking: %s still closing after %g s (the grace left); their last records may be "
+                        "missing", ", ".join(sink.name for sink in sinks), within_s)
 
     def _each(self, method: str, *args) -> None:
         for sink in list(self.sinks):
@@ -88,6 +98,14 @@ class Trackers:
                 log.warning("tracking: %s failed in %s (%s); it records nothing more for this run",
                             sink.name, method, err)
                 self.sinks.remove(sink)
+
+
+def _close_all(sinks: list[Sink]) -> None:
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as err:  # telemetry: logged, and the next sink still closes
+            log.warning("tracking: %s failed in close (%s); it records nothing more for this run", sink.name, err)
 
 
 NO_TRACKING = Trackers()

@@ -62,7 +62,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     conn = ray_cluster.connect(address, slots(spec) * spec.resources.cpus_per_rank,
                                slots(spec) * spec.resources.gpus_per_rank)
     metrics = JobMetrics(spec.name)
-    workers, trackers, lease = None, NO_TRACKING, None
+    workers, trackers, lease, controller = None, NO_TRACKING, None, None
     start_up = StartUpSignals()
     restore_signals = route_signals(start_up.on_signal)  # until the controller takes them over
     try:
@@ -75,8 +75,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         if problems:
             print_problems(problems)
             return EXIT_USAGE
-        for memory in (device_memory_note(spec, ray.cluster_resources()),
-                       host_memory_note(spec, nodes)):
+        for memory in (device_memory_note(spec, ray.cluster_resources()), host_memory_note(spec, nodes)):
             if memory:
                 print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
         port = serve_metrics(metrics, spec)
@@ -108,7 +107,8 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         return EXIT_PREEMPTED
     finally:
         start_up.end()  # a set-up that returned early: a signal now must not cut the teardown short
-        teardown([workers.shutdown if workers is not None else None, trackers.close,
+        teardown([workers.shutdown if workers is not None else None,
+                  lambda: trackers.close(controller and controller.stops.end_wait_s()),  # the grace left, if any
                    lease.release if lease is not None else None, metrics.close, conn.close])
         restore_signals()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -384,3 +385,32 @@ def test_a_tracker_that_cannot_start_names_its_field_and_the_rest_start_with_the
     trackers.close()
     (run,) = list_runs(storage)
     assert [e["kind"] for e in read_run(storage, run)] == ["start"]
+
+
+def test_a_sink_slow_to_close_keeps_the_driver_no_longer_than_the_grace_left(caplog):
+    import threading
+
+    release = threading.Event()
+
+    class SlowToFinish(Collect):
+        name = "wandb"
+
+        def close(self) -> None:  # W&B's finish on a slow network
+            release.wait(30)
+            super().close()
+
+    class Broken(Collect):
+        name = "broken"
+
+        def close(self) -> None:
+            raise OSError("disk full")
+
+    fast, broken, slow = Collect(), Broken(), SlowToFinish()
+    trackers = Trackers([fast, broken, slow])
+    started = time.monotonic()
+    trackers.close(within_s=0.3)
+    assert 0.3 <= time.monotonic() - started < 5 and trackers.sinks == [] and fast.closed and not slow.closed
+    assert any("still closing after 0.3 s" in r.message for r in caplog.records)
+    assert any("broken failed in close" in r.message for r in caplog.records)  # and the next one still closed
+    release.set()
+    Trackers([Collect()]).close(float("inf"))  # no signal: waited out whole
