@@ -91,7 +91,7 @@ class OwnerLease:
         self.released = False
         self.token = uuid.uuid4().hex  # tells our claim from one of the same epoch made after a wipe
         self._beats = 0
-        self._beat_at = time.monotonic()  # when a beat last landed (monotonic: a paused process sees the gap)
+        self._beat_at = time.monotonic()  # when the last beat that landed was sent (monotonic: a pause shows)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="undying-owner-lease", daemon=True)
 
@@ -173,10 +173,11 @@ class OwnerLease:
 
     def _beat(self, ended: bool = False) -> None:
         self._beats += 1
-        beat = {"beat": self._beats, "time": time.time(), "ended": ended}
+        beat, sent = {"beat": self._beats, "time": time.time(), "ended": ended}, time.monotonic()
         self.storage.write_immutable(self.storage.path(OWNER_DIR, file_name("beat", self.epoch)),
                                      json.dumps(beat).encode())
-        self._beat_at = time.monotonic()
+        # From its sending: a watcher saw it land then, however late the store's answer came back.
+        self._beat_at = sent
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.lease_s / BEATS_PER_LEASE):

@@ -225,6 +225,32 @@ def test_a_holder_whose_beats_do_not_land_for_a_lease_changes_nothing_until_one_
     lease.release()
 
 
+def test_a_beat_whose_reply_is_slow_counts_from_when_it_was_sent(storage, monkeypatch):
+    # A claimant watching the beats saw this one land when it was sent, not when the store answered:
+    # the holder must count its freshness from the sending, or it would change the root after the
+    # claimant's watch ran out.
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    real, sent = storage.write_immutable, []
+
+    def slow_reply_then_refused(path, data):
+        if "/beat-" not in str(path):
+            return real(path, data)
+        if sent:
+            raise OSError(5, "the store refuses the owner's writes")
+        sent.append(time.monotonic())
+        real(path, data)  # landed: a watcher sees it now
+        time.sleep(0.9 * LEASE_S)  # the reply is slow
+
+    monkeypatch.setattr(storage, "write_immutable", slow_reply_then_refused)
+    while not sent:
+        time.sleep(0.01)
+    time.sleep(max(0.0, sent[0] + 1.1 * LEASE_S - time.monotonic()))  # its reply came 0.2 leases ago
+    with pytest.raises(OwnershipUncertain, match="has not landed for"):
+        lease.check()
+    monkeypatch.setattr(storage, "write_immutable", real)
+    lease.release()
+
+
 def test_the_heartbeat_finds_a_newer_claim_without_being_asked(storage):
     lease = OwnerLease.claim(storage, "old", LEASE_S)
     _foreign_claim(storage, lease.epoch + 1)
