@@ -302,7 +302,7 @@ class TrainConfig(_Strict):
     lr: float = Field(3e-4, gt=0.0, description="peak learning rate, reached after warmup")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="the cosine decay ends at lr * min_lr_ratio")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to lr")
-    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW)")
+    weight_decay: float = Field(0.1, ge=0.0, description="matrices' weight decay: AdamW's decoupled, sgd's L2")
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's (beta1, beta2), each in [0, 1)")
     grad_clip: float | None = Field(1.0, gt=0.0, description="clip the global gradient norm to this (null: no "
                                     "clipping)")
