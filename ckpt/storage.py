@@ -24,9 +24,9 @@ path, so the same code writes `file://`, `s3://` and `memory://`. Write primitiv
 
 Listings: s3fs caches directory listings per filesystem instance, and a cached listing
 hides files that other processes wrote since (and makes `exists` answer False for them).
-Every `listdir` and `exists` here drops the cache first, and every `Storage` builds its
-own filesystem instance (`skip_instance_cache`), because fsspec otherwise hands out one
-shared, cached instance for equal arguments. `exists` and `listdir` answer "absent" only
+Every `listdir`, `exists` and whole-file `read` here drops the cache first, and every
+`Storage` builds its own filesystem instance (`skip_instance_cache`), because fsspec otherwise
+hands out one shared, cached instance for equal arguments. `exists` and `listdir` answer "absent" only
 for FileNotFoundError and raise any other error, so that a store that fails is never read
 as a store without checkpoints.
 
@@ -209,6 +209,9 @@ class Storage:
     # -- reads -------------------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
+        # s3fs sizes a whole-file read from its listing cache, which answers FileNotFoundError for a
+        # file written since the folder was listed (a beat, a claim read back), sending nothing.
+        self.fs.invalidate_cache(path)
         data = self.fs.cat_file(path)
         _count_read(self, len(data))
         return data

@@ -1,6 +1,7 @@
 """The s3fs and S3 behaviours that `ckpt.storage` works around, each checked against the real
 server: a 412 answered without the condition in its body, multipart uploads left pending,
-truncated objects published by an exception inside `open(..., "wb")`, and stale listings."""
+truncated objects published by an exception inside `open(..., "wb")`, and stale listings (also
+under a whole-file read)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,14 @@ def test_the_storage_probe_passes_a_store_that_honours_exclusive_creates_and_lea
     assert check_storage(s3_backend.url, s3_backend.storage_options) == []
     store = Storage(s3_backend.url, s3_backend.storage_options)
     assert [p for p in store.fs.find(store.root) if "probe" in p] == []  # both deleted (SeaweedFS keeps its directory)
+
+
+def test_a_file_written_after_its_folder_was_listed_is_read_not_taken_for_absent(s3_backend):
+    # s3fs sizes a whole-file read from its listing cache: a lease watcher that listed the owner
+    # folder before the holder's first beat landed would read "no beat" for as long as it watched.
+    watcher, writer = _storage(s3_backend), _storage(s3_backend)
+    folder = watcher.path("owner")
+    writer.write_immutable(watcher.path("owner", "claim-0000000000.json"), b"{}")
+    assert watcher.listdir(folder) == ["claim-0000000000.json"]
+    writer.write_immutable(watcher.path("owner", "beat-0000000000.json"), b'{"beat": 1}')
+    assert watcher.read(watcher.path("owner", "beat-0000000000.json")) == b'{"beat": 1}'
