@@ -164,6 +164,11 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
                                 f"{' '.join(first['msg'].split())}{more}") from None
     if manifest.step != step:
         raise CorruptCheckpoint(f"step {step}: the manifest is that of step {manifest.step}")
+    # The training state carries no checksum of its own: a flipped digit of its step would resume
+    # every rank at another step, the data and the schedule shifted, with every tensor intact.
+    engine = manifest.state.get("engine")
+    if isinstance(engine, dict) and "next_step" in engine and engine["next_step"] != step:
+        raise CorruptCheckpoint(f"step {step}: the manifest's training state resumes at step {engine['next_step']}")
     try:  # committed only so: a chunk that moved (a flipped digit of an offset) would load garbage
         check_tiling(manifest.tensors)
     except IncompleteCheckpoint as err:

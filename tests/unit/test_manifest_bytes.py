@@ -91,3 +91,15 @@ def test_a_chunk_whose_offset_moved_is_corrupt_even_when_the_volumes_still_add_u
     second["offsets"] = [h, 0, 0, 0][:len(entry["shape"]) - 1]  # a chunk of fewer dimensions than the tensor
     with pytest.raises(CorruptCheckpoint, match="lies outside"):
         parse_manifest(json.dumps(raw).encode(), 20)
+
+
+def test_a_training_state_that_resumes_at_another_step_is_corrupt(committed):
+    # The state has no checksum of its own: a flipped digit of its step would shift every rank's data
+    # and schedule with every tensor intact.
+    _, catalog = committed
+    raw = json.loads(catalog.storage.read(catalog.manifest_path(20)))
+    raw["state"]["engine"] = {**raw["state"].get("engine", {}), "next_step": 20}
+    assert parse_manifest(json.dumps(raw).encode(), 20).state["engine"]["next_step"] == 20
+    raw["state"]["engine"]["next_step"] = 80
+    with pytest.raises(CorruptCheckpoint, match="step 20: the manifest's training state resumes at step 80"):
+        parse_manifest(json.dumps(raw).encode(), 20)
