@@ -129,15 +129,19 @@ def _atomic_file(out_path: str) -> Iterator[BinaryIO]:
 
 
 def write_safetensors(catalog: Catalog, step: int, out_path: str, tensors: list[Exported],
-                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES, on_bytes=None) -> None:
+                      metadata: dict[str, str], batch_bytes: int = DEFAULT_BATCH_BYTES, on_bytes=None,
+                      manifest: Manifest | None = None) -> None:
     """Write `tensors` of committed checkpoint `step` to the local file `out_path` (through a
     temporary name, renamed when complete). Reads batches of at most `batch_bytes` through the
-    verifying reader; CorruptCheckpoint when a chunk is damaged. `on_bytes(n)`: called after
-    each batch with the bytes it wrote (a command's progress)."""
+    verifying reader, every batch by the one `manifest` the export planned with (read here when
+    None): a step quarantined and committed again by a running job mid-export must not mix two
+    checkpoints in one file, each byte verifying. CorruptCheckpoint when a chunk is damaged (or
+    gone). `on_bytes(n)`: called after each batch with the bytes it wrote (a command's progress)."""
+    manifest = manifest or catalog.read_manifest(step)
     with _atomic_file(out_path) as f:
         f.write(safetensors_header(tensors, metadata))
         for batch in _batches(tensors, batch_bytes):
-            loaded, _ = load_checkpoint(catalog, step, [t.stored for t in batch])
+            loaded, _ = load_checkpoint(catalog, step, [t.stored for t in batch], manifest)
             for t in batch:
                 f.write(_raw(loaded.pop(t.stored).to(getattr(torch, t.dtype))))
             if on_bytes is not None:
@@ -170,7 +174,7 @@ def export_safetensors(
     tensors = plan_export(manifest, names)
     total = sum(t.nbytes for t in tensors)
     write_safetensors(catalog, step, out_path, tensors, metadata, batch_bytes,
-                      on_bytes=None if on_bytes is None else lambda n: on_bytes(n, total))
+                      on_bytes=None if on_bytes is None else lambda n: on_bytes(n, total), manifest=manifest)
     return names
 
 

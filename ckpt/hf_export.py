@@ -211,7 +211,7 @@ def export_hf(catalog: Catalog, step: int, out_dir: str, *, dtype: str | None = 
         total = sum(t.nbytes for t in tensors)
         for file, shard in zip(files, shards, strict=True):
             write_safetensors(catalog, step, os.path.join(tmp, file), shard, metadata,
-                              on_bytes=None if on_bytes is None else lambda n: on_bytes(n, total))
+                              on_bytes=None if on_bytes is None else lambda n: on_bytes(n, total), manifest=manifest)
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                      "weight_map": {t.name: file for file, shard in zip(files, shards, strict=True) for t in shard}}

@@ -114,10 +114,11 @@ def assemble(wanted: Sequence[TensorSlice], plan: ReadPlan, fetched: dict) -> li
 
 
 def load_checkpoint(
-    catalog: Catalog, step: int, names: Iterable[str] | None = None
+    catalog: Catalog, step: int, names: Iterable[str] | None = None, manifest: Manifest | None = None
 ) -> tuple[dict[str, torch.Tensor], Manifest]:
-    """Whole tensors `names` (all when None) of committed checkpoint `step`, verified, plus its manifest."""
-    manifest = read_manifest(catalog, step)
+    """Whole tensors `names` (all when None) of committed checkpoint `step`, verified, plus its manifest
+    (`manifest`: the one read already, by a caller reading the step in several batches)."""
+    manifest = manifest or read_manifest(catalog, step)
     names = list(manifest.tensors) if names is None else list(names)
     missing = [n for n in names if n not in manifest.tensors]
     if missing:

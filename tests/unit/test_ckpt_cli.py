@@ -225,8 +225,12 @@ def test_export_defaults_to_the_newest_and_reads_in_bounded_batches(capsys, job,
     loaded = load_file(str(tmp_path / "newest.safetensors"))
     assert all(torch.equal(loaded[n], t) for n, t in _saved_model(30).items())
     # One tensor per batch: the same file, byte for byte.
+    reads = []
+    catalog.read_manifest = lambda step, real=catalog.read_manifest: reads.append(step) or real(step)
     export_safetensors(catalog, 30, str(tmp_path / "batched.safetensors"), batch_bytes=1)
     assert (tmp_path / "batched.safetensors").read_bytes() == (tmp_path / "newest.safetensors").read_bytes()
+    # Every batch by the one manifest: a step committed again mid-export must not mix two checkpoints.
+    assert reads == [30]
 
 
 def test_export_of_a_damaged_checkpoint_writes_nothing(capsys, job, tmp_path):
@@ -239,14 +243,16 @@ def test_export_of_a_damaged_checkpoint_writes_nothing(capsys, job, tmp_path):
 
 
 def test_export_of_a_step_deleted_meanwhile_says_so_not_damaged(capsys, job, tmp_path, monkeypatch):
-    # A running job's retention deletes step 30 while it is exported (each batch reads its manifest).
+    # A running job's retention deletes step 30 (its manifest, then its shards) while it is exported.
+    import os
+
     from ckpt import export
 
     url, catalog = job
     real = export.load_checkpoint
 
     def retention_strikes(cat, step, *args, **kwargs):
-        catalog.storage.fs.rm(catalog.manifest_path(step))
+        catalog.storage.fs.rm(os.path.dirname(catalog.manifest_path(step)), recursive=True)
         return real(cat, step, *args, **kwargs)
 
     monkeypatch.setattr(export, "load_checkpoint", retention_strikes)
