@@ -346,7 +346,11 @@ def _local_atomic_writer(path: str) -> Iterator[BinaryIO]:
     try:
         fd = open_direct(tmp)
         if fd is not None:  # from our buffers to the disk, past the page cache
-            direct = DirectFile(fd)
+            try:
+                direct = DirectFile(fd)
+            except BaseException:  # its buffers could not be mapped: the descriptor is still ours
+                os.close(fd)
+                raise
             try:
                 yield direct
             except BaseException:

@@ -138,3 +138,26 @@ def test_storage_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
         assert isinstance(f, WriteBehindFile)
         f.write(b"abc")
     assert storage.read(storage.path("s.bin")) == b"abc"
+
+
+def test_buffers_that_cannot_be_mapped_close_the_descriptor_and_leave_no_file(tmp_path, monkeypatch):
+    opened = []
+
+    def tracked(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # (a plain one: this checks the close)
+        opened.append(fd)
+        return fd
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("cannot map the staging buffers")
+
+    monkeypatch.setattr(storage_module, "open_direct", tracked)
+    monkeypatch.setattr(storage_module, "DirectFile", no_memory)
+    storage = Storage(f"file://{tmp_path}/job")
+    with pytest.raises(MemoryError), storage.atomic_writer(storage.path("s.bin")):
+        pass
+    try:  # closed, not held (with the disk blocks of its unlinked file) until the process exits
+        held = os.readlink(f"/proc/self/fd/{opened[0]}")
+    except FileNotFoundError:
+        held = ""  # (a number reused since names another file)
+    assert str(tmp_path) not in held and os.listdir(tmp_path / "job") == []
