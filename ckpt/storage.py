@@ -117,6 +117,8 @@ class Storage:
         self.is_local = "file" in _protocols(self.fs)
         self.is_s3 = bool({"s3", "s3a"} & _protocols(self.fs))
         self.durable = "memory" not in _protocols(self.fs)
+        if self.is_s3:  # botocore's attempts alone: s3fs's retries of them made a hung store's call minutes long
+            self.fs.retries = 1  # before a read's retry budget (ckpt.storage_errors.ReadRetry) saw one error
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])

@@ -124,3 +124,13 @@ def test_a_file_written_after_its_folder_was_listed_is_read_not_taken_for_absent
     assert watcher.listdir(folder) == ["claim-0000000000.json"]
     writer.write_immutable(watcher.path("owner", "beat-0000000000.json"), b'{"beat": 1}')
     assert watcher.read(watcher.path("owner", "beat-0000000000.json")) == b'{"beat": 1}'
+
+
+def test_a_call_to_a_hung_store_is_botocore_s_attempts_not_s3fs_s_retries_of_them(s3_backend):
+    # s3fs retries each botocore call (itself retried) 5 times, and a whole-file read 5 times more: a
+    # store that stops answering held one read for 5 x 5 x botocore's attempts of read timeouts before
+    # the read's retry budget (checkpoint.read_retry_s) saw an error. The budget owns the retries.
+    storage = _storage(s3_backend)
+    assert storage.fs.retries == 1
+    storage.write_immutable(storage.path("x.bin"), b"x")
+    assert storage.read(storage.path("x.bin")) == b"x"
