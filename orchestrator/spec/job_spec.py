@@ -296,8 +296,9 @@ def _hint(error: Mapping[str, Any]) -> str:
     """The fix for a type error YAML makes easy: a scalar read as a number or a boolean where text
     was meant, a duration written with its unit where seconds are a number."""
     value, name = error["input"], str(error["loc"][-1]) if error["loc"] else ""
-    if error["type"] == "string_type" and isinstance(value, bool | int | float):
-        also = " (YAML reads yes, no, on, off as booleans)" if isinstance(value, bool) else ""
+    if error["type"] == "string_type" and isinstance(value, bool | int | float | dict):
+        also = " (YAML reads true and false as booleans)" if isinstance(value, bool) else \
+            " (YAML reads 'key: value' as a mapping)" if isinstance(value, dict) else ""
         return f"; quote it to give text{also}"
     if error["type"] in ("float_parsing", "int_parsing") and (name.endswith("_s") or "seconds" in name):
         return "; give seconds as a number, e.g. 600 for 10 minutes"

@@ -1,4 +1,4 @@
-"""Reading YAML from users: duplicate keys refused, numbers as YAML 1.2 reads them, readable
+"""Reading YAML from users: duplicate keys refused, plain scalars as YAML 1.2 reads them, readable
 parse errors, `--set` overrides.
 
 `apply_overrides` is called by `orchestrator.spec.job_spec.load_spec` on the parsed YAML before
@@ -38,15 +38,34 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# PyYAML implements YAML 1.1, whose floats need a dot and a signed exponent: `1e3`, `1e-4` and
-# `1.5e4` would be strings, and `checkpoint.interval: 1e3` refused as "not a number". YAML 1.2
-# (and JSON) read them as numbers; so does this loader (numbers written with a dot were floats
-# already). Added on the subclass only: PyYAML copies the resolver table before changing it.
+# PyYAML implements YAML 1.1, which reads some plain scalars otherwise than YAML 1.2 (and JSON,
+# and what a person means): `steps: 010` is octal 8, `1:30` is 90, `2024-06-01` a date, `off` and
+# `no` false, while `1e3` is a string ("not a number"). This loader reads them as YAML 1.2's core
+# schema does: integers decimal (`0o10` octal, `0x1f` hex), floats with an exponent, booleans only
+# true/false, no timestamps (the text stays text: a name or a URL). Changed on the subclass only.
+_INT, _BOOL, _TIMESTAMP = "tag:yaml.org,2002:int", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp"
+UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _BOOL, _TIMESTAMP)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+UniqueKeyLoader.add_implicit_resolver(
+    _INT, re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+UniqueKeyLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 UniqueKeyLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+
+
+def _yaml_12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+UniqueKeyLoader.add_constructor(_INT, _yaml_12_int)
 
 
 def yaml_reason(error: yaml.YAMLError) -> str:

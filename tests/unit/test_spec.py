@@ -203,7 +203,8 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["model={n_layers: 2}"], "model", "give a preset"),
         (["parallel.virtual_stages=2"], "parallel.virtual_stages", "2 with parallel.pp 1: virtual stages are"),
         (["name=20240101"], "name", "got 20240101; quote it to give text"),
-        (["name=yes"], "name", "quote it to give text (YAML reads yes, no, on, off as booleans)"),
+        (["name=true"], "name", "quote it to give text (YAML reads true and false as booleans)"),
+        (["name=a: b"], "name", "quote it to give text (YAML reads 'key: value' as a mapping)"),
         (["checkpoint.memory=false"], "checkpoint.memory", "got False; write {enabled: false}"),
         (["elastic.replace_timeout_s=2m"], "elastic.replace_timeout_s", "give seconds as a number, e.g. 600"),
     ],
@@ -398,6 +399,20 @@ def test_yaml_merge_keys_fill_a_mapping_and_written_keys_override_them(tmp_path)
     assert [(f.kind, f.rank, f.at_step) for f in spec.chaos.faults] == [("kill_rank", 1, 3), ("kill_rank", 0, 5)]
     with pytest.raises(SpecError, match="key 'rank' is given twice"):
         load_spec(write(tmp_path, text.replace("      rank: 0\n", "      rank: 0\n      rank: 2\n")))
+
+
+def test_plain_scalars_read_as_yaml_1_2_reads_them(tmp_path):
+    # PyYAML's YAML 1.1 would train 8 steps for `steps: 010`, take a date for a name, false for `off`.
+    text = TINY_YAML.replace("steps: 60", "steps: 060").replace("name: tiny", "name: 2024-06-01") \
+        .replace("max_restarts: 10", "max_restarts: 0o12").replace("global_batch: 16", "global_batch: 1_6")
+    spec = load_spec(write(tmp_path, text))
+    read = (spec.train.steps, spec.name, spec.elastic.max_restarts, spec.train.global_batch)
+    assert read == (60, "2024-06-01", 10, 16)
+    wandb_off = text.replace("monitor: {port: 0}", "monitor: {port: 0, wandb: {mode: off}}")
+    with pytest.raises(SpecError, match=r"monitor.wandb.mode: .*'online', 'offline' or 'disabled'; got 'off'"):
+        load_spec(write(tmp_path, wandb_off))
+    spec = load_spec(write(tmp_path, text), overrides=["checkpoint.async=no", "train.steps=1e2"])
+    assert spec.checkpoint.async_ is False and spec.train.steps == 100  # (pydantic reads "no" as a bool)
 
 
 @pytest.mark.parametrize(("name", "fragment"), [("nope.yaml", "No such file"), ("", "Is a directory")])
