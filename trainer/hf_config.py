@@ -85,7 +85,7 @@ def _rope_of(source: dict, key: str, theta: float) -> tuple[float, dict | None]:
     wins over `theta` (the top-level key's, or the default), as transformers reads it."""
     if not isinstance(source, dict):
         raise ValueError(f"config key '{key}': {source!r} is not a JSON object")
-    theta = float(source.get("rope_theta", theta))
+    theta = _positive_number(f"{key}.rope_theta", source.get("rope_theta", theta))
     rope_type = source.get("rope_type", source.get("type", "default"))
     if rope_type == "default":
         unknown = set(source) - {"rope_type", "type", "rope_theta"}
@@ -110,7 +110,7 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     theta given twice (the top level and inside a spelling) must be one value: transformers takes
     the inner one, an older reader the outer, so either reading would be some reader's wrong model."""
     top = config.get("rope_theta")
-    default = 10000.0 if top is None else top
+    default = 10000.0 if top is None else _positive_number("rope_theta", top)
     spellings = [(key, config[key]) for key in ("rope_parameters", "rope_scaling") if config.get(key) is not None]
     readings = [_rope_of(source, key, default) for key, source in spellings]
     for (key, source), reading in zip(spellings, readings, strict=True):
@@ -135,9 +135,10 @@ def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"config key {unknown[0]!r}: undying cannot represent it exactly; remove it only if it "
                          "does not change the model")
-    missing = [key for key in _REQUIRED_SHAPE if key not in config]
+    missing = [key for key in _REQUIRED_SHAPE if config.get(key) is None]
     if missing:
         raise ValueError(f"config key {missing[0]!r}: missing; a Llama config.json names every dimension")
+    _check_values(config)
     # A key left out means LlamaConfig's default, as transformers reads the same file.
     out = {**_LLAMA_DEFAULTS, **{field: config[key] for key, field in _FIELDS.items() if key in config}}
     out.setdefault("n_kv_heads", out["n_heads"])
@@ -148,6 +149,26 @@ def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config key 'head_dim': {head_dim} x num_attention_heads {out['n_heads']} != hidden_size "
                          f"{out.get('d_model')}; undying's heads split hidden_size evenly")
     return out
+
+
+def _check_values(config: dict[str, Any]) -> None:
+    """Each dimension a positive whole number, the norm's epsilon a positive number, the tie a
+    boolean: a string or a null named by its key in config.json, not as the spec field it becomes."""
+    for key in (*_REQUIRED_SHAPE, "num_key_value_heads", "max_position_embeddings", "head_dim"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"config key {key!r}: {value!r} is not a positive whole number; fix config.json")
+    if config.get("rms_norm_eps") is not None:
+        _positive_number("rms_norm_eps", config["rms_norm_eps"])
+    if config.get("tie_word_embeddings") is not None and not isinstance(config["tie_word_embeddings"], bool):
+        raise ValueError(f"config key 'tie_word_embeddings': {config['tie_word_embeddings']!r} is not true or false; "
+                         "fix config.json")
+
+
+def _positive_number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ValueError(f"config key {key!r}: {value!r} is not a positive number; fix config.json")
+    return float(value)
 
 
 def merge_hf_architecture(data: dict[str, Any]) -> dict[str, Any]:

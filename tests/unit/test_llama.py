@@ -217,3 +217,22 @@ def test_a_theta_inside_the_rope_settings_is_the_one_transformers_reads(rope):
 def test_two_thetas_that_disagree_are_refused(rope):
     with pytest.raises(ValueError, match="rope_theta|rope_scaling"):
         architecture_from_hf({**HF_KW, "model_type": "llama", **rope})
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("rope_theta", [1], "'rope_theta': [1] is not a positive number"),
+    ("rope_theta", "abc", "'rope_theta': 'abc' is not a positive number"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": {}}, "'rope_parameters.rope_theta': {}"),
+    ("num_attention_heads", "4", "'num_attention_heads': '4' is not a positive whole number"),
+    ("head_dim", "16", "'head_dim': '16' is not a positive whole number"),
+    ("hidden_size", None, "'hidden_size': missing"),
+    ("vocab_size", 0, "'vocab_size': 0 is not a positive whole number"),
+    ("rms_norm_eps", -1, "'rms_norm_eps': -1 is not a positive number"),
+    ("tie_word_embeddings", "yes", "'tie_word_embeddings': 'yes' is not true or false"),
+])
+def test_a_config_json_value_of_the_wrong_kind_is_named_by_its_key_in_config_json(tmp_path, key, value, words):
+    (tmp_path / "config.json").write_text(json.dumps({**HF_KW, "model_type": "llama", key: value}))
+    base = {"name": "ft", "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"}}
+    with pytest.raises(SpecError) as err:
+        validate_spec({**base, "model": {"from_hf": str(tmp_path)}})
+    assert words in str(err.value) and "config.json" in str(err.value) and "from_hf=" in str(err.value)
