@@ -14,6 +14,7 @@ into timed events by chaos.schedule. Durations accept "30s", "2m", "1h" (chaos.d
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
@@ -80,7 +81,7 @@ class FaultSpec(SpecSection):
     at_step: int | None = Field(None, ge=0, description="fire during this global step")
     at_seconds: Seconds | None = Field(None, description="fire this long after the job starts")
     at_point: str | None = Field(
-        None, pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", description="fire at a named point: a rank's (before_step, "
+        None, description="fire at a named point: a rank's (before_step, "
         "after_forward, after_backward, in_allreduce, after_optimizer_step, during_stage, during_shard_write, "
         "during_restore) or, for kill_controller, before_manifest_commit or after_manifest_commit"
     )
@@ -343,7 +344,9 @@ def _fault_problem(fault: FaultSpec) -> tuple[str, str] | None:
         return "at_point", (f"{fault.at_point} is a point in the controller, where only kill_controller fires; "
                             f"give this {kind} fault a rank point: {', '.join(RANK_POINTS)}")
     if fault.at_point is not None and fault.at_point not in RANK_POINTS:
-        return "at_point", f"unknown fault point {fault.at_point!r}; use one of {', '.join(RANK_POINTS)}"
+        close = difflib.get_close_matches(fault.at_point.lower(), RANK_POINTS, n=1)
+        return "at_point", (f"unknown fault point {fault.at_point!r}" + (f" (did you mean {close[0]!r}?)" if close
+                            else "") + f"; use one of {', '.join(RANK_POINTS)}")
     if kind == "nan_grad" and fault.at_point not in (None, "after_backward"):
         return "at_point", ("nan_grad poisons gradients, which exist only after the backward; use at_point: "
                             "after_backward or remove at_point")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -149,8 +150,8 @@ def verify_line(r: dict[str, Any]) -> str:
 
 
 def verify_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
-    if args.read_retry_s < 0:
-        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or more seconds")
+    if not 0 <= args.read_retry_s < math.inf:  # (nan compares false: it would retry for ever)
+        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or a finite number of seconds")
     committed = committed_or_fail(catalog)
     steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
     results = []

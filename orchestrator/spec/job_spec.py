@@ -260,6 +260,19 @@ def _section(loc: Sequence[str | int]) -> type[BaseModel] | None:
     return model
 
 
+def _empty(loc: Sequence[str | int]) -> str:
+    """An empty section: the defaults it takes when left out, or (required, or a list's item) what to give."""
+    parent = _section(loc[:-1])
+    info = next((f for n, f in parent.model_fields.items() if loc[-1] in (n, f.alias)), None) \
+        if parent is not None and isinstance(loc[-1], str) else None
+    if info is not None and not info.is_required():
+        return "is empty; give the section's keys, or remove it to take the defaults"
+    section = _section(loc)
+    needed = [info.alias or name for name, info in section.model_fields.items() if info.is_required()] \
+        if section is not None else []
+    return "is empty; it is required: give " + (", ".join(needed) if needed else "its keys")
+
+
 def _unknown_key(loc: Sequence[str | int]) -> str:
     key, section = loc[-1], _section(loc[:-1])
     if section is None:
@@ -283,7 +296,7 @@ def _describe(error: Mapping[str, Any]) -> str:
         return msg.removeprefix("Value error, ")
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         if error["input"] is None:
-            return "is empty; give the section's keys, or remove it to take the defaults"
+            return _empty(loc)
         section = _section(loc)
         if isinstance(error["input"], bool) and section is not None and "enabled" in section.model_fields:
             return f"expected a mapping of keys (a YAML section), got {show(error['input'])}; write " \

@@ -133,6 +133,8 @@ def test_every_library_kind_is_injectable():
         ({"kind": "kill_rank", "rank": 0, "at_point": "before_manifest_commit"}, "at_point",
          "only kill_controller fires"),
         ({"kind": "raise", "rank": 0, "at_point": "no_such_point"}, "at_point", "unknown fault point"),
+        ({"kind": "kill_rank", "rank": 0, "at_point": "After_Backward"}, "at_point",
+         "unknown fault point 'After_Backward' (did you mean 'after_backward'?); use one of before_step"),
         ({"kind": "kill_controller", "at_step": 12}, None, ""),
         ({"kind": "kill_controller", "at_point": "before_manifest_commit"}, None, ""),
         ({"kind": "kill_controller", "at_point": "after_manifest_commit", "at_step": 20}, None, ""),

@@ -190,6 +190,10 @@ def test_verify_reports_a_checkpoint_the_store_keeps_failing_and_checks_the_othe
     assert catalog.committed_steps() == [10, 20, 30]
     code, _, err = run(capsys, "verify", url, "--read-retry-s", "-1")
     assert code == 2 and "--read-retry-s -1: must be 0" in err
+    for endless in ("nan", "inf"):  # (nan compared false with everything: the reads were retried for ever)
+        for command in ("verify", "gc"):
+            code, _, err = run(capsys, command, url, "--read-retry-s", endless)
+            assert code == 2 and f"--read-retry-s {endless}: must be 0 (no retry) or a finite number" in err
 
 
 def test_verify_of_a_step_that_is_not_committed(capsys, job):
