@@ -76,6 +76,9 @@ def committed_or_fail(catalog: Catalog) -> list[int]:
     except PermissionError as err:
         raise UsageError(f"URL {url}: access denied ({error_reason(err)}); check the credentials "
                          "(the environment's AWS_* variables, or --storage-options-file)") from None
+    except NotADirectoryError:
+        raise UsageError(f"URL {url} is a file, not a checkpoint root; give checkpoint.url/<job name>, the "
+                         "directory the job's checkpoints are in") from None
     except Exception as err:  # unreachable endpoint (botocore errors are not OSErrors), bad bucket name...
         if not is_storage_error(err):
             raise

@@ -79,7 +79,7 @@ class ResourcesConfig(SpecSection):
 
 # Fault kinds whose at_step names a checkpoint step (up to and including train.steps, the final save).
 CHECKPOINT_STEP_KINDS = STORAGE_KINDS | {"corrupt_shard"}
-_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+MAX_NAME, _SAFE_NAME = 128, re.compile(r"[A-Za-z0-9._-]+")
 
 
 class JobSpec(SpecSection):
@@ -106,6 +106,8 @@ class JobSpec(SpecSection):
         if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
             raise ValueError(f"{name!r} is not a safe directory name; use letters, digits, '.', '_' "
                              "and '-' only, e.g. 'llama-1b.run3'")
+        if len(name) > MAX_NAME:  # a file system's name holds 255 bytes; labels and run names less
+            raise ValueError(f"{len(name)} characters; a job name is at most {MAX_NAME}: shorten it")
         return name
 
     @model_validator(mode="before")

@@ -138,6 +138,10 @@ def test_bad_locations_exit_2_with_one_line(capsys, tmp_path):
     code, _, err = run(capsys, "ls", str(tmp_path), "--storage-option", "endpoint_url")
     assert code == 2
     _one_line_error(err, "--storage-option expects KEY=VALUE")
+    (tmp_path / "a-file.txt").write_text("not checkpoints")
+    code, _, err = run(capsys, "ls", str(tmp_path / "a-file.txt"))
+    assert code == 2 and "endpoint" not in err
+    _one_line_error(err, "a-file.txt is a file, not a checkpoint root")
 
 
 def test_only_unfinished_saves_is_an_error_that_says_so(capsys, tmp_path):

@@ -219,6 +219,10 @@ def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus
     for where, message in (("", "is empty"), ("file:/tmp/x", "did you mean 'file:///tmp/x'?")):
         code, _, err = prepare(capsys, parquet, *tok, "--out", where)
         assert code == 2 and err.startswith(f"undying data prepare: --out {where!r}: ") and message in err, err
+    hf_dir = str(inputs[-1][0])  # a datasets save_to_disk directory: the dataset must not land in it
+    for into, what in ((parquet, "is INPUT 2"), (f"{hf_dir}/tokens", "is inside INPUT 1")):
+        code, _, err = prepare(capsys, hf_dir, parquet, *tok, "--out", into)
+        assert code == 2 and what in err and "give a new directory for the dataset" in err, err
 
 
 def test_large_vocabularies_store_uint32_ids(capsys, executor, tmp_path):

@@ -206,6 +206,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["parallel.virtual_stages=2"], "parallel.virtual_stages", "2 with parallel.pp 1: virtual stages are"),
         (["name=20240101"], "name", "got 20240101; quote it to give text"),
         (["name=true"], "name", "quote it to give text (YAML reads true and false as booleans)"),
+        (["name=" + "a" * 300], "name", "300 characters; a job name is at most 128: shorten it"),
         (["name=a: b"], "name", "quote it to give text (YAML reads 'key: value' as a mapping)"),
         (["checkpoint.memory=false"], "checkpoint.memory", "got False; write {enabled: false}"),
         (["elastic.replace_timeout_s=2m"], "elastic.replace_timeout_s", "give seconds as a number, e.g. 600"),

@@ -31,7 +31,7 @@ from ckpt.storage import AlreadyCommitted, Storage
 from orchestrator.cli.data.execute import Executor, Progress, human_count
 from orchestrator.cli.data.plan import PLAN_NAME, Decision, Plan, decide, make_plan, parse_plan
 from orchestrator.cli.data.shard_task import Job, UnitResult
-from orchestrator.cli.data.sources import options_for, resolve_sources, to_url
+from orchestrator.cli.data.sources import Source, options_for, resolve_sources, to_url
 from orchestrator.cli.data.special_text import special_token_text
 from orchestrator.cli.data.vocab import build_tokenizer, load_tokenizer
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
@@ -63,6 +63,7 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
     plan = make_plan(sources, tokenizer, request.text_field, request.shard_tokens, request.add_special_tokens,
                      request.parse_special_tokens)
     storage = open_output(request.out, request.storage_options)
+    _refuse_an_input(storage.url, sources)
     plan, decision = _settle(storage, plan)
     if decision is Decision.DONE:
         manifest = parse_manifest(storage.read(storage.path(MANIFEST_NAME)), storage.url)
@@ -136,6 +137,17 @@ def open_output(out: str, storage_options: dict) -> Storage:
     except (ValueError, ImportError) as err:
         raise UsageError(f"--out {out}: unknown or unavailable protocol ({err}); use a local path, file:// "
                          "or s3:// (with s3fs installed)") from None
+
+
+def _refuse_an_input(out: str, sources: list[Source]) -> None:
+    """--out is a folder of the dataset's own: not an input (whose bytes the plan describes), nor
+    inside one (a datasets directory would then hold shards it would read next time)."""
+    out = out.rstrip("/")
+    for i, source in enumerate(sources, 1):
+        for where in (source.url.rstrip("/"), *(f.url.rstrip("/") for f in source.files)):
+            if out == where or out.startswith(where + "/"):
+                raise UsageError(f"--out {out} is {'' if out == where else 'inside '}INPUT {i} ({source.arg}); "
+                                 "give a new directory for the dataset")
 
 
 def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:
