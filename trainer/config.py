@@ -296,7 +296,7 @@ class EvalConfig(_Strict):
 class TrainConfig(_Strict):
     """Optimisation: how many steps, the batch, the optimizer and its schedule, numerics."""
 
-    steps: int = Field(..., gt=0, description="optimizer steps the job trains for")
+    steps: int = Field(..., gt=0, lt=10**9, description="optimizer steps the job trains for")  # (9-digit step dirs)
     global_batch: int = Field(..., gt=0, description="samples per optimizer step, over all ranks")
     micro_batch: int = Field(1, gt=0, description="samples per forward/backward on one rank")
     lr: float = Field(3e-4, gt=0.0, description="peak learning rate, reached after warmup")

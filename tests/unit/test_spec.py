@@ -181,6 +181,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
     [
         (["train.steps=sixty"], "train.steps", "valid integer"),
         (["train.lr=-1"], "train.lr", "greater than 0"),
+        (["train.steps=1e9"], "train.steps", "less than 1000000000"),  # checkpoint directories hold 9 digits
         (["data.source=txt"], "data.source", "'synthetic', 'text' or 'tokens'; got 'txt'"),
         (["model=5"], "model", "expected a mapping"),
         (["chaos=null"], "chaos", "is empty; give the section's keys, or remove it to take the defaults"),
