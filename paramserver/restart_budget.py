@@ -36,7 +36,7 @@ class RestartsSpent(RuntimeError):
 @dataclass
 class RestartBudget:
     max_restarts: int = 10  # elastic.max_restarts
-    window_s: float | None = 86400.0  # elastic.restart_window_s; None: the whole run
+    window_s: float | None = 86400.0  # elastic.restart_window_s; None: every repair (earlier runs' carried)
     crash_loop_limit: int = 3  # elastic.crash_loop_limit
     _repairs: deque[float] = field(default_factory=deque, init=False, repr=False)
     _in_a_row: int = field(default=0, init=False, repr=False)

@@ -140,7 +140,7 @@ def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config key {missing[0]!r}: missing; a Llama config.json names every dimension")
     _check_values(config)
     # A key left out means LlamaConfig's default, as transformers reads the same file.
-    out = {**_LLAMA_DEFAULTS, **{field: config[key] for key, field in _FIELDS.items() if key in config}}
+    out = {**_LLAMA_DEFAULTS, **{field: config[key] for key, field in _FIELDS.items() if config.get(key) is not None}}
     out.setdefault("n_kv_heads", out["n_heads"])
     out["rope_theta"], out["rope_scaling"] = _rope(config)
     out.update(activation="swiglu", norm="rmsnorm", position="rope")
@@ -154,6 +154,11 @@ def architecture_from_hf(config: dict[str, Any]) -> dict[str, Any]:
 def _check_values(config: dict[str, Any]) -> None:
     """Each dimension a positive whole number, the norm's epsilon a positive number, the tie a
     boolean: a string or a null named by its key in config.json, not as the spec field it becomes."""
+    # A null kv head count or head_dim means as many as the query heads, and their split (as
+    # transformers reads them); other nulls have no meaning.
+    for key in ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
+        if key in config and config[key] is None:
+            raise ValueError(f"config key {key!r}: null; give its value or remove the key; fix config.json")
     for key in (*_REQUIRED_SHAPE, "num_key_value_heads", "max_position_embeddings", "head_dim"):
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -108,9 +108,18 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
     finally:
         start_up.end()  # a set-up that returned early: a signal now must not cut the teardown short
         teardown([workers.shutdown if workers is not None else None,
-                  lambda: trackers.close(controller and controller.stops.end_wait_s()),  # the grace left, if any
+                  lambda: trackers.close(_trackers_wait_s(controller, start_up, spec)),
                    lease.release if lease is not None else None, metrics.close, conn.close])
         restore_signals()
+
+
+def _trackers_wait_s(controller, start_up: StartUpSignals, spec) -> float | None:
+    """How long the trackers' last writes may keep the driver (the lease is released after them): what
+    a signal's grace left (the controller's clock), half the grace for one that stopped the set-up,
+    no bound without a signal."""
+    if controller is not None:
+        return controller.stops.end_wait_s()
+    return spec.elastic.preemption_grace_s / 2 if start_up.signals else None
 
 
 def _outcome(report, report_path: str | None, timeline_path: str | None) -> int:

@@ -10,7 +10,7 @@ a job that fails writes its last one as it stops), and the next run starts its h
 
 Protocol (the controller, at construction, before it places anything): `carry_failures(snapshots,
 policy)` returns the failure history this run starts with (the earlier runs' failures that can
-still count: within the window, at most the budget's worth), and makes every later snapshot
+still count: within the window; a snapshot keeps at most a budget's worth), and makes every later snapshot
 record that list as it grows. The policy then counts them as its own, and its message says how
 many were earlier runs'. A snapshot that cannot be read carries nothing (LedgerSnapshots.load):
 the budget is then this run's alone, as before any was recorded.

@@ -67,7 +67,7 @@ def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: di
 
 
 def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnapshots | None,
-                          started_at: float) -> float | None:
+                          started_at: float, snapshot: dict | None = None) -> float | None:
     """A restarted controller's first restore: carry into `ledger` the goodput saved with the
     restored checkpoint's `manifest` (resumed by `resume_totals` against the newest snapshot) and
     put the step history it saved (which steps the restored model holds) in front of `history`.
@@ -75,13 +75,15 @@ def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnap
     Returns the carried job seconds (the resumed job's clock), or None when the checkpoint has no
     ledger. Buckets this release does not know are dropped, as a newer writer's would be. A
     snapshot that cannot be read is ignored (LedgerSnapshots.load), so this never fails a restore.
-    `snapshots` None: no snapshot to resume against."""
+    `snapshots` None: no snapshot to resume against; `snapshot`: the newest one, read already (else
+    read now)."""
     state = manifest.state
     history[:0] = state.get("history", [])
     saved = state.get("goodput")
     if not saved:
         return None
-    carried = resume_totals(saved, manifest.created_at, snapshots.load() if snapshots else None, started_at)
+    snapshot = snapshot or (snapshots.load() if snapshots else None)
+    carried = resume_totals(saved, manifest.created_at, snapshot, started_at)
     carried = {bucket: seconds for bucket, seconds in carried.items() if bucket in BUCKETS}
     ledger.carry(carried)
     return sum(carried.values())
@@ -188,8 +190,10 @@ class LedgerCarry:
         if self.done:
             return
         manifest = self.read_manifest(step)  # retried while the store fails transiently
+        held = self.snapshots.held if self.snapshots is not None else None  # read at the start: not again
         self.finish()  # from here on, a retry must not carry (or prepend the history) again
-        carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at)
+        carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at,
+                                        held)
         if carried is not None:
             self.record.carry_clock(carried)  # the report's times count on from the resumed job's
             self.fault_clock.skip_before(carried)

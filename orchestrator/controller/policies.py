@@ -47,7 +47,8 @@ class FailurePolicy:
     large cluster fails every few hours as a matter of course (Llama 3: one every ~3 h), and a
     budget for the whole run would end a healthy job on its eleventh day-old failure, while a
     burst of failures (a bad node pool, a store outage) still spends the budget and stops it.
-    `window_s` None counts the whole run.
+    `window_s` None counts every failure. The history holds the job's earlier runs' failures too
+    (orchestrator.controller.failure_carry): a rerun does not renew the budget.
 
     A crash loop, the same error on the same rank at the same step `crash_loop_limit` times
     in a row, fails the job at once: restarting deterministic training on the same data

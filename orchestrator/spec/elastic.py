@@ -32,8 +32,8 @@ class ElasticConfig(SpecSection):
     # hours as a matter of course, and a budget for the whole run would end a healthy one.
     restart_window_s: float | None = Field(86400.0, gt=0.0, description="max_restarts counts the recoveries of the "
                                            "failures noticed in the last this many seconds (a burst of failures "
-                                           "stops the job, a long job failing every few hours keeps going); "
-                                           "null: the whole run")
+                                           "stops the job, a long job failing every few hours keeps going), "
+                                           "earlier runs of the job's too; null: every run's")
     replace_timeout_s: float = Field(60.0, ge=0.0, description="how long a lost rank's replacement may take to "
                                      "start before dp shrinks instead")
     grow: bool = Field(True, description="grow back to parallel.dp at a checkpoint boundary once replacements "

@@ -41,14 +41,15 @@ class UniqueKeyLoader(yaml.SafeLoader):
 # PyYAML implements YAML 1.1, which reads some plain scalars otherwise than YAML 1.2 (and JSON,
 # and what a person means): `steps: 010` is octal 8, `1:30` is 90, `2024-06-01` a date, `off` and
 # `no` false, while `1e3` is a string ("not a number"). This loader reads them as YAML 1.2's core
-# schema does: integers decimal (`0o10` octal, `0x1f` hex), floats with an exponent, booleans only
-# true/false, no timestamps (the text stays text: a name or a URL). Changed on the subclass only.
+# schema does: integers decimal (`0o10` octal, `0x1f` hex; a sign and `_` between digits, as PyYAML
+# took them, still allowed), floats with an exponent too, booleans only true/false, no timestamps
+# (the text stays text: a name or a URL). Changed on the subclass only.
 _INT, _BOOL, _TIMESTAMP = "tag:yaml.org,2002:int", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp"
 UniqueKeyLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _BOOL, _TIMESTAMP)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 UniqueKeyLoader.add_implicit_resolver(
-    _INT, re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+    _INT, re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"), list("-+0123456789"))
 UniqueKeyLoader.add_implicit_resolver(
     _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 UniqueKeyLoader.add_implicit_resolver(
@@ -59,10 +60,14 @@ UniqueKeyLoader.add_implicit_resolver(
 
 
 def _yaml_12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
-    text = loader.construct_scalar(node).replace("_", "")
-    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    text = loader.construct_scalar(node)
+    digits = text.replace("_", "")
+    sign, digits = (-1, digits[1:]) if digits[:1] == "-" else (1, digits.removeprefix("+"))
     base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
-    return sign * int(digits[2:] if base != 10 else digits, base)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:  # an explicit `!!int` tag on text that is not one
+        raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer", node.start_mark) from None
 
 
 UniqueKeyLoader.add_constructor(_INT, _yaml_12_int)
@@ -160,6 +165,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     every override that would put a credential into storage options (orchestrator.spec.secrets)."""
     result, problems = copy.deepcopy(dict(data)), []
     for text in overrides:
+        path: list = []
         try:
             path, value = _parse_override(text)
             secret = command_line_credentials(path, value)
@@ -171,7 +177,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         except SpecError as error:
             problems += error.problems
         except ValueError as error:
-            problems.append(Problem(dotted_key(path), f"--set {text!r}: {error}"))
+            problems.append(Problem(dotted_key(path) if path else "--set", f"--set {text!r}: {error}"))
     if problems:
         raise SpecError(problems)
     return result

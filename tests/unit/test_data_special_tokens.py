@@ -96,3 +96,16 @@ def test_other_encoding_flags_at_the_same_out_are_refused_by_name(capsys, execut
     code, _, err = prepare(capsys, *argv, "--no-add-special-tokens")
     assert code == 2 and "--add-special-tokens on (this run's is off)" in err
     assert prepare(capsys, *argv)[0] == 0  # the same flags: already prepared
+
+
+def test_a_parsed_document_that_writes_its_end_token_gets_no_second_one(capsys, executor, tmp_path):
+    tok = _llama_like(tmp_path)
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(tok))
+    eos = theirs.convert_tokens_to_ids("</s>")
+    texts = [CHAT + "</s>", "plain"]
+    argv = [_inputs(tmp_path, texts), "--tokenizer", str(tok), "--parse-special-tokens"]
+    for flags, special in (([], True), (["--no-add-special-tokens"], False)):
+        out = tmp_path / f"o{len(flags)}"
+        assert prepare(capsys, *argv, "--out", str(out), *flags)[0] == 0
+        ids = [theirs(t, add_special_tokens=special).input_ids for t in texts]
+        assert _stream(out) == [*ids[0], *ids[1], eos] and ids[0][-1] == eos  # one end each, not two

@@ -76,9 +76,12 @@ def test_a_parameter_server_rerun_counts_the_repairs_its_earlier_runs_made(tmp_p
     snapshots = LedgerSnapshots(Storage(spec.checkpoint_root))
     first = carried_budget(spec, snapshots)
     now = time.time()
-    first.repair(now - 7200, "worker 0 replaced")  # out of the window by the rerun
     first.repair(now - 60, "worker 1 replaced")
     snapshots.save(GoodputLedger(), ended=True)  # as the driver does as it ends
+    saved = json.loads(Storage(spec.checkpoint_root).read(snapshots.path))
+    assert [f["at"] for f in saved["failures"]] == [now - 60]
+    saved["failures"].insert(0, {"kind": "repair", "at": now - 7200})  # an earlier run's, out of the window now
+    Storage(spec.checkpoint_root).write_immutable(snapshots.path, json.dumps(saved).encode())
 
     again = carried_budget(spec, LedgerSnapshots(Storage(spec.checkpoint_root)))
     again.repair(now, "server 0 restored")  # the second repair in the window: still within the budget

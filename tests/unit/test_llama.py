@@ -215,7 +215,7 @@ def test_a_theta_inside_the_rope_settings_is_the_one_transformers_reads(rope):
      "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0}},
 ])
 def test_two_thetas_that_disagree_are_refused(rope):
-    with pytest.raises(ValueError, match="rope_theta|rope_scaling"):
+    with pytest.raises(ValueError, match="keep one value|differs from rope_parameters; keep one of them"):
         architecture_from_hf({**HF_KW, "model_type": "llama", **rope})
 
 
@@ -229,6 +229,8 @@ def test_two_thetas_that_disagree_are_refused(rope):
     ("vocab_size", 0, "'vocab_size': 0 is not a positive whole number"),
     ("rms_norm_eps", -1, "'rms_norm_eps': -1 is not a positive number"),
     ("tie_word_embeddings", "yes", "'tie_word_embeddings': 'yes' is not true or false"),
+    ("rms_norm_eps", None, "'rms_norm_eps': null; give its value or remove the key"),
+    ("tie_word_embeddings", None, "'tie_word_embeddings': null"),
 ])
 def test_a_config_json_value_of_the_wrong_kind_is_named_by_its_key_in_config_json(tmp_path, key, value, words):
     (tmp_path / "config.json").write_text(json.dumps({**HF_KW, "model_type": "llama", key: value}))

@@ -417,6 +417,10 @@ def test_plain_scalars_read_as_yaml_1_2_reads_them(tmp_path):
         load_spec(write(tmp_path, wandb_off))
     spec = load_spec(write(tmp_path, text), overrides=["checkpoint.async=no", "train.steps=1e2"])
     assert spec.checkpoint.async_ is False and spec.train.steps == 100  # (pydantic reads "no" as a bool)
+    with pytest.raises(SpecError, match=r"train.steps: should be a valid integer.*got '0x_'"):
+        load_spec(write(tmp_path, text), overrides=["train.steps=0x_"])  # a prefix without digits is text
+    with pytest.raises(SpecError, match=r"'' is not an integer"):
+        load_spec(write(tmp_path, text.replace("steps: 060", "steps: !!int ''")))
 
 
 @pytest.mark.parametrize(("name", "fragment"), [("nope.yaml", "No such file"), ("", "Is a directory")])

@@ -51,7 +51,7 @@ def _map_row(row: dict, job: Job) -> dict:
     return run_unit(job, int(row["unit"])).as_row()
 
 
-def _warm_worker(tokenizer_json: str, tokenizer_sha256: str) -> None:
+def _warm_worker(tokenizer_json: str, tokenizer_sha256: str, parse_special: bool) -> None:
     """A Ray task run once per CPU before the units: imports what a unit task runs (Ray Data's
     operator code, this module's) and builds the tokenizer (cached per process), while the driver
     imports Ray Data itself. Otherwise each worker pays these, about 2 s of a core, only once its
@@ -60,7 +60,7 @@ def _warm_worker(tokenizer_json: str, tokenizer_sha256: str) -> None:
 
     from orchestrator.cli.data.vocab import build_tokenizer
 
-    build_tokenizer(tokenizer_json, tokenizer_sha256)
+    build_tokenizer(tokenizer_json, tokenizer_sha256, parse_special)  # the units' own variant
 
 
 def warm_workers(job: Job, tasks: int) -> list:
@@ -68,7 +68,8 @@ def warm_workers(job: Job, tasks: int) -> list:
     import ray
 
     remote = ray.remote(num_cpus=1)(_warm_worker)
-    return [remote.remote(job.tokenizer_json, job.plan.tokenizer_sha256) for _ in range(tasks)]
+    plan = job.plan
+    return [remote.remote(job.tokenizer_json, plan.tokenizer_sha256, plan.parse_special_tokens) for _ in range(tasks)]
 
 
 class RayDataExecutor:

@@ -36,7 +36,7 @@ class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["undying-tokens-plan"] = "undying-tokens-plan"
-    version: int = 2  # 2: documents are never truncated or padded, special tokens in text are text
+    version: int = 2  # 2: documents are never truncated or padded (special tokens: the two flags below)
     tokenizer: str
     tokenizer_sha256: str
     vocab_size: int

@@ -196,9 +196,10 @@ def _encode(tokenizer, texts: list[str], wheres: list[tuple[str, str]], plan: Pl
         _name_bad_text(texts, wheres)
         raise
     ids = [e.ids for e in encodings]
-    # A post-processor that appends the end token itself (T5's "$A </s>") has closed the document.
-    closed = np.fromiter((plan.add_special_tokens and bool(x) and x[-1] == plan.eos_id for x in ids), dtype=bool,
-                         count=len(ids))
+    # A document that ends with the end token already (a post-processor's, T5's "$A </s>"; or one the
+    # text wrote, parsed) is closed: one EOS, whichever flag put it there.
+    ends = plan.add_special_tokens or plan.parse_special_tokens
+    closed = np.fromiter((ends and bool(x) and x[-1] == plan.eos_id for x in ids), dtype=bool, count=len(ids))
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids)) + ~closed
     flat = np.empty(int(lengths.sum()), dtype=wide)
     appended = np.zeros(len(flat), dtype=bool)

@@ -6,7 +6,8 @@ keeps special tokens as text (the default). Chat-formatted data (a chat template
 tokenized as characters, the model never sees those ids, and a fine-tune's exported
 generation config would stop at an id it never learned to emit. Web text that merely names
 `</s>` is rarer: a sample finds the first case, and the warning names the token, the record
-and the flag. Only the first unit's first documents are read, so the look costs one small read.
+and the flag. Only the first unit's first documents are read (a .txt file's first MiB), so the
+look costs a small read (a .parquet's first row group).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import re
 
 from orchestrator.cli.data.plan import Plan
 from orchestrator.cli.data.records import iter_documents
+from orchestrator.cli.data.sources import open_fs
 
 SAMPLE_DOCUMENTS = 200
+SAMPLE_CHARS = 2**20  # of each document looked at
 
 
 def special_token_text(plan: Plan, tokenizer, storage_options: dict) -> str | None:
@@ -34,7 +37,7 @@ def special_token_text(plan: Plan, tokenizer, storage_options: dict) -> str | No
     except Exception:  # noqa: BLE001 (a bad record, the store: the tasks read it too and report it as theirs)
         return None
     for arg, text, where in sample:
-        found = pattern.search(text)
+        found = pattern.search(text, 0, SAMPLE_CHARS)
         if found:
             return (f"INPUT {arg}: {where} writes the special token {found.group()!r} as text, which is tokenized "
                     "as its characters; for chat-formatted data whose markup is special tokens, pass "
@@ -43,8 +46,14 @@ def special_token_text(plan: Plan, tokenizer, storage_options: dict) -> str | No
 
 
 def _documents(plan: Plan, storage_options: dict):
-    """(input, text, where) of the first unit's documents, in stream order, read lazily."""
+    """(input, text, where) of the first unit's documents, in stream order, read lazily: a .txt
+    file (one document, of any size) only its first SAMPLE_CHARS."""
     for piece in plan.units[0].pieces:
-        source = plan.sources[piece.source]
-        for text, where in iter_documents(source, source.files[piece.file], piece, plan.text_field, storage_options):
+        source, file = plan.sources[piece.source], plan.sources[piece.source].files[piece.file]
+        if source.kind == "txt":
+            fs, path = open_fs(file.url, storage_options)
+            with fs.open(path, "rb") as f:
+                yield source.arg, f.read(SAMPLE_CHARS).decode("utf-8", errors="replace"), "the file"
+            continue
+        for text, where in iter_documents(source, file, piece, plan.text_field, storage_options):
             yield source.arg, text, where

@@ -6,7 +6,8 @@ driver ships the JSON text to the tasks, which build their own `Tokenizer` from 
 (`build_tokenizer`, cached per worker process), so every task encodes with exactly the
 bytes whose SHA-256 the manifest records.
 
-The end-of-document token, appended after every document, is the first of:
+The end-of-document token, appended after every document that does not end with it already
+(the tokenizer's post-processor's, or one the text wrote and the plan parses), is the first of:
   1. `--eos-token`, when given (it must be in the vocabulary);
   2. the directory's tokenizer_config.json `eos_token`, then config.json `eos_token_id`;
   3. the first of "</s>", "<|endoftext|>", "<eos>" the vocabulary holds.
