@@ -220,7 +220,9 @@ def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus
         code, _, err = prepare(capsys, parquet, *tok, "--out", where)
         assert code == 2 and err.startswith(f"undying data prepare: --out {where!r}: ") and message in err, err
     hf_dir = str(inputs[-1][0])  # a datasets save_to_disk directory: the dataset must not land in it
-    for into, what in ((parquet, "is INPUT 2"), (f"{hf_dir}/tokens", "is inside INPUT 1")):
+    (tmp_path / "linked").symlink_to(hf_dir)
+    for into, what in ((parquet, "is INPUT 2"), (f"{hf_dir}/tokens", "is inside INPUT 1"),
+                       (str(tmp_path / "linked" / "tokens"), "is inside INPUT 1")):
         code, _, err = prepare(capsys, hf_dir, parquet, *tok, "--out", into)
         assert code == 2 and what in err and "give a new directory for the dataset" in err, err
 

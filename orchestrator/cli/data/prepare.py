@@ -21,6 +21,7 @@ Ray starts only in step 3, so the checks and "already prepared" cost no cluster.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -142,12 +143,20 @@ def open_output(out: str, storage_options: dict) -> Storage:
 def _refuse_an_input(out: str, sources: list[Source]) -> None:
     """--out is a folder of the dataset's own: not an input (whose bytes the plan describes), nor
     inside one (a datasets directory would then hold shards it would read next time)."""
-    out = out.rstrip("/")
+    given, out = out, _location(out)
     for i, source in enumerate(sources, 1):
-        for where in (source.url.rstrip("/"), *(f.url.rstrip("/") for f in source.files)):
+        for where in (_location(source.url), *(_location(f.url) for f in source.files)):
             if out == where or out.startswith(where + "/"):
-                raise UsageError(f"--out {out} is {'' if out == where else 'inside '}INPUT {i} ({source.arg}); "
+                raise UsageError(f"--out {given} is {'' if out == where else 'inside '}INPUT {i} ({source.arg}); "
                                  "give a new directory for the dataset")
+
+
+def _location(url: str) -> str:
+    """One spelling per place: s3a:// is s3://, and a local path its real one (symlinks resolved)."""
+    url = url.rstrip("/")
+    if url.startswith("s3a://"):
+        return "s3://" + url.removeprefix("s3a://")
+    return "file://" + os.path.realpath(url.removeprefix("file://")) if url.startswith("file://") else url
 
 
 def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:
