@@ -10,6 +10,7 @@ fails after the location was found is not a usage error: callers test `is_storag
 from __future__ import annotations
 
 import json
+import math
 
 from ckpt.catalog import Catalog
 from ckpt.manifest import parse_step_dir
@@ -27,6 +28,12 @@ def normalise_url(url: str) -> str:
         return absolute_url(url)
     except ValueError as err:  # a URL mistyped into a relative path
         raise UsageError(f"URL {err}") from None
+
+
+def check_read_retry_s(seconds: float) -> None:
+    """`--read-retry-s` of `ckpt verify` and `ckpt gc`: a finite number of seconds, 0 or more."""
+    if not 0 <= seconds < math.inf:  # (nan compares false: it would retry for ever)
+        raise UsageError(f"--read-retry-s {seconds:g}: must be 0 (no retry) or a finite number of seconds")
 
 
 def unknown_protocol(named: str, err: BaseException) -> str:

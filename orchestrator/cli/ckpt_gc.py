@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 
 from ckpt.catalog import Catalog, GcPlan
 from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.owner_claims import UnreadableClaim
 from ckpt.ownership import OwnerAlive, OwnerLease, refuse_a_beating_owner
-from orchestrator.cli.ckpt_catalog import committed_or_fail, error_reason, steps_text
+from orchestrator.cli.ckpt_catalog import check_read_retry_s, committed_or_fail, error_reason, steps_text
 from orchestrator.cli.ckpt_listing import verify_line, verify_one
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, UsageError
 
@@ -37,8 +36,7 @@ GC_LEASE_S = 60.0  # what a job that starts during a gc waits for at most, shoul
 def collect_garbage(catalog: Catalog, args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep {args.keep}: must be at least 1; the newest committed checkpoint is never deleted")
-    if not 0 <= args.read_retry_s < math.inf:  # (nan compares false: it would retry for ever)
-        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or a finite number of seconds")
+    check_read_retry_s(args.read_retry_s)
     if args.no_verify and args.read_retry_s != DEFAULT_READ_RETRY_S:  # it would be ignored
         raise UsageError(f"--read-retry-s {args.read_retry_s:g}: --no-verify reads no checkpoint; leave one out")
     committed = committed_or_fail(catalog)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from ckpt.storage_errors import ReadRetry
 from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
     about,
+    check_read_retry_s,
     committed_or_fail,
     error_reason,
     human_age,
@@ -37,7 +37,7 @@ from orchestrator.cli.ckpt_catalog import (
     step_or_fail,
     steps_text,
 )
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, UsageError
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK
 
 # -- ls ----------------------------------------------------------------------------------
 
@@ -150,8 +150,7 @@ def verify_line(r: dict[str, Any]) -> str:
 
 
 def verify_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
-    if not 0 <= args.read_retry_s < math.inf:  # (nan compares false: it would retry for ever)
-        raise UsageError(f"--read-retry-s {args.read_retry_s:g}: must be 0 (no retry) or a finite number of seconds")
+    check_read_retry_s(args.read_retry_s)
     committed = committed_or_fail(catalog)
     steps = [step_or_fail(catalog, args.step, committed)] if args.step is not None else committed
     results = []
