@@ -69,44 +69,38 @@ def data_provenance(data, model: ModelConfig | None = None) -> dict:
     """What a checkpoint's manifest records of the tokenizer its prepared data used (the controller
     adds it at each commit; `ckpt export --format hf` ships those tokenizer files, `export_hf`'s
     `tokenizer_url`): {} for synthetic and text data. Its special token ids are `model.from_hf`'s
-    (`pretrained_token_ids`) with the data's end-of-document id among the end ids."""
+    (`pretrained_settings`) with the data's end-of-document id among the end ids; its decoding
+    settings, `model.from_hf`'s."""
     if data.source != "tokens":
         return {}
     from trainer.tokens.reader import TokenDataset
 
     first = data.path or data.mixture[0].path
     manifest = TokenDataset(first, data.storage_options).manifest
-    pretrained = model is not None and model.from_hf
-    token_ids = pretrained_token_ids(model) if pretrained else {}
+    token_ids, generation = pretrained_settings(model) if model is not None and model.from_hf else ({}, {})
     ends = token_ids.get("eos_token_id")
     ends = list(ends) if isinstance(ends, list) else [] if ends is None else [ends]
     ends += [manifest.eos_id] if manifest.eos_id not in ends else []
     token_ids["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     record = {"url": manifest.tokenizer, "sha256": manifest.tokenizer_sha256, "token_ids": token_ids}
-    generation = pretrained_generation(model) if pretrained else {}
     return {"tokenizer": {**record, "generation": generation} if generation else record}
 
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def pretrained_token_ids(model: ModelConfig) -> dict:
-    """The special token ids `model.from_hf` declares: its config.json's, then its
-    generation_config.json's (where a chat model lists its end-of-turn ids, which `generate()` stops
-    at). An export of a job that started from it carries them on; without them transformers falls
-    back to LlamaConfig's bos 1 and the chat model would not stop at the end of a turn."""
+def pretrained_settings(model: ModelConfig) -> tuple[dict, dict]:
+    """What `model.from_hf` declares for generation, each file read once: its special token ids
+    (config.json's, then generation_config.json's, where a chat model lists its end-of-turn ids,
+    which `generate()` stops at) and its decoding settings (generation_config.json's temperature,
+    top_p, do_sample..., without token ids and metadata). An export of a job that started from it
+    carries them on: without the ids transformers falls back to LlamaConfig's bos 1 and a chat model
+    would not stop at the end of a turn; without the settings it would not generate as it did."""
+    config, generation = _pretrained_json(model, "config.json"), _pretrained_json(model, "generation_config.json")
     ids: dict = {}
-    for found in (_pretrained_json(model, "config.json"), _pretrained_json(model, "generation_config.json")):
+    for found in (config, generation):
         ids.update({key: found[key] for key in TOKEN_ID_KEYS if found.get(key) is not None})
-    return ids
-
-
-def pretrained_generation(model: ModelConfig) -> dict:
-    """The decoding settings of `model.from_hf`'s generation_config.json (a chat model's temperature,
-    top_p, do_sample...), without its token ids (`pretrained_token_ids`) and metadata: an export of
-    a fine-tune generates as the model it started from did."""
-    found = _pretrained_json(model, "generation_config.json")
-    return {key: value for key, value in found.items() if key not in TOKEN_ID_KEYS + GENERATION_METADATA}
+    return ids, {key: value for key, value in generation.items() if key not in TOKEN_ID_KEYS + GENERATION_METADATA}
 
 
 def _pretrained_json(model: ModelConfig, name: str) -> dict:
