@@ -41,15 +41,14 @@ class RestartBudget:
     _repairs: deque[float] = field(default_factory=deque, init=False, repr=False)
     _in_a_row: int = field(default=0, init=False, repr=False)
     _last: tuple | None = field(default=None, init=False, repr=False)  # the last rollback's (step, reason shape)
-
     _carried: int = field(default=0, init=False, repr=False)  # of `_repairs`, the earlier runs' (the oldest)
 
-    def carry(self, times: list[float], now: float) -> None:
-        """Earlier runs' repairs (wall times), before this run's first; those out of the window are not."""
-        for at in sorted(times)[-self.max_restarts:] if self.max_restarts else []:
-            if self.window_s is None or at > now - self.window_s:
-                self._repairs.append(at)
-                self._carried += 1
+    def carry(self, times: list[float]) -> None:
+        """Earlier runs' repairs (wall times), before this run's first: at most a budget's worth; those
+        out of the window leave it as this run's own do, at the next `repair`."""
+        carried = sorted(times)[-self.max_restarts:] if self.max_restarts else []
+        self._repairs.extend(carried)
+        self._carried = len(carried)
 
     def repair_times(self) -> list[float]:
         return list(self._repairs)

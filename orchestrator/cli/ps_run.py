@@ -205,7 +205,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.owner = None if _refused_capacity(spec) else claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
-        snapshots = carry_goodput(spec, ledger, started_at, checkpoints.owner)
+        snapshots, earlier = carry_goodput(spec, ledger, started_at, checkpoints.owner)
         port = serve_metrics(metrics, spec)
         if port is None or not took_over(spec):  # the last refusal before training
             return EXIT_USAGE
@@ -217,7 +217,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
                             faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp),
-                            hang=hang, budget=carried_budget(spec, snapshots))
+                            hang=hang, budget=carried_budget(spec, snapshots, earlier))
             preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)
@@ -241,38 +241,40 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         restore_signals()
 
 
-def carried_budget(spec: JobSpec, snapshots: LedgerSnapshots) -> RestartBudget:
-    """The job's restart budget, less the repairs its earlier runs made (recorded with the goodput
-    snapshot the last driver wrote as it ended; a rerun does not renew the budget), which this run's
-    snapshots record in turn."""
-    budget, snapshot = restart_budget(spec), snapshots.load()
+def carried_budget(spec: JobSpec, snapshots: LedgerSnapshots, snapshot: dict | None) -> RestartBudget:
+    """The job's restart budget, less the repairs its earlier runs made (recorded with `snapshot`,
+    the goodput snapshot the last driver wrote as it ended; a rerun does not renew the budget), which
+    this run's `snapshots` record in turn."""
+    budget = restart_budget(spec)
     saved = snapshot.get("failures", []) if snapshot else []
-    budget.carry([float(f["at"]) for f in saved if isinstance(f, dict) and isinstance(f.get("at"), int | float)],
-                 time.time())
+    budget.carry([float(f["at"]) for f in saved if isinstance(f, dict) and isinstance(f.get("at"), int | float)])
     snapshots.failures = lambda: [{"kind": "repair", "at": at} for at in budget.repair_times()]
     return budget
 
 
-def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float, owner) -> LedgerSnapshots:
+def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float,
+                  owner) -> tuple[LedgerSnapshots, dict | None]:
     """A resumed job: the goodput its newest checkpoint saved joins `ledger`, resumed against the
     snapshot the last driver wrote as it ended (ledger_snapshot.resume_totals: after a driver that
     ended on its own no wait is booked; after one that died the time since its commit is `other`),
     so the job's goodput spans its runs as a collective job's does. Before the first export of the
     ledger. A manifest that cannot be read leaves the ledger as it is: the restore reports the error.
-    Returns the snapshots (`owner`: the driver's lease), where the driver writes its own end."""
+    Returns the snapshots (`owner`: the driver's lease), where the driver writes its own end, and the
+    last driver's snapshot (read once: the restart budget carries its repairs too)."""
     from paramserver import checkpoint
 
     root, options = spec.checkpoint_root, spec.checkpoint.storage_options
     snapshots = LedgerSnapshots(Storage(root, options), owner=owner)
+    snapshot = snapshots.load()
     try:
         latest = checkpoint.latest_committed_step(root, options)
         manifest = None if latest is None else checkpoint.catalog(root, options).read_manifest(latest)
     except Exception as err:  # noqa: BLE001 (telemetry: the job's own restore meets the same store)
         log.warning("the resumed job's goodput is not carried: its checkpoint could not be read (%s)", err)
-        return snapshots
+        return snapshots, snapshot
     if manifest is not None:
-        carry_from_checkpoint(manifest, ledger, [], snapshots, started_at)
-    return snapshots
+        carry_from_checkpoint(manifest, ledger, [], snapshots, started_at, snapshot)
+    return snapshots, snapshot
 
 
 def _write_report(spec: JobSpec, report, path: str) -> None:

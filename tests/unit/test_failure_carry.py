@@ -74,7 +74,7 @@ def test_a_parameter_server_rerun_counts_the_repairs_its_earlier_runs_made(tmp_p
                           "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2},
                           "elastic": {"max_restarts": 2, "restart_window_s": 3600}})
     snapshots = LedgerSnapshots(Storage(spec.checkpoint_root))
-    first = carried_budget(spec, snapshots)
+    first = carried_budget(spec, snapshots, snapshots.load())
     now = time.time()
     first.repair(now - 60, "worker 1 replaced")
     snapshots.save(GoodputLedger(), ended=True)  # as the driver does as it ends
@@ -83,7 +83,8 @@ def test_a_parameter_server_rerun_counts_the_repairs_its_earlier_runs_made(tmp_p
     saved["failures"].insert(0, {"kind": "repair", "at": now - 7200})  # an earlier run's, out of the window now
     Storage(spec.checkpoint_root).write_immutable(snapshots.path, json.dumps(saved).encode())
 
-    again = carried_budget(spec, LedgerSnapshots(Storage(spec.checkpoint_root)))
+    rerun = LedgerSnapshots(Storage(spec.checkpoint_root))
+    again = carried_budget(spec, rerun, rerun.load())
     again.repair(now, "server 0 restored")  # the second repair in the window: still within the budget
     with pytest.raises(RestartsSpent, match=r"2 repairs used in the last 3600 s \(1 by earlier runs of this job\)"):
         again.repair(now + 1, "worker 0 replaced")

@@ -200,7 +200,7 @@ def test_a_resumed_ps_job_carries_the_goodput_its_checkpoint_saved(tmp_path):
                    state={"engine": {"next_step": 4}, "goodput": saved})
     committed_at = catalog.read_manifest(4).created_at
     ledger = GoodputLedger()
-    snapshots = carry_goodput(spec, ledger, committed_at + 60.0, None)  # started a minute after the commit
+    snapshots, _ = carry_goodput(spec, ledger, committed_at + 60.0, None)  # started a minute after the commit
     assert {k: ledger.carried[k] for k in saved} == saved
     assert ledger.carried["other"] == pytest.approx(60.0)  # its driver died: no driver ran since the commit
     # A driver that ended on its own (preempted at that commit) wrote its end: an hour's wait before the
