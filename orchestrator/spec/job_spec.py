@@ -14,17 +14,16 @@ so a user fixes a spec in one round rather than one error at a time.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import json
 import os
 import re
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
@@ -34,8 +33,9 @@ from orchestrator.spec.elastic import HANG_FLOOR_S, ElasticConfig
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.ps_check import ps_defaults, ps_problems
-from orchestrator.spec.secrets import FILE_KEY, STORAGE_SECTIONS, resolve_storage_files
-from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, show, yaml_reason
+from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
+from orchestrator.spec.validation_errors import keys_of, model_in, problems_from_validation_error
+from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.spec_section import SpecSection
 
@@ -228,109 +228,12 @@ def eval_length(spec) -> int | None:
     return (evaluation.seq_len or (data.seq_len if data else None)) if evaluation else None
 
 
-_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-
-
-def _dotted(loc: Sequence[str | int]) -> str:
-    text = ""
-    for part in loc:
-        # A key that is not a plain name is quoted, so the field stays one readable line.
-        key = str(part) if _PLAIN_KEY.fullmatch(str(part)) else show(part)
-        text += f"[{part}]" if isinstance(part, int) else (f".{key}" if text else key)
-    return text or "spec"
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation such as `X`, `X | None` or `list[X]`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
-
-
-def _keys(model: type[BaseModel]) -> list[str]:
-    return [info.alias or name for name, info in model.model_fields.items()]
-
-
-def _section(loc: Sequence[str | int]) -> type[BaseModel] | None:
-    """The model that validates the mapping at `loc` (list indices are transparent)."""
-    model: type[BaseModel] | None = JobSpec
-    for part in loc:
-        if isinstance(part, int) or model is None:
-            continue
-        info = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
-        model = _model_in(info.annotation) if info else None
-    return model
-
-
-def _empty(loc: Sequence[str | int]) -> str:
-    """An empty section: the defaults it takes when left out, or (required, or a list's item) what to give."""
-    parent = _section(loc[:-1])
-    info = next((f for n, f in parent.model_fields.items() if loc[-1] in (n, f.alias)), None) \
-        if parent is not None and isinstance(loc[-1], str) else None
-    if info is not None and not info.is_required():
-        return "is empty; give the section's keys, or remove it to take the defaults"
-    section = _section(loc)
-    needed = [info.alias or name for name, info in section.model_fields.items() if info.is_required()] \
-        if section is not None else []
-    return "is empty; it is required: give " + (", ".join(needed) if needed else "its keys")
-
-
-def _unknown_key(loc: Sequence[str | int]) -> str:
-    key, section = loc[-1], _section(loc[:-1])
-    if section is None:
-        return f"unknown key {key!r}; remove it"
-    allowed = _keys(section)
-    if len(loc) == 2 and loc[0] in STORAGE_SECTIONS:
-        allowed.append(FILE_KEY)  # read (and removed) before validation: orchestrator.spec.secrets
-    close = difflib.get_close_matches(str(key), allowed, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"
-
-
-def _describe(error: Mapping[str, Any]) -> str:
-    kind, loc, msg = error["type"], error["loc"], error["msg"]
-    if kind == "extra_forbidden":
-        return _unknown_key(loc)
-    if kind == "missing":
-        where = _dotted(loc[:-1]) if len(loc) > 1 else "the top level"
-        return f"required key {loc[-1]!r} is missing; add it under {where}"
-    if kind in ("spec", "value_error"):  # our own messages, already saying what to do
-        return msg.removeprefix("Value error, ")
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        if error["input"] is None:
-            return _empty(loc)
-        section = _section(loc)
-        if isinstance(error["input"], bool) and section is not None and "enabled" in section.model_fields:
-            return f"expected a mapping of keys (a YAML section), got {show(error['input'])}; write " \
-                   f"{{enabled: {str(error['input']).lower()}}}"
-        return f"expected a mapping of keys (a YAML section), got {show(error['input'])}"
-    return f"{msg.replace('Input should be', 'should be')}; got {show(error['input'])}{_hint(error)}"
-
-
-def _hint(error: Mapping[str, Any]) -> str:
-    """The fix for a type error YAML makes easy: a scalar read as a number or a boolean where text
-    was meant, a duration written with its unit where seconds are a number."""
-    value, name = error["input"], str(error["loc"][-1]) if error["loc"] else ""
-    if error["type"] == "string_type" and isinstance(value, bool | int | float | dict):
-        also = " (YAML reads true and false as booleans)" if isinstance(value, bool) else \
-            " (YAML reads 'key: value' as a mapping)" if isinstance(value, dict) else ""
-        return f"; quote it to give text{also}"
-    if error["type"] in ("float_parsing", "int_parsing") and (name.endswith("_s") or "seconds" in name):
-        return "; give seconds as a number, e.g. 600 for 10 minutes"
-    return ""
-
-
-def problems_from_validation_error(error: ValidationError) -> list[Problem]:
-    """Translate a ValidationError raised while building a JobSpec into Problems."""
-    return [Problem(_dotted(e["loc"]), " ".join(_describe(e).split())) for e in error.errors()]
-
-
 def _valid_sections(data: Mapping[str, Any]) -> SimpleNamespace:
     """Each section of `data` that passes its own checks; None for the others."""
     view: dict[str, Any] = {}
     data = ps_defaults(data)
     for key, info in JobSpec.model_fields.items():
-        model, view[key] = _model_in(info.annotation), None
+        model, view[key] = model_in(info.annotation), None
         if model is None or (key not in data and info.is_required()):
             continue
         with contextlib.suppress(ValidationError):  # already reported by the whole-spec validation
@@ -355,7 +258,7 @@ def validate_spec(data: Mapping[str, Any], base_dir: str | None = None) -> JobSp
             return spec
         raise SpecError(problems)
     except ValidationError as error:
-        problems += problems_from_validation_error(error)
+        problems += problems_from_validation_error(error, JobSpec)
     if isinstance(data, Mapping):
         view = _valid_sections(data)
         more = cross_section_problems(view) + engine_support_problems(view)
@@ -376,7 +279,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         got = "empty" if data is None else f"a {type(data).__name__}"
         raise SpecError([Problem(path, f"the top level is {got}, not a mapping; a job spec maps keys "
-                                 f"{', '.join(_keys(JobSpec))} to their sections")])
+                                 f"{', '.join(keys_of(JobSpec))} to their sections")])
     return data
 
 

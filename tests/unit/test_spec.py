@@ -211,6 +211,7 @@ def test_section_and_cross_section_problems_come_together(tiny_data):
         (["name=a: b"], "name", "quote it to give text (YAML reads 'key: value' as a mapping)"),
         (["checkpoint.memory=false"], "checkpoint.memory", "got False; write {enabled: false}"),
         (["elastic.replace_timeout_s=2m"], "elastic.replace_timeout_s", "give seconds as a number, e.g. 600"),
+        (["train.betas=[0.9]"], "train.betas[1]", "ends before item 1 (items count from 0); give all its items: Adam"),
     ],
 )
 def test_type_and_range_errors_name_the_field(tiny_data, overrides, field, fragment):
