@@ -138,11 +138,12 @@ def _load(args, probe: bool = True):
     from chaos.config import support_problems
     from monitor.tracking import tracking_problems
     from orchestrator.spec.job_spec import Problem, SpecError, load_spec
+    from orchestrator.spec.storage_check import unshared_url_problems
 
     spec = load_spec(args.spec, args.overrides)
     # A tracker's missing package is found here, before the run starts, not at its end.
     found = support_problems(spec.chaos) + tracking_problems(spec.monitor)
-    problems = [Problem(field, message) for field, message in found]
+    problems = [Problem(field, message) for field, message in found] + unshared_url_problems(spec.checkpoint.url)
     if problems:
         raise SpecError(problems)
     if probe:

@@ -116,15 +116,23 @@ def _exclusive_create_problems(url: str, store: Storage) -> list[Problem]:
                     "store that honours conditional writes")]
 
 
+def unshared_url_problems(url: str) -> list[Problem]:
+    """A checkpoint URL no other process can see (memory://), found without reaching any store:
+    `undying validate --offline` checks it too."""
+    if not url.startswith("memory://"):
+        return []
+    return [Problem(FIELD, f"{url}: memory:// lives inside one process, and the ranks and the controller are "
+                    "separate processes that would never see each other's files; use a shared filesystem "
+                    "(file:///...) or an object store (s3://...)")]
+
+
 def check_storage(url: str, storage_options: dict[str, Any], timeout_s: float = 20.0) -> list[Problem]:
     """Problems that stop checkpoints from being written under `url`; empty when it works.
 
     Blocks for at most `timeout_s`: the probe runs in a daemon thread, so a request that
     hangs below the configured timeouts (a DNS lookup, say) is abandoned, not waited for."""
-    if url.startswith("memory://"):
-        return [Problem(FIELD, f"{url}: memory:// lives inside one process, and the ranks and the controller are "
-                        "separate processes that would never see each other's files; use a shared filesystem "
-                        "(file:///...) or an object store (s3://...)")]
+    if unshared := unshared_url_problems(url):
+        return unshared
     found: list[list[Problem]] = []
     worker = threading.Thread(target=lambda: found.append(_probe(url, storage_options)),
                               name="undying-storage-probe", daemon=True)

@@ -76,6 +76,9 @@ def test_validate_json_when_valid_and_offline_says_the_storage_was_not_probed(ca
     assert result["storage_probe"] == "skipped (--offline)" and result["checkpoint_root"] == "s3://no-such-bucket/x/tiny"
     code, out, _ = _run(capsys, "validate", TINY, *unreachable, "--offline")
     assert code == 0 and "not probed (--offline)" in out
+    # A URL no rank could share is refused without reaching any store.
+    code, out, _ = _run(capsys, "validate", TINY, "--set", "checkpoint.url=memory://ckpt", "--offline", "--json")
+    assert code == 2 and [p["field"] for p in json.loads(out)["problems"]] == ["checkpoint.url"]
 
 
 def test_validate_json_probes_storage_without_offline_and_lists_problems(capsys, tmp_path):
