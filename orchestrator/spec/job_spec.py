@@ -35,7 +35,8 @@ from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.ps_check import ps_defaults, ps_problems
 from orchestrator.spec.secrets import STORAGE_SECTIONS, resolve_storage_files
 from orchestrator.spec.validation_errors import keys_of, model_in, problems_from_validation_error
-from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides, yaml_reason
+from orchestrator.spec.yaml_input import apply_overrides
+from orchestrator.spec.yaml_loader import UniqueKeyLoader, yaml_reason
 from trainer.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.spec_section import SpecSection
 

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from orchestrator.spec.problems import Problem
+from orchestrator.spec.yaml_loader import UniqueKeyLoader
 
 # Sections whose `storage_options` may come from a file.
 STORAGE_SECTIONS = ("checkpoint", "data", "eval", "model")
@@ -74,7 +75,7 @@ def read_options_file(path: str, base_dir: str | None = None) -> dict[str, Any]:
     full = os.path.join(base_dir or os.getcwd(), os.path.expanduser(path))
     try:
         with open(full, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=UniqueKeyLoader)
     except (OSError, UnicodeDecodeError) as error:
         reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror
         where = "" if os.path.isabs(os.path.expanduser(path)) else f" (read as {full}" + (

@@ -66,6 +66,7 @@ def test_a_relative_options_file_that_is_missing_says_where_it_was_looked_for(tm
     (None, None, "cannot be read"),
     ("[1, 2]", None, "does not hold a mapping"),
     ("{a: [", None, "not valid YAML"),
+    ("key: a\nkey: b\n", None, "not valid YAML or JSON at line 2"),  # a key given twice, as in the spec
     (f"{{secret: {SECRET}}}", {"secret": "x"}, "both set secret"),
 ])
 def test_a_bad_options_file_is_a_problem_naming_the_field(tmp_path, content, inline, fragment):
@@ -79,6 +80,13 @@ def test_a_bad_options_file_is_a_problem_naming_the_field(tmp_path, content, inl
     [problem] = caught.value.problems
     assert problem.field == "checkpoint.storage_options_file" and fragment in problem.message
     assert SECRET not in str(caught.value)
+
+
+def test_an_options_file_reads_plain_scalars_as_the_spec_does(tmp_path):
+    """YAML 1.2, as the spec: a date-like key, 'no' and a zero-padded number are not a date, false and octal."""
+    (tmp_path / "creds.yaml").write_text("key: 2024-06-01\nsecret: no\nmax_pool: 010\n")
+    spec = validate_spec(_spec_data(tmp_path, str(tmp_path / "creds.yaml")))
+    assert spec.checkpoint.storage_options == {"key": "2024-06-01", "secret": "no", "max_pool": 10}
 
 
 @pytest.mark.parametrize("override", [

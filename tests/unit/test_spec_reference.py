@@ -16,7 +16,8 @@ from orchestrator.cli.main import cadence_notes, main
 from orchestrator.spec.job_spec import load_spec, validate_spec
 from orchestrator.spec.problems import SpecError
 from orchestrator.spec.reference import REGENERATE, markdown, rows, type_text, undocumented
-from orchestrator.spec.yaml_input import UniqueKeyLoader, apply_overrides
+from orchestrator.spec.yaml_input import apply_overrides
+from orchestrator.spec.yaml_loader import UniqueKeyLoader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MINIMAL = {"name": "t", "model": {"preset": "tiny"}, "train": {"steps": 4, "global_batch": 2},
