@@ -5,7 +5,8 @@ causes of Google's ml-goodput-measurement taxonomy (docs/design.md section 4), s
 numbers across tools: https://github.com/AI-Hypercomputer/ml-goodput-measurement
 
 Protocol. The controller (single-threaded) is the only caller; the ledger takes no locks and
-must not be read from other threads (metrics get a snapshot through `JobMetrics.on_goodput`).
+must not be read from other threads: metrics get a `LedgerReading` through `JobMetrics.on_goodput`,
+which keeps counting the open interval, so a scrape during an outage sees it grow.
 
 1. `GoodputLedger(clock, carried)` opens the first interval in `startup`: the time between
    creating the ledger and the controller's first `enter` is start-up.
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 PRODUCTIVE = "productive"
 BADPUT_CAUSES = (
@@ -79,6 +81,26 @@ def _validated_carry(carried: Mapping[str, float] | None) -> dict[str, float]:
     return booked
 
 
+@dataclass(frozen=True)
+class LedgerReading:
+    """The ledger as another thread may read it (a Prometheus scrape): the seconds booked, and the
+    interval still open, which `totals` extends to the moment it is asked. Between two of the
+    controller's readings (a step's record, a state change) the open bucket keeps growing, so a
+    restore that keeps failing, a long wait for capacity or a hang shows as it passes, not only once
+    training resumes. `prior`: the part of the totals the job's earlier drivers booked themselves."""
+    booked: Mapping[str, float]
+    open_bucket: str | None
+    opened_at: float
+    clock: Callable[[], float]
+    prior: Mapping[str, float]
+
+    def totals(self) -> dict[str, float]:
+        totals = dict(self.booked)
+        if self.open_bucket is not None:
+            totals[self.open_bucket] += max(0.0, self.clock() - self.opened_at)
+        return totals
+
+
 class GoodputLedger:
     """Splits a job's wall time into `productive` and the `BADPUT_CAUSES` (see module doc)."""
 
@@ -93,15 +115,31 @@ class GoodputLedger:
         # Wall time is kept apart from the buckets (carried wall + clock elapsed) so the
         # sum-equals-wall invariant is a real check of the booking, not a tautology.
         self._carried_wall = sum(self._booked.values())
+        # What earlier drivers booked themselves, as they booked it (before a resume's reckoning
+        # moved their steps past the restored commit to lost_work and booked the time no driver
+        # ran): the base this driver's badput counters count from (monitor.goodput_collector).
+        self.prior = dict(self._booked)
         self._started_at = clock()
         self._current: str | None = "startup"
         self._opened_at = self._started_at
         self._stopped_at: float | None = None
+        self._watchers: list[Callable[[LedgerReading], None]] = []
 
     @property
     def current(self) -> str | None:
         """The bucket the open interval is being booked to; None once stopped."""
         return self._current
+
+    def watch(self, watcher: Callable[[LedgerReading], None]) -> None:
+        """Hand `watcher` the reading now and after every change (`enter`, `move`, `carry`, `stop`), on
+        the caller's thread: a scrape then extends the bucket the job is in, whoever entered it."""
+        if watcher not in self._watchers:
+            self._watchers.append(watcher)
+        watcher(self.reading())
+
+    def _changed(self) -> None:
+        for watcher in self._watchers:
+            watcher(self.reading())
 
     def enter(self, bucket: str) -> None:
         """Close the open interval into the current bucket and start booking to `bucket`."""
@@ -110,6 +148,7 @@ class GoodputLedger:
             raise RuntimeError("goodput ledger is stopped; a finished job books no more time")
         self._close_open_interval()
         self._current = bucket
+        self._changed()
 
     def move(self, seconds: float, src: str, dst: str) -> float:
         """Re-attribute up to `seconds` from `src` to `dst`; returns the seconds moved.
@@ -127,20 +166,25 @@ class GoodputLedger:
         amount = min(float(seconds), self._booked[src])
         self._booked[src] -= amount
         self._booked[dst] += amount
+        self._changed()
         return amount
 
-    def carry(self, carried: Mapping[str, float]) -> None:
+    def carry(self, carried: Mapping[str, float], prior: Mapping[str, float] | None = None) -> None:
         """Add a predecessor's totals (a resumed job's, from its checkpoint) to this ledger's.
 
         The carried seconds join their buckets and the wall time alike, so the buckets still sum
-        to the wall; the open interval keeps running in its bucket."""
+        to the wall; the open interval keeps running in its bucket. `prior`: the totals as the
+        predecessors booked them, before the resume's reckoning (default: `carried`)."""
         extra = _validated_carry(carried)
         if self._current is not None:
             self._close_open_interval()
         for bucket, seconds in extra.items():
             self._booked[bucket] += seconds
             self.carried[bucket] = self.carried.get(bucket, 0.0) + seconds
+        for bucket, seconds in _validated_carry(carried if prior is None else prior).items():
+            self.prior[bucket] = self.prior.get(bucket, 0.0) + seconds
         self._carried_wall += sum(extra.values())
+        self._changed()
 
     def stop(self) -> None:
         """Close the last interval and freeze wall time (the controller calls it at job end)."""
@@ -149,13 +193,15 @@ class GoodputLedger:
         self._close_open_interval()
         self._stopped_at = self._opened_at
         self._current = None
+        self._changed()
 
     def totals(self) -> dict[str, float]:
         """Seconds per bucket, carried seconds and the open interval included."""
-        totals = dict(self._booked)
-        if self._current is not None:
-            totals[self._current] += self._clock() - self._opened_at
-        return totals
+        return self.reading().totals()
+
+    def reading(self) -> LedgerReading:
+        """A copy another thread may read: its `totals()` go on counting the open interval."""
+        return LedgerReading(dict(self._booked), self._current, self._opened_at, self._clock, dict(self.prior))
 
     def badput(self) -> dict[str, float]:
         """Seconds per badput cause (every bucket but `productive`)."""

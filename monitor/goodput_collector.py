@@ -1,17 +1,18 @@
 """The goodput ledger's totals as Prometheus series: a custom collector, read on the exporter's threads.
 
-Protocol: monitor.metrics.JobMetrics registers one per job and hands it a snapshot of the
-ledger's totals (`publish`, from the controller's thread, under a lock); scrapes `collect`.
+Protocol: monitor.metrics.JobMetrics registers one per job and hands it the ledger's reading
+(`publish`, from the controller's thread, under a lock); scrapes `collect`, which extends the
+reading's open interval to the scrape, so the series move during an outage too.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE
+from monitor.goodput import BADPUT_CAUSES, PRODUCTIVE, LedgerReading
 
 
 class GoodputCollector:
@@ -20,13 +21,15 @@ class GoodputCollector:
     Badput is a counter, `undying_badput_seconds_total{cause}`, of the seconds booked by this
     process: the ledger only ever adds to a cause (time booked as it passes, `move` always takes
     from `productive`), so `rate()` and `increase()` read it. It starts at 0 in each driver
-    process, as a counter must: a resumed driver carries its predecessor's totals from a snapshot
-    up to seconds old, below what the predecessor last exported, and exporting those would read
-    as a counter reset followed by an increase of the job's whole history (the low-goodput
-    alert's false fire after every resume). The job's totals across its drivers are the gauge
+    process, as a counter must: a resumed driver's base is what its predecessors booked as they
+    booked it (`LedgerReading.prior`, from a snapshot up to seconds old, below what the last one
+    exported; exporting those would read as a counter reset followed by an increase of the job's
+    whole history: the low-goodput alert's false fire after every resume). What the resume itself
+    books (the predecessor's steps past the restored commit, now lost work; the time no driver
+    ran) is this process's increase. The job's totals across its drivers are the gauge
     `undying_badput_job_seconds{cause}` (dashboards' shares). Productive time is a gauge,
     `undying_productive_seconds`, the job's, because `move` shrinks it when rolled-back steps
-    become `lost_work`; use `delta()` on it.
+    become `lost_work`; use `delta()` on it. `undying_goodput_ratio` is productive over wall.
 
     Nothing is exported before the first `publish`, which the controller makes once the ledger
     is whole (after its first restore carried a predecessor's totals, or found none).
@@ -35,19 +38,19 @@ class GoodputCollector:
     def __init__(self, job: str) -> None:
         self._job = job
         self._lock = threading.Lock()
-        self._totals: dict[str, float] | None = None
-        self._base: dict[str, float] = {}  # the carried totals: predecessors', not this process's
+        self._reading: LedgerReading | None = None
 
-    def publish(self, totals: Mapping[str, float], carried: Mapping[str, float] | None = None) -> None:
-        """The ledger's totals, and (`carried`) the part of them its predecessors booked."""
+    def publish(self, reading: LedgerReading) -> None:
+        """The ledger's reading (GoodputLedger.reading), taken on the controller's thread."""
         with self._lock:
-            self._totals, self._base = dict(totals), dict(carried or {})
+            self._reading = reading
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            totals = None if self._totals is None else dict(self._totals)
-        if totals is None:
+            reading = self._reading
+        if reading is None:
             return
+        totals, base = reading.totals(), reading.prior
         badput = CounterMetricFamily(
             "undying_badput_seconds",
             "Wall seconds this driver process booked to each badput cause (ml-goodput-measurement "
@@ -61,7 +64,7 @@ class GoodputCollector:
         )
         for cause in BADPUT_CAUSES:
             total = totals.get(cause, 0.0)
-            badput.add_metric([cause, self._job], max(0.0, total - self._base.get(cause, 0.0)))
+            badput.add_metric([cause, self._job], max(0.0, total - base.get(cause, 0.0)))
             job_badput.add_metric([cause, self._job], total)
         productive = GaugeMetricFamily(
             "undying_productive_seconds",
@@ -70,6 +73,10 @@ class GoodputCollector:
             labels=["undying_job"],
         )
         productive.add_metric([self._job], totals.get(PRODUCTIVE, 0.0))
+        ratio = GaugeMetricFamily("undying_goodput_ratio", "Productive seconds / wall seconds.", labels=["undying_job"])
+        wall = sum(totals.values())
+        ratio.add_metric([self._job], totals.get(PRODUCTIVE, 0.0) / wall if wall > 0 else 0.0)
         yield badput
         yield job_badput
         yield productive
+        yield ratio

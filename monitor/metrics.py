@@ -3,7 +3,8 @@
 Protocol. The controller creates one `JobMetrics` per job, calls `serve(host, port)` once,
 feeds it with the `on_*` methods from its single thread as events happen, and calls `close()`
 at the end. Scrapes arrive on the exporter's own threads; prometheus-client's metric objects
-are thread-safe, and the goodput totals are a snapshot taken under a lock in `on_goodput`, so
+are thread-safe, and the goodput series read a copy of the ledger handed over under a lock in
+`on_goodput` (monitor.goodput.LedgerReading, which counts the open interval on to the scrape), so
 a scrape never reads the (single-threaded) ledger itself.
 
 Every series carries an `undying_job` label (the job spec's `name`), so several jobs can share
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from monitor.goodput import PRODUCTIVE, GoodputLedger
+from monitor.goodput import GoodputLedger
 from monitor.goodput_collector import GoodputCollector
 
 # Upper bounds in seconds. Training steps range from milliseconds (tiny CPU tests) to minutes.
@@ -50,6 +51,7 @@ class JobMetrics:
         self._compute_s: dict[int, float] = {}
         self._states: set[str] = set()
         self._snapshot_ranks: set[int] = set()  # ranks with a memory snapshot host-bytes series
+        self._memory_ledgers: dict[str, set[str]] = {}  # kind -> ledgers with a series (a probe may report fewer)
         self._define_training()
         self._define_checkpoint()
         self._define_resilience()
@@ -101,7 +103,6 @@ class JobMetrics:
             "undying_data_wait_seconds", "Seconds a global step waited for its samples (the slowest rank's wait).",
             STEP_BUCKETS,
         )
-        self.goodput_ratio = self._gauge("undying_goodput_ratio", "Productive seconds / wall seconds.")
         self.rank_compute = self._gauge(
             "undying_rank_step_compute_seconds", "Compute seconds of the last step, per rank.", "rank"
         )
@@ -134,7 +135,8 @@ class JobMetrics:
         )
         self.ckpt_skipped = self._counter(
             "undying_checkpoint_skipped", "Saves that will not be committed although nothing failed in "
-            "them: still in flight when a failure or a re-formation ended their generation.")
+            "them: still in flight when a failure or a re-formation ended their generation, or overtaken by a "
+            "newer complete save before their manifest create began (a slow store).")
         self.ckpt_failures = self._counter(
             "undying_checkpoint_failures", "Failed saves: a rank's shard write, the manifest commit (twice), or "
             "shards that do not form a checkpoint (checkpoint.max_failed_saves in a row fail the job).")
@@ -176,7 +178,8 @@ class JobMetrics:
     def _define_resilience(self) -> None:
         self.failures = self._counter("undying_failures", "Failures seen, by kind.", "kind")
         self.detection = self._histogram(
-            "undying_detection_seconds", "Seconds from a failure to its detection.", EVENT_BUCKETS
+            "undying_detection_seconds", "Seconds from a failure to its detection, for failures whose onset is "
+            "known (an injected fault, a hang dated by its last progress).", EVENT_BUCKETS
         )
         self.recovery = self._histogram(
             "undying_recovery_seconds", "Seconds from detection to training again.", EVENT_BUCKETS
@@ -218,7 +221,12 @@ class JobMetrics:
         self.bubble_ratio.labels(self.job).set(ratio)
 
     def on_memory(self, kind: str, ledgers: Mapping[str, float]) -> None:
-        """`kind` is "predicted" or "measured"; `ledgers` maps state/activation/collective/transient to bytes."""
+        """`kind` is "predicted" or "measured"; `ledgers` maps state/activation/collective/transient to bytes.
+        Each call replaces the kind's ledgers: one an earlier layout's probe measured and this one's did not
+        (a sharded layout measures the state ledger alone) is dropped, not left at its old value."""
+        for ledger in self._memory_ledgers.get(kind, set()) - set(ledgers):
+            self.memory_bytes.remove(self.job, ledger, kind)
+        self._memory_ledgers[kind] = set(ledgers)
         for ledger, nbytes in ledgers.items():
             self.memory_bytes.labels(self.job, ledger, kind).set(nbytes)
 
@@ -318,8 +326,10 @@ class JobMetrics:
     def on_checkpoint_skipped(self, count: int = 1) -> None:
         """`count` saves will not commit although nothing failed in them: they were in flight when
         their generation ended (a failure, a shrink or a grow), or their step is committed already
-        by the history a restore skipped (ckpt.commit.Committer.left_behind). A save requested while one is in
-        flight is never skipped: it waits (docs/design.md invariant 6)."""
+        by the history a restore skipped (ckpt.commit.Committer.left_behind), or a newer complete save
+        overtook them before their manifest create began (a store slower than the cadence: only the newest
+        is created). A save requested while a rank's is in flight is never skipped: it waits (docs/design.md
+        invariant 6)."""
         self.ckpt_skipped.labels(self.job).inc(count)
 
     def on_failure(self, kind: str) -> None:
@@ -335,9 +345,11 @@ class JobMetrics:
         """`n` queued messages on `channel` never arrived (orchestrator.wire.auth). Controller's thread."""
         self.control_missing.labels(self.job, channel).inc(n)
 
-    def on_recovery(self, detection_s: float, recovery_s: float) -> None:
-        """Training resumed after a failure detected `detection_s` after it happened."""
-        self.detection.labels(self.job).observe(detection_s)
+    def on_recovery(self, detection_s: float | None, recovery_s: float) -> None:
+        """Training resumed after a failure detected `detection_s` after it happened (None: its onset is
+        unknown, a crash no fault injected, which the detection series leaves out rather than read as 0)."""
+        if detection_s is not None:
+            self.detection.labels(self.job).observe(detection_s)
         self.recovery.labels(self.job).observe(recovery_s)
 
     def on_layout(self, generation: int, world_size: int, dp: int, tp: int, pp: int) -> None:
@@ -362,11 +374,10 @@ class JobMetrics:
             self.controller_state.labels(self.job, state).set(1 if state == state_name else 0)
 
     def on_goodput(self, ledger: GoodputLedger) -> None:
-        """Publish a snapshot of the ledger (the controller calls it, e.g. once per heartbeat)."""
-        totals = ledger.totals()
-        wall = sum(totals.values())
-        self._goodput.publish(totals, ledger.carried)
-        self.goodput_ratio.labels(self.job).set(totals[PRODUCTIVE] / wall if wall > 0 else 0.0)
+        """Publish the ledger's reading, and from then on every change of it (GoodputLedger.watch): the
+        controller calls it once the ledger is whole (a predecessor's totals carried), and again at
+        times; scrapes count the open interval on to the scrape."""
+        ledger.watch(self._goodput.publish)
 
     def on_rank_compute(self, rank: int, seconds: float) -> None:
         """A rank reported its step compute time (from its heartbeat)."""

@@ -53,6 +53,7 @@ from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.interruptible import SLICE_S, Interrupted, never
 from orchestrator.controller.background_cost import BackgroundCost
+from orchestrator.controller.ledger_snapshot import saved_goodput
 from orchestrator.controller.memory_level import MemoryLevel
 from orchestrator.controller.policies import CheckpointIntervalPolicy
 from orchestrator.controller.restore_policy import RestorePolicy
@@ -309,7 +310,8 @@ class Checkpoints:
             # of a dead controller knows which steps and samples the model it restores holds (the
             # data-exactly-once check). The model's architecture travels too, so a checkpoint exports
             # (`ckpt export --format hf`) and evaluates (`undying eval`) without the job spec.
-            lambda samples: {"goodput": self.ledger.to_dict(), "restarts": restarts,
+            lambda samples: {"goodput": saved_goodput(self.ledger, self.record, message.receipt.step),
+                             "restarts": restarts,
                              "history": [*self.record.history, *sample_events(samples)],
                              "model": self.spec.model.architecture(), "seq_len": self.spec.data.seq_len,
                              **self.data_provenance},

@@ -278,7 +278,7 @@ class JobRecord:
 
     def on_recovered(self, record: FailureRecord, detected_at: float) -> None:
         record.recovered_after_s = time.time() - detected_at
-        self.metrics.on_recovery(record.detected_after_s or 0.0, record.recovered_after_s)
+        self.metrics.on_recovery(record.detected_after_s, record.recovered_after_s)
         self._failure_changed(record)
 
     def on_checkpoint(self, step: int, committed_at: float, nbytes: int, blocking_s: float,

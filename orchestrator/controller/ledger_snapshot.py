@@ -55,8 +55,7 @@ def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: di
     failed and was run again later): the wait before a deliberate rerun is the operator's,
     not the job's.
     """
-    if snapshot is None or sum(snapshot["totals"].values()) < sum(at_commit.values()):
-        snapshot = {"time": committed_at, "totals": at_commit, "ended": False}
+    snapshot = _newest(at_commit, committed_at, snapshot)
     totals = dict(snapshot["totals"])
     lost = max(0.0, totals.get(PRODUCTIVE, 0.0) - at_commit.get(PRODUCTIVE, 0.0))
     totals[PRODUCTIVE] = totals.get(PRODUCTIVE, 0.0) - lost
@@ -64,6 +63,25 @@ def resume_totals(at_commit: dict[str, float], committed_at: float, snapshot: di
     if not snapshot.get("ended"):
         totals[DOWN_BUCKET] = totals.get(DOWN_BUCKET, 0.0) + max(0.0, started_at - float(snapshot["time"]))
     return totals
+
+
+def saved_goodput(ledger, record, step: int) -> dict[str, float]:
+    """The ledger as the checkpoint of completed step `step` saves it, at its commit: the steps the
+    job finished past `step` while the save was written in the background are in lost_work, not
+    productive, since a successor that restores this checkpoint redoes them (`resume_totals` books
+    only what productive holds beyond the commit's ledger as lost)."""
+    totals = ledger.to_dict()
+    past = min(record.work_seconds(step, record.last_step + 1), totals[PRODUCTIVE])
+    totals[PRODUCTIVE] -= past
+    totals["lost_work"] = totals.get("lost_work", 0.0) + past
+    return totals
+
+
+def _newest(at_commit: dict[str, float], committed_at: float, snapshot: dict | None) -> dict:
+    """The newer record of the job's time (in job seconds): the snapshot, or the commit's ledger."""
+    if snapshot is None or sum(snapshot["totals"].values()) < sum(at_commit.values()):
+        return {"time": committed_at, "totals": at_commit, "ended": False}
+    return snapshot
 
 
 def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnapshots | None,
@@ -85,7 +103,10 @@ def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnap
     snapshot = snapshot or (snapshots.load() if snapshots else None)
     carried = resume_totals(saved, manifest.created_at, snapshot, started_at)
     carried = {bucket: seconds for bucket, seconds in carried.items() if bucket in BUCKETS}
-    ledger.carry(carried)
+    # The predecessors' own booking is the base of this driver's badput counters: the reckoning above
+    # (their rolled-back steps, the time no driver ran) is badput this driver books.
+    prior = _newest(saved, manifest.created_at, snapshot)["totals"]
+    ledger.carry(carried, prior={bucket: seconds for bucket, seconds in prior.items() if bucket in BUCKETS})
     return sum(carried.values())
 
 

@@ -179,3 +179,43 @@ def test_a_resumed_jobs_report_times_count_on_from_the_carried_job_seconds(tmp_p
     assert record.job_seconds() - before == pytest.approx(130.0, abs=1.0)  # on the ledger's wall, as faults are
     assert record.job_seconds() == pytest.approx(ledger.wall(), abs=1.0)
     assert record.world[0].started_at == pytest.approx(130.0, abs=1.0)  # moved with it: one clock
+
+
+def test_a_resumes_reckoning_is_badput_this_driver_counts():
+    """The predecessor's steps past the commit (lost work) and the time no driver ran count in this driver's
+    badput counters; what the predecessor booked itself is their base, not an increase."""
+    from types import SimpleNamespace
+
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.ledger_snapshot import carry_from_checkpoint
+
+    now = [0.0]
+    ledger, metrics = GoodputLedger(clock=lambda: now[0]), JobMetrics("resumed")
+    manifest = SimpleNamespace(created_at=1000.0, state={"goodput": {"productive": 1000.0}})
+    snapshot = {"time": 1600.0, "totals": {"productive": 1600.0, "startup": 10.0}, "ended": False}
+    carry_from_checkpoint(manifest, ledger, [], None, started_at=2500.0, snapshot=snapshot)
+    metrics.on_goodput(ledger)
+
+    def badput(cause: str) -> float:
+        return metrics.registry.get_sample_value("undying_badput_seconds_total",
+                                                 {"undying_job": "resumed", "cause": cause})
+    assert (badput("lost_work"), badput("other"), badput("startup")) == (600.0, 900.0, 0.0)
+
+
+def test_a_checkpoint_saves_the_steps_trained_during_its_background_write_as_lost_work():
+    """A successor that restores step 10 redoes the steps finished while its save was written: its
+    resume books them lost, so the manifest's ledger holds them in lost_work, not productive."""
+    from types import SimpleNamespace
+
+    from orchestrator.controller.ledger_snapshot import saved_goodput
+
+    now = [0.0]
+    ledger = GoodputLedger(clock=lambda: now[0])
+    ledger.enter("productive")
+    now[0] = 100.0
+    record = SimpleNamespace(last_step=14, work_seconds=lambda first, end: 2.0 * (end - first))
+    saved = saved_goodput(ledger, record, 10)  # steps 10..14 ran past the save of completed step 10
+    assert (saved["productive"], saved["lost_work"]) == (90.0, 10.0) and sum(saved.values()) == 100.0
+    assert ledger.totals()["productive"] == 100.0  # the live ledger is left as it is
+    record = SimpleNamespace(last_step=999, work_seconds=lambda first, end: 1e9)
+    assert saved_goodput(ledger, record, 10)["productive"] == 0.0  # clamped to what productive holds

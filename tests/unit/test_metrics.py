@@ -332,3 +332,38 @@ def test_a_shrunk_world_drops_the_memory_snapshot_series_of_the_ranks_it_lost():
     held = {r: metrics.registry.get_sample_value("undying_memory_snapshot_host_bytes",
                                                  {"undying_job": "shrunk", "rank": str(r)}) for r in range(4)}
     assert held == {0: 100, 1: 100, 2: None, 3: None}
+
+
+def test_goodput_series_count_an_outage_while_it_lasts():
+    """Between two readings the controller hands over (a step, a state change), a scrape extends the
+    bucket the job is in: a restore that keeps failing shows as it passes, not once training resumes."""
+    metrics, clock = JobMetrics("stuck"), FakeClock()
+    ledger = GoodputLedger(clock=clock)
+    ledger.enter("productive")
+    clock.now = 100.0
+    metrics.on_goodput(ledger)
+    ledger.enter("reformation")  # no step follows: nothing calls on_goodput again
+    clock.now = 1900.0
+
+    def sample(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"undying_job": "stuck", **labels})
+    assert sample("undying_badput_seconds_total", cause="reformation") == 1800.0
+    assert sample("undying_productive_seconds") == 100.0
+    assert sample("undying_goodput_ratio") == pytest.approx(100.0 / 1900.0)
+    ledger.stop()
+    clock.now = 5000.0  # a stopped ledger's totals are final
+    assert sample("undying_badput_seconds_total", cause="reformation") == 1800.0
+
+
+def test_detection_is_left_out_when_the_failures_onset_is_unknown_and_old_measured_ledgers_go(metrics):
+    metrics.on_recovery(detection_s=None, recovery_s=3.0)  # a crash no fault injected: no onset
+    metrics.on_recovery(detection_s=0.5, recovery_s=2.0)
+    job = {"undying_job": JOB}
+    assert metrics.registry.get_sample_value("undying_detection_seconds_count", job) == 1
+    assert metrics.registry.get_sample_value("undying_recovery_seconds_count", job) == 2
+    metrics.on_memory("measured", {"state": 90, "activation": 40})
+    metrics.on_memory("measured", {"state": 80})  # a sharded layout measures the state ledger alone
+    measured = {ledger: metrics.registry.get_sample_value("undying_memory_bytes", {**job, "ledger": ledger,
+                                                                                     "kind": "measured"})
+                for ledger in ("state", "activation")}
+    assert measured == {"state": 80, "activation": None}
