@@ -75,8 +75,8 @@ def _plot_loss(ax, report: RunReport) -> None:
     if report.evals:  # after N steps: beside the loss of step index N - 1
         ax.plot([p.step - 1 for p in report.evals], [p.loss for p in report.evals], "o-", color="#e377c2",
                 ms=4, lw=1, label="validation loss")
-    for i, ckpt in enumerate(report.checkpoints):
-        ax.axvline(ckpt.step, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None)
+    for i, ckpt in enumerate(report.checkpoints):  # step N holds N steps: after the loss of step index N - 1
+        ax.axvline(ckpt.step - 1, color=_CHECKPOINT_COLOR, ls=":", lw=1, label="checkpoint" if i == 0 else None)
     failed_steps = [f.step for f in report.failures if f.step is not None]
     for i, step in enumerate(failed_steps):
         ax.axvline(step, color=_FAILURE_COLOR, lw=1.5, label="failure" if i == 0 else None)
