@@ -208,8 +208,7 @@ def _divisor_list(n: int) -> str:
 
 
 def _absolute_path(cls, path: str) -> str:
-    """A data path as every process reads it: ranks open it in their own working directories, so a
-    plain path is made absolute at spec load (trainer.urls)."""
+    """A data path as every process reads it (in its own working directory): absolute (trainer.urls)."""
     return absolute_url(path)
 
 
@@ -292,6 +291,10 @@ class EvalConfig(_Strict):
 
     _absolute = field_validator("path")(_absolute_path)
 
+    def due(self, completed: int, last_step: int) -> bool:
+        """Whether the model after `completed` steps is validated: every `every_steps`, and after the last."""
+        return completed > 0 and (completed % self.every_steps == 0 or completed == last_step)
+
 
 class TrainConfig(_Strict):
     """Optimisation: how many steps, the batch, the optimizer and its schedule, numerics."""
@@ -354,13 +357,10 @@ class ParallelConfig(_Strict):
         "ops and attention internals; block keeps only each block's input")
     sequence_parallel: bool = Field(True, description="Megatron sequence parallelism for norms and dropout when "
                                     "tp > 1 (ignored when tp = 1)")
-    # Parameter-server mode (paramserver/, docs/design.md): dp workers push gradients to and pull
-    # parameters from `servers` shard owners instead of all-reducing among themselves.
     mode: Literal["collective", "ps"] = Field("collective", description="collective: the ranks all-reduce "
                                               "gradients (DDP / ZeRO); ps: parameter server, dp workers push "
                                               "gradients to and pull parameters from server actors")
-    servers: int = Field(1, gt=0, description="ps: server actors the model's state is partitioned over, "
-                         "balanced by bytes")
+    servers: int = Field(1, gt=0, description="ps: server actors the model's state is partitioned over, by bytes")
     consistency: Literal["bsp", "ssp", "asp"] = Field("bsp", description="ps: bsp waits for every worker's "
                                                       "gradient each step (equals collective dp), ssp lets a "
                                                       "worker run at most `staleness` steps ahead of the "

@@ -241,10 +241,12 @@ class RayWorkerGroup(SpareSeats):
         instead of checkpoint `step`."""
         return self._call_all("restore", lambda r: (step, dp, faults, source), timeout_s)
 
-    def start_training(self, until_step: int, faults: list[ArmedFault], buddies: dict | None = None) -> None:
-        """`buddies`: rank -> the rank whose actor keeps a copy of its memory snapshots."""
+    def start_training(self, until_step: int, faults: list[ArmedFault], buddies: dict | None = None,
+                       eval_at: int | None = None) -> None:
+        """`buddies`: rank -> the rank whose actor keeps a copy of its memory snapshots; `eval_at`: a
+        validation the ranks owe at the restored step, run before their first (RankLoop.run)."""
         buddy = {r: self.actors[b] for r, b in (buddies or {}).items() if b is not None}
-        self._train_refs = {self.actors[r].train.remote(until_step, faults, buddy.get(r)): r
+        self._train_refs = {self.actors[r].train.remote(until_step, faults, buddy.get(r), eval_at): r
                             for r in sorted(self.actors)}
 
     def live_actors(self) -> dict[str, ray.actor.ActorHandle]:

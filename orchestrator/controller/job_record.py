@@ -182,6 +182,15 @@ class JobRecord:
         busy = sum(r.step_s for r in recent)
         return sum(r.tokens for r in recent) / busy if busy > 0 else None
 
+    def eval_owed(self, step: int | None, evaluation, last_step: int) -> int | None:
+        """Restored `step` when a validation was due there (`evaluation`: the spec's eval section, None
+        without one) and none was reported: the generation that owed it ended during it, or a driver
+        rerun never saw it. The ranks run it before their first step; at the job's last step it is all
+        that is left to do."""
+        if step is None or evaluation is None or not evaluation.due(step, last_step):
+            return None
+        return None if any(point.step == step for point in self.evals) else step
+
     def on_eval(self, event: EvalDone) -> None:
         """A validation loss from rank 0. Its time was booked as productive (the controller was
         RUNNING); it trained nothing, so it moves to `other`, as Google's taxonomy has no bucket for it."""

@@ -108,7 +108,7 @@ class Controller:
         self.phase: Phase = Placing()
         self.gen, self.restarts, self.dp = -1, 0, spec.parallel.dp
         self.trained = False  # a generation trained: forming another one is re-formation (a drain, growing)
-        self.restored_step: int | None = None
+        self.restored_step = self.eval_owed = None  # the restored step and its validation owed (JobRecord.eval_owed)
         self.gen_started_at: float | None = None  # its training's start (wall); None before, and once booked
         self.failure_history, self.error = carry_failures(self.snapshots, self.failure_policy), None  # (failure_carry)
         self.carry = LedgerCarry(self.checkpoints.read_manifest, self.ledger, self.record, self.snapshots,
@@ -267,7 +267,7 @@ class Controller:
             return
         self.telemetry.on_restored(results)
         self.timeouts.on_restored(results, time.perf_counter() - started, from_storage=not source and step is not None)
-        self.restored_step = step
+        self.restored_step, self.eval_owed = step, self.record.eval_owed(step, self.spec.eval, self.spec.train.steps)
         redo = self.lost_work.on_restored(self.phase.recovering, step)  # a restore older than the one booked
         if self.phase.recovering is not None and step is not None:
             self.record.on_restored(self.phase.recovering.record, "memory" if source else "storage", results,
@@ -275,7 +275,7 @@ class Controller:
         self.checkpoints.begin(self.store, self.gen, step, source)
         what = (f"restored step {step}" + (" from memory" if source else "") if step is not None
                 else "fresh start (no committed checkpoint)") + redo
-        if step is not None and step >= self.spec.train.steps:
+        if step is not None and step >= self.spec.train.steps and self.eval_owed is None:
             self._go(Succeeded(), f"{what}: the job had already finished")
             return
         self.gen_started_at = self.record.on_training_started()
@@ -325,7 +325,7 @@ class Controller:
             self.record.on_recovered(failure.record, failure.detected_at)
             self.checkpoints.interval_policy.on_restart(failure.record.recovered_after_s)
             run.recovering = None
-        self.workers.start_training(self.spec.train.steps, self.fault_clock.armed(),
+        self.workers.start_training(self.spec.train.steps, self.fault_clock.armed(), eval_at=self.eval_owed,
                                     **self.checkpoints.buddies(self.workers, self.world_size))
         run.started = self.trained = True
         self.rendezvous.drop_generations_before(self.gen)  # off the recovery's path: the ranks are training

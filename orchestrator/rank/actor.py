@@ -254,9 +254,9 @@ class RankActor:
         elif self.spec.model.from_hf:
             load_pretrained(self.spec, engine, on_bytes=checked(), interrupt=check)
 
-    def train(self, until_step: int, faults: list[ArmedFault], buddy=None) -> dict:
+    def train(self, until_step: int, faults: list[ArmedFault], buddy=None, eval_at=None) -> dict:
         """`buddy`: the actor that keeps a copy of this rank's memory snapshots (None: the level is off,
-        or the job has one rank)."""
+        or the job has one rank); `eval_at`: a validation owed at the restored step (RankLoop.run)."""
         from orchestrator.rank.loop import RankLoop
         from orchestrator.rank.snapshots import MemorySnapshots
 
@@ -273,7 +273,7 @@ class RankActor:
         watcher = threading.Thread(target=watch_abort, args=watched, daemon=True, name="abort-watcher")
         watcher.start()
         try:
-            return loop.run(until_step, faults)
+            return loop.run(until_step, faults, eval_at)
         except BaseException as err:  # a collective error or an injected exception
             # Release the peers first (they may be blocked in a collective with us), then clean up.
             self.sockets.abort()

@@ -125,7 +125,7 @@ class Evaluator:
     through an outage of the store, and an abort ends the wait)."""
 
     def __init__(self, spec):
-        self.spec, self.every_steps, self._windows = spec, spec.eval.every_steps, None
+        self.spec, self._windows = spec, None
 
     @classmethod
     def for_spec(cls, spec) -> Evaluator | None:
@@ -154,7 +154,7 @@ class Evaluator:
         return eval_windows(dataset, ev.seq_len or data.seq_len, ev.windows)
 
     def due(self, completed: int, until_step: int) -> bool:
-        return completed % self.every_steps == 0 or completed == until_step
+        return self.spec.eval.due(completed, until_step)
 
 
 class RankLoop:
@@ -272,7 +272,9 @@ class RankLoop:
         return {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
                 "error": "abort requested by the controller"}
 
-    def run(self, until_step: int, faults: list[ArmedFault]) -> dict:
+    def run(self, until_step: int, faults: list[ArmedFault], eval_at: int | None = None) -> dict:
+        """Train to `until_step`; `eval_at`: the restored step's validation, owed (the generation that
+        owed it ended during it, or a rerun never saw it: JobRecord.eval_owed), run before the first step."""
         plans = PlanWatch(self.store)
         plan = plans.read()
         hook = FaultInjector.hook_for(faults, self.rank, self.events.push, target=self.engine.model)
@@ -285,6 +287,8 @@ class RankLoop:
         beats = self._beats(writers)
         first, left_cleanly = True, False
         try:
+            if eval_at is not None and self.evaluator is not None and eval_at == self.engine.next_step:
+                self._evaluate(eval_at)
             while self.engine.next_step < until_step:
                 if self.abort.is_set():
                     return self._aborted()

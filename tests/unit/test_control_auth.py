@@ -193,8 +193,8 @@ class ForgedWorkerGroup(FakeWorkerGroup):
     """The fake ranks of tests.unit.test_controller, and a client without the secret that writes
     every control key it can when training starts: each forgery, if trusted, would change the job."""
 
-    def start_training(self, until_step, faults):
-        super().start_training(until_step, faults)
+    def start_training(self, until_step, faults, **kwargs):
+        super().start_training(until_step, faults, **kwargs)
         forger = dist.TCPStore("127.0.0.1", self.rendezvous.port, is_master=False, timeout=timedelta(seconds=10))
         prefix = key_prefix(self.rendezvous.address.secret, self.gen)  # as read off the wire
         forger.set(f"{prefix}/{ABORT}", "1")  # every rank would stop

@@ -147,8 +147,8 @@ class FakeWorkerGroup:
         self.gen_store = self.rendezvous.generation(self.gen)
         return [{"next_step": self.next_step}] * len(self.actors)
 
-    def start_training(self, until_step, faults):
-        self.until = until_step
+    def start_training(self, until_step, faults, **kwargs):
+        self.until, self.eval_at = until_step, kwargs.get("eval_at")
         self._running = set(self.actors)
         self.cascade = False
 
@@ -328,6 +328,25 @@ def test_finished_job_is_not_run_again(tmp_path, rendezvous):
     report = _controller(spec, workers, workers.rendezvous, lines).run()
     assert report.status == "succeeded" and report.final_step == 30 and report.losses == []
     assert any("already finished" in line for line in lines)
+
+
+def test_a_validation_owed_at_the_restored_step_is_run_first_even_when_the_job_had_finished(tmp_path, rendezvous):
+    """A generation that ended during (or at a save before) the validation of the step it saved, the job's
+    last included, owes it: the ranks run it before their first step, and the job ends only after it."""
+    spec = _spec(tmp_path, eval={"path": f"file://{tmp_path}/heldout", "every_steps": 10})
+    _controller(spec, FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root)), rendezvous, []).run()
+    lines: list[str] = []
+    workers = FakeWorkerGroup(RendezvousServer("127.0.0.1"), Storage(spec.checkpoint_root))
+    report = _controller(spec, workers, workers.rendezvous, lines).run()  # the fake reports no validation
+    assert report.status == "succeeded" and report.final_step == 30 and workers.eval_at == 30
+    assert not any("already finished" in line for line in lines)
+    from orchestrator.wire.messages import EvalDone
+
+    ctl = _controller(spec, FakeWorkerGroup(RendezvousServer("127.0.0.1"), Storage(spec.checkpoint_root)),
+                      rendezvous, [])
+    assert ctl.record.eval_owed(20, spec.eval, 30) == 20 and ctl.record.eval_owed(25, spec.eval, 30) is None
+    ctl.record.on_eval(EvalDone(step=20, loss=2.0, tokens=64, seconds=0.1))
+    assert ctl.record.eval_owed(20, spec.eval, 30) is None and ctl.record.eval_owed(None, spec.eval, 30) is None
 
 
 class FlushesItsLastSaveSlowly(FakeWorkerGroup):

@@ -105,8 +105,8 @@ class WallClockRanks(SignallingWorkers):
     one; a plan published in between is taken as published just now (the worst case): only the
     last boundary reads it. `late`: the steps at which a rank read a stop step it had passed."""
 
-    def start_training(self, until_step, faults):
-        super().start_training(until_step, faults)
+    def start_training(self, until_step, faults, **kwargs):
+        super().start_training(until_step, faults, **kwargs)
         self.t0, self.first, self.late = time.monotonic(), self.next_step, []
         self.seen = self._plan()
 

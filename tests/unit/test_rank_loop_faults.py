@@ -197,3 +197,24 @@ def test_an_abort_during_a_validation_leaves_between_its_microbatches(tmp_path):
     outcome = loop.run(6, [])
     assert outcome["status"] == "aborted" and outcome["step"] == 2
     assert forwards == [1] and engine.model.training  # one of the 16 windows' microbatches, then out
+
+
+def test_a_validation_owed_at_the_restored_step_runs_before_the_first_step(tmp_path):
+    """`eval_at` (the controller's JobRecord.eval_owed): the restored model's validation that the last
+    generation never reported is evaluated first, on the restored weights; at the last step it is all."""
+    import numpy as np
+
+    from tests._tokens import write_token_dataset
+
+    write_token_dataset(tmp_path / "val", np.arange(4000) % 200, 256)
+    spec = _spec(tmp_path, [], eval={"path": str(tmp_path / "val"), "every_steps": 2, "windows": 4})
+    server = RendezvousServer("127.0.0.1")
+    controller = server.generation(0)
+    controller.set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
+                               "job_started_at": time.time()})
+    engine = build_engine(spec, 0, 1, 1)
+    engine.next_step = 6  # as restored from the final checkpoint
+    loop = RankLoop(spec, engine, connect(server.address, 0), 0, 1, threading.Event(),
+                    writer_store=connect(server.address, 0))
+    assert loop.run(6, [], eval_at=6)["status"] == "done"
+    assert [(e["type"], e["step"]) for e in controller.drain_events() if e["type"] in ("eval", "step")] == [("eval", 6)]

@@ -77,9 +77,9 @@ class _FaultDrivenWorkers(FakeWorkerGroup):
     """Slowness comes from the armed slow_rank faults each generation is started with, as in a
     real rank's fault injector; an evicted rank's replacement is slow again if they stay armed."""
 
-    def start_training(self, until_step, faults):
+    def start_training(self, until_step, faults, **kwargs):
         self.slow = {f.rank for f in faults if f.kind == "slow_rank"}
-        super().start_training(until_step, faults)
+        super().start_training(until_step, faults, **kwargs)
 
 
 class _PeersReportFirst(_FaultDrivenWorkers):
