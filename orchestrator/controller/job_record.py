@@ -154,6 +154,11 @@ class JobRecord:
                                        self.ledger.goodput()))
 
     @property
+    def generation_stepped(self) -> bool:
+        """The running generation reported a step (a validation it owed before its first is no step)."""
+        return self._generation_first is not None
+
+    @property
     def awaiting_first_step(self) -> bool:
         """A failure's recovery has not yet seen its first step after the restart."""
         return self._awaiting_first_step is not None

@@ -189,7 +189,8 @@ class Timeouts:
         `saving_s` (a stop's save the ranks block on), and the spec field that sets it, which a hang's
         message names: a limit set below the step time is then found by its field."""
         limits = self.limits()
-        pending = self._training_since is not None and self.record.progress_at == self._training_since
+        # Until its first step, whatever progress came before (a validation owed at the restored step).
+        pending = self._training_since is not None and not self.record.generation_stepped
         if self._training_since is not None and not pending:  # the generation's first step came
             first = self.record.progress_at - self._training_since
             self.first_step_s = max(self.first_step_s or 0.0, first)

@@ -89,7 +89,7 @@ class _Record:
     """The JobRecord surface the timeouts read."""
 
     def __init__(self):
-        self.progress_at, self.steps_s, self.checkpoints = 100.0, [], []
+        self.progress_at, self.steps_s, self.checkpoints, self.generation_stepped = 100.0, [], [], False
 
     def median_step_s(self):
         return sorted(self.steps_s)[len(self.steps_s) // 2] if self.steps_s else None
@@ -105,11 +105,14 @@ def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one
     timeouts.on_training_started()
     first, steady = "elastic.first_step_timeout_s", "elastic.hang_timeout_s"  # the fields a hang's message names
     assert timeouts.hang_limit() == (120.0, first)  # nothing measured: the first step may take 120 s on CPU
-    record.progress_at, record.steps_s = 160.0, [60.0]  # the first step took 60 s
+    record.progress_at = 130.0  # a validation owed at the restored step, before the first step: no step yet
+    assert timeouts.hang_limit() == (120.0, first)
+    record.progress_at, record.steps_s, record.generation_stepped = 160.0, [60.0], True  # the first step: 60 s
     assert timeouts.hang_limit() == (300.0, steady) and timeouts.first_step_s == 60.0  # 5 x the median (60 s)
     record.steps_s = [60.0, 0.1, 0.1]
     assert timeouts.hang_limit(saving_s=4.0) == (14.0, steady)  # steady: the floor, and a stop's save on top
     timeouts.on_training_started()  # the next generation: 3 x the first step measured
+    record.generation_stepped = False
     assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 3.0
     assert timeouts.for_generation(2).collective_s == 360.0
     assert len(lines) == 2 and lines[0].startswith("timeouts: hang max(10 s, 5 x median step), first step 120 s")
