@@ -95,6 +95,7 @@ class Stops:
         self.ledger, self.recovery, self.intake, self.drains = ledger, recovery, intake, drains
         self.log, self.clock, self.state = log, clock, state  # state(): the controller's state now
         self.returned_at: float | None = None  # clock() when every rank had returned, the stop uncommitted
+        self.returned_run: TrainingRun | None = None  # the generation's training that returned_at is of
         self.signals: list[str] = []  # names of the signals received, in order
         self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
@@ -218,7 +219,7 @@ class Stops:
         if self.signals and phase.node is not None:
             ends.append((self.grace_ends_at, f"{self.signals[0]} during the drain: no commit of step "
                                              f"{phase.step} within elastic.preemption_grace_s={grace:g} s"))
-        if self.returned_at is not None:
+        if self.returned_at is not None and self.returned_run is phase.run:
             ends.append((self.returned_at + RECEIPTS_S, f"every rank stopped but step {phase.step} was not "
                                                         "committed (a save failed, or a rank read the stop late)"))
         deadline, why = min(ends)
@@ -236,7 +237,7 @@ class Stops:
         steps = self.spec.train.steps
         if phase.state == State.STOPPING and phase.step < steps:
             return self._ended(phase, store, gen, world_size, dp)
-        if self.checkpoints.latest != steps and self._receipts_may_come():
+        if self.checkpoints.latest != steps and self._receipts_may_come(phase.run):
             if self.clock() < self.grace_ends_at:  # (inf without a signal)
                 return None
             return preempted(f"{self.signals[0]} as the final checkpoint (step {steps}) was being committed: not "
@@ -257,15 +258,16 @@ class Stops:
             return Move(Failed(error), error)
         return Move(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
 
-    def _receipts_may_come(self) -> bool:
-        """Every rank returned and the step they stopped at is not committed yet: their last receipts
-        (queued to the store before they returned, unacknowledged) may still be on their way, until
-        RECEIPTS_S after the first look; and while a manifest create is under way, until it lands or fails."""
+    def _receipts_may_come(self, run: TrainingRun) -> bool:
+        """Every rank of `run` returned and the step they stopped at is not committed yet: their last
+        receipts (queued to the store before they returned, unacknowledged) may still be on their way,
+        until RECEIPTS_S after the first look at this generation's (an earlier generation's look, left
+        by a recovery, is not its); and while a manifest create is under way, until it lands or fails."""
         if self.checkpoints.committer.committing:
             time.sleep(0.01)  # as below; the intake's next drain takes what the create came to
             return True
-        if self.returned_at is None:
-            self.returned_at = self.clock()
+        if self.returned_at is None or self.returned_run is not run:
+            self.returned_at, self.returned_run = self.clock(), run
         if self.clock() >= self.returned_at + RECEIPTS_S:
             return False
         time.sleep(0.01)  # no rank runs to wait on: the caller's poll would spin on the store
@@ -277,7 +279,7 @@ class Stops:
         latest = self.checkpoints.latest
         # A stop step published late is saved where the ranks read it, after the step asked for.
         if latest is None or latest < phase.step:  # its last receipts may still be on their way
-            self._receipts_may_come()
+            self._receipts_may_come(phase.run)
             return self.overdue(phase)
         self.returned_at = None  # committed: the next generation's end waits for its own receipts
         if phase.node is None or self.signals:  # a signal came into a drain's stop: the job ends here

@@ -196,7 +196,7 @@ def test_a_job_that_trains_again_to_its_final_step_kept_intact_from_before_succe
     assert feed(checkpoints.committer, shard_receipts(catalog, 200, make_state(7), tag="r1g1")) is None
     now = [0.0]
     stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append, clock=lambda: now[0])
-    running = SimpleNamespace(state=State.RUNNING)
+    running = SimpleNamespace(state=State.RUNNING, run=object())
     assert stops.finished(running, None, 1, 2, 2) is None  # the last receipts may still be on their way
     now[0] = 2.0
     move = stops.finished(running, None, 1, 2, 2)
@@ -226,7 +226,7 @@ def test_a_final_receipt_that_lands_just_after_every_rank_returned_still_ends_th
     checkpoints.begin(_Plans(), 0, None)
     now = [0.0]
     stops = Stops(spec, None, checkpoints, record, ledger, None, None, dict, lines.append, clock=lambda: now[0])
-    running = SimpleNamespace(state=State.RUNNING)
+    running = SimpleNamespace(state=State.RUNNING, run=object())
     assert stops.finished(running, None, 0, 2, 2) is None  # step 100 not committed yet: its receipts may come
     now[0] = RECEIPTS_S / 2
     assert feed(checkpoints.committer, shard_receipts(catalog, 100, make_state(100), tag="r1g0")).step == 100

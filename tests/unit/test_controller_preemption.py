@@ -22,7 +22,7 @@ from orchestrator.cluster.interruptible import Interrupted
 from orchestrator.cluster.worker_group import RankOutcome
 from orchestrator.controller.machine import Controller
 from orchestrator.controller.states import State
-from orchestrator.controller.stopping import Stops, stop_lead
+from orchestrator.controller.stopping import RECEIPTS_S, Stops, stop_lead
 from orchestrator.wire.messages import CheckpointPlan, NodeLost
 from orchestrator.wire.store import PLAN, RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
@@ -430,6 +430,23 @@ def test_a_validation_holds_the_ranks_at_its_step_in_the_estimate():
     assert stops(every_30, done=[30])._validating(28, 90) == 60
     assert stops(every_30, done=[30])._validating(31, 40) == 40
     assert stops(None)._validating(28, 90) == 90
+
+
+def test_the_wait_for_a_generations_last_receipts_starts_at_its_own_return():
+    """A drain's stop left its look at the returned ranks behind (a recovery followed): the job's last
+    generation still waits its own RECEIPTS_S for the final save's receipts, not none."""
+    from orchestrator.controller.states import TrainingRun
+
+    now = [0.0]
+    checkpoints = SimpleNamespace(committer=SimpleNamespace(committing={}))
+    stops = Stops(None, None, checkpoints, None, None, None, None, dict, print, clock=lambda: now[0])
+    drained, last = TrainingRun(), TrainingRun()
+    assert stops._receipts_may_come(drained)
+    now[0] = 100.0
+    assert not stops._receipts_may_come(drained)
+    assert stops._receipts_may_come(last)  # its own wait begins now
+    now[0] = 100.0 + RECEIPTS_S
+    assert not stops._receipts_may_come(last)
 
 
 def test_a_signal_while_a_drain_re_forms_ends_the_job_at_the_committed_stop(tmp_path, rendezvous):
