@@ -81,6 +81,12 @@ class ResourcesConfig(SpecSection):
 # Fault kinds whose at_step names a checkpoint step (up to and including train.steps, the final save).
 CHECKPOINT_STEP_KINDS = STORAGE_KINDS | {"corrupt_shard"}
 MAX_NAME, _SAFE_NAME = 128, re.compile(r"[A-Za-z0-9._-]+")
+# What a job's root holds beside its step-<9 digits> directories (ckpt.owner_claims.OWNER_DIR,
+# monitor.event_log.EVENTS_DIR, the controller's goodput snapshot and chaos marker, the CLI's chaos
+# experiment marker): a job named so, whose checkpoint.url is another job's root, would be read as
+# that job's own entry (an unfinished save its retention deletes, or its lease).
+ROOT_ENTRIES = ("owner", "events", "goodput.json", "chaos", "chaos-experiment.json")
+_STEP_NAME = re.compile(r"step-\d{9}")
 
 
 class JobSpec(SpecSection):
@@ -107,6 +113,8 @@ class JobSpec(SpecSection):
         if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
             raise ValueError(f"{name!r} is not a safe directory name; use letters, digits, '.', '_' "
                              "and '-' only, e.g. 'llama-1b.run3'")
+        if name in ROOT_ENTRIES or _STEP_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is a name a job's checkpoint root uses for its own entries; choose another")
         if len(name) > MAX_NAME:  # a file system's name holds 255 bytes; labels and run names less
             raise ValueError(f"{len(name)} characters; a job name is at most {MAX_NAME}: shorten it")
         return name
