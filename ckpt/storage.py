@@ -15,25 +15,24 @@ path, so the same code writes `file://`, `s3://` and `memory://`. Write primitiv
   and so publishes the truncated bytes as the object.
 * `create_exclusive(path, data)`: the manifest commit. It succeeds for exactly one writer
   and never replaces an existing object: POSIX `link()` of a finished temp file (rename
-  would silently overwrite), S3 conditional PUT `If-None-Match: *` through `pipe_file(...,
-  mode="create")`. Not `open(p, "xb")`: on a multipart write s3fs leaves the upload
-  pending when the condition fails, while `pipe_file` aborts it. An "exists" answer (EEXIST,
-  HTTP 412) is followed by a read-back: identical bytes mean our own request landed
-  earlier (a retry whose first answer was lost) and count as success; different bytes
-  raise `AlreadyCommitted`.
+  would silently overwrite; the new step directory's own entry is fsynced too), S3 conditional
+  PUT `If-None-Match: *` through `pipe_file(..., mode="create")`, always one PUT (a manifest of
+  millions of chunks passes s3fs's multipart size, and a store may honour the condition on a
+  PUT but not on a multipart completion). Not `open(p, "xb")`: on a multipart write s3fs leaves
+  the upload pending when the condition fails. An "exists" answer (EEXIST, HTTP 412) is
+  followed by a read-back: identical bytes mean our own request landed earlier (a retry whose
+  first answer was lost) and count as success; different bytes raise `AlreadyCommitted`.
 
 Listings: s3fs caches directory listings per filesystem instance, and a cached listing
 hides files that other processes wrote since (and makes `exists` answer False for them).
 Every `listdir`, `exists` and whole-file `read` here drops the cache first, and every
 `Storage` builds its own filesystem instance (`skip_instance_cache`), because fsspec otherwise
 hands out one shared, cached instance for equal arguments. `exists` and `listdir` answer "absent" only
-for FileNotFoundError and raise any other error, so that a store that fails is never read
-as a store without checkpoints.
+for FileNotFoundError and raise any other error: a store that fails is never one without checkpoints.
 
-A writer killed mid multipart upload (SIGKILL) leaves the upload pending: no object, but
-stored parts. `remove_tree` (checkpoint GC of unfinished saves) aborts the pending uploads
-under the tree it deletes; a bucket lifecycle rule `AbortIncompleteMultipartUpload` covers
-prefixes GC never visits.
+A writer killed mid multipart upload (SIGKILL) leaves the upload pending: no object, but stored
+parts. `remove_tree` (checkpoint GC of unfinished saves) aborts the pending uploads under the tree
+it deletes; a bucket lifecycle rule `AbortIncompleteMultipartUpload` covers prefixes GC never visits.
 """
 
 from __future__ import annotations
@@ -56,9 +55,8 @@ from trainer.urls import range_ignored
 # s3fs's own default for pipe_file: bodies under twice this size go in one PUT.
 DEFAULT_MULTIPART_CHUNK = 50 * 2**20
 
-# Bytes this process read from durable storage (any protocol but memory://), through every
-# Storage: a restore reports its difference as `storage_read_bytes`, so a restore from the
-# memory level proves it read nothing durable (a counter that sees every read, not a claim).
+# Bytes this process read from durable storage (any protocol but memory://), through every Storage: a restore
+# reports its difference as `storage_read_bytes`, so a restore from memory proves it read nothing durable.
 _durable_read = {"bytes": 0}
 _durable_lock = threading.Lock()
 
@@ -81,10 +79,9 @@ class AlreadyCommitted(FileExistsError):
 def is_precondition_failure(err: BaseException | None) -> bool:
     """Whether `err` (or an exception it was raised from) says "the object exists already".
 
-    s3fs raises FileExistsError only when the 412 error body names the `If-None-Match`
-    condition; servers that omit it (SeaweedFS among them) give an OSError whose cause is
-    botocore's ClientError with code PreconditionFailed. The check reads the error code and
-    HTTP status from botocore's response, never the message text, which may carry paths.
+    s3fs raises FileExistsError only when the 412 error body names the `If-None-Match` condition; servers
+    that omit it (SeaweedFS among them) give an OSError whose cause is botocore's ClientError with code
+    PreconditionFailed. The check reads the code and HTTP status, never the message text (it may hold paths).
     """
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
@@ -107,8 +104,7 @@ class Storage:
 
     url: str
     storage_options: dict = field(default_factory=dict)
-    # Bodies of at least twice this size go to S3 as multipart uploads; tests lower it to
-    # exercise that path with small data (S3's minimum part size is 5 MiB).
+    # Bodies of at least twice this size go to S3 as multipart uploads; tests lower it (S3's least part: 5 MiB).
     multipart_chunk: int = DEFAULT_MULTIPART_CHUNK
 
     def __post_init__(self) -> None:
@@ -168,7 +164,7 @@ class Storage:
         except AlreadyCommitted:
             if self._holds(path, data):  # our earlier attempt, whose directory fsync may not have run
                 if self.is_local:
-                    _fsync_dir(os.path.dirname(path))
+                    _fsync_entry(path)
                 return
             raise
         finally:
@@ -179,7 +175,7 @@ class Storage:
             self._create_exclusive_posix(path, data)
         elif self.is_s3:
             try:
-                self.fs.pipe_file(path, data, mode="create", chunksize=self.multipart_chunk)
+                self.fs.pipe_file(path, data, mode="create", chunksize=max(self.multipart_chunk, len(data)))
             except Exception as err:
                 if is_precondition_failure(err):
                     raise AlreadyCommitted(path) from err
@@ -198,7 +194,6 @@ class Storage:
             return False
 
     def _create_exclusive_posix(self, path: str, data: bytes) -> None:
-        parent = os.path.dirname(path)
         tmp = _durable_temp_copy(path, data)
         try:
             os.link(tmp, path)  # atomic and exclusive: EEXIST if a manifest is there
@@ -206,7 +201,7 @@ class Storage:
             raise AlreadyCommitted(path) from err
         finally:
             os.unlink(tmp)
-        _fsync_dir(parent)  # make the new directory entry durable before we call it committed
+        _fsync_entry(path)  # durable before we call it committed
 
     # -- reads -------------------------------------------------------------------------
 
@@ -385,6 +380,11 @@ def _durable_temp_copy(path: str, data: bytes) -> str:
             os.unlink(tmp)
         raise
     return tmp
+
+
+def _fsync_entry(path: str) -> None:  # `path`'s directory entry durable, and its directory's (a new step's)
+    for directory in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        _fsync_dir(directory)
 
 
 def _fsync_dir(path: str) -> None:

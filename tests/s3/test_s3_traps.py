@@ -52,10 +52,10 @@ def test_precondition_check_reads_codes_not_message_text():
     assert not is_precondition_failure(OSError(5, "PreconditionFailed talk in a 503 body"))
 
 
-def test_multipart_create_over_an_existing_object_fails_and_leaves_no_upload(s3_backend):
+def test_a_large_create_over_an_existing_object_fails_and_leaves_no_upload(s3_backend):
     storage = _storage(s3_backend, multipart_chunk=5 * MiB)
     path = storage.path(step_dir(2), "manifest.json")
-    big = bytes(range(256)) * (12 * MiB // 256)  # 12 MiB: three parts of 5, 5 and 2 MiB
+    big = bytes(range(256)) * (12 * MiB // 256)  # 12 MiB: over twice the multipart chunk
     storage.create_exclusive(path, b"small")
     with pytest.raises(AlreadyCommitted):
         storage.create_exclusive(path, big)
@@ -63,7 +63,7 @@ def test_multipart_create_over_an_existing_object_fails_and_leaves_no_upload(s3_
     assert _pending_uploads(storage, path) == []
 
 
-def test_multipart_create_is_exclusive_and_a_retry_with_the_same_bytes_succeeds(s3_backend):
+def test_a_large_create_is_exclusive_and_a_retry_with_the_same_bytes_succeeds(s3_backend):
     storage = _storage(s3_backend, multipart_chunk=5 * MiB)
     path = storage.path(step_dir(3), "manifest.json")
     big = bytes(range(256)) * (11 * MiB // 256)
@@ -73,6 +73,21 @@ def test_multipart_create_is_exclusive_and_a_retry_with_the_same_bytes_succeeds(
         storage.create_exclusive(path, big[:-1] + b"!")
     assert storage.read(path) == big
     assert _pending_uploads(storage, path) == []
+
+
+def test_a_manifest_is_created_in_one_put_whatever_its_size(s3_backend):
+    """A store may honour If-None-Match on a PUT and not on a multipart completion, and a large
+    model's manifest (millions of chunks) passes s3fs's multipart size: the create is one PUT."""
+    storage, calls = _storage(s3_backend, multipart_chunk=5 * MiB), []
+    call_s3 = storage.fs._call_s3
+
+    async def recorded(method, *args, **kwargs):
+        calls.append(method)
+        return await call_s3(method, *args, **kwargs)
+
+    storage.fs._call_s3 = recorded
+    storage.create_exclusive(storage.path(step_dir(7), "manifest.json"), bytes(12 * MiB))
+    assert "put_object" in calls and "create_multipart_upload" not in calls, calls
 
 
 def test_a_writer_that_raises_mid_write_leaves_no_object_and_no_upload(s3_backend):
