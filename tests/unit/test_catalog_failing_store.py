@@ -166,3 +166,15 @@ def test_a_leased_root_the_store_lists_empty_is_no_fresh_start_and_nothing_is_de
         assert catalog.committed_steps() == [10, 20]
     finally:
         lease.release()
+
+
+def test_an_unfinished_save_whose_manifest_lands_after_gc_planned_it_is_kept(catalog, caplog):
+    """A create that stalled in a store client's retries (its driver lost the root meanwhile) lands after
+    the new holder's GC listed the step as an unfinished save: it is a commit now, and GC leaves it."""
+    write_shard(catalog.storage, 25, 0, make_state(25), blocking_s=0.0)
+    plan = catalog.gc_plan(keep=5)
+    assert plan.orphans == [25]
+    save_checkpoint(catalog, 25, make_state(25), world=2)  # the late create
+    catalog.apply_gc(plan)
+    assert catalog.committed_steps() == [10, 20, 25, 30]
+    assert "left step 25: its manifest appeared" in caplog.text
