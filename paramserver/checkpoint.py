@@ -99,6 +99,11 @@ def latest_committed_step(root: str, storage_options: dict | None = None,
     return catalog(root, storage_options, owner).latest()
 
 
+def quarantined_steps(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None) -> list[int]:
+    """The steps under `root` whose manifests were moved aside as corrupt (kept as evidence)."""
+    return catalog(root, storage_options, owner).quarantined_steps()
+
+
 # ---- one server (called inside its actor, or on an in-process ShardServer) -------------------
 
 

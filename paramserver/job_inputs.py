@@ -48,3 +48,4 @@ class Checkpoints:
     # Called once the actors are up and the resume is done, before the first segment: `undying run`
     # routes its signals to `preemption` from then on (before, a signal stops the driver at once).
     on_training: Callable[[], None] | None = None
+    fresh: bool = False  # `undying run --fresh`: a root whose every commit was quarantined starts from step 0

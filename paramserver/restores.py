@@ -33,9 +33,17 @@ def latest_commit(sup) -> int | None:
 
 
 def resume(sup) -> int:
-    """Start from the newest committed checkpoint, if the job has one."""
+    """Start from the newest committed checkpoint, if the job has one. A root with none but quarantined
+    ones (proven corrupt, kept as evidence) does not start from step 0 unless `--fresh` asked for it."""
     latest = latest_commit(sup)
     if latest is None:
+        quarantined = [] if sup.ckpt is None or sup.ckpt.fresh else checkpoint.quarantined_steps(
+            sup.ckpt.root, sup.ckpt.storage_options, sup.ckpt.owner)
+        if quarantined:
+            raise checkpoint.PSCheckpointError(
+                f"{sup.ckpt.root} holds no committed checkpoint, but the manifests of steps {quarantined} were "
+                "quarantined as corrupt (moved aside, kept as evidence); the job does not start from step 0 on "
+                "its own: `undying run --fresh` does")
         return 0
     sup.ledger.enter(book.RESTORE)
     step = restore_from(sup, latest)

@@ -297,6 +297,7 @@ def fake_ray(monkeypatch) -> World:
     monkeypatch.setattr("paramserver.restores.time", sup.time)
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", fake.save)
     monkeypatch.setattr(sup.checkpoint, "latest_committed_step", fake.latest)
+    monkeypatch.setattr(sup.checkpoint, "quarantined_steps", lambda *args, **kwargs: [])  # the fake quarantines none
     monkeypatch.setattr(sup.checkpoint, "restore_servers", fake.restore)
     return fake
 

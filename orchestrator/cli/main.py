@@ -221,7 +221,8 @@ def _run(args) -> int:
     if spec.parallel.mode == "ps":
         from orchestrator.cli.ps_run import run_ps_job
 
-        return run_ps_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline)
+        return run_ps_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline,
+                          fresh=args.fresh)
     from orchestrator.cli.run import run_job
 
     return run_job(spec, address=args.address, report_path=args.report, timeline_path=args.timeline,

@@ -59,9 +59,9 @@ from trainer.model import meta_model
 log = logging.getLogger(__name__)
 
 
-def supervision(spec: JobSpec, on_commit=None) -> tuple:
+def supervision(spec: JobSpec, on_commit=None, fresh: bool = False) -> tuple:
     """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them; `on_commit(Commit)`
-    after each checkpoint the job commits."""
+    after each checkpoint the job commits; `fresh`: `undying run --fresh`."""
     from paramserver.checkpoint import PSJob
     from paramserver.job_inputs import Checkpoints
     from paramserver.recovery import Fault
@@ -79,7 +79,7 @@ def supervision(spec: JobSpec, on_commit=None) -> tuple:
     checkpoints = Checkpoints(spec.checkpoint_root, ckpt.every_steps, job, dict(ckpt.storage_options),
                               max_failed_saves=ckpt.max_failed_saves, read_retry_s=ckpt.read_retry_s,
                               save_timeout=save_timeout, restore_timeout=restore_timeout,
-                              on_commit=on_commit, draining=DrainWatcher().draining)
+                              on_commit=on_commit, draining=DrainWatcher().draining, fresh=fresh)
     kinds = {"kill_rank": "worker", "hang_rank": "worker_hang", "kill_server": "server", "hang_server": "server_hang"}
     faults = [Fault(kinds[f.kind], f.server if f.kind in SERVER_KINDS else f.rank, f.at_step)
               for f in spec.chaos.faults]
@@ -179,7 +179,8 @@ def _refused_capacity(spec: JobSpec) -> bool:
     return problem is not None
 
 
-def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None) -> int:
+def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None,
+               fresh: bool = False) -> int:
     if timeline_path:
         print_problems([Problem("--timeline", "parameter-server jobs do not draw a timeline yet; leave it out")])
         return EXIT_USAGE
@@ -187,15 +188,14 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
 
     par = spec.parallel
     ledger, started_at, hang = GoodputLedger(), time.time(), hang_limits(spec)  # start-up from here: Ray, the actors
-    metrics = JobMetrics(spec.name)
-    preemption = Preemption(spec.elastic.preemption_grace_s)
+    metrics, preemption = JobMetrics(spec.name), Preemption(spec.elastic.preemption_grace_s)
 
     def on_commit(commit) -> None:
         # A PS save blocks every worker until it commits: its whole time is what it cost training.
         metrics.on_checkpoint(commit.step, commit.nbytes, commit.total_s, commit.total_s, None)
         preemption.on_commit(commit)
 
-    checkpoints, faults = supervision(spec, on_commit=on_commit)
+    checkpoints, faults = supervision(spec, on_commit=on_commit, fresh=fresh)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
     on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps)

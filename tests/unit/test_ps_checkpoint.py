@@ -228,6 +228,16 @@ def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_olde
     with pytest.raises(PSCheckpointError, match=r"no committed checkpoint left .*steps \[2\] proved corrupt.*--fresh"):
         restore_newest_intact(fresh.servers, root, 2)
     assert cat.committed_steps() == [] and cat.quarantined_steps() == [2, 4]
+    # A rerun finds nothing committed and the evidence kept: it does not start from step 0 unless --fresh.
+    from types import SimpleNamespace
+
+    from paramserver.restores import resume
+
+    def rerun(fresh: bool) -> SimpleNamespace:
+        return SimpleNamespace(ckpt=SimpleNamespace(root=root, storage_options=None, owner=None, fresh=fresh))
+    with pytest.raises(PSCheckpointError, match=r"steps \[2, 4\] were quarantined.*--fresh"):
+        resume(rerun(fresh=False))
+    assert resume(rerun(fresh=True)) == 0
 
 
 def test_a_proven_corrupt_commit_whose_quarantine_the_store_fails_is_kept_skipped_and_the_older_restored(
