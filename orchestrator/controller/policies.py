@@ -119,7 +119,8 @@ class ScalingPolicy:
     dp_replicate ranks, which shard the state among them and are dropped or added together;
     1 otherwise) and divides the global batch into whole microbatches
     (`global_batch % (dp * micro_batch) == 0`): the global batch stays constant and gradient
-    accumulation absorbs the difference, so the loss trajectory does not depend on failures.
+    accumulation absorbs the difference, so the loss trajectory does not depend on failures
+    (with model.dropout 0: masks are drawn per rank and microbatch slot, docs/design.md).
     """
 
     def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1,
