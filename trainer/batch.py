@@ -84,7 +84,9 @@ def sample_hash(source: int, sample: int) -> int:
 
 @dataclass
 class SampleDigest:
-    """(count, sum of sample hashes mod 2^64) of the samples of steps [first_step, end_step)."""
+    """(count, sum of sample hashes mod 2^64) of the samples of steps [first_step, end_step). A
+    sample's hash holds the step that served it: a cursor that serves one step's samples at another
+    (the next step's windows, the next epoch's order) gives another digest, not the same sum."""
 
     first_step: int = -1
     end_step: int = -1
@@ -99,7 +101,7 @@ class SampleDigest:
             self.first_step, self.end_step, self.count, self.total = step, step, 0, 0
         for source, sample in ids:
             self.count += 1
-            self.total = (self.total + sample_hash(source, sample)) & _MASK64
+            self.total = (self.total + mix64(sample_hash(source, sample) ^ step)) & _MASK64
         self.end_step = step + 1
 
     def to_json(self) -> list[int]:

@@ -59,3 +59,16 @@ def test_reports_that_do_not_reach_the_end_fail():
     events = generation(0, [6], end=10)  # steps run to 10, reports only to 6
     check = check_data_once(events, final_step=10, global_batch=GB, cursor=CURSOR)
     assert not check.ok and "reports end at step 6" in check.detail
+
+
+def test_samples_served_at_another_step_fail_the_check():
+    """A cursor that serves step 2's samples at step 3 and step 3's at step 2 consumes every sample once,
+    in another order: the digest holds each sample's step, so the check sees it."""
+    swapped = {2: 3, 3: 2}
+    digest = SampleDigest()
+    for step in range(10):
+        digest.add(step, CURSOR.sample_keys(swapped.get(step, step), GB))
+    want = SampleDigest.of(0, [CURSOR.sample_keys(step, GB) for step in range(10)])
+    assert digest.count == want.count and digest.total != want.total
+    events = [["steps", 0, 10, 1], *sample_events({0: digest.to_json()})]
+    assert not check_data_once(events, final_step=10, global_batch=GB, cursor=CURSOR).ok
