@@ -258,6 +258,16 @@ class Stops:
             return Move(Failed(error), error)
         return Move(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
 
+    def _stop_generation(self, store, world_size: int) -> list[int]:
+        """Every rank out of the generation (Recovery.stop_generation; the ranks gone meanwhile), then its
+        last events taken: the steps it trained past the commit (booked as redone after this), a fault
+        that fired as it stopped (marked fired: not fired again after the restore, and, dealt with by this
+        re-formation, never blamed for a later failure)."""
+        gone = self.recovery.stop_generation(store, world_size)
+        self.intake.drain(store)
+        self.intake.faults.sweep_fired(time.time())
+        return gone
+
     def _receipts_may_come(self, run: TrainingRun) -> bool:
         """Every rank of `run` returned and the step they stopped at is not committed yet: their last
         receipts (queued to the store before they returned, unacknowledged) may still be on their way,
@@ -289,7 +299,7 @@ class Stops:
         self.intake.nodes_handled.add(phase.node)  # a late node_lost report of it is not a failure
         self.ledger.enter("reformation")  # the generation's work is saved: stopping it and refilling seats re-forms
         self.reforming = True  # a signal from here gives up the waits below (`ending`): the stop is committed
-        gone = self.recovery.stop_generation(store, world_size)  # a rank may die while it stops, too
+        gone = self._stop_generation(store, world_size)  # a rank may die while it stops, too
         membership = self.recovery.replace(sorted(set(self.workers.forget_node(phase.node)) | set(gone)), dp)
         self.reforming = False
         if membership.error is not None:
@@ -308,7 +318,7 @@ class Stops:
         step = self.checkpoints.latest
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
-        gone = self.recovery.stop_generation(store, world_size)
+        gone = self._stop_generation(store, world_size)
         # Steps trained past the commit while the generation was being stopped are redone.
         self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit

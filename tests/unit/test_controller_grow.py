@@ -4,6 +4,8 @@ a rank lost while the generation stops to grow, or a spare lost before its promo
 
 from __future__ import annotations
 
+import time
+
 from ckpt.storage import Storage
 from orchestrator.cluster.placement import SpareChoice
 from orchestrator.cluster.worker_group import RankOutcome
@@ -91,6 +93,32 @@ def test_a_rank_lost_while_stopping_to_grow_is_replaced_first_and_the_grow_waits
     assert report.status == "succeeded" and report.final_step == 30, report.error
     assert any("rank(s) [0] lost while stopping to grow at checkpoint step 20" in line for line in lines), lines
     assert workers.dp_history == [2, 1, 1]  # the hole filled at dp 1, not a grow with rank 0 missing
+
+
+class KilledByAFaultWhileStoppingToGrow(DiesWhileStoppingToGrow):
+    """As above, the death an injected fault's, whose notice the rank pushed as it died."""
+
+    def wait_any(self, timeout_s):
+        stopping = self.gen == 1 and self._running and self.gen_store.abort_requested() and 0 in self.actors
+        outcomes = super().wait_any(timeout_s)
+        if stopping:
+            self.gen_store.push_event({"type": "fault", "fault_id": 7, "kind": "kill_rank", "rank": 0,
+                                       "step": 21, "time": time.time()})
+        return outcomes
+
+
+def test_a_fault_that_fires_while_the_generation_stops_to_grow_is_taken_and_dealt_with(tmp_path, rendezvous):
+    """The stopped generation's last events are read: the fault is recorded as fired (not fired again after
+    the restore) and dealt with by the re-formation (never blamed for a later failure)."""
+    spec = _spec(tmp_path)
+    workers = KilledByAFaultWhileStoppingToGrow(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
+                                                cold_start_works=False)
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    report = ctl.run()
+    assert report.status == "succeeded" and report.final_step == 30, report.error
+    assert ctl.fault_clock.fired[7].handled and ctl.fault_clock.take_fired() is None
+    assert any("chaos:" in line and "kill_rank" in line for line in lines), "\n".join(lines)
 
 
 def test_tensor_parallel_job_shrinks_and_grows_by_whole_tp_groups(tmp_path, rendezvous):
