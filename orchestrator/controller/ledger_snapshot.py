@@ -205,6 +205,7 @@ class LedgerCarry:
         self.read_manifest, self.ledger, self.record = read_manifest, ledger, record
         self.snapshots, self.started_at, self.fault_clock = snapshots, started_at, fault_clock
         self.done = False
+        self.carried: tuple[int, float] | None = None  # (the step carried from, its manifest's productive seconds)
 
     def carry(self, step: int) -> None:
         """A torn manifest raises CorruptCheckpoint (the caller handles it as for the restore itself)."""
@@ -216,9 +217,27 @@ class LedgerCarry:
         carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at,
                                         held)
         if carried is not None:
+            self.carried = (step, float(manifest.state["goodput"].get(PRODUCTIVE, 0.0)))
             self.record.carry_clock(carried)  # the report's times count on from the resumed job's
             self.fault_clock.skip_before(carried)
             self.ledger.enter("checkpoint_restore")
+
+    def on_restored(self, step: int | None) -> str:
+        """The first restore landed at `step` (None: a fresh start): older than the checkpoint carried from
+        (that one proved corrupt, or unreadable, and an older one loaded), the work the job did between the
+        two is redone, so it moves from productive to lost_work (the two manifests' productive seconds
+        apart). Returns the words for the transition's sentence."""
+        carried, self.carried = self.carried, None
+        if carried is None or (step or 0) >= carried[0]:
+            return ""
+        try:
+            older = 0.0 if step is None else float(self.read_manifest(step).state.get("goodput", {}).get(PRODUCTIVE, 0))
+        except Exception as err:  # noqa: BLE001 (telemetry: the restore that read it succeeded; book nothing)
+            log.warning("the work redone after step %d is not booked: step %s's manifest did not read (%s)",
+                        carried[0], step, err)
+            return ""
+        more = self.ledger.move(max(0.0, carried[1] - older), PRODUCTIVE, "lost_work")
+        return f"; older than step {carried[0]}, whose ledger was carried: {more:.2f} s of the job's work to redo"
 
     def finish(self) -> None:
         """Carried, or nothing to carry: the snapshots hold this run's ledger, the job's from here on."""

@@ -268,7 +268,7 @@ class Controller:
         self.telemetry.on_restored(results)
         self.timeouts.on_restored(results, time.perf_counter() - started, from_storage=not source and step is not None)
         self.restored_step, self.eval_owed = step, self.record.eval_owed(step, self.spec.eval, self.spec.train.steps)
-        redo = self.lost_work.on_restored(self.phase.recovering, step)  # a restore older than the one booked
+        redo = self.lost_work.on_restored(self.phase.recovering, step) + self.carry.on_restored(step)
         if self.phase.recovering is not None and step is not None:
             self.record.on_restored(self.phase.recovering.record, "memory" if source else "storage", results,
                                     time.perf_counter() - started)

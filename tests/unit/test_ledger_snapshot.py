@@ -219,3 +219,30 @@ def test_a_checkpoint_saves_the_steps_trained_during_its_background_write_as_los
     assert ledger.totals()["productive"] == 100.0  # the live ledger is left as it is
     record = SimpleNamespace(last_step=999, work_seconds=lambda first, end: 1e9)
     assert saved_goodput(ledger, record, 10)["productive"] == 0.0  # clamped to what productive holds
+
+
+def test_a_first_restore_older_than_the_carried_checkpoint_books_the_work_between_them_as_lost():
+    """A rerun carries step 20's ledger, step 20 proves corrupt and step 10 loads: the job's work between
+    the two commits is redone, so it is lost work, not productive twice."""
+    import time
+    from types import SimpleNamespace
+
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.controller.ledger_snapshot import LedgerCarry
+
+    ledger = GoodputLedger()
+    record = JobRecord("j", 100, JobMetrics("j"), ledger, printer=lambda _: None)
+    manifests = {step: SimpleNamespace(created_at=time.time(), state={"goodput": {"productive": 10.0 * step}})
+                 for step in (10, 20)}
+    carry = LedgerCarry(manifests.__getitem__, ledger, record, None, time.time(), SimpleNamespace(
+        skip_before=lambda job_s: None))
+    carry.carry(20)
+    words = carry.on_restored(10)
+    totals = ledger.totals()
+    assert totals["productive"] == pytest.approx(100.0) and totals["lost_work"] == pytest.approx(100.0)
+    assert "older than step 20" in words and carry.on_restored(10) == ""  # booked once
+    carry = LedgerCarry(manifests.__getitem__, GoodputLedger(), record, None, time.time(), SimpleNamespace(
+        skip_before=lambda job_s: None))
+    carry.carry(20)
+    assert carry.on_restored(20) == "" and carry.ledger.totals()["lost_work"] == 0.0
