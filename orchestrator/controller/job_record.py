@@ -295,6 +295,16 @@ class JobRecord:
         self.metrics.on_recovery(record.detected_after_s, record.recovered_after_s)
         self._failure_changed(record)
 
+    def close_recovery(self, failure) -> float:
+        """Training runs again after `failure`'s recovery: it, and each recovery still open when it began
+        (`failure.superseded`: a second failure during the first's restore), is measured recovered, each
+        from its own detection. Returns the longest: the outage the restart cost (the interval's R)."""
+        longest = 0.0
+        while failure is not None:
+            self.on_recovered(failure.record, failure.detected_at)
+            longest, failure = max(longest, failure.record.recovered_after_s), failure.superseded
+        return longest
+
     def on_checkpoint(self, step: int, committed_at: float, nbytes: int, blocking_s: float,
                       total_s: float, interval_s: float | None) -> None:
         self.checkpoints.append(CheckpointRecord(step=step, committed_at=self.job_seconds(committed_at),

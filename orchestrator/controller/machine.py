@@ -321,9 +321,8 @@ class Controller:
 
     def _start_training(self, run: TrainingRun) -> None:
         failure = run.recovering
-        if failure is not None:  # training runs again: the recovery is over, and measured
-            self.record.on_recovered(failure.record, failure.detected_at)
-            self.checkpoints.interval_policy.on_restart(failure.record.recovered_after_s)
+        if failure is not None:  # training runs again: the recovery is over, and measured (JobRecord.close_recovery)
+            self.checkpoints.interval_policy.on_restart(self.record.close_recovery(failure))
             run.recovering = None
         self.workers.start_training(self.spec.train.steps, self.fault_clock.armed(), eval_at=self.eval_owed,
                                     **self.checkpoints.buddies(self.workers, self.world_size))
@@ -359,6 +358,7 @@ class Controller:
     # ---- failure, recovery, growth ------------------------------------------------------------
 
     def _start_recovery(self, failure: Failure) -> None:
+        failure.superseded = getattr(self.phase, "recovering", None) or getattr(self.phase, "failure", None)
         failure.record = self.record.on_failure(failure.kind, failure.rank, failure.detected_at,
                                                 failure.fault_time, failure.message, failure.step)
         self.checkpoints.interval_policy.on_failure()

@@ -98,6 +98,7 @@ class Failure:
     step: int | None = None  # the step being computed when it failed
     errors: dict[int, str] = field(default_factory=dict)  # each failed rank's error, as it returned
     record: object | None = None  # its monitor.report.FailureRecord, once the job record has it
+    superseded: Failure | None = None  # the recovery still open when this one began (closed with this one)
 
     @property
     def onset(self) -> float | None:

@@ -581,5 +581,8 @@ def test_a_restore_that_fails_after_a_rollback_books_no_lost_work_twice(tmp_path
     assert report.status == "succeeded" and calls == [None, 20, 20]
     died, restore_failed = report.failures
     assert died.lost_work_s > 0 and restore_failed.lost_work_s == 0.0
+    # The restore's failure interrupted the death's recovery: both close when training runs again, the
+    # first measured from its own detection (the whole outage), not left open.
+    assert restore_failed.recovered_after_s is not None and died.recovered_after_s >= restore_failed.recovered_after_s
     totals = report.goodput
     assert abs(totals.productive_s + sum(totals.badput_s.values()) - totals.wall_s) < 1e-9
