@@ -19,6 +19,8 @@ from ray.exceptions import RayError
 from orchestrator.cluster import interruptible
 from orchestrator.cluster.placement import SpareChoice, assign_spares
 
+SILENT_ASKS = 3  # a warm spare that answers none of this many asks in a row is hung: killed, its seat freed
+
 
 class SpareSeats:
     """The spare half of `RayWorkerGroup` (see the module docstring)."""
@@ -78,7 +80,9 @@ class SpareSeats:
         """`ready_spares`, each asked once more whether it is alive: a spare that warmed up and then
         died idle (Ray's memory monitor, a crash, its node lost) still shows its warm-up answer, which
         Ray keeps. One round trip for all; a spare that does not answer in `timeout_s` is left out this
-        time (a loaded machine's slow answer is no proof; one that died is dropped)."""
+        time (a loaded machine's slow answer is no proof; one that died is dropped), and one that answers
+        none of SILENT_ASKS asks in a row is hung (SIGSTOPped, wedged): killed, so its seat takes a new
+        spare instead of costing every promotion and every grow's count its timeout for the rest of the job."""
         ready = self.ready_spares()
         pings = {self.spares[bundle][0].ping.remote(): bundle for bundle in ready}
         answered, _ = interruptible.wait(list(pings), len(pings), timeout_s, self.interrupted) if pings else ([], [])
@@ -89,6 +93,11 @@ class SpareSeats:
                 alive.append(pings[ref])
             except RayError:  # died while idle; its bundle is free again
                 ray.kill(self.spares.pop(pings[ref])[0], no_restart=True)
+        for bundle in pings.values():
+            asks = self.silent_spares[bundle] = 0 if bundle in alive else self.silent_spares.get(bundle, 0) + 1
+            if asks >= SILENT_ASKS and bundle in self.spares:
+                ray.kill(self.spares.pop(bundle)[0], no_restart=True)
+                self.silent_spares.pop(bundle)
         return sorted(alive)
 
     def promote_spares(self, ranks: list[int]) -> SpareChoice:

@@ -12,8 +12,8 @@ from orchestrator.cluster.worker_group import RayWorkerGroup
 
 
 class _Ref:
-    def __init__(self, answer=None, error=None):
-        self.answer, self.error = answer, error
+    def __init__(self, answer=None, error=None, silent=False):
+        self.answer, self.error, self.silent = answer, error, silent  # silent: never answers (a hung actor)
 
 
 class _Spare:
@@ -30,13 +30,16 @@ def _group(monkeypatch, spares: dict) -> tuple[RayWorkerGroup, list]:
             raise ref.error
         return ref.answer
 
-    fake = types.SimpleNamespace(wait=lambda refs, num_returns=1, timeout=None: (list(refs), []), get=get,
+    def wait(refs, num_returns=1, timeout=None):
+        return [r for r in refs if not r.silent], [r for r in refs if r.silent]
+
+    fake = types.SimpleNamespace(wait=wait, get=get,
                                  kill=lambda actor, no_restart=True: killed.append(actor))
     monkeypatch.setattr(worker_group, "ray", fake)
     monkeypatch.setattr(spare_seats, "ray", fake)
     monkeypatch.setattr(worker_group.interruptible, "ray", fake)
     group = RayWorkerGroup.__new__(RayWorkerGroup)
-    group.spares, group.node_of_actor, group.lost_nodes, group.pg = spares, {}, set(), None
+    group.spares, group.node_of_actor, group.lost_nodes, group.pg, group.silent_spares = spares, {}, set(), None, {}
     group.interrupted = lambda: False
     group._remember_node = lambda actor, info: group.node_of_actor.update({actor._actor_id.hex(): info["node"]})
     return group, killed
@@ -70,3 +73,16 @@ def test_a_lost_node_s_spare_still_warming_is_dropped_by_its_seat(monkeypatch):
     monkeypatch.setattr(worker_group.ray, "util", types.SimpleNamespace(
         placement_group_table=lambda pg: {"bundles_to_node_id": {"0": "n1", "1": "n2"}}), raising=False)
     assert group.drop_spares_on({"n2"}) == 1 and group.spares == {} and killed == [warming]
+
+
+def test_a_warm_spare_that_answers_no_ask_three_times_in_a_row_is_hung_killed_and_its_seat_freed(monkeypatch):
+    """A SIGSTOPped or wedged spare would otherwise cost every promotion and every grow's count the ask's
+    timeout for the rest of the job, its seat never refilled."""
+    good, hung = _Spare("aa", _Ref({"node": "n1"})), _Spare("bb", _Ref(silent=True))
+    group, killed = _group(monkeypatch, {0: (good, _Ref({"node": "n1"})), 1: (hung, _Ref({"node": "n1"}))})
+    for _ in range(spare_seats.SILENT_ASKS - 1):
+        assert group.live_ready_spares() == [0] and set(group.spares) == {0, 1}  # slow is no proof yet
+    assert group.live_ready_spares() == [0] and set(group.spares) == {0} and killed == [hung]
+    answers = _Spare("cc", _Ref({"node": "n1"}))
+    group.spares[1] = (answers, _Ref({"node": "n1"}))  # the seat's next spare starts with a clean count
+    assert group.live_ready_spares() == [0, 1] and group.silent_spares == {0: 0, 1: 0}
