@@ -89,7 +89,9 @@ def add_ckpt_parser(sub) -> None:
                                help="keep the newest --keep by age alone, without reading them (by default a "
                                "committed checkpoint is deleted only below the newest one that verifies)")
     parsers["gc"].add_argument("--force", action="store_true",
-                               help="delete without the folder's owner lease, even while a job holds it")
+                               help="delete without the folder's owner lease, even while a job holds it: for a "
+                               "lease a dead job left; a job that does run there may lose the save it is "
+                               "writing, and with a small --keep the checkpoint it resumed from")
 
 
 def ckpt_main(args: argparse.Namespace) -> int:
