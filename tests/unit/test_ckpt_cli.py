@@ -311,6 +311,11 @@ def test_export_never_replaces_a_file_nor_writes_inside_the_checkpoint_folder(ca
         code, _, err = run(capsys, "export", url, "--out", out, "--format", fmt)
         assert code == 2, (out, fmt)
         _one_line_error(err, "inside the checkpoint folder", "outside it")
+    other = os.path.join(os.path.dirname(catalog.storage.root), "another-job")  # another job's root, beside
+    os.makedirs(os.path.join(other, "step-000000010"))
+    code, _, err = run(capsys, "export", url, "--out", os.path.join(other, "m.safetensors"))
+    assert code == 2 and not os.path.exists(os.path.join(other, "m.safetensors"))
+    _one_line_error(err, f"inside the checkpoint folder {os.path.realpath(other)}", "outside it")
     assert catalog.storage.read(manifest) == before and catalog.committed_steps() == [10, 20, 30]
 
 
