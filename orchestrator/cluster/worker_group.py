@@ -11,6 +11,7 @@ methods fan a call out and wait; `start_training` launches every rank's `train` 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chaos.config import ArmedFault
 from ckpt.staging import staging_env
-from orchestrator.cluster import interruptible
+from orchestrator.cluster import interruptible, stale_groups
 from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.new_actors import RANK_GONE, pings_within
 from orchestrator.cluster.placement import SeatChoice, choose_seats, plan_placement
@@ -30,6 +31,8 @@ from orchestrator.cluster.ray_cluster import alive_node_resources
 from orchestrator.cluster.spare_seats import SpareSeats
 from orchestrator.rank.actor import RankActor
 from orchestrator.wire.auth import StoreAddress
+
+log = logging.getLogger(__name__)
 
 
 class PlacementError(RuntimeError):
@@ -81,7 +84,11 @@ class RayWorkerGroup(SpareSeats):
             raise PlacementError("; ".join(str(p) for p in problems))
         plan = plan_placement(world_size, self.spec.parallel.tp, spares, self.spec.resources,
                               self.spec.resources.placement)
-        self.pg = placement_group(plan.bundles, strategy=plan.strategy)
+        name = stale_groups.group_name(self.spec.checkpoint_root)
+        if removed := stale_groups.remove_stale(name):  # a fenced driver's of this root (cluster.stale_groups)
+            log.warning("removed %d placement group(s) a former driver of %s left on the cluster (it lost the "
+                        "root's lease while alive); its rank actors end with them", removed, self.spec.checkpoint_root)
+        self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=name)
         self.seat_bundle = plan.seat_bundle
         ready, _ = interruptible.wait([self.pg.ready()], 1, self.placement_timeout_s, self.interrupted)
         if not ready:

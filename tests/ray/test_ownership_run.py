@@ -70,3 +70,23 @@ def test_sigterm_while_the_driver_waits_for_the_root_exits_preempted_at_once(ray
     assert "undying: job preempted: SIGTERM while the job was set up, before it trained" in text, text[-3000:]
     assert "Traceback" not in text
     assert epochs(storage) == [0] and newest_claim(storage).host == "node-9"
+
+
+# Heavy (two drivers, about 60 s on two cores): the lease's takeover rules are the test above's and
+# tests/s3/test_ownership.py's; this one is about the seats a stopped driver still reserves.
+@pytest.mark.heavy
+def test_a_rerun_takes_over_from_a_stopped_driver_on_the_same_cluster_and_frees_its_seats(ray_cluster, tmp_path):
+    """The first driver stops (SIGSTOP) with its 4 ranks placed; the cluster has 6 seats, so the rerun's
+    4 fit only once the first's placement group is gone: the rerun takes the silent lease over, removes
+    the group named for the root, and finishes the job."""
+    first, _, log = start_job(ray_cluster, tmp_path, "stopped", [*LEASE, *SLOW])
+    try:
+        wait_for(log, " committed: ", first)
+        first.send_signal(signal.SIGSTOP)
+        rerun, report = run_job(ray_cluster, tmp_path, "stopped", LEASE, timeout=300)
+        assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+        assert "removed 1 placement group(s) a former driver" in rerun.stderr, rerun.stderr[-3000:]
+        assert json.loads(report.read_text())["status"] == "succeeded"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)

@@ -27,7 +27,6 @@ def test_name_must_be_a_safe_path_component(tiny_data, name):
 def test_a_name_a_checkpoint_root_uses_for_its_own_entries_is_refused(tiny_data):
     """A job whose checkpoint.url is another job's root must not look like that job's step directory
     (its retention would delete it as an unfinished save) or its lease, events or markers."""
-
     assert set(ROOT_ENTRIES) == {OWNER_DIR, EVENTS_DIR, SNAPSHOT_FILE, MARKER_DIR, CHAOS_MARKER}
     for name in [*ROOT_ENTRIES, "step-000000100"]:
         assert fields_of({**tiny_data, "name": name}) == ["name"], name
