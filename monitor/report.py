@@ -106,6 +106,7 @@ class FaultRecord(BaseModel):
     model_config = _CONFIG
     time: float | None = None  # job seconds when it fired (on the controller's clock); None: not sent
     kind: str
+    fault_id: int | None = None  # its id: a scripted fault's index in chaos.faults, random ones after them
     rank: int | None = None
     step: int | None = None
     point: str | None = None  # the named point it fired at, e.g. after_backward

@@ -63,7 +63,7 @@ def finish_job(proc: subprocess.Popen, report: Path, log: Path) -> dict:
 
 # The chaos invariant checks `undying chaos` prints, in order (orchestrator.cli.chaos.invariants).
 CHECKS = ("checkpoints_verify", "newest_loads", "model_matches_reference", "data_exactly_once",
-          "goodput_sums_to_wall", "no_process_left", "goodput_wall_plausible")
+          "goodput_sums_to_wall", "no_process_left", "faults_fired", "goodput_wall_plausible")
 
 
 def chaos_job(ray_cluster: str, tmp: Path, name: str, flags: list[str], sets: list[str], timeout: float):

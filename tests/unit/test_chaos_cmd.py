@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from monitor.report import FailureRecord, GoodputSummary, RunReport, WorldRecord
+from monitor.report import FailureRecord, FaultRecord, GoodputSummary, RunReport, WorldRecord
 from orchestrator.cli.chaos.command import chaos_main
 from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.cli.chaos.runs import RunOutcome
@@ -32,9 +32,9 @@ class FakeRunner:
 
     `history` and `weights` of the chaos run (not the reference) can be spoiled to make a check fail."""
 
-    def __init__(self, history=None, weights=None):
+    def __init__(self, history=None, weights=None, fired=True):
         self.history = history if history is not None else [[s, 4] for s in range(STEPS)]
-        self.weights = weights
+        self.weights, self.fired = weights, fired  # fired: the random kill (fault id 0) reached the run
         self.names: list[str] = []
 
     def __call__(self, spec, *, address, report_path) -> RunOutcome:
@@ -47,7 +47,9 @@ class FakeRunner:
         report = RunReport(job=spec.name, final_step=spec.train.steps, status="succeeded",
                            history=[[s, 4] for s in range(STEPS)] if reference else self.history,
                            world_history=[WorldRecord(generation=0, world_size=4, dp=4, tp=1, pp=1, started_at=0.0)],
-                           goodput=GoodputSummary.from_totals(totals).model_copy(update={"clock_wall_s": 10.0}))
+                           goodput=GoodputSummary.from_totals(totals).model_copy(update={"clock_wall_s": 10.0}),
+                           faults=[FaultRecord(time=3.0, kind="kill_rank", fault_id=0, rank=1, step=2)]
+                           if self.fired and not reference else [])
         return RunOutcome(EXIT_OK, report, {"rank 0 pid": _gone_pid()}, wall_s=12.0)
 
 
@@ -64,7 +66,7 @@ def test_every_check_passes_and_the_report_holds_them(tmp_path, capsys):
     assert runner.names == ["unit.reference", "unit"]  # the reference first, under its own name
     out = capsys.readouterr().out
     for name in ("checkpoints_verify", "newest_loads", "model_matches_reference", "data_exactly_once",
-                 "goodput_sums_to_wall", "no_process_left", "goodput_wall_plausible"):
+                 "goodput_sums_to_wall", "no_process_left", "faults_fired", "goodput_wall_plausible"):
         assert f"PASS  {name}" in out
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["invariants"]["ok"] is True and saved["final_step"] == STEPS
@@ -169,6 +171,7 @@ def test_a_job_s_root_without_checkpoints_yet_is_not_marked_as_an_experiment_s(t
 @pytest.mark.parametrize("spoil, failing", [
     ({"history": [[0, 4], [1, 4], ["restore", 1], [2, 4], [3, 4]]}, "data_exactly_once"),  # step 1 rolled back
     ({"weights": torch.ones(3, 2) + 1e-3}, "model_matches_reference"),
+    ({"fired": False}, "faults_fired"),  # the MTBF reached no step of the run: it tested nothing
 ])
 def test_a_failed_invariant_exits_non_zero(tmp_path, capsys, spoil, failing):
     assert chaos_main(_args(tmp_path), runner=FakeRunner(**spoil)) == EXIT_FAILED

@@ -326,3 +326,29 @@ def test_steps_a_killed_controller_trained_at_a_shrunken_dp_make_the_comparison_
     assert dp_changed(rerun_only, 2)
     undone = [["steps", 0, 10, 2], ["steps", 10, 15, 1], ["restore", 10], ["steps", 10, 30, 2]]
     assert not dp_changed(SimpleNamespace(world_history=[SimpleNamespace(dp=2)], history=undone), 2)
+
+
+def test_a_final_commit_corrupted_on_purpose_with_no_reference_at_the_newest_intact_step_fails_the_model_check(
+        tmp_path):
+    """The reference run keeps no checkpoint of the step the faulty run's newest intact one is: nothing is
+    compared, and a check that compared nothing has not passed (it used to be skipped, the run PASS)."""
+    from chaos.config import FaultSpec
+    from monitor.report import FaultRecord, GoodputSummary, RunReport
+    from orchestrator.cli.chaos.experiment import catalog_of, invariants, reference_spec
+    from orchestrator.spec.job_spec import validate_spec
+    from tests._checkpoints import flip_bit, make_state, save_checkpoint, shard_of
+
+    spec = validate_spec({"name": "c", "model": {"preset": "tiny"}, "train": {"steps": 30, "global_batch": 4},
+                          "checkpoint": {"url": f"file://{tmp_path}/ck", "every_steps": 10},
+                          "chaos": {"faults": [FaultSpec(kind="corrupt_shard", at_step=30).model_dump()]}})
+    faulty, reference = catalog_of(spec), catalog_of(reference_spec(spec))
+    for step in (20, 30):
+        save_checkpoint(faulty, step, make_state(step))
+    save_checkpoint(reference, 30, make_state(30))  # its retention kept the final step only
+    flip_bit(faulty, 30, shard_of(faulty, 30, next(iter(make_state(30)))))
+    report = RunReport(job="c", final_step=30, status="succeeded", goodput=GoodputSummary.from_totals({}),
+                       faults=[FaultRecord(kind="corrupt_shard", fault_id=0, step=30)])
+    checks = invariants(spec, report, reference=make_state(30), pids=None)
+    [model] = [c for c in checks.checks if c.name == "model_matches_reference"]
+    assert not model.ok and "holds no checkpoint of step 20" in model.detail
+    assert "model_matches_reference" not in checks.skipped and not checks.ok

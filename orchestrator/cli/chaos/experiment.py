@@ -8,10 +8,11 @@ Protocol (orchestrator.cli.chaos.command drives it; nothing here starts Ray or a
      model is what the faulty run must reproduce (docs/design.md section 7).
   3. The caller runs both jobs, then `invariants(...)` gathers every check's inputs from the
      faulty run's report and checkpoints and runs orchestrator.cli.chaos.invariants.check_all: checkpoints
-     verify and the newest loads; the final `model/...` tensors equal the reference's (bit
-     for bit when the run never changed dp, else within rtol 1e-5); every step and sample
-     survives exactly once (RunReport.history, with the ranks' sample digests); the goodput
-     buckets sum to wall; no rank process is left.
+     verify and the newest loads; the final state's tensors, the model's `model/...` and the
+     optimizer's `optim/...`, equal the reference's (bit for bit when the run never changed dp,
+     else within rtol 1e-5); every step and sample survives exactly once (RunReport.history, with
+     the ranks' sample digests); the goodput buckets sum to wall; no rank process is left; and the
+     faults scheduled fired (a run none reached tested nothing, and its other checks pass trivially).
   4. `chaos_report(...)` is the JSON written by `--report`: the RunReport's fields plus
      `invariants` (InvariantReport.to_dict) and `experiment` (what was injected, compared).
 
@@ -33,7 +34,6 @@ from ckpt.reader import load_checkpoint
 from ckpt.storage import Storage
 from orchestrator.cli.chaos.invariants import Check, InvariantReport, check_all
 
-MODEL_PREFIX = "model/"
 # Tolerance when the data-parallel degree changed: another reduction order changes the fp32
 # rounding of every all-reduced gradient, so bit equality is not expected.
 ELASTIC_RTOL, ELASTIC_ATOL = 1e-5, 1e-6
@@ -74,22 +74,21 @@ def catalog_of(spec) -> Catalog:
 
 def final_model(catalog: Catalog,
                 skip: frozenset[int] = frozenset()) -> tuple[int | None, dict[str, torch.Tensor] | None]:
-    """(step, `model/...` tensors) of the newest committed checkpoint not in `skip` (corrupted on
-    purpose); (None, None) when there is none."""
+    """(step, every tensor: the model's and the optimizer's) of the newest committed checkpoint not in
+    `skip` (corrupted on purpose); (None, None) when there is none."""
     step = max((s for s in catalog.committed_steps() if s not in skip), default=None)
     return (None, None) if step is None else (step, _model_at(catalog, step))
 
 
 def _model_at(catalog: Catalog, step: int) -> dict[str, torch.Tensor]:
-    names = [n for n in catalog.read_manifest(step).tensors if n.startswith(MODEL_PREFIX)]
-    tensors, _ = load_checkpoint(catalog, step, names)
+    tensors, _ = load_checkpoint(catalog, step, list(catalog.read_manifest(step).tensors))
     return tensors
 
 
 def reference_model_at(spec, step: int) -> dict[str, torch.Tensor] | None:
-    """The failure-free run's `model/...` tensors at `step`: what a chaos run whose final commit was
-    corrupted on purpose (its newest intact one is older) is compared with; None when the reference
-    run's retention no longer holds that step (the model check is then skipped, and says so)."""
+    """The failure-free run's tensors at `step`: what a chaos run whose final commit was corrupted on
+    purpose (its newest intact one is older) is compared with; None when the reference run's retention
+    no longer holds that step (the model check then fails, naming it: nothing was compared)."""
     catalog = catalog_of(reference_spec(spec))
     return _model_at(catalog, step) if step in catalog.committed_steps() else None
 
@@ -131,8 +130,10 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
     # (the fault could not apply), and the check says so.
     corrupted = _uncaught(catalog, {f.step for f in report.faults if f.kind == "corrupt_shard" and f.step is not None})
     step, final = final_model(catalog, corrupted)
+    unmatched = None  # the step the reference run holds no checkpoint of: nothing to compare with
     if reference is not None and step is not None and spec.train.steps in corrupted:  # the final commit
         reference = reference_model_at(spec, step)
+        unmatched = step if reference is None else None
     exact = not dp_changed(report, spec.parallel.dp)
     goodput = {"productive": report.goodput.productive_s, **report.goodput.badput_s}
     result = check_all(
@@ -143,10 +144,36 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
         cursor=make_cursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.clock_wall_s,
         pids=pids, pids_elsewhere=elsewhere,
     )
-    checks = list(result.checks)
+    checks, skipped = [*result.checks, check_faults_fired(spec, report, catalog.storage)], list(result.skipped)
+    if unmatched is not None:  # a check that compared nothing has not passed
+        skipped.remove("model_matches_reference")
+        checks.append(Check("model_matches_reference", False, f"the reference run holds no checkpoint of step "
+                            f"{unmatched}, the newest intact one here (the final commit was corrupted on purpose): "
+                            "nothing was compared; save on a step cadence and keep more (checkpoint.keep)"))
     if measured_wall_s is not None:
         checks.append(check_wall_within(report.goodput.clock_wall_s, measured_wall_s))
-    return InvariantReport(checks, list(result.skipped))
+    return InvariantReport(checks, skipped)
+
+
+def check_faults_fired(spec, report, storage) -> Check:
+    """The faults the experiment scheduled fired: each of chaos.faults (but those that fire by chance,
+    `probability`), and one at least when random failures were asked for. A fault that never fired (its
+    point has no save at its step, its rank is gone after a shrink, its glob meets no path, an MTBF longer
+    than the run) was not tested, and a run none reached passes every other check trivially."""
+    from chaos.config import ArmedFault
+    from orchestrator.controller.kill import has_fired
+
+    name, fired = "faults_fired", {f.fault_id for f in report.faults}
+    scripted = list(enumerate(spec.chaos.faults))
+    fired |= {i for i, f in scripted if f.kind == "kill_controller" and has_fired(storage, ArmedFault.of(f, i))}
+    missed = [f"chaos.faults[{i}] ({f.kind})" for i, f in scripted if f.probability is None and i not in fired]
+    if missed:
+        return Check(name, False, f"{', '.join(missed)} never fired: the run did not test it (a point with no save "
+                     "at its step, a rank gone after a shrink, a step past the end); move its trigger")
+    if spec.chaos.mtbf_s and not any(i >= len(scripted) for i in fired if i is not None):
+        return Check(name, False, f"no random failure fired within the run (chaos.mtbf_s={spec.chaos.mtbf_s:g}): "
+                     "it tested nothing random; give a shorter --mtbf or more train.steps")
+    return Check(name, True, f"{len(fired)} scheduled fault(s) fired")
 
 
 def check_wall_within(ledger_wall_s: float | None, measured_wall_s: float, slack_s: float = 0.5) -> Check:
