@@ -18,9 +18,11 @@ import logging
 import time
 
 import ray
+from ray.exceptions import RayActorError
 
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
+from paramserver.streams import dead_servers
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +80,14 @@ def restore_from(sup, newest: int) -> int:
                 sup.servers, ckpt.root, newest, storage_options=ckpt.storage_options, read_retry_s=ckpt.read_retry_s,
                 owner=ckpt.owner, skipped=sup.skipped, timeout=ckpt.restore_timeout)
             break
-        except checkpoint.ServersTimedOut as err:
-            sup.budget.repair(time.time(), str(err))
-            log.warning("%s: replacing them, and restoring again", err)
-            for k in err.servers:
+        except (checkpoint.ServersTimedOut, RayActorError) as err:
+            # Late (hung, stuck on the store), or dead while it loaded (its node, its memory): a repair.
+            lost = err.servers if isinstance(err, checkpoint.ServersTimedOut) else sorted(dead_servers(sup.servers))
+            if not lost:  # an actor error no server is dead of: not one to repair here
+                raise
+            sup.budget.repair(time.time(), f"server(s) {lost} lost while restoring: {err}")
+            log.warning("server(s) %s lost while restoring (%s): replacing them, and restoring again", lost, err)
+            for k in lost:
                 ray.kill(sup.servers[k], no_restart=True)
                 sup.servers[k] = sup.new_server(k)
             newest = latest_commit(sup)  # listed again: a commit the try quarantined is gone

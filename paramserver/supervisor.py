@@ -359,6 +359,7 @@ class Supervisor:
             ray.kill(self.workers[w], no_restart=True)
             self.workers[w] = self.new_worker(w)
         self._dead_workers.clear()
+        self._kills.clear()  # every kill so far is dealt with by this rollback: none is a later failure's cause
         self.ledger.enter(book.RESTORE)
         step, from_checkpoint = restores.restore(self)
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,

@@ -119,16 +119,21 @@ def hang_limits(spec: JobSpec) -> HangLimits:
     return HangLimits(limits.hang_floor_s, limits.hang_factor, limits.first_step_s, data_outage_s(spec))
 
 
-def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger, every_steps: int | None):
+def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger, every_steps: int | None,
+               snapshots: LedgerSnapshots | None = None):
     """run_ps's `on_stats` (the supervisor's, every second on the driver's thread): the servers'
     counters, the goodput ledger's totals (a resumed job's carried before the first call:
     carry_goodput) and, with checkpoints every `every_steps`, the interval between commits
-    at the measured step rate. Returns how many updates the call counted."""
+    at the measured step rate; `snapshots`: the goodput snapshot rewritten every few seconds (its
+    own thread), so a driver that dies leaves its time and its repairs to the next run, as a
+    collective controller does. Returns how many updates the call counted."""
     rate = StepRate()
 
     def on_stats(stats) -> int:
         counted = ps_metrics.on_server_stats(stats)
         metrics.on_goodput(ledger)
+        if snapshots is not None:
+            snapshots.maybe_save(ledger)
         steps_per_s = rate.on_stats(stats)
         if every_steps and steps_per_s:
             metrics.on_checkpoint_interval(every_steps / steps_per_s)
@@ -198,7 +203,6 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
     checkpoints, faults = supervision(spec, on_commit=on_commit, fresh=fresh)
     conn = ray_cluster.connect(address, par.dp + par.servers, 0)
     ps_metrics = PSMetrics(spec.name, par.consistency, par.servers, metrics.registry)
-    on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps)
     start_up = StartUpSignals()
     restore_signals = route_signals(start_up.on_signal)  # until the supervisor's preemption takes them
     try:
@@ -206,6 +210,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
         snapshots, earlier = carry_goodput(spec, ledger, started_at, checkpoints.owner)
+        on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps, snapshots)
         port = serve_metrics(metrics, spec)
         if port is None or not took_over(spec):  # the last refusal before training
             return EXIT_USAGE
@@ -218,7 +223,6 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
                             faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp),
                             hang=hang, budget=carried_budget(spec, snapshots, earlier))
-            preemption.ending = True  # from here a second signal is recorded: the report and teardown run whole
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)
             return EXIT_PREEMPTED
@@ -226,6 +230,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
             print(f"undying: job failed: {type(err).__name__}: {err}", file=sys.stderr)
             return EXIT_FAILED
         finally:  # it ended on its own: a rerun books no wait before it (the operator's), as a collective job's
+            preemption.ending = True  # a second signal is recorded from here: the snapshot, report and teardown run
             snapshots.save(ledger, ended=True)
         print(report.summary(), flush=True)
         if report_path:
@@ -264,7 +269,7 @@ def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float,
     from paramserver import checkpoint
 
     root, options = spec.checkpoint_root, spec.checkpoint.storage_options
-    snapshots = LedgerSnapshots(Storage(root, options), owner=owner)
+    snapshots = LedgerSnapshots(Storage(root, options), owner=owner, background=True)  # a slow store: not the loop's
     snapshot = snapshots.load()
     try:
         latest = checkpoint.latest_committed_step(root, options)

@@ -102,3 +102,32 @@ def test_a_run_that_fails_before_its_first_restore_keeps_the_job_s_goodput_snaps
     after = json.loads(path.read_text())
     assert after["totals"] == before["totals"] and after["time"] == before["time"]  # the job's, not its seconds
     assert [(f["rank"], f["step"]) for f in after["failures"]] == [(1, 25)]  # still carried to the next run
+
+
+def test_a_parameter_server_driver_that_dies_leaves_its_repairs_and_time_to_the_next_run(tmp_path):
+    """The driver's stats poll rewrites the goodput snapshot every few seconds (its own thread), with the
+    repairs of the restart budget: a SIGKILLed driver, which never writes its ended snapshot, leaves them."""
+    import time
+    from types import SimpleNamespace
+
+    from monitor.goodput import GoodputLedger
+    from monitor.metrics import JobMetrics
+    from orchestrator.cli.ps_run import carried_budget, stats_feed
+    from orchestrator.controller.ledger_snapshot import LedgerSnapshots
+    from orchestrator.spec.job_spec import validate_spec
+
+    spec = validate_spec({"name": "ps", "model": {"preset": "tiny"}, "data": {"seq_len": 16},
+                          "train": {"steps": 4, "global_batch": 4, "grad_clip": None},
+                          "parallel": {"mode": "ps", "dp": 2, "servers": 1},
+                          "checkpoint": {"url": f"file://{tmp_path}/ckpt", "every_steps": 2},
+                          "elastic": {"max_restarts": 5, "restart_window_s": 3600}})
+    snapshots = LedgerSnapshots(Storage(spec.checkpoint_root), every_s=0.0, background=True)
+    budget = carried_budget(spec, snapshots, None)
+    budget.repair(time.time(), "worker 1 replaced")
+    feed = stats_feed(SimpleNamespace(on_server_stats=lambda stats: 0), JobMetrics("ps"), GoodputLedger(), None,
+                      snapshots)
+    feed([])  # a poll: the snapshot is rewritten (no ended one follows: the driver is killed)
+    assert snapshots.housekeeper.close(10.0)
+    saved = LedgerSnapshots(Storage(spec.checkpoint_root)).load()
+    assert saved is not None and not saved["ended"] and len(saved["failures"]) == 1
+    assert carried_budget(spec, LedgerSnapshots(Storage(spec.checkpoint_root)), saved).repair_times()

@@ -463,3 +463,30 @@ def test_each_worker_step_reaches_on_step_as_the_driver_takes_it(world):
     supervisor.run()  # a rollback to step 0 at step 3: the redone steps come again (both executions ran)
     assert {(log.worker, log.step) for log in seen} == set(supervisor.logs)
     assert len(seen) == PAR.dp * TRAIN.steps + supervisor.redone
+
+
+def test_a_kill_a_rollback_dealt_with_is_not_blamed_for_a_later_failure(world, expected):
+    """A worker's kill and a server's death in one step: the rollback replaces both. The kill's time is
+    then spent, not left for the next natural death of that worker to be dated (and exempted) by."""
+    supervisor, losses, ledger = _run(world, [Fault("worker", 1, 6), Fault("server", 0, 6)])
+    assert losses == expected and _applied_once(supervisor)
+    assert supervisor._kills == {}
+    assert sum(ledger.totals().values()) == pytest.approx(ledger.wall())
+
+
+def test_a_server_that_dies_while_the_rollback_restores_is_replaced_and_the_restore_tried_again(
+        world, expected, monkeypatch):
+    """Its node lost mid-load: one more repair of the budget, not the job's end."""
+    real, tries = world.restore, []
+
+    def restore(servers, *args, **kwargs):
+        tries.append([s.pid for s in servers])
+        if len(tries) == 1:
+            servers[1].kill()
+            raise Died("the actor died unexpectedly before finishing this task")
+        return real(servers, *args, **kwargs)
+
+    monkeypatch.setattr(sup.checkpoint, "restore_servers", restore)
+    supervisor, losses, _ = _run(world, [Fault("server", 0, 6)])
+    assert losses == expected and _applied_once(supervisor)
+    assert len(tries) == 2 and tries[1][0] == tries[0][0] and tries[1][1] != tries[0][1]  # server 1 replaced
