@@ -314,9 +314,10 @@ class ProcessShardWriter(OneSaveInFlight):
             self._handle(*message)
 
     def _handle(self, kind: str, payload, step: int | None) -> None:
-        if kind == "notice":
+        if kind == "notice":  # a chaos fault's: one that cannot be sent must not end the listener (no receipt after)
             if self.notify is not None:
-                self.notify(payload)
+                with contextlib.suppress(Exception):
+                    self.notify(payload)
             return
         if kind == "progress":
             self._count(payload)

@@ -66,7 +66,7 @@ class RankActor:
         self.engine = None
         self.restores = RestoreTurns()  # one restore at a time, the latest winning
         self._reclaiming: threading.Thread | None = None  # a dropped engine's collection (_drop_engine)
-        self._dropped: list[weakref.ref] = []  # engines dropped and maybe still reachable (rank.reclaim)
+        self._dropped: list[weakref.ref] = []  # engines and writers dropped, maybe still reachable (rank.reclaim)
         self._dropping = threading.Lock()  # `leave` and a stale restore may drop at once
         self.writer = None
         self.gen = -1
@@ -282,6 +282,8 @@ class RankActor:
                    "error": f"{type(err).__name__}: {str(err)[:300]}"}
         finally:
             training_over.set()
+            with self._dropping:  # a writer left to finish after an abort holds its staging: no freeze meanwhile
+                self._dropped += [weakref.ref(w) for w in getattr(loop, "writers", ())]
         # The next generation builds an engine of its own: reclaim this one on a thread of its own
         # while the controller detects and places, rather than inside the re-formation; the next
         # `_drop_engine` waits for it. The loop and the error's traceback (frames that hold the

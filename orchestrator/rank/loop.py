@@ -283,7 +283,7 @@ class RankLoop:
         self._data_faults(faults, plan)
         writer = self._writer(hook, faults, plan)
         snapshots = self.snapshots(plan.tag) if self.snapshots is not None else None
-        writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
+        writers = self.writers = [writer] + ([snapshots.writer] if snapshots is not None else [])
         beats = self._beats(writers)
         first, left_cleanly = True, False
         try:

@@ -20,10 +20,12 @@ own when its generation aborts (it returns from `train` at once, and the collect
 controller's detection and placement), when it leaves a generation and before `restore` builds
 the next engine (each waiting for that thread first), and at the end of a spare's warm-up (its
 throwaway engine). Never freezing with an engine alive: a frozen engine would never be collected.
-So the actor hands over weak references to the engines it dropped (`dropped`): a thread of the
-old generation may still reach one (a save left to finish after an abort holds the rank loop
-through its callbacks; a data read in flight holds the cursor's), and while any is alive this
-collection only collects; a later one, once those threads have ended, freezes.
+So the actor hands over weak references to the engines it dropped and to each generation's
+checkpoint writers (`dropped`): a thread of the old generation may still reach one (a save left to
+finish after an abort holds the rank loop through its callbacks, and its writer its staging copy
+and store client, frozen for good were it frozen while alive; a data read in flight holds the
+cursor's), and while any is alive this collection only collects; a later one, once those threads
+have ended, freezes.
 """
 
 from __future__ import annotations

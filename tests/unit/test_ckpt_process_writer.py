@@ -175,6 +175,25 @@ def test_a_failed_write_is_reported_with_the_childs_error_and_the_writer_goes_on
     assert [n["kind"] for n in out.notices] == ["storage_error"]
 
 
+def test_a_fault_notice_that_cannot_be_sent_leaves_the_listener_reading_receipts(tmp_path):
+    """The store refuses the notice (or it is malformed): the save's receipt after it still arrives,
+    where the training thread would otherwise wait on a listener that is gone."""
+    url = f"file://{tmp_path}/job"
+    out = Collect()
+
+    def refused(event):
+        raise ConnectionError("the store refused the notice")
+
+    fault = {"kind": "storage_error", "rank": 0, "path": "*/shard-*", "nth": 1}
+    setup = functools.partial(install_on, faults=[fault], seed=0, started=time.time())
+    writer = ProcessShardWriter(url, {}, 0, out.on_receipt, out.on_error, storage_setup=setup, notify=refused)
+    slices = [whole(n, t) for n, t in _state().items()]
+    writer.save(1, slices, {})
+    writer.save(2, slices, {})
+    writer.flush()
+    assert [s for s, _ in out.errors] == [1] and [r.step for r, _ in out.receipts] == [2]
+
+
 def test_a_killed_child_fails_the_save_in_flight_and_the_next_save_starts_a_new_one(tmp_path):
     url = f"file://{tmp_path}/job"
     out = Collect()

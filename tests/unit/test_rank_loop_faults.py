@@ -218,3 +218,23 @@ def test_a_validation_owed_at_the_restored_step_runs_before_the_first_step(tmp_p
                     writer_store=connect(server.address, 0))
     assert loop.run(6, [], eval_at=6)["status"] == "done"
     assert [(e["type"], e["step"]) for e in controller.drain_events() if e["type"] in ("eval", "step")] == [("eval", 6)]
+
+
+def test_a_finished_generation_s_writers_are_garbage_once_its_loop_is_gone(tmp_path):
+    """The actor hands weak references to a generation's writers to the collection that freezes
+    (orchestrator.rank.reclaim): a writer still flushing after an abort blocks the freeze, so one that
+    finished must become garbage, or no collection would ever freeze again."""
+    import gc
+    import weakref
+
+    spec = _spec(tmp_path, [])
+    server = RendezvousServer("127.0.0.1")
+    server.generation(0).set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
+                                         "job_started_at": time.time()})
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
+                    writer_store=connect(server.address, 0))
+    assert loop.run(6, [])["status"] == "done"
+    writers = [weakref.ref(w) for w in loop.writers]
+    del loop
+    gc.collect()
+    assert writers and all(ref() is None for ref in writers)
