@@ -139,6 +139,8 @@ def test_two_level_gain_is_per_interval_and_kept_out_of_the_storage_model():
     assert rows[1].memory_recoveries == 1 and rows[0].memory_recoveries == 0
     inputs = inputs_from_reports([slow.model_dump(mode="json")], mtbf_s=15.0)
     result = sweep.summary(rows, inputs)
-    assert result["two_level_vs_storage"] == {"5s": pytest.approx(15.0)}  # 75% against 60%
+    gain = result["two_level_vs_storage"]["5s"]
+    assert gain["goodput_points"] == pytest.approx(15.0)  # 75% against 60%
+    assert gain["wall_change"] == pytest.approx(rows[1].wall_s / rows[0].wall_s - 1)
     assert result["best_fixed"]["steady_goodput"] == pytest.approx(0.75)  # the storage row, not the two-level one
     assert "| 5s | two-level (1 from memory) | 12 steps |" in sweep.table(rows, inputs)

@@ -244,7 +244,8 @@ def sweep_main(spec, intervals, levels, args, runner: Runner) -> int:
         if rule in result:
             print(f"{rule}: {result[rule]['points_below_best']:+.1f} points below the best fixed interval")
     for label, gain in result["two_level_vs_storage"].items():
-        print(f"interval {label}: two-level {gain:+.1f} points of goodput against storage only")
+        print(f"interval {label}: two-level {gain['goodput_points']:+.1f} points of goodput, its wall "
+              f"{gain['wall_change']:+.1%} for the same steps, against storage only")
     if args.out:
         write_json(args.out, {"command": shlex.join(["undying", *sys.argv[1:]]), "step_s": step_s,
                               "system_mtbf_s": mtbf, "chaos": spec.chaos.model_dump(mode="json"),
