@@ -122,11 +122,13 @@ class Topology:
         return [seen[first] for first in sorted(seen)]
 
 
-def build_mesh(topology: Topology, device_type: str = "cpu"):
+def build_mesh(topology: Topology, device_type: str = "cpu", timeout_s: float | None = None):
     """The torch DeviceMesh of `topology` over the default process group (collective).
 
     The mesh tensor is `arange(world).reshape(dp, pp, tp)`, which is exactly the mapping
-    above, so `mesh[dim]` groups agree with `Topology.group_of`.
+    above, so `mesh[dim]` groups agree with `Topology.group_of`. `timeout_s`: its groups' timeout,
+    their creation's included (the job's collective timeout; None: torch's default, 30 minutes on
+    gloo and 10 on NCCL, which a sub-group would otherwise take whatever the default group's is).
     """
     import torch
     import torch.distributed as dist
@@ -134,12 +136,27 @@ def build_mesh(topology: Topology, device_type: str = "cpu"):
 
     topology.check_world(dist.get_world_size())
     ranks = torch.arange(topology.world_size)
-    if topology.dp_replicate == 1:
-        return DeviceMesh(device_type, ranks.reshape(topology.shape), mesh_dim_names=MESH_DIMS)
-    shape = (topology.dp_replicate, topology.dp_shard, topology.pp, topology.tp)
-    mesh = DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=HSDP_DIMS + MESH_DIMS[1:])
-    mesh[HSDP_DIMS]._flatten("dp")
+    hsdp = topology.dp_replicate > 1
+    shape = (topology.dp_replicate, topology.dp_shard, topology.pp, topology.tp) if hsdp else topology.shape
+    options = None if timeout_s is None else _group_options(device_type, timeout_s)
+    mesh = DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=HSDP_DIMS + MESH_DIMS[1:] if hsdp else
+                      MESH_DIMS, backend_override=None if options is None else ((None, options),) * len(shape))
+    if hsdp:
+        mesh[HSDP_DIMS]._flatten("dp", backend_override=None if options is None else (None, options))
     return mesh
+
+
+def _group_options(device_type: str, timeout_s: float):
+    """Process-group options that carry `timeout_s` (DeviceMesh passes a group's timeout in them)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    if device_type == "cuda":
+        options.is_high_priority_stream = False  # as torch's own default options for NCCL
+    options._timeout = timedelta(seconds=timeout_s)
+    return options
 
 
 def fsdp_mesh(mesh, dp_replicate: int):

@@ -73,6 +73,7 @@ class RankActor:
         self.rank = -1
         self.world_size = 0
         self.sockets: CommSockets | None = None
+        self.collective_s: float | None = None  # the generation's collective timeout (join): its groups' too
         # Ray forks workers from the node's raylet: if our parent changes, the raylet died and
         # this node is lost, even though this process may still answer calls.
         self.raylet_pid = os.getppid()
@@ -167,10 +168,11 @@ class RankActor:
             # Ray shows a rank its one GPU as device 0. Bound before the group forms, so that NCCL's
             # communicators and a barrier use it rather than guess (torch warns when it must).
             torch.cuda.set_device(0)
+        self.collective_s = collective_timeout_s or timeout_s  # the mesh's groups (build_engine) take it too
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(
                 backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=collective_timeout_s or timeout_s),
+                timeout=timedelta(seconds=self.collective_s),
             )
         return time.perf_counter() - started
 
@@ -207,7 +209,8 @@ class RankActor:
             self.baseline_bytes = current_bytes(device)
             reset_peak_bytes(device)  # this generation's peak, not an earlier engine's (CUDA; RSS cannot)
             self.restores.check(ticket)  # the build is collective: not on a group a new generation formed
-            engine = build_engine(self.spec, self.rank, self.world_size, dp, recording_groups=self.sockets.adding)
+            engine = build_engine(self.spec, self.rank, self.world_size, dp, recording_groups=self.sockets.adding,
+                                  collective_timeout_s=self.collective_s)
             built = time.perf_counter()
             try:
                 self._load(engine, step, faults, source, check=lambda: self.restores.check(ticket))

@@ -24,11 +24,12 @@ def catalog_for(spec) -> Catalog:
 
 
 def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
-                 recording_groups=contextlib.nullcontext):
+                 recording_groups=contextlib.nullcontext, collective_timeout_s: float | None = None):
     """The engine for this generation's layout: the spec's, with the current (elastic) dp.
 
     Its process groups (the DeviceMesh) are created inside `recording_groups()`, the rank's
-    `CommSockets.adding`, so that an abort reaches their sockets too."""
+    `CommSockets.adding`, so that an abort reaches their sockets too, with the generation's
+    `collective_timeout_s` (elastic.collective_timeout_s) as the default group has it."""
     from trainer.engine import Engine
     from trainer.topology import Topology, build_mesh
 
@@ -37,7 +38,7 @@ def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
     mesh = None
     if world_size > 1:
         with recording_groups():
-            mesh = build_mesh(Topology.of(parallel), device)
+            mesh = build_mesh(Topology.of(parallel), device, collective_timeout_s)
     return Engine(
         spec.model, spec.data, spec.train, parallel,
         rank=rank, world_size=world_size, device=device, fault_hook=fault_hook, mesh=mesh,
