@@ -123,9 +123,13 @@ class HeldShards:
             self.gen = max(self.gen, gen)
 
     def keep_only(self, files: Iterable[str], gen: int) -> None:
+        """Keep `files` alone, and refuse shards of generations before `gen` (a restore, before any writer
+        of `gen` starts). Files no writer noted go too: an abandoned save's, whose whole file memory://
+        wrote after its last check, would otherwise stay in the process for its life."""
         keep = set(files)
         self.fence(gen)
-        self._drop(r for r in self.files() if r not in keep)
+        written = {path[len(self.storage.root) + 1:] for path in self.storage.fs.find(self.storage.root)}
+        self._drop(r for r in set(self.files()) | written if r not in keep)
 
     def _drop(self, relpaths: Iterable[str]) -> None:
         directories = set()
