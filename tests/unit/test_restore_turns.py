@@ -52,7 +52,7 @@ class Loads:
         self.fail_at = fail_at
         self.retrying: int | None = None
 
-    def build(self, spec, rank, world_size, dp, recording_groups=None):
+    def build(self, spec, rank, world_size, dp, recording_groups=None, collective_timeout_s=None):
         gc.collect()
         self.alive_at_build.append(len(self.live))
         engine = FakeEngine(dp)
@@ -101,7 +101,7 @@ def rank_actor() -> RankActor:
     actor.held = SimpleNamespace(keep_only=lambda files, gen: None, fence=lambda gen: None)
     actor.engine, actor._reclaiming, actor.restores, actor._dropped = None, None, RestoreTurns(), []
     actor._dropping = threading.Lock()
-    actor.gen, actor.rank, actor.world_size, actor.raylet_pid = 0, 1, 2, os.getppid()
+    actor.gen, actor.rank, actor.world_size, actor.raylet_pid, actor.collective_s = 0, 1, 2, os.getppid(), 60.0
     actor.sockets = SimpleNamespace(adding=contextlib.nullcontext, abort=lambda: None)
     actor.store = SimpleNamespace(send=lambda message: None)
     return actor
