@@ -234,7 +234,8 @@ class ChaosConfig(SpecSection):
                                  "(a node kill there would kill the controller)")
     mtbf_start_s: Seconds = Field(0.0, description="random failures: none before this many job seconds")
     mtbf_max_faults: int | None = Field(None, ge=1, description="random failures: at most this many")
-    seed: int = Field(0, description="seed of the random failures' times and targets (a run replays exactly)")
+    seed: int = Field(0, description="seed of the random failures' times and targets (they replay exactly; the "
+                      "step a timed fault meets depends on the run's own start-up and recoveries)")
 
     @field_validator(*_RANDOM_FIELDS, mode="after")
     @classmethod

@@ -32,9 +32,10 @@ class FakeRunner:
 
     `history` and `weights` of the chaos run (not the reference) can be spoiled to make a check fail."""
 
-    def __init__(self, history=None, weights=None, fired=True):
+    def __init__(self, history=None, weights=None, fired=True, digests=True):
         self.history = history if history is not None else [[s, 4] for s in range(STEPS)]
         self.weights, self.fired = weights, fired  # fired: the random kill (fault id 0) reached the run
+        self.digests = digests  # the ranks' sample digests in the history, as every commit carries them
         self.names: list[str] = []
 
     def __call__(self, spec, *, address, report_path) -> RunOutcome:
@@ -45,12 +46,23 @@ class FakeRunner:
                         world=2)
         totals = {"productive": 8.0, "startup": 1.5, "lost_work": 0.5}
         report = RunReport(job=spec.name, final_step=spec.train.steps, status="succeeded",
-                           history=[[s, 4] for s in range(STEPS)] if reference else self.history,
+                           history=_with_digests(spec, [[s, 4] for s in range(STEPS)]) if reference else
+                           _with_digests(spec, self.history) if self.digests else self.history,
                            world_history=[WorldRecord(generation=0, world_size=4, dp=4, tp=1, pp=1, started_at=0.0)],
                            goodput=GoodputSummary.from_totals(totals).model_copy(update={"clock_wall_s": 10.0}),
                            faults=[FaultRecord(time=3.0, kind="kill_rank", fault_id=0, rank=1, step=2)]
                            if self.fired and not reference else [])
         return RunOutcome(EXIT_OK, report, {"rank 0 pid": _gone_pid()}, wall_s=12.0)
+
+
+def _with_digests(spec, history: list) -> list:
+    """`history` with the digest of every sample of steps 0..STEPS-1, as the ranks report them at a commit."""
+    from trainer.batch import SampleDigest
+    from trainer.data import make_cursor
+
+    cursor = make_cursor(spec.data, spec.model.vocab_size)
+    digest = SampleDigest.of(0, [cursor.sample_keys(step, spec.train.global_batch) for step in range(STEPS)])
+    return [*history, ["samples", 0, STEPS, digest.count, digest.total]]
 
 
 def _args(tmp_path, *extra: str):
@@ -172,6 +184,7 @@ def test_a_job_s_root_without_checkpoints_yet_is_not_marked_as_an_experiment_s(t
     ({"history": [[0, 4], [1, 4], ["restore", 1], [2, 4], [3, 4]]}, "data_exactly_once"),  # step 1 rolled back
     ({"weights": torch.ones(3, 2) + 1e-3}, "model_matches_reference"),
     ({"fired": False}, "faults_fired"),  # the MTBF reached no step of the run: it tested nothing
+    ({"digests": False}, "data_exactly_once"),  # no report of what the ranks consumed: nothing to check
 ])
 def test_a_failed_invariant_exits_non_zero(tmp_path, capsys, spoil, failing):
     assert chaos_main(_args(tmp_path), runner=FakeRunner(**spoil)) == EXIT_FAILED
@@ -188,6 +201,11 @@ def test_usage_mistakes_exit_2_before_anything_runs(tmp_path, capsys):
     assert "chaos.mtbf_s" in capsys.readouterr().err
     not_sweep = _args(tmp_path, "--intervals", "5s")
     assert chaos_main(not_sweep, runner=runner) == EXIT_USAGE
+    for flags, named in ((["--mtbf", "abc"], "--mtbf (chaos.mtbf_s)"),
+                         (["--start", "10s"], "--start (chaos.mtbf_start_s)")):
+        argv = ["chaos", "examples/demo.yaml", *flags, "--set", f"checkpoint.url=file://{tmp_path}/ckpt"]
+        assert chaos_main(_parser().parse_args(argv), runner=runner) == EXIT_USAGE
+        assert named in capsys.readouterr().err  # the flag the user gave, beside the field it sets
     bad = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "30s", "--intervals", "5s,soon"])
     assert chaos_main(bad, runner=runner) == EXIT_USAGE
     assert "'soon'" in capsys.readouterr().err and runner.names == []

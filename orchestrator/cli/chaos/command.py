@@ -133,6 +133,12 @@ def chaos_main(args, runner: Runner | None = None) -> int:
     return experiment_main(spec, args, runner)
 
 
+# (spec field, the flag that sets it, its argparse name): a problem with a flag's value names the flag.
+FLAG_FIELDS = (("chaos.mtbf_s", "--mtbf", "mtbf"), ("chaos.mtbf_kind", "--kind", "kind"),
+               ("chaos.seed", "--seed", "seed"), ("chaos.mtbf_start_s", "--start", "start"),
+               ("chaos.mtbf_max_faults", "--max-faults", "max_faults"))
+
+
 def _load(path: str, args):
     from chaos.config import support_problems
     from monitor.tracking import tracking_problems
@@ -142,7 +148,12 @@ def _load(path: str, args):
 
     overrides = [*args.overrides, *experiment.chaos_overrides(
         mtbf=args.mtbf, kind=args.kind, seed=args.seed, start=args.start, max_faults=args.max_faults)]
-    spec = load_spec(path, overrides)
+    try:
+        spec = load_spec(path, overrides)
+    except SpecError as err:  # a flag's value is named by its flag, not only by the spec field it sets
+        given = {field: flag for field, flag, value in FLAG_FIELDS if getattr(args, value) is not None}
+        raise SpecError([Problem(f"{given[p.field]} ({p.field})", p.message) if p.field in given else p
+                         for p in err.problems]) from None
     # A tracker's missing package (monitor.tensorboard, monitor.wandb) stops the experiment before its runs.
     problems = [Problem(f, m) for f, m in support_problems(spec.chaos) + tracking_problems(spec.monitor)]
     if spec.chaos.mtbf_s is None and not spec.chaos.faults:

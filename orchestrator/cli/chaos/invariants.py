@@ -183,11 +183,14 @@ def reported_sample_problems(history: list, *, final_step: int, global_batch: in
     return problems
 
 
-def check_data_once(history: Iterable, *, final_step: int, global_batch: int, cursor=None) -> Check:
+def check_data_once(history: Iterable, *, final_step: int, global_batch: int, cursor=None,
+                    reports_required: bool = False) -> Check:
     """(d) Steps 0..final_step-1 each survive once, each consuming range(global_batch) exactly once.
 
     The samples are checked against what the ranks reported consuming (their digests, summed per
-    commit) when the history holds reports; otherwise derived from the layout (older histories).
+    commit) when the history holds reports; otherwise derived from the layout (older histories),
+    which can only agree with itself: `reports_required` (a run of this release, which always
+    reports) makes a history without them a failure.
 
     `history`: the surviving step records (orchestrator.controller.step_history.surviving_history), or the whole
     recorded event list, which is reduced to them here (already-surviving input is unchanged
@@ -226,6 +229,9 @@ def check_data_once(history: Iterable, *, final_step: int, global_batch: int, cu
         ("steps outside 0..final-1:", beyond), ("wrong samples in", wrong)) if items]
     reported = reported_sample_problems(history, final_step=final_step, global_batch=global_batch, cursor=cursor)
     problems += reported or []
+    if reported is None and reports_required:
+        problems.append("the ranks reported no sample digests (this release's commits carry them): what they "
+                        "consumed was not checked, only the layouts' arithmetic")
     if problems:
         return Check(name, False, "; ".join(problems))
     layouts = sorted({r.dp_size for r in records})
@@ -300,9 +306,10 @@ def check_all(
     reference: Mapping[str, torch.Tensor] | None = None, exact: bool = True, rtol: float = 1e-5, atol: float = 1e-8,
     history: Iterable | None = None, final_step: int | None = None, global_batch: int | None = None, cursor=None,
     goodput: GoodputLedger | Mapping[str, float] | None = None, wall_s: float | None = None,
-    pids: Iterable[int] | Mapping[str, int] | None = None, pids_elsewhere: int = 0,
+    pids: Iterable[int] | Mapping[str, int] | None = None, pids_elsewhere: int = 0, reports_required: bool = False,
 ) -> InvariantReport:
-    """Run every check whose inputs are given (see module doc) and return the report."""
+    """Run every check whose inputs are given (see module doc) and return the report; `reports_required`:
+    check_data_once's (a run of this release)."""
     expected_bad = list(expected_bad)
     plan: list[tuple[str, bool, Callable[[], Check]]] = [
         ("checkpoints_verify", catalog is not None, lambda: check_checkpoints_verify(catalog, expected_bad)),
@@ -310,7 +317,8 @@ def check_all(
         ("model_matches_reference", final is not None and reference is not None,
          lambda: check_model_matches(final, reference, exact=exact, rtol=rtol, atol=atol)),
         ("data_exactly_once", history is not None and final_step is not None and global_batch is not None,
-         lambda: check_data_once(history, final_step=final_step, global_batch=global_batch, cursor=cursor)),
+         lambda: check_data_once(history, final_step=final_step, global_batch=global_batch, cursor=cursor,
+                                 reports_required=reports_required)),
         ("goodput_sums_to_wall", goodput is not None, lambda: check_goodput(goodput, wall_s=wall_s)),
         ("no_process_left", pids is not None, lambda: check_no_process_left(pids, pids_elsewhere)),
     ]
