@@ -93,11 +93,12 @@ class SpareSeats:
                 alive.append(pings[ref])
             except RayError:  # died while idle; its bundle is free again
                 ray.kill(self.spares.pop(pings[ref])[0], no_restart=True)
-        for bundle in pings.values():
-            asks = self.silent_spares[bundle] = 0 if bundle in alive else self.silent_spares.get(bundle, 0) + 1
-            if asks >= SILENT_ASKS and bundle in self.spares:
+        # Counted per actor, not per seat: the next spare in a seat starts from nothing.
+        silent = {self.spares[b][0]._actor_id.hex(): b for b in pings.values() if b not in alive and b in self.spares}
+        self.silent_spares = {actor: self.silent_spares.get(actor, 0) + 1 for actor in silent}
+        for actor, bundle in silent.items():
+            if self.silent_spares[actor] >= SILENT_ASKS:
                 ray.kill(self.spares.pop(bundle)[0], no_restart=True)
-                self.silent_spares.pop(bundle)
         return sorted(alive)
 
     def promote_spares(self, ranks: list[int]) -> SpareChoice:

@@ -71,7 +71,7 @@ class RayWorkerGroup(SpareSeats):
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.bundle_of: dict[int, int] = {}
         self.spares: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}  # bundle -> (actor, ping)
-        self.silent_spares: dict[int, int] = {}  # bundle -> live_ready_spares' asks in a row it left unanswered
+        self.silent_spares: dict[str, int] = {}  # spare actor id -> live_ready_spares' asks in a row unanswered
         self._train_refs: dict[ray.ObjectRef, int] = {}
         self._remote = ray.remote(RankActor)
         self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings

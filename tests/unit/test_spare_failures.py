@@ -83,6 +83,6 @@ def test_a_warm_spare_that_answers_no_ask_three_times_in_a_row_is_hung_killed_an
     for _ in range(spare_seats.SILENT_ASKS - 1):
         assert group.live_ready_spares() == [0] and set(group.spares) == {0, 1}  # slow is no proof yet
     assert group.live_ready_spares() == [0] and set(group.spares) == {0} and killed == [hung]
-    answers = _Spare("cc", _Ref({"node": "n1"}))
-    group.spares[1] = (answers, _Ref({"node": "n1"}))  # the seat's next spare starts with a clean count
-    assert group.live_ready_spares() == [0, 1] and group.silent_spares == {0: 0, 1: 0}
+    slow = _Spare("cc", _Ref(silent=True))
+    group.spares[1] = (slow, _Ref({"node": "n1"}))  # the seat's next spare starts with a clean count
+    assert group.live_ready_spares() == [0] and set(group.spares) == {0, 1} and group.silent_spares == {"cc": 1}
