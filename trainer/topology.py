@@ -139,10 +139,15 @@ def build_mesh(topology: Topology, device_type: str = "cpu", timeout_s: float | 
     hsdp = topology.dp_replicate > 1
     shape = (topology.dp_replicate, topology.dp_shard, topology.pp, topology.tp) if hsdp else topology.shape
     options = None if timeout_s is None else _group_options(device_type, timeout_s)
+
+    def override(size: int) -> tuple:  # a dimension over the whole world is the default group, which has it
+        return (None, None) if options is None or size == topology.world_size else (None, options)
+
     mesh = DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=HSDP_DIMS + MESH_DIMS[1:] if hsdp else
-                      MESH_DIMS, backend_override=None if options is None else ((None, options),) * len(shape))
+                      MESH_DIMS, backend_override=tuple(override(size) for size in shape))
     if hsdp:
-        mesh[HSDP_DIMS]._flatten("dp", backend_override=None if options is None else (None, options))
+        flat = override(topology.dp_replicate * topology.dp_shard)
+        mesh[HSDP_DIMS]._flatten("dp", backend_override=None if flat == (None, None) else flat)
     return mesh
 
 
