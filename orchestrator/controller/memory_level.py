@@ -162,6 +162,13 @@ class MemoryLevel:
             return None
         return MemorySource(snap.step, snap.manifest_json, holders)
 
+    def forget_newer(self, step: int) -> None:
+        """A generation stopped on purpose to re-form at commit `step` (growing back) throws away the steps
+        past it, booked as lost work: a snapshot newer than it is not restored later (a re-formation that
+        fails to form and recovers) as if they had been kept."""
+        if self.newest is not None and self.newest.step > step:
+            self.newest = None
+
     def discard(self, step: int, err: BaseException) -> str:
         self.unusable.add(step)
         return (f"memory snapshot of step {step} could not be restored ({type(err).__name__}: "

@@ -315,12 +315,13 @@ class Stops:
             return None
         new_dp, ready = target
         self.checkpoints.flush()  # a newer save's create under way: the generation re-forms at the newest commit
-        step = self.checkpoints.latest
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone = self._stop_generation(store, world_size)
-        # Steps trained past the commit while the generation was being stopped are redone.
+        step = self.checkpoints.latest  # read after the stop: its last events may have committed a newer save
+        # Steps trained past the commit while the generation was being stopped are redone, from the commit.
         self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
+        self.checkpoints.memory.forget_newer(step)
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
             membership = self.recovery.replace(gone, dp)
             self.reforming = False

@@ -522,3 +522,14 @@ def test_snapshots_that_never_complete_are_given_up_past_a_few_not_kept_for_the_
     assert level.incomplete == len(steps) - 3 and len(lines) == 1 and "step 3 never completed" in lines[0]
     done = [level.on_held(m, WORLD, 0, {}, lambda samples: {}) for m in _held_messages(30)]
     assert done[-1].step == 30 and level.newest_step() == 30  # the copy works again: the next one completes
+
+
+def test_a_grow_that_re_forms_at_a_commit_forgets_a_newer_snapshot(tmp_path):
+    """The grow booked the steps past its commit as lost work; were its re-formation to fail and recover,
+    a snapshot newer than the commit must not be restored as if they had been kept."""
+    level = _level(tmp_path, [])
+    level.newest = Snapshot(step=104, manifest_json="{}", holders={})
+    level.forget_newer(110)
+    assert level.newest_step() == 104  # not newer than the re-formation's commit: kept
+    level.forget_newer(100)
+    assert level.newest is None
