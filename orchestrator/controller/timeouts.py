@@ -189,8 +189,11 @@ class Timeouts:
         `saving_s` (a stop's save the ranks block on), and the spec field that sets it, which a hang's
         message names: a limit set below the step time is then found by its field."""
         limits = self.limits()
-        # Until its first step, whatever progress came before (a validation owed at the restored step).
+        # Until its first step, whatever progress came before: a validation owed at the restored step, after
+        # which the first step's limit and measure count from the validation's end.
         pending = self._training_since is not None and not self.record.generation_stepped
+        if pending and self.record.progress_at != self._training_since:
+            self._training_since = self.record.progress_at
         if self._training_since is not None and not pending:  # the generation's first step came
             first = self.record.progress_at - self._training_since
             self.first_step_s = max(self.first_step_s or 0.0, first)

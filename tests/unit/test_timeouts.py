@@ -105,8 +105,6 @@ def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one
     timeouts.on_training_started()
     first, steady = "elastic.first_step_timeout_s", "elastic.hang_timeout_s"  # the fields a hang's message names
     assert timeouts.hang_limit() == (120.0, first)  # nothing measured: the first step may take 120 s on CPU
-    record.progress_at = 130.0  # a validation owed at the restored step, before the first step: no step yet
-    assert timeouts.hang_limit() == (120.0, first)
     record.progress_at, record.steps_s, record.generation_stepped = 160.0, [60.0], True  # the first step: 60 s
     assert timeouts.hang_limit() == (300.0, steady) and timeouts.first_step_s == 60.0  # 5 x the median (60 s)
     record.steps_s = [60.0, 0.1, 0.1]
@@ -116,6 +114,18 @@ def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one
     assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 3.0
     assert timeouts.for_generation(2).collective_s == 360.0
     assert len(lines) == 2 and lines[0].startswith("timeouts: hang max(10 s, 5 x median step), first step 120 s")
+
+
+def test_a_validation_owed_before_the_first_step_leaves_it_the_first_step_limit_counted_from_its_end(tmp_path):
+    spec, record = _job(tmp_path), _Record()
+    timeouts = Timeouts(spec, record, lambda: None, print, join_s=60.0, retry_budget_s=120.0)
+    timeouts.for_generation(2)
+    timeouts.on_training_started()
+    record.progress_at = 150.0  # the validation owed at the restored step ended: no step yet
+    assert timeouts.hang_limit() == (120.0, "elastic.first_step_timeout_s")
+    record.progress_at, record.steps_s, record.generation_stepped = 160.0, [10.0], True
+    timeouts.hang_limit()
+    assert timeouts.first_step_s == 10.0  # the step's own time, not the validation's 50 s before it
 
 
 def test_the_restore_measures_the_read_bandwidth_from_storage_only(tmp_path):
