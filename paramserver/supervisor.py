@@ -100,6 +100,7 @@ class Supervisor:
         self._replaced: dict[int, int] = {}  # worker -> replacements since a step of its last landed
         self.held_calls: dict[int, object] = {}  # server -> its outstanding `held` call
         self._productive_at_start = 0.0
+        self._paused: list[tuple[float, float]] = []  # the worker pauses booked, merged: overlaps book once
         self.moves = Moves(checkpoints.draining) if checkpoints and checkpoints.draining else None
         self.cut: int | None = None  # where the segment under way was cut short (a drain or a signal)
         self.moved: list[str] = []  # what the drains moved, a line each
@@ -270,8 +271,13 @@ class Supervisor:
             self._book_pause(failure, now)
 
     def _book_pause(self, failure: Failure, resumed: float) -> None:
-        failure.pause_s = max(0.0, resumed - failure.detected_at)
-        self.ledger.move(failure.pause_s, book.PRODUCTIVE, book.REFORMATION)
+        """`failure`'s pause, its own whole; the ledger books only what no other pause booked (two workers
+        of a lost node replaced together pause the job once, not twice), in whatever order they end."""
+        start = failure.detected_at
+        failure.pause_s = max(0.0, resumed - start)
+        covered = sum(max(0.0, min(resumed, end) - max(start, begin)) for begin, end in self._paused)
+        self.ledger.move(max(0.0, failure.pause_s - covered), book.PRODUCTIVE, book.REFORMATION)
+        self._paused = _merged([*self._paused, (start, resumed)])
 
     def _replace_worker(self, w: int, start: int, end: int):
         """A new actor for dead worker `w`, resumed where the servers have it; None when it cannot be."""
@@ -374,3 +380,14 @@ class Supervisor:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
         self._dead_workers |= stop_all(streams, self._on_log, within_s,
                                        lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`intervals` as disjoint ones, in order: overlapping and touching ones joined."""
+    out: list[tuple[float, float]] = []
+    for begin, end in sorted(intervals):
+        if out and begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((begin, end))
+    return out

@@ -490,3 +490,29 @@ def test_a_server_that_dies_while_the_rollback_restores_is_replaced_and_the_rest
     supervisor, losses, _ = _run(world, [Fault("server", 0, 6)])
     assert losses == expected and _applied_once(supervisor)
     assert len(tries) == 2 and tries[1][0] == tries[0][0] and tries[1][1] != tries[0][1]  # server 1 replaced
+
+
+def test_two_workers_replaced_together_pause_the_job_once_in_the_ledger(world, expected):
+    """A lost node's two workers: their pauses overlap, and the ledger books their union, not their sum
+    (which ate productive time of committed segments)."""
+    supervisor, losses, ledger = _run(world, [Fault("worker", 0, 5), Fault("worker", 1, 5)])
+    assert losses == expected and _applied_once(supervisor)
+    pauses = [f.pause_s for f in supervisor.failures if f.kind == "worker"]
+    assert len(pauses) == 2 and all(p > 0 for p in pauses)
+    assert ledger.totals()["reformation"] == pytest.approx(max(pauses))
+
+
+def test_overlapping_pauses_book_their_union_in_whatever_order_they_end():
+    """Worker A paused 10-20 s, worker B 12-18 s, B's replacement resuming first: 10 s, not 6 + 2."""
+    from monitor.goodput import GoodputLedger
+    from paramserver.supervisor import Failure
+
+    now = [0.0]
+    ledger = GoodputLedger(clock=lambda: now[0])
+    ledger.enter("productive")
+    now[0] = 100.0
+    booking = types.SimpleNamespace(ledger=ledger, _paused=[])
+    a, b = Failure("worker", 0, 10.0, "replaced"), Failure("worker", 1, 12.0, "replaced")
+    sup.Supervisor._book_pause(booking, b, 18.0)
+    sup.Supervisor._book_pause(booking, a, 20.0)
+    assert (a.pause_s, b.pause_s) == (10.0, 6.0) and ledger.totals()["reformation"] == pytest.approx(10.0)
