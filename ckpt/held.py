@@ -128,7 +128,9 @@ class HeldShards:
         wrote after its last check, would otherwise stay in the process for its life."""
         keep = set(files)
         self.fence(gen)
-        written = {path[len(self.storage.root) + 1:] for path in self.storage.fs.find(self.storage.root)}
+        # The store's own keys: a listing may race another thread's delete (a stale buddy copy dropped).
+        prefix = self.storage.root + "/"
+        written = {key[len(prefix):] for key in list(self.storage.fs.store) if key.startswith(prefix)}
         self._drop(r for r in set(self.files()) | written if r not in keep)
 
     def _drop(self, relpaths: Iterable[str]) -> None:

@@ -206,8 +206,7 @@ class Storage:
     # -- reads -------------------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
-        # s3fs sizes a whole-file read from its listing cache, which answers FileNotFoundError for a
-        # file written since the folder was listed (a beat, a claim read back), sending nothing.
+        # s3fs sizes a whole read from its listing cache: FileNotFoundError for a file written since (a beat).
         self.fs.invalidate_cache(path)
         data = self.fs.cat_file(path)
         _count_read(self, len(data))
@@ -383,8 +382,9 @@ def _durable_temp_copy(path: str, data: bytes) -> str:
 
 
 def _fsync_entry(path: str) -> None:  # `path`'s directory entry durable, and its directory's (a new step's)
-    for directory in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-        _fsync_dir(directory)
+    _fsync_dir(os.path.dirname(path))
+    with contextlib.suppress(PermissionError):  # a file in a root under a traverse-only parent: no step made
+        _fsync_dir(os.path.dirname(os.path.dirname(path)))
 
 
 def _fsync_dir(path: str) -> None:

@@ -205,7 +205,7 @@ class LedgerCarry:
         self.read_manifest, self.ledger, self.record = read_manifest, ledger, record
         self.snapshots, self.started_at, self.fault_clock = snapshots, started_at, fault_clock
         self.done = False
-        self.carried: tuple[int, float] | None = None  # (the step carried from, its manifest's productive seconds)
+        self.carried_from: tuple[int, float] | None = None  # (step carried from, its manifest's productive seconds)
 
     def carry(self, step: int) -> None:
         """A torn manifest raises CorruptCheckpoint (the caller handles it as for the restore itself)."""
@@ -217,7 +217,7 @@ class LedgerCarry:
         carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at,
                                         held)
         if carried is not None:
-            self.carried = (step, float(manifest.state["goodput"].get(PRODUCTIVE, 0.0)))
+            self.carried_from = (step, float(manifest.state["goodput"].get(PRODUCTIVE, 0.0)))
             self.record.carry_clock(carried)  # the report's times count on from the resumed job's
             self.fault_clock.skip_before(carried)
             self.ledger.enter("checkpoint_restore")
@@ -227,7 +227,7 @@ class LedgerCarry:
         (that one proved corrupt, or unreadable, and an older one loaded), the work the job did between the
         two is redone, so it moves from productive to lost_work (the two manifests' productive seconds
         apart). Returns the words for the transition's sentence."""
-        carried, self.carried = self.carried, None
+        carried, self.carried_from = self.carried_from, None
         if carried is None or (step or 0) >= carried[0]:
             return ""
         try:
