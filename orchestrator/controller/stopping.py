@@ -198,16 +198,13 @@ class Stops:
         return reached, at, min(at + stop_lead(step_s), self.spec.train.steps)
 
     def _validating(self, reached: int, at: int) -> int:
-        """`at`, or the first validation step from `reached` on (`eval.every_steps`) not reported
-        done: the ranks stand there while it runs, and the clock does not count their steps."""
-        every = getattr(getattr(self.spec, "eval", None), "every_steps", None)
-        if not every:
+        """`at`, or the first validation step from `reached` on (EvalConfig.due) not reported done: the
+        ranks stand there while it runs, and the clock does not count their steps."""
+        evaluation = getattr(self.spec, "eval", None)
+        if evaluation is None:
             return at
-        done = {point.step for point in self.record.evals}
-        step = max(every, -(-reached // every) * every)  # the first multiple of `every` >= reached
-        while step < at and step in done:
-            step += every
-        return min(at, step)
+        done, last = {point.step for point in self.record.evals}, self.spec.train.steps
+        return next((s for s in range(max(reached, 1), at) if evaluation.due(s, last) and s not in done), at)
 
     def overdue(self, phase: Stopping) -> Move | None:
         """STOPPING past its deadline (a signal during a drain's stop brings it to the grace's end),

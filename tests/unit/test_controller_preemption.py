@@ -420,11 +420,14 @@ def test_a_drained_node_s_rank_never_moves_onto_a_spare_on_another_draining_node
 def test_a_validation_holds_the_ranks_at_its_step_in_the_estimate():
     """The time since the newest step record counts steps, except while the ranks validate
     (eval.every_steps=30): the estimate stops at a validation step not reported done."""
+    from trainer.config import EvalConfig
+
     def stops(evaluation, done=()):
         record = SimpleNamespace(evals=[SimpleNamespace(step=step) for step in done])
-        return Stops(SimpleNamespace(eval=evaluation), None, None, record, None, None, None, dict, print)
+        spec = SimpleNamespace(eval=evaluation, train=SimpleNamespace(steps=100))
+        return Stops(spec, None, None, record, None, None, None, dict, print)
 
-    every_30 = SimpleNamespace(every_steps=30)
+    every_30 = EvalConfig(path="file:///held-out", every_steps=30)
     assert stops(every_30)._validating(28, 90) == 30
     assert stops(every_30)._validating(30, 90) == 30  # validating after step 30
     assert stops(every_30, done=[30])._validating(28, 90) == 60
