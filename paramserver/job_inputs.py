@@ -48,4 +48,7 @@ class Checkpoints:
     # Called once the actors are up and the resume is done, before the first segment: `undying run`
     # routes its signals to `preemption` from then on (before, a signal stops the driver at once).
     on_training: Callable[[], None] | None = None
+    # Called with the step the job resumed at (the driver books the work redone when it is older than
+    # the commit whose ledger it carried).
+    on_resumed: Callable[[int], None] | None = None
     fresh: bool = False  # `undying run --fresh`: a root whose every commit was quarantined starts from step 0

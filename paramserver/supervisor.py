@@ -114,6 +114,8 @@ class Supervisor:
         for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
             self.pids.note("worker", w, pid)
         step = self.start_step = restores.resume(self)
+        if self.ckpt is not None and self.ckpt.on_resumed is not None:
+            self.ckpt.on_resumed(step)
         if self.ckpt is not None and self.ckpt.on_training is not None:
             self.ckpt.on_training()
         while step < self.steps:

@@ -37,7 +37,12 @@ from orchestrator.cli.root_lease import claim_root, took_over
 from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.drain import DrainWatcher
-from orchestrator.controller.ledger_snapshot import LedgerSnapshots, carry_from_checkpoint
+from orchestrator.controller.ledger_snapshot import (
+    LedgerSnapshots,
+    book_older_restore,
+    carry_from_checkpoint,
+    ledger_source,
+)
 from orchestrator.controller.save_watch import data_outage_s
 from orchestrator.controller.timeouts import (
     ASSUMED_READ_BPS_PER_RANK,
@@ -209,7 +214,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.owner = None if _refused_capacity(spec) else claim_root(spec)
         if checkpoints.owner is None or refused_resume(spec):
             return EXIT_USAGE
-        snapshots, earlier = carry_goodput(spec, ledger, started_at, checkpoints.owner)
+        snapshots, earlier = carry_goodput(spec, ledger, started_at, checkpoints.owner, checkpoints)
         on_stats = stats_feed(ps_metrics, metrics, ledger, checkpoints.every_steps, snapshots)
         port = serve_metrics(metrics, spec)
         if port is None or not took_over(spec):  # the last refusal before training
@@ -257,15 +262,17 @@ def carried_budget(spec: JobSpec, snapshots: LedgerSnapshots, snapshot: dict | N
     return budget
 
 
-def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float,
-                  owner) -> tuple[LedgerSnapshots, dict | None]:
+def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float, owner,
+                  checkpoints=None) -> tuple[LedgerSnapshots, dict | None]:
     """A resumed job: the goodput its newest checkpoint saved joins `ledger`, resumed against the
     snapshot the last driver wrote as it ended (ledger_snapshot.resume_totals: after a driver that
     ended on its own no wait is booked; after one that died the time since its commit is `other`),
     so the job's goodput spans its runs as a collective job's does. Before the first export of the
     ledger. A manifest that cannot be read leaves the ledger as it is: the restore reports the error.
     Returns the snapshots (`owner`: the driver's lease), where the driver writes its own end, and the
-    last driver's snapshot (read once: the restart budget carries its repairs too)."""
+    last driver's snapshot (read once: the restart budget carries its repairs too). `checkpoints` (the
+    supervisor's): told, once the job resumed, to book the work redone when the restore landed older
+    than the commit carried (that one proved corrupt): ledger_snapshot.book_older_restore."""
     from paramserver import checkpoint
 
     root, options = spec.checkpoint_root, spec.checkpoint.storage_options
@@ -279,6 +286,9 @@ def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float,
         return snapshots, snapshot
     if manifest is not None:
         carry_from_checkpoint(manifest, ledger, [], snapshots, started_at, snapshot)
+        if checkpoints is not None:
+            source, read = ledger_source(latest, manifest), checkpoint.catalog(root, options).read_manifest
+            checkpoints.on_resumed = lambda step: log.info("resumed%s", book_older_restore(ledger, source, step, read))
     return snapshots, snapshot
 
 

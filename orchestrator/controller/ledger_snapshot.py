@@ -77,6 +77,29 @@ def saved_goodput(ledger, record, step: int) -> dict[str, float]:
     return totals
 
 
+def ledger_source(step: int, manifest) -> tuple[int, float]:
+    """(`step`, the productive seconds its manifest's ledger holds): where a resumed job's ledger came from."""
+    return step, float(manifest.state.get("goodput", {}).get(PRODUCTIVE, 0.0))
+
+
+def book_older_restore(ledger, carried: tuple[int, float] | None, step: int | None, read_manifest) -> str:
+    """A resumed job's first restore landed at `step` (None: a fresh start), and its ledger was carried from
+    `carried` (ledger_source's): landing older (that checkpoint proved corrupt, or unreadable, and an older
+    one loaded), the work the job did between the two is redone, so it moves from productive to lost_work
+    (the two manifests' productive seconds apart). The words for the restore's line ("" for none). Collective
+    jobs (LedgerCarry.on_restored) and parameter-server jobs (orchestrator.cli.ps_run) alike."""
+    if carried is None or (step or 0) >= carried[0]:
+        return ""
+    try:
+        older = 0.0 if step is None else ledger_source(step, read_manifest(step))[1]
+    except Exception as err:  # noqa: BLE001 (telemetry: the restore that read it succeeded; book nothing)
+        log.warning("the work redone after step %d is not booked: step %s's manifest did not read (%s)",
+                    carried[0], step, err)
+        return ""
+    more = ledger.move(max(0.0, carried[1] - older), PRODUCTIVE, "lost_work")
+    return f"; older than step {carried[0]}, whose ledger was carried: {more:.2f} s of the job's work to redo"
+
+
 def _newest(at_commit: dict[str, float], committed_at: float, snapshot: dict | None) -> dict:
     """The newer record of the job's time (in job seconds): the snapshot, or the commit's ledger."""
     if snapshot is None or sum(snapshot["totals"].values()) < sum(at_commit.values()):
@@ -217,7 +240,7 @@ class LedgerCarry:
         carried = carry_from_checkpoint(manifest, self.ledger, self.record.history, self.snapshots, self.started_at,
                                         held)
         if carried is not None:
-            self.carried_from = (step, float(manifest.state["goodput"].get(PRODUCTIVE, 0.0)))
+            self.carried_from = ledger_source(step, manifest)
             self.record.carry_clock(carried)  # the report's times count on from the resumed job's
             self.fault_clock.skip_before(carried)
             self.ledger.enter("checkpoint_restore")
@@ -228,16 +251,7 @@ class LedgerCarry:
         two is redone, so it moves from productive to lost_work (the two manifests' productive seconds
         apart). Returns the words for the transition's sentence."""
         carried, self.carried_from = self.carried_from, None
-        if carried is None or (step or 0) >= carried[0]:
-            return ""
-        try:
-            older = 0.0 if step is None else float(self.read_manifest(step).state.get("goodput", {}).get(PRODUCTIVE, 0))
-        except Exception as err:  # noqa: BLE001 (telemetry: the restore that read it succeeded; book nothing)
-            log.warning("the work redone after step %d is not booked: step %s's manifest did not read (%s)",
-                        carried[0], step, err)
-            return ""
-        more = self.ledger.move(max(0.0, carried[1] - older), PRODUCTIVE, "lost_work")
-        return f"; older than step {carried[0]}, whose ledger was carried: {more:.2f} s of the job's work to redo"
+        return book_older_restore(self.ledger, carried, step, self.read_manifest)
 
     def finish(self) -> None:
         """Carried, or nothing to carry: the snapshots hold this run's ledger, the job's from here on."""

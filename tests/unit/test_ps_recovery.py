@@ -212,3 +212,29 @@ def test_a_resumed_ps_job_carries_the_goodput_its_checkpoint_saved(tmp_path):
     carry_goodput(spec, again, committed_at + 3600.0, None)
     assert again.carried["other"] == pytest.approx(0.0, abs=0.01)
     assert again.carried["lost_work"] == pytest.approx(1.0, abs=0.01)  # trained past the commit, rolled back
+
+
+def test_a_resumed_ps_job_whose_restore_lands_older_than_the_carried_commit_books_the_work_between(tmp_path):
+    """Step 8's ledger is carried, step 8 proves corrupt and the servers restore step 4: the job's work
+    between the two commits is redone, lost work, not productive twice (as for a collective job)."""
+    import time
+    from types import SimpleNamespace
+
+    from ckpt.catalog import Catalog
+    from ckpt.storage import Storage
+    from monitor.goodput import GoodputLedger
+    from orchestrator.cli.ps_run import carry_goodput
+    from tests._checkpoints import shard_receipts
+
+    raw = _ps_spec([])
+    raw["checkpoint"] = {**raw["checkpoint"], "url": f"file://{tmp_path}/ckpt"}
+    spec = validate_spec(raw)
+    catalog = Catalog(Storage(spec.checkpoint_root))
+    for step, productive in ((4, 40.0), (8, 90.0)):
+        catalog.commit(job="ps", step=step, generation=0, layout={"dp": 2}, spec_hash="h",
+                       receipts=shard_receipts(catalog, step, {"w": torch.ones(4)}),
+                       state={"engine": {"next_step": step}, "goodput": {"productive": productive}})
+    ledger, checkpoints = GoodputLedger(), SimpleNamespace(on_resumed=None)
+    carry_goodput(spec, ledger, time.time(), None, checkpoints)
+    checkpoints.on_resumed(4)
+    assert ledger.totals()["lost_work"] == pytest.approx(50.0) and ledger.totals()["productive"] == pytest.approx(40.0)
