@@ -137,7 +137,7 @@ def _ranges(needed, coalesce_gap: int, max_range: int) -> tuple[RangeRead, ...]:
     """Needed blocks -> absolute byte ranges per file, merged when adjacent or `coalesce_gap` apart."""
     per_file: dict[str, list[Block]] = defaultdict(list)
     for chunk, intervals in needed:
-        for first, last in _union(intervals):
+        for first, last in interval_union(intervals):
             for i in range(first, last):
                 start = chunk.byte_offset + i * chunk.block_bytes
                 end = min(start + chunk.block_bytes, chunk.byte_offset + chunk.nbytes)
@@ -155,8 +155,9 @@ def _ranges(needed, coalesce_gap: int, max_range: int) -> tuple[RangeRead, ...]:
     return tuple(reads)
 
 
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
+def interval_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`intervals` as disjoint ones, in order: overlapping and touching ones joined."""
+    merged: list[list[float]] = []
     for first, last in sorted(intervals):
         if merged and first <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], last)

@@ -41,6 +41,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from ckpt.failed_saves import FailedSaves
 from ckpt.ownership import OwnershipLost
+from ckpt.reshard import interval_union
 from paramserver import checkpoint, restores
 from paramserver import recovery as book  # the goodput buckets
 from paramserver.actor_pids import ActorPids
@@ -279,7 +280,7 @@ class Supervisor:
         failure.pause_s = max(0.0, resumed - start)
         covered = sum(max(0.0, min(resumed, end) - max(start, begin)) for begin, end in self._paused)
         self.ledger.move(max(0.0, failure.pause_s - covered), book.PRODUCTIVE, book.REFORMATION)
-        self._paused = _merged([*self._paused, (start, resumed)])
+        self._paused = interval_union([*self._paused, (start, resumed)])
 
     def _replace_worker(self, w: int, start: int, end: int):
         """A new actor for dead worker `w`, resumed where the servers have it; None when it cannot be."""
@@ -382,14 +383,3 @@ class Supervisor:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""
         self._dead_workers |= stop_all(streams, self._on_log, within_s,
                                        lambda w: ray.kill(self.workers[w], no_restart=True), POLL_S)
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """`intervals` as disjoint ones, in order: overlapping and touching ones joined."""
-    out: list[tuple[float, float]] = []
-    for begin, end in sorted(intervals):
-        if out and begin <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((begin, end))
-    return out
