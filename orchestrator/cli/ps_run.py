@@ -278,17 +278,19 @@ def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float, owner
     root, options = spec.checkpoint_root, spec.checkpoint.storage_options
     snapshots = LedgerSnapshots(Storage(root, options), owner=owner, background=True)  # a slow store: not the loop's
     snapshot = snapshots.load()
+    catalog = checkpoint.catalog(root, options)
     try:
-        latest = checkpoint.latest_committed_step(root, options)
-        manifest = None if latest is None else checkpoint.catalog(root, options).read_manifest(latest)
+        latest = catalog.latest()
+        manifest = None if latest is None else catalog.read_manifest(latest)
     except Exception as err:  # noqa: BLE001 (telemetry: the job's own restore meets the same store)
         log.warning("the resumed job's goodput is not carried: its checkpoint could not be read (%s)", err)
         return snapshots, snapshot
     if manifest is not None:
         carry_from_checkpoint(manifest, ledger, [], snapshots, started_at, snapshot)
         if checkpoints is not None:
-            source, read = ledger_source(latest, manifest), checkpoint.catalog(root, options).read_manifest
-            checkpoints.on_resumed = lambda step: log.info("resumed%s", book_older_restore(ledger, source, step, read))
+            source = ledger_source(latest, manifest)
+            checkpoints.on_resumed = lambda step: log.info(
+                "resumed%s", book_older_restore(ledger, source, step, catalog.read_manifest))
     return snapshots, snapshot
 
 

@@ -100,6 +100,11 @@ def book_older_restore(ledger, carried: tuple[int, float] | None, step: int | No
     return f"; older than step {carried[0]}, whose ledger was carried: {more:.2f} s of the job's work to redo"
 
 
+def _known(totals: dict[str, float]) -> dict[str, float]:
+    """`totals` less the buckets this release does not know (a newer writer's)."""
+    return {bucket: seconds for bucket, seconds in totals.items() if bucket in BUCKETS}
+
+
 def _newest(at_commit: dict[str, float], committed_at: float, snapshot: dict | None) -> dict:
     """The newer record of the job's time (in job seconds): the snapshot, or the commit's ledger."""
     if snapshot is None or sum(snapshot["totals"].values()) < sum(at_commit.values()):
@@ -123,13 +128,11 @@ def carry_from_checkpoint(manifest, ledger, history: list, snapshots: LedgerSnap
     saved = state.get("goodput")
     if not saved:
         return None
-    snapshot = snapshot or (snapshots.load() if snapshots else None)
-    carried = resume_totals(saved, manifest.created_at, snapshot, started_at)
-    carried = {bucket: seconds for bucket, seconds in carried.items() if bucket in BUCKETS}
+    newest = _newest(saved, manifest.created_at, snapshot or (snapshots.load() if snapshots else None))
+    carried = _known(resume_totals(saved, manifest.created_at, newest, started_at))
     # The predecessors' own booking is the base of this driver's badput counters: the reckoning above
     # (their rolled-back steps, the time no driver ran) is badput this driver books.
-    prior = _newest(saved, manifest.created_at, snapshot)["totals"]
-    ledger.carry(carried, prior={bucket: seconds for bucket, seconds in prior.items() if bucket in BUCKETS})
+    ledger.carry(carried, prior=_known(newest["totals"]))
     return sum(carried.values())
 
 
