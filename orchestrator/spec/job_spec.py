@@ -162,6 +162,11 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
+    if model and data and model.from_hf and "source" not in data.model_fields_set:
+        out.append(Problem("data.source", f"is not given, so the weights of model.from_hf ({model.from_hf}) would be "
+                           "fine-tuned on synthetic tokens; give a prepared dataset (source: tokens, path: the "
+                           "output of `undying data prepare ... --tokenizer` that directory), or write source: "
+                           "synthetic to train on synthetic tokens on purpose"))
     eval_len = eval_length(spec)
     if model and eval_len and eval_len > model.max_seq_len:
         out.append(Problem("eval.seq_len", f"{eval_len} exceeds model.max_seq_len = {model.max_seq_len}; "

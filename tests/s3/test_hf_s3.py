@@ -20,7 +20,8 @@ pytestmark = pytest.mark.s3
 
 def _spec(url: str, options: dict, tmp_path):
     return validate_spec({"name": "hf-s3", "model": {"from_hf": url, "storage_options": options},
-                          "data": {"seq_len": 16}, "train": {"steps": 3, "global_batch": 2, "micro_batch": 1},
+                          "data": {"source": "synthetic", "seq_len": 16},
+                          "train": {"steps": 3, "global_batch": 2, "micro_batch": 1},
                           "checkpoint": {"url": f"file://{tmp_path}/ckpt"}})
 
 

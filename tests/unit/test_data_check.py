@@ -154,7 +154,7 @@ def test_pretrained_weights_are_checked_against_the_model_before_any_rank_starts
     from tests._hf import save_hf
 
     save_hf(tmp_path / "hf")
-    job = spec(tmp_path, model={"from_hf": str(tmp_path / "hf")})
+    job = spec(tmp_path, model={"from_hf": str(tmp_path / "hf")}, data={"source": "synthetic"})
     assert data_problems(job) == []
     weights = tmp_path / "hf" / "model.safetensors"
     tensors = load_file(weights)

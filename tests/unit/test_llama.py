@@ -104,7 +104,8 @@ def test_keys_that_cannot_be_represented_are_refused_by_name(key, value, words):
 
 def test_from_hf_in_a_spec_reads_config_json_and_refuses_contradictions(tmp_path):
     hf_model().config.save_pretrained(tmp_path)
-    base = {"name": "ft", "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"}}
+    base = {"name": "ft", "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"},
+            "data": {"source": "synthetic"}}
     spec = validate_spec({**base, "model": {"from_hf": str(tmp_path), "max_seq_len": 128}})
     assert (spec.model.n_kv_heads, spec.model.max_seq_len, spec.model.rope_theta) == (2, 128, 500000.0)
     # what the driver hands each rank (the spec as data) validates again to the same model
@@ -125,13 +126,25 @@ def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_both_fields():
     assert any(p.field == "parallel.tp" and "model.n_kv_heads = 2" in p.message for p in err.value.problems)
 
 
+def test_pretrained_weights_without_a_data_section_are_refused_not_fine_tuned_on_synthetic_tokens(tmp_path):
+    hf_model().config.save_pretrained(tmp_path)
+    base = {"name": "ft", "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"},
+            "model": {"from_hf": str(tmp_path)}}
+    for data in ({}, {"data": {"seq_len": 64}}):
+        with pytest.raises(SpecError) as err:
+            validate_spec({**base, **data})
+        [problem] = err.value.problems
+        assert problem.field == "data.source" and "undying data prepare" in problem.message
+    assert validate_spec({**base, "data": {"source": "synthetic"}}).data.source == "synthetic"  # on purpose
+
+
 def test_plan_reads_the_architecture_from_config_json(tmp_path, capsys):
     from orchestrator.cli.main import main
 
     hf_model().config.save_pretrained(tmp_path / "hf")
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: p\nmodel: {{from_hf: '{tmp_path / 'hf'}'}}\ntrain: {{steps: 10, global_batch: 8}}\n"
-                    f"checkpoint: {{url: 'file://{tmp_path}/ck'}}\n")
+                    f"checkpoint: {{url: 'file://{tmp_path}/ck'}}\ndata: {{source: synthetic}}\n")
     assert main(["plan", str(spec), "--gpus", "4", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
     # the GQA model of config.json, named by its directory; tp=4 is refused for its 2 kv heads

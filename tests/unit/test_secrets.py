@@ -137,7 +137,8 @@ def test_model_storage_options_come_from_a_file_and_stay_out_of_the_hash_and_the
 
     save_hf(tmp_path / "hf")
     _write(tmp_path, "creds.yaml", {"key": KEY, "secret": SECRET})
-    plain = {**_spec_data(tmp_path), "model": {"from_hf": str(tmp_path / "hf")}}
+    plain = {**_spec_data(tmp_path), "model": {"from_hf": str(tmp_path / "hf")},
+             "data": {"source": "synthetic", "seq_len": 16}}
     spec = load_spec(_write(tmp_path, "job.yaml", {**plain, "model": {**plain["model"],
                                                                       "storage_options_file": "creds.yaml"}}))
     assert spec.model.storage_options == {"key": KEY, "secret": SECRET}  # config.json was read with them
