@@ -101,6 +101,22 @@ def _pretrained_problems(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _step_problems(spec: JobSpec, part, field: str, windows: int) -> list[Problem]:
+    """A dataset that holds fewer windows than a step draws from it (its share of train.global_batch)
+    would put some windows in one step twice or more (trainer.tokens.windows starts its next epoch
+    inside the step): the same sample's gradient counted several times over, never what is meant."""
+    data, batch = spec.data, spec.train.global_batch
+    share = part.weight / sum(p.weight for p, _ in data.token_parts())
+    if windows >= share * batch:
+        return []
+    drawn = f"{share * batch:.3g} samples a step draws from it ({share:.3g} of" if share < 1 else "the samples a step"
+    fix = "; or raise the weight of the other datasets" if share < 1 else ""
+    return [Problem(field, f"{part.path} holds {windows} windows of data.seq_len + 1 = {data.seq_len + 1} tokens, "
+                           f"fewer than {drawn} train.global_batch = {batch}{')' if share < 1 else ''}: a step "
+                           "would read some windows twice; use more data, a shorter seq_len or a smaller "
+                           f"global_batch{fix}")]
+
+
 def data_problems(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = _text_problems(spec) if spec.data.source == "text" else []
     if spec.model.from_hf:
@@ -121,6 +137,8 @@ def data_problems(spec: JobSpec) -> list[Problem]:
             if len(ds) < data.seq_len + 1:
                 problems.append(Problem(field, f"{url} holds {len(ds)} tokens, fewer than one window of data.seq_len "
                                         f"+ 1 = {data.seq_len + 1}; use more data or a shorter seq_len"))
+            else:
+                problems += _step_problems(spec, part, field, len(ds) // (data.seq_len + 1))
     if spec.eval is not None:
         ds = _dataset(spec.eval.path, spec.eval.storage_options or data.storage_options, "eval.path", problems)
         if ds is not None:

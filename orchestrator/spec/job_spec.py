@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -158,7 +159,7 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     are reported in the same round as typos elsewhere in the spec."""
     model, data, train, par = spec.model, spec.data, spec.train, spec.parallel
     out = _layout_problems(par, spec.resources) + memory_level_problems(spec) + ps_problems(spec) \
-        + _heartbeat_problems(spec.monitor, spec.elastic)
+        + _heartbeat_problems(spec.monitor, spec.elastic) + _mixture_problems(data, train)
     if model and data and data.source == "text" and model.vocab_size < 256:
         out.append(Problem("model.vocab_size", f"{model.vocab_size} is too small for data.source 'text', "
                            "which tokenizes bytes (256 ids); set model.vocab_size to at least 256"))
@@ -197,6 +198,22 @@ def cross_section_problems(spec: Any) -> list[Problem]:
                                f"this layout (dp = {par.dp}, zero = {par.zero}) does not run; use dp > 1 with "
                                "zero 0 or 1, or another point such as after_backward"))
     return out
+
+
+def _mixture_problems(data: Any, train: Any) -> list[Problem]:
+    """Weights the samples can be dealt by (trainer.tokens.windows): a finite total, and no dataset
+    whose share of the run's samples is under one (it would never be read, without a word)."""
+    if not (data and data.mixture):
+        return []
+    total = sum(part.weight for part in data.mixture)
+    if not math.isfinite(total):
+        return [Problem("data.mixture", f"the weights add up to {total}; give finite relative shares, e.g. 0.7 "
+                                        "and 0.3")]
+    samples = train.steps * train.global_batch if train else 0
+    return [Problem(f"data.mixture[{i}].weight", f"{part.weight:g} of {total:g} is a share of "
+                    f"{part.weight / total:.3g}, under one of the run's {samples} samples (train.steps x "
+                    "train.global_batch): the dataset would never be read; raise its weight or drop it")
+            for i, part in enumerate(data.mixture) if samples and part.weight / total * samples < 1]
 
 
 def _heartbeat_problems(monitor: Any, elastic: Any) -> list[Problem]:

@@ -165,3 +165,33 @@ def test_pretrained_weights_are_checked_against_the_model_before_any_rank_starts
     weights.rename(tmp_path / "hf" / "pytorch_model.bin")
     [problem] = data_problems(job)
     assert problem.field == "model.from_hf" and "neither model.safetensors nor" in problem.message
+
+
+def test_a_dataset_smaller_than_its_share_of_one_step_is_refused_not_read_twice_in_a_step(tmp_path):
+    write_token_dataset(tmp_path / "a", TOKENS, 256)  # 5000 tokens: 294 windows of 17
+    write_token_dataset(tmp_path / "b", TOKENS[:1700], 256)  # 100 windows
+    data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "a")}
+    assert data_problems(spec(tmp_path, data=data, train={"steps": 10, "global_batch": 294})) == []
+    [problem] = data_problems(spec(tmp_path, data=data, train={"steps": 10, "global_batch": 296}))
+    assert problem.field == "data.path" and "294 windows" in problem.message and "global_batch = 296" in problem.message
+    mixture = {"source": "tokens", "seq_len": 16, "mixture": [{"path": str(tmp_path / "a"), "weight": 1},
+                                                              {"path": str(tmp_path / "b"), "weight": 1}]}
+    assert data_problems(spec(tmp_path, data=mixture, train={"steps": 10, "global_batch": 200})) == []
+    [problem] = data_problems(spec(tmp_path, data=mixture, train={"steps": 10, "global_batch": 202}))
+    assert problem.field == "data.mixture[1].path" and "101 samples a step draws" in problem.message
+    assert "raise the weight of the other datasets" in problem.message
+
+
+def test_a_mixture_weight_that_would_never_be_drawn_or_overflows_is_refused():
+    base = {"name": "j", "model": {"preset": "tiny"}, "train": {"steps": 10, "global_batch": 4},
+            "checkpoint": {"url": "file:///tmp/ck"}}
+
+    def mixture(*weights):
+        return {**base, "data": {"source": "tokens", "seq_len": 16,
+                                 "mixture": [{"path": f"/d{i}", "weight": w} for i, w in enumerate(weights)]}}
+
+    assert validate_spec(mixture(1, 0.03)).data.mixture[1].weight == 0.03  # about one of the 40 samples
+    for weights, field in (((1, 1e-17), "data.mixture[1].weight"), ((1e308, 1e308), "data.mixture")):
+        with pytest.raises(SpecError) as err:
+            validate_spec(mixture(*weights))
+        assert [p.field for p in err.value.problems] == [field]
