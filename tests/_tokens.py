@@ -24,10 +24,11 @@ from trainer.tokens.format import (
 
 def write_token_dataset(out: Path | str, tokens: np.ndarray, vocab_size: int, shard_tokens: int = 1000,
                         doc_tokens: int = 50, eos_id: int = 0, tokenizer_sha256: str = "0" * 64,
-                        storage_options: dict | None = None, tokenizer: str = "generated") -> Path | str:
+                        storage_options: dict | None = None, tokenizer: str = "generated",
+                        inputs: list[str] | None = None) -> Path | str:
     """Write `tokens` as shards of `shard_tokens` tokens, documents of `doc_tokens`, at `out` (a local
     path or any fsspec URL, with `storage_options`; `tokenizer`: where its manifest says the
-    tokenizer came from); returns `out`."""
+    tokenizer came from; `inputs`: the text it says it was prepared from, by default its own); returns `out`."""
     fs, root = fsspec.core.url_to_fs(str(out), **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
@@ -40,7 +41,8 @@ def write_token_dataset(out: Path | str, tokens: np.ndarray, vocab_size: int, sh
         fs.pipe_file(f"{root}/{shard_name(index)}{DOCS_SUFFIX}", docs_bytes)
         entries.append(shard_entry(index, tokens_bytes, docs_bytes, np.dtype(dtype).itemsize))
     manifest = TokenManifest(dtype=dtype, vocab_size=vocab_size, eos_id=eos_id, tokenizer_sha256=tokenizer_sha256,
-                             tokenizer=tokenizer, text_field="text", inputs=["generated"], n_tokens=len(tokens),
+                             tokenizer=tokenizer, text_field="text", inputs=inputs or [f"generated:{out}"],
+                             n_tokens=len(tokens),
                              n_documents=sum(e.n_documents for e in entries), shards=entries)
     fs.pipe_file(f"{root}/{MANIFEST_NAME}", manifest_bytes(manifest))
     return out

@@ -6,8 +6,9 @@ the spec validated and beside `require_storage`. A text source's file is read (i
 rank holds it whole). Of a prepared dataset it reads the manifest and lists the shards (no token is
 read): a missing or damaged dataset (a shard missing, or not the size its
 manifest says), a vocabulary larger than the model's, a tokenizer other than the pretrained
-weights' (orchestrator.spec.pretrained_tokenizer), or a dataset too small for one training
-window (or for the validation windows asked) is a `SpecError` naming the field and the fix, exit
+weights' (orchestrator.spec.pretrained_tokenizer), a dataset too small for one training
+window, for its share of one step's samples or for the validation windows asked, or a validation set
+prepared from training text is a `SpecError` naming the field and the fix, exit
 2, instead of a rank failing after placement, or hours into the run at its first read of a shard.
 """
 
@@ -175,10 +176,26 @@ def _between_datasets(opened: list[tuple[str, TokenDataset]]) -> list[Problem]:
     # dataset twice is left alone: a job trained so resumes only with its spec as it was.)
     trained = {content_hash(ds): field for field, ds in opened if field != "eval.path"}
     for field, ds in opened:
-        if field == "eval.path" and content_hash(ds) in trained:
+        if field != "eval.path":
+            continue
+        if content_hash(ds) in trained:
             problems.append(Problem(field, f"holds the same tokens as {trained[content_hash(ds)]}; evaluate on a "
                                     "dataset kept out of training"))
+            continue
+        # The same text prepared again (another --shard-tokens, another run) is other bytes, not other words.
+        shared = [(url, train_field) for url in ds.manifest.inputs for train_field, other in opened
+                  if train_field != "eval.path" and any(_overlap(url, mine) for mine in other.manifest.inputs)]
+        if shared:
+            url, train_field = shared[0]
+            problems.append(Problem(field, f"was prepared from {url}, an input of {train_field} too; evaluate on "
+                                    "text kept out of training"))
     return problems
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether two prepared inputs' URLs name common files: the same, or one a directory holding the other."""
+    a, b = a.rstrip("/"), b.rstrip("/")
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
 def require_data(spec: JobSpec) -> None:

@@ -54,6 +54,18 @@ def test_a_validation_set_holding_training_tokens_is_refused(tmp_path):
     assert data_problems(spec(tmp_path, data=twice)) == []  # a job trained on it must still resume as it was
 
 
+def test_a_validation_set_prepared_again_from_training_text_is_refused(tmp_path):
+    write_token_dataset(tmp_path / "a", TOKENS, 256, inputs=["file:///corpus/train.jsonl", "file:///corpus/web"])
+    trained = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "a")}
+    for inputs in (["file:///corpus/train.jsonl"], ["file:///corpus/web/part-1.parquet"], ["file:///corpus/"]):
+        write_token_dataset(tmp_path / "held", TOKENS[::-1], 256, inputs=inputs, shard_tokens=700)
+        [problem] = data_problems(spec(tmp_path, data=trained, eval={"path": str(tmp_path / "held"),
+                                                                     "every_steps": 5}))
+        assert problem.field == "eval.path" and f"prepared from {inputs[0]}, an input of data.path" in problem.message
+    write_token_dataset(tmp_path / "held", TOKENS[::-1], 256, inputs=["file:///corpus/train-held.jsonl"])
+    assert data_problems(spec(tmp_path, data=trained, eval={"path": str(tmp_path / "held"), "every_steps": 5})) == []
+
+
 def test_missing_small_or_too_wide_datasets_name_their_field(tmp_path):
     write_token_dataset(tmp_path / "wide", np.arange(3000) % 1000, 1000)
     data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "wide")}
