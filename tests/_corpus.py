@@ -86,7 +86,7 @@ def expected_stream(tokenizer_path: Path, docs: list[str], eos: str = EOS) -> tu
     tokenizer.encode_special_tokens = True
     eos_id = tokenizer.token_to_id(eos)
     ids, ends = [], []
-    for doc in docs:
+    for doc in filter(None, docs):  # an empty text is no document
         ids += tokenizer.encode(doc).ids + [eos_id]
         ends.append(len(ids))
     return np.array(ids, dtype=np.int64), np.array(ends, dtype=np.int64)

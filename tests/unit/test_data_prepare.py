@@ -74,7 +74,7 @@ def args_for(corpus, out: Path, *extra: str) -> list[str]:
 def check_stream(out: Path, tokenizer: Path, docs: list[str]) -> TokenDataset:
     tokens, ends = expected_stream(tokenizer, docs)
     ds = TokenDataset(str(out))
-    assert ds.n_tokens == len(tokens) and ds.n_documents == len(docs)
+    assert ds.n_tokens == len(tokens) and ds.n_documents == len(ends) == len([d for d in docs if d])
     assert np.array_equal(ds.read(0, ds.n_tokens), tokens)
     assert np.array_equal(ds.document_bounds(), ends)
     return ds
@@ -84,7 +84,8 @@ def test_prepare_matches_one_process_tokenization(capsys, executor, corpus, tmp_
     root, tokenizer, inputs, docs = corpus
     code, out, err = prepare(capsys, *args_for(corpus, tmp_path / "out"))
     assert code == 0, err
-    assert "prepared file://" in out and f"{len(docs)} documents" in out
+    assert "prepared file://" in out and f"{len([d for d in docs if d])} documents" in out  # "" is no document
+    assert "" in docs
     ds = check_stream(tmp_path / "out", tokenizer, docs)
     m = ds.manifest
     assert len(m.shards) >= 5 and m.dtype == "uint16" and m.text_field == "text"
@@ -198,6 +199,8 @@ def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus
     out = ["--out", str(tmp_path / "out")]
     tok = ["--tokenizer", str(tokenizer)]
     parquet = str(inputs[3][0])
+    alias = tmp_path / "alias.parquet"  # the same file by another name
+    alias.symlink_to(parquet)
     cases = [
         ([str(tmp_path / "missing.txt"), *tok], "INPUT", "no such file or directory"),
         ([str(tmp_path / "data.csv"), *tok], "INPUT", "unsupported extension '.csv'"),
@@ -209,6 +212,8 @@ def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus
         ([parquet, "--tokenizer", str(no_eos)], "--eos-token", "pass --eos-token"),
         ([parquet, *tok, "--storage-option", "oops"], "--storage-option", "expects KEY=VALUE"),
         ([parquet, *tok, "--shard-tokens", "0"], "--shard-tokens 0", "must be at least 1"),
+        ([parquet, parquet, *tok], f"INPUT {parquet} reads", f"which INPUT {parquet} reads too"),
+        ([parquet, str(alias), *tok], f"INPUT {alias} reads", "would be in the dataset twice"),
     ]
     for argv, argument, message in cases:
         code, _, err = prepare(capsys, *argv, *out)
@@ -225,6 +230,15 @@ def test_user_mistakes_are_one_line_naming_the_argument(capsys, executor, corpus
                        (str(tmp_path / "linked" / "tokens"), "is inside INPUT 1")):
         code, _, err = prepare(capsys, hf_dir, parquet, *tok, "--out", into)
         assert code == 2 and what in err and "give a new directory for the dataset" in err, err
+
+
+def test_inputs_without_a_document_commit_nothing_and_exit_2(capsys, executor, corpus, tmp_path):
+    _, tokenizer, _, _ = corpus
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"text": ""}) + "\n\n" + json.dumps({"text": ""}) + "\n")
+    code, _, err = prepare(capsys, str(blank), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"))
+    assert code == 2 and "hold no document (every record empty, or none at all)" in err, err
+    assert not (tmp_path / "out" / "manifest.json").exists() and "Traceback" not in err
 
 
 def test_large_vocabularies_store_uint32_ids(capsys, executor, tmp_path):
@@ -266,7 +280,7 @@ def test_a_tokenizer_saved_to_truncate_or_pad_still_gives_whole_documents_and_te
     saved.enable_padding(pad_id=saved.token_to_id("</s>"), pad_token="</s>")
     inference = tmp_path / "inference.json"
     saved.save(str(inference))
-    texts = [*docs[:6], "a sentence that quotes </s> inside it", "short"]
+    texts = [*filter(None, docs[:6]), "a sentence that quotes </s> inside it", "short"]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     code, _, err = prepare(capsys, str(tmp_path / "docs.jsonl"), "--tokenizer", str(inference), "--out",
                            str(tmp_path / "out"))

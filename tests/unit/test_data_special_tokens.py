@@ -81,10 +81,10 @@ def test_documents_are_encoded_as_transformers_does_with_the_bos_and_chat_markup
 def test_a_post_processor_that_ends_documents_with_eos_gets_no_second_one(capsys, executor, tmp_path):
     tok = _llama_like(tmp_path, template="<s> $A </s>")
     theirs = PreTrainedTokenizerFast(tokenizer_file=str(tok))
-    texts = ["one document", "", "another"]  # an empty one too: BOS and EOS alone
+    texts = ["one document", "", "another"]  # an empty one too: no document, not BOS and EOS alone
     assert prepare(capsys, _inputs(tmp_path, texts), "--tokenizer", str(tok), "--out", str(tmp_path / "o"))[0] == 0
-    assert _stream(tmp_path / "o") == [i for t in texts for i in theirs(t).input_ids]
-    assert TokenDataset(str(tmp_path / "o")).n_documents == len(texts)
+    assert _stream(tmp_path / "o") == [i for t in texts if t for i in theirs(t).input_ids]
+    assert TokenDataset(str(tmp_path / "o")).n_documents == 2
 
 
 def test_other_encoding_flags_at_the_same_out_are_refused_by_name(capsys, executor, tmp_path):

@@ -1,8 +1,8 @@
 """`undying data prepare`, the driver: check everything, plan, run the units, commit the manifest.
 
 Protocol, in this order, on the driver:
-  1. load the tokenizer and check every input (`vocab.py`, `sources.py`): a mistake exits 2
-     before anything is written or started;
+  1. load the tokenizer and check every input (`vocab.py`, `sources.py`; a file two inputs read
+     is refused): a mistake exits 2 before anything is written or started;
   2. build the plan (`plan.py`) and compare it with what `--out` holds: DONE (a committed
      dataset of the same inputs and tokenizer) prints "already prepared" and exits 0;
      another dataset, or another plan's unfinished run, exits 2; FRESH creates
@@ -11,7 +11,7 @@ Protocol, in this order, on the driver:
   3. run every unit (`execute.py`: Ray Data tasks, each writing its own shard and `.done`); a
      fresh run stopped by a record the user must fix marks what it wrote withdrawn and removes
      it, and the next run clears a withdrawn folder, so that the same command runs again once the
-     input is fixed;
+     input is fixed; inputs that held no document (empty texts are none) end so too, exit 2;
   4. once every unit has succeeded, create `OUT/manifest.json` exclusively (`ckpt/storage.py`:
      POSIX link(), S3 If-None-Match). Its bytes depend only on the plan, so two runs racing
      to commit the same dataset both succeed, and a run of another plan cannot replace it.
@@ -61,6 +61,7 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
         raise UsageError(f"--shard-tokens {request.shard_tokens}: must be at least 1")
     tokenizer = load_tokenizer(request.tokenizer, request.eos_token, request.storage_options)
     sources = resolve_sources(request.inputs, request.text_field, request.storage_options)
+    _refuse_repeated(sources)
     plan = make_plan(sources, tokenizer, request.text_field, request.shard_tokens, request.add_special_tokens,
                      request.parse_special_tokens)
     storage = open_output(request.out, request.storage_options)
@@ -79,6 +80,10 @@ def prepare(request: PrepareRequest, executor: Executor, printer: Callable[[str]
         print(f"undying data prepare: warning: {warning}", file=sys.stderr)
     job = Job(storage.url, request.storage_options, plan, plan.sha256(), tokenizer.json_text)
     results = _run(job, executor)
+    if not isinstance(results, int) and not sum(r.n_tokens for r in results):
+        print(f"undying data prepare: the INPUTs ({', '.join(request.inputs)}) hold no document (every record "
+              "empty, or none at all); give inputs with text", file=sys.stderr)
+        results = EXIT_USAGE
     if isinstance(results, int):
         if results == EXIT_USAGE and decision is Decision.FRESH:
             _withdraw(storage)
@@ -149,6 +154,19 @@ def _refuse_an_input(out: str, sources: list[Source]) -> None:
             if out == where or out.startswith(where + "/"):
                 raise UsageError(f"--out {given} is {'' if out == where else 'inside '}INPUT {i} ({source.arg}); "
                                  "give a new directory for the dataset")
+
+
+def _refuse_repeated(sources: list[Source]) -> None:
+    """A file two INPUTs read (the same one twice, or one inside a directory given too) would put its
+    documents in the dataset twice: UsageError naming both (a data.mixture weight repeats on purpose)."""
+    read_by: dict[str, str] = {}
+    for source in sources:
+        for where in {_location(f.url) for f in source.files}:
+            if where in read_by:
+                raise UsageError(f"INPUT {source.arg} reads {where}, which INPUT {read_by[where]} reads too: its "
+                                 "documents would be in the dataset twice; give each input once (to weigh a "
+                                 "dataset more, give it a larger data.mixture weight)")
+            read_by[where] = source.arg
 
 
 def _location(url: str) -> str:

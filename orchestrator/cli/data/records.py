@@ -7,6 +7,7 @@ the records whose lines start in it, so consecutive pieces hold every line exact
 whatever the cut points (the line that straddles a cut belongs to the piece it starts in).
 A piece of a .parquet file is a row-group range; a .txt or .arrow piece is the whole file.
 
+An empty text (a file, a record, a row) is no document: it is skipped, not made one of EOS alone.
 A record that cannot be a document (not UTF-8, not JSON, no text field, not a string)
 raises `BadRecord`, whose message names the input and the fix.
 """
@@ -30,10 +31,14 @@ def iter_documents(source: Source, file: SourceFile, piece: Piece, text_field: s
                    storage_options: dict) -> Iterator[tuple[str, str]]:
     fs, path = open_fs(file.url, storage_options)
     _unchanged(source, file, fs, path)
+    # An empty text (a file, a record, a row: a dataset's blank lines) is no document, not one of EOS alone.
+    yield from ((text, where) for text, where in _documents(source, fs, path, piece, text_field) if text)
+    _unchanged(source, file, fs, path)  # and not while it was read
+
+
+def _documents(source: Source, fs, path: str, piece: Piece, text_field: str) -> Iterator[tuple[str, str]]:
     if source.kind == "txt":
-        text = _txt(source, fs.cat_file(path))
-        if text:  # an empty file is no document (as an empty .jsonl holds none), not one of EOS alone
-            yield text, "the file"
+        yield _txt(source, fs.cat_file(path)), "the file"
     elif source.kind == "jsonl":
         with fs.open(path, "rb") as f:
             yield from _jsonl(source, f, piece.start, piece.stop, text_field)
@@ -41,7 +46,6 @@ def iter_documents(source: Source, file: SourceFile, piece: Piece, text_field: s
         yield from _parquet(source, fs, path, piece, text_field)
     else:
         yield from _arrow(source, fs, path, text_field)
-    _unchanged(source, file, fs, path)  # and not while it was read
 
 
 def _unchanged(source: Source, file: SourceFile, fs, path: str) -> None:
