@@ -35,8 +35,9 @@ PREFIX = "model/"
 INDEX_NAME = "model.safetensors.index.json"
 # A tokenizer's files beside its tokenizer.json: its config, special tokens, and chat templates
 # (transformers 5 saves a chat model's template as chat_template.jinja, no longer in tokenizer_config.json).
+# A SentencePiece tokenizer's tokenizer.model goes too: its slow tokenizer and converters read it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json")
+                   "chat_template.json", "tokenizer.model", "added_tokens.json")
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # a tokenizer's named templates besides the default one
 # What a generation_config.json holds besides decoding settings: a copy records its own.
 GENERATION_METADATA = ("transformers_version", "_from_model_config")

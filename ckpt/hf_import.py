@@ -11,11 +11,16 @@ same values.
 
 Every tensor of the directory is accounted for against the whole model (not only this rank's
 part): a tensor undying has no parameter for, a parameter the directory lacks, or a shape
-that differs is an error naming it, never a silently dropped or misplaced weight.
+that differs is an error naming it, never a silently dropped or misplaced weight. As
+transformers loads them: the rotary tables old checkpoints hold (recomputed from config.json) are
+not weights, and a tied model's head stored alone stands for its embedding. A tied model's
+directory holding a head other than its embedding (`differing_tied_head`, read once by the
+driver's check) is refused: transformers 5 would load that head untied, undying would drop it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -33,6 +38,46 @@ from trainer.model import GPT
 from trainer.state_slices import TensorSlice
 
 PREFIX = "model/"
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Buffers transformers recomputes from config.json and drops on load (checkpoints saved before mid-2023 hold them).
+_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_COMPARE_BYTES = 64 << 20  # a tied head is compared with its embedding this many bytes at a time
+
+
+def model_entries(entries: dict[str, SafetensorsEntry], cfg: ModelConfig) -> dict[str, SafetensorsEntry]:
+    """The directory's tensors as the model's weights: recomputed buffers left out, and under tied
+    embeddings a head stored without the embedding standing for it (transformers 5 ties either way)."""
+    kept = {name: entry for name, entry in entries.items() if not _DERIVED.fullmatch(name)}
+    if cfg.tie_embeddings and HEAD in kept and EMBEDDING not in kept:
+        kept[EMBEDDING] = kept.pop(HEAD)
+    return kept
+
+
+def differing_tied_head(storage: Storage, entries: dict[str, SafetensorsEntry], cfg: ModelConfig) -> bool:
+    """Whether a tied model's directory (`entries`: directory_entries) also holds an lm_head.weight other
+    than its embedding: a merge or a fine-tune whose config.json says tied when it is not. Reads both
+    tensors, a slice at a time, only when both are there (old conversions store an equal copy)."""
+    if not (cfg.tie_embeddings and HEAD in entries and EMBEDDING in entries):
+        return False
+    head, embedding = entries[HEAD], entries[EMBEDDING]
+    if head.shape != embedding.shape:
+        return True
+    dtypes = getattr(torch, head.dtype), getattr(torch, embedding.dtype)
+    sizes = [dtype.itemsize for dtype in dtypes]
+    count = head.chunks[0].nbytes // sizes[0]
+    step = _COMPARE_BYTES // max(sizes)
+    for start in range(0, count, step):
+        n = min(step, count - start)
+        pieces = [storage.read_range(storage.path(chunk.file), chunk.byte_offset + start * size,
+                                     chunk.byte_offset + (start + n) * size)
+                  for chunk, size in ((head.chunks[0], sizes[0]), (embedding.chunks[0], sizes[1]))]
+        if dtypes[0] == dtypes[1]:
+            if pieces[0] != pieces[1]:
+                return True
+        elif not torch.equal(*(torch.frombuffer(bytearray(piece), dtype=dtype).float()
+                               for piece, dtype in zip(pieces, dtypes, strict=True))):
+            return True
+    return False
 
 
 def model_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -43,10 +88,12 @@ def model_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_directory(entries: dict[str, SafetensorsEntry], cfg: ModelConfig, url: str) -> None:
-    """ValueError unless the directory's tensors are exactly the model's parameters, shapes equal."""
+    """ValueError unless the directory's tensors (`model_entries` of them) are exactly the model's
+    parameters, shapes equal."""
     shapes = model_parameter_shapes(cfg)
+    entries = model_entries(entries, cfg)
     for hf_name, entry in sorted(entries.items()):
-        if hf_name == "lm_head.weight" and cfg.tie_embeddings:
+        if hf_name == HEAD and cfg.tie_embeddings:
             continue  # some exporters write the tied head too; the embedding is the parameter
         try:
             name = from_hf(hf_name)
@@ -75,6 +122,7 @@ def read_hf_slices(url: str, wanted: Sequence[TensorSlice], cfg: ModelConfig, *,
     storage, retry = Storage(url.rstrip("/"), storage_options or {}), retry or ReadRetry()
     entries = retry.call(lambda: directory_entries(storage), f"{url}: the safetensors headers")
     check_directory(entries, cfg, url)
+    entries = model_entries(entries, cfg)
     targets = []
     for piece in wanted:
         if not piece.name.startswith(PREFIX):

@@ -153,16 +153,19 @@ def file_entries(storage: Storage, file: str) -> dict[str, SafetensorsEntry]:
 
 
 def directory_entries(storage: Storage) -> dict[str, SafetensorsEntry]:
-    """Every tensor of the Hugging Face model directory at the storage root (single file or index)."""
-    if storage.exists(storage.path(INDEX_NAME)):
+    """Every tensor of the Hugging Face model directory at the storage root: its single file, else its
+    index (transformers' order: a save over a sharded one leaves the old index behind)."""
+    if storage.exists(storage.path(SINGLE_NAME)):
+        weight_map, files = None, [SINGLE_NAME]
+    elif storage.exists(storage.path(INDEX_NAME)):
         try:
             index = json.loads(storage.read(storage.path(INDEX_NAME)).decode("utf-8"))
             weight_map = index["weight_map"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
             raise BadSafetensors(f"{INDEX_NAME}: not an index with a weight_map ({err})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise BadSafetensors(f"{INDEX_NAME}: its weight_map is not an object of tensor name -> file name")
         files = sorted(set(weight_map.values()))
-    elif storage.exists(storage.path(SINGLE_NAME)):
-        weight_map, files = None, [SINGLE_NAME]
     else:
         raise BadSafetensors(f"{storage.root}: neither {SINGLE_NAME} nor {INDEX_NAME}; give a Hugging Face "
                              "model directory with safetensors weights")

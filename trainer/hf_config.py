@@ -28,8 +28,8 @@ _FIELDS = {
     "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings",
 }
 # Keys whose value must be this for the model to be the one undying computes.
-_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-             "attention_dropout": 0.0, "model_type": "llama"}
+_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+             "model_type": "llama"}
 # Keys that change nothing in the forward pass.
 _IGNORED = {
     "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "use_cache",
@@ -38,6 +38,9 @@ _IGNORED = {
     "problem_type", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
     "chunk_size_feed_forward", "finetuning_task", "cross_attention_hidden_size", "sep_token_id",
     "decoder_start_token_id", "output_scores", "return_dict_in_generate", "pruned_heads", "model_name",
+    # Read by no Llama forward of transformers: pretraining_tp (4.x split its matmuls, the same sums;
+    # 5.x ignores it), tools' marks (SmolLM's is_llama_config, rope_interleaved; Unsloth's; a 4.4x save's).
+    "pretraining_tp", "is_llama_config", "rope_interleaved", "unsloth_version", "_attn_implementation_autoset",
 }
 _ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 # Dimensions a config.json must give, and what transformers' LlamaConfig assumes for the rest.

@@ -85,15 +85,23 @@ def _text_problems(spec: JobSpec) -> list[Problem]:
 
 def _pretrained_problems(spec: JobSpec) -> list[Problem]:
     """`model.from_hf`: its weights against the model its config.json gave (the spec read that file when
-    it loaded). Only the safetensors headers are read (two small reads per file): a directory without
-    safetensors weights, a tensor missing or of another shape fails here, not in every rank's load."""
-    from ckpt.hf_import import check_directory
+    it loaded). Only the safetensors headers are read (two small reads per file; and a tied model's
+    head and embedding when both are stored): a directory without safetensors weights, a tensor
+    missing or of another shape, a head that is not the tied embedding fails here, not in every rank's load."""
+    from ckpt.hf_import import check_directory, differing_tied_head
     from ckpt.safetensors_source import directory_entries
     from ckpt.storage import Storage
 
     url = spec.model.from_hf
     try:
-        check_directory(directory_entries(Storage(url.rstrip("/"), spec.model.storage_options)), spec.model, url)
+        storage = Storage(url.rstrip("/"), spec.model.storage_options)
+        entries = directory_entries(storage)
+        check_directory(entries, spec.model, url)
+        if differing_tied_head(storage, entries, spec.model):
+            return [Problem("model.from_hf", f"{url}: config.json says tie_word_embeddings: true, yet lm_head.weight "
+                                             "differs from model.embed_tokens.weight (transformers 5 loads that head "
+                                             "untied); set tie_word_embeddings to false in config.json to train the "
+                                             "model the weights hold, or remove lm_head.weight to tie them")]
     except ValueError as err:  # check_directory's words name the field; BadSafetensors names the file
         words = str(err)
         return [Problem("model.from_hf", words if words.startswith("model.from_hf") else f"{url}: {words}")]

@@ -136,12 +136,14 @@ def test_export_takes_a_tokenizer_file_of_any_name_as_data_prepare_does(tmp_path
     save_hf(tmp_path / "hf")
     tok = train_tokenizer(tmp_path / "tok" / "llama3-tokenizer.json", documents(20, seed=1))
     (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    (tmp_path / "tok" / "tokenizer.model").write_bytes(b"a SentencePiece model")  # a slow tokenizer's file
     recorded = {"url": f"file://{tok}", "sha256": hashlib.sha256(tok.read_bytes()).hexdigest(),
                 "token_ids": {"eos_token_id": 1}}
     commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck", tokenizer=recorded)
     assert main(["ckpt", "export", f"file://{tmp_path}/ck", "--format", "hf", "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert (tmp_path / "a" / "tokenizer_config.json").exists()  # the files beside it come along
+    assert (tmp_path / "a" / "tokenizer.model").read_bytes() == b"a SentencePiece model"
     AutoTokenizer.from_pretrained(tmp_path / "a")
 
 
@@ -154,6 +156,46 @@ def test_a_directory_with_a_weight_undying_would_drop_is_refused(tmp_path):
     save_file(state, str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(ValueError, match="q_proj.bias.*dropped"):
         engine_from_hf(tmp_path / "hf")
+
+
+def test_directories_transformers_loads_load_alike_old_rotary_tables_a_stale_index_a_head_alone(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = save_hf(tmp_path / "hf")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    old = {**state, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(4) for i in range(2)}}
+    save_file(old, str(tmp_path / "hf" / "model.safetensors"))  # transformers recomputes (and drops) those
+    # A sharded save left behind by an earlier save_pretrained: the single file wins, as in transformers.
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: "model-00001-of-00002.safetensors" for name in state}}))
+    torch.testing.assert_close(logits(engine_from_hf(tmp_path / "hf").model, IDS), logits(hf, IDS), rtol=0,
+                               atol=1e-5)
+    tied = save_hf(tmp_path / "tied", tie=True)
+    alone = {k: v.contiguous() for k, v in tied.state_dict().items() if k != "model.embed_tokens.weight"}
+    assert "lm_head.weight" in alone
+    save_file(alone, str(tmp_path / "tied" / "model.safetensors"))  # the tie stored as the head alone
+    torch.testing.assert_close(logits(engine_from_hf(tmp_path / "tied").model, IDS), logits(tied, IDS), rtol=0,
+                               atol=1e-5)
+
+
+def test_a_tied_config_over_weights_with_another_head_is_refused_an_equal_copy_is_not(tmp_path):
+    from safetensors.torch import save_file
+
+    from orchestrator.spec.data_check import data_problems
+    from orchestrator.spec.job_spec import validate_spec
+
+    tied = save_hf(tmp_path / "hf", tie=True)
+    state = {k: v.contiguous() for k, v in tied.state_dict().items()}
+    spec = validate_spec({"name": "j", "model": {"from_hf": str(tmp_path / "hf")}, "data": {"source": "synthetic"},
+                          "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"}})
+    for head, refused in ((state["model.embed_tokens.weight"].to(torch.bfloat16).float(), False),
+                          (state["model.embed_tokens.weight"] + 1e-3, True)):
+        embedding = state["model.embed_tokens.weight"].to(torch.bfloat16).float()
+        save_file({**state, "model.embed_tokens.weight": embedding.to(torch.bfloat16), "lm_head.weight": head},
+                  str(tmp_path / "hf" / "model.safetensors"))
+        problems = data_problems(spec)
+        assert [p.field for p in problems] == (["model.from_hf"] if refused else []), problems
+        assert not refused or "tie_word_embeddings to false" in problems[0].message
 
 
 @pytest.mark.parametrize("header, words", [

@@ -102,6 +102,13 @@ def test_keys_that_cannot_be_represented_are_refused_by_name(key, value, words):
         architecture_from_hf(config)
 
 
+def test_config_keys_no_transformers_llama_reads_are_accepted():
+    marks = {"pretraining_tp": 2, "is_llama_config": True, "rope_interleaved": False, "unsloth_version": "2024.9",
+             "_attn_implementation_autoset": True}
+    assert architecture_from_hf({**HF_KW, "model_type": "llama", **marks}) == \
+        architecture_from_hf({**HF_KW, "model_type": "llama"})
+
+
 def test_from_hf_in_a_spec_reads_config_json_and_refuses_contradictions(tmp_path):
     hf_model().config.save_pretrained(tmp_path)
     base = {"name": "ft", "train": {"steps": 2, "global_batch": 2}, "checkpoint": {"url": f"file://{tmp_path}/ck"},
