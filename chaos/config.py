@@ -88,7 +88,8 @@ class FaultSpec(SpecSection):
     factor: float | None = Field(None, gt=1.0, description="slow_rank: step-time multiplier")
     delay_s: PositiveSeconds | None = Field(None, description="storage_latency: added seconds per I/O call; "
                                     "slow_rank: added seconds in step at_step (each generation's first without it)")
-    duration_s: PositiveSeconds | None = Field(None, description="how long a slow/latency/error fault lasts")
+    duration_s: PositiveSeconds | None = Field(None, description="storage faults: how long the errors, latency or "
+                                               "throttling last (a slow_rank stays slow from at_step on)")
     message: str = Field("injected fault", description="raise: the injected exception's message")
     repeat: bool = Field(False, description="fire every time the trigger is met (a crash loop, a flaky store), "
                          "not only once per job")

@@ -139,7 +139,8 @@ class CheckpointConfig(SpecSection):
     max_failed_saves: int = Field(
         3, ge=1, description="consecutive saves that may fail (a shard write or the commit) before the job fails "
         "with the storage error rather than train on with nothing durable; a commit resets the count")
-    async_: bool = Field(True, alias="async", description="stage to host memory, write in background")
+    async_: bool = Field(True, alias="async", description="stage to host memory, write in background "
+                         "(parallel.mode ps: false, and true is refused)")
     writer: Literal["auto", "thread", "process"] = Field(
         "auto", description="where async shard writes run: a thread of the rank, or a child process of it "
         "(ckpt.process_writer: for object stores, whose Python clients hold the GIL while uploading); auto picks "

@@ -50,8 +50,8 @@ END_TO_END: dict[str, Expect] = {
     "make demo": Expect(says=("RUNNING -> SUCCEEDED",)),
     "make finetune": Expect(),
     ".venv/bin/undying chaos examples/demo.yaml --mtbf 30s --kind kill_rank --seed 1": Expect(says=("passed",)),
-    ".venv/bin/undying chaos sweep examples/demo.yaml --mtbf 60s --intervals 5s,10s,20s,young --plot sweep.png":
-        Expect(says=("young",)),
+    ".venv/bin/undying chaos sweep examples/demo.yaml --mtbf 60s --kind kill_rank --intervals 5s,10s,20s,young "
+    "--plot sweep.png": Expect(says=("young",)),
     f".venv/bin/undying ckpt ls {DEMO_CKPT}": Expect(says=("60",)),
     f".venv/bin/undying ckpt verify {DEMO_CKPT}": Expect(),
     f".venv/bin/undying ckpt export {DEMO_CKPT} --out model.safetensors": Expect(),

@@ -83,8 +83,27 @@ def ps_problems(spec: Any) -> list[Problem]:
     if train and train.precision != "fp32":
         out.append(Problem("train.precision", f"{train.precision} is not supported with parallel.mode ps yet "
                            "(workers compute and servers update in fp32); set train.precision: fp32"))
-    return out + _checkpoint_problems(getattr(spec, "checkpoint", None)) + _elastic_problems(getattr(spec, "elastic",
-                                                                                                         None))
+    return out + _checkpoint_problems(getattr(spec, "checkpoint", None)) \
+        + _elastic_problems(getattr(spec, "elastic", None)) + _unread_problems(spec)
+
+
+def _unread_problems(spec: Any) -> list[Problem]:
+    """What the supervisor does not honour yet, refused rather than dropped without a word: each worker
+    and server is one actor of one CPU (paramserver.job), and the driver serves its Prometheus series
+    and writes its report, no tracker's scalars."""
+    out = []
+    resources, monitor = getattr(spec, "resources", None), getattr(spec, "monitor", None)
+    if resources:
+        defaults = type(resources)()
+        out += [Problem(f"resources.{name}", "is not read by parallel.mode ps (each worker and server is one "
+                        "actor of one CPU); remove it") for name in ("cpus_per_rank", "gpus_per_rank", "custom",
+                                                                     "placement")
+                if getattr(resources, name) != getattr(defaults, name)]
+    for name in ("tensorboard", "wandb"):
+        if monitor and getattr(monitor, name) is not None:
+            out.append(Problem(f"monitor.{name}", "parallel.mode ps logs no tracker scalars yet (its losses, goodput "
+                               "and staleness are in its report, --report, and its Prometheus series); remove it"))
+    return out
 
 
 def _checkpoint_problems(ckpt: Any) -> list[Problem]:

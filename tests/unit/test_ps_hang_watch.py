@@ -231,3 +231,19 @@ def test_the_restore_and_save_limits_and_the_elastic_fields_ps_mode_does_not_rea
     assert problems.keys() == {f"elastic.{name}" for name in unread}
     assert problems["elastic.grow"] == "is not read by parallel.mode ps (nothing shrinks in parallel.mode ps, " \
                                        "so nothing grows back); remove it"
+
+
+def test_resources_and_trackers_a_ps_job_would_not_honour_are_refused_by_field():
+    from orchestrator.spec.job_spec import SpecError, validate_spec
+
+    unread = {"resources": {"gpus_per_rank": 1, "cpus_per_rank": 4, "custom": {"accelerator_type:H100": 1},
+                            "placement": "spread"},
+              "monitor": {"tensorboard": "/tmp/tb", "wandb": {"project": "p"}}}
+    with pytest.raises(SpecError) as err:
+        validate_spec(_spec(**unread))
+    problems = {p.field: p.message for p in err.value.problems}
+    assert problems.keys() == {"resources.gpus_per_rank", "resources.cpus_per_rank", "resources.custom",
+                               "resources.placement", "monitor.tensorboard", "monitor.wandb"}
+    assert "one actor of one CPU" in problems["resources.gpus_per_rank"]
+    assert "its report, --report, and its Prometheus series" in problems["monitor.wandb"]
+    validate_spec(_spec(resources={"num_ranks": 2}))  # a check of the layout, not a request: read
