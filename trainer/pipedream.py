@@ -163,6 +163,9 @@ class PipeDream2BW:
         self.module, self.chunk, self.optimizer = module, chunk, optimizer
         self.n_micro, self.micro_batch, self.seq_len, self.d_model = n_micro, micro_batch, seq_len, d_model
         self.lr_at = lr_at
+        # Stage boundaries travel on the module's device in its dtype (NCCL sends device tensors only).
+        first_param = next(module.parameters())
+        self.device, self.dtype = first_param.device, first_param.dtype
         self.weights = DoubleBufferedWeights(module)
         self.uses: list[VersionUse] = []
 
@@ -190,15 +193,15 @@ class PipeDream2BW:
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         done = [0] * len(batches)
-        loss_sums = torch.zeros(len(batches), dtype=torch.float64)
+        loss_sums = torch.zeros(len(batches), dtype=torch.float64, device=self.device)
         for kind, k in one_f_one_b(self.pp_rank, self.pp_size, len(micro)):
             index = k // self.n_micro
             batch = first_step + index
             if kind == "F":
-                x = micro[k].input_ids if first else self._recv(-1, requires_grad=True)
+                x = micro[k].input_ids.to(self.device) if first else self._recv(-1, requires_grad=True)
                 out = functional_call(self.module, self.weights.leaves(batch), (x,))
                 if last:
-                    part, _ = token_loss_sum(out, micro[k].labels)
+                    part, _ = token_loss_sum(out, micro[k].labels.to(self.device))
                     loss_sums[index] += float(part.detach())
                     out = part / tokens[index]
                 else:
@@ -228,7 +231,7 @@ class PipeDream2BW:
         return dist.isend(tensor, group=self.group, group_dst=self._peer(offset)), tensor
 
     def _recv(self, offset: int, requires_grad: bool = False) -> torch.Tensor:
-        buffer = torch.empty(self.micro_batch, self.seq_len, self.d_model)
+        buffer = torch.empty(self.micro_batch, self.seq_len, self.d_model, device=self.device, dtype=self.dtype)
         dist.recv(buffer, group=self.group, group_src=self._peer(offset))
         return buffer.requires_grad_(requires_grad)
 
