@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args, probe: bool = True):
-    """The checked JobSpec; with `probe`, the checkpoint storage and the datasets are reached too."""
+    """The checked JobSpec and the notes to print about it; with `probe`, the checkpoint storage and the
+    datasets are reached too (and the notes say how many epochs of each dataset the run reads)."""
     from chaos.config import support_problems
     from monitor.tracking import tracking_problems
     from orchestrator.spec.job_spec import Problem, SpecError, load_spec
@@ -147,12 +148,13 @@ def _load(args, probe: bool = True):
     if problems:
         raise SpecError(problems)
     if probe:
-        from orchestrator.spec.data_check import require_data
+        from orchestrator.spec.data_check import epoch_notes, require_data
         from orchestrator.spec.storage_check import require_storage
 
         require_storage(spec)
         require_data(spec)
-    return spec
+        return spec, cadence_notes(spec) + epoch_notes(spec)
+    return spec, cadence_notes(spec)
 
 
 def cadence_notes(spec) -> list[str]:
@@ -172,7 +174,7 @@ def _validate(args) -> int:
     from orchestrator.spec.job_spec import SpecError
 
     try:
-        spec = _load(args, probe=not args.offline)
+        spec, notes = _load(args, probe=not args.offline)
     except SpecError as err:
         if args.as_json:
             print(json.dumps({"spec": args.spec, "valid": False,
@@ -184,13 +186,13 @@ def _validate(args) -> int:
     if args.as_json:
         print(json.dumps({"spec": args.spec, "valid": True, "name": spec.name, "ranks": spec.world_size,
                           "steps": spec.train.steps, "checkpoint_root": spec.checkpoint_root,
-                          "storage_probe": probed, "data_probe": probed, "notes": cadence_notes(spec)}))
+                          "storage_probe": probed, "data_probe": probed, "notes": notes}))
         return EXIT_OK
     print(f"{args.spec}: valid ({spec.world_size} ranks, {spec.train.steps} steps)")
     if args.offline:
         print(f"offline: {spec.checkpoint_root} and the datasets were not probed (--offline); `undying validate` "
               "without it checks that they can be reached")
-    for note in cadence_notes(spec):
+    for note in notes:
         print(f"note: {note}")
     return EXIT_OK
 
@@ -201,7 +203,7 @@ def _run(args) -> int:
     from orchestrator.spec.job_spec import Problem, SpecError
 
     try:
-        spec = _load(args)
+        spec, notes = _load(args)
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
@@ -209,7 +211,7 @@ def _run(args) -> int:
     if problems := plot_problems({"--timeline": args.timeline}) + output_problems(outputs):  # before Ray
         print_problems(problems)
         return EXIT_USAGE
-    for note in cadence_notes(spec):
+    for note in notes:
         print(f"undying: note: {note}", file=sys.stderr)
     if args.fresh:
         from orchestrator.controller.restore_policy import fresh_problem

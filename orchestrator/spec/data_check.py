@@ -206,6 +206,25 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
+def epoch_notes(spec: JobSpec) -> list[str]:
+    """How much of each prepared training dataset the run reads, in epochs (its share of train.steps x
+    train.global_batch over its windows): a fine-tune's many passes, or a pretraining's fraction, said
+    before it starts. `undying validate` and `undying run` print them after `require_data` passed."""
+    from trainer.tokens.reader import TokenDataset
+
+    data, train = spec.data, spec.train
+    if data.source != "tokens":
+        return []
+    parts = data.token_parts()
+    total, notes = sum(part.weight for part, _ in parts), []
+    for part, field in parts:
+        windows = len(TokenDataset(part.path, data.storage_options)) // (data.seq_len + 1)
+        samples = part.weight / total * train.steps * train.global_batch
+        notes.append(f"{field}: {windows:,} windows of data.seq_len + 1 = {data.seq_len + 1} tokens; "
+                     f"train.steps = {train.steps} read {samples / windows:.3g} epochs of it")
+    return notes
+
+
 def require_data(spec: JobSpec) -> None:
     """Raise SpecError listing every problem of the spec's prepared datasets."""
     problems = data_problems(spec)

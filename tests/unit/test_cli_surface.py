@@ -93,6 +93,23 @@ def test_validate_json_probes_storage_without_offline_and_lists_problems(capsys,
     assert {p["field"] for p in result["problems"]} == {"parallel.tp", "checkpoint.asynch"}
 
 
+def test_validate_says_how_many_epochs_of_each_dataset_the_run_reads(capsys, tmp_path):
+    import numpy as np
+
+    from tests._tokens import write_token_dataset
+
+    for name, n in (("a", 3400), ("b", 1700)):  # 200 and 100 windows of 17 tokens
+        write_token_dataset(tmp_path / name, np.arange(n) % 200, 256)
+    parts = f"[{{path: {tmp_path}/a, weight: 3}}, {{path: {tmp_path}/b, weight: 1}}]"
+    mixture = f"{{source: tokens, seq_len: 16, mixture: {parts}}}"
+    code, out, _ = _run(capsys, "validate", TINY, "--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--set",
+                        f"data={mixture}", "--set", "train.steps=100", "--set", "train.global_batch=8", "--json")
+    notes = json.loads(out)["notes"]
+    assert code == 0 and notes == [  # 800 samples: 600 of a's 200 windows, 200 of b's 100
+        "data.mixture[0].path: 200 windows of data.seq_len + 1 = 17 tokens; train.steps = 100 read 3 epochs of it",
+        "data.mixture[1].path: 100 windows of data.seq_len + 1 = 17 tokens; train.steps = 100 read 2 epochs of it"]
+
+
 def test_ckpt_ls_json(capsys, job):  # noqa: F811
     url, _ = job
     code, out, _ = _run(capsys, "ckpt", "ls", url, "--json")
