@@ -108,7 +108,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
            on_stats: Callable[[list[ServerStats]], None] | None = None, stats_every_s: float = 1.0,
            checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
            ledger: Ledger | None = None, on_step: Callable[[StepLog], None] | None = None,
-           hang: HangLimits | None = None, budget: RestartBudget | None = None) -> PSReport:
+           hang: HangLimits | None = None, budget: RestartBudget | None = None,
+           on_failure: Callable[[Failure], None] | None = None) -> PSReport:
     """Train to `train.steps` in parameter-server mode; `slow`: {worker: seconds slept per step}.
     `on_stats` (monitor.ps_metrics.PSMetrics.on_server_stats) gets every server's stats with the
     update records new since the last (paramserver.update_history) about every `stats_every_s`
@@ -119,7 +120,8 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
     `on_step` (orchestrator.cli.ps_run.step_feed: the pull waits and the job's step series) gets
     each worker step's log as the driver takes it (a step redone after a rollback again: both ran).
     `hang`: the hang watchdog's limits (paramserver.hang_watch), `budget` the repairs the job may make
-    (paramserver.restart_budget); their defaults when None."""
+    (paramserver.restart_budget); their defaults when None. `on_failure` (orchestrator.cli.ps_run.
+    failure_feed) gets each failure (paramserver.recovery.Failure) as the supervisor books it."""
     microbatches_per_rank(train.global_batch, train.micro_batch, parallel.dp)  # ValueError before any actor
     params = param_shapes(meta_model(model).named_parameters())
     shards = plan_shards(params, parallel.servers, max_piece_bytes)
@@ -136,7 +138,7 @@ def run_ps(model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: P
         dict(slow or {}))
     supervisor = Supervisor(actors, parallel.servers, parallel.dp, train.steps, checkpoints=checkpoints,
                             faults=faults, ledger=ledger, on_stats=on_stats, stats_every_s=stats_every_s,
-                            on_step=on_step, hang=hang, budget=budget)
+                            on_step=on_step, hang=hang, budget=budget, on_failure=on_failure)
     history = supervisor.history
     try:
         supervisor.run()

@@ -77,8 +77,10 @@ class Supervisor:
                  checkpoints: Checkpoints | None = None, faults: list[Fault] | tuple[Fault, ...] = (),
                  ledger: Ledger | None = None, on_stats: Callable[[list[ServerStats]], None] | None = None,
                  stats_every_s: float = 1.0, on_step: Callable[[StepLog], None] | None = None,
-                 hang: HangLimits | None = None, budget: RestartBudget | None = None):
+                 hang: HangLimits | None = None, budget: RestartBudget | None = None,
+                 on_failure: Callable[[Failure], None] | None = None):
         self.actors, self.steps, self.ckpt = actors, steps, checkpoints
+        self.on_failure = on_failure  # each failure as it is booked (run_ps's `on_failure`: the driver's metrics)
         self.watchdog = Watchdog(hang or HangLimits(), clock=lambda: time.time())  # an actor hung, not dead
         self.budget = budget or RestartBudget()  # the repairs the job may make (elastic.max_restarts)
         self.on_step = on_step  # each worker step's log as it arrives (run_ps's `on_step`)
@@ -291,7 +293,7 @@ class Supervisor:
             return None  # a server is gone too: the rollback finds which
         step = resume_step(clocks, w)
         if step is None:
-            self.failures.append(Failure("torn_push", w, detected, "pending", injected))
+            self._failed(Failure("torn_push", w, detected, "pending", injected))
             return None
         self.budget.repair(detected, f"worker {w} died" if hang is None else hang[1])  # (a rollback is one too)
         began = injected if injected is not None else hang[0] if hang else None
@@ -305,7 +307,7 @@ class Supervisor:
         self._dead_workers.discard(w)
         failure = Failure("worker", w, detected, "replaced", injected, resumed_at=step,
                           pids={"old": self.pids.live.get(("worker", w), -1)}, hung=hang[1] if hang else "")
-        self.failures.append(failure)
+        self._failed(failure)
         self._pauses[w] = failure
         log.warning("worker %d died at step %d; replaced, resuming there (the other workers go on)", w, step)
         return self._launch(w, step, end)
@@ -371,13 +373,24 @@ class Supervisor:
         self._kills.clear()  # every kill so far is dealt with by this rollback: none is a later failure's cause
         self.ledger.enter(book.RESTORE)
         step, from_checkpoint = restores.restore(self)
+        booked = len(self.failures)
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint,
                                        {k: why for k, (_, why) in hangs.items()})
+        for failure in self.failures[booked:]:  # the rollback's own (a torn push's was told when found)
+            self._told(failure)
         self.redone += self.logs.rewind(step)  # executions of folded steps the rollback undid
         self.watchdog.forget()
         self.held_calls.clear()
         return step
+
+    def _failed(self, failure: Failure) -> None:
+        self.failures.append(failure)
+        self._told(failure)
+
+    def _told(self, failure: Failure) -> None:
+        if self.on_failure is not None:
+            self.on_failure(failure)
 
     def stop_streams(self, streams: dict, within_s: float = STOP_S) -> None:
         """Wait until every stream ended (aborted servers fail the waiting calls); kill a stuck worker."""

@@ -9,7 +9,8 @@ kill_server / hang_server faults, and books the wall into the goodput ledger (mo
 Ray (or starts the embedded local one) with a logical CPU for each of the dp workers and the
 servers, serves the job's Prometheus metrics on `monitor.host` /
 `monitor.port` as a collective job does (monitor.ps_metrics: the staleness of every update, the
-servers' bytes, observed while the workers run), runs `paramserver.job.run_ps`, prints the report
+servers' bytes, observed while the workers run; the job's steps and each failure as it is booked:
+job_feeds), runs `paramserver.job.run_ps`, prints the report
 (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
 `--report`. SIGTERM and SIGINT stop the job at a saved cut (its last segment runs on to the end),
 or where it is once that no longer fits in the grace (paramserver.preemption): exit 75, the last
@@ -146,6 +147,28 @@ def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger
     return on_stats
 
 
+def job_feeds(ps_metrics: PSMetrics, metrics: JobMetrics, workers: int) -> dict:
+    """run_ps's `on_step` and `on_failure`, both feeding the driver's metrics."""
+    return {"on_step": step_feed(ps_metrics, metrics, workers), "on_failure": failure_feed(metrics, workers)}
+
+
+def failure_feed(metrics: JobMetrics, workers: int):
+    """run_ps's `on_failure` (each failure as the supervisor books it, on the driver's thread): the failure
+    series as a collective job exports them, which the dashboard's failure panels and the restart-storm
+    alert read: undying_failures_total by kind (worker_died, server_died, torn_push, hang, run_error) and
+    undying_generation counting the failures repaired, each a re-formation of the job."""
+    repaired = 0
+    metrics.on_layout(0, workers, workers, 1, 1)
+
+    def on_failure(failure) -> None:
+        nonlocal repaired
+        kinds = {"worker": "worker_died", "server": "server_died"}
+        metrics.on_failure("hang" if failure.hung else kinds.get(failure.kind, failure.kind))
+        repaired += 1
+        metrics.on_layout(repaired, workers, workers, 1, 1)
+    return on_failure
+
+
 def step_feed(ps_metrics: PSMetrics, metrics: JobMetrics, workers: int):
     """run_ps's `on_step` (each worker step's log, on the driver's thread): its pull wait, and, once
     every worker's log of a step is in, the job's step series as a collective job exports them
@@ -226,7 +249,7 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, on_step=step_feed(ps_metrics, metrics, par.dp),
+                            faults=faults, ledger=ledger, **job_feeds(ps_metrics, metrics, par.dp),
                             hang=hang, budget=carried_budget(spec, snapshots, earlier))
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)

@@ -516,3 +516,18 @@ def test_overlapping_pauses_book_their_union_in_whatever_order_they_end():
     sup.Supervisor._book_pause(booking, b, 18.0)
     sup.Supervisor._book_pause(booking, a, 20.0)
     assert (a.pause_s, b.pause_s) == (10.0, 6.0) and ledger.totals()["reformation"] == pytest.approx(10.0)
+
+
+def test_each_failure_reaches_the_driver_s_metrics_as_the_supervisor_books_it(world, expected):
+    from monitor.metrics import JobMetrics
+    from orchestrator.cli.ps_run import failure_feed
+
+    metrics, told = JobMetrics("ps"), []
+    feed = failure_feed(metrics, PAR.dp)
+    supervisor, losses, _ = _run(world, [Fault("worker", 1, 2), Fault("server", 0, 6)],
+                                 on_failure=lambda failure: (told.append(failure), feed(failure)))
+    assert told == supervisor.failures and [f.kind for f in told] == ["worker", "server"] and losses == expected
+    value = metrics.registry.get_sample_value
+    assert [value("undying_failures_total", {"undying_job": "ps", "kind": kind})
+            for kind in ("worker_died", "server_died")] == [1, 1]
+    assert value("undying_generation", {"undying_job": "ps"}) == 2  # each repair a re-formation
