@@ -7,9 +7,10 @@ to the job's end. Either waits only while the stop can still be saved within
 `elastic.preemption_grace_s`: until the grace has left half of itself, or twice the last save's
 time if that is more (`cut_now`); past that the segment is stopped where it is: the last commit
 stays intact and the steps since it are redone by the rerun. Either way the job ends PREEMPTED
-(exit 75), its actors killed and its owner lease released by the caller. A second signal stops it
-at once, wherever the driver is (the handler raises): the way out of a driver stuck in a save or
-a restore.
+(exit 75), its actors killed and its owner lease released by the caller. A SIGINT after the first
+signal (Ctrl-C again) stops it at once, wherever the driver is (the handler raises): the way out of
+a driver stuck in a save or a restore. A repeated SIGTERM is the same request (a pod's stoppers
+each send one), still within the first one's grace.
 
 Protocol: `undying run` routes the signals to `on_signal` and each commit to `on_commit`; the
 supervisor (paramserver.supervisor) asks `cut_now()` at each poll of a segment after a signal, and
@@ -27,7 +28,7 @@ from collections.abc import Callable
 
 class Preempted(BaseException):
     """The job stopped for a signal; the message says at which commit. A BaseException, as
-    KeyboardInterrupt is: a second signal raises it from the handler wherever the driver is, and
+    KeyboardInterrupt is: a SIGINT after the first signal raises it from the handler wherever the driver is, and
     the handlers that turn any failure of a call into a fallback (a server move that did not
     restore, a worker's stream that ended with an error) must not take it for one."""
 
@@ -43,8 +44,8 @@ class Preemption:
     def on_signal(self, signum: int, _frame=None) -> None:
         self.signalled_at = self.signalled_at or self.clock()
         self.signals.append(signal.Signals(signum).name)
-        if len(self.signals) > 1 and not self.ending:
-            raise Preempted(f"{self.signals[1]} during the grace: stopped at once; the last commit is intact, "
+        if len(self.signals) > 1 and self.signals[-1] == "SIGINT" and not self.ending:
+            raise Preempted("SIGINT during the grace: stopped at once; the last commit is intact, "
                             "rerun the job to resume")
 
     def on_commit(self, commit) -> None:

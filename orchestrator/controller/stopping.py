@@ -7,8 +7,10 @@ Three reasons to stop ranks that are training well, each at a checkpoint so no w
     eviction, Ctrl-C). The signal handler only calls `on_signal` (it sets a count; the
     controller thread reads it on its next poll). Training stops at the next step boundary
     every rank can still reach, that step is committed, and the job ends PREEMPTED (exit 75)
-    within `elastic.preemption_grace_s`. A second signal, a signal outside training (nothing
-    trained since the last commit) or an expired grace ends it at once: the last commit stays.
+    within `elastic.preemption_grace_s`. A SIGINT after the first signal (Ctrl-C again), a signal
+    outside training (nothing trained since the last commit) or an expired grace ends it at once:
+    the last commit stays. A repeated SIGTERM is the same request (a pod's stoppers each send one:
+    KubeRay's job stop, the head's preStop hook), still within the first one's grace.
   * node drain: Ray announced that a node holding ranks will go away (its drain table,
     orchestrator.cluster.drain). The same stop, then the node's ranks and spares are dropped
     and the job re-forms without it (warm spares, new actors elsewhere, or a smaller dp) and
@@ -111,14 +113,14 @@ class Stops:
         self.signals.append(signal.Signals(signum).name)
 
     def at_once(self, state: State) -> Move | None:
-        """The job ends now on a second signal, on a signal outside training, or when another driver
+        """The job ends now on a SIGINT after the first signal, on a signal outside training, or when another driver
         claimed the checkpoint root (ckpt.ownership): it fails, changing nothing more there. Called
         before each state handler; `ending()` asks the same during the handler."""
         lost = self.checkpoints.ownership_lost()
         if lost is not None:
             return Move(Failed(lost), lost)
-        if len(self.signals) >= 2:
-            return preempted(f"{self.signals[1]} during the grace: stopping at once, {self.last_commit()}")
+        if "SIGINT" in self.signals[1:]:
+            return preempted(f"SIGINT during the grace: stopping at once, {self.last_commit()}")
         if self.signals and self.reforming:  # its waits may outlast the grace; the commit is made
             return preempted(f"{self.signals[0]} while the job re-formed after a commit: stopping, "
                              f"{self.last_commit()}")

@@ -210,6 +210,19 @@ def test_a_second_signal_stops_at_once_leaving_the_last_commit(tmp_path, rendezv
     assert "last committed checkpoint (step 20) intact" in ctl.error
 
 
+def test_a_repeated_sigterm_is_the_same_request_and_the_stop_still_commits(tmp_path, rendezvous):
+    # A pod's stoppers each send one: KubeRay's job stop, then the head's preStop hook (stop-jobs).
+    box = {}
+    ctl, workers, lines = _run(tmp_path, rendezvous, at={23: lambda: box["ctl"].stops.on_signal(signal.SIGTERM)})
+    box["ctl"] = ctl
+    while ctl.state != State.STOPPING:
+        ctl.step_once()
+    ctl.stops.on_signal(signal.SIGTERM)
+    report = ctl.run()
+    assert report.status == "preempted" and ctl.stops.signals == ["SIGTERM", "SIGTERM"]
+    assert ctl.catalog.committed_steps()[-1] == ctl.checkpoints.stop_at == report.final_step > 20
+
+
 def test_a_signal_outside_training_stops_at_once(tmp_path, rendezvous):
     ctl, workers, lines = _run(tmp_path, rendezvous)
     ctl.stops.on_signal(signal.SIGTERM)

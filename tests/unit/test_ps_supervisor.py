@@ -235,6 +235,7 @@ def test_a_second_signal_stops_at_once_and_a_save_that_would_not_fit_cuts_the_se
     preemption.on_commit(types.SimpleNamespace(total_s=8.0))  # a save takes 8 s: 16 s must be left
     clock[0] = 9.5
     assert preemption.cut_now() and preemption.left_s() == 15.5
+    preemption.on_signal(15)  # a pod's second stopper: the same request, within the first one's grace
     with pytest.raises(Preempted, match="SIGINT during the grace: stopped at once"):
         preemption.on_signal(2)  # raised by the handler, wherever the driver is
 
