@@ -36,10 +36,12 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "ray[default,data]==${R
     && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash undying
 
 # The checkout is bind-mounted for its install (BuildKit), so that no layer keeps its files; the
-# pins again, so that pip resolves undying's ranges against them.
+# pins again, so that pip resolves undying's ranges against them. boto3 for Ray's cluster launcher:
+# its AWS node provider, run by the head's autoscaler inside this image, imports it (pip picks the
+# release whose botocore s3fs's aiobotocore pins).
 RUN --mount=type=bind,source=.,target=/tmp/undying-src,rw \
     pip install --no-cache-dir "torch==${TORCH_VERSION}" "ray[default,data]==${RAY_VERSION}" \
-        "/tmp/undying-src[s3,plot,tensorboard,wandb]"
+        "/tmp/undying-src[s3,plot,tensorboard,wandb]" "boto3>=1.34"
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it. Ray writes under /tmp/ray and
 # the home directory, both writable by it.
