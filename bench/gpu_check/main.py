@@ -16,7 +16,7 @@ It proves, on this machine, in under eight minutes on one H200 (planned, not yet
   * checkpoint staging: the device -> pinned host copy rate, and both checkpoint writers'.
 It prints one table (bench.gpu_check.verdict) and writes the raw figures to `--out` (default
 `runs/gpu_check.json`). Exit status: 0 all within tolerance, 1 any check out of tolerance or
-raising, 3 no CUDA device (nothing checked).
+raising, 3 no CUDA device or a torch older than undying needs (nothing checked).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.json"), help="where the raw figures go (JSON)")
     parser.add_argument("--preset", default="llama3.2-1b", help="model of the training and memory runs")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=8, help="samples per step (one microbatch)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="samples per step (one microbatch; default 8 on a device of 100 GB or more, else 4: "
+                             "the cost model puts 8 x 2048 tokens of llama3.2-1b at 75 GiB)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--recompute", nargs="+", default=["none", "block"], choices=["none", "selective", "block"],
@@ -52,6 +54,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-tolerance", type=float, default=0.15)
     parser.add_argument("--min-staging-gbps", type=float, default=10.0)
     return parser.parse_args(argv)
+
+
+def torch_too_old(version: str) -> str | None:
+    """Why this torch cannot run the check (older than pyproject.toml's torch>=X that the code's APIs
+    need: a GPU image's own torch may be), or None. A partial run would fail check by check instead."""
+    import re
+
+    wanted = re.search(r'"torch>=([0-9.]+)', (ROOT / "pyproject.toml").read_text())
+    have = tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+    need = tuple(int(p) for p in wanted.group(1).split(".")) if wanted else ()
+    if have >= need:
+        return None
+    return (f"gpu-check: torch {version} is older than the torch>={wanted.group(1)} undying needs; run it with a "
+            "Python whose CUDA torch is that new (GPU_PYTHON=...), nothing was checked")
 
 
 def no_cuda_message(torch) -> str:
@@ -171,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(no_cuda_message(torch), file=sys.stderr)
         return EXIT_NO_CUDA
+    if (too_old := torch_too_old(torch.__version__)) is not None:
+        print(too_old, file=sys.stderr)
+        return EXIT_NO_CUDA
+    if args.micro_batch is None:
+        args.micro_batch = 8 if torch.cuda.get_device_properties(0).total_memory >= 100e9 else 4
     result: dict = {"args": vars(args)}
     rows = Checks(args, result).run()
     print(format_table(rows))

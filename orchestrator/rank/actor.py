@@ -160,19 +160,24 @@ class RankActor:
         self.writer_store = connect(address, gen, timeout_s=timeout_s)
         # And the memory level's writer thread, for its snapshot receipts.
         self.snapshot_store = connect(address, gen, timeout_s=timeout_s)
-        backend = "nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"
+        backend, bound = ("nccl" if self.spec.resources.gpus_per_rank > 0 else "gloo"), {}
         if backend == "nccl":
             import torch
 
             require_cuda(self.spec.resources.gpus_per_rank)
             # Ray shows a rank its one GPU as device 0. Bound before the group forms, so that NCCL's
-            # communicators and a barrier use it rather than guess (torch warns when it must).
+            # communicators and a barrier use it rather than guess (torch warns when it must); and
+            # given as the group's device, so that its communicator forms here, in the join the
+            # controller times, and the mesh's sub-groups split from it as they are built: formed
+            # lazily at a first collective (in a restore, a first step), one a dead peer left half
+            # made could not be aborted (orchestrator.rank.comm_abort), and its rank would hang.
             torch.cuda.set_device(0)
+            bound = {"device_id": torch.device("cuda", 0)}
         self.collective_s = collective_timeout_s or timeout_s  # the mesh's groups (build_engine) take it too
         with CommSockets.capture() as self.sockets:
             dist.init_process_group(
                 backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=self.collective_s),
+                timeout=timedelta(seconds=self.collective_s), **bound,
             )
         return time.perf_counter() - started
 
@@ -354,7 +359,7 @@ _PEAK_FLOPS: dict[str, float] = {}
 def peak_flops_per_rank(spec, device) -> float:
     """Peak FLOP/s of one rank's device, for MFU: the vendor's dense figure on GPUs, a measured
     matmul peak on CPUs (cached per process; measured once, at this process's first restore)."""
-    from trainer.costmodel.hardware import hardware, measure_cpu_matmul_flops
+    from trainer.costmodel.hardware import measure_cpu_matmul_flops, named_peak
 
     precision = spec.train.precision
     key = f"{device.type}:{precision}"
@@ -362,9 +367,8 @@ def peak_flops_per_rank(spec, device) -> float:
         if device.type == "cuda":
             import torch
 
-            name = torch.cuda.get_device_name(device).lower()
-            match = next((g for g in ("h200", "h100", "a100") if g in name), None)
-            _PEAK_FLOPS[key] = hardware(match, (precision,)).peak_flops[precision] if match else float("nan")
+            peak = named_peak(torch.cuda.get_device_name(device), precision)
+            _PEAK_FLOPS[key] = float("nan") if peak is None else peak
         else:
             _PEAK_FLOPS[key] = measure_cpu_matmul_flops(0.3, precision)
     return _PEAK_FLOPS[key]

@@ -24,6 +24,22 @@ def test_bf16_peak_by_device_name(name, peak):
     assert bf16_peak(name) == peak
 
 
+def test_a_torch_older_than_the_package_needs_is_refused_before_any_check():
+    from bench.gpu_check.main import torch_too_old
+
+    assert torch_too_old("2.13.0+cu130") is None and torch_too_old("2.14.1") is None
+    assert "older than the torch>=2.13" in torch_too_old("2.5.1+cu124")
+    assert torch_too_old("2.13.0a0+git1234") is None  # a source build of that release
+
+
+def test_a_ranks_peak_at_its_precision_comes_from_the_same_table():
+    from trainer.costmodel.hardware import named_peak
+
+    assert named_peak("NVIDIA H100 80GB HBM3", "fp32") == 67e12 and named_peak("NVIDIA H100 PCIe", "fp16") == 756e12
+    assert named_peak("NVIDIA H100 PCIe", "fp32") is None  # not guessed from the SXM part's
+    assert named_peak("NVIDIA GeForce RTX 4090", "bf16") is None
+
+
 def test_mfu_is_model_flops_over_peak_and_unknown_without_a_peak():
     assert mfu(50_000, 8e9, 1000e12) == pytest.approx(0.4)
     assert mfu(50_000, 8e9, None) is None

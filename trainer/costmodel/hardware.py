@@ -12,6 +12,13 @@ sparsity that doubles NVIDIA's headline tensor numbers):
                   (624 with sparsity), FP32 19.5 TFLOP/s, HBM2e 80GB at 2,039 GB/s, NVLink 3
                   600 GB/s per GPU.
 
+A running device is known by the name CUDA gives it (`named_peak`): besides the SXM parts above,
+  H100 PCIe   NVIDIA H100 datasheet: BF16 tensor 756 TFLOP/s dense (1,513 with sparsity)
+  H100 NVL    NVIDIA H100 NVL datasheet: 835 TFLOP/s dense (1,671 with sparsity)
+  L40S        NVIDIA L40S datasheet: 362.05 TFLOP/s dense (733 with sparsity)
+  B200        NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense per GPU (4.5 with sparsity)
+whose FP32 figures the table leaves out (their MFU at fp32 is unknown, never guessed).
+
 The FP32 figure is the non-tensor-core one because torch runs fp32 matmuls in full fp32
 unless TF32 is enabled (`torch.backends.cuda.matmul.allow_tf32` is False by default).
 Vendor "GB" of HBM are binary (an H100 80GB shows 81559 MiB in nvidia-smi, an H200 143771
@@ -92,6 +99,30 @@ GPUS: dict[str, Hardware] = {
     "a100": _gpu("A100 SXM 80GB", 312e12, 19.5e12, 80, 2.039e12, 600e9, 25e9),
 }
 DEVICE_NAMES = (*GPUS, "cpu")
+# Device-name fragment -> (dense bf16 FLOP/s, the GPUS row of the part, if it is one). The first
+# fragment in the name wins, so a variant ("H100 PCIe") comes before the part it shares a name with
+# ("H100"); "GH200" contains "H200" and has the same Hopper compute. Sources: module docstring.
+NAMED_GPUS: tuple[tuple[str, float, str | None], ...] = (
+    ("H100 PCIe", 756e12, None),
+    ("H100 NVL", 835e12, None),
+    ("H200", GPUS["h200"].peak("bf16"), "h200"),
+    ("H100", GPUS["h100"].peak("bf16"), "h100"),
+    ("A100", GPUS["a100"].peak("bf16"), "a100"),
+    ("L40S", 362.05e12, None),
+    ("B200", 2250e12, None),
+)
+
+
+def named_peak(device_name: str, precision: str) -> float | None:
+    """The dense peak FLOP/s at `precision` of the device CUDA calls `device_name` ("NVIDIA H100
+    PCIe"), or None when the table does not know it (MFU is then unknown, never guessed)."""
+    found = next((row for row in NAMED_GPUS if row[0].lower() in device_name.lower()), None)
+    if found is None:
+        return None
+    _, tensor_peak, part = found
+    if precision in ("bf16", "fp16"):
+        return tensor_peak
+    return GPUS[part].peak(precision) if part is not None else None
 
 
 def hardware(name: str, precisions: tuple[str, ...] = ("fp32",)) -> Hardware:
