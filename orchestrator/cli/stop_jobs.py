@@ -19,22 +19,26 @@ Protocol: the hook runs in the head's container (the drivers of jobs submitted t
 there, as the container's user), once, before the container's SIGTERM.
 
 Exit codes: 0 every job ended (or none ran); 1 some still ran after --wait, or the job API did not
-answer (the pod ends either way: a preStop hook's failure only delays it).
+answer (the pod ends either way: a preStop hook's failure only delays it); 2 a --wait that is not a
+number of seconds from 0 to 3600. A job whose stop fails (its driver another user's) is reported,
+and the others are stopped all the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
 import sys
 import time
 
-from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 LIVE = ("PENDING", "RUNNING")
 REQUEST_TIMEOUT_S = 5.0
+MAX_WAIT_S = 3600.0  # as drain-node's: a preStop hook longer than an hour is a typo
 
 
 HELP = "SIGTERM this Ray cluster's job drivers and wait for them to end (a head pod's preStop hook)"
@@ -49,6 +53,10 @@ def add_stop_jobs_parser(sub) -> None:
 
 
 def stop_jobs_main(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.wait) and 0 <= args.wait <= MAX_WAIT_S):
+        print(f"undying stop-jobs: --wait must be a number of seconds from 0 to {MAX_WAIT_S:g} (under the pod's "
+              f"grace), not {args.wait:g}", file=sys.stderr)
+        return EXIT_USAGE
     # The job API's client sets no timeout of its own: the process's default bounds each request,
     # put back afterwards (a caller in the same process keeps its sockets as they were).
     previous = socket.getdefaulttimeout()
@@ -67,7 +75,7 @@ def _stop_all(args: argparse.Namespace) -> int:
         client = JobSubmissionClient(args.address)
         live = [job for job in client.list_jobs() if str(job.status) in LIVE and job.submission_id]
         for job in live:
-            print(f"undying stop-jobs: job {job.submission_id}: {_stop(client, job)}", flush=True)
+            print(f"undying stop-jobs: job {job.submission_id}: {_stop_one(client, job)}", flush=True)
         waiting = [job.submission_id for job in live]
         while waiting and time.monotonic() - started < args.wait:
             time.sleep(0.5)
@@ -81,6 +89,15 @@ def _stop_all(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(f"undying stop-jobs: no job running ({time.monotonic() - started:.1f} s)", flush=True)
     return EXIT_OK
+
+
+def _stop_one(client, job) -> str:
+    """`_stop`, whose failure for one job (a driver of another user, a refused stop) is reported and
+    leaves the others to be stopped: each job not stopped dies with the pod, without its checkpoint."""
+    try:
+        return _stop(client, job)
+    except Exception as err:  # noqa: BLE001 (os.kill's PermissionError, the job API's errors)
+        return f"not stopped ({type(err).__name__}: {err}); the other jobs are stopped all the same"
 
 
 def _stop(client, job) -> str:
