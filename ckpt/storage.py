@@ -144,7 +144,9 @@ class Storage:
                 f.close()  # uploads the last part; the object still does not exist
                 f.commit()
             except BaseException:
-                f.discard()  # abort the multipart upload, so no part lingers (or is billed)
+                # Abort the multipart upload, so no part lingers (or is billed); an abort the store fails too
+                with contextlib.suppress(Exception):  # leaves it to GC: the write's own error is the one raised
+                    f.discard()
                 f.closed = True  # else the file's finaliser tries to upload the discarded buffer
                 raise
         else:
@@ -288,11 +290,9 @@ class Storage:
         self.invalidate()
 
     def pending_uploads(self, path: str) -> list[tuple[str, str]]:
-        """S3: (key, upload id) of every multipart upload begun and never completed or aborted under `path`.
-
-        A writer killed mid-upload (SIGKILL, a lost node) leaves its upload pending: its
-        parts are stored (and billed) but no object shows them. Empty on other stores.
-        """
+        """S3: (key, upload id) of every multipart upload begun and never completed or aborted under `path`:
+        a writer killed mid-upload (SIGKILL, a lost node) leaves its upload pending, its parts stored (and
+        billed) but shown by no object. Empty on other stores."""
         if not self.is_s3:
             return []
         bucket, key, _ = self.fs.split_path(path)

@@ -5,6 +5,7 @@ under a whole-file read)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 
@@ -149,3 +150,34 @@ def test_a_call_to_a_hung_store_is_botocore_s_attempts_not_s3fs_s_retries_of_the
     assert storage.fs.retries == 1
     storage.write_immutable(storage.path("x.bin"), b"x")
     assert storage.read(storage.path("x.bin")) == b"x"
+
+
+def test_a_prepared_dataset_s_reads_are_botocore_s_attempts_too(s3_backend, tmp_path):
+    # The data path read with s3fs's default 5 x 5 retries: a hung store held one ranged GET ~30 min,
+    # far past data.read_retry_s and the hang and collective limits sized by it.
+    from tests._tokens import write_token_dataset
+    from trainer.tokens.reader import TokenDataset
+
+    url = write_token_dataset(f"{s3_backend.url}/tokens", np.arange(100) % 50, 50,
+                              storage_options=s3_backend.storage_options)
+    ds = TokenDataset(url, s3_backend.storage_options)
+    assert ds.fs.retries == 1 and ds.read(10, 5).tolist() == [10, 11, 12, 13, 14]
+    assert s3_backend.server.filesystem().retries != 1  # its own instance: nobody else's client changed
+
+
+def test_an_abort_the_store_fails_too_leaves_the_write_s_own_error(s3_backend, monkeypatch):
+    storage = _storage(s3_backend, multipart_chunk=5 * MiB)
+    path = storage.path(step_dir(6), "shard-r00000.bin")
+    opened = storage.fs.open
+
+    def failing_abort(*args, **kwargs):
+        f = opened(*args, **kwargs)
+        f.discard = lambda: (_ for _ in ()).throw(OSError("the abort timed out"))
+        return f
+
+    monkeypatch.setattr(storage.fs, "open", failing_abort)
+    with pytest.raises(RuntimeError, match="killed"), storage.atomic_writer(path) as f:
+        f.write(b"a" * (6 * MiB))
+        f.flush()
+        raise RuntimeError("rank killed mid-write")
+    assert not storage.exists(path)  # the pending upload is GC's (ckpt.housekeeping)

@@ -66,10 +66,13 @@ class TokenDataset:
     def __init__(self, url: str, storage_options: dict | None = None, retry: Retry | None = None) -> None:
         self.url = url.rstrip("/")
         self.retry = retry if retry is not None else _Once()
-        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **(storage_options or {}))
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self._local = "file" in protocols
+        if {"s3", "s3a"} & set(protocols):  # as ckpt.storage.Storage: botocore's attempts alone, so that a hung
+            self.fs.retries = 1  # store's read fails in about a minute (s3fs's own retries of them made it ~30),
+            # into `retry`'s budget (data.read_retry_s), within the hang and collective limits sized by it
         self.manifest = self._read_manifest()
         self.dtype = numpy_dtype(self.manifest.dtype)
         counts = [s.n_tokens for s in self.manifest.shards]
