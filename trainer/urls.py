@@ -15,12 +15,15 @@ import re
 # fsspec protocols of object stores, whose locations start with a bucket (or container).
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 _ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")
+_NO_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):(?!/)")
+# Schemes a URL without its slashes (`s3:bucket/x`) is taken for; another name with a colon is a path.
+_KNOWN_SCHEMES = OBJECT_STORES | {"file", "memory", "http", "https", "hf"}
 
 
 def absolute_url(url: str) -> str:
     """An fsspec URL with an absolute path and no trailing slash; ValueError when empty, or when it
-    is a URL mistyped into a relative path (`file:/data`, `s3:/bucket`, `file://data`): taken as
-    written, it would name a folder under the working directory."""
+    is a URL mistyped into a relative path (`file:/data`, `s3:/bucket`, `s3:bucket`, `file://data`):
+    taken as written, it would name a folder under the working directory."""
     url = url.strip()
     if not url:
         raise ValueError("is empty; give an fsspec URL such as file:///data/ckpt or s3://bucket/prefix")
@@ -30,6 +33,11 @@ def absolute_url(url: str) -> str:
             raise ValueError(f"{url!r} is a Windows path; give a path or URL of the machines the job runs on")
         meant = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
         raise ValueError(f"{url!r} has one slash after '{scheme}:'; did you mean {meant!r}?")
+    if (bare := _NO_SLASH.match(url)) and bare.group(1).lower() in _KNOWN_SCHEMES:
+        scheme, rest = bare.group(1), url[bare.end():]
+        meant = f"file:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+        raise ValueError(f"{url!r} has no slashes after '{scheme}:' (taken as written, it would be a folder "
+                         f"named so under the working directory); did you mean {meant!r}?")
     if url.startswith("file://") and not url.startswith("file:///"):
         raise ValueError(f"{url!r}: file:// takes an absolute path (file:///data/ckpt, three slashes); for a "
                          "folder under the working directory give the plain path")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ckpt.storage_options import explain
 from orchestrator.cli.ckpt_catalog import unknown_protocol
 from orchestrator.cli.ckpt_cmd import (
     UsageError,
@@ -82,6 +83,10 @@ def _check_device(device: str) -> None:
         raise UsageError(f"--device {device!r}: not a torch device ({err}); use cpu or cuda") from None
     if kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device!r}: this machine has no CUDA device torch can use; use --device cpu")
+    index = torch.device(device).index
+    if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if kind not in ("cpu", "cuda"):
         raise UsageError(f"--device {device!r}: evaluation runs on cpu or cuda")
 
@@ -127,6 +132,12 @@ def _evaluate(args: argparse.Namespace) -> dict:
     if dataset.vocab_size > cfg.vocab_size:
         raise UsageError(f"--data {args.data}: token ids up to {dataset.vocab_size - 1}, beyond the model's "
                          f"vocabulary of {cfg.vocab_size}; evaluate on data tokenized for this model")
+    trained = manifest.state.get("tokenizer", {})  # what the job's prepared data was tokenized with
+    if trained.get("sha256") and dataset.manifest.tokenizer_sha256 != trained["sha256"]:
+        raise UsageError(f"--data {args.data}: tokenized with another tokenizer (SHA-256 "
+                         f"{dataset.manifest.tokenizer_sha256[:12]}...) than the data step {step} trained on "
+                         f"({trained['sha256'][:12]}..., {trained.get('url')}): its ids would mean other words to "
+                         "this model; prepare it with that tokenizer")
     seq_len = args.seq_len or manifest.state.get("seq_len") or cfg.max_seq_len
     if seq_len > cfg.max_seq_len:
         raise UsageError(f"--seq-len {seq_len}: beyond the model's max_seq_len {cfg.max_seq_len}")
@@ -151,6 +162,9 @@ def eval_main(args: argparse.Namespace) -> int:
     except Exception as err:
         if not is_storage_error(err):
             raise
+        words = explain(err, "--storage-option")  # missing credentials: no rerun helps until they are set
+        if words is not None:
+            return fail_line(args.as_json, f"undying eval: {words}", EXIT_USAGE)
         return fail_line(args.as_json, f"undying eval: storage error: {error_reason(err)}", EXIT_FAILED)
     if args.as_json:
         print(json.dumps(out, sort_keys=True))

@@ -38,6 +38,7 @@ def test_bad_spec_exits_2_naming_every_field():
         ("resources.num_ranks=8", "resources.num_ranks"),
         ("typo_key=1", "typo_key"),
         ("checkpoint.url=nosuchproto://bucket/x", "checkpoint.url"),
+        ("checkpoint.url=s3:bucket/x", "did you mean 's3://bucket/x'"),  # else a local folder named s3:bucket
         ("checkpoint.url=file:///proc/undying-cannot-write", "checkpoint.url"),
         ("chaos.faults=[{kind: kill_controller, at_seconds: 3}]", "chaos.faults[0].at_seconds"),
         ("chaos.faults=[{kind: kill_controller, at_point: after_backward}]", "chaos.faults[0].at_point"),

@@ -70,7 +70,8 @@ def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
     (tmp_path / "corpus.txt").write_text("text, not a prepared dataset")
     for data, words in ((str(tmp_path / "corpus.txt"), "corpus.txt: a file, not a prepared dataset; prepare it first"),
                         ("htps://host/data", "--data htps://host/data: unknown or unavailable protocol"),
-                        ("s3:/bucket/data", "--data 's3:/bucket/data' has one slash after 's3:'")):
+                        ("s3:/bucket/data", "--data 's3:/bucket/data' has one slash after 's3:'"),
+                        ("s3:bucket/data", "did you mean 's3://bucket/data'?")):
         assert main(["eval", url, "--data", data]) == 2
         assert words in capsys.readouterr().err
     wide = write_token_dataset(tmp_path / "wide", np.arange(3000) % 500, vocab_size=500)
@@ -78,8 +79,9 @@ def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
     assert "beyond the model's vocabulary of 96" in capsys.readouterr().err
     for argv, words in ((["--device", "bogus"], "--device 'bogus': not a torch device"),
                         (["--device", "cuda"], "no CUDA device"), (["--seq-len", "-5"], "--seq-len -5: must be"),
-                        (["--seq-len", "0"], "--seq-len 0: must be")):
-        if argv[-1] == "cuda" and torch.cuda.is_available():
+                        (["--seq-len", "0"], "--seq-len 0: must be"),
+                        (["--device", "cuda:7"], "cuda:7")):
+        if argv[-1].startswith("cuda") and torch.cuda.device_count() > int(argv[-1].partition(":")[2] or 0):
             continue
         assert main(["eval", url, "--data", str(dataset), "--json", *argv]) == 2
         out = json.loads(capsys.readouterr().out)
@@ -100,6 +102,15 @@ def test_arguments_and_the_manifest_are_checked_before_the_weights_are_read(tmp_
     assert main(["eval", url, "--data", str(dataset)]) == 2  # a newer undying's checkpoint: one line, no traceback
     err = capsys.readouterr().err
     assert f"--step {step}:" in err and "schema_version 99" in err and "Traceback" not in err
+
+
+def test_data_tokenized_otherwise_than_the_job_s_is_refused(tmp_path, dataset, capsys):
+    save_hf(tmp_path / "hf")
+    recorded = {"url": "file:///tok/tokenizer.json", "sha256": "a" * 64}  # what a job on prepared data records
+    commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck", tokenizer=recorded)
+    assert main(["eval", f"file://{tmp_path}/ck", "--data", str(dataset), "--seq-len", str(T)]) == 2
+    err = capsys.readouterr().err
+    assert "tokenized with another tokenizer" in err and "file:///tok/tokenizer.json" in err
 
 
 def test_the_engines_evaluation_equals_the_one_process_loss(tmp_path, dataset):
