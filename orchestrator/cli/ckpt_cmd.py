@@ -29,7 +29,6 @@ such step, bad option): one line naming the argument and the fix, never a traceb
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -46,6 +45,7 @@ from orchestrator.cli.ckpt_catalog import (
 from orchestrator.cli.ckpt_gc import collect_garbage
 from orchestrator.cli.ckpt_listing import list_checkpoints, verify_checkpoints
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, fail_line
+from orchestrator.cli.output_paths import checkpoint_root_above
 from orchestrator.cli.storage_args import add_storage_option_args, parse_storage_options
 
 
@@ -192,22 +192,6 @@ def _export_safetensors(catalog: Catalog, step: int, args: argparse.Namespace, m
     return EXIT_OK
 
 
-def _checkpoint_root_above(out: str) -> str | None:
-    """The nearest folder above the local path `out` that is a checkpoint root (it holds step-<9 digits>
-    directories or an owner/ lease), any job's, this one's read through another URL (a mount) too."""
-    from ckpt.manifest import parse_step_dir
-    from ckpt.owner_claims import OWNER_DIR
-
-    folder = os.path.dirname(out)
-    while True:
-        with contextlib.suppress(OSError):
-            if any(name == OWNER_DIR or parse_step_dir(name) is not None for name in os.listdir(folder)):
-                return folder
-        if os.path.dirname(folder) == folder:
-            return None
-        folder = os.path.dirname(folder)
-
-
 def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
     """`action(catalog, step, args, manifest)` on the chosen committed step; damage exits 1. The
     output goes to an existing directory outside a local checkpoint root: retention and garbage
@@ -219,7 +203,7 @@ def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
         raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} does not exist; create it first")
     root = os.path.realpath(catalog.storage.root) if catalog.storage.is_local else None
     if root is None or os.path.commonpath([out, root]) != root:
-        root = _checkpoint_root_above(out)  # another job's, or this one's through a mount of its store
+        root = checkpoint_root_above(out)  # another job's, or this one's through a mount of its store
     if root is not None:
         raise UsageError(f"--out {args.out} is inside the checkpoint folder {root}, whose files retention and "
                          "garbage collection own; write the export outside it")

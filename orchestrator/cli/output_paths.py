@@ -1,7 +1,8 @@
 """Local files a command writes when it ends (`--report`, `--timeline`, `--out`, `--plot`), checked
 before it starts anything: a path that names a directory, or a place this user cannot write,
-would otherwise fail after a run of hours, its files unwritten. Their parent directories are
-created when written, so a missing one is fine where it can be made.
+would otherwise fail after a run of hours, its files unwritten; a path inside a checkpoint root
+could replace a checkpoint's file (retention and garbage collection own everything there). Their
+parent directories are created when written, so a missing one is fine where it can be made.
 
 Protocol: a command calls `output_problems({flag: path})` with the flags it was given, after the
 spec is loaded and before it connects to Ray; each Problem names the flag and the fix (exit 2).
@@ -9,14 +10,42 @@ spec is loaded and before it connects to Ray; each Problem names the flag and th
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 from orchestrator.spec.problems import Problem
 
 
+def checkpoint_root_above(out: str) -> str | None:
+    """The nearest folder above the local path `out` that is a checkpoint root (it holds step-<9 digits>
+    directories or an owner/ lease), any job's, one read through another URL (a mount) too."""
+    from ckpt.manifest import parse_step_dir
+    from ckpt.owner_claims import OWNER_DIR
+
+    folder = os.path.dirname(out)
+    while True:
+        with contextlib.suppress(OSError):
+            if any(name == OWNER_DIR or parse_step_dir(name) is not None for name in os.listdir(folder)):
+                return folder
+        if os.path.dirname(folder) == folder:
+            return None
+        folder = os.path.dirname(folder)
+
+
 def _problem(path: str) -> str | None:
+    try:
+        return _writable_problem(path)
+    except OSError as err:  # a parent this user cannot enter: Path.exists and is_dir raise EACCES
+        return f"{path} cannot be reached by this user ({err.strerror}); choose a writable place"
+
+
+def _writable_problem(path: str) -> str | None:
     target = Path(path).expanduser()
+    root = checkpoint_root_above(os.path.realpath(target))
+    if root is not None:
+        return f"{path} is inside the checkpoint folder {root}, whose files retention and garbage collection own; " \
+               "write it outside"
     if target.is_dir():
         return f"{path} is a directory; give a file path"
     existing = next(p for p in (target.parent.absolute(), *target.parent.absolute().parents) if p.exists())

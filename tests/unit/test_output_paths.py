@@ -28,3 +28,21 @@ def test_undying_run_refuses_a_report_path_that_is_a_directory_before_ray(tmp_pa
                  "--set", f"checkpoint.url=file://{tmp_path}/ckpt"])
     err = capsys.readouterr().err
     assert code == 2 and "--report" in err and "is a directory" in err
+
+
+def test_a_path_inside_a_checkpoint_root_is_refused_before_it_could_replace_a_checkpoint_s_file(tmp_path):
+    step = tmp_path / "ck" / "job" / "step-000000100"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    [problem] = output_problems({"--out": str(step / "manifest.json")})
+    assert problem.field == "--out" and f"inside the checkpoint folder {tmp_path / 'ck' / 'job'}" in problem.message
+    assert output_problems({"--out": str(tmp_path / "ck" / "report.json")}) == []  # beside the roots is fine
+
+
+def test_a_parent_this_user_cannot_enter_is_a_problem_not_a_traceback(tmp_path, monkeypatch):
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_dir", denied)
+    [problem] = output_problems({"--report": str(tmp_path / "locked" / "r.json")})
+    assert problem.field == "--report" and "cannot be reached by this user (Permission denied)" in problem.message
