@@ -43,7 +43,10 @@ def unknown_protocol(named: str, err: BaseException) -> str:
 
 
 def is_storage_error(err: BaseException) -> bool:
-    """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors)."""
+    """OSError, or an error of the S3 client stack (botocore's own errors are not OSErrors); not a closed
+    pipe on our own output (`ckpt verify | head`), which the CLI's main ends quietly."""
+    if isinstance(err, BrokenPipeError):
+        return False
     return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
 
 

@@ -34,10 +34,11 @@ import importlib
 import json
 import logging
 import math
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from orchestrator.cli.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, print_problems
+from orchestrator.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.cluster.address import RayAddressError
 
 # Commands defined in their own modules, each with its own spec handling or none (they work on a
@@ -260,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except RayAddressError as err:  # before any work: one line, the fix in it
         print(f"undying {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader of our output went away (`undying ckpt verify URL | head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again
+        return EXIT_FAILED
     except KeyboardInterrupt:  # what each command holds (a lease, a temp file) it let go on the way out
         action = getattr(args, f"{args.command}_command", None)  # `ckpt gc`: the subcommand too
         print(f"undying {args.command}{f' {action}' if action else ''}: interrupted", file=sys.stderr)

@@ -139,3 +139,22 @@ def test_ckpt_json_errors_are_json_too(capsys, tmp_path):
     assert code == 2 and err == ""
     failure = json.loads(out)
     assert failure["exit"] == 2 and "does not exist" in failure["error"]
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, tmp_path):
+    # `undying ckpt verify URL | head -1`: the next line's write finds the pipe closed.
+    import io
+    import sys
+
+    from orchestrator.cli.main import main
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return sink.fileno()
+
+    with open(tmp_path / "sink", "w") as sink:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        assert main(["spec", "--markdown"]) == 1
