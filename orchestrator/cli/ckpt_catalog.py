@@ -50,6 +50,16 @@ def is_storage_error(err: BaseException) -> bool:
     return isinstance(err, OSError) or type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
 
 
+def deleted_meanwhile(catalog: Catalog, step: int) -> bool:
+    """Whether committed `step` is no longer committed: its read failed because a running job's retention
+    (or `undying ckpt gc`) deleted it since it was listed, not because it is damaged."""
+    try:
+        catalog.storage.invalidate()
+        return step not in catalog.committed_steps()
+    except Exception:  # noqa: BLE001 (a store that fails now proves nothing: the damage message stands)
+        return False
+
+
 def open_catalog(url: str, options: dict) -> Catalog:
     url = normalise_url(url)
     try:

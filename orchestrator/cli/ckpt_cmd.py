@@ -37,6 +37,7 @@ from ckpt.storage_errors import DEFAULT_READ_RETRY_S
 from monitor.progress import human_bytes
 from orchestrator.cli.ckpt_catalog import (
     committed_or_fail,
+    deleted_meanwhile,
     error_reason,
     is_storage_error,
     open_catalog,
@@ -214,18 +215,9 @@ def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
         raise UsageError(f"--step {step}: {err}") from None
     except CorruptCheckpoint as err:
         what = "was deleted meanwhile (by a running job's retention, or `undying ckpt gc`); export a step that is " \
-               "kept (`undying ckpt ls`)" if _deleted_meanwhile(catalog, step) else f"is damaged: {err}"
+               "kept (`undying ckpt ls`)" if deleted_meanwhile(catalog, step) else f"is damaged: {err}"
         print(f"undying ckpt {args.ckpt_command}: step {step} {what}; nothing written", file=sys.stderr)
         return EXIT_FAILED
-
-
-def _deleted_meanwhile(catalog: Catalog, step: int) -> bool:
-    """Whether committed `step` is no longer committed (its read failed because it went, not damage)."""
-    try:
-        catalog.storage.invalidate()
-        return step not in catalog.committed_steps()
-    except Exception:  # noqa: BLE001 (a store that fails now proves nothing: the damage message stands)
-        return False
 
 
 COMMANDS = {"ls": list_checkpoints, "verify": verify_checkpoints, "export": _export, "gc": collect_garbage}

@@ -31,6 +31,7 @@ from orchestrator.cli.ckpt_catalog import (
     about,
     check_read_retry_s,
     committed_or_fail,
+    deleted_meanwhile,
     error_reason,
     human_age,
     layout_label,
@@ -128,6 +129,8 @@ def verify_one(catalog: Catalog, step: int, read_retry_s: float) -> dict[str, An
         with Progress(f"undying ckpt verify step {step}") as progress:  # a bar, or a line every 10 s
             verify_checkpoint(catalog, step, retry, on_bytes=progress.advance)
     except CorruptCheckpoint as err:
+        if deleted_meanwhile(catalog, step):  # a running job's retention, not damage: nothing to alarm about
+            return {"step": step, "status": "deleted", "error": None}
         return {"step": step, "status": "corrupt", "error": about(step, err)}
     except TransientStorageError as err:  # proves nothing about this one; the others are still checked
         return {"step": step, "status": "not_verified", "transient": True, "error": about(step, err)}
@@ -145,6 +148,8 @@ def verify_line(r: dict[str, Any]) -> str:
                 f"{human_bytes(r['bytes'])}, {r['seconds']:.2f} s)")
     if r["status"] == "corrupt":
         return f"step {r['step']}: CORRUPT: {r['error']}"
+    if r["status"] == "deleted":
+        return f"step {r['step']}: deleted meanwhile (a running job's retention, or `undying ckpt gc`), not checked"
     why = " (transient storage errors)" if r.get("transient") else ""
     return f"step {r['step']}: NOT VERIFIED{why}: {r['error']}"
 
@@ -158,7 +163,7 @@ def verify_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
         results.append(verify_one(catalog, step, args.read_retry_s))
         if not args.as_json:  # a line per checkpoint as it is done: a big one takes minutes
             print(verify_line(results[-1]), flush=True)
-    bad = [r for r in results if r["status"] != "ok"]
+    bad = [r for r in results if r["status"] not in ("ok", "deleted")]
     if args.as_json:
         print(json.dumps({"url": catalog.storage.url, "ok": not bad, "checkpoints": results}))
     elif bad:

@@ -26,6 +26,7 @@ from orchestrator.cli.ckpt_catalog import unknown_protocol
 from orchestrator.cli.ckpt_cmd import (
     UsageError,
     committed_or_fail,
+    deleted_meanwhile,
     error_reason,
     is_storage_error,
     open_catalog,
@@ -71,6 +72,20 @@ def _load_model(catalog, step: int, cfg, manifest, device: str):
     model = build_model(cfg, seed=0, device=device)
     model.load_state_dict({n.removeprefix("model/"): t for n, t in tensors.items()}, strict=True)
     return model
+
+
+def _loaded(catalog, step: int, cfg, manifest, device: str):
+    """The model of checkpoint `step`; a step a running job's retention deleted since it was chosen is
+    a UsageError saying so (its read fails like damage would)."""
+    from ckpt.errors import CorruptCheckpoint
+
+    try:
+        return _load_model(catalog, step, cfg, manifest, device)
+    except CorruptCheckpoint:
+        if deleted_meanwhile(catalog, step):
+            raise UsageError(f"--step {step}: deleted meanwhile (a running job's retention, or `undying ckpt gc`); "
+                             "evaluate a step that is kept (`undying ckpt ls`)") from None
+        raise
 
 
 def _check_device(device: str) -> None:
@@ -145,7 +160,7 @@ def _evaluate(args: argparse.Namespace) -> dict:
         windows = eval_windows(dataset, seq_len, args.windows)
     except ValueError as err:
         raise UsageError(f"--windows {args.windows}: {err}") from None
-    result = loss_of_model(_load_model(catalog, step, cfg, manifest, args.device), windows)
+    result = loss_of_model(_loaded(catalog, step, cfg, manifest, args.device), windows)
     return {"loss": result.loss, "tokens": result.tokens, "step": step, "windows": result.windows,
             "seq_len": result.seq_len, "data": args.data}
 

@@ -200,6 +200,26 @@ def test_verify_reports_a_checkpoint_the_store_keeps_failing_and_checks_the_othe
             assert code == 2 and f"--read-retry-s {endless}: must be 0 (no retry) or a finite number" in err
 
 
+def test_a_checkpoint_retention_deletes_while_verify_runs_is_not_called_corrupt(capsys, job, monkeypatch):
+    import shutil
+
+    import ckpt.reader
+
+    url, catalog = job
+    real = ckpt.reader.verify_checkpoint
+
+    def retention_meanwhile(cat, step, *args, **kwargs):
+        if step == 10:  # a running job committed 40 and retired 10 after verify listed the steps
+            shutil.rmtree(catalog.storage.path("step-000000010"))
+        return real(cat, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.reader, "verify_checkpoint", retention_meanwhile)
+    code, out, err = run(capsys, "verify", url)
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("step 10: deleted meanwhile") and "CORRUPT" not in out
+    assert "step 20: ok" in out and "step 30: ok" in out
+
+
 def test_verify_of_a_step_that_is_not_committed(capsys, job):
     url, _ = job
     code, _, err = run(capsys, "verify", url, "--step", "15")
