@@ -73,6 +73,12 @@ class LazyParser(argparse.ArgumentParser):
 
     define = None
 
+    def __init__(self, *args, **kwargs):
+        # No prefixes of long options: `ckpt gc --f` is not --force, `--storage-options` (a typo) not
+        # --storage-options-file. Nested subcommands' parsers (ckpt ls, data prepare) are of this class.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def parse_known_args(self, args=None, namespace=None):
         if self.define is not None:
             define, self.define = self.define, None
@@ -105,7 +111,7 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="undying", description="Fault-tolerant training on Ray.")
+    parser = argparse.ArgumentParser(prog="undying", description="Fault-tolerant training on Ray.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"undying {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     run = sub.add_parser("run", help="run (or resume) a training job")

@@ -158,3 +158,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, tmp_path)
     with open(tmp_path / "sink", "w") as sink:
         monkeypatch.setattr(sys, "stdout", ClosedPipe())
         assert main(["spec", "--markdown"]) == 1
+
+
+@pytest.mark.parametrize("argv", [["ckpt", "gc", "file:///nowhere/job", "--f"],
+                                  ["ckpt", "ls", "file:///nowhere/job", "--storage-options", "a=b"]])
+def test_a_prefix_of_a_long_option_is_not_taken_for_it(capsys, argv):
+    from orchestrator.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:  # argparse's own usage error
+        main(argv)
+    assert stop.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
