@@ -202,6 +202,9 @@ def _export_checked(catalog: Catalog, args: argparse.Namespace, action) -> int:
     out = os.path.realpath(os.path.expanduser(args.out))
     if not os.path.isdir(os.path.dirname(out)):
         raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} does not exist; create it first")
+    if not os.access(os.path.dirname(out), os.W_OK | os.X_OK):  # the export's temporary copy goes there first
+        raise UsageError(f"--out {args.out}: directory {os.path.dirname(out)} cannot be written by this user; "
+                         "choose a writable place")
     root = os.path.realpath(catalog.storage.root) if catalog.storage.is_local else None
     if root is None or os.path.commonpath([out, root]) != root:
         root = checkpoint_root_above(out)  # another job's, or this one's through a mount of its store

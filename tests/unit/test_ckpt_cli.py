@@ -463,3 +463,15 @@ def test_ctrl_c_while_gc_watches_a_job_deletes_nothing_and_prints_one_line(job):
     assert gc.returncode == 130 and "step 30" in out  # it had verified the newest before it watched
     _one_line_error(err, "undying ckpt gc: interrupted")
     assert catalog.all_steps() == [10, 15, 20, 30, 35] and epochs(catalog.storage) == [0]  # gc claimed nothing
+
+
+def test_export_into_a_directory_this_user_cannot_write_names_out(capsys, job, tmp_path, monkeypatch):
+    url, _ = job
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(locked) else real(path, mode))
+    code, _, err = run(capsys, "export", url, "--out", str(locked / "m.safetensors"))
+    assert code == 2
+    _one_line_error(err, f"--out {locked / 'm.safetensors'}", "cannot be written by this user")
+    assert list(locked.iterdir()) == []
