@@ -46,10 +46,13 @@ def _rebuild(args: argparse.Namespace):
     from monitor.events import report_from_events
 
     storage = open_catalog(args.url, parse_storage_options(args.storage_options, args.storage_options_file)).storage
-    runs = list_runs(storage)
+    try:
+        runs = list_runs(storage)
+    except NotADirectoryError:
+        raise UsageError(f"URL {storage.url} is a file; give the job's checkpoint root, <checkpoint.url>/<job "
+                         "name>") from None
     if not runs:
-        raise UsageError(f"URL {storage.url} has no event log ({EVENTS_DIR}/); give the job's checkpoint root, "
-                         "<checkpoint.url>/<job name>, of a job run by this release")
+        raise UsageError(_no_event_log(storage))
     run = args.run or runs[-1]
     if run not in runs:
         raise UsageError(f"--run {run}: no such run under {storage.url}; it has {', '.join(runs)}")
@@ -59,6 +62,20 @@ def _rebuild(args: argparse.Namespace):
     except ValueError as err:
         raise UsageError(f"--run {run}: {err}") from None
     return report, run, runs, len(events)
+
+
+def _no_event_log(storage) -> str:
+    """Why the URL has no event log, naming the fix: it does not exist, it is checkpoint.url itself (its
+    job folders hold the logs), or it is a folder of a job an older release ran."""
+    from monitor.event_log import EVENTS_DIR
+
+    if not storage.exists(storage.root):
+        return f"URL {storage.url} does not exist; give the job's checkpoint root, <checkpoint.url>/<job name>"
+    jobs = [name for name in storage.listdir(storage.root)[:20] if EVENTS_DIR in storage.listdir(storage.path(name))]
+    if jobs:
+        return f"URL {storage.url} holds job folders, not one job's log; give one of them, e.g. {storage.url}/{jobs[0]}"
+    return (f"URL {storage.url} has no event log ({EVENTS_DIR}/); give the job's checkpoint root, <checkpoint.url>/"
+            "<job name>, of a job run by this release")
 
 
 def _timeline_path(args: argparse.Namespace, job: str) -> tuple[str | None, str | None]:

@@ -65,6 +65,14 @@ def test_report_of_a_root_without_an_event_log(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", f"file://{tmp_path}/empty", "--json"]) == 2
     assert "has no event log (events/)" in json.loads(capsys.readouterr().out)["error"]
+    url, _ = _logged(tmp_path, "r1")
+    (tmp_path / "a-file").write_text("x")
+    parent = url.rsplit("/", 1)[0]
+    for where, says in ((f"file://{tmp_path}/none", "does not exist"), (f"file://{tmp_path}/a-file", "is a file"),
+                        (parent, f"holds job folders, not one job's log; give one of them, e.g. {url}")):
+        assert main(["report", where, "--json"]) == 2
+        result = json.loads(capsys.readouterr().out)
+        assert result["exit"] == 2 and says in result["error"], result
 
 
 def test_eval_errors_parse_under_json(tmp_path, capsys):
