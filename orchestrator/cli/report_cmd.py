@@ -42,7 +42,7 @@ def add_report_parser(sub) -> None:
 
 
 def _rebuild(args: argparse.Namespace):
-    from monitor.event_log import EVENTS_DIR, list_runs, read_run
+    from monitor.event_log import list_runs, read_run
     from monitor.events import report_from_events
 
     storage = open_catalog(args.url, parse_storage_options(args.storage_options, args.storage_options_file)).storage
