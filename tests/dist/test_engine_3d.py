@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.dist._launch import run_ranks
+from tests.dist._updates import check_updates
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.engine import FAULT_POINTS, Engine
 from trainer.state_slices import assemble
@@ -148,6 +149,7 @@ LOW_PRECISION_PARAM_ATOL = 3e-2
 def test_bf16_and_fp16_pipelines_track_fp32():
     # autocast under DDP, the fp16 loss scaler, FSDP2's bf16 policy (low-precision stage boundaries), TP
     ref_losses, ref_state = reference()
+    initial = reference(steps=0)[1]
     runs = [(MODEL, TRAIN.model_copy(update={"precision": precision}), parallel) for precision, parallel in (
         ("bf16", par(dp=2, pp=2)), ("fp16", par(dp=2, pp=2, zero=1, schedule="gpipe")),
         ("bf16", par(dp=2, pp=2, zero=2, schedule="zero-bubble")), ("fp16", par(tp=2, pp=2, schedule="interleaved")))]
@@ -160,6 +162,7 @@ def test_bf16_and_fp16_pipelines_track_fp32():
         slices = [piece for rank_out in ranks for piece in rank_out[index][2]]
         copies = [piece for rank_out in ranks for piece in rank_out[index][3]]
         check_state(slices, copies, ref_state, label, atol=LOW_PRECISION_PARAM_ATOL)
+        check_updates(assemble(slices), initial, ref_state, label)  # (the bound above passes unmoved weights)
 
 
 # --- resume and checkpoints across pp degrees ---------------------------------------------------

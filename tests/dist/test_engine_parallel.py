@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.dist._launch import run_ranks
+from tests.dist._updates import check_updates
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.dtensor_slices import local
 from trainer.engine import Engine
@@ -200,10 +201,10 @@ def test_sharded_resume_is_bit_exact_and_loads_into_other_layouts():
 # a tiny gradient's sign costs a few lr). The bounds leave a few times that margin.
 LOW_PRECISION_LOSS_REL = 1e-3
 LOW_PRECISION_PARAM_ATOL = 3e-2
-
-
 def test_bf16_and_fp16_track_fp32():
-    ref_losses, _ = ref = reference()
+    ref_losses, ref_state = ref = reference()
+    ((_, before),) = train_layouts(0, 1, [(MODEL, TRAIN, par())], steps=0)
+    initial = assemble(before)
     layouts = [par(dp=2), par(dp=2, zero=3), par(tp=2)]
     runs = [(MODEL, TRAIN.model_copy(update={"precision": p}), layout) for p in ("bf16", "fp16") for layout in layouts]
     ranks = run_ranks(train_layouts, 2, (runs,), timeout_s=600)
@@ -211,6 +212,8 @@ def test_bf16_and_fp16_track_fp32():
         label = f"{train.precision} {layout}"
         check_parity(ranks, index, ref, label, LOW_PRECISION_LOSS_REL, LOW_PRECISION_PARAM_ATOL)
         assert ranks[0][index][0] != ref_losses, f"{label} ran in fp32"
+        state = assemble([piece for rank_out in ranks for piece in rank_out[index][1]])
+        check_updates(state, initial, ref_state, label)
 
 
 def fp16_overflow(rank, world_size, parallel):

@@ -135,4 +135,4 @@ def reference(ray_cluster, tmp_path_factory):
     proc, report = run_job(ray_cluster, tmp, "ref", ["chaos.faults=[]", f"monitor.tensorboard={tmp}/tb"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {**json.loads(report.read_text()), "checkpoint_dir": str(tmp / "ckpt" / "ref"),
-            "tensorboard_dir": str(tmp / "tb")}
+            "tensorboard_dir": str(tmp / "tb"), "measured_wall_s": proc.wall_s}

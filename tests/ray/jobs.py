@@ -26,14 +26,29 @@ BASE = [
 
 
 def run_job(ray_cluster: str, tmp: Path, name: str, extra: list[str], timeout: float = 300):
-    """Run the demo job with overrides; returns (completed process, report path)."""
+    """Run the demo job with overrides; returns (completed process, report path). The process carries
+    `wall_s`, the run as timed from outside (the clock a report's goodput is checked against)."""
     report = tmp / f"{name}.json"
     sets = [*BASE, f"name={name}", f"checkpoint.url=file://{tmp}/ckpt", *extra]
     cmd = [UNDYING, "run", str(ROOT / "examples/demo.yaml"), "--report", str(report), "--address", ray_cluster]
     for item in sets:
         cmd += ["--set", item]
+    started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc.wall_s = time.monotonic() - started
     return proc, report
+
+
+def goodput_checks(report: dict, measured_wall_s: float) -> list:
+    """The report's goodput against clocks, never against its own sum (its goodput.wall_s is that sum):
+    the buckets add up to the ledger's clock wall, which fits inside the run as timed from outside."""
+    from orchestrator.cli.chaos.experiment import check_wall_within
+    from orchestrator.cli.chaos.invariants import check_goodput
+
+    goodput = report["goodput"]
+    buckets = {"productive": goodput["productive_s"], **goodput["badput_s"]}
+    return [check_goodput(buckets, wall_s=goodput["clock_wall_s"]),
+            check_wall_within(goodput["clock_wall_s"], measured_wall_s)]
 
 
 def start_job(address: str, tmp: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path, Path]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.ray.jobs import run_job
+from tests.ray.jobs import goodput_checks, run_job
 
 pytestmark = pytest.mark.ray
 
@@ -39,9 +39,9 @@ def test_ledger_after_a_kill_adds_up_and_books_the_lost_work(ray_cluster, tmp_pa
         "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 77}]"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(path.read_text())
+    checks = goodput_checks(report, proc.wall_s)  # against clocks, not the buckets' own sum
+    assert all(check.ok for check in checks), [check.detail for check in checks]
     goodput = report["goodput"]
-    total = goodput["productive_s"] + sum(goodput["badput_s"].values())
-    assert abs(total - goodput["wall_s"]) <= 0.01 * goodput["wall_s"]
     assert goodput["badput_s"]["checkpoint_restore"] > 0 and goodput["badput_s"]["detection"] > 0
     # Steps 40..77 ran twice. Rank 0 may finish step 77 (the kill comes after its backward)
     # before its next collective fails, so the thrown-away executions end at step 76 or 77.

@@ -61,7 +61,6 @@ def test_checkpoints_verify_names_the_bad_ones(catalog):
 
 
 def test_newest_loads(catalog, tmp_path):
-    assert check_newest_loads(catalog) == check_newest_loads(catalog)
     assert check_newest_loads(catalog).ok and "step 30" in check_newest_loads(catalog).detail
     catalog.storage.remove(catalog.storage.path(step_dir(30), "shard-r00001.bin"))
     broken = check_newest_loads(catalog)

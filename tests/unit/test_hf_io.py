@@ -53,8 +53,9 @@ def test_a_header_read_the_store_fails_once_is_read_again_within_the_budget(tmp_
     assert failures  # it did fail once, and was read again
 
 
-def test_trained_checkpoint_exports_and_transformers_loads_it_with_every_key(tmp_path):
-    save_hf(tmp_path / "hf")
+@pytest.mark.parametrize("tie", [False, True])  # Llama-3.2 1B and 3B tie their head to the embedding
+def test_trained_checkpoint_exports_and_transformers_loads_it_with_every_key(tmp_path, tie):
+    save_hf(tmp_path / "hf", tie=tie)
     engine = engine_from_hf(tmp_path / "hf")
     for _ in range(2):
         engine.train_step()

@@ -108,6 +108,9 @@ def test_the_consumed_digest_matches_the_ids_whatever_the_layout(tmp_path):
     assert (ranks[0].consumed.end_step, ranks[0].consumed.count) == (9, 20)
     ranks[1].microbatches(8, 8, 4, 1, 2)  # a sample consumed twice changes the digest
     assert ranks[1].consumed.first_step == 8
+    twice = (ranks[0].consumed.count + ranks[1].consumed.count,
+             (ranks[0].consumed.total + ranks[1].consumed.total) % 2**64)
+    assert twice != (expected.count, expected.total)
 
 
 def rss_bytes(kind: str = "RssAnon") -> int:
