@@ -56,10 +56,27 @@ def test_killed_rank_recovers_bit_exact(ray_cluster, tmp_path, reference):
     assert report["final_loss"] == reference["final_loss"]
     losses = [(p["step"], p["loss"]) for p in report["losses"]]
     assert losses == [(p["step"], p["loss"]) for p in reference["losses"]]
-    final = [load_checkpoint(Catalog(Storage(f"file://{root}")), 40)[0]
-             for root in (tmp_path / "ckpt" / "kill", reference["checkpoint_dir"])]
+    assert_same_final_checkpoint(tmp_path / "ckpt" / "kill", reference)
+
+
+def assert_same_final_checkpoint(root, reference) -> None:
+    final = [load_checkpoint(Catalog(Storage(f"file://{where}")), 40)[0] for where in (root, reference["checkpoint_dir"])]
     check = check_model_matches(*final, exact=True)
     assert check.ok and any(name.startswith("optim/") for name in final[0]), check.detail
+
+
+def test_a_killed_rank_restored_from_memory_ends_with_the_failure_free_model(ray_cluster, tmp_path, reference):
+    # The memory level is on by default: its restore must be as exact as storage's (the buddies'
+    # copies, on one node here; across nodes and with nodes lost: tests/ray/test_memory_level.py, heavy).
+    proc, report_path = _run(ray_cluster, tmp_path, "memkill", [
+        "checkpoint.memory={enabled: true, every_steps: 3}", "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 25}]"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    [failure] = report["failures"]
+    assert failure["restore_level"] == "memory" and failure["storage_read_bytes"] == 0, failure
+    assert "restored step 24 from memory" in proc.stdout and report["redone_steps"] < 6
+    assert [(p["step"], p["loss"]) for p in report["losses"]] == [(p["step"], p["loss"]) for p in reference["losses"]]
+    assert_same_final_checkpoint(tmp_path / "ckpt" / "memkill", reference)
 
 
 # Heavy (two runs, about 70 s on two cores): tests/ray/test_chaos_cmd.py's kill_controller test keeps a killed
