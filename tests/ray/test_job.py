@@ -60,7 +60,8 @@ def test_killed_rank_recovers_bit_exact(ray_cluster, tmp_path, reference):
 
 
 def assert_same_final_checkpoint(root, reference) -> None:
-    final = [load_checkpoint(Catalog(Storage(f"file://{where}")), 40)[0] for where in (root, reference["checkpoint_dir"])]
+    final = [load_checkpoint(Catalog(Storage(f"file://{where}")), 40)[0]
+             for where in (root, reference["checkpoint_dir"])]
     check = check_model_matches(*final, exact=True)
     assert check.ok and any(name.startswith("optim/") for name in final[0]), check.detail
 
