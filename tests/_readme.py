@@ -82,7 +82,7 @@ COVERED: dict[str, tuple[str, str]] = {
     "--out s3://bucket/tokens/v1 --storage-option endpoint_url=http://...": (
         "tests/s3/test_data_s3.py", "test_prepare_to_s3_and_read_back"),
     ".venv/bin/undying run job.yaml --set parallel.dp=8 --set checkpoint.url=s3://bucket/ckpt": (
-        "tests/s3/test_ckpt_round_trip.py", "s3"),
+        "tests/ray/test_s3_job.py", 'f"checkpoint.url={url}"'),
     "source .venv/bin/activate": ("tests/ray/conftest.py", '"PATH": f"{VENV_BIN}:'),
     "ray start --head --dashboard-host 127.0.0.1": ("tests/ray/conftest.py", "--head"),
     "ray job submit --address http://127.0.0.1:8265 --working-dir . -- undying run examples/tiny.yaml": (
