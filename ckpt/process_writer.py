@@ -27,7 +27,12 @@ waits for it, since jobs queue on the control socket. It dies with its parent
 (PR_SET_PDEATHSIG, which follows the thread that started it: hence one thread for
 construction and `flush`), so a killed rank leaves no writer finishing a shard of a
 generation that is gone. If the child dies (OOM killer, crash), the save in flight goes to
-`on_error` and the next save starts a new child.
+`on_error` and the next save starts a new child. A write whose store takes no byte for `stall_s`
+(a hung upload: a body that stalled mid-transfer, or a completion that never returns, which no
+client timeout bounds) has its child killed the same way: the save fails and is counted
+(checkpoint.max_failed_saves) while training goes on, well before the controller would take the
+ranks blocked behind it for hung (orchestrator.controller.save_watch: 120 s of no bytes at least)
+and roll the whole job back.
 
 The staging buffer is one flat shared tensor, allocated at the first save (and again only when
 a save needs more room) and sent to the child once; later saves copy into it, so a warm save
@@ -50,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import mmap
 import os
 import signal
 import socket
@@ -67,12 +71,18 @@ import torch
 from ckpt.blocks import ALIGN, BLOCK_BYTES
 from ckpt.manifest import ShardReceipt
 from ckpt.shards import write_slices
+from ckpt.shared_buffer import SharedBuffer
 from ckpt.staging import copy_into
 from ckpt.storage import Storage
 from ckpt.writer import OneSaveInFlight, yield_cpu_to_training
 from trainer.state_slices import TensorSlice
 
 _PR_SET_PDEATHSIG = 1
+# A write whose store took nothing this long is given up (module docstring): under the controller's
+# 120 s stall floor (orchestrator.controller.save_watch.SAVE_STALL_FLOOR_S), over one part's upload
+# (64 MiB) at under 1 MB/s and over botocore's own attempts of a call that fails (about 75-90 s).
+STALL_S = 100.0
+STALL_POLL_S = 5.0
 
 
 class WriterProcessDied(RuntimeError):
@@ -95,48 +105,6 @@ def buffer_layout(pieces: Sequence[TensorSlice]) -> tuple[list[int], int]:
 
 def _view(flat: torch.Tensor, offset: int, piece: TensorSlice) -> torch.Tensor:
     return flat[offset:offset + piece.nbytes].view(piece.dtype).view(piece.lengths)
-
-
-class SharedBuffer:
-    """A flat uint8 tensor over anonymous shared memory (memfd): mapped by the rank and its writer.
-
-    A memfd, not a /dev/shm file: nothing is left behind when a process is killed, and its size
-    is bounded by the memory limit, not by the /dev/shm mount's. The descriptor goes to the
-    child over the control socket (SCM_RIGHTS).
-    """
-
-    def __init__(self, nbytes: int, fd: int | None = None):
-        created = fd is None
-        if created:
-            fd = os.memfd_create("undying-ckpt-staging", os.MFD_CLOEXEC)
-        try:
-            if created:
-                os.ftruncate(fd, max(nbytes, 1))
-            self._map = mmap.mmap(fd, max(nbytes, 1))
-        except OSError:  # out of memory, a memory limit: the memfd must not leak
-            if created:
-                os.close(fd)
-            raise
-        self.fd, self.nbytes = fd, nbytes
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
-        self.pinned = False
-
-    def pin(self) -> bool:
-        """Page-lock the mapping for CUDA (cudaHostRegister), once: device-to-host copies into it can
-        then run asynchronously at full speed, as into the thread writer's pinned buffers. False
-        (pageable, synchronous copies) if CUDA refuses."""
-        if not self.pinned and self.nbytes:
-            self.pinned = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0) == 0
-        return self.pinned
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
-        self.tensor = None
-        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
-            self._map.close()
-        os.close(self.fd)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -236,8 +204,11 @@ class ProcessShardWriter(OneSaveInFlight):
         tag: str = "",
         storage_setup: Callable[[Storage, Callable[[dict], None]], None] | None = None,
         notify: Callable[[dict], None] | None = None,
+        stall_s: float = STALL_S,
     ):
-        self.rank = rank
+        self.rank, self.stall_s = rank, stall_s
+        self._moved_at = time.monotonic()  # when the write in flight last moved (handed over, or bytes taken)
+        self._stalled_s: float | None = None  # set when the write in flight was given up for stalling
         self.on_receipt = on_receipt
         self.on_error = on_error
         self.fault_hook = fault_hook  # chaos points "during_stage" and "during_shard_write"
@@ -296,6 +267,7 @@ class ProcessShardWriter(OneSaveInFlight):
             if self._child is None:
                 self._start_child()
             self._idle.clear()
+            self._moved_at = time.monotonic()  # before the save shows as in flight: the watchdog reads in that order
             self._in_flight = (step, extra)
             # A child that died is found by its listener (end of file), which fails this save.
             with contextlib.suppress(OSError):
@@ -306,6 +278,9 @@ class ProcessShardWriter(OneSaveInFlight):
         """The listener thread of one child: hand on its messages until it stops or dies."""
         while True:
             try:
+                if not child.conn.poll(min(self.stall_s, STALL_POLL_S)):
+                    self._give_up_if_stalled(child)
+                    continue
                 message = child.conn.recv()
             except (EOFError, OSError):  # the child exited, or closed its end
                 if not child.stopping:
@@ -313,7 +288,20 @@ class ProcessShardWriter(OneSaveInFlight):
                 return
             self._handle(*message)
 
+    def _give_up_if_stalled(self, child: _Child) -> None:
+        """Kill the child of a write whose store took nothing for `stall_s`; its death fails the save."""
+        if self._in_flight is None or child.stopping:  # read first: `save` sets `_moved_at` before it
+            return
+        stalled_s = time.monotonic() - self._moved_at
+        if stalled_s < self.stall_s:
+            return
+        self._stalled_s = stalled_s
+        with contextlib.suppress(OSError):
+            child.proc.kill()  # by its PID, never by name
+
     def _handle(self, kind: str, payload, step: int | None) -> None:
+        if kind in ("progress", "writing"):
+            self._moved_at = time.monotonic()
         if kind == "notice":  # a chaos fault's: one that cannot be sent must not end the listener (no receipt after)
             if self.notify is not None:
                 with contextlib.suppress(Exception):
@@ -360,15 +348,17 @@ class ProcessShardWriter(OneSaveInFlight):
             if self._child is child:
                 self._child = None  # the next save starts a new one
             lost, self._in_flight, self._hook_failed = self._in_flight, None, None
+            stalled_s, self._stalled_s = self._stalled_s, None
         child.stop(5.0)
         child.conn.close()
         if lost is not None and self.abandoned:
             self._idle.set()
         elif lost is not None:
             step = lost[0]
+            why = (f"was killed: the store took no byte of step {step} for {stalled_s:.0f} s (a hung upload)"
+                   if stalled_s is not None else f"exited (code {child.proc.returncode}) while writing step {step}")
             try:
-                self.on_error(step, WriterProcessDied(f"the checkpoint writer process of rank {self.rank} exited "
-                                                      f"(code {child.proc.returncode}) while writing step {step}"))
+                self.on_error(step, WriterProcessDied(f"the checkpoint writer process of rank {self.rank} {why}"))
             finally:
                 self._idle.set()
 

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from ckpt.config import CheckpointConfig
 from ckpt.manifest import ShardReceipt
-from ckpt.process_writer import ProcessShardWriter
+from ckpt.process_writer import STALL_S, ProcessShardWriter
 from ckpt.storage import Storage
 from ckpt.writer import ShardWriter
 from trainer.state_slices import TensorSlice
@@ -62,11 +62,12 @@ class CheckpointWriter(Protocol):
 
 def make_writer(config: CheckpointConfig, url: str, rank: int, on_receipt: OnReceipt, on_error: OnError, *,
                 fault_hook: FaultHook | None = None, tag: str = "", storage_setup: StorageSetup | None = None,
-                notify: Callable[[dict], None] | None = None) -> CheckpointWriter:
-    """The writer `config.writer` asks for (auto: a process on object stores when async, else the thread)."""
+                notify: Callable[[dict], None] | None = None, stall_s: float = STALL_S) -> CheckpointWriter:
+    """The writer `config.writer` asks for (auto: a process on object stores when async, else the thread);
+    `stall_s`: how long the process writer lets its store take no byte (ckpt.process_writer)."""
     if config.resolved_writer == "process":
         return ProcessShardWriter(url, config.storage_options, rank, on_receipt, on_error, fault_hook=fault_hook,
-                                  tag=tag, storage_setup=storage_setup, notify=notify)
+                                  tag=tag, storage_setup=storage_setup, notify=notify, stall_s=stall_s)
     storage = Storage(url, config.storage_options)
     if storage_setup is not None:
         storage_setup(storage, notify or (lambda event: None))

@@ -42,6 +42,7 @@ import time
 from chaos.config import ArmedFault, rank_data_faults, rank_storage_faults
 from chaos.injector import FaultInjector
 from chaos.storage_faults import install_on, install_on_data
+from ckpt.process_writer import STALL_S
 from ckpt.writers import CheckpointWriter, abandon_stragglers, flush_within, make_writer
 from orchestrator.rank.beats import Beats
 from orchestrator.wire.messages import (
@@ -207,9 +208,14 @@ class RankLoop:
 
     def _writer(self, hook, faults: list[ArmedFault], plan: CheckpointPlan) -> CheckpointWriter:
         """The writer the spec asks for (ckpt.writers.make_writer), this rank's storage faults installed."""
+        # A stalled write is given up before the controller takes the ranks blocked behind it for hung:
+        # under its stall limit (orchestrator.controller.save_watch.stall_s: a numeric hang limit past 120 s).
+        hang = self.spec.elastic.hang_timeout_s
+        stall_s = max(STALL_S, 0.8 * hang) if isinstance(hang, float | int) else STALL_S
         return make_writer(self.spec.checkpoint, self.spec.checkpoint_root, self.rank, self._on_receipt,
                            self._on_save_error, fault_hook=hook, tag=plan.tag,
-                           storage_setup=self._storage_faults(faults, plan), notify=self._notify_storage_fault)
+                           storage_setup=self._storage_faults(faults, plan), notify=self._notify_storage_fault,
+                           stall_s=stall_s)
 
     def _beats(self, writers: list[CheckpointWriter]) -> Beats:
         """This call's heartbeats; the writers beat through them while training waits on a save, the

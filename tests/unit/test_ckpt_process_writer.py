@@ -125,7 +125,7 @@ def test_a_buffer_that_cannot_grow_fails_that_save_only_and_leaks_no_descriptor(
     import errno
     import mmap
 
-    from ckpt import process_writer
+    from ckpt import shared_buffer
 
     url, out = f"file://{tmp_path}/job", Collect()
     writer = ProcessShardWriter(url, {}, 0, out.on_receipt, out.on_error)
@@ -139,7 +139,7 @@ def test_a_buffer_that_cannot_grow_fails_that_save_only_and_leaks_no_descriptor(
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
         return real_mmap(fd, length, *args, **kwargs)
 
-    monkeypatch.setattr(process_writer.mmap, "mmap", bounded_mmap)
+    monkeypatch.setattr(shared_buffer.mmap, "mmap", bounded_mmap)
     def staging_fds() -> int:
         links = []
         for fd in os.listdir("/proc/self/fd"):
@@ -212,6 +212,25 @@ def test_a_killed_child_fails_the_save_in_flight_and_the_next_save_starts_a_new_
     assert started.is_set() and [(s, type(e)) for s, e in out.errors] == [(1, WriterProcessDied)]
     assert writer.pid is None and _wait_gone(first)
     writer.save(2, slices, {})
+    writer.flush()
+    assert [r.step for r, _ in out.receipts] == [2] and len(out.errors) == 1
+
+
+def test_a_write_whose_store_takes_nothing_is_given_up_as_a_failed_save_and_the_next_one_writes(tmp_path):
+    # A hung upload (its body stalled, its completion never answered) has no client timeout: the
+    # store "holds" the first shard write here for 120 s; the writer gives it up after its stall limit.
+    url, out = f"file://{tmp_path}/job", Collect()
+    stuck = {"kind": "storage_latency", "rank": 0, "delay_s": 120, "path": "*/step-000000001/shard-*"}
+    setup = functools.partial(install_on, faults=[stuck], seed=0, started=time.time())
+    writer = ProcessShardWriter(url, {}, 0, out.on_receipt, out.on_error, storage_setup=setup, stall_s=1.5)
+    first, slices = writer.pid, [whole(n, t) for n, t in _state().items()]
+    started = time.monotonic()
+    writer.save(1, slices, {})
+    writer.wait()
+    assert time.monotonic() - started < 30 and _wait_gone(first)
+    [(step, error)] = out.errors
+    assert step == 1 and isinstance(error, WriterProcessDied) and "took no byte of step 1 for" in str(error)
+    writer.save(2, slices, {})  # a new child; the fault held only the first write
     writer.flush()
     assert [r.step for r, _ in out.receipts] == [2] and len(out.errors) == 1
 
