@@ -363,17 +363,18 @@ def test_a_mixture_step_waits_out_its_datasets_outages_within_one_budget(monkeyp
     cursor = make_cursor(cfg, VOCAB, read_retry=ReadRetry(30.0, setting="data.read_retry_s", renews=True,
                                                           clock=lambda: clock.now, sleep=clock.sleep))
     assert {s for s, _ in cursor.windows(0, 8, 0, 1)} == {0, 1}  # the step reads both datasets
-    fs = cursor.datasets[0].fs
-    real = fs.cat_file
 
-    def each_dataset_down_for_20_s(path, *args, **kwargs):
-        if path.endswith(".tokens"):
-            since = first_failure.setdefault(path.strip("/").split("/")[0], clock.now)
-            if clock.now < since + 20.0:
-                raise OSError(errno.EBUSY, "Please reduce your request rate (SlowDown)")
-        return real(path, *args, **kwargs)
+    def each_dataset_down_for_20_s(real):
+        def cat_file(path, *args, **kwargs):
+            if path.endswith(".tokens"):
+                since = first_failure.setdefault(path.strip("/").split("/")[0], clock.now)
+                if clock.now < since + 20.0:
+                    raise OSError(errno.EBUSY, "Please reduce your request rate (SlowDown)")
+            return real(path, *args, **kwargs)
+        return cat_file
 
-    monkeypatch.setattr(fs, "cat_file", each_dataset_down_for_20_s)
+    for dataset in cursor.datasets:  # each its own client (trainer.tokens.reader)
+        monkeypatch.setattr(dataset.fs, "cat_file", each_dataset_down_for_20_s(dataset.fs.cat_file))
     with pytest.raises(TransientStorageError, match=r"data.read_retry_s=30"):
         cursor.microbatches(0, 8, 2, 0, 1)
     assert len(first_failure) == 2 and clock.now < 41.0
