@@ -252,10 +252,12 @@ def test_a_gpu_pod_drains_its_node_before_it_ends_and_tolerates_the_gpu_taint(wh
 def test_the_disruption_budget_evicts_the_gpu_pods_one_at_a_time_and_leaves_the_head_alone():
     [budget] = yaml_documents("kuberay/pdb.yaml")
     assert budget["apiVersion"] == "policy/v1" and budget["kind"] == "PodDisruptionBudget"
-    assert budget["spec"]["maxUnavailable"] == 1 and set(budget["spec"]) == {"maxUnavailable", "selector"}
+    # An operator's pods (a RayCluster's) take an integer minAvailable only: replicas - 1.
+    assert set(budget["spec"]) == {"minAvailable", "selector"}
     selector = budget["spec"]["selector"]["matchLabels"]
     for cluster in _clusters().values():
         head, *workers = _groups(cluster)
+        assert [budget["spec"]["minAvailable"]] == [w["replicas"] - 1 for w in workers]
         assert all(selector.items() <= w["template"]["metadata"]["labels"].items() for w in workers)
         assert not selector.items() <= head["template"]["metadata"]["labels"].items()
         assert head["template"]["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
