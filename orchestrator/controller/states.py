@@ -18,7 +18,7 @@ RECOVERING -> RENDEZVOUS with the new membership. Any state fails on an unexpect
 RUNNING/CHECKPOINTING -> STOPPING when the job must end its generation at a step boundary
 (a SIGTERM/SIGINT, or a node of the job being drained; orchestrator.controller.stopping):
 every rank saves the stop step and returns; then STOPPING -> PREEMPTED (a signal: exit 75)
-or -> RENDEZVOUS without the drained node. Any live state -> PREEMPTED on a second signal or
+or -> RENDEZVOUS without the drained node. Any live state -> PREEMPTED on a SIGINT after the first signal or
 a signal outside training (nothing trained since the last commit), leaving the last commit.
 
 Every state is a small dataclass holding what only that state needs: RECOVERING the

@@ -40,8 +40,8 @@ def test_once_the_driver_reports_and_tears_down_a_second_signal_is_recorded_not_
 
 
 def test_a_second_signal_while_a_finished_job_reads_its_final_stats_is_recorded_not_raised(monkeypatch):
-    """Trained to the end, the driver reads the servers' final stats and tears them down: a second
-    SIGTERM then must not turn the finished job into a preempted one (exit 75)."""
+    """Trained to the end, the driver reads the servers' final stats and tears them down: a SIGINT then
+    (which stops a job at once during its grace) must not turn the finished job into a preempted one."""
     from paramserver import job
     from paramserver.job_inputs import Checkpoints
     from paramserver.preemption import Preemption
@@ -53,7 +53,7 @@ def test_a_second_signal_while_a_finished_job_reads_its_final_stats_is_recorded_
     class Finished:  # the supervisor of a job that ran to its last step
         def __init__(self, *args, **kwargs):
             self.servers, self.start_step, self.failures, self.saved, self.redone = [], 0, [], [TRAIN.steps], 0
-            self.history = types.SimpleNamespace(poll=lambda servers: preemption.on_signal(15))  # the second
+            self.history = types.SimpleNamespace(poll=lambda servers: preemption.on_signal(2))  # Ctrl-C now
             self.logs = types.SimpleNamespace(losses=list, kept=list, pull_wait=dict)
             self.pids, self.moved = {}, []
 
@@ -66,4 +66,4 @@ def test_a_second_signal_while_a_finished_job_reads_its_final_stats_is_recorded_
     monkeypatch.setattr(job, "Supervisor", Finished)
     checkpoints = Checkpoints("fake://ckpt", 4, job=None, preemption=preemption)
     report = job.run_ps(MODEL, DATA, TRAIN, PAR, checkpoints=checkpoints)
-    assert report.checkpoints == [TRAIN.steps] and preemption.signals == ["SIGTERM", "SIGTERM"]
+    assert report.checkpoints == [TRAIN.steps] and preemption.signals == ["SIGTERM", "SIGINT"]
