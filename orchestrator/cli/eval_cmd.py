@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ckpt.storage_errors import DEFAULT_READ_RETRY_S
 from ckpt.storage_options import explain
-from orchestrator.cli.ckpt_catalog import unknown_protocol
+from orchestrator.cli.ckpt_catalog import check_read_retry_s, unknown_protocol
 from orchestrator.cli.ckpt_cmd import (
     UsageError,
     committed_or_fail,
@@ -47,6 +48,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--json", dest="as_json", action="store_true",
                    help="print one JSON object on stdout (errors too: {\"error\": ..., \"exit\": N})")
     p.add_argument("--device", default="cpu", help="torch device to evaluate on (default cpu)")
+    p.add_argument("--read-retry-s", type=float, default=DEFAULT_READ_RETRY_S,
+                   help="how long the data store's transient read failures may delay the evaluation, retried, "
+                        "before it gives up naming the store (default %(default)g)")
     add_storage_option_args(p, "fsspec storage option for both URLs, e.g. endpoint_url=http://host:8333 (repeatable)")
 
 
@@ -106,10 +110,12 @@ def _check_device(device: str) -> None:
         raise UsageError(f"--device {device!r}: evaluation runs on cpu or cuda")
 
 
-def _open_dataset(data: str, options: dict):
-    """The prepared dataset `--data` names; UsageError naming --data when it cannot be one."""
+def _open_dataset(data: str, options: dict, read_retry_s: float):
+    """The prepared dataset `--data` names, its reads retried as a rank's are (`--read-retry-s`: the
+    client's own retries are off, trainer.tokens.reader); UsageError naming --data when it cannot be one."""
     import fsspec
 
+    from ckpt.storage_errors import ReadRetry
     from trainer.tokens.format import NoManifest, TokenFormatError
     from trainer.tokens.reader import TokenDataset
 
@@ -122,7 +128,7 @@ def _open_dataset(data: str, options: dict):
     except (ValueError, ImportError) as err:  # an unknown protocol, or its package missing
         raise UsageError(unknown_protocol(f"--data {data}", err)) from None
     try:
-        return TokenDataset(url, options)
+        return TokenDataset(url, options, retry=ReadRetry(read_retry_s, setting="--read-retry-s", renews=True))
     except (NoManifest, TokenFormatError) as err:
         raise UsageError(f"--data {data}: {err}") from None
     except NotADirectoryError:
@@ -142,7 +148,8 @@ def _evaluate(args: argparse.Namespace) -> dict:
     options = parse_storage_options(args.storage_options, args.storage_options_file)
     catalog = open_catalog(args.url, options)
     step = step_or_fail(catalog, args.step, committed_or_fail(catalog))
-    dataset = _open_dataset(args.data, options)
+    check_read_retry_s(args.read_retry_s)
+    dataset = _open_dataset(args.data, options, args.read_retry_s)
     cfg, manifest = _model_of(catalog, step)
     if dataset.vocab_size > cfg.vocab_size:
         raise UsageError(f"--data {args.data}: token ids up to {dataset.vocab_size - 1}, beyond the model's "

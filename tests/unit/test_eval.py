@@ -80,7 +80,8 @@ def test_eval_refuses_what_cannot_work_by_argument(tmp_path, dataset, capsys):
     for argv, words in ((["--device", "bogus"], "--device 'bogus': not a torch device"),
                         (["--device", "cuda"], "no CUDA device"), (["--seq-len", "-5"], "--seq-len -5: must be"),
                         (["--seq-len", "0"], "--seq-len 0: must be"),
-                        (["--device", "cuda:7"], "cuda:7")):
+                        (["--device", "cuda:7"], "cuda:7"),
+                        (["--read-retry-s", "-1"], "--read-retry-s -1: must be 0 (no retry)")):
         if argv[-1].startswith("cuda") and torch.cuda.device_count() > int(argv[-1].partition(":")[2] or 0):
             continue
         assert main(["eval", url, "--data", str(dataset), "--json", *argv]) == 2
