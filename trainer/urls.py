@@ -54,6 +54,15 @@ def absolute_url(url: str) -> str:
     return f"{protocol}://{path.rstrip('/') or '/'}"
 
 
+def place_of(url: str) -> str:
+    """One spelling per place, to tell whether two URLs name the same files: s3a:// is s3://, and a local
+    path its real one (symlinks resolved); no trailing slash."""
+    url = url.rstrip("/")
+    if url.startswith("s3a://"):
+        return "s3://" + url.removeprefix("s3a://")
+    return "file://" + os.path.realpath(url.removeprefix("file://")) if url.startswith("file://") else url
+
+
 class RangeIgnored(RuntimeError):
     """A store sent more than the byte range asked, as one that ignores HTTP Range requests does (a
     server or a proxy): the bytes are not the range, yet prove no damage, and every read would do

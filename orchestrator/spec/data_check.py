@@ -112,18 +112,19 @@ def _pretrained_problems(spec: JobSpec) -> list[Problem]:
 
 def _step_problems(spec: JobSpec, part, field: str, windows: int) -> list[Problem]:
     """A dataset that holds fewer windows than a step draws from it (its share of train.global_batch)
-    would put some windows in one step twice or more (trainer.tokens.windows starts its next epoch
-    inside the step): the same sample's gradient counted several times over, never what is meant."""
+    would put some windows in every step twice or more (trainer.tokens.windows starts its next epoch
+    inside the step): the same sample's gradient counted several times over, never what is meant. (A
+    larger one may still repeat a window in the one step an epoch ends in, as any epoch-wise sampler.)"""
     data, batch = spec.data, spec.train.global_batch
     share = part.weight / sum(p.weight for p, _ in data.token_parts())
     if windows >= share * batch:
         return []
-    drawn = f"{share * batch:.3g} samples a step draws from it ({share:.3g} of" if share < 1 else "the samples a step"
+    drawn = (f"the {share * batch:.3g} samples a step draws from it ({share:.3g} of train.global_batch = {batch})"
+             if share < 1 else f"the train.global_batch = {batch} samples a step draws")
     fix = "; or raise the weight of the other datasets" if share < 1 else ""
     return [Problem(field, f"{part.path} holds {windows} windows of data.seq_len + 1 = {data.seq_len + 1} tokens, "
-                           f"fewer than {drawn} train.global_batch = {batch}{')' if share < 1 else ''}: a step "
-                           "would read some windows twice; use more data, a shorter seq_len or a smaller "
-                           f"global_batch{fix}")]
+                           f"fewer than {drawn}: every step would read some windows twice; use more data, a "
+                           f"shorter seq_len or a smaller global_batch{fix}")]
 
 
 def data_problems(spec: JobSpec) -> list[Problem]:
@@ -201,8 +202,11 @@ def _between_datasets(opened: list[tuple[str, TokenDataset]]) -> list[Problem]:
 
 
 def _overlap(a: str, b: str) -> bool:
-    """Whether two prepared inputs' URLs name common files: the same, or one a directory holding the other."""
-    a, b = a.rstrip("/"), b.rstrip("/")
+    """Whether two prepared inputs' URLs name common files: the same place (trainer.urls.place_of), or one
+    a directory holding the other."""
+    from trainer.urls import place_of
+
+    a, b = place_of(a), place_of(b)
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
@@ -218,7 +222,10 @@ def epoch_notes(spec: JobSpec) -> list[str]:
     parts = data.token_parts()
     total, notes = sum(part.weight for part, _ in parts), []
     for part, field in parts:
-        windows = len(TokenDataset(part.path, data.storage_options)) // (data.seq_len + 1)
+        try:  # read again after require_data's check: a store failing now costs the note, not the run
+            windows = len(TokenDataset(part.path, data.storage_options)) // (data.seq_len + 1)
+        except Exception:  # noqa: BLE001 (the store's client, whatever it raises)
+            continue
         samples = part.weight / total * train.steps * train.global_batch
         notes.append(f"{field}: {windows:,} windows of data.seq_len + 1 = {data.seq_len + 1} tokens; "
                      f"train.steps = {train.steps} read {samples / windows:.3g} epochs of it")

@@ -200,7 +200,9 @@ def test_sharded_resume_is_bit_exact_and_loads_into_other_layouts():
 # a weight by about lr = 3e-3 per step whatever its gradient's size, so a rounding that flips
 # a tiny gradient's sign costs a few lr). The bounds leave a few times that margin.
 LOW_PRECISION_LOSS_REL = 1e-3
-LOW_PRECISION_PARAM_ATOL = 3e-2
+LOW_PRECISION_PARAM_ATOL = 3e-2  # passes weights that never moved: tests.dist._updates checks the updates
+
+
 def test_bf16_and_fp16_track_fp32():
     ref_losses, ref_state = ref = reference()
     ((_, before),) = train_layouts(0, 1, [(MODEL, TRAIN, par())], steps=0)

@@ -57,7 +57,8 @@ def test_a_validation_set_holding_training_tokens_is_refused(tmp_path):
 def test_a_validation_set_prepared_again_from_training_text_is_refused(tmp_path):
     write_token_dataset(tmp_path / "a", TOKENS, 256, inputs=["file:///corpus/train.jsonl", "file:///corpus/web"])
     trained = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "a")}
-    for inputs in (["file:///corpus/train.jsonl"], ["file:///corpus/web/part-1.parquet"], ["file:///corpus/"]):
+    for inputs in (["file:///corpus/train.jsonl"], ["file:///corpus/web/part-1.parquet"], ["file:///corpus/"],
+                   ["file:///corpus/./train.jsonl"]):
         write_token_dataset(tmp_path / "held", TOKENS[::-1], 256, inputs=inputs, shard_tokens=700)
         [problem] = data_problems(spec(tmp_path, data=trained, eval={"path": str(tmp_path / "held"),
                                                                      "every_steps": 5}))
@@ -185,7 +186,8 @@ def test_a_dataset_smaller_than_its_share_of_one_step_is_refused_not_read_twice_
     data = {"source": "tokens", "seq_len": 16, "path": str(tmp_path / "a")}
     assert data_problems(spec(tmp_path, data=data, train={"steps": 10, "global_batch": 294})) == []
     [problem] = data_problems(spec(tmp_path, data=data, train={"steps": 10, "global_batch": 296}))
-    assert problem.field == "data.path" and "294 windows" in problem.message and "global_batch = 296" in problem.message
+    assert problem.field == "data.path" and "294 windows" in problem.message
+    assert "fewer than the train.global_batch = 296 samples a step draws" in problem.message
     mixture = {"source": "tokens", "seq_len": 16, "mixture": [{"path": str(tmp_path / "a"), "weight": 1},
                                                               {"path": str(tmp_path / "b"), "weight": 1}]}
     assert data_problems(spec(tmp_path, data=mixture, train={"steps": 10, "global_batch": 200})) == []

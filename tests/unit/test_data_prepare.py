@@ -157,6 +157,26 @@ def test_an_interrupted_run_resumes_and_writes_the_same_bytes(capsys, executor, 
     check_stream(tmp_path / "out", tokenizer, docs)
 
 
+def test_a_plan_written_before_empty_texts_were_skipped_resumes_under_its_own_rule(capsys, executor, corpus,
+                                                                                   tmp_path):
+    # One dataset must not mix the rules: its finished shards made an empty record EOS alone.
+    _, tokenizer, _, _ = corpus
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "", "c"]))
+    argv = [str(tmp_path / "docs.jsonl"), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
+    executor["executor"] = Recorder(stop_after=1)
+    assert prepare(capsys, *argv)[0] == 130
+    plan = tmp_path / "out" / "plan.json"
+    old = json.loads(plan.read_text())
+    assert old.pop("skip_empty_texts") is True
+    plan.write_text(json.dumps(old, indent=1) + "\n")  # as the release before wrote it
+    executor["executor"] = Recorder()
+    code, out, err = prepare(capsys, *argv)
+    assert code == 0 and "resuming the unfinished preparation" in out, err
+    assert TokenDataset(str(tmp_path / "out")).n_documents == 3  # "" was EOS alone, as that plan's other shards
+    fresh = [*argv[:-1], str(tmp_path / "new")]
+    assert prepare(capsys, *fresh)[0] == 0 and TokenDataset(str(tmp_path / "new")).n_documents == 2
+
+
 def test_a_location_that_holds_something_else_is_refused(capsys, executor, corpus, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")

@@ -47,6 +47,9 @@ class Plan(BaseModel):
     # How each document is encoded (False in plans written before they were recorded: neither was done).
     add_special_tokens: bool = False  # the tokenizer's post-processor (a Llama tokenizer's BOS)
     parse_special_tokens: bool = False  # special tokens written in a document are their ids
+    # An empty text is no document (records.iter_documents). False in plans written before: an empty
+    # record was EOS alone; a run resuming such a plan keeps that, so one dataset never mixes the two.
+    skip_empty_texts: bool = False
     sources: tuple[Source, ...]
     units: tuple[Unit, ...]
 
@@ -56,8 +59,10 @@ class Plan(BaseModel):
 
     def identity(self) -> dict:
         """What must be equal for two runs to write the same shards: not where the tokenizer
-        was read from (its hash counts) nor how the inputs were spelled (their URLs count)."""
-        return self.model_dump(mode="json", exclude={"tokenizer": True, "sources": {"__all__": {"arg"}}})
+        was read from (its hash counts) nor how the inputs were spelled (their URLs count); nor the
+        release's rule for empty texts (a resumed run takes the plan's own, `skip_empty_texts`)."""
+        return self.model_dump(mode="json", exclude={"tokenizer": True, "sources": {"__all__": {"arg"}},
+                                                      "skip_empty_texts": True})
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.model_dump(mode="json"), indent=1) + "\n").encode()
@@ -77,7 +82,8 @@ def make_plan(sources: list[Source], tokenizer: TokenizerSpec, text_field: str, 
     return Plan(tokenizer=tokenizer.source, tokenizer_sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size,
                 eos_id=tokenizer.eos_id, dtype=tokenizer.dtype, text_field=text_field, shard_tokens=shard_tokens,
                 add_special_tokens=add_special_tokens, parse_special_tokens=parse_special_tokens,
-                sources=tuple(sources), units=tuple(plan_units(sources, shard_tokens * BYTES_PER_TOKEN)))
+                skip_empty_texts=True, sources=tuple(sources),
+                units=tuple(plan_units(sources, shard_tokens * BYTES_PER_TOKEN)))
 
 
 def parse_plan(data: bytes, where: str) -> Plan:

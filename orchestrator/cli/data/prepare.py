@@ -21,7 +21,6 @@ Ray starts only in step 3, so the checks and "already prepared" cost no cluster.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -37,6 +36,7 @@ from orchestrator.cli.data.special_text import special_token_text
 from orchestrator.cli.data.vocab import build_tokenizer, load_tokenizer
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from trainer.tokens.format import MANIFEST_NAME, TokenFormatError, TokenManifest, manifest_bytes, parse_manifest
+from trainer.urls import place_of
 
 
 @dataclass
@@ -148,9 +148,9 @@ def open_output(out: str, storage_options: dict) -> Storage:
 def _refuse_an_input(out: str, sources: list[Source]) -> None:
     """--out is a folder of the dataset's own: not an input (whose bytes the plan describes), nor
     inside one (a datasets directory would then hold shards it would read next time)."""
-    given, out = out, _location(out)
+    given, out = out, place_of(out)
     for i, source in enumerate(sources, 1):
-        for where in (_location(source.url), *(_location(f.url) for f in source.files)):
+        for where in (place_of(source.url), *(place_of(f.url) for f in source.files)):
             if out == where or out.startswith(where + "/"):
                 raise UsageError(f"--out {given} is {'' if out == where else 'inside '}INPUT {i} ({source.arg}); "
                                  "give a new directory for the dataset")
@@ -161,20 +161,12 @@ def _refuse_repeated(sources: list[Source]) -> None:
     documents in the dataset twice: UsageError naming both (a data.mixture weight repeats on purpose)."""
     read_by: dict[str, str] = {}
     for source in sources:
-        for where in {_location(f.url) for f in source.files}:
+        for where in {place_of(f.url) for f in source.files}:
             if where in read_by:
                 raise UsageError(f"INPUT {source.arg} reads {where}, which INPUT {read_by[where]} reads too: its "
                                  "documents would be in the dataset twice; give each input once (to weigh a "
                                  "dataset more, give it a larger data.mixture weight)")
             read_by[where] = source.arg
-
-
-def _location(url: str) -> str:
-    """One spelling per place: s3a:// is s3://, and a local path its real one (symlinks resolved)."""
-    url = url.rstrip("/")
-    if url.startswith("s3a://"):
-        return "s3://" + url.removeprefix("s3a://")
-    return "file://" + os.path.realpath(url.removeprefix("file://")) if url.startswith("file://") else url
 
 
 def _settle(storage: Storage, plan: Plan) -> tuple[Plan, Decision]:

@@ -28,11 +28,14 @@ class BadRecord(UsageError):
 
 
 def iter_documents(source: Source, file: SourceFile, piece: Piece, text_field: str,
-                   storage_options: dict) -> Iterator[tuple[str, str]]:
+                   storage_options: dict, skip_empty: bool = True) -> Iterator[tuple[str, str]]:
+    """`skip_empty`: the plan's rule (plan.Plan.skip_empty_texts); without it, as plans written
+    before it had it, only an empty .txt file is no document."""
     fs, path = open_fs(file.url, storage_options)
     _unchanged(source, file, fs, path)
     # An empty text (a file, a record, a row: a dataset's blank lines) is no document, not one of EOS alone.
-    yield from ((text, where) for text, where in _documents(source, fs, path, piece, text_field) if text)
+    yield from ((text, where) for text, where in _documents(source, fs, path, piece, text_field)
+                if text or not (skip_empty or source.kind == "txt"))
     _unchanged(source, file, fs, path)  # and not while it was read
 
 

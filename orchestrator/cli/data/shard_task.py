@@ -172,7 +172,8 @@ def tokenize_unit(job: Job, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     for piece in unit.pieces:
         source = plan.sources[piece.source]
         file = source.files[piece.file]
-        for text, where in iter_documents(source, file, piece, plan.text_field, job.storage_options):
+        for text, where in iter_documents(source, file, piece, plan.text_field, job.storage_options,
+                                          plan.skip_empty_texts):
             texts.append(text)
             wheres.append((source.arg, where))
             size += len(text)
