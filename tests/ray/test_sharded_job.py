@@ -3,8 +3,9 @@
 Without a replacement for a killed rank, dp shrinks to 1: the dp=2 checkpoint is resharded
 into the dp=1 x tp=2 layout on load, and the losses stay within 1e-5 of the failure-free run
 (heavy tier).
-A killed rank that is replaced resumes bit for bit (heavy tier: the engine's own resume test,
-tests/dist/test_engine_parallel.py, covers the same layout in the default suite).
+A killed rank that is replaced resumes bit for bit: a dp=2 x pp=2 job here, against its own
+failure-free run; the sharded layout in the heavy tier (the engine's own resume test,
+tests/dist/test_engine_parallel.py, covers it in the default suite).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import json
 
 import pytest
 
+from ckpt.catalog import Catalog
+from ckpt.reader import load_checkpoint
+from ckpt.storage import Storage
+from orchestrator.cli.chaos.invariants import check_model_matches
 from tests.ray.jobs import run_job
 
 pytestmark = pytest.mark.ray
@@ -59,14 +64,22 @@ def test_killed_rank_of_a_sharded_layout_resumes_bit_exact(ray_cluster, tmp_path
     assert report["final_loss"] == sharded_reference["final_loss"]
 
 
-def test_pipeline_job_recovers_and_agrees_with_the_sharded_layout(ray_cluster, tmp_path, sharded_reference):
-    # dp=2 x pp=2 (1F1B): a killed rank of the second stage is taken over by a warm spare; the
-    # run matches the dp=2 x tp=2 ZeRO-3 run to rounding (same data, same initial weights).
+def test_pipeline_job_recovers_bit_exact_and_agrees_with_the_sharded_layout(ray_cluster, tmp_path,
+                                                                            sharded_reference):
+    # dp=2 x pp=2 (1F1B): a killed rank of the second stage is taken over by a warm spare; the run
+    # equals the same layout's failure-free run bit for bit (losses, final model and optimizer
+    # state), and the dp=2 x tp=2 ZeRO-3 run to rounding (same data, same initial weights).
     layout = [item for item in LAYOUT if not item.startswith(("parallel.tp", "parallel.zero"))]
-    proc, path = run_job(ray_cluster, tmp_path, "pipe", [
-        *layout, "parallel.pp=2", "parallel.schedule=1f1b", "elastic.spares=1",
-        "chaos.faults=[{kind: kill_rank, rank: 3, at_step: 7}]"])
+    pipe = [*layout, "parallel.pp=2", "parallel.schedule=1f1b", "elastic.spares=1"]
+    reference = _ok(*run_job(ray_cluster, tmp_path, "piperef", [*pipe, "chaos.faults=[]"]))
+    proc, path = run_job(ray_cluster, tmp_path, "pipe",
+                         [*pipe, "chaos.faults=[{kind: kill_rank, rank: 3, at_step: 7}]"])
     report = _ok(proc, path)
+    assert [(p["step"], p["loss"]) for p in report["losses"]] == [(p["step"], p["loss"]) for p in reference["losses"]]
+    final = [load_checkpoint(Catalog(Storage(f"file://{tmp_path}/ckpt/{name}")), 20)[0]
+             for name in ("pipe", "piperef")]
+    check = check_model_matches(*final, exact=True)
+    assert check.ok and any(name.startswith("optim/") for name in final[0]), check.detail
     assert [(w["dp"], w["pp"]) for w in report["world_history"]] == [(2, 2), (2, 2)]
     assert [f["kind"] for f in report["failures"]] == ["kill_rank"]
     # Rank 2 (stage 0 of replica 1) errors out first; rank 0 waits for it in the stage-0 dp group, a
