@@ -1,19 +1,18 @@
 """The controller: a state machine that places, forms, restores, trains and recovers ranks.
 
-The states, the data each carries and the legal transitions are in
-orchestrator.controller.states (`TRANSITIONS`, printed by `states.diagram()`). Each state
-has one handler here (`HANDLERS`); a handler does its work and moves to the next state
-with `_go`, which checks the edge against the table, logs the transition as one sentence
-with its numbers, books wall time to the goodput bucket of the new state and exports the
-state as a metric. RUNNING and CHECKPOINTING share the training handler: saves run beside
-training, from a save's first receipt to its commit.
+The states, the data each carries and the legal transitions are in orchestrator.controller.states
+(`TRANSITIONS`, printed by `states.diagram()`). Each state has one handler here (`HANDLERS`); a
+handler does its work and moves to the next state with `_go`, which checks the edge against the
+table, logs the transition as one sentence with its numbers, books wall time to the goodput bucket
+of the new state and exports the state as a metric. RUNNING and CHECKPOINTING share the training
+handler: saves run beside training, from a save's first receipt to its commit.
 
-Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which failure,
-whose fault), LostWork (what a rollback redoes), EventIntake (rank events), Checkpoints (plan,
-commits, restore point), Recovery (release, replace, shrink, grow), Stops (preemption, node drain,
-growing back: a generation ended at a checkpointed step). Policies only return decisions; the
-controller acts. The worker group is injected, so unit tests drive transitions with a fake group.
-Single-threaded: all runs on the thread of `run()` (`step_once()`) but store work (ckpt.housekeeping, ckpt.commit).
+Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which failure, whose
+fault), LostWork (what a rollback redoes), EventIntake (rank events), Checkpoints (plan, commits, restore
+point), Recovery (release, replace, shrink, grow), Stops (preemption, node drain, growing back: a
+generation ended at a checkpointed step). Policies only return decisions; the controller acts. The worker
+group is injected, so unit tests drive transitions with a fake group. Single-threaded: all runs on the
+thread of `run()` (`step_once()`) but store work (ckpt.housekeeping, ckpt.commit).
 """
 
 from __future__ import annotations
@@ -114,10 +113,9 @@ class Controller:
         self.carry = LedgerCarry(self.checkpoints.read_manifest, self.ledger, self.record, self.snapshots,
                                  self.created_at, self.fault_clock)
         self.store = None
-        self.HANDLERS = {State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous,
-                         State.RESTORING: self._restoring, State.RUNNING: self._training,
-                         State.CHECKPOINTING: self._training, State.STOPPING: self._training,
-                         State.RECOVERING: self._recovering}
+        self.HANDLERS = {State.PLACING: self._placing, State.RENDEZVOUS: self._rendezvous, State.RESTORING:
+                         self._restoring, State.RUNNING: self._training, State.CHECKPOINTING: self._training,
+                         State.STOPPING: self._training, State.RECOVERING: self._recovering}
 
     @property
     def state(self) -> State:
@@ -184,8 +182,10 @@ class Controller:
         self._take(Move(Failed(error), error))
 
     def _take(self, move: Move | None) -> bool:
-        """Make the transition a collaborator decided (False when it decided none)."""
-        if move is not None:
+        """Make the transition a collaborator decided (False when none); a failure it found is booked as any."""
+        if move is not None and move.phase.state == State.RECOVERING:
+            self._start_recovery(move.phase.failure)
+        elif move is not None:
             self.error = move.sentence if move.phase.state in TERMINAL else self.error
             self.dp = move.dp or self.dp
             self._go(move.phase, move.sentence)

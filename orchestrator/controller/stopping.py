@@ -56,7 +56,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.controller.states import Failed, Phase, Preempted, Rendezvous, State, Stopping, Succeeded, TrainingRun
+from orchestrator.controller.states import (
+    Failed,
+    Failure,
+    Phase,
+    Preempted,
+    Recovering,
+    Rendezvous,
+    State,
+    Stopping,
+    Succeeded,
+    TrainingRun,
+)
 from orchestrator.wire.messages import NodeLost
 
 # Time for a newly published plan to be read by every rank: the controller's poll, one store
@@ -299,7 +310,10 @@ class Stops:
         self.ledger.enter("reformation")  # the generation's work is saved: stopping it and refilling seats re-forms
         self.reforming = True  # a signal from here gives up the waits below (`ending`): the stop is committed
         gone = self._stop_generation(store, world_size)  # a rank may die while it stops, too
-        membership = self.recovery.replace(sorted(set(self.workers.forget_node(phase.node)) | set(gone)), dp)
+        moved = self.workers.forget_node(phase.node)
+        if gone:
+            return self._lost_while_stopping(gone, phase.step, f"moving off node {phase.node[:12]}")
+        membership = self.recovery.replace(moved, dp)
         self.reforming = False
         if membership.error is not None:
             return Move(Failed(membership.error), membership.error)
@@ -322,12 +336,7 @@ class Stops:
         self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
         self.checkpoints.memory.forget_newer(step)
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
-            membership = self.recovery.replace(gone, dp)
-            self.reforming = False
-            if membership.error is not None:
-                return Move(Failed(membership.error), membership.error)
-            return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: rank(s) {gone} lost while stopping to grow "
-                                      f"at checkpoint step {step}; {membership.words}", membership.dp)
+            return self._lost_while_stopping(gone, step, "growing")
         mp, note = self.recovery.model_parallel(), ""
         self.workers.grow(new_dp * mp)
         self.reforming = False
@@ -339,6 +348,16 @@ class Stops:
             note = f"; a spare died before its promotion: dp {new_dp}, not {short}"
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
                                   f"checkpoint step {step} ({ready} warm spare(s) ready{note})", new_dp)
+
+    def _lost_while_stopping(self, gone: list[int], step: int, why: str) -> Move:
+        """Ranks that died (or would not leave) as a healthy generation stopped at committed `step`: a
+        failure like any, blamed, booked in the report and counted against elastic.max_restarts (a
+        rank dying at every grow must end the job, not loop), its seats filled by the recovery; no work
+        lost (nothing was trained past the commit)."""
+        self.reforming = False
+        message = f"rank(s) {gone} lost as the generation stopped at checkpoint step {step} ({why})"
+        return Move(Recovering(Failure("rank_died", gone[0], time.time(), message, step=step,
+                                       errors={rank: message for rank in gone})), message)
 
     def save_s(self) -> float:
         """The last measured save's blocking time (a stop must commit one more)."""

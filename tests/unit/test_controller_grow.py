@@ -84,15 +84,23 @@ class DiesWhileStoppingToGrow(FakeWorkerGroup):
         return SpareChoice(seats, [], left)
 
 
-def test_a_rank_lost_while_stopping_to_grow_is_replaced_first_and_the_grow_waits(tmp_path, rendezvous):
-    spec = _spec(tmp_path)
+def test_a_rank_lost_while_stopping_to_grow_is_a_failure_replaced_first_and_the_grow_waits(tmp_path, rendezvous):
+    spec = _spec(tmp_path, elastic={"max_restarts": 2})
     workers = DiesWhileStoppingToGrow(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
                                       cold_start_works=False)
     lines: list[str] = []
     report = _controller(spec, workers, rendezvous, lines).run()
     assert report.status == "succeeded" and report.final_step == 30, report.error
-    assert any("rank(s) [0] lost while stopping to grow at checkpoint step 20" in line for line in lines), lines
+    lost = "lost as the generation stopped at checkpoint step 20 (growing)"
+    assert any("RUNNING -> RECOVERING: generation 1: rank_died on rank 0" in line and lost in line for line in lines)
+    assert [(f.kind, f.rank) for f in report.failures] == [("rank_died", 1), ("rank_died", 0)]  # booked
+    assert report.failures[1].lost_work_s == 0.0  # nothing was trained past the commit
     assert workers.dp_history == [2, 1, 1]  # the hole filled at dp 1, not a grow with rank 0 missing
+    # It counts against elastic.max_restarts as any failure: a rank dying at every grow ends the job.
+    tight = _spec(tmp_path, name="unit2")  # elastic.max_restarts 1
+    again = DiesWhileStoppingToGrow(rendezvous, Storage(tight.checkpoint_root), die_at={15: 1}, cold_start_works=False)
+    spent = _controller(tight, again, rendezvous, []).run()
+    assert spent.status == "failed" and "rank_died on rank 0: 1 restarts used" in spent.error
 
 
 class KilledByAFaultWhileStoppingToGrow(DiesWhileStoppingToGrow):
@@ -110,7 +118,7 @@ class KilledByAFaultWhileStoppingToGrow(DiesWhileStoppingToGrow):
 def test_a_fault_that_fires_while_the_generation_stops_to_grow_is_taken_and_dealt_with(tmp_path, rendezvous):
     """The stopped generation's last events are read: the fault is recorded as fired (not fired again after
     the restore) and dealt with by the re-formation (never blamed for a later failure)."""
-    spec = _spec(tmp_path)
+    spec = _spec(tmp_path, elastic={"max_restarts": 2})
     workers = KilledByAFaultWhileStoppingToGrow(rendezvous, Storage(spec.checkpoint_root), die_at={15: 1},
                                                 cold_start_works=False)
     lines: list[str] = []
