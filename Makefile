@@ -89,17 +89,20 @@ image-cpu:
 gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
-# The pure-Python packages the GPU check imports beyond torch and numpy, at .venv's versions, as
-# wheels for the GPU machine's Python (GPU_PYTHON_VERSION), into .whl/: carried to a machine with
-# no package index, they are installed there by `make gpu-check`.
+# The packages the GPU check imports beyond torch and numpy, at .venv's versions, as wheels for
+# each Python a GPU image may bring (GPU_PYTHON_VERSIONS), into .whl/cpXY/: carried to a machine
+# with no package index, `make gpu-check` unpacks the ones of its Python (no pip needed there).
 GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions zlib-ng fsspec pyyaml
-GPU_PYTHON_VERSION ?= 3.12
+GPU_PYTHON_VERSIONS ?= 3.10 3.11 3.12 3.13
 gpu-wheels: setup
 	rm -rf .whl
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
-		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 -d .whl \
-		$$($(PY) -c "import sys, importlib.metadata as m; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
+	for v in $(GPU_PYTHON_VERSIONS); do \
+		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $$v \
+			--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+			--platform manylinux2014_x86_64 -d .whl/cp$$(echo $$v | tr -d .) \
+			$$($(PY) -c "import sys, importlib.metadata as m; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS)) \
+			|| exit 1; \
+	done
 	@du -sh .whl
 
 clean:

@@ -15,9 +15,13 @@ size: the reader views fetched bytes as typed tensors without copying.
 from __future__ import annotations
 
 import numpy as np
-from zlib_ng.zlib_ng import crc32
 
 from ckpt.boxes import Ints, row_major_strides, volume
+
+try:  # zlib's CRC32, SIMD-accelerated (a dependency); the same values from the standard library where a
+    from zlib_ng.zlib_ng import crc32  # machine lacks it (a GPU image's own Python running the GPU check)
+except ImportError:  # pragma: no cover (zlib-ng is installed wherever undying is)
+    from zlib import crc32
 
 BLOCK_BYTES = 1 << 20  # 1 MiB: about one round trip's worth of bytes on object storage
 ALIGN = 64  # chunk start alignment in a shard file; >= the largest element size (complex128: 16)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +44,7 @@ from bench.gpu_check.verdict import FAIL, NOT_TESTED, OK, Row
 OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 SIZES = (1021, 1 << 21)  # an odd few KiB (NCCL's low-latency protocol) and 8 MiB of fp32 (its bulk path)
 GROUP_TIMEOUT = timedelta(seconds=60)
+LAUNCH_LIMIT_S = 240.0  # the ranks' start-up (imports), their collectives and engine runs, their exit
 
 
 def dtypes_for(world: int) -> tuple[torch.dtype, ...]:
@@ -162,9 +164,15 @@ def run_collectives(world: int, backend: str = "nccl") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         launch_error = None
         try:
-            torch.multiprocessing.start_processes(worker, args=(world, backend, init_method, tmp), nprocs=world,
-                                                  start_method="spawn")
-        except Exception as exc:  # a rank that died: merge() reports its missing verdicts
+            context = torch.multiprocessing.start_processes(worker, args=(world, backend, init_method, tmp),
+                                                            nprocs=world, join=False, start_method="spawn")
+            deadline = time.monotonic() + LAUNCH_LIMIT_S  # an NCCL init or teardown that hangs must not take
+            while not context.join(timeout=1.0):  # the whole GPU run with it (the collectives have their own)
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"the ranks did not end within {LAUNCH_LIMIT_S:g} s")
+        except Exception as exc:  # a rank that died or hung: merge() reports its missing verdicts
             launch_error = f"{type(exc).__name__}: {exc}"
         reports = {}
         for rank in range(world):

@@ -16,19 +16,22 @@ It proves, on this machine, in under eight minutes on one H200 (planned, not yet
   * checkpoint staging: the device -> pinned host copy rate, and both checkpoint writers'.
 It prints one table (bench.gpu_check.verdict) and writes the raw figures to `--out` (default
 `runs/gpu_check.json`). Exit status: 0 all within tolerance, 1 any check out of tolerance or
-raising, 3 no CUDA device or a torch older than undying needs (nothing checked).
+raising; 3 no CUDA device (nothing checked). A torch older than undying's pin is said on a row of
+its own, and the checks run. The figures go to `--out` after every check, so a run cut short (a
+time limit) still leaves those taken.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.gpu_check.verdict import EXIT_NO_CUDA, INFO, Row, exit_code, format_table
+from bench.gpu_check.verdict import EXIT_NO_CUDA, INFO, NOT_TESTED, Row, exit_code, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 MFU_JUDGED_PRESETS = ("llama3.2-1b",)
@@ -57,8 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def torch_too_old(version: str) -> str | None:
-    """Why this torch cannot run the check (older than pyproject.toml's torch>=X that the code's APIs
-    need: a GPU image's own torch may be), or None. A partial run would fail check by check instead."""
+    """Why this torch is not one undying supports (older than pyproject.toml's torch>=X: a GPU image's
+    own torch may be), or None. The checks still run (a GPU machine's time is scarce; on torch 2.11
+    the check's and the engine's tests pass, docs/benchmarks.md): each one that needs a newer API
+    fails as its own row, and this is an info row of its own."""
     import re
 
     wanted = re.search(r'"torch>=([0-9.]+)', (ROOT / "pyproject.toml").read_text())
@@ -66,8 +71,20 @@ def torch_too_old(version: str) -> str | None:
     need = tuple(int(p) for p in wanted.group(1).split(".")) if wanted else ()
     if have >= need:
         return None
-    return (f"gpu-check: torch {version} is older than the torch>={wanted.group(1)} undying needs; run it with a "
-            "Python whose CUDA torch is that new (GPU_PYTHON=...), nothing was checked")
+    return (f"torch {version} is older than the torch>={wanted.group(1)} undying needs: a check that needs a newer "
+            "API fails on its own row; run it with a Python whose CUDA torch is that new (GPU_PYTHON=...)")
+
+
+def compile_toolchain_missing() -> str | None:
+    """What inductor needs on a GPU that this machine lacks (a runtime image often has no compiler)."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if not (shutil.which("gcc") or shutil.which("cc")):
+        return "no C compiler (inductor builds Triton's launchers with one)"
+    return None
 
 
 def no_cuda_message(torch) -> str:
@@ -90,12 +107,13 @@ class Checks:
     """Every check in turn on this machine's GPUs, in a fixed order; the raw measurements go
     into `result`, the verdicts into `rows`. One instance per run of the check."""
 
-    def __init__(self, args: argparse.Namespace, result: dict):
+    def __init__(self, args: argparse.Namespace, result: dict, save: Callable[[list[Row]], None] = lambda rows: None):
+        """`save(rows)` is called after each check: a run cut short still leaves every figure taken."""
         import torch
 
         from bench.gpu_check.peaks import bf16_peak
 
-        self.args, self.result, self.rows = args, result, []
+        self.args, self.result, self.rows, self.save = args, result, [], save
         self.name = torch.cuda.get_device_name(0)
         self.peak = bf16_peak(self.name)
         self.runs: dict = {}
@@ -109,21 +127,25 @@ class Checks:
 
     def run(self) -> list[Row]:
         args, default = self.args, self.args.recompute[0]
-        attempt(self.rows, "nccl process group", self.nccl_group)
-        attempt(self.rows, "checkpoint staging", self.staged)
-        attempt(self.rows, f"{args.preset} rc={default}", lambda: self.train(default, compile=False))
+        self._attempt("checkpoint staging", self.staged)
+        self._attempt(f"{args.preset} rc={default}", lambda: self.train(default, compile=False))
         if not args.no_compile:
-            attempt(self.rows, f"{args.preset} compiled", lambda: self.train(default, compile=True))
+            self._attempt(f"{args.preset} compiled", lambda: self.train(default, compile=True))
         for recompute in args.recompute[1:]:
-            attempt(self.rows, f"{args.preset} rc={recompute}", lambda rc=recompute: self.train(rc, compile=False))
+            self._attempt(f"{args.preset} rc={recompute}", lambda rc=recompute: self.train(rc, compile=False))
         if not args.no_deterministic_cost:
-            attempt(self.rows, f"{args.preset} deterministic flipped", self.deterministic_cost)
-        attempt(self.rows, "determinism and resume", self.resume)
+            self._attempt(f"{args.preset} deterministic flipped", self.deterministic_cost)
+        self._attempt("determinism and resume", self.resume)
+        self._attempt("nccl process group", self.nccl_group)  # its own processes, bounded; after the figures
         # Last: the engine must be the first to use cuBLAS in this process. torch sizes a cuBLAS
         # workspace from CUBLAS_WORKSPACE_CONFIG (which the engine sets in deterministic mode)
         # when it first allocates it, and keeps it; the default path is what is measured.
-        attempt(self.rows, "bf16 matmul", self.matmul)
+        self._attempt("bf16 matmul", self.matmul)
         return self.rows
+
+    def _attempt(self, check: str, fn: Callable[[], list[Row]]) -> None:
+        attempt(self.rows, check, fn)
+        self.save(self.rows)
 
     def matmul(self) -> list[Row]:
         from bench.gpu_check.peaks import measured_matmul_tflops
@@ -152,6 +174,8 @@ class Checks:
         from bench.gpu_check import judge, training
 
         args = self.args
+        if compile and (missing := compile_toolchain_missing()):  # the machine's lack, not the engine's fault
+            return [Row(f"{args.preset} compiled", f"not run: {missing}", "torch.compile (inductor)", NOT_TESTED)]
         run = training.train_run(args.preset, args.seq_len, args.micro_batch, args.steps, args.warmup,
                                  recompute, compile)
         self.runs[(recompute, compile)] = run
@@ -187,18 +211,33 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(no_cuda_message(torch), file=sys.stderr)
         return EXIT_NO_CUDA
-    if (too_old := torch_too_old(torch.__version__)) is not None:
-        print(too_old, file=sys.stderr)
-        return EXIT_NO_CUDA
     if args.micro_batch is None:
         args.micro_batch = 8 if torch.cuda.get_device_properties(0).total_memory >= 100e9 else 4
+    too_old = torch_too_old(torch.__version__)
+    first = [Row("torch version", torch.__version__, "older than undying's torch pin", INFO)] if too_old else []
+    if too_old:
+        print(f"gpu-check: {too_old}", file=sys.stderr)
     result: dict = {"args": vars(args)}
-    rows = Checks(args, result).run()
-    print(format_table(rows))
-    result["rows"] = [row.to_json() for row in rows]
-    result["exit_code"] = code = exit_code(rows)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    save = functools.partial(save_result, out, result, first)
+    try:
+        rows = first + Checks(args, result, save).run()
+    except Exception:  # the set-up itself (an import, the device's name): the figures so far still go out
+        from bench.gpu_check.judge import failed_row
+
+        traceback.print_exc()
+        rows = first + [failed_row("set-up", traceback.format_exc())]
+    print(format_table(rows))
+    save(rows[len(first):])
     print(f"measurements: {out}")
-    return code
+    return exit_code(rows)
+
+
+def save_result(out: Path, result: dict, first: list[Row], rows: list[Row]) -> None:
+    """Write the raw figures and the rows so far to `out` (replaced whole: never a torn file)."""
+    rows = first + rows
+    result.update(rows=[row.to_json() for row in rows], exit_code=exit_code(rows))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.replace(out)

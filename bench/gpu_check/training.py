@@ -129,6 +129,8 @@ def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
         "predicted": predicted_peak(model, seq_len, micro_batch, recompute),
     }
     del engine
+    if train.compile:  # its graphs and guards hold the blocks' parameters: the next run starts clean
+        torch._dynamo.reset()
     _fresh_device(device)
     return out
 

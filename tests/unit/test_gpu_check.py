@@ -18,18 +18,51 @@ LLAMA_1B = ModelConfig(preset="llama3.2-1b")
 
 @pytest.mark.parametrize(("name", "peak"), [
     ("NVIDIA H200", 989.5e12), ("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GH200 480GB", 989.5e12),
+    ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA GH200 480GB", 989.5e12),
     ("NVIDIA L40S", 362.05e12), ("NVIDIA B200", 2250e12), ("NVIDIA GeForce RTX 4090", None), ("", None)])
 def test_bf16_peak_by_device_name(name, peak):
     assert bf16_peak(name) == peak
 
 
-def test_a_torch_older_than_the_package_needs_is_refused_before_any_check():
+def test_a_torch_older_than_the_package_needs_is_named_and_the_checks_still_run():
     from bench.gpu_check.main import torch_too_old
 
     assert torch_too_old("2.13.0+cu130") is None and torch_too_old("2.14.1") is None
     assert "older than the torch>=2.13" in torch_too_old("2.5.1+cu124")
     assert torch_too_old("2.13.0a0+git1234") is None  # a source build of that release
+
+
+def test_a_run_cut_short_leaves_the_figures_taken_and_a_set_up_that_raises_is_a_failed_row(tmp_path, monkeypatch):
+    import json
+
+    from bench.gpu_check import main as gpu_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as main looks
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 141e9})())
+
+    class CutShort(gpu_main.Checks):
+        def __init__(self, args, result, save):
+            self.args, self.result, self.rows, self.save = args, result, [], save
+
+        def run(self):
+            self._attempt("first", lambda: [Row("first", "1", "", "ok")])
+            self._attempt("second", lambda: 1 / 0)
+            raise KeyboardInterrupt  # the time limit: what was saved must be on disk already
+
+    monkeypatch.setattr(gpu_main, "Checks", CutShort)
+    out = tmp_path / "gpu_check.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_main.main(["--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [(r["check"], r["status"]) for r in saved["rows"]] == [("torch version", "info"), ("first", "ok"),
+                                                                   ("second", "FAIL")] and saved["exit_code"] == 1
+    assert saved["args"]["micro_batch"] == 8  # 141 GB: the default micro-batch
+
+    monkeypatch.setattr(gpu_main, "Checks", lambda *a: 1 / 0)  # the set-up itself raises
+    assert gpu_main.main(["--out", str(out)]) == 1
+    assert [r["check"] for r in json.loads(out.read_text())["rows"]] == ["torch version", "set-up"]
 
 
 def test_a_ranks_peak_at_its_precision_comes_from_the_same_table():

@@ -15,6 +15,7 @@ sparsity that doubles NVIDIA's headline tensor numbers):
 A running device is known by the name CUDA gives it (`named_peak`): besides the SXM parts above,
   H100 PCIe   NVIDIA H100 datasheet: BF16 tensor 756 TFLOP/s dense (1,513 with sparsity)
   H100 NVL    NVIDIA H100 NVL datasheet: 835 TFLOP/s dense (1,671 with sparsity)
+  H200 NVL    NVIDIA H200 NVL datasheet: 835 TFLOP/s dense (1,671 with sparsity)
   L40S        NVIDIA L40S datasheet: 362.05 TFLOP/s dense (733 with sparsity)
   B200        NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense per GPU (4.5 with sparsity)
 whose FP32 figures the table leaves out (their MFU at fp32 is unknown, never guessed).
@@ -105,6 +106,7 @@ DEVICE_NAMES = (*GPUS, "cpu")
 NAMED_GPUS: tuple[tuple[str, float, str | None], ...] = (
     ("H100 PCIe", 756e12, None),
     ("H100 NVL", 835e12, None),
+    ("H200 NVL", 835e12, None),
     ("H200", GPUS["h200"].peak("bf16"), "h200"),
     ("H100", GPUS["h100"].peak("bf16"), "h100"),
     ("A100", GPUS["a100"].peak("bf16"), "a100"),
