@@ -79,8 +79,9 @@ from trainer.state_slices import TensorSlice
 
 _PR_SET_PDEATHSIG = 1
 # A write whose store took nothing this long is given up (module docstring): under the controller's
-# 120 s stall floor (orchestrator.controller.save_watch.SAVE_STALL_FLOOR_S), over one part's upload
-# (64 MiB) at under 1 MB/s and over botocore's own attempts of a call that fails (about 75-90 s).
+# 120 s stall floor (orchestrator.controller.save_watch.SAVE_STALL_FLOOR_S), over botocore's own
+# attempts of a call that fails (about 75-90 s), and over the parts one progress piece can take to
+# upload (up to two of 64 MiB: s3fs uploads as its buffer fills) at about 1.3 MB/s or more.
 STALL_S = 100.0
 STALL_POLL_S = 5.0
 
@@ -296,6 +297,9 @@ class ProcessShardWriter(OneSaveInFlight):
         if stalled_s < self.stall_s:
             return
         self._stalled_s = stalled_s
+        with self._lock:  # the next save starts a new child, even if a receipt slips in before the kill lands
+            if self._child is child:
+                self._child = None
         with contextlib.suppress(OSError):
             child.proc.kill()  # by its PID, never by name
 

@@ -23,6 +23,7 @@ that it can show the controller it is alive (ckpt.writer.OneSaveInFlight).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -64,10 +65,13 @@ def make_writer(config: CheckpointConfig, url: str, rank: int, on_receipt: OnRec
                 fault_hook: FaultHook | None = None, tag: str = "", storage_setup: StorageSetup | None = None,
                 notify: Callable[[dict], None] | None = None, stall_s: float = STALL_S) -> CheckpointWriter:
     """The writer `config.writer` asks for (auto: a process on object stores when async, else the thread);
-    `stall_s`: how long the process writer lets its store take no byte (ckpt.process_writer)."""
+    `stall_s`: how long the process writer lets its store take no byte (ckpt.process_writer), on S3 only:
+    elsewhere a shard's bytes reach the store in one call at its end, after all its progress."""
     if config.resolved_writer == "process":
+        watched = url.startswith(("s3://", "s3a://"))
         return ProcessShardWriter(url, config.storage_options, rank, on_receipt, on_error, fault_hook=fault_hook,
-                                  tag=tag, storage_setup=storage_setup, notify=notify, stall_s=stall_s)
+                                  tag=tag, storage_setup=storage_setup, notify=notify,
+                                  stall_s=stall_s if watched else math.inf)
     storage = Storage(url, config.storage_options)
     if storage_setup is not None:
         storage_setup(storage, notify or (lambda event: None))

@@ -235,6 +235,26 @@ def test_a_write_whose_store_takes_nothing_is_given_up_as_a_failed_save_and_the_
     assert [r.step for r, _ in out.receipts] == [2] and len(out.errors) == 1
 
 
+def test_a_write_whose_bytes_keep_moving_is_not_given_up(tmp_path):
+    # The watchdog's clock is the last sign of movement (a piece the store took): a long write that
+    # keeps moving is not a stalled one. Driven directly: the listener's poll would wait STALL_POLL_S.
+    out = Collect()
+    writer = ProcessShardWriter(f"file://{tmp_path}/job", {}, 0, out.on_receipt, out.on_error, stall_s=1.0)
+    child = writer._child
+    writer._idle.clear()
+    writer._in_flight, writer._moved_at = (1, {}), time.monotonic() - 5.0
+    writer._handle("progress", 1 << 20, 1)  # the store just took a piece
+    writer._give_up_if_stalled(child)
+    assert writer._child is child and child.proc.poll() is None
+    writer._moved_at = time.monotonic() - 5.0  # and then nothing for longer than stall_s
+    writer._give_up_if_stalled(child)
+    assert writer._child is None and child.proc.wait(10) is not None
+    writer.wait()
+    [(step, error)] = out.errors
+    assert step == 1 and "took no byte of step 1 for 5 s" in str(error)
+    writer.flush()
+
+
 def test_a_fault_hook_that_raises_at_during_shard_write_fails_the_save(tmp_path):
     out, points = Collect(), []
 
