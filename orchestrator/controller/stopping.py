@@ -68,7 +68,7 @@ from orchestrator.controller.states import (
     Succeeded,
     TrainingRun,
 )
-from orchestrator.wire.messages import NodeLost
+from orchestrator.wire.messages import FaultFired, NodeLost
 
 # Time for a newly published plan to be read by every rank: the controller's poll, one store
 # read per rank at its next step boundary, and scheduling noise, with room to spare.
@@ -268,15 +268,17 @@ class Stops:
             return Move(Failed(error), error)
         return Move(Succeeded(), f"{steps} steps done, final checkpoint committed, goodput {self.ledger.goodput():.1%}")
 
-    def _stop_generation(self, store, world_size: int) -> list[int]:
+    def _stop_generation(self, store, world_size: int) -> tuple[list[int], FaultFired | None]:
         """Every rank out of the generation (Recovery.stop_generation; the ranks gone meanwhile), then its
         last events taken: the steps it trained past the commit (booked as redone after this), a fault
         that fired as it stopped (marked fired: not fired again after the restore, and, dealt with by this
-        re-formation, never blamed for a later failure)."""
+        re-formation, never blamed for a later failure). With ranks gone, that fault is returned: the
+        cause of their failure."""
         gone = self.recovery.stop_generation(store, world_size)
         self.intake.drain(store)
+        fault = self.intake.faults.take_fired() if gone else None
         self.intake.faults.sweep_fired(time.time())
-        return gone
+        return gone, fault
 
     def _receipts_may_come(self, run: TrainingRun) -> bool:
         """Every rank of `run` returned and the step they stopped at is not committed yet: their last
@@ -309,11 +311,13 @@ class Stops:
         self.intake.nodes_handled.add(phase.node)  # a late node_lost report of it is not a failure
         self.ledger.enter("reformation")  # the generation's work is saved: stopping it and refilling seats re-forms
         self.reforming = True  # a signal from here gives up the waits below (`ending`): the stop is committed
-        gone = self._stop_generation(store, world_size)  # a rank may die while it stops, too
+        leaving = {r for r in self.workers.actors if self.workers.node_of(r) == phase.node}
+        gone, fault = self._stop_generation(store, world_size)  # a rank may die while it stops, too
         moved = self.workers.forget_node(phase.node)
-        if gone:
-            return self._lost_while_stopping(gone, phase.step, f"moving off node {phase.node[:12]}")
-        membership = self.recovery.replace(moved, dp)
+        failed = [r for r in gone if r not in leaving]  # (the drained node's own going is no failure)
+        if failed:
+            return self._lost_while_stopping(failed, phase.step, f"moving off node {phase.node[:12]}", fault)
+        membership = self.recovery.replace(sorted(set(moved) | set(gone)), dp)
         self.reforming = False
         if membership.error is not None:
             return Move(Failed(membership.error), membership.error)
@@ -330,13 +334,13 @@ class Stops:
         self.checkpoints.flush()  # a newer save's create under way: the generation re-forms at the newest commit
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
-        gone = self._stop_generation(store, world_size)
+        gone, fault = self._stop_generation(store, world_size)
         step = self.checkpoints.latest  # read after the stop: its last events may have committed a newer save
-        # Steps trained past the commit while the generation was being stopped are redone, from the commit.
-        self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
         self.checkpoints.memory.forget_newer(step)
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
-            return self._lost_while_stopping(gone, step, "growing")
+            return self._lost_while_stopping(gone, step, "growing", fault)  # (its recovery books the redone steps)
+        # Steps trained past the commit while the generation was being stopped are redone, from the commit.
+        self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
         mp, note = self.recovery.model_parallel(), ""
         self.workers.grow(new_dp * mp)
         self.reforming = False
@@ -349,15 +353,16 @@ class Stops:
         return Move(Rendezvous(), f"generation {gen} -> {gen + 1}: growing dp {dp} -> {new_dp} at "
                                   f"checkpoint step {step} ({ready} warm spare(s) ready{note})", new_dp)
 
-    def _lost_while_stopping(self, gone: list[int], step: int, why: str) -> Move:
+    def _lost_while_stopping(self, gone: list[int], step: int, why: str, fault: FaultFired | None) -> Move:
         """Ranks that died (or would not leave) as a healthy generation stopped at committed `step`: a
-        failure like any, blamed, booked in the report and counted against elastic.max_restarts (a
-        rank dying at every grow must end the job, not loop), its seats filled by the recovery; no work
-        lost (nothing was trained past the commit)."""
+        failure like any (an injected `fault` that fired meanwhile its cause), blamed, booked in the
+        report and counted against elastic.max_restarts (a rank dying at every grow must end the job,
+        not loop), its seats filled by the recovery, which books the steps trained past the commit."""
         self.reforming = False
         message = f"rank(s) {gone} lost as the generation stopped at checkpoint step {step} ({why})"
-        return Move(Recovering(Failure("rank_died", gone[0], time.time(), message, step=step,
-                                       errors={rank: message for rank in gone})), message)
+        kind, rank, onset = (fault.kind, fault.rank, fault.time) if fault is not None else ("rank_died", gone[0], None)
+        return Move(Recovering(Failure(kind, rank, time.time(), message, fault_time=onset, step=step,
+                                       errors={r: message for r in gone})), message)
 
     def save_s(self) -> float:
         """The last measured save's blocking time (a stop must commit one more)."""
