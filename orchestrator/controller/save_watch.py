@@ -68,7 +68,9 @@ class SaveWatch:
             self._seen[rank] = _Seen(beat, now, now)
             return
         changed = now if beat.time != old.beat.time else old.changed_at
-        moved = now if beat.saved_bytes != old.beat.saved_bytes else old.moved_at
+        # A save's stall counts from its start (the rank blocking on another step), not from the bytes
+        # of the save before, which may have ended long ago.
+        moved = now if (beat.saved_bytes, beat.saving) != (old.beat.saved_bytes, old.beat.saving) else old.moved_at
         self._seen[rank] = _Seen(beat, changed, moved)
 
     def _savers(self, now: float, limit_s: float) -> dict[int, _Seen]:

@@ -69,6 +69,19 @@ def test_a_save_that_writes_is_busy_one_that_stops_writing_stalls_and_silent_ran
     assert not watch.busy(limit, now=0.0)
 
 
+def test_a_save_s_stall_counts_from_its_start_not_from_the_save_before():
+    watch, limit = SaveWatch(), 10.0
+    watch.observe(1, _beat(1.0, saving=10, saved=300), now=1.0)  # the save of step 10 wrote its bytes
+    watch.observe(1, _beat(2.0, saved=300), now=2.0)  # then the rank trained for 500 s
+    for t in range(5, 500, 5):
+        watch.observe(1, _beat(float(t), saved=300), now=float(t))
+    for t in range(500, 625, 5):  # blocked on step 20's save from t=500, beating, no byte written yet
+        watch.observe(1, _beat(float(t), saving=20, saved=300), now=float(t))
+    # Busy within the stall limit of the save's own start (not stalled since the old bytes at t=1).
+    assert watch.busy(limit, now=500.0 + stall_s(limit) - 1)
+    assert not watch.busy(limit, now=500.0 + stall_s(limit) + 1)
+
+
 def test_the_stall_limit_is_the_floor_or_the_hang_limit():
     assert stall_s(10.0) == SAVE_STALL_FLOOR_S and stall_s(600.0) == 600.0
 
