@@ -158,23 +158,33 @@ def test_an_interrupted_run_resumes_and_writes_the_same_bytes(capsys, executor, 
 
 
 def test_a_plan_written_before_empty_texts_were_skipped_resumes_under_its_own_rule(capsys, executor, corpus,
-                                                                                   tmp_path):
-    # One dataset must not mix the rules: its finished shards made an empty record EOS alone.
+                                                                                   tmp_path, monkeypatch):
+    # One dataset must not mix the rules: the release before made an empty record EOS alone, and the
+    # shards its interrupted run finished are kept (the plan's bytes and hash as that release wrote them).
+    from orchestrator.cli.data import plan as plan_module
+    from orchestrator.cli.data import prepare as prepare_module
+
     _, tokenizer, _, _ = corpus
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "", "c"]))
-    argv = [str(tmp_path / "docs.jsonl"), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
+    texts = ["a b " * 30, "", "c d " * 30, "", "e f " * 30]  # an empty record in each of the units
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    argv = [str(tmp_path / "docs.jsonl"), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"),
+            "--shard-tokens", "20"]
+    made = plan_module.make_plan
+
+    def as_before(*args, **kwargs):  # the release before: no skip_empty_texts in its plan
+        return made(*args, **kwargs).model_copy(update={"skip_empty_texts": False})
+
+    monkeypatch.setattr(prepare_module, "make_plan", as_before)
     executor["executor"] = Recorder(stop_after=1)
     assert prepare(capsys, *argv)[0] == 130
-    plan = tmp_path / "out" / "plan.json"
-    old = json.loads(plan.read_text())
-    assert old.pop("skip_empty_texts") is True
-    plan.write_text(json.dumps(old, indent=1) + "\n")  # as the release before wrote it
+    assert "skip_empty_texts" not in json.loads((tmp_path / "out" / "plan.json").read_text())
+    monkeypatch.setattr(prepare_module, "make_plan", made)  # this release resumes it
     executor["executor"] = Recorder()
     code, out, err = prepare(capsys, *argv)
-    assert code == 0 and "resuming the unfinished preparation" in out, err
-    assert TokenDataset(str(tmp_path / "out")).n_documents == 3  # "" was EOS alone, as that plan's other shards
-    fresh = [*argv[:-1], str(tmp_path / "new")]
-    assert prepare(capsys, *fresh)[0] == 0 and TokenDataset(str(tmp_path / "new")).n_documents == 2
+    assert code == 0 and "resuming the unfinished preparation" in out and "(1 kept from an earlier run)" in err, err
+    assert TokenDataset(str(tmp_path / "out")).n_documents == 5  # "" EOS alone throughout, as the plan says
+    fresh = [*argv[:4], str(tmp_path / "new"), *argv[5:]]
+    assert prepare(capsys, *fresh)[0] == 0 and TokenDataset(str(tmp_path / "new")).n_documents == 3
 
 
 def test_a_location_that_holds_something_else_is_refused(capsys, executor, corpus, tmp_path):

@@ -65,7 +65,10 @@ class Plan(BaseModel):
                                                       "skip_empty_texts": True})
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(mode="json"), indent=1) + "\n").encode()
+        """As written; a plan of the release before `skip_empty_texts` (False) without it, so that its
+        bytes, and the hash its finished units' markers record, stay what that release wrote."""
+        legacy = {"skip_empty_texts"} if not self.skip_empty_texts else None
+        return (json.dumps(self.model_dump(mode="json", exclude=legacy), indent=1) + "\n").encode()
 
     def sha256(self) -> str:
         return sha256_hex(self.to_bytes())
