@@ -228,15 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         rows = first + [failed_row("set-up", traceback.format_exc())]
     print(format_table(rows))
-    save(rows[len(first):])
+    save(rows[len(first):], complete=True)
     print(f"measurements: {out}")
     return exit_code(rows)
 
 
-def save_result(out: Path, result: dict, first: list[Row], rows: list[Row]) -> None:
-    """Write the raw figures and the rows so far to `out` (replaced whole: never a torn file)."""
+def save_result(out: Path, result: dict, first: list[Row], rows: list[Row], complete: bool = False) -> None:
+    """Write the raw figures and the rows so far to `out` (replaced whole: never a torn file); `complete`
+    only once every check ran (a run cut short reads as such, not as a pass)."""
     rows = first + rows
-    result.update(rows=[row.to_json() for row in rows], exit_code=exit_code(rows))
+    result.update(rows=[row.to_json() for row in rows], exit_code=exit_code(rows), complete=complete)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(result, indent=2, default=str))

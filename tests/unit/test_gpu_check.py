@@ -58,11 +58,12 @@ def test_a_run_cut_short_leaves_the_figures_taken_and_a_set_up_that_raises_is_a_
     saved = json.loads(out.read_text())
     assert [(r["check"], r["status"]) for r in saved["rows"]] == [("torch version", "info"), ("first", "ok"),
                                                                    ("second", "FAIL")] and saved["exit_code"] == 1
-    assert saved["args"]["micro_batch"] == 8  # 141 GB: the default micro-batch
+    assert saved["args"]["micro_batch"] == 8 and saved["complete"] is False  # 141 GB: the default micro-batch
 
     monkeypatch.setattr(gpu_main, "Checks", lambda *a: 1 / 0)  # the set-up itself raises
     assert gpu_main.main(["--out", str(out)]) == 1
-    assert [r["check"] for r in json.loads(out.read_text())["rows"]] == ["torch version", "set-up"]
+    saved = json.loads(out.read_text())
+    assert [r["check"] for r in saved["rows"]] == ["torch version", "set-up"] and saved["complete"] is True
 
 
 def test_a_ranks_peak_at_its_precision_comes_from_the_same_table():
