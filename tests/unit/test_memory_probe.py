@@ -33,10 +33,9 @@ def test_measured_state_and_activation_match_the_cost_model():
     # really keeps (tiny preset: 2.35 MB measured vs 2.57 MB predicted, 9% apart).
     assert abs(measured["activation"] - predicted.activation) / predicted.activation < 0.15
     assert measured["collective"] == 0  # one process: no DDP buckets
-    # The rest of the step's peak: on CPU it also holds the loss's and the allocator's temporaries that
-    # the cost model's transient (0.26 MB here) leaves out: 23 MB measured. Bounded, so a leak of a
-    # step's tensors (tens of MB more each step) shows, but not predicted here (the GPU check compares peaks).
-    assert 0 < measured["transient"] < 10 * (predicted.state + predicted.activation)
+    # The transient (the rest of the step's peak) is not judged here: on CPU the peak is the process's,
+    # which the tests run before this one move (23 MB alone, 84 MB in the suite, against the cost
+    # model's 0.26 MB). The GPU check compares the device's whole peak with the prediction.
 
 
 def test_measuring_does_not_change_training():
