@@ -155,12 +155,11 @@ def _load(args, probe: bool = True):
     if problems:
         raise SpecError(problems)
     if probe:
-        from orchestrator.spec.data_check import epoch_notes, require_data
+        from orchestrator.spec.data_check import require_data
         from orchestrator.spec.storage_check import require_storage
 
         require_storage(spec)
-        require_data(spec)
-        return spec, cadence_notes(spec) + epoch_notes(spec)
+        return spec, cadence_notes(spec) + require_data(spec)
     return spec, cadence_notes(spec)
 
 

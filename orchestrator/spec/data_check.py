@@ -115,8 +115,7 @@ def _step_problems(spec: JobSpec, part, field: str, windows: int) -> list[Proble
     would put some windows in every step twice or more (trainer.tokens.windows starts its next epoch
     inside the step): the same sample's gradient counted several times over, never what is meant. (A
     larger one may still repeat a window in the one step an epoch ends in, as any epoch-wise sampler.)"""
-    data, batch = spec.data, spec.train.global_batch
-    share = part.weight / sum(p.weight for p, _ in data.token_parts())
+    data, batch, share = spec.data, spec.train.global_batch, _share(spec, part)
     if windows >= share * batch:
         return []
     drawn = (f"the {share * batch:.3g} samples a step draws from it ({share:.3g} of train.global_batch = {batch})"
@@ -127,8 +126,19 @@ def _step_problems(spec: JobSpec, part, field: str, windows: int) -> list[Proble
                            f"shorter seq_len or a smaller global_batch{fix}")]
 
 
+def _share(spec: JobSpec, part) -> float:
+    """The fraction of the samples that dataset `part` (a data.token_parts() one) is dealt."""
+    return part.weight / sum(p.weight for p, _ in spec.data.token_parts())
+
+
 def data_problems(spec: JobSpec) -> list[Problem]:
+    return _examine(spec)[0]
+
+
+def _examine(spec: JobSpec) -> tuple[list[Problem], list[tuple[str, object, int]]]:
+    """The problems, and (field, part, windows) of each training dataset read whole enough to count."""
     problems: list[Problem] = _text_problems(spec) if spec.data.source == "text" else []
+    counted: list[tuple[str, object, int]] = []
     if spec.model.from_hf:
         problems += _pretrained_problems(spec)
     data, model = spec.data, spec.model
@@ -148,7 +158,8 @@ def data_problems(spec: JobSpec) -> list[Problem]:
                 problems.append(Problem(field, f"{url} holds {len(ds)} tokens, fewer than one window of data.seq_len "
                                         f"+ 1 = {data.seq_len + 1}; use more data or a shorter seq_len"))
             else:
-                problems += _step_problems(spec, part, field, len(ds) // (data.seq_len + 1))
+                counted.append((field, part, len(ds) // (data.seq_len + 1)))
+                problems += _step_problems(spec, part, field, counted[-1][2])
     if spec.eval is not None:
         ds = _dataset(spec.eval.path, spec.eval.storage_options or data.storage_options, "eval.path", problems)
         if ds is not None:
@@ -165,7 +176,7 @@ def data_problems(spec: JobSpec) -> list[Problem]:
             opened.append(("eval.path", ds))
     if spec.model.from_hf:
         problems += tokenizer_problems(spec, opened)
-    return problems + _between_datasets(opened)
+    return problems + _between_datasets(opened), counted
 
 
 def _between_datasets(opened: list[tuple[str, TokenDataset]]) -> list[Problem]:
@@ -210,30 +221,20 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
-def epoch_notes(spec: JobSpec) -> list[str]:
+def _epoch_notes(spec: JobSpec, counted: list[tuple[str, object, int]]) -> list[str]:
     """How much of each prepared training dataset the run reads, in epochs (its share of train.steps x
-    train.global_batch over its windows): a fine-tune's many passes, or a pretraining's fraction, said
-    before it starts. `undying validate` and `undying run` print them after `require_data` passed."""
-    from trainer.tokens.reader import TokenDataset
-
-    data, train = spec.data, spec.train
-    if data.source != "tokens":
-        return []
-    parts = data.token_parts()
-    total, notes = sum(part.weight for part, _ in parts), []
-    for part, field in parts:
-        try:  # read again after require_data's check: a store failing now costs the note, not the run
-            windows = len(TokenDataset(part.path, data.storage_options)) // (data.seq_len + 1)
-        except Exception:  # noqa: BLE001 (the store's client, whatever it raises)
-            continue
-        samples = part.weight / total * train.steps * train.global_batch
-        notes.append(f"{field}: {windows:,} windows of data.seq_len + 1 = {data.seq_len + 1} tokens; "
-                     f"train.steps = {train.steps} read {samples / windows:.3g} epochs of it")
-    return notes
+    train.global_batch over its windows, as `_examine` counted them): a fine-tune's many passes, or a
+    pretraining's fraction, said before it starts (`undying validate` and `undying run` print them)."""
+    samples = spec.train.steps * spec.train.global_batch
+    return [f"{field}: {windows:,} windows of data.seq_len + 1 = {spec.data.seq_len + 1} tokens; train.steps = "
+            f"{spec.train.steps} read {_share(spec, part) * samples / windows:.3g} epochs of it"
+            for field, part, windows in counted]
 
 
-def require_data(spec: JobSpec) -> None:
-    """Raise SpecError listing every problem of the spec's prepared datasets."""
-    problems = data_problems(spec)
+def require_data(spec: JobSpec) -> list[str]:
+    """Raise SpecError listing every problem of the spec's prepared datasets; else the notes on how
+    many epochs of each the run reads (from the same reads: no dataset is opened twice)."""
+    problems, counted = _examine(spec)
     if problems:
         raise SpecError(problems)
+    return _epoch_notes(spec, counted)
