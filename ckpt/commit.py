@@ -10,15 +10,9 @@ logged as an error and kept in `rejected`: such a state must never become a chec
 
 A save that cannot commit never stops the job (the next save will commit; chaos faults
 exercise each case): a rank's failed shard write (`abandon`, from its `save_error` event:
-the step's later receipts are ignored), and a manifest create that fails. The create is
-retried once: a retry that finds the manifest already there with the same shards is our own
-first attempt that landed although its reply was lost (ckpt.catalog.Catalog.commit treats it
-as success), and so is one found after both attempts failed, read then with a retry budget
-(the second attempt's own read-back may fail on a flapping store). A manifest that is there
-but does not parse (found after a failed create, or by the create's own read-back, which
-raises CorruptCheckpoint) is a torn write of ours; it is moved aside (Catalog.withdraw_torn)
-before the retry and after a failed one, so an unreadable manifest never stays where a reader
-would take the step for committed. Every save that will not commit is passed to
+the step's later receipts are ignored), and a manifest create that fails, retried once
+(ckpt.manifest_create: a lost reply settled, a torn manifest moved aside).
+Every save that will not commit is passed to
 `on_dropped(step, reason)` (the controller logs and counts it).
 Retention and garbage collection after a commit are best effort: a storage error there is
 logged and they run again at the next commit. Given a `housekeeper` (the controller's), they run
@@ -58,32 +52,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
-from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
+from ckpt.errors import IncompleteCheckpoint
 from ckpt.housekeeping import Housekeeper, PassFence, Superseded
-from ckpt.manifest import Manifest, ShardReceipt, merge_receipts
+from ckpt.manifest import ShardReceipt
+from ckpt.manifest_create import Attempt, PendingSave, create_manifest, storage_failure
 from ckpt.ownership import OwnershipLost
-from ckpt.reader import read_manifest
-from ckpt.storage import AlreadyCommitted
-from ckpt.storage_errors import ReadRetry, is_transient
 
+__all__ = ["Commit", "Committer", "storage_failure"]
 log = logging.getLogger(__name__)
-SETTLE_S = 10.0  # the read that settles whether a manifest whose creates both failed did land
-
-
-def storage_failure(err: BaseException) -> bool:
-    """Whether `err` is a store's failure, not a bug: OSError and ValueError (fsspec's, s3fs's
-    translations), and the HTTP stack's own connection errors (botocore's, aiohttp's), which are
-    not OSErrors (ckpt.storage_errors.is_transient)."""
-    return isinstance(err, (OSError, ValueError)) or is_transient(err)
-
-
-@dataclass
-class PendingSave:
-    step: int
-    started_at: float  # earliest wall time a rank began this save (estimated from its receipt)
-    receipts: dict[int, ShardReceipt] = field(default_factory=dict)
-    engine_state: dict | None = None
-    samples: dict[int, list[int]] = field(default_factory=dict)  # rank -> its replica's sample digest
 
 
 @dataclass
@@ -94,20 +70,6 @@ class Commit:
     total_s: float  # first rank starting to stage -> durable manifest
     committed_at: float
     samples: dict[int, list[int]] = field(default_factory=dict)  # rank -> [first, end, count, digest]
-
-
-@dataclass
-class Attempt:
-    """What the store's part of a commit came to, settled on the controller's thread (`_settle`)."""
-
-    save: PendingSave
-    kept: bool  # the step is one of `left_behind` (committed by the history the restore left)
-    manifest: Manifest | None = None  # committed
-    committed_at: float = 0.0  # wall time the create returned
-    skipped: str | None = None  # not committed through no failure: why (on_skipped)
-    failed: str | None = None  # not committed: why (on_dropped)
-    rejected: str | None = None  # ... and what `rejected` keeps of it
-    error: BaseException | None = None  # a lost owner lease, a bug: raised where it is settled
 
 
 class Committer:
@@ -251,7 +213,9 @@ class Committer:
         try:
             if self.fault_point is not None:
                 self.fault_point("before_manifest_commit", step)
-            attempt.manifest = self._create(attempt, generation, layout, extra)
+            attempt.manifest = create_manifest(self.catalog, attempt, job=self.job, spec_hash=self.spec_hash,
+                                               generation=generation, layout=layout, extra=extra,
+                                               files_here=self.files_here)
             attempt.committed_at = time.time()
             if attempt.manifest is not None and self.fault_point is not None:
                 self.fault_point("after_manifest_commit", step)
@@ -277,78 +241,6 @@ class Committer:
             self.rejected[step] = attempt.rejected
             self.on_dropped(step, attempt.failed)
         return None
-
-    def _create(self, attempt: Attempt, generation: int, layout: dict, extra: dict) -> Manifest | None:
-        """Create the manifest, retrying once (see module doc); None when both attempts failed (`failed`
-        says why), or when the step is one of `left_behind` (`skipped`)."""
-        save, errors = attempt.save, []
-        for _ in range(2):
-            try:
-                return self.catalog.commit(
-                    job=self.job, step=save.step, generation=generation, layout=layout,
-                    spec_hash=self.spec_hash, receipts=list(save.receipts.values()),
-                    state={"engine": save.engine_state, **extra}, files_here=self.files_here,
-                )
-            except IncompleteCheckpoint:
-                raise
-            except Exception as err:  # storage errors (the HTTP stack's own among them); a torn manifest read back
-                if isinstance(err, AlreadyCommitted) and attempt.kept:
-                    attempt.skipped = (f"step {save.step} is committed already, by the history this run left when "
-                                       "its restore skipped that step; it is kept as it is")
-                    return None
-                if not isinstance(err, CorruptCheckpoint) and not storage_failure(err):
-                    raise
-                errors.append(f"{type(err).__name__}: {err}")
-                log.warning("checkpoint step %d: manifest commit failed (%s)", save.step, errors[-1])
-                self._withdraw_torn(save.step, attempt.kept)
-        landed = self._landed(save)
-        if landed is not None:
-            return landed
-        attempt.rejected, attempt.failed = "; ".join(errors), f"the manifest commit failed twice ({errors[-1]})"
-        log.error("checkpoint step %d NOT committed: the manifest could not be created twice: %s",
-                  save.step, attempt.rejected)
-        return None
-
-    def _landed(self, save: PendingSave) -> Manifest | None:
-        """After two failed creates: the manifest of `save` when one of them did land (its reply lost,
-        and the retry's read-back failing too on a flapping store), read with a budget this time.
-        Counting a committed save as failed would fail a job whose last save it is."""
-        try:
-            manifest = read_manifest(self.catalog, save.step, ReadRetry(SETTLE_S))
-        except Exception as err:  # noqa: BLE001 (not there, unreadable, the store still failing: not landed)
-            log.warning("checkpoint step %d: no manifest of ours found after the failed commits (%s: %s)",
-                        save.step, type(err).__name__, err)
-            return None
-        same = manifest.tensors == merge_receipts(list(save.receipts.values()))
-        return manifest if same else None
-
-    def _withdraw_torn(self, step: int, kept: bool) -> None:
-        """Move aside a manifest of `step` that is there but does not parse: our own torn write, or
-        (`kept`: a step of `left_behind`) a committed one of the history this run left, quarantined."""
-        try:
-            if not self.catalog.storage.exists(self.catalog.manifest_path(step)):
-                return
-            # No retry budget: this runs mid-training (on the controller's thread when inline), and a
-            # store that fails transiently here proves nothing (the warning below; restores check again).
-            read_manifest(self.catalog, step, ReadRetry(0.0))
-        except CorruptCheckpoint as err:
-            try:
-                # A step this run's restore skipped holds the previous history's committed manifest:
-                # corrupt, not a torn write of ours; it goes aside as evidence (ckpt verify, retention keep it).
-                aside = self.catalog.quarantine(step, unless_it_parses=True) if kept else \
-                    self.catalog.withdraw_torn(step)
-                if aside is None:  # whole when read again: the first read's bytes were the store's fault
-                    log.warning("checkpoint step %d: the manifest read whole the second time (%s); it stays",
-                                step, err)
-                else:
-                    log.error("checkpoint step %d: unreadable manifest moved aside to %s (%s)", step, aside, err)
-            except (OSError, ValueError) as again:
-                log.error("checkpoint step %d: unreadable manifest could not be moved aside (%s); restores "
-                          "will report and skip it", step, again)
-        except Exception as err:
-            if not isinstance(err, UnsupportedManifest) and not storage_failure(err):
-                raise
-            log.warning("checkpoint step %d: could not check the manifest after a failed commit (%s)", step, err)
 
     def _committed(self, attempt: Attempt) -> Commit:
         """Controller thread: the manifest of `attempt` is durable: it is the newest restore point."""
