@@ -46,13 +46,16 @@ learns of it); the controller passes its ControllerFaults.at_point (kill_control
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckpt.catalog import Catalog
 from ckpt.errors import IncompleteCheckpoint
+from ckpt.failed_saves import SavesFailing
 from ckpt.housekeeping import Housekeeper, PassFence, Superseded
 from ckpt.manifest import ShardReceipt
 from ckpt.manifest_create import Attempt, PendingSave, create_manifest, storage_failure
@@ -76,8 +79,11 @@ class Committer:
     def __init__(self, catalog: Catalog, job: str, spec_hash: str, keep: int,
                  on_dropped: Callable[[int, str], None] = lambda step, reason: None,
                  fault_point: Callable[[str, int], None] | None = None, files_here: bool = True,
-                 housekeeper: Housekeeper | None = None, lane: Housekeeper | None = None):
+                 housekeeper: Housekeeper | None = None, lane: Housekeeper | None = None,
+                 create_limit_s: float = math.inf):
         self.catalog = catalog
+        self.create_limit_s = create_limit_s  # checkpoint.commit_timeout_s: a create unanswered past it (`overdue`)
+        self._creating: tuple[int, float] | None = None  # (step, monotonic start) of the lane's create under way
         self.housekeeper = housekeeper  # None: retention and GC run inline, at the commit
         self.lane = lane  # None: manifest creates run inline, in `on_receipt`
         self.committing: dict[int, PendingSave] = {}  # complete saves handed to the lane, not yet settled
@@ -97,6 +103,9 @@ class Committer:
         # neither counts nor deletes them, and a save reaching one of their step numbers finds it
         # committed by the history the job left; that step is kept as it is, the save skipped, not failed.
         self.left_behind: set[int] = set()
+        # Steps whose creates failed with the store's errors (timeouts): a request the store stalled may
+        # still land and name their shards, so this run's GC never takes their directories for orphans.
+        self.unsure: set[int] = set()
         self.on_skipped: Callable[[int, str], None] = lambda step, reason: log.warning(
             "checkpoint step %d not committed: %s", step, reason)
 
@@ -153,28 +162,52 @@ class Committer:
         self.committing[save.step] = save
 
         def create() -> None:
+            with self._attempts_lock:
+                self._creating = (save.step, time.monotonic())
             try:
                 self._attempt(attempt, generation, layout, state)
             finally:
                 with self._attempts_lock:
                     self._attempts.append(attempt)
+                    self._creating = None
 
         previous, self._queued = self._queued, save.step
         if self.lane.submit(create) is not None:  # the create submitted before this one had not begun: moot now
             self.committing.pop(previous, None)
             self.abandoned.add(previous)
-            self.on_skipped(previous, f"the newer save of step {save.step} was complete before its manifest "
-                                      "create began")
+            self._not_committed(previous, f"the newer save of step {save.step} was complete before its manifest "
+                                          "create began")
         return None
+
+    def overdue(self) -> str | None:
+        """Why the lane's create under way counts as failed (unanswered past `create_limit_s`), or None."""
+        with self._attempts_lock:
+            creating = self._creating
+        waited = time.monotonic() - creating[1] if creating is not None else 0.0
+        if creating is None or waited <= self.create_limit_s:
+            return None
+        return (f"the manifest create of step {creating[0]} has not returned for {waited:.0f} s "
+                f"(checkpoint.commit_timeout_s={self.create_limit_s:g}): the store is not taking writes")
+
+    def _not_committed(self, step: int, reason: str) -> None:
+        """A complete save that will not commit because of a create under way or queued before it: skipped
+        (the newer one's commit makes it moot), or failed when that create is overdue (nothing may commit)."""
+        overdue = self.overdue()
+        if overdue is None:
+            self.on_skipped(step, reason)
+        else:
+            self.on_dropped(step, f"{reason}; {overdue}")
 
     @property
     def unsettled(self) -> dict[int, PendingSave]:
         """The saves not yet committed nor dropped: collecting receipts, or their manifest being created."""
         return {**self.pending, **self.committing}
 
-    def collect(self) -> list[Commit]:
-        """Controller thread: settle what the lane's creates came to since the last call, oldest first;
-        the Commits. Every one is settled before the first error among them is raised."""
+    def collect(self, book: Callable[[Commit], Any] = lambda commit: commit) -> list:
+        """Controller thread: settle what the lane's creates came to since the last call, oldest first, and
+        `book` each Commit; what `book` returned, in order. Every attempt is settled and every commit booked
+        before the first error among them is raised, except a run of failed saves (SavesFailing, from
+        `on_dropped`) that a newer commit of the same batch ended: the store took that one."""
         with self._attempts_lock:
             attempts, self._attempts = self._attempts, []
         commits, errors = [], []
@@ -183,12 +216,15 @@ class Committer:
             try:
                 commit = self._settle(attempt)
             except Exception as err:  # noqa: BLE001 (raised below, once the others are booked)
-                errors.append(err)
+                errors.append((attempt.save.step, err))
                 continue
             commits += [commit] if commit is not None else []
+        newest = max((commit.step for commit in commits), default=-1)
+        booked = [book(commit) for commit in commits]
+        errors = [err for step, err in errors if not (isinstance(err, SavesFailing) and step < newest)]
         if errors:
             raise errors[0]
-        return commits
+        return booked
 
     def flush(self, timeout_s: float) -> bool:
         """Wait for the lane's create under way, if any (at most `timeout_s`); whether none is. The
@@ -202,8 +238,8 @@ class Committer:
         newer = [s for s in self.committing if s > step]
         if newer:
             self.abandoned.add(step)
-            self.on_skipped(step, f"complete after the newer save of step {max(newer)}, whose manifest is being "
-                                  "created")
+            self._not_committed(step, f"complete after the newer save of step {max(newer)}, whose manifest is being "
+                                      "created")
         return bool(newer)
 
     def _attempt(self, attempt: Attempt, generation: int, layout: dict, extra: dict) -> Attempt:
@@ -239,6 +275,8 @@ class Committer:
             self.on_skipped(step, attempt.skipped)
         else:
             self.rejected[step] = attempt.rejected
+            if attempt.unsure:
+                self.unsure.add(step)
             self.on_dropped(step, attempt.failed)
         return None
 
@@ -259,7 +297,8 @@ class Committer:
     def _tidy(self, step: int) -> None:
         """Retention and GC after the commit of `step`, inline or on the housekeeper's thread, with the
         committer's state as it is now (the controller's thread changes it while the pass runs)."""
-        keep, newest, left_behind, in_flight = self.keep, self.latest, set(self.left_behind), set(self.unsettled)
+        keep, newest, left_behind = self.keep, self.latest, set(self.left_behind)
+        in_flight = set(self.unsettled) | self.unsure  # (unsure: see __init__)
         catalog, began = self.catalog, self.generations
         if self.housekeeper is not None:
             catalog = Catalog(catalog.storage, PassFence(catalog.owner, lambda: self.generations == began))

@@ -161,6 +161,11 @@ class CheckpointConfig(SpecSection):
         "two drivers never run one job: a second `undying run` of a live job is refused; one whose driver died "
         "takes over at once on the same host, else after watching the dead driver's heartbeat for this long and "
         "one beat more")
+    commit_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long a manifest create (with its retry) may go unanswered: past it the "
+        "saves complete behind it count as failed (against max_failed_saves), and a recovery, a grow or the job's "
+        "end that waits for it fails the job naming the step (the create may still land; a rerun resumes from the "
+        "newest commit it finds)")
     memory: MemoryLevelConfig = Field(default_factory=MemoryLevelConfig)
 
     @model_validator(mode="before")

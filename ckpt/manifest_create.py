@@ -60,6 +60,7 @@ class Attempt:
     skipped: str | None = None  # not committed through no failure: why (on_skipped)
     failed: str | None = None  # not committed: why (on_dropped)
     rejected: str | None = None  # ... and what `rejected` keeps of it
+    unsure: bool = False  # failed with the store's errors: a stalled request of it may land later
     error: BaseException | None = None  # a lost owner lease, a bug: raised where it is settled
 
 
@@ -92,6 +93,7 @@ def create_manifest(catalog, attempt: Attempt, *, job: str, spec_hash: str, gene
     if found is not None:
         return found
     attempt.rejected, attempt.failed = "; ".join(errors), f"the manifest commit failed twice ({errors[-1]})"
+    attempt.unsure = True
     log.error("checkpoint step %d NOT committed: the manifest could not be created twice: %s",
               save.step, attempt.rejected)
     return None

@@ -5,8 +5,9 @@ order from its start (across shards, in shard order): window k is tokens [k(T+1)
 Its inputs are tokens [0, T) of the window and its labels tokens [1, T+1). The loss is the
 summed token cross-entropy over all K windows divided by the number of tokens, K * T (fp32
 logits, each microbatch summed in fp32, the microbatches' and ranks' sums added in fp64, so a
-different dp or micro_batch moves the number only in its last fp32 bits). Defaults: T = the model's training sequence length, K = 64. A dataset
-holding fewer than K windows is refused rather than silently evaluated on fewer.
+different dp or micro_batch moves the number only in its last fp32 bits). Defaults: T = the
+model's training sequence length, K = 64. A dataset holding fewer than K windows is refused
+rather than silently evaluated on fewer.
 
 Protocol:
   * one process (`undying eval`): `eval_windows(dataset, T, K)` then `loss_of_model(model, windows)`;

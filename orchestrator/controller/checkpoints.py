@@ -94,7 +94,8 @@ class Checkpoints:
                                    # so with a kill_controller, where the kill lands among the commit's calls.
                                    housekeeper=None if chaos.on_storage else Housekeeper("undying-ckpt-retention"),
                                    lane=Housekeeper("undying-ckpt-commit") if lane and not (
-                                       chaos.on_storage or chaos.kill.armed) else None)
+                                       chaos.on_storage or chaos.kill.armed) else None,
+                                   create_limit_s=spec.checkpoint.commit_timeout_s)
         self.committer.on_skipped = self.failures.skipped
         self.run_id = uuid.uuid4().hex[:8]  # this controller run, in shard file names
         self.interrupted: Callable[[], bool] = never  # whether the job is ending (Stops.ending sets it)
@@ -131,21 +132,34 @@ class Checkpoints:
     def landed(self) -> list[int]:
         """The steps whose manifest creates the commit lane finished since the last call, each booked as
         `on_receipt` books an inline commit (raising as it raises: SavesFailing, OwnershipLost)."""
-        return [self._booked(commit) for commit in self.committer.collect()]
+        return self.committer.collect(self._booked)
 
     def flush(self) -> None:
         """Wait for the create under way, then book what it came to: before a recovery books its rollback,
         a restore chooses its step, a grow re-forms at the newest commit (choosing a step before it lands
         would take an older one than the job holds, and its commit landing later would race the next
-        generation's saves). Bounded by the store's client timeouts, as an inline create is, and by the
+        generation's saves). Bounded by checkpoint.commit_timeout_s (`fail_if_create_overdue`) and by the
         job ending (`interrupted`, Stops.ending: a signal raises Interrupted, and the job ends)."""
         began = time.monotonic()
+        next_line = began + SETTLE_S
         while not self.committer.flush(SLICE_S):
             self._give_up_if_ending("the manifest commit under way lands or not without it")
-            if began is not None and time.monotonic() - began > SETTLE_S:
-                began = None
-                self.log(f"waiting for the manifest commit of step {min(self.committer.committing)} (a slow store)")
+            self.fail_if_create_overdue()
+            if time.monotonic() > next_line:
+                next_line += 6 * SETTLE_S
+                self.log(f"waiting {time.monotonic() - began:.0f} s for the manifest commit of step "
+                         f"{min(self.committer.committing)} (a slow store; checkpoint.commit_timeout_s="
+                         f"{self.committer.create_limit_s:g})")
         self.landed()
+
+    def fail_if_create_overdue(self) -> None:
+        """SavesFailing when the manifest create under way is unanswered past checkpoint.commit_timeout_s:
+        what waits for it (a recovery, a grow, the job's last commit) ends the job rather than hang on a
+        store that takes no writes; choosing a restore point without it could race its late landing."""
+        overdue = self.committer.overdue()
+        if overdue is not None:
+            raise SavesFailing(f"{overdue}; it may still land as the driver exits, and a rerun resumes from the "
+                               "newest commit it finds")
 
     def _give_up_if_ending(self, what: str = "the restore's reads are given up") -> None:
         if self.interrupted():
@@ -173,25 +187,10 @@ class Checkpoints:
             self.log(f"{what} still running after {time.monotonic() - began:.0f} s more (a slow store): {otherwise}")
 
     def kept_intact(self, step: int) -> bool:
-        """Whether `step` is committed by the history this run left (its restore read it damaged) and
-        verifies whole here (checked now when only the damaged bytes were), so that a save of it was
-        skipped, not failed, and the job has it."""
-        if step not in self.committer.left_behind or not self._same_spec(step):
-            return False
-        return step in self.restore.intact or self.restore.verify_fully(step)
-
-    def _same_spec(self, step: int) -> bool:
-        """Whether committed `step` was saved by a run of this very spec (the restore's own checks of
-        its state never ran: its read failed first)."""
-        try:
-            saved = self.read_manifest(step).spec_hash
-        except Exception as err:  # unreadable now: not this job's final checkpoint as far as we know
-            self.log(f"checkpoint step {step}: its manifest does not read ({type(err).__name__}: {err})")
-            return False
-        if saved != self.committer.spec_hash:
-            self.log(f"checkpoint step {step} was committed by a run of another spec (spec hash {saved[:12]}, "
-                     f"this run's {self.committer.spec_hash[:12]}): not taken as this job's final checkpoint")
-        return saved == self.committer.spec_hash
+        """Whether `step` is committed by the history this run left (its restore read it damaged), by this
+        very spec, and verifies whole here: a save of it was skipped, not failed, and the job has it."""
+        return step in self.committer.left_behind and self.restore.kept_intact(step, self.committer.spec_hash,
+                                                                              self.log)
 
     def on_unloadable(self, step: int, source, err: BaseException) -> str:
         """The restore of `step` failed with SnapshotUnavailable or CorruptCheckpoint; the line to print.

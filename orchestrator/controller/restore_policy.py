@@ -14,7 +14,8 @@ drives it through Checkpoints):
     milliseconds, where reading a large checkpoint whole would hold the recovery for minutes),
     else of the whole checkpoint. Returns the line to print: a fallback is always loud.
   * `verify_fully(step)`: a whole verification, for a step skipped that way which the job
-    needs as its final checkpoint (orchestrator.controller.stopping).
+    needs as its final checkpoint (orchestrator.controller.stopping); `kept_intact(step, ...)` asks
+    that, and whether this very spec saved it.
   * `unreadable(step, err)` when a restore failed with TransientStorageError (the store kept
     failing past `checkpoint.read_retry_s`), NoRestorePoint or UnsupportedManifest (another
     undying version's checkpoint): the words the job fails with.
@@ -26,6 +27,7 @@ budget, and if the store still fails, the manifest stays where it is. Nothing he
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest, location_of
 from ckpt.manifest import MANIFEST_NAME
@@ -168,3 +170,18 @@ class RestorePolicy:
         what = f"checkpoint step {step}" if step is not None else "the committed checkpoints"
         return (f"{what} could not be read ({cause(err)}); that proves nothing about the bytes, so nothing was "
                 "quarantined or deleted: rerun once the store answers")
+
+    def kept_intact(self, step: int, spec_hash: str, say: Callable[[str], None]) -> bool:
+        """Whether committed `step`, skipped by this run's restore, was saved by a run of spec `spec_hash`
+        (the restore's own checks of its state never ran: its read failed first) and verifies whole (checked
+        now when only the damaged bytes were); `say` prints why not."""
+        try:
+            saved = self.read_manifest(step).spec_hash
+        except Exception as err:  # unreadable now: not this job's final checkpoint as far as we know
+            say(f"checkpoint step {step}: its manifest does not read ({type(err).__name__}: {err})")
+            return False
+        if saved != spec_hash:
+            say(f"checkpoint step {step} was committed by a run of another spec (spec hash {saved[:12]}, "
+                f"this run's {spec_hash[:12]}): not taken as this job's final checkpoint")
+            return False
+        return step in self.intact or self.verify_fully(step)

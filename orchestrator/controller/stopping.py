@@ -43,8 +43,8 @@ that missed its deadline (a preemption ends, its last commit intact; a drain is 
 
 Protocol (controller thread only). Each method returns the `Move` the controller makes (a
 phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in
-RUNNING/CHECKPOINTING each poll `grow_at(...)` after a commit (it re-forms at the newest commit once a
-create under way landed), else `due(...)`; in
+RUNNING/CHECKPOINTING each poll `grow_at(...)` after a commit (it re-forms at the newest commit, at one
+with no create under way), else `due(...)`; in
 STOPPING `overdue(phase)` each poll; `finished(phase, ...)` once every rank has returned.
 """
 
@@ -286,6 +286,7 @@ class Stops:
         until RECEIPTS_S after the first look at this generation's (an earlier generation's look, left
         by a recovery, is not its); and while a manifest create is under way, until it lands or fails."""
         if self.checkpoints.committer.committing:
+            self.checkpoints.fail_if_create_overdue()  # an unanswered create must not hold the job's end
             time.sleep(0.01)  # as below; the intake's next drain takes what the create came to
             return True
         if self.returned_at is None or self.returned_run is not run:
@@ -325,17 +326,19 @@ class Stops:
                                   f"checkpoint step {latest}, no work lost; {membership.words}", membership.dp)
 
     def grow_at(self, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
-        """At a commit: re-form larger, at the newest commit (a create under way lands first), when warm
+        """At a commit with no manifest create under way: re-form larger, at the newest commit, when warm
         spares let dp grow."""
         target = self.recovery.grow_to(dp, world_size)
         if target is None:
             return None
         new_dp, ready = target
-        self.checkpoints.flush()  # a newer save's create under way: the generation re-forms at the newest commit
+        if self.checkpoints.committer.committing:  # re-form at the newest commit: grow at its landing, a
+            return None  # later poll's (waiting here would hold the poll, and a signal, on the store)
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone, fault = self._stop_generation(store, world_size)
-        step = self.checkpoints.latest  # read after the stop: its last events may have committed a newer save
+        self.checkpoints.flush()  # a save completed as the generation stopped: its create lands before the step
+        step = self.checkpoints.latest  # is read (a commit landing after it would race the next generation)
         self.checkpoints.memory.forget_newer(step)
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
             return self._lost_while_stopping(gone, step, "growing", fault)  # (its recovery books the redone steps)

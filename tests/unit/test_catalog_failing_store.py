@@ -178,3 +178,27 @@ def test_an_unfinished_save_whose_manifest_lands_after_gc_planned_it_is_kept(cat
     catalog.apply_gc(plan)
     assert catalog.committed_steps() == [10, 20, 25, 30]
     assert "left step 25: its manifest appeared" in caplog.text
+
+
+def test_a_create_that_failed_twice_and_lands_after_the_next_commits_gc_names_shards_still_there(catalog):
+    """Both creates of step 40 time out and no manifest is found after them, yet the store applies one of
+    the stalled requests later: the shards it names must not have been collected as an unfinished save."""
+    from ckpt.reader import verify_checkpoint
+
+    storage, path = catalog.storage, catalog.manifest_path(40)
+    real_create, held = storage._create, []
+
+    def stalled(target, data):
+        if target == path:
+            held.append(data)
+            raise OSError(errno.ETIMEDOUT, "timed out")
+        real_create(target, data)
+
+    storage._create = stalled
+    committer = Committer(catalog, job="j", spec_hash="h", keep=5)
+    committer.reset(30)
+    assert _save(committer, 40) is None  # failed twice, not found landed
+    storage._create = real_create
+    assert _save(committer, 50).step == 50  # its GC would take step 40's directory for an orphan
+    real_create(path, held[0])  # the stalled request lands
+    verify_checkpoint(catalog, 40, ReadRetry(0.0))  # every shard it names is there

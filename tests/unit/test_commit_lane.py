@@ -273,3 +273,86 @@ def test_a_signal_while_the_final_commit_is_held_ends_the_job_within_the_grace(t
     assert report.status == "preempted" and "as the final checkpoint (step 30) was being committed" in report.error
     # Within the grace, and the run's end within its floor (END_FLOOR_S) for each store write left.
     assert ended - signalled[0] < 1.0 + 2 * 1.0 + 1.0, ended - signalled[0]
+
+
+def test_saves_replaced_behind_a_create_unanswered_past_its_limit_count_as_failed(tmp_path):
+    # A hung create must not turn every later save into a "skipped" one: nothing would ever commit and
+    # checkpoint.max_failed_saves would never end the job.
+    dropped: list[int] = []
+    storage, catalog, committer, skipped = _held(tmp_path, 10, create_limit_s=0.2,
+                                                 on_dropped=lambda step, reason: dropped.append((step, reason)))
+    _hand(committer, catalog, 10)
+    assert storage.creating.wait(5)
+    _hand(committer, catalog, 20)
+    _hand(committer, catalog, 30)  # step 20 replaced while step 10's create is young: skipped
+    assert skipped == [20] and committer.overdue() is None
+    time.sleep(0.3)
+    _hand(committer, catalog, 40)  # step 30 replaced with step 10's create past its limit: failed
+    _hand(committer, catalog, 5)  # an older save completing behind it: failed too
+    assert skipped == [20] and [step for step, _ in dropped] == [30, 5]
+    assert all("create of step 10 has not returned" in reason and "commit_timeout_s=0.2" in reason
+               for _, reason in dropped)
+    storage.release(10)
+    assert committer.flush(5) and [c.step for c in committer.collect()] == [10, 40]
+    assert committer.overdue() is None
+
+
+def test_a_run_of_failed_saves_that_a_newer_commit_of_the_same_batch_ended_does_not_end_the_job(tmp_path):
+    from ckpt.failed_saves import SavesFailing
+
+    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
+
+    def limit(step, reason):  # SaveFailures at checkpoint.max_failed_saves
+        raise SavesFailing(f"{step}: {reason}")
+
+    committer = Committer(catalog, "j", "h", keep=3, lane=Housekeeper("test-commit"), on_dropped=limit)
+    real_commit = catalog.commit
+
+    def commit(**kwargs):
+        if kwargs["step"] == 10:
+            raise OSError("503 Slow Down")
+        return real_commit(**kwargs)
+
+    catalog.commit = commit
+    _hand(committer, catalog, 10)
+    _hand(committer, catalog, 20)
+    assert committer.flush(5)
+    booked: list[int] = []
+    assert committer.collect(lambda c: booked.append(c.step) or c.step) == [20]  # the store took step 20
+    assert booked == [20] and committer.latest == 20
+
+
+def test_a_recovery_waiting_on_a_create_past_its_limit_ends_the_job_naming_the_step(tmp_path):
+    from ckpt.failed_saves import SavesFailing
+    from tests.unit.test_commit_history import _controller_checkpoints
+
+    _, _, checkpoints, lines, _, _ = _controller_checkpoints(tmp_path, "hung", steps=30, keep=2)
+    release = threading.Event()
+    committer = checkpoints.committer
+    committer.create_limit_s = 0.3
+    committer.committing[10] = object()
+
+    def hung():
+        with committer._attempts_lock:
+            committer._creating = (10, time.monotonic())
+        release.wait(10)
+
+    committer.lane.submit(hung)
+    began = time.monotonic()
+    with pytest.raises(SavesFailing, match=r"create of step 10 has not returned .*commit_timeout_s=0.3"):
+        checkpoints.flush()
+    assert time.monotonic() - began < 5
+    release.set()
+
+
+def test_the_jobs_last_save_held_past_its_create_limit_fails_the_job_rather_than_wait_forever(tmp_path, rendezvous):
+    spec = _spec(tmp_path, checkpoint={"url": f"file://{tmp_path}/ckpt", "every_steps": 10, "keep": 2,
+                                       "commit_timeout_s": 0.5})
+    storage = _HeldCreates(spec.checkpoint_root, hold=[30], limit_s=20)
+    lines: list[str] = []
+    began = time.monotonic()
+    report = _run(spec, storage, rendezvous, lines)
+    storage.release(30)
+    assert report.status == "failed" and "create of step 30 has not returned" in report.error, report.error
+    assert time.monotonic() - began < 15
+    assert [c.step for c in report.checkpoints] == [10, 20]
