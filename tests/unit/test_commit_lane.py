@@ -115,16 +115,18 @@ def test_a_late_shard_error_of_a_save_whose_create_is_under_way_is_not_a_failed_
     assert committer.flush(5) and [c.step for c in committer.collect()] == [10] and dropped == []
 
 
-def test_every_finished_create_is_settled_before_the_first_error_among_them_is_raised(tmp_path):
+def _step_10_refused_then_20_committed(tmp_path, error: type[Exception]) -> Committer:
+    """A lane whose create of step 10 is refused twice, reported to an `on_dropped` that raises `error`
+    (SaveFailures at checkpoint.max_failed_saves), and whose create of step 20 lands; both settled."""
     catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
 
-    def limit(step, reason):  # as SaveFailures does at checkpoint.max_failed_saves
-        raise RuntimeError(f"limit at {step}")
+    def limit(step, reason):
+        raise error(f"limit at {step}")
 
     committer = Committer(catalog, "j", "h", keep=3, lane=Housekeeper("test-commit"), on_dropped=limit)
     real_commit = catalog.commit
 
-    def commit(**kwargs):  # step 10's create is refused twice (a failed save that ends the job), 20's lands
+    def commit(**kwargs):
         if kwargs["step"] == 10:
             raise OSError("503 Slow Down")
         return real_commit(**kwargs)
@@ -133,6 +135,11 @@ def test_every_finished_create_is_settled_before_the_first_error_among_them_is_r
     _hand(committer, catalog, 10)
     _hand(committer, catalog, 20)
     assert committer.flush(5)
+    return committer
+
+
+def test_every_finished_create_is_settled_before_the_first_error_among_them_is_raised(tmp_path):
+    committer = _step_10_refused_then_20_committed(tmp_path, RuntimeError)  # (an error of any other kind)
     with pytest.raises(RuntimeError, match="limit at 10"):
         committer.collect()
     assert committer.latest == 20 and not committer.committing  # step 20 was booked all the same
@@ -300,23 +307,7 @@ def test_saves_replaced_behind_a_create_unanswered_past_its_limit_count_as_faile
 def test_a_run_of_failed_saves_that_a_newer_commit_of_the_same_batch_ended_does_not_end_the_job(tmp_path):
     from ckpt.failed_saves import SavesFailing
 
-    catalog = Catalog(Storage(f"file://{tmp_path}/ckpt/job"))
-
-    def limit(step, reason):  # SaveFailures at checkpoint.max_failed_saves
-        raise SavesFailing(f"{step}: {reason}")
-
-    committer = Committer(catalog, "j", "h", keep=3, lane=Housekeeper("test-commit"), on_dropped=limit)
-    real_commit = catalog.commit
-
-    def commit(**kwargs):
-        if kwargs["step"] == 10:
-            raise OSError("503 Slow Down")
-        return real_commit(**kwargs)
-
-    catalog.commit = commit
-    _hand(committer, catalog, 10)
-    _hand(committer, catalog, 20)
-    assert committer.flush(5)
+    committer = _step_10_refused_then_20_committed(tmp_path, SavesFailing)
     booked: list[int] = []
     assert committer.collect(lambda c: booked.append(c.step) or c.step) == [20]  # the store took step 20
     assert booked == [20] and committer.latest == 20
