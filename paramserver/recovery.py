@@ -10,6 +10,8 @@ with plain values):
     `Fault("server", k, step)`, hang_rank and hang_server as "worker_hang" and "server_hang"), the
     pull holds that place them, each fired at most once per job;
   * `Failure`: one failure and what the supervisor did about it, as the report shows it;
+  * `SegmentStarts`: the productive seconds booked at each segment's start, for the work a rollback
+    to an older segment's start throws away;
   * `Ledger`: the goodput ledger's interface (monitor.goodput.GoodputLedger, which the caller
     passes in: this layer does not import monitor) and `NullLedger` when none is kept.
 """
@@ -139,6 +141,32 @@ class Failure:
             return f"{what}: replaced, resumed at step {self.resumed_at}, pause {pause}, no global restart"
         source = f"checkpoint step {self.resumed_at}" if self.from_checkpoint else "the initial values (step 0)"
         return f"{what}: every server restored from {source}, {self.steps_redone} steps redone"
+
+
+class SegmentStarts:
+    """The ledger's productive total at the start of each segment of this run (the supervisor calls
+    `begin` as a segment starts and `redone` once a rollback knows the step it restored): a rollback
+    books the current segment's work as lost itself, and `redone` gives what the segments between the
+    restored step and the current one trained (a save that failed, a corrupt newest commit skipped)."""
+
+    def __init__(self):
+        self._at: dict[int, float] = {}  # segment start step -> productive seconds booked then
+        self.current = 0.0  # ... at the start of the segment under way
+
+    def begin(self, step: int, productive: float) -> float:
+        """A segment starts at `step`: starts above it were rolled back; `productive` is returned."""
+        self._at = {s: p for s, p in self._at.items() if s < step}
+        self._at[step] = self.current = productive
+        return productive
+
+    def redone(self, step: int) -> float:
+        """Productive seconds from the start of the segment at restored `step` (this run's first segment
+        for a step older than every start: what earlier runs trained is carried, not this run's to book)
+        to the start of the segment under way."""
+        if not self._at or step >= max(self._at):
+            return 0.0
+        base = self._at.get(step, self._at[min(self._at)])
+        return max(0.0, self.current - base)
 
 
 class Ledger(Protocol):

@@ -18,7 +18,7 @@ import logging
 import time
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from paramserver import checkpoint
 from paramserver import recovery as book  # the goodput buckets
@@ -64,9 +64,13 @@ def restore(sup) -> tuple[int, bool]:
         sup.history.rewind(0)
         return 0, False
     latest = restore_from(sup, latest)
-    # Answered at once by servers that have just loaded; a GetTimeoutError fails the job, naming the limit.
-    limit = sup.ckpt.restore_timeout
-    ray.get([s.reopen.remote(latest) for s in sup.servers], timeout=limit[0] if limit else None)
+    # Answered at once by servers that have just loaded; one that does not fails the job, naming the limit.
+    limit, refs = sup.ckpt.restore_timeout, [s.reopen.remote(latest) for s in sup.servers]
+    try:
+        ray.get(refs, timeout=limit[0] if limit else None)
+    except GetTimeoutError:
+        late = [k for k, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]]
+        raise checkpoint.ServersTimedOut(f"reopening at step {latest}", late, *limit) from None
     sup.history.rewind(latest)
     return latest, True
 

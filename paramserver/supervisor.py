@@ -102,7 +102,7 @@ class Supervisor:
         self._dead_workers: set[int] = set()
         self._replaced: dict[int, int] = {}  # worker -> replacements since a step of its last landed
         self.held_calls: dict[int, object] = {}  # server -> its outstanding `held` call
-        self._productive_at_start = 0.0
+        self.starts = book.SegmentStarts()  # the productive total at each segment's start (lost work)
         self._paused: list[tuple[float, float]] = []  # the worker pauses booked, merged: overlaps book once
         self.moves = Moves(checkpoints.draining) if checkpoints and checkpoints.draining else None
         self.cut: int | None = None  # where the segment under way was cut short (a drain or a signal)
@@ -111,10 +111,11 @@ class Supervisor:
     # ---- the job ----
 
     def run(self) -> None:
-        for answer in ray.get([s.progress.remote() for s in self.servers]):
+        answers, pids = self.watchdog.first_answers(self.servers, self.workers)
+        for answer in answers:
             self.pids.note("server", answer.server, answer.pid)
             self.watchdog.unanswered.discard(answer.server)
-        for w, pid in enumerate(ray.get([worker.pid.remote() for worker in self.workers])):
+        for w, pid in enumerate(pids):
             self.pids.note("worker", w, pid)
         step = self.start_step = restores.resume(self)
         if self.ckpt is not None and self.ckpt.on_resumed is not None:
@@ -169,7 +170,7 @@ class Supervisor:
             why = ("a server died during the checkpoint save" if isinstance(err, RayActorError) else
                    "a server did not answer before the checkpoint save" if isinstance(err, GetTimeoutError) else
                    brief(err))
-            return self._rollback(start, {}, set(), why, self._productive_at_start)
+            return self._rollback(start, {}, set(), why, self.starts.current)
         except checkpoint.PSCheckpointError as err:  # the job goes on (a rollback goes to an older commit)
             # Training goes on, unless it was the final save or too many failed in a row (SavesFailing).
             count = self.save_streak.failed(end, err, final=end == self.steps)
@@ -189,7 +190,7 @@ class Supervisor:
     def _segment(self, start: int, end: int) -> int | None:
         """Run [start, end); None once every worker finished it, else the step it was rolled back to."""
         self.ledger.enter(book.PRODUCTIVE)
-        productive_at_start = self._productive_at_start = self.ledger.totals().get(book.PRODUCTIVE, 0.0)
+        productive_at_start = self.starts.begin(start, self.ledger.totals().get(book.PRODUCTIVE, 0.0))
         self._arm(start, end)
         self.watchdog.forget()  # a kill of the segment before that raced its stream's end
         streams = {w: self._launch(w, start, end) for w in range(len(self.workers))}
@@ -373,6 +374,7 @@ class Supervisor:
         self._kills.clear()  # every kill so far is dealt with by this rollback: none is a later failure's cause
         self.ledger.enter(book.RESTORE)
         step, from_checkpoint = restores.restore(self)
+        self.ledger.move(self.starts.redone(step), book.PRODUCTIVE, book.LOST)  # segments before this one
         booked = len(self.failures)
         self.redone += record_rollback(self.failures, self.logs, dead, reason, detected,
                                        min(injected) if injected else None, step, from_checkpoint,

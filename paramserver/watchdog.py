@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 SERVER_SLOW_S = 2.0  # a server whose progress call is outstanding this long: no worker is blamed meanwhile
 
 
+class ActorsNotStarted(RuntimeError):
+    """Servers or workers that did not answer their first call within elastic.first_step_timeout_s."""
+
+
 class Watchdog:
     def __init__(self, limits: HangLimits, clock: Callable[[], float] = time.time):
         self.watch = HangWatch(limits, clock)
@@ -67,6 +71,25 @@ class Watchdog:
         self.hung_servers[k] = (asked_at, f"server {k} {why}")
         ray.kill(server, no_restart=True)
         return True
+
+    def first_answers(self, servers: list, workers: list) -> tuple[list, list]:
+        """The job's start (the supervisor's, before anything else): each server's first `progress`
+        answer and each worker's PID, the actors given elastic.first_step_timeout_s together to be
+        placed and built. ActorsNotStarted names the ones that were not (a cluster whose CPUs something
+        else holds, a constructor stuck on its storage), rather than the job waiting without a word."""
+        refs = [server.progress.remote() for server in servers] + [worker.pid.remote() for worker in workers]
+        limit = self.watch.limits.first_step_s
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        if len(ready) < len(refs):
+            answered = set(ready)
+            late = [f"server {k}" for k, ref in enumerate(refs[:len(servers)]) if ref not in answered] + \
+                [f"worker {w}" for w, ref in enumerate(refs[len(servers):]) if ref not in answered]
+            raise ActorsNotStarted(f"{', '.join(late)} did not start within {limit:g} s "
+                                   "(elastic.first_step_timeout_s): `ray status` shows whether the cluster has a "
+                                   f"free CPU for each of the job's {len(refs)} actors (another job may hold them); "
+                                   "a slow start (weights read from a far store) needs a larger limit")
+        answers = ray.get(refs)
+        return answers[:len(servers)], answers[len(servers):]
 
     def take(self, w: int) -> tuple[float, str] | None:
         """(silent since, why) when the supervisor killed worker `w` as hung; forgotten once taken."""

@@ -165,6 +165,7 @@ class FakeWorker:
         self.ready_at = 0.0  # its first step waits for the clock to reach this (a slow start-up)
         self.worker = PSWorker(w, PAR.dp, MODEL, DATA, TRAIN, [s.slices for s in world.setup.servers])
         self.stream: Stream | None = None
+        self.next = self.end = 0  # the run's steps, once it is called
         self.pid = Method(self, lambda: self.proc)
         self.node = Method(self, lambda where=world.place("worker", w): where)
         self.hang = Method(self, lambda: setattr(self, "sigstopped", True))

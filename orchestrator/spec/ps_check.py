@@ -99,6 +99,16 @@ def _unread_problems(spec: Any) -> list[Problem]:
                         "actor of one CPU); remove it") for name in ("cpus_per_rank", "gpus_per_rank", "custom",
                                                                      "placement")
                 if getattr(resources, name) != getattr(defaults, name)]
+    train, par = getattr(spec, "train", None), getattr(spec, "parallel", None)
+    if train and train.compile:
+        out.append(Problem("train.compile", "is not applied by parallel.mode ps (its workers run the model "
+                           "eagerly); remove it"))
+    if par:
+        defaults = type(par).model_fields
+        out += [Problem(f"parallel.{name}", f"is not read by parallel.mode ps ({why}); remove it")
+                for name, why in (("recompute", "its workers keep every activation"),
+                                  ("ddp_bucket_mb", "its workers push to servers, no all-reduce"))
+                if getattr(par, name) != defaults[name].default]
     for name in ("tensorboard", "wandb"):
         if monitor and getattr(monitor, name) is not None:
             out.append(Problem(f"monitor.{name}", "parallel.mode ps logs no tracker scalars yet (its losses, goodput "

@@ -247,3 +247,17 @@ def test_resources_and_trackers_a_ps_job_would_not_honour_are_refused_by_field()
     assert "one actor of one CPU" in problems["resources.gpus_per_rank"]
     assert "its report, --report, and its Prometheus series" in problems["monitor.wandb"]
     validate_spec(_spec(resources={"num_ranks": 2}))  # a check of the layout, not a request: read
+
+
+def test_compile_recompute_and_buckets_a_ps_worker_would_not_apply_are_refused_by_field():
+    from orchestrator.spec.job_spec import SpecError, validate_spec
+
+    spec = _spec()
+    spec["train"] = {**spec["train"], "compile": True}
+    spec["parallel"] = {**spec["parallel"], "recompute": "block", "ddp_bucket_mb": 50}
+    with pytest.raises(SpecError) as err:
+        validate_spec(spec)
+    problems = {p.field: p.message for p in err.value.problems}
+    assert problems.keys() == {"train.compile", "parallel.recompute", "parallel.ddp_bucket_mb"}
+    assert "keep every activation" in problems["parallel.recompute"]
+    validate_spec(_spec(parallel={"dp": 2, "mode": "ps", "servers": 2, "recompute": "none"}))  # the default: read

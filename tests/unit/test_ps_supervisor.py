@@ -275,8 +275,9 @@ def test_a_server_lost_after_a_signal_ends_the_job_at_its_last_commit_without_a_
 # ---- a drained node ----
 
 def _drained_at(world: World, seconds: float):
-    """Ray's drain table: the node "doomed" drains from `seconds` into the job on."""
-    started = world.now
+    """Ray's drain table: the node "doomed" drains from `seconds` into the job on (after the poll the
+    start's wait for the actors' first answers takes)."""
+    started = world.now + sup.POLL_S
     return lambda: ["doomed"] if world.now - started >= seconds else []
 
 
@@ -329,11 +330,16 @@ def test_a_server_that_dies_in_a_save_that_fails_is_rolled_back_not_fatal_to_the
 
     monkeypatch.setattr(sup.checkpoint, "save_ps_checkpoint", failing_and_killing)
     seen = []
-    supervisor, losses, _ = _run(world, on_stats=lambda stats: seen.append([s.version for s in stats]))
+    on_stats = lambda stats: seen.append([s.version for s in stats])  # noqa: E731
+    supervisor, losses, ledger = _run(world, on_stats=on_stats)
     [failure] = supervisor.failures
     assert (failure.kind, failure.target, failure.resumed_at, failure.from_checkpoint) == ("server", 0, 0, False)
     assert losses == expected and _applied_once(supervisor) and supervisor.saved == [4, 8]
     assert seen and seen[-1] == [TRAIN.steps] * PAR.servers  # the last save's stats, from the live servers
+    # The rollback went back to step 0, past the segment [0, 4) whose save failed: its work is lost too.
+    totals = ledger.totals()
+    assert totals["lost_work"] >= 4 * sup.POLL_S - 1e-9, totals
+    assert sum(totals.values()) == pytest.approx(ledger.wall())
 
 
 @pytest.mark.parametrize("failing, every, words", [

@@ -6,6 +6,8 @@ included, runs in tests/ray/test_ps_faults.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from paramserver import supervisor as sup
@@ -156,3 +158,31 @@ def test_a_server_that_stops_between_segments_rolls_back_at_the_save_instead_of_
     assert failure.reason == "a server did not answer before the checkpoint save"
     assert (failure.kind, failure.target, failure.resumed_at, failure.from_checkpoint) == ("server", 0, 0, False)
     assert supervisor.logs.losses() == expected and supervisor.saved == [4, 8]
+
+
+def test_a_server_that_never_starts_fails_the_job_at_the_first_step_limit_naming_it(world):
+    from paramserver.hang_watch import HangLimits
+    from paramserver.watchdog import ActorsNotStarted
+
+    def stuck(k):  # placed on no CPU, or stuck in its constructor: it answers nothing
+        server = FakeServer(world, k)
+        server.sigstopped = k == 1
+        return server
+
+    with pytest.raises(ActorsNotStarted, match=r"server 1 did not start within 30 s \(elastic.first_step_timeout_s\)"):
+        _run(world, start_server=stuck, hang=HangLimits(first_step_s=30.0))
+
+
+def test_servers_that_do_not_answer_their_reopen_after_a_restore_fail_the_job_naming_the_limit(world, monkeypatch):
+    from paramserver import restores
+    from paramserver.checkpoint import ServersTimedOut
+
+    supervisor = types.SimpleNamespace(servers=[FakeServer(world, k) for k in range(PAR.servers)],
+                                       ckpt=types.SimpleNamespace(restore_timeout=(30.0, "elastic.restore_timeout_s")),
+                                       history=types.SimpleNamespace(rewind=lambda step: None))
+    supervisor.servers[1].sigstopped = True  # loaded, then stopped before its reopen
+    monkeypatch.setattr(restores, "latest_commit", lambda sup: 4)
+    monkeypatch.setattr(restores, "restore_from", lambda sup, step: step)
+    with pytest.raises(ServersTimedOut, match=r"reopening at step 4: servers \[1\] did not finish within 30 s "
+                                              r"\(elastic.restore_timeout_s\)"):
+        restores.restore(supervisor)
