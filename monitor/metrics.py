@@ -86,7 +86,8 @@ class JobMetrics:
         return Counter(name, doc, ["undying_job", *labels], registry=self.registry)
 
     def _define_training(self) -> None:
-        self.step = self._gauge("undying_step", "Last completed global optimizer step.")
+        self.step = self._gauge("undying_step", "Global optimizer steps completed (the step a checkpoint "
+                                "taken now would have).")
         self.step_seconds = self._histogram(
             "undying_step_seconds", "Wall seconds per global step.", STEP_BUCKETS
         )
@@ -262,12 +263,14 @@ class JobMetrics:
         loss_scale: float | None = None,
         data_wait_s: float | None = None,
     ) -> None:
-        """A global step finished: `tokens` is the global tokens of that step, `step_s` its wall time.
+        """A global step finished: `step` its index (from 0; `undying_step` exports the steps done,
+        step + 1, as checkpoint and validation steps count), `tokens` the global tokens of that step,
+        `step_s` its wall time.
 
         Optional values left as None (not measured by this engine) keep their last exported value.
         """
         job = self.job
-        self.step.labels(job).set(step)
+        self.step.labels(job).set(step + 1)  # `step` counts from 0; checkpoint and eval steps count steps done
         self.step_seconds.labels(job).observe(step_s)
         self.tokens.labels(job).inc(max(0, tokens))
         self.loss.labels(job).set(loss)

@@ -32,6 +32,7 @@ from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics, StepRate
+from monitor.report import GoodputSummary
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
 from orchestrator.cli.root_lease import claim_root, took_over
@@ -318,12 +319,15 @@ def carry_goodput(spec: JobSpec, ledger: GoodputLedger, started_at: float, owner
 
 
 def _write_report(spec: JobSpec, report, path: str) -> None:
-    """The succeeded job's report as JSON (`--report`): its losses, staleness and traffic, its goodput."""
+    """The succeeded job's report as JSON (`--report`): its losses, staleness and traffic, its goodput
+    (monitor.report.GoodputSummary, as a collective job's report gives it)."""
     total, per_server = report.bytes_per_step()
+    goodput = GoodputSummary.from_totals(report.goodput).model_copy(update={"clock_wall_s": report.wall_s})
     with open(path, "w") as out:
         json.dump({"name": spec.name, "status": "succeeded", "mode": "ps", "consistency": spec.parallel.consistency,
                    "losses": report.losses, "wall_s": report.wall_s,
                    "staleness_histogram": {str(k): v for k, v in report.staleness_histogram().items()},
                    "bytes_per_step": total, "bytes_per_step_per_server": per_server,
-                   "state_bytes": report.state_bytes, **report.to_dict()}, out, indent=1)
+                   "state_bytes": report.state_bytes, **report.to_dict(),
+                   "goodput": goodput.model_dump(mode="json")}, out, indent=1)
     print(f"report written to {path}")

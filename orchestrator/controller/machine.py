@@ -63,11 +63,11 @@ from orchestrator.wire.store import RendezvousServer
 
 log = logging.getLogger(__name__)
 
-# Each state's goodput bucket (none: it books nothing); a save's blocking part moves to checkpoint_save per receipt.
+# Each state's goodput bucket (a save's blocking moves to checkpoint_save per receipt; the end trains nothing).
 _BUCKETS = {State.PLACING: ("startup", "reformation"), State.RENDEZVOUS: ("startup", "reformation"),
             State.RESTORING: ("checkpoint_restore",) * 2, State.RUNNING: ("productive",) * 2,
             State.CHECKPOINTING: ("productive",) * 2, State.STOPPING: ("productive",) * 2,
-            State.RECOVERING: ("reformation",) * 2}
+            State.RECOVERING: ("reformation",) * 2, **{state: ("other",) * 2 for state in TERMINAL}}
 
 
 class Controller:

@@ -15,6 +15,7 @@ Protocol (controller thread only):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -64,7 +65,7 @@ class Telemetry:
 
     def on_restored(self, results: list[dict]) -> None:
         peak = next((r["peak_flops"] for r in results if "peak_flops" in r), None)
-        if peak:
+        if peak and math.isfinite(peak):  # NaN: a device whose peak is not known, MFU not guessed
             self.peak_flops_per_rank = peak
 
     def mfu(self, tokens: int, step_s: float) -> float | None:

@@ -169,7 +169,8 @@ def test_undying_run_of_a_ps_job_survives_both_kills_and_a_hang_and_reports_them
     assert data["failures"][1]["hung"].startswith("worker 0 made no step for")  # the spec's limit, through the CLI
     assert "hang 5 s, first step 120 s" in proc.stdout
     assert len(data["losses"]) == 8 and data["checkpoints"] == [4, 8] and data["pauses_s"][0] > 0
-    goodput = dict(data["goodput"])
-    wall = goodput.pop("clock_wall_s")
-    assert check_goodput(goodput, wall_s=wall).ok
+    goodput = data["goodput"]  # monitor.report.GoodputSummary, as a collective job's report has it
+    buckets = {"productive": goodput["productive_s"], **goodput["badput_s"]}
+    assert goodput["ratio"] == pytest.approx(goodput["productive_s"] / goodput["wall_s"])
+    assert check_goodput(buckets, wall_s=goodput["clock_wall_s"]).ok
     assert "worker 1 died: replaced" in proc.stdout and "goodput" in proc.stdout

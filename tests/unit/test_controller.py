@@ -282,6 +282,16 @@ def test_one_transition_at_a_time_to_success(tmp_path, rendezvous):
     assert any("RUNNING -> SUCCEEDED" in line for line in lines)
 
 
+def test_the_runs_end_after_its_last_state_is_booked_as_other_not_productive(tmp_path, rendezvous, monkeypatch):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    ctl = _controller(spec, workers, rendezvous, [])
+    close = ctl.checkpoints.close
+    monkeypatch.setattr(ctl.checkpoints, "close", lambda within_s: (time.sleep(0.3), close(within_s)))  # a slow store
+    assert ctl.run().status == "succeeded"
+    assert ctl.ledger.totals()["other"] >= 0.3  # the last create and retention pass settling trains nothing
+
+
 def test_dead_rank_is_replaced_and_job_resumes_from_last_commit(tmp_path, rendezvous):
     spec = _spec(tmp_path)
     workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root), die_at={25: 1})

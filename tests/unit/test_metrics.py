@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -143,7 +144,7 @@ def test_every_name_and_label_is_exposed_with_its_value(metrics):
         assert (name, frozenset({("undying_job", JOB)})) in samples(text), name
     for name in HISTOGRAMS:
         assert value(text, f"{name}_count") == 1, name
-    assert value(text, "undying_step") == 25
+    assert value(text, "undying_step") == 26  # steps done: index 25 is the 26th
     assert value(text, "undying_tokens_total") == 4096
     assert value(text, "undying_loss") == 4.25
     assert value(text, "undying_loss_scale") == 1024
@@ -186,7 +187,7 @@ def test_values_update_between_scrapes(metrics):
     ledger.move(7.0, "productive", "lost_work")  # a rollback shrinks productive: a gauge may do that
     metrics.on_goodput(ledger)
     text = scrape(port)
-    assert value(text, "undying_step") == 26
+    assert value(text, "undying_step") == 27
     assert value(text, "undying_tokens_total") == 8192
     # Not reported this time: the last value is kept.
     assert value(text, "undying_mfu_ratio") == 0.4
@@ -367,3 +368,28 @@ def test_detection_is_left_out_when_the_failures_onset_is_unknown_and_old_measur
                                                                                      "kind": "measured"})
                 for ledger in ("state", "activation")}
     assert measured == {"state": 80, "activation": None}
+
+
+def test_the_step_series_counts_steps_done_as_the_committed_checkpoint_step_does():
+    # "Steps at risk" on the dashboard is undying_step - undying_checkpoint_last_committed_step: 0 right
+    # after a commit of the step just trained, never -1.
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.wire.messages import StepDone
+
+    metrics = JobMetrics("risk")
+    record = JobRecord("risk", 10, metrics, GoodputLedger(), printer=lambda line: None, progress_every_s=0.0)
+    record.on_step(StepDone(step=9, loss=1.0, tokens=8, step_s=0.1, time=0.0))  # the 10th step
+    record.on_checkpoint(10, time.time(), 100, 0.1, 0.2, None)  # its save: checkpoint step 10
+    value = lambda name: metrics.registry.get_sample_value(name, {"undying_job": "risk"})  # noqa: E731
+    assert value("undying_step") - value("undying_checkpoint_last_committed_step") == 0
+
+
+def test_an_unknown_device_peak_leaves_mfu_unknown_not_nan(tmp_path):
+    from orchestrator.controller.telemetry import Telemetry
+    from tests.unit.test_controller import _spec
+
+    telemetry = Telemetry(_spec(tmp_path), JobMetrics("unknown-gpu"), heartbeat_s=1.0)
+    telemetry.on_restored([{"peak_flops": float("nan")}])  # a rank's GPU that named_peak does not know
+    assert telemetry.mfu(1000, 1.0) is None
+    telemetry.on_restored([{"peak_flops": 1e12}])
+    assert telemetry.mfu(1000, 1.0) > 0

@@ -115,7 +115,7 @@ def test_a_ps_job_exports_the_job_step_series_once_every_worker_s_log_of_a_step_
     on_step(StepLog(0, 0, loss_sum=8.0, tokens=4, pull_wait_s=0.1, compute_s=0.2, push_s=0.1, finished_at=1.0))
     assert job.registry.get_sample_value("undying_step", sample) is None  # worker 1's step 0 not in yet
     on_step(StepLog(1, 0, loss_sum=4.0, tokens=4, pull_wait_s=0.3, compute_s=0.2, push_s=0.1, finished_at=1.0))
-    assert job.registry.get_sample_value("undying_step", sample) == 0
+    assert job.registry.get_sample_value("undying_step", sample) == 1  # one step done
     assert job.registry.get_sample_value("undying_tokens_total", sample) == 8
     assert job.registry.get_sample_value("undying_loss", sample) == 1.5  # token-weighted: 12 / 8
     assert job.registry.get_sample_value("undying_step_seconds_sum", sample) == pytest.approx(0.6)  # the slowest
