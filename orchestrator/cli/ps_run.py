@@ -149,17 +149,35 @@ def stats_feed(ps_metrics: PSMetrics, metrics: JobMetrics, ledger: GoodputLedger
 
 
 def job_feeds(ps_metrics: PSMetrics, metrics: JobMetrics, workers: int) -> dict:
-    """run_ps's `on_step` and `on_failure`, both feeding the driver's metrics."""
-    return {"on_step": step_feed(ps_metrics, metrics, workers), "on_failure": failure_feed(metrics, workers)}
+    """run_ps's `on_step` and `on_failure`, both feeding the driver's metrics (each step also exports the
+    recoveries it completed: a replaced worker's ends at its replacement's first push)."""
+    on_step, on_failure = step_feed(ps_metrics, metrics, workers), failure_feed(metrics, workers)
+
+    def stepped(log) -> None:
+        on_step(log)
+        on_failure.settle()
+    return {"on_step": stepped, "on_failure": on_failure}
 
 
 def failure_feed(metrics: JobMetrics, workers: int):
     """run_ps's `on_failure` (each failure as the supervisor books it, on the driver's thread): the failure
     series as a collective job exports them, which the dashboard's failure panels and the restart-storm
-    alert read: undying_failures_total by kind (worker_died, server_died, torn_push, hang, run_error) and
-    undying_generation counting the failures repaired, each a re-formation of the job."""
-    repaired = 0
+    alert read: undying_failures_total by kind (worker_died, server_died, torn_push, hang, run_error),
+    undying_generation counting the failures repaired, each a re-formation of the job, and, through its
+    `settle()`, each repair's detection (an injected fault's onset to its detection) and recovery
+    (detection to training again: a restore's once it is told, a replaced worker's once its pause is
+    measured) as undying_detection_seconds and undying_recovery_seconds."""
+    repaired, awaiting = 0, []
     metrics.on_layout(0, workers, workers, 1, 1)
+
+    def settle() -> None:
+        for failure in list(awaiting):
+            recovered = failure.pause_s if failure.action == "replaced" else time.time() - failure.detected_at
+            if recovered is None:
+                continue
+            awaiting.remove(failure)
+            onset = failure.injected_at
+            metrics.on_recovery(failure.detected_at - onset if onset is not None else None, recovered)
 
     def on_failure(failure) -> None:
         nonlocal repaired
@@ -167,6 +185,9 @@ def failure_feed(metrics: JobMetrics, workers: int):
         metrics.on_failure("hang" if failure.hung else kinds.get(failure.kind, failure.kind))
         repaired += 1
         metrics.on_layout(repaired, workers, workers, 1, 1)
+        awaiting.append(failure)
+        settle()
+    on_failure.settle = settle
     return on_failure
 
 

@@ -41,6 +41,23 @@ def expressions(dashboard: dict) -> list[tuple[str, str]]:
     return found
 
 
+def rows(dashboard: dict) -> dict[int, str]:
+    """Panel id -> the title of the row it sits under (rows are laid out top to bottom)."""
+    out, title = {}, ""
+    for panel in dashboard["panels"]:
+        title = panel["title"] if panel["type"] == "row" else title
+        out |= {nested["id"]: panel["title"] for nested in panel.get("panels", [])}
+        out[panel["id"]] = title
+    return out
+
+
+def row_expressions(dashboard: dict, title: str) -> list[tuple[str, str]]:
+    """`expressions` of the panels under the row named `title`."""
+    under = {pid for pid, row in rows(dashboard).items() if row == title}
+    return [(f"panel {p['id']} {p['title']!r} target {t['refId']}", t["expr"])
+            for p in panels(dashboard) if p["id"] in under for t in p.get("targets", [])]
+
+
 def variables(dashboard: dict, job: str) -> dict[str, str]:
     """Values for every variable: `job` as given, interval variables at their current value."""
     values = dict(BUILTINS, job=job)
@@ -56,12 +73,15 @@ def substitute(expr: str, values: dict[str, str]) -> str:
 
 
 def exported_names() -> set[str]:
-    """Every series name monitor/metrics.py exposes (counters as `_total`, histograms' three series),
-    once the controller published its goodput ledger (the goodput series appear then)."""
+    """Every series name monitor/metrics.py and monitor/ps_metrics.py expose (counters as `_total`,
+    histograms' three series), once the controller published its goodput ledger (the goodput series
+    appear then)."""
     from monitor.goodput import GoodputLedger
+    from monitor.ps_metrics import PSMetrics
 
     names, metrics = set(), JobMetrics("names")
     metrics.on_goodput(GoodputLedger())
+    PSMetrics("names", "ssp", servers=1, registry=metrics.registry)  # a parameter-server job's, beside them
     for family in metrics.registry.collect():
         if family.type == "counter":
             names.add(f"{family.name}_total")

@@ -8,6 +8,7 @@ minute on two cores: heavy."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from monitor.metrics import JobMetrics
 from monitor.ps_metrics import PSMetrics
 from orchestrator.cli.ps_run import stats_feed
 from tests._ray_local import embedded_ray
+from tests.prom._dashboard import load, row_expressions, substitute, variables
 from tests.prom._promtool import lint, scrape
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 
@@ -82,5 +84,12 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         assert (prom.value(f"max_over_time(undying_productive_seconds{sel}[5m])") or 0) > 0  # published as it ran
         assert (prom.value(f"undying_checkpoint_interval_seconds{sel}") or 0) > 0  # the no-commit alert's input
         assert lint(scrape(f"http://127.0.0.1:{port}/metrics")) == ""
+        # The dashboard's parameter-server row draws this job: every query returns a number (over a window
+        # that holds the run, which ended just now).
+        dash = load()
+        values = {**variables(dash, JOB), "__rate_interval": "5m"}
+        blank = [where for where, expr in row_expressions(dash, "Parameter server")
+                 if not any(not math.isnan(float(s["value"][1])) for s in prom.query(substitute(expr, values)))]
+        assert not blank, blank
     finally:
         metrics.close()

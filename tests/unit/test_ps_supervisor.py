@@ -525,16 +525,23 @@ def test_overlapping_pauses_book_their_union_in_whatever_order_they_end():
     assert (a.pause_s, b.pause_s) == (10.0, 6.0) and ledger.totals()["reformation"] == pytest.approx(10.0)
 
 
-def test_each_failure_reaches_the_driver_s_metrics_as_the_supervisor_books_it(world, expected):
+def test_each_failure_reaches_the_driver_s_metrics_as_the_supervisor_books_it(world, expected, monkeypatch):
     from monitor.metrics import JobMetrics
-    from orchestrator.cli.ps_run import failure_feed
+    from orchestrator.cli import ps_run
 
+    monkeypatch.setattr(ps_run, "time", types.SimpleNamespace(time=lambda: world.now))  # the supervisor's clock
     metrics, told = JobMetrics("ps"), []
-    feed = failure_feed(metrics, PAR.dp)
+    feeds = ps_run.job_feeds(ps_run.PSMetrics("ps", "bsp", PAR.servers, metrics.registry), metrics, PAR.dp)
+    feed = feeds["on_failure"]
     supervisor, losses, _ = _run(world, [Fault("worker", 1, 2), Fault("server", 0, 6)],
                                  on_failure=lambda failure: (told.append(failure), feed(failure)))
+    feed.settle()  # as job_feeds' on_step does after each step: the replaced worker's pause is measured by now
     assert told == supervisor.failures and [f.kind for f in told] == ["worker", "server"] and losses == expected
     value = metrics.registry.get_sample_value
     assert [value("undying_failures_total", {"undying_job": "ps", "kind": kind})
             for kind in ("worker_died", "server_died")] == [1, 1]
     assert value("undying_generation", {"undying_job": "ps"}) == 2  # each repair a re-formation
+    # Detection (both faults injected: their onset known) and recovery of each, as a collective job's.
+    assert value("undying_detection_seconds_count", {"undying_job": "ps"}) == 2
+    assert value("undying_recovery_seconds_count", {"undying_job": "ps"}) == 2
+    assert 0 < value("undying_recovery_seconds_sum", {"undying_job": "ps"}) < 10
