@@ -66,6 +66,7 @@ class RayWorkerGroup(SpareSeats):
         # The controller's "is the job ending?": long waits give up when it says yes (cluster.interruptible).
         self.interrupted = interruptible.never
         self.pg = None
+        self.placement_wait_s = 0.0  # seconds `place` waited for the placement group's bundles
         # seat -> Ray bundle index; every `bundle` index below (bundle_of, spares) is a seat index
         self.seat_bundle: list[int] = []
         self.actors: dict[int, ray.actor.ActorHandle] = {}
@@ -90,7 +91,9 @@ class RayWorkerGroup(SpareSeats):
                         "root's lease while alive); its rank actors end with them", removed, self.spec.checkpoint_root)
         self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=name)
         self.seat_bundle = plan.seat_bundle
+        began = time.perf_counter()
         ready, _ = interruptible.wait([self.pg.ready()], 1, self.placement_timeout_s, self.interrupted)
+        self.placement_wait_s = time.perf_counter() - began  # the cluster granting the bundles: a resources wait
         if not ready:
             raise PlacementError(f"{len(plan.bundles)} bundles ({plan.bundles[0]} for each TP group) could not be "
                                  f"placed within {self.placement_timeout_s:.0f} s")

@@ -7,12 +7,11 @@ table, logs the transition as one sentence with its numbers, books wall time to 
 of the new state and exports the state as a metric. RUNNING and CHECKPOINTING share the training
 handler: saves run beside training, from a save's first receipt to its commit.
 
-Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which failure, whose
-fault), LostWork (what a rollback redoes), EventIntake (rank events), Checkpoints (plan, commits, restore
-point), Recovery (release, replace, shrink, grow), Stops (preemption, node drain, growing back: a
-generation ended at a checkpointed step). Policies only return decisions; the controller acts. The worker
-group is injected, so unit tests drive transitions with a fake group. Single-threaded: all runs on the
-thread of `run()` (`step_once()`) but store work (ckpt.housekeeping, ckpt.commit).
+Collaborators, built here with their dependencies: FaultClock (chaos faults), Blame (which failure, whose fault),
+LostWork (what a rollback redoes), EventIntake (rank events), Checkpoints (plan, commits, restore point),
+Recovery (release, replace, shrink, grow), Stops (preemption, node drain, growing back: a generation ended at
+a checkpointed step). Policies only return decisions; the controller acts. The worker group is injected (unit
+tests drive transitions with a fake). Single-threaded but for store work (ckpt.housekeeping, ckpt.commit).
 """
 
 from __future__ import annotations
@@ -203,7 +202,8 @@ class Controller:
     def _placing(self) -> None:
         started = time.perf_counter()
         spares = self.recovery.spares.target
-        self.workers.place(self.world_size, spares)
+        self.workers.place(self.world_size, spares)  # its wait for the bundles: the cluster's capacity, not ours
+        self.ledger.move(self.workers.placement_wait_s, self.ledger.current, "waiting_for_resources")
         self.workers.ensure_actors(list(range(self.world_size)))
         if spares:
             self.recovery.spares.refill("placement")
