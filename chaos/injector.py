@@ -108,13 +108,14 @@ class FaultInjector:
 
     def _fire(self, fault: ArmedFault, point: str, step: int) -> None:
         kind = fault.kind
+        raylet = node_raylet() if kind == "kill_node" else None  # refused before any notice: nothing fired
         # The notice is a dict of FaultFired's fields (orchestrator.wire.messages sits above this library).
         self.notify({"type": "fault", "fault_id": fault.id, "kind": kind, "rank": self.rank,
                      "step": step, "point": point, "time": time.time()})
         if kind == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "kill_node":
-            crash_node()
+            crash_node(raylet)
         elif kind == "hang_rank":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
@@ -134,18 +135,24 @@ class FaultInjector:
                            f"{point}; use at_point: after_backward")
 
 
-def crash_node() -> None:
-    """End every process Ray runs on this node at once (a killed container or pod, a raylet crash
-    that takes its workers along): the raylet (frozen first, so that it starts nothing meanwhile),
-    every process it started (rank actors, spares, Ray's agents), this one last. No rank is left to
-    report the loss: the controller's probe finds the raylet's port refusing connections
-    (orchestrator.cluster.node_probe), and Ray's GCS declares the node dead after its health checks."""
-    raylet = os.getppid()  # Ray forks worker processes from the node's raylet
+def node_raylet() -> int:
+    """The PID of this node's raylet, this process's parent (Ray forks worker processes from it); a
+    RuntimeError when the parent is something else, before a notice says a node kill fired."""
+    raylet = os.getppid()
     with open(f"/proc/{raylet}/comm") as handle:
         parent = handle.read().strip()
     if not parent.startswith("raylet"):  # a wrapper in between, or the raylet already gone
         raise RuntimeError(f"kill_node: this rank's parent process {raylet} is {parent!r}, not the node's raylet; "
                            "nothing was killed")
+    return raylet
+
+
+def crash_node(raylet: int) -> None:
+    """End every process Ray runs on this node at once (a killed container or pod, a raylet crash
+    that takes its workers along): the raylet (frozen first, so that it starts nothing meanwhile),
+    every process it started (rank actors, spares, Ray's agents), this one last. No rank is left to
+    report the loss: the controller's probe finds the raylet's port refusing connections
+    (orchestrator.cluster.node_probe), and Ray's GCS declares the node dead after its health checks."""
     os.kill(raylet, signal.SIGSTOP)
     for pid in children_of(raylet) - {os.getpid()}:
         with contextlib.suppress(ProcessLookupError):

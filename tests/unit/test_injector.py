@@ -64,3 +64,15 @@ def test_slow_rank_with_delay_s_delays_the_steps_it_names_by_a_fixed_time(monkey
         monkeypatch.setattr(time, "sleep", lambda seconds, s=s: sleeps.append((s, seconds)) if seconds else None)
         _step(injector.hook, s, 0.0)
     assert sleeps == [(s, 60.0) for s in delayed_steps]
+
+
+def test_a_kill_node_that_finds_no_raylet_to_kill_raises_before_any_notice_says_it_fired(monkeypatch):
+    import os
+
+    notices: list[dict] = []
+    injector = FaultInjector([{"id": 0, "kind": "kill_node", "rank": 0, "at_step": 1, "at_point": "after_backward"}],
+                             0, notices.append)
+    monkeypatch.setattr("chaos.injector.os.getppid", os.getpid)  # this process's parent is no raylet here
+    with pytest.raises(RuntimeError, match="not the node's raylet; nothing was killed"):
+        injector.hook("after_backward", 1)
+    assert notices == []  # no node kill is reported as tested
