@@ -110,6 +110,7 @@ class FaultRecord(BaseModel):
     rank: int | None = None
     step: int | None = None
     point: str | None = None  # the named point it fired at, e.g. after_backward
+    detail: str | None = None  # what it did (corrupt_shard: the bit flipped, or why it could not be applied)
 
 
 class CheckpointRecord(BaseModel):

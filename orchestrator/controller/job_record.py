@@ -281,7 +281,7 @@ class JobRecord:
         """An injected fault fired (a wire FaultFired, its time on the controller's clock)."""
         self.faults.append(FaultRecord(time=None if notice.time is None else self.job_seconds(notice.time),
                                        kind=notice.kind, fault_id=notice.fault_id, rank=notice.rank, step=notice.step,
-                                       point=notice.point))
+                                       point=notice.point, detail=notice.detail))
         self.tracker.emit(record_event("fault", self.completed_steps(), self.faults[-1]))
 
     def on_restored(self, record: FailureRecord, level: str, results: list[dict], seconds: float) -> None:

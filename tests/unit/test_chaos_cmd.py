@@ -373,3 +373,39 @@ def test_a_parameter_server_spec_is_refused_naming_the_mode(tmp_path, capsys):
     runner = FakeRunner()
     assert chaos_main(args, runner=runner) == EXIT_USAGE and runner.names == []
     assert "parallel.mode" in capsys.readouterr().err
+
+
+def test_a_corruption_retention_deleted_before_anything_read_it_or_one_not_applied_tested_nothing(tmp_path):
+    from types import SimpleNamespace
+
+    from orchestrator.cli.chaos.experiment import check_faults_fired
+
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit",
+                                            "chaos.faults=[{kind: corrupt_shard, at_step: 20}]"])
+    catalog = catalog_of(spec)
+    save_checkpoint(catalog, 30, {"w": torch.ones(2)})  # step 20, corrupted, is gone: keep let retention take it
+    fired = FaultRecord(kind="corrupt_shard", fault_id=0, step=20, detail="bit 3 of byte 9 of a shard flipped")
+    check = check_faults_fired(spec, SimpleNamespace(faults=[fired]), catalog, corrupted={20})
+    assert not check.ok and "retention deleted the step before any restore or check read it" in check.detail
+    save_checkpoint(catalog, 20, {"w": torch.ones(2)})
+    assert check_faults_fired(spec, SimpleNamespace(faults=[fired]), catalog, corrupted={20}).ok  # there: verified
+    refused = fired.model_copy(update={"detail": "could not be applied: OSError: injected"})
+    check = check_faults_fired(spec, SimpleNamespace(faults=[refused]), catalog, corrupted={20})
+    assert not check.ok and "could not be applied" in check.detail
+
+
+def test_a_fault_whose_notice_died_with_a_killed_controller_counts_as_fired_by_its_marker(tmp_path):
+    from types import SimpleNamespace
+
+    from chaos.config import ArmedFault
+    from orchestrator.cli.chaos.experiment import check_faults_fired
+    from orchestrator.controller.kill import MARKER_DIR, marker_name
+
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit",
+                                            "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 20}]"])
+    catalog = catalog_of(spec)
+    nothing = SimpleNamespace(faults=[])  # its notice was in the killed controller's unflushed event log
+    assert not check_faults_fired(spec, nothing, catalog).ok
+    fault = ArmedFault.of(spec.chaos.faults[0], 0)
+    catalog.storage.write_immutable(catalog.storage.path(MARKER_DIR, marker_name(fault)), b"{}")
+    assert check_faults_fired(spec, nothing, catalog).ok

@@ -144,7 +144,8 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
         cursor=make_cursor(spec.data, spec.model.vocab_size), goodput=goodput, wall_s=report.goodput.clock_wall_s,
         pids=pids, pids_elsewhere=elsewhere, reports_required=True,  # this release's run: its commits carry digests
     )
-    checks, skipped = [*result.checks, check_faults_fired(spec, report, catalog.storage)], list(result.skipped)
+    checks = [*result.checks, check_faults_fired(spec, report, catalog, corrupted)]
+    skipped = list(result.skipped)
     if unmatched is not None:  # a check that compared nothing has not passed
         skipped.remove("model_matches_reference")
         checks.append(Check("model_matches_reference", False, f"the reference run holds no checkpoint of step "
@@ -155,7 +156,7 @@ def invariants(spec, report, *, reference: Mapping[str, torch.Tensor] | None,
     return InvariantReport(checks, skipped)
 
 
-def check_faults_fired(spec, report, storage) -> Check:
+def check_faults_fired(spec, report, catalog, corrupted: Iterable[int] = ()) -> Check:
     """The faults the experiment scheduled fired: each of chaos.faults (but those that fire by chance,
     `probability`, and slow_rank, which slows without a notice), and one at least when random failures
     were asked for. A fault that never fired (its
@@ -166,7 +167,12 @@ def check_faults_fired(spec, report, storage) -> Check:
 
     name, fired = "faults_fired", {f.fault_id for f in report.faults}
     scripted = list(enumerate(spec.chaos.faults))
-    fired |= {i for i, f in scripted if f.kind == "kill_controller" and has_fired(storage, ArmedFault.of(f, i))}
+    # A one-shot fault's marker says a controller fired it: a kill_controller's, and one whose notice a killed
+    # controller's event log had not flushed (its rerun does not arm it again).
+    fired |= {i for i, f in scripted if i not in fired and has_fired(catalog.storage, ArmedFault.of(f, i))}
+    untested = _corruptions_untested(report, catalog, set(corrupted))
+    if untested:
+        return Check(name, False, "; ".join(untested))
     # slow_rank sends no notice (a slow step is no failure: chaos.injector); chance-triggered ones may not fire.
     missed = [f"chaos.faults[{i}] ({f.kind})" for i, f in scripted
               if f.probability is None and f.kind != "slow_rank" and i not in fired]
@@ -177,6 +183,21 @@ def check_faults_fired(spec, report, storage) -> Check:
         return Check(name, False, f"no random failure fired within the run (chaos.mtbf_s={spec.chaos.mtbf_s:g}): "
                      "it tested nothing random; give a shorter --mtbf or more train.steps")
     return Check(name, True, f"{len(fired)} scheduled fault(s) fired")
+
+
+def _corruptions_untested(report, catalog, corrupted: set[int]) -> list[str]:
+    """The corrupt_shard faults that fired yet tested nothing: not applied (a storage fault hit the
+    rewrite), or their step gone (retention) before any restore or check read it, uncaught: in
+    `corrupted` (no quarantine) and no longer committed."""
+    committed, out = set(catalog.committed_steps()), []
+    for fault in (f for f in report.faults if f.kind == "corrupt_shard"):
+        what = f"chaos.faults[{fault.fault_id}] (corrupt_shard at step {fault.step})"
+        if fault.detail and fault.detail.startswith("could not be applied"):
+            out.append(f"{what} {fault.detail}: it tested nothing")
+        elif fault.step in corrupted and fault.step not in committed:
+            out.append(f"{what}: retention deleted the step before any restore or check read it, so it tested "
+                       "nothing; raise checkpoint.keep or corrupt a later step")
+    return out
 
 
 def check_wall_within(ledger_wall_s: float | None, measured_wall_s: float, slack_s: float = 0.5) -> Check:
