@@ -25,15 +25,16 @@ def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def save_checkpoint(catalog: Catalog, step: int, state: dict[str, torch.Tensor], world: int = 3) -> None:
-    """Every rank writes its shard, then the controller commits (as a job does)."""
+def save_checkpoint(catalog: Catalog, step: int, state: dict[str, torch.Tensor], world: int = 3,
+                    spec_hash: str = "h") -> None:
+    """Every rank writes its shard, then the controller commits (as a job of spec `spec_hash` does)."""
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     receipts = []
     for rank in range(world):
         mine = {n: state[n] for n in owned_by(rank, world, sizes)}
         receipts.append(write_shard(catalog.storage, step, rank, mine, blocking_s=0.0))
     catalog.commit(job="j", step=step, generation=0, layout={"dp": world, "tp": 1, "pp": 1, "zero": 0},
-                   spec_hash="h", receipts=receipts, state={"engine": {"next_step": step}})
+                   spec_hash=spec_hash, receipts=receipts, state={"engine": {"next_step": step}})
 
 
 def shard_receipts(catalog: Catalog, step: int, state: dict[str, torch.Tensor], world: int = 2, tag: str = "") -> list:

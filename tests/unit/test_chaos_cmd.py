@@ -15,7 +15,7 @@ from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.cli.chaos.runs import RunOutcome
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from orchestrator.cli.main import _parser, main
-from orchestrator.spec.job_spec import load_spec
+from orchestrator.spec.job_spec import load_spec, spec_hash
 from tests._checkpoints import save_checkpoint
 
 STEPS = 4
@@ -43,7 +43,7 @@ class FakeRunner:
         reference = spec.name.endswith(".reference")
         weights = self.weights if self.weights is not None and not reference else torch.ones(3, 2)
         save_checkpoint(catalog_of(spec), spec.train.steps, {"model/w": weights, "optim/w/step": torch.tensor(1.0)},
-                        world=2)
+                        world=2, spec_hash=spec_hash(spec))
         totals = {"productive": 8.0, "startup": 1.5, "lost_work": 0.5}
         report = RunReport(job=spec.name, final_step=spec.train.steps, status="succeeded",
                            history=_with_digests(spec, [[s, 4] for s in range(STEPS)]) if reference else
@@ -409,3 +409,25 @@ def test_a_fault_whose_notice_died_with_a_killed_controller_counts_as_fired_by_i
     fault = ArmedFault.of(spec.chaos.faults[0], 0)
     catalog.storage.write_immutable(catalog.storage.path(MARKER_DIR, marker_name(fault)), b"{}")
     assert check_faults_fired(spec, nothing, catalog).ok
+
+
+def test_a_finished_reference_is_reused_only_when_the_releases_that_made_it_are_these(tmp_path, capsys):
+    from orchestrator.cli.chaos.experiment import REFERENCE_RECORD, reference_spec
+
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])
+    chaos_root, reference = catalog_of(spec).storage, catalog_of(reference_spec(spec)).storage
+
+    def experiment() -> list[str]:
+        chaos_root.remove_tree(chaos_root.root)  # the chaos run's own root: each experiment's afresh
+        runner = FakeRunner()
+        assert chaos_main(_args(tmp_path), runner=runner) == EXIT_OK
+        return runner.names
+
+    assert experiment() == ["unit.reference", "unit"]
+    assert experiment() == ["unit"]  # reused
+    record = json.loads(reference.read(reference.path(REFERENCE_RECORD)))
+    reference.remove(reference.path(REFERENCE_RECORD))
+    reference.write_immutable(reference.path(REFERENCE_RECORD), json.dumps({**record, "torch": "1.0"}).encode())
+    capsys.readouterr()
+    assert experiment() == ["unit.reference", "unit"]  # its bits came from another torch: run again
+    assert "not reused: it was made with torch '1.0'" in capsys.readouterr().out

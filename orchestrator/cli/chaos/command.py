@@ -313,16 +313,21 @@ def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
     ref = experiment.reference_spec(spec)
     catalog = experiment.catalog_of(ref)
     latest = catalog.latest()
-    if latest == ref.train.steps and catalog.read_manifest(latest).spec_hash == spec_hash(ref) and not fresh:
+    finished = latest == ref.train.steps and catalog.read_manifest(latest).spec_hash == spec_hash(ref)
+    stale = experiment.reference_stale(catalog.storage) if finished and not fresh else None
+    if finished and not fresh and stale is None:
         print(f"undying chaos: reusing the finished reference run {ref.name!r} ({ref.checkpoint_root})", flush=True)
     else:
-        prepare_root(ref, fresh)
-        print(f"undying chaos: reference run {ref.name!r} (chaos off) first", flush=True)
+        prepare_root(ref, fresh or stale is not None)  # a stale one is an experiment's: deleted, run again
+        print(f"undying chaos: reference run {ref.name!r} (chaos off) first"
+              + (f"; the finished one is not reused: {stale}" if stale else ""), flush=True)
         outcome = run_with_report(runner, ref, address)
         if outcome.code != EXIT_OK:
             print(f"undying chaos: the reference run failed (exit {outcome.code}); nothing to compare with",
                   file=sys.stderr)
             return None
+        record = experiment.reference_record(len(outcome.report.failures) if outcome.report else 0)
+        catalog.storage.write_immutable(catalog.storage.path(experiment.REFERENCE_RECORD), json.dumps(record).encode())
     return experiment.final_model(catalog)[1]
 
 

@@ -23,6 +23,7 @@ again, so a derived spec is exactly as checked as one read from YAML.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -70,6 +71,33 @@ def reference_spec(spec):
 
 def catalog_of(spec) -> Catalog:
     return Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+
+
+REFERENCE_RECORD = "reference.json"  # beside the reference run's checkpoints: what made it
+
+
+def reference_record(failures: int = 0) -> dict:
+    """What a finished reference run's bits depend on beyond its spec (whose hash its manifests carry):
+    the releases that computed them, and its failures (one that recovered is no failure-free run)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        undying = version("undying")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        undying = "unknown"
+    return {"undying": undying, "torch": torch.__version__, "failures": failures}
+
+
+def reference_stale(storage: Storage) -> str | None:
+    """Why the finished reference run in `storage` is not to be reused (None: it is): made by other
+    releases, with a failure, or by a release that recorded none of it."""
+    try:
+        saved = json.loads(storage.read(storage.path(REFERENCE_RECORD)))
+    except Exception:  # noqa: BLE001 (absent, unreadable: not known to match)
+        return f"it has no readable {REFERENCE_RECORD} (an older release made it)"
+    differs = [f"{key} {saved.get(key)!r}, not {now!r}" for key, now in reference_record().items()
+               if saved.get(key) != now]
+    return f"it was made with {'; '.join(differs)}" if differs else None
 
 
 def final_model(catalog: Catalog,
