@@ -61,6 +61,7 @@ class RankActor:
         self.watch_store: GenerationStore | None = None
         self.writer_store: GenerationStore | None = None
         self.snapshot_store: GenerationStore | None = None
+        self.group_store: GenerationStore | None = None  # the process group's (join)
         # Memory snapshots this process holds (its own and its buddies'); they outlive generations.
         self.held = HeldShards(self.spec.name)
         self.engine = None
@@ -175,8 +176,12 @@ class RankActor:
             bound = {"device_id": torch.device("cuda", 0)}
         self.collective_s = collective_timeout_s or timeout_s  # the mesh's groups (build_engine) take it too
         with CommSockets.capture() as self.sockets:
+            # The group's own store client, inside the capture: `abort` shuts its socket too, so a wait
+            # in it (a mesh's sub-group forming while a peer never comes) ends at once, not at the
+            # collective timeout holding this rank's next restore; the events keep `self.store`.
+            self.group_store = connect(address, gen, timeout_s=timeout_s)
             dist.init_process_group(
-                backend, store=self.store.pg_store(), rank=rank, world_size=world_size,
+                backend, store=self.group_store.pg_store(), rank=rank, world_size=world_size,
                 timeout=timedelta(seconds=self.collective_s), **bound,
             )
         return time.perf_counter() - started

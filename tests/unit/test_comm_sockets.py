@@ -42,3 +42,38 @@ def test_abort_shuts_the_group_s_tcp_sockets_only():
     finally:
         for sock in (group, ray_unix, ray_other, reused, accepted):
             sock.close()
+
+
+def test_leaving_ends_a_wait_in_the_groups_store_at_once(tmp_path):
+    # A mesh's sub-group forms through the group's store, waiting there for every member; a peer that
+    # never builds leaves it waiting for the collective timeout, holding the rank's next restore.
+    # `leave` aborts the group's sockets, its store client's among them: the wait ends at once.
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from orchestrator.rank.actor import RankActor
+    from orchestrator.wire.store import RendezvousServer
+    from tests.unit.test_controller import _spec
+
+    server = RendezvousServer("127.0.0.1")
+    actor = RankActor(_spec(tmp_path, parallel={"dp": 1}).model_dump_json(by_alias=True))
+    actor.join(0, 0, 1, server.address, timeout_s=30.0, collective_timeout_s=30.0)
+    store, ended = dist.distributed_c10d._get_default_store(), {}
+
+    def wait_for_a_peer() -> None:
+        began = time.monotonic()
+        try:
+            store.wait(["a-member-that-never-registers"], timedelta(seconds=30))
+        except Exception as err:  # noqa: BLE001 (the aborted socket's error, whichever torch raises)
+            ended["error"] = type(err).__name__
+        ended["after_s"] = time.monotonic() - began
+
+    thread = threading.Thread(target=wait_for_a_peer, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    actor.leave()
+    thread.join(10)
+    assert "error" in ended and ended["after_s"] < 5, ended
