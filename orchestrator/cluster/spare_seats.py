@@ -39,9 +39,11 @@ class SpareSeats:
         """How many spares are known to run on `node` (a spare's node is known once it warmed up)."""
         return sum(self.spare_node(seat) == node for seat in self.spares)
 
-    def start_spares(self) -> list[int]:
-        """Start a spare in every free seat (no waiting: each warms up on its own); returns the seats."""
-        free = self.free_bundles()
+    def start_spares(self, avoid: set[str] = frozenset()) -> list[int]:
+        """Start a spare in every free seat not on a node in `avoid` (draining: a rank promoted there
+        would move again) without waiting, each warming up on its own; returns the seats."""
+        away = set(self._bundles_on(set(avoid)))
+        free = [seat for seat in self.free_bundles() if seat not in away]
         for bundle in free:
             actor = self._new_actor(bundle)
             self.spares[bundle] = (actor, actor.warm_up.remote())

@@ -59,7 +59,7 @@ class Recovery:
                  probe: Callable[[Iterable[str]], list[str]] = node_probe.lost_nodes):
         self.spec = spec
         self.workers = workers
-        self.spares = SparePool(spec, workers, metrics, log)
+        self.spares = SparePool(spec, workers, metrics, log, draining=draining)
         self.scaling_policy = scaling_policy
         self.log = log
         # A callable: the controller's limit now (orchestrator.controller.timeouts, it follows the step time).
@@ -217,6 +217,9 @@ class Recovery:
             self.spares.refill(f"at a commit, seat(s) free again (dp {dp})")
         if dp >= self.spec.parallel.dp or not self.spec.elastic.grow:
             return None
+        draining = set(self.draining())
+        if draining and self.workers.drop_spares_on(draining):  # a rank grown there would move again at once
+            self.log(f"spares on draining node(s) {', '.join(sorted(n[:12] for n in draining))} dropped")
         ready = self.workers.promotable_spares()  # live ones (a grow stops the generation), whole TP groups
         new_dp = self.scaling_policy.best_dp(world_size + ready)
         if new_dp is None or new_dp <= dp:

@@ -30,14 +30,16 @@ Protocol (controller thread only; nothing here waits on an actor):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 
 class SparePool:
-    def __init__(self, spec, workers, metrics, log: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec, workers, metrics, log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 draining: Callable[[], Iterable[str]] = tuple):
         spares = spec.elastic.spares
         self.target = 0 if spares == "auto" else spares
         self.workers, self.metrics, self.log, self.clock = workers, metrics, log, clock
+        self.draining = draining  # the nodes Ray drains now: no spare starts in their seats
         self.warming: dict[int, float] = {}  # seat -> clock() when a refill started its spare
         self.longest_warm_s = 0.0  # the longest warm-up seen so far (bounds a recovery's wait for one)
         self.deferred: list[str] = []  # why refills wait for the recovery's first step
@@ -48,7 +50,7 @@ class SparePool:
         if self.deferred:
             why = ", ".join(self.deferred) + ", training again"
             self.deferred.clear()
-        seats = sorted(self.workers.start_spares())
+        seats = sorted(self.workers.start_spares(set(self.draining())))
         if not seats:
             return []
         now = self.clock()

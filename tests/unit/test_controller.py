@@ -81,7 +81,7 @@ class FakeWorkerGroup:
             self.actors[r] = f"actor-{r}"
             self.created.append(r)
 
-    def start_spares(self):
+    def start_spares(self, avoid=frozenset()):
         # A spare in each free seat (the job's seats: its ranks at placement and its spares).
         free = list(range(len(self.spares), self.seats - len(self.actors)))
         self.spares += ["spare"] * len(free)

@@ -98,8 +98,8 @@ class SeatWorkers:
         used = set(self.bundle_of.values()) | set(self.spares) | self.lost_seats
         return [seat for seat in range(self.seats) if seat not in used]
 
-    def start_spares(self) -> list[int]:
-        free = self.free_seats()
+    def start_spares(self, avoid: set[str] = frozenset()) -> list[int]:
+        free = [seat for seat in self.free_seats() if not (avoid and seat in self.draining_seats)]
         self.spares.update(dict.fromkeys(free, False))
         return free
 
@@ -379,3 +379,20 @@ def test_the_controller_refills_the_pool_so_a_second_kill_is_taken_by_the_new_sp
         "spare pool: placement", "spare pool: rank(s) [0] replaced, training again"]
     assert sum("taken over by warm spares" in line for line in pool) == 2
     assert sum("is warm" in line for line in pool) >= 2  # the first spare, and its replacement before the 2nd kill
+
+
+def test_a_commit_during_a_drain_neither_refills_nor_grows_onto_the_draining_node():
+    # Ray drains node n2 (seats 4 and 5, whose spares are warm): a commit's refill starts no spare in its
+    # free seats, and a grow counts none of its spares (the ranks grown there would move again at once).
+    spec = _load("elastic.spares=2", "elastic.min_dp=1")
+    workers, lines, nodes = SeatWorkers(4, 2), [], set()
+    recovery = _recovery(spec, workers, lines, draining=lambda: nodes)
+    recovery.spares.refill("placement")
+    workers.warm_all()
+    workers.draining_seats, nodes = {4, 5}, {"n2"}
+    for rank in (2, 3):  # a failure shrank the job to dp 2; seats 2 and 3 are free
+        workers.kill(rank)
+    del workers.bundle_of[2], workers.bundle_of[3]
+    workers.draining_seats |= {2, 3}
+    assert recovery.grow_to(2, 2) is None  # no spare left off n2 to grow onto
+    assert workers.spare_seats() == [] and "spares on draining node(s) n2 dropped" in "\n".join(lines)
