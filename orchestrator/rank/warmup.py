@@ -49,6 +49,9 @@ def warm_first_step(spec, device) -> float | None:
             engine.train_step()
         finally:
             engine.data.close(wait=False)
+            if train.compile:  # forget the twin's graphs: compiled at its shapes, they would make the real
+                import torch._dynamo  # block's compile mark those dimensions dynamic (other kernels than
+                torch._dynamo.reset()  # the ranks that never warmed ran); imports and compiler start-up stay paid
     except Exception as err:  # an optimisation only: never the reason a spare is lost
         log.warning("spare warm-up: the tiny twin of the model failed (%s: %s); the first engine build "
                     "will be paid at takeover", type(err).__name__, err)

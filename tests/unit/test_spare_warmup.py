@@ -58,3 +58,20 @@ def test_a_twin_that_fails_leaves_the_spare_a_spare(monkeypatch, caplog):
     monkeypatch.setattr("trainer.engine.Engine", broken)
     assert warm_first_step(_spec(), torch.device("cpu")) is None
     assert "spare warm-up: the tiny twin of the model failed (RuntimeError: no such kernel)" in caplog.text
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_twins_graphs_are_forgotten_before_the_real_model_compiles(monkeypatch, compiled):
+    # Left in dynamo's caches, the twin's graphs (its shapes) would make the real block's compile mark
+    # the dimensions that differ dynamic: other kernels than the ranks that never warmed up run.
+    import torch._dynamo
+
+    import trainer.engine
+
+    resets: list[bool] = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
+    monkeypatch.setattr(trainer.engine.Engine, "train_step", lambda self: None)  # the build alone: no compile here
+    spec = _spec()
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={"compile": compiled})})
+    assert warm_first_step(spec, torch.device("cpu")) is not None
+    assert resets == ([True] if compiled else [])
