@@ -431,3 +431,9 @@ def test_a_finished_reference_is_reused_only_when_the_releases_that_made_it_are_
     capsys.readouterr()
     assert experiment() == ["unit.reference", "unit"]  # its bits came from another torch: run again
     assert "not reused: it was made with torch '1.0'" in capsys.readouterr().out
+
+
+def test_the_verdict_names_the_checks_it_skipped(tmp_path, capsys):
+    assert chaos_main(_args(tmp_path, "--no-reference"), runner=FakeRunner()) == EXIT_OK
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "every check passed (1 skipped: model_matches_reference)" in verdict, verdict

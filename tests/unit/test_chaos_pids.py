@@ -16,10 +16,13 @@ def _actor(hexid: str):
 
 
 def test_ranks_elsewhere_are_counted_and_a_run_with_none_here_skips_the_check(monkeypatch):
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    # The driver's node by id: its address may read otherwise than the rank's (127.0.0.1, an interface's).
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: "here"))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "here", "NodeManagerAddress": "127.0.0.1"},
+                                               {"NodeID": "there", "NodeManagerAddress": "10.0.0.2"}])
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")  # this host's interface
     recorded = []
     recorder = RankPidRecorder(lambda rec: recorded.append((dict(rec.seen), len(rec.elsewhere))))
-    recorder._ips = {"here": "10.0.0.1", "there": "10.0.0.2"}
     recorder.remember(_actor("aa" * 16), {"pid": os.getpid(), "node": "here"})
     recorder.remember(_actor("bb" * 16), {"pid": 4242, "node": "there"})
     assert list(recorder.seen.values()) == [os.getpid()] and recorder.elsewhere == {"bb" * 16}

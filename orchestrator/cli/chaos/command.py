@@ -210,7 +210,8 @@ def experiment_main(spec, args, runner: Runner) -> int:
     if png and outcome.report is not None:
         write_timeline(outcome.report, png, describe_faults(spec))
     ok = outcome.code == EXIT_OK and checks.ok
-    verdict = "every check passed" if checks.ok else f"{len(checks.failed)} check(s) FAILED"
+    skipped = f" ({len(checks.skipped)} skipped: {', '.join(checks.skipped)})" if checks.skipped else ""
+    verdict = ("every check passed" if checks.ok else f"{len(checks.failed)} check(s) FAILED") + skipped
     print(f"undying chaos: run {'succeeded' if outcome.code == EXIT_OK else 'FAILED'}; {verdict}", flush=True)
     return EXIT_OK if ok else EXIT_FAILED
 

@@ -55,7 +55,6 @@ class RankPidRecorder:
         self.starts: dict[str, str] = {}
         self.elsewhere: set[str] = set()  # actor ids of ranks on other hosts
         self._on_record = on_record
-        self._ips: dict[str, str] = {}
         recorder = self
 
         class RecordingWorkerGroup(RayWorkerGroup):
@@ -70,10 +69,9 @@ class RankPidRecorder:
 
         if not isinstance(info, dict) or not info.get("pid"):
             return
-        node = info.get("node") or ""
-        if node not in self._ips:
-            self._ips.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
-        if self._ips.get(node) != ray.util.get_node_ip_address():
+        # By node id, the driver's own raylet's (addresses differ for one host: 127.0.0.1 against its
+        # interface's, as a laptop's `ray start --node-ip-address` gives): a rank there is a PID here.
+        if (info.get("node") or "") != ray.get_runtime_context().get_node_id():
             self.elsewhere.add(actor._actor_id.hex())
         else:
             label = f"actor {actor._actor_id.hex()[:8]} pid"
