@@ -185,6 +185,8 @@ class RunReport(BaseModel):
     world_history: list[WorldRecord] = Field(default_factory=list)
     failures: list[FailureRecord] = Field(default_factory=list)
     faults: list[FaultRecord] = Field(default_factory=list)  # injected faults that fired, in order
+    # Time-triggered faults that came due with no rank to fire at (a node without ranks, a shrunk job).
+    faults_skipped: list[FaultRecord] = Field(default_factory=list)
     checkpoints: list[CheckpointRecord] = Field(default_factory=list)
     stragglers: list[StragglerRecord] = Field(default_factory=list)
     # Runs of completed steps ["steps", first, end, dp] and ["restore", step] per restore, in

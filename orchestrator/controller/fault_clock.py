@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from chaos.config import STORAGE_KINDS, ArmedFault
 from chaos.schedule import expand
+from monitor.report import FaultRecord
 from orchestrator.cluster.worker_group import PlacementError
 from orchestrator.wire.messages import FaultFired
 
@@ -29,8 +30,12 @@ CHAOS_HORIZON_S = 24 * 3600.0
 
 
 class FaultClock:
-    def __init__(self, spec, workers, clock: Callable[[], float], log: Callable[[str], None]):
+    def __init__(self, spec, workers, clock: Callable[[], float], log: Callable[[str], None],
+                 skipped: list[FaultRecord] | None = None):
         self.spec = spec
+        # The time-triggered faults that came due with no rank to fire them at (the report's
+        # `faults_skipped`): an experiment says how many of its failures never happened.
+        self.skipped = [] if skipped is None else skipped
         self.workers = workers
         self.clock = clock
         self.log = log
@@ -85,15 +90,19 @@ class FaultClock:
             else:
                 on_node = [r for r in sorted(self.workers.actors) if self.workers.node_of(r) == event.node]
                 if not on_node:
-                    self.log(f"chaos: {event.kind} of node {str(event.node)[:12]} skipped: no rank runs there now")
+                    self._skip(event, None, f"of node {str(event.node)[:12]} skipped: no rank runs there now")
                     continue
                 rank = on_node[0]
             if rank not in self.workers.actors:
                 # After a shrink the job may have fewer ranks than the schedule was drawn for: say
                 # so, or the experiment would believe a failure was injected.
-                self.log(f"chaos: {event.kind} of rank {rank} skipped: the job runs {world_size} rank(s) now")
+                self._skip(event, rank, f"of rank {rank} skipped: the job runs {world_size} rank(s) now")
                 continue
             self.workers.inject(rank, event.fault.model_copy(update={"rank": rank}))
+
+    def _skip(self, event, rank: int | None, why: str) -> None:
+        self.log(f"chaos: {event.kind} {why}")
+        self.skipped.append(FaultRecord(time=self.clock(), kind=event.kind, fault_id=event.id, rank=rank, detail=why))
 
     def armed(self) -> list[ArmedFault]:
         """The faults ranks arm: not fired yet, or repeating; a storage fault's window reaches late

@@ -63,6 +63,7 @@ class JobRecord:
         self.recent_dp: deque[int] = deque(maxlen=RECENT_STEPS)  # the dp each of them ran at
         self.failures: list[FailureRecord] = []
         self.faults: list[FaultRecord] = []
+        self.faults_skipped: list[FaultRecord] = []  # the fault clock's (orchestrator.controller.fault_clock)
         self.checkpoints: list[CheckpointRecord] = []
         self.world: list[WorldRecord] = []
         self.stragglers: list[StragglerRecord] = []
@@ -323,7 +324,7 @@ class JobRecord:
             job=self.job, final_step=final_step,
             final_loss=losses[-1].loss if losses else None,
             losses=losses, evals=sorted(self.evals, key=lambda e: e.step), world_history=self.world,
-            failures=self.failures, faults=self.faults, history=self.history,
+            failures=self.failures, faults=self.faults, faults_skipped=self.faults_skipped, history=self.history,
             checkpoints=self.checkpoints, stragglers=self.stragglers,
             redone_steps=self.redone_steps, redone_s=self.redone_s, rolled_back=self.rolled_back,
             goodput=GoodputSummary.from_ledger(self.ledger),

@@ -83,7 +83,7 @@ class Controller:
         self.telemetry = Telemetry(spec, metrics, spec.monitor.heartbeat_s)
         self.record = JobRecord(spec.name, spec.train.steps, metrics, self.ledger, printer=printer,
                                 mfu=self.telemetry.mfu)
-        self.fault_clock = FaultClock(spec, workers, self.ledger.wall, self.log)
+        self.fault_clock = FaultClock(spec, workers, self.ledger.wall, self.log, skipped=self.record.faults_skipped)
         # Storage faults without a rank and corrupt_shard act here, on the catalog.
         self.chaos = ControllerFaults(self.fault_clock.faults, catalog, spec.chaos.seed, self.ledger.wall,
                                       printer=printer, fired=self.fault_clock.fired)

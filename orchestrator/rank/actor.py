@@ -113,9 +113,11 @@ class RankActor:
         """
         from chaos.injector import FaultInjector
 
+        if self._rendezvous is None:  # no generation to tell: a kill now would be a failure nobody injected
+            raise RuntimeError(f"chaos: {fault.kind} not fired: this actor has joined no generation")
+
         def notify(event: dict) -> None:
-            if self._rendezvous is not None:
-                connect(*self._rendezvous, timeout_s=5.0).send(event)
+            connect(*self._rendezvous, timeout_s=5.0).send(event)
 
         step = self.engine.next_step if self.engine is not None else -1
         mine = fault.model_copy(update={"rank": self.rank})
@@ -176,9 +178,8 @@ class RankActor:
             bound = {"device_id": torch.device("cuda", 0)}
         self.collective_s = collective_timeout_s or timeout_s  # the mesh's groups (build_engine) take it too
         with CommSockets.capture() as self.sockets:
-            # The group's own store client, inside the capture: `abort` shuts its socket too, so a wait
-            # in it (a mesh's sub-group forming while a peer never comes) ends at once, not at the
-            # collective timeout holding this rank's next restore; the events keep `self.store`.
+            # The group's own store client, inside the capture: `abort` shuts its socket too, so a wait in it (a
+            # mesh's sub-group forming, a peer never coming) ends at once, not at the collective timeout.
             self.group_store = connect(address, gen, timeout_s=timeout_s)
             dist.init_process_group(
                 backend, store=self.group_store.pg_store(), rank=rank, world_size=world_size,

@@ -385,13 +385,15 @@ def test_a_corruption_retention_deleted_before_anything_read_it_or_one_not_appli
     catalog = catalog_of(spec)
     save_checkpoint(catalog, 30, {"w": torch.ones(2)})  # step 20, corrupted, is gone: keep let retention take it
     fired = FaultRecord(kind="corrupt_shard", fault_id=0, step=20, detail="bit 3 of byte 9 of a shard flipped")
-    check = check_faults_fired(spec, SimpleNamespace(faults=[fired]), catalog, corrupted={20})
-    assert not check.ok and "retention deleted the step before any restore or check read it" in check.detail
+
+    def check(record):
+        return check_faults_fired(spec, SimpleNamespace(faults=[record], faults_skipped=[]), catalog, corrupted={20})
+
+    assert not check(fired).ok and "retention deleted the step before any restore" in check(fired).detail
     save_checkpoint(catalog, 20, {"w": torch.ones(2)})
-    assert check_faults_fired(spec, SimpleNamespace(faults=[fired]), catalog, corrupted={20}).ok  # there: verified
+    assert check(fired).ok  # there, for the verification to read
     refused = fired.model_copy(update={"detail": "could not be applied: OSError: injected"})
-    check = check_faults_fired(spec, SimpleNamespace(faults=[refused]), catalog, corrupted={20})
-    assert not check.ok and "could not be applied" in check.detail
+    assert not check(refused).ok and "could not be applied" in check(refused).detail
 
 
 def test_a_fault_whose_notice_died_with_a_killed_controller_counts_as_fired_by_its_marker(tmp_path):
@@ -404,7 +406,7 @@ def test_a_fault_whose_notice_died_with_a_killed_controller_counts_as_fired_by_i
     spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit",
                                             "chaos.faults=[{kind: kill_rank, rank: 1, at_step: 20}]"])
     catalog = catalog_of(spec)
-    nothing = SimpleNamespace(faults=[])  # its notice was in the killed controller's unflushed event log
+    nothing = SimpleNamespace(faults=[], faults_skipped=[])  # its notice was in a killed controller's unflushed log
     assert not check_faults_fired(spec, nothing, catalog).ok
     fault = ArmedFault.of(spec.chaos.faults[0], 0)
     catalog.storage.write_immutable(catalog.storage.path(MARKER_DIR, marker_name(fault)), b"{}")

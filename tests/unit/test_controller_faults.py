@@ -165,3 +165,18 @@ def test_a_listing_error_at_restore_is_retried(tmp_path, rendezvous):
     assert report.status == "succeeded", report.error
     assert report.failures == [] and "chaos: storage_error (before) on the controller's list" in text
     assert _verified(ctl) == [20, 30]
+
+
+def test_a_timed_fault_due_with_no_rank_to_fire_at_is_recorded_in_the_report(tmp_path, rendezvous):
+    # After a shrink, a kill drawn for a rank the job no longer runs fires nowhere: the report says so,
+    # or an experiment would count on failures that never happened.
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_rank", "rank": 1, "at_seconds": 0.0}]})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    lines: list[str] = []
+    ctl = _controller(spec, workers, rendezvous, lines)
+    ctl.fault_clock.schedule(spec.world_size)
+    workers.actors.pop(1, None)  # the job runs without rank 1 now
+    ctl.fault_clock.fire_due(world_size=1)
+    [skipped] = ctl.record.report("failed", 0).faults_skipped
+    assert (skipped.kind, skipped.fault_id, skipped.rank) == ("kill_rank", 0, 1)
+    assert "the job runs 1 rank(s) now" in skipped.detail and any("skipped" in line for line in lines)

@@ -207,10 +207,13 @@ def check_faults_fired(spec, report, catalog, corrupted: Iterable[int] = ()) -> 
     if missed:
         return Check(name, False, f"{', '.join(missed)} never fired: the run did not test it (a point with no save "
                      "at its step, a rank gone after a shrink, a step past the end); move its trigger")
+    skipped = len(report.faults_skipped)
     if spec.chaos.mtbf_s and not any(i >= len(scripted) for i in fired if i is not None):
-        return Check(name, False, f"no random failure fired within the run (chaos.mtbf_s={spec.chaos.mtbf_s:g}): "
-                     "it tested nothing random; give a shorter --mtbf or more train.steps")
-    return Check(name, True, f"{len(fired)} scheduled fault(s) fired")
+        return Check(name, False, f"no random failure fired within the run (chaos.mtbf_s={spec.chaos.mtbf_s:g}"
+                     + (f"; {skipped} came due with no rank to fire at" if skipped else "")
+                     + "): it tested nothing random; give a shorter --mtbf or more train.steps")
+    return Check(name, True, f"{len(fired)} scheduled fault(s) fired"
+                 + (f"; {skipped} came due with no rank to fire at (faults_skipped in the report)" if skipped else ""))
 
 
 def _corruptions_untested(report, catalog, corrupted: set[int]) -> list[str]:
