@@ -204,23 +204,22 @@ class Committer:
         return {**self.pending, **self.committing}
 
     def collect(self, book: Callable[[Commit], Any] = lambda commit: commit) -> list:
-        """Controller thread: settle what the lane's creates came to since the last call, oldest first, and
-        `book` each Commit; what `book` returned, in order. Every attempt is settled and every commit booked
-        before the first error among them is raised, except a run of failed saves (SavesFailing, from
-        `on_dropped`) that a newer commit of the same batch ended: the store took that one."""
+        """Controller thread: settle what the lane's creates came to since the last call, oldest first, each
+        Commit booked (`book`) as it is settled, so that a failed save after it counts from it; what `book`
+        returned, in order. Every attempt is settled before the first error among them is raised, except a
+        run of failed saves (SavesFailing, from `on_dropped`) that a newer commit of the batch ended."""
         with self._attempts_lock:
             attempts, self._attempts = self._attempts, []
-        commits, errors = [], []
+        booked, errors, newest = [], [], -1
         for attempt in attempts:
             self.committing.pop(attempt.save.step, None)
             try:
                 commit = self._settle(attempt)
-            except Exception as err:  # noqa: BLE001 (raised below, once the others are booked)
+                if commit is not None:
+                    booked.append(book(commit))
+                    newest = commit.step
+            except Exception as err:  # noqa: BLE001 (raised below, once the others are settled)
                 errors.append((attempt.save.step, err))
-                continue
-            commits += [commit] if commit is not None else []
-        newest = max((commit.step for commit in commits), default=-1)
-        booked = [book(commit) for commit in commits]
         errors = [err for step, err in errors if not (isinstance(err, SavesFailing) and step < newest)]
         if errors:
             raise errors[0]

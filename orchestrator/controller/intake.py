@@ -64,7 +64,8 @@ class EventIntake:
         self._taken_at = self.step_at
 
     def drain(self, store) -> list[int]:
-        self._committed = []
+        # Commits the lane finished are booked first: a save failing in this drain counts from them.
+        self._committed = self.landed()
         if store is not self._store:  # a new generation: its ranks start now, maybe on other hosts
             self._store, self.step_at = store, time.monotonic()
             self.clocks.reset()

@@ -113,6 +113,7 @@ class Stops:
         self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
         self.reforming = False  # stopping and re-forming a generation after a commit (a drain's, a grow's)
+        self.grow_put_off = False  # a grow waited once for a create under way (`grow_at`)
         if workers is not None:
             workers.interrupted = self.ending
         if checkpoints is not None:
@@ -286,7 +287,8 @@ class Stops:
         until RECEIPTS_S after the first look at this generation's (an earlier generation's look, left
         by a recovery, is not its); and while a manifest create is under way, until it lands or fails."""
         if self.checkpoints.committer.committing:
-            self.checkpoints.fail_if_create_overdue()  # an unanswered create must not hold the job's end
+            if not self.signals:  # (with one, the grace ends the wait: preempted, not failed)
+                self.checkpoints.fail_if_create_overdue()  # an unanswered create must not hold the job's end
             time.sleep(0.01)  # as below; the intake's next drain takes what the create came to
             return True
         if self.returned_at is None or self.returned_run is not run:
@@ -332,13 +334,22 @@ class Stops:
         if target is None:
             return None
         new_dp, ready = target
-        if self.checkpoints.committer.committing:  # re-form at the newest commit: grow at its landing, a
-            return None  # later poll's (waiting here would hold the poll, and a signal, on the store)
+        # A create under way: grow at its landing, a later poll's (waiting here would hold the poll, and a
+        # signal, on the store); once only, or a store slower than the cadence would put the grow off for ever.
+        if self.checkpoints.committer.committing and not self.grow_put_off:
+            self.grow_put_off = True
+            return None
+        self.grow_put_off = False
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone, fault = self._stop_generation(store, world_size)
-        self.checkpoints.flush()  # a save completed as the generation stopped: its create lands before the step
-        step = self.checkpoints.latest  # is read (a commit landing after it would race the next generation)
+        try:  # a save completed as the generation stopped: its create lands before the step is read
+            self.checkpoints.flush()  # (a commit landing after it would race the next generation)
+        except BaseException:  # the job ends here (a signal, a create past its limit): its steps past the
+            self.ledger.move(self.record.rolled_back_seconds(self.checkpoints.latest, since=since),
+                             "productive", "lost_work")  # commit are not kept
+            raise
+        step = self.checkpoints.latest
         self.checkpoints.memory.forget_newer(step)
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
             return self._lost_while_stopping(gone, step, "growing", fault)  # (its recovery books the redone steps)

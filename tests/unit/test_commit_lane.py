@@ -286,18 +286,18 @@ def test_saves_replaced_behind_a_create_unanswered_past_its_limit_count_as_faile
     # A hung create must not turn every later save into a "skipped" one: nothing would ever commit and
     # checkpoint.max_failed_saves would never end the job.
     dropped: list[int] = []
-    storage, catalog, committer, skipped = _held(tmp_path, 10, create_limit_s=0.2,
+    storage, catalog, committer, skipped = _held(tmp_path, 10, create_limit_s=2.0,
                                                  on_dropped=lambda step, reason: dropped.append((step, reason)))
     _hand(committer, catalog, 10)
     assert storage.creating.wait(5)
     _hand(committer, catalog, 20)
     _hand(committer, catalog, 30)  # step 20 replaced while step 10's create is young: skipped
     assert skipped == [20] and committer.overdue() is None
-    time.sleep(0.3)
+    time.sleep(2.1)
     _hand(committer, catalog, 40)  # step 30 replaced with step 10's create past its limit: failed
     _hand(committer, catalog, 5)  # an older save completing behind it: failed too
     assert skipped == [20] and [step for step, _ in dropped] == [30, 5]
-    assert all("create of step 10 has not returned" in reason and "commit_timeout_s=0.2" in reason
+    assert all("create of step 10 has not returned" in reason and "commit_timeout_s=2" in reason
                for _, reason in dropped)
     storage.release(10)
     assert committer.flush(5) and [c.step for c in committer.collect()] == [10, 40]
@@ -347,3 +347,29 @@ def test_the_jobs_last_save_held_past_its_create_limit_fails_the_job_rather_than
     assert report.status == "failed" and "create of step 30 has not returned" in report.error, report.error
     assert time.monotonic() - began < 15
     assert [c.step for c in report.checkpoints] == [10, 20]
+
+
+def test_a_failed_save_after_a_commit_of_the_same_batch_counts_from_that_commit(tmp_path):
+    # Saves 100 and 200 failed (max_failed_saves=3); a recovery's flush then settles 300 (committed) and
+    # 400 (failed) together: 400 is the first failure after a commit, not the third in a row.
+    from ckpt.failed_saves import FailedSaves
+
+    run = FailedSaves(3)
+    storage, catalog, committer, _ = _held(tmp_path, 300, on_dropped=lambda step, reason: run.failed(step, reason))
+    run.failed(100, "refused")
+    run.failed(200, "refused")
+    real_commit = catalog.commit
+
+    def commit(**kwargs):
+        if kwargs["step"] == 400:
+            raise OSError("503 Slow Down")
+        return real_commit(**kwargs)
+
+    catalog.commit = commit
+    _hand(committer, catalog, 300)
+    assert storage.creating.wait(5)  # 300's create under way: 400 queues behind it
+    _hand(committer, catalog, 400)
+    storage.release(300)
+    assert committer.flush(5)
+    assert committer.collect(lambda c: (run.committed(), c.step)[1]) == [300]  # no SavesFailing
+    assert run.steps == [400]

@@ -148,3 +148,25 @@ def test_tensor_parallel_job_shrinks_and_grows_by_whole_tp_groups(tmp_path, rend
     assert report.status == "succeeded", report.error
     assert kept == [[0, 1]]
     assert [(w.dp, w.world_size) for w in report.world_history] == [(2, 4), (1, 2), (2, 4)]
+
+
+def test_a_grow_waits_for_one_commit_with_a_create_under_way_not_for_ever():
+    # A store slower than the save cadence always has a create under way when one lands: the grow is put
+    # off once, to the next commit, then goes ahead (its stop waits for that create, bounded).
+    from types import SimpleNamespace
+
+    import pytest
+
+    from orchestrator.controller.stopping import Stops
+
+    class Proceeded(Exception):
+        pass
+
+    stops = Stops.__new__(Stops)
+    stops.grow_put_off = False
+    stops.recovery = SimpleNamespace(grow_to=lambda dp, world_size: (4, 2))
+    stops.checkpoints = SimpleNamespace(committer=SimpleNamespace(committing={30: object()}))
+    stops.ledger = SimpleNamespace(enter=lambda bucket: (_ for _ in ()).throw(Proceeded(bucket)))
+    assert stops.grow_at(None, 1, 2, 4, since=0.0) is None  # put off: the create under way lands first
+    with pytest.raises(Proceeded, match="reformation"):
+        stops.grow_at(None, 1, 2, 4, since=0.0)  # the next commit's poll grows
