@@ -55,6 +55,8 @@ class RankPidRecorder:
         self.starts: dict[str, str] = {}
         self.elsewhere: set[str] = set()  # actor ids of ranks on other hosts
         self._on_record = on_record
+        self._here: set[str] = set()  # ids of the Ray nodes on this host (`local_nodes`)
+        self._looked: set[str] = set()  # the nodes the ranks reported so far
         recorder = self
 
         class RecordingWorkerGroup(RayWorkerGroup):
@@ -65,13 +67,13 @@ class RankPidRecorder:
         self.group_class = RecordingWorkerGroup
 
     def remember(self, actor, info) -> None:
-        import ray
 
         if not isinstance(info, dict) or not info.get("pid"):
             return
-        # By node id, the driver's own raylet's (addresses differ for one host: 127.0.0.1 against its
-        # interface's, as a laptop's `ray start --node-ip-address` gives): a rank there is a PID here.
-        if (info.get("node") or "") != ray.get_runtime_context().get_node_id():
+        node = info.get("node") or ""
+        if node not in self._looked:  # a node not seen before: the cluster's nodes read again
+            self._here, self._looked = local_nodes(), self._looked | {node}
+        if node not in self._here:
             self.elsewhere.add(actor._actor_id.hex())
         else:
             label = f"actor {actor._actor_id.hex()[:8]} pid"
@@ -79,6 +81,20 @@ class RankPidRecorder:
             self.starts[label] = start_time(int(info["pid"])) or ""
         if self._on_record is not None:
             self._on_record(self)
+
+
+def local_nodes() -> set[str]:
+    """The ids of the Ray nodes on this host, whose processes' PIDs are this host's: by hostname (one
+    machine running several raylets, as a test cluster does) or by address (the driver's own, or
+    loopback: a laptop's `ray start --node-ip-address 127.0.0.1` reads otherwise than its interface)."""
+    import socket
+
+    import ray
+
+    addresses = {"127.0.0.1", "localhost", ray.util.get_node_ip_address()}
+    host = socket.gethostname()
+    return {n["NodeID"] for n in ray.nodes()
+            if n.get("NodeManagerHostname") == host or n.get("NodeManagerAddress") in addresses}
 
 
 def start_time(pid: int) -> str | None:
