@@ -263,13 +263,13 @@ class Supervisor:
         self.logs.add(entry)
         self.watchdog.watch.landed(entry.worker, entry.step, entry.finished_at)
         self._replaced.pop(entry.worker, None)
-        if self.on_step is not None:
-            self.on_step(entry)
         self.pids.note("worker", entry.worker, entry.pid)
         failure = self._pauses.pop(entry.worker, None)
-        if failure is not None:
+        if failure is not None:  # booked before `on_step`: a step that ends a pause reports it measured
             failure.pids["new"] = entry.pid
             self._book_pause(failure, entry.finished_at)
+        if self.on_step is not None:
+            self.on_step(entry)
 
     def _close_pause(self, w: int, now: float) -> None:
         failure = self._pauses.pop(w, None)

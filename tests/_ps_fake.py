@@ -312,7 +312,7 @@ def reference_losses() -> list[float]:
 
 
 def run_supervisor(world: World, faults=(), every: int | None = 4, on_commit=None, draining=None,
-                   start_server=None, on_stats=None, hang=None, budget=None, on_failure=None):
+                   start_server=None, on_stats=None, hang=None, budget=None, on_failure=None, on_step=None):
     """A Supervisor over `world` run to the end: (supervisor, losses, goodput ledger)."""
     actors = sup.Actors(start_server or (lambda k: FakeServer(world, k)), world.start_worker)
     checkpoints = sup.Checkpoints("fake://ckpt", every, job=None, on_commit=on_commit,
@@ -320,7 +320,7 @@ def run_supervisor(world: World, faults=(), every: int | None = 4, on_commit=Non
     ledger = GoodputLedger(clock=lambda: world.now)
     supervisor = sup.Supervisor(actors, PAR.servers, PAR.dp, TRAIN.steps, checkpoints=checkpoints,
                                 faults=list(faults), ledger=ledger, on_stats=on_stats, hang=hang, budget=budget,
-                                on_failure=on_failure)
+                                on_failure=on_failure, on_step=on_step)
     supervisor.run()
     ledger.stop()
     return supervisor, supervisor.logs.losses(), ledger

@@ -172,6 +172,8 @@ def failure_feed(metrics: JobMetrics, workers: int):
 
     def settle() -> None:
         for failure in list(awaiting):
+            if failure.action == "pending":  # a torn push, until its rollback restores: told again then
+                continue
             recovered = failure.pause_s if failure.action == "replaced" else time.time() - failure.detected_at
             if recovered is None:
                 continue
@@ -234,6 +236,13 @@ def _refused_capacity(spec: JobSpec) -> bool:
     return problem is not None
 
 
+def _announce(spec: JobSpec, port: int, checkpoints, hang: HangLimits) -> None:
+    par = spec.parallel
+    print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
+          f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
+          f"{checkpoints.every_steps} steps at {checkpoints.root}; {hang.describe()}", flush=True)
+
+
 def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, timeline_path: str | None,
                fresh: bool = False) -> int:
     if timeline_path:
@@ -264,15 +273,15 @@ def run_ps_job(spec: JobSpec, address: str | None, report_path: str | None, time
         port = serve_metrics(metrics, spec)
         if port is None or not took_over(spec):  # the last refusal before training
             return EXIT_USAGE
-        print(f"undying: job {spec.name!r}, parameter server ({par.consistency}): {par.dp} workers, "
-              f"{par.servers} servers, metrics at http://{spec.monitor.host}:{port}/metrics; checkpoints every "
-              f"{checkpoints.every_steps} steps at {checkpoints.root}; {hang.describe()}", flush=True)
+        _announce(spec, port, checkpoints, hang)
         checkpoints.preemption = preemption  # until the actors are up and resumed a signal stops the driver at once
         checkpoints.on_training = lambda: route_signals(preemption.on_signal)  # (restore_signals puts Ray's back)
         try:
+            feeds = job_feeds(ps_metrics, metrics, par.dp)
             report = run_ps(spec.model, spec.data, spec.train, par, on_stats=on_stats, checkpoints=checkpoints,
-                            faults=faults, ledger=ledger, **job_feeds(ps_metrics, metrics, par.dp),
-                            hang=hang, budget=carried_budget(spec, snapshots, earlier))
+                            faults=faults, ledger=ledger, **feeds, hang=hang,
+                            budget=carried_budget(spec, snapshots, earlier))
+            feeds["on_failure"].settle()  # a recovery that the job's last step (or none) ended
         except Preempted as stop:
             print(f"undying: job preempted: {stop}", file=sys.stderr)
             return EXIT_PREEMPTED

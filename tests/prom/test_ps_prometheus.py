@@ -88,7 +88,9 @@ def test_prometheus_counts_every_update_of_a_ps_job(start_prometheus, ray_local)
         # that holds the run, which ended just now).
         dash = load()
         values = {**variables(dash, JOB), "__rate_interval": "5m"}
-        blank = [where for where, expr in row_expressions(dash, "Parameter server")
+        drawn = row_expressions(dash, "Parameter server")
+        assert len(drawn) >= 9, drawn  # the row's four panels, found under it
+        blank = [where for where, expr in drawn
                  if not any(not math.isnan(float(s["value"][1])) for s in prom.query(substitute(expr, values)))]
         assert not blank, blank
     finally:

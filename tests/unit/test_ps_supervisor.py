@@ -532,10 +532,8 @@ def test_each_failure_reaches_the_driver_s_metrics_as_the_supervisor_books_it(wo
     monkeypatch.setattr(ps_run, "time", types.SimpleNamespace(time=lambda: world.now))  # the supervisor's clock
     metrics, told = JobMetrics("ps"), []
     feeds = ps_run.job_feeds(ps_run.PSMetrics("ps", "bsp", PAR.servers, metrics.registry), metrics, PAR.dp)
-    feed = feeds["on_failure"]
-    supervisor, losses, _ = _run(world, [Fault("worker", 1, 2), Fault("server", 0, 6)],
-                                 on_failure=lambda failure: (told.append(failure), feed(failure)))
-    feed.settle()  # as job_feeds' on_step does after each step: the replaced worker's pause is measured by now
+    supervisor, losses, _ = _run(world, [Fault("worker", 1, 2), Fault("server", 0, 6)], on_step=feeds["on_step"],
+                                 on_failure=lambda failure: (told.append(failure), feeds["on_failure"](failure)))
     assert told == supervisor.failures and [f.kind for f in told] == ["worker", "server"] and losses == expected
     value = metrics.registry.get_sample_value
     assert [value("undying_failures_total", {"undying_job": "ps", "kind": kind})
