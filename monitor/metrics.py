@@ -110,6 +110,8 @@ class JobMetrics:
         self.straggler = self._gauge(
             "undying_straggler", "1 while a rank is flagged as a straggler (monitor.straggler).", "rank"
         )
+        self.straggler_ratio = self._gauge("undying_straggler_ratio", "A rank's median step compute over its peers' "
+                                           "(its pipeline stage's) median, the straggler detector's ratio.", "rank")
 
     def _define_checkpoint(self) -> None:
         self.ckpt_blocking = self._histogram(
@@ -366,6 +368,7 @@ class JobMetrics:
         self._compute_s.clear()
         self.rank_compute.clear()
         self.straggler.clear()
+        self.straggler_ratio.clear()
         for rank in [r for r in self._snapshot_ranks if r >= world_size]:  # the others' stay until their next
             self.snapshot_host_bytes.remove(job, str(rank))
             self._snapshot_ranks.discard(rank)
@@ -387,7 +390,10 @@ class JobMetrics:
         self._compute_s[rank] = seconds
         self.rank_compute.labels(self.job, str(rank)).set(seconds)
 
-    def on_stragglers(self, flagged: set[int]) -> None:
-        """The straggler detector's current verdict for every rank that reported."""
+    def on_stragglers(self, flagged: set[int], ratios: Mapping[int, float] | None = None) -> None:
+        """The straggler detector's current verdict for every rank that reported, and each rank's ratio
+        to its peers where it has one (enough steps seen)."""
         for rank in self._compute_s:
             self.straggler.labels(self.job, str(rank)).set(1 if rank in flagged else 0)
+        for rank, ratio in (ratios or {}).items():
+            self.straggler_ratio.labels(self.job, str(rank)).set(ratio)

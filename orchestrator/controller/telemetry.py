@@ -91,7 +91,7 @@ class Telemetry:
             self.detector.observe(rank, beat.compute_s)
             self.metrics.on_rank_compute(rank, beat.compute_s)
         flagged, newly = self.detector.evaluate(now)
-        self.metrics.on_stragglers(flagged)
+        self.metrics.on_stragglers(flagged, self.detector.ratios())
         return newly
 
     def stragglers(self, store, world_size: int, record, log, evict: bool,

@@ -41,7 +41,7 @@ REQUIRED_SERIES = (
     "undying_run_start_timestamp_seconds",
     "undying_checkpoint_skipped_total", "undying_failures_total", "undying_generation", "undying_world_size",
     "undying_parallel_degree", "undying_pipeline_bubble_ratio", "undying_memory_bytes",
-    "undying_rank_step_compute_seconds", "undying_straggler", "undying_recoveries_total",
+    "undying_rank_step_compute_seconds", "undying_straggler", "undying_straggler_ratio", "undying_recoveries_total",
     "undying_memory_snapshot_step", "undying_memory_snapshot_host_bytes",
     *(f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
 )

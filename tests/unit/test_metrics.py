@@ -91,7 +91,7 @@ def feed(metrics: JobMetrics) -> GoodputLedger:
     metrics.on_state("RUNNING")
     for rank, seconds in enumerate([1.0, 1.0, 1.1, 3.0]):
         metrics.on_rank_compute(rank, seconds)
-    metrics.on_stragglers({3})
+    metrics.on_stragglers({3}, {3: 1.4})
     metrics.on_bubble(0.25)
     metrics.on_memory("predicted", {"state": 100, "activation": 50, "collective": 10, "transient": 5})
     clock = FakeClock()
@@ -158,6 +158,7 @@ def test_every_name_and_label_is_exposed_with_its_value(metrics):
     assert value(text, "undying_controller_state", state="RUNNING") == 1
     assert value(text, "undying_rank_step_compute_seconds", rank="3") == 3.0
     assert [value(text, "undying_straggler", rank=str(r)) for r in range(4)] == [0, 0, 0, 1]
+    assert value(text, "undying_straggler_ratio", rank="3") == 1.4  # the detector's ratio to its peers
     assert value(text, "undying_pipeline_bubble_ratio") == 0.25
     assert value(text, "undying_memory_bytes", ledger="activation", kind="predicted") == 50
 
