@@ -89,26 +89,31 @@ class CommSockets:
     def abort(self) -> int:
         """Shut down the group's connected sockets (gloo) or abort the communicator (nccl).
 
-        Returns the number of sockets shut down."""
+        Returns the number of sockets shut down. Whole under the lock: a second caller (the training
+        thread's teardown beside the abort watcher's call) returns only once the first is done, so
+        it never destroys the groups while they are being aborted."""
         with self._lock:
             if self._aborted:
                 return 0
             self._aborted = True
-        _abort_nccl()
-        closed = 0
-        for fd, link in self.fds.items():
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") != link:
-                    continue  # closed by the group itself, the number since reused by another socket
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue  # already closed by the group itself
-            with contextlib.suppress(OSError):
-                if sock.family != socket.AF_UNIX and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-                    closed += 1
-            sock.close()
-        return closed
+            _abort_nccl()
+            return sum(_shut(fd, link) for fd, link in self.fds.items())
+
+
+def _shut(fd: int, link: str) -> bool:
+    """Shut down the connected TCP socket recorded as descriptor `fd` (its identity `link`, socket:[inode]),
+    if that socket is still open there; whether it did."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))  # duplicated first, then checked: the number cannot move meanwhile
+    except OSError:
+        return False  # already closed by the group itself
+    with sock, contextlib.suppress(OSError):
+        if os.readlink(f"/proc/self/fd/{sock.fileno()}") != link:
+            return False  # closed by the group itself, the number since reused by another socket
+        if sock.family != socket.AF_UNIX and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+    return False
 
 
 def _abort_nccl() -> None:

@@ -77,3 +77,21 @@ def test_leaving_ends_a_wait_in_the_groups_store_at_once(tmp_path):
     actor.leave()
     thread.join(10)
     assert "error" in ended and ended["after_s"] < 5, ended
+
+
+def test_a_second_abort_waits_for_the_first_to_finish(monkeypatch):
+    # The training thread's teardown must not destroy the groups while the watcher is aborting them.
+    import threading
+    import time
+
+    import orchestrator.rank.comm_abort as comm_abort
+
+    monkeypatch.setattr(comm_abort, "_abort_nccl", lambda: time.sleep(0.5))  # an abort under way
+    sockets, ended = CommSockets(), {}
+    first = threading.Thread(target=lambda: ended.setdefault("first", (sockets.abort(), time.monotonic())))
+    first.start()
+    time.sleep(0.1)
+    sockets.abort()
+    ended["second"] = time.monotonic()
+    first.join(5)
+    assert ended["second"] >= ended["first"][1]
