@@ -14,6 +14,7 @@ prepared from training text is a `SpecError` naming the field and the fix, exit
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from orchestrator.spec.job_spec import JobSpec, Problem, SpecError
@@ -117,13 +118,37 @@ def _step_problems(spec: JobSpec, part, field: str, windows: int) -> list[Proble
     larger one may still repeat a window in the one step an epoch ends in, as any epoch-wise sampler.)"""
     data, batch, share = spec.data, spec.train.global_batch, _share(spec, part)
     if windows >= share * batch:
-        return []
-    drawn = (f"the {share * batch:.3g} samples a step draws from it ({share:.3g} of train.global_batch = {batch})"
-             if share < 1 else f"the train.global_batch = {batch} samples a step draws")
+        # Dealt to within one sample per level: a step may draw up to ceil(share) + level; counted then.
+        level = [f for _, f in data.token_parts()].index(field)
+        most, step = _most_in_a_step(spec, level) if windows < math.ceil(share * batch) + level + 1 else (0, 0)
+        if windows >= most:
+            return []
+        drawn = (f"the {most} samples step {step} draws from it (its share of train.global_batch = {batch} is "
+                 f"{share:.3g}, dealt to within one sample per dataset listed before it)")
+        every = "that step"
+    else:
+        every = "every step"
+        drawn = (f"the {share * batch:.3g} samples a step draws from it ({share:.3g} of train.global_batch = {batch})"
+                 if share < 1 else f"the train.global_batch = {batch} samples a step draws")
     fix = "; or raise the weight of the other datasets" if share < 1 else ""
     return [Problem(field, f"{part.path} holds {windows} windows of data.seq_len + 1 = {data.seq_len + 1} tokens, "
-                           f"fewer than {drawn}: every step would read some windows twice; use more data, a "
+                           f"fewer than {drawn}: {every} would read some windows twice; use more data, a "
                            f"shorter seq_len or a smaller global_batch{fix}")]
+
+
+def _most_in_a_step(spec: JobSpec, level: int) -> tuple[int, int]:
+    """(the most samples one step draws from dataset `level` of the mixture, that step), counted exactly over
+    the run's first steps (as many as about 200,000 samples make: a dataset this small is for a short run).
+    The dealing (trainer.tokens.windows) depends on the weights and data.seed alone, not the sizes."""
+    from trainer.tokens.windows import Source, WindowSchedule
+
+    parts, batch = [p for p, _ in spec.data.token_parts()], spec.train.global_batch
+    schedule = WindowSchedule([Source(1, p.weight) for p in parts], spec.data.seed, batch)
+    most = (0, 0)
+    for step in range(min(spec.train.steps, max(1, 200_000 // batch))):
+        drawn = sum(1 for i in range(batch) if schedule.deal(step * batch + i)[0] == level)
+        most = max(most, (drawn, -step))
+    return most[0], -most[1]
 
 
 def _share(spec: JobSpec, part) -> float:

@@ -209,3 +209,20 @@ def test_a_mixture_weight_that_would_never_be_drawn_or_overflows_is_refused():
         with pytest.raises(SpecError) as err:
             validate_spec(mixture(*weights))
         assert [p.field for p in err.value.problems] == [field]
+
+
+def test_a_dataset_that_holds_its_share_but_not_what_the_dealing_gives_it_in_some_step_is_refused(tmp_path):
+    # Weights 1:2:3 over a batch of 4: the third dataset's share is 2 samples a step, yet the dealing (to
+    # within one sample per dataset listed before it) gives it 3 in some steps; 2 windows cannot hold 3.
+    write_token_dataset(tmp_path / "a", TOKENS, 256)
+    write_token_dataset(tmp_path / "b", TOKENS, 256)
+    write_token_dataset(tmp_path / "c", TOKENS[:34], 256)  # 2 windows of 17
+    mixture = {"source": "tokens", "seq_len": 16, "mixture": [
+        {"path": str(tmp_path / "a"), "weight": 1}, {"path": str(tmp_path / "b"), "weight": 2},
+        {"path": str(tmp_path / "c"), "weight": 3}]}
+    [problem] = data_problems(spec(tmp_path, data=mixture, train={"steps": 10, "global_batch": 4}))
+    assert problem.field == "data.mixture[2].path" and "the 3 samples step" in problem.message
+    assert "that step would read some windows twice" in problem.message
+    write_token_dataset(tmp_path / "c3", TOKENS[:51], 256)  # 3 windows: enough for every step
+    mixture["mixture"][2]["path"] = str(tmp_path / "c3")
+    assert data_problems(spec(tmp_path, data=mixture, train={"steps": 10, "global_batch": 4})) == []
