@@ -54,12 +54,12 @@ def test_leaving_ends_a_wait_in_the_groups_store_at_once(tmp_path):
 
     import torch.distributed as dist
 
-    from orchestrator.rank.actor import RankActor
     from orchestrator.wire.store import RendezvousServer
-    from tests.unit.test_controller import _spec
+    from tests.unit.test_restore_turns import rank_actor
 
     server = RendezvousServer("127.0.0.1")
-    actor = RankActor(_spec(tmp_path, parallel={"dp": 1}).model_dump_json(by_alias=True))
+    actor = rank_actor()  # the actor's join and leave, without Ray (its constructor would connect to one)
+    actor.sockets, actor._abort = None, threading.Event()
     actor.join(0, 0, 1, server.address, timeout_s=30.0, collective_timeout_s=30.0)
     store, ended = dist.distributed_c10d._get_default_store(), {}
 
