@@ -7,7 +7,7 @@ rank, `hook_for` returns None and the engine skips the call entirely, so an unar
 pays nothing; even a hook with no fault of its own costs well under a microsecond per call
 (tests/unit/test_chaos_nan_grad.py measures it). Before a fault fires the injector reports
 it (`notify`), so the controller knows the fault's time and can measure detection latency
-and disarm it.
+and disarm it (a kill_node whose parent is not the raylet raises before its notice).
 
 `nan_grad` needs the module whose gradients it poisons: pass `target=engine.model` to
 `hook_for` (or the constructor), or call `set_target(module)` before the first step. At

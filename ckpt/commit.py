@@ -19,7 +19,9 @@ logged and they run again at the next commit. Given a `housekeeper` (the control
 on its thread (ckpt.housekeeping): the controller's loop never waits on their listings and
 deletes, a newer commit's pass replaces one not yet started, `stop_retention` (at a restore and
 at `reset`) drops a queued pass and stops a running one at its next deletion
-(ckpt.housekeeping.PassFence), and `settle(timeout_s)` waits for it to stop.
+(ckpt.housekeeping.PassFence), and `settle(timeout_s)` waits for it to stop. GC never takes the
+step of a create that failed twice with the store's errors (`unsure`: a stalled request of it may
+still land and name its shards).
 
 The manifest create itself may run off the controller's thread too (given a `lane`: the
 controller's, unless chaos faults act on the controller): on a throttling or hung store the
@@ -28,14 +30,17 @@ a controller waiting on them notices no dead rank, hang or signal meanwhile. A c
 then handed to the lane (`committing`, in `unsettled` with the saves still collecting receipts)
 and `on_receipt` returns None; the lane runs the store's part of the commit (`_attempt`, which
 changes none of the committer's state), and the controller's thread settles what it came to at
-its next `collect()`: the Commits, in step order, the callbacks (`on_dropped`, `on_skipped`) and
-the errors (a lost owner lease, a bug) raised there as an inline commit raises them. A complete
-save handed over while an older one's create is still queued replaces it (the lane runs the
-newest: its commit makes the older one's moot, and a slow store builds no queue); the older
-one is reported skipped then, and so is a complete save older than a create under way.
+its next `collect(book)`: in step order, each Commit booked through `book` as it is settled (a
+failed save after it counts from it), the callbacks (`on_dropped`, `on_skipped`), and the errors
+(a lost owner lease, a bug) raised there as an inline commit raises them (a run of failed saves
+that a newer commit of the batch ended raises nothing). A complete save handed over while an
+older one's create is still queued replaces it (the lane runs the newest: its commit makes the
+older one's moot, and a slow store builds no queue); the older one is reported skipped then, and
+so is a complete save older than a create under way: failed (`on_dropped`) instead when that
+create is `overdue()`, unanswered past `create_limit_s` (checkpoint.commit_timeout_s).
 `flush(timeout_s)` waits for the create under way: the controller calls it before a recovery or
-a restore chooses its step (no commit lands behind their back) and before a grow; a stop or the
-job's end waits while `committing` holds a save.
+a restore chooses its step (no commit lands behind their back) and after a grow stops its
+generation; a stop or the job's end waits while `committing` holds a save.
 
 Chaos: `fault_point(point, step)` is called just before the manifest create
 ("before_manifest_commit": every shard is durable, nothing is committed) and just after it

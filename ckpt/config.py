@@ -165,7 +165,7 @@ class CheckpointConfig(SpecSection):
         600.0, gt=0.0, description="how long a manifest create (with its retry) may go unanswered: past it the "
         "saves complete behind it count as failed (against max_failed_saves), and a recovery, a grow or the job's "
         "end that waits for it fails the job naming the step (the create may still land; a rerun resumes from the "
-        "newest commit it finds)")
+        "newest commit it finds; during a signal's grace the grace ends the wait: preempted)")
     memory: MemoryLevelConfig = Field(default_factory=MemoryLevelConfig)
 
     @model_validator(mode="before")

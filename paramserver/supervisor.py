@@ -21,7 +21,7 @@ of checkpoint every_steps, or train.steps; paramserver.recovery.segment_end):
   3. with checkpoints: save a PS checkpoint at b (paramserver.checkpoint; every server at the cut b).
 A worker or a server that hangs instead of dying (stopped, deadlocked) is killed by the hang
 watchdog (paramserver.watchdog: no step, or no answer to a progress call, for the limits of
-`elastic.hang_timeout_s` and `elastic.first_step_timeout_s`) and repaired as a dead one.
+`elastic.hang_timeout_s`, `elastic.first_step_timeout_s`, which bounds the actors' start too) and repaired.
 A drain of a node with actors of the job cuts the segment short at an exact step, saved, where they
 move off it (paramserver.moves). A lost owner lease (`Checkpoints.owner`, ckpt.ownership) ends the
 job at the next poll with OwnershipLost, writing nothing there after; a signal (`Checkpoints.preemption`)

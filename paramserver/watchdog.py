@@ -1,5 +1,8 @@
 """The hang watchdog's Ray side: probes the suspect workers, kills the hung ones.
 
+At the job's start, `first_answers(servers, workers)` waits at most the first-step limit for every
+actor's first answer (ActorsNotStarted names those that never gave one).
+
 Called by the supervisor's loop (paramserver.supervisor) every poll of a segment, after it took
 the streams and polled the servers: `poll(workers, servers_asked_at)` answers the probes that came
 back, sends new ones (a worker actor's `pid`, answered by its second thread while its run holds the

@@ -9,14 +9,14 @@ kill_server / hang_server faults, and books the wall into the goodput ledger (mo
 Ray (or starts the embedded local one) with a logical CPU for each of the dp workers and the
 servers, serves the job's Prometheus metrics on `monitor.host` /
 `monitor.port` as a collective job does (monitor.ps_metrics: the staleness of every update, the
-servers' bytes, observed while the workers run; the job's steps and each failure as it is booked:
-job_feeds), runs `paramserver.job.run_ps`, prints the report
-(losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
-`--report`. SIGTERM and SIGINT stop the job at a saved cut (its last segment runs on to the end),
-or where it is once that no longer fits in the grace (paramserver.preemption): exit 75, the last
-commit intact; one during the set-up before (the owner lease's watch, the actors' start, the
-resume) stops it there, exit 75 too. A node Ray drains has the job's actors moved off it at a
-saved cut (paramserver.moves).
+servers' bytes, observed while the workers run; the job's steps, each failure as it is booked and
+each repair's detection and recovery seconds: job_feeds), runs `paramserver.job.run_ps`, prints the
+report (losses, bytes per step, the staleness histogram, failures, goodput) and writes it as JSON with
+`--report` (its goodput a monitor.report.GoodputSummary, as a collective report's). SIGTERM and
+SIGINT stop the job at a saved cut (its last segment runs on to the end), or where it is once that
+no longer fits in the grace (paramserver.preemption): exit 75, the last commit intact; one during
+the set-up before (the owner lease's watch, the actors' start, the resume) stops it there, exit 75
+too. A node Ray drains has the job's actors moved off it at a saved cut (paramserver.moves).
 """
 
 from __future__ import annotations

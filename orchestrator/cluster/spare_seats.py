@@ -2,7 +2,8 @@
 
 Protocol: mixed into `RayWorkerGroup` (orchestrator/cluster/worker_group.py), whose state it
 shares (`spares`: seat -> (actor, its warm-up call), `actors`, `bundle_of`, the node records);
-the controller is the only caller, from one thread. `start_spares` fills every free seat;
+the controller is the only caller, from one thread. `start_spares` fills every free seat (but those
+on nodes it is told to avoid: draining ones);
 `ready_spares` / `live_ready_spares` say which have warmed up (and, for the latter, still
 answer); `promote_spares` hands ready spares to lost ranks (a recovery) or new ranks (a grow),
 keeping each TP group on one node (placement.assign_spares); `drop_spares_on` kills those on

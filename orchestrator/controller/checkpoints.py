@@ -11,8 +11,9 @@ Protocol (controller thread only; one per controller run):
     failure, a complete memory snapshot whose shards all have live holders when it is at least as
     new as the restore point, else storage; orchestrator.controller.memory_level);
     `expected_restore_point(workers)` the same step, for the lost work a recovery books. Both first
-    wait for a manifest create under way (it lands before the step is chosen, never behind the
-    restore's back), unless a memory snapshot at least as new is restored anyway.
+    wait for a manifest create under way (`flush`: it lands before the step is chosen, never
+    behind the restore's back; at most checkpoint.commit_timeout_s, past it SavesFailing), unless
+    a memory snapshot at least as new is restored anyway.
   * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history,
     nothing is pending, and the first plan of the generation is published (`CheckpointPlan`
     under the store's `plan` key, with the memory level's cadence).
@@ -23,7 +24,9 @@ Protocol (controller thread only; one per controller run):
     manifest create runs on the commit lane, off this thread, unless controller faults act
     here (then inline, so that a seeded chaos run replays), and `landed()`, called by the event
     intake at each drain, books the commits it finished the same way and returns their steps.
-    `committer.committing` holds the saves whose creates are under way (a stop waits for them).
+    `committer.committing` holds the saves whose creates are under way (a stop waits for them;
+    the job's end fails once the create is overdue, `fail_if_create_overdue`, unless a signal's
+    grace ends the wait).
   * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
     blocking time is booked as `checkpoint_save` and its cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
@@ -32,8 +35,9 @@ Protocol (controller thread only; one per controller run):
   * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None;
     a change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
   * `SavesFailing` is raised out of `on_receipt` / `landed` / `on_save_failed` (so out of the controller's
-    event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures: the
-    controller fails the job with its words.
+    event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures, and out of
+    `flush` / `fail_if_create_overdue` (a recovery, a grow, the job's end) by a create past its limit:
+    the controller fails the job with its words.
 
 A save that cannot commit does not stop the job by itself; a run of `checkpoint.max_failed_saves`
 of them with no commit in between does (orchestrator.controller.save_failures).

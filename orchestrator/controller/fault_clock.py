@@ -8,7 +8,8 @@ Protocol (controller thread only; one FaultClock per controller run):
   * `schedule(world_size)` once the ranks' nodes are known (PLACING) expands the schedule
     (chaos.schedule); `skip_before(job_s)` after a resume, so earlier faults do not replay;
     `fire_due()` from the training loop fires what is due on the job clock (the goodput
-    ledger's wall time, which a resumed job carries over).
+    ledger's wall time, which a resumed job carries over); one with no rank to fire at is
+    logged and appended to `skipped` (the report's `faults_skipped`).
   * `on_fired(notice)` for each fault notice the event intake receives; `take_fired()` hands
     the oldest not yet blamed to the failure attribution (orchestrator.controller.blame);
     `sweep_fired(before)` marks those a recovery dealt with; `disarm_slow(ranks)` stops the

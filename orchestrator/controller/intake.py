@@ -6,7 +6,8 @@ controller's own chaos (ControllerFaults.drain), oldest first, and hands each to
 `HANDLERS` names for its type; a rank's timestamp is first put on the controller's clock
 (orchestrator.controller.clock_skew), so no handler subtracts two hosts' clocks. It returns
 the steps committed while draining (and those whose manifest creates finished off its thread
-since the last drain: Checkpoints.landed), newest last (the training loop may grow the job at a
+since the last drain: Checkpoints.landed, booked before the drain's handlers and again after
+them, so a save failing in the drain counts from them), newest last (the training loop may grow the job at a
 commit). Called from every state that waits on ranks: the training loop each poll,
 RESTORING after a failed restore (to learn a fault that fired there), RECOVERING before and
 after the release (late receipts may still complete a checkpoint).

@@ -17,8 +17,8 @@ Recovery, in order (docs/design.md section 2), as the controller's RECOVERING st
      largest valid degree (the scaling policy). Survivors keep their processes. The spare
      pool is refilled in the background once training runs again (orchestrator.controller.spare_pool).
 Growing back is the same path without a failure (`grow_to`, then `stop_generation`): at a
-checkpoint commit, when warm spares could raise dp towards its target, the generation is
-stopped and re-formed larger. Controller thread only.
+checkpoint commit, when warm spares could raise dp towards its target (those on a draining node
+dropped first), the generation is stopped and re-formed larger. Controller thread only.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ holds no rank: `elastic.spares` seats beyond the ranks at placement, plus the se
 (a promoted spare's rank keeps the spare's seat, so the dead rank's seat is free for a new one).
 
 Protocol (controller thread only; nothing here waits on an actor):
-  * `refill(why)`: start a spare in every free seat (RayWorkerGroup.start_spares: the actor is
+  * `refill(why)`: start a spare in every free seat not on a draining node (RayWorkerGroup.start_spares: the actor is
     created and warms up on its own) and say so in one sentence. Called at placement and at every
     checkpoint commit (`Recovery.grow_to`: a seat that was on a lost node comes back once Ray
     re-places its bundle on a live node, and gets its spare then).

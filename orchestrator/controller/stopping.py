@@ -43,8 +43,8 @@ that missed its deadline (a preemption ends, its last commit intact; a drain is 
 
 Protocol (controller thread only). Each method returns the `Move` the controller makes (a
 phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in
-RUNNING/CHECKPOINTING each poll `grow_at(...)` after a commit (it re-forms at the newest commit, at one
-with no create under way), else `due(...)`; in
+RUNNING/CHECKPOINTING each poll `grow_at(...)` after a commit (put off once while a create is under way;
+it waits for that create after stopping the generation, then re-forms at the newest commit), else `due(...)`; in
 STOPPING `overdue(phase)` each poll; `finished(phase, ...)` once every rank has returned.
 """
 
@@ -328,8 +328,8 @@ class Stops:
                                   f"checkpoint step {latest}, no work lost; {membership.words}", membership.dp)
 
     def grow_at(self, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
-        """At a commit with no manifest create under way: re-form larger, at the newest commit, when warm
-        spares let dp grow."""
+        """At a commit: re-form larger, at the newest commit, when warm spares let dp grow (put off once
+        while a manifest create is under way)."""
         target = self.recovery.grow_to(dp, world_size)
         if target is None:
             return None

@@ -4,11 +4,12 @@ Protocol (controller thread only):
   * `on_layout(spec, dp, gen)` at every new generation: predicted memory ledgers and pipeline
     bubble are exported for the new layout; straggler history is reset (ranks renumber).
   * `on_restored(results)` with the ranks' `restore` results: rank 0 reports its device's
-    peak FLOP/s (table value on GPUs, measured matmul peak on CPUs) for MFU.
+    peak FLOP/s (table value on GPUs, measured matmul peak on CPUs) for MFU; a NaN peak (a GPU
+    the table does not know) leaves MFU unknown.
   * `mfu(tokens, step_s)` per step record.
   * `poll(store, world_size)` from the RUNNING and STOPPING loops; reads every rank's heartbeat
     at most once per heartbeat period, feeds the straggler detector and exports per-rank compute
-    and straggler flags, and feeds `saves` (orchestrator.controller.save_watch: ranks blocked on a
+    and straggler flags and ratios, and feeds `saves` (orchestrator.controller.save_watch: ranks blocked on a
     checkpoint save or waiting out their data store, for the hang watchdog). Returns ranks newly
     flagged; `stragglers(...)` wraps it for the training loop (record, log, the ranks to evict).
 """

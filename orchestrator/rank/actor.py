@@ -3,8 +3,8 @@
 Protocol (the controller calls, in this order, once per generation):
   1. `join(gen, rank, world_size, address, timeout_s, collective_timeout_s)`: connect to the
      controller's store (`address` carries the job's secret, which seals every control message:
-     wire.auth), form the process group (gloo on CPU, nccl on GPU) under the generation's prefix,
-     its collectives timing out after `collective_timeout_s` (elastic.collective_timeout_s).
+     wire.auth), form the process group (gloo on CPU, nccl on GPU) under the generation's prefix over a
+     store client of its own (aborted with it), timing out after elastic.collective_timeout_s.
   2. `restore(step, dp, faults, source)`: build the engine for the layout and load committed
      checkpoint `step` (None = fresh start), or the memory snapshot `source` when the controller
      chose the memory level (orchestrator.rank.snapshots).

@@ -21,7 +21,8 @@ exception at its next collective, handled as gloo's socket errors are.
 
 Protocol (rank side, in `RankActor`):
   1. `with CommSockets.capture() as sockets: dist.init_process_group(...)` records the
-     socket descriptors the group opened (and sets NCCL's error handling, read when each
+     socket descriptors the group opened, the group's own store client opened inside the block
+     among them, so a wait in the store ends with the abort too (and sets NCCL's error handling, read when each
      NCCL group is constructed). Every process group created later (a DeviceMesh's pp, tp and
      dp sub-groups) has sockets of its own: build them inside `with sockets.adding():`.
      Missing one is not harmless: a survivor blocked on a sub-group whose peer is alive but
@@ -29,7 +30,8 @@ Protocol (rank side, in `RankActor`):
      nobody (python -m bench.release, collective `mesh`).
   2. `sockets.abort()` from the training thread after a collective error, or from the
      abort-watcher thread when the controller sets the abort key. Idempotent; thread-safe
-     (shutdown on a socket is safe while another thread is blocked on it).
+     (shutdown on a socket is safe while another thread is blocked on it); a second caller
+     returns only once the first's abort is done.
   3. `destroy_process_group()` afterwards, as usual.
 """
 

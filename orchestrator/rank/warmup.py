@@ -10,7 +10,8 @@ the 4-rank CPU demo, its first step took 0.18 s against 0.10 s for the next one)
 The twin keeps what selects kernels (architecture: activation, positions, norm, tied
 embeddings; precision, optimizer, determinism, compile) and shrinks every dimension, so
 the warm-up costs milliseconds and a few KB whatever the job's size; it trains one step on
-synthetic data in this process alone (one rank, no process group), then is dropped.
+synthetic data in this process alone (one rank, no process group), then is dropped (with
+`train.compile`, its compiled graphs too: torch._dynamo.reset()).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ rank holds it whole). Of a prepared dataset it reads the manifest and lists the 
 read): a missing or damaged dataset (a shard missing, or not the size its
 manifest says), a vocabulary larger than the model's, a tokenizer other than the pretrained
 weights' (orchestrator.spec.pretrained_tokenizer), a dataset too small for one training
-window, for its share of one step's samples or for the validation windows asked, or a validation set
+window, for its share of one step's samples (for a mixture, the most the dealing gives it in one of the
+run's first steps) or for the validation windows asked, or a validation set
 prepared from training text is a `SpecError` naming the field and the fix, exit
 2, instead of a rank failing after placement, or hours into the run at its first read of a shard.
 """

@@ -13,7 +13,8 @@ mtbf_max_faults; `--set` edits any other field.
 
 Protocol of one experiment (orchestrator.cli.chaos.experiment): unless --no-reference, the same job
 with chaos off runs first under the name `<name>.reference` (a finished reference with the same spec
-is reused: it is deterministic); then the job runs with its faults; then every invariant check runs
+is reused, it is deterministic, when its `reference.json` names these undying and torch releases and
+no failure; else it is deleted and run again); then the job runs with its faults; then every invariant check runs
 on what it left and the pass/fail table is printed, and the run's timeline PNG is written
 (orchestrator.cli.chaos.timeline). A checkpoint root that already holds checkpoints of another run
 is refused (a chaos run must start from scratch), unless --fresh, which deletes it first, and only
@@ -307,7 +308,8 @@ def describe_faults(spec) -> str:
 
 def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
     """The failure-free run's final model tensors: reused when a finished reference of the same spec
-    exists, else run now. None (after printing why) when the reference run failed."""
+    exists and `experiment.reference_stale` finds nothing against it, else run now. None (after
+    printing why) when the reference run failed."""
     from orchestrator.cli.chaos import experiment
     from orchestrator.spec.job_spec import spec_hash
 
