@@ -351,3 +351,12 @@ def test_a_final_commit_corrupted_on_purpose_with_no_reference_at_the_newest_int
     [model] = [c for c in checks.checks if c.name == "model_matches_reference"]
     assert not model.ok and "holds no checkpoint of step 20" in model.detail
     assert "model_matches_reference" not in checks.skipped and not checks.ok
+
+
+def test_a_tolerance_after_a_dp_change_is_at_each_tensors_own_scale():
+    # Adam's second moments are about 1e-8: a fixed atol of 1e-6 would pass any of them.
+    reference = {"optim/w/exp_avg_sq": torch.full((4,), 2e-8, dtype=torch.float64)}
+    off = {"optim/w/exp_avg_sq": torch.full((4,), 9e-8, dtype=torch.float64)}  # 4.5 times the value
+    assert not check_model_matches(off, reference, exact=False, rtol=1e-5, atol=1e-6).ok
+    near = {"optim/w/exp_avg_sq": reference["optim/w/exp_avg_sq"] * (1 + 1e-6)}
+    assert check_model_matches(near, reference, exact=False, rtol=1e-5, atol=1e-6).ok

@@ -10,11 +10,11 @@ Protocol (orchestrator.cli.chaos.command drives it; nothing here starts Ray or a
      faulty run's report and checkpoints and runs orchestrator.cli.chaos.invariants.check_all: checkpoints
      verify and the newest loads; the final state's tensors, the model's `model/...` and the
      optimizer's `optim/...`, equal the reference's (bit for bit when the run never changed dp,
-     else within rtol 1e-5); every step and sample survives exactly once (RunReport.history, with
-     the ranks' sample digests); the goodput buckets sum to wall; no rank process is left; and the
-     faults scheduled fired (a run none reached tested nothing, and its other checks pass trivially;
-     a corrupt_shard not applied, or whose step retention deleted unread, did not fire; the report's
-     `faults_skipped` are counted in its words).
+     else within rtol 1e-5, atol 1e-6 at each tensor's scale); every step and sample survives
+     exactly once (RunReport.history, with the ranks' sample digests); the goodput buckets sum to
+     wall; no rank process is left; and the faults scheduled fired (a run none reached tested
+     nothing, and its other checks pass trivially; a corrupt_shard not applied, or whose step
+     retention deleted unread, did not fire; the report's `faults_skipped` are counted in its words).
   4. `chaos_report(...)` is the JSON written by `--report`: the RunReport's fields plus
      `invariants` (InvariantReport.to_dict) and `experiment` (what was injected, compared).
 
