@@ -221,8 +221,8 @@ class Committer:
             try:
                 commit = self._settle(attempt)
                 if commit is not None:
+                    newest = commit.step  # durable already: it ends the run of failures before it
                     booked.append(book(commit))
-                    newest = commit.step
             except Exception as err:  # noqa: BLE001 (raised below, once the others are settled)
                 errors.append((attempt.save.step, err))
         errors = [err for step, err in errors if not (isinstance(err, SavesFailing) and step < newest)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from orchestrator.controller.checkpoints import JOB_ENDING
 from orchestrator.controller.clock_skew import ClockSkew
 from orchestrator.controller.faults import describe_fault
 from orchestrator.wire.messages import (
@@ -65,8 +66,12 @@ class EventIntake:
         self._taken_at = self.step_at
 
     def drain(self, store) -> list[int]:
-        # Commits the lane finished are booked first: a save failing in this drain counts from them.
-        self._committed = self.landed()
+        # Commits the lane finished are booked first: a save failing in this drain counts from them. One
+        # that ends the job (SavesFailing, a lost lease) is raised once this drain's records are taken.
+        try:
+            self._committed, ending = self.landed(), None
+        except JOB_ENDING as err:
+            self._committed, ending = [], err
         if store is not self._store:  # a new generation: its ranks start now, maybe on other hosts
             self._store, self.step_at = store, time.monotonic()
             self.clocks.reset()
@@ -76,6 +81,8 @@ class EventIntake:
         for message in [*(self.clocks.to_local(m, received) for m in from_ranks), *self.chaos.drain()]:
             self.HANDLERS[type(message)](message)
         self._committed += self.landed()
+        if ending is not None:
+            raise ending
         return self._committed
 
     def take_lost_nodes(self) -> list[str]:

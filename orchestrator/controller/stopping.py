@@ -113,7 +113,7 @@ class Stops:
         self.signalled_at = 0.0  # clock() at the first: the grace counts from the signal, not from our poll
         self.drained: set[str] = set()  # drained nodes already handled (moved off, or lost)
         self.reforming = False  # stopping and re-forming a generation after a commit (a drain's, a grow's)
-        self.grow_put_off = False  # a grow waited once for a create under way (`grow_at`)
+        self.grow_put_off: int | None = None  # the generation whose grow waited once for a create (`grow_at`)
         if workers is not None:
             workers.interrupted = self.ending
         if checkpoints is not None:
@@ -330,16 +330,16 @@ class Stops:
     def grow_at(self, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
         """At a commit: re-form larger, at the newest commit, when warm spares let dp grow (put off once
         while a manifest create is under way)."""
-        target = self.recovery.grow_to(dp, world_size)
-        if target is None:
+        if (target := self.recovery.grow_to(dp, world_size)) is None:
+            self.grow_put_off = None
             return None
         new_dp, ready = target
         # A create under way: grow at its landing, a later poll's (waiting here would hold the poll, and a
         # signal, on the store); once only, or a store slower than the cadence would put the grow off for ever.
-        if self.checkpoints.committer.committing and not self.grow_put_off:
-            self.grow_put_off = True
+        if self.checkpoints.committer.committing and self.grow_put_off != gen:
+            self.grow_put_off = gen
             return None
-        self.grow_put_off = False
+        self.grow_put_off = None
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone, fault = self._stop_generation(store, world_size)

@@ -63,6 +63,8 @@ def set_nccl_error_handling(env=os.environ) -> None:
     env.setdefault(*NCCL_ERROR_HANDLING)
 
 
+ABORT_WAIT_S = 30.0  # a second caller's wait for the first abort (one stuck in ncclCommAbort is not waited out)
+
 class CommSockets:
     def __init__(self) -> None:
         self.fds: dict[int, str] = {}  # descriptor -> socket identity when recorded
@@ -94,21 +96,30 @@ class CommSockets:
         Returns the number of sockets shut down. Whole under the lock: a second caller (the training
         thread's teardown beside the abort watcher's call) returns only once the first is done, so
         it never destroys the groups while they are being aborted."""
-        with self._lock:
+        if not self._lock.acquire(timeout=ABORT_WAIT_S):  # a first abort stuck in NCCL: go on, not hang too
+            return 0
+        try:
             if self._aborted:
                 return 0
             self._aborted = True
             _abort_nccl()
             return sum(_shut(fd, link) for fd, link in self.fds.items())
+        finally:
+            self._lock.release()
 
 
 def _shut(fd: int, link: str) -> bool:
     """Shut down the connected TCP socket recorded as descriptor `fd` (its identity `link`, socket:[inode]),
     if that socket is still open there; whether it did."""
     try:
-        sock = socket.socket(fileno=os.dup(fd))  # duplicated first, then checked: the number cannot move meanwhile
+        copy = os.dup(fd)  # duplicated first, then checked: the number cannot move meanwhile
     except OSError:
         return False  # already closed by the group itself
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:  # the number is no socket's now (a file, a pipe): its copy closed, never leaked
+        os.close(copy)
+        return False
     with sock, contextlib.suppress(OSError):
         if os.readlink(f"/proc/self/fd/{sock.fileno()}") != link:
             return False  # closed by the group itself, the number since reused by another socket

@@ -149,3 +149,25 @@ def test_detection_is_measured_on_one_clock(tmp_path, rendezvous, rank_ahead_s):
     assert failure.kind == "kill_rank" and 0.0 <= failure.detected_after_s < 5.0
     assert report.goodput.badput_s["detection"] < 5.0
 
+
+
+def test_a_drain_whose_landed_commits_end_the_job_still_takes_its_records_first():
+    # The lane's commits are booked before the drain's handlers; one that ends the job (its run of
+    # failed saves) must not leave this drain's step records in the store, unread by the report.
+    from orchestrator.controller.save_failures import SavesFailing
+
+    steps: list[StepDone] = []
+    calls = iter([SavesFailing("3 consecutive saves failed"), []])
+
+    def landed():
+        outcome = next(calls)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    chaos = SimpleNamespace(drain=list, on_step=lambda step: None)
+    record = SimpleNamespace(on_step=steps.append, on_eval=None)
+    intake = EventIntake(record, None, chaos, None, None, print, on_receipt=None, landed=landed)
+    with pytest.raises(SavesFailing, match="3 consecutive"):
+        intake.drain(_Queue(StepDone(step=7, loss=1.0, tokens=8, step_s=0.1, time=0.0)))
+    assert [s.step for s in steps] == [7]

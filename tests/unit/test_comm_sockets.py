@@ -95,3 +95,23 @@ def test_a_second_abort_waits_for_the_first_to_finish(monkeypatch):
     ended["second"] = time.monotonic()
     first.join(5)
     assert ended["second"] >= ended["first"][1]
+
+
+def test_an_abort_leaks_no_copy_of_a_descriptor_now_held_by_something_else():
+    import os
+
+    sockets = CommSockets()
+    with sockets.adding():
+        group, peer = _tcp_pair()
+    number = group.fileno()
+    group.close()  # the group closed its own socket ...
+    read_end, write_end = os.pipe()  # ... and a pipe took the number (the lowest free one)
+    try:
+        assert number in (read_end, write_end)  # the lowest free number
+        before = len(os.listdir("/proc/self/fd"))
+        assert sockets.abort() == 1  # the group's other end, still open; the pipe left alone
+        assert len(os.listdir("/proc/self/fd")) == before  # its copy closed: a reader still sees end of file
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        peer.close()

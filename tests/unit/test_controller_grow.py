@@ -163,7 +163,7 @@ def test_a_grow_waits_for_one_commit_with_a_create_under_way_not_for_ever():
         pass
 
     stops = Stops.__new__(Stops)
-    stops.grow_put_off = False
+    stops.grow_put_off = None
     stops.recovery = SimpleNamespace(grow_to=lambda dp, world_size: (4, 2))
     stops.checkpoints = SimpleNamespace(committer=SimpleNamespace(committing={30: object()}))
     stops.ledger = SimpleNamespace(enter=lambda bucket: (_ for _ in ()).throw(Proceeded(bucket)))
