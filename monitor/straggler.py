@@ -34,12 +34,14 @@ class StragglerDetector:
         self.samples: dict[int, deque[float]] = {}
         self.slow_since: dict[int, float] = {}
         self.flagged: set[int] = set()
+        self.last_ratios: dict[int, float] = {}  # `ratios()` as the last `evaluate` computed them
 
     def reset(self) -> None:
         """A new generation: ranks are renumbered, history no longer applies."""
         self.samples.clear()
         self.slow_since.clear()
         self.flagged.clear()
+        self.last_ratios = {}
 
     def observe(self, rank: int, compute_s: float) -> None:
         self.samples.setdefault(rank, deque(maxlen=self.window)).append(compute_s)
@@ -56,7 +58,7 @@ class StragglerDetector:
         return out
 
     def evaluate(self, now: float) -> tuple[set[int], set[int]]:
-        ratios = self.ratios()
+        ratios = self.last_ratios = self.ratios()
         for rank, ratio in ratios.items():
             if ratio > self.threshold:
                 self.slow_since.setdefault(rank, now)

@@ -92,7 +92,7 @@ class Telemetry:
             self.detector.observe(rank, beat.compute_s)
             self.metrics.on_rank_compute(rank, beat.compute_s)
         flagged, newly = self.detector.evaluate(now)
-        self.metrics.on_stragglers(flagged, self.detector.ratios())
+        self.metrics.on_stragglers(flagged, self.detector.last_ratios)
         return newly
 
     def stragglers(self, store, world_size: int, record, log, evict: bool,
@@ -107,7 +107,7 @@ class Telemetry:
         how = ("; evicting it" if evicts else "; not evicted: no warm spare to take it over (a new actor would "
                "start on the same device)") if evict else ""
         for rank in newly:
-            ratio = self.detector.ratios().get(rank, float("nan"))
+            ratio = self.detector.last_ratios.get(rank, float("nan"))
             record.stragglers.append(StragglerRecord(time=record.job_seconds(), rank=rank, ratio=ratio))
             log(f"straggler: rank {rank} computes {ratio:.2f}x its peers' median for "
                 f"{self.detector.sustain_s:.0f} s{how}")

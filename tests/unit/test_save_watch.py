@@ -102,7 +102,7 @@ def test_telemetry_feeds_the_save_watch_and_keeps_blocked_beats_from_the_straggl
     telemetry.heartbeat_s, telemetry._last_poll, telemetry._seen = 0.0, 0.0, {}
     observed = []
     telemetry.detector = SimpleNamespace(observe=lambda rank, s: observed.append(rank),
-                                         evaluate=lambda now: ([], set()), ratios=dict)
+                                         evaluate=lambda now: ([], set()), last_ratios={})
     telemetry.metrics = SimpleNamespace(on_rank_compute=lambda rank, s: None,
                                         on_stragglers=lambda flagged, ratios=None: None)
     telemetry.saves = SaveWatch()
