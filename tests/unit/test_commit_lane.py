@@ -115,6 +115,18 @@ def test_a_late_shard_error_of_a_save_whose_create_is_under_way_is_not_a_failed_
     assert committer.flush(5) and [c.step for c in committer.collect()] == [10] and dropped == []
 
 
+def _refuse(catalog: Catalog, step: int) -> None:
+    """The store refuses every manifest create of `step` (a 503); the other steps' commit as ever."""
+    real_commit = catalog.commit
+
+    def commit(**kwargs):
+        if kwargs["step"] == step:
+            raise OSError("503 Slow Down")
+        return real_commit(**kwargs)
+
+    catalog.commit = commit
+
+
 def _step_10_refused_then_20_committed(tmp_path, error: type[Exception]) -> Committer:
     """A lane whose create of step 10 is refused twice, reported to an `on_dropped` that raises `error`
     (SaveFailures at checkpoint.max_failed_saves), and whose create of step 20 lands; both settled."""
@@ -124,14 +136,7 @@ def _step_10_refused_then_20_committed(tmp_path, error: type[Exception]) -> Comm
         raise error(f"limit at {step}")
 
     committer = Committer(catalog, "j", "h", keep=3, lane=Housekeeper("test-commit"), on_dropped=limit)
-    real_commit = catalog.commit
-
-    def commit(**kwargs):
-        if kwargs["step"] == 10:
-            raise OSError("503 Slow Down")
-        return real_commit(**kwargs)
-
-    catalog.commit = commit
+    _refuse(catalog, 10)
     _hand(committer, catalog, 10)
     _hand(committer, catalog, 20)
     assert committer.flush(5)
@@ -358,14 +363,7 @@ def test_a_failed_save_after_a_commit_of_the_same_batch_counts_from_that_commit(
     storage, catalog, committer, _ = _held(tmp_path, 300, on_dropped=lambda step, reason: run.failed(step, reason))
     run.failed(100, "refused")
     run.failed(200, "refused")
-    real_commit = catalog.commit
-
-    def commit(**kwargs):
-        if kwargs["step"] == 400:
-            raise OSError("503 Slow Down")
-        return real_commit(**kwargs)
-
-    catalog.commit = commit
+    _refuse(catalog, 400)
     _hand(committer, catalog, 300)
     assert storage.creating.wait(5)  # 300's create under way: 400 queues behind it
     _hand(committer, catalog, 400)
