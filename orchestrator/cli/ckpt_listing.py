@@ -9,7 +9,8 @@ Each gathers its result as plain data first, then prints it as a table (the defa
              "tensors"} or {"step", "error"}], "unfinished": [steps], "in_progress": [steps], "quarantined": [steps],
              "owner": null or {"holder", "host", "pid", "epoch", "lease_s", "last_beat_age_s", "standing":
              "running" | "released" | "gone" | "stale"} or {"error"}}
-    verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified",
+    verify  {"url", "ok", "checkpoints": [{"step", "status": "ok" | "corrupt" | "not_verified"
+             | "deleted" (by a job's retention while verify ran),
              "error", and for ok "tensors", "chunks", "files", "bytes", "seconds"; for a store that
              kept failing "transient": true}]}
 """

@@ -73,13 +73,14 @@ class FailurePolicy:
         last = history[-1]
         same = 0
         for failure in reversed(history):
-            if (failure.rank, failure.step, _shape(failure.error)) != (last.rank, last.step, _shape(last.error)):
+            if _loop_key(failure) != _loop_key(last):
                 break
             same += 1
         if last.step is not None and not last.injected_machine_fault and same >= self.crash_loop_limit:
+            who = "every rank" if _every_rank(last.error) else f"rank {last.rank}"
             return FailureDecision(FailureDecision.Action.FAIL,
-                                   f"crash loop: rank {last.rank} failed at step {last.step} "
-                                   f"{same} times in a row with {last.error}")
+                                   f"crash loop: {who} failed at step {last.step} {same} times in a row with "
+                                   f"{last.error}" + (NON_FINITE_HINT if _every_rank(last.error) else ""))
         # Every earlier failure was restarted (a failure the policy fails ends the job), by this run
         # or by an earlier run of the job: a rerun does not renew the budget.
         counted = [f for f in history[:-1] if self.window_s is None or f.at > last.at - self.window_s]
@@ -103,6 +104,24 @@ def _duration(seconds: float) -> str:
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+# Errors every rank raises at once: the gradient norm is all-reduced, so a non-finite one fails them
+# all together, and which rank the controller hears first (the one blamed) is chance.
+EVERY_RANK_ERRORS = ("NonFiniteGradient:",)
+NON_FINITE_HINT = ("; replayed from a checkpoint, the step is computed again exactly as before, so the "
+                   "cause is its data or the hyperparameters, not a fault: look at that step's samples, lower "
+                   "train.lr or lengthen train.warmup_steps")
+
+
+def _every_rank(error: str) -> bool:
+    return (error or "").startswith(EVERY_RANK_ERRORS)
+
+
+def _loop_key(failure: FailureSummary) -> tuple:
+    """What repeats in a crash loop: the rank, the step and the error's shape (the rank left out of an
+    error every rank raises)."""
+    return (None if _every_rank(failure.error) else failure.rank, failure.step, _shape(failure.error))
 
 
 def _shape(error: str) -> str:

@@ -81,7 +81,49 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
         return [Problem(FIELD, f"{url} accepts writes but not deletes ({error_reason(error)}); checkpoint "
                         "retention (checkpoint.keep) deletes old checkpoints, so grant delete "
                         f"permission and remove {probe}")]
-    return _exclusive_create_problems(url, store)
+    return _nesting_problems(url, store) or _exclusive_create_problems(url, store)
+
+
+MAX_PARENTS = 8  # folders looked at above the URL: a few listings, within the probe's time
+
+
+def _is_job_root(store: Storage, folder: str) -> bool:
+    """`folder` holds step-<9 digits> folders, or an owner/ folder of lease claims (a folder named
+    owner alone, a user's home say, is not one)."""
+    from ckpt.manifest import parse_step_dir
+    from ckpt.owner_claims import OWNER_DIR
+
+    names = store.listdir(folder)
+    if any(parse_step_dir(name) is not None for name in names):
+        return True
+    return OWNER_DIR in names and any(name.startswith("claim-")
+                                      for name in store.listdir(f"{folder.rstrip('/')}/{OWNER_DIR}"))
+
+
+def _nesting_problems(url: str, store: Storage) -> list[Problem]:
+    """`checkpoint.url` holds jobs' roots (`<url>/<name>`), so it must be neither a job's root itself
+    (the URL `undying ckpt ls` takes, pasted here: the job would start over at step 0 in a folder
+    inside it) nor inside one: that job's retention and garbage collection own everything under its
+    root, and would delete this job's checkpoints as files of their own steps. A folder above that
+    cannot be listed (a policy that grants only the job's prefix) is taken for no job's."""
+    from ckpt.manifest import parse_step_dir
+
+    parts = store.root.rstrip("/").split("/")
+    in_step = next((i for i, name in enumerate(parts) if parse_step_dir(name) is not None), None)
+    if in_step is None and _is_job_root(store, store.root):
+        parent, name = url.rstrip("/").rsplit("/", 1)
+        return [Problem(FIELD, f"{url} is a job's checkpoint root (it holds step-... folders or an owner lease), "
+                        "while checkpoint.url is the folder that holds the jobs' roots (<checkpoint.url>/<name>): "
+                        f"did you mean checkpoint.url {parent} with name {name}?")]
+    above = [in_step] if in_step is not None else range(len(parts) - 1, max(0, len(parts) - 1 - MAX_PARENTS), -1)
+    for end in above:
+        folder = "/".join(parts[:end]) or "/"
+        with contextlib.suppress(Exception):
+            if end == in_step or _is_job_root(store, folder):
+                return [Problem(FIELD, f"{url} is inside the checkpoint root {folder} of a job, whose retention and "
+                                "garbage collection own every file under it and would delete this job's "
+                                "checkpoints; choose a location outside it")]
+    return []
 
 
 def _exclusive_create_problems(url: str, store: Storage) -> list[Problem]:

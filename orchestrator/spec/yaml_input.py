@@ -80,8 +80,9 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
         last, here = depth == len(path) - 1, ".".join(path[: depth + 1])
         if isinstance(node, list):
             if not (part.isdigit() and int(part) < len(node)):
-                raise ValueError(f"{'.'.join(path[:depth])} is a list of {len(node)}; "
-                                 f"{part!r} is not an index in it")
+                raise ValueError(f"{'.'.join(path[:depth])} is a list of {len(node)}; {part!r} is not an index "
+                                 f"in it: {f'use 0..{len(node) - 1}, or ' if node else ''}set the whole list, e.g. "
+                                 f"--set '{'.'.join(path[:depth])}=[{{...}}]'")
             index: Any = int(part)
         elif isinstance(node, dict):
             index = part
@@ -96,6 +97,9 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
         if last:
             node[index] = value
         else:
+            # A copy of the section on the way down: a YAML alias (`storage_options: *s3`) shares it
+            # with another place, which this override must leave as written.
+            node[index] = copy.copy(node[index])
             node = node[index]
 
 

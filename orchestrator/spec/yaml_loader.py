@@ -30,6 +30,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"key {key!r} is given twice", written[i].start_mark)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False):
+        # An explicit tag on text it cannot take (`!!float abc`, `!!bool maybe`, `!!timestamp x`): PyYAML's
+        # constructors raise ValueError, KeyError or AttributeError, which every caller would show as a
+        # traceback; as a ConstructorError it is a YAML error at its line, worded like the others.
+        try:
+            return super().construct_object(node, deep=deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError, OverflowError):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.tag.rsplit(':', 1)[-1]} tag on {node.value!r}, which is not one",
+                node.start_mark) from None
+
 
 # PyYAML implements YAML 1.1, which reads some plain scalars otherwise than YAML 1.2 (and JSON,
 # and what a person means): `steps: 010` is octal 8, `1:30` is 90, `2024-06-01` a date, `off` and

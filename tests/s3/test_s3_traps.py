@@ -181,3 +181,17 @@ def test_an_abort_the_store_fails_too_leaves_the_write_s_own_error(s3_backend, m
         f.flush()
         raise RuntimeError("rank killed mid-write")
     assert not storage.exists(path)  # the pending upload is GC's (ckpt.housekeeping)
+
+
+def test_the_probe_refuses_a_url_that_is_or_lies_inside_a_jobs_root_on_s3(s3_backend):
+    from orchestrator.spec.storage_check import check_storage
+
+    storage = _storage(s3_backend)
+    storage.write_immutable(storage.path("demo", step_dir(7), "manifest.json"), b"{}")
+    options = s3_backend.storage_options
+    [problem] = check_storage(f"{s3_backend.url}/demo", options)
+    assert f"did you mean checkpoint.url {s3_backend.url} with name demo" in problem.message
+    for inner in ("demo/elsewhere", f"demo/{step_dir(7)}"):
+        [problem] = check_storage(f"{s3_backend.url}/{inner}", options)
+        assert "is inside the checkpoint root" in problem.message, inner
+    assert check_storage(s3_backend.url, options) == []

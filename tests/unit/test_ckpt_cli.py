@@ -422,6 +422,25 @@ def test_gc_reads_before_it_holds_the_folder(capsys, job, monkeypatch):
     assert held_while_reading == [None]
 
 
+def test_gc_of_a_checkpoint_retention_deletes_while_it_verifies_is_no_failure(capsys, job, monkeypatch):
+    import shutil
+
+    import ckpt.reader
+
+    url, catalog = job
+    real = ckpt.reader.verify_checkpoint
+
+    def retention_meanwhile(cat, step, *args, **kwargs):
+        if step == 30:  # a job's retention (gc --force runs beside one) took it after the listing
+            shutil.rmtree(catalog.storage.path("step-000000030"))
+        return real(cat, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.reader, "verify_checkpoint", retention_meanwhile)
+    code, out, err = run(capsys, "gc", url, "--keep", "1", "--force")
+    assert code == 0, err
+    assert "step 30: deleted meanwhile" in out and "did not verify" not in err and catalog.committed_steps() == [20]
+
+
 def test_gc_keeps_every_checkpoint_down_to_the_newest_intact_one(capsys, job):
     url, catalog = job
     flip_bit(catalog, 30, shard_of(catalog, 30, "model/w"))

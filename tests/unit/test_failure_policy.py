@@ -76,3 +76,18 @@ def test_the_window_is_a_spec_field_and_null_counts_the_whole_run():
     spec = load_spec("examples/demo.yaml", ["elastic.restart_window_s=null"])
     assert FailurePolicy.for_spec(spec).window_s is None
     assert FailurePolicy.for_spec(load_spec("examples/demo.yaml", [])).window_s == 86400.0
+
+
+def test_a_non_finite_gradient_at_the_same_step_is_a_crash_loop_whichever_rank_is_heard_first():
+    # The norm is all-reduced: every rank raises at once, and the one blamed changes from try to try.
+    policy = FailurePolicy(max_restarts=10)
+    nan = [FailureSummary("rank_error", rank, 40, f"NonFiniteGradient: non-finite gradient norm at step 40 on rank "
+                          f"{rank} (nan); the weights are poisoned", 0.0) for rank in (2, 0, 5)]
+    assert policy.decide(nan[:2]).action is FailureDecision.Action.RESTART
+    decision = policy.decide(nan)
+    assert decision.action is FailureDecision.Action.FAIL
+    assert decision.reason.startswith("crash loop: every rank failed at step 40 3 times in a row")
+    assert "train.lr" in decision.reason
+    # Any other error on different ranks is no loop: each rank's own.
+    other = [FailureSummary("rank_error", rank, 40, "ValueError: bad shape", 0.0) for rank in (2, 0, 5)]
+    assert policy.decide(other).action is FailureDecision.Action.RESTART
