@@ -95,3 +95,38 @@ class ElasticConfig(SpecSection):
             return value
         raise ValueError(f"{value!r} is not a number of spares; give a whole number >= 0 (0: no spare) "
                          "or 'auto' (one spare TP group when the cluster has room for it)")
+
+
+def shrink_problems(model, data, train, parallel, elastic) -> list:
+    """`elastic.min_dp` below `parallel.dp` promises that the job shrinks when a rank is lost and no
+    spare takes its place; when no dp from dp - 1 down to min_dp runs (not whole HSDP replicas, a
+    global batch that does not split, a pipeline the engine refuses at that dp) the promise is empty,
+    and the first lost rank without a spare fails the job. The controller's ScalingPolicy makes the
+    same decision at run time; this says it before anything starts."""
+    from orchestrator.spec.problems import Problem
+    from trainer.layout_checks import layout_refusals
+
+    if not (model and data and train and parallel and elastic) or parallel.mode == "ps":
+        return []  # (a parameter-server job replaces workers; it does not shrink)
+    if elastic.min_dp >= parallel.dp:
+        return []
+
+    def refusal(dp: int) -> str | None:
+        if dp % parallel.dp_unit:
+            return f"not whole replicas of {parallel.dp_unit} ranks (parallel.dp_replicate)"
+        found = layout_refusals(model, parallel.with_dp(dp), data.seq_len, train.global_batch, train.micro_batch,
+                                train.compile)
+        return f"{found[0].key} ({found[0].field})" if found else None
+
+    if refusal(parallel.dp) is not None:
+        return []  # the layout itself does not run: its own problems say so, and a fix there may change this
+    tried = range(parallel.dp - 1, elastic.min_dp - 1, -1)
+    reasons = [(dp, refusal(dp)) for dp in tried]
+    if any(why is None for _, why in reasons):
+        return []
+    lower = next((dp for dp in range(elastic.min_dp - 1, 0, -1) if refusal(dp) is None), None)
+    fix = f"set elastic.min_dp to {parallel.dp} (never shrink)" + (
+        f", or to {lower}, the largest smaller dp that runs" if lower else "")
+    return [Problem("elastic.min_dp", f"{elastic.min_dp} lets the job shrink below parallel.dp = {parallel.dp}, but no "
+                    f"dp from {parallel.dp - 1} down to {elastic.min_dp} runs ({reasons[0][1]}): "
+                    f"a lost rank without a spare would fail the job; {fix}")]

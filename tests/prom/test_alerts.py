@@ -63,3 +63,15 @@ def test_rules_use_only_series_that_monitor_metrics_serves():
         assert used | mentioned <= served, f"{rule['alert']}: not served: {sorted((used | mentioned) - served)}"
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert "{{ $labels.undying_job }}" in rule["annotations"]["summary"]
+
+
+def test_the_operators_prometheusrule_holds_the_same_rules_and_comments():
+    rule = yaml.safe_load((ROOT / "deploy/kuberay/prometheusrule.yaml").read_text())
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    # Comments too: the thresholds' reasons travel with the rules (the same lines, indented once more).
+    rules_text = RULES.read_text()
+    body = rules_text[rules_text.index("groups:\n") + len("groups:\n"):].splitlines()
+    operator_text = (ROOT / "deploy/kuberay/prometheusrule.yaml").read_text()
+    assert operator_text.split("  groups:\n", 1)[1].splitlines() == [f"  {line}" if line.strip() else line
+                                                                      for line in body]

@@ -148,6 +148,9 @@ def test_the_long_lived_cluster_has_the_rayjobs_pods_without_its_job_spec():
     head["volumes"] = [v for v in head["volumes"] if v["name"] != "job-spec"]
     mounts = head["containers"][0]["volumeMounts"]
     head["containers"][0]["volumeMounts"] = [m for m in mounts if m["name"] != "job-spec"]
+    for pods in (job_pods, clusters["raycluster"]):  # each its own disruption budget (kuberay/pdb.yaml)
+        for group in pods["workerGroupSpecs"]:
+            group["template"]["metadata"]["labels"].pop("undying.io/budget")
     assert clusters["raycluster"] == job_pods
 
 
@@ -192,6 +195,35 @@ def test_pods_run_the_image_the_dockerfile_builds_as_its_user(which):
         assert [c["image"] for c in pod["spec"]["containers"]] == [gpu_image()]
         context = pod["spec"]["securityContext"]
         assert context["runAsNonRoot"] is True and (context["runAsUser"], context["runAsGroup"]) == (uid, gid)
+
+
+def _restricted_problems(pod: dict) -> list[str]:
+    """What the "restricted" Pod Security Standard refuses in `pod` (a pod template's spec), of the
+    settings a pod must give itself: non-root, RuntimeDefault seccomp, no privilege escalation, no
+    capabilities."""
+    out, context = [], pod.get("securityContext", {})
+    if context.get("runAsNonRoot") is not True:
+        out.append("runAsNonRoot")
+    if context.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+        out.append("seccompProfile")
+    for container in pod["containers"]:
+        own = container.get("securityContext", {})
+        if own.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{container['name']}: allowPrivilegeEscalation")
+        if own.get("capabilities", {}).get("drop") != ["ALL"] or own.get("capabilities", {}).get("add"):
+            out.append(f"{container['name']}: capabilities")
+    return out
+
+
+def test_every_pod_passes_the_restricted_pod_security_level():
+    _, rayjob = _rayjob()
+    pods = [g["template"]["spec"] for cluster in _clusters().values() for g in _groups(cluster)]
+    submitter = rayjob["spec"]["submitterPodTemplate"]["spec"]
+    for pod in [*pods, submitter]:
+        assert _restricted_problems(pod) == [], pod["containers"][0]["name"]
+    # The submitter runs `ray job submit` only: the CPU image of the same release, its command KubeRay's.
+    [container] = submitter["containers"]
+    assert container["image"] == gpu_image().removesuffix("-gpu") + "-cpu" and "command" not in container
 
 
 def test_the_head_exposes_the_metrics_the_podmonitor_scrapes(tmp_path):
@@ -249,15 +281,29 @@ def test_a_gpu_pod_drains_its_node_before_it_ends_and_tolerates_the_gpu_taint(wh
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
 
 
-def test_the_disruption_budget_evicts_the_gpu_pods_one_at_a_time_and_leaves_the_head_alone():
-    [budget] = yaml_documents("kuberay/pdb.yaml")
-    assert budget["apiVersion"] == "policy/v1" and budget["kind"] == "PodDisruptionBudget"
-    # An operator's pods (a RayCluster's) take an integer minAvailable only: replicas - 1.
-    assert set(budget["spec"]) == {"minAvailable", "selector"}
-    selector = budget["spec"]["selector"]["matchLabels"]
+def test_each_disruption_budget_evicts_its_own_gpu_pods_one_at_a_time_and_leaves_the_head_alone():
+    budgets = yaml_documents("kuberay/pdb.yaml")
+    assert len(budgets) == len(_clusters())
+    for budget in budgets:
+        assert budget["apiVersion"] == "policy/v1" and budget["kind"] == "PodDisruptionBudget"
+        # An operator's pods (a RayCluster's) take an integer minAvailable only: replicas - 1.
+        assert set(budget["spec"]) == {"minAvailable", "selector"}
     for cluster in _clusters().values():
         head, *workers = _groups(cluster)
+        # Exactly one budget selects this cluster's GPU pods, and it selects no other cluster's.
+        [budget] = [b for b in budgets if all(b["spec"]["selector"]["matchLabels"].items()
+                                              <= w["template"]["metadata"]["labels"].items() for w in workers)]
         assert [budget["spec"]["minAvailable"]] == [w["replicas"] - 1 for w in workers]
-        assert all(selector.items() <= w["template"]["metadata"]["labels"].items() for w in workers)
+        selector = budget["spec"]["selector"]["matchLabels"]
         assert not selector.items() <= head["template"]["metadata"]["labels"].items()
         assert head["template"]["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
+    others = [[w["template"]["metadata"]["labels"] for w in _groups(c)[1:]] for c in _clusters().values()]
+    for budget in budgets:
+        selector = budget["spec"]["selector"]["matchLabels"]
+        assert sum(any(selector.items() <= labels.items() for labels in cluster) for cluster in others) == 1
+
+
+def test_the_documented_apply_commands_apply_the_budget():
+    readme = (ROOT / "deploy/README.md").read_text()
+    applies = [line for line in readme.splitlines() if "kubectl apply -f" in line]
+    assert applies and all("deploy/kuberay/pdb.yaml" in line for line in applies), applies

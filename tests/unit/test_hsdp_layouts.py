@@ -10,10 +10,11 @@ import pytest
 
 from ckpt.storage import Storage
 from orchestrator.controller.policies import ScalingPolicy
-from orchestrator.spec.job_spec import validate_spec
+from orchestrator.spec.job_spec import load_spec, validate_spec
 from orchestrator.spec.problems import SpecError
 from orchestrator.wire.store import RendezvousServer
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
+from tests.unit.test_spec import EXAMPLES
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.costmodel import hardware, plan
 from trainer.costmodel.layout import Layout, Workload
@@ -134,3 +135,20 @@ def test_the_scaling_policy_of_a_spec_skips_a_dp_whose_layout_the_engine_refuses
     policy = ScalingPolicy.for_spec(spec)
     assert policy.valid(5) and not policy.valid(2) and policy.valid(1)
     assert policy.best_dp(8) == 1  # four replicas' ranks: dp 4 and 3 do not divide the batch, 2 would not run
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (["parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero=2", "elastic.min_dp=3"],
+     "no dp from 3 down to 3 runs (not whole replicas of 2 ranks (parallel.dp_replicate))"),
+    (["parallel.dp=4", "elastic.min_dp=3", "train.global_batch=16", "train.micro_batch=1"],
+     "no dp from 3 down to 3 runs (dp=3: global_batch 16 not divisible by 3 (train.global_batch))"),
+])
+def test_a_min_dp_that_no_smaller_dp_reaches_is_refused_before_anything_starts(overrides, words):
+    with pytest.raises(SpecError) as caught:
+        load_spec(str(EXAMPLES / "tiny.yaml"), overrides=overrides)
+    [problem] = [p for p in caught.value.problems if p.field == "elastic.min_dp"]
+    assert words in problem.message
+    assert problem.message.endswith("set elastic.min_dp to 4 (never shrink), or to 2, the largest smaller dp that runs")
+    # The same spec with a min_dp some dp reaches, or one that never shrinks, is fine.
+    for fixed in ("elastic.min_dp=2", "elastic.min_dp=4"):
+        load_spec(str(EXAMPLES / "tiny.yaml"), overrides=[*overrides, fixed])
