@@ -33,6 +33,10 @@ class PeerStorage:
         self.held, self.holders, self.remote_read = held, holders, remote_read
         self.root = "memory-snapshot"
         self.remote_bytes = 0  # bytes that came from other processes
+        # Holders that failed a read of this restore, never asked again in it: the reader fetches
+        # many pieces, and a silent holder (a spare on a partitioned node) asked for each would cost
+        # its timeout each time, until the restore outlived its limit.
+        self.failed: set[int] = set()
 
     def path(self, *parts: str) -> str:
         return "/".join(parts)  # relative: step-XXXXXX/FILE
@@ -51,10 +55,15 @@ class PeerStorage:
         file = path.rsplit("/", 1)[-1]
         errors = []
         for holder in self.holders.get(file, ()):
+            if id(holder) in self.failed:
+                errors.append("a holder that failed an earlier read of this restore")
+                continue
             try:
                 return self.remote_read(holder, path, start, end)
             except ReadAbandoned:  # the reader gave up (its restore went stale): no other holder to try
                 raise
             except Exception as err:  # that holder died or dropped the file: try the next one
+                if not isinstance(err, FileNotFoundError):  # (one file dropped: it may hold the others)
+                    self.failed.add(id(holder))
                 errors.append(f"{type(err).__name__}: {str(err)[:200]}")
         raise SnapshotUnavailable(f"no holder of {path} answered ({'; '.join(errors) or 'none known alive'})")

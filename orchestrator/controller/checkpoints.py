@@ -234,6 +234,8 @@ class Checkpoints:
         when no snapshot will do or when one fails to load."""
         self._await_create(workers, after_failure)
         source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
+        if source is None:
+            self.memory.on_storage_restore()
         return (source.step, source) if source is not None else (self.restore_point(), None)
 
     def _await_create(self, workers, after_failure: bool) -> None:

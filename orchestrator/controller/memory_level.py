@@ -10,7 +10,8 @@ Protocol (controller thread only; owned by orchestrator.controller.checkpoints.C
   * `choose(storage_step, live)` in RESTORING: the newest complete snapshot when it is at least
     as new as the newest committed storage checkpoint and every shard of it has a holder among
     `live` (actor id -> handle); else None, and a snapshot that lost shards is named loudly.
-  * `discard(step, err)` when a restore from it failed (a holder died meanwhile): never chosen again.
+  * `discard(step, err)` when a restore from it failed (a holder died meanwhile): never chosen again;
+    `on_storage_restore()` when a restore from storage is issued (the ranks drop every snapshot).
   * `buddies(workers, world_size)` at each generation's start: which rank keeps whose copy.
 """
 
@@ -168,6 +169,12 @@ class MemoryLevel:
         fails to form and recovers) as if they had been kept."""
         if self.newest is not None and self.newest.step > step:
             self.newest = None
+
+    def on_storage_restore(self) -> None:
+        """A restore from storage is issued: every rank drops what it holds as it begins
+        (orchestrator.rank.actor: `keep_only`), so no snapshot outlives it, not even one of the
+        restored step, should that restore fail and the recovery after it look for one."""
+        self.newest = None
 
     def discard(self, step: int, err: BaseException) -> str:
         self.unusable.add(step)

@@ -256,10 +256,10 @@ class RankActor:
         def checked(advance=lambda n, total: None):
             return lambda n, total: (check(), advance(n, total))
 
+        hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)  # its during_restore point
         if source is not None:
-            load_from_memory(engine, source, self.held, on_bytes=checked(), check=check)
+            load_from_memory(engine, source, self.held, on_bytes=checked(), check=check, fault_hook=hook)
         elif step is not None:
-            hook = FaultInjector.hook_for(faults or [], self.rank, self.store.send)
             # Rank 0 says how far a long restore is, a line every 10 s in the driver's log.
             with Progress(f"rank 0: restoring step {step}", enabled=self.rank == 0) as progress:
                 load_engine_state(self.spec, engine, step, fault_hook=hook, on_bytes=checked(progress.advance),

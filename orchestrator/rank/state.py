@@ -117,12 +117,13 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
     return manifest.state
 
 
-def load_from_memory(engine, source, held, on_bytes=None, check=lambda: None) -> dict:
+def load_from_memory(engine, source, held, on_bytes=None, check=lambda: None, fault_hook=None) -> dict:
     """Load memory snapshot `source` (orchestrator.rank.snapshots.MemorySource) into `engine`: the
     same plan, checks and assembly as a storage restore (any layout), with the bytes read from this
     process's `held` shards where it has them and from the snapshot's live holders otherwise
-    (ckpt.peer_storage). Raises ckpt.errors.SnapshotUnavailable when no holder of some shard
-    answers; returns the snapshot's non-tensor state."""
+    (ckpt.peer_storage); `fault_hook` as for `load_engine_state` (chaos's during_restore, after the
+    reads). Raises ckpt.errors.SnapshotUnavailable when no holder of some shard answers; returns the
+    snapshot's non-tensor state."""
     from ckpt.peer_storage import PeerStorage
     from orchestrator.rank.snapshots import read_from_holder
 
@@ -133,5 +134,7 @@ def load_from_memory(engine, source, held, on_bytes=None, check=lambda: None) ->
     wanted = into_live(engine, lambda name: name in manifest.tensors)
     slices = read_slices(Catalog(storage), source.step, wanted, manifest=manifest, retry=ReadRetry(0.0),
                          on_bytes=on_bytes)
+    if fault_hook is not None:
+        fault_hook("during_restore", source.step)
     engine.load_slices(slices, manifest.state["engine"])
     return manifest.state

@@ -533,3 +533,13 @@ def test_a_grow_that_re_forms_at_a_commit_forgets_a_newer_snapshot(tmp_path):
     assert level.newest_step() == 104  # not newer than the re-formation's commit: kept
     level.forget_newer(100)
     assert level.newest is None
+
+
+def test_a_storage_restore_forgets_the_snapshot_the_ranks_drop_as_it_begins(tmp_path):
+    # A grow re-forms at commit 12 with a snapshot of step 12 held: the ranks drop it at that storage
+    # restore, so when the restore fails the recovery after it must not try the snapshot.
+    checkpoints, Workers = _controller_checkpoints(tmp_path)
+    checkpoints.restore.restore_point = lambda: 12
+    assert checkpoints.restore_choice(Workers(), after_failure=False) == (12, None)
+    checkpoints.on_restore_failed(None, RuntimeError("rank 1 died during the restore"))
+    assert checkpoints.restore_choice(Workers(), after_failure=True) == (12, None)
