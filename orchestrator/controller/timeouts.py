@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.controller.policies import hang_limit
 from orchestrator.controller.save_watch import data_outage_s
-from orchestrator.spec.elastic import HANG_FLOOR_S
+from orchestrator.spec.elastic import FIRST_STEP_FLOOR_S, HANG_FLOOR_S
 from trainer.costmodel.hardware import GPUS
 from trainer.costmodel.layout import Workload
 from trainer.model import flops_per_token
@@ -41,7 +41,6 @@ HANG_FACTOR = 5.0  # the hang limit: max(HANG_FLOOR_S, this x the median step)
 # Before any step is measured: the compute bound at peak is 2-3x below a real step at 30-40% MFU,
 # and a first step adds torch.compile, kernel autotuning and NCCL's lazy communicator set-up.
 FIRST_STEP_FACTOR = 20.0
-FIRST_STEP_FLOOR_S = {"cpu": 120.0, "gpu": 600.0}  # gpu: torch's own NCCL default timeout
 FIRST_STEP_REPEAT = 3.0  # a later generation's first step against the slowest one measured
 # ... and at least this, measured or not: a first step measured short may have found a warm compile
 # cache (a resume on the same nodes), which a replacement on another node does not have; killing it

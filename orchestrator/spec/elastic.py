@@ -14,6 +14,8 @@ from trainer.spec_section import SpecSection
 
 # The auto hang limit's floor (orchestrator.controller.timeouts): no step for this long is a hang.
 HANG_FLOOR_S = 10.0
+# The auto first-step limit's floor, before anything is measured (gpu: torch's own NCCL default timeout).
+FIRST_STEP_FLOOR_S = {"cpu": 120.0, "gpu": 600.0}
 
 
 class ElasticConfig(SpecSection):
@@ -130,3 +132,35 @@ def shrink_problems(model, data, train, parallel, elastic) -> list:
     return [Problem("elastic.min_dp", f"{elastic.min_dp} lets the job shrink below parallel.dp = {parallel.dp}, but no "
                     f"dp from {parallel.dp - 1} down to {elastic.min_dp} runs ({reasons[0][1]}): "
                     f"a lost rank without a spare would fail the job; {fix}")]
+
+
+def timeout_problems(elastic, data, checkpoint, resources, mode: str = "collective") -> list:
+    """Explicit controller timeouts shorter than a wait another section allows: the wait would run
+    into the limit, and a rank be blamed (a collective timeout, a failed restore) for what the spec
+    lets happen. `auto` derives each from the others (orchestrator.controller.timeouts)."""
+    from orchestrator.spec.problems import Problem
+
+    if not elastic:
+        return []
+    out, collective = [], elastic.collective_timeout_s
+    if isinstance(collective, float) and mode != "ps":  # (ps refuses the field: it forms no process group)
+        hang = elastic.hang_timeout_s if isinstance(elastic.hang_timeout_s, float) else HANG_FLOOR_S
+        if data and data.source == "tokens" and collective <= data.read_retry_s + hang:
+            out.append(Problem("elastic.collective_timeout_s", f"{collective:g} s is not above data.read_retry_s + "
+                               f"the hang limit ({data.read_retry_s:g} + {hang:g} s): a rank waiting out its data "
+                               "store's outage, as data.read_retry_s lets it, would time its peers' collectives out "
+                               "first and be blamed; raise it (or leave it auto), or lower data.read_retry_s"))
+        device = "gpu" if resources and resources.gpus_per_rank > 0 else "cpu"
+        floor = FIRST_STEP_FLOOR_S[device]
+        if elastic.first_step_timeout_s == "auto" and collective <= floor:
+            out.append(Problem("elastic.collective_timeout_s", f"{collective:g} s is not above the automatic "
+                               f"first-step limit, at least {floor:g} s on {device}: a first step that compiles or "
+                               "warms up longer would time out in its first collective, blamed on a rank; raise it "
+                               "(or leave it auto), or set elastic.first_step_timeout_s below it"))
+    restore = elastic.restore_timeout_s
+    if isinstance(restore, float) and checkpoint and restore <= checkpoint.read_retry_s:
+        out.append(Problem("elastic.restore_timeout_s", f"{restore:g} s is not above checkpoint.read_retry_s "
+                           f"({checkpoint.read_retry_s:g} s): a restore waiting out its store's failures, as that "
+                           "lets it, would run into this limit and be blamed on a rank instead of failing naming the "
+                           "checkpoint; raise it (or leave it auto), or lower checkpoint.read_retry_s"))
+    return out

@@ -195,3 +195,26 @@ def test_a_shrink_scales_the_measured_step_time_at_once_and_a_grow_never_scales_
     record.on_layout(2, 2, 2, 1, 1)  # a grow to dp 2: dp 4's steps scaled by 2, dp 1's not scaled down
     assert record.median_step_s(last=13) == 1.0
     assert record.median_step_s(last=3) == 2.2  # (a wider dp's collectives cost more: kept long, not halved)
+
+
+@pytest.mark.parametrize(("elastic", "over", "field", "words"), [
+    ({"collective_timeout_s": 150, "first_step_timeout_s": 60},
+     {"data": {"seq_len": 16, "source": "tokens", "path": "/nowhere", "read_retry_s": 140}},
+     "elastic.collective_timeout_s", "not above data.read_retry_s + the hang limit (140 + 10 s)"),
+    ({"collective_timeout_s": 100}, {}, "elastic.collective_timeout_s",
+     "not above the automatic first-step limit, at least 120 s on cpu"),
+    ({"restore_timeout_s": 60}, {"checkpoint": {"url": "file:///tmp/x", "read_retry_s": 120}},
+     "elastic.restore_timeout_s", "60 s is not above checkpoint.read_retry_s (120 s)"),
+])
+def test_an_explicit_timeout_shorter_than_a_wait_the_spec_allows_is_refused(tmp_path, elastic, over, field, words):
+    from orchestrator.spec.problems import SpecError
+
+    with pytest.raises(SpecError) as caught:
+        _job(tmp_path, elastic, **over)
+    [problem] = [p for p in caught.value.problems if p.field == field]
+    assert words in problem.message and "leave it auto" in problem.message
+
+
+def test_explicit_timeouts_that_cover_those_waits_are_taken(tmp_path):
+    _job(tmp_path, {"collective_timeout_s": 100, "first_step_timeout_s": 60})  # the first step's own limit
+    _job(tmp_path, {"collective_timeout_s": 121, "restore_timeout_s": 121})
