@@ -27,8 +27,8 @@ Protocol (controller thread only; one per controller run):
     `committer.committing` holds the saves whose creates are under way (a stop waits for them;
     the job's end fails once the create is overdue, `fail_if_create_overdue`, unless a signal's
     grace ends the wait).
-  * `on_snapshot(message, ...)` for each memory snapshot shard held twice: a completed snapshot's
-    blocking time is booked as `checkpoint_save` and its cadence re-planned.
+  * `on_snapshot(message, ...)` for each memory snapshot shard held: its blocking booked (complete
+    or not: the ranks stopped for it), a completed snapshot's cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
   * `close()` at the run's end: a create under way and the last commit's retention pass finish
     (`SETTLE_S` for both together).
@@ -116,7 +116,7 @@ class Checkpoints:
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
         self.plan_memory_anchor = 0
-        self.blocking_booked: dict[int, float] = {}  # step -> its save's blocking booked so far
+        self.blocking_booked: dict[tuple[bool, int], float] = {}  # (a snapshot's?, step) -> its blocking booked
 
     def ownership_lost(self) -> str | None:
         """Why this driver no longer owns the checkpoint root (its lease saw a newer claim), or None."""
@@ -308,7 +308,7 @@ class Checkpoints:
         self.store.set_plan(self.plan.to_json())
 
     def on_receipt(self, message: ShardWritten, world_size: int, layout: dict, restarts: int) -> int | None:
-        self._book_blocking(message.receipt.step, message.receipt.blocking_s)
+        self._book_blocking((False, message.receipt.step), message.receipt.blocking_s)
         commit = self.committer.on_receipt(
             message.receipt, message.extra, world_size, self.gen, layout,
             # The history travels with the checkpoint (with this commit's sample digests), so a rerun
@@ -329,7 +329,7 @@ class Checkpoints:
         self.record.history.extend(sample_events(commit.samples))
         self.restore.on_committed(commit.step)
         self.chaos.after_commit(commit.step)
-        self.blocking_booked = {step: s for step, s in self.blocking_booked.items() if step > commit.step}
+        self.blocking_booked = {key: s for key, s in self.blocking_booked.items() if key[0] or key[1] > commit.step}
         # Young's C is the whole cost: the blocking time and what the background write took from the
         # steps it overlapped (orchestrator.controller.background_cost).
         background = self.background.charge(commit.step, self.record.steps, self.record.last_step)
@@ -340,22 +340,23 @@ class Checkpoints:
         self._replan()
         return commit.step
 
-    def _book_blocking(self, step: int, blocking_s: float) -> None:
+    def _book_blocking(self, key: tuple[bool, int], blocking_s: float) -> None:
         """A save's cost to training is its slowest rank's blocking time, booked as productive while
         it passed: moved to checkpoint_save as the receipts come in, since a save that never commits
-        (a rank's write failed, a manifest commit failed twice) blocked the ranks all the same."""
-        more = blocking_s - self.blocking_booked.get(step, 0.0)
+        blocked the ranks all the same, as a memory snapshot (`key`: whether a snapshot's, its step)."""
+        more = blocking_s - self.blocking_booked.get(key, 0.0)
         if more > 0:
-            self.blocking_booked[step] = blocking_s
-            self.record.on_save_blocking(step, self.ledger.move(more, "productive", "checkpoint_save"))
+            self.blocking_booked[key] = blocking_s
+            self.record.on_save_blocking(key[1], self.ledger.move(more, "productive", "checkpoint_save"))
 
     def on_snapshot(self, message: SnapshotHeld, world_size: int, layout: dict, restarts: int) -> None:
-        """A memory snapshot shard held twice; a completed snapshot books its blocking time (as a save's)."""
+        """A memory snapshot shard held; its blocking time is booked as a save's, as it comes in."""
+        self._book_blocking((True, message.receipt.step), message.receipt.blocking_s)
         snap = self.memory.on_held(message, world_size, self.gen, layout, lambda samples: {})
         if snap is None:
             return None
+        self.blocking_booked = {key: s for key, s in self.blocking_booked.items() if not key[0] or key[1] > snap.step}
         blocking = self.memory.last_blocking_s or 0.0
-        self.record.on_save_blocking(snap.step, self.ledger.move(blocking, "productive", "checkpoint_save"))
         background = self.background.charge(snap.step, self.record.steps, self.record.last_step)
         self.memory.policy.on_save_cost(blocking + background)
         self.metrics.on_memory_snapshot(snap.step, self.memory.held_bytes)

@@ -8,6 +8,7 @@ layout; the values must equal the state that was saved, element for element.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -500,7 +501,7 @@ def test_a_completed_snapshot_republishes_the_plan_naming_it_with_the_same_caden
         return checkpoints.memory.newest
 
     checkpoints.memory.on_held = completes
-    checkpoints.on_snapshot(None, 2, {}, 0)
+    checkpoints.on_snapshot(_held_messages(8)[0], 2, {}, 0)
     named = store.plans[-1]
     assert named.memory_complete == 8 and named.version > first.version
     assert (named.every, named.anchor, named.memory_every, named.memory_anchor) == \
@@ -543,3 +544,21 @@ def test_a_storage_restore_forgets_the_snapshot_the_ranks_drop_as_it_begins(tmp_
     assert checkpoints.restore_choice(Workers(), after_failure=False) == (12, None)
     checkpoints.on_restore_failed(None, RuntimeError("rank 1 died during the restore"))
     assert checkpoints.restore_choice(Workers(), after_failure=True) == (12, None)
+
+
+def test_a_snapshots_blocking_is_booked_as_its_shards_come_in_whether_or_not_it_completes(tmp_path):
+    # Rank 3's buddy copy fails: step 12's snapshot never completes, yet every rank stopped to stage it.
+    from monitor.goodput import GoodputLedger
+
+    checkpoints, store, _ = _planning_checkpoints(tmp_path)
+    now, blocked = [0.0], []
+    checkpoints.ledger = ledger = GoodputLedger(clock=lambda: now[0])
+    checkpoints.record.on_save_blocking = lambda step, seconds: blocked.append((step, seconds))
+    ledger.enter("productive")
+    now[0] = 100.0  # plenty of productive time to move from
+    for message in _held_messages(12, holders=lambda rank: [f"a{rank}"] if rank == 3 else [f"a{rank}", f"a{rank + 1}"]):
+        message.receipt.blocking_s = 0.5 + message.receipt.rank * 0.1  # the slowest rank: 0.8 s
+        checkpoints.on_snapshot(message, WORLD, {}, 0)
+    assert checkpoints.memory.newest is None  # never complete
+    assert sum(seconds for _, seconds in blocked) == pytest.approx(0.8) and {s for s, _ in blocked} == {12}
+    assert ledger.totals()["checkpoint_save"] == pytest.approx(0.8)
