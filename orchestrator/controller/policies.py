@@ -106,9 +106,10 @@ def _duration(seconds: float) -> str:
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
-# Errors every rank raises at once: the gradient norm is all-reduced, so a non-finite one fails them
-# all together, and which rank the controller hears first (the one blamed) is chance.
-EVERY_RANK_ERRORS = ("NonFiniteGradient:",)
+# Errors every rank raises at once: the gradient norm and fp16's overflow flag are all-reduced, so a
+# non-finite norm or a loss scale run out fails them all together, and which rank the controller
+# hears first (the one blamed) is chance.
+EVERY_RANK_ERRORS = ("NonFiniteGradient:", "LossScaleExhausted:")
 NON_FINITE_HINT = ("; replayed from a checkpoint, the step is computed again exactly as before, so the "
                    "cause is its data or the hyperparameters, not a fault: look at that step's samples, lower "
                    "train.lr or lengthen train.warmup_steps")

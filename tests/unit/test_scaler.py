@@ -7,7 +7,7 @@ import torch
 
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.engine import Engine
-from trainer.scaler import INITIAL_SCALE, LossScaler
+from trainer.scaler import INITIAL_SCALE, MAX_SKIPS_AT_MIN, LossScaleExhausted, LossScaler
 
 MODEL = ModelConfig(vocab_size=128, n_layers=2, n_heads=4, d_model=32, d_ff=64, max_seq_len=64)
 DATA = DataConfig(seq_len=16)
@@ -32,6 +32,20 @@ def test_overflow_halves_and_clean_steps_double():
     assert (scaler.scale, scaler.clean_steps, scaler.skipped) == (4.0, 0, 2)
 
 
+def test_overflows_that_go_on_at_the_minimum_scale_end_the_skipping():
+    scaler = LossScaler(scale=4.0, min_scale=1.0)
+    for step in range(3):  # 4 -> 2 -> 1 -> 1: the third is the first at the minimum
+        scaler.update(True, step)
+    assert scaler.scale == 1.0 and scaler.skipped_at_min == 1
+    scaler.update(False, 3)  # a clean step: the run at the minimum starts over
+    assert scaler.skipped_at_min == 0
+    for step in range(4, 4 + MAX_SKIPS_AT_MIN - 1):
+        scaler.update(True, step)
+    with pytest.raises(LossScaleExhausted, match=r"fp16 overflow at step 11 with the loss scale at its minimum \(1\), "
+                       f"{MAX_SKIPS_AT_MIN} steps in a row.*lower train.lr"):
+        scaler.update(True, 4 + MAX_SKIPS_AT_MIN - 1)
+
+
 def test_unscale_divides_and_finds_non_finite_values():
     scaler = LossScaler(scale=4.0)
     grads = [torch.full((3,), 8.0), torch.tensor([2.0, 4.0])]
@@ -47,7 +61,10 @@ def test_state_round_trip_and_bad_state():
     scaler.update(False, 1)
     other = LossScaler()
     other.load_state(scaler.state())
-    assert other.state() == scaler.state() == {"scale": 512.0, "clean_steps": 1, "skipped": 1}
+    assert other.state() == scaler.state() == {"scale": 512.0, "clean_steps": 1, "skipped": 1, "skipped_at_min": 0}
+    older = {"scale": 512.0, "clean_steps": 1, "skipped": 1}  # a checkpoint of an older release
+    other.load_state(older)
+    assert other.skipped_at_min == 0
     with pytest.raises(ValueError, match="not a positive number"):
         other.load_state({"scale": float("inf"), "clean_steps": 0, "skipped": 0})
     with pytest.raises(ValueError, match="growth_interval"):
@@ -67,7 +84,7 @@ def test_engine_skips_an_overflowing_step_and_logs_it(caplog):
     after = engine.state_tensors()
     assert all(torch.equal(after[name], value) for name, value in before.items())  # no update at all
     assert engine.next_step == 2 and engine.scaler.scale == 2.0**59
-    assert engine.state_meta()["scaler"] == {"scale": 2.0**59, "clean_steps": 0, "skipped": 1}
+    assert engine.state_meta()["scaler"] == {"scale": 2.0**59, "clean_steps": 0, "skipped": 1, "skipped_at_min": 0}
 
 
 def test_fp16_scaler_state_survives_save_and_load_bit_exactly():
