@@ -46,7 +46,7 @@ def copies_of(engine: Engine) -> list:
 
 def train_layouts(rank, world_size, runs, steps=STEPS):
     """On every rank, for each (model, train, parallel): `steps` steps; losses, bubbles, slices, copies,
-    the fault points step 0 called, and the seconds the layout took (build and steps)."""
+    the fault points step 0 called, the seconds the layout took (build and steps), gradient norms."""
     out = []
     for model, train, parallel in runs:
         points = []
@@ -55,7 +55,7 @@ def train_layouts(rank, world_size, runs, steps=STEPS):
                         fault_hook=lambda point, step, points=points: points.append(point) if step == 0 else None)
         results = [engine.train_step() for _ in range(steps)]
         out.append(([r.loss for r in results], [r.bubble for r in results], engine.state_slices(), copies_of(engine),
-                    points, time.perf_counter() - started))
+                    points, time.perf_counter() - started, [r.grad_norm for r in results]))
         del engine
         gc.collect()
     return out
@@ -63,9 +63,9 @@ def train_layouts(rank, world_size, runs, steps=STEPS):
 
 @cache
 def reference(model=MODEL, train=TRAIN, steps=STEPS):
-    """The single-process run every layout must reproduce: losses and logical state."""
-    ((losses, _, slices, _, _, _),) = train_layouts(0, 1, [(model, train, par())], steps)
-    return losses, assemble(slices)
+    """The single-process run every layout must reproduce: losses, logical state, gradient norms."""
+    ((losses, _, slices, _, _, _, norms),) = train_layouts(0, 1, [(model, train, par())], steps)
+    return losses, assemble(slices), norms
 
 
 def check_state(slices, copies, ref_state, label, atol=1e-4):
@@ -98,11 +98,15 @@ def fault_points(parallel: ParallelConfig) -> list[str]:
 
 def check_parity(ranks, index, ref, parallel):
     label = f"{parallel!r}"
-    ref_losses, ref_state = ref
+    ref_losses, ref_state, ref_norms = ref
     losses, bubbles = ranks[0][index][0], ranks[0][index][1]
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0), label
+    # The global norm clipping divides by: every stage's shards, each replicated piece (a tp-replicated
+    # norm gain, a dp copy, the tied embedding's pipeline copy) counted once.
+    assert ranks[0][index][6] == pytest.approx(ref_norms, rel=1e-4), f"{label}: gradient norms"
     for rank_out in ranks[1:]:
         assert rank_out[index][0] == losses, f"{label}: every rank reports the same loss"
+        assert rank_out[index][6] == ranks[0][index][6], f"{label}: every rank reports the same gradient norm"
     for rank_out in ranks:
         assert rank_out[index][4] == fault_points(parallel), label
     pipelined = any(rank_out[index][1][0] > 0 for rank_out in ranks)
@@ -148,7 +152,7 @@ LOW_PRECISION_PARAM_ATOL = 3e-2
 
 def test_bf16_and_fp16_pipelines_track_fp32():
     # autocast under DDP, the fp16 loss scaler, FSDP2's bf16 policy (low-precision stage boundaries), TP
-    ref_losses, ref_state = reference()
+    ref_losses, ref_state, _ = reference()
     initial = reference(steps=0)[1]
     runs = [(MODEL, TRAIN.model_copy(update={"precision": precision}), parallel) for precision, parallel in (
         ("bf16", par(dp=2, pp=2)), ("fp16", par(dp=2, pp=2, zero=1, schedule="gpipe")),

@@ -43,12 +43,13 @@ def par(dp=1, tp=1, zero=0, **extra) -> ParallelConfig:
 
 
 def train_layouts(rank, world_size, runs, steps=STEPS):
-    """On every rank: for each (model, train, parallel), `steps` steps; losses and final slices."""
+    """On every rank: for each (model, train, parallel), `steps` steps; losses, final slices and the
+    global gradient norms (before clipping)."""
     out = []
     for model, train, parallel in runs:
         engine = Engine(model, DATA, train, parallel, rank=rank, world_size=world_size)
         results = [engine.train_step() for _ in range(steps)]
-        out.append(([r.loss for r in results], engine.state_slices()))
+        out.append(([r.loss for r in results], engine.state_slices(), [r.grad_norm for r in results]))
         del engine
         gc.collect()
     return out
@@ -56,9 +57,9 @@ def train_layouts(rank, world_size, runs, steps=STEPS):
 
 @cache
 def reference(model=MODEL, train=TRAIN, steps=STEPS):
-    """The single-process run every layout must reproduce."""
-    ((losses, slices),) = train_layouts(0, 1, [(model, train, par())], steps)
-    return losses, assemble(slices)
+    """The single-process run every layout must reproduce: losses, state, gradient norms."""
+    ((losses, slices, norms),) = train_layouts(0, 1, [(model, train, par())], steps)
+    return losses, assemble(slices), norms
 
 
 def check_replicas(slices) -> None:
@@ -71,12 +72,16 @@ def check_replicas(slices) -> None:
         assert all(torch.equal(p.tensor, pieces[0].tensor) for p in pieces), key
 
 
-def check_parity(ranks, index, ref, label, loss_rel=1e-5, param_atol=1e-4):
-    ref_losses, ref_state = ref
-    losses = ranks[0][index][0]
+def check_parity(ranks, index, ref, label, loss_rel=1e-5, param_atol=1e-4, norm_rel=1e-4):
+    """Losses, the global gradient norm (what clipping divides by, summed over the shards of every
+    parallel dim with each replicated piece counted once) and the parameters, against the reference."""
+    ref_losses, ref_state, ref_norms = ref
+    losses, norms = ranks[0][index][0], ranks[0][index][2]
     assert losses == pytest.approx(ref_losses, rel=loss_rel), label
+    assert norms == pytest.approx(ref_norms, rel=norm_rel), f"{label}: gradient norms"
     for rank_out in ranks[1:]:
         assert rank_out[index][0] == losses, f"{label}: every rank reports the same loss"
+        assert rank_out[index][2] == norms, f"{label}: every rank reports the same gradient norm"
     slices = [piece for rank_out in ranks for piece in rank_out[index][1]]
     check_replicas(slices)
     state = assemble(slices)
@@ -89,6 +94,7 @@ def check_parity(ranks, index, ref, label, loss_rel=1e-5, param_atol=1e-4):
 def run_parity(world_size, layouts, model=MODEL):
     ref = reference(model)
     assert ref[0][-1] < ref[0][0] - 0.3  # the comparison is over a run that learns
+    assert max(ref[2]) > TRAIN.grad_clip  # ... and clips: the parameters depend on the norm too
     ranks = run_ranks(train_layouts, world_size, ([(model, TRAIN, p) for p in layouts],), timeout_s=600)
     for index, parallel in enumerate(layouts):
         check_parity(ranks, index, ref, str(parallel))
@@ -201,18 +207,19 @@ def test_sharded_resume_is_bit_exact_and_loads_into_other_layouts():
 # a tiny gradient's sign costs a few lr). The bounds leave a few times that margin.
 LOW_PRECISION_LOSS_REL = 1e-3
 LOW_PRECISION_PARAM_ATOL = 3e-2  # passes weights that never moved: tests.dist._updates checks the updates
+LOW_PRECISION_NORM_REL = 1e-2
 
 
 def test_bf16_and_fp16_track_fp32():
-    ref_losses, ref_state = ref = reference()
-    ((_, before),) = train_layouts(0, 1, [(MODEL, TRAIN, par())], steps=0)
+    ref_losses, ref_state, _ = ref = reference()
+    ((_, before, _),) = train_layouts(0, 1, [(MODEL, TRAIN, par())], steps=0)
     initial = assemble(before)
     layouts = [par(dp=2), par(dp=2, zero=3), par(tp=2)]
     runs = [(MODEL, TRAIN.model_copy(update={"precision": p}), layout) for p in ("bf16", "fp16") for layout in layouts]
     ranks = run_ranks(train_layouts, 2, (runs,), timeout_s=600)
     for index, (_, train, layout) in enumerate(runs):
         label = f"{train.precision} {layout}"
-        check_parity(ranks, index, ref, label, LOW_PRECISION_LOSS_REL, LOW_PRECISION_PARAM_ATOL)
+        check_parity(ranks, index, ref, label, LOW_PRECISION_LOSS_REL, LOW_PRECISION_PARAM_ATOL, LOW_PRECISION_NORM_REL)
         assert ranks[0][index][0] != ref_losses, f"{label} ran in fp32"
         state = assemble([piece for rank_out in ranks for piece in rank_out[index][1]])
         check_updates(state, initial, ref_state, label)
@@ -255,7 +262,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
             assert before.key == after.key and torch.equal(before.tensor, after.tensor), before.name
         assert records == [f"fp16 overflow at step 2: step skipped, loss scale {scale:g} -> {scale / 2:g} "
                            "(1 skipped so far)"]
-        assert meta["scaler"] == {"scale": scale / 2, "clean_steps": 1, "skipped": 1}
+        assert meta["scaler"] == {"scale": scale / 2, "clean_steps": 1, "skipped": 1, "skipped_at_min": 0}
         assert fresh_meta["scaler"] == meta["scaler"] and fresh_loss == loss
 
 
