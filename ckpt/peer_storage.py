@@ -36,7 +36,7 @@ class PeerStorage:
         # Holders that failed a read of this restore, never asked again in it: the reader fetches
         # many pieces, and a silent holder (a spare on a partitioned node) asked for each would cost
         # its timeout each time, until the restore outlived its limit.
-        self.failed: set[int] = set()
+        self.failed: set = set()  # their actor ids (a handle deserialised per file is another object)
 
     def path(self, *parts: str) -> str:
         return "/".join(parts)  # relative: step-XXXXXX/FILE
@@ -55,7 +55,7 @@ class PeerStorage:
         file = path.rsplit("/", 1)[-1]
         errors = []
         for holder in self.holders.get(file, ()):
-            if id(holder) in self.failed:
+            if _key(holder) in self.failed:
                 errors.append("a holder that failed an earlier read of this restore")
                 continue
             try:
@@ -64,6 +64,11 @@ class PeerStorage:
                 raise
             except Exception as err:  # that holder died or dropped the file: try the next one
                 if not isinstance(err, FileNotFoundError):  # (one file dropped: it may hold the others)
-                    self.failed.add(id(holder))
+                    self.failed.add(_key(holder))
                 errors.append(f"{type(err).__name__}: {str(err)[:200]}")
         raise SnapshotUnavailable(f"no holder of {path} answered ({'; '.join(errors) or 'none known alive'})")
+
+
+def _key(holder) -> Any:
+    """A holder's identity across handles: its Ray actor id (tests pass plain names)."""
+    return getattr(holder, "_actor_id", holder)

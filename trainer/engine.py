@@ -118,17 +118,9 @@ class Engine(EngineState):
     `read_retry`: how the data cursor's remote reads are retried (trainer.tokens.reader; None: not)."""
 
     def __init__(
-        self,
-        model: ModelConfig,
-        data: DataConfig,
-        train: TrainConfig,
-        parallel: ParallelConfig,
-        *,
-        rank: int,
-        world_size: int,
-        device: str | torch.device = "cpu",
-        fault_hook: Callable[[str, int], None] | None = None,
-        mesh=None, read_retry=None,
+        self, model: ModelConfig, data: DataConfig, train: TrainConfig, parallel: ParallelConfig, *,
+        rank: int, world_size: int, device: str | torch.device = "cpu",
+        fault_hook: Callable[[str, int], None] | None = None, mesh=None, read_retry=None,
     ):
         check_layout(model, data, train, parallel, world_size, rank)
         self.device = torch.device(device)
@@ -137,6 +129,7 @@ class Engine(EngineState):
             if self.device.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
+            torch.utils.deterministic.fill_uninitialized_memory = False  # a NaN memset per empty(): none is read
         self.model_config, self.data_config = model, data
         self.train_config, self.parallel_config = train, parallel
         self.rank, self.world_size = rank, world_size

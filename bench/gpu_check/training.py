@@ -101,38 +101,48 @@ def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
 
 
 def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
-    model, data, train, parallel = cfgs
+    train = cfgs[2]
     _fresh_device(device)
     before = _allocated(device)
-    engine = _build(cfgs, device)
-    losses, times, tokens, data_wait = [], [], 0, 0.0
+    engine = None
+    try:
+        engine = _build(cfgs, device)
+        return _measure(engine, cfgs, steps, warmup, device, before)
+    finally:  # also after a failed build or compile: the next run must not find this one's memory held
+        del engine
+        if train.compile:  # its graphs and guards hold the blocks' parameters: the next run starts clean
+            torch._dynamo.reset()
+        _fresh_device(device)
+
+
+def _measure(engine, cfgs: tuple, steps: int, warmup: int, device: str, before: int) -> dict:
+    model, data, train, parallel = cfgs
+    losses, times, warm, tokens, data_wait = [], [], [], 0, 0.0
     for i in range(warmup + steps):
         _sync(device)
         started = time.perf_counter()
         result = engine.train_step()
         _sync(device)
         losses.append(result.loss)
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-            tokens += result.tokens
-            data_wait += result.data_wait_s
+        if i < warmup:  # a compile, the allocator's first growth: said, not averaged
+            warm.append(time.perf_counter() - started)
+            continue
+        times.append(time.perf_counter() - started)
+        tokens += result.tokens
+        data_wait += result.data_wait_s
     allocated, reserved = _peaks(device)
     seq_len, micro_batch, recompute = data.seq_len, train.micro_batch, parallel.recompute
-    out = {
+    return {
         "preset": model.preset, "seq_len": seq_len, "micro_batch": micro_batch, "recompute": recompute,
         "compile": train.compile, "compile_via": COMPILE_VIA if train.compile else None,
         "deterministic": train.deterministic, "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "fused_adamw": bool(engine.local_optimizer.defaults.get("fused")),
         "step_s": sum(times) / len(times), "tokens_per_s": tokens / sum(times), "data_wait_s": data_wait / len(times),
+        "step_times": times, "warmup_s": warm,
         "flops_per_token": flops_per_token(model, seq_len), "losses": losses,
         "max_memory_allocated": allocated, "max_memory_reserved": reserved, "allocated_before": before,
         "predicted": predicted_peak(model, seq_len, micro_batch, recompute),
     }
-    del engine
-    if train.compile:  # its graphs and guards hold the blocks' parameters: the next run starts clean
-        torch._dynamo.reset()
-    _fresh_device(device)
-    return out
 
 
 def resume_run(preset: str, seq_len: int, micro_batch: int, steps: int, device: str = "cuda") -> dict:

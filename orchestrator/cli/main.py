@@ -145,6 +145,7 @@ def _load(args, probe: bool = True):
     datasets are reached too (and the notes say how many epochs of each dataset the run reads)."""
     from chaos.config import support_problems
     from monitor.tracking import tracking_problems
+    from orchestrator.spec.elastic import shrink_notes
     from orchestrator.spec.job_spec import Problem, SpecError, load_spec
     from orchestrator.spec.storage_check import unshared_url_problems
 
@@ -159,8 +160,8 @@ def _load(args, probe: bool = True):
         from orchestrator.spec.storage_check import require_storage
 
         require_storage(spec)
-        return spec, cadence_notes(spec) + require_data(spec)
-    return spec, cadence_notes(spec)
+        return spec, cadence_notes(spec) + shrink_notes(spec) + require_data(spec)
+    return spec, cadence_notes(spec) + shrink_notes(spec)
 
 
 def cadence_notes(spec) -> list[str]:

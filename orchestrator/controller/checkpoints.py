@@ -206,8 +206,7 @@ class Checkpoints:
         return self.restore.on_corrupt(step, err)
 
     def on_restore_failed(self, source, err: BaseException) -> None:
-        """A restore failed otherwise (a time limit, a rank's error): one from a memory snapshot does not
-        choose it again, whose holder may be what hangs; the recovery after restores from storage."""
+        """A restore failed otherwise (a time limit, a rank's error): a memory snapshot is not chosen again."""
         if source is not None:
             self.log(self.memory.discard(source.step, err))
 
@@ -227,16 +226,17 @@ class Checkpoints:
     def restore_choice(self, workers, after_failure: bool) -> tuple[int | None, object]:
         """(step, memory source or None) to restore, given the worker group's live actors. Only a
         failure's recovery restores from memory: a generation re-formed on purpose (growing back, a
-        drained node) ended at a commit, and restores that commit as its stop or growth assumed.
-        A snapshot at least as new as this run's newest commit, and as a manifest create under way, is
-        chosen without asking storage, whose outage then costs nothing (an older create is waited for
-        first): the listing of the committed steps (with its retry budget) is the storage restore's,
-        when no snapshot will do or when one fails to load."""
+        drained node) ended at a commit, and restores that commit as its stop or growth assumed. A
+        snapshot at least as new as this run's newest commit and a create under way is chosen without
+        asking storage (whose outage then costs nothing); the listing of the committed steps is the
+        storage restore's, when no snapshot will do or when one fails to load."""
         self._await_create(workers, after_failure)
         source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
-        if source is None:
-            self.memory.on_storage_restore()
-        return (source.step, source) if source is not None else (self.restore_point(), None)
+        if source is not None:
+            return source.step, source
+        step = self.restore_point()
+        self.memory.on_storage_restore()  # the ranks drop what they hold as it begins
+        return step, None
 
     def _await_create(self, workers, after_failure: bool) -> None:
         """`flush`, unless a memory snapshot at least as new as the create under way is restored anyway: a

@@ -120,9 +120,12 @@ def _every_rank(error: str) -> bool:
 
 
 def _loop_key(failure: FailureSummary) -> tuple:
-    """What repeats in a crash loop: the rank, the step and the error's shape (the rank left out of an
-    error every rank raises)."""
-    return (None if _every_rank(failure.error) else failure.rank, failure.step, _shape(failure.error))
+    """What repeats in a crash loop: the rank, the step and the error's shape; for an error every rank
+    raises, the step and its exception's name alone (its text names the rank, and a rank number of
+    another length moves where the normalised text is cut)."""
+    if _every_rank(failure.error):
+        return None, failure.step, failure.error.split(":", 1)[0]
+    return failure.rank, failure.step, _shape(failure.error)
 
 
 def _shape(error: str) -> str:

@@ -99,19 +99,17 @@ class ElasticConfig(SpecSection):
                          "or 'auto' (one spare TP group when the cluster has room for it)")
 
 
-def shrink_problems(model, data, train, parallel, elastic) -> list:
-    """`elastic.min_dp` below `parallel.dp` promises that the job shrinks when a rank is lost and no
-    spare takes its place; when no dp from dp - 1 down to min_dp runs (not whole HSDP replicas, a
-    global batch that does not split, a pipeline the engine refuses at that dp) the promise is empty,
-    and the first lost rank without a spare fails the job. The controller's ScalingPolicy makes the
-    same decision at run time; this says it before anything starts."""
-    from orchestrator.spec.problems import Problem
+def shrink_notes(spec) -> list[str]:
+    """`elastic.min_dp` below `parallel.dp` says that the job shrinks when a rank is lost and nothing
+    takes its place; when no dp from dp - 1 down to min_dp runs (not whole HSDP replicas, a global
+    batch that does not split, a pipeline the engine refuses at that dp), it never can, and a lost
+    rank without a spare or a replacement fails the job: a note the driver prints before it starts
+    (such a job runs as min_dp = dp would). The controller's ScalingPolicy decides the same at run time."""
     from trainer.layout_checks import layout_refusals
 
-    if not (model and data and train and parallel and elastic) or parallel.mode == "ps":
+    model, data, train, parallel, elastic = spec.model, spec.data, spec.train, spec.parallel, spec.elastic
+    if parallel.mode == "ps" or elastic.min_dp >= parallel.dp:
         return []  # (a parameter-server job replaces workers; it does not shrink)
-    if elastic.min_dp >= parallel.dp:
-        return []
 
     def refusal(dp: int) -> str | None:
         if dp % parallel.dp_unit:
@@ -120,18 +118,14 @@ def shrink_problems(model, data, train, parallel, elastic) -> list:
                                 train.compile)
         return f"{found[0].key} ({found[0].field})" if found else None
 
-    if refusal(parallel.dp) is not None:
-        return []  # the layout itself does not run: its own problems say so, and a fix there may change this
-    tried = range(parallel.dp - 1, elastic.min_dp - 1, -1)
-    reasons = [(dp, refusal(dp)) for dp in tried]
-    if any(why is None for _, why in reasons):
+    reasons = [refusal(dp) for dp in range(parallel.dp - 1, elastic.min_dp - 1, -1)]
+    if any(why is None for why in reasons):
         return []
     lower = next((dp for dp in range(elastic.min_dp - 1, 0, -1) if refusal(dp) is None), None)
-    fix = f"set elastic.min_dp to {parallel.dp} (never shrink)" + (
-        f", or to {lower}, the largest smaller dp that runs" if lower else "")
-    return [Problem("elastic.min_dp", f"{elastic.min_dp} lets the job shrink below parallel.dp = {parallel.dp}, but no "
-                    f"dp from {parallel.dp - 1} down to {elastic.min_dp} runs ({reasons[0][1]}): "
-                    f"a lost rank without a spare would fail the job; {fix}")]
+    fix = f"set it to {parallel.dp} to say so" + (f", or to {lower}, the largest smaller dp that runs" if lower else "")
+    return [f"elastic.min_dp: {elastic.min_dp} lets the job shrink below parallel.dp = {parallel.dp}, but no dp from "
+            f"{parallel.dp - 1} down to {elastic.min_dp} runs ({reasons[0]}), so it never shrinks: a lost rank "
+            f"that no spare or replacement takes over fails the job; {fix}"]
 
 
 def timeout_problems(elastic, data, checkpoint, resources, mode: str = "collective") -> list:

@@ -30,7 +30,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
-from orchestrator.spec.elastic import HANG_FLOOR_S, ElasticConfig, shrink_problems, timeout_problems
+from orchestrator.spec.elastic import HANG_FLOOR_S, ElasticConfig, timeout_problems
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.ps_check import ps_defaults, ps_problems
@@ -175,7 +175,6 @@ def cross_section_problems(spec: Any) -> list[Problem]:
     if par and spec.elastic and spec.elastic.min_dp > par.dp:
         out.append(Problem("elastic.min_dp", f"{spec.elastic.min_dp} exceeds parallel.dp = {par.dp}; "
                            f"set it to at most {par.dp}"))
-    out += shrink_problems(model, data, train, par, spec.elastic)
     out += timeout_problems(spec.elastic, data, spec.checkpoint, spec.resources, par.mode if par else "collective")
     for i, fault in enumerate(spec.chaos.faults if spec.chaos else ()):
         if par and fault.rank is not None and fault.rank >= par.world_size:

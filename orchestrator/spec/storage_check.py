@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -84,7 +85,8 @@ def _probe(url: str, storage_options: dict[str, Any]) -> list[Problem]:
     return _nesting_problems(url, store) or _exclusive_create_problems(url, store)
 
 
-MAX_PARENTS = 8  # folders looked at above the URL: a few listings, within the probe's time
+MAX_PARENTS = 3  # folders looked at above the URL: a nested job root sits a level or two deep
+NESTING_BUDGET_S = 5.0  # the listings' share of the probe's time: past it, no job is assumed
 
 
 def _is_job_root(store: Storage, folder: str) -> bool:
@@ -104,25 +106,32 @@ def _nesting_problems(url: str, store: Storage) -> list[Problem]:
     """`checkpoint.url` holds jobs' roots (`<url>/<name>`), so it must be neither a job's root itself
     (the URL `undying ckpt ls` takes, pasted here: the job would start over at step 0 in a folder
     inside it) nor inside one: that job's retention and garbage collection own everything under its
-    root, and would delete this job's checkpoints as files of their own steps. A folder above that
-    cannot be listed (a policy that grants only the job's prefix) is taken for no job's."""
+    root, and would delete this job's checkpoints as files of their own steps. Best effort: a folder
+    that cannot be listed (a policy that grants only the job's prefix), or listings slower than
+    NESTING_BUDGET_S, are taken for no job's; neither a bucket nor a filesystem's root is listed."""
+    try:
+        return _nesting(url, store, time.monotonic() + NESTING_BUDGET_S)
+    except Exception:  # noqa: BLE001 (no evidence of a job: the probe's own checks go on)
+        return []
+
+
+def _nesting(url: str, store: Storage, deadline: float) -> list[Problem]:
     from ckpt.manifest import parse_step_dir
 
     parts = store.root.rstrip("/").split("/")
     in_step = next((i for i, name in enumerate(parts) if parse_step_dir(name) is not None), None)
     if in_step is None and _is_job_root(store, store.root):
-        parent, name = url.rstrip("/").rsplit("/", 1)
+        parent, _, name = url.rstrip("/").rpartition("/")
         return [Problem(FIELD, f"{url} is a job's checkpoint root (it holds step-... folders or an owner lease), "
                         "while checkpoint.url is the folder that holds the jobs' roots (<checkpoint.url>/<name>): "
-                        f"did you mean checkpoint.url {parent} with name {name}?")]
-    above = [in_step] if in_step is not None else range(len(parts) - 1, max(0, len(parts) - 1 - MAX_PARENTS), -1)
+                        f"did you mean checkpoint.url {parent or '.'} with name {name}?")]
+    above = [in_step] if in_step is not None else range(len(parts) - 1, max(1, len(parts) - 1 - MAX_PARENTS), -1)
     for end in above:
-        folder = "/".join(parts[:end]) or "/"
-        with contextlib.suppress(Exception):
-            if end == in_step or _is_job_root(store, folder):
-                return [Problem(FIELD, f"{url} is inside the checkpoint root {folder} of a job, whose retention and "
-                                "garbage collection own every file under it and would delete this job's "
-                                "checkpoints; choose a location outside it")]
+        folder = "/".join(parts[:end])
+        if end == in_step or (time.monotonic() < deadline and _is_job_root(store, folder)):
+            return [Problem(FIELD, f"{url} is inside the checkpoint root {folder} of a job, whose retention and "
+                            "garbage collection own every file under it and would delete this job's "
+                            "checkpoints; choose a location outside it")]
     return []
 
 

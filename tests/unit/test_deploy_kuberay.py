@@ -304,6 +304,7 @@ def test_each_disruption_budget_evicts_its_own_gpu_pods_one_at_a_time_and_leaves
 
 
 def test_the_documented_apply_commands_apply_the_budget():
-    readme = (ROOT / "deploy/README.md").read_text()
-    applies = [line for line in readme.splitlines() if "kubectl apply -f" in line]
-    assert applies and all("deploy/kuberay/pdb.yaml" in line for line in applies), applies
+    for doc in ("deploy/README.md", "deploy/kuberay/rayjob.yaml", "deploy/kuberay/raycluster.yaml"):
+        text = (ROOT / doc).read_text()
+        applies = [line for line in text.splitlines() if "kubectl apply -f deploy/kuberay/ray" in line]
+        assert applies and all("deploy/kuberay/pdb.yaml" in line for line in applies), (doc, applies)

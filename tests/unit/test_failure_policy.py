@@ -80,9 +80,13 @@ def test_the_window_is_a_spec_field_and_null_counts_the_whole_run():
 
 def test_a_non_finite_gradient_at_the_same_step_is_a_crash_loop_whichever_rank_is_heard_first():
     # The norm is all-reduced: every rank raises at once, and the one blamed changes from try to try.
+    from orchestrator.controller.errors import normalise
+
     policy = FailurePolicy(max_restarts=10)
-    nan = [FailureSummary("rank_error", rank, 40, f"NonFiniteGradient: non-finite gradient norm at step 40 on rank "
-                          f"{rank} (nan); the weights are poisoned", 0.0) for rank in (2, 0, 5)]
+    # As the controller records them: normalised, cut at 100 characters (where depends on the rank's digits).
+    nan = [FailureSummary("rank_error", rank, 40, normalise(
+        f"NonFiniteGradient: non-finite gradient norm at step 40 on rank {rank} (nan); the weights are poisoned, "
+        "recover from the last committed checkpoint"), 0.0) for rank in (3, 12, 3)]
     assert policy.decide(nan[:2]).action is FailureDecision.Action.RESTART
     decision = policy.decide(nan)
     assert decision.action is FailureDecision.Action.FAIL

@@ -43,3 +43,19 @@ def test_the_folder_of_jobs_and_a_folder_named_owner_above_are_fine(tmp_path):
     # A folder named owner without lease claims (a user called owner's home) is no job's root.
     (tmp_path / "home" / "owner").mkdir(parents=True)
     assert check_storage(str(tmp_path / "home" / "owner" / "ckpt"), {}) == []
+
+
+def test_folders_that_cannot_be_listed_are_taken_for_no_jobs(tmp_path, monkeypatch):
+    # A policy that grants only the job's own prefix: listing above it is refused, which proves nothing.
+    from ckpt.storage import Storage
+
+    _job_root(tmp_path / "demo")
+    real = Storage.listdir
+
+    def refused_above(self, path):
+        if not path.rstrip("/").endswith("ckpt"):
+            raise PermissionError(f"AccessDenied: ListObjectsV2 on {path}")
+        return real(self, path)
+
+    monkeypatch.setattr(Storage, "listdir", refused_above)
+    assert check_storage(str(tmp_path / "demo" / "ckpt"), {}) == []
