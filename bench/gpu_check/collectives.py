@@ -44,7 +44,9 @@ from bench.gpu_check.verdict import FAIL, NOT_TESTED, OK, Row
 OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 SIZES = (1021, 1 << 21)  # an odd few KiB (NCCL's low-latency protocol) and 8 MiB of fp32 (its bulk path)
 GROUP_TIMEOUT = timedelta(seconds=60)
-LAUNCH_LIMIT_S = 240.0  # the ranks' start-up (imports), their collectives and engine runs, their exit
+# The ranks' start-up (imports), their collectives and engine runs, their exit: a NCCL that hangs costs
+# this much of a scarce device's time (the check runs last, so no other figure waits behind it).
+LAUNCH_LIMIT_S = 120.0
 
 
 def dtypes_for(world: int) -> tuple[torch.dtype, ...]:

@@ -7,7 +7,9 @@ device's peak), so every tolerance and verdict is unit-tested without a GPU. The
                  (recompute none, compile off: what a spec gets by default); other runs' MFU
                  is reported, not judged. No known peak: `unknown`, never a guess.
   peak memory    the cost model's predicted peak within `tolerance` (15 %) of
-                 torch.cuda.max_memory_allocated, each recomputation mode.
+                 torch.cuda.max_memory_reserved, each recomputation mode: the prediction holds
+                 the caching allocator's fragmentation and cuBLAS's workspace, which the
+                 allocated peak leaves out (trainer.costmodel.memory; allocated is shown beside).
   compile        compiled and eager runs start from the same weights and data: their first
                  losses agree within `COMPILE_LOSS_RTOL` (bf16 kernels differ in rounding);
                  the speed-up is reported.
@@ -50,12 +52,13 @@ def throughput_row(run: dict, peak: float | None, device: str, min_mfu: float, j
 
 
 def memory_row(run: dict, tolerance: float) -> Row:
-    """The cost model's predicted peak against the measured allocated peak of one `train_run`, less
-    what was allocated before its engine was built (an earlier run's leftovers are not this run's)."""
-    before = run.get("allocated_before", 0)
-    measured, predicted = run["max_memory_allocated"] - before, run["predicted"]["total"]
+    """The cost model's predicted peak against the measured reserved peak of one `train_run`, less
+    what was reserved before its engine was built (an earlier run's leftovers are not this run's)."""
+    before = run.get("reserved_before", 0)
+    measured, predicted = run["max_memory_reserved"] - before, run["predicted"]["total"]
+    allocated = run["max_memory_allocated"] - run.get("allocated_before", 0)
     ratio = predicted / measured if measured > 0 else math.inf
-    text = (f"measured {gib(measured)} (reserved {gib(run['max_memory_reserved'])}"
+    text = (f"reserved {gib(measured)} (allocated {gib(allocated)}"
             + (f"; {gib(before)} held before the build, not counted" if before else "")
             + f"), predicted {gib(predicted)} = {ratio:.2f}x")
     return judged(f"{run['preset']} peak memory rc={run['recompute']}", text,

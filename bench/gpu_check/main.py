@@ -8,17 +8,18 @@ It proves, on this machine, in under eight minutes on one H200 (planned, not yet
   * training: bf16 steps of the `llama3.2-1b` preset through the engine with the spec's
     defaults (`train.deterministic` as the spec defaults it, fused AdamW): tokens/s and MFU against the device's
     dense bf16 peak (bench.gpu_check.peaks), at least 40 % on the default run;
-  * memory: torch.cuda.max_memory_allocated against the cost model's predicted peak, within
+  * memory: torch.cuda.max_memory_reserved against the cost model's predicted peak, within
     15 %, without and with recomputation;
   * compile on and off: the same run with each transformer block compiled;
   * determinism: its cost (the default run with `train.deterministic` flipped), and a rerun
     and a resumed run giving bitwise the same losses;
   * checkpoint staging: the device -> pinned host copy rate, and both checkpoint writers'.
-It prints one table (bench.gpu_check.verdict) and writes the raw figures to `--out` (default
-`runs/gpu_check.json`). Exit status: 0 all within tolerance, 1 any check out of tolerance or
-raising; 3 no CUDA device (nothing checked). A torch older than undying's pin is said on a row of
-its own, and the checks run. The figures go to `--out` after every check, so a run cut short (a
-time limit) still leaves those taken.
+It prints one table (bench.gpu_check.verdict), writes the raw figures to `--out` (default
+`runs/gpu_check.json`: each check's seconds and each run's step times among them) and, with
+`--markdown`, the table as Markdown for docs/benchmarks.md. Exit status: 0 all within tolerance,
+1 any check out of tolerance or raising; 3 no CUDA device (nothing checked). A torch older than
+undying's pin is said on a row of its own, and the checks run. The figures go to `--out` after
+every check, so a run cut short (a time limit) still leaves those taken.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import argparse
 import functools
 import json
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.gpu_check.verdict import EXIT_NO_CUDA, INFO, NOT_TESTED, Row, exit_code, format_table
+from bench.gpu_check.verdict import EXIT_NO_CUDA, INFO, NOT_TESTED, Row, exit_code, format_markdown, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 MFU_JUDGED_PRESETS = ("llama3.2-1b",)
@@ -40,6 +42,7 @@ MFU_JUDGED_PRESETS = ("llama3.2-1b",)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.json"), help="where the raw figures go (JSON)")
+    parser.add_argument("--markdown", default=None, help="also write the table here as Markdown")
     parser.add_argument("--preset", default="llama3.2-1b", help="model of the training and memory runs")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=None,
@@ -87,6 +90,20 @@ def compile_toolchain_missing() -> str | None:
     return None
 
 
+def nvidia_smi() -> dict:
+    """The driver, the SM clock's ceiling and the power limit (what a low MFU is read against); {} without
+    nvidia-smi."""
+    import subprocess
+
+    fields = ("driver_version", "clocks.max.sm", "clocks.sm", "power.limit")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(zip(fields, (v.strip() for v in out[0].split(",")), strict=False)) if out else {}
+
+
 def no_cuda_message(torch) -> str:
     build = f"torch {torch.__version__}" + (", a CPU-only build" if torch.version.cuda is None else "")
     return f"gpu-check: no CUDA device ({build}); nothing was checked. Run it on a machine with an NVIDIA GPU."
@@ -118,8 +135,10 @@ class Checks:
         self.peak = bf16_peak(self.name)
         self.runs: dict = {}
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        props = torch.cuda.get_device_properties(0)
         result.update(device=self.name, gpus=torch.cuda.device_count(), torch=torch.__version__,
-                      cuda=torch.version.cuda, nccl=nccl, bf16_peak=self.peak)
+                      cuda=torch.version.cuda, nccl=nccl, bf16_peak=self.peak, total_memory=props.total_memory,
+                      sm_count=props.multi_processor_count, nvidia_smi=nvidia_smi())
         self.rows += [Row("device", f"{torch.cuda.device_count()} x {self.name}",
                           f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}"),
                       Row("bf16 dense peak", f"{self.peak / 1e12:.0f} TFLOP/s" if self.peak else "unknown peak",
@@ -129,6 +148,10 @@ class Checks:
         args, default = self.args, self.args.recompute[0]
         self._attempt("checkpoint staging", self.staged)
         self._attempt(f"{args.preset} rc={default}", lambda: self.train(default, compile=False))
+        # After the engine, which must be the first to use cuBLAS in this process: torch sizes a cuBLAS
+        # workspace from CUBLAS_WORKSPACE_CONFIG (the engine sets it in deterministic mode) when it
+        # first allocates one, and keeps it; early, so that the anchor is taken whatever hangs later.
+        self._attempt("bf16 matmul", self.matmul)
         if not args.no_compile:
             self._attempt(f"{args.preset} compiled", lambda: self.train(default, compile=True))
         for recompute in args.recompute[1:]:
@@ -136,15 +159,13 @@ class Checks:
         if not args.no_deterministic_cost:
             self._attempt(f"{args.preset} deterministic flipped", self.deterministic_cost)
         self._attempt("determinism and resume", self.resume)
-        self._attempt("nccl process group", self.nccl_group)  # its own processes, bounded; after the figures
-        # Last: the engine must be the first to use cuBLAS in this process. torch sizes a cuBLAS
-        # workspace from CUBLAS_WORKSPACE_CONFIG (which the engine sets in deterministic mode)
-        # when it first allocates it, and keeps it; the default path is what is measured.
-        self._attempt("bf16 matmul", self.matmul)
+        self._attempt("nccl process group", self.nccl_group)  # last: its own processes, bounded, may hang
         return self.rows
 
     def _attempt(self, check: str, fn: Callable[[], list[Row]]) -> None:
+        started = time.perf_counter()
         attempt(self.rows, check, fn)
+        self.result.setdefault("elapsed_s", {})[check] = time.perf_counter() - started  # the time budget's
         self.save(self.rows)
 
     def matmul(self) -> list[Row]:
@@ -230,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     save(rows[len(first):], complete=True)
     print(f"measurements: {out}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(format_markdown(rows) + "\n")
+        print(f"markdown table: {args.markdown}")
     return exit_code(rows)
 
 

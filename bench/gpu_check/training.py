@@ -72,6 +72,11 @@ def _allocated(device: str) -> int:
     return torch.cuda.memory_allocated() if device == "cuda" else 0
 
 
+def _reserved(device: str) -> int:
+    """Bytes the caching allocator holds now (0 off CUDA), after `_fresh_device` emptied its cache."""
+    return torch.cuda.memory_reserved() if device == "cuda" else 0
+
+
 def _peaks(device: str) -> tuple[int, int]:
     """(max allocated, max reserved) bytes since the last reset; (0, 0) off CUDA (tests)."""
     if device != "cuda":
@@ -103,7 +108,7 @@ def train_run(preset: str, seq_len: int, micro_batch: int, steps: int, warmup: i
 def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
     train = cfgs[2]
     _fresh_device(device)
-    before = _allocated(device)
+    before = _allocated(device), _reserved(device)
     engine = None
     try:
         engine = _build(cfgs, device)
@@ -115,7 +120,7 @@ def _timed(cfgs: tuple, steps: int, warmup: int, device: str) -> dict:
         _fresh_device(device)
 
 
-def _measure(engine, cfgs: tuple, steps: int, warmup: int, device: str, before: int) -> dict:
+def _measure(engine, cfgs: tuple, steps: int, warmup: int, device: str, before: tuple[int, int]) -> dict:
     model, data, train, parallel = cfgs
     losses, times, warm, tokens, data_wait = [], [], [], 0, 0.0
     for i in range(warmup + steps):
@@ -140,7 +145,8 @@ def _measure(engine, cfgs: tuple, steps: int, warmup: int, device: str, before: 
         "step_s": sum(times) / len(times), "tokens_per_s": tokens / sum(times), "data_wait_s": data_wait / len(times),
         "step_times": times, "warmup_s": warm,
         "flops_per_token": flops_per_token(model, seq_len), "losses": losses,
-        "max_memory_allocated": allocated, "max_memory_reserved": reserved, "allocated_before": before,
+        "max_memory_allocated": allocated, "max_memory_reserved": reserved, "allocated_before": before[0],
+        "reserved_before": before[1],
         "predicted": predicted_peak(model, seq_len, micro_batch, recompute),
     }
 

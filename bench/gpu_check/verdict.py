@@ -66,5 +66,15 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(rows: list[Row]) -> str:
+    """The rows as a Markdown table, to paste into docs/benchmarks.md as they are."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| check | measured | target | status |", "| --- | --- | --- | --- |"]
+    lines += [f"| {cell(r.check)} | {cell(r.measured)} | {cell(r.target)} | {r.status} |" for r in rows]
+    return "\n".join(lines)
+
+
 def gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f} GiB"
