@@ -16,9 +16,9 @@ Measured by `python -m bench.ckpt` on {result['date']} ({result['wall_s'] / 60:.
 {result['command']}
 ```
 
-Machine: {m['cores']} cores ({m['cpu']}), {m['mem_gib']} GiB RAM, no GPU; {m['versions']}. The machine was
-shared while it ran: 1-minute load average {m['load_at_start'][0]:.1f} at the start, {load['min']:.1f} to
-{load['max']:.1f} (mean {load['mean']:.1f}) during the run, on {m['cores']} cores.
+Machine: {m['cores']} cores ({m['cpu']}), {m['mem_gib']} GiB RAM, no GPU; {m['versions']}. 1-minute load
+average {m['load_at_start'][0]:.1f} at the start, {load['min']:.1f} to {load['max']:.1f} (mean {load['mean']:.1f})
+during the run, on {m['cores']} cores (what else ran, if anything, is said in the notes).
 
 State: {gib:.2f} GiB over 4 gloo ranks (one intra-op thread each): a stack of {result['layers']} Linear layers
 (width {args['width']} <-> {4 * args['width']}) wrapped with FSDP2 `fully_shard`, and its AdamW state after one step

@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.docs:
         command = "python -m bench.data " + shlex.join(argv if argv is not None else sys.argv[1:])
-        section = (f"{SECTION}\n\n`{command.strip()}` ({platform.machine()}, {os.cpu_count()} cores, nothing else "
-                   f"running); see bench/data/main.py for what each row measures.\n\n{text}\n")
+        section = (f"{SECTION}\n\n`{command.strip()}` ({platform.machine()}, {os.cpu_count()} cores, 1-minute load "
+                   f"average {os.getloadavg()[0]:.1f} at the end; what else ran, if anything, is said in the notes); "
+                   f"see bench/data/main.py for what each row measures.\n\n{text}\n")
         docs = Path(args.docs)
         if NOTES[0] not in (docs.read_text() if docs.exists() else ""):
             section += f"\n{NOTES[0]}\n{NOTES[1]}\n"

@@ -7,7 +7,8 @@ Each world runs W local processes (gloo, one thread each: tests.dist._launch.run
 rank alternates, `--calls` times each, the two collectives of a data-parallel step's start: the
 anchor, the engine's token count (an int64 SUM over the dp group, here the whole world), and
 `slowest_wait` (a float64 MAX over the job). Per world it prints the median over ranks of each
-call's mean time and their ratio. Alternating the two puts any slowdown of the machine on both.
+call's mean time and their ratio. Alternating the two, each first in every other pair, puts any
+slowdown of the machine and the ranks' arrival skew on both alike.
 On a machine with fewer cores than ranks, both are dominated by the ranks waiting for a core.
 """
 
@@ -26,20 +27,27 @@ WARMUP = 50
 
 
 def _rank(rank: int, world: int, calls: int) -> tuple[float, float]:
-    """Run on every rank: (seconds per token-count all-reduce, seconds per slowest_wait)."""
+    """Run on every rank: (seconds per token-count all-reduce, seconds per slowest_wait). Their order
+    alternates: the first collective of a pair also absorbs the ranks' arrival skew, which would
+    otherwise always fall on the same one."""
     cpu = torch.device("cpu")
-    count, share = 0.0, 0.0
-    for i in range(WARMUP + calls):
-        started = time.perf_counter()
+
+    def count_tokens() -> None:
         total = torch.tensor([100 + rank], dtype=torch.int64)
         dist.all_reduce(total)
         int(total)
-        between = time.perf_counter()
+
+    def share_wait() -> None:
         slowest_wait(0.001 * rank, world, cpu)
-        if i >= WARMUP:
-            count += between - started
-            share += time.perf_counter() - between
-    return count / calls, share / calls
+
+    spent = {count_tokens: 0.0, share_wait: 0.0}
+    for i in range(WARMUP + calls):
+        for call in ((count_tokens, share_wait) if i % 2 == 0 else (share_wait, count_tokens)):
+            started = time.perf_counter()
+            call()
+            if i >= WARMUP:
+                spent[call] += time.perf_counter() - started
+    return spent[count_tokens] / calls, spent[share_wait] / calls
 
 
 def measure(world: int, calls: int) -> dict:

@@ -229,8 +229,8 @@ Measured by `python -m bench.engine` on {result['date']}. Command:
 ```
 
 Machine: {m['cores']} cores ({m['cpu']}), {m['gpu']}; {m['versions']}.
-The machine was shared: the 1-minute load average was {min(loads):.1f} to {max(loads):.1f} during the run
-(sampled before each launch of ranks and at the end), on {m['cores']} cores.
+The 1-minute load average was {min(loads):.1f} to {max(loads):.1f} during the run (sampled before each launch
+of ranks and at the end), on {m['cores']} cores (what else ran, if anything, is said in the notes).
 
 Job: model {model}; sequence length {job['seq_len']}; global batch {job['global_batch']} samples, micro-batch
 {job['micro_batch']}; {job['precision']}; {result['backend']}, {'one GPU' if result['backend'] == 'nccl' else

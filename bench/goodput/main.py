@@ -1,21 +1,24 @@
 """Goodput under the same random failures: undying vs Ray Train, one job, one seeded kill schedule, one table.
 
     .venv/bin/pip install -e '.[bench]'      # Ray Train's extras
-    .venv/bin/python -m bench.goodput [--steps 1000] [--every 20] [--mtbf 60s] [--seed 2] [--start 25s] [--max-faults 3]
+    .venv/bin/python -m bench.goodput [--steps 1000] [--every 20] [--kills 3] [--mean-steps 150] [--first 50] [--seed 2]
 
 The job is `examples/demo.yaml` (tiny GPT, 4 data-parallel ranks, DDP over gloo on CPU) with a
-checkpoint every `--every` steps in both systems. The failures are undying's random
-`kill_rank` process (chaos.mtbf_s per rank, seeded; chaos.schedule.expand): kill i SIGKILLs
-world rank r_i at t_i seconds of the job's clock. undying's controller fires them itself
-(its clock: the goodput ledger, from the controller's start); the Ray Train workers
-(bench/goodput/worker.py) fire the same list against the clock of `fit()`'s start. Both
-run on one private local Ray head started here (bench/recovery/ray_head.py), so neither pays
-for starting Ray.
+checkpoint every `--every` steps in both systems. The failures are random in training progress:
+`--kills` SIGKILLs at steps a seeded Poisson process draws (`--mean-steps` apart on average, none
+before step `--first`), each of a random world rank, after the backward of its step: undying's
+`kill_rank` fault at `after_backward`, and the same hook in the Ray Train workers
+(bench/goodput/worker.py). Each fires once per job, so both systems fail at the same points of
+their training however long each took to start (kills due in job seconds would hit one system
+while it still started). Both run on one private local Ray head started here
+(bench/recovery/ray_head.py), so neither pays for starting Ray.
 
-Numbers, the same definition for both systems:
+Numbers:
   wall                 the job's clock: undying's ledger wall; Ray Train, fit() start -> end
-  effective training   productive seconds: undying's ledger `productive` bucket; Ray Train,
-                       the engine's step seconds of the steps that survive into the final model
+  effective training   undying's ledger `productive` bucket (training while it runs, the loop's
+                       time between steps included); Ray Train, the engine's step seconds of the
+                       steps that survive into the final model (its time between steps, a
+                       checkpoint's `torch.save` and `report` among it, left out)
   lost per failure     kill -> first step completed after the restart, plus the compute of the
                        steps redone, per failure
   steps redone         step computations beyond one per step of the final model
@@ -43,23 +46,27 @@ NOTES = ("<!-- goodput-notes: kept when python -m bench.goodput rewrites this se
 WORKER = "bench.goodput.worker"  # run as `python -m` from the repository root
 
 
-def job_overrides(args) -> list[str]:
-    return ["chaos.faults=[]", f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}",
-            f"chaos.mtbf_s={args.mtbf}", "chaos.mtbf_kind=kill_rank", f"chaos.seed={args.seed}",
-            f"chaos.mtbf_start_s={args.start}", f"chaos.mtbf_max_faults={args.max_faults}",
+def kill_schedule(args, world_size: int) -> list[tuple[int, int]]:
+    """(step, world rank) of each kill: a seeded Poisson process over the training's steps."""
+    import random
+
+    rng, step, kills = random.Random(args.seed), args.first, []
+    for _ in range(args.kills):
+        step += max(1, round(rng.expovariate(1.0 / args.mean_steps)))
+        if step >= args.steps:
+            break
+        kills.append((step, rng.randrange(world_size)))
+    return kills
+
+
+def job_overrides(args, kills: list[tuple[int, int]]) -> list[str]:
+    faults = ", ".join(f"{{kind: kill_rank, rank: {rank}, at_step: {step}, at_point: after_backward}}"
+                       for step, rank in kills)
+    return [f"chaos.faults=[{faults}]", f"train.steps={args.steps}", f"checkpoint.every_steps={args.every}",
             # Like with like against Ray Train, which has neither: each kill replaced by a new actor,
             # restored from storage (the figures in docs/benchmarks.md; --set overrides these).
             "elastic.spares=0", "checkpoint.memory.enabled=false",
             "elastic.max_restarts=100", *args.overrides]
-
-
-def kill_schedule(spec) -> list[tuple[float, int]]:
-    """(job seconds, rank) of every kill undying's controller will fire for this spec."""
-    from chaos.schedule import expand
-    from orchestrator.controller.fault_clock import CHAOS_HORIZON_S
-
-    events = expand(spec.chaos, horizon_s=CHAOS_HORIZON_S, ranks=spec.world_size)
-    return [(e.at_seconds, e.rank) for e in events if e.at_seconds is not None]
 
 
 def run_undying(spec_path: str, sets: list[str], workdir: Path, address: str) -> dict:
@@ -132,10 +139,11 @@ def margin(runs: list[dict]) -> str:
     if not u or not t:
         return ""
     same_loss = "equal" if u["final_loss"] == t["final_loss"] else "DIFFERENT"
-    # The kills are at fixed job seconds; a system that finishes first escapes the later ones.
+    # The kills are at steps both reach; a count that differs is a kill that did not fire (a bug to read
+    # the logs for) or one the rank's own restart fired twice.
     unequal = "" if u["failures"] == t["failures"] else (
         f"\n- NOT like for like: undying took {u['failures']} failure(s) and Ray Train {t['failures']}; "
-        "raise --steps so that both jobs outlive the last kill.")
+        "read both logs.")
     return (f"- goodput: undying {100 * u['goodput']:.1f}% vs Ray Train {100 * t['goodput']:.1f}% "
             f"({100 * (u['goodput'] - t['goodput']):+.1f} points); time lost per failure "
             f"{u['lost_per_failure_s']:.2f} s vs {t['lost_per_failure_s']:.2f} s "
@@ -144,7 +152,7 @@ def margin(runs: list[dict]) -> str:
 
 
 def docs_section(result: dict) -> str:
-    kills = ", ".join(f"rank {r} at {t:.1f} s" for t, r in result["kills"])
+    kills = ", ".join(f"rank {r} after the backward of step {s}" for s, r in result["kills"])
     return f"""{SECTION}
 
 Measured by `python -m bench.goodput` on {result['date']} ({result['bench_s']:.0f} s for the whole bench). Command:
@@ -153,22 +161,26 @@ Measured by `python -m bench.goodput` on {result['date']} ({result['bench_s']:.0
 {result['command']}
 ```
 
-Machine: {result['machine']}; shared while it ran (1-minute load average {result['load_1min']:.1f} at the start).
+Machine: {result['machine']}; 1-minute load average {result['load_1min']:.1f} at the start (what else ran, if
+anything, is said in the notes).
 
 Job: `examples/demo.yaml` with `{' '.join(result['overrides'])}`: 4 data-parallel ranks, tiny GPT on CPU,
 a checkpoint every {result['every']} steps in both systems (undying: its async sharded writer; Ray Train:
-`torch.save` of the whole state on rank 0 + `ray.train.report`). Random failures: `chaos.mtbf_s`
-per rank, seeded; the kill schedule (job seconds) is {kills}. undying's controller fires it; the Ray Train
-workers fire the same list against the clock of `fit()`'s start (bench/goodput/worker.py). One run each.
+`torch.save` of the whole state on rank 0 + `ray.train.report`). Random failures at seeded steps (a
+Poisson process over the training's steps), each fired once, at the same point of training in both systems
+(undying's `kill_rank` fault; the same hook in the Ray Train workers, bench/goodput/worker.py): {kills}.
+One run each.
 
 {result['table']}
 
 {result['margin']}
 
-Definitions (the same for both systems): wall is the job's own clock (undying: its goodput ledger,
-from the controller's start; Ray Train: `fit()` start to end; neither includes starting Ray, both include
-placing and starting the workers). Effective training is undying's `productive` bucket, and for Ray Train
-the engine's step seconds of the steps that survive into the final model. Lost per failure is kill ->
+Definitions: wall is the job's own clock (undying: its goodput ledger, from the controller's start; Ray
+Train: `fit()` start to end; neither includes starting Ray, both include placing and starting the workers).
+Effective training is undying's `productive` bucket (its loop's time between steps included), and for Ray
+Train the engine's step seconds of the steps that survive into the final model (its time between steps,
+a checkpoint's `torch.save` and `report` among it, left out): not the same measure, so the goodput row
+compares each system's own account; wall and lost per failure are alike. Lost per failure is kill ->
 first step completed after the restart, plus the compute of the redone steps, per failure.
 """
 
@@ -179,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     # 1000 steps keep undying training past the default schedule's last kill (about 46 s).
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--every", type=int, default=20, help="checkpoint every this many steps (both systems)")
-    parser.add_argument("--mtbf", default="60s", help="chaos.mtbf_s per rank")
+    parser.add_argument("--kills", type=int, default=3, help="how many kills (fewer if the run ends first)")
+    parser.add_argument("--mean-steps", type=float, default=150.0, help="mean steps between kills")
+    parser.add_argument("--first", type=int, default=50, help="no kill before this step")
     parser.add_argument("--seed", type=int, default=2)
-    parser.add_argument("--start", default="25s", help="no kill before this many job seconds")
-    parser.add_argument("--max-faults", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="runs/bench/goodput.json")
     parser.add_argument("--docs", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
@@ -201,18 +213,19 @@ def main(argv: list[str] | None = None) -> int:
 
     command = shlex.join([".venv/bin/python", "-m", "bench.goodput", *(argv if argv is not None else sys.argv[1:])])
     started = time.time()
-    sets = job_overrides(args)
     spec_path = str((ROOT / args.spec).resolve())
+    kills = kill_schedule(args, load_spec(spec_path).world_size)
+    sets = job_overrides(args, kills)
     spec = load_spec(spec_path, sets)
-    kills = kill_schedule(spec)
     work = ROOT / "runs/bench/goodput-work" / time.strftime("%Y%m%d-%H%M%S")
-    print(f"$ {command}\nkills (job s, rank): {[(round(t, 1), r) for t, r in kills]}\nwork in {work}", flush=True)
+    print(f"$ {command}\nkills (step, rank): {kills}\nwork in {work}", flush=True)
     load = os.getloadavg()[0]
     head = start_head(num_cpus=max(8, spec.world_size + 1))
     try:
         runs = [run_undying(spec_path, sets, work / "undying", head.address)]
         print(f"undying: {runs[-1]}", flush=True)
-        # Ray Train gets the chaos section too (its engine ignores it) so both build the identical spec.
+        # Ray Train gets the chaos section too (its engine ignores it) so both build the identical spec;
+        # its workers fire the same kills themselves (worker.kill_hook).
         runs.append(run_raytrain(spec_path, sets, kills, work / "raytrain", head.address, args.every, spec.world_size))
         print(f"Ray Train: {runs[-1]}", flush=True)
     finally:

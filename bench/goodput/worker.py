@@ -1,13 +1,11 @@
-"""The Ray Train side of bench.goodput: the engine's training loop under a time-triggered kill schedule.
+"""The Ray Train side of bench.goodput: the engine's training loop under a step-triggered kill schedule.
 
 The same loop as bench/recovery/worker.py (trainer.engine.Engine from the undying spec, a whole-
-state checkpoint through `ray.train.report` every `every` steps), but the kills are the ones
-undying's controller fires for `chaos.mtbf_s` (chaos.schedule.expand, the same seed): kill i is
-due `at` seconds after the driver starts `fit()` and hits whichever worker holds world rank `r`
-then. Each worker runs a thread that sleeps until its rank's next due kill, creates the kill's
-marker file exclusively (so a kill fires once per job, whichever attempt reaches it) and sends
-itself SIGKILL; kills that fell due while the group restarted fire right after the restore, as
-undying fires them as soon as its ranks train again.
+state checkpoint through `ray.train.report` every `every` steps), and the same kills as undying's:
+kill i SIGKILLs the worker holding world rank `r` after the backward of step `s` (undying's
+`kill_rank` at `after_backward`), once per job whichever attempt reaches it (a marker file created
+exclusively just before the kill): both systems fail at the same point of their training, however
+long each took to start.
 
 Events (JSON lines, `time.time()`): `fit_start`/`fit_end` (driver), `start` (every worker),
 `restored` (rank 0, the resumed step), `step` (rank 0: step, loss, the engine's step seconds),
@@ -24,26 +22,29 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 from bench.recovery.worker import build_engine, emit, engine_state
 
 
-def _kill_thread(cfg: dict, rank: int, engine) -> None:
-    def run() -> None:
-        for kill_id, (at, target) in enumerate(cfg["kills"]):
-            if target != rank or os.path.exists(os.path.join(cfg["markers"], f"kill-{kill_id}")):
-                continue
-            time.sleep(max(0.0, cfg["t0"] + at - time.time()))
-            try:  # exclusive: exactly one worker, in one attempt, fires each kill
-                os.close(os.open(os.path.join(cfg["markers"], f"kill-{kill_id}"), os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                continue
-            emit(cfg["events"], ev="kill", rank=rank, kill=kill_id, step=engine.next_step, due=cfg["t0"] + at)
-            os.kill(os.getpid(), signal.SIGKILL)
+def kill_hook(cfg: dict, rank: int):
+    """The kills of `cfg["kills"]` ((step, rank) pairs) that fall on this rank, each the same fault as
+    undying's `kill_rank` at `after_backward` of its step, fired once over all attempts: a marker
+    file, created exclusively just before the SIGKILL, says it happened (a replayed step is spared)."""
+    mine = {step: kill_id for kill_id, (step, target) in enumerate(cfg["kills"]) if target == rank}
 
-    threading.Thread(target=run, daemon=True, name="kill-schedule").start()
+    def hook(point: str, step: int) -> None:
+        kill_id = mine.get(step)
+        if point != "after_backward" or kill_id is None:
+            return
+        try:
+            os.close(os.open(os.path.join(cfg["markers"], f"kill-{kill_id}"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        emit(cfg["events"], ev="kill", rank=rank, kill=kill_id, step=step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook if mine else None
 
 
 def raytrain_worker(cfg: dict) -> None:
@@ -62,7 +63,7 @@ def raytrain_worker(cfg: dict) -> None:
         engine.load_state(saved["tensors"], saved["meta"])
     if rank == 0:
         emit(cfg["events"], ev="restored", rank=rank, step=engine.next_step)
-    _kill_thread(cfg, rank, engine)
+    engine.fault_hook = kill_hook(cfg, rank)
     while engine.next_step < spec.train.steps:
         result = engine.train_step()
         if rank == 0:
@@ -88,7 +89,7 @@ def raytrain_driver(cfg: dict) -> int:
     from bench.goodput.worker import raytrain_worker
 
     os.makedirs(cfg["markers"], exist_ok=True)
-    cfg = dict(cfg, t0=time.time())  # the job clock the kill times count from, as undying's ledger
+    cfg = dict(cfg, t0=time.time())  # the job's clock starts here, as undying's ledger at its controller
     emit(cfg["events"], ev="fit_start", t0=cfg["t0"])
     trainer = TorchTrainer(
         raytrain_worker, train_loop_config=cfg, torch_config=TorchConfig(backend="gloo"),

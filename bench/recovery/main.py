@@ -165,7 +165,11 @@ def tables(summary: dict, reference_loss: float | None) -> str:
             if name in summary:
                 ratio = _ratio(summary[name], summary[anchor])
                 verdict = "met" if ratio >= target else "NOT met"
-                lines.append(f"- {name} / {anchor} kill-to-first-step = {ratio:.1f}x (target {target:.0f}x: {verdict})")
+                # Like with like only against plain undying: a spare or snapshots are undying's options,
+                # and the anchor runs its own default (a fresh worker, a storage checkpoint).
+                unlike = "" if anchor == "undying" else f"; undying's option against {name}'s default"
+                lines.append(f"- {name} / {anchor} kill-to-first-step = {ratio:.1f}x (target {target:.0f}x: "
+                             f"{verdict}{unlike})")
     lines += memory_targets(summary)
     if reference_loss is not None:
         lines.append(f"- failure-free reference final loss (torchrun, no kill): {reference_loss:.6f}")
@@ -217,8 +221,8 @@ Measured by `python -m bench.recovery` on {result['date']}. Command:
 {result['command']}
 ```
 
-Machine: {result['machine']}. The machine was shared while it ran (1-minute load average
-{min(loads):.1f} to {max(loads):.1f} at the start of the runs, on {os.cpu_count()} cores).
+Machine: {result['machine']}. 1-minute load average {min(loads):.1f} to {max(loads):.1f} at the start of the
+runs, on {os.cpu_count()} cores (what else ran, if anything, is said in the notes).
 
 Job: `{Path(job['spec']).relative_to(ROOT)}` ({job['world_size']} data-parallel ranks, tiny GPT, DDP over gloo on
 CPU, checkpoint every {job['every']} steps, {job['steps']} steps); rank {job['kill_rank']} is SIGKILLed after the

@@ -81,7 +81,7 @@ Measured by `python -m bench.release` on {time.strftime("%Y-%m-%d")}. Command:
 
 Machine: {os.cpu_count()} cores, no GPU; Python {platform.python_version()}, torch {torch.__version__}, gloo on
 127.0.0.1, one intra-op thread per rank, ranks forked from a forkserver; 1-minute load average
-{os.getloadavg()[0]:.1f} when the run ended (the machine is shared).
+{os.getloadavg()[0]:.1f} when the run ended (what else ran, if anything, is said in the notes).
 
 Each rank runs the collective in a loop; after {WARMUP} iterations rank 1 pauses {PAUSE_S} s (the others are
 then inside the next iteration) and SIGKILLs itself. Process-group timeout {PG_TIMEOUT_S:.0f} s. Cells are
