@@ -41,8 +41,8 @@ class ElasticConfig(SpecSection):
     grow: bool = Field(True, description="grow back to parallel.dp at a checkpoint boundary once replacements "
                                          "have started")
     crash_loop_limit: int = Field(3, ge=2, description="the same error at the same step on the same rank (any rank "
-                                  "for a non-finite gradient, which all raise at once) this many times in a row stops "
-                                  "the job")
+                                  "for the errors all ranks raise at once: a non-finite gradient, fp16's loss scale "
+                                  "run out) this many times in a row stops the job")
     evict_stragglers: bool = Field(False, description="replace a rank flagged as a sustained straggler "
                                    "(monitor.straggler) by a warm spare (without one it stays: a new actor "
                                    "would start on the same device)")
