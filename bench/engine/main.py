@@ -194,7 +194,8 @@ def table(rows: list[dict], mfu_label: str) -> str:
                  f"{row['vs_ref']:.2f}x" if row["vs_ref"] else "-", f"{row['tokens_per_s']:.0f}",
                  "-" if row["bubble"] is None else f"{row['bubble']:.1%}",
                  "-" if row["max_loss_diff"] is None else f"{row['max_loss_diff']:.1e}",
-                 "-" if row["mfu"] is None else f"{row['mfu']:.1%}"]
+                 "-" if row["mfu"] is None else f"{row['mfu']:.1%}" + (" (over the peak: not comparable)"
+                                                                         if row["mfu"] > 1 else "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
