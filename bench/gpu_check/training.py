@@ -7,10 +7,11 @@ default (except the one run that flips it to measure what it costs), so the defa
 (today: deterministic algorithms on, `CUBLAS_WORKSPACE_CONFIG` set by the engine) is the one
 measured. The engine's optimizer is fused AdamW on CUDA (trainer/optim.py).
 
-  train_run      warm-up steps, then timed steps: step time, tokens/s, losses, the peak of
-                 `torch.cuda.max_memory_allocated` over the engine's whole life (the first
-                 optimizer step, where the AdamW moments appear, included) beside the cost
-                 model's four ledgers (trainer.costmodel.memory) for the same workload.
+  train_run      warm-up steps, then timed steps: step time (each), tokens/s, losses, the peaks of
+                 `torch.cuda.max_memory_reserved` and `max_memory_allocated` over the engine's
+                 whole life (the first optimizer step, where the AdamW moments appear, included)
+                 beside the cost model's four ledgers (trainer.costmodel.memory) for the same
+                 workload, and the warm-up steps' times (a compile's among them).
                  `compile=True` sets `train.compile`: the engine compiles each transformer
                  block (trainer.compile, the path every compiled job takes); the compile
                  time falls in the untimed warm-up steps.
