@@ -44,7 +44,11 @@ class SharedBuffer:
         then run asynchronously at full speed, as into the thread writer's pinned buffers. False
         (pageable, synchronous copies) if CUDA refuses."""
         if not self.pinned and self.nbytes:
-            self.pinned = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0) == 0
+            cudart = torch.cuda.cudart()
+            self.pinned = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0) == 0
+            clear = getattr(cudart, "cudaGetLastError", None)  # (not bound by every torch build)
+            if not self.pinned and clear is not None:  # the error it left pending would fail the next launch
+                clear()
         return self.pinned
 
     def close(self) -> None:

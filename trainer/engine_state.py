@@ -21,12 +21,15 @@ degrees (and into pp = 1) unchanged.
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 
 from trainer.dtensor_slices import fresh_field, local, optimizer_fields
 from trainer.optim import keeps_step_on_device, lr_at
 from trainer.state_slices import TensorSlice
+
+log = logging.getLogger(__name__)
 
 STATE_FORMAT = "undying.trainer/1"
 
@@ -151,6 +154,11 @@ class EngineState:
         self.next_step = int(meta["next_step"])
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state(meta["scaler"])
+        saved, here = meta.get("precision"), self.train_config.precision  # (absent from older checkpoints)
+        if saved is not None and saved != here and self.rank == 0:
+            log.warning("resuming a checkpoint trained in %s with train.precision %s: %s", saved, here,
+                        "its fp16 loss scale is dropped" if saved == "fp16" else "the loss scale starts at 2^16"
+                        if here == "fp16" else "the forward rounds otherwise; weights and optimizer state stay fp32")
 
     def _restored_fields(self, layout, given: dict) -> dict:
         fields = {}
@@ -204,6 +212,7 @@ class EngineState:
             # The schedule is a pure function of the step; its next value is informational.
             "lr": lr_at(self.next_step, tc),
             "scaler": None if self.scaler is None else self.scaler.state(),
+            "precision": tc.precision,
             "layout": {"dp": pc.dp, "dp_replicate": pc.dp_replicate, "tp": pc.tp, "pp": pc.pp, "zero": pc.zero,
                        "micro_batch": tc.micro_batch, "world_size": self.world_size},
         }

@@ -27,8 +27,10 @@ def sweep_section(data: dict, command: str, plot: str | None, date: str, seconds
                         f"{100 * best['steady_goodput']:.1f}% goodput excluding start-up.")
     for rule in ("young", "young-daly"):
         if rule in summary:
-            verdicts.append(f"- `interval: {rule}`: {summary[rule]['points_below_best']:+.1f} points below the best "
-                            f"fixed interval (realised interval {summary[rule]['realised_s'] or 0:.1f} s).")
+            below = summary[rule]["points_below_best"]
+            side = f"{abs(below):.1f} points {'below' if below >= 0 else 'above'}"  # (negative: it beat them)
+            verdicts.append(f"- `interval: {rule}`: {side} the best fixed interval (realised interval "
+                            f"{summary[rule]['realised_s'] or 0:.1f} s).")
     command = command or data.get("command", "")
     took = f" ({seconds / 60:.0f} minutes)" if seconds else ""
     picture = f"\n![goodput vs interval]({plot})\n" if plot else ""

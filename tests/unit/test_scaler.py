@@ -109,3 +109,20 @@ def test_bf16_and_fp32_have_no_scaler():
         result = engine.train_step()
         assert engine.scaler is None and result.loss_scale == 1.0 and not result.skipped
         assert engine.state_meta()["scaler"] is None
+
+
+def test_resuming_across_precisions_says_what_happens_to_the_loss_scale(caplog):
+    fp16 = fp16_engine()
+    fp16.train_step()
+    tensors, meta = fp16.state_tensors(), fp16.state_meta()
+    assert meta["precision"] == "fp16"
+    bf16 = fp16_engine(precision="bf16")
+    with caplog.at_level(logging.WARNING, logger="trainer.engine_state"):
+        bf16.load_state(tensors, meta)
+    assert "resuming a checkpoint trained in fp16 with train.precision bf16: its fp16 loss scale is dropped" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.engine_state"):
+        fp16_engine().load_state(tensors, meta)  # the same precision: nothing to say
+        fp16_engine().load_state(tensors, {k: v for k, v in meta.items() if k != "precision"})  # an older release's
+    assert "resuming a checkpoint" not in caplog.text
