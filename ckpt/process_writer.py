@@ -83,6 +83,8 @@ _PR_SET_PDEATHSIG = 1
 # attempts of a call that fails (about 75-90 s), and over the parts one progress piece can take to
 # upload (up to two of 64 MiB: s3fs uploads as its buffer fills) at about 1.3 MB/s or more.
 STALL_S = 100.0
+# A child started for a save (after one died) imports torch first: not the store's stall, so judged
+START_S = 60.0  # against this until it says it writes
 STALL_POLL_S = 5.0
 
 
@@ -209,6 +211,7 @@ class ProcessShardWriter(OneSaveInFlight):
     ):
         self.rank, self.stall_s = rank, stall_s
         self._moved_at = time.monotonic()  # when the write in flight last moved (handed over, or bytes taken)
+        self._writing: int | None = None  # the step the child said it writes (its "writing" message)
         self._stalled_s: float | None = None  # set when the write in flight was given up for stalling
         self.on_receipt = on_receipt
         self.on_error = on_error
@@ -268,6 +271,7 @@ class ProcessShardWriter(OneSaveInFlight):
             if self._child is None:
                 self._start_child()
             self._idle.clear()
+            self._writing = None
             self._moved_at = time.monotonic()  # before the save shows as in flight: the watchdog reads in that order
             self._in_flight = (step, extra)
             # A child that died is found by its listener (end of file), which fails this save.
@@ -291,10 +295,11 @@ class ProcessShardWriter(OneSaveInFlight):
 
     def _give_up_if_stalled(self, child: _Child) -> None:
         """Kill the child of a write whose store took nothing for `stall_s`; its death fails the save."""
-        if self._in_flight is None or child.stopping:  # read first: `save` sets `_moved_at` before it
+        in_flight = self._in_flight
+        if in_flight is None or child.stopping:  # read first: `save` sets `_moved_at` before it
             return
         stalled_s = time.monotonic() - self._moved_at
-        if stalled_s < self.stall_s:
+        if stalled_s < (self.stall_s if self._writing == in_flight[0] else max(self.stall_s, START_S)):
             return
         self._stalled_s = stalled_s
         with self._lock:  # the next save starts a new child, even if a receipt slips in before the kill lands
@@ -306,6 +311,8 @@ class ProcessShardWriter(OneSaveInFlight):
     def _handle(self, kind: str, payload, step: int | None) -> None:
         if kind in ("progress", "writing"):
             self._moved_at = time.monotonic()
+        if kind == "writing":
+            self._writing = step
         if kind == "notice":  # a chaos fault's: one that cannot be sent must not end the listener (no receipt after)
             if self.notify is not None:
                 with contextlib.suppress(Exception):

@@ -243,6 +243,7 @@ def test_a_write_whose_bytes_keep_moving_is_not_given_up(tmp_path):
     child = writer._child
     writer._idle.clear()
     writer._in_flight, writer._moved_at = (1, {}), time.monotonic() - 5.0
+    writer._writing = 1  # the child said it writes step 1: from here its store's silence counts
     writer._handle("progress", 1 << 20, 1)  # the store just took a piece
     writer._give_up_if_stalled(child)
     assert writer._child is child and child.proc.poll() is None
