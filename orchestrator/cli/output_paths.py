@@ -19,14 +19,13 @@ from orchestrator.spec.problems import Problem
 
 def checkpoint_root_above(out: str) -> str | None:
     """The nearest folder above the local path `out` that is a checkpoint root (it holds step-<9 digits>
-    directories or an owner/ lease), any job's, one read through another URL (a mount) too."""
-    from ckpt.manifest import parse_step_dir
-    from ckpt.owner_claims import OWNER_DIR
+    directories or owner/ lease claims), any job's, one read through another URL (a mount) too."""
+    from ckpt.root_marks import is_job_root
 
     folder = os.path.dirname(out)
     while True:
         with contextlib.suppress(OSError):
-            if any(name == OWNER_DIR or parse_step_dir(name) is not None for name in os.listdir(folder)):
+            if is_job_root(os.listdir, folder):
                 return folder
         if os.path.dirname(folder) == folder:
             return None

@@ -89,19 +89,6 @@ MAX_PARENTS = 3  # folders looked at above the URL: a nested job root sits a lev
 NESTING_BUDGET_S = 5.0  # the listings' share of the probe's time: past it, no job is assumed
 
 
-def _is_job_root(store: Storage, folder: str) -> bool:
-    """`folder` holds step-<9 digits> folders, or an owner/ folder of lease claims (a folder named
-    owner alone, a user's home say, is not one)."""
-    from ckpt.manifest import parse_step_dir
-    from ckpt.owner_claims import OWNER_DIR
-
-    names = store.listdir(folder)
-    if any(parse_step_dir(name) is not None for name in names):
-        return True
-    return OWNER_DIR in names and any(name.startswith("claim-")
-                                      for name in store.listdir(f"{folder.rstrip('/')}/{OWNER_DIR}"))
-
-
 def _nesting_problems(url: str, store: Storage) -> list[Problem]:
     """`checkpoint.url` holds jobs' roots (`<url>/<name>`), so it must be neither a job's root itself
     (the URL `undying ckpt ls` takes, pasted here: the job would start over at step 0 in a folder
@@ -117,10 +104,11 @@ def _nesting_problems(url: str, store: Storage) -> list[Problem]:
 
 def _nesting(url: str, store: Storage, deadline: float) -> list[Problem]:
     from ckpt.manifest import parse_step_dir
+    from ckpt.root_marks import is_job_root
 
     parts = store.root.rstrip("/").split("/")
     in_step = next((i for i, name in enumerate(parts) if parse_step_dir(name) is not None), None)
-    if in_step is None and _is_job_root(store, store.root):
+    if in_step is None and is_job_root(store.listdir, store.root):
         parent, _, name = url.rstrip("/").rpartition("/")
         return [Problem(FIELD, f"{url} is a job's checkpoint root (it holds step-... folders or an owner lease), "
                         "while checkpoint.url is the folder that holds the jobs' roots (<checkpoint.url>/<name>): "
@@ -128,7 +116,7 @@ def _nesting(url: str, store: Storage, deadline: float) -> list[Problem]:
     above = [in_step] if in_step is not None else range(len(parts) - 1, max(1, len(parts) - 1 - MAX_PARENTS), -1)
     for end in above:
         folder = "/".join(parts[:end])
-        if end == in_step or (time.monotonic() < deadline and _is_job_root(store, folder)):
+        if end == in_step or (time.monotonic() < deadline and is_job_root(store.listdir, folder)):
             return [Problem(FIELD, f"{url} is inside the checkpoint root {folder} of a job, whose retention and "
                             "garbage collection own every file under it and would delete this job's "
                             "checkpoints; choose a location outside it")]

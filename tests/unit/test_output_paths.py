@@ -39,6 +39,14 @@ def test_a_path_inside_a_checkpoint_root_is_refused_before_it_could_replace_a_ch
     assert output_problems({"--out": str(tmp_path / "ck" / "report.json")}) == []  # beside the roots is fine
 
 
+def test_a_root_marked_only_by_its_lease_claims_is_one_and_a_bare_owner_folder_is_not(tmp_path):
+    (tmp_path / "home" / "owner").mkdir(parents=True)  # a user's folder that happens to hold one named owner
+    assert output_problems({"--report": str(tmp_path / "home" / "r.json")}) == []
+    (tmp_path / "home" / "owner" / "claim-1.json").write_text("{}")  # a job that claimed, before its first save
+    [problem] = output_problems({"--report": str(tmp_path / "home" / "r.json")})
+    assert f"inside the checkpoint folder {tmp_path / 'home'}" in problem.message
+
+
 def test_a_parent_this_user_cannot_enter_is_a_problem_not_a_traceback(tmp_path, monkeypatch):
     def denied(self):
         raise PermissionError(13, "Permission denied", str(self))
