@@ -138,41 +138,31 @@ class ScalingPolicy:
     """Which data-parallel degree to run with when ranks are lost or come back.
 
     Tensor and pipeline degrees are fixed by the model; only dp changes. A degree is valid
-    when it is at least `min_dp`, a whole number of `dp_unit`s (HSDP: one replica's dp /
-    dp_replicate ranks, which shard the state among them and are dropped or added together;
-    1 otherwise) and divides the global batch into whole microbatches
-    (`global_batch % (dp * micro_batch) == 0`): the global batch stays constant and gradient
-    accumulation absorbs the difference, so the loss trajectory does not depend on failures
-    (with model.dropout 0: masks are drawn per rank and microbatch slot, docs/design.md).
+    when it is at least `min_dp` and nothing else refuses it (`refusal(dp)`, for a job
+    orchestrator.spec.elastic.dp_refusal: whole HSDP replicas, which shard the state among them
+    and are dropped or added together, and a layout the engine takes, among it a global batch of
+    whole microbatches per rank): the global batch stays constant and gradient accumulation
+    absorbs the difference, so the loss trajectory does not depend on failures (with
+    model.dropout 0: masks are drawn per rank and microbatch slot, docs/design.md).
     """
 
-    def __init__(self, target_dp: int, min_dp: int, global_batch: int, micro_batch: int, model_parallel: int = 1,
-                 dp_unit: int = 1, runs: Callable[[int], bool] = lambda dp: True):
-        """`runs(dp)`: whether the engine takes the job's layout at that dp (an interleaved pipeline,
-        e.g., needs whole rounds of microbatches per rank: `for_spec` asks trainer.layout_checks)."""
+    def __init__(self, target_dp: int, min_dp: int, model_parallel: int = 1,
+                 refusal: Callable[[int], str | None] = lambda dp: None):
+        """`refusal(dp)`: what rules dp out besides min_dp, naming its field; None when nothing does."""
         self.target_dp = target_dp
         self.min_dp = min_dp
-        self.global_batch = global_batch
-        self.micro_batch = micro_batch
         self.model_parallel = model_parallel  # tp * pp ranks per data-parallel replica
-        self.dp_unit = dp_unit
-        self.runs = runs
+        self.refusal = refusal
 
     @classmethod
     def for_spec(cls, spec) -> ScalingPolicy:
-        from trainer.layout_checks import layout_refusals
+        from orchestrator.spec.elastic import dp_refusal
 
-        par, train = spec.parallel, spec.train
-
-        def runs(dp: int) -> bool:
-            return not layout_refusals(spec.model, par.with_dp(dp), spec.data.seq_len, train.global_batch,
-                                       train.micro_batch, train.compile)
-
-        return cls(par.dp, spec.elastic.min_dp, train.global_batch, train.micro_batch, par.tp * par.pp, par.dp_unit,
-                   runs)
+        par = spec.parallel
+        return cls(par.dp, spec.elastic.min_dp, par.tp * par.pp, lambda dp: dp_refusal(spec, dp))
 
     def valid(self, dp: int) -> bool:
-        return dp >= self.min_dp and self._refusal(dp) is None
+        return dp >= self.min_dp and self.refusal(dp) is None
 
     def best_dp(self, ranks_available: int) -> int | None:
         """The largest valid dp that `ranks_available` ranks can hold, capped at the target."""
@@ -187,19 +177,8 @@ class ScalingPolicy:
         if top < self.min_dp:
             return f"{ranks_available} rank(s) hold dp {top}, below elastic.min_dp={self.min_dp}"
         tried = range(top, self.min_dp - 1, -1)
-        why = "; ".join(f"dp {dp}: {self._refusal(dp)}" for dp in tried[:3]) + ("; ..." if len(tried) > 3 else "")
+        why = "; ".join(f"dp {dp}: {self.refusal(dp)}" for dp in tried[:3]) + ("; ..." if len(tried) > 3 else "")
         return f"no dp from {top} down to elastic.min_dp={self.min_dp} works ({why})"
-
-    def _refusal(self, dp: int) -> str | None:
-        """What rules `dp` out besides elastic.min_dp, naming its field; None when nothing does."""
-        if dp % self.dp_unit:
-            return f"not whole replicas of {self.dp_unit} ranks (parallel.dp_replicate)"
-        if self.global_batch % (dp * self.micro_batch):
-            return (f"train.global_batch={self.global_batch} is not whole microbatches of "
-                    f"train.micro_batch={self.micro_batch} on each rank")
-        if not self.runs(dp):
-            return "the engine does not take the layout at that dp"
-        return None
 
 
 class CheckpointIntervalPolicy:

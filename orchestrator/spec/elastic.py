@@ -99,29 +99,34 @@ class ElasticConfig(SpecSection):
                          "or 'auto' (one spare TP group when the cluster has room for it)")
 
 
-def shrink_notes(spec) -> list[str]:
-    """`elastic.min_dp` below `parallel.dp` says that the job shrinks when a rank is lost and nothing
-    takes its place; when no dp from dp - 1 down to min_dp runs (not whole HSDP replicas, a global
-    batch that does not split, a pipeline the engine refuses at that dp), it never can, and a lost
-    rank without a spare or a replacement fails the job: a note the driver prints before it starts
-    (such a job runs as min_dp = dp would). The controller's ScalingPolicy decides the same at run time."""
+def dp_refusal(spec, dp: int) -> str | None:
+    """What rules out running the job at data-parallel degree `dp` (tp and pp fixed), naming its
+    field; None when nothing does. The one judge of a smaller dp: the controller's ScalingPolicy asks
+    it when a rank is lost, and `shrink_notes` before the job starts. A dp must be whole HSDP
+    replicas, and the engine must take the layout there (trainer.layout_checks: a global batch that
+    splits into whole microbatches per rank, a pipeline schedule's rounds, ...)."""
     from trainer.layout_checks import layout_refusals
 
-    model, data, train, parallel, elastic = spec.model, spec.data, spec.train, spec.parallel, spec.elastic
+    parallel, train = spec.parallel, spec.train
+    if dp % parallel.dp_unit:
+        return f"not whole replicas of {parallel.dp_unit} ranks (parallel.dp_replicate)"
+    found = layout_refusals(spec.model, parallel.with_dp(dp), spec.data.seq_len, train.global_batch,
+                            train.micro_batch, train.compile)
+    return f"{found[0].key} ({found[0].field})" if found else None
+
+
+def shrink_notes(spec) -> list[str]:
+    """`elastic.min_dp` below `parallel.dp` says that the job shrinks when a rank is lost and nothing
+    takes its place; when no dp from dp - 1 down to min_dp runs (`dp_refusal`), it never can, and a
+    lost rank without a spare or a replacement fails the job: a note the driver prints before it
+    starts (such a job runs as min_dp = dp would)."""
+    parallel, elastic = spec.parallel, spec.elastic
     if parallel.mode == "ps" or elastic.min_dp >= parallel.dp:
         return []  # (a parameter-server job replaces workers; it does not shrink)
-
-    def refusal(dp: int) -> str | None:
-        if dp % parallel.dp_unit:
-            return f"not whole replicas of {parallel.dp_unit} ranks (parallel.dp_replicate)"
-        found = layout_refusals(model, parallel.with_dp(dp), data.seq_len, train.global_batch, train.micro_batch,
-                                train.compile)
-        return f"{found[0].key} ({found[0].field})" if found else None
-
-    reasons = [refusal(dp) for dp in range(parallel.dp - 1, elastic.min_dp - 1, -1)]
+    reasons = [dp_refusal(spec, dp) for dp in range(parallel.dp - 1, elastic.min_dp - 1, -1)]
     if any(why is None for why in reasons):
         return []
-    lower = next((dp for dp in range(elastic.min_dp - 1, 0, -1) if refusal(dp) is None), None)
+    lower = next((dp for dp in range(elastic.min_dp - 1, 0, -1) if dp_refusal(spec, dp) is None), None)
     fix = f"set it to {parallel.dp} to say so" + (f", or to {lower}, the largest smaller dp that runs" if lower else "")
     return [f"elastic.min_dp: {elastic.min_dp} lets the job shrink below parallel.dp = {parallel.dp}, but no dp from "
             f"{parallel.dp - 1} down to {elastic.min_dp} runs ({reasons[0]}), so it never shrinks: a lost rank "

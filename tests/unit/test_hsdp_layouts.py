@@ -86,8 +86,14 @@ def test_the_grid_splits_dp_into_replica_and_shard():
         Topology(dp=4, dp_replicate=3)
 
 
+def _tiny(*overrides: str):
+    return load_spec(str(EXAMPLES / "tiny.yaml"), overrides=list(overrides))
+
+
 def test_the_scaling_policy_counts_whole_replicas():
-    policy = ScalingPolicy(target_dp=6, min_dp=1, global_batch=12, micro_batch=1, model_parallel=1, dp_unit=2)
+    spec = _tiny("parallel.dp=6", "parallel.dp_replicate=3", "parallel.zero=2", "train.global_batch=12",
+                 "train.micro_batch=1")
+    policy = ScalingPolicy.for_spec(spec)
     assert [policy.best_dp(ranks) for ranks in (1, 2, 3, 5, 6, 9)] == [None, 2, 2, 4, 6, 6]
     assert policy.no_dp_because(1) == ("no dp from 1 down to elastic.min_dp=1 works (dp 1: not whole replicas of "
                                        "2 ranks (parallel.dp_replicate))")
@@ -95,15 +101,15 @@ def test_the_scaling_policy_counts_whole_replicas():
 
 def test_a_min_dp_the_batch_cannot_shrink_to_says_which_fields_decide():
     # dp 4 and min_dp 3 with a global batch of 16 in microbatches of 2: dp 3 does not divide it.
-    policy = ScalingPolicy(target_dp=4, min_dp=3, global_batch=16, micro_batch=2)
+    policy = ScalingPolicy.for_spec(_tiny("parallel.dp=4", "elastic.min_dp=3", "train.global_batch=16"))
     assert policy.best_dp(3) is None
-    assert policy.no_dp_because(3) == ("no dp from 3 down to elastic.min_dp=3 works (dp 3: train.global_batch=16 is "
-                                       "not whole microbatches of train.micro_batch=2 on each rank)")
-    refusing = ScalingPolicy(target_dp=4, min_dp=1, global_batch=16, micro_batch=1, runs=lambda dp: dp == 4)
-    assert refusing.no_dp_because(3).endswith("micro_batch=1 on each rank; dp 2: the engine does not take the "
-                                              "layout at that dp; dp 1: the engine does not take the layout at "
-                                              "that dp)")  # 16 is no multiple of 3; the engine refuses 2 and 1
+    assert policy.no_dp_because(3) == ("no dp from 3 down to elastic.min_dp=3 works (dp 3: dp=3: global_batch 16 "
+                                       "not divisible by 3 (train.global_batch))")
     assert policy.no_dp_because(2) == "2 rank(s) hold dp 2, below elastic.min_dp=3"
+    refusing = ScalingPolicy(target_dp=4, min_dp=1, refusal=lambda dp: None if dp == 4 else f"no {dp} (parallel.x)")
+    assert refusing.best_dp(8) == 4 and refusing.best_dp(3) is None
+    assert refusing.no_dp_because(3) == ("no dp from 3 down to elastic.min_dp=1 works (dp 3: no 3 (parallel.x); "
+                                         "dp 2: no 2 (parallel.x); dp 1: no 1 (parallel.x))")
 
 
 def test_a_lost_rank_drops_its_whole_replica_and_the_job_grows_back(tmp_path):

@@ -63,7 +63,7 @@ class TwoNodes:
 
 def _release(probe) -> tuple[SimpleNamespace, TwoNodes, dict, SimpleNamespace, list[str]]:
     spec = load_spec(str(ROOT / "examples/demo.yaml"), ["checkpoint.url=memory://release"])
-    policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch, spec.train.micro_batch, 1)
+    policy = ScalingPolicy.for_spec(spec)
     workers, lines, errors = TwoNodes(), [], {0: "RuntimeError: Connection reset by peer"}
     probed = []
     recovery = Recovery(spec, workers, policy, lines.append, release_timeout_s=RELEASE_S, poll_s=0.01,
@@ -97,7 +97,7 @@ def test_a_signal_during_the_release_wait_gives_it_up_at_once():
     from orchestrator.cluster.interruptible import Interrupted
 
     spec = load_spec(str(ROOT / "examples/demo.yaml"), ["checkpoint.url=memory://release"])
-    policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch, spec.train.micro_batch, 1)
+    policy = ScalingPolicy.for_spec(spec)
     workers = TwoNodes()
     recovery = Recovery(spec, workers, policy, lambda line: None, release_timeout_s=60.0, poll_s=0.01,
                         metrics=JobMetrics(spec.name), probe=lambda nodes: [])

@@ -177,7 +177,7 @@ class Clock:
 
 
 def _recovery(spec, workers, lines, draining=tuple):
-    policy = ScalingPolicy(spec.parallel.dp, spec.elastic.min_dp, spec.train.global_batch, spec.train.micro_batch, 1)
+    policy = ScalingPolicy.for_spec(spec)
     recovery = Recovery(spec, workers, policy, lines.append, release_timeout_s=1.0, poll_s=0.01,
                         metrics=JobMetrics(spec.name), draining=draining)
     recovery.spares.clock = Clock()
