@@ -89,6 +89,12 @@ class ElasticConfig(SpecSection):
                              "raise it (or leave it auto)")
         return float(value)
 
+    @property
+    def least_hang_limit_s(self) -> float:
+        """The shortest the hang limit can be: its explicit value, or auto's floor. The checks that
+        other waits fit under it (heartbeats, data retries) take this."""
+        return self.hang_timeout_s if isinstance(self.hang_timeout_s, float) else HANG_FLOOR_S
+
     @field_validator("spares", mode="before")
     @classmethod
     def _spares_count_or_auto(cls, value: Any) -> Any:
@@ -143,7 +149,7 @@ def timeout_problems(elastic, data, checkpoint, resources, mode: str = "collecti
         return []
     out, collective = [], elastic.collective_timeout_s
     if isinstance(collective, float) and mode != "ps":  # (ps refuses the field: it forms no process group)
-        hang = elastic.hang_timeout_s if isinstance(elastic.hang_timeout_s, float) else HANG_FLOOR_S
+        hang = elastic.least_hang_limit_s
         if data and data.source == "tokens" and collective <= data.read_retry_s + hang:
             out.append(Problem("elastic.collective_timeout_s", f"{collective:g} s is not above data.read_retry_s + "
                                f"the hang limit ({data.read_retry_s:g} + {hang:g} s): a rank waiting out its data "

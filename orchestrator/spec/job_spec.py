@@ -30,7 +30,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from chaos.config import CHECKPOINT_POINTS, STORAGE_KINDS, ChaosConfig
 from ckpt.config import CheckpointConfig
 from monitor.config import MonitorConfig
-from orchestrator.spec.elastic import HANG_FLOOR_S, ElasticConfig, timeout_problems
+from orchestrator.spec.elastic import ElasticConfig, timeout_problems
 from orchestrator.spec.memory_check import memory_level_problems
 from orchestrator.spec.problems import Problem, SpecError
 from orchestrator.spec.ps_check import ps_defaults, ps_problems
@@ -222,7 +222,7 @@ def _heartbeat_problems(monitor: Any, elastic: Any) -> list[Problem]:
     monitor.heartbeat_s: beats that far apart, against the hang limit, make that rank look hung."""
     if not (monitor and elastic):
         return []
-    limit = elastic.hang_timeout_s if isinstance(elastic.hang_timeout_s, float | int) else HANG_FLOOR_S
+    limit = elastic.least_hang_limit_s
     if monitor.heartbeat_s * 2 <= limit:
         return []
     return [Problem("monitor.heartbeat_s", f"{monitor.heartbeat_s:g} s is over half the hang limit "
