@@ -157,8 +157,7 @@ class EngineState:
         saved, here = meta.get("precision"), self.train_config.precision  # (absent from older checkpoints)
         if saved is not None and saved != here and self.rank == 0:
             log.warning("resuming a checkpoint trained in %s with train.precision %s: %s", saved, here,
-                        "its fp16 loss scale is dropped" if saved == "fp16" else "the loss scale starts at 2^16"
-                        if here == "fp16" else "the forward rounds otherwise; weights and optimizer state stay fp32")
+                        _precision_change(saved, here))
 
     def _restored_fields(self, layout, given: dict) -> dict:
         fields = {}
@@ -261,3 +260,12 @@ def _check_whole(tensors: dict[str, torch.Tensor], params: dict[str, torch.nn.Pa
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}")
     if optim_params and len(optim_params) != len(params):
         raise ValueError(f"optimizer state covers {len(optim_params)} of {len(params)} parameters")
+
+
+def _precision_change(saved: str, here: str) -> str:
+    """What resuming a checkpoint trained in `saved` under train.precision `here` changes."""
+    if saved == "fp16":
+        return "its fp16 loss scale is dropped"
+    if here == "fp16":
+        return "the loss scale starts at 2^16"
+    return "the forward rounds otherwise; weights and optimizer state stay fp32"

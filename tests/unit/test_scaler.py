@@ -126,3 +126,7 @@ def test_resuming_across_precisions_says_what_happens_to_the_loss_scale(caplog):
         fp16_engine().load_state(tensors, meta)  # the same precision: nothing to say
         fp16_engine().load_state(tensors, {k: v for k, v in meta.items() if k != "precision"})  # an older release's
     assert "resuming a checkpoint" not in caplog.text
+    from trainer.engine_state import _precision_change
+
+    assert _precision_change("bf16", "fp16") == "the loss scale starts at 2^16"
+    assert _precision_change("fp32", "bf16").startswith("the forward rounds otherwise")
