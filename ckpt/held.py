@@ -24,7 +24,8 @@ Protocol (in one process; thread-safe):
     generation redoes, and push out the complete snapshot a restore is about to read, or later
     the new generation's newest complete one.
   * `keep_only(files, gen)` when generation `gen` restores: what it restores from stays, the rest
-    goes; the fence rises to `gen` too.
+    goes; the fence rises to `gen` too. What it kept stays while it is `protected` (the newest
+    complete snapshot until `gen` completes one), and goes at the first arrival after.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class HeldShards:
         # A root of its own: the memory filesystem is shared by everything in the process.
         self.storage = Storage(f"memory://undying-held/{job}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.Lock()
-        self._files: dict[str, int] = {}  # relative path -> bytes
+        self._files: dict[str, tuple[int, int]] = {}  # relative path -> (bytes, generation that took it)
         self.gen = -1  # the fence (`fence`, `keep_only`): shards of generations before it are stale
         self.protected: int | None = None  # the controller's newest complete snapshot (`protect`)
 
@@ -70,7 +71,7 @@ class HeldShards:
         with self._lock:  # the same lock as keep_only's generation: a late file is either listed there or refused here
             stale = gen < self.gen
             if not stale:
-                self._files[relpath] = size
+                self._files[relpath] = (size, gen)
         if stale:
             self._drop([relpath])
             return False
@@ -91,7 +92,7 @@ class HeldShards:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(self._files.values())
+            return sum(size for size, _ in self._files.values())
 
     def files(self) -> list[str]:
         with self._lock:
@@ -102,13 +103,19 @@ class HeldShards:
         self.protected = step
 
     def prune(self) -> None:
-        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps, `protected` among them."""
+        """Per owner rank, keep the files of its `PER_OWNER` newest snapshot steps, `protected` among them.
+        A file an earlier generation took goes unless it is `protected`: its owner's rank number may
+        have gone with a shrink (the ranks were renumbered), and no file of that owner would ever
+        arrive again to push it out."""
+        with self._lock:
+            taken_in = {relpath: gen for relpath, (_, gen) in self._files.items()}
+        current = [r for r, gen in taken_in.items() if gen >= self.gen or _step_and_owner(r)[0] == self.protected]
         by_owner: dict[int, set[int]] = {}
-        for relpath in self.files():
+        for relpath in current:
             step, owner = _step_and_owner(relpath)
             by_owner.setdefault(owner, set()).add(step)
         keep = {(step, owner) for owner, steps in by_owner.items() for step in self._kept(sorted(steps))}
-        self._drop(r for r in self.files() if _step_and_owner(r) not in keep)
+        self._drop(r for r in taken_in if r not in current or _step_and_owner(r) not in keep)
 
     def _kept(self, steps: list[int]) -> list[int]:
         """Of one owner's snapshot steps, oldest first: the newest PER_OWNER, or, when `protected` is
@@ -128,6 +135,10 @@ class HeldShards:
         wrote after its last check, would otherwise stay in the process for its life."""
         keep = set(files)
         self.fence(gen)
+        # What a restore reads is the newest complete snapshot until `gen` completes one: protected before
+        # the rank loop's first `protect` (a buddy copy may arrive first), or nothing is (a storage restore).
+        steps = {_step_and_owner(relpath)[0] for relpath in keep}
+        self.protected = steps.pop() if len(steps) == 1 else None
         # The store's own keys: a listing may race another thread's delete (a stale buddy copy dropped).
         prefix = self.storage.root + "/"
         written = {key[len(prefix):] for key in list(self.storage.fs.store) if key.startswith(prefix)}

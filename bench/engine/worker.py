@@ -37,7 +37,7 @@ def _join_nccl(rank: int, world: int, port: int) -> torch.device:
 
 def cpu_matmul_peak(precision: str) -> float:
     """This process's measured matmul peak (FLOP/s) at its thread count: the CPU "peak" of MFU, taken the way
-    the controller takes it (orchestrator.rank.actor.peak_flops_per_rank)."""
+    the controller takes it (orchestrator.rank.device.peak_flops_per_rank)."""
     from trainer.costmodel.hardware import measure_cpu_matmul_flops
 
     return measure_cpu_matmul_flops(0.3, precision)

@@ -11,6 +11,7 @@ methods fan a call out and wait; `start_training` launches every rank's `train` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -33,6 +34,8 @@ from orchestrator.rank.actor import RankActor
 from orchestrator.wire.auth import StoreAddress
 
 log = logging.getLogger(__name__)
+
+HELD_PROBE_S = 5.0  # how long a restore's choice waits for the holders to say what they hold
 
 
 class PlacementError(RuntimeError):
@@ -264,6 +267,20 @@ class RayWorkerGroup(SpareSeats):
         """Actor id -> handle of every rank and spare not known dead (holders of memory snapshots)."""
         handles = [*self.actors.values(), *(actor for actor, _ in self.spares.values())]
         return {actor._actor_id.hex(): actor for actor in handles}
+
+    def held_files(self, timeout_s: float = HELD_PROBE_S) -> dict[str, set[str]]:
+        """Actor id -> the memory snapshot shards each live rank and spare holds now (`RankActor.held_files`),
+        asked of all at once; one that does not answer within `timeout_s`, or dies, holds none."""
+        live = self.live_actors()
+        refs = {actor_id: actor.held_files.remote() for actor_id, actor in live.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: dict[str, set[str]] = {}
+        for actor_id, ref in refs.items():
+            out[actor_id] = set()
+            if ref in ready:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    out[actor_id] = set(ray.get(ref))
+        return out
 
     def wait_any(self, timeout_s: float) -> list[RankOutcome]:
         if not self._train_refs:

@@ -8,8 +8,8 @@ Protocol (controller thread only; one per controller run):
     it failed without proof (orchestrator.controller.restore_policy: quarantine only on proof,
     never a silent start from step 0).
   * `restore_choice(workers, after_failure)` in RESTORING: the step and level to restore (after a
-    failure, a complete memory snapshot whose shards all have live holders when it is at least as
-    new as the restore point, else storage; orchestrator.controller.memory_level);
+    failure, a complete memory snapshot whose shards all have live holders that still hold them,
+    asked then, when it is at least as new as the restore point, else storage; memory_level);
     `expected_restore_point(workers)` the same step, for the lost work a recovery books. Both first
     wait for a manifest create under way (`flush`: it lands before the step is chosen, never
     behind the restore's back; at most checkpoint.commit_timeout_s, past it SavesFailing), unless
@@ -32,12 +32,12 @@ Protocol (controller thread only; one per controller run):
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
   * `close()` at the run's end: a create under way and the last commit's retention pass finish
     (`SETTLE_S` for both together).
-  * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None;
-    a change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
-  * `SavesFailing` is raised out of `on_receipt` / `landed` / `on_save_failed` (so out of the controller's
-    event drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures, and out of
-    `flush` / `fail_if_create_overdue` (a recovery, a grow, the job's end) by a create past its limit:
-    the controller fails the job with its words.
+  * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None; a
+    change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
+  * `SavesFailing` is raised out of `on_receipt` / `landed` / `on_save_failed` (the controller's event
+    drain) by the save that makes `checkpoint.max_failed_saves` consecutive failures, and out of `flush` /
+    `fail_if_create_overdue` (a recovery, a grow, the job's end) by a create past its limit: the
+    controller fails the job with its words.
 
 A save that cannot commit does not stop the job by itself; a run of `checkpoint.max_failed_saves`
 of them with no commit in between does (orchestrator.controller.save_failures).
@@ -224,25 +224,25 @@ class Checkpoints:
         return workers.live_actors() if self.memory.enabled else {}
 
     def restore_choice(self, workers, after_failure: bool) -> tuple[int | None, object]:
-        """(step, memory source or None) to restore, given the worker group's live actors. Only a
-        failure's recovery restores from memory: a generation re-formed on purpose (growing back, a
-        drained node) ended at a commit, and restores that commit as its stop or growth assumed. A
-        snapshot at least as new as this run's newest commit and a create under way is chosen without
-        asking storage (whose outage then costs nothing); the listing of the committed steps is the
-        storage restore's, when no snapshot will do or when one fails to load."""
-        self._await_create(workers, after_failure)
-        source = self.memory.choose(self.latest, self._live(workers)) if after_failure else None
+        """(step, memory source or None) to restore, given the worker group's live actors and what they
+        hold. Only a failure's recovery restores from memory: a generation re-formed on purpose (growing
+        back, a drained node) ended at a commit, and restores it. A snapshot at least as new as this
+        run's newest commit and a create under way is chosen without asking storage (whose outage then
+        costs nothing); the committed steps are listed when no snapshot will do or one fails to load."""
+        held = workers.held_files() if after_failure and self.memory.newest is not None else None
+        self._await_create(workers, after_failure, held)
+        source = self.memory.choose(self.latest, self._live(workers), held) if after_failure else None
         if source is not None:
             return source.step, source
         step = self.restore_point()
         self.memory.on_storage_restore()  # the ranks drop what they hold as it begins
         return step, None
 
-    def _await_create(self, workers, after_failure: bool) -> None:
+    def _await_create(self, workers, after_failure: bool, held: dict | None = None) -> None:
         """`flush`, unless a memory snapshot at least as new as the create under way is restored anyway: a
         store holding a create must not hold a restore that does not read it (the create lands meanwhile)."""
         newest = max([self.latest or 0, *self.committer.committing])
-        if not (after_failure and self.memory.viable(newest, self._live(workers))):
+        if not (after_failure and self.memory.viable(newest, self._live(workers), held)):
             self.flush()
 
     def expected_restore_point(self, workers) -> int | None:

@@ -7,9 +7,11 @@ Protocol (controller thread only; owned by orchestrator.controller.checkpoints.C
     rank's shard is in, and each is held by two processes (the owner and its buddy), the snapshot
     is complete; the newest complete one replaces the previous (its manifest, built and checked
     by the same committer as a storage commit, lives in this process's memory).
-  * `choose(storage_step, live)` in RESTORING: the newest complete snapshot when it is at least
+  * `choose(storage_step, live, held)` in RESTORING: the newest complete snapshot when it is at least
     as new as the newest committed storage checkpoint and every shard of it has a holder among
-    `live` (actor id -> handle); else None, and a snapshot that lost shards is named loudly.
+    `live` (actor id -> handle) that still holds it (`held`: what each holds, asked as the ranks
+    left: a holder prunes a snapshot that completed after its owner took a newer one); else None,
+    and a snapshot that lost shards is named loudly.
   * `discard(step, err)` when a restore from it failed (a holder died meanwhile): never chosen again;
     `on_storage_restore()` when a restore from storage is issued (the ranks drop every snapshot).
   * `buddies(workers, world_size)` at each generation's start: which rank keeps whose copy.
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ckpt.catalog import Catalog
 from ckpt.commit import Committer
+from ckpt.manifest import step_dir
 from ckpt.storage import Storage
 from orchestrator.cluster.buddies import choose_buddies, survives_any_node_loss
 from orchestrator.controller.policies import CheckpointIntervalPolicy
@@ -89,6 +92,7 @@ class MemoryLevel:
         self.committer = self._committer(gen)
         self.committer.reset(anchor)
         self._holders.clear()
+        self.held_bytes.clear()  # by rank: a shrink renumbered them, and every rank reports again
         if self.newest is not None and (self.newest.step != anchor or not from_memory):
             self.newest = None
 
@@ -141,25 +145,34 @@ class MemoryLevel:
             return None
         return None if storage_step is not None and snap.step < storage_step else snap
 
-    def viable(self, storage_step: int | None, live: dict) -> bool:
+    def viable(self, storage_step: int | None, live: dict, held: dict | None = None) -> bool:
         """Whether `choose` would pick the newest snapshot (no side effects)."""
         snap = self._candidate(storage_step)
-        return snap is not None and all(any(h in live for h in ids) for ids in snap.holders.values())
+        return snap is not None and all(self._holding(snap, file, live, held) for file in snap.holders)
+
+    @staticmethod
+    def _holding(snap: Snapshot, file: str, live: dict, held: dict | None) -> list:
+        """The handles of `file`'s holders that are alive and, when `held` was asked, still hold it."""
+        relpath = f"{step_dir(snap.step)}/{file}"
+        return [live[h] for h in snap.holders[file] if h in live and (held is None or relpath in held.get(h, ()))]
 
     def samples_of(self, step: int) -> dict[int, list[int]]:
         return self.newest.samples if self.newest is not None and self.newest.step == step else {}
 
-    def choose(self, storage_step: int | None, live: dict) -> MemorySource | None:
+    def choose(self, storage_step: int | None, live: dict, held: dict | None = None) -> MemorySource | None:
+        """`held` (actor id -> the files it holds, asked just now; None: not asked): a holder that pruned
+        a shard (its owner took a newer snapshot before this one completed) does not count for it."""
         snap = self._candidate(storage_step)
         if snap is None:
             return None
-        holders = {file: [live[h] for h in ids if h in live] for file, ids in snap.holders.items()}
+        holders = {file: self._holding(snap, file, live, held) for file in snap.holders}
         lost = sorted(file for file, found in holders.items() if not found)
         if lost:
             self.unusable.add(snap.step)
             self.log(f"memory snapshot of step {snap.step} LOST: no live holder of {len(lost)} of its "
-                     f"{len(holders)} shards (owner and buddy both gone: {', '.join(lost[:4])}); restoring from "
-                     f"storage" + (f" step {storage_step}" if storage_step is not None else " (nothing committed)"))
+                     f"{len(holders)} shards (owner and buddy both gone, or pruned by them: {', '.join(lost[:4])}); "
+                     "restoring from storage" + (f" step {storage_step}" if storage_step is not None
+                                                  else " (nothing committed)"))
             return None
         return MemorySource(snap.step, snap.manifest_json, holders)
 

@@ -131,6 +131,7 @@ def test_a_late_shard_of_a_generation_that_ended_is_refused_and_evicts_nothing()
     held.put(restored, b"r" * 4, 0)
     held.keep_only([restored], 1)  # generation 1 restores step 9
     held.put(f"{step_dir(12)}/shard-g1-r00001.bin", b"n" * 4, 1)  # its first snapshot, complete
+    held.protect(12)  # (the rank loop, from the plan that names it)
     assert not held.put(f"{step_dir(15)}/shard-g0-r00001.bin", b"s" * 4, 0)  # the late buddy copy
     late = f"{step_dir(15)}/shard-g0-r00000.bin"
     with held.storage.atomic_writer(held.path(late)) as out:  # the late own write, through the storage
@@ -409,6 +410,9 @@ def _controller_checkpoints(tmp_path):
     class Workers:
         def live_actors(self):
             return {"a": object()}
+
+        def held_files(self):
+            return {"a": {f"{step_dir(12)}/shard-r00000.bin"}}
 
     return checkpoints, Workers
 

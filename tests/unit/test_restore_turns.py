@@ -213,7 +213,7 @@ def test_a_restore_made_stale_publishes_nothing_and_the_current_one_publishes():
 def test_a_gpu_rank_without_a_usable_cuda_device_says_what_to_fix(monkeypatch):
     import torch
 
-    from orchestrator.rank.actor import require_cuda
+    from orchestrator.rank.device import require_cuda
 
     def old_driver():  # what torch says on a node whose driver predates its CUDA
         raise RuntimeError("The NVIDIA driver on your system is too old (found version 12020)")
