@@ -59,8 +59,10 @@ def row_expressions(dashboard: dict, title: str) -> list[tuple[str, str]]:
 
 
 def variables(dashboard: dict, job: str) -> dict[str, str]:
-    """Values for every variable: `job` as given, interval variables at their current value."""
-    values = dict(BUILTINS, job=job)
+    """Values for every variable: `job` as given, `namespace` as Grafana sets it when the series carry
+    none (a job outside Kubernetes: empty, which `=~` matches to the absent label), interval
+    variables at their current value."""
+    values = dict(BUILTINS, job=job, namespace="")
     for var in dashboard["templating"]["list"]:
         if var["type"] in ("interval", "constant", "custom"):
             values[var["name"]] = var["current"]["value"]

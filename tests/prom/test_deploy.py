@@ -32,8 +32,13 @@ def test_dashboard_header_and_variables():
     job = variables["job"]
     assert job["type"] == "query" and job["datasource"] == DATASOURCE
     # Every job from its start: one stuck before its first step (startup, a restore) is listed too.
-    listed = "label_values(undying_run_start_timestamp_seconds, undying_job)"
+    listed = 'label_values(undying_run_start_timestamp_seconds{namespace=~"$namespace"}, undying_job)'
     assert job["definition"] == job["query"]["query"] == listed
+    # Jobs of one name in two namespaces are two jobs: the namespace is chosen first, one at a time.
+    namespace = variables["namespace"]
+    assert [v["name"] for v in dash["templating"]["list"]].index("namespace") < list(variables).index("job")
+    assert namespace["query"]["query"] == "label_values(undying_run_start_timestamp_seconds, namespace)"
+    assert not namespace["multi"] and not namespace["includeAll"]
 
 
 def test_every_panel_is_complete_and_unique():
@@ -89,6 +94,11 @@ def test_every_variable_in_a_query_is_defined():
         used = {m for groups in re.findall(r"\$\{(\w+)|\$(\w+)|\[\[(\w+)\]\]", expr) for m in groups if m}
         assert used <= defined, f"{where}: undefined variables {used - defined}"
         assert 'undying_job="$job"' in expr, f"{where} does not select the dashboard's job: {expr}"
+        selectors = re.findall(r"\{[^{}]*\}", expr)
+        unscoped = [s for s in selectors if "undying_job" in s and 'namespace=~"$namespace"' not in s]
+        assert not unscoped, f"{where} selects a job's name without its namespace: {unscoped}"
+        groupings = re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
+        assert all("namespace" in g for g in groupings if "undying_job" in g), f"{where} joins jobs across namespaces"
 
 
 def _uncomment_examples(text: str) -> str:

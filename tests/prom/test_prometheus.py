@@ -167,8 +167,10 @@ def test_values_describe_the_job(scraped):
 
 def test_the_dashboards_job_variable_lists_the_job(scraped):
     prom, *_ = scraped
-    # label_values(undying_run_start_timestamp_seconds, undying_job)
-    assert prom.label_values("undying_job", "undying_run_start_timestamp_seconds") == [JOB]
+    # label_values(undying_run_start_timestamp_seconds{namespace=~"$namespace"}, undying_job), with no
+    # namespace label outside Kubernetes: the namespace variable is empty, and the job is listed.
+    assert prom.label_values("namespace", "undying_run_start_timestamp_seconds") == []
+    assert prom.label_values("undying_job", 'undying_run_start_timestamp_seconds{namespace=~""}') == [JOB]
 
 
 # Panels this job cannot fill, and where their queries are checked against a live Prometheus instead.
