@@ -8,7 +8,7 @@ docs/benchmarks.md always come from one recorded run.
 from __future__ import annotations
 
 from orchestrator.cli.chaos.goodput_model import ModelInputs
-from orchestrator.cli.chaos.sweep import Row, table
+from orchestrator.cli.chaos.sweep import Row, against_best, table
 
 SECTION = "## Checkpoint interval sweep: measured goodput vs Young's tau*"
 NOTES = ("<!-- sweep-notes: kept when python -m bench.goodput rewrites this section -->", "<!-- /sweep-notes -->")
@@ -27,8 +27,7 @@ def sweep_section(data: dict, command: str, plot: str | None, date: str, seconds
                         f"{100 * best['steady_goodput']:.1f}% goodput excluding start-up.")
     for rule in ("young", "young-daly"):
         if rule in summary:
-            below = summary[rule]["points_below_best"]
-            side = f"{abs(below):.1f} points {'below' if below >= 0 else 'above'}"  # (negative: it beat them)
+            side = against_best(summary[rule]["points_below_best"])
             verdicts.append(f"- `interval: {rule}`: {side} the best fixed interval (realised interval "
                             f"{summary[rule]['realised_s'] or 0:.1f} s).")
     command = command or data.get("command", "")

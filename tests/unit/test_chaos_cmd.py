@@ -250,7 +250,10 @@ def test_sweep_runs_each_interval_under_the_same_failures_and_writes_json_and_pl
                                  "--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--set", "train.steps=40",
                                  "--out", str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "sweep.png")])
     assert chaos_main(args, runner=runner) == EXIT_OK
-    assert [s.name for s in seen] == ["demo.sweep-calibrate", "demo.sweep-1s", "demo.sweep-4s", "demo.sweep-young"]
+    # Without --levels, the spec's own level: demo.yaml's memory level is on.
+    assert [s.name for s in seen] == ["demo.sweep-calibrate", *(f"demo.sweep-{i}.two-level" for i in ("1s", "4s",
+                                                                                                      "young"))]
+    assert all(s.checkpoint.memory.enabled for s in seen[1:])
     assert [s.checkpoint.every_steps for s in seen[1:]] == [4, 16, None]  # 0.25 s per step, measured
     assert seen[1].chaos == seen[2].chaos == seen[3].chaos and seen[0].chaos.mtbf_s is None
     saved = json.loads((tmp_path / "sweep.json").read_text())
@@ -289,6 +292,13 @@ def test_sweep_levels_run_each_interval_with_and_without_the_memory_level(tmp_pa
     assert gain["goodput_points"] == pytest.approx(100 * (45 / 46 - 40 / 41))
     assert gain["wall_change"] == pytest.approx(46 / 41 - 1)  # the same steps: the like-for-like figure
     assert "interval young: two-level +" in capsys.readouterr().out
+    seen.clear()  # one level asked for is that level, not the spec's (whose memory level is on)
+    args = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "120s", "--kind", "kill_rank",
+                                 "--intervals", "young", "--levels", "storage", "--step-s", "0.25", "--fresh",
+                                 "--set", "chaos.faults=[]", "--set", f"checkpoint.url=file://{tmp_path}/ckpt",
+                                 "--set", "train.steps=40"])
+    assert chaos_main(args, runner=runner) == EXIT_OK
+    assert [(s.name, s.checkpoint.memory.enabled) for s in seen] == [("demo.sweep-young", False)]
 
 
 def test_random_node_kills_never_target_the_controllers_node(tmp_path):

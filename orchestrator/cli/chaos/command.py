@@ -255,7 +255,7 @@ def sweep_main(spec, intervals, levels, args, runner: Runner) -> int:
              if best else ""), flush=True)
     for rule in sweep.RULES:
         if rule in result:
-            print(f"{rule}: {result[rule]['points_below_best']:+.1f} points below the best fixed interval")
+            print(f"{rule}: {sweep.against_best(result[rule]['points_below_best'])} the best fixed interval")
     for label, gain in result["two_level_vs_storage"].items():
         print(f"interval {label}: two-level {gain['goodput_points']:+.1f} points of goodput, its wall "
               f"{gain['wall_change']:+.1%} for the same steps, against storage only")
@@ -278,7 +278,7 @@ def _run_grid(spec, intervals, levels, step_s: float, args, runner: Runner):
 
     rows, reports = [], []
     for interval, level in [(i, level) for i in intervals for level in levels]:
-        run_spec = sweep.sweep_spec(spec, interval, step_s, level if len(levels) > 1 else None)
+        run_spec = sweep.sweep_spec(spec, interval, step_s, level)
         try:
             prepare_root(run_spec, args.fresh)
         except SpecError as err:

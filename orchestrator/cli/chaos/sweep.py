@@ -180,6 +180,11 @@ def summary(rows: Sequence[Row], inputs: ModelInputs) -> dict:
     return out
 
 
+def against_best(points_below: float) -> str:
+    """`summary`'s points_below_best in words: "4.7 points below" it, or "5.5 points above" (it beat them)."""
+    return f"{abs(points_below):.1f} points {'below' if points_below >= 0 else 'above'}"
+
+
 def level_gains(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
     """Per interval run at both levels, two-level against storage-only: `goodput_points` (the difference,
     in points) and `wall_change` (how much longer two-level's wall is for the same steps, a fraction).
