@@ -2,7 +2,8 @@
 
 Protocol (controller thread only; `Checkpoints` owns one and the controller's RESTORING handler
 drives it through Checkpoints):
-  * `restore_point()`: the newest committed step this run has not found unusable. None (start
+  * `restore_point()`: the newest committed step this run has not found unusable (corrupt, or a
+    late commit of a driver that had lost the root: ckpt.late_commits). None (start
     from step 0) only when the root never held a checkpoint, or with `undying run --fresh`.
     Raises NoRestorePoint when committed checkpoints exist (or this root's were all quarantined)
     and none is left to try: the job fails naming them, it never starts over on its own.
@@ -30,6 +31,7 @@ import logging
 from collections.abc import Callable
 
 from ckpt.errors import CorruptCheckpoint, TransientStorageError, UnsupportedManifest, location_of
+from ckpt.late_commits import LateCommits
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.reader import read_manifest, verify_checkpoint, verify_location
 from ckpt.storage_errors import ReadRetry
@@ -38,6 +40,8 @@ from trainer.urls import RangeIgnored
 log = logging.getLogger(__name__)
 
 FRESH_HINT = "`undying run --fresh` starts from step 0 (docs/design.md, restore)"
+LATE_COMMIT = ("committed by a driver that no longer owned this checkpoint root (its manifest landed after this run "
+               "took the root over, ckpt.late_commits): this run neither restores nor deletes it")
 
 
 class NoRestorePoint(RuntimeError):
@@ -80,6 +84,7 @@ class RestorePolicy:
         self.retry = ReadRetry(read_retry_s, interrupt=interrupt)
         self.fresh = fresh  # --fresh: an empty root (checkpoints all quarantined) may start from step 0
         self.bad: dict[int, str] = {}  # committed steps this run will not restore -> why
+        self.late = LateCommits(catalog)  # commits landed after their writer lost the root
         self.intact: set[int] = set()  # those of them the controller's own verification read intact
 
     def read_manifest(self, step: int):
@@ -88,6 +93,9 @@ class RestorePolicy:
     def restore_point(self) -> int | None:
         retry = self.retry.fresh()
         committed = retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
+        for step in self.late.on_listing([s for s in committed if s not in self.bad]):
+            self.bad[step] = LATE_COMMIT
+            log.warning("checkpoint step %d: %s", step, LATE_COMMIT)
         candidates = [s for s in committed if s not in self.bad]
         if candidates:
             return candidates[-1]
@@ -108,6 +116,7 @@ class RestorePolicy:
         return None
 
     def on_committed(self, step: int) -> None:
+        self.late.on_committed(step)
         self.bad.pop(step, None)  # a quarantined step saved and committed again is good
         self.intact.discard(step)
 
