@@ -42,3 +42,11 @@ def test_an_off_run_turns_the_switch_off_for_itself_only(monkeypatch):
         assert seen == [False] and torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_every_round_s_losses_are_compared_not_only_the_first(monkeypatch):
+    runs = iter([[1.0, 2.0], [1.0, 2.0], [1.0, 2.5], [1.0, 2.0]])  # round 2's first run (off) differs
+    monkeypatch.setattr(bench, "timed_run", lambda job, setting: ([0.1], next(runs)))
+    result = bench.measure({"rounds": 2})
+    assert result["on_repeats"] and not result["losses_equal"]
+    assert "differ from on" in bench.table(result) and "bitwise equal in every round" in bench.table(result)
