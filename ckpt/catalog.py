@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 from ckpt.housekeeping import PassFence
-from ckpt.late_commits import OWNER_EPOCH
+from ckpt.late_commits import OWNER
 from ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -101,8 +101,8 @@ class Catalog:
         tensors = merge_receipts(receipts)
         if files_here:
             self._require_files(step, receipts)
-        if self.owner_epoch() is not None:  # which holder committed it (ckpt.late_commits)
-            state = {**state, OWNER_EPOCH: self.owner_epoch()}
+        if self.owner_claim() is not None:  # which holder committed it (ckpt.late_commits)
+            state = {**state, OWNER: self.owner_claim()}
         manifest = Manifest(
             job=job, step=step, generation=generation, layout=layout, spec_hash=spec_hash,
             created_at=time.time(), tensors=tensors, state=state,
@@ -195,12 +195,12 @@ class Catalog:
 
     def _leased(self) -> bool:
         """A lease on the root stands behind this catalog's fence (its claim is under the root)."""
-        return self.owner_epoch() is not None
+        return self.owner_claim() is not None
 
-    def owner_epoch(self) -> int | None:
-        """The epoch of the lease behind this catalog's fence; None without one."""
+    def owner_claim(self) -> dict | None:
+        """{"epoch", "token"} of the lease behind this catalog's fence; None without one."""
         fence = self.owner.owner if isinstance(self.owner, PassFence) else self.owner
-        return fence.epoch if isinstance(fence, OwnerLease) else None
+        return {"epoch": fence.epoch, "token": fence.token} if isinstance(fence, OwnerLease) else None
 
     def gc_candidates(self) -> list[int]:
         """`all_steps`, plus steps that hold only multipart uploads a killed writer left pending (S3)."""

@@ -8,30 +8,42 @@ spec, maybe already collected as that driver's garbage), and a restore that took
 checkpoint would load it. The store offers no write conditional on another object (the lease), so
 the holder that took the root tells such commits apart itself.
 
-Protocol (the holder's controller thread: orchestrator.controller.restore_policy.RestorePolicy):
-  * Catalog.commit records the committing holder's lease epoch in the manifest's state
-    (`OWNER_EPOCH`).
-  * `on_listing(committed)` with each listing of the committed steps; the first records them as
-    known (whatever was committed before this holder looked is the root's history), and each later
-    one returns the steps that appeared since which this holder did not commit (their manifest
-    carries another epoch, or none): late commits, which this run neither restores nor deletes.
+Protocol (orchestrator.controller.restore_policy.RestorePolicy, on the controller's thread):
+  * Catalog.commit records the committing holder's claim in the manifest's state (`OWNER`: the
+    lease's epoch, and its token, which tells two claims of one epoch apart after owner/ was wiped).
+  * `LateCommits(catalog)` is made as the driver starts, right after it claimed the root: it lists
+    the committed steps then, the root's history (a listing that fails is taken at the first
+    `on_listing` instead).
+  * `on_listing(committed)` with each later listing returns the steps that appeared since which
+    this holder did not commit (their manifest carries another claim, or none): late commits, which
+    this run neither restores nor counts. A manifest that does not read for the store's failures
+    raises (the caller's retry budget applies); one that does not parse, or is another version's,
+    is left to the restore, which reports it as such.
   * `on_committed(step)` for each commit of this holder's (booked): known from then on. One whose
-    create landed without being booked (an answer lost on the way) is known by its epoch.
+    create landed without being booked (an answer lost on the way) is known by its claim.
 """
 
 from __future__ import annotations
 
 import logging
 
+from ckpt.errors import CorruptCheckpoint, UnsupportedManifest
+
 log = logging.getLogger(__name__)
 
-OWNER_EPOCH = "owner_epoch"  # the manifest state's key: the lease epoch of the holder that committed it
+OWNER = "owner"  # the manifest state's key: {"epoch", "token"} of the claim that committed it
 
 
 class LateCommits:
     def __init__(self, catalog):
         self.catalog = catalog
         self.known: set[int] | None = None  # committed steps of the first listing, and this holder's own
+        if catalog.owner_claim() is not None:
+            try:
+                self.known = set(catalog.committed_steps())
+            except Exception as err:  # noqa: BLE001 (the store: the restore's own listing, with its retries)
+                log.warning("could not list the committed checkpoints as the root was claimed (%s: %s); the "
+                            "first restore's listing is taken as the root's history", type(err).__name__, err)
 
     def on_listing(self, committed: list[int]) -> list[int]:
         """The steps of `committed` that are late commits (none at the first listing, which sets `known`)."""
@@ -40,10 +52,9 @@ class LateCommits:
             return []
         late = []
         for step in (s for s in committed if s not in self.known):
-            ours = self._committed_by_us(step)
-            if ours:
+            if self._committed_by_us(step):
                 self.known.add(step)
-            elif ours is False:
+            else:
                 late.append(step)
         return late
 
@@ -51,15 +62,13 @@ class LateCommits:
         if self.known is not None:
             self.known.add(step)
 
-    def _committed_by_us(self, step: int) -> bool | None:
-        """Whether this holder committed `step` (its manifest carries our epoch); None when that cannot
-        be told now (the manifest does not read: the restore that reads it finds out what it is)."""
-        epoch = self.catalog.owner_epoch()
-        if epoch is None:
+    def _committed_by_us(self, step: int) -> bool:
+        """Whether this holder committed `step`: its manifest carries our claim."""
+        claim = self.catalog.owner_claim()
+        if claim is None:
             return True  # no lease (a reader, a test): nobody else commits here
         try:
             state = self.catalog.read_manifest(step).state
-        except Exception as err:  # noqa: BLE001 (the store, a torn manifest: judged by the restore's own read)
-            log.warning("could not tell who committed checkpoint step %d (%s: %s)", step, type(err).__name__, err)
-            return None
-        return state.get(OWNER_EPOCH) == epoch
+        except (CorruptCheckpoint, UnsupportedManifest):
+            return True  # the restore reads it, and reports what it is (quarantined, or another version's)
+        return state.get(OWNER) == claim

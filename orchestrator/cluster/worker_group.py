@@ -270,14 +270,16 @@ class RayWorkerGroup(SpareSeats):
 
     def held_files(self, timeout_s: float = HELD_PROBE_S) -> dict[str, set[str]]:
         """Actor id -> the memory snapshot shards each live rank and spare holds now (`RankActor.held_files`),
-        asked of all at once; one that does not answer within `timeout_s`, or dies, holds none."""
+        asked of all at once; one that died holds none, one that does not answer within `timeout_s` is
+        left out (not known: its liveness alone counts, and a read from it that fails discards the
+        snapshot as before)."""
         live = self.live_actors()
         refs = {actor_id: actor.held_files.remote() for actor_id, actor in live.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         out: dict[str, set[str]] = {}
         for actor_id, ref in refs.items():
-            out[actor_id] = set()
             if ref in ready:
+                out[actor_id] = set()
                 with contextlib.suppress(ray.exceptions.RayError):
                     out[actor_id] = set(ray.get(ref))
         return out

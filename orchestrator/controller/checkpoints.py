@@ -229,7 +229,7 @@ class Checkpoints:
         back, a drained node) ended at a commit, and restores it. A snapshot at least as new as this
         run's newest commit and a create under way is chosen without asking storage (whose outage then
         costs nothing); the committed steps are listed when no snapshot will do or one fails to load."""
-        held = workers.held_files() if after_failure and self.memory.newest is not None else None
+        held = workers.held_files() if after_failure and self.memory.worth_asking(self.latest) else None
         self._await_create(workers, after_failure, held)
         source = self.memory.choose(self.latest, self._live(workers), held) if after_failure else None
         if source is not None:
@@ -246,7 +246,7 @@ class Checkpoints:
             self.flush()
 
     def expected_restore_point(self, workers) -> int | None:
-        """The step `restore_choice` would pick now (the lost work to book), once a create under way landed."""
+        """The step `restore_choice` would pick now by the holders' liveness (the lost work to book), after a create."""
         self._await_create(workers, after_failure=True)
         if self.memory.viable(self.latest, self._live(workers)):
             return self.memory.newest.step

@@ -135,6 +135,10 @@ class MemoryLevel:
                          f"ranks' warnings); {self.incomplete} given up so far, restores use the newest complete "
                          "one or storage")
 
+    def worth_asking(self, storage_step: int | None) -> bool:
+        """Whether a snapshot could be chosen over `storage_step`, so that its holders are worth asking."""
+        return self._candidate(storage_step) is not None
+
     def newest_step(self) -> int | None:
         """The newest complete snapshot's step (the plan names it: ckpt.held keeps it), None without one."""
         return self.newest.step if self.newest is not None else None
@@ -152,9 +156,11 @@ class MemoryLevel:
 
     @staticmethod
     def _holding(snap: Snapshot, file: str, live: dict, held: dict | None) -> list:
-        """The handles of `file`'s holders that are alive and, when `held` was asked, still hold it."""
+        """The handles of `file`'s holders that are alive and still hold it, as far as `held` says (a
+        holder it leaves out did not answer in time: alive is all that is known of it)."""
         relpath = f"{step_dir(snap.step)}/{file}"
-        return [live[h] for h in snap.holders[file] if h in live and (held is None or relpath in held.get(h, ()))]
+        return [live[h] for h in snap.holders[file]
+                if h in live and (held is None or relpath in held.get(h, {relpath}))]
 
     def samples_of(self, step: int) -> dict[int, list[int]]:
         return self.newest.samples if self.newest is not None and self.newest.step == step else {}

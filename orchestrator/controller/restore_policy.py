@@ -93,15 +93,18 @@ class RestorePolicy:
     def restore_point(self) -> int | None:
         retry = self.retry.fresh()
         committed = retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
-        for step in self.late.on_listing([s for s in committed if s not in self.bad]):
+        unjudged = [s for s in committed if s not in self.bad]
+        for step in retry.call(lambda: self.late.on_listing(unjudged), "reading who committed the new checkpoints"):
             self.bad[step] = LATE_COMMIT
             log.warning("checkpoint step %d: %s", step, LATE_COMMIT)
         candidates = [s for s in committed if s not in self.bad]
         if candidates:
             return candidates[-1]
-        if self.bad:
+        # Late commits are not this job's history: with none of its own, it starts as it would without them.
+        refused = {s: why for s, why in self.bad.items() if why != LATE_COMMIT}
+        if refused:
             tried = "; ".join(why if s is None else f"step {s}: {why}"
-                              for s, why in sorted(self.bad.items(), key=lambda item: item[0] or -1, reverse=True))
+                              for s, why in sorted(refused.items(), key=lambda item: item[0] or -1, reverse=True))
             hint = FRESH_HINT if not committed else "rerun to try them again, or start over under another name " \
                                                     "(--set name=...)"
             raise NoRestorePoint(f"no committed checkpoint can be restored ({tried}); nothing was deleted and the "
@@ -184,6 +187,9 @@ class RestorePolicy:
         """Whether committed `step`, skipped by this run's restore, was saved by a run of spec `spec_hash`
         (the restore's own checks of its state never ran: its read failed first) and verifies whole (checked
         now when only the damaged bytes were); `say` prints why not."""
+        if self.bad.get(step) == LATE_COMMIT:
+            say(f"checkpoint step {step}: {LATE_COMMIT}; not taken as this job's final checkpoint")
+            return False
         try:
             saved = self.read_manifest(step).spec_hash
         except Exception as err:  # unreadable now: not this job's final checkpoint as far as we know

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from ckpt.catalog import Catalog
-from ckpt.late_commits import OWNER_EPOCH
+from ckpt.late_commits import OWNER
 from ckpt.ownership import OwnerLease
 from ckpt.storage import Storage
 from orchestrator.controller.restore_policy import LATE_COMMIT, RestorePolicy
@@ -28,10 +28,9 @@ def test_a_late_commit_of_the_driver_that_lost_the_root_is_neither_restored_nor_
     url, old, new = _takeover(tmp_path)
     try:
         catalog = Catalog(Storage(url), owner=new)
-        assert catalog.read_manifest(10).state[OWNER_EPOCH] == old.epoch
-        policy = RestorePolicy(catalog, read_retry_s=0.2)
-        assert policy.restore_point() == 10  # B's first listing: the root's history
-        # A's stalled create lands now (its lease check passed long ago; nothing checks it again).
+        assert catalog.read_manifest(10).state[OWNER] == {"epoch": old.epoch, "token": old.token}
+        policy = RestorePolicy(catalog, read_retry_s=0.2)  # B's driver starts: the root's history is listed
+        # A's stalled create lands now, while B places its ranks (its lease check passed long ago).
         save_checkpoint(Catalog(Storage(url)), 30, make_state(30), world=2)
         with caplog.at_level(logging.WARNING, logger="orchestrator.controller.restore_policy"):
             assert policy.restore_point() == 10  # not step 30: another history's, maybe another spec's
@@ -52,6 +51,45 @@ def test_the_holder_s_own_commits_are_restored_booked_or_not(tmp_path):
         assert policy.restore_point() == 20
         save_checkpoint(catalog, 40, make_state(40), world=2)  # landed, its answer lost: never booked
         assert policy.restore_point() == 40 and policy.bad == {}  # known by the epoch it carries
-        assert catalog.read_manifest(40).state[OWNER_EPOCH] == new.epoch
+        assert catalog.read_manifest(40).state[OWNER]["token"] == new.token
+    finally:
+        new.release()
+
+
+def test_a_late_commit_in_a_root_with_no_history_of_the_job_s_own_starts_it_from_step_0(tmp_path):
+    url = f"file://{tmp_path}/job"
+    old = OwnerLease.claim(Storage(url), "a", lease_s=600.0)
+    old.release()
+    new = OwnerLease.claim(Storage(url), "b", lease_s=600.0)
+    try:
+        policy = RestorePolicy(Catalog(Storage(url), owner=new), read_retry_s=0.2)  # nothing committed
+        save_checkpoint(Catalog(Storage(url)), 30, make_state(30), world=2)  # A's late create
+        assert policy.restore_point() is None  # as without it, not NoRestorePoint
+        said = []
+        assert not policy.kept_intact(30, "h", said.append)  # never taken as the job's final checkpoint
+        assert "committed by a driver that no longer owned" in said[0]
+    finally:
+        new.release()
+
+
+def test_a_manifest_that_does_not_read_for_the_store_is_retried_then_fails_the_restore(tmp_path, monkeypatch):
+    import pytest
+
+    from ckpt.errors import TransientStorageError
+
+    url, _, new = _takeover(tmp_path)
+    try:
+        catalog = Catalog(Storage(url), owner=new)
+        policy = RestorePolicy(catalog, read_retry_s=0.2)
+        save_checkpoint(Catalog(Storage(url)), 30, make_state(30), world=2)
+
+        def store_down(step):
+            raise ConnectionError("the store is down")
+
+        monkeypatch.setattr(catalog, "read_manifest", store_down)
+        with pytest.raises(TransientStorageError, match="reading who committed"):
+            policy.restore_point()  # never restored while who committed it is unknown
+        monkeypatch.undo()
+        assert policy.restore_point() == 10
     finally:
         new.release()

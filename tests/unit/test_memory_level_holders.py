@@ -77,6 +77,8 @@ def test_a_snapshot_that_completed_after_its_holders_pruned_it_is_not_chosen(tmp
     live = {name: name for name in holders}
     assert level.viable(None, live)  # alive, which is all that liveness says
     held = {name: set(h.files()) for name, h in holders.items()}
+    # A holder that did not answer in time is left out of `held`: its liveness alone counts for it.
+    assert level.viable(None, live, {"a1": held["a1"]})
     assert not level.viable(None, live, held) and level.choose(None, live, held) is None
     assert "memory snapshot of step 6 LOST" in lines[-1] and "pruned by them" in lines[-1]
 
