@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedManifest
 from ckpt.housekeeping import PassFence
-from ckpt.late_commits import OWNER
+from ckpt.late_commits import LATE_PREFIX, OWNER, is_late, withdraw
 from ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -81,6 +81,7 @@ class Catalog:
     def __init__(self, storage: Storage, owner: OwnerLease | None = None):
         self.storage = storage
         self.owner = owner
+        self.history: set[int] | None = None  # committed steps as the owner claimed (ckpt.late_commits)
 
     def fence(self) -> None:
         """Raise OwnershipLost unless this catalog's holder still owns the root, OwnershipUncertain while
@@ -117,6 +118,11 @@ class Catalog:
             # Our own earlier attempt may have landed (retried request): same step and same
             # shard set means the same checkpoint. Anything else is a second writer.
             existing = self.read_manifest(step)
+            if is_late(self, step, existing.state):  # a driver that lost the root: aside, and ours goes in
+                withdraw(self, step)
+                self.fence()
+                self.storage.create_exclusive(path, data)
+                return manifest
             if existing.tensors != manifest.tensors:
                 raise AlreadyCommitted(
                     f"checkpoint step {step} was committed by another writer with different shards"
@@ -154,6 +160,12 @@ class Catalog:
         Returns the copy's path; None when it parses when read again (it landed whole: it stays).
         """
         return self._move_aside(step, TORN_PREFIX, unless_it_parses=True)
+
+    def withdraw_late(self, step: int) -> str | None:
+        """Move aside the manifest of `step` that a driver which had lost the root created after this
+        owner took it (ckpt.late_commits): `manifest.late-<time>-<random>.json`, kept with its shards as
+        evidence (GC leaves the step), not counted by `quarantined_steps`. Returns the copy's path."""
+        return self._move_aside(step, LATE_PREFIX, unless_it_parses=False)
 
     def _move_aside(self, step: int, prefix: str, unless_it_parses: bool) -> str | None:
         self.fence()
@@ -221,10 +233,11 @@ class Catalog:
         return GcPlan(expired=plan.expired, orphans=self._without_evidence(plan.orphans))
 
     def _without_evidence(self, orphans: list[int]) -> list[int]:
-        """`orphans` less the steps that hold a quarantined manifest: a checkpoint proven corrupt keeps
-        its files as evidence (its manifest moved aside, its shards as they were) until someone who
-        has examined them deletes them; GC takes it for an unfinished save otherwise."""
-        return [s for s in orphans if not any(name.startswith(QUARANTINED_PREFIX) for name in
+        """`orphans` less the steps that hold a quarantined or a late commit's manifest: a checkpoint proven
+        corrupt, or committed by a driver that had lost the root, keeps its files as evidence (its manifest
+        moved aside, its shards as they were) until someone who has examined them deletes them; GC takes
+        it for an unfinished save otherwise."""
+        return [s for s in orphans if not any(name.startswith((QUARANTINED_PREFIX, LATE_PREFIX)) for name in
                                               self.storage.listdir(self.storage.path(step_dir(s))))]
 
     def apply_gc(self, plan: GcPlan) -> None:

@@ -8,19 +8,26 @@ spec, maybe already collected as that driver's garbage), and a restore that took
 checkpoint would load it. The store offers no write conditional on another object (the lease), so
 the holder that took the root tells such commits apart itself.
 
-Protocol (orchestrator.controller.restore_policy.RestorePolicy, on the controller's thread):
+Protocol:
   * Catalog.commit records the committing holder's claim in the manifest's state (`OWNER`: the
     lease's epoch, and its token, which tells two claims of one epoch apart after owner/ was wiped).
-  * `LateCommits(catalog)` is made as the driver starts, right after it claimed the root: it lists
-    the committed steps then, the root's history (a listing that fails is taken at the first
-    `on_listing` instead).
-  * `on_listing(committed)` with each later listing returns the steps that appeared since which
-    this holder did not commit (their manifest carries another claim, or none): late commits, which
-    this run neither restores nor counts. A manifest that does not read for the store's failures
-    raises (the caller's retry budget applies); one that does not parse, or is another version's,
-    is left to the restore, which reports it as such.
+  * `record_history(catalog, retry)`: the driver, right after it claimed the root and before
+    anything else touches the store, lists the committed steps: the root's history. A listing the
+    store keeps failing fails the start (orchestrator.cli.run), as a claim that cannot land does.
+  * `LateCommits(catalog)` (orchestrator.controller.restore_policy.RestorePolicy, on the
+    controller's thread): `on_listing(committed)` with each restore's listing returns the steps to
+    leave out. A step that appeared since the history, which this holder did not commit (its
+    manifest carries another claim, or none), is a late commit: its manifest is moved aside (under
+    the lease's fence) as `manifest.late-<ms>-<random>.json`, kept as evidence with its shards, so
+    that no run restores or counts it and the job's own save of that step commits. A manifest gone
+    since the listing is left out too. One that does not read for the store's failures raises (the
+    caller's retry budget applies); one that does not parse, or is another version's, is left to
+    the restore, which reports it as such.
   * `on_committed(step)` for each commit of this holder's (booked): known from then on. One whose
     create landed without being booked (an answer lost on the way) is known by its claim.
+  * A save of this holder's that finds a late commit at its step (one that landed after the last
+    restore's listing) moves it aside and creates its own (Catalog.commit, `is_late`).
+A catalog without a history (tests, readers) takes its first `on_listing` as the history.
 """
 
 from __future__ import annotations
@@ -32,31 +39,53 @@ from ckpt.errors import CorruptCheckpoint, UnsupportedManifest
 log = logging.getLogger(__name__)
 
 OWNER = "owner"  # the manifest state's key: {"epoch", "token"} of the claim that committed it
+LATE_PREFIX = "manifest.late-"  # a late commit's manifest, moved aside: manifest.late-<ms>-<random>.json
+
+
+def record_history(catalog, retry) -> None:
+    """The committed steps of `catalog`'s root now, as its owner's history (`catalog.history`)."""
+    catalog.history = set(retry.call(catalog.committed_steps, "listing the committed checkpoints as the root "
+                                                              "was claimed"))
+
+
+def is_late(catalog, step: int, state: dict) -> bool:
+    """Whether committed `step`, whose manifest state is `state`, is a late commit: not in the history of
+    `catalog`'s owner (None: not known, so no) and not carrying its claim."""
+    return catalog.history is not None and step not in catalog.history and state.get(OWNER) != catalog.owner_claim()
+
+
+def withdraw(catalog, step: int) -> None:
+    """Move the late commit `step` aside (Catalog.withdraw_late), saying so."""
+    aside = catalog.withdraw_late(step)
+    log.warning("checkpoint step %d was committed by a driver that no longer owned this root (its manifest landed "
+                "after this run took the root over): moved aside to %s, kept with its shards as evidence; no run "
+                "restores or counts it", step, aside)
 
 
 class LateCommits:
     def __init__(self, catalog):
         self.catalog = catalog
-        self.known: set[int] | None = None  # committed steps of the first listing, and this holder's own
-        if catalog.owner_claim() is not None:
-            try:
-                self.known = set(catalog.committed_steps())
-            except Exception as err:  # noqa: BLE001 (the store: the restore's own listing, with its retries)
-                log.warning("could not list the committed checkpoints as the root was claimed (%s: %s); the "
-                            "first restore's listing is taken as the root's history", type(err).__name__, err)
+        # The root's history and this holder's own commits; None until the first listing without one.
+        self.known: set[int] | None = None if catalog.history is None else set(catalog.history)
 
-    def on_listing(self, committed: list[int]) -> list[int]:
-        """The steps of `committed` that are late commits (none at the first listing, which sets `known`)."""
+    def on_listing(self, committed: list[int]) -> set[int]:
+        """The steps of `committed` to leave out: late commits (moved aside), and manifests gone since."""
         if self.known is None:
             self.known = set(committed)
-            return []
-        late = []
+            return set()
+        out = set()
         for step in (s for s in committed if s not in self.known):
-            if self._committed_by_us(step):
+            try:
+                ours = self._committed_by_us(step)
+            except FileNotFoundError:
+                out.add(step)  # deleted since the listing (`undying ckpt gc`): not there to restore
+                continue
+            if ours:
                 self.known.add(step)
             else:
-                late.append(step)
-        return late
+                out.add(step)
+                withdraw(self.catalog, step)
+        return out
 
     def on_committed(self, step: int) -> None:
         if self.known is not None:

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import sys
 
+from ckpt.catalog import Catalog
+from ckpt.errors import TransientStorageError
+from ckpt.late_commits import record_history
 from ckpt.owner_claims import UnreadableClaim
 from ckpt.ownership import OwnerAlive, OwnerLease
 from ckpt.storage import Storage
+from ckpt.storage_errors import ReadRetry
 from orchestrator.cli.ckpt_catalog import error_reason, is_storage_error
 
 # Written into every root a chaos experiment runs in (orchestrator.cli.chaos.command.prepare_root).
@@ -59,3 +63,17 @@ def took_over(spec) -> bool:
         print(f"undying: the job cannot start: could not remove {storage.root}/{CHAOS_MARKER} ({error_reason(err)}); "
               "check the store", file=sys.stderr)
         return False
+
+
+def leased_catalog(spec, lease: OwnerLease) -> Catalog | None:
+    """The job's Catalog under `lease`, its history listed at once (ckpt.late_commits: a manifest create
+    of the driver that held the root before, landing after this claim, is then told from the root's
+    history); None, with the reason printed, when the store keeps failing that listing."""
+    catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
+    try:
+        record_history(catalog, ReadRetry(spec.checkpoint.read_retry_s))
+    except TransientStorageError as err:
+        print(f"undying: the job cannot start: could not list the committed checkpoints of {catalog.storage.root} "
+              f"({err}); check the store", file=sys.stderr)
+        return None
+    return catalog

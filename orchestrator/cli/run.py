@@ -26,13 +26,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from monitor.metrics import JobMetrics
 from monitor.tracking import NO_TRACKING, TrackerUnavailable, open_trackers
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, print_problems, serve_metrics
 from orchestrator.cli.resume_check import refused_resume
-from orchestrator.cli.root_lease import claim_root, took_over
+from orchestrator.cli.root_lease import claim_root, leased_catalog, took_over
 from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_signals, teardown
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import (
@@ -84,9 +83,9 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         print(f"undying: job {spec.name!r}, {world} ranks, metrics at http://{spec.monitor.host}:{port}/metrics, "
               f"checkpoints in {spec.checkpoint_root}" + (f"; {note}" if note else ""), flush=True)
         lease = claim_root(spec)
-        if lease is None or refused_resume(spec):
+        catalog = leased_catalog(spec, lease) if lease is not None else None
+        if catalog is None or refused_resume(spec):
             return EXIT_USAGE
-        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
         # A Storage of their own: the catalog's carries the chaos storage faults aimed at the checkpoints.
         trackers = _trackers(spec, Storage(spec.checkpoint_root, spec.checkpoint.storage_options)) or NO_TRACKING
         if trackers is NO_TRACKING or not (experiment or took_over(spec)):  # the last refusal before training

@@ -2,8 +2,8 @@
 
 Protocol (controller thread only; `Checkpoints` owns one and the controller's RESTORING handler
 drives it through Checkpoints):
-  * `restore_point()`: the newest committed step this run has not found unusable (corrupt, or a
-    late commit of a driver that had lost the root: ckpt.late_commits). None (start
+  * `restore_point()`: the newest committed step this run has not found unusable; a late commit of
+    a driver that had lost the root is moved aside first (ckpt.late_commits). None (start
     from step 0) only when the root never held a checkpoint, or with `undying run --fresh`.
     Raises NoRestorePoint when committed checkpoints exist (or this root's were all quarantined)
     and none is left to try: the job fails naming them, it never starts over on its own.
@@ -40,8 +40,6 @@ from trainer.urls import RangeIgnored
 log = logging.getLogger(__name__)
 
 FRESH_HINT = "`undying run --fresh` starts from step 0 (docs/design.md, restore)"
-LATE_COMMIT = ("committed by a driver that no longer owned this checkpoint root (its manifest landed after this run "
-               "took the root over, ckpt.late_commits): this run neither restores nor deletes it")
 
 
 class NoRestorePoint(RuntimeError):
@@ -92,19 +90,15 @@ class RestorePolicy:
 
     def restore_point(self) -> int | None:
         retry = self.retry.fresh()
-        committed = retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
-        unjudged = [s for s in committed if s not in self.bad]
-        for step in retry.call(lambda: self.late.on_listing(unjudged), "reading who committed the new checkpoints"):
-            self.bad[step] = LATE_COMMIT
-            log.warning("checkpoint step %d: %s", step, LATE_COMMIT)
+        listed = retry.call(self.catalog.committed_steps, "listing the committed checkpoints")
+        left_out = retry.call(lambda: self.late.on_listing(listed), "reading who committed the new checkpoints")
+        committed = [s for s in listed if s not in left_out]  # (late commits, moved aside: ckpt.late_commits)
         candidates = [s for s in committed if s not in self.bad]
         if candidates:
             return candidates[-1]
-        # Late commits are not this job's history: with none of its own, it starts as it would without them.
-        refused = {s: why for s, why in self.bad.items() if why != LATE_COMMIT}
-        if refused:
+        if self.bad:
             tried = "; ".join(why if s is None else f"step {s}: {why}"
-                              for s, why in sorted(refused.items(), key=lambda item: item[0] or -1, reverse=True))
+                              for s, why in sorted(self.bad.items(), key=lambda item: item[0] or -1, reverse=True))
             hint = FRESH_HINT if not committed else "rerun to try them again, or start over under another name " \
                                                     "(--set name=...)"
             raise NoRestorePoint(f"no committed checkpoint can be restored ({tried}); nothing was deleted and the "
@@ -187,9 +181,6 @@ class RestorePolicy:
         """Whether committed `step`, skipped by this run's restore, was saved by a run of spec `spec_hash`
         (the restore's own checks of its state never ran: its read failed first) and verifies whole (checked
         now when only the damaged bytes were); `say` prints why not."""
-        if self.bad.get(step) == LATE_COMMIT:
-            say(f"checkpoint step {step}: {LATE_COMMIT}; not taken as this job's final checkpoint")
-            return False
         try:
             saved = self.read_manifest(step).spec_hash
         except Exception as err:  # unreadable now: not this job's final checkpoint as far as we know

@@ -1,87 +1,114 @@
 """A manifest create of a driver that lost its checkpoint root lands after the next driver took the
-root over: the new holder neither restores nor deletes that late commit, and keeps its own."""
+root over: the new holder moves that late commit aside (kept as evidence), neither restores nor
+counts it, and commits its own save of that step; its own commits are known, booked or not."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
+
 from ckpt.catalog import Catalog
-from ckpt.late_commits import OWNER
+from ckpt.errors import TransientStorageError
+from ckpt.late_commits import LATE_PREFIX, OWNER, record_history
+from ckpt.manifest import step_dir
 from ckpt.ownership import OwnerLease
 from ckpt.storage import Storage
-from orchestrator.controller.restore_policy import LATE_COMMIT, RestorePolicy
+from ckpt.storage_errors import ReadRetry
+from orchestrator.controller.restore_policy import RestorePolicy
 from tests._checkpoints import make_state, save_checkpoint
 
 
-def _takeover(tmp_path):
-    """Driver A commits step 10 and releases the root (its create of step 30, stalled in a client's
-    retries, still under way); driver B claims it."""
+def _takeover(tmp_path, commit_first: bool = True):
+    """Driver A commits step 10 (or nothing) and releases the root, its create of a later step stalled in
+    a client's retries; driver B claims the root and lists its history. Returns (url, A's catalog, B's
+    catalog, B's lease): A's catalog still commits under A's claim (its lease check passed long ago)."""
     url = f"file://{tmp_path}/job"
     old = OwnerLease.claim(Storage(url), "a", lease_s=600.0)
-    save_checkpoint(Catalog(Storage(url), owner=old), 10, make_state(10), world=2)
+    stale = Catalog(Storage(url), owner=old)
+    if commit_first:
+        save_checkpoint(stale, 10, make_state(10), world=2)
     old.release()
+    stale.fence = lambda: None  # the check that passed before the create stalled
     new = OwnerLease.claim(Storage(url), "b", lease_s=600.0)
-    return url, old, new
+    catalog = Catalog(Storage(url), owner=new)
+    record_history(catalog, ReadRetry(0.2))
+    return url, stale, catalog, new
 
 
-def test_a_late_commit_of_the_driver_that_lost_the_root_is_neither_restored_nor_deleted(tmp_path, caplog):
-    url, old, new = _takeover(tmp_path)
+def test_a_late_commit_is_moved_aside_and_neither_restored_nor_counted(tmp_path, caplog):
+    url, stale, catalog, new = _takeover(tmp_path)
     try:
-        catalog = Catalog(Storage(url), owner=new)
-        assert catalog.read_manifest(10).state[OWNER] == {"epoch": old.epoch, "token": old.token}
-        policy = RestorePolicy(catalog, read_retry_s=0.2)  # B's driver starts: the root's history is listed
-        # A's stalled create lands now, while B places its ranks (its lease check passed long ago).
-        save_checkpoint(Catalog(Storage(url)), 30, make_state(30), world=2)
-        with caplog.at_level(logging.WARNING, logger="orchestrator.controller.restore_policy"):
-            assert policy.restore_point() == 10  # not step 30: another history's, maybe another spec's
-        assert policy.bad[30] == LATE_COMMIT and "checkpoint step 30: committed by a driver" in caplog.text
-        assert Catalog(Storage(url)).committed_steps() == [10, 30]  # kept: nothing here deletes
+        assert catalog.read_manifest(10).state[OWNER]["epoch"] == stale.owner_claim()["epoch"]
+        policy = RestorePolicy(catalog, read_retry_s=0.2)
+        save_checkpoint(stale, 15, make_state(15), world=2)  # A's create lands while B places its ranks
+        with caplog.at_level(logging.WARNING, logger="ckpt.late_commits"):
+            assert policy.restore_point() == 10  # not step 15: another history's, maybe another spec's
+        assert "checkpoint step 15 was committed by a driver that no longer owned" in caplog.text
+        assert Catalog(Storage(url)).committed_steps() == [10]  # for every later run too
+        names = Storage(url).listdir(Storage(url).path(step_dir(15)))
+        assert any(n.startswith(LATE_PREFIX) for n in names) and any(n.startswith("shard-") for n in names)
+        save_checkpoint(catalog, 20, make_state(20), world=2)
+        assert catalog.collect_garbage(before=20) == []  # below the newest commit, kept as evidence
+        assert policy.restore_point() == 20
+    finally:
+        new.release()
+
+
+def test_the_holder_s_save_of_a_step_a_late_commit_took_commits_its_own(tmp_path):
+    url, stale, catalog, new = _takeover(tmp_path)
+    try:
+        save_checkpoint(stale, 30, make_state(30), world=2)  # landed after the last restore's listing
+        save_checkpoint(catalog, 30, make_state(31), world=2)  # B reaches step 30 and saves it
+        manifest = catalog.read_manifest(30)
+        assert manifest.state[OWNER] == catalog.owner_claim() and Catalog(Storage(url)).committed_steps() == [10, 30]
+        assert any(n.startswith(LATE_PREFIX) for n in Storage(url).listdir(Storage(url).path(step_dir(30))))
     finally:
         new.release()
 
 
 def test_the_holder_s_own_commits_are_restored_booked_or_not(tmp_path):
-    url, _, new = _takeover(tmp_path)
+    _, _, catalog, new = _takeover(tmp_path)
     try:
-        catalog = Catalog(Storage(url), owner=new)
         policy = RestorePolicy(catalog, read_retry_s=0.2)
         assert policy.restore_point() == 10
         save_checkpoint(catalog, 20, make_state(20), world=2)
-        policy.on_committed(20)  # booked by the controller
+        policy.on_committed(20)  # booked by the controller: known without reading its manifest
+        catalog.read_manifest = lambda step: pytest.fail(f"read the manifest of booked step {step}")
         assert policy.restore_point() == 20
+        del catalog.read_manifest
         save_checkpoint(catalog, 40, make_state(40), world=2)  # landed, its answer lost: never booked
-        assert policy.restore_point() == 40 and policy.bad == {}  # known by the epoch it carries
-        assert catalog.read_manifest(40).state[OWNER]["token"] == new.token
+        assert policy.restore_point() == 40  # known by the claim it carries
     finally:
         new.release()
 
 
-def test_a_late_commit_in_a_root_with_no_history_of_the_job_s_own_starts_it_from_step_0(tmp_path):
-    url = f"file://{tmp_path}/job"
-    old = OwnerLease.claim(Storage(url), "a", lease_s=600.0)
-    old.release()
-    new = OwnerLease.claim(Storage(url), "b", lease_s=600.0)
+def test_a_claim_of_the_same_epoch_made_after_owner_was_wiped_is_not_ours(tmp_path):
+    url, stale, catalog, new = _takeover(tmp_path)
     try:
-        policy = RestorePolicy(Catalog(Storage(url), owner=new), read_retry_s=0.2)  # nothing committed
-        save_checkpoint(Catalog(Storage(url)), 30, make_state(30), world=2)  # A's late create
+        policy = RestorePolicy(catalog, read_retry_s=0.2)
+        stale.owner_claim = lambda: {"epoch": new.epoch, "token": "another claim's"}
+        save_checkpoint(stale, 30, make_state(30), world=2)
+        assert policy.restore_point() == 10
+    finally:
+        new.release()
+
+
+def test_a_root_whose_only_commits_are_late_starts_from_step_0(tmp_path):
+    _, stale, catalog, new = _takeover(tmp_path, commit_first=False)
+    try:
+        policy = RestorePolicy(catalog, read_retry_s=0.2)  # nothing committed
+        save_checkpoint(stale, 30, make_state(30), world=2)
         assert policy.restore_point() is None  # as without it, not NoRestorePoint
-        said = []
-        assert not policy.kept_intact(30, "h", said.append)  # never taken as the job's final checkpoint
-        assert "committed by a driver that no longer owned" in said[0]
     finally:
         new.release()
 
 
 def test_a_manifest_that_does_not_read_for_the_store_is_retried_then_fails_the_restore(tmp_path, monkeypatch):
-    import pytest
-
-    from ckpt.errors import TransientStorageError
-
-    url, _, new = _takeover(tmp_path)
+    _, stale, catalog, new = _takeover(tmp_path)
     try:
-        catalog = Catalog(Storage(url), owner=new)
         policy = RestorePolicy(catalog, read_retry_s=0.2)
-        save_checkpoint(Catalog(Storage(url)), 30, make_state(30), world=2)
+        save_checkpoint(stale, 30, make_state(30), world=2)
 
         def store_down(step):
             raise ConnectionError("the store is down")
