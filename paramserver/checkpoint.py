@@ -90,18 +90,22 @@ def catalog(root: str, storage_options: dict | None = None, owner: OwnerLease | 
     return Catalog(Storage(root, dict(storage_options or {})), owner=owner)
 
 
-def latest_committed_step(root: str, storage_options: dict | None = None,
-                          owner: OwnerLease | None = None) -> int | None:
+def latest_committed_step(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None,
+                          read_retry_s: float = DEFAULT_READ_RETRY_S) -> int | None:
     """The newest step with a committed manifest under `root` (a save that tore before its commit
     is not one), or None. With the driver's lease (`owner`), a root the store lists without the lease's
-    directory raises (ckpt.catalog.RootNotListed) instead of reading as "no checkpoint", from which the
-    job would start over at step 0."""
-    return catalog(root, storage_options, owner).latest()
+    directory (ckpt.catalog.RootNotListed) is retried as a store that failed, never read as "no
+    checkpoint", from which the job would start over at step 0; a store that keeps failing for
+    `read_retry_s` raises TransientStorageError."""
+    return ReadRetry(read_retry_s).call(catalog(root, storage_options, owner).latest, "listing the committed "
+                                                                                      "checkpoints")
 
 
-def quarantined_steps(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None) -> list[int]:
+def quarantined_steps(root: str, storage_options: dict | None = None, owner: OwnerLease | None = None,
+                      read_retry_s: float = DEFAULT_READ_RETRY_S) -> list[int]:
     """The steps under `root` whose manifests were moved aside as corrupt (kept as evidence)."""
-    return catalog(root, storage_options, owner).quarantined_steps()
+    return ReadRetry(read_retry_s).call(catalog(root, storage_options, owner).quarantined_steps,
+                                        "listing the quarantined checkpoints")
 
 
 # ---- one server (called inside its actor, or on an in-process ShardServer) -------------------
@@ -230,15 +234,14 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     retention neither counts nor deletes, as in a collective job."""
     cat = catalog(root, storage_options, owner)
     try:
-        committed = cat.committed_steps()
-    except Exception as err:  # the store (RootNotListed among its answers): this save fails, the job goes on
+        if step in cat.committed_steps():
+            return None
+        cat.fence()  # no shard of a driver that lost the root lands in it
+    except Exception as err:  # the store (RootNotListed, OwnershipUncertain among its answers): this save fails
         if not storage_failure(err):
-            raise
-        raise PSCheckpointError(f"checkpoint step {step} was not committed: the checkpoints could not be listed "
-                                f"({type(err).__name__}: {err})") from err
-    if step in committed:
-        return None
-    cat.fence()  # no shard of a driver that lost the root lands in it
+            raise  # OwnershipLost among them: the job ends
+        raise PSCheckpointError(f"checkpoint step {step} was not committed: the checkpoints could not be listed, or "
+                                f"the owner lease checked ({type(err).__name__}: {err})") from err
     tag = f"ps{secrets.token_hex(4)}"
     try:
         receipts = _call(servers, "save_shard", root, step, storage_options, tag,

@@ -31,7 +31,8 @@ def latest_commit(sup) -> int | None:
     """The newest commit, listed under the driver's lease: a root the store lists empty is an error."""
     if sup.ckpt is None:
         return None
-    return checkpoint.latest_committed_step(sup.ckpt.root, sup.ckpt.storage_options, sup.ckpt.owner)
+    return checkpoint.latest_committed_step(sup.ckpt.root, sup.ckpt.storage_options, sup.ckpt.owner,
+                                            sup.ckpt.read_retry_s)
 
 
 def resume(sup) -> int:
@@ -40,7 +41,7 @@ def resume(sup) -> int:
     latest = latest_commit(sup)
     if latest is None:
         quarantined = [] if sup.ckpt is None or sup.ckpt.fresh else checkpoint.quarantined_steps(
-            sup.ckpt.root, sup.ckpt.storage_options, sup.ckpt.owner)
+            sup.ckpt.root, sup.ckpt.storage_options, sup.ckpt.owner, sup.ckpt.read_retry_s)
         if quarantined:
             raise checkpoint.PSCheckpointError(
                 f"{sup.ckpt.root} holds no committed checkpoint, but the manifests of steps {quarantined} were "

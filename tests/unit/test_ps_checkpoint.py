@@ -234,7 +234,8 @@ def test_a_corrupt_commit_is_quarantined_and_every_server_restores_the_next_olde
     from paramserver.restores import resume
 
     def rerun(fresh: bool) -> SimpleNamespace:
-        return SimpleNamespace(ckpt=SimpleNamespace(root=root, storage_options=None, owner=None, fresh=fresh))
+        return SimpleNamespace(ckpt=SimpleNamespace(root=root, storage_options=None, owner=None, fresh=fresh,
+                                                  read_retry_s=0.0))
     with pytest.raises(PSCheckpointError, match=r"steps \[2, 4\] were quarantined.*--fresh"):
         resume(rerun(fresh=False))
     assert resume(rerun(fresh=True)) == 0
@@ -339,19 +340,24 @@ def test_a_root_the_store_lists_without_the_lease_fails_that_save_and_reads_as_n
     """Under the driver's lease, a root the store lists empty (a bucket failover, a dropped mount) is an
     error: a save fails, the job goes on, and a restore does not read it as "start from step 0"."""
     from ckpt.catalog import RootNotListed
+    from ckpt.errors import TransientStorageError
     from ckpt.ownership import OwnerLease
 
     root = tmp_path / "leased"
     lease = OwnerLease.claim(Storage(f"file://{root}"), "here", lease_s=600.0)  # no beat during the test
     try:
         root.rename(tmp_path / "away")
-        with pytest.raises(PSCheckpointError, match="could not be listed .RootNotListed"):
+        with pytest.raises(PSCheckpointError, match="could not be listed, or the owner lease checked .RootNotListed"):
             save_ps_checkpoint([], str(root), 4, job=_job(MODEL, _ps("bsp")), owner=lease)
-        with pytest.raises(RootNotListed):
-            latest_committed_step(str(root), owner=lease)
+        with pytest.raises(TransientStorageError, match="listing the committed checkpoints") as err:
+            latest_committed_step(str(root), owner=lease, read_retry_s=0.2)  # retried, as any store failure
+        assert isinstance(err.value.__cause__, RootNotListed)
         assert latest_committed_step(str(root)) is None  # a reader without the lease: as before
         (tmp_path / "away").rename(root)
         assert latest_committed_step(str(root), owner=lease) is None  # listed whole: no commit yet
+        lease._beat_at -= 1000  # its beats have not landed for a lease: OwnershipUncertain, a store failure
+        with pytest.raises(PSCheckpointError, match="owner lease checked .OwnershipUncertain"):
+            save_ps_checkpoint([], str(root), 4, job=_job(MODEL, _ps("bsp")), owner=lease)
     finally:
         lease.release()
 
