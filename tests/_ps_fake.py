@@ -275,7 +275,7 @@ class World:
         self.states[step] = state  # what the manifest would carry beyond the shards (the goodput)
         return types.SimpleNamespace(step=step)  # what the supervisor reads of a ckpt.commit.Commit
 
-    def latest(self, root, storage_options=None, owner=None):
+    def latest(self, root, storage_options=None, owner=None, read_retry_s=None):
         return max(self.commits, default=None)
 
     def restore(self, servers, root, step, *, storage_options=None, clock=None, read_retry_s=None, timeout=None):
