@@ -181,12 +181,12 @@ class Catalog:
         self.storage.invalidate()
         return aside
 
-    def quarantined_steps(self) -> list[int]:
+    def quarantined_steps(self, prefix: str = QUARANTINED_PREFIX) -> list[int]:
         """Steps without a committed manifest whose committed manifest was quarantined (moved aside as
-        corrupt), oldest first. Torn writes withdrawn by the committer (`withdraw_torn`) do not count."""
+        corrupt), oldest first. Torn writes withdrawn by the committer (`withdraw_torn`) do not count.
+        `prefix` LATE_PREFIX: those whose manifest was a late commit, moved aside (`withdraw_late`)."""
         return [s for s in self.all_steps() if not self.storage.exists(self.manifest_path(s))
-                and any(name.startswith(QUARANTINED_PREFIX) for name in self.storage.listdir(
-                    self.storage.path(step_dir(s))))]
+                and any(name.startswith(prefix) for name in self.storage.listdir(self.storage.path(step_dir(s))))]
 
     def read_manifest(self, step: int) -> Manifest:
         """Raises CorruptCheckpoint for bytes that are not a manifest (ckpt.manifest.parse_manifest)."""

@@ -63,10 +63,11 @@ from ckpt.errors import IncompleteCheckpoint
 from ckpt.failed_saves import SavesFailing
 from ckpt.housekeeping import Housekeeper, PassFence, Superseded
 from ckpt.manifest import ShardReceipt
-from ckpt.manifest_create import Attempt, PendingSave, create_manifest, storage_failure
+from ckpt.manifest_create import Attempt, PendingSave, create_manifest
 from ckpt.ownership import OwnershipLost
+from ckpt.storage_errors import storage_failure
 
-__all__ = ["Commit", "Committer", "storage_failure"]
+__all__ = ["Commit", "Committer"]
 log = logging.getLogger(__name__)
 
 

@@ -35,11 +35,14 @@ from __future__ import annotations
 import logging
 
 from ckpt.errors import CorruptCheckpoint, UnsupportedManifest
+from ckpt.storage_errors import storage_failure
 
 log = logging.getLogger(__name__)
 
 OWNER = "owner"  # the manifest state's key: {"epoch", "token"} of the claim that committed it
 LATE_PREFIX = "manifest.late-"  # a late commit's manifest, moved aside: manifest.late-<ms>-<random>.json
+_LATE = ("checkpoint step %d was committed by a driver that no longer owned this root (its manifest landed after this "
+         "run took the root over)")
 
 
 def record_history(catalog, retry) -> None:
@@ -55,11 +58,19 @@ def is_late(catalog, step: int, state: dict) -> bool:
 
 
 def withdraw(catalog, step: int) -> None:
-    """Move the late commit `step` aside (Catalog.withdraw_late), saying so."""
-    aside = catalog.withdraw_late(step)
-    log.warning("checkpoint step %d was committed by a driver that no longer owned this root (its manifest landed "
-                "after this run took the root over): moved aside to %s, kept with its shards as evidence; no run "
-                "restores or counts it", step, aside)
+    """Move the late commit `step` aside (Catalog.withdraw_late), saying so. A move the store refuses (or
+    that finds the manifest gone) is said too, and the step stays late for this run: OwnershipLost alone
+    is raised (the root is another's now)."""
+    try:
+        aside = catalog.withdraw_late(step)
+    except Exception as err:
+        if not storage_failure(err):
+            raise
+        log.warning("%s; moving it aside failed (%s: %s): this run neither restores nor counts it", _LATE % step,
+                    type(err).__name__, err)
+        return
+    log.warning("%s: moved aside to %s, kept with its shards as evidence; no run restores or counts it",
+                _LATE % step, aside)
 
 
 class LateCommits:

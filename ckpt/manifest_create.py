@@ -27,17 +27,10 @@ from ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsupportedMani
 from ckpt.manifest import Manifest, ShardReceipt, merge_receipts
 from ckpt.reader import read_manifest
 from ckpt.storage import AlreadyCommitted
-from ckpt.storage_errors import ReadRetry, is_transient
+from ckpt.storage_errors import ReadRetry, storage_failure
 
 log = logging.getLogger(__name__)
 SETTLE_S = 10.0  # the read that settles whether a manifest whose creates both failed did land
-
-
-def storage_failure(err: BaseException) -> bool:
-    """Whether `err` is a store's failure, not a bug: OSError and ValueError (fsspec's, s3fs's
-    translations), and the HTTP stack's own connection errors (botocore's, aiohttp's), which are
-    not OSErrors (ckpt.storage_errors.is_transient)."""
-    return isinstance(err, (OSError, ValueError)) or is_transient(err)
 
 
 @dataclass

@@ -105,6 +105,13 @@ def is_transient(err: BaseException) -> bool:
     return classify(err) == TRANSIENT
 
 
+def storage_failure(err: BaseException) -> bool:
+    """Whether `err` is a store's failure, not a bug: OSError and ValueError (fsspec's, s3fs's
+    translations), and the HTTP stack's own connection errors (botocore's, aiohttp's), which are
+    not OSErrors (`is_transient`)."""
+    return isinstance(err, (OSError, ValueError)) or is_transient(err)
+
+
 def describe(err: BaseException) -> str:
     """`err` in one line, with the S3 error code and HTTP status of the reply behind it, if any."""
     text = f"{type(err).__name__}: {err}"

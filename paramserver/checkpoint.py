@@ -33,7 +33,7 @@ import torch
 from ray.exceptions import RayTaskError
 
 from ckpt.catalog import Catalog
-from ckpt.commit import Commit, Committer, storage_failure
+from ckpt.commit import Commit, Committer
 from ckpt.config import DEFAULT_READ_RETRY_S
 from ckpt.errors import CorruptCheckpoint, location_of
 from ckpt.manifest import ShardReceipt
@@ -41,7 +41,7 @@ from ckpt.ownership import OwnerLease
 from ckpt.reader import read_manifest, read_slices, verify_checkpoint, verify_location
 from ckpt.shards import write_slices
 from ckpt.storage import Storage
-from ckpt.storage_errors import ReadRetry
+from ckpt.storage_errors import ReadRetry, storage_failure
 from paramserver.partition import param_name
 from paramserver.shard import ShardServer, lazy_step_name
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig

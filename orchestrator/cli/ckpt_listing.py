@@ -25,6 +25,7 @@ from typing import Any
 
 from ckpt.catalog import Catalog
 from ckpt.errors import TransientStorageError
+from ckpt.late_commits import LATE_PREFIX
 from ckpt.owner_claims import UnreadableClaim, owner_status, watch_s
 from ckpt.storage_errors import ReadRetry
 from monitor.progress import human_bytes
@@ -48,8 +49,8 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
     from ckpt.reader import CorruptCheckpoint, UnsupportedManifest, read_manifest
 
     committed = committed_or_fail(catalog)
-    quarantined = catalog.quarantined_steps()
-    unfinished = sorted(set(catalog.all_steps()) - set(committed) - set(quarantined))
+    quarantined, late = catalog.quarantined_steps(), catalog.quarantined_steps(LATE_PREFIX)
+    unfinished = sorted(set(catalog.all_steps()) - set(committed) - set(quarantined) - set(late))
     now, entries = time.time(), []
     for step in committed:
         try:
@@ -63,7 +64,7 @@ def _listing(catalog: Catalog) -> dict[str, Any]:
     return {"url": catalog.storage.url, "committed": entries,
             "unfinished": [s for s in unfinished if s < committed[-1]],
             "in_progress": [s for s in unfinished if s > committed[-1]],
-            "quarantined": quarantined, "owner": _owner(catalog)}
+            "quarantined": quarantined, "late": late, "owner": _owner(catalog)}
 
 
 def _owner(catalog: Catalog) -> dict | None:
@@ -94,6 +95,9 @@ def list_checkpoints(catalog: Catalog, args: argparse.Namespace) -> int:
     if listing["quarantined"]:
         print(f"quarantined as corrupt (manifest moved aside, files kept as evidence; gc leaves them): steps "
               f"{steps_text(listing['quarantined'])}")
+    if listing["late"]:
+        print(f"late commits of a driver that had lost the folder (manifest moved aside, files kept as evidence; gc "
+              f"leaves them): steps {steps_text(listing['late'])}")
     if listing["owner"] is not None:
         print(_owner_line(listing["owner"]))
     return EXIT_OK

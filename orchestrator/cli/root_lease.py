@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 
 from ckpt.catalog import Catalog
-from ckpt.errors import TransientStorageError
 from ckpt.late_commits import record_history
 from ckpt.owner_claims import UnreadableClaim
 from ckpt.ownership import OwnerAlive, OwnerLease
@@ -72,8 +71,10 @@ def leased_catalog(spec, lease: OwnerLease) -> Catalog | None:
     catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options), owner=lease)
     try:
         record_history(catalog, ReadRetry(spec.checkpoint.read_retry_s))
-    except TransientStorageError as err:
+    except Exception as err:  # the store kept failing (TransientStorageError), or refused (a 403)
+        if not is_storage_error(err):
+            raise
         print(f"undying: the job cannot start: could not list the committed checkpoints of {catalog.storage.root} "
-              f"({err}); check the store", file=sys.stderr)
+              f"({error_reason(err)}); check the store", file=sys.stderr)
         return None
     return catalog

@@ -82,6 +82,18 @@ def test_ls_tells_quarantined_steps_from_unfinished_saves(capsys, job):
     assert code == 2
 
 
+def test_ls_tells_late_commits_moved_aside_from_unfinished_saves(capsys, job):
+    import json
+
+    url, catalog = job
+    catalog.withdraw_late(20)  # a driver that had lost the root committed it; the holder moved it aside
+    code, out, _ = run(capsys, "ls", url)
+    assert code == 0 and "late commits of a driver that had lost the folder" in out and "steps 20" in out
+    assert "unfinished saves (no manifest): steps 15;" in out  # 20 is not garbage: gc leaves it
+    listing = json.loads(run(capsys, "ls", url, "--json")[1])
+    assert listing["late"] == [20] and listing["unfinished"] == [15]
+
+
 def test_ls_says_who_drives_the_job(capsys, job):
     import json
     import os

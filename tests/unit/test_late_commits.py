@@ -120,3 +120,42 @@ def test_a_manifest_that_does_not_read_for_the_store_is_retried_then_fails_the_r
         assert policy.restore_point() == 10
     finally:
         new.release()
+
+
+def test_a_start_whose_history_the_store_will_not_list_is_refused(tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from orchestrator.cli.root_lease import leased_catalog
+
+    url = f"file://{tmp_path}/job"
+    lease = OwnerLease.claim(Storage(url), "b", lease_s=600.0)
+    try:
+        spec = SimpleNamespace(checkpoint_root=url, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.2))
+
+        def refused(self):
+            raise PermissionError(13, "Access Denied")
+
+        monkeypatch.setattr(Catalog, "committed_steps", refused)
+        assert leased_catalog(spec, lease) is None
+        assert "the job cannot start: could not list the committed checkpoints" in capsys.readouterr().err
+        monkeypatch.undo()
+        assert leased_catalog(spec, lease).history == set()
+    finally:
+        lease.release()
+
+
+def test_a_move_aside_the_store_refuses_still_leaves_the_late_commit_out(tmp_path, monkeypatch, caplog):
+    _, stale, catalog, new = _takeover(tmp_path)
+    try:
+        policy = RestorePolicy(catalog, read_retry_s=0.2)
+        save_checkpoint(stale, 30, make_state(30), world=2)
+
+        def refused(step):
+            raise PermissionError(13, "Access Denied")
+
+        monkeypatch.setattr(catalog, "withdraw_late", refused)
+        with caplog.at_level(logging.WARNING, logger="ckpt.late_commits"):
+            assert policy.restore_point() == 10
+        assert "moving it aside failed (PermissionError" in caplog.text
+    finally:
+        new.release()
