@@ -27,7 +27,7 @@ Protocol:
     create landed without being booked (an answer lost on the way) is known by its claim.
   * A save of this holder's that finds a late commit at its step (one that landed after the last
     restore's listing) moves it aside and creates its own (Catalog.commit, `is_late`).
-A catalog without a history (tests, readers) takes its first `on_listing` as the history.
+A catalog without a recorded history (a reader's, a test's) judges nothing late.
 """
 
 from __future__ import annotations
@@ -76,39 +76,29 @@ def withdraw(catalog, step: int) -> None:
 class LateCommits:
     def __init__(self, catalog):
         self.catalog = catalog
-        # The root's history and this holder's own commits; None until the first listing without one.
-        self.known: set[int] | None = None if catalog.history is None else set(catalog.history)
+        self.known: set[int] = set(catalog.history or ())  # the root's history and this holder's own commits
 
     def on_listing(self, committed: list[int]) -> set[int]:
-        """The steps of `committed` to leave out: late commits (moved aside), and manifests gone since."""
-        if self.known is None:
-            self.known = set(committed)
+        """The steps of `committed` to leave out: late commits (moved aside), and manifests gone since.
+        Without a recorded history (a reader's catalog, a test's) nothing is judged."""
+        if self.catalog.history is None:
             return set()
         out = set()
         for step in (s for s in committed if s not in self.known):
             try:
-                ours = self._committed_by_us(step)
+                state = self.catalog.read_manifest(step).state
             except FileNotFoundError:
                 out.add(step)  # deleted since the listing (`undying ckpt gc`): not there to restore
                 continue
-            if ours:
-                self.known.add(step)
-            else:
+            except (CorruptCheckpoint, UnsupportedManifest):
+                self.known.add(step)  # the restore reads it, and says what it is (quarantined, another version's)
+                continue
+            if is_late(self.catalog, step, state):
                 out.add(step)
                 withdraw(self.catalog, step)
+            else:
+                self.known.add(step)
         return out
 
     def on_committed(self, step: int) -> None:
-        if self.known is not None:
-            self.known.add(step)
-
-    def _committed_by_us(self, step: int) -> bool:
-        """Whether this holder committed `step`: its manifest carries our claim."""
-        claim = self.catalog.owner_claim()
-        if claim is None:
-            return True  # no lease (a reader, a test): nobody else commits here
-        try:
-            state = self.catalog.read_manifest(step).state
-        except (CorruptCheckpoint, UnsupportedManifest):
-            return True  # the restore reads it, and reports what it is (quarantined, or another version's)
-        return state.get(OWNER) == claim
+        self.known.add(step)
