@@ -21,7 +21,7 @@ from paramserver.clocks import UpdateRecord, format_histogram
 from paramserver.hang_watch import HangLimits
 from paramserver.job_inputs import Actors, Checkpoints
 from paramserver.partition import param_shapes, plan_shards, shard_bytes
-from paramserver.recovery import Failure, Fault, Ledger, NullLedger
+from paramserver.recovery import Failure, Fault, Ledger, NullLedger, steps_redone
 from paramserver.restart_budget import RestartBudget
 from paramserver.supervisor import Supervisor
 from paramserver.update_history import UpdateHistory
@@ -99,7 +99,7 @@ class PSReport:
         """The report's JSON fields beside the losses (failures, pauses, ledger, checkpoints)."""
         return {"first_step": self.first_step, "failures": [f.to_dict() for f in self.failures],
                 "pauses_s": [f.pause_s for f in self.failures if f.action == "replaced"],
-                "steps_redone": sum(f.steps_redone for f in self.failures), "checkpoints": self.checkpoints,
+                "steps_redone": steps_redone(self.failures), "checkpoints": self.checkpoints,
                 "goodput": {**self.goodput, "clock_wall_s": self.wall_s}, "pids": self.pids, "moves": self.moves}
 
 

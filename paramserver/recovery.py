@@ -128,6 +128,7 @@ class Failure:
     reason: str = ""  # restored: what stopped the segment
     pids: dict[str, int] = field(default_factory=dict)  # "old" / "new" process of the replaced worker
     hung: str = ""  # killed by the hang watchdog (paramserver.hang_watch): what it saw
+    rollback: int = 0  # restored: which rollback of the job (1, 2, ...): one rollback's entries share it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,6 +197,12 @@ class NullLedger:
         return 0.0
 
 
+def steps_redone(failures: list[Failure]) -> int:
+    """The steps the job's rollbacks redid, each rollback once (its entries, a dead server or torn push
+    each, carry the same count)."""
+    return sum({f.rollback: f.steps_redone for f in failures if f.rollback}.values())
+
+
 def record_rollback(failures: list[Failure], logs: dict, dead: set[int], reason: str, detected: float,
                     injected: float | None, step: int, from_checkpoint: bool,
                     hung: dict[int, str] | None = None) -> int:
@@ -209,8 +216,10 @@ def record_rollback(failures: list[Failure], logs: dict, dead: set[int], reason:
     torn = [f for f in failures if f.action == "pending"]
     entries = torn + [Failure("server", k, detected, "restored", injected, hung=(hung or {}).get(k, ""))
                       for k in sorted(dead)]
+    rollback = 1 + max((f.rollback for f in failures), default=0)
     for failure in entries or [Failure("run_error", -1, detected, "restored")]:
         failure.action, failure.resumed_at, failure.steps_redone = "restored", step, redone
+        failure.rollback = rollback
         failure.from_checkpoint, failure.reason = from_checkpoint, reason
         if not any(f is failure for f in failures):
             failures.append(failure)

@@ -62,6 +62,18 @@ def test_a_failure_says_what_was_done():
     assert torn.line().startswith("worker 1 died between its pushes of one step to two servers: every server")
 
 
+def test_one_rollback_of_two_dead_servers_counts_its_redone_steps_once():
+    from paramserver.recovery import record_rollback, steps_redone
+
+    failures, logs = [], {(w, s): None for w in (0, 1) for s in range(6)}
+    record_rollback(failures, logs, {0, 2}, "servers 0 and 2 died", 100.0, None, step=4, from_checkpoint=True)
+    assert [(f.target, f.steps_redone, f.rollback) for f in failures] == [(0, 2, 1), (2, 2, 1)]
+    assert steps_redone(failures) == 2  # not 4: one rollback redid steps 4 and 5
+    logs = {(w, s): None for w in (0, 1) for s in range(4, 7)}
+    record_rollback(failures, logs, {1}, "server 1 died", 200.0, None, step=4, from_checkpoint=True)
+    assert steps_redone(failures) == 2 + 3 and failures[-1].rollback == 2
+
+
 def test_the_gate_holds_one_workers_pull_until_it_is_dropped():
     async def scenario():
         gate = PullGate()
