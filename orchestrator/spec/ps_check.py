@@ -133,6 +133,10 @@ def _checkpoint_problems(ckpt: Any) -> list[Problem]:
     if ckpt.memory.enabled:
         out.append(Problem("checkpoint.memory.enabled", "parallel.mode ps keeps no in-memory snapshots (its servers "
                            "restore from storage checkpoints); set checkpoint.memory.enabled: false"))
+    if ckpt.commit_timeout_s != type(ckpt).model_fields["commit_timeout_s"].default:
+        out.append(Problem("checkpoint.commit_timeout_s", "parallel.mode ps creates its manifest on the supervisor's "
+                           "thread at the segment boundary, under no limit of its own (elastic.restore_timeout_s "
+                           "limits the servers' writes of a save); leave it out"))
     return out
 
 

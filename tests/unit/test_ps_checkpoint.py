@@ -370,9 +370,11 @@ def _ps_spec(checkpoint: dict) -> dict:
 
 def test_the_spec_refuses_checkpoint_options_ps_mode_does_not_run():
     with pytest.raises(SpecError) as err:
-        validate_spec(_ps_spec({"every_seconds": 30, "async": True, "memory": {"enabled": True}}))
+        validate_spec(_ps_spec({"every_seconds": 30, "async": True, "memory": {"enabled": True},
+                                "commit_timeout_s": 30}))
     problems = {p.field: p.message for p in err.value.problems}
-    assert set(problems) == {"checkpoint.every_steps", "checkpoint.async", "checkpoint.memory.enabled"}
+    assert set(problems) == {"checkpoint.every_steps", "checkpoint.async", "checkpoint.memory.enabled",
+                             "checkpoint.commit_timeout_s"}
     assert "set checkpoint.async: false" in problems["checkpoint.async"]
     spec = validate_spec(_ps_spec({"every_steps": 5, "async": False}))
     assert spec.checkpoint.every_steps == 5
