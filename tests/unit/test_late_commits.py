@@ -4,6 +4,7 @@ counts it, and commits its own save of that step; its own commits are known, boo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -19,10 +20,12 @@ from orchestrator.controller.restore_policy import RestorePolicy
 from tests._checkpoints import make_state, save_checkpoint
 
 
+@contextlib.contextmanager
 def _takeover(tmp_path, commit_first: bool = True):
     """Driver A commits step 10 (or nothing) and releases the root, its create of a later step stalled in
-    a client's retries; driver B claims the root and lists its history. Returns (url, A's catalog, B's
-    catalog, B's lease): A's catalog still commits under A's claim (its lease check passed long ago)."""
+    a client's retries; driver B claims the root and lists its history. Yields (url, A's catalog, B's
+    catalog, B's lease), and B releases the root after: A's catalog still commits under A's claim (its
+    lease check passed long ago)."""
     url = f"file://{tmp_path}/job"
     old = OwnerLease.claim(Storage(url), "a", lease_s=600.0)
     stale = Catalog(Storage(url), owner=old)
@@ -33,12 +36,14 @@ def _takeover(tmp_path, commit_first: bool = True):
     new = OwnerLease.claim(Storage(url), "b", lease_s=600.0)
     catalog = Catalog(Storage(url), owner=new)
     record_history(catalog, ReadRetry(0.2))
-    return url, stale, catalog, new
+    try:
+        yield url, stale, catalog, new
+    finally:
+        new.release()
 
 
 def test_a_late_commit_is_moved_aside_and_neither_restored_nor_counted(tmp_path, caplog):
-    url, stale, catalog, new = _takeover(tmp_path)
-    try:
+    with _takeover(tmp_path) as (url, stale, catalog, new):
         assert catalog.read_manifest(10).state[OWNER]["epoch"] == stale.owner_claim()["epoch"]
         policy = RestorePolicy(catalog, read_retry_s=0.2)
         save_checkpoint(stale, 15, make_state(15), world=2)  # A's create lands while B places its ranks
@@ -51,25 +56,19 @@ def test_a_late_commit_is_moved_aside_and_neither_restored_nor_counted(tmp_path,
         save_checkpoint(catalog, 20, make_state(20), world=2)
         assert catalog.collect_garbage(before=20) == []  # below the newest commit, kept as evidence
         assert policy.restore_point() == 20
-    finally:
-        new.release()
 
 
 def test_the_holder_s_save_of_a_step_a_late_commit_took_commits_its_own(tmp_path):
-    url, stale, catalog, new = _takeover(tmp_path)
-    try:
+    with _takeover(tmp_path) as (url, stale, catalog, new):
         save_checkpoint(stale, 30, make_state(30), world=2)  # landed after the last restore's listing
         save_checkpoint(catalog, 30, make_state(31), world=2)  # B reaches step 30 and saves it
         manifest = catalog.read_manifest(30)
         assert manifest.state[OWNER] == catalog.owner_claim() and Catalog(Storage(url)).committed_steps() == [10, 30]
         assert any(n.startswith(LATE_PREFIX) for n in Storage(url).listdir(Storage(url).path(step_dir(30))))
-    finally:
-        new.release()
 
 
 def test_the_holder_s_own_commits_are_restored_booked_or_not(tmp_path):
-    _, _, catalog, new = _takeover(tmp_path)
-    try:
+    with _takeover(tmp_path) as (_, _, catalog, new):
         policy = RestorePolicy(catalog, read_retry_s=0.2)
         assert policy.restore_point() == 10
         save_checkpoint(catalog, 20, make_state(20), world=2)
@@ -79,34 +78,25 @@ def test_the_holder_s_own_commits_are_restored_booked_or_not(tmp_path):
         del catalog.read_manifest
         save_checkpoint(catalog, 40, make_state(40), world=2)  # landed, its answer lost: never booked
         assert policy.restore_point() == 40  # known by the claim it carries
-    finally:
-        new.release()
 
 
 def test_a_claim_of_the_same_epoch_made_after_owner_was_wiped_is_not_ours(tmp_path):
-    url, stale, catalog, new = _takeover(tmp_path)
-    try:
+    with _takeover(tmp_path) as (url, stale, catalog, new):
         policy = RestorePolicy(catalog, read_retry_s=0.2)
         stale.owner_claim = lambda: {"epoch": new.epoch, "token": "another claim's"}
         save_checkpoint(stale, 30, make_state(30), world=2)
         assert policy.restore_point() == 10
-    finally:
-        new.release()
 
 
 def test_a_root_whose_only_commits_are_late_starts_from_step_0(tmp_path):
-    _, stale, catalog, new = _takeover(tmp_path, commit_first=False)
-    try:
+    with _takeover(tmp_path, commit_first=False) as (_, stale, catalog, new):
         policy = RestorePolicy(catalog, read_retry_s=0.2)  # nothing committed
         save_checkpoint(stale, 30, make_state(30), world=2)
         assert policy.restore_point() is None  # as without it, not NoRestorePoint
-    finally:
-        new.release()
 
 
 def test_a_manifest_that_does_not_read_for_the_store_is_retried_then_fails_the_restore(tmp_path, monkeypatch):
-    _, stale, catalog, new = _takeover(tmp_path)
-    try:
+    with _takeover(tmp_path) as (_, stale, catalog, new):
         policy = RestorePolicy(catalog, read_retry_s=0.2)
         save_checkpoint(stale, 30, make_state(30), world=2)
 
@@ -118,8 +108,6 @@ def test_a_manifest_that_does_not_read_for_the_store_is_retried_then_fails_the_r
             policy.restore_point()  # never restored while who committed it is unknown
         monkeypatch.undo()
         assert policy.restore_point() == 10
-    finally:
-        new.release()
 
 
 def test_a_start_whose_history_the_store_will_not_list_is_refused(tmp_path, capsys, monkeypatch):
@@ -145,8 +133,7 @@ def test_a_start_whose_history_the_store_will_not_list_is_refused(tmp_path, caps
 
 
 def test_a_move_aside_the_store_refuses_still_leaves_the_late_commit_out(tmp_path, monkeypatch, caplog):
-    _, stale, catalog, new = _takeover(tmp_path)
-    try:
+    with _takeover(tmp_path) as (_, stale, catalog, new):
         policy = RestorePolicy(catalog, read_retry_s=0.2)
         save_checkpoint(stale, 30, make_state(30), world=2)
 
@@ -157,5 +144,3 @@ def test_a_move_aside_the_store_refuses_still_leaves_the_late_commit_out(tmp_pat
         with caplog.at_level(logging.WARNING, logger="ckpt.late_commits"):
             assert policy.restore_point() == 10
         assert "moving it aside failed (PermissionError" in caplog.text
-    finally:
-        new.release()
