@@ -102,8 +102,9 @@ class Catalog:
         tensors = merge_receipts(receipts)
         if files_here:
             self._require_files(step, receipts)
-        if self.owner_claim() is not None:  # which holder committed it (ckpt.late_commits)
-            state = {**state, OWNER: self.owner_claim()}
+        claim = self.owner_claim()
+        if claim is not None:  # which holder committed it (ckpt.late_commits)
+            state = {**state, OWNER: claim}
         manifest = Manifest(
             job=job, step=step, generation=generation, layout=layout, spec_hash=spec_hash,
             created_at=time.time(), tensors=tensors, state=state,

@@ -160,7 +160,7 @@ class MemoryLevel:
         holder it leaves out did not answer in time: alive is all that is known of it)."""
         relpath = f"{step_dir(snap.step)}/{file}"
         return [live[h] for h in snap.holders[file]
-                if h in live and (held is None or relpath in held.get(h, {relpath}))]
+                if h in live and (held is None or h not in held or relpath in held[h])]
 
     def samples_of(self, step: int) -> dict[int, list[int]]:
         return self.newest.samples if self.newest is not None and self.newest.step == step else {}

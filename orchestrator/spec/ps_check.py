@@ -94,21 +94,16 @@ def _unread_problems(spec: Any) -> list[Problem]:
     out = []
     resources, monitor = getattr(spec, "resources", None), getattr(spec, "monitor", None)
     if resources:
-        defaults = type(resources)()
-        out += [Problem(f"resources.{name}", "is not read by parallel.mode ps (each worker and server is one "
-                        "actor of one CPU); remove it") for name in ("cpus_per_rank", "gpus_per_rank", "custom",
-                                                                     "placement")
-                if getattr(resources, name) != getattr(defaults, name)]
+        one_cpu = "each worker and server is one actor of one CPU"
+        out += _off_default(resources, dict.fromkeys(("cpus_per_rank", "gpus_per_rank", "custom", "placement"),
+                                                     one_cpu), "resources")
     train, par = getattr(spec, "train", None), getattr(spec, "parallel", None)
     if train and train.compile:
         out.append(Problem("train.compile", "is not applied by parallel.mode ps (its workers run the model "
                            "eagerly); remove it"))
     if par:
-        defaults = type(par).model_fields
-        out += [Problem(f"parallel.{name}", f"is not read by parallel.mode ps ({why}); remove it")
-                for name, why in (("recompute", "its workers keep every activation"),
-                                  ("ddp_bucket_mb", "its workers push to servers, no all-reduce"))
-                if getattr(par, name) != defaults[name].default]
+        out += _off_default(par, {"recompute": "its workers keep every activation",
+                                  "ddp_bucket_mb": "its workers push to servers, no all-reduce"}, "parallel")
     for name in ("tensorboard", "wandb"):
         if monitor and getattr(monitor, name) is not None:
             out.append(Problem(f"monitor.{name}", "parallel.mode ps logs no tracker scalars yet (its losses, goodput "
@@ -133,11 +128,7 @@ def _checkpoint_problems(ckpt: Any) -> list[Problem]:
     if ckpt.memory.enabled:
         out.append(Problem("checkpoint.memory.enabled", "parallel.mode ps keeps no in-memory snapshots (its servers "
                            "restore from storage checkpoints); set checkpoint.memory.enabled: false"))
-    if ckpt.commit_timeout_s != type(ckpt).model_fields["commit_timeout_s"].default:
-        out.append(Problem("checkpoint.commit_timeout_s", "parallel.mode ps creates its manifest on the supervisor's "
-                           "thread at the segment boundary, under no limit of its own (elastic.restore_timeout_s "
-                           "limits the servers' writes of a save); leave it out"))
-    return out
+    return out + _off_default(ckpt, PS_UNREAD_CHECKPOINT, "checkpoint")
 
 
 # The elastic fields parameter-server mode does not read, with why. It reads max_restarts,
@@ -156,13 +147,27 @@ PS_UNREAD_ELASTIC = {
 }
 
 
+# The checkpoint fields it does not read (the rest of what it does not run: _checkpoint_problems).
+PS_UNREAD_CHECKPOINT = {
+    "commit_timeout_s": "its manifest create runs on the supervisor's thread at the segment boundary, under no "
+                        "limit of its own; elastic.restore_timeout_s limits the servers' writes of a save",
+}
+
+
 def _elastic_problems(elastic: Any) -> list[Problem]:
     if not elastic:
         return []
-    defaults = type(elastic)()
-    unread = [name for name in PS_UNREAD_ELASTIC if getattr(elastic, name) != getattr(defaults, name)]
-    return [Problem(f"elastic.{name}", f"is not read by parallel.mode ps ({PS_UNREAD_ELASTIC[name]}); remove it")
-            for name in unread if not (name == "spares" and elastic.spares == 0)]
+    return [p for p in _off_default(elastic, PS_UNREAD_ELASTIC, "elastic")
+            if not (p.field == "elastic.spares" and elastic.spares == 0)]
+
+
+def _off_default(section: Any, unread: dict[str, str], prefix: str) -> list[Problem]:
+    """One problem per field of `unread` (name -> why ps mode does not read it) that `section` sets away
+    from its default."""
+    fields = type(section).model_fields
+    return [Problem(f"{prefix}.{name}", f"is not read by parallel.mode ps ({why}); remove it")
+            for name, why in unread.items()
+            if getattr(section, name) != fields[name].get_default(call_default_factory=True)]
 
 
 # What the parameter-server supervisor (paramserver.supervisor) injects: a worker's or a server's
