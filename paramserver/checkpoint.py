@@ -220,7 +220,8 @@ def engine_meta(step: int, job: PSJob) -> dict:
 
 def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, storage_options: dict | None = None,
                        fault_point=None, owner: OwnerLease | None = None, state: dict | None = None,
-                       timeout: tuple[float, str] | None = None, skipped: set[int] = frozenset()) -> Commit | None:
+                       timeout: tuple[float, str] | None = None, skipped: set[int] = frozenset(),
+                       unsure: set[int] | None = None) -> Commit | None:
     """Write checkpoint `step` of every server (all at the cut `step`) and commit it; the Commit, or
     None when `step` is committed already (nothing is written). A server's error is raised as it
     came (NotAtCut: not at the cut; a storage error; a dead actor's), PSCheckpointError when the
@@ -231,7 +232,13 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     the manifest's state (the goodput ledger's totals, which a resumed job carries on). `timeout`:
     (seconds, the setting that gave them) for the servers' writes, ServersTimedOut past it.
     `skipped`: the commits this run's restores skipped (unreadable then, not proven bad), which
-    retention neither counts nor deletes, as in a collective job."""
+    retention neither counts nor deletes, as in a collective job; a step among them is not saved
+    (PSCheckpointError). `unsure`: the run's steps whose manifest create failed with the store's
+    errors (a stalled request may still land): no save's garbage collection takes their shards,
+    and a create of this save failing so is added."""
+    if step in skipped:  # committed by an earlier run; this run's state there cannot be saved
+        raise PSCheckpointError(f"step {step} is committed by an earlier run, which a server could not read: "
+                                "this run's state there is not saved")
     cat = catalog(root, storage_options, owner)
     try:
         if step in cat.committed_steps():
@@ -255,18 +262,26 @@ def save_ps_checkpoint(servers: list, root: str, step: int, *, job: PSJob, stora
     if sorted(r.rank for r in receipts) != list(range(job.parallel.servers)):
         raise PSCheckpointError(f"checkpoint step {step} was not committed: it has the shards of servers "
                                 f"{sorted(r.rank for r in receipts)}, the job has {job.parallel.servers}")
+    return _commit(cat, receipts, step, job, state, fault_point, skipped, unsure)
+
+
+def _commit(cat: Catalog, receipts: list[ShardReceipt], step: int, job: PSJob, state: dict | None, fault_point,
+            skipped: set[int], unsure: set[int] | None) -> Commit:
+    """save_ps_checkpoint's commit of every server's written shard (ckpt.commit.Committer)."""
     dropped: list[str] = []
     committer = Committer(cat, job.job, job.spec_hash, job.keep, fault_point=fault_point,
                           on_dropped=lambda s, reason: dropped.append(reason))
     committer.left_behind = set(skipped)
-    par = job.parallel
-    layout = {"mode": "ps", "servers": len(servers), "dp": par.dp, "world_size": len(servers)}
-    ps = {"servers": len(servers), "workers": par.dp, "consistency": par.consistency, "staleness": par.staleness}
+    if unsure is not None:
+        committer.unsure = unsure  # the run's, shared: a later save's GC must not take a stalled create's shards
+    par, servers = job.parallel, len(receipts)
+    layout = {"mode": "ps", "servers": servers, "dp": par.dp, "world_size": servers}
+    ps = {"servers": servers, "workers": par.dp, "consistency": par.consistency, "staleness": par.staleness}
     extra = {**(state or {}), "model": job.model.architecture(), "seq_len": job.data.seq_len, PS_STATE: ps,
              **job.provenance}
     commit = None
     for receipt in receipts:
-        commit = committer.on_receipt(receipt, {"engine": engine_meta(step, job)}, len(servers), 0, layout,
+        commit = committer.on_receipt(receipt, {"engine": engine_meta(step, job)}, servers, 0, layout,
                                       lambda samples: extra)
     if commit is None:
         raise PSCheckpointError(f"checkpoint step {step} was not committed: {'; '.join(dropped) or 'unknown'}")

@@ -65,9 +65,10 @@ class PSReport:
         return self.history.staleness_histogram()
 
     def bytes_per_step(self) -> tuple[float, list[float]]:
-        """Measured bytes moved per step (pushes + pulls): in total, and per server (its last actor's)."""
-        steps = max(1, len(self.losses))
-        per_server = [(s.bytes_in + s.bytes_out) / steps for _, s in sorted(self.history.last.items())]
+        """Measured bytes moved per step run (pushes + pulls): in total, and per server. Over every actor a
+        server had and every step this run executed, the steps a rollback threw away among them."""
+        steps = max(1, len(self.losses) + self.redone)
+        per_server = [moved / steps for moved in self.history.bytes_moved().values()]
         return sum(per_server), per_server
 
     def summary(self) -> str:

@@ -95,6 +95,7 @@ class Supervisor:
         self.failures, self.saved = [], []  # what failed (Failure); the checkpoint steps this run committed
         self.save_streak = FailedSaves(checkpoints.max_failed_saves if checkpoints else 1)
         self.skipped: set[int] = set()  # commits a server could not read, kept: never restored, nor saved over
+        self.unsure: set[int] = set()  # saves whose manifest create failed unsure (ckpt.commit.Committer.unsure)
         self.pids = ActorPids()  # every actor process this job started, by label; the live one of each
         self.start_step, self.redone = 0, 0  # the step resumed from; step executions thrown away by rollbacks
         self._kills: dict[tuple[str, int], float] = {}  # (kind, index) -> when the supervisor killed it
@@ -148,16 +149,14 @@ class Supervisor:
             return None
         self.ledger.enter(book.SAVE)
         try:
-            if end in self.skipped:  # committed by an earlier run; this run's state there cannot be saved
-                raise checkpoint.PSCheckpointError(f"step {end} is committed by an earlier run, which a server "
-                                                   "could not read: this run's state there is not saved")
             # Every update before the cut, before a server can be lost after it (one that does not answer
             # rolls the segment back, as a dead one: the rollback finds and replaces it).
             self.history.drain(self.servers, self.ckpt.save_timeout[0] if self.ckpt.save_timeout else None)
             commit = checkpoint.save_ps_checkpoint(self.servers, self.ckpt.root, end, job=self.ckpt.job,
                                                    storage_options=self.ckpt.storage_options, owner=self.ckpt.owner,
                                                    state={"goodput": self.ledger.totals()},
-                                                   timeout=self.ckpt.save_timeout, skipped=self.skipped)
+                                                   timeout=self.ckpt.save_timeout, skipped=self.skipped,
+                                                   unsure=self.unsure)
             self.saved.append(end)  # committed (now or before): a rollback from here on resumes at it
             self.save_streak.committed()
             self.history.committed(end)

@@ -73,6 +73,9 @@ class UpdateHistory:
         self.folded: Counter[int] = Counter()  # staleness -> updates no longer kept whole
         self.folded_below = 0  # every folded record's step is below it
         self.last: dict[int, object] = {}  # server index -> its newest ServerStats (version, bytes)
+        self._last_actor: dict[int, object] = {}  # server index -> the actor that answered `last`
+        # server index -> bytes its replaced actors had moved by their last answers (a new actor counts from 0)
+        self._retired: Counter[int] = Counter()
         self._acked: dict[object, int] = {}  # server actor handle -> the newest batch taken from it
         self._fold_at = keep  # the next fold is tried past this many kept records
         self._asked: tuple[list, list, float] | None = None  # an outstanding ask: servers, calls, when
@@ -118,9 +121,11 @@ class UpdateHistory:
     def _take(self, servers: list, answers: list) -> list:
         # Keyed by the handle (Ray's hash it by actor id): a replaced server's new actor counts from 0.
         self._acked = {server: stats.batch for server, stats in zip(servers, answers, strict=True)}
-        for stats in answers:
+        for server, stats in zip(servers, answers, strict=True):
             self.kept.extend(stats.records)
-            self.last[stats.server] = stats
+            if self._last_actor.get(stats.server, server) != server:  # a replacement's first answer
+                self._retired[stats.server] += _moved(self.last[stats.server])
+            self.last[stats.server], self._last_actor[stats.server] = stats, server
         if len(self.kept) > self._fold_at:
             self._fold()
         if self.on_stats is not None:
@@ -154,6 +159,11 @@ class UpdateHistory:
         self.kept = [r for r in self.kept if id(r) not in folded]
         self._fold_at = max(self.keep, len(self.kept) + self.keep // 2)  # no rescan at every poll
 
+    def bytes_moved(self) -> dict[int, int]:
+        """server index -> the bytes pushed to and pulled from it over the job, by every actor it had, as
+        their last answers counted them (what a replaced actor moved after its last answer is lost with it)."""
+        return {k: self._retired[k] + _moved(stats) for k, stats in sorted(self.last.items())}
+
     @property
     def updates(self) -> int:
         return len(self.kept) + sum(self.folded.values())
@@ -161,3 +171,7 @@ class UpdateHistory:
     def staleness_histogram(self) -> dict[int, int]:
         """{staleness: updates} over every update, folded or kept, in increasing staleness."""
         return dict(sorted((self.folded + Counter(r.staleness for r in self.kept)).items()))
+
+
+def _moved(stats) -> int:
+    return stats.bytes_in + stats.bytes_out

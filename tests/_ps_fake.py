@@ -268,7 +268,9 @@ class World:
     # ---- paramserver.checkpoint ----
 
     def save(self, servers, root, step, *, job, storage_options=None, owner=None, state=None, timeout=None,
-             skipped=frozenset()):
+             skipped=frozenset(), unsure=None):
+        if step in skipped:  # as paramserver.checkpoint refuses it
+            raise sup.checkpoint.PSCheckpointError(f"step {step} is committed by an earlier run")
         for s in servers:
             assert s.shard.clocks.pushed == [step] * PAR.dp, "a save off the cut"
         self.commits[step] = [copy.deepcopy(s.shard) for s in servers]

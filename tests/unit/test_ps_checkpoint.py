@@ -387,3 +387,38 @@ def test_ps_mode_defaults_to_a_waited_save_and_no_memory_level_where_collective_
     collective = {**_ps_spec({"every_steps": 5}), "parallel": {"dp": 2}, "train": {"steps": 2, "global_batch": 4}}
     spec = validate_spec(collective)
     assert spec.checkpoint.async_ and spec.checkpoint.memory.enabled
+
+
+def test_a_save_at_a_step_the_run_skipped_is_refused_and_writes_nothing(tmp_path):
+    root, parallel = str(tmp_path / "skip"), _ps("bsp")
+    job = _job(MODEL, parallel)
+    setup, _ = _saved_at_two(root, job)
+    before = _files(root)
+    with pytest.raises(PSCheckpointError, match="committed by an earlier run"):
+        save_ps_checkpoint(setup.servers, root, 2, job=job, skipped={2})  # not "committed already": not saved
+    assert _files(root) == before
+
+
+def test_a_stalled_manifest_creates_shards_survive_the_later_saves_garbage_collection(tmp_path, monkeypatch):
+    """A create that failed with the store's errors may still land (a stalled request): the run remembers
+    the step across saves, so a later save's GC does not take its shards for an orphan's."""
+    root, parallel = str(tmp_path / "unsure"), _ps("bsp")
+    job, unsure = _job(MODEL, parallel), set()
+    setup, _ = _saved_at_two(root, job)
+    for step in (2, 3):
+        _step(setup, step)
+    commit = Catalog.commit
+
+    def stalled(self, **kwargs):
+        raise TimeoutError("the store did not answer")  # as a client timeout: the request may still land
+
+    monkeypatch.setattr(Catalog, "commit", stalled)
+    with pytest.raises(PSCheckpointError, match="not committed"):
+        save_ps_checkpoint(setup.servers, root, 4, job=job, unsure=unsure)
+    assert unsure == {4}
+    monkeypatch.setattr(Catalog, "commit", commit)
+    for step in (4, 5):
+        _step(setup, step)
+    save_ps_checkpoint(setup.servers, root, 6, job=job, unsure=unsure)
+    assert catalog(root).committed_steps() == [2, 6]
+    assert any(name.startswith("step-000000004/shard-") for name in _files(root))  # not collected

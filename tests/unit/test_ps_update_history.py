@@ -13,6 +13,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from paramserver import update_history
 from paramserver.actors import ServerStats
 from paramserver.clocks import UpdateRecord
+from paramserver.job import PSReport
 from paramserver.update_history import RecordOutbox, UpdateHistory
 
 
@@ -26,7 +27,7 @@ class FakeServer:
 
     def __init__(self, index: int):
         self.index, self.new, self.outbox, self.dead, self.lost = index, [], RecordOutbox(), False, False
-        self.stopped, self.late = False, []
+        self.stopped, self.late, self.moved = False, [], (0, 0)  # moved: (bytes in, bytes out) so far
         self.stats = types.SimpleNamespace(remote=self._stats)
         self.calls: list[int] = []
 
@@ -38,7 +39,7 @@ class FakeServer:
             self.late.append(Late(self, acked))
             return self.late[-1]
         new, self.new = self.new, []
-        answer = ServerStats(self.index, 0, 0, 0, self.outbox.take(acked, new), self.outbox.batch)
+        answer = ServerStats(self.index, 0, *self.moved, self.outbox.take(acked, new), self.outbox.batch)
         if self.lost:
             self.lost = False
             return GetTimeoutError()  # the call ran; its answer never reached the driver
@@ -174,3 +175,20 @@ def test_a_rollback_drops_an_outstanding_ask_whose_answers_carry_undone_updates(
     assert history.answered() is None and history.kept == []
     history.poll([server])
     assert sorted({r.step for r in history.kept}) == [0, 1]
+
+
+def test_bytes_moved_count_every_actor_a_server_had_not_only_its_replacement():
+    old, other, history = FakeServer(0), FakeServer(1), UpdateHistory()
+    old.moved, other.moved = (300, 100), (50, 50)
+    history.poll([old, other])
+    old.moved = (400, 200)
+    history.poll([old, other])
+    new = FakeServer(0)  # server 0's replacement: its counters start again from 0
+    new.moved = (30, 10)
+    history.poll([new, other])
+    new.moved = (60, 20)
+    history.poll([new, other])
+    assert history.bytes_moved() == {0: 600 + 80, 1: 100}
+    # The report divides by every step executed: 4 kept, 1 a rollback threw away (its bytes moved too).
+    report = PSReport("bsp", 2, 2, 100, [50, 50], [1.0] * 4, 1.0, history=history, redone=1)
+    assert report.bytes_per_step() == (pytest.approx(780 / 5), [pytest.approx(680 / 5), pytest.approx(100 / 5)])
