@@ -31,14 +31,20 @@ class GoodputCollector:
     `undying_productive_seconds`, the job's, because `move` shrinks it when rolled-back steps
     become `lost_work`; use `delta()` on it. `undying_goodput_ratio` is productive over wall.
 
-    Nothing is exported before the first `publish`, which the controller makes once the ledger
-    is whole (after its first restore carried a predecessor's totals, or found none).
+    Before the first `publish`, which the controller makes once the ledger is whole (after its first
+    restore carried a predecessor's totals, or found none), only the counter is exported, at 0 for every
+    cause: then what the resume books is an increase Prometheus sees (a counter's first sample is not),
+    also on a new pod's new series. The counter never goes down: a scrape that extended the open
+    interval past the moment the controller then closed it exported a little more than the closed
+    reading holds, and is kept until the counter passes it (a dip would read as a reset, and
+    `increase()` would count the cause's whole total again).
     """
 
     def __init__(self, job: str) -> None:
         self._job = job
         self._lock = threading.Lock()
         self._reading: LedgerReading | None = None
+        self._exported: dict[str, float] = dict.fromkeys(BADPUT_CAUSES, 0.0)  # the counter's values, per cause
 
     def publish(self, reading: LedgerReading) -> None:
         """The ledger's reading (GoodputLedger.reading), taken on the controller's thread."""
@@ -48,9 +54,12 @@ class GoodputCollector:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             reading = self._reading
-        if reading is None:
-            return
-        totals, base = reading.totals(), reading.prior
+            totals = reading.totals() if reading is not None else {}
+            base = reading.prior if reading is not None else {}
+            for cause in BADPUT_CAUSES:  # under the lock: two scrapes at once must not export out of order
+                own = totals.get(cause, 0.0) - base.get(cause, 0.0)
+                self._exported[cause] = max(self._exported[cause], own)
+            exported = dict(self._exported)
         badput = CounterMetricFamily(
             "undying_badput_seconds",
             "Wall seconds this driver process booked to each badput cause (ml-goodput-measurement "
@@ -63,9 +72,11 @@ class GoodputCollector:
             labels=["cause", "undying_job"],
         )
         for cause in BADPUT_CAUSES:
-            total = totals.get(cause, 0.0)
-            badput.add_metric([cause, self._job], max(0.0, total - base.get(cause, 0.0)))
-            job_badput.add_metric([cause, self._job], total)
+            badput.add_metric([cause, self._job], exported[cause])
+            job_badput.add_metric([cause, self._job], totals.get(cause, 0.0))
+        if reading is None:
+            yield badput
+            return
         productive = GaugeMetricFamily(
             "undying_productive_seconds",
             "Wall seconds of training whose effect survives in the final model (shrinks when a "

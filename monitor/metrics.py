@@ -62,7 +62,7 @@ class JobMetrics:
         # incremented would not exist at all.
         for metric in (self.step_seconds, self.tokens, self.ckpt_blocking, self.ckpt_commit_latency,
                        self.ckpt_skipped, self.ckpt_failures, self.detection, self.recovery, self.spares_started,
-                       self.spares_ready, self.spares_warming):
+                       self.spares_ready, self.spares_warming, self.data_wait):
             metric.labels(job)
         for level in ("memory", "storage"):
             for metric in (self.recoveries_by_level, self.restore_by_level, self.lost_by_level):
@@ -72,6 +72,7 @@ class JobMetrics:
         self.control_missing.labels(job, "events")
         self.ckpt_last_commit.labels(job).set(time.time())
         self.run_start.labels(job).set(time.time())
+        self._trained = False  # until the first step: then `run_start` moves to when it began
         self._goodput = GoodputCollector(job)
         self.registry.register(self._goodput)
 
@@ -146,11 +147,12 @@ class JobMetrics:
         self.ckpt_last_commit = self._gauge(
             "undying_checkpoint_last_commit_timestamp_seconds", "Unix time of the last commit (before the "
             "job's first commit: the time the job started, so a job that never commits is seen).")
-        # A job resumed hours after its last commit has put nothing at risk before it started: the
-        # no-commit alert counts from the later of the two (deploy/prometheus/alerts.yml).
+        # A job resumed hours after its last commit, or that waited an hour for its nodes or its restore,
+        # has put nothing at risk before it trained: the no-commit alert counts from the later of the two
+        # (deploy/prometheus/alerts.yml).
         self.run_start = self._gauge(
-            "undying_run_start_timestamp_seconds", "Unix time this run of the job (this driver) started; a "
-            "resumed job's last commit may be older.")
+            "undying_run_start_timestamp_seconds", "Unix time this run of the job (this driver) began training: "
+            "its first step's start (until then, the driver's start); a resumed job's last commit may be older.")
 
     def _define_levels(self) -> None:
         self.recoveries_by_level = self._counter(
@@ -272,6 +274,9 @@ class JobMetrics:
         Optional values left as None (not measured by this engine) keep their last exported value.
         """
         job = self.job
+        if not self._trained:  # the start-up (placement, rendezvous, restore) put nothing at risk
+            self._trained = True
+            self.run_start.labels(job).set(time.time() - step_s)
         self.step.labels(job).set(step + 1)  # `step` counts from 0; checkpoint and eval steps count steps done
         self.step_seconds.labels(job).observe(step_s)
         self.tokens.labels(job).inc(max(0, tokens))
@@ -290,14 +295,10 @@ class JobMetrics:
         self.eval_loss.labels(self.job).set(loss)
         self.eval_step.labels(self.job).set(step)
 
-    def on_checkpoint(
-        self, step: int, nbytes: int, blocking_s: float, total_s: float, interval_s: float | None
-    ) -> None:
-        """A checkpoint was committed (its manifest is durable).
-
-        `interval_s` is the interval between saves the checkpoint plan now targets (for a step
-        cadence, its steps at the median step time); None while it is not known.
-        """
+    def on_checkpoint(self, step: int, nbytes: int, blocking_s: float, total_s: float,
+                      interval_s: float | None) -> None:
+        """A checkpoint was committed (its manifest is durable). `interval_s`: the interval between saves
+        the plan now targets (for a step cadence, its steps at the median step time); None: not known."""
         job = self.job
         self.ckpt_last_commit.labels(job).set(time.time())
         self.ckpt_step.labels(job).set(step)

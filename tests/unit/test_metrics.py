@@ -275,6 +275,14 @@ def test_failed_saves_and_the_last_commit_time_are_exported(metrics, monkeypatch
     fresh.on_resumed_commit(400.0)
     assert [fresh.registry.get_sample_value(name, {"undying_job": "fresh"}) for name in (
         "undying_checkpoint_last_commit_timestamp_seconds", "undying_run_start_timestamp_seconds")] == [400.0, 1000.0]
+    # Its first step moves this run's start to when training began: an hour waiting for nodes, or restoring,
+    # put nothing at risk, and must not page at the first step.
+    monkeypatch.setattr("monitor.metrics.time.time", lambda: 4600.0)
+    fresh.on_step(0, step_s=2.0, tokens=8, loss=1.0, grad_norm=None)
+    monkeypatch.setattr("monitor.metrics.time.time", lambda: 4700.0)
+    fresh.on_step(1, step_s=2.0, tokens=8, loss=1.0, grad_norm=None)
+    assert fresh.registry.get_sample_value("undying_run_start_timestamp_seconds", {"undying_job": "fresh"}) == 4598.0
+    assert fresh.registry.get_sample_value("undying_data_wait_seconds_count", {"undying_job": "fresh"}) == 0
     assert fresh.registry.get_sample_value("undying_checkpoint_failures_total", {"undying_job": "fresh"}) == 0
     assert fresh.registry.get_sample_value("undying_checkpoint_skipped_total", {"undying_job": "fresh"}) == 0
     monkeypatch.setattr("monitor.metrics.time.time", lambda: 1234.5)
@@ -289,12 +297,15 @@ def test_failed_saves_and_the_last_commit_time_are_exported(metrics, monkeypatch
     assert value(text, "undying_checkpoint_skipped_total") == 3
 
 
-def test_goodput_series_appear_only_once_the_ledger_is_whole():
+def test_goodput_gauges_appear_only_once_the_ledger_is_whole_and_the_counter_from_zero_before():
     # Zeros before a resumed controller carried its predecessor's totals, then the totals, would read
     # as a counter reset and an increase of the job's whole history (the low-goodput alert's false fire).
+    # The counter alone is there from the start, at 0: what the resume books is then an increase
+    # Prometheus sees (a counter's first sample is not one), also on a new pod's new series.
     resumed = JobMetrics("resumed")
     sample = {"undying_job": "resumed", "cause": "startup"}
-    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) is None
+    assert resumed.registry.get_sample_value("undying_badput_seconds_total", sample) == 0.0
+    assert resumed.registry.get_sample_value("undying_badput_job_seconds", sample) is None
     assert resumed.registry.get_sample_value("undying_productive_seconds", {"undying_job": "resumed"}) is None
     now = [0.0]
     ledger = GoodputLedger(clock=lambda: now[0])
@@ -394,3 +405,27 @@ def test_an_unknown_device_peak_leaves_mfu_unknown_not_nan(tmp_path):
     assert telemetry.mfu(1000, 1.0) is None
     telemetry.on_restored([{"peak_flops": 1e12}])
     assert telemetry.mfu(1000, 1.0) > 0
+
+
+def test_the_badput_counter_never_dips_when_a_scrape_raced_the_close_of_the_open_interval():
+    from monitor.goodput_collector import GoodputCollector
+
+    now = [0.0]
+    ledger, collector = GoodputLedger(clock=lambda: now[0]), GoodputCollector("race")
+    ledger.enter("data")
+    collector.publish(ledger.reading())
+
+    def data_seconds() -> float:
+        (family,) = [f for f in collector.collect() if f.name == "undying_badput_seconds"]
+        return next(s.value for s in family.samples if s.labels["cause"] == "data")
+
+    now[0] = 9.0
+    ledger.enter("productive")  # the controller closed the interval at 9 s ...
+    now[0] = 10.0
+    assert data_seconds() == 10.0  # ... and a scrape of the reading before it ran at 10 s
+    collector.publish(ledger.reading())
+    assert data_seconds() == 10.0  # not 9: a dip would read as a reset, and increase() count 9 s again
+    ledger.enter("data")
+    now[0] = 12.0
+    collector.publish(ledger.reading())
+    assert data_seconds() == 11.0  # the counter goes on once it passes what it exported
