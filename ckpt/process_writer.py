@@ -20,7 +20,7 @@ driven by one thread, which must also be the one that calls `flush`):
      `on_receipt(receipt, extra)`, or `on_error(step, error)` when the write failed.
   3. `wait()` waits for the save in flight; `flush()` waits, then stops the child.
 
-The child is a fresh interpreter (`python -m ckpt.process_writer`, not a fork: forking a process
+The child is a fresh interpreter (`python -m ckpt.writer_child`, its side: not a fork: forking a process
 running gloo threads is unsafe; not multiprocessing's spawn, which re-runs the parent's main
 script), started when the writer is built, so its start-up overlaps training; a save never
 waits for it, since jobs queue on the control socket. It dies with its parent
@@ -53,10 +53,8 @@ the write still lands, is dropped).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
+import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -64,20 +62,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import send_handle
 
 import torch
 
-from ckpt.blocks import ALIGN, BLOCK_BYTES
+from ckpt.blocks import BLOCK_BYTES
 from ckpt.manifest import ShardReceipt
-from ckpt.shards import write_slices
 from ckpt.shared_buffer import SharedBuffer
 from ckpt.staging import copy_into
 from ckpt.storage import Storage
-from ckpt.writer import OneSaveInFlight, yield_cpu_to_training
+from ckpt.writer import OneSaveInFlight
+from ckpt.writer_child import buffer_layout, piece_view
 from trainer.state_slices import TensorSlice
 
-_PR_SET_PDEATHSIG = 1
+log = logging.getLogger(__name__)
+
 # A write whose store took nothing this long is given up (module docstring): under the controller's
 # 120 s stall floor (orchestrator.controller.save_watch.SAVE_STALL_FLOOR_S), over botocore's own
 # attempts of a call that fails (about 75-90 s), and over the parts one progress piece can take to
@@ -96,73 +95,6 @@ class ShardWriteFailed(RuntimeError):
     """The child could not write a shard; the message is the child's exception."""
 
 
-def buffer_layout(pieces: Sequence[TensorSlice]) -> tuple[list[int], int]:
-    """Byte offset of each piece in the flat staging buffer (ALIGN-aligned, so typed views are valid) and the total."""
-    offsets, total = [], 0
-    for piece in pieces:
-        total += -total % ALIGN
-        offsets.append(total)
-        total += piece.nbytes
-    return offsets, total
-
-
-def _view(flat: torch.Tensor, offset: int, piece: TensorSlice) -> torch.Tensor:
-    return flat[offset:offset + piece.nbytes].view(piece.dtype).view(piece.lengths)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to kill this process when its parent goes (Linux); exit now if it is already gone."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
-def _serve(conn: Connection, parent_pid: int) -> None:
-    """The child: write each job's slices from the shared buffer; answer with the receipt or the error."""
-    _die_with_parent(parent_pid)
-    torch.set_num_threads(1)
-    yield_cpu_to_training()  # the same priority the writer thread runs at
-    config = conn.recv()
-    send_lock = threading.Lock()  # storage-fault notices may come from a client's own threads
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
-    storage = Storage(config["url"], config["options"])
-    if config["storage_setup"] is not None:
-        config["storage_setup"](storage, lambda event: send(("notice", event, None)))
-    buffer = None
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:  # the parent closed the socket: stop
-            return
-        if job is None:
-            return
-        step = job["step"]
-        if job["buffer_bytes"] is not None:  # a new buffer: its descriptor follows the job
-            if buffer is not None:
-                buffer.close()
-            buffer = SharedBuffer(job["buffer_bytes"], fd=recv_handle(conn))
-        try:
-            send(("writing", None, step))
-            staged = [piece.with_tensor(_view(buffer.tensor, offset, piece))
-                      for piece, offset in zip(job["pieces"], job["offsets"], strict=True)]
-            receipt = write_slices(storage, step, config["rank"], staged, job["blocking_s"], held=job["held"],
-                                   block_bytes=config["block_bytes"], tag=config["tag"],
-                                   on_progress=functools.partial(_progress, send, step))
-            send(("ok", receipt.model_dump_json(), step))
-        except BaseException as err:  # reported to the parent, never lost with the child
-            send(("error", f"{type(err).__name__}: {err}", step))
-
-
-def _progress(send: Callable[[tuple], None], step: int, nbytes: int) -> None:
-    send(("progress", nbytes, step))
-
-
 class _Child:
     """One writer process, the rank's end of its control socket, and the buffer it has mapped."""
 
@@ -171,7 +103,7 @@ class _Child:
         # The child imports this package the way the rank did.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt.process_writer", str(theirs.fileno()), str(os.getpid())],
+            [sys.executable, "-m", "ckpt.writer_child", str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),), env=env, close_fds=True)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -221,7 +153,9 @@ class ProcessShardWriter(OneSaveInFlight):
         self._config = {"url": url, "options": dict(options), "rank": rank, "block_bytes": block_bytes, "tag": tag,
                         "storage_setup": storage_setup}
         self._buffer: SharedBuffer | None = None
-        self._in_flight: tuple[int, dict] | None = None  # (step, extra) of the save being written
+        # (step, extra, the child writing it) of the save in flight: a child given up for stalling that
+        # answers, or dies, after the next save started another must not end that save
+        self._in_flight: tuple[int, dict, _Child] | None = None
         self._hook_failed: int | None = None
         self._child: _Child | None = None
         self._listener: threading.Thread | None = None
@@ -259,7 +193,7 @@ class ProcessShardWriter(OneSaveInFlight):
         devices = {piece.tensor.device for piece in mine if piece.tensor.device.type == "cuda"}
         pinned = bool(devices) and self._buffer.pin()
         for piece, offset in zip(mine, offsets, strict=True):
-            copy_into(_view(self._buffer.tensor, offset, piece), piece.tensor.detach(), non_blocking=pinned)
+            copy_into(piece_view(self._buffer.tensor, offset, piece), piece.tensor.detach(), non_blocking=pinned)
         for device in devices:  # pinned copies may still be in flight
             torch.cuda.synchronize(device)
         if self.fault_hook is not None:
@@ -273,7 +207,7 @@ class ProcessShardWriter(OneSaveInFlight):
             self._idle.clear()
             self._writing = None
             self._moved_at = time.monotonic()  # before the save shows as in flight: the watchdog reads in that order
-            self._in_flight = (step, extra)
+            self._in_flight = (step, extra, self._child)
             # A child that died is found by its listener (end of file), which fails this save.
             with contextlib.suppress(OSError):
                 self._child.send_job(job, self._buffer)
@@ -291,13 +225,16 @@ class ProcessShardWriter(OneSaveInFlight):
                 if not child.stopping:
                     self._child_died(child)
                 return
-            self._handle(*message)
+            try:
+                self._handle(child, *message)
+            except Exception:  # noqa: BLE001 (a bug: logged; the listener must outlive it to see the child die)
+                log.exception("rank %d: the checkpoint writer's message %s could not be handled", self.rank, message[0])
 
     def _give_up_if_stalled(self, child: _Child) -> None:
         """Kill the child of a write whose store took nothing for `stall_s`; its death fails the save."""
         in_flight = self._in_flight
-        if in_flight is None or child.stopping:  # read first: `save` sets `_moved_at` before it
-            return
+        if in_flight is None or in_flight[2] is not child or child.stopping:  # read first: `save` sets
+            return  # `_moved_at` before it
         stalled_s = time.monotonic() - self._moved_at
         if stalled_s < (self.stall_s if self._writing == in_flight[0] else max(self.stall_s, START_S)):
             return
@@ -308,7 +245,10 @@ class ProcessShardWriter(OneSaveInFlight):
         with contextlib.suppress(OSError):
             child.proc.kill()  # by its PID, never by name
 
-    def _handle(self, kind: str, payload, step: int | None) -> None:
+    def _handle(self, child: _Child, kind: str, payload, step: int | None) -> None:
+        in_flight = self._in_flight
+        if kind != "notice" and (in_flight is None or in_flight[2] is not child or in_flight[0] != step):
+            return  # from a child given up for stalling, after the next save started another
         if kind in ("progress", "writing"):
             self._moved_at = time.monotonic()
         if kind == "writing":
@@ -327,18 +267,18 @@ class ProcessShardWriter(OneSaveInFlight):
                     self.fault_hook("during_shard_write", step)
                 except BaseException as err:  # the save fails, as when the hook raises in the writer thread
                     self._hook_failed = step
-                    self.on_error(step, err)
+                    self._report(step, err)
             return
-        _, extra = self._in_flight
+        extra = in_flight[1]
         try:
             if self._hook_failed == step:
                 pass  # already reported as failed; without a receipt the save never commits
             elif kind == "ok":
                 self.on_receipt(ShardReceipt.model_validate_json(payload), extra)
             else:
-                self.on_error(step, ShardWriteFailed(payload))
+                self._report(step, ShardWriteFailed(payload))
         except BaseException as err:  # reported, never raised into the listener's loop
-            self.on_error(step, err)
+            self._report(step, err)
         finally:
             self._hook_failed = None
             self._in_flight = None
@@ -358,7 +298,9 @@ class ProcessShardWriter(OneSaveInFlight):
         with self._lock:
             if self._child is child:
                 self._child = None  # the next save starts a new one
-            lost, self._in_flight, self._hook_failed = self._in_flight, None, None
+            lost = self._in_flight if self._in_flight is not None and self._in_flight[2] is child else None
+            if lost is not None:  # else the save in flight is another child's: it goes on
+                self._in_flight, self._hook_failed = None, None
             stalled_s, self._stalled_s = self._stalled_s, None
         child.stop(5.0)
         child.conn.close()
@@ -369,7 +311,7 @@ class ProcessShardWriter(OneSaveInFlight):
             why = (f"was killed: the store took no byte of step {step} for {stalled_s:.0f} s (a hung upload)"
                    if stalled_s is not None else f"exited (code {child.proc.returncode}) while writing step {step}")
             try:
-                self.on_error(step, WriterProcessDied(f"the checkpoint writer process of rank {self.rank} {why}"))
+                self._report(step, WriterProcessDied(f"the checkpoint writer process of rank {self.rank} {why}"))
             finally:
                 self._idle.set()
 
@@ -388,13 +330,3 @@ class ProcessShardWriter(OneSaveInFlight):
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
-
-
-def main(argv: list[str]) -> None:
-    """The writer process's entry point: `python -m ckpt.process_writer SOCKET_FD PARENT_PID`."""
-    fd, parent_pid = int(argv[0]), int(argv[1])
-    _serve(Connection(fd), parent_pid)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

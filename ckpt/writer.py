@@ -99,6 +99,16 @@ class OneSaveInFlight:
         """`nbytes` more taken by the store (from the thread or process that writes)."""
         self.written_bytes += nbytes
 
+    def _report(self, step: int, err: BaseException) -> None:
+        """`on_error(step, err)` from the thread that writes (or listens): a report that fails too (the
+        rank's channel to the controller gone) is logged, and must not end that thread, or every later
+        save would wait for a writer that is gone."""
+        try:
+            self.on_error(step, err)
+        except Exception:  # noqa: BLE001 (logged with its traceback)
+            log.exception("rank %d: the failure of the save of step %d could not be reported (%s: %s)",
+                          self.rank, step, type(err).__name__, err)
+
     def _wait_idle(self) -> None:
         while not self._idle.wait(self.wait_tick_s if self.on_wait is not None else None):
             self.on_wait()
@@ -188,7 +198,7 @@ class ShardWriter(OneSaveInFlight):
         except SaveAbandoned:
             log.info("rank %d: the save of step %d stopped: its generation is over", self.rank, step)
         except BaseException as err:  # reported, never raised into the writer thread's loop
-            self.on_error(step, err)
+            self._report(step, err)
 
     def _progress(self, nbytes: int) -> None:
         """After each piece the store took: counted, or the end of an abandoned save (its next piece

@@ -106,7 +106,7 @@ def test_corrupt_shard_is_found_at_restore_and_the_previous_checkpoint_is_used(r
 
 
 def _writer_processes() -> list[int]:
-    """PIDs of live checkpoint writer processes (`python -m ckpt.process_writer ...`) on this machine."""
+    """PIDs of live checkpoint writer processes (`python -m ckpt.writer_child ...`) on this machine."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -114,7 +114,7 @@ def _writer_processes() -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"ckpt.process_writer" in argv and (entry / "stat").read_text().split()[2] != "Z":
+            if b"ckpt.writer_child" in argv and (entry / "stat").read_text().split()[2] != "Z":
                 pids.append(int(entry.name))
     return pids
 
