@@ -126,7 +126,10 @@ class _Child:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()  # by its PID, never by name
-            self.proc.wait()
+            # A child stuck in the kernel (a write to a hung NFS or FUSE mount) exits when that returns: the
+            # rank does not wait for it (its listener ends once the socket is closed).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
 
 
 class ProcessShardWriter(OneSaveInFlight):
@@ -324,7 +327,7 @@ class ProcessShardWriter(OneSaveInFlight):
         if child is not None:
             child.stop(timeout_s)  # the child exits, its end closes, the listener returns
         if listener is not None:
-            listener.join()
+            listener.join(timeout_s)
         if child is not None:
             child.conn.close()
         if self._buffer is not None:

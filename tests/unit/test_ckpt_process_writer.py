@@ -379,3 +379,25 @@ def test_a_writer_whose_error_report_fails_too_goes_on_saving(tmp_path, kind):
         _within(60, lambda step=step: (writer.save(step, slices, {}), writer.wait()))
     _within(60, writer.flush)
     assert reported == [1, 2]
+
+
+def test_stopping_a_child_stuck_in_the_kernel_does_not_hold_the_rank(tmp_path):
+    class Unkillable:  # a process in uninterruptible I/O: SIGKILL lands only when the I/O returns
+        pid, returncode = 0, None
+
+        def wait(self, timeout=None):
+            if timeout is None:
+                threading.Event().wait()
+            raise subprocess.TimeoutExpired("writer", timeout)
+
+        def kill(self):
+            pass
+
+    writer = ProcessShardWriter(f"file://{tmp_path}/job", {}, 0, Collect().on_receipt, Collect().on_error)
+    child = writer._child
+    real, child.proc = child.proc, Unkillable()
+    try:
+        _within(10, lambda: writer.flush(timeout_s=0.2))
+    finally:
+        real.kill()
+        real.wait(10)
