@@ -67,22 +67,32 @@ class TextTooLarge(ValueError):
     """A `source: text` file larger than MAX_TEXT_BYTES."""
 
 
+class NotUtf8Text(ValueError):
+    """A `source: text` file whose bytes do not decode as UTF-8."""
+
+
 def read_text_bytes(path: str, storage_options: dict | None = None) -> torch.Tensor:
     """The bytes of a UTF-8 text file as a uint8 tensor (read once, through fsspec); TextTooLarge
-    before anything is read when it exceeds MAX_TEXT_BYTES."""
+    when it exceeds MAX_TEXT_BYTES (before anything is read where the store tells its size; after
+    one byte more than that where it does not), NotUtf8Text when it is not UTF-8."""
     fs, where = fsspec.core.url_to_fs(path, **(storage_options or {}))
     size = fs.size(where)
     if size is not None and size > MAX_TEXT_BYTES:
-        raise TextTooLarge(f"{path} holds {size / 2**20:.0f} MiB, more than source 'text' takes "
-                           f"({MAX_TEXT_BYTES >> 20} MiB: every rank holds it whole); prepare it with `undying data "
-                           "prepare` and train with data.source: tokens")
+        raise TextTooLarge(_too_large(path, f"{size / 2**20:.0f} MiB"))
     with fs.open(where, "rb") as handle:
-        raw = handle.read()
+        raw = handle.read(MAX_TEXT_BYTES + 1)
+    if len(raw) > MAX_TEXT_BYTES:
+        raise TextTooLarge(_too_large(path, f"over {MAX_TEXT_BYTES >> 20} MiB"))
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"data.path={path!r} is not UTF-8 text ({err})") from err
+        raise NotUtf8Text(f"data.path={path!r} is not UTF-8 text ({err})") from err
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _too_large(path: str, held: str) -> str:
+    return (f"{path} holds {held}, more than source 'text' takes ({MAX_TEXT_BYTES >> 20} MiB: every rank holds it "
+            "whole); prepare it with `undying data prepare` and train with data.source: tokens")
 
 
 class DataCursor(ReadAheadCursor):

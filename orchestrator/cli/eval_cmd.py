@@ -154,6 +154,10 @@ def _evaluate(args: argparse.Namespace) -> dict:
     if dataset.vocab_size > cfg.vocab_size:
         raise UsageError(f"--data {args.data}: token ids up to {dataset.vocab_size - 1}, beyond the model's "
                          f"vocabulary of {cfg.vocab_size}; evaluate on data tokenized for this model")
+    if (manifest.state.get("engine") or {}).get("data", {}).get("source") == "text":
+        raise UsageError(f"--data {args.data}: step {step} was trained on data.source 'text', bytes as ids 0-255, "
+                         "and a prepared dataset's ids are its tokenizer's: the loss would measure other words "
+                         "behind the same ids; evaluate a model trained on prepared data (source: tokens)")
     trained = manifest.state.get("tokenizer", {})  # what the job's prepared data was tokenized with
     if trained.get("sha256") and dataset.manifest.tokenizer_sha256 != trained["sha256"]:
         raise UsageError(f"--data {args.data}: tokenized with another tokenizer (SHA-256 "

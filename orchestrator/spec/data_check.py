@@ -62,7 +62,7 @@ def _check_shards(ds, url: str, field: str, problems: list[Problem]) -> None:
 
 def _text_problems(spec: JobSpec) -> list[Problem]:
     """`data.source: text`: the file every rank reads whole (small by design), read here once."""
-    from trainer.data import TextTooLarge, read_text_bytes
+    from trainer.data import NotUtf8Text, TextTooLarge, read_text_bytes
 
     data, url = spec.data, spec.data.path
     try:
@@ -73,11 +73,11 @@ def _text_problems(spec: JobSpec) -> list[Problem]:
     except FileNotFoundError:
         return [Problem("data.path", f"{url} does not exist; fix the path (a plain path is taken from the "
                                      "directory `undying` runs in)")]
-    except UnicodeError as err:
-        return [Problem("data.path", f"{url} is not UTF-8 text ({err}); give a text file")]
+    except NotUtf8Text as err:
+        return [Problem("data.path", f"{url} is not UTF-8 text ({err.__cause__}); give a text file")]
     except TextTooLarge as err:
         return [Problem("data.path", str(err))]
-    except Exception as err:  # noqa: BLE001 (ValueError: read_text_bytes' "not UTF-8 text"; the store's client)
+    except Exception as err:  # noqa: BLE001 (the store's client)
         return [Problem("data.path", _cannot(url, "read as text", err))]
     if size < data.seq_len + 1:  # (its byte vocabulary against model.vocab_size: the spec's own check)
         return [Problem("data.path", f"{url} has {size} bytes, fewer than one window of data.seq_len + 1 = "
@@ -202,22 +202,26 @@ def _examine(spec: JobSpec) -> tuple[list[Problem], list[tuple[str, object, int]
             opened.append(("eval.path", ds))
     if spec.model.from_hf:
         problems += tokenizer_problems(spec, opened)
-    return problems + _between_datasets(opened), counted
+    return problems + _between_datasets(opened, data.storage_options), counted
 
 
-def _between_datasets(opened: list[tuple[str, TokenDataset]]) -> list[Problem]:
-    """What the job's datasets must be to one another (`opened`: (field, dataset), training ones first)."""
+def _between_datasets(opened: list[tuple[str, TokenDataset]], options: dict) -> list[Problem]:
+    """What the job's datasets must be to one another (`opened`: (field, dataset), training ones first;
+    `options`: data.storage_options, to read the tokenizers they name)."""
+    from orchestrator.spec.pretrained_tokenizer import same_vocabulary
     from trainer.tokens.loader import content_hash
 
     problems = []
     # Ids mean something only under their tokenizer: a mixture (or a validation set) tokenized
     # with another one would train (or measure) on different words behind the same numbers.
-    shas = [(field, ds.manifest.tokenizer_sha256) for field, ds in opened]
-    for field, sha in shas[1:]:
-        if sha != shas[0][1]:
-            problems.append(Problem(field, f"was tokenized with another tokenizer (sha256 {sha[:12]}...) than "
-                                    f"{shas[0][0]} ({shas[0][1][:12]}...); prepare every dataset of a job with the "
-                                    "same tokenizer"))
+    first_field, first = opened[0] if opened else (None, None)
+    for field, ds in opened[1:]:
+        sha, first_sha = ds.manifest.tokenizer_sha256, first.manifest.tokenizer_sha256
+        if sha != first_sha and not same_vocabulary(first.manifest.tokenizer, ds.manifest.tokenizer, options):
+            problems.append(Problem(field, f"was tokenized with another tokenizer ({ds.manifest.tokenizer}, sha256 "
+                                    f"{sha[:12]}...) than {first_field} ({first.manifest.tokenizer}, "
+                                    f"{first_sha[:12]}...), whose vocabulary differs or cannot be read; prepare "
+                                    "every dataset of a job with the same tokenizer"))
     # A validation set holding training tokens measures no held-out loss. (A mixture listing one
     # dataset twice is left alone: a job trained so resumes only with its spec as it was.)
     trained = {content_hash(ds): field for field, ds in opened if field != "eval.path"}

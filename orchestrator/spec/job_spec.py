@@ -168,6 +168,10 @@ def cross_section_problems(spec: Any) -> list[Problem]:
                            "fine-tuned on synthetic tokens; give a prepared dataset (source: tokens, path: the "
                            "output of `undying data prepare ... --tokenizer` that directory), or write source: "
                            "synthetic to train on synthetic tokens on purpose"))
+    if data and getattr(spec, "eval", None) is not None and data.source == "text":
+        out.append(Problem("eval.path", "is a dataset prepared with a tokenizer, and data.source 'text' trains on "
+                           "bytes as ids 0-255: the validation loss would measure other words behind the same ids; "
+                           "train on prepared data (source: tokens, the same tokenizer) or remove eval"))
     eval_len = eval_length(spec)
     if model and eval_len and eval_len > model.max_seq_len:
         out.append(Problem("eval.seq_len", f"{eval_len} exceeds model.max_seq_len = {model.max_seq_len}; "

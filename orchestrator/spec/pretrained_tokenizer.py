@@ -77,6 +77,17 @@ def tokenizer_problems(spec: JobSpec, opened: list) -> list[Problem]:
     return problems
 
 
+def same_vocabulary(first: str, second: str, options: dict) -> bool:
+    """Whether the tokenizer.json files two datasets name (their manifests' `tokenizer`) hold one vocabulary:
+    a re-saved copy (`save_pretrained`, a newer `tokenizers` release) is other bytes with the same ids. False
+    when either cannot be read now (nothing then shows the ids agree)."""
+    try:
+        return _vocabulary(_read(first, options)) == _vocabulary(_read(second, options))
+    except Exception as err:  # noqa: BLE001 (gone, moved, the store's client, no longer a tokenizer)
+        log.info("the tokenizers %s and %s could not be compared (%s: %s)", first, second, type(err).__name__, err)
+        return False
+
+
 def _same_vocabulary(source: str, options: dict, model_vocab: dict[str, int], data_vocab_size: int,
                      field: str) -> bool:
     """Whether the tokenizer a dataset names (`source`, as its manifest recorded it) has the model's

@@ -94,6 +94,23 @@ def test_a_text_source_that_cannot_train_is_refused_before_any_rank_starts(tmp_p
     assert problem.field == field and words in problem.message, problem
 
 
+def test_a_text_source_not_utf8_or_of_unknown_size_past_the_limit_is_refused_with_its_own_fix(tmp_path, monkeypatch):
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe" * 40)
+    [problem] = data_problems(spec(tmp_path, data={"source": "text", "seq_len": 16, "path": str(tmp_path / "bin.txt")}))
+    assert "is not UTF-8 text (" in problem.message and "give a text file" in problem.message
+    assert "storage_options" not in problem.message  # the store is not what is wrong
+    import fsspec
+
+    import trainer.data
+
+    # A store that tells no size (an HTTP server without Content-Length): the limit holds on what is read.
+    monkeypatch.setattr(trainer.data, "MAX_TEXT_BYTES", 1000)
+    monkeypatch.setattr(type(fsspec.filesystem("file")), "size", lambda self, path: None)
+    (tmp_path / "big.txt").write_text("x" * 5000)
+    with pytest.raises(trainer.data.TextTooLarge, match="holds over .* MiB, more than source .text. takes"):
+        trainer.data.read_text_bytes(str(tmp_path / "big.txt"))
+
+
 def test_a_readable_text_source_passes(tmp_path):
     (tmp_path / "ok.txt").write_text("a long enough line of text for one window\n" * 3)
     assert data_problems(spec(tmp_path, data={"source": "text", "seq_len": 16, "path": str(tmp_path / "ok.txt")})) == []

@@ -378,3 +378,36 @@ def test_a_reader_s_own_error_in_a_task_is_one_line_naming_the_input_not_a_dying
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["withdrawn.json"]  # so the next run starts clean
     monkeypatch.setattr(shard_task, "tokenize_unit", real)  # the input fixed
     assert prepare(capsys, *args_for(corpus, tmp_path / "out"))[0] == 0
+
+
+def test_a_jsonl_input_whose_store_reports_no_size_is_refused_naming_it(monkeypatch, tmp_path):
+    # fsspec's HTTP files without a Content-Length: cut by byte range up to size 0, its records were
+    # silently left out. Any store that answers so is refused with the fix.
+    import fsspec
+
+    from orchestrator.cli.data.sources import resolve_sources
+    from orchestrator.cli.exits import UsageError
+
+    jsonl = tmp_path / "served.jsonl"
+    jsonl.write_text(json.dumps({"text": "a"}) + "\n")
+    local = type(fsspec.filesystem("file"))
+    info = local.info
+    monkeypatch.setattr(local, "info", lambda self, path, **kw: {**info(self, path, **kw), "size": None})
+    with pytest.raises(UsageError, match=f"INPUT {jsonl}: the store reports no size for it") as err:
+        resolve_sources([str(jsonl)], "text", {})
+    assert "copy it to a local directory or to s3://" in str(err.value)
+
+
+def test_the_warm_ups_share_one_copy_of_the_tokenizer_in_the_object_store(monkeypatch):
+    import types
+
+    import ray
+
+    puts, calls = [], []
+    monkeypatch.setattr(ray, "put", lambda value: puts.append(value) or f"ref{len(puts)}")
+    remote = types.SimpleNamespace(remote=lambda *args: calls.append(args))
+    monkeypatch.setattr(ray, "remote", lambda **options: lambda fn: remote)
+    job = types.SimpleNamespace(tokenizer_json="{...}", plan=types.SimpleNamespace(tokenizer_sha256="s",
+                                                                                  parse_special_tokens=False))
+    execute.warm_workers(job, 4)
+    assert puts == ["{...}"] and [args[0] for args in calls] == ["ref1"] * 4

@@ -114,6 +114,18 @@ def test_data_tokenized_otherwise_than_the_job_s_is_refused(tmp_path, dataset, c
     assert "tokenized with another tokenizer" in err and "file:///tok/tokenizer.json" in err
 
 
+def test_a_checkpoint_trained_on_bytes_is_not_evaluated_on_a_tokenizers_ids(tmp_path, dataset, capsys):
+    save_hf(tmp_path / "hf")
+    catalog = commit(engine_from_hf(tmp_path / "hf"), tmp_path / "ck")
+    step = catalog.latest()
+    doc = json.loads(catalog.storage.read(catalog.manifest_path(step)))
+    doc["state"]["engine"]["data"] = {"source": "text", "seq_len": T, "bytes": 4000, "crc32": 7}  # a text job's
+    (tmp_path / "ck" / f"step-{step:09d}" / "manifest.json").write_text(json.dumps(doc))
+    assert main(["eval", f"file://{tmp_path}/ck", "--data", str(dataset), "--seq-len", str(T)]) == 2
+    err = capsys.readouterr().err
+    assert "trained on data.source 'text'" in err and "Traceback" not in err
+
+
 def test_the_engines_evaluation_equals_the_one_process_loss(tmp_path, dataset):
     save_hf(tmp_path / "hf")
     engine = engine_from_hf(tmp_path / "hf")

@@ -105,3 +105,24 @@ def test_a_text_source_is_refused_for_weights_that_come_with_a_tokenizer(tmp_pat
     assert problem.field == "data.source" and "prepare the text with that tokenizer" in problem.message
     (hf / "tokenizer.json").unlink()  # weights alone (an export of a job on text): nothing to compare
     assert data_problems(job) == []
+
+
+def test_datasets_of_one_tokenizer_saved_twice_train_and_validate_together(tmp_path, pretrained):
+    # Between a job's own datasets too, a re-saved tokenizer (other bytes, the same ids) is the same one;
+    # a tokenizer of other words, or one that cannot be read now to show it, is refused.
+    hf, sha = pretrained
+    saved_again = tmp_path / "resaved.json"
+    saved_again.write_text(json.dumps(json.loads((hf / "tokenizer.json").read_text()), indent=4))
+    _dataset(tmp_path / "train", hf / "tokenizer.json", sha)
+    _dataset(tmp_path / "val", saved_again, sha256_hex(saved_again.read_bytes()))
+    assert data_problems(_job(tmp_path, hf, tmp_path / "train")) == []
+    other = _tokenizer(tmp_path / "other.json", list(reversed(WORDS)))
+    _dataset(tmp_path / "b", tmp_path / "other.json", other)
+    _dataset(tmp_path / "c", tmp_path / "gone.json", "2" * 64)
+    for name in ("b", "c"):
+        mixture = {"source": "tokens", "seq_len": 16, "mixture": [{"path": str(tmp_path / "train"), "weight": 1},
+                                                                  {"path": str(tmp_path / name), "weight": 1}]}
+        job = validate_spec({"name": "j", "model": {"preset": "tiny"}, "train": {"steps": 10, "global_batch": 4},
+                             "checkpoint": {"url": f"file://{tmp_path}/ck"}, "data": mixture})
+        [problem] = data_problems(job)
+        assert problem.field == "data.mixture[1].path" and "another tokenizer" in problem.message, name

@@ -128,6 +128,8 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
           "eval={path: v, every_steps: 5, seq_len: 255}"], "eval.seq_len", "is padded to 256 (a multiple of "
                                                                             "parallel.tp = 2"),
         (["data={source: text, path: a.txt}", "model.vocab_size=128"], "model.vocab_size", "at least 256"),
+        (["data={source: text, path: a.txt}", "eval={path: v, every_steps: 5}"], "eval.path",
+         "data.source 'text' trains on bytes as ids 0-255"),
         (["elastic.min_dp=3"], "elastic.min_dp", "3 exceeds parallel.dp = 2"),
         (["monitor.heartbeat_s=6"], "monitor.heartbeat_s", "over half the hang limit (10 s)"),
         (["monitor.heartbeat_s=7", "elastic.hang_timeout_s=12"], "monitor.heartbeat_s", "at most 6 s"),

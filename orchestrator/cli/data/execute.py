@@ -69,7 +69,10 @@ def warm_workers(job: Job, tasks: int) -> list:
 
     remote = ray.remote(num_cpus=1)(_warm_worker)
     plan = job.plan
-    return [remote.remote(job.tokenizer_json, plan.tokenizer_sha256, plan.parse_special_tokens) for _ in range(tasks)]
+    # One copy in the object store for every task (a Llama 3 tokenizer.json is about 9 MB): a plain
+    # argument is put once per call, a copy per CPU.
+    tokenizer_json = ray.put(job.tokenizer_json)
+    return [remote.remote(tokenizer_json, plan.tokenizer_sha256, plan.parse_special_tokens) for _ in range(tasks)]
 
 
 class RayDataExecutor:

@@ -115,6 +115,9 @@ def _resolve(arg: str, text_field: str, storage_options: dict) -> Source:
     if kind == "txt":
         return Source(arg=arg, url=url, kind=kind, files=(describe_file(fs, path, url),))
     if kind == "jsonl":
+        if info.get("size") is None:  # (fsspec's HTTP files without a Content-Length)
+            raise UsageError(f"INPUT {arg}: the store reports no size for it, and a jsonl file is cut into pieces by "
+                             "byte range; copy it to a local directory or to s3:// and give that")
         _check_jsonl_field(arg, fs, path, text_field)
         return Source(arg=arg, url=url, kind=kind, files=(describe_file(fs, path, url, atoms=()),))
     atoms = _parquet_atoms(arg, fs, path, text_field)
