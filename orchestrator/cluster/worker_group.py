@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -69,7 +70,6 @@ class RayWorkerGroup(SpareSeats):
         # The controller's "is the job ending?": long waits give up when it says yes (cluster.interruptible).
         self.interrupted = interruptible.never
         self.pg = None
-        self.placement_wait_s = 0.0  # seconds `place` waited for the placement group's bundles
         # seat -> Ray bundle index; every `bundle` index below (bundle_of, spares) is a seat index
         self.seat_bundle: list[int] = []
         self.actors: dict[int, ray.actor.ActorHandle] = {}
@@ -81,7 +81,11 @@ class RayWorkerGroup(SpareSeats):
         self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings
         self.lost_nodes: set[str] = set()
 
-    def place(self, world_size: int, spares: int = 0) -> None:
+    def place(self, world_size: int, spares: int = 0,
+              on_wait: Callable[[float], object] = lambda seconds: None) -> None:
+        """Reserve the seats of `world_size` ranks and `spares` spares (a placement group); PlacementError when
+        the cluster cannot hold them, or does not grant them within resources.placement_timeout_s. `on_wait`
+        gets the seconds it waited for the grant, whatever the outcome (the cluster's capacity, not the job's)."""
         problems = capacity_problems(self.spec, ray.cluster_resources())
         problems = problems or node_problems(self.spec, alive_node_resources())
         if problems:
@@ -95,8 +99,10 @@ class RayWorkerGroup(SpareSeats):
         self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=name)
         self.seat_bundle = plan.seat_bundle
         began = time.perf_counter()
-        ready, _ = interruptible.wait([self.pg.ready()], 1, self.placement_timeout_s, self.interrupted)
-        self.placement_wait_s = time.perf_counter() - began  # the cluster granting the bundles: a resources wait
+        try:
+            ready, _ = interruptible.wait([self.pg.ready()], 1, self.placement_timeout_s, self.interrupted)
+        finally:  # granted, timed out or cut short by a signal: the cluster's capacity kept the job waiting
+            on_wait(time.perf_counter() - began)
         if not ready:
             raise PlacementError(f"{len(plan.bundles)} bundles ({plan.bundles[0]} for each TP group) could not be "
                                  f"placed within {self.placement_timeout_s:.0f} s")

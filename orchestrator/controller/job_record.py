@@ -286,10 +286,15 @@ class JobRecord:
         self.tracker.emit(record_event("fault", self.completed_steps(), self.faults[-1]))
 
     def on_restored(self, record: FailureRecord, level: str, results: list[dict], seconds: float) -> None:
-        """The recovery of `record` restored from `level` in `seconds`; `results`: the ranks' answers."""
+        """The recovery of `record` restored from `level` in `seconds`; `results`: the ranks' answers. The
+        level's lost work counts the failures before it whose restores did not land (this recovery took
+        theirs over: a second failure during a restore), which booked their rollbacks."""
         record.restore_level, record.restore_s = level, seconds
         record.storage_read_bytes = sum(int(r.get("storage_read_bytes", 0)) for r in results if isinstance(r, dict))
-        self.metrics.on_recovery_level(level, seconds, record.lost_work_s or 0.0)
+        taken_over = list(itertools.takewhile(lambda f: f.restore_level is None,
+                                              reversed([f for f in self.failures if f is not record])))
+        lost = sum(f.lost_work_s or 0.0 for f in [record, *taken_over])
+        self.metrics.on_recovery_level(level, seconds, lost)
         self._failure_changed(record)
 
     def on_recovered(self, record: FailureRecord, detected_at: float) -> None:

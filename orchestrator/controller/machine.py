@@ -202,8 +202,8 @@ class Controller:
     def _placing(self) -> None:
         started = time.perf_counter()
         spares = self.recovery.spares.target
-        self.workers.place(self.world_size, spares)  # its wait for the bundles: the cluster's capacity, not ours
-        self.ledger.move(self.workers.placement_wait_s, self.ledger.current, "waiting_for_resources")
+        self.workers.place(self.world_size, spares,  # its wait for the bundles: the cluster's capacity, not ours
+                           on_wait=lambda s: self.ledger.move(s, self.ledger.current, "waiting_for_resources"))
         self.workers.ensure_actors(list(range(self.world_size)))
         if spares:
             self.recovery.spares.refill("placement")

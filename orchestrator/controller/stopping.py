@@ -341,12 +341,13 @@ class Stops:
             return None
         self.grow_put_off = None
         self.ledger.enter("reformation")  # stopping the generation and growing it re-forms; nothing trains
+        at = time.time()  # the step in flight is thrown away: its time until now is lost work too
         self.reforming = True  # as in `_ended`: a signal ends the job at this commit
         gone, fault = self._stop_generation(store, world_size)
         try:  # a save completed as the generation stopped: its create lands before the step is read
             self.checkpoints.flush()  # (a commit landing after it would race the next generation)
         except BaseException:  # the job ends here (a signal, a create past its limit): its steps past the
-            self.ledger.move(self.record.rolled_back_seconds(self.checkpoints.latest, since=since),
+            self.ledger.move(self.record.rolled_back_seconds(self.checkpoints.latest, since=since, failed_at=at),
                              "productive", "lost_work")  # commit are not kept
             raise
         step = self.checkpoints.latest
@@ -354,7 +355,7 @@ class Stops:
         if gone:  # a rank died while the generation stopped: fill its seat first, grow at a later commit
             return self._lost_while_stopping(gone, step, "growing", fault)  # (its recovery books the redone steps)
         # Steps trained past the commit while the generation was being stopped are redone, from the commit.
-        self.ledger.move(self.record.rolled_back_seconds(step, since=since), "productive", "lost_work")
+        self.ledger.move(self.record.rolled_back_seconds(step, since=since, failed_at=at), "productive", "lost_work")
         mp, note = self.recovery.model_parallel(), ""
         self.workers.grow(new_dp * mp)
         self.reforming = False
@@ -383,8 +384,7 @@ class Stops:
         return self.record.checkpoints[-1].total_s if self.record.checkpoints else 1.0
 
     def _drop_spares_on(self, node: str) -> None:
-        """A draining node holding no rank: drop the job's spares there, if it has any (a spare
-        still warming up has no known node yet: the next poll looks again)."""
+        """A draining node holding no rank: drop the job's spares there (one still warming has no node yet)."""
         spares = self.workers.spares_on(node)
         if spares:
             self.drained.add(node)

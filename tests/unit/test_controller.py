@@ -69,10 +69,11 @@ class FakeWorkerGroup:
 
     placement_wait_s = 0.0  # what `place` waited for the cluster's capacity (a test sets it)
 
-    def place(self, world_size, spares=0):
+    def place(self, world_size, spares=0, on_wait=lambda seconds: None):
+        time.sleep(self.placement_wait_s)
+        on_wait(self.placement_wait_s)  # (booked however the wait ended, as WorkerGroup.place does)
         if self.place_error:
             raise PlacementError(self.place_error)
-        time.sleep(self.placement_wait_s)
         self.n_spares = spares
         self.seats = world_size + spares
 

@@ -31,3 +31,12 @@ def test_the_wait_for_the_clusters_capacity_at_placement_is_booked_as_waiting_fo
     totals = ctl.ledger.totals()  # moved out of startup, where PLACING books
     assert totals["waiting_for_resources"] == pytest.approx(0.3)
     assert sum(totals.values()) == pytest.approx(ctl.ledger.wall())
+
+
+def test_a_placement_wait_that_times_out_is_booked_as_waiting_for_resources(tmp_path, rendezvous):
+    spec = _spec(tmp_path)
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    workers.placement_wait_s, workers.place_error = 0.3, "4 bundles could not be placed within 0 s"
+    ctl = _controller(spec, workers, rendezvous, [])
+    assert ctl.run().status == "failed"
+    assert ctl.ledger.totals()["waiting_for_resources"] == pytest.approx(0.3)  # not startup's

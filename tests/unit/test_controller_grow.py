@@ -170,3 +170,27 @@ def test_a_grow_waits_for_one_commit_with_a_create_under_way_not_for_ever():
     assert stops.grow_at(None, 1, 2, 4, since=0.0) is None  # put off: the create under way lands first
     with pytest.raises(Proceeded, match="reformation"):
         stops.grow_at(None, 1, 2, 4, since=0.0)  # the next commit's poll grows
+
+
+def test_a_grow_books_the_step_in_flight_at_its_stop_as_lost_work(monkeypatch):
+    # The generation is stopped mid-step to grow: that step's time until the stop was booked productive
+    # and is thrown away with it, as a failure's step in flight is.
+    from types import SimpleNamespace
+
+    from orchestrator.controller import stopping
+    from orchestrator.controller.stopping import Stops
+
+    monkeypatch.setattr(stopping, "time", SimpleNamespace(time=lambda: 1000.0))
+    asked, moved = [], []
+    stops = Stops.__new__(Stops)
+    stops.grow_put_off = None
+    stops.recovery = SimpleNamespace(grow_to=lambda dp, world_size: (4, 2), model_parallel=lambda: 1)
+    stops.checkpoints = SimpleNamespace(committer=SimpleNamespace(committing={}), flush=lambda: None, latest=30,
+                                        memory=SimpleNamespace(forget_newer=lambda step: None))
+    stops.ledger = SimpleNamespace(enter=lambda bucket: None, move=lambda s, src, dst: moved.append((s, src, dst)))
+    stops.record = SimpleNamespace(rolled_back_seconds=lambda step, since, failed_at=None: asked.append(
+        (step, since, failed_at)) or 7.0)
+    stops.workers = SimpleNamespace(grow=lambda n: None, actors=dict.fromkeys(range(4)))
+    stops._stop_generation = lambda store, world_size: ([], None)
+    stops.grow_at(None, 1, 2, 2, since=900.0)
+    assert asked == [(30, 900.0, 1000.0)] and moved == [(7.0, "productive", "lost_work")]

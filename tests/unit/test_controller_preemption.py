@@ -337,7 +337,11 @@ def test_a_drained_node_s_ranks_with_no_seat_elsewhere_shrink_dp_at_the_stop_wit
     assert workers.dp_history[:2] == [2, 1] and 1 not in workers.created[2:], workers.created
     assert any("rank(s) [1] not replaced: their seats are on a draining node" in line
                and "shrinking dp 2 -> 1" in line for line in lines), lines
-    assert report.failures == [] and report.goodput.badput_s.get("lost_work", 0.0) == 0.0
+    assert report.failures == []
+    # The drain's stop loses nothing (every rank stopped at a committed step); a grow back after it throws
+    # away the step in flight at its stop: a few milliseconds of this fake's.
+    grew = any("growing dp 1 -> 2" in line for line in lines)
+    assert report.goodput.badput_s.get("lost_work", 0.0) < (0.1 if grew else 1e-9), lines
 
 
 def test_a_drain_shorter_than_a_checkpointed_stop_is_a_node_loss(tmp_path, rendezvous):

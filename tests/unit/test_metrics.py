@@ -429,3 +429,23 @@ def test_the_badput_counter_never_dips_when_a_scrape_raced_the_close_of_the_open
     now[0] = 12.0
     collector.publish(ledger.reading())
     assert data_seconds() == 11.0  # the counter goes on once it passes what it exported
+
+
+def test_a_recovery_that_took_over_a_failed_restore_counts_both_rollbacks_at_its_level():
+    from orchestrator.controller.job_record import JobRecord
+
+    metrics = JobMetrics("taken-over")
+    record = JobRecord("taken-over", 100, metrics, GoodputLedger(), printer=lambda line: None, progress_every_s=0.0)
+    first = record.on_failure("rank_died", 1, detected_at=time.time(), fault_time=None, message="boom", step=5)
+    first.lost_work_s = 10.0  # its rollback, booked; then its restore failed
+    second = record.on_failure("restore_failed", 0, detected_at=time.time(), fault_time=None, message="again")
+    second.lost_work_s = 0.0  # nothing trained since: nothing more to book
+    record.on_restored(second, "storage", [], 2.0)
+    lost = metrics.registry.get_sample_value("undying_recovery_lost_work_seconds_total",
+                                             {"undying_job": "taken-over", "level": "storage"})
+    assert lost == 10.0
+    third = record.on_failure("rank_died", 1, detected_at=time.time(), fault_time=None, message="later", step=9)
+    third.lost_work_s = 3.0
+    record.on_restored(third, "memory", [], 0.5)  # the first two are done with: not counted again
+    assert metrics.registry.get_sample_value("undying_recovery_lost_work_seconds_total",
+                                             {"undying_job": "taken-over", "level": "memory"}) == 3.0
