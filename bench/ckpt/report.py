@@ -156,7 +156,10 @@ def tvp_verdict(tvp: dict) -> str:
         thread, proc, none = w["thread"], w["process"], w["none"]
         noise = max(abs(t["lost"]) for t in none["trials"])
         gap = thread["median_lost"] - proc["median_lost"]
-        if abs(gap) <= noise:
+        if len(none["trials"]) < 3:  # one trial of no writer is its own baseline: its spread is not measured
+            cost = (f"the difference is {abs(gap):.3f} s, from {len(none['trials'])} trial(s): the noise floor is not "
+                    "measured (--tvp-repeats 3 or more), so no winner is called")
+        elif abs(gap) <= noise:
             cost = f"the difference ({abs(gap):.3f} s) is within the noise floor ({noise:.3f} s): no clear winner"
         else:
             cost = f"the {'process' if gap > 0 else 'thread'} writer costs training {abs(gap):.3f} s less per save"

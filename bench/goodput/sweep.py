@@ -29,7 +29,8 @@ def sweep_section(data: dict, command: str, plot: str | None, date: str, seconds
         if rule in summary:
             side = against_best(summary[rule]["points_below_best"])
             verdicts.append(f"- `interval: {rule}`: {side} the best fixed interval (realised interval "
-                            f"{summary[rule]['realised_s'] or 0:.1f} s).")
+                            f"{summary[rule]['realised_s'] or 0:.1f} s), given the injected system MTBF as its prior "
+                            f"(checkpoint.mtbf_s = {inputs.mtbf_s:.0f} s, as the sweep sets it).")
     command = command or data.get("command", "")
     took = f" ({seconds / 60:.0f} minutes)" if seconds else ""
     picture = f"\n![goodput vs interval]({plot})\n" if plot else ""

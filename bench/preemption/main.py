@@ -166,7 +166,12 @@ def table(result: dict) -> str:
                     f"{_median(rounds, way, 'lost_work_s'):.2f} | {_median(rounds, way, 'redone_steps'):.0f} | "
                     f"{hook} | {same} |")
     ratio = _median(rounds, "lost", "cost_s") / max(_median(rounds, "drained", "cost_s"), 1e-3)
-    rows += ["", f"Medians of {len(rounds)} round(s); a lost node costs **{ratio:.1f}x** what a drained one does."]
+    deltas = {way: ", ".join(f"{r[way]['wall_delta_s']:+.1f}" for r in rounds) for way in ("drained", "lost")}
+    # Badput alone: the ledger books a step that ran slower after the node's end as productive, so
+    # the wall against the failure-free run is the like-for-like figure, given beside it per round.
+    rows += ["", f"Medians of {len(rounds)} round(s). Badput of the node's end: a lost node's is {ratio:.1f}x a "
+                 f"drained one's. Wall against the failure-free run, per round: drained {deltas['drained']} s, "
+                 f"lost {deltas['lost']} s."]
     return "\n".join(rows)
 
 
