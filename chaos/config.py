@@ -176,11 +176,9 @@ class FaultSpec(SpecSection):
 
 
 class ArmedFault(FaultSpec):
-    """A fault as the controller arms it and the injectors fire it: its FaultSpec and an `id`.
-
-    Explicit faults are numbered by their index in `chaos.faults`; random ones after them
-    (chaos.schedule). The id names the fault in every notice (a FaultFired message) and in
-    the controller's record of what fired."""
+    """A fault as the controller arms it and the injectors fire it: its FaultSpec and an `id` (explicit faults are
+    numbered by their index in `chaos.faults`, random ones after them: chaos.schedule), which names the fault in
+    every notice (a FaultFired message) and in the controller's record of what fired."""
 
     id: int = Field(ge=0)
 
@@ -217,6 +215,9 @@ def as_armed(fault: FaultSpec | Mapping, index: int) -> ArmedFault:
 _RANDOM_FIELDS = ("mtbf_kind", "mtbf_start_s", "mtbf_max_faults")
 
 
+MIN_MTBF_S = 1.0  # chaos.mtbf_s per target at the least: a day of failures is drawn at placement (chaos.schedule)
+
+
 class ChaosConfig(SpecSection):
     """Faults to inject: a scripted list, plus optional random failures.
 
@@ -237,6 +238,14 @@ class ChaosConfig(SpecSection):
     mtbf_max_faults: int | None = Field(None, ge=1, description="random failures: at most this many")
     seed: int = Field(0, description="seed of the random failures' times and targets (they replay exactly; the "
                       "step a timed fault meets depends on the run's own start-up and recoveries)")
+
+    @field_validator("mtbf_s", mode="after")
+    @classmethod
+    def _mtbf_s_at_least_a_second(cls, value: float | None) -> float | None:
+        if value is not None and value < MIN_MTBF_S:
+            raise ValueError(f"{value:g} s is below {MIN_MTBF_S:g} s per target: a failure that often leaves no step "
+                             f"to train; give at least '{MIN_MTBF_S:g}s'")
+        return value
 
     @field_validator(*_RANDOM_FIELDS, mode="after")
     @classmethod

@@ -45,8 +45,10 @@ class FaultEvent:
     fault: ArmedFault | None = field(default=None, compare=False)  # the fault itself, for the injector
 
 
-def poisson_times(mtbf_s: float, horizon_s: float, *, seed: int, target: str, start_s: float = 0.0) -> list[float]:
-    """Failure times of one target in [start_s, horizon_s): exponential gaps with mean `mtbf_s`.
+def poisson_times(mtbf_s: float, horizon_s: float, *, seed: int, target: str, start_s: float = 0.0,
+                  limit: int | None = None) -> list[float]:
+    """Failure times of one target in [start_s, horizon_s): exponential gaps with mean `mtbf_s`; the
+    first `limit` of them when given (the same first ones: a limit only stops the draws).
 
     A pure function of its arguments: the generator is seeded with a string built from
     (seed, target), which `random.Random` turns into its state through SHA-512, so the
@@ -56,11 +58,12 @@ def poisson_times(mtbf_s: float, horizon_s: float, *, seed: int, target: str, st
         raise ValueError(f"mtbf_s must be a positive number of seconds, got {mtbf_s!r}")
     rng = random.Random(f"undying.chaos:{seed}:{target}")
     times, t = [], float(start_s)
-    while True:
+    while limit is None or len(times) < limit:
         t += rng.expovariate(1.0 / mtbf_s)
         if t >= horizon_s:
-            return times
+            break
         times.append(t)
+    return times
 
 
 def random_faults(
@@ -86,7 +89,9 @@ def random_faults(
         targets = [(f"node{i}", {"node": n}) for i, n in enumerate(dict.fromkeys(nodes))]
     draws = []
     for label, target in targets:
-        for t in poisson_times(chaos.mtbf_s, horizon_s, seed=chaos.seed, target=label, start_s=chaos.mtbf_start_s):
+        # The job's first mtbf_max_faults failures take at most that many of any one target's.
+        for t in poisson_times(chaos.mtbf_s, horizon_s, seed=chaos.seed, target=label, start_s=chaos.mtbf_start_s,
+                               limit=chaos.mtbf_max_faults):
             draws.append((t, label, target))
     draws.sort(key=lambda d: (d[0], d[1]))
     if chaos.mtbf_max_faults is not None:

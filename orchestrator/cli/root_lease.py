@@ -23,7 +23,7 @@ from ckpt.storage import Storage
 from ckpt.storage_errors import ReadRetry
 from orchestrator.cli.ckpt_catalog import error_reason, is_storage_error
 
-# Written into every root a chaos experiment runs in (orchestrator.cli.chaos.command.prepare_root).
+# Written into every root a chaos experiment runs in (orchestrator.cli.chaos.harness.prepare_root).
 CHAOS_MARKER = "chaos-experiment.json"
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from monitor.report import FailureRecord, FaultRecord, GoodputSummary, RunReport, WorldRecord
+from monitor.report import FailureRecord, FaultRecord, GoodputSummary, LossPoint, RunReport, WorldRecord
 from orchestrator.cli.chaos.command import chaos_main
 from orchestrator.cli.chaos.experiment import catalog_of
 from orchestrator.cli.chaos.runs import RunOutcome
@@ -449,3 +449,26 @@ def test_the_verdict_names_the_checks_it_skipped(tmp_path, capsys):
     assert chaos_main(_args(tmp_path, "--no-reference"), runner=FakeRunner()) == EXIT_OK
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
     assert "every check passed (1 skipped: model_matches_reference)" in verdict, verdict
+
+
+def test_a_sweep_that_cannot_measure_says_why_in_one_line(tmp_path, capsys):
+    # A calibration too short for a step time, and runs that committed nothing (no save cost): each ends
+    # the sweep with its reason and the fix, not a traceback after the runs were spent.
+    def runner(spec, *, address, report_path) -> RunOutcome:
+        losses = [LossPoint(step=s, loss=1.0, time=10.0 + s) for s in range(spec.train.steps)]
+        return RunOutcome(EXIT_OK, RunReport(job=spec.name, final_step=spec.train.steps, status="succeeded",
+                                             losses=losses, goodput=GoodputSummary.from_totals({"productive": 5.0})),
+                          {}, wall_s=10.0)
+
+    common = ["--mtbf", "120s", "--kind", "kill_rank", "--set", "chaos.faults=[]",
+              "--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--fresh"]
+    args = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--intervals", "young", *common,
+                                 "--set", "train.steps=1"])
+    assert chaos_main(args, runner=runner) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "too few steps to measure a step time; give the job more train.steps, or --step-s" in err
+    args = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--intervals", "young", "--step-s", "0.5",
+                                 *common, "--set", "train.steps=40"])
+    assert chaos_main(args, runner=runner) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "no committed checkpoint in any report" in err and "Traceback" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -96,6 +97,8 @@ def test_measure_reads_goodput_interval_cost_and_restart():
     assert result["best_fixed"]["label"] == "10s"
     assert result["young"]["points_below_best"] == pytest.approx(100 * (0.75 - 55 / 80))
     assert sweep.against_best(4.66) == "4.7 points below" and sweep.against_best(-5.5) == "5.5 points above"
+    crashed = dataclasses.replace(young, status="failed")  # its goodput is of the part it ran: no verdict
+    assert "young" not in sweep.summary([row, crashed], inputs)
     text = sweep.table([row, young], inputs)
     assert "| 10s | storage | 25 steps | 10.0 s | 60.0% | 75.0% |" in text
     assert "| young | storage | adaptive steps |" in text

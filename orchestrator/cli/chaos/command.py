@@ -33,26 +33,18 @@ Exit codes: 0 the run succeeded and every check passed; 1 the run failed or a ch
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import sys
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING
 
+from orchestrator.cli.chaos.harness import Runner, describe_faults, prepare_root, run_with_report, write_json
+from orchestrator.cli.chaos.sweep_cmd import sweep_main
 from orchestrator.cli.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, print_problems
 from orchestrator.spec.problems import Problem, SpecError
 
 KINDS = ("kill_rank", "kill_node", "hang_rank")
 
 
-if TYPE_CHECKING:
-    from orchestrator.cli.chaos.runs import RunOutcome
-
 # The experiment and its runs import torch and Ray; they are imported where used, so that
 # `undying chaos --help` (which builds this module's parser) imports neither.
-Runner = Callable[..., "RunOutcome"]  # runner(spec, address=..., report_path=...) -> RunOutcome
 
 
 def add_chaos_parser(sub) -> None:
@@ -217,95 +209,6 @@ def experiment_main(spec, args, runner: Runner) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def sweep_main(spec, intervals, levels, args, runner: Runner) -> int:
-    """Calibrate the step time, run the job once per interval and level under the same failures, fit the
-    model, print the table, write the JSON and the plot (orchestrator.cli.chaos.sweep has the protocol)."""
-    from orchestrator.cli.chaos import sweep
-    from orchestrator.cli.chaos.goodput_model import inputs_from_reports
-
-    try:
-        mtbf = sweep.system_mtbf_s(spec)
-        specs = [sweep.calibration_spec(spec)] if args.step_s is None else []
-        for s in specs:
-            prepare_root(s, args.fresh)
-    except SpecError as err:
-        print_problems(err.problems)
-        return EXIT_USAGE
-    step_s = args.step_s
-    if step_s is None:
-        outcome = run_with_report(runner, specs[0], args.address)
-        if outcome.code != EXIT_OK or outcome.report is None:
-            print(f"undying chaos sweep: the calibration run failed (exit {outcome.code})", file=sys.stderr)
-            return EXIT_FAILED
-        step_s = sweep.step_seconds(outcome.report)
-    print(f"undying chaos sweep: {describe_faults(spec)}; system MTBF {mtbf:.1f} s; step {step_s:.3f} s", flush=True)
-    grid = _run_grid(spec, intervals, levels, step_s, args, runner)
-    if isinstance(grid, int):
-        return grid
-    rows, reports = grid
-    # The model is of one level: C and R come from the storage-only runs when there are any.
-    storage = [rep for rep, row in zip(reports, rows, strict=True) if row.level == "storage"]
-    inputs = inputs_from_reports(storage or reports, mtbf)
-    result = sweep.summary(rows, inputs)
-    print("\n" + sweep.table(rows, inputs) + "\n", flush=True)
-    best = result["best_fixed"]
-    print(f"tau* = sqrt(2 C M) = {inputs.tau_star:.1f} s (C {inputs.cost_s:.3f} s over {inputs.saves} saves, "
-          f"M {mtbf:.1f} s; R {inputs.restart_s:.1f} s over {inputs.restarts} recoveries)"
-          + (f"; best fixed interval {best['label']} ({100 * best['steady_goodput']:.1f}% steady goodput)"
-             if best else ""), flush=True)
-    for rule in sweep.RULES:
-        if rule in result:
-            print(f"{rule}: {sweep.against_best(result[rule]['points_below_best'])} the best fixed interval")
-    for label, gain in result["two_level_vs_storage"].items():
-        print(f"interval {label}: two-level {gain['goodput_points']:+.1f} points of goodput, its wall "
-              f"{gain['wall_change']:+.1%} for the same steps, against storage only")
-    if args.out:
-        write_json(args.out, {"command": shlex.join(["undying", *sys.argv[1:]]), "step_s": step_s,
-                              "system_mtbf_s": mtbf, "chaos": spec.chaos.model_dump(mode="json"),
-                              "rows": sweep.rows_to_json(rows), "summary": result, "reports": reports})
-        print(f"sweep written to {args.out}")
-    if args.plot:
-        from orchestrator.cli.chaos.sweep_plot import plot_sweep
-
-        plot_sweep(rows, inputs, args.plot, title=f"{spec.name}: {describe_faults(spec)}")
-        print(f"plot written to {args.plot}")
-    return EXIT_OK if all(r.status == "succeeded" for r in rows) else EXIT_FAILED
-
-
-def _run_grid(spec, intervals, levels, step_s: float, args, runner: Runner):
-    """Each interval at each level, in order: (rows, reports), or the exit code that ended the sweep."""
-    from orchestrator.cli.chaos import sweep
-
-    rows, reports = [], []
-    for interval, level in [(i, level) for i in intervals for level in levels]:
-        run_spec = sweep.sweep_spec(spec, interval, step_s, level)
-        try:
-            prepare_root(run_spec, args.fresh)
-        except SpecError as err:
-            print_problems(err.problems)
-            return EXIT_USAGE
-        print(f"undying chaos sweep: interval {interval.label}, {level} ({run_spec.name})", flush=True)
-        outcome = run_with_report(runner, run_spec, args.address)
-        if outcome.report is None:
-            print(f"undying chaos sweep: run {run_spec.name} left no report (exit {outcome.code})", file=sys.stderr)
-            return EXIT_FAILED
-        reports.append(outcome.report.model_dump(mode="json"))
-        rows.append(sweep.measure(interval.label, interval.seconds, run_spec.checkpoint.every_steps, outcome.report,
-                                  level))
-    return rows, reports
-
-
-def describe_faults(spec) -> str:
-    chaos = spec.chaos
-    parts = [f"{len(chaos.faults)} scripted fault(s)"] if chaos.faults else []
-    if chaos.mtbf_s is not None:
-        targets = f"each of {spec.world_size} ranks" if chaos.mtbf_kind != "kill_node" else "each node"
-        parts.append(f"random {chaos.mtbf_kind} with MTBF {chaos.mtbf_s:g} s for {targets} (seed {chaos.seed}"
-                     + (f", from {chaos.mtbf_start_s:g} s" if chaos.mtbf_start_s else "")
-                     + (f", at most {chaos.mtbf_max_faults}" if chaos.mtbf_max_faults else "") + ")")
-    return "; ".join(parts) or "no faults"
-
-
 def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
     """The failure-free run's final model tensors: reused when a finished reference of the same spec
     exists and `experiment.reference_stale` finds nothing against it, else run now. None (after
@@ -332,64 +235,3 @@ def ensure_reference(spec, runner: Runner, address: str | None, fresh: bool):
         record = experiment.reference_record(len(outcome.report.failures) if outcome.report else 0)
         catalog.storage.write_immutable(catalog.storage.path(experiment.REFERENCE_RECORD), json.dumps(record).encode())
     return experiment.final_model(catalog)[1]
-
-
-
-
-def prepare_root(spec, fresh: bool) -> None:
-    """A chaos run starts from scratch: refuse a root that holds checkpoints, or delete it with --fresh
-    when an earlier experiment made it (CHAOS_MARKER); then mark it as this experiment's."""
-    from ckpt.owner_claims import UnreadableClaim, live_owner
-    from ckpt.ownership import OwnerAlive, refuse_a_beating_owner
-    from orchestrator.cli.chaos import experiment
-    from orchestrator.cli.root_lease import CHAOS_MARKER
-    from orchestrator.controller.kill import MARKER_DIR
-
-    catalog = experiment.catalog_of(spec)
-    storage = catalog.storage
-    # A kill_controller marker alone (the controller died before its first commit) is state too:
-    # it would keep that fault from firing in this run.
-    if catalog.all_steps() or storage.exists(storage.path(MARKER_DIR)):
-        ours = storage.exists(storage.path(CHAOS_MARKER))
-        if not fresh:  # --fresh is offered only where it would act: the roots an experiment made
-            raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
-                                     "records) of an earlier run, which this run would resume from; "
-                                     + ("pass --fresh to delete them, or " if ours else "")
-                                     + "choose another name with --set name=...")])
-        if not ours:
-            raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} holds checkpoints that no `undying "
-                                     f"chaos` experiment made (it has no {CHAOS_MARKER}), so --fresh leaves them: "
-                                     "choose another name with --set name=..., or delete them yourself if they "
-                                     "should go")])
-        try:
-            owner = live_owner(storage)
-            if owner is None:  # a holder stale by two hosts' clocks is alive while its beat advances
-                refuse_a_beating_owner(storage)
-        except UnreadableClaim as err:  # who holds it is unknown
-            owner = f"unknown, since {err}"
-        except OwnerAlive as err:
-            owner = str(err)
-        if owner is not None:
-            raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} belongs to a running job: {owner}; "
-                                     "--fresh deletes nothing while it runs: stop it, or choose another name with "
-                                     "--set name=...")])
-        storage.remove_tree(storage.root)
-    # Marked only where nothing else is: a job's root that holds no checkpoint yet (its lease, its
-    # event log) marked here would later be deleted by --fresh once it holds some.
-    others = [name for name in storage.listdir(storage.root) if name != CHAOS_MARKER]
-    if others and not storage.exists(storage.path(CHAOS_MARKER)):
-        raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} holds {', '.join(others[:3])} of a job "
-                                 "that no `undying chaos` experiment made; choose another name with --set name=...")])
-    with storage.atomic_writer(storage.path(CHAOS_MARKER)) as out:
-        out.write(json.dumps({"job": spec.name}).encode())
-
-
-def run_with_report(runner: Runner, spec, address: str | None) -> RunOutcome:
-    with tempfile.TemporaryDirectory(prefix="undying-chaos-") as tmp:
-        return runner(spec, address=address, report_path=os.path.join(tmp, "report.json"))
-
-
-def write_json(path: str, data) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(data, indent=2))

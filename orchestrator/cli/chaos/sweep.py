@@ -87,6 +87,8 @@ def system_mtbf_s(spec) -> float:
     if chaos.mtbf_s is None or chaos.mtbf_kind not in RANK_KINDS:
         raise SpecError([Problem("chaos.mtbf_kind", "a sweep needs random rank failures (the model needs the "
                                  "number of targets before placement); give --mtbf and --kind kill_rank or hang_rank")])
+    # The rate while failures come: --start delays the first (past start-up, which steady goodput leaves
+    # out), and a --max-faults the runs reach would end them early, which the table's failure counts show.
     return chaos.mtbf_s / spec.world_size
 
 
@@ -172,8 +174,8 @@ def summary(rows: Sequence[Row], inputs: ModelInputs) -> dict:
     out = {"tau_star_s": inputs.tau_star, "model": asdict(inputs),
            "best_fixed": None if best is None else {"label": best.label, "steady_goodput": best.steady_goodput,
                                                     "realised_s": best.realised_s}}
-    for row in rows:
-        if row.target_s is None and best is not None and row.level == level:
+    for row in rows:  # (a failed run's goodput is of the part it ran: no verdict)
+        if row.target_s is None and best is not None and row.level == level and row.status == "succeeded":
             out[row.label] = {"points_below_best": 100 * (best.steady_goodput - row.steady_goodput),
                               "realised_s": row.realised_s}
     out["two_level_vs_storage"] = level_gains(rows)
