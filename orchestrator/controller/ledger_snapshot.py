@@ -256,6 +256,22 @@ class LedgerCarry:
         carried, self.carried_from = self.carried_from, None
         return book_older_restore(self.ledger, carried, step, self.read_manifest)
 
+    def start_fresh(self) -> None:
+        """The first restore finds nothing to restore (a fresh start). A predecessor that never committed
+        (its controller killed before the first commit) still left its snapshot: its seconds are the job's,
+        its productive ones all lost work (nothing it trained survives) and the time no driver ran `other`,
+        and the report's clock, and with it the timed faults already due, go on from them."""
+        if self.done:
+            return
+        held = self.snapshots.held if self.snapshots is not None else None
+        self.finish()
+        if held is None:
+            return
+        carried = _known(resume_totals({}, 0.0, held, self.started_at))
+        self.ledger.carry(carried, prior=_known(held["totals"]))
+        self.record.carry_clock(sum(carried.values()))
+        self.fault_clock.skip_before(sum(carried.values()))
+
     def finish(self) -> None:
         """Carried, or nothing to carry: the snapshots hold this run's ledger, the job's from here on."""
         self.done = True

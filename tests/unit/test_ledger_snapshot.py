@@ -246,3 +246,29 @@ def test_a_first_restore_older_than_the_carried_checkpoint_books_the_work_betwee
         skip_before=lambda job_s: None))
     carry.carry(20)
     assert carry.on_restored(20) == "" and carry.ledger.totals()["lost_work"] == 0.0
+
+
+def test_a_fresh_start_after_a_controller_killed_before_its_first_commit_carries_its_time_and_its_faults():
+    # Nothing committed, so nothing is restored; the dead controller's snapshot is still the job's time
+    # (all its training lost, the time no driver ran `other`), and its timed faults do not fire again.
+    import time
+    from types import SimpleNamespace
+
+    from monitor.metrics import JobMetrics
+    from orchestrator.controller.job_record import JobRecord
+    from orchestrator.controller.ledger_snapshot import LedgerCarry
+
+    ledger = GoodputLedger()
+    record = JobRecord("j", 100, JobMetrics("j"), ledger, printer=lambda _: None)
+    skipped = []
+    now = time.time()
+    held = {"time": now - 20.0, "totals": {"productive": 30.0, "startup": 10.0}, "ended": False, "failures": []}
+    snapshots = SimpleNamespace(held=held)
+    carry = LedgerCarry(lambda step: None, ledger, record, snapshots, now, SimpleNamespace(skip_before=skipped.append))
+    carry.start_fresh()
+    totals = ledger.totals()
+    assert totals["lost_work"] == pytest.approx(30.0) and totals["other"] == pytest.approx(20.0, abs=0.5)
+    assert totals["productive"] == pytest.approx(0.0, abs=0.5) and snapshots.held is None
+    assert skipped == [pytest.approx(60.0, abs=0.5)] and record.job_seconds() == pytest.approx(60.0, abs=1.0)
+    carry.start_fresh()  # once per controller run: a later restore of nothing carries nothing more
+    assert ledger.totals()["lost_work"] == pytest.approx(30.0) and len(skipped) == 1
