@@ -148,10 +148,22 @@ class RayWorkerGroup(SpareSeats):
         actor = self.actors.get(rank)
         return None if actor is None else self.node_of_actor.get(actor._actor_id.hex())
 
-    def inject(self, rank: int, fault: ArmedFault) -> None:
-        """Fire a chaos fault on `rank` now (no waiting: a killed rank never answers)."""
-        if rank in self.actors:
-            self.actors[rank].inject.remote(fault)
+    def inject(self, rank: int, fault: ArmedFault):
+        """Fire a chaos fault on `rank` now (no waiting: a killed rank never answers); the call's ref, for
+        `injection_error`, or None when the job has no such rank."""
+        return self.actors[rank].inject.remote(fault) if rank in self.actors else None
+
+    @staticmethod
+    def injection_error(ref) -> str | None:
+        """Why an `inject` call failed, once it has ended; None while it runs or when it returned. (A kill
+        that fired ends the call with the actor's death too: its fault notice tells the two apart.)"""
+        if not ray.wait([ref], timeout=0)[0]:
+            return None
+        try:
+            ray.get(ref)
+        except Exception as err:  # noqa: BLE001 (the actor's refusal, or its death)
+            return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        return None
 
     def controller_node(self) -> str:
         """The node this process (the controller, a Ray driver) runs on."""

@@ -9,7 +9,9 @@ Protocol (controller thread only; one FaultClock per controller run):
     (chaos.schedule); `skip_before(job_s)` after a resume, so earlier faults do not replay;
     `fire_due()` from the training loop fires what is due on the job clock (the goodput
     ledger's wall time, which a resumed job carries over); one with no rank to fire at is
-    logged and appended to `skipped` (the report's `faults_skipped`).
+    logged and appended to `skipped` (the report's `faults_skipped`), and so is one whose
+    rank's actor failed the call (gone, or in no generation) with no notice of it firing
+    within NOTICE_GRACE_S: an experiment never believes a failure happened that did not.
   * `on_fired(notice)` for each fault notice the event intake receives; `take_fired()` hands
     the oldest not yet blamed to the failure attribution (orchestrator.controller.blame);
     `sweep_fired(before)` marks those a recovery dealt with; `disarm_slow(ranks)` stops the
@@ -28,6 +30,9 @@ from orchestrator.wire.messages import FaultFired
 
 # Random failures are drawn up to this many job seconds ahead (a day).
 CHAOS_HORIZON_S = 24 * 3600.0
+# A failed injection call is a fault that did not fire unless its notice comes within this long (a kill
+# that fired ends the call with the actor's death, its notice on its way through the generation's store).
+NOTICE_GRACE_S = 30.0
 
 
 class FaultClock:
@@ -45,6 +50,7 @@ class FaultClock:
         self.timed: list = []  # chaos.schedule.FaultEvent, by time
         self.timed_next = 0  # index of the next one to fire
         self.fired: dict[int, FaultFired] = {}
+        self.injected: list[tuple] = []  # (call ref, event, rank, when) of timed faults not yet known to fire
 
     def schedule(self, world_size: int) -> None:
         """Expand the chaos schedule over the ranks' nodes.
@@ -99,7 +105,24 @@ class FaultClock:
                 # so, or the experiment would believe a failure was injected.
                 self._skip(event, rank, f"of rank {rank} skipped: the job runs {world_size} rank(s) now")
                 continue
-            self.workers.inject(rank, event.fault.model_copy(update={"rank": rank}))
+            ref = self.workers.inject(rank, event.fault.model_copy(update={"rank": rank}))
+            if ref is not None:
+                self.injected.append((ref, event, rank, now))
+        self._check_injected(now)
+
+    def _check_injected(self, now: float) -> None:
+        """Drop the injections whose fault fired; record as skipped those whose call failed and whose notice
+        did not come within NOTICE_GRACE_S (a hang's call never returns: only its notice ends its wait)."""
+        waiting = []
+        for ref, event, rank, sent in self.injected:
+            if event.id in self.fired:
+                continue
+            error = self.workers.injection_error(ref) if now - sent >= NOTICE_GRACE_S else None
+            if error is None:
+                waiting.append((ref, event, rank, sent))
+            else:
+                self._skip(event, rank, f"of rank {rank} not fired: its actor failed the call ({error})")
+        self.injected = waiting
 
     def _skip(self, event, rank: int | None, why: str) -> None:
         self.log(f"chaos: {event.kind} {why}")

@@ -39,13 +39,14 @@ pytestmark = pytest.mark.ray
 def test_random_rank_kills_pass_every_invariant(ray_cluster, tmp_path):
     # Two random kills, due 15.5 and 16.6 s into the job (a kill due during start-up fires as soon as the
     # ranks train); 200 steps keep the job training well past that on a loaded machine.
-    proc, report_path = chaos_job(ray_cluster, tmp_path, "chaos", [
+    proc, report_path = chaos_job(ray_cluster, tmp_path, "random-kills", [
         "--mtbf", "8s", "--kind", "kill_rank", "--seed", "3", "--start", "12s", "--max-faults", "2"],
         ["train.steps=200", "checkpoint.every_steps=20"], timeout=420)
     report = assert_every_check_passed(proc, report_path)
-    assert "reference run 'chaos.reference' (chaos off) first" in proc.stdout
+    assert "reference run 'random-kills.reference' (chaos off) first" in proc.stdout
     kinds = [f["kind"] for f in report["failures"]]
     assert 1 <= len(kinds) <= 2 and set(kinds) == {"kill_rank"}, report["failures"]
+    assert report["faults_skipped"] == []  # each kill that fired was known to (its notice came)
     assert report["experiment"]["chaos"]["mtbf_kind"] == "kill_rank"
     assert len(report["experiment"]["rank_pids"]) >= 5  # 4 ranks and at least one replacement
 

@@ -180,3 +180,30 @@ def test_a_timed_fault_due_with_no_rank_to_fire_at_is_recorded_in_the_report(tmp
     [skipped] = ctl.record.report("failed", 0).faults_skipped
     assert (skipped.kind, skipped.fault_id, skipped.rank) == ("kill_rank", 0, 1)
     assert "the job runs 1 rank(s) now" in skipped.detail and any("skipped" in line for line in lines)
+
+
+def test_a_timed_fault_whose_rank_failed_the_call_is_recorded_not_believed(tmp_path, rendezvous):
+    # The rank's actor was gone (or in no generation): its inject call failed and no notice came. A kill
+    # that fired fails its call too (the actor died of it), but its notice says it fired: not skipped.
+    from orchestrator.controller import fault_clock
+    from orchestrator.wire.messages import FaultFired
+
+    spec = _spec(tmp_path, chaos={"faults": [{"kind": "kill_rank", "rank": 0, "at_seconds": 0.0},
+                                             {"kind": "kill_rank", "rank": 1, "at_seconds": 0.0}]})
+    workers = FakeWorkerGroup(rendezvous, Storage(spec.checkpoint_root))
+    workers.inject = lambda rank, fault: f"call-{rank}"  # every call fails, as on a dead actor
+    workers.injection_error = lambda ref: "RayActorError: the actor died"
+    ctl = _controller(spec, workers, rendezvous, [])
+    now = [0.0]
+    ctl.fault_clock.clock = lambda: now[0]
+    workers.ensure_actors([0, 1])
+    ctl.fault_clock.schedule(spec.world_size)
+    ctl.fault_clock.fire_due(world_size=2)
+    ctl.fault_clock.on_fired(FaultFired(fault_id=0, kind="kill_rank", rank=0, step=3, point="timed", time=0.0))
+    now[0] = fault_clock.NOTICE_GRACE_S - 1
+    ctl.fault_clock.fire_due(world_size=2)
+    assert ctl.record.report("failed", 0).faults_skipped == []  # its notice may still be on its way
+    now[0] = fault_clock.NOTICE_GRACE_S + 1
+    ctl.fault_clock.fire_due(world_size=2)
+    [skipped] = ctl.record.report("failed", 0).faults_skipped
+    assert (skipped.fault_id, skipped.rank) == (1, 1) and "its actor failed the call (RayActorError" in skipped.detail
