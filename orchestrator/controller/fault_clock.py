@@ -50,6 +50,7 @@ class FaultClock:
         self.timed: list = []  # chaos.schedule.FaultEvent, by time
         self.timed_next = 0  # index of the next one to fire
         self.fired: dict[int, FaultFired] = {}
+        self.places: dict[str, int] = {}  # node id at `schedule` -> its place (`_node_places`)
         self.injected: list[tuple] = []  # (call ref, event, rank, when) of timed faults not yet known to fire
 
     def schedule(self, world_size: int) -> None:
@@ -57,14 +58,8 @@ class FaultClock:
 
         Random node kills target the ranks' nodes except the controller's own: losing that node
         is losing the controller (kill_controller's job), not a node failure the job survives."""
-        here = self.workers.controller_node()
-        # In the order of the lowest rank each hosts: a seed draws the same failures on any cluster.
-        lowest = {}
-        for rank in range(world_size):
-            node = self.workers.node_of(rank)
-            if node and node != here:
-                lowest.setdefault(node, rank)
-        nodes = sorted(lowest, key=lowest.get)
+        nodes = self._node_places(world_size)
+        self.places = {node: i for i, node in enumerate(nodes)}  # a node's place: its failures' target
         chaos = self.spec.chaos
         if chaos.mtbf_s is not None and chaos.mtbf_kind == "kill_node" and not nodes:
             raise PlacementError("chaos.mtbf_kind=kill_node: every rank runs on the controller's node, so a node "
@@ -75,6 +70,16 @@ class FaultClock:
         self.timed = sorted((e for e in events if e.at_seconds is not None and e.kind not in STORAGE_KINDS),
                             key=lambda e: (e.at_seconds, e.id))
         self.timed_next = 0
+
+    def _node_places(self, world_size: int) -> list[str]:
+        """The ranks' nodes but the controller's, in the order of the lowest rank each hosts: a seed draws
+        the same failures on any cluster, and a node that replaced a lost one takes its place."""
+        here, lowest = self.workers.controller_node(), {}
+        for rank in range(world_size):
+            node = self.workers.node_of(rank)
+            if node and node != here:
+                lowest.setdefault(node, rank)
+        return sorted(lowest, key=lowest.get)
 
     def node_kills_on(self, node: str) -> list[int]:
         """Ranks on `node` that a kill_node fault targets (the controller refuses to kill its own node)."""
@@ -95,7 +100,8 @@ class FaultClock:
             if event.rank is not None:
                 rank = event.rank
             else:
-                on_node = [r for r in sorted(self.workers.actors) if self.workers.node_of(r) == event.node]
+                node = self._node_now(event.node, world_size)
+                on_node = [r for r in sorted(self.workers.actors) if self.workers.node_of(r) == node]
                 if not on_node:
                     self._skip(event, None, f"of node {str(event.node)[:12]} skipped: no rank runs there now")
                     continue
@@ -109,6 +115,12 @@ class FaultClock:
             if ref is not None:
                 self.injected.append((ref, event, rank, now))
         self._check_injected(now)
+
+    def _node_now(self, drawn: str, world_size: int) -> str:
+        """The node at `drawn`'s place now (a node lost since was replaced by another, which its place's
+        later failures target), else `drawn` itself."""
+        place, now = self.places.get(drawn), self._node_places(world_size)
+        return now[place] if place is not None and place < len(now) else drawn
 
     def _check_injected(self, now: float) -> None:
         """Drop the injections whose fault fired; record as skipped those whose call failed and whose notice

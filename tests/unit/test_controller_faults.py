@@ -207,3 +207,26 @@ def test_a_timed_fault_whose_rank_failed_the_call_is_recorded_not_believed(tmp_p
     ctl.fault_clock.fire_due(world_size=2)
     [skipped] = ctl.record.report("failed", 0).faults_skipped
     assert (skipped.fault_id, skipped.rank) == (1, 1) and "its actor failed the call (RayActorError" in skipped.detail
+
+
+def test_random_node_kills_follow_a_lost_nodes_place_to_the_node_that_replaced_it():
+    # The failures are drawn per node place (its lowest rank): once the node at a place is lost and
+    # another takes its ranks, that place's later failures hit the new node, not no one.
+    from types import SimpleNamespace
+
+    from chaos.config import ChaosConfig
+    from orchestrator.controller.fault_clock import FaultClock
+
+    nodes = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+    fired = []
+    workers = SimpleNamespace(actors=dict.fromkeys(nodes), controller_node=lambda: "head", node_of=nodes.get,
+                              inject=lambda rank, fault: fired.append((rank, nodes[rank])))
+    chaos = ChaosConfig(mtbf_s="10s", mtbf_kind="kill_node", mtbf_max_faults=8, seed=1)
+    now = [0.0]
+    clock = FaultClock(SimpleNamespace(chaos=chaos), workers, lambda: now[0], lambda line: None)
+    clock.schedule(4)
+    nodes.update({0: "n7", 1: "n7"})  # n1 was lost; n7 took its ranks
+    now[0] = 10**6
+    clock.fire_due(world_size=4)
+    assert clock.skipped == [] and len(fired) == 8
+    assert {node for _, node in fired} <= {"n7", "n2"} and any(node == "n7" for _, node in fired)
