@@ -16,6 +16,7 @@ Protocol (controller thread only):
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from monitor.straggler import StragglerDetector
 from orchestrator.controller.save_watch import SaveWatch, data_outage_s
 from orchestrator.wire.messages import Heartbeat
 from orchestrator.wire.store import heartbeat_key
+
+log = logging.getLogger(__name__)
 
 
 def slowest_restore(results: list) -> str:
@@ -81,7 +84,7 @@ class Telemetry:
         self._last_poll = now
         beats = store.get_many_json([heartbeat_key(rank) for rank in range(world_size)])
         for rank, data in enumerate(beats):
-            beat = Heartbeat.from_json(data) if data is not None else None
+            beat = _beat(rank, data)
             if beat is not None:
                 self.saves.observe(rank, beat, now)
             # A beat while blocked on a save, or waiting for data, repeats the last step's compute time
@@ -112,3 +115,15 @@ class Telemetry:
             log(f"straggler: rank {rank} computes {ratio:.2f}x its peers' median for "
                 f"{self.detector.sustain_s:.0f} s{how}")
         return newly if evicts else []
+
+
+def _beat(rank: int, data) -> Heartbeat | None:
+    """Rank `rank`'s heartbeat, None when it has none or one that does not parse (another release's, a
+    bug's: logged; the hang watchdog then judges the rank by its last good one)."""
+    if data is None:
+        return None
+    try:
+        return Heartbeat.from_json(data)
+    except ValueError as err:
+        log.error("ignoring rank %d's heartbeat, which does not parse (%s): %s", rank, err, data)
+        return None

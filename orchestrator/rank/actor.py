@@ -25,6 +25,7 @@ restores itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,7 @@ from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
 
 # How often a rank checks that its node's raylet is alive, and the exit code when it is not.
+log = logging.getLogger(__name__)
 NODE_WATCH_S = 0.2
 EXIT_NODE_LOST = 75
 
@@ -293,13 +295,13 @@ class RankActor:
         watcher = threading.Thread(target=watch_abort, args=watched, daemon=True, name="abort-watcher")
         watcher.start()
         try:
-            return loop.run(until_step, faults, eval_at)
+            out = loop.run(until_step, faults, eval_at)
         except BaseException as err:  # a collective error or an injected exception
             # Release the peers first (they may be blocked in a collective with us), then clean up.
             self.sockets.abort()
             self._teardown()
-            out = {"status": "aborted", "rank": self.rank, "step": self.engine.next_step,
-                   "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            log.exception("rank %d: training stopped at step %d", self.rank, self.engine.next_step)
+            out = {"status": "aborted", "rank": self.rank, "step": self.engine.next_step, "error": error_line(err)}
         finally:
             training_over.set()
             with self._dropping:  # a writer left to finish after an abort holds its staging: no freeze meanwhile
@@ -356,3 +358,16 @@ class RankActor:
             # A broken group may fail to tear down cleanly; it is unusable either way.
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def error_line(err: BaseException, limit: int = 1000) -> str:
+    """`err` and what caused it (`raise ... from`, or an error raised while handling another), on one line
+    of at most `limit` characters: what the controller prints and records of a rank's error. Whole lines,
+    not the first 300 characters: NCCL's own reason comes after its first lines."""
+    parts, seen = [], set()
+    while err is not None and id(err) not in seen and len(parts) < 4:
+        seen.add(id(err))
+        parts.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    text = " ".join(" <- caused by ".join(parts).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -68,6 +68,7 @@ ABORT_WAIT_S = 30.0  # a second caller's wait for the first abort (one stuck in 
 class CommSockets:
     def __init__(self) -> None:
         self.fds: dict[int, str] = {}  # descriptor -> socket identity when recorded
+        self._since: dict[int, str] | None = None  # the sockets before an `adding` block that is running
         self._aborted = False
         self._lock = threading.Lock()
 
@@ -85,10 +86,16 @@ class CommSockets:
 
         Any thread's new socket counts, so keep the block to group creation alone; `abort` leaves
         out Unix sockets (Ray's own: its raylet, its object store), which no process group uses."""
-        before = _socket_fds()
-        yield self
+        before = self._since = _socket_fds()
+        try:
+            yield self
+        finally:
+            self._since = None
         # A new mapping, not an update: `abort` may be iterating the old one on the watcher's thread.
-        self.fds = {**self.fds, **{fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}}
+        self.fds = {**self.fds, **_opened_since(before)}
+        if self._aborted:  # aborted while the block ran (a rank left mid-join): what it opened since goes too
+            for fd, link in _opened_since(before).items():
+                _shut(fd, link)
 
     def abort(self) -> int:
         """Shut down the group's connected sockets (gloo) or abort the communicator (nccl).
@@ -103,9 +110,17 @@ class CommSockets:
                 return 0
             self._aborted = True
             _abort_nccl()
-            return sum(_shut(fd, link) for fd, link in self.fds.items())
+            # Inside an `adding` block (a join's init_process_group waiting for a peer that never comes) the
+            # sockets it opened so far are not recorded yet: they are shut too, so the wait ends at once.
+            since = self._since
+            opening = _opened_since(since) if since is not None else {}
+            return sum(_shut(fd, link) for fd, link in {**self.fds, **opening}.items())
         finally:
             self._lock.release()
+
+
+def _opened_since(before: dict[int, str]) -> dict[int, str]:
+    return {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
 
 
 def _shut(fd: int, link: str) -> bool:

@@ -35,6 +35,7 @@ recovers from the last committed checkpoint, like after any rank error.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -55,6 +56,8 @@ from orchestrator.wire.messages import (
     StepDone,
 )
 from orchestrator.wire.store import PLAN, GenerationStore
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteGradient(RuntimeError):
@@ -94,10 +97,16 @@ class _EventSink:
 
 
 def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> CheckpointPlan:
+    """The newest plan published; `current` while there is none newer, or it does not parse (a controller
+    of another release: logged, the rank keeps its plan)."""
     data = store.get_json(PLAN)
-    if data is None or data.get("version", -1) <= current.version:
+    if data is None or not isinstance(data.get("version"), int) or data["version"] <= current.version:
         return current
-    return CheckpointPlan.from_json(data)
+    try:
+        return CheckpointPlan.from_json(data)
+    except ValueError as err:
+        log.error("keeping checkpoint plan %d: the published one does not parse (%s): %s", current.version, err, data)
+        return current
 
 
 class PlanWatch:

@@ -44,38 +44,54 @@ def test_abort_shuts_the_group_s_tcp_sockets_only():
             sock.close()
 
 
+def _left_during(actor, work, after_s: float) -> dict:
+    """Run `work` on a thread and `actor.leave()` after `after_s`: the error that ended it, and when."""
+    import threading
+    import time
+
+    ended = {}
+
+    def run() -> None:
+        began = time.monotonic()
+        try:
+            work()
+        except Exception as err:  # noqa: BLE001 (the aborted socket's error, whichever torch raises)
+            ended["error"] = type(err).__name__
+        ended["after_s"] = time.monotonic() - began
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(after_s)
+    actor.leave()
+    thread.join(15)
+    return ended
+
+
+def _actor():
+    """A rank actor's join and leave, without Ray (its constructor would connect to one)."""
+    import threading
+
+    from tests.unit.test_restore_turns import rank_actor
+
+    actor = rank_actor()
+    actor.sockets, actor._abort = None, threading.Event()
+    return actor
+
+
 def test_leaving_ends_a_wait_in_the_groups_store_at_once(tmp_path):
     # A mesh's sub-group forms through the group's store, waiting there for every member; a peer that
     # never builds leaves it waiting for the collective timeout, holding the rank's next restore.
     # `leave` aborts the group's sockets, its store client's among them: the wait ends at once.
-    import threading
-    import time
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from orchestrator.wire.store import RendezvousServer
-    from tests.unit.test_restore_turns import rank_actor
 
-    server = RendezvousServer("127.0.0.1")
-    actor = rank_actor()  # the actor's join and leave, without Ray (its constructor would connect to one)
-    actor.sockets, actor._abort = None, threading.Event()
+    server, actor = RendezvousServer("127.0.0.1"), _actor()
     actor.join(0, 0, 1, server.address, timeout_s=30.0, collective_timeout_s=30.0)
-    store, ended = dist.distributed_c10d._get_default_store(), {}
-
-    def wait_for_a_peer() -> None:
-        began = time.monotonic()
-        try:
-            store.wait(["a-member-that-never-registers"], timedelta(seconds=30))
-        except Exception as err:  # noqa: BLE001 (the aborted socket's error, whichever torch raises)
-            ended["error"] = type(err).__name__
-        ended["after_s"] = time.monotonic() - began
-
-    thread = threading.Thread(target=wait_for_a_peer, daemon=True)
-    thread.start()
-    time.sleep(0.5)
-    actor.leave()
-    thread.join(10)
+    store = dist.distributed_c10d._get_default_store()
+    ended = _left_during(actor, lambda: store.wait(["a-member-that-never-registers"], timedelta(seconds=30)), 0.5)
     assert "error" in ended and ended["after_s"] < 5, ended
 
 
@@ -115,3 +131,15 @@ def test_an_abort_leaks_no_copy_of_a_descriptor_now_held_by_something_else():
         os.close(read_end)
         os.close(write_end)
         peer.close()
+
+
+def test_leaving_ends_a_join_waiting_for_a_peer_that_never_comes():
+    # A peer died during the rendezvous: the survivors' init_process_group waits in the group's store for
+    # it. `leave` (the controller's release) must end that wait at once, not at the store's timeout, or
+    # the rank's next join would run beside the stale one in the same process.
+    from orchestrator.wire.store import RendezvousServer
+
+    server, actor = RendezvousServer("127.0.0.1"), _actor()
+    ended = _left_during(actor, lambda: actor.join(0, 0, 2, server.address, timeout_s=30.0,
+                                                   collective_timeout_s=30.0), 1.0)  # rank 1 never joins
+    assert "error" in ended and ended["after_s"] < 6, ended

@@ -238,3 +238,19 @@ def test_a_finished_generation_s_writers_are_garbage_once_its_loop_is_gone(tmp_p
     del loop
     gc.collect()
     assert writers and all(ref() is None for ref in writers)
+
+
+def test_a_ranks_error_line_keeps_its_cause_and_the_words_past_the_first_line():
+    from orchestrator.rank.actor import error_line
+
+    try:
+        try:
+            raise OSError("No space left on device")
+        except OSError as disk:
+            nccl = "NCCL error in: ProcessGroupNCCL.cpp:1\n" + "x" * 400 + "\nLast error: peer gone"
+            raise RuntimeError(nccl) from disk
+    except RuntimeError as err:
+        line = error_line(err)
+    assert "\n" not in line and "Last error: peer gone" in line
+    assert line.endswith("<- caused by OSError: No space left on device")
+    assert len(error_line(RuntimeError("y" * 5000))) == 1000
