@@ -85,6 +85,7 @@ STALL_S = 100.0
 # A child started for a save (after one died) imports torch first: not the store's stall, so judged
 START_S = 60.0  # against this until it says it writes
 STALL_POLL_S = 5.0
+DEATH_WAIT_S = 10.0  # a killed child whose socket is still open this long after is taken for dead
 
 
 class WriterProcessDied(RuntimeError):
@@ -110,6 +111,12 @@ class _Child:
         self.conn.send(config)
         self.buffer_sent: SharedBuffer | None = None
         self.stopping = False
+        self.killed_at: float | None = None  # when the parent killed it (monotonic)
+
+    def kill(self) -> None:
+        self.killed_at = self.killed_at or time.monotonic()
+        with contextlib.suppress(OSError):
+            self.proc.kill()  # by its PID, never by name
 
     def send_job(self, job: dict, buffer: SharedBuffer) -> None:
         fresh = self.buffer_sent is not buffer
@@ -221,6 +228,8 @@ class ProcessShardWriter(OneSaveInFlight):
         while True:
             try:
                 if not child.conn.poll(min(self.stall_s, STALL_POLL_S)):
+                    if child.killed_at is not None and time.monotonic() - child.killed_at > DEATH_WAIT_S:
+                        raise EOFError  # killed, yet its socket stays open: stuck in the kernel, dead to us
                     self._give_up_if_stalled(child)
                     continue
                 message = child.conn.recv()
@@ -245,8 +254,7 @@ class ProcessShardWriter(OneSaveInFlight):
         with self._lock:  # the next save starts a new child, even if a receipt slips in before the kill lands
             if self._child is child:
                 self._child = None
-        with contextlib.suppress(OSError):
-            child.proc.kill()  # by its PID, never by name
+        child.kill()
 
     def _handle(self, child: _Child, kind: str, payload, step: int | None) -> None:
         in_flight = self._in_flight
@@ -294,8 +302,7 @@ class ProcessShardWriter(OneSaveInFlight):
         with self._lock:
             child = self._child
         if child is not None:
-            with contextlib.suppress(OSError):
-                child.proc.kill()
+            child.kill()
 
     def _child_died(self, child: _Child) -> None:
         with self._lock:

@@ -49,7 +49,7 @@ class PSReport:
     first_step: int = 0  # > 0 when the job resumed from its checkpoint
     failures: list[Failure] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # steps this run committed
-    redone: int = 0  # step executions thrown away by rollbacks
+    redone: int = 0  # (worker, step) executions thrown away by rollbacks
     goodput: dict[str, float] = field(default_factory=dict)  # ledger bucket -> seconds (they sum to wall_s)
     pids: dict[str, int] = field(default_factory=dict)  # every actor process the job started
     moves: list[str] = field(default_factory=list)  # actors moved off draining nodes (paramserver.moves)
@@ -67,7 +67,7 @@ class PSReport:
     def bytes_per_step(self) -> tuple[float, list[float]]:
         """Measured bytes moved per step run (pushes + pulls): in total, and per server. Over every actor a
         server had and every step this run executed, the steps a rollback threw away among them."""
-        steps = max(1, len(self.losses) + self.redone)
+        steps = max(1, len(self.losses) + self.redone / max(1, self.workers))  # (redone counts worker steps)
         per_server = [moved / steps for moved in self.history.bytes_moved().values()]
         return sum(per_server), per_server
 

@@ -79,8 +79,12 @@ def read_text_bytes(path: str, storage_options: dict | None = None) -> torch.Ten
     size = fs.size(where)
     if size is not None and size > MAX_TEXT_BYTES:
         raise TextTooLarge(_too_large(path, f"{size / 2**20:.0f} MiB"))
-    with fs.open(where, "rb") as handle:
-        raw = handle.read(MAX_TEXT_BYTES + 1)
+    with fs.open(where, "rb") as handle:  # to its end, or one byte past the limit: a streamed file's read(n)
+        chunks, held = [], 0  # returns what has arrived, not n bytes
+        while held <= MAX_TEXT_BYTES and (chunk := handle.read(MAX_TEXT_BYTES + 1 - held)):
+            chunks.append(chunk)
+            held += len(chunk)
+    raw = b"".join(chunks)
     if len(raw) > MAX_TEXT_BYTES:
         raise TextTooLarge(_too_large(path, f"over {MAX_TEXT_BYTES >> 20} MiB"))
     try:

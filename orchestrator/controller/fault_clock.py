@@ -50,7 +50,7 @@ class FaultClock:
         self.timed: list = []  # chaos.schedule.FaultEvent, by time
         self.timed_next = 0  # index of the next one to fire
         self.fired: dict[int, FaultFired] = {}
-        self.places: dict[str, int] = {}  # node id at `schedule` -> its place (`_node_places`)
+        self.places: dict[str, int] = {}  # node id at `schedule` -> the lowest rank it hosted (`_lowest_ranks`)
         self.injected: list[tuple] = []  # (call ref, event, rank, when) of timed faults not yet known to fire
 
     def schedule(self, world_size: int) -> None:
@@ -58,8 +58,9 @@ class FaultClock:
 
         Random node kills target the ranks' nodes except the controller's own: losing that node
         is losing the controller (kill_controller's job), not a node failure the job survives."""
-        nodes = self._node_places(world_size)
-        self.places = {node: i for i, node in enumerate(nodes)}  # a node's place: its failures' target
+        lowest = self._lowest_ranks(world_size)
+        nodes = sorted(lowest, key=lowest.get)
+        self.places = lowest  # node drawn for -> its lowest rank then: where its failures follow
         chaos = self.spec.chaos
         if chaos.mtbf_s is not None and chaos.mtbf_kind == "kill_node" and not nodes:
             raise PlacementError("chaos.mtbf_kind=kill_node: every rank runs on the controller's node, so a node "
@@ -71,15 +72,15 @@ class FaultClock:
                             key=lambda e: (e.at_seconds, e.id))
         self.timed_next = 0
 
-    def _node_places(self, world_size: int) -> list[str]:
-        """The ranks' nodes but the controller's, in the order of the lowest rank each hosts: a seed draws
-        the same failures on any cluster, and a node that replaced a lost one takes its place."""
+    def _lowest_ranks(self, world_size: int) -> dict[str, int]:
+        """The ranks' nodes but the controller's, each with the lowest rank it hosts: in that order a seed
+        draws the same failures on any cluster."""
         here, lowest = self.workers.controller_node(), {}
         for rank in range(world_size):
             node = self.workers.node_of(rank)
             if node and node != here:
                 lowest.setdefault(node, rank)
-        return sorted(lowest, key=lowest.get)
+        return lowest
 
     def node_kills_on(self, node: str) -> list[int]:
         """Ranks on `node` that a kill_node fault targets (the controller refuses to kill its own node)."""
@@ -100,10 +101,11 @@ class FaultClock:
             if event.rank is not None:
                 rank = event.rank
             else:
-                node = self._node_now(event.node, world_size)
+                node = self._node_now(event.node)
                 on_node = [r for r in sorted(self.workers.actors) if self.workers.node_of(r) == node]
-                if not on_node:
-                    self._skip(event, None, f"of node {str(event.node)[:12]} skipped: no rank runs there now")
+                if node is None or not on_node:
+                    self._skip(event, None, f"of node {str(event.node)[:12]} skipped: no rank runs there now, nor on "
+                                            "a new node in its place")
                     continue
                 rank = on_node[0]
             if rank not in self.workers.actors:
@@ -116,11 +118,14 @@ class FaultClock:
                 self.injected.append((ref, event, rank, now))
         self._check_injected(now)
 
-    def _node_now(self, drawn: str, world_size: int) -> str:
-        """The node at `drawn`'s place now (a node lost since was replaced by another, which its place's
-        later failures target), else `drawn` itself."""
-        place, now = self.places.get(drawn), self._node_places(world_size)
-        return now[place] if place is not None and place < len(now) else drawn
+    def _node_now(self, drawn: str) -> str | None:
+        """The node `drawn`'s failures hit now: itself while it runs ranks; once it is lost, the new node its
+        lowest rank moved to (a replacement takes its place); None when that rank went to a node drawn for
+        itself (a shrink, a spare there: its rate would double) or is gone."""
+        if drawn not in self.places or any(self.workers.node_of(r) == drawn for r in self.workers.actors):
+            return drawn
+        node = self.workers.node_of(self.places[drawn]) if self.places[drawn] in self.workers.actors else None
+        return None if node is None or node in self.places else node
 
     def _check_injected(self, now: float) -> None:
         """Drop the injections whose fault fired; record as skipped those whose call failed and whose notice

@@ -291,7 +291,8 @@ class JobRecord:
         theirs over: a second failure during a restore), which booked their rollbacks."""
         record.restore_level, record.restore_s = level, seconds
         record.storage_read_bytes = sum(int(r.get("storage_read_bytes", 0)) for r in results if isinstance(r, dict))
-        taken_over = list(itertools.takewhile(lambda f: f.restore_level is None,
+        # (Open ones: a recovery that started over from step 0 restored nothing, and closed.)
+        taken_over = list(itertools.takewhile(lambda f: f.restore_level is None and f.recovered_after_s is None,
                                               reversed([f for f in self.failures if f is not record])))
         lost = sum(f.lost_work_s or 0.0 for f in [record, *taken_over])
         self.metrics.on_recovery_level(level, seconds, lost)

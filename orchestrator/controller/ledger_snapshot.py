@@ -256,16 +256,18 @@ class LedgerCarry:
         carried, self.carried_from = self.carried_from, None
         return book_older_restore(self.ledger, carried, step, self.read_manifest)
 
-    def start_fresh(self) -> None:
-        """The first restore finds nothing to restore (a fresh start). A predecessor that never committed
-        (its controller killed before the first commit) still left its snapshot: its seconds are the job's,
-        its productive ones all lost work (nothing it trained survives) and the time no driver ran `other`,
-        and the report's clock, and with it the timed faults already due, go on from them."""
+    def start_fresh(self, asked: bool = False) -> None:
+        """The first restore finds nothing to restore (a fresh start). A predecessor that died before its
+        first commit (its controller killed: its snapshot not `ended`) left its snapshot: its seconds are
+        the job's, its productive ones all lost work (nothing it trained survives) and the time no driver
+        ran `other`, and the report's clock, and with it the timed faults already due, go on from them.
+        Not a run that ended on its own (a failed job run again starts over), nor one `asked` to start
+        fresh (`undying run --fresh`)."""
         if self.done:
             return
         held = self.snapshots.held if self.snapshots is not None else None
         self.finish()
-        if held is None:
+        if held is None or held.get("ended") or asked:
             return
         carried = _known(resume_totals({}, 0.0, held, self.started_at))
         self.ledger.carry(carried, prior=_known(held["totals"]))

@@ -245,7 +245,7 @@ class Controller:
             if step is not None:
                 self.carry.carry(step)
             else:
-                self.carry.start_fresh()  # nothing to restore: building the engine is start-up work
+                self.carry.start_fresh(self.checkpoints.restore.fresh)  # building the engine: start-up work
                 self.ledger.enter("reformation" if self.restarts else "startup")
             size = self.checkpoints.restore_bytes(step, source, self.timeouts)
             results = self.workers.restore_all(step, self.dp, faults=self.fault_clock.armed(),

@@ -53,6 +53,7 @@ class Telemetry:
         self.saves = SaveWatch(data_outage_s(spec))
         self._last_poll = 0.0
         self._seen: dict[int, float] = {}
+        self._unparsed: set[int] = set()  # ranks whose heartbeat did not parse (logged once each)
 
     def on_layout(self, spec, dp: int) -> None:
         from trainer.costmodel.metrics import predicted_bubble_ratio, predicted_ledgers
@@ -84,7 +85,7 @@ class Telemetry:
         self._last_poll = now
         beats = store.get_many_json([heartbeat_key(rank) for rank in range(world_size)])
         for rank, data in enumerate(beats):
-            beat = _beat(rank, data)
+            beat = _beat(rank, data, self._unparsed)
             if beat is not None:
                 self.saves.observe(rank, beat, now)
             # A beat while blocked on a save, or waiting for data, repeats the last step's compute time
@@ -117,13 +118,15 @@ class Telemetry:
         return newly if evicts else []
 
 
-def _beat(rank: int, data) -> Heartbeat | None:
+def _beat(rank: int, data, unparsed: set[int]) -> Heartbeat | None:
     """Rank `rank`'s heartbeat, None when it has none or one that does not parse (another release's, a
-    bug's: logged; the hang watchdog then judges the rank by its last good one)."""
+    bug's: logged once per rank in `unparsed`; the hang watchdog then judges the rank by its last good one)."""
     if data is None:
         return None
     try:
         return Heartbeat.from_json(data)
     except ValueError as err:
-        log.error("ignoring rank %d's heartbeat, which does not parse (%s): %s", rank, err, data)
+        if rank not in unparsed:
+            unparsed.add(rank)
+            log.error("ignoring rank %d's heartbeats, which do not parse (%s): %s", rank, err, data)
         return None

@@ -155,6 +155,7 @@ class RankActor:
 
         started = time.perf_counter()
         self.leave()
+        joining = self.restores.supersede()  # a `leave` from here on (the controller's release) supersedes it
         self.gen, self.rank, self.world_size = gen, rank, world_size
         self._rendezvous = (address, gen)
         self._abort = threading.Event()  # a new one: a late watcher of the last generation sets only its own
@@ -184,6 +185,8 @@ class RankActor:
             # The group's own store client, inside the capture: `abort` shuts its socket too, so a wait in it (a
             # mesh's sub-group forming, a peer never coming) ends at once, not at the collective timeout.
             self.group_store = connect(address, gen, timeout_s=timeout_s)
+            if self.restores.stale(joining):  # a leave came before `self.sockets` was this capture's: it shut nothing
+                raise RuntimeError(f"rank {rank} was released while it joined generation {gen}")
             dist.init_process_group(
                 backend, store=self.group_store.pg_store(), rank=rank, world_size=world_size,
                 timeout=timedelta(seconds=self.collective_s), **bound,

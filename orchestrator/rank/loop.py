@@ -100,7 +100,7 @@ def plan_from_store(store: GenerationStore, current: CheckpointPlan) -> Checkpoi
     """The newest plan published; `current` while there is none newer, or it does not parse (a controller
     of another release: logged, the rank keeps its plan)."""
     data = store.get_json(PLAN)
-    if data is None or not isinstance(data.get("version"), int) or data["version"] <= current.version:
+    if not isinstance(data, dict) or not isinstance(data.get("version"), int) or data["version"] <= current.version:
         return current
     try:
         return CheckpointPlan.from_json(data)

@@ -48,6 +48,10 @@ class RestoreTurns:
             self._latest += 1
             return self._latest
 
+    def stale(self, ticket: int) -> bool:
+        """Whether a later call (a restore, a `leave`'s supersede) has come since `ticket` was taken."""
+        return ticket != self._latest
+
     def check(self, ticket: int) -> None:
         """Raise RestoreSuperseded when a later call has come since `ticket` was taken."""
         latest = self._latest

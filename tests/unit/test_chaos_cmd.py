@@ -472,3 +472,21 @@ def test_a_sweep_that_cannot_measure_says_why_in_one_line(tmp_path, capsys):
     assert chaos_main(args, runner=runner) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "no committed checkpoint in any report" in err and "Traceback" not in err
+
+
+def test_a_goodput_snapshot_left_alone_in_an_experiments_root_is_state_fresh_deletes(tmp_path):
+    # A run killed before its first commit leaves only its snapshot, whose seconds a fresh start would
+    # carry as the job's: a new experiment there is refused without --fresh, like checkpoints.
+    from orchestrator.cli.chaos.harness import prepare_root
+    from orchestrator.cli.root_lease import CHAOS_MARKER
+    from orchestrator.controller.ledger_snapshot import SNAPSHOT_FILE
+    from orchestrator.spec.problems import SpecError
+
+    spec = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=unit"])
+    storage = catalog_of(spec).storage
+    prepare_root(spec, fresh=False)
+    storage.write_immutable(storage.path(SNAPSHOT_FILE), b'{"time": 1.0, "totals": {"productive": 5.0}}')
+    with pytest.raises(SpecError, match="pass --fresh to delete them"):
+        prepare_root(spec, fresh=False)
+    prepare_root(spec, fresh=True)
+    assert not storage.exists(storage.path(SNAPSHOT_FILE)) and storage.exists(storage.path(CHAOS_MARKER))

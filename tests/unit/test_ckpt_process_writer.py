@@ -401,3 +401,21 @@ def test_stopping_a_child_stuck_in_the_kernel_does_not_hold_the_rank(tmp_path):
     finally:
         real.kill()
         real.wait(10)
+
+
+def test_a_killed_child_whose_socket_stays_open_is_taken_for_dead(tmp_path, monkeypatch):
+    # Stuck in the kernel (a hung NFS or FUSE write), a killed child keeps its end of the socket open:
+    # no end of file ever comes. Past DEATH_WAIT_S it counts as dead: its save fails, the writer goes on.
+    from ckpt import process_writer
+
+    monkeypatch.setattr(process_writer, "DEATH_WAIT_S", 0.5)
+    out = Collect()
+    writer = ProcessShardWriter(f"file://{tmp_path}/job", {}, 0, out.on_receipt, out.on_error, stall_s=1.0)
+    child = writer._child
+    child.proc.kill = lambda: None  # the kill does not land (the process cannot die yet)
+    writer._idle.clear()
+    writer._in_flight, writer._moved_at, writer._writing = (1, {}, child), time.monotonic() - 5.0, 1
+    _within(20, writer.wait)  # the listener's own poll gives the write up, then the child for dead
+    [(step, error)] = out.errors
+    assert step == 1 and isinstance(error, WriterProcessDied) and "took no byte of step 1" in str(error)
+    _within(30, writer.flush)

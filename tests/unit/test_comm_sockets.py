@@ -143,3 +143,29 @@ def test_leaving_ends_a_join_waiting_for_a_peer_that_never_comes():
     ended = _left_during(actor, lambda: actor.join(0, 0, 2, server.address, timeout_s=30.0,
                                                    collective_timeout_s=30.0), 1.0)  # rank 1 never joins
     assert "error" in ended and ended["after_s"] < 6, ended
+
+
+def test_a_release_that_comes_while_a_join_still_connects_ends_that_join(monkeypatch):
+    # Before the group's capture exists a `leave` has no socket to shut: the join finds it released
+    # itself before it forms the group, rather than wait the collective timeout for a dead peer.
+    import time
+
+    import pytest
+
+    from orchestrator.rank import actor as rank_actor_module
+    from orchestrator.wire.store import RendezvousServer
+
+    server, actor = RendezvousServer("127.0.0.1"), _actor()
+    real, calls = rank_actor_module.connect, []
+
+    def connecting(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 4:  # the snapshot writer's client, the last before the group's capture
+            actor.leave()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rank_actor_module, "connect", connecting)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 was released while it joined generation 0"):
+        actor.join(0, 0, 2, server.address, timeout_s=30.0, collective_timeout_s=10.0)
+    assert time.monotonic() - began < 5

@@ -235,6 +235,8 @@ def test_a_forged_plan_leaves_a_rank_on_its_current_plan():
     # A sealed plan of another release (a field this one lacks) leaves it on its plan too, not failed.
     server.generation(0).set_json(PLAN, {"every": 5, "version": 3, "from_a_newer_release": True})
     assert plan_from_store(rank, current) is current
+    server.generation(0).set_json(PLAN, [5, 3])
+    assert plan_from_store(rank, current) is current
 
 
 def test_many_heartbeats_read_in_one_batch_open_like_single_reads():

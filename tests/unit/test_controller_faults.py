@@ -229,4 +229,16 @@ def test_random_node_kills_follow_a_lost_nodes_place_to_the_node_that_replaced_i
     now[0] = 10**6
     clock.fire_due(world_size=4)
     assert clock.skipped == [] and len(fired) == 8
-    assert {node for _, node in fired} <= {"n7", "n2"} and any(node == "n7" for _, node in fired)
+    assert {node for _, node in fired} == {"n7", "n2"}
+    # Lost with no new node in its place (its ranks went to n2, a node drawn for itself): its failures
+    # are skipped, said so, rather than doubling n2's rate.
+    fired.clear()
+    clock = FaultClock(SimpleNamespace(chaos=chaos), workers, lambda: now[0], lambda line: None)
+    nodes.update({0: "n1", 1: "n1"})
+    now[0] = 0.0
+    clock.schedule(4)
+    nodes.update({0: "n2", 1: "n2"})
+    now[0] = 10**6
+    clock.fire_due(world_size=4)
+    assert {node for _, node in fired} == {"n2"} and len(fired) + len(clock.skipped) == 8
+    assert clock.skipped and all("nor on a new node in its place" in s.detail for s in clock.skipped)

@@ -109,6 +109,20 @@ def test_a_text_source_not_utf8_or_of_unknown_size_past_the_limit_is_refused_wit
     (tmp_path / "big.txt").write_text("x" * 5000)
     with pytest.raises(trainer.data.TextTooLarge, match="holds over .* MiB, more than source .text. takes"):
         trainer.data.read_text_bytes(str(tmp_path / "big.txt"))
+    # A streamed file's read(n) gives what has arrived so far: the file is read to its end all the same.
+    local = type(fsspec.filesystem("file"))
+    opened = local.open
+
+    def streamed(self, path, mode="rb", **kwargs):
+        handle = opened(self, path, mode, **kwargs)
+        whole = handle.read
+        handle.read = lambda n=-1: whole(min(n, 7) if n is not None and n >= 0 else 7)
+        return handle
+
+    monkeypatch.setattr(local, "open", streamed)
+    (tmp_path / "small.txt").write_text("a line of text, read seven bytes at a time\n")
+    assert bytes(trainer.data.read_text_bytes(str(tmp_path / "small.txt")).tolist()) == \
+        (tmp_path / "small.txt").read_bytes()
 
 
 def test_a_readable_text_source_passes(tmp_path):

@@ -272,3 +272,9 @@ def test_a_fresh_start_after_a_controller_killed_before_its_first_commit_carries
     assert skipped == [pytest.approx(60.0, abs=0.5)] and record.job_seconds() == pytest.approx(60.0, abs=1.0)
     carry.start_fresh()  # once per controller run: a later restore of nothing carries nothing more
     assert ledger.totals()["lost_work"] == pytest.approx(30.0) and len(skipped) == 1
+    # Not a run that ended on its own (a failed job run again starts over), nor `undying run --fresh`.
+    for snapshot, asked in (({**held, "ended": True}, False), (held, True)):
+        again = GoodputLedger()
+        LedgerCarry(lambda step: None, again, JobRecord("j", 100, JobMetrics("j"), again, printer=lambda _: None),
+                    SimpleNamespace(held=snapshot), now, SimpleNamespace(skip_before=skipped.append)).start_fresh(asked)
+        assert again.totals()["lost_work"] == 0.0 and len(skipped) == 1

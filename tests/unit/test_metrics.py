@@ -436,6 +436,9 @@ def test_a_recovery_that_took_over_a_failed_restore_counts_both_rollbacks_at_its
 
     metrics = JobMetrics("taken-over")
     record = JobRecord("taken-over", 100, metrics, GoodputLedger(), printer=lambda line: None, progress_every_s=0.0)
+    early = record.on_failure("rank_died", 0, detected_at=time.time(), fault_time=None, message="before", step=1)
+    early.lost_work_s = 7.0  # before the first commit: its recovery started over from step 0, restoring nothing
+    record.on_recovered(early, detected_at=time.time())
     first = record.on_failure("rank_died", 1, detected_at=time.time(), fault_time=None, message="boom", step=5)
     first.lost_work_s = 10.0  # its rollback, booked; then its restore failed
     second = record.on_failure("restore_failed", 0, detected_at=time.time(), fault_time=None, message="again")

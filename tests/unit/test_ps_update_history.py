@@ -189,6 +189,7 @@ def test_bytes_moved_count_every_actor_a_server_had_not_only_its_replacement():
     new.moved = (60, 20)
     history.poll([new, other])
     assert history.bytes_moved() == {0: 600 + 80, 1: 100}
-    # The report divides by every step executed: 4 kept, 1 a rollback threw away (its bytes moved too).
-    report = PSReport("bsp", 2, 2, 100, [50, 50], [1.0] * 4, 1.0, history=history, redone=1)
+    # The report divides by every step executed: 4 kept, 1 a rollback threw away (its bytes moved too),
+    # which is 2 executions of the 2 workers'.
+    report = PSReport("bsp", 2, 2, 100, [50, 50], [1.0] * 4, 1.0, history=history, redone=2)
     assert report.bytes_per_step() == (pytest.approx(780 / 5), [pytest.approx(680 / 5), pytest.approx(100 / 5)])

@@ -40,12 +40,14 @@ def prepare_root(spec, fresh: bool) -> None:
     from orchestrator.cli.chaos import experiment
     from orchestrator.cli.root_lease import CHAOS_MARKER
     from orchestrator.controller.kill import MARKER_DIR
+    from orchestrator.controller.ledger_snapshot import SNAPSHOT_FILE
 
     catalog = experiment.catalog_of(spec)
     storage = catalog.storage
     # A kill_controller marker alone (the controller died before its first commit) is state too:
-    # it would keep that fault from firing in this run.
-    if catalog.all_steps() or storage.exists(storage.path(MARKER_DIR)):
+    # it would keep that fault from firing in this run; and so is a goodput snapshot alone (a run
+    # killed before its first commit), whose seconds a fresh start carries as the job's.
+    if catalog.all_steps() or any(storage.exists(storage.path(name)) for name in (MARKER_DIR, SNAPSHOT_FILE)):
         ours = storage.exists(storage.path(CHAOS_MARKER))
         if not fresh:  # --fresh is offered only where it would act: the roots an experiment made
             raise SpecError([Problem("checkpoint.url", f"{spec.checkpoint_root} already holds checkpoints (or chaos "
