@@ -290,7 +290,8 @@ class RankActor:
             store = self.snapshot_store
             snapshots = lambda tag: MemorySnapshots(self.held, self.rank, self.gen, tag, buddy, store.send)  # noqa: E731
         loop = RankLoop(self.spec, self.engine, self.store, self.rank, self.world_size, self._abort,
-                        baseline_bytes=self.baseline_bytes, writer_store=self.writer_store, snapshots=snapshots)
+                        baseline_bytes=self.baseline_bytes, writer_store=self.writer_store, snapshots=snapshots,
+                        release_peers=self.sockets.abort)
         # One event per generation: a watcher still in a store round trip when its generation ends
         # must not find the event cleared again by the next `train` and poll on into it.
         training_over = threading.Event()

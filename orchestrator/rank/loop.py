@@ -170,7 +170,7 @@ class Evaluator:
 class RankLoop:
     def __init__(self, spec, engine, store: GenerationStore, rank: int, world_size: int,
                  abort: threading.Event, baseline_bytes: int = 0, *, writer_store: GenerationStore,
-                 snapshots=None):
+                 snapshots=None, release_peers=lambda: None):
         """`snapshots(tag)`: the generation's memory snapshot taker (orchestrator.rank.snapshots), None
         when the memory level is off."""
         self.spec = spec
@@ -184,6 +184,7 @@ class RankLoop:
         self.evaluator = Evaluator.for_spec(spec)
         self._data_step = 0  # steps done, for the data faults' gate (_data_faults; read by the prefetch thread)
         self.snapshots = snapshots
+        self.release_peers = release_peers  # the group's abort (CommSockets.abort): first, when training fails
 
     def _on_receipt(self, receipt, extra: dict) -> None:
         self.events.push(ShardWritten(receipt, extra))
@@ -335,7 +336,8 @@ class RankLoop:
         finally:
             # On an abort or an error, a save still in flight gets ABORT_SETTLE_S, then is abandoned:
             # the release must not wait, and a save that outlives its generation never commits.
-            if not left_cleanly:
+            if not left_cleanly:  # the peers first: they may be blocked in a collective with this rank
+                self.release_peers()
                 abandon_stragglers(writers, ABORT_SETTLE_S)
         try:
             flush_within(writers, None)  # at the end or at a stop step, the saves land before the call returns

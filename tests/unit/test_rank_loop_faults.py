@@ -254,3 +254,22 @@ def test_a_ranks_error_line_keeps_its_cause_and_the_words_past_the_first_line():
     assert "\n" not in line and "Last error: peer gone" in line
     assert line.endswith("<- caused by OSError: No space left on device")
     assert len(error_line(RuntimeError("y" * 5000))) == 1000
+
+
+def test_a_failing_step_releases_the_peers_before_it_settles_its_save(tmp_path, monkeypatch):
+    # The peers may be blocked in a collective with this rank: they are freed first, then the save in
+    # flight gets its settle time (up to a second), not the other way round.
+    from orchestrator.rank import loop as rank_loop
+
+    order = []
+    real = rank_loop.abandon_stragglers
+    monkeypatch.setattr(rank_loop, "abandon_stragglers", lambda writers, s: (order.append("settle"), real(writers, s)))
+    spec = _spec(tmp_path, [{"kind": "nan_grad", "rank": 0, "at_step": 3}])
+    server = RendezvousServer("127.0.0.1")
+    server.generation(0).set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
+                                         "job_started_at": time.time()})
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
+                    writer_store=connect(server.address, 0), release_peers=lambda: order.append("release"))
+    with pytest.raises(NonFiniteGradient):
+        loop.run(6, [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)])
+    assert order == ["release", "settle"]
