@@ -68,6 +68,7 @@ class RankActor:
         # Memory snapshots this process holds (its own and its buddies'); they outlive generations.
         self.held = HeldShards(self.spec.name)
         self.engine = None
+        self.mesh = None  # the generation's DeviceMesh (its join builds it; its teardown drops it)
         self.restores = RestoreTurns()  # one restore at a time, the latest winning
         self._reclaiming: threading.Thread | None = None  # a dropped engine's collection (_drop_engine)
         self._dropped: list[weakref.ref] = []  # engines and writers dropped, maybe still reachable (rank.reclaim)
@@ -153,6 +154,8 @@ class RankActor:
              collective_timeout_s: float | None = None) -> float:
         import torch.distributed as dist
 
+        from orchestrator.rank.state import generation_mesh
+
         started = time.perf_counter()
         self.leave()
         joining = self.restores.supersede()  # a `leave` from here on (the controller's release) supersedes it
@@ -175,12 +178,12 @@ class RankActor:
             # Ray shows a rank its one GPU as device 0. Bound before the group forms, so that NCCL's
             # communicators and a barrier use it rather than guess (torch warns when it must); and
             # given as the group's device, so that its communicator forms here, in the join the
-            # controller times, and the mesh's sub-groups split from it as they are built: formed
-            # lazily at a first collective (in a restore, a first step), one a dead peer left half
-            # made could not be aborted (orchestrator.rank.comm_abort), and its rank would hang.
+            # controller times, and the mesh's sub-groups (built next, in the join too) split from it:
+            # formed lazily at a first collective (in a restore, a first step), one a dead peer left
+            # half made could not be aborted (orchestrator.rank.comm_abort), and its rank would hang.
             torch.cuda.set_device(0)
             bound = {"device_id": torch.device("cuda", 0)}
-        self.collective_s = collective_timeout_s or timeout_s  # the mesh's groups (build_engine) take it too
+        self.collective_s = collective_timeout_s or timeout_s  # the mesh's groups (generation_mesh) take it too
         with CommSockets.capture() as self.sockets:
             # The group's own store client, inside the capture: `abort` shuts its socket too, so a wait in it (a
             # mesh's sub-group forming, a peer never coming) ends at once, not at the collective timeout.
@@ -191,6 +194,7 @@ class RankActor:
                 backend, store=self.group_store.pg_store(), rank=rank, world_size=world_size,
                 timeout=timedelta(seconds=self.collective_s), **bound,
             )
+            self.mesh = generation_mesh(self.spec, world_size, self.collective_s)  # once: every restore's engine's
         return time.perf_counter() - started
 
     def hold_copy(self, relpath: str, data: bytes, gen: int) -> bool:
@@ -230,9 +234,8 @@ class RankActor:
             device = torch_device(self.spec)
             self.baseline_bytes = current_bytes(device)
             reset_peak_bytes(device)  # this generation's peak, not an earlier engine's (CUDA; RSS cannot)
-            self.restores.check(ticket)  # the build is collective: not on a group a new generation formed
-            engine = build_engine(self.spec, self.rank, self.world_size, dp, recording_groups=self.sockets.adding,
-                                  collective_timeout_s=self.collective_s)
+            self.restores.check(ticket)  # not an engine on the groups of a generation this rank has left
+            engine = build_engine(self.spec, self.rank, self.world_size, dp, mesh=self.mesh)
             built = time.perf_counter()
             try:
                 self._load(engine, step, faults, source, check=lambda: self.restores.check(ticket))
@@ -358,6 +361,7 @@ class RankActor:
         if self.sockets is not None:
             self.sockets.abort()  # closes what destroy_process_group leaves open (see comm_abort)
             self.sockets = None
+        self.mesh = None  # its groups go with the default one
         if dist.is_initialized():
             # A broken group may fail to tear down cleanly; it is unusable either way.
             with contextlib.suppress(Exception):

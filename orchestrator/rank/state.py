@@ -23,22 +23,37 @@ def catalog_for(spec) -> Catalog:
     return Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
 
 
-def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
-                 recording_groups=contextlib.nullcontext, collective_timeout_s: float | None = None):
-    """The engine for this generation's layout: the spec's, with the current (elastic) dp.
-
-    Its process groups (the DeviceMesh) are created inside `recording_groups()`, the rank's
-    `CommSockets.adding`, so that an abort reaches their sockets too, with the generation's
-    `collective_timeout_s` (elastic.collective_timeout_s) as the default group has it."""
-    from trainer.engine import Engine
+def generation_mesh(spec, world_size: int, collective_timeout_s: float | None = None):
+    """The DeviceMesh of a generation of `world_size` ranks (its dp: world_size / (tp x pp)); None for
+    one rank. Collective: the rank actor builds it once, at its join, inside the group's socket capture,
+    and every restore of the generation builds its engine on it. Built per restore instead, a restore
+    retried after a peer's failed one (the stale one built the mesh on some ranks only) left the ranks
+    with different counts of sub-groups, whose next ones then waited for each other until the timeout."""
+    if world_size == 1:
+        return None
     from trainer.topology import Topology, build_mesh
 
-    device = "cuda" if spec.resources.gpus_per_rank > 0 else "cpu"
+    parallel = spec.parallel.with_dp(world_size // (spec.parallel.tp * spec.parallel.pp))
+    return build_mesh(Topology.of(parallel), _device(spec), collective_timeout_s)
+
+
+def _device(spec) -> str:
+    return "cuda" if spec.resources.gpus_per_rank > 0 else "cpu"
+
+
+def build_engine(spec, rank: int, world_size: int, dp: int, fault_hook=None,
+                 recording_groups=contextlib.nullcontext, collective_timeout_s: float | None = None, mesh=None):
+    """The engine for this generation's layout: the spec's, with the current (elastic) dp, on `mesh`
+    (`generation_mesh`'s) when given. Else its process groups (the DeviceMesh) are created here, inside
+    `recording_groups()`, the rank's `CommSockets.adding`, so that an abort reaches their sockets too,
+    with the generation's `collective_timeout_s` (elastic.collective_timeout_s) as the default group has it."""
+    from trainer.engine import Engine
+
     parallel = spec.parallel.with_dp(dp)
-    mesh = None
-    if world_size > 1:
+    if mesh is None and world_size > 1:
         with recording_groups():
-            mesh = build_mesh(Topology.of(parallel), device, collective_timeout_s)
+            mesh = generation_mesh(spec, world_size, collective_timeout_s)
+    device = _device(spec)
     return Engine(
         spec.model, spec.data, spec.train, parallel,
         rank=rank, world_size=world_size, device=device, fault_hook=fault_hook, mesh=mesh,

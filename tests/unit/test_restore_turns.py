@@ -51,8 +51,10 @@ class Loads:
         self.data: list[FakeData] = []  # each built engine's data cursor
         self.fail_at = fail_at
         self.retrying: int | None = None
+        self.meshes: list = []  # the mesh each build was given
 
-    def build(self, spec, rank, world_size, dp, recording_groups=None, collective_timeout_s=None):
+    def build(self, spec, rank, world_size, dp, mesh=None):
+        self.meshes.append(mesh)
         gc.collect()
         self.alive_at_build.append(len(self.live))
         engine = FakeEngine(dp)
@@ -100,6 +102,7 @@ def rank_actor() -> RankActor:
     actor.spec = SimpleNamespace(resources=SimpleNamespace(gpus_per_rank=0), model=SimpleNamespace(from_hf=None))
     actor.held = SimpleNamespace(keep_only=lambda files, gen: None, fence=lambda gen: None)
     actor.engine, actor._reclaiming, actor.restores, actor._dropped = None, None, RestoreTurns(), []
+    actor.mesh = None
     actor._dropping = threading.Lock()
     actor.gen, actor.rank, actor.world_size, actor.raylet_pid, actor.collective_s = 0, 1, 2, os.getppid(), 60.0
     actor.sockets = SimpleNamespace(adding=contextlib.nullcontext, abort=lambda: None)
@@ -124,6 +127,7 @@ def in_thread(call) -> tuple[threading.Thread, dict]:
 
 def test_a_later_restore_supersedes_one_still_loading(loads):
     actor = rank_actor()
+    actor.mesh = "the generation's mesh"
     first, first_out = in_thread(lambda: actor.restore(7, dp=2))
     loads.wait_loading(7)
     second, second_out = in_thread(lambda: actor.restore(3, dp=1))
@@ -134,6 +138,9 @@ def test_a_later_restore_supersedes_one_still_loading(loads):
     assert actor.engine.next_step == 4 and actor.engine.dp == 1  # the latest call's engine, not the slower one's
     assert loads.alive_at_build == [0, 0]  # never two engines in the process
     assert loads.data[0].closed and not loads.data[1].closed
+    # Both built on the generation's mesh, made once at its join: a retried restore creates no sub-group
+    # (a stale one that built groups on some ranks only left the counts apart, and the next groups hung).
+    assert loads.meshes == [actor.mesh, actor.mesh] and actor.mesh == "the generation's mesh"
 
 
 def test_a_new_generation_makes_a_running_restore_stale(loads):
