@@ -99,7 +99,7 @@ def test_telemetry_feeds_the_save_watch_and_keeps_blocked_beats_from_the_straggl
             return [self.beats.get(k) for k in keys]
 
     telemetry = Telemetry.__new__(Telemetry)
-    telemetry.heartbeat_s, telemetry._last_poll, telemetry._seen = 0.0, 0.0, {}
+    telemetry.heartbeat_s, telemetry._last_poll, telemetry._seen, telemetry._unparsed = 0.0, 0.0, {}, set()
     observed = []
     telemetry.detector = SimpleNamespace(observe=lambda rank, s: observed.append(rank),
                                          evaluate=lambda now: ([], set()), last_ratios={})
