@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chaos.config import ArmedFault
 from ckpt.staging import staging_env
+from ckpt.storage_options import error_reason
 from orchestrator.cluster import interruptible, stale_groups
 from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.new_actors import RANK_GONE, pings_within
@@ -162,7 +163,7 @@ class RayWorkerGroup(SpareSeats):
         try:
             ray.get(ref)
         except Exception as err:  # noqa: BLE001 (the actor's refusal, or its death)
-            return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            return error_reason(err)
         return None
 
     def controller_node(self) -> str:

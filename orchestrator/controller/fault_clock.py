@@ -58,9 +58,8 @@ class FaultClock:
 
         Random node kills target the ranks' nodes except the controller's own: losing that node
         is losing the controller (kill_controller's job), not a node failure the job survives."""
-        lowest = self._lowest_ranks(world_size)
-        nodes = sorted(lowest, key=lowest.get)
-        self.places = lowest  # node drawn for -> its lowest rank then: where its failures follow
+        self.places = self._lowest_ranks(world_size)  # node drawn for -> its lowest rank then: its failures follow
+        nodes = sorted(self.places, key=self.places.get)
         chaos = self.spec.chaos
         if chaos.mtbf_s is not None and chaos.mtbf_kind == "kill_node" and not nodes:
             raise PlacementError("chaos.mtbf_kind=kill_node: every rank runs on the controller's node, so a node "
