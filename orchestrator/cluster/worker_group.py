@@ -339,9 +339,10 @@ class RayWorkerGroup(SpareSeats):
             ray.kill(self.actors[rank], no_restart=True)
 
     def leave_all(self, ranks: list[int], timeout_s: float) -> list[int]:
-        """Ask live ranks to drop their process group; returns ranks that did not answer or
-        whose node is gone (their raylet died: the process may answer but must not be trusted)."""
-        refs = {self.actors[r].leave.remote(): r for r in ranks if r in self.actors}
+        """Ask live ranks to drop their process group; returns ranks that did not answer, whose node
+        is gone (their raylet died: the process may answer but must not be trusted), or whose restore
+        of the generation left was still stuck in a read after half of `timeout_s` (RankActor.leave)."""
+        refs = {self.actors[r].leave.remote(timeout_s / 2): r for r in ranks if r in self.actors}
         deadline = time.monotonic() + timeout_s
         lost = []
         for ref, rank in refs.items():

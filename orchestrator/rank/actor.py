@@ -321,17 +321,25 @@ class RankActor:
         self._drop_engine(background=True)
         return out
 
-    def leave(self) -> bool:
-        """Drop the process group and the engine; returns whether this rank's node is still alive."""
+    def leave(self, wait_s: float = 0.0) -> bool:
+        """Drop the process group and the engine; returns whether this rank can take part in the next
+        generation: its node alive, and no restore of the generation left still inside after `wait_s`
+        (the controller's release gives half its limit). A stale restore gives up at its next piece
+        read; one still inside is stuck in a read that never answers, holding a thread and the
+        restore turn that only the process's end frees: every later restore here would wait out its
+        timeout, so the controller replaces this rank instead."""
         self.restores.supersede()  # a restore of the generation left is stale: it stops at its next check
         self.held.fence(self.gen + 1)  # its late snapshot shards can complete nothing: refused where they land
         self._teardown()  # and one inside a collective (its engine's build) fails at once
         # No waiting for it (the controller's release gives `leave` seconds): while a stale restore
         # holds the turn it holds an engine, so collect but freeze nothing; the next restore's
         # collection, inside the turn once the stale one gave up, freezes.
-        with self.restores.quiet() as quiet:
+        with self.restores.quiet(wait_s) as quiet:
             self._drop_engine(freeze=quiet)
-        return self.node_alive()
+        if not quiet and wait_s > 0:
+            log.warning("rank %d: a restore of generation %d is still inside a read %.1f s after it was given up: "
+                        "this process cannot restore again (the controller replaces it)", self.rank, self.gen, wait_s)
+        return (quiet or wait_s <= 0) and self.node_alive()
 
     def _drop_engine(self, background: bool = False, freeze: bool = True) -> None:
         """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself,

@@ -14,8 +14,11 @@ between pieces of work (before building the engine, as each piece of the checkpo
 between a read's retries) and publishes its engine with `publish(ticket, ...)`, atomic with
 `supersede`. `leave` (a new generation's `join`) calls `supersede()`, breaks the process group (a
 stale restore's collective fails at once), then drops the engine and collects, freezing only when
-`quiet()` finds no restore running (one still inside holds an engine; the next restore's
-collection, in its turn, freezes). A stale restore raises RestoreSuperseded at its next check,
+`quiet(wait_s)` finds no restore running (one still inside holds an engine; the next restore's
+collection, in its turn, freezes). A stale restore still inside after the controller's `leave`
+waited is stuck (a read that never answers: its thread, and the turn, are freed only by the
+process's end), and `leave` says the rank cannot take part, so the controller replaces it.
+A stale restore raises RestoreSuperseded at its next check,
 dropping its engine, and the controller, which no longer waits for that call, never sees it.
 """
 
@@ -66,10 +69,10 @@ class RestoreTurns:
             publish()
 
     @contextmanager
-    def quiet(self) -> Iterator[bool]:
-        """Holds the turn when no restore runs, without waiting; yields whether it did (False: a
-        restore is inside, e.g. a stale one whose read has not answered yet)."""
-        held = self._turn.acquire(blocking=False)
+    def quiet(self, wait_s: float = 0.0) -> Iterator[bool]:
+        """Holds the turn once no restore runs, waiting at most `wait_s` for one inside to end; yields
+        whether it did (False: a restore is still inside, e.g. a stale one whose read has not answered)."""
+        held = self._turn.acquire(timeout=wait_s) if wait_s > 0 else self._turn.acquire(blocking=False)
         try:
             yield held
         finally:

@@ -52,6 +52,8 @@ class Loads:
         self.fail_at = fail_at
         self.retrying: int | None = None
         self.meshes: list = []  # the mesh each build was given
+        self.stuck_at: int | None = None
+        self.unstick = threading.Event()
 
     def build(self, spec, rank, world_size, dp, mesh=None):
         self.meshes.append(mesh)
@@ -64,6 +66,8 @@ class Loads:
 
     def load(self, spec, engine, step, fault_hook=None, storage_setup=None, on_bytes=None, interrupt=None):
         self.loading.setdefault(step, threading.Event()).set()
+        if step == self.stuck_at:  # a read that never answers (a hung mount): no check runs meanwhile
+            self.unstick.wait(30)
         if step == self.retrying:  # a read the store keeps failing: only its retries' interrupt runs
             for _ in range(500):
                 interrupt()
@@ -148,14 +152,31 @@ def test_a_new_generation_makes_a_running_restore_stale(loads):
     first, first_out = in_thread(lambda: actor.restore(7, dp=2))
     loads.wait_loading(7)
     started = time.monotonic()
-    assert actor.leave()  # waits for the stale restore to give up, then drops and freezes
+    assert actor.leave(wait_s=3.0)  # waits for the stale restore to give up, then drops and freezes
+    assert time.monotonic() - started < 3.0  # at its next piece, not at the end of its 5 s load
     first.join(10)
     assert first_out["error"][0] is RestoreSuperseded
-    assert time.monotonic() - started < 3.0  # at its next piece, not at the end of its 5 s load
     assert actor.engine is None  # it published nothing
     actor.sockets = rank_actor().sockets  # the new generation's process group (join)
     assert actor.restore(5, dp=2)["next_step"] == 6
     assert loads.alive_at_build == [0, 0]
+
+
+def test_a_restore_stuck_in_a_read_makes_its_rank_unfit_for_the_next_generation(loads):
+    # A read that never answers holds the restore's thread and its turn until the process ends:
+    # every later restore here would wait out its timeout, recovery after recovery, so `leave`
+    # says no and the controller's release replaces the rank (WorkerGroup.leave_all).
+    loads.stuck_at = 7
+    actor = rank_actor()
+    first, first_out = in_thread(lambda: actor.restore(7, dp=2))
+    loads.wait_loading(7)
+    started = time.monotonic()
+    assert not actor.leave(wait_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 3.0
+    assert actor.leave() is True  # the join's own leave does not wait and does not judge
+    loads.unstick.set()  # the read answers at last: the stale restore gives up, publishing nothing
+    first.join(10)
+    assert first_out["error"][0] is RestoreSuperseded and actor.engine is None
 
 
 def test_a_failed_restore_publishes_nothing_and_leaves_no_engine_behind(loads):
