@@ -38,6 +38,7 @@ Refused, and why:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,11 +119,13 @@ def _tensor_parallel(model: ModelConfig, parallel: Any, seq_len: int | None) -> 
     tp, out = parallel.tp, []
     if tp == 1:
         return out
-    for field in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    # The fix offered is a tp every split accepts: a divisor of one field alone could fail on another.
+    common = math.gcd(*(getattr(model, field) for field in TP_KEYS))
+    for field in TP_KEYS:
         value = getattr(model, field)
         if value % tp and not (field == "n_kv_heads" and value == model.n_heads):  # said once for MHA
             out.append(Refusal("parallel.tp", f"model.{field} = {value} is not divisible by tp = {tp}; use a tp "
-                               f"that divides it: {_divisors(value)}",
+                               f"that divides heads, key/value heads, d_ff and vocab_size: {_divisors(common)}",
                                f"tp={tp}: {value} {TP_KEYS[field]} not divisible by {tp}"))
     if seq_len is not None and parallel.sequence_parallel:
         padded = -(-seq_len // tp) * tp

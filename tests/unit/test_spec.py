@@ -117,7 +117,7 @@ def test_unknown_nested_key_suggests_the_close_one(tiny_data):
     ("overrides", "field", "fragment"),
     [
         (["parallel.tp=3"], "parallel.tp", "model.n_heads = 4 is not divisible by tp = 3; use a tp that "
-                                           "divides it: 1, 2, 4"),
+                                           "divides heads, key/value heads, d_ff and vocab_size: 1, 2, 4"),
         (["parallel.pp=3", "parallel.schedule=interleaved"], "parallel.pp", "cannot cut 4 layers into 6 "
                                                                              "pipeline chunks"),
         (["resources.num_ranks=3"], "resources.num_ranks", "3 does not match parallel.dp * tp * pp = 2"),
