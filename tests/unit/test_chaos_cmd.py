@@ -490,3 +490,16 @@ def test_a_goodput_snapshot_left_alone_in_an_experiments_root_is_state_fresh_del
         prepare_root(spec, fresh=False)
     prepare_root(spec, fresh=True)
     assert not storage.exists(storage.path(SNAPSHOT_FILE)) and storage.exists(storage.path(CHAOS_MARKER))
+
+
+def test_a_sweep_refuses_a_later_runs_root_before_any_run(tmp_path, capsys):
+    # The 5 s run's root holds an earlier sweep's checkpoints: refused before the calibration and the
+    # 2 s run spend their minutes (exit 2 means nothing was started).
+    base = ["--set", f"checkpoint.url=file://{tmp_path}/ckpt", "--set", "train.steps=40"]
+    args = _parser().parse_args(["chaos", "sweep", "examples/demo.yaml", "--mtbf", "120s", "--kind", "kill_rank",
+                                 "--intervals", "2s,5s", "--levels", "storage", *base])
+    earlier = load_spec("examples/demo.yaml", [f"checkpoint.url=file://{tmp_path}/ckpt", "name=demo.sweep-5s"])
+    save_checkpoint(catalog_of(earlier), 8, {"w": torch.ones(4)})
+    runner = FakeRunner()
+    assert chaos_main(args, runner=runner) == EXIT_USAGE and runner.names == []
+    assert "demo.sweep-5s" in capsys.readouterr().err

@@ -21,15 +21,16 @@ def sweep_main(spec, intervals, levels, args, runner: Runner) -> int:
 
     try:
         mtbf = sweep.system_mtbf_s(spec)
-        for interval, level in [(i, level) for i in intervals for level in levels]:  # every run's spec, before any
-            sweep.sweep_spec(spec, interval, args.step_s or 1.0, level)
-        specs = [sweep.calibration_spec(spec)] if args.step_s is None else []
-        for s in specs:
-            prepare_root(s, args.fresh)
+        # Every run's spec and root, before any run: a root refused after the first runs took their
+        # minutes would end the sweep with its work thrown away (a root's name is not the step time's).
+        grid = [sweep.sweep_spec(spec, i, args.step_s or 1.0, level) for i in intervals for level in levels]
+        calibration = [sweep.calibration_spec(spec)] if args.step_s is None else []
+        for run_spec in calibration + grid:
+            prepare_root(run_spec, args.fresh)
     except SpecError as err:
         print_problems(err.problems)
         return EXIT_USAGE
-    step_s = args.step_s if args.step_s is not None else _calibrate(specs[0], args, runner)
+    step_s = args.step_s if args.step_s is not None else _calibrate(calibration[0], args, runner)
     if isinstance(step_s, int):
         return step_s  # the calibration's exit code
     print(f"undying chaos sweep: {describe_faults(spec)}; system MTBF {mtbf:.1f} s; step {step_s:.3f} s", flush=True)
@@ -99,12 +100,7 @@ def _run_grid(spec, intervals, levels, step_s: float, args, runner: Runner):
 
     rows, reports = [], []
     for interval, level in [(i, level) for i in intervals for level in levels]:
-        run_spec = sweep.sweep_spec(spec, interval, step_s, level)
-        try:
-            prepare_root(run_spec, args.fresh)
-        except SpecError as err:
-            print_problems(err.problems)
-            return EXIT_USAGE
+        run_spec = sweep.sweep_spec(spec, interval, step_s, level)  # its root prepared before any run
         print(f"undying chaos sweep: interval {interval.label}, {level} ({run_spec.name})", flush=True)
         outcome = run_with_report(runner, run_spec, args.address)
         if outcome.report is None:
