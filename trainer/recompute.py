@@ -3,7 +3,9 @@
     none       autograd keeps every activation the backward needs
     block      each Block keeps only its input; its forward is re-run inside backward
     selective  each Block also keeps the outputs of its matrix multiplies (and of the
-               tensor-parallel reductions, so recomputation repeats none of them);
+               tensor-parallel reductions, all-reduce and reduce-scatter, so recomputation
+               repeats neither); a sequence-parallel all-gather is repeated, as in TorchTitan's
+               policy: its output is the whole sequence's activation, tp times the shard kept;
                the cheap rest (norms, RoPE, the attention core, activations, dropout) is
                recomputed (torch's selective activation checkpointing; in the manner of
                Korthikanti et al. 2022, arXiv:2205.05198)
