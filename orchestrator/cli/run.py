@@ -36,6 +36,7 @@ from orchestrator.cli.teardown import StartUpSignals, StoppedBeforeStart, route_
 from orchestrator.cluster import ray_cluster
 from orchestrator.cluster.capacity import (
     capacity_problems,
+    cpu_ranks_note,
     device_memory_note,
     host_memory_note,
     node_problems,
@@ -69,14 +70,15 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         nodes = ray_cluster.alive_node_resources()  # one GCS read for the checks below
         spares, note = resolve_spares(spec, ray.available_resources(), nodes)
         spec = spec.model_copy(update={"elastic": spec.elastic.model_copy(update={"spares": spares})})
-        problems = capacity_problems(spec, ray.cluster_resources())
+        cluster = ray.cluster_resources()
+        problems = capacity_problems(spec, cluster)
         problems = problems or node_problems(spec, nodes)
         if problems:
             print_problems(problems)
             return EXIT_USAGE
-        for memory in (device_memory_note(spec, ray.cluster_resources()), host_memory_note(spec, nodes)):
-            if memory:
-                print(f"undying: WARNING: {memory}", file=sys.stderr, flush=True)
+        for note in (cpu_ranks_note(spec, cluster), device_memory_note(spec, cluster), host_memory_note(spec, nodes)):
+            if note:
+                print(f"undying: WARNING: {note}", file=sys.stderr, flush=True)
         port = serve_metrics(metrics, spec)
         if port is None:
             return EXIT_USAGE

@@ -130,6 +130,22 @@ def device_memory_note(spec, cluster: dict[str, float]) -> str | None:
             f"JOB.yaml --gpus {spec.world_size} --gpu {known[0]}` lists layouts that fit")
 
 
+def cpu_ranks_note(spec, cluster: dict[str, float]) -> str | None:
+    """A warning when the ranks ask for no GPU (`resources.gpus_per_rank: 0`, the default) on a cluster
+    that has some, or are placed by a custom `accelerator_type:` resource: they would train on CPUs
+    with gloo, a hundred times slower, and nothing else would say so. A warning, not a refusal: a
+    CPU job may run on a GPU cluster on purpose (a smoke test beside a training job)."""
+    if spec.resources.gpus_per_rank:
+        return None
+    gpus = cluster.get("GPU", 0.0)
+    asked = sorted(name for name in spec.resources.custom if name.startswith("accelerator_type:"))
+    if not gpus and not asked:
+        return None
+    where = f"the cluster has {gpus:g} GPU(s)" if gpus else f"the ranks ask for {asked[0]}"
+    return (f"{where}, but resources.gpus_per_rank is 0: every rank trains on CPUs (gloo); set "
+            "resources.gpus_per_rank: 1 to train on the GPUs")
+
+
 def host_memory_note(spec, nodes: list[dict[str, float]]) -> str | None:
     """For a job on CPUs: a warning when the cost model finds the ranks that one node would hold
     too big for its memory (Ray's `memory` resource of the node, what it lets tasks use), naming

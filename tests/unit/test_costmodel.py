@@ -434,3 +434,16 @@ def test_the_driver_warns_when_the_ranks_a_node_would_hold_need_more_than_its_me
     assert host_memory_note(load_spec(DEMO), [{"CPU": 8.0, "memory": 16 * 2**30}]) is None  # the tiny demo fits
     assert host_memory_note(big, [{"CPU": 1.0, "memory": 64 * 2**30}]) is None  # one rank a node: it fits
     assert host_memory_note(load_spec(DEMO, ["resources.gpus_per_rank=1"]), [{"CPU": 8.0, "memory": 1.0}]) is None
+
+
+def test_the_driver_warns_when_cpu_ranks_run_on_a_cluster_with_gpus():
+    from orchestrator.cluster.capacity import cpu_ranks_note
+
+    cpu = load_spec(DEMO)  # resources.gpus_per_rank: 0
+    assert cpu_ranks_note(cpu, {"CPU": 16.0, "GPU": 8.0}) == (
+        "the cluster has 8 GPU(s), but resources.gpus_per_rank is 0: every rank trains on CPUs (gloo); set "
+        "resources.gpus_per_rank: 1 to train on the GPUs")
+    placed = load_spec(DEMO, ['resources.custom={"accelerator_type:H100": 0.001}'])
+    assert "the ranks ask for accelerator_type:H100, but resources.gpus_per_rank is 0" in cpu_ranks_note(placed, {})
+    assert cpu_ranks_note(cpu, {"CPU": 16.0}) is None  # a CPU cluster: nothing to say
+    assert cpu_ranks_note(load_spec(DEMO, ["resources.gpus_per_rank=1"]), {"GPU": 8.0}) is None
