@@ -70,9 +70,7 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         nodes = ray_cluster.alive_node_resources()  # one GCS read for the checks below
         spares, note = resolve_spares(spec, ray.available_resources(), nodes)
         spec = spec.model_copy(update={"elastic": spec.elastic.model_copy(update={"spares": spares})})
-        cluster = ray.cluster_resources()
-        problems = capacity_problems(spec, cluster)
-        problems = problems or node_problems(spec, nodes)
+        problems = capacity_problems(spec, cluster := ray.cluster_resources()) or node_problems(spec, nodes)
         if problems:
             print_problems(problems)
             return EXIT_USAGE
