@@ -23,9 +23,11 @@ LABEL org.opencontainers.image.title="undying" \
 # wget: KubeRay's readiness and liveness probes run it in the Ray container. rsync and ssh: Ray's
 # cluster launcher syncs files into the container, and the head's autoscaler reaches the workers
 # over SSH from inside it. The versions are the base image's Ubuntu release's.
+# g++: `train.compile` builds its kernels with a host compiler (Triton's launcher on GPUs, Inductor's
+# C++ kernels on CPUs), which a runtime image lacks: every rank's first compiled step would fail.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends wget rsync openssh-client \
+    && apt-get install -y --no-install-recommends wget rsync openssh-client g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # The pinned heavy dependencies in a layer of their own, before any source: an edit of the
