@@ -44,6 +44,7 @@ from ckpt.storage import Storage
 from ckpt.storage_errors import ReadRetry, storage_failure
 from paramserver.partition import param_name
 from paramserver.shard import ShardServer, lazy_step_name
+from trainer.checkpoint_match import refuse_another_model
 from trainer.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.dtensor_slices import optimizer_fields
 from trainer.engine_state import STATE_FORMAT
@@ -132,6 +133,7 @@ def load_shard(server: ShardServer, root: str, step: int, storage_options: dict 
     cat = catalog(root, storage_options)
     retry = ReadRetry(read_retry_s)
     manifest = read_manifest(cat, step, retry)
+    refuse_another_model(manifest.state, server.model.architecture(), step)
     _check_meta(server, manifest.state.get("engine") or {}, step)
     wanted = [w for w in wanted_slices(server) if w.name in manifest.tensors]
     _check_complete(server, wanted, manifest.tensors.keys(), step)

@@ -68,7 +68,7 @@ class ShardServer:
     def __init__(self, index: int, slices: list[TensorSlice], model: ModelConfig, train: TrainConfig,
                  workers: int, consistency: str, staleness: int | None = None,
                  sparse_names: frozenset[str] = frozenset(), read_retry_s: float = DEFAULT_READ_RETRY_S):
-        self.index, self.slices, self.train, self.workers = index, slices, train, workers
+        self.index, self.slices, self.model, self.train, self.workers = index, slices, model, train, workers
         self.limit, self.aggregate = ahead_limit(consistency, staleness), consistency == "bsp"
         self.params = [nn.Parameter(value) for value in starting_values(slices, model, train.seed, read_retry_s)]
         self.sparse = {i for i, s in enumerate(slices) if param_name(s) in sparse_names}

@@ -87,16 +87,19 @@ def tiny_engine():
     return Engine(ModelConfig(preset="tiny"), DataConfig(seq_len=16), train, ParallelConfig(), rank=0, world_size=1)
 
 
-def commit_trained_engine(root: str, steps: int = 2):
+def commit_trained_engine(root: str, steps: int = 2, model: dict | None = None):
     """Train `tiny_engine()` for `steps` steps, save it through the real writer and commit it at
-    that step under `root` (a file:// job root). Returns (the spec stand-in that
-    orchestrator.rank.state reads, the trained engine)."""
+    that step under `root` (a file:// job root), its manifest saying the model is `model` (default:
+    the engine's own architecture). Returns (the spec stand-in that orchestrator.rank.state reads,
+    the trained engine)."""
     from types import SimpleNamespace
 
     from ckpt.writer import ShardWriter
     from orchestrator.rank.state import catalog_for
+    from trainer.config import ModelConfig
 
-    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.0))
+    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.0),
+                           model=ModelConfig(preset="tiny"))  # tiny_engine()'s
     catalog = catalog_for(spec)
     source = tiny_engine()
     for _ in range(steps):
@@ -105,5 +108,5 @@ def commit_trained_engine(root: str, steps: int = 2):
     ShardWriter(catalog.storage, 0, lambda r, extra: receipts.append(r), lambda s, e: None,
                 async_save=False).save(steps, source.state_slices(), {})
     catalog.commit(job="j", step=steps, generation=0, layout={}, spec_hash="h", receipts=receipts,
-                   state={"engine": source.state_meta()})
+                   state={"engine": source.state_meta(), "model": model or source.model_config.architecture()})
     return spec, source

@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from trainer.checkpoint_match import CheckpointMismatch
 from trainer.dtensor_slices import fresh_field, local, optimizer_fields
 from trainer.optim import keeps_step_on_device, lr_at
 from trainer.state_slices import TensorSlice
@@ -218,20 +219,20 @@ class EngineState:
 
     def _check_meta(self, meta: dict) -> None:
         if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"state format {meta.get('format')!r} is not {STATE_FORMAT!r}")
+            raise CheckpointMismatch(f"state format {meta.get('format')!r} is not {STATE_FORMAT!r}")
         expected = {"data_seed": self.data_config.seed, "global_batch": self.train_config.global_batch,
                     "optimizer": self.train_config.optimizer}
         if self.model_config.dropout > 0:  # after a restore train.seed draws only the dropout masks
             expected["train_seed"] = self.train_config.seed
         for key, value in expected.items():
             if meta.get(key) != value:
-                raise ValueError(
+                raise CheckpointMismatch(
                     f"checkpoint has {key}={meta.get(key)!r} but this run has {value!r}: "
                     "resuming would change the training trajectory"
                 )
         saved, here = meta.get("data"), self.data.identity()  # absent from checkpoints of older releases
         if saved is not None and saved != here:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint was trained on data {json.dumps(saved)} but this run's data section gives "
                 f"{json.dumps(here)}: resuming would repeat some samples and skip others; resume with the "
                 "checkpoint's data section (source, path or mixture and its weights, seq_len, the same prepared "

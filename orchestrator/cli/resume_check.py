@@ -5,12 +5,13 @@ lease, before any rank exists: `refused_resume(spec)`; `resume_problems(spec, ca
 manifest and returns a Problem for each key of the spec that would make its restore wrong or
 impossible. The manifest carries the model's architecture and the engine's trajectory keys and data
 identity (trainer.data.data_identity: the source, seq_len, each prepared dataset's weight and
-content); the ranks check the same keys again when they restore (trainer.engine_state),
-but there a refusal costs a cluster's start-up and a trip through recovery until the crash-loop
-limit. Worse, a model with fewer blocks or untied embeddings restores the tensors it still
-names and trains on, and once `keep` new commits land, retention has deleted the old model.
+content); the ranks check the same keys again on the step they restore (trainer.checkpoint_match),
+but there a refusal costs a cluster's start-up and fails the job. Unchecked, a model with fewer
+blocks or untied embeddings would restore the tensors it still names and train on, and once `keep`
+new commits landed, retention would have deleted the old model.
 
-A manifest that does not read is left to the restore, which says why and falls back.
+A manifest that does not read is left to the restore, which says why, falls back, and checks the
+step it loads.
 """
 
 from __future__ import annotations
@@ -19,13 +20,9 @@ from ckpt.catalog import Catalog
 from ckpt.storage import Storage
 from orchestrator.cli.exits import print_problems
 from orchestrator.spec.problems import Problem
+from trainer.checkpoint_match import model_differences
 from trainer.data import data_identity
 
-# Keys that decide which tensors the model has and what they mean: a change of one of them is
-# another model. The others (rope_theta, rope_scaling, dropout, norm_eps, max_seq_len with rotary
-# positions) are knobs a run may turn when it resumes, e.g. to extend its context.
-STRUCTURAL = ("vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "activation", "position",
-              "norm", "tie_embeddings")
 # The engine state's keys that fix the training trajectory (trainer.engine_state._check_meta).
 TRAJECTORY = {"global_batch": "train.global_batch", "optimizer": "train.optimizer", "data_seed": "data.seed"}
 FIX = "resume with the spec the checkpoints were trained with, or start the new model under another name " \
@@ -56,13 +53,9 @@ def resume_problems(spec, catalog: Catalog) -> list[Problem]:
 
 
 def _model_problems(spec, saved: dict | None, where: str) -> list[Problem]:
-    if not isinstance(saved, dict):
-        return []
-    here = spec.model.architecture()
-    keys = STRUCTURAL + (("max_seq_len",) if here.get("position") == "learned" else ())
-    return [Problem(f"model.{key}", f"the committed checkpoints ({where}) are of a model with {key}="
-                                    f"{saved.get(key)!r}, this spec gives {here.get(key)!r}; {FIX}")
-            for key in keys if key in saved and saved[key] != here.get(key)]
+    return [Problem(f"model.{key}", f"the committed checkpoints ({where}) are of a model with {key}={theirs!r}, "
+                                    f"this spec gives {ours!r}; {FIX}")
+            for key, theirs, ours in model_differences(saved, spec.model.architecture())]
 
 
 def _trajectory_problems(spec, engine: dict | None, where: str) -> list[Problem]:

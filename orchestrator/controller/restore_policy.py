@@ -35,6 +35,7 @@ from ckpt.late_commits import LateCommits
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.reader import read_manifest, verify_checkpoint, verify_location
 from ckpt.storage_errors import ReadRetry
+from trainer.checkpoint_match import CheckpointMismatch
 from trainer.urls import RangeIgnored
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ class NoRestorePoint(RuntimeError):
 
 # What a restore may fail with that proves nothing about a checkpoint's bytes: the job fails.
 # A manifest another undying version wrote is not damage either: the job fails naming the version;
-# nor is a store that ignores Range requests, which every rerun would meet again.
-UNRESTORABLE = (TransientStorageError, NoRestorePoint, UnsupportedManifest, RangeIgnored)
+# nor is a store that ignores Range requests, which every rerun would meet again; nor a checkpoint of
+# another model, trajectory or data than the spec's (a restore retried, or recovered, refuses again).
+UNRESTORABLE = (TransientStorageError, NoRestorePoint, UnsupportedManifest, RangeIgnored, CheckpointMismatch)
 
 
 def cause(err: BaseException) -> str:
@@ -171,7 +173,7 @@ class RestorePolicy:
     def unreadable(self, step: int | None, err: BaseException) -> str:
         if isinstance(err, NoRestorePoint):
             return str(err)
-        if isinstance(err, UnsupportedManifest | RangeIgnored):
+        if isinstance(err, UnsupportedManifest | RangeIgnored | CheckpointMismatch):
             return f"{cause(err)}; nothing was quarantined or deleted"
         what = f"checkpoint step {step}" if step is not None else "the committed checkpoints"
         return (f"{what} could not be read ({cause(err)}); that proves nothing about the bytes, so nothing was "

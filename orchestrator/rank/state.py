@@ -16,6 +16,7 @@ from ckpt.catalog import Catalog
 from ckpt.reader import read_manifest, read_slices
 from ckpt.storage import Storage
 from ckpt.storage_errors import ReadRetry, data_read_retry
+from trainer.checkpoint_match import refuse_another_model
 from trainer.state_slices import TensorSlice
 
 
@@ -122,6 +123,7 @@ def load_engine_state(spec, engine, step: int, fault_hook=None, storage_setup=No
         storage_setup(catalog.storage)
     retry = ReadRetry(spec.checkpoint.read_retry_s, interrupt=interrupt)  # this restore's one budget
     manifest = read_manifest(catalog, step, retry)
+    refuse_another_model(manifest.state, spec.model.architecture(), step)
     # Tensors the checkpoint lacks are left out, and the engine judges: a save taken before the
     # first step has no optimizer state (fine), a missing parameter is an error it names.
     wanted = into_live(engine, lambda name: name in manifest.tensors)

@@ -22,6 +22,7 @@ from paramserver.checkpoint import (
     PSJob,
     catalog,
     latest_committed_step,
+    load_shard,
     restore_newest_intact,
     restore_servers,
     save_ps_checkpoint,
@@ -75,7 +76,8 @@ def _state(setup: PSSetup) -> dict[str, torch.Tensor]:
 def _load_engine(root: str, step: int) -> Engine:
     """A dp1 collective engine restored from `root`'s checkpoint `step` by a rank's own restore."""
     engine = Engine(MODEL, DATA, TRAIN, ParallelConfig(), rank=0, world_size=1)
-    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.0))
+    spec = SimpleNamespace(checkpoint_root=root, checkpoint=SimpleNamespace(storage_options={}, read_retry_s=0.0),
+                           model=MODEL)
     load_engine_state(spec, engine, step)
     return engine
 
@@ -422,3 +424,19 @@ def test_a_stalled_manifest_creates_shards_survive_the_later_saves_garbage_colle
     save_ps_checkpoint(setup.servers, root, 6, job=job, unsure=unsure)
     assert catalog(root).committed_steps() == [2, 6]
     assert any(name.startswith("step-000000004/shard-") for name in _files(root))  # not collected
+
+
+def test_a_server_refuses_a_checkpoint_of_another_model_before_reading_it(tmp_path):
+    # The same shapes, another head count: loaded, every tensor would fill the servers, cut anew into
+    # heads, and train another attention without an error.
+    from trainer.checkpoint_match import CheckpointMismatch
+
+    root = str(tmp_path / "ps")
+    setup = build_in_process(MODEL, DATA, TRAIN, _ps("bsp"), SMALL_PIECES)
+    run_lockstep(setup, 2)
+    assert save_ps_checkpoint(setup.servers, root, 2, job=_job(MODEL, _ps("bsp"))) is not None
+    other = build_in_process(MODEL.model_copy(update={"n_heads": 4, "n_kv_heads": 4}), DATA, TRAIN, _ps("bsp"),
+                             SMALL_PIECES)
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint step 2 is of another model \(n_heads=2 \(the spec: 4\), "
+                                                 r"n_kv_heads=2 \(the spec: 4\)\)"):
+        load_shard(other.servers[0], root, 2)

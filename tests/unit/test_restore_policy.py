@@ -23,6 +23,7 @@ from orchestrator.rank.state import load_engine_state, restore_storage_setup
 from tests._checkpoints import commit_trained_engine, tiny_engine
 from tests.unit.test_controller import FakeWorkerGroup, _controller, _spec
 from tests.unit.test_controller import rendezvous as rendezvous  # noqa: F401  (the fixture)
+from trainer.checkpoint_match import CheckpointMismatch
 from trainer.urls import RangeIgnored
 
 
@@ -70,6 +71,10 @@ def _files(spec) -> list[str]:
     # a store (or proxy) that ignores Range: every rerun would meet it again, so no recovery loop either
     (RangeIgnored("step-000000030/shard-r00000.bin: the store answered 4096 bytes for the 64-byte range at 0: it "
                   "ignores HTTP Range requests"), ("ignores HTTP Range requests",)),
+    # a checkpoint of another model (the driver's check could not read its manifest): every restore
+    # would refuse it again, and an older step was trained by the same model
+    (CheckpointMismatch("checkpoint step 30 is of another model (n_layers=8 (the spec: 4)): resume with the spec "
+                        "it was trained with"), ("checkpoint step 30 is of another model",)),
 ])
 def test_a_restore_that_proves_nothing_fails_the_job_at_once_naming_it_and_deletes_nothing(tmp_path, rendezvous,
                                                                                           error, words):
@@ -153,7 +158,9 @@ def test_fresh_is_refused_while_committed_checkpoints_are_in_its_way(tmp_path, r
 
 
 def _rank_spec(root: str, read_retry_s: float):
-    return SimpleNamespace(checkpoint_root=root, chaos=SimpleNamespace(seed=0),
+    from trainer.config import ModelConfig
+
+    return SimpleNamespace(checkpoint_root=root, chaos=SimpleNamespace(seed=0), model=ModelConfig(preset="tiny"),
                            checkpoint=SimpleNamespace(storage_options={}, read_retry_s=read_retry_s))
 
 
@@ -171,6 +178,26 @@ def test_a_ranks_restore_reads_wait_out_a_short_outage_and_load_the_checkpoint(t
     for name, tensor in source.model.state_dict().items():
         assert torch.equal(engine.model.state_dict()[name], tensor), name
     assert notices and {(n["fault_id"], n["kind"], n["rank"], n["op"]) for n in notices} == {(3, kind, 0, "read")}
+
+
+def test_a_rank_refuses_a_checkpoint_of_another_model_before_reading_it(tmp_path):
+    # Step 2 was saved by a model with twice the blocks: loaded, this spec's model would take the
+    # tensors it names (the first half) and train on without an error.
+    from ckpt.manifest import MANIFEST_NAME, step_dir
+    from ckpt.storage import durable_bytes_read
+    from trainer.checkpoint_match import CheckpointMismatch
+    from trainer.config import ModelConfig
+
+    deeper = ModelConfig(preset="tiny", n_layers=8).architecture()
+    stand_in, _ = commit_trained_engine(f"file://{tmp_path}/job", model=deeper)
+    spec = _rank_spec(stand_in.checkpoint_root, read_retry_s=1.0)
+    before = durable_bytes_read()
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint step 2 is of another model \(n_layers=8 \(the spec: "
+                                                 r"4\)\): resume with the spec it was trained with"):
+        load_engine_state(spec, tiny_engine(), 2)
+    storage = Storage(stand_in.checkpoint_root)
+    manifest_bytes = storage.fs.size(storage.path(step_dir(2), MANIFEST_NAME))
+    assert durable_bytes_read() - before <= manifest_bytes  # refused on the manifest: no shard byte read
 
 
 def test_a_ranks_restore_reads_give_up_after_read_retry_s(tmp_path):
