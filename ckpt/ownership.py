@@ -61,6 +61,7 @@ from ckpt.owner_claims import (
     watch_s,
 )
 from ckpt.storage import AlreadyCommitted, Storage
+from ckpt.storage_errors import describe, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,10 @@ class OwnerLease:
         else:  # someone deleted our claim (whoever claims next counts from scratch), or the listing lied
             try:  # (a remounting share, a failing-over store lists nothing): our claim, read by its name
                 ours = read_claim(self.storage, self.epoch, with_beat=False)
-            except FileNotFoundError:
+            except FileNotFoundError as err:
+                if is_transient(err):  # the bucket itself is missing (S3 NoSuchBucket): no proof of a deletion
+                    raise OwnershipUncertain(f"the store says the bucket of {self.storage.root} does not exist "
+                                             f"({describe(err)}); looking again") from err
                 ours = None
             if ours is not None and ours.record.get("token") == self.token:
                 raise OwnershipUncertain(f"the listing of {OWNER_DIR}/ under {self.storage.root} showed "

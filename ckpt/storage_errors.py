@@ -9,7 +9,8 @@
   * "transient": the store did not answer properly, which says nothing about the bytes:
     timeouts, refused or reset connections, HTTP 429 and 5xx, S3 throttling (`SlowDown`),
     and the errnos that local and network file systems give for the same (EIO, EBUSY,
-    ETIMEDOUT, ESTALE, ...).
+    ETIMEDOUT, ESTALE, ...); and a bucket the store says does not exist (S3 404 NoSuchBucket:
+    deleted, failing over, or a wrong endpoint), which is no proof about any object in it.
   * None: neither (permission denied, bad request): not retried, and not proof either.
 
 How s3fs surfaces them (s3fs.errors.translate_boto_error, s3fs.core._error_wrapper, after its
@@ -73,6 +74,9 @@ _TRANSIENT_CODES = frozenset({
     "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException", "ServiceUnavailable",
     "InternalError", "RequestTimeout", "BandwidthLimitExceeded", "EC2ThrottledException"})
 _CORRUPT_CODES = frozenset({"NoSuchKey", "NotFound", "InvalidRange"})
+# A 404 about the store's location, not about an object in it: a bucket missing (deleted, failing
+# over, a wrong region's endpoint) proves nothing about a checkpoint's bytes, and may come back.
+_LOCATION_CODES = frozenset({"NoSuchBucket"})
 # Connection-level exceptions of the HTTP stacks under s3fs and other object-store clients,
 # matched by name so that this module needs none of them installed.
 _CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http.client")
@@ -144,6 +148,8 @@ def _from_response(response: object) -> str | None:
     if reply is None:
         return None
     code, status = reply
+    if code in _LOCATION_CODES:
+        return TRANSIENT
     if code in _CORRUPT_CODES or status in (404, 416):
         return CORRUPT
     if code in _TRANSIENT_CODES or status == 429 or (isinstance(status, int) and status >= 500):

@@ -370,3 +370,37 @@ def test_a_listing_that_misses_our_claim_for_a_while_costs_no_lease(storage, mon
     blind.clear()
     lease.check()
     lease.release()
+
+
+def test_a_bucket_the_store_says_is_missing_for_a_while_costs_no_lease(storage, monkeypatch):
+    # S3 answers NoSuchBucket (404) to the listing and to the read of our claim while a bucket fails
+    # over: no proof that anyone deleted the claim, so the holder waits, and keeps the root after.
+    botocore = pytest.importorskip("botocore.exceptions")
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+    lease = OwnerLease.claim(storage, "old", LEASE_S)
+    real_listdir, real_read, blind = Storage.listdir, Storage.read, threading.Event()
+
+    def missing_bucket() -> BaseException:
+        reply = {"Error": {"Code": "NoSuchBucket", "Message": "The specified bucket does not exist"},
+                 "ResponseMetadata": {"HTTPStatusCode": 404}}
+        return s3fs_errors.translate_boto_error(botocore.ClientError(reply, "GetObject"))
+
+    def listdir(self, path):
+        return [] if blind.is_set() and OWNER_DIR in path else real_listdir(self, path)
+
+    def read(self, path, *args, **kwargs):
+        if blind.is_set() and OWNER_DIR in path:
+            raise missing_bucket()
+        return real_read(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Storage, "listdir", listdir)
+    monkeypatch.setattr(Storage, "read", read)
+    blind.set()
+    with pytest.raises(OwnershipUncertain, match="says the bucket of .* does not exist"):
+        lease._look_for_newer()
+    time.sleep(LEASE_S)  # some six heartbeats look meanwhile
+    assert lease.lost is None
+    blind.clear()
+    lease._beat()  # a beat lands again once the bucket is back
+    lease.check()
+    lease.release()

@@ -35,6 +35,7 @@ def _s3(code: str, status: int) -> BaseException:
     ("SlowDown", 503, TRANSIENT), ("ServiceUnavailable", 503, TRANSIENT), ("InternalError", 500, TRANSIENT),
     ("BadGateway", 502, TRANSIENT), ("GatewayTimeout", 504, TRANSIENT), ("RequestTimeout", 400, TRANSIENT),
     ("TooManyRequests", 429, TRANSIENT), ("NoSuchKey", 404, CORRUPT), ("InvalidRange", 416, CORRUPT),
+    ("NoSuchBucket", 404, TRANSIENT),  # the store's location missing: nothing proven about an object in it
     ("AccessDenied", 403, None), ("InvalidArgument", 400, None),
 ])
 def test_s3_replies_as_s3fs_raises_them(code, status, verdict):
