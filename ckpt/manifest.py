@@ -122,7 +122,7 @@ class Manifest(BaseModel):
     created_at: float
     tensors: dict[str, TensorEntry]
     state: dict  # non-tensor training state: data cursor, scheduler, goodput ledger, ...
-    total_bytes: int
+    total_bytes: NonNegative  # of the shard files: sets the restore's time limit (orchestrator.controller.timeouts)
 
     @model_validator(mode="before")
     @classmethod
@@ -173,7 +173,22 @@ def parse_manifest(data: bytes, step: int) -> Manifest:
         check_tiling(manifest.tensors)
     except IncompleteCheckpoint as err:
         raise CorruptCheckpoint(f"step {step}: the manifest's chunks do not tile the tensor {err}") from None
+    # The shard files hold at least their chunks: a size below that (a flipped digit) would give the
+    # restore a time limit too short for its bytes, and the ranks would be killed as hung, every rerun.
+    stored = _stored_bytes(manifest.tensors)
+    if manifest.total_bytes < stored:
+        raise CorruptCheckpoint(f"step {step}: the manifest's total_bytes {manifest.total_bytes} is below the "
+                                f"{stored} bytes its chunks occupy")
     return manifest
+
+
+def _stored_bytes(tensors: dict[str, TensorEntry]) -> int:
+    """The bytes the chunks reach into their files: per file, the furthest chunk end."""
+    ends: dict[str, int] = {}
+    for entry in tensors.values():
+        for chunk in entry.chunks:
+            ends[chunk.file] = max(ends.get(chunk.file, 0), chunk.byte_offset + chunk.nbytes)
+    return sum(ends.values())
 
 
 def _refuse_unknown_fields(err: ValidationError, raw: dict, step: int) -> None:

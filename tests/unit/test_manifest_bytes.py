@@ -103,3 +103,21 @@ def test_a_training_state_that_resumes_at_another_step_is_corrupt(committed):
     raw["state"]["engine"]["next_step"] = 80
     with pytest.raises(CorruptCheckpoint, match="step 20: the manifest's training state resumes at step 80"):
         parse_manifest(json.dumps(raw).encode(), 20)
+
+
+def test_a_total_size_below_what_the_chunks_occupy_is_corrupt(committed):
+    # total_bytes sets the restore's time limit: a flipped digit making it small would have the ranks
+    # killed as hung at every rerun, the checkpoint blamed on no one.
+    _, catalog = committed
+    raw = json.loads(catalog.storage.read(catalog.manifest_path(20)))
+    occupied = sum(max(c["byte_offset"] + c["nbytes"] for e in raw["tensors"].values() for c in e["chunks"]
+                       if c["file"] == file) for file in {c["file"] for e in raw["tensors"].values()
+                                                          for c in e["chunks"]})
+    assert raw["total_bytes"] >= occupied > 0
+    raw["total_bytes"] = occupied
+    assert parse_manifest(json.dumps(raw).encode(), 20).total_bytes == occupied
+    for bad, words in ((occupied - 1, f"total_bytes {occupied - 1} is below the {occupied} bytes its chunks occupy"),
+                       (-5, "total_bytes: Input should be greater than or equal to 0")):
+        raw["total_bytes"] = bad
+        with pytest.raises(CorruptCheckpoint, match=f"step 20: the manifest('s| does not parse:) {words}"):
+            parse_manifest(json.dumps(raw).encode(), 20)
