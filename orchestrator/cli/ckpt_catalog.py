@@ -52,10 +52,13 @@ def is_storage_error(err: BaseException) -> bool:
 
 def deleted_meanwhile(catalog: Catalog, step: int) -> bool:
     """Whether committed `step` is no longer committed: its read failed because a running job's retention
-    (or `undying ckpt gc`) deleted it since it was listed, not because it is damaged."""
+    (or `undying ckpt gc`) deleted it since it was listed, not because it is damaged. A step a running
+    job quarantined meanwhile (found corrupt: its manifest moved aside) was not deleted: it is damaged."""
     try:
         catalog.storage.invalidate()
-        return step not in catalog.committed_steps()
+        if step in catalog.committed_steps():
+            return False
+        return step not in catalog.quarantined_steps()
     except Exception:  # noqa: BLE001 (a store that fails now proves nothing: the damage message stands)
         return False
 

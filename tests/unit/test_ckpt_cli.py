@@ -232,6 +232,23 @@ def test_a_checkpoint_retention_deletes_while_verify_runs_is_not_called_corrupt(
     assert "step 20: ok" in out and "step 30: ok" in out
 
 
+def test_a_checkpoint_a_running_job_quarantines_while_verify_runs_is_called_corrupt(capsys, job, monkeypatch):
+    import ckpt.reader
+
+    url, catalog = job
+    real = ckpt.reader.verify_checkpoint
+
+    def quarantined_meanwhile(cat, step, *args, **kwargs):
+        if step == 10:  # a running job's restore found it damaged and moved its manifest aside
+            catalog.quarantine(10)
+        return real(cat, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.reader, "verify_checkpoint", quarantined_meanwhile)
+    code, out, err = run(capsys, "verify", url)
+    assert code != 0 and "deleted meanwhile" not in out
+    assert "step 10" in out and "CORRUPT" in out.splitlines()[0], out
+
+
 def test_verify_of_a_step_that_is_not_committed(capsys, job):
     url, _ = job
     code, _, err = run(capsys, "verify", url, "--step", "15")
