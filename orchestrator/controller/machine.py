@@ -303,8 +303,8 @@ class Controller:
         elif self.state == State.STOPPING:  # until every rank returned at the stop step, or too late
             self.telemetry.poll(self.store, self.world_size)  # the ranks saving the stop step still beat
             self._take(self.stops.overdue(self.phase)) or self._watch_hang(self.stops.save_s())
-        elif not self._take(committed and self.stops.grow_at(self.store, self.gen, self.dp, self.world_size,
-                                                             self.gen_started_at)
+        elif not self._take(committed and not run.finished  # (no grow once ranks end the job: its last save)
+                            and self.stops.grow_at(self.store, self.gen, self.dp, self.world_size, self.gen_started_at)
                             or self.stops.due(run, self.store, self.world_size, self.restored_step)):
             self.snapshots.maybe_save(self.ledger)
             self._watch_stragglers()

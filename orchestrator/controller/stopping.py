@@ -187,10 +187,10 @@ class Stops:
             if left is not None and left < needed:
                 self._lost(node, f"deadline in {left:.1f} s, a checkpointed stop needs {needed:.1f} s")
                 return None
-            # Only the deadline bounds the stop: ranks that never reach the stop step are hung, and the
-            # stop's save gets the time it takes while it writes (the hang watchdog, save_watch); an
-            # estimate here would cut a first save of a run (1 s when none was measured) short.
-            budget = left - self.save_s() if left is not None else math.inf
+            # Only the deadline bounds the stop, the save's time included (`needed` counts it once): ranks
+            # that never reach the stop step are hung, and the stop's save gets the time it takes while it
+            # writes (the hang watchdog, save_watch); an estimate would cut a first save (1 s unmeasured) short.
+            budget = left if left is not None else math.inf
             return Stopping(run, stop, f"node {node[:12]} draining (rank(s) {ranks}"
                             + (f", deadline in {left:.0f} s)" if left is not None else ", no deadline)"),
                             self.clock() + budget, node)
@@ -200,12 +200,11 @@ class Stops:
         """(reached, at, stop): the newest step a record says is done, where the ranks are by now
         (they went on since that record came in), and the stop step every rank can still reach.
 
-        Drained afresh first: this poll's drain may have committed a checkpoint (its manifest,
-        retention, garbage collection: seconds), during which the ranks trained on."""
+        Drained afresh first: this poll's drain may have committed a checkpoint (seconds), as the ranks trained on."""
         self.intake.drain(store)
-        # The newest step event is this generation's (after a rollback, until its first step,
-        # an older and larger one: the stop is then later than needed, never too early).
-        reached = max(self.record.completed_steps(), restored or 0)
+        # Until this generation's first step event, the newest is the last generation's: after a rollback
+        # a step the ranks may be a checkpoint interval short of, so the restored step is where they are.
+        reached = max(self.record.completed_steps(), restored or 0) if self.record.generation_stepped else restored or 0
         step_s = self.record.median_step_s()
         at = reached + (math.ceil(max(0.0, self.clock() - self.intake.step_at) / step_s) if step_s else 0)
         at = self._validating(reached, at)
@@ -329,8 +328,9 @@ class Stops:
 
     def grow_at(self, store, gen: int, dp: int, world_size: int, since: float) -> Move | None:
         """At a commit: re-form larger, at the newest commit, when warm spares let dp grow (put off once
-        while a manifest create is under way)."""
-        if (target := self.recovery.grow_to(dp, world_size)) is None:
+        while a manifest create is under way); not once the job's last step is done: its final save is on."""
+        last = self.record.completed_steps() >= self.spec.train.steps
+        if last or (target := self.recovery.grow_to(dp, world_size)) is None:
             self.grow_put_off = None
             return None
         new_dp, ready = target

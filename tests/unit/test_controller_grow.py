@@ -164,6 +164,8 @@ def test_a_grow_waits_for_one_commit_with_a_create_under_way_not_for_ever():
 
     stops = Stops.__new__(Stops)
     stops.grow_put_off = None
+    stops.spec = SimpleNamespace(train=SimpleNamespace(steps=60))
+    stops.record = SimpleNamespace(completed_steps=lambda: 30)
     stops.recovery = SimpleNamespace(grow_to=lambda dp, world_size: (4, 2))
     stops.checkpoints = SimpleNamespace(committer=SimpleNamespace(committing={30: object()}))
     stops.ledger = SimpleNamespace(enter=lambda bucket: (_ for _ in ()).throw(Proceeded(bucket)))
@@ -188,8 +190,9 @@ def test_a_grow_books_the_step_in_flight_at_its_stop_as_lost_work(monkeypatch):
     stops.checkpoints = SimpleNamespace(committer=SimpleNamespace(committing={}), flush=lambda: None, latest=30,
                                         memory=SimpleNamespace(forget_newer=lambda step: None))
     stops.ledger = SimpleNamespace(enter=lambda bucket: None, move=lambda s, src, dst: moved.append((s, src, dst)))
+    stops.spec = SimpleNamespace(train=SimpleNamespace(steps=60))
     stops.record = SimpleNamespace(rolled_back_seconds=lambda step, since, failed_at=None: asked.append(
-        (step, since, failed_at)) or 7.0)
+        (step, since, failed_at)) or 7.0, completed_steps=lambda: 31)
     stops.workers = SimpleNamespace(grow=lambda n: None, actors=dict.fromkeys(range(4)))
     stops._stop_generation = lambda store, world_size: ([], None)
     stops.grow_at(None, 1, 2, 2, since=900.0)
