@@ -13,7 +13,8 @@
                    checkpoint's bytes over the read bandwidth (measured by the last restore from
                    storage, else 100 MB/s per rank)
     release        a survivor leaves at its next collective, within one step: max(3 s, 2 x the
-                   median step), before any step 2 x the compute bound
+                   median step), before any step 2 x the compute bound; during a generation's
+                   first step, whatever is left of the first step's limit if longer
 
 A number in the spec replaces the derived value ("auto", the default). `derive` is pure; the
 `Timeouts` object feeds it what the job measured.
@@ -27,6 +28,7 @@ watchdog, `release_s()` at every release.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -130,11 +132,13 @@ def restore_timeout_s(elastic, world: int, checkpoint_bytes: int | None, read_by
 
 class Timeouts:
     """The limits in force, fed by the controller (see the module's protocol). `overrides`: values
-    the caller fixes whatever the spec says (tests: `hang_floor_s`, `release_s`)."""
+    the caller fixes whatever the spec says (tests: `hang_floor_s`, `release_s`); `clock`: the
+    monotonic clock that `record.progress_at` is of."""
 
     def __init__(self, spec, record, peak: Callable[[], float | None], log: Callable[[str], None], *,
-                 join_s: float, retry_budget_s: float, **overrides: float):
-        self.spec, self.record, self.peak, self.log = spec, record, peak, log
+                 join_s: float, retry_budget_s: float, clock: Callable[[], float] = time.monotonic,
+                 **overrides: float):
+        self.spec, self.record, self.peak, self.log, self.clock = spec, record, peak, log, clock
         self.join_s, self.retry_budget_s, self.overrides = join_s, retry_budget_s, overrides
         self.first_step_s: float | None = None
         self.read_bytes_per_s: float | None = None
@@ -204,4 +208,13 @@ class Timeouts:
         return steady + saving_s, "elastic.hang_timeout_s"
 
     def release_s(self) -> float:
-        return self.limits().release_s
+        """A survivor's time to leave. A survivor leaves at its next collective, and during a generation's
+        first step that may come after minutes of compilation: until the first step's own limit runs out
+        it is not hung, so the release waits that long (unless the spec, or a test, sets the release);
+        killed, it would lose its warm caches and the memory snapshots it holds, and need a replacement."""
+        limits = self.limits()
+        fixed = isinstance(self.spec.elastic.release_timeout_s, float | int) or "release_s" in self.overrides
+        if fixed or self._training_since is None or self.record.generation_stepped:
+            return limits.release_s
+        first_step_left = limits.first_step_s - (self.clock() - self._training_since)
+        return max(limits.release_s, first_step_left)

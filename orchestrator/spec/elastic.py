@@ -69,7 +69,8 @@ class ElasticConfig(SpecSection):
                             "checkpoint's bytes over the read bandwidth (measured, else 100 MB/s per rank)")
     release_timeout_s: float | Literal["auto"] = Field(
         "auto", description="after a failure, how long a survivor may take to leave its step before it is killed; "
-                            "auto: max(3 s, 2 x the median step)")
+                            "auto: max(3 s, 2 x the median step), and during a generation's first step (which "
+                            "may compile for minutes) what is left of the first step's limit if longer")
 
     @field_validator("hang_timeout_s", "first_step_timeout_s", "collective_timeout_s", "restore_timeout_s",
                      "release_timeout_s", mode="before")

@@ -100,7 +100,8 @@ class _Record:
 
 def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one(tmp_path):
     spec, record, lines = _job(tmp_path), _Record(), []
-    timeouts = Timeouts(spec, record, lambda: None, lines.append, join_s=60.0, retry_budget_s=120.0)
+    timeouts = Timeouts(spec, record, lambda: None, lines.append, join_s=60.0, retry_budget_s=120.0,
+                        clock=lambda: 1e9)
     timeouts.for_generation(2)
     timeouts.on_training_started()
     first, steady = "elastic.first_step_timeout_s", "elastic.hang_timeout_s"  # the fields a hang's message names
@@ -111,9 +112,30 @@ def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one
     assert timeouts.hang_limit(saving_s=4.0) == (14.0, steady)  # steady: the floor, and a stop's save on top
     timeouts.on_training_started()  # the next generation: 3 x the first step measured
     record.generation_stepped = False
-    assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 3.0
+    assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 3.0  # (the first step's limit spent)
     assert timeouts.for_generation(2).collective_s == 360.0
     assert len(lines) == 2 and lines[0].startswith("timeouts: hang max(10 s, 5 x median step), first step 120 s")
+
+
+def test_survivors_still_in_a_generation_s_first_step_are_released_within_what_is_left_of_its_limit(tmp_path):
+    # The first step may compile for minutes before its first collective, where a survivor sees the
+    # release: killed after 3 s, every survivor would need a replacement and lose what it holds.
+    now = [100.0]
+    spec, record = _job(tmp_path), _Record()
+    timeouts = Timeouts(spec, record, lambda: None, print, join_s=60.0, retry_budget_s=120.0, clock=lambda: now[0])
+    timeouts.for_generation(2)
+    timeouts.on_training_started()  # at 100 s; the first step's limit: 120 s on CPU
+    now[0] = 130.0  # a rank died 30 s into the first step
+    assert timeouts.release_s() == 90.0
+    now[0] = 219.0  # a hang found at the limit: nothing left to wait for
+    assert timeouts.release_s() == 3.0
+    record.progress_at, record.steps_s, record.generation_stepped = 140.0, [40.0], True
+    now[0] = 150.0
+    assert timeouts.release_s() == 80.0  # stepped: two steps' time
+    fixed = Timeouts(_job(tmp_path, elastic={"release_timeout_s": 5.0}), _Record(), lambda: None, print,
+                     join_s=60.0, retry_budget_s=120.0, clock=lambda: now[0])
+    fixed.on_training_started()
+    assert fixed.release_s() == 5.0  # the spec's number stands
 
 
 def test_a_validation_owed_before_the_first_step_leaves_it_the_first_step_limit_counted_from_its_end(tmp_path):
