@@ -139,3 +139,26 @@ def live_owner(storage: Storage) -> str | None:
     if claim is None or standing(claim, time.time()) != "running":
         return None
     return f"{claim.describe()} (last heartbeat {time.time() - claim.last_seen():.0f} s ago)"
+
+
+def visibility_proof(storage: Storage) -> tuple[str, str] | None:
+    """(the path of the newest claim, its token) for a root on a filesystem (file://), which another
+    node's process checks with `sees_claim` before it trains: a root on storage only the driver's node
+    has (/tmp on a multi-node cluster) would take every other node's shards onto their own disks, and
+    no commit would ever find them. None for an object store (one namespace everywhere) or no claim."""
+    if not storage.is_local:
+        return None
+    claim = newest_claim(storage, with_beat=False)
+    token = claim.record.get("token") if claim is not None else None
+    return (storage.path(OWNER_DIR, file_name("claim", claim.epoch)), token) if isinstance(token, str) else None
+
+
+def sees_claim(proof: tuple[str, str]) -> bool:
+    """Whether this process finds the claim of `visibility_proof` at its path, with its token."""
+    path, token = proof
+    try:
+        with open(path, encoding="utf-8") as claim:
+            record = json.load(claim)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("token") == token

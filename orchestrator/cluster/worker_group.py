@@ -31,6 +31,7 @@ from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.new_actors import RANK_GONE, pings_within
 from orchestrator.cluster.placement import SeatChoice, choose_seats, plan_placement
 from orchestrator.cluster.ray_cluster import alive_node_resources
+from orchestrator.cluster.shared_root import RootNotShared, root_proof
 from orchestrator.cluster.spare_seats import SpareSeats
 from orchestrator.rank.actor import RankActor
 from orchestrator.wire.auth import StoreAddress
@@ -81,6 +82,7 @@ class RayWorkerGroup(SpareSeats):
         self._remote = ray.remote(RankActor)
         self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings
         self.lost_nodes: set[str] = set()
+        self.root_proof = root_proof(spec)  # every actor checks, at each ping, that it sees the root
 
     def place(self, world_size: int, spares: int = 0,
               on_wait: Callable[[float], object] = lambda seconds: None) -> None:
@@ -117,7 +119,7 @@ class RayWorkerGroup(SpareSeats):
             num_cpus=res.cpus_per_rank, num_gpus=res.gpus_per_rank, resources=res.custom or None,
             max_concurrency=8, max_restarts=0, scheduling_strategy=strategy,
             runtime_env={"env_vars": self.env_vars} if self.env_vars else None,
-        ).remote(self.spec_json)
+        ).remote(self.spec_json, self.root_proof)
 
     def ensure_actors(self, ranks: list[int]) -> None:
         """Create cold actors for `ranks` in their own bundles (no waiting)."""
@@ -142,8 +144,11 @@ class RayWorkerGroup(SpareSeats):
         return [seat for seat, bundle in enumerate(self.seat_bundle) if bundle in lost]
 
     def _remember_node(self, actor, info) -> None:
+        """Keep the node an actor's ping names; RootNotShared when it does not see the checkpoint root."""
         if isinstance(info, dict) and info.get("node"):
             self.node_of_actor[actor._actor_id.hex()] = info["node"]
+        if isinstance(info, dict) and info.get("sees_root") is False:
+            raise RootNotShared(self.spec.checkpoint_root, str(info.get("node", "?")), self.root_proof[0])
 
     def node_of(self, rank: int) -> str | None:
         actor = self.actors.get(rank)

@@ -53,13 +53,14 @@ EXIT_NODE_LOST = 75
 
 
 class RankActor:
-    def __init__(self, spec_json: str):
+    def __init__(self, spec_json: str, root_proof: tuple[str, str] | None = None):
         import torch
 
         from orchestrator.spec.job_spec import JobSpec
 
         torch.set_num_threads(1)  # many ranks share few cores in CPU set-ups
         self.spec = JobSpec.model_validate_json(spec_json)
+        self.root_proof = root_proof  # the driver's claim on a file:// root, which `ping` checks this node sees
         self.store: GenerationStore | None = None
         self.watch_store: GenerationStore | None = None
         self.writer_store: GenerationStore | None = None
@@ -88,7 +89,11 @@ class RankActor:
         self._abort = threading.Event()  # the controller asked this generation to stop
 
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "node": self.node_id, "gen": self.gen, "node_alive": self.node_alive()}
+        from ckpt.owner_claims import sees_claim
+
+        sees = self.root_proof is None or sees_claim(self.root_proof)  # (orchestrator.cluster.shared_root)
+        return {"pid": os.getpid(), "node": self.node_id, "gen": self.gen, "node_alive": self.node_alive(),
+                "sees_root": sees}
 
     def node_alive(self) -> bool:
         return os.getppid() == self.raylet_pid

@@ -167,3 +167,28 @@ def test_a_job_whose_rank_dies_keeps_its_tp_group_on_one_node(ray_cluster, tmp_p
     assert "live rank(s) [0] moved with them to keep their TP group on one node" in proc.stdout, proc.stdout[-3000:]
     assert "span nodes" not in proc.stdout
     assert json.loads(report.read_text())["final_step"] == 12
+
+
+def test_ranks_that_do_not_see_the_driver_s_file_root_are_refused_at_placement(ray_cluster, tmp_path):
+    # A file:// root on storage only the driver's node has: the ranks elsewhere find no claim there.
+    from ckpt.owner_claims import visibility_proof
+    from ckpt.ownership import OwnerLease
+    from ckpt.storage import Storage
+    from orchestrator.cluster.shared_root import RootNotShared
+
+    storage = Storage(f"file://{tmp_path}/job")
+    lease = OwnerLease.claim(storage, "driver", lease_s=600.0)
+    try:
+        with _worker_group(ray_cluster, "shared-root") as (ray, workers):
+            workers.root_proof = visibility_proof(storage)  # the folder every node here shares
+            workers.place(2)
+            workers.ensure_actors([0, 1])
+            assert all(p["sees_root"] for p in workers.ping_all(timeout_s=120))
+            path, token = workers.root_proof
+            workers.root_proof = (path.replace(str(tmp_path), str(tmp_path / "other-node")), token)
+            workers.kill(1)
+            workers.ensure_actors([1])  # a rank started where the folder is another one
+            with pytest.raises(RootNotShared, match="does not see the driver's claim"):
+                workers.ping_all(timeout_s=120)
+    finally:
+        lease.release()
