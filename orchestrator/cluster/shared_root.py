@@ -10,7 +10,8 @@ Protocol: `RayWorkerGroup` takes `root_proof(spec)` once (the driver holds the r
 then: the proof is its claim file and token, ckpt.owner_claims.visibility_proof) and gives it to
 every rank actor it creates; the actor's `ping` answers `sees_root` (ckpt.owner_claims.sees_claim),
 and the group raises `RootNotShared` for an actor that does not, whichever call pinged it (the
-placement, a replacement, a spare's warm-up). The controller fails the job with its message.
+placement, a replacement, a spare's warm-up). The controller fails the job with its message
+(a PlacementError).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import logging
 
 from ckpt.owner_claims import visibility_proof
 from ckpt.storage import Storage
+from orchestrator.cluster.placement_error import PlacementError
 
 log = logging.getLogger(__name__)
 
 
-class RootNotShared(RuntimeError):
+class RootNotShared(PlacementError):
     """A rank actor does not see the checkpoint root the driver claimed: the job cannot save."""
 
     def __init__(self, root: str, node: str, claim: str):

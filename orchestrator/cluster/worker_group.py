@@ -30,6 +30,7 @@ from orchestrator.cluster import interruptible, stale_groups
 from orchestrator.cluster.capacity import capacity_problems, node_problems
 from orchestrator.cluster.new_actors import RANK_GONE, pings_within
 from orchestrator.cluster.placement import SeatChoice, choose_seats, plan_placement
+from orchestrator.cluster.placement_error import PlacementError
 from orchestrator.cluster.ray_cluster import alive_node_resources
 from orchestrator.cluster.shared_root import RootNotShared, root_proof
 from orchestrator.cluster.spare_seats import SpareSeats
@@ -39,10 +40,6 @@ from orchestrator.wire.auth import StoreAddress
 log = logging.getLogger(__name__)
 
 HELD_PROBE_S = 5.0  # how long a restore's choice waits for the holders to say what they hold
-
-
-class PlacementError(RuntimeError):
-    """The cluster cannot place the job's ranks (fatal: retrying will not help)."""
 
 
 @dataclass
