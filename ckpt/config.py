@@ -8,6 +8,7 @@ is probed separately by `orchestrator.spec.storage_check.check_storage`, because
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Literal
 
@@ -20,6 +21,23 @@ from trainer.urls import OBJECT_STORES, absolute_url
 # Protocols whose stores create a file only if it is absent, atomically (ckpt.storage): a local or
 # shared file system (link(2)), S3 (If-None-Match), and memory:// (one process: tests).
 EXCLUSIVE_CREATE = frozenset({"file", "s3", "s3a", "memory"})
+
+# Where Ray unpacks a job's `--working-dir` on each node: a driver started by `ray job submit` runs there.
+RAY_WORKING_DIR_COPY = "/runtime_resources/working_dir_files/"
+
+
+def refuse_a_path_in_rays_copy(url: str) -> None:
+    """ValueError for a relative checkpoint path under a driver that `ray job submit --working-dir` started:
+    it would name a folder inside Ray's copy of the working directory (one per upload, on one node), so
+    the next submission would start again at step 0, this one's checkpoints left in Ray's cache."""
+    path = url.strip()
+    if "://" in path or os.path.isabs(os.path.expanduser(path)):
+        return
+    if RAY_WORKING_DIR_COPY in os.path.abspath(path) + "/":
+        raise ValueError(f"{url!r} is relative, and this driver runs in Ray's copy of the job's working directory "
+                         f"({os.getcwd()}), which each `ray job submit` makes anew on one node; give a path every "
+                         "node shares (file:///mnt/shared/ckpt) or an object store (s3://bucket/prefix)")
+
 
 INTERVAL_FORMS = ("'young', 'young-daly' or a number of seconds, or the unit spelled out: '500 steps', '90s', "
                   "'10m', '1h'")
@@ -176,6 +194,7 @@ class CheckpointConfig(SpecSection):
     @field_validator("url")
     @classmethod
     def _normalise_url(cls, url: str) -> str:
+        refuse_a_path_in_rays_copy(url)
         url = absolute_url(url)
         protocol = url.partition("://")[0]
         if protocol not in EXCLUSIVE_CREATE:
