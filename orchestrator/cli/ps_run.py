@@ -28,6 +28,7 @@ import time
 
 from chaos.config import SERVER_KINDS
 from ckpt.hf_export import data_provenance
+from ckpt.hf_identity import weights_provenance
 from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
@@ -80,6 +81,7 @@ def supervision(spec: JobSpec, on_commit=None, fresh: bool = False) -> tuple:
         log.warning("the data's identity could not be read (%s: %s): checkpoints will not carry it",
                     type(err).__name__, err)
         identity, provenance = None, {}
+    provenance = {**provenance, **weights_provenance(spec.model)}  # which initial weights (ckpt.hf_identity)
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity,
                 provenance)
     save_timeout, restore_timeout = io_timeouts(spec)

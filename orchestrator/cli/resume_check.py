@@ -48,14 +48,31 @@ def resume_problems(spec, catalog: Catalog) -> list[Problem]:
         return []
     where = f"{catalog.storage.root} step {steps[-1]}"
     engine = state.get("engine")
-    return (_model_problems(spec, state.get("model"), where) + _trajectory_problems(spec, engine, where)
-            + _data_problems(spec, engine, where))
+    return (_model_problems(spec, state.get("model"), where) + _weights_problems(spec, state, where)
+            + _trajectory_problems(spec, engine, where) + _data_problems(spec, engine, where))
 
 
 def _model_problems(spec, saved: dict | None, where: str) -> list[Problem]:
     return [Problem(f"model.{key}", f"the committed checkpoints ({where}) are of a model with {key}={theirs!r}, "
                                     f"this spec gives {ours!r}; {FIX}")
             for key, theirs, ours in model_differences(saved, spec.model.architecture())]
+
+
+def _weights_problems(spec, state: dict, where: str) -> list[Problem]:
+    """Initial weights (`model.from_hf`) other than the checkpoints started from: a resume never reads
+    them, so the spec would train on from the old weights without a word (ckpt.hf_identity)."""
+    from ckpt.hf_identity import UNKNOWN, weights_provenance
+
+    if "from_hf" not in state or state["from_hf"] == UNKNOWN or not spec.model.from_hf:
+        return []  # (older checkpoints; weights unread then; a spec that names none resumes what is there)
+    here = weights_provenance(spec.model)["from_hf"]
+    if here in (UNKNOWN, state["from_hf"]):
+        return []
+    started = "were trained from scratch, not from" if state["from_hf"] is None else "started from other weights than"
+    return [Problem("model.from_hf", f"the committed checkpoints ({where}) {started} those {spec.model.from_hf} "
+                                     "holds, which a resume never reads: resume without model.from_hf or with the "
+                                     "weights they started from, or fine-tune these under another name "
+                                     "(--set name=...)")]
 
 
 def _trajectory_problems(spec, engine: dict | None, where: str) -> list[Problem]:

@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 from ckpt.commit import Committer
 from ckpt.hf_export import data_provenance
+from ckpt.hf_identity import weights_provenance
 from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.interruptible import SLICE_S, Interrupted, never
@@ -109,9 +110,8 @@ class Checkpoints:
         self.plan: CheckpointPlan | None = None  # the one published last
         self.plan_every = self.plan_anchor = 0
         self.stop_at: int | None = None  # the generation's stop step (orchestrator.controller.stopping)
-        self.store = None
-        self.gen = -1
-        self.data_provenance = data_provenance(spec.data, spec.model)
+        self.store, self.gen = None, -1
+        self.provenance = {**data_provenance(spec.data, spec.model), **weights_provenance(spec.model)}  # (manifests)
         self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
@@ -319,7 +319,7 @@ class Checkpoints:
                              "restarts": restarts,
                              "history": [*self.record.history, *sample_events(samples)],
                              "model": self.spec.model.architecture(), "seq_len": self.spec.data.seq_len,
-                             **self.data_provenance},
+                             **self.provenance},
         )
         return None if commit is None else self._booked(commit)
 
