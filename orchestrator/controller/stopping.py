@@ -373,10 +373,10 @@ class Stops:
         failure like any (an injected `fault` that fired meanwhile its cause), blamed, booked in the
         report and counted against elastic.max_restarts (a rank dying at every grow must end the job,
         not loop), its seats filled by the recovery, which books the steps trained past the commit."""
-        self.reforming = False
+        self.reforming = False  # (no step in flight: the ranks had stopped before `step`, which is no redo when run)
         message = f"rank(s) {gone} lost as the generation stopped at checkpoint step {step} ({why})"
         kind, rank, onset = (fault.kind, fault.rank, fault.time) if fault is not None else ("rank_died", gone[0], None)
-        return Move(Recovering(Failure(kind, rank, time.time(), message, fault_time=onset, step=step,
+        return Move(Recovering(Failure(kind, rank, time.time(), message, fault_time=onset,
                                        errors={r: message for r in gone})), message)
 
     def save_s(self) -> float:

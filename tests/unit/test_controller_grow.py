@@ -95,6 +95,7 @@ def test_a_rank_lost_while_stopping_to_grow_is_a_failure_replaced_first_and_the_
     assert any("RUNNING -> RECOVERING: generation 1: rank_died on rank 0" in line and lost in line for line in lines)
     assert [(f.kind, f.rank) for f in report.failures] == [("rank_died", 1), ("rank_died", 0)]  # booked
     assert report.failures[1].lost_work_s == 0.0  # nothing was trained past the commit
+    assert report.redone_steps == 6  # 10-15 after the death in step 15; none after the stop at 20 (none in flight)
     assert workers.dp_history == [2, 1, 1]  # the hole filled at dp 1, not a grow with rank 0 missing
     # It counts against elastic.max_restarts as any failure: a rank dying at every grow ends the job.
     tight = _spec(tmp_path, name="unit2")  # elastic.max_restarts 1
