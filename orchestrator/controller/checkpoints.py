@@ -347,7 +347,7 @@ class Checkpoints:
         more = blocking_s - self.blocking_booked.get(key, 0.0)
         if more > 0:
             self.blocking_booked[key] = blocking_s
-            self.record.on_save_blocking(key[1], self.ledger.move(more, "productive", "checkpoint_save"))
+            self.record.book_save_blocking(self.ledger, key[1], more)
 
     def on_snapshot(self, message: SnapshotHeld, world_size: int, layout: dict, restarts: int) -> None:
         """A memory snapshot shard held; its blocking time is booked as a save's, as it comes in."""

@@ -85,6 +85,7 @@ class JobRecord:
         # Seconds after the newest step's end already moved off productive (a validation, a save's
         # blocking, a booked tail): the time after a step is booked once, whoever books it.
         self._booked_since_step = 0.0
+        self._detection: tuple[float, float] | None = None  # the generation's failure's booked detection window
 
     def on_training_started(self) -> float:
         """A generation starts training: the hang clock restarts. Returns the wall time, the
@@ -92,7 +93,7 @@ class JobRecord:
         self.progress_at = time.monotonic()
         self._generation_first = None
         self._generation_started = self._newest_seen_at = time.time()
-        self._booked_since_step = 0.0
+        self._booked_since_step, self._detection = 0.0, None
         return self._generation_started
 
     def carry_clock(self, carried_s: float) -> None:
@@ -226,6 +227,33 @@ class JobRecord:
         """Compute time of the recorded steps first..end-1 (each step's newest run), whichever generation
         ran them: what a restore older than the step a recovery booked its rollback to throws away too."""
         return _compute_s(itertools.takewhile(lambda r: r.step < end, self.steps.records(first)))
+
+    def book_detection(self, ledger, since: float, detected_at: float) -> float:
+        """Move a failure's detection, from `since` (its fault, or a hang's stall) to `detected_at`, from
+        productive to detection, less what of it was booked after the newest step already (a save's
+        blocking, a validation: a fault inside them is not booked twice); returns the seconds moved. A
+        save's blocking booked later (its receipt came after the detection) skips the window in turn
+        (`book_save_blocking`)."""
+        start = max(since, self._booked_until())
+        self._detection = (start, detected_at)
+        return ledger.move(max(0.0, detected_at - start), "productive", "detection")
+
+    def book_save_blocking(self, ledger, step: int, seconds: float) -> None:
+        """A save of completed step `step` blocked the ranks `seconds` more: moved from productive to
+        checkpoint_save, less what the generation's booked detection took already (the save's window
+        follows the newest step and what was booked after it; a fault inside it was detected from its
+        onset), and counted as booked after the step (`on_save_blocking`) either way."""
+        overlap = 0.0
+        if self._detection is not None and step == self.last_step + 1:
+            start, (d_start, d_end) = self._booked_until(), self._detection
+            overlap = max(0.0, min(start + seconds, d_end) - max(start, d_start))
+        ledger.move(seconds - overlap, "productive", "checkpoint_save")
+        self.on_save_blocking(step, seconds)
+
+    def _booked_until(self) -> float:
+        """Where the time booked off productive after the generation's newest step ends (its start's, before one)."""
+        newest, started = self.steps.get(self.last_step), self._generation_started
+        return (newest.time if newest is not None and newest.time >= started else started) + self._booked_since_step
 
     def on_save_blocking(self, step: int, seconds: float) -> None:
         """A save of completed step `step` blocked the ranks `seconds`, moved off productive: after

@@ -364,7 +364,7 @@ class Controller:
         self.checkpoints.interval_policy.on_failure()
         if failure.onset is not None and self.gen_started_at is not None:  # time a training generation lost
             since = max(failure.onset, self.gen_started_at)  # from the fault (or a hang's stall)
-            self.ledger.move(max(0.0, failure.detected_at - since), "productive", "detection")
+            self.record.book_detection(self.ledger, since, failure.detected_at)
         who = f"rank {failure.rank}" if failure.rank is not None else "the job"
         after = failure.record.detected_after_s
         self._go(Recovering(failure), f"generation {self.gen}: {failure.kind} on {who}"

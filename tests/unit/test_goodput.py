@@ -206,12 +206,11 @@ def test_lost_work_is_the_thrown_away_executions_plus_the_interrupted_step():
     assert _lost_from_report(report) == pytest.approx(lost, abs=1e-6)
 
 
-def test_the_interrupted_step_s_time_leaves_out_a_validation_and_a_save_booked_after_the_last_step():
-    """A validation (2 s, booked to `other`) and a save's blocking (0.5 s, booked to checkpoint_save)
-    ran after step 12; the fault came 2.8 s after step 12 ended: 0.3 s of step 13 was lost, not 2.8 s."""
+def _thirteen_steps():
+    """(ledger, record, the end of step 12) after steps 0..12 of 0.5 s each, the ledger holding enough
+    productive time for the moves a test makes."""
     from monitor.metrics import JobMetrics
     from orchestrator.controller.job_record import JobRecord
-    from orchestrator.wire.messages import EvalDone
 
     clock = FakeClock()
     ledger = GoodputLedger(clock=clock)
@@ -220,7 +219,16 @@ def test_the_interrupted_step_s_time_leaves_out_a_validation_and_a_save_booked_a
     t = record.started
     for step in range(13):
         t = _step(record, step, 0.5, t + 0.5)
-    clock.advance(100)  # the ledger holds enough productive time for the moves
+    clock.advance(100)
+    return ledger, record, t
+
+
+def test_the_interrupted_step_s_time_leaves_out_a_validation_and_a_save_booked_after_the_last_step():
+    """A validation (2 s, booked to `other`) and a save's blocking (0.5 s, booked to checkpoint_save)
+    ran after step 12; the fault came 2.8 s after step 12 ended: 0.3 s of step 13 was lost, not 2.8 s."""
+    from orchestrator.wire.messages import EvalDone
+
+    ledger, record, t = _thirteen_steps()
     record.on_save_blocking(13, ledger.move(0.5, "productive", "checkpoint_save"))
     record.on_eval(EvalDone(step=13, loss=1.0, tokens=10, seconds=2.0))
     assert record.rolled_back_seconds(10, since=record.started, failed_at=t + 2.8) == pytest.approx(3 * 0.5 + 0.3)
@@ -228,6 +236,24 @@ def test_the_interrupted_step_s_time_leaves_out_a_validation_and_a_save_booked_a
     assert record.rolled_back_seconds(10, since=record.started, failed_at=t + 2.8) == pytest.approx(3 * 0.5 + 0.3)
     _step(record, 13, 0.5, t + 3.0)  # a newer step: nothing is booked after it yet
     assert record.rolled_back_seconds(10, since=record.started, failed_at=t + 3.2) == pytest.approx(4 * 0.5 + 0.2)
+
+
+@pytest.mark.parametrize("receipts_first", [True, False])
+def test_a_fault_inside_a_save_s_blocking_is_booked_once(receipts_first):
+    """Step 12 ended at t; its save blocked the ranks 2 s (t..t+2); a rank was killed at t+0.5 and the
+    kill detected at t+3. [t, t+2] is the save's, [t+2, t+3] the detection's, whichever the controller
+    learned first (the survivors' receipts may come before or after it sees the death), and nothing
+    of the step in flight was lost: 3 s off productive in all, not 4.5."""
+    ledger, record, t = _thirteen_steps()
+    if receipts_first:
+        record.book_save_blocking(ledger, 13, 2.0)
+    record.book_detection(ledger, since=t + 0.5, detected_at=t + 3.0)
+    if not receipts_first:
+        record.book_save_blocking(ledger, 13, 2.0)
+    totals = ledger.totals()
+    assert totals["checkpoint_save"] + totals["detection"] == pytest.approx(3.0)
+    assert totals["checkpoint_save"] == pytest.approx(2.0 if receipts_first else 0.5)  # (the first booked it)
+    assert record.rolled_back_seconds(13, since=record.started, failed_at=t + 0.5) == 0.0  # nothing in flight
 
 
 def test_a_second_failure_loses_the_running_generation_s_redone_steps_only():
