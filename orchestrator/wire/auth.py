@@ -128,9 +128,12 @@ class Seal:
             text = raw.decode() if isinstance(raw, bytes) else raw
             tag, sender, seq, body = text.split(":", 3)
             number = int(seq)
+            expected = self._tag(key, sender, seq, body)  # (a lone surrogate does not encode: no tag either)
         except ValueError:
             raise Rejected("no tag") from None
-        if len(tag) != _TAG_HEX or not hmac.compare_digest(tag, self._tag(key, sender, seq, body)):
+        # As bytes: compare_digest raises TypeError on a str with a non-ASCII character, which a stranger
+        # writing a tag of 64 such characters would turn from a rejection into an error that ends the job.
+        if len(tag) != _TAG_HEX or not hmac.compare_digest(tag.encode("utf-8", "surrogatepass"), expected.encode()):
             raise Rejected("invalid tag")
         with self._lock:
             floor = self._floors.get((key, sender), -1)

@@ -60,8 +60,12 @@ _LISTEN_BACKLOG = 1024  # every rank opens several clients at once when a genera
 # it a rank whose node vanished without closing its connections (power loss, a reclaimed VM)
 # would hold its sockets open on the controller for the rest of the job, a few per rank per
 # lost node, until the controller ran out of descriptors. With it such a connection fails after
-# about IDLE + COUNT x INTERVAL = 60 s of silence from its peer.
+# about IDLE + COUNT x INTERVAL = 60 s of silence from its peer. Keepalive sends no probe while data
+# sent is unacknowledged (an answer to a rank whose node vanished mid-request), so the same 60 s also
+# bound that (TCP_USER_TIMEOUT; the retransmissions would take about 15 minutes). Both are set on the
+# listening socket, and Linux gives them to every connection it accepts.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
+UNACKNOWLEDGED_MS = 1000 * (KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S)
 
 
 def heartbeat_key(rank: int) -> str:
@@ -133,7 +137,7 @@ def _listening_store(host: str, port: int) -> dist.TCPStore:
 def _keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", UNACKNOWLEDGED_MS)):
         if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing applies
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
@@ -190,7 +194,11 @@ class GenerationStore:
         with self._lock:
             pending = self.store.queue_len(EVENTS)
             for _ in range(min(pending, limit)):
-                body = self._open(EVENTS, self.store.queue_pop(EVENTS, block=False), queued=True)
+                try:
+                    raw = self.store.queue_pop(EVENTS, block=False)
+                except dist.QueueEmptyError:  # another client popped meanwhile: what was taken so far is kept
+                    break
+                body = self._open(EVENTS, raw, queued=True)
                 event = _json_object(body) if body is not None else None
                 if event is not None and event.get("type") == REJECTED:
                     self._rejections.count(str(event.get("channel")), str(event.get("reason")), "a rank")

@@ -52,8 +52,9 @@ def test_a_tampered_value_is_rejected(forge):
         Seal(SECRET, 0).open(EVENTS, forge(sealed), queued=True)
 
 
-@pytest.mark.parametrize("raw", [b"1", json.dumps(STEP).encode(), b"\xff\xfe:a:b:c", b"a:b:c:d"],
-                         ids=["abort", "json", "not-utf8", "short-tag"])
+@pytest.mark.parametrize("raw", [b"1", json.dumps(STEP).encode(), b"\xff\xfe:a:b:c", b"a:b:c:d",
+                                 ("\u00e9" * 64 + ":0123456789abcdef:0:{}").encode(), "\ud800" * 64 + ":s:0:{}"],
+                         ids=["abort", "json", "not-utf8", "short-tag", "non-ascii-tag", "surrogate-tag"])
 def test_a_value_without_a_tag_is_rejected_without_reading_it(raw):
     with pytest.raises(Rejected, match="no tag|invalid tag") as err:
         Seal(SECRET, 0).open(EVENTS, raw, queued=True)
@@ -156,6 +157,29 @@ def _step(step: int = 3):
     from orchestrator.wire.messages import StepDone
 
     return StepDone(step=step, loss=1.0, tokens=8, step_s=0.1, time=0.0)
+
+
+def test_an_event_popped_by_a_stranger_mid_drain_loses_nothing_the_drain_took():
+    """Any client that reaches the port may pop the queue: the drain's pops find it emptier than its
+    count said, which ends the drain with what it took, not an error that would end the job."""
+    server = RendezvousServer("127.0.0.1")
+    controller, rank = server.generation(0), connect(server.address, 0, timeout_s=10)
+    for step in (3, 4):
+        rank.send(_step(step))
+    stranger = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    real, store = controller.store.queue_pop, controller.store
+
+    class PoppedMeanwhile:  # a TCPStore's methods cannot be patched: wrap the store instead
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def queue_pop(self, key, block=True):
+            value = real(key, block=block)
+            stranger.queue_pop(f"{key_prefix(server.address.secret, 0)}/{EVENTS}")  # the next one, taken
+            return value
+
+    controller.store = PoppedMeanwhile()
+    assert [m.step for m in controller.receive()] == [3]
 
 
 def test_a_captured_event_replayed_on_the_queue_is_dropped():

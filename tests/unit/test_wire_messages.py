@@ -208,6 +208,22 @@ def test_every_connection_the_store_accepts_has_tcp_keepalive():
     assert timers and all(timer == "02" for timer in timers), timers
 
 
+def test_the_store_s_connections_give_up_on_unacknowledged_data_within_the_keepalive_s_60_s():
+    """Keepalive sends no probe while an answer is unacknowledged (a rank's node vanished mid-request):
+    the listener's TCP_USER_TIMEOUT, which Linux gives every accepted connection, bounds that too."""
+    import socket
+
+    from orchestrator.wire.store import _keep_alive
+
+    listener = socket.socket()
+    try:
+        _keep_alive(listener)
+        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000
+        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+    finally:
+        listener.close()
+
+
 def test_a_store_error_while_dropping_keys_leaves_them_for_the_next_generation_to_drop():
     server = RendezvousServer("127.0.0.1")
     server.generation(0).set_json("hb/0", {"step": 1})
