@@ -37,9 +37,9 @@ than the others (every step ends in collectives), and enough to cover the time a
 to reach the ranks (`PLAN_REACH_S`).
 The guarantee: when every rank reads the plan at or before the stop step, all save it and it
 commits. Otherwise (steps suddenly much faster than their median, the controller held up
-between the estimate and the publication) a rank that reads it late saves and returns at the
-step it reached while others save the stop step: neither commits, and the stop ends as one
-that missed its deadline (a preemption ends, its last commit intact; a drain is a node loss).
+between the estimate and the publication) a rank that reads it late trains on past it, held in
+its next step's collective by the ranks that stopped: the stop step does not commit, and the stop
+ends as one that missed its deadline (a preemption ends, its last commit kept; a drain is lost).
 
 Protocol (controller thread only). Each method returns the `Move` the controller makes (a
 phase, its sentence, the new dp), or None: `at_once(state)` before every handler call; in

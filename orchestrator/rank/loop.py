@@ -339,10 +339,17 @@ class RankLoop:
             if not left_cleanly:  # the peers first: they may be blocked in a collective with this rank
                 self.release_peers()
                 abandon_stragglers(writers, ABORT_SETTLE_S)
+        return self._land_saves(writers)
+
+    def _land_saves(self, writers: list[CheckpointWriter]) -> dict:
+        """At the end or at a stop step the saves land before the call returns. A memory snapshot still
+        copying to its buddy (up to a minute) is older than the storage save, never chosen over its
+        commit, and waited for it would hold the stop past its deadline: it gets the settle time, then goes."""
         try:
-            flush_within(writers, None)  # at the end or at a stop step, the saves land before the call returns
+            flush_within(writers[:1], None)
+            abandon_stragglers(writers[1:], ABORT_SETTLE_S)
         except AbortedWhileWaiting:  # the controller gave up on this stop (past its deadline)
             abandon_stragglers(writers, ABORT_SETTLE_S)
             return self._aborted()
         return {"status": "done", "rank": self.rank, "step": self.engine.next_step,
-                "ckpt_waits": writer.waited}
+                "ckpt_waits": writers[0].waited}

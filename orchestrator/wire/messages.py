@@ -225,8 +225,10 @@ class CheckpointPlan:
 
     A save happens after completed step `s` when `s > anchor` and `(s - anchor) % every == 0`,
     and always at the final step. `stop_at` (preemption, a node drain) ends the generation:
-    each rank saves at that completed step and its `train` call returns there (a rank that
-    reads it late, already past it, saves and returns at once). Ranks read the plan at every
+    each rank saves at that completed step and its `train` call returns there (ranks that all
+    read it late, already past it, save and return at the step they reached; one alone past it
+    is held in its next step's collective by the ranks that stopped, until the stop misses its
+    deadline and the abort frees it: orchestrator.controller.stopping). Ranks read the plan at every
     step boundary; otherwise they may pick up a new plan at slightly different steps.
     That is safe by construction: the controller commits a checkpoint only when every rank's
     receipt for that step is in, so a step that only some ranks saved is never committed; its

@@ -273,3 +273,38 @@ def test_a_failing_step_releases_the_peers_before_it_settles_its_save(tmp_path, 
     with pytest.raises(NonFiniteGradient):
         loop.run(6, [ArmedFault.of(f, i) for i, f in enumerate(spec.chaos.faults)])
     assert order == ["release", "settle"]
+
+
+def test_a_stop_does_not_wait_for_an_older_snapshot_s_copy_to_its_buddy(tmp_path):
+    # A snapshot taken before the stop step is still being copied to its buddy (up to a minute): the
+    # stop's save lands and the call returns within the settle time, the copy given up (never chosen
+    # over the stop's commit, which is newer).
+    from types import SimpleNamespace
+
+    class CopyingToItsBuddy:
+        rank, written_bytes, on_wait, wait_tick_s, abandoned = 0, 0, None, 1.0, False
+
+        def __init__(self):
+            self.copied = threading.Event()
+
+        def flush(self):
+            self.copied.wait(60)
+
+        def abandon(self):
+            self.abandoned = True
+            self.copied.set()
+
+    copying = CopyingToItsBuddy()
+    spec = _spec(tmp_path, [])
+    server = RendezvousServer("127.0.0.1")
+    server.generation(0).set_json(PLAN, {"every": 2, "anchor": 0, "version": 1, "final_step": 6, "tag": "t",
+                                         "job_started_at": time.time(), "stop_at": 3})
+    snapshots = SimpleNamespace(writer=copying, held=SimpleNamespace(protect=lambda step: None))
+    loop = RankLoop(spec, build_engine(spec, 0, 1, 1), connect(server.address, 0), 0, 1, threading.Event(),
+                    writer_store=connect(server.address, 0), snapshots=lambda tag: snapshots)
+    started = time.monotonic()
+    outcome = loop.run(6, [])
+    assert outcome["status"] == "done" and outcome["step"] == 3 and copying.abandoned
+    assert time.monotonic() - started < 30.0
+    receipts = [e["receipt"]["step"] for e in server.generation(0).drain_events() if e["type"] == "receipt"]
+    assert receipts == [2, 3]
