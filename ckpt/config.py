@@ -99,8 +99,8 @@ class MemoryLevelConfig(SpecSection):
     rank's copied to a buddy on another node. Cadence as for storage: `every_steps`, else
     `interval` ("young", "young-daly" or seconds) with C the measured blocking cost of a memory
     snapshot and the job's MTBF. `max_host_bytes`: a per-rank limit on the host memory the level
-    may hold (its staging buffer, two own snapshots, two buddy copies), checked before any rank
-    starts against the spec's state size."""
+    may hold (its staging buffer, two own snapshots and two buddy copies, a third of each while a new
+    one lands), checked before any rank starts against the spec's state size."""
 
     enabled: bool = Field(True, description="keep in-memory snapshots (each copied to a buddy rank on another node) "
                           "beside the storage checkpoints; a failure's recovery restores from them when it can "
@@ -112,7 +112,8 @@ class MemoryLevelConfig(SpecSection):
         "or 'young-daly' (from the measured snapshot cost and the MTBF), 'N steps', a duration ('90s', '10m') or a "
         "bare number of seconds")
     max_host_bytes: int | None = Field(None, gt=0, description="per-rank limit on the host memory the level may "
-                                       "hold (staging buffer, two own snapshots, two buddy copies), checked before "
+                                       "hold (staging buffer, two own snapshots and two buddy copies, a third of "
+                                       "each while a new one lands: 7 shares of the rank's state), checked before "
                                        "any rank starts")
 
     @model_validator(mode="before")
