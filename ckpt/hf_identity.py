@@ -16,7 +16,10 @@ reads are small (a few hundred KiB in all) and made once, by the driver.
 
 Protocol: the controller and the parameter-server driver call `weights_provenance(spec.model)` once
 and add it to every manifest's state (`from_hf`: the identity; None for a job that names no weights;
-UNKNOWN when the directory could not be read then, which compares with nothing).
+UNKNOWN when the directory could not be read then, which compares with nothing); a run that resumes
+carries the resumed manifest's record instead (`resumed_provenance`), so the record stays the
+job's first run's. A copy of the weights narrowed (to bfloat16 or float16) or with tensors renamed
+has another identity: the check refuses it, and a resume without `model.from_hf` is the fix.
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ def weights_provenance(model) -> dict:
     except Exception as err:  # noqa: BLE001 (a store failing now: the check is skipped, not the job)
         log.warning("could not sample the weights of %s to record which the job started from: %s", model.from_hf, err)
         return {"from_hf": UNKNOWN}
+
+
+def resumed_provenance(provenance: dict, saved: dict) -> dict:
+    """`provenance` (weights_provenance's, and others') for a run that resumed a manifest whose state is
+    `saved`: the weights the job started from are the first run's, carried in every manifest since (a
+    resume never reads from_hf, and the resume check compared the spec's with them), not this spec's,
+    which may name none or not read now; a manifest from before the record carries none."""
+    out = {key: value for key, value in provenance.items() if key != "from_hf"}
+    return {**out, "from_hf": saved["from_hf"]} if "from_hf" in saved else out
 
 
 def _sampled(entries: dict[str, SafetensorsEntry]) -> set[str]:

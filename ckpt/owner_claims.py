@@ -14,12 +14,15 @@ raises UnreadableClaim: nobody can tell who owns the root, and a person must loo
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckpt import process_identity
 from ckpt.storage import Storage
+
+log = logging.getLogger(__name__)
 
 OWNER_DIR = "owner"
 BEATS_PER_LEASE = 6  # the holder beats every lease / 6
@@ -154,11 +157,17 @@ def visibility_proof(storage: Storage) -> tuple[str, str] | None:
 
 
 def sees_claim(proof: tuple[str, str]) -> bool:
-    """Whether this process finds the claim of `visibility_proof` at its path, with its token."""
+    """Whether this process finds the claim of `visibility_proof` at its path, with its token. Only proof
+    says no: no such file there, or another claim (an older run's folder of the same path); a read
+    that fails otherwise (a shared mount failing over: EIO, ESTALE) is logged and says yes, since the
+    commits will meet the same mount and say what it does."""
     path, token = proof
     try:
         with open(path, encoding="utf-8") as claim:
             record = json.load(claim)
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError, ValueError):
         return False
+    except OSError as err:
+        log.warning("could not read %s to check this node sees the checkpoint root: %s", path, err)
+        return True
     return isinstance(record, dict) and record.get("token") == token

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 
-from ckpt.catalog import Catalog
-from ckpt.manifest import parse_step_dir
+from ckpt.catalog import QUARANTINED_PREFIX, Catalog
+from ckpt.manifest import parse_step_dir, step_dir
 from ckpt.storage import Storage
 from ckpt.storage_options import cannot_start, error_reason, explain, open_now
 from orchestrator.cli.exits import UsageError
@@ -56,9 +56,11 @@ def deleted_meanwhile(catalog: Catalog, step: int) -> bool:
     job quarantined meanwhile (found corrupt: its manifest moved aside) was not deleted: it is damaged."""
     try:
         catalog.storage.invalidate()
-        if step in catalog.committed_steps():
+        storage = catalog.storage
+        if storage.exists(catalog.manifest_path(step)):
             return False
-        return step not in catalog.quarantined_steps()
+        aside = storage.listdir(storage.path(step_dir(step)))  # (this step's folder alone: an error path)
+        return not any(name.startswith(QUARANTINED_PREFIX) for name in aside)
     except Exception:  # noqa: BLE001 (a store that fails now proves nothing: the damage message stands)
         return False
 

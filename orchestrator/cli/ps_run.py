@@ -27,8 +27,9 @@ import sys
 import time
 
 from chaos.config import SERVER_KINDS
+from ckpt.catalog import Catalog
 from ckpt.hf_export import data_provenance
-from ckpt.hf_identity import weights_provenance
+from ckpt.hf_identity import resumed_provenance, weights_provenance
 from ckpt.storage import Storage
 from monitor.goodput import GoodputLedger
 from monitor.metrics import JobMetrics
@@ -67,6 +68,21 @@ from trainer.model import meta_model
 log = logging.getLogger(__name__)
 
 
+def _weights(spec: JobSpec, provenance: dict, fresh: bool) -> dict:
+    """`provenance` with the initial weights the job started from (ckpt.hf_identity): a resume carries
+    its newest commit's record; a fresh start (or a root whose newest manifest does not read now:
+    the restore says why) records this spec's."""
+    if fresh:
+        return provenance
+    try:
+        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+        latest = catalog.latest()
+        return provenance if latest is None else resumed_provenance(provenance, catalog.read_manifest(latest).state)
+    except Exception as err:  # noqa: BLE001 (the store: the job's own restore meets it and says why)
+        log.warning("the initial weights' record of the resumed job could not be read (%s): this spec's kept", err)
+        return provenance
+
+
 def supervision(spec: JobSpec, on_commit=None, fresh: bool = False) -> tuple:
     """(Checkpoints, [Fault]) of the spec, as paramserver.job.run_ps takes them; `on_commit(Commit)`
     after each checkpoint the job commits; `fresh`: `undying run --fresh`."""
@@ -81,7 +97,7 @@ def supervision(spec: JobSpec, on_commit=None, fresh: bool = False) -> tuple:
         log.warning("the data's identity could not be read (%s: %s): checkpoints will not carry it",
                     type(err).__name__, err)
         identity, provenance = None, {}
-    provenance = {**provenance, **weights_provenance(spec.model)}  # which initial weights (ckpt.hf_identity)
+    provenance = _weights(spec, {**provenance, **weights_provenance(spec.model)}, fresh)
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity,
                 provenance)
     save_timeout, restore_timeout = io_timeouts(spec)

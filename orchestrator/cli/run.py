@@ -74,9 +74,10 @@ def run_job(spec: JobSpec, address: str | None, report_path: str | None, timelin
         if problems:
             print_problems(problems)
             return EXIT_USAGE
-        for note in (cpu_ranks_note(spec, cluster), device_memory_note(spec, cluster), host_memory_note(spec, nodes)):
-            if note:
-                print(f"undying: WARNING: {note}", file=sys.stderr, flush=True)
+        for warning in (cpu_ranks_note(spec, cluster), device_memory_note(spec, cluster),
+                        host_memory_note(spec, nodes)):
+            if warning:  # (not `note`: the spares' sentence the job line carries)
+                print(f"undying: WARNING: {warning}", file=sys.stderr, flush=True)
         port = serve_metrics(metrics, spec)
         if port is None:
             return EXIT_USAGE

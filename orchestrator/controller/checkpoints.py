@@ -14,9 +14,8 @@ Protocol (controller thread only; one per controller run):
     wait for a manifest create under way (`flush`: it lands before the step is chosen, never
     behind the restore's back; at most checkpoint.commit_timeout_s, past it SavesFailing), unless
     a memory snapshot at least as new is restored anyway.
-  * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history,
-    nothing is pending, and the first plan of the generation is published (`CheckpointPlan`
-    under the store's `plan` key, with the memory level's cadence).
+  * `begin(store, gen, anchor, source)` once the ranks restored: the restore joins the history, nothing
+    is pending, the first plan of the generation is published (`CheckpointPlan`, memory cadence in it).
   * `on_receipt(message, ...)` for each shard receipt the event intake receives: a completed
     save is committed (ckpt.commit.Committer), its blocking time booked as `checkpoint_save`,
     the interval policy fed, the job record updated, and the cadence re-planned (a new plan
@@ -30,8 +29,7 @@ Protocol (controller thread only; one per controller run):
   * `on_snapshot(message, ...)` for each memory snapshot shard held: its blocking booked (complete
     or not: the ranks stopped for it), a completed snapshot's cadence re-planned.
   * `on_save_failed(message)` when a rank could not write its shard: that save never commits.
-  * `close()` at the run's end: a create under way and the last commit's retention pass finish
-    (`SETTLE_S` for both together).
+  * `close()` at the run's end: a create under way and the last commit's retention pass finish (`SETTLE_S`).
   * `ownership_lost()`: why the driver's owner lease was lost (Stops.at_once ends the job), or None; a
     change the catalog was about to make then raises OwnershipLost instead (in JOB_ENDING).
   * `SavesFailing` is raised out of `on_receipt` / `landed` / `on_save_failed` (the controller's event
@@ -53,7 +51,7 @@ from collections.abc import Callable
 
 from ckpt.commit import Committer
 from ckpt.hf_export import data_provenance
-from ckpt.hf_identity import weights_provenance
+from ckpt.hf_identity import resumed_provenance, weights_provenance
 from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.interruptible import SLICE_S, Interrupted, never
@@ -262,7 +260,9 @@ class Checkpoints:
         self.store, self.gen = store, gen
         if self.gen_begun is None and anchor is not None:  # this run's first restore: a resume's commit is old
             with contextlib.suppress(Exception):  # unread: the metric keeps the job's start (an alert errs early)
-                self.metrics.on_resumed_commit(self.restore.catalog.read_manifest(anchor).created_at)
+                resumed = self.restore.catalog.read_manifest(anchor)  # (and the job's first weights, carried)
+                self.metrics.on_resumed_commit(resumed.created_at)
+                self.provenance = resumed_provenance(self.provenance, resumed.state)
         self.gen_begun = gen
         if source is not None:
             self.record.history.extend(sample_events(self.memory.samples_of(source.step)))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from chaos.config import STORAGE_KINDS, ArmedFault
 from chaos.schedule import expand
 from monitor.report import FaultRecord
-from orchestrator.cluster.worker_group import PlacementError
+from orchestrator.cluster.placement_error import PlacementError
 from orchestrator.wire.messages import FaultFired
 
 # Random failures are drawn up to this many job seconds ahead (a day).

@@ -23,7 +23,7 @@ from ckpt.errors import SnapshotUnavailable
 from monitor.goodput import GoodputLedger
 from orchestrator.cluster.interruptible import Interrupted
 from orchestrator.cluster.placement import tp_locality
-from orchestrator.cluster.worker_group import PlacementError
+from orchestrator.cluster.placement_error import PlacementError
 from orchestrator.controller.blame import Blame
 from orchestrator.controller.checkpoints import JOB_ENDING, Checkpoints
 from orchestrator.controller.errors import normalise

@@ -151,7 +151,7 @@ class Timeouts:
         return replace(derive(self.spec.elastic, self.spec, world or self._world, seen), **self.overrides)
 
     def for_generation(self, world: int) -> Limits:
-        self._world = world
+        self._world, self._training_since = world, None  # (a failed generation's first step is over)
         limits = self.limits(world)
         explicit = isinstance(self.spec.elastic.restore_timeout_s, float | int)
         bandwidth = self.read_bytes_per_s or ASSUMED_READ_BPS_PER_RANK * world

@@ -37,11 +37,12 @@ import ray
 
 from chaos.config import ArmedFault
 from ckpt.held import HeldShards
+from ckpt.owner_claims import sees_claim
 from orchestrator.rank.abort_watch import watch_abort
 from orchestrator.rank.comm_abort import CommSockets
 from orchestrator.rank.device import peak_flops_per_rank, require_cuda, torch_device
 from orchestrator.rank.reclaim import reclaim_generation
-from orchestrator.rank.restore_turns import RestoreTurns
+from orchestrator.rank.restore_turns import STUCK_S, RestoreTurns
 from orchestrator.wire.auth import StoreAddress
 from orchestrator.wire.messages import NodeLost
 from orchestrator.wire.store import GenerationStore, connect
@@ -60,7 +61,9 @@ class RankActor:
 
         torch.set_num_threads(1)  # many ranks share few cores in CPU set-ups
         self.spec = JobSpec.model_validate_json(spec_json)
-        self.root_proof = root_proof  # the driver's claim on a file:// root, which `ping` checks this node sees
+        # Whether this node sees the driver's claim on a file:// root (orchestrator.cluster.shared_root):
+        # looked at once, here, so that no ping (a liveness probe) waits on a slow mount.
+        self.sees_root = root_proof is None or sees_claim(root_proof)
         self.store: GenerationStore | None = None
         self.watch_store: GenerationStore | None = None
         self.writer_store: GenerationStore | None = None
@@ -89,11 +92,8 @@ class RankActor:
         self._abort = threading.Event()  # the controller asked this generation to stop
 
     def ping(self) -> dict:
-        from ckpt.owner_claims import sees_claim
-
-        sees = self.root_proof is None or sees_claim(self.root_proof)  # (orchestrator.cluster.shared_root)
         return {"pid": os.getpid(), "node": self.node_id, "gen": self.gen, "node_alive": self.node_alive(),
-                "sees_root": sees}
+                "sees_root": self.sees_root}
 
     def node_alive(self) -> bool:
         return os.getppid() == self.raylet_pid
@@ -328,11 +328,11 @@ class RankActor:
 
     def leave(self, wait_s: float = 0.0) -> bool:
         """Drop the process group and the engine; returns whether this rank can take part in the next
-        generation: its node alive, and no restore of the generation left still inside after `wait_s`
-        (the controller's release gives half its limit). A stale restore gives up at its next piece
-        read; one still inside is stuck in a read that never answers, holding a thread and the
-        restore turn that only the process's end frees: every later restore here would wait out its
-        timeout, so the controller replaces this rank instead."""
+        generation: its node alive, and no restore of the generation left stuck: still inside after
+        `wait_s` (the controller's release gives half its limit) with no progress for STUCK_S. A stale
+        restore gives up at its next piece read; a stuck one holds a thread and the restore turn that
+        only the process's end frees, and every later restore here would wait out its timeout, so the
+        controller replaces this rank instead (orchestrator.rank.restore_turns)."""
         self.restores.supersede()  # a restore of the generation left is stale: it stops at its next check
         self.held.fence(self.gen + 1)  # its late snapshot shards can complete nothing: refused where they land
         self._teardown()  # and one inside a collective (its engine's build) fails at once
@@ -341,10 +341,12 @@ class RankActor:
         # collection, inside the turn once the stale one gave up, freezes.
         with self.restores.quiet(wait_s) as quiet:
             self._drop_engine(freeze=quiet)
-        if not quiet and wait_s > 0:
-            log.warning("rank %d: a restore of generation %d is still inside a read %.1f s after it was given up: "
-                        "this process cannot restore again (the controller replaces it)", self.rank, self.gen, wait_s)
-        return (quiet or wait_s <= 0) and self.node_alive()
+        stuck = not quiet and wait_s > 0 and self.restores.silent_s() >= STUCK_S
+        if stuck:
+            log.warning("rank %d: a restore of generation %d has made no progress for %.0f s: stuck in a read, this "
+                        "process cannot restore again (the controller replaces it)", self.rank, self.gen,
+                        self.restores.silent_s())
+        return not stuck and self.node_alive()
 
     def _drop_engine(self, background: bool = False, freeze: bool = True) -> None:
         """Release the engine's data cursor (a prefetch thread, memory maps) with the engine itself,

@@ -16,8 +16,10 @@ between a read's retries) and publishes its engine with `publish(ticket, ...)`, 
 stale restore's collective fails at once), then drops the engine and collects, freezing only when
 `quiet(wait_s)` finds no restore running (one still inside holds an engine; the next restore's
 collection, in its turn, freezes). A stale restore still inside after the controller's `leave`
-waited is stuck (a read that never answers: its thread, and the turn, are freed only by the
-process's end), and `leave` says the rank cannot take part, so the controller replaces it.
+waited, and silent (no check) for `STUCK_S`, is stuck in a read that never answers (its thread,
+and the turn, are freed only by the process's end): `leave` says the rank cannot take part, so the
+controller replaces it. One busy where no check runs (building the engine, the load after the last
+piece) is not judged: the next restore waits its turn, and a later `leave` judges again.
 A stale restore raises RestoreSuperseded at its next check,
 dropping its engine, and the controller, which no longer waits for that call, never sees it.
 """
@@ -25,10 +27,15 @@ dropping its engine, and the controller, which no longer waits for that call, ne
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ckpt.errors import ReadAbandoned
+
+# No check for this long inside a restore: a read that never answers. Well above the time a piece of
+# ckpt.fetch (16 MiB) takes, or an engine's build, on a working store and device.
+STUCK_S = 120.0
 
 
 class RestoreSuperseded(ReadAbandoned):
@@ -40,6 +47,12 @@ class RestoreTurns:
         self._turn = threading.Lock()  # held by the one restore working
         self._latest = 0  # the ticket of the latest restore call (or supersede)
         self._tickets = threading.Lock()
+        self._progress_at = time.monotonic()  # the last check (or turn taken) of a restore: its progress
+
+    def silent_s(self) -> float:
+        """Seconds since a restore last took its turn or made a check: how long the one inside has shown
+        no progress (a read that never answers shows none, ever)."""
+        return time.monotonic() - self._progress_at
 
     def begin(self) -> int:
         """A new restore call's ticket; every earlier restore is stale from now on."""
@@ -57,7 +70,7 @@ class RestoreTurns:
 
     def check(self, ticket: int) -> None:
         """Raise RestoreSuperseded when a later call has come since `ticket` was taken."""
-        latest = self._latest
+        self._progress_at, latest = time.monotonic(), self._latest
         if ticket != latest:
             raise RestoreSuperseded(f"restore call {ticket} superseded by a later one ({latest}) on this rank")
 
@@ -84,5 +97,5 @@ class RestoreTurns:
         """Run the restore of `ticket` alone: waits until an earlier restore has given up (at its
         next check) or ended; raises RestoreSuperseded when `ticket` went stale meanwhile."""
         with self._turn:
-            self.check(ticket)
+            self.check(ticket)  # (its progress clock starts here)
             yield

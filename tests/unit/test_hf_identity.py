@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ckpt.catalog import Catalog
@@ -75,3 +76,41 @@ def test_adding_from_hf_to_a_job_trained_from_scratch_is_refused(tmp_path):
     problems = [p for p in resume_problems(spec, scratch) if p.field == "model.from_hf"]
     assert problems and "were trained from scratch, not from those" in problems[0].message
     assert weights_provenance(_spec(tmp_path, None).model) == {"from_hf": None}
+
+
+def test_a_resumed_run_records_the_weights_the_job_first_started_from():
+    from ckpt.hf_identity import resumed_provenance
+
+    saved = {"from_hf": "a" * 64, "engine": {}}
+    # Resumed without from_hf (allowed): the record stays the first run's, so a later run that names
+    # those weights again is not told the checkpoints were trained from scratch.
+    assert resumed_provenance({"tokenizer": {"url": "t"}, "from_hf": None}, saved) == {"tokenizer": {"url": "t"},
+                                                                                     "from_hf": "a" * 64}
+    assert resumed_provenance({"from_hf": UNKNOWN}, saved) == {"from_hf": "a" * 64}  # unread now: carried
+    assert resumed_provenance({"from_hf": "b" * 64}, {"engine": {}}) == {}  # checkpoints from before the record
+
+
+def test_the_controller_carries_the_resumed_manifest_s_record_into_its_commits(tmp_path):
+    from types import SimpleNamespace
+
+    from orchestrator.controller.checkpoints import Checkpoints
+
+    spec = _spec(tmp_path, None)  # resumed without from_hf
+    catalog = _commit(spec, "a" * 64)
+    checkpoints = Checkpoints.__new__(Checkpoints)
+    checkpoints.provenance = weights_provenance(spec.model)
+    assert checkpoints.provenance == {"from_hf": None}
+    checkpoints.restore = SimpleNamespace(catalog=catalog)
+    checkpoints.metrics = SimpleNamespace(on_resumed_commit=lambda at: None)
+    checkpoints.gen_begun = None
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    checkpoints.record = SimpleNamespace(history=SimpleNamespace(append=stop))  # the rest of `begin`: not this test's
+    with pytest.raises(Stop):
+        checkpoints.begin(None, 0, 5)
+    assert checkpoints.provenance == {"from_hf": "a" * 64}

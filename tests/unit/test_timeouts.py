@@ -100,8 +100,9 @@ class _Record:
 
 def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one(tmp_path):
     spec, record, lines = _job(tmp_path), _Record(), []
+    now = [100.0]
     timeouts = Timeouts(spec, record, lambda: None, lines.append, join_s=60.0, retry_budget_s=120.0,
-                        clock=lambda: 1e9)
+                        clock=lambda: now[0])
     timeouts.for_generation(2)
     timeouts.on_training_started()
     first, steady = "elastic.first_step_timeout_s", "elastic.hang_timeout_s"  # the fields a hang's message names
@@ -112,8 +113,10 @@ def test_a_generation_s_first_step_gets_the_first_step_limit_then_the_steady_one
     assert timeouts.hang_limit(saving_s=4.0) == (14.0, steady)  # steady: the floor, and a stop's save on top
     timeouts.on_training_started()  # the next generation: 3 x the first step measured
     record.generation_stepped = False
-    assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 3.0  # (the first step's limit spent)
+    now[0] = 170.0  # 10 s into it: a survivor may still be inside that first step for 170 s
+    assert timeouts.hang_limit() == (180.0, first) and timeouts.release_s() == 170.0
     assert timeouts.for_generation(2).collective_s == 360.0
+    assert timeouts.release_s() == 3.0  # a new generation forming: the failed one's first step is over
     assert len(lines) == 2 and lines[0].startswith("timeouts: hang max(10 s, 5 x median step), first step 120 s")
 
 

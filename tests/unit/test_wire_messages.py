@@ -216,12 +216,12 @@ def test_the_store_s_connections_give_up_on_unacknowledged_data_within_the_keepa
     from orchestrator.wire.store import _keep_alive
 
     listener = socket.socket()
-    try:
-        _keep_alive(listener)
-        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000
-        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
-    finally:
-        listener.close()
+    _keep_alive(listener)  # as the store's listening socket, before torch's TCPStore accepts on it
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    with listener, socket.create_connection(listener.getsockname()), listener.accept()[0] as accepted:
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000  # inherited
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
 
 
 def test_a_store_error_while_dropping_keys_leaves_them_for_the_next_generation_to_drop():
