@@ -79,7 +79,7 @@ class RayWorkerGroup(SpareSeats):
         self._remote = ray.remote(RankActor)
         self.node_of_actor: dict[str, str] = {}  # actor id -> node id, from the actors' own pings
         self.lost_nodes: set[str] = set()
-        self.root_proof = root_proof(spec)  # every actor checks, at each ping, that it sees the root
+        self.root_proof = root_proof(spec)  # every actor checks, as it starts, that it sees the root
 
     def place(self, world_size: int, spares: int = 0,
               on_wait: Callable[[float], object] = lambda seconds: None) -> None:
@@ -343,7 +343,8 @@ class RayWorkerGroup(SpareSeats):
     def leave_all(self, ranks: list[int], timeout_s: float) -> list[int]:
         """Ask live ranks to drop their process group; returns ranks that did not answer, whose node
         is gone (their raylet died: the process may answer but must not be trusted), or whose restore
-        of the generation left was still stuck in a read after half of `timeout_s` (RankActor.leave)."""
+        of the generation left is stuck in a read: still inside after half of `timeout_s`, with no progress
+        for minutes (RankActor.leave)."""
         refs = {self.actors[r].leave.remote(timeout_s / 2): r for r in ranks if r in self.actors}
         deadline = time.monotonic() + timeout_s
         lost = []

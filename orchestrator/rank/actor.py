@@ -336,7 +336,7 @@ class RankActor:
         self.restores.supersede()  # a restore of the generation left is stale: it stops at its next check
         self.held.fence(self.gen + 1)  # its late snapshot shards can complete nothing: refused where they land
         self._teardown()  # and one inside a collective (its engine's build) fails at once
-        # No waiting for it (the controller's release gives `leave` seconds): while a stale restore
+        # Waiting for it at most `wait_s` (the release gives `leave` seconds): while a stale restore
         # holds the turn it holds an engine, so collect but freeze nothing; the next restore's
         # collection, inside the turn once the stale one gave up, freezes.
         with self.restores.quiet(wait_s) as quiet:
