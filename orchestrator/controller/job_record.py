@@ -250,9 +250,10 @@ class JobRecord:
         ledger.move(seconds - overlap, "productive", "checkpoint_save")
         self.on_save_blocking(step, seconds)
 
-    def _booked_until(self) -> float:
-        """Where the time booked off productive after the generation's newest step ends (its start's, before one)."""
-        newest, started = self.steps.get(self.last_step), self._generation_started
+    def _booked_until(self, since: float | None = None) -> float:
+        """Where the time booked off productive after the generation's newest step ends: that step's end
+        (or `since`, by default the generation's start, before it stepped) plus what was booked after it."""
+        newest, started = self.steps.get(self.last_step), self._generation_started if since is None else since
         return (newest.time if newest is not None and newest.time >= started else started) + self._booked_since_step
 
     def on_save_blocking(self, step: int, seconds: float) -> None:
@@ -275,9 +276,7 @@ class JobRecord:
         return tail
 
     def _tail(self, at: float, since: float) -> float:
-        newest = self.steps.get(self.last_step)  # the generation's newest step ended last
-        last_end = newest.time if newest is not None and newest.time >= since else since
-        return max(0.0, at - last_end - self._booked_since_step)
+        return max(0.0, at - self._booked_until(since))
 
     def on_layout(self, gen: int, world_size: int, dp: int, tp: int, pp: int) -> None:
         self.world.append(WorldRecord(generation=gen, world_size=world_size, dp=dp, tp=tp, pp=pp,
