@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ckpt.safetensors_source import SafetensorsEntry, directory_entries
+from ckpt.safetensors_source import SafetensorsEntry, directory_entries, read_elements
 from ckpt.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,12 @@ def _sampled(entries: dict[str, SafetensorsEntry]) -> set[str]:
 def _sample(storage: Storage, entry: SafetensorsEntry) -> bytes:
     """SAMPLE values at the start of the tensor and in its middle, as float32 bytes."""
     dtype = getattr(torch, entry.dtype)
-    chunk, size = entry.chunks[0], dtype.itemsize
-    count = chunk.nbytes // size
+    count = entry.chunks[0].nbytes // dtype.itemsize
     pieces = []
     for start in sorted({0, max(0, count // 2 - SAMPLE // 2)}):
         n = min(SAMPLE, count - start)
         if n <= 0:
             continue
-        raw = storage.read_range(storage.path(chunk.file), chunk.byte_offset + start * size,
-                                 chunk.byte_offset + (start + n) * size)
+        raw = read_elements(storage, entry, start, n, dtype.itemsize)
         pieces.append(torch.frombuffer(bytearray(raw), dtype=dtype).to(torch.float32).numpy().tobytes())
     return b"".join(pieces)

@@ -29,7 +29,7 @@ import torch
 from ckpt.fetch import READ_THREADS, fetch
 from ckpt.reader import assemble
 from ckpt.reshard import plan_reads
-from ckpt.safetensors_source import SafetensorsEntry, directory_entries
+from ckpt.safetensors_source import SafetensorsEntry, directory_entries, read_elements
 from ckpt.storage import Storage
 from ckpt.storage_errors import ReadRetry
 from trainer.config import ModelConfig
@@ -68,9 +68,8 @@ def differing_tied_head(storage: Storage, entries: dict[str, SafetensorsEntry], 
     step = _COMPARE_BYTES // max(sizes)
     for start in range(0, count, step):
         n = min(step, count - start)
-        pieces = [storage.read_range(storage.path(chunk.file), chunk.byte_offset + start * size,
-                                     chunk.byte_offset + (start + n) * size)
-                  for chunk, size in ((head.chunks[0], sizes[0]), (embedding.chunks[0], sizes[1]))]
+        pieces = [read_elements(storage, entry, start, n, size)
+                  for entry, size in zip((head, embedding), sizes, strict=True)]
         if dtypes[0] == dtypes[1]:
             if pieces[0] != pieces[1]:
                 return True

@@ -178,3 +178,12 @@ def directory_entries(storage: Storage) -> dict[str, SafetensorsEntry]:
     if weight_map is not None and set(weight_map) - set(out):
         raise BadSafetensors(f"{INDEX_NAME}: names {sorted(set(weight_map) - set(out))[0]}, which no file holds")
     return out
+
+
+def read_elements(storage: Storage, entry: SafetensorsEntry, start: int, count: int, itemsize: int) -> bytes:
+    """The raw bytes of elements start..start+count of a tensor (`itemsize` bytes each), one range read:
+    for the tools that look at a few values without loading the tensor (ckpt.hf_import's tied-head check,
+    ckpt.hf_identity's sample)."""
+    chunk = entry.chunks[0]
+    return storage.read_range(storage.path(chunk.file), chunk.byte_offset + start * itemsize,
+                              chunk.byte_offset + (start + count) * itemsize)
