@@ -68,19 +68,20 @@ from trainer.model import meta_model
 log = logging.getLogger(__name__)
 
 
-def _weights(spec: JobSpec, provenance: dict, fresh: bool) -> dict:
-    """`provenance` with the initial weights the job started from (ckpt.hf_identity): a resume carries
-    its newest commit's record; a fresh start (or a root whose newest manifest does not read now:
-    the restore says why) records this spec's."""
-    if fresh:
-        return provenance
-    try:
-        catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
-        latest = catalog.latest()
-        return provenance if latest is None else resumed_provenance(provenance, catalog.read_manifest(latest).state)
-    except Exception as err:  # noqa: BLE001 (the store: the job's own restore meets it and says why)
-        log.warning("the initial weights' record of the resumed job could not be read (%s): this spec's kept", err)
-        return provenance
+def _weights(spec: JobSpec, fresh: bool) -> dict:
+    """The record of the initial weights the job started from (ckpt.hf_identity): a resume carries its
+    newest commit's; a fresh start (or a root whose newest manifest does not read now: the restore says
+    why) records this spec's, whose weights are sampled only then."""
+    if not fresh:
+        try:
+            catalog = Catalog(Storage(spec.checkpoint_root, spec.checkpoint.storage_options))
+            latest = catalog.latest()
+            if latest is not None:
+                return resumed_provenance({}, catalog.read_manifest(latest).state)
+        except Exception as err:  # noqa: BLE001 (the store: the job's own restore meets it and says why)
+            log.warning("the initial weights' record of the resumed job could not be read (%s): this spec's kept",
+                        err)
+    return weights_provenance(spec.model)
 
 
 def supervision(spec: JobSpec, on_commit=None, fresh: bool = False) -> tuple:
@@ -97,7 +98,7 @@ def supervision(spec: JobSpec, on_commit=None, fresh: bool = False) -> tuple:
         log.warning("the data's identity could not be read (%s: %s): checkpoints will not carry it",
                     type(err).__name__, err)
         identity, provenance = None, {}
-    provenance = _weights(spec, {**provenance, **weights_provenance(spec.model)}, fresh)
+    provenance = {**provenance, **_weights(spec, fresh)}
     job = PSJob(spec.name, spec.model, spec.data, spec.train, spec.parallel, spec_hash(spec), ckpt.keep, identity,
                 provenance)
     save_timeout, restore_timeout = io_timeouts(spec)
