@@ -14,12 +14,13 @@ moves every value, a merged adapter every matrix it adapted in every block; a co
 weights re-sharded into other files, or saved in float32 from bfloat16, has the same identity. The
 reads are small (a few hundred KiB in all) and made once, by the driver.
 
-Protocol: the controller and the parameter-server driver call `weights_provenance(spec.model)` once
-and add it to every manifest's state (`from_hf`: the identity; None for a job that names no weights;
-UNKNOWN when the directory could not be read then, which compares with nothing); a run that resumes
-carries the resumed manifest's record instead (`resumed_provenance`), so the record stays the
-job's first run's. A copy of the weights narrowed (to bfloat16 or float16) or with tensors renamed
-has another identity: the check refuses it, and a resume without `model.from_hf` is the fix.
+Protocol: the controller (at a run's first restore, `first_weights`) and the parameter-server driver
+add to every manifest's state the record of a fresh start, `weights_provenance(spec.model)`
+(`from_hf`: the identity; None for a job that names no weights; UNKNOWN when the directory could
+not be read then, which compares with nothing), or, for a run that resumes, the resumed manifest's
+record (`resumed_provenance`), so the record stays the job's first run's and a resume samples
+nothing. A copy of the weights narrowed (to bfloat16 or float16) or with tensors renamed has
+another identity: the check refuses it, and a resume without `model.from_hf` is the fix.
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def resumed_provenance(provenance: dict, saved: dict) -> dict:
     which may name none or not read now; a manifest from before the record carries none."""
     out = {key: value for key, value in provenance.items() if key != "from_hf"}
     return {**out, "from_hf": saved["from_hf"]} if "from_hf" in saved else out
+
+
+def first_weights(model, resumed: dict | None) -> dict:
+    """The record of the weights a job started from, at a run's first restore: carried from the state of
+    the manifest it resumed (`resumed`), else (a fresh start, or a manifest that did not read) that of
+    `model.from_hf`, sampled only then."""
+    return resumed_provenance({}, resumed) if resumed is not None else weights_provenance(model)
 
 
 def _sampled(entries: dict[str, SafetensorsEntry]) -> set[str]:

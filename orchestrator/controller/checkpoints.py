@@ -43,7 +43,6 @@ of them with no commit in between does (orchestrator.controller.save_failures).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import uuid
@@ -51,7 +50,7 @@ from collections.abc import Callable
 
 from ckpt.commit import Committer
 from ckpt.hf_export import data_provenance
-from ckpt.hf_identity import resumed_provenance, weights_provenance
+from ckpt.hf_identity import first_weights
 from ckpt.housekeeping import Housekeeper
 from ckpt.ownership import OwnershipLost
 from orchestrator.cluster.interruptible import SLICE_S, Interrupted, never
@@ -109,7 +108,7 @@ class Checkpoints:
         self.plan_every = self.plan_anchor = 0
         self.stop_at: int | None = None  # the generation's stop step (orchestrator.controller.stopping)
         self.store, self.gen = None, -1
-        self.provenance = {**data_provenance(spec.data, spec.model), **weights_provenance(spec.model)}  # (manifests)
+        self.provenance = data_provenance(spec.data, spec.model)  # (manifests; `begin` adds the first weights')
         self.memory = MemoryLevel(spec, self.run_id, self.interval_policy, log)
         self.background = BackgroundCost()  # the steps both levels' background work slowed
         self.plan_memory_every: int | None = None
@@ -258,11 +257,11 @@ class Checkpoints:
         from): the restore joins the history (after the snapshot's sample reports), nothing is pending,
         the first plan is published."""
         self.store, self.gen = store, gen
-        if self.gen_begun is None and anchor is not None:  # this run's first restore: a resume's commit is old
-            with contextlib.suppress(Exception):  # unread: the metric keeps the job's start (an alert errs early)
-                resumed = self.restore.catalog.read_manifest(anchor)  # (and the job's first weights, carried)
+        if self.gen_begun is None:  # this run's first restore: a resume's commit is old, and says the first weights
+            resumed = self.restore.resumed(anchor)  # (None: a fresh start; unread, the metric keeps the job's start)
+            if resumed is not None:
                 self.metrics.on_resumed_commit(resumed.created_at)
-                self.provenance = resumed_provenance(self.provenance, resumed.state)
+            self.provenance.update(first_weights(self.spec.model, resumed.state if resumed is not None else None))
         self.gen_begun = gen
         if source is not None:
             self.record.history.extend(sample_events(self.memory.samples_of(source.step)))

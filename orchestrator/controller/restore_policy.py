@@ -27,6 +27,7 @@ budget, and if the store still fails, the manifest stays where it is. Nothing he
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -89,6 +90,14 @@ class RestorePolicy:
 
     def read_manifest(self, step: int):
         return read_manifest(self.catalog, step, self.retry.fresh())
+
+    def resumed(self, anchor: int | None):
+        """The manifest a run's first restore resumed, read once, without retries; None for a fresh start
+        or one that does not read now (what it informs, the resumed commit's age and the weights the job
+        started from, then falls back: the metric keeps the job's start, the weights are the spec's)."""
+        with contextlib.suppress(Exception):
+            return self.catalog.read_manifest(anchor) if anchor is not None else None
+        return None
 
     def restore_point(self) -> int | None:
         retry = self.retry.fresh()

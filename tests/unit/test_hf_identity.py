@@ -94,13 +94,14 @@ def test_the_controller_carries_the_resumed_manifest_s_record_into_its_commits(t
     from types import SimpleNamespace
 
     from orchestrator.controller.checkpoints import Checkpoints
+    from orchestrator.controller.restore_policy import RestorePolicy
 
     spec = _spec(tmp_path, None)  # resumed without from_hf
     catalog = _commit(spec, "a" * 64)
     checkpoints = Checkpoints.__new__(Checkpoints)
     checkpoints.provenance = weights_provenance(spec.model)
     assert checkpoints.provenance == {"from_hf": None}
-    checkpoints.restore = SimpleNamespace(catalog=catalog)
+    checkpoints.restore, checkpoints.spec = RestorePolicy(catalog, 1.0, False), spec
     checkpoints.metrics = SimpleNamespace(on_resumed_commit=lambda at: None)
     checkpoints.gen_begun = None
 
